@@ -1,0 +1,231 @@
+"""The alignment contract: the settings trainer and sampler must share for bit-identical logits.
+
+Chunk size, SSM state dtype, backend, model dtype and pinned kernel configs all change a row's
+bits, so both sides must agree on every one. The contract's fingerprint travels with results, so
+a mismatch is refused before a single logit is compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ContractError, ContractMismatchError
+from .ops.configs import BACKENDS, pinned_configs
+
+CONTRACT_VERSION = 1
+CONTRACTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "contracts"
+MODEL_DTYPES = ("bfloat16", "float32")
+HF_DEFAULT_CHUNK_SIZE = 256  # transformers' Mamba2Config default
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "fp64": "float64",
+    "double": "float64",
+    "float64": "float64",
+}
+
+
+def normalize_dtype(dtype: str | torch.dtype) -> str:
+    """'bf16', 'torch.bfloat16', torch.bfloat16 -> 'bfloat16' (unknown names are returned lower-cased)."""
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What trainer and sampler must share. Compare with ``==`` or ``diff``; hash by fingerprint.
+
+    ``kernel_configs`` defaults to the backend's pinned configs and is stored as a key-sorted
+    plain dict (picklable; treat it as read-only).
+    """
+
+    chunk_size: int
+    state_dtype: str = "float32"
+    backend: str = "torch"
+    model_dtype: str = "bfloat16"
+    kernel_configs: Mapping[str, Any] | None = None
+    version: int = CONTRACT_VERSION
+
+    def __post_init__(self) -> None:
+        cs = self.chunk_size
+        # bool is an int subclass; True must not pass as chunk size 1.
+        if not isinstance(cs, int) or isinstance(cs, bool) or cs < 16 or cs > 1024 or cs & (cs - 1):
+            raise ContractError(
+                f"chunk_size {cs!r} refused: must be a power of two from 16 to 1024 (kernels tile rows by 16)"
+            )
+        state = normalize_dtype(self.state_dtype)
+        if state != "float32":
+            raise ContractError(
+                f"state_dtype {state!r} refused: exact replay needs an fp32 SSM state "
+                "(a rounded state changes every token after the next chunk boundary)"
+            )
+        if self.backend not in BACKENDS:
+            raise ContractError(f"backend {self.backend!r} refused: expected one of {', '.join(BACKENDS)}")
+        model = normalize_dtype(self.model_dtype)
+        if model not in MODEL_DTYPES:
+            raise ContractError(f"model_dtype {model!r} refused: expected one of {', '.join(MODEL_DTYPES)}")
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
+            raise ContractError(f"version {self.version!r} refused: expected a positive int")
+        configs = pinned_configs(self.backend) if self.kernel_configs is None else self.kernel_configs
+        if not isinstance(configs, Mapping) or not all(isinstance(k, str) for k in configs):
+            raise ContractError(f"kernel_configs {configs!r} refused: expected a mapping with str keys")
+        configs = {k: configs[k] for k in sorted(configs)}
+        try:
+            json.dumps(configs)
+        except (TypeError, ValueError) as e:
+            raise ContractError(f"kernel_configs refused: values must be JSON-serialisable ({e})") from None
+        object.__setattr__(self, "state_dtype", state)
+        object.__setattr__(self, "model_dtype", model)
+        object.__setattr__(self, "kernel_configs", configs)
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def fingerprint(self) -> str:
+        """12 hex chars of sha256 over the canonical (sorted-key, compact) JSON of all fields."""
+        canon = json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:12]
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __str__(self) -> str:
+        return (
+            f"contract v{self.version} {self.backend} chunk={self.chunk_size} state={self.state_dtype} "
+            f"model={self.model_dtype} fp={self.fingerprint}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict of all fields plus "fingerprint"."""
+        d = self._fields()
+        d["kernel_configs"] = dict(d["kernel_configs"])
+        d["fingerprint"] = self.fingerprint
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "contract dict") -> Contract:
+        """Inverse of ``to_dict``. A "fingerprint" key, if present, must match the recomputed one."""
+        if not isinstance(d, Mapping):
+            raise ContractError(f"{source}: expected a mapping, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names) - {"fingerprint"})
+        if unknown:
+            raise ContractError(f"{source}: unknown key(s) {', '.join(unknown)}; expected: {', '.join(names)}")
+        if "chunk_size" not in d:
+            raise ContractError(f"{source}: missing chunk_size")
+        contract = cls(**{k: v for k, v in d.items() if k != "fingerprint"})
+        if "fingerprint" in d and d["fingerprint"] != contract.fingerprint:
+            raise ContractError(
+                f"{source}: fingerprint {d['fingerprint']!r} does not match its fields ({contract.fingerprint!r})"
+            )
+        return contract
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        backend: str = "torch",
+        model_dtype: str | torch.dtype | None = None,
+        state_dtype: str | torch.dtype = "float32",
+    ) -> Contract:
+        """From a Hugging Face Mamba2 config.json: a dict, the file, or a directory holding it.
+
+        chunk_size from "chunk_size" (HF's default 256 if absent); model_dtype from the argument,
+        else "torch_dtype" / "dtype" (float32 if absent, as HF loads then).
+        """
+        if isinstance(config, Mapping):
+            cfg, source = config, "HF config dict"
+        else:
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            source = f"HF config {path}"
+            try:
+                cfg = json.loads(path.read_text())
+            except OSError as e:
+                raise ContractError(f"{source}: cannot read ({e.strerror or e})") from None
+            except json.JSONDecodeError as e:
+                raise ContractError(f"{source}: malformed JSON ({e.msg} at line {e.lineno})") from None
+            if not isinstance(cfg, dict):
+                raise ContractError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        # mamba_ssm-style configs keep Mamba2 layer kwargs in "ssm_cfg".
+        ssm_cfg = cfg.get("ssm_cfg") if isinstance(cfg.get("ssm_cfg"), Mapping) else {}
+        chunk = cfg.get("chunk_size", ssm_cfg.get("chunk_size", HF_DEFAULT_CHUNK_SIZE))
+        if model_dtype is None:
+            model_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        try:
+            return cls(chunk_size=chunk, state_dtype=state_dtype, backend=backend, model_dtype=model_dtype)
+        except ContractError as e:
+            raise ContractError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, name_or_path: str | os.PathLike[str], **overrides: Any) -> Contract:
+        """Load ``configs/contracts/<name>.yaml`` (bare name) or a YAML file path; ``overrides`` win."""
+        import yaml  # only needed here; keep the package importable without it
+
+        raw = os.fspath(name_or_path)
+        is_name = (
+            isinstance(name_or_path, str)
+            and "/" not in raw
+            and os.sep not in raw
+            and not raw.endswith((".yaml", ".yml"))
+        )
+        path = CONTRACTS_DIR / f"{raw}.yaml" if is_name else Path(raw)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            if is_name:
+                names = ", ".join(sorted(p.stem for p in CONTRACTS_DIR.glob("*.yaml"))) or "none"
+                raise ContractError(f"no contract named {raw!r} in {CONTRACTS_DIR}; available: {names}") from None
+            raise ContractError(f"contract file {path} not found") from None
+        except OSError as e:
+            raise ContractError(f"contract file {path}: cannot read ({e.strerror or e})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ContractError(f"contract file {path}: malformed YAML ({' '.join(str(e).split())})") from None
+        source = f"contract file {path}"
+        contract = cls.from_dict(data, source=source)  # validates the file as written, fingerprint included
+        if not overrides:
+            return contract
+        merged = {k: v for k, v in data.items() if k != "fingerprint"} | overrides
+        return cls.from_dict(merged, source=f"{source} with overrides")
+
+    def diff(self, other: Contract) -> list[tuple[str, Any, Any]]:
+        """Differing fields as (name, self value, other value); kernel configs per key."""
+        out: list[tuple[str, Any, Any]] = []
+        for name, mine in self._fields().items():
+            theirs = getattr(other, name)
+            if name == "kernel_configs":
+                for key in sorted(set(mine) | set(theirs)):
+                    if mine.get(key) != theirs.get(key):
+                        out.append((f"kernel_configs.{key}", mine.get(key), theirs.get(key)))
+            elif mine != theirs:
+                out.append((name, mine, theirs))
+        return out
+
+
+def check_compatible(trainer: Contract, sampler: Contract) -> None:
+    """Raise ContractMismatchError naming every differing field with both values."""
+    diffs = trainer.diff(sampler)
+    if diffs:
+        parts = "; ".join(f"{name} trainer={a!r} sampler={b!r}" for name, a, b in diffs)
+        raise ContractMismatchError(f"contract mismatch: {parts}")

@@ -1,0 +1,153 @@
+"""A small sampler engine: requests scheduled through ``Mamba2LM.advance``.
+
+It schedules the way serving engines do, so every case the trainer must agree with occurs:
+decode steps first (one token per running request), then prefill chunks under a shared token
+budget (prompts split at unaligned points, mixed with other requests' decode in one batch),
+requests joining and leaving while others run, and preemption: a preempted request loses its
+slot and is later recomputed from an empty slot over its whole history.
+
+Sampling is seeded per (engine seed, request, position), so a request's tokens depend on its
+logits only, never on the schedule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops.logprobs import log_softmax
+from ..replay import Batch
+from .lm import Mamba2LM
+
+
+@dataclass
+class Request:
+    """One sequence. ``tokens`` is the known stream (prompt, then sampled tokens)."""
+
+    req_id: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    emit_all_rows: bool = False
+    slot: int | None = None
+    num_computed: int = 0
+    preemptions: int = 0
+    # (position, logits row) for every logits row the engine produced, in order.
+    rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # logprob of each sampled token under the row that sampled it
+    sampled_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) - self.prompt_len >= self.max_new_tokens
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not yet fed to the model."""
+        return len(self.tokens) - self.num_computed
+
+
+class SamplerEngine:
+    """Continuous batching over ``num_slots`` state slots with a per-step token budget."""
+
+    def __init__(self, model: Mamba2LM, *, num_slots: int, max_batch_tokens: int | None = None,
+                 exact_replay: bool = True, seed: int = 0, temperature: float = 1.0) -> None:
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.model = model
+        self.cache = model.new_cache(num_slots, exact_replay=exact_replay)
+        self.max_batch_tokens = max_batch_tokens
+        self.seed = seed
+        self.temperature = temperature
+        self.free_slots = list(range(num_slots))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.steps = 0
+        self._next_id = 0
+
+    def add_request(self, prompt: list[int], max_new_tokens: int, *, emit_all_rows: bool = False) -> Request:
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        req = Request(self._next_id, list(prompt), len(prompt), max_new_tokens, emit_all_rows)
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def preempt(self, req: Request) -> None:
+        """Take the request's slot away; it is recomputed from scratch when rescheduled."""
+        if req not in self.running:
+            raise ValueError(f"request {req.req_id} is not running")
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+        req.slot, req.num_computed = None, 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            self.cache.reset([req.slot])
+            self.running.append(req)
+
+    def step(self) -> None:
+        """Run one batch: decodes first, then prefill chunks while the budget lasts."""
+        self._admit()
+        budget = self.max_batch_tokens if self.max_batch_tokens is not None else 1 << 62
+        plan: list[tuple[Request, int]] = []
+        for req in sorted(self.running, key=lambda r: r.pending != 1):  # decodes first, stable
+            if budget <= 0:
+                break
+            n = min(req.pending, budget)
+            if n > 0:
+                plan.append((req, n))
+                budget -= n
+        if not plan:
+            return
+        batch = Batch.make([r.slot for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
+        ids, want = [], []
+        for req, n in plan:
+            pos = range(req.num_computed, req.num_computed + n)
+            ids.extend(req.tokens[p] for p in pos)
+            last = len(req.tokens) - 1
+            want.extend((p == last and not req.finished) or req.emit_all_rows for p in pos)
+        want_t = torch.tensor(want, dtype=torch.bool)
+        logits = self.model.advance(self.cache, batch, torch.tensor(ids, dtype=torch.int64), want_t)
+        k = r = 0  # k indexes logits rows, r the packed token rows
+        for req, n in plan:
+            start = req.num_computed
+            req.num_computed += n
+            for i in range(n):
+                r += 1
+                if not want[r - 1]:
+                    continue
+                pos, row = start + i, logits[k]
+                k += 1
+                req.rows.append((pos, row))
+                if pos == len(req.tokens) - 1 and not req.finished:
+                    self._sample(req, row, pos)
+        self.steps += 1
+        for req in [r for r, _ in plan if r.finished and r.pending <= 1]:
+            self.running.remove(req)
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    def _sample(self, req: Request, row: torch.Tensor, pos: int) -> None:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.req_id * 10_007 + pos) % (1 << 62))
+        lp = log_softmax(row.unsqueeze(0) / self.temperature)[0]
+        tok = int(torch.multinomial(torch.exp(lp.double()), 1, generator=g))
+        req.tokens.append(tok)
+        req.sampled_logprobs.append(float(log_softmax(row.unsqueeze(0))[0, tok]))
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()

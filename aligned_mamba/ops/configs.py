@@ -1,0 +1,31 @@
+"""Pinned kernel configurations, per backend.
+
+No run-time autotuning: every process that runs a backend uses exactly these tile shapes, so a
+row's bits never depend on which config an autotuner happened to pick. They are part of the
+contract (and of its fingerprint).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+BACKENDS = ("torch", "triton")
+
+# row_tile: output rows are computed in tiles of this many rows (zero-padded), so a decode step
+# (one row) runs the same GEMM shapes as a prefill of thousands of rows.
+PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "torch": MappingProxyType({"row_tile": 16, "linear_row_tile": 16}),
+        "triton": MappingProxyType(
+            {"row_tile": 16, "linear_row_tile": 16, "BLOCK_P": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4}
+        ),
+    }
+)
+
+
+def pinned_configs(backend: str) -> dict[str, Any]:
+    """The pinned kernel configs of ``backend`` as a plain dict."""
+    if backend not in PINNED:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return dict(PINNED[backend])

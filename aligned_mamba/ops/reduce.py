@@ -1,0 +1,22 @@
+"""Fixed-order reductions.
+
+A row's sum is a pairwise tree over the row (zero-padded to a power of two) built from
+elementwise adds, so its bits depend on the row alone: not on how many rows share the call,
+on the thread count, or on ATen's choice of reduction loop for that shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree. [..., n] -> [...], same dtype."""
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]

@@ -1,0 +1,201 @@
+"""Exact replay: the state a sampler keeps per sequence and layer, and the one ``advance``.
+
+Per sequence (a slot) and Mamba2 layer the sampler keeps
+
+- the fp32 SSM state at the sequence's last chunk boundary (a multiple of ``chunk_size``),
+- the inputs of the tokens since that boundary: x, raw dt and B (at most ``chunk_size`` rows;
+  C is never needed again, as those tokens' outputs were already emitted),
+- the conv window: the last ``K - 1`` conv inputs.
+
+``ssd_advance`` runs the shared chunked scan from the boundary over (buffered partial chunk ++
+new tokens), emits the new tokens' rows, moves the boundary to the last full chunk and keeps the
+rest as the new buffer. Prefill is an advance from an empty slot, decode an advance by one token,
+chunked prefill a sequence of advances, recompute after preemption an advance from an empty slot
+over the whole history, and the trainer's forward one advance from empty: one code path.
+
+Storage is slot-indexed (a paged layout an engine can own): slot i of every tensor belongs to one
+sequence; the engine hands out slots and tracks each sequence's position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .ops.conv1d import causal_conv1d
+from .ops.ssd import chunk_scan
+
+
+@dataclass
+class LayerReplayState:
+    """Slot-indexed replay storage of one Mamba2 layer.
+
+    ssm_state [slots, H, P, N] float32: the state at each slot's last chunk boundary.
+    buf_x [slots, L, H, P], buf_dt [slots, L, H], buf_B [slots, L, G, N] (model dtype): the
+    inputs since that boundary, rows 0 .. pos % L - 1. conv_window [slots, K-1, conv_dim].
+    """
+
+    ssm_state: torch.Tensor
+    buf_x: torch.Tensor
+    buf_dt: torch.Tensor
+    buf_B: torch.Tensor
+    conv_window: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        num_slots: int,
+        *,
+        heads: int,
+        head_dim: int,
+        groups: int,
+        state_size: int,
+        conv_kernel: int,
+        conv_dim: int,
+        chunk_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> LayerReplayState:
+        z = dict(device=device)
+        return cls(
+            ssm_state=torch.zeros(num_slots, heads, head_dim, state_size, dtype=torch.float32, **z),
+            buf_x=torch.zeros(num_slots, chunk_size, heads, head_dim, dtype=dtype, **z),
+            buf_dt=torch.zeros(num_slots, chunk_size, heads, dtype=dtype, **z),
+            buf_B=torch.zeros(num_slots, chunk_size, groups, state_size, dtype=dtype, **z),
+            conv_window=torch.zeros(num_slots, conv_kernel - 1, conv_dim, dtype=dtype, **z),
+        )
+
+    @property
+    def chunk_size(self) -> int:
+        return self.buf_x.shape[1]
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Empty the given slots (a new or recomputed sequence starts from zero state)."""
+        for t in (self.ssm_state, self.buf_x, self.buf_dt, self.buf_B, self.conv_window):
+            t[slots] = 0
+
+    def bytes_per_slot(self) -> int:
+        """Resident bytes one sequence holds in this layer."""
+        return sum(t[0].numel() * t.element_size() for t in (self.ssm_state, self.buf_x, self.buf_dt, self.buf_B,
+                                                              self.conv_window))
+
+
+@dataclass
+class LayerRunningState:
+    """The baseline's per-layer state (exact replay off): the running fp32 state at the last
+    token and the conv window, as engines keep it today. ssm_state [slots, H, P, N] float32."""
+
+    ssm_state: torch.Tensor
+    conv_window: torch.Tensor
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.ssm_state[slots] = 0
+        self.conv_window[slots] = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One advance: S sequences, each with n_i new tokens packed in order.
+
+    slots [S] int64 (distinct), start_pos [S] int64 (tokens already consumed by each slot),
+    cu_seqlens [S+1] int64 (new tokens' offsets in the packed rows).
+    """
+
+    slots: torch.Tensor
+    start_pos: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @classmethod
+    def make(cls, slots: list[int], start_pos: list[int], new_tokens: list[int]) -> Batch:
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one batch: {slots}")
+        if any(n <= 0 for n in new_tokens) or any(p < 0 for p in start_pos):
+            raise ValueError("every sequence in a batch needs >= 1 new token and a position >= 0")
+        cu = [0]
+        for n in new_tokens:
+            cu.append(cu[-1] + n)
+        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return cls(slots=t(slots), start_pos=t(start_pos), cu_seqlens=t(cu))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] int64: the absolute position of every new row in its sequence."""
+        seq = torch.repeat_interleave(torch.arange(self.slots.numel()), self.lengths)
+        return self.start_pos[seq] + torch.arange(self.num_tokens) - self.cu_seqlens[:-1][seq]
+
+
+def conv_advance(state: LayerReplayState | LayerRunningState, batch: Batch, xBC: torch.Tensor,
+                 weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Conv1d + SiLU of the new rows from each slot's window; updates the windows. [T, Cd] -> [T, Cd]."""
+    out, window = causal_conv1d(xBC, batch.cu_seqlens, state.conv_window[batch.slots], weight, bias)
+    state.conv_window[batch.slots] = window
+    return out
+
+
+def ssd_advance(
+    state: LayerReplayState,
+    batch: Batch,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    rows: torch.Tensor | None = None,
+    row_tile: int = 16,
+) -> torch.Tensor:
+    """Advance every slot of ``batch`` by its new tokens; returns y [T, H, P] for the new rows.
+
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype; rows [T] bool (default all):
+    the rows whose outputs are wanted (others are zero). Updates ``state`` in place.
+    """
+    L = state.chunk_size
+    dev = x.device
+    slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
+    S, T = slots.numel(), x.shape[0]
+    lens = cu[1:] - cu[:-1]
+    off = (batch.start_pos.to(dev) % L)  # buffered rows per sequence
+    slen = off + lens  # stream = buffered partial chunk ++ new tokens
+    scu = torch.zeros(S + 1, dtype=torch.int64, device=dev)
+    scu[1:] = torch.cumsum(slen, 0)
+    seq = torch.repeat_interleave(torch.arange(S, device=dev), slen)
+    j = torch.arange(int(scu[-1]), device=dev) - scu[:-1][seq]  # position in the stream
+    from_buf = j < off[seq]
+    buf_row = slots[seq] * L + torch.where(from_buf, j, 0)
+    new_row = torch.where(from_buf, 0, cu[:-1][seq] + j - off[seq])
+
+    def stream(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        flat = buf.reshape((-1,) + tuple(buf.shape[2:]))
+        shape = (-1,) + (1,) * (new.dim() - 1)
+        return torch.where(from_buf.view(shape), flat[buf_row], new[new_row])
+
+    xs, dts, Bs = stream(state.buf_x, x), stream(state.buf_dt, dt), stream(state.buf_B, B)
+    Cs = torch.where(from_buf.view(-1, 1, 1), torch.zeros((), dtype=C.dtype, device=dev), C[new_row])
+    want = ~from_buf
+    if rows is not None:
+        want &= rows.to(dev)[new_row]
+    ys, h = chunk_scan(xs, dts, A, Bs, Cs, D, dt_bias, scu, state.ssm_state[slots], L,
+                       dt_limit=dt_limit, rows=want, final="boundary", row_tile=row_tile)
+    state.ssm_state[slots] = h
+    # Keep the trailing partial chunk as the new buffer (rows 0 .. rem-1 of each slot).
+    rem = slen % L
+    keep = j >= (slen - rem)[seq]
+    dst = slots[seq[keep]] * L + (j[keep] - (slen - rem)[seq[keep]])
+    for buf, src in ((state.buf_x, xs), (state.buf_dt, dts), (state.buf_B, Bs)):
+        buf.view((-1,) + tuple(buf.shape[2:]))[dst] = src[keep]
+    out = torch.zeros(T, *ys.shape[1:], dtype=ys.dtype, device=dev)
+    out[new_row[~from_buf]] = ys[~from_buf]
+    return out

@@ -1,0 +1,273 @@
+"""Checkpoint round trips, the embedded tiny model, and every load error (fast, CPU only)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save, save_file
+
+from aligned_mamba.errors import ModelLoadError
+from aligned_mamba.model import Mamba2Config, expected_shapes, load_checkpoint, make_tiny, save_checkpoint
+
+LAYER0 = "backbone.layers.0.mixer."
+
+# (dtype, overrides) covering both storage dtypes and the shape variants the model must support.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("bfloat16", {}),
+    ("float32", {}),
+    ("bfloat16", {"n_groups": 2}),
+    ("bfloat16", {"num_heads": 16, "head_dim": 32}),
+    ("float32", {"chunk_size": 64, "num_hidden_layers": 3}),
+    ("bfloat16", {"tie_word_embeddings": True}),
+    ("float32", {"use_bias": True, "use_conv_bias": False, "time_step_limit": (0.0, 0.1)}),
+]
+
+
+@functools.cache
+def _tiny_cached(seed: int, **overrides: Any) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    return make_tiny(seed, **overrides)
+
+
+def tiny(seed: int = 0, **overrides: Any) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """make_tiny, cached across tests; a fresh dict, but the tensors are shared: replace them, never write into them."""
+    config, tensors = _tiny_cached(seed, **overrides)
+    return config, dict(tensors)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, t in a.items():
+        assert t.dtype == b[name].dtype, name
+        assert torch.equal(t, b[name]), name
+
+
+def write_raw(path: Path, config: Mamba2Config | dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint written without save_checkpoint's validation, to build broken ones."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = config.to_hf_dict() if isinstance(config, Mamba2Config) else config
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(("dtype", "overrides"), VARIANTS)
+def test_round_trip_is_exact(tmp_path: Path, dtype: str, overrides: dict[str, Any]) -> None:
+    config, tensors = tiny(3, dtype=dtype, **overrides)
+    save_checkpoint(tmp_path / "ckpt", config, tensors)
+    config2, tensors2 = load_checkpoint(tmp_path / "ckpt")
+    assert config2 == config
+    assert_same(tensors, tensors2)
+    assert tensors.keys() == expected_shapes(config).keys()
+    assert ("lm_head.weight" in tensors) == (not config.tie_word_embeddings)
+    for name, t in tensors.items():
+        fp32 = name.endswith((".A_log", ".D", ".dt_bias"))
+        assert t.dtype == (torch.float32 if fp32 else config.torch_dtype), name
+
+
+def test_config_json_round_trip_and_derived_sizes(tmp_path: Path) -> None:
+    config, tensors = tiny(n_groups=2)
+    save_checkpoint(tmp_path, config, tensors)
+    text = (tmp_path / "config.json").read_text()
+    assert "Infinity" in text  # the inf upper time-step limit is written as JSON Infinity
+    d = json.loads(text)
+    assert d["model_type"] == "mamba2" and d["architectures"] == ["Mamba2ForCausalLM"]
+    assert d["torch_dtype"] == "bfloat16"
+    assert Mamba2Config.from_hf_dict(d) == config
+    assert config.intermediate_size == 512
+    assert config.conv_dim == 512 + 2 * 2 * 64
+    assert config.in_proj_size == 512 + config.conv_dim + 8
+    assert config.torch_dtype is torch.bfloat16
+
+
+def test_from_hf_dict_defaults_and_spellings() -> None:
+    default = Mamba2Config.from_hf_dict({})
+    assert default == Mamba2Config()
+    assert (default.num_heads, default.head_dim, default.n_groups, default.dtype) == (128, 64, 8, "float32")
+    assert default.time_step_limit == (0.0, math.inf)
+    for hi in (None, "Infinity", "inf", float("inf")):
+        assert Mamba2Config.from_hf_dict({"time_step_limit": [0.0, hi]}).time_step_limit == (0.0, math.inf)
+    assert Mamba2Config.from_hf_dict({"dtype": "bfloat16"}).dtype == "bfloat16"
+    assert Mamba2Config.from_hf_dict({"torch_dtype": "torch.bfloat16"}).dtype == "bfloat16"
+    assert Mamba2Config.from_hf_dict({"time_step_limit": [0.001, 0.1]}).time_step_limit == (0.001, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive int"),
+        ({"vocab_size": 512.5}, "vocab_size must be a positive int"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive int"),
+        ({"head_dim": 32}, "num_heads * head_dim"),
+        ({"n_groups": 3}, "divisible by n_groups"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"torch_dtype": "float16"}, "dtype 'float16' is not supported"),
+        ({"torch_dtype": "bfloat16", "dtype": "float32"}, "disagree"),
+        ({"time_step_limit": [0.1, 0.01]}, "lo <= hi"),
+        ({"time_step_limit": [0.0]}, "time_step_limit must be two numbers"),
+        ({"time_step_limit": "none"}, "time_step_limit must be two numbers"),
+        ({"layer_norm_epsilon": -1.0}, "layer_norm_epsilon"),
+        ({"use_bias": "no"}, "use_bias must be true or false"),
+        ({"model_type": "mamba"}, "expected 'mamba2'"),
+    ],
+)
+def test_bad_config_values(tmp_path: Path, change: dict[str, Any], words: str) -> None:
+    config, tensors = tiny()
+    write_raw(tmp_path, {**config.to_hf_dict(), **change}, tensors)
+    message = load_error(tmp_path)
+    assert words in message and "config.json" in message
+
+
+def test_make_tiny_is_deterministic_and_realistic() -> None:
+    config, a = make_tiny(0)
+    _, b = make_tiny(0)
+    _, c = tiny(1)
+    assert_same(a, b)
+    assert not torch.equal(a["backbone.embeddings.weight"], c["backbone.embeddings.weight"])
+    assert not torch.equal(a[LAYER0 + "A_log"], c[LAYER0 + "A_log"])
+    for i in range(config.num_hidden_layers):
+        p = f"backbone.layers.{i}.mixer."
+        A = -torch.exp(a[p + "A_log"])
+        assert A.min() >= -16.0 and A.max() <= -1.0
+        dt = torch.nn.functional.softplus(a[p + "dt_bias"].double())
+        assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 1e-1 * (1 + 1e-5)
+        assert torch.equal(a[p + "D"], torch.ones(config.num_heads))
+        assert not torch.equal(a[p + "norm.weight"], torch.ones_like(a[p + "norm.weight"]))
+    std = a[LAYER0 + "in_proj.weight"].float().std().item()
+    assert abs(std - 1 / math.sqrt(config.hidden_size)) < 0.1 / math.sqrt(config.hidden_size)
+    # bf16 is fp32 generation cast once: same seed in fp32 rounds to the bf16 tensors exactly.
+    _, f32 = make_tiny(0, dtype="float32")
+    assert_same(a, {k: v if v.dtype == a[k].dtype else v.to(a[k].dtype) for k, v in f32.items()})
+
+
+def test_make_tiny_golden_digest() -> None:
+    """Pins the exact bits of the default model, so a platform or torch change that alters them is caught."""
+    _, tensors = tiny(0)
+    assert hashlib.sha256(save(tensors)).hexdigest() == GOLDEN_SHA256
+
+
+GOLDEN_SHA256 = "b7fc54bc111b48bccf1dd6f7756d372fb07609309a842598c78af1315f24e6a0"
+
+
+def test_make_tiny_rejects_inconsistent_overrides() -> None:
+    with pytest.raises(ValueError, match=r"num_heads \* head_dim .*override"):
+        make_tiny(head_dim=32)
+    with pytest.raises(ValueError, match="divisible by n_groups"):
+        make_tiny(n_groups=3)
+    with pytest.raises(TypeError, match="unknown config fields: bogus"):
+        make_tiny(bogus=1)
+
+
+def test_sharded_index_loading(tmp_path: Path) -> None:
+    config, tensors = tiny(5, num_hidden_layers=3)
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    weight_map = {}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(tmp_path / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard_names, shard))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config2, tensors2 = load_checkpoint(tmp_path)
+    assert config2 == config
+    assert_same(tensors, tensors2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    assert "model-00002-of-00002.safetensors" in load_error(tmp_path)
+
+
+def test_tied_embeddings_accept_equal_lm_head_and_refuse_different(tmp_path: Path) -> None:
+    config, tensors = tiny(tie_word_embeddings=True)
+    emb = tensors["backbone.embeddings.weight"]
+    _, loaded = load_checkpoint(write_raw(tmp_path / "eq", config, {**tensors, "lm_head.weight": emb.clone()}))
+    assert "lm_head.weight" not in loaded
+    message = load_error(write_raw(tmp_path / "ne", config, {**tensors, "lm_head.weight": emb + 1}))
+    assert "lm_head.weight differs" in message
+
+
+def test_missing_path_and_not_a_directory(tmp_path: Path) -> None:
+    assert "does not exist" in load_error(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in load_error(tmp_path / "file")
+
+
+def test_missing_and_invalid_config(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    write_raw(tmp_path, config, tensors)
+    (tmp_path / "config.json").unlink()
+    assert "config file" in (m := load_error(tmp_path)) and "missing" in m
+    (tmp_path / "config.json").write_text("{not json")
+    assert "not valid JSON" in load_error(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert "expected a JSON object" in load_error(tmp_path)
+
+
+def test_no_or_unreadable_safetensors(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    write_raw(tmp_path, config, tensors)
+    (tmp_path / "model.safetensors").unlink()
+    assert "no model.safetensors or model.safetensors.index.json" in load_error(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!garbage!")
+    assert "cannot read safetensors file" in load_error(tmp_path)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    del tensors[LAYER0 + "D"]
+    del tensors["lm_head.weight"]  # untied: a missing head is a missing tensor
+    message = load_error(write_raw(tmp_path, config, tensors))
+    assert "2 missing tensor(s)" in message and LAYER0 + "D" in message and "lm_head.weight" in message
+
+
+def test_unexpected_tensor(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    tensors["backbone.layers.2.mixer.D"] = torch.ones(8)
+    message = load_error(write_raw(tmp_path, config, tensors))
+    assert "1 unexpected tensor(s)" in message and "backbone.layers.2.mixer.D" in message
+
+
+def test_mis_shaped_tensor_names_both_shapes(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    tensors[LAYER0 + "D"] = torch.ones(8, 64)  # a per-channel D is not the HF layout
+    message = load_error(write_raw(tmp_path, config, tensors))
+    assert LAYER0 + "D" in message and "expected shape [8]" in message and "found [8, 64]" in message
+
+
+def test_fp16_and_other_dtypes_refused(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    tensors[LAYER0 + "in_proj.weight"] = tensors[LAYER0 + "in_proj.weight"].half()
+    message = load_error(write_raw(tmp_path / "fp16", config, tensors))
+    assert "float16" in message and "refused" in message and LAYER0 + "in_proj.weight" in message
+    tensors[LAYER0 + "in_proj.weight"] = tensors[LAYER0 + "in_proj.weight"].double()
+    assert "only bfloat16 and float32" in load_error(write_raw(tmp_path / "fp64", config, tensors))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_refused(tmp_path: Path, bad: float) -> None:
+    config, tensors = tiny()
+    tensors[LAYER0 + "out_proj.weight"] = tensors[LAYER0 + "out_proj.weight"].clone()
+    tensors[LAYER0 + "out_proj.weight"][3, 5] = bad
+    message = load_error(write_raw(tmp_path, config, tensors))
+    assert LAYER0 + "out_proj.weight" in message and "1 non-finite" in message
+
+
+def test_save_refuses_what_would_not_load(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    tensors[LAYER0 + "D"] = torch.ones(9)
+    with pytest.raises(ValueError, match="expected shape"):
+        save_checkpoint(tmp_path, config, tensors)
+    assert not (tmp_path / "model.safetensors").exists()
