@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .ops.conv1d import causal_conv1d
-from .ops.ssd import chunk_scan
+from .ops.ssd.chunk import pack_chunks, scan_chunks
 
 
 @dataclass
@@ -33,8 +33,14 @@ class LayerReplayState:
     """Slot-indexed replay storage of one Mamba2 layer.
 
     ssm_state [slots, H, P, N] float32: the state at each slot's last chunk boundary.
-    buf_x [slots, L, H, P], buf_dt [slots, L, H], buf_B [slots, L, G, N] (model dtype): the
-    inputs since that boundary, rows 0 .. pos % L - 1. conv_window [slots, K-1, conv_dim].
+    buf_x [slots, H, L, P], buf_B [slots, G, L, N] (model dtype) and buf_dt [slots, H, L]
+    (dt after softplus, float32): the inputs since that boundary, rows 0 .. pos % L - 1 (rows
+    past that are zero). Head-major, so a slot's buffer is its first chunk's padded input as the
+    scan reads it. conv_window [slots, K-1, conv_dim] (model dtype).
+
+    dt is kept after softplus (which acts row by row, so the bits are those the trainer computes)
+    so a decode step does not recompute it for the whole chunk: H more bytes per token than raw
+    bf16 dt, next to H * P * 2 for x.
     """
 
     ssm_state: torch.Tensor
@@ -61,15 +67,15 @@ class LayerReplayState:
         z = dict(device=device)
         return cls(
             ssm_state=torch.zeros(num_slots, heads, head_dim, state_size, dtype=torch.float32, **z),
-            buf_x=torch.zeros(num_slots, chunk_size, heads, head_dim, dtype=dtype, **z),
-            buf_dt=torch.zeros(num_slots, chunk_size, heads, dtype=dtype, **z),
-            buf_B=torch.zeros(num_slots, chunk_size, groups, state_size, dtype=dtype, **z),
+            buf_x=torch.zeros(num_slots, heads, chunk_size, head_dim, dtype=dtype, **z),
+            buf_dt=torch.zeros(num_slots, heads, chunk_size, dtype=torch.float32, **z),
+            buf_B=torch.zeros(num_slots, groups, chunk_size, state_size, dtype=dtype, **z),
             conv_window=torch.zeros(num_slots, conv_kernel - 1, conv_dim, dtype=dtype, **z),
         )
 
     @property
     def chunk_size(self) -> int:
-        return self.buf_x.shape[1]
+        return self.buf_x.shape[2]
 
     def reset(self, slots: torch.Tensor) -> None:
         """Empty the given slots (a new or recomputed sequence starts from zero state)."""
@@ -161,41 +167,32 @@ def ssd_advance(
 
     x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype; rows [T] bool (default all):
     the rows whose outputs are wanted (others are zero). Updates ``state`` in place.
+
+    Buffer rows at and past a slot's fill level are kept zero, so a slot's buffer is already
+    its first chunk's zero-padded prefix.
     """
     L = state.chunk_size
     dev = x.device
     slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
-    S, T = slots.numel(), x.shape[0]
     lens = cu[1:] - cu[:-1]
-    off = (batch.start_pos.to(dev) % L)  # buffered rows per sequence
-    slen = off + lens  # stream = buffered partial chunk ++ new tokens
-    scu = torch.zeros(S + 1, dtype=torch.int64, device=dev)
-    scu[1:] = torch.cumsum(slen, 0)
-    seq = torch.repeat_interleave(torch.arange(S, device=dev), slen)
-    j = torch.arange(int(scu[-1]), device=dev) - scu[:-1][seq]  # position in the stream
-    from_buf = j < off[seq]
-    buf_row = slots[seq] * L + torch.where(from_buf, j, 0)
-    new_row = torch.where(from_buf, 0, cu[:-1][seq] + j - off[seq])
-
-    def stream(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        flat = buf.reshape((-1,) + tuple(buf.shape[2:]))
-        shape = (-1,) + (1,) * (new.dim() - 1)
-        return torch.where(from_buf.view(shape), flat[buf_row], new[new_row])
-
-    xs, dts, Bs = stream(state.buf_x, x), stream(state.buf_dt, dt), stream(state.buf_B, B)
-    Cs = torch.where(from_buf.view(-1, 1, 1), torch.zeros((), dtype=C.dtype, device=dev), C[new_row])
-    want = ~from_buf
-    if rows is not None:
-        want &= rows.to(dev)[new_row]
-    ys, h = chunk_scan(xs, dts, A, Bs, Cs, D, dt_bias, scu, state.ssm_state[slots], L,
-                       dt_limit=dt_limit, rows=want, final="boundary", row_tile=row_tile)
-    state.ssm_state[slots] = h
-    # Keep the trailing partial chunk as the new buffer (rows 0 .. rem-1 of each slot).
-    rem = slen % L
-    keep = j >= (slen - rem)[seq]
-    dst = slots[seq[keep]] * L + (j[keep] - (slen - rem)[seq[keep]])
-    for buf, src in ((state.buf_x, xs), (state.buf_dt, dts), (state.buf_B, Bs)):
-        buf.view((-1,) + tuple(buf.shape[2:]))[dst] = src[keep]
-    out = torch.zeros(T, *ys.shape[1:], dtype=ys.dtype, device=dev)
-    out[new_row[~from_buf]] = ys[~from_buf]
-    return out
+    off = batch.start_pos.to(dev) % L  # rows buffered since the boundary
+    prefix = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots], off)
+    ch = pack_chunks(x, dt, B, cu, L, dt_bias, dt_limit, prefix=prefix)
+    y, h, moved = scan_chunks(ch, C, A, D, state.ssm_state[slots], rows=rows, final="boundary", row_tile=row_tile)
+    if bool(moved.any()):
+        state.ssm_state[slots[moved]] = h[moved]
+    # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is
+    # emptied first (rows past the fill level stay zero); the others only gain rows.
+    rem = (off + lens) % L
+    crossed = off + lens >= L
+    if bool(crossed.any()):
+        for buf in (state.buf_x, state.buf_dt, state.buf_B):
+            buf[slots[crossed]] = 0
+    row_seq = torch.repeat_interleave(torch.arange(slots.numel(), device=dev), lens, output_size=x.shape[0])
+    last_chunk = ch.row_chunk == (torch.cumsum((off + lens + L - 1) // L, 0) - 1)[row_seq]
+    keep = last_chunk & (rem[row_seq] > 0)
+    dst_slot, dst_pos, src_chunk = slots[row_seq[keep]], ch.row_pos[keep], ch.row_chunk[keep]
+    state.buf_x[dst_slot, :, dst_pos] = x[keep]
+    state.buf_dt[dst_slot, :, dst_pos] = ch.dt[src_chunk, :, dst_pos]
+    state.buf_B[dst_slot, :, dst_pos] = B[keep]
+    return y.to(x.dtype)

@@ -90,7 +90,8 @@ class VerifyReport:
             return f"bitwise equal: {self.rows}/{self.rows} rows [{what}]"
         nans = f", {self.nan_rows} with NaN" if self.nan_rows else ""
         return (
-            f"NOT bitwise equal: {self.mismatched_rows}/{self.rows} rows differ (first row {self.first_mismatch}{nans}); "
+            f"NOT bitwise equal: {self.mismatched_rows}/{self.rows} rows differ "
+            f"(first row {self.first_mismatch}{nans}); "
             f"max|d| {self.max_abs_diff:.3g}, max|d logprob| "
             f"{self.max_abs_logprob_diff:.3g}, mean|d logprob| {self.mean_abs_logprob_diff:.3g}, "
             f"kl {self.kl:.3g} [{what}]"

@@ -297,7 +297,9 @@ def _validate(
                 "from bfloat16; convert the checkpoint to bfloat16 or float32"
             )
         if t.dtype not in _LOADABLE_DTYPES:
-            raise error(f"tensor {name!r} in {origin[name]!r} has dtype {t.dtype}; only bfloat16 and float32 are supported")
+            raise error(
+                f"tensor {name!r} in {origin[name]!r} has dtype {t.dtype}; only bfloat16 and float32 are supported"
+            )
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise error(f"tensor {name!r} in {origin[name]!r} has {bad} non-finite value(s) (NaN or Inf)")

@@ -86,20 +86,21 @@ class Mamba2LM:
             self.layers.append(
                 _Layer(
                     norm_w=get(p + "norm.weight"),
-                    in_proj_w=get(m + "in_proj.weight"),
-                    in_proj_b=opt(m + "in_proj.bias"),
+                    in_proj_w=get(m + "in_proj.weight", f32),  # linear computes in fp32 (see ops.linear)
+                    in_proj_b=opt(m + "in_proj.bias", f32),
                     conv_w=get(m + "conv1d.weight").reshape(c.conv_dim, c.conv_kernel),
                     conv_b=opt(m + "conv1d.bias"),
                     A=-torch.exp(get(m + "A_log", f32)),
                     D=get(m + "D", f32),
                     dt_bias=get(m + "dt_bias", f32),
                     gnorm_w=get(m + "norm.weight"),
-                    out_proj_w=get(m + "out_proj.weight"),
-                    out_proj_b=opt(m + "out_proj.bias"),
+                    out_proj_w=get(m + "out_proj.weight", f32),
+                    out_proj_b=opt(m + "out_proj.bias", f32),
                 )
             )
         self.norm_f = get("backbone.norm_f.weight")
-        self.lm_head = get("lm_head.weight") if "lm_head.weight" in tensors else self.embedding
+        head = "lm_head.weight" if "lm_head.weight" in tensors else "backbone.embeddings.weight"
+        self.lm_head = get(head).to(f32)
         self.dt_limit = tuple(float(v) for v in c.time_step_limit)
 
     # -- state ---------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class Mamba2LM:
         hidden = self.embedding[token_ids]
         residual = hidden.to(torch.float32) if c.residual_in_fp32 else hidden
         last = len(self.layers) - 1
-        for i, (layer, state) in enumerate(zip(self.layers, cache.layers)):
+        for i, (layer, state) in enumerate(zip(self.layers, cache.layers, strict=False)):
             normed = rms_norm(residual.to(self.dtype), layer.norm_w, c.layer_norm_epsilon, self.dtype)
             rows = logit_rows if i == last else None
             out = self._mixer(layer, state, batch, normed, rows, capture)

@@ -7,8 +7,9 @@ contract (and of its fingerprint).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 BACKENDS = ("torch", "triton")
 

@@ -21,27 +21,26 @@ _LN2_HI = 0.693359375
 _LN2_LO = -2.12194440e-4
 _EXP_HI = 88.3762626647949
 _EXP_LO = -87.3365447505531  # below this exp underflows to a denormal; we return 0
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
-def _pow2i(n: torch.Tensor) -> torch.Tensor:
-    """2**n for integer-valued float32 n in [-126, 127], built from the exponent bits."""
-    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) in float32; 0 for x < -87.34 (and for -inf), +inf above 88.38."""
-    xc = x.clamp(_EXP_LO, _EXP_HI)
-    n = torch.floor(xc * _LOG2E + 0.5)
-    r = xc - n * _LN2_HI
-    r = r - n * _LN2_LO
-    p = torch.full_like(r, _EXP_POLY[0])
-    for c in _EXP_POLY[1:]:
-        p = p * r + c
-    p = p * (r * r) + r + 1.0
-    y = p * _pow2i(n)
-    y = torch.where(x < _EXP_LO, torch.zeros_like(y), y)
-    return torch.where(x > _EXP_HI, torch.full_like(y, float("inf")), y)
+    """exp(x) in float32: 0 below -87.3 (where exp would be subnormal), 2.4e38 above 88.38.
+
+    n = round(x / ln2), r = x - n ln2 (Cody-Waite, two steps), exp(r) by cephes' polynomial,
+    times 2^n built from the exponent bits (n = -127 gives the bit pattern of 0.0).
+    """
+    xc = x.clamp(_EXP_LO - 0.7, _EXP_HI)
+    # round to nearest (even) by adding and subtracting 1.5 * 2^23: two exact IEEE adds
+    n = (xc * _LOG2E).add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC).clamp_(min=-127.0)
+    r = xc.sub_(n * _LN2_HI).sub_(n * _LN2_LO)
+    p = r * _EXP_POLY[0] + _EXP_POLY[1]
+    for c in _EXP_POLY[2:]:
+        p.mul_(r).add_(c)
+    p.mul_(r * r).add_(r).add_(1.0)
+    scale = n.to(torch.int32).add_(127).bitwise_left_shift_(23).view(torch.float32)
+    return p.mul_(scale)
 
 
 _SQRT_HALF = 0.70710678118654752

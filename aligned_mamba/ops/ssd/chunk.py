@@ -1,8 +1,8 @@
 """The chunked SSD scan (torch backend): the one kernel both trainer and sampler run.
 
-Every sequence in a call starts at a chunk boundary of its own grid (the caller prepends the
-partial chunk it buffered), so chunk k of a sequence always covers the same absolute positions.
-Each output row t is then a fixed sequence of float32 operations on
+Every sequence in a call starts at a chunk boundary of its own grid (exact replay passes the
+partial chunk it buffered as a prefix), so chunk k of a sequence always covers the same absolute
+positions. Each output row t is then a fixed sequence of float32 operations on
 
     (the fp32 state at t's chunk boundary, the inputs of t's chunk up to t, t's position),
 
@@ -24,7 +24,7 @@ Within a chunk, with a_t the cumulative sum of dt*A from the chunk start:
 
 For a tile starting at row t0 the decay exp(a_t - a_s) is taken as exp(a_t - a_t0) exp(a_t0 - a_s)
 for s < t0 (both factors <= 1, so nothing overflows) and directly inside the tile's own
-diagonal block: 2*R + R^2 exponentials per tile instead of R * chunk_size.
+diagonal block: 2R + R^2 exponentials per tile and head instead of R * chunk_size.
 """
 
 from __future__ import annotations
@@ -37,52 +37,206 @@ import torch
 from .. import elementwise as ew
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Where each chunk of each sequence lies in a packed call.
+@dataclass
+class Chunks:
+    """One call's inputs, cut into zero-padded, head-major chunks.
 
-    tok [NC, L] int64: packed row of each chunk slot (T for padding); valid [NC, L] bool;
-    seq [NC]: owning sequence; index [NC]: chunk number within the sequence; length [NC].
+    x [NC, H, L, P], dt [NC, H, L] (after softplus; 0 on padding), B [NC, G, L, N]: float32.
+    seq [NC] owning sequence, index [NC] chunk number within it, length [NC] valid rows.
+    Row r of the packed new tokens sits at chunk ``row_chunk[r]``, position ``row_pos[r]``.
     """
 
-    tok: torch.Tensor
-    valid: torch.Tensor
+    x: torch.Tensor
+    dt: torch.Tensor
+    B: torch.Tensor
     seq: torch.Tensor
     index: torch.Tensor
     length: torch.Tensor
-
-
-def plan_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> ChunkPlan:
-    """Cut every packed sequence into chunks anchored at the sequence's own start."""
-    cu = cu_seqlens.to(torch.int64).cpu()
-    lens = cu[1:] - cu[:-1]
-    nch = (lens + chunk_size - 1) // chunk_size
-    S = lens.numel()
-    seq = torch.repeat_interleave(torch.arange(S), nch)
-    first = torch.cumsum(nch, 0) - nch
-    index = torch.arange(seq.numel()) - first[seq]
-    start = cu[seq] + index * chunk_size
-    length = torch.minimum(torch.full_like(start, chunk_size), cu[seq + 1] - start)
-    pos = torch.arange(chunk_size)
-    valid = pos[None, :] < length[:, None]
-    T = int(cu[-1])
-    tok = torch.where(valid, start[:, None] + pos[None, :], torch.full_like(valid, T, dtype=torch.int64))
-    return ChunkPlan(tok=tok, valid=valid, seq=seq, index=index, length=length)
-
-
-def _gather_padded(t: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """t [T, ...] -> [NC, L, ...] float32 with zero rows for padding (index T)."""
-    tf = t.to(torch.float32)
-    pad = torch.zeros((1,) + tuple(tf.shape[1:]), dtype=tf.dtype, device=tf.device)
-    return torch.cat([tf, pad])[tok]
+    row_chunk: torch.Tensor
+    row_pos: torch.Tensor
 
 
 def dt_softplus(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
-    """softplus(dt + dt_bias), clamped to dt_limit when one is set. [T, H] -> [T, H] float32."""
+    """softplus(dt + dt_bias) in float32, clamped to dt_limit when one is set; bias on the last dim."""
     d = ew.softplus(dt.to(torch.float32) + dt_bias.to(torch.float32))
     if tuple(dt_limit) != (0.0, math.inf):
         d = d.clamp(float(dt_limit[0]), float(dt_limit[1]))
     return d
+
+
+def pack_chunks(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_size: int,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> Chunks:
+    """Cut packed rows into chunks anchored at each sequence's start.
+
+    x [T, H, P], dt [T, H] raw, B [T, G, N], cu_seqlens [S+1].
+    prefix: (x_buf [S, H, L, P], dt_buf [S, H, L] (after softplus, float32), B_buf [S, G, L, N],
+    off [S]): the rows buffered before each sequence's new rows, rows 0 .. off-1 of its first
+    chunk, head-major; rows >= off must be zero. The new rows' dt goes through softplus here,
+    row by row, so a buffered dt and a freshly computed one are the same bits.
+    """
+    dev = x.device
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    L = chunk_size
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    S = lens.numel()
+    off = prefix[3].to(device=dev, dtype=torch.int64) if prefix is not None else torch.zeros_like(lens)
+    slen = off + lens
+    nch = (slen + L - 1) // L
+    NC = int(nch.sum())
+    first = torch.cumsum(nch, 0) - nch
+    seq = torch.repeat_interleave(torch.arange(S, device=dev), nch, output_size=NC)
+    index = torch.arange(NC, device=dev) - first[seq]
+    length = torch.clamp(slen[seq] - index * L, max=L)
+    row_seq = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)
+    q = off[row_seq] + torch.arange(T, device=dev) - cu[:-1][row_seq]  # position in the stream
+    row_chunk, row_pos = first[row_seq] + q // L, q % L
+
+    if prefix is not None and NC == S:  # every sequence fits in its first chunk (decode): no zero fill
+        xb, db, bb, _ = prefix
+        xc, dtc, Bc = xb.to(torch.float32), db.to(torch.float32, copy=True), bb.to(torch.float32)
+    else:
+        xc = torch.zeros(NC, H, L, P, device=dev)
+        dtc = torch.zeros(NC, H, L, device=dev)
+        Bc = torch.zeros(NC, G, L, N, device=dev)
+        if prefix is not None and S:
+            xb, db, bb, _ = prefix
+            xc[first], dtc[first], Bc[first] = xb.to(torch.float32), db.to(torch.float32), bb.to(torch.float32)
+    xc[row_chunk, :, row_pos] = x.to(torch.float32)
+    dtc[row_chunk, :, row_pos] = dt_softplus(dt, dt_bias, dt_limit)
+    Bc[row_chunk, :, row_pos] = B.to(torch.float32)
+    return Chunks(x=xc, dt=dtc, B=Bc, seq=seq, index=index, length=length, row_chunk=row_chunk, row_pos=row_pos)
+
+
+def scan_chunks(
+    ch: Chunks,
+    C: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    final: str = "boundary",
+    row_tile: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan proper. C [T, G, N] for the packed new rows; rows [T] bool (default all).
+
+    Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
+    sequence's last full-chunk boundary for final="boundary", at its end for "end") and
+    moved [S] bool (whether a sequence's state changed; where not, states holds the initial one).
+    """
+    if final not in ("boundary", "end"):
+        raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
+    NC, H, L, P = ch.x.shape
+    G, N = ch.B.shape[1], ch.B.shape[3]
+    S = initial_states.shape[0]
+    Hg = H // G  # heads per group
+    R = row_tile
+    if L % R:
+        raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
+    dev = ch.x.device
+    T = C.shape[0]
+    a = torch.cumsum(ch.dt * A.to(torch.float32)[None, :, None], dim=-1)  # [NC, H, L]
+    h0 = initial_states.to(torch.float32)
+
+    # Chunk states from a zero boundary: sum_s exp(a_L - a_s) dt_s x_s B_s^T, [n, H, P, N].
+    need = ch.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool, device=dev)
+    si = torch.nonzero(need).flatten()
+    n = si.numel()
+    if n:
+        w = ew.exp(a[si, :, -1:] - a[si]) * ch.dt[si]  # [n, H, L]
+        xw = (ch.x[si] * w[..., None]).view(n * G, Hg * L, P)  # heads of a group stacked on rows
+        xw = xw.view(n * G, Hg, L, P).transpose(1, 2).reshape(n * G, L, Hg * P)
+        st = torch.bmm(xw.transpose(1, 2), ch.B[si].view(n * G, L, N))  # [n*G, Hg*P, N]
+        chunk_state = st.view(n, H, P, N)
+        chunk_decay = ew.exp(a[si, :, -1])[:, :, None, None]  # [n, H, 1, 1]
+
+    # Pass states along each sequence, chunk after chunk, in float32.
+    moved = torch.zeros(S, dtype=torch.bool, device=dev)
+    if NC == S:  # one chunk per sequence (decode, short prefill): its boundary state is the initial one
+        h_in = h0
+        h = h0
+        if n:
+            h = h0.clone()
+            h[ch.seq[si]] = chunk_decay * h0[ch.seq[si]] + chunk_state
+            moved[ch.seq[si]] = True
+    else:
+        h = h0.clone()
+        h_in = torch.empty(NC, H, P, N, device=dev)
+        slot_of = torch.full((NC,), -1, dtype=torch.int64, device=dev)
+        slot_of[si] = torch.arange(n, device=dev)
+        for k in range(int(ch.index.max()) + 1):
+            ck = torch.nonzero(ch.index == k).flatten()
+            sq = ch.seq[ck]
+            h_in[ck] = h[sq]
+            upd = need[ck]
+            cu_, su_ = slot_of[ck[upd]], sq[upd]
+            h[su_] = chunk_decay[cu_] * h[su_] + chunk_state[cu_]
+        moved[ch.seq[si]] = True
+
+    # Tiles holding wanted rows.
+    want = torch.ones(T, dtype=torch.bool, device=dev) if rows is None else rows.to(dev)
+    tile_id = torch.full((NC, L // R), -1, dtype=torch.int64, device=dev)
+    tile_id[ch.row_chunk[want], ch.row_pos[want] // R] = 0
+    tiles = torch.nonzero(tile_id >= 0)
+    y = torch.zeros(T, H, P, device=dev)
+    if tiles.numel() == 0:
+        return y, h, moved
+    NT = tiles.shape[0]
+    tile_id[tiles[:, 0], tiles[:, 1]] = torch.arange(NT, device=dev)
+    tc, tr = tiles[:, 0], tiles[:, 1]
+    ident = NT == NC and bool((tc == torch.arange(NC, device=dev)).all())
+    ar = torch.arange(R, device=dev)
+    rows_in_chunk = tr[:, None] * R + ar  # [NT, R]
+    a_c = a if ident else a[tc]  # [NT, H, L]
+    a_t = a_c.gather(-1, rows_in_chunk[:, None, :].expand(NT, H, R))  # [NT, H, R]
+    a_0 = a_t[..., :1]
+    before = torch.arange(L, device=dev)[None, :] < (tr * R)[:, None]  # [NT, L]
+    causal = ar[:, None] >= ar[None, :]
+    neg_inf = torch.tensor(-math.inf, device=dev)
+    # All exponentials of the tile in one call (each is <= 1): columns before the tile, the
+    # tile's rows against its first row, its diagonal block, and the boundary-state decay.
+    args = (
+        torch.where(before[:, None, :], a_0 - a_c, neg_inf),  # [NT, H, L]
+        a_t - a_0,  # [NT, H, R]
+        torch.where(causal, a_t[..., :, None] - a_t[..., None, :], neg_inf),  # [NT, H, R, R]
+        a_t,  # [NT, H, R]
+    )
+    e = ew.exp(torch.cat([t.reshape(NT, H, -1) for t in args], dim=-1))
+    e_col, e_row, diag, e_in = torch.split(e, [L, R, R * R, R], dim=-1)
+    decay = e_row[..., :, None] * e_col[..., None, :]  # [NT, H, R, L]
+    decay.scatter_(-1, rows_in_chunk[:, None, None, :].expand(NT, H, R, R), diag.reshape(NT, H, R, R))
+
+    # C of the wanted rows, placed in their tiles (other rows stay zero).
+    rt = tile_id[ch.row_chunk, ch.row_pos // R]
+    Ct = torch.zeros(NT, G, R, N, device=dev)
+    Ct[rt[want], :, ch.row_pos[want] % R] = C[want].to(torch.float32)
+    Bt = ch.B if ident else ch.B[tc]  # [NT, G, L, N]
+    CB = torch.bmm(Ct.view(NT * G, R, N), Bt.view(NT * G, L, N).transpose(1, 2))  # [NT*G, R, L]
+    dt_t = ch.dt if ident else ch.dt[tc]  # [NT, H, L]
+    # (C.B) * decay * dt, with a group's C.B broadcast over its heads
+    scores = (CB.view(NT, G, 1, R, L) * decay.view(NT, G, Hg, R, L)) * dt_t.view(NT, G, Hg, 1, L)
+    xt = ch.x if ident else ch.x[tc]  # [NT, H, L, P]
+    intra = torch.bmm(scores.view(NT * H, R, L), xt.view(NT * H, L, P)).view(NT, H, R, P)
+    # C_t . h_in for all heads of a group in one GEMM: [R, N] x [N, Hg*P]
+    hb = h_in if ident else h_in[tc]  # [NT, H, P, N]
+    inter = torch.bmm(Ct.view(NT * G, R, N), hb.reshape(NT * G, Hg * P, N).transpose(1, 2))
+    inter = inter.view(NT, G, R, Hg, P).permute(0, 1, 3, 2, 4).reshape(NT, H, R, P) * e_in[..., None]
+    x_t = xt.gather(2, rows_in_chunk[:, None, :, None].expand(NT, H, R, P))  # [NT, H, R, P]
+    Df = D.to(torch.float32)
+    Df = Df[:, None] if Df.dim() == 1 else Df
+    out = (inter + intra) + Df[None, :, None, :] * x_t  # [NT, H, R, P]
+    y[want] = out[rt[want], :, ch.row_pos[want] % R]
+    return y, h, moved
 
 
 def chunk_scan(
@@ -109,7 +263,7 @@ def chunk_scan(
         A: [H] fp32 (negative). D: [H] or [H, P]. dt_bias: [H].
         cu_seqlens: [S+1] int64 offsets of the sequences in the packed rows.
         initial_states: [S, H, P, N] float32, the state at each sequence's first row.
-        rows: [T] bool, the rows whose outputs are wanted (default all); C of the others is unused.
+        rows: [T] bool, the rows whose outputs are wanted (default all).
         final: "boundary" returns each sequence's state at its last full-chunk boundary (what
             exact replay keeps); "end" folds the trailing partial chunk in too (the baseline's
             running state).
@@ -117,93 +271,6 @@ def chunk_scan(
     Returns:
         y [T, H, P] in x's dtype (zero in rows not wanted) and states [S, H, P, N] float32.
     """
-    if final not in ("boundary", "end"):
-        raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
-    if chunk_size % row_tile:
-        raise ValueError(f"chunk_size {chunk_size} is not a multiple of the row tile {row_tile}")
-    dev = x.device
-    T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    L, R = chunk_size, row_tile
-    plan = plan_chunks(cu_seqlens, L)
-    tok = plan.tok.to(dev)
-    NC = tok.shape[0]
-    head_group = torch.arange(H, device=dev) // (H // G)
-
-    dtp = dt_softplus(dt, dt_bias, dt_limit)  # [T, H]
-    dtc = _gather_padded(dtp, tok).transpose(1, 2)  # [NC, H, L]; padding: dt = 0
-    a = torch.cumsum(dtc * A.to(torch.float32)[None, :, None], dim=-1)  # [NC, H, L]
-    xc = _gather_padded(x, tok).permute(0, 2, 1, 3)  # [NC, H, L, P]
-    Bc = _gather_padded(B, tok).permute(0, 2, 1, 3)  # [NC, G, L, N]
-
-    # Chunk states (from a zero boundary): sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-    need = plan.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool)
-    sidx = torch.nonzero(need).flatten()
-    chunk_state = torch.zeros(NC, H, P, N, device=dev)
-    if sidx.numel():
-        si = sidx.to(dev)
-        w = ew.exp(a[si, :, -1:] - a[si]) * dtc[si]  # [n, H, L]
-        xw = (xc[si] * w[..., None]).transpose(-1, -2)  # [n, H, P, L]
-        Bh = Bc[si][:, head_group]  # [n, H, L, N]
-        n = si.numel()
-        chunk_state[si] = torch.bmm(xw.reshape(n * H, P, L), Bh.reshape(n * H, L, N)).view(n, H, P, N)
-
-    # Pass states along each sequence, chunk after chunk, in float32.
-    h = initial_states.to(torch.float32).clone()
-    h_in = torch.empty(NC, H, P, N, device=dev)
-    chunk_decay = ew.exp(a[:, :, -1])  # [NC, H]
-    for k in range(int(plan.index.max()) + 1 if NC else 0):
-        ck = torch.nonzero(plan.index == k).flatten()
-        sq = plan.seq[ck].to(dev)
-        ck = ck.to(dev)
-        h_in[ck] = h[sq]
-        upd = need[ck.cpu()].to(dev)
-        cu_, su_ = ck[upd], sq[upd]
-        h[su_] = chunk_decay[cu_][:, :, None, None] * h[su_] + chunk_state[cu_]
-
-    y = torch.zeros(T, H, P, dtype=x.dtype, device=dev)
-    want = plan.valid.clone()
-    if rows is not None:
-        want &= torch.cat([rows.cpu().to(torch.bool), torch.zeros(1, dtype=torch.bool)])[plan.tok]
-    tiles = torch.nonzero(want.view(NC, L // R, R).any(-1))
-    if tiles.numel() == 0:
-        return y, h
-    tc, tr = tiles[:, 0].to(dev), tiles[:, 1].to(dev)
-    NT = tc.numel()
-    ar = torch.arange(R, device=dev)
-    rows_in_chunk = tr[:, None] * R + ar  # [NT, R]
-    a_c = a[tc]  # [NT, H, L]
-    a_t = a_c.gather(-1, rows_in_chunk[:, None, :].expand(NT, H, R))  # [NT, H, R]
-    a_0 = a_t[..., :1]  # the tile's first row
-    s_pos = torch.arange(L, device=dev)
-    before = s_pos[None, :] < (tr * R)[:, None]  # [NT, L] columns strictly before the tile
-    neg_inf = torch.tensor(-math.inf, device=dev)
-    e_col = ew.exp(torch.where(before[:, None, :], a_0 - a_c, neg_inf))  # [NT, H, L], <= 1
-    e_row = ew.exp(a_t - a_0)  # [NT, H, R], <= 1
-    decay = e_row[..., :, None] * e_col[..., None, :]  # [NT, H, R, L]
-    causal = ar[:, None] >= ar[None, :]  # [R, R]
-    diag = ew.exp(torch.where(causal, a_t[..., :, None] - a_t[..., None, :], neg_inf))  # [NT, H, R, R]
-    decay.scatter_(-1, rows_in_chunk[:, None, None, :].expand(NT, H, R, R), diag)
-
-    tile_tok = plan.tok.to(dev)[tc[:, None], rows_in_chunk]  # [NT, R] packed rows (T = padding)
-    tile_want = want.to(dev)[tc[:, None], rows_in_chunk]
-    Ct = _gather_padded(C, torch.where(tile_want, tile_tok, T))  # [NT, R, G, N]; unwanted rows: 0
-    Ct = Ct.permute(0, 2, 1, 3)  # [NT, G, R, N]
-    CB = torch.bmm(Ct.reshape(NT * G, R, N), Bc[tc].transpose(-1, -2).reshape(NT * G, N, L))
-    CB = CB.view(NT, G, R, L)[:, head_group]  # [NT, H, R, L]
-    dt_t = dtc[tc]  # [NT, H, L]
-    scores = (CB * decay) * dt_t[:, :, None, :]
-    intra = torch.bmm(scores.reshape(NT * H, R, L), xc[tc].reshape(NT * H, L, P)).view(NT, H, R, P)
-    Ch = Ct[:, head_group]  # [NT, H, R, N]
-    hT = h_in[tc].transpose(-1, -2)  # [NT, H, N, P]
-    inter = torch.bmm(Ch.reshape(NT * H, R, N), hT.reshape(NT * H, N, P)).view(NT, H, R, P)
-    inter = inter * ew.exp(a_t)[..., None]
-    x_t = _gather_padded(x, tile_tok).permute(0, 2, 1, 3)  # [NT, H, R, P]
-    Df = D.to(torch.float32)
-    Df = Df[:, None] if Df.dim() == 1 else Df
-    out = (inter + intra) + Df[None, :, None, :] * x_t  # [NT, H, R, P]
-
-    out = out.permute(0, 2, 1, 3).reshape(NT * R, H, P)
-    flat_tok, flat_want = tile_tok.reshape(-1), tile_want.reshape(-1)
-    y[flat_tok[flat_want]] = out[flat_want].to(x.dtype)
-    return y, h
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit)
+    y, h, _ = scan_chunks(ch, C, A, D, initial_states, rows=rows, final=final, row_tile=row_tile)
+    return y.to(x.dtype), h
