@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .ops.conv1d import causal_conv1d
-from .ops.ssd.chunk import pack_chunks, scan_chunks
+from .ops.ssd import scan_chunks_for
+from .ops.ssd.chunk import pack_chunks
 
 
 @dataclass
@@ -162,6 +163,7 @@ def ssd_advance(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     rows: torch.Tensor | None = None,
     row_tile: int = 16,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Advance every slot of ``batch`` by its new tokens; returns y [T, H, P] for the new rows.
 
@@ -178,7 +180,8 @@ def ssd_advance(
     off = batch.start_pos.to(dev) % L  # rows buffered since the boundary
     prefix = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots], off)
     ch = pack_chunks(x, dt, B, cu, L, dt_bias, dt_limit, prefix=prefix)
-    y, h, moved = scan_chunks(ch, C, A, D, state.ssm_state[slots], rows=rows, final="boundary", row_tile=row_tile)
+    scan = scan_chunks_for(backend)
+    y, h, moved = scan(ch, C, A, D, state.ssm_state[slots], rows=rows, final="boundary", row_tile=row_tile)
     if bool(moved.any()):
         state.ssm_state[slots[moved]] = h[moved]
     # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is

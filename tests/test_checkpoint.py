@@ -53,7 +53,8 @@ def write_raw(path: Path, config: Mamba2Config | dict[str, Any], tensors: dict[s
     path.mkdir(parents=True, exist_ok=True)
     cfg = config.to_hf_dict() if isinstance(config, Mamba2Config) else config
     (path / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     return path
 
 

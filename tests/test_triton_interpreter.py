@@ -7,8 +7,12 @@ everything here is fp32 and tiny. Bit-identity is checked with torch.equal on ra
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+# @triton.jit (Triton's own library too) picks interpreted or compiled code when it is imported, so
+# the interpreter must be on before the first import of triton in this process.
+_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
 
 import math  # noqa: E402
 
@@ -16,10 +20,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from hypothesis import given, settings  # noqa: E402
+if _TOO_LATE:
+    pytest.skip("triton was imported before the interpreter was switched on; run this file with "
+                "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+from hypothesis import Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import aligned_mamba.replay as replay  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import pack_chunks, scan_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.naive import ssd_naive  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import scan_chunks_triton  # noqa: E402
@@ -27,7 +33,8 @@ from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E
 
 H, P, N, L, R = 2, 16, 16, 32, 16
 NO_LIMIT = (0.0, math.inf)
-FEW = settings(max_examples=5, deadline=None, database=None)
+# Few examples and no shrinking: every example costs seconds in the interpreter.
+FEW = settings(max_examples=5, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
 
 
 def _params(seed: int, d_per_channel: bool = True) -> dict[str, torch.Tensor]:
@@ -57,13 +64,12 @@ def _replay(G: int, seed: int, schedule: list[int], rows_mask: torch.Tensor | No
     prm = _params(seed)
     st_ = _state(G)
     ys, pos = [], 0
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replay, "scan_chunks", scan_chunks_triton)
-        for n in schedule:
-            sl = slice(pos, pos + n)
-            rows = None if rows_mask is None else rows_mask[sl]
-            ys.append(ssd_advance(st_, Batch.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], rows=rows, **prm))
-            pos += n
+    for n in schedule:
+        sl = slice(pos, pos + n)
+        rows = None if rows_mask is None else rows_mask[sl]
+        ys.append(ssd_advance(st_, Batch.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], rows=rows,
+                              backend="triton", **prm))
+        pos += n
     return torch.cat(ys), st_
 
 
@@ -108,24 +114,23 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     # Give every slot a history (its own random boundary state and buffered partial chunk).
     hist = _state(G, S)
     hist.ssm_state.copy_(torch.randn(hist.ssm_state.shape, generator=g))
-    for i, p0 in enumerate(start):
+    for i, p0 in enumerate(start):  # buffers are head-major [slot, head or group, L, ...]; dt is softplus'd
         for buf in (hist.buf_x, hist.buf_dt, hist.buf_B):
-            buf[i, : p0 % L] = torch.randn(buf[i, : p0 % L].shape, generator=g)
+            buf[i, :, : p0 % L] = torch.rand(buf[i, :, : p0 % L].shape, generator=g)
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replay, "scan_chunks", scan_chunks_triton)
-        packed = LayerReplayState(*(t.clone() for t in vars(hist).values()))
-        y_packed = ssd_advance(packed, Batch.make(list(range(S)), start, lens), x, dt, B, C, rows=rows, **prm)
-        for i in range(S):
-            alone = LayerReplayState(*(t[i : i + 1].clone() for t in vars(hist).values()))
-            sl = slice(cu[i], cu[i + 1])
-            y_alone = ssd_advance(alone, Batch.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl],
-                                  rows=rows[sl], **prm)
-            assert torch.equal(y_packed[sl], y_alone), i
-            for name, t in vars(alone).items():
-                assert torch.equal(getattr(packed, name)[i : i + 1], t), name
+    packed = LayerReplayState(*(t.clone() for t in vars(hist).values()))
+    y_packed = ssd_advance(packed, Batch.make(list(range(S)), start, lens), x, dt, B, C, rows=rows,
+                           backend="triton", **prm)
+    for i in range(S):
+        alone = LayerReplayState(*(t[i : i + 1].clone() for t in vars(hist).values()))
+        sl = slice(cu[i], cu[i + 1])
+        y_alone = ssd_advance(alone, Batch.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl],
+                              rows=rows[sl], backend="triton", **prm)
+        assert torch.equal(y_packed[sl], y_alone), i
+        for name, t in vars(alone).items():
+            assert torch.equal(getattr(packed, name)[i : i + 1], t), name
     assert torch.all(y_packed[~rows] == 0)
 
 
@@ -138,20 +143,32 @@ def test_accuracy_against_fp64_reference(G: int, d_per_channel: bool) -> None:
     cu = torch.tensor([0, lens[0], T])
     h0 = torch.randn(2, H, P, N, generator=torch.Generator().manual_seed(7))
     ch = pack_chunks(x, dt, B, cu, L, prm["dt_bias"], NO_LIMIT)
-    y, h_end = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="end")
+    y, h_end, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="end")
     y_ref, h_ref = ssd_naive(x, dt, prm["A"], B, C, prm["D"], prm["dt_bias"], cu, h0)
     assert ((y.double() - y_ref).abs().mean() / y_ref.abs().mean()).item() < 1e-5
     assert torch.allclose(h_end.double(), h_ref, rtol=1e-4, atol=1e-4)
     # final="boundary": the state after each sequence's last full chunk (32 and 64 tokens).
-    _, h_bd = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary")
+    _, h_bd, _ = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary")
     cut = [L, 2 * L]
     idx = torch.cat([torch.arange(0, cut[0]), torch.arange(lens[0], lens[0] + cut[1])])
     _, h_bd_ref = ssd_naive(x[idx], dt[idx], prm["A"], B[idx], C[idx], prm["D"], prm["dt_bias"],
                             torch.tensor([0, cut[0], sum(cut)]), h0)
     assert torch.allclose(h_bd.double(), h_bd_ref, rtol=1e-4, atol=1e-4)
     # And close to (not bitwise equal to: a different backend) the torch scan.
-    y_t, h_t = scan_chunks(ch, C, prm["A"], prm["D"], h0, final="end")
+    y_t, h_t, moved_t = scan_chunks(ch, C, prm["A"], prm["D"], h0, final="end")
     assert torch.allclose(y, y_t, rtol=1e-4, atol=1e-4) and torch.allclose(h_end, h_t, rtol=1e-4, atol=1e-4)
+    assert torch.equal(moved, moved_t) and bool(moved.all())
+
+
+def test_state_untouched_without_a_full_chunk() -> None:
+    """A call whose sequences complete no chunk reports them unmoved and returns their states as they were."""
+    G = 1
+    x, dt, B, C = _tokens(20, G, 5)
+    prm = _params(5)
+    ch = pack_chunks(x, dt, B, torch.tensor([0, 5, 20]), L, prm["dt_bias"], NO_LIMIT)
+    h0 = torch.randn(2, H, P, N)
+    _, h, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0)
+    assert not bool(moved.any()) and torch.equal(h, h0)
 
 
 @FEW
@@ -164,12 +181,12 @@ def test_unaligned_split_without_replay_changes_bits(split: int) -> None:
     A, D, bias = prm["A"], prm["D"], prm["dt_bias"]
     h0 = torch.zeros(1, H, P, N)
     whole = pack_chunks(x, dt, B, torch.tensor([0, T]), L, bias, NO_LIMIT)
-    y_one, _ = scan_chunks_triton(whole, C, A, D, h0)
+    y_one, _, _ = scan_chunks_triton(whole, C, A, D, h0)
     a, b = slice(0, split), slice(split, T)
     first = pack_chunks(x[a], dt[a], B[a], torch.tensor([0, split]), L, bias, NO_LIMIT)
-    y_a, h_run = scan_chunks_triton(first, C[a], A, D, h0, final="end")
+    y_a, h_run, _ = scan_chunks_triton(first, C[a], A, D, h0, final="end")
     second = pack_chunks(x[b], dt[b], B[b], torch.tensor([0, T - split]), L, bias, NO_LIMIT)
-    y_b, _ = scan_chunks_triton(second, C[b], A, D, h_run)
+    y_b, _, _ = scan_chunks_triton(second, C[b], A, D, h_run)
     y_split = torch.cat([y_a, y_b])
     assert torch.equal(y_split[a], y_one[a])  # the part before the split is the same prefix
     assert not torch.equal(y_split[b], y_one[b])  # rows after it are rounded differently ...

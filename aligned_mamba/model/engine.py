@@ -143,6 +143,7 @@ class SamplerEngine:
 
     def _sample(self, req: Request, row: torch.Tensor, pos: int) -> None:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.req_id * 10_007 + pos) % (1 << 62))
+        row = row.cpu()
         lp = log_softmax(row.unsqueeze(0) / self.temperature)[0]
         tok = int(torch.multinomial(torch.exp(lp.double()), 1, generator=g))
         req.tokens.append(tok)

@@ -62,9 +62,13 @@ class ModelCache:
 class Mamba2LM:
     """Mamba2ForCausalLM on the shared ops. ``contract`` fixes chunk size, backend and dtype."""
 
-    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract) -> None:
+    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract,
+                 device: torch.device | str | None = None) -> None:
         self.config = config
         self.contract = contract
+        if device is None:
+            device = "cuda" if contract.backend == "triton" and torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
         self.dtype = getattr(torch, contract.model_dtype)
         self.row_tile = int(contract.kernel_configs.get("row_tile", 16))
         self.linear_tile = int(contract.kernel_configs.get("linear_row_tile", 16))
@@ -73,7 +77,7 @@ class Mamba2LM:
         f32 = torch.float32
 
         def get(name: str, dtype: torch.dtype = dt) -> torch.Tensor:
-            return tensors[name].to(dtype).contiguous()
+            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
 
         def opt(name: str, dtype: torch.dtype = dt) -> torch.Tensor | None:
             return get(name, dtype) if name in tensors else None
@@ -112,11 +116,12 @@ class Mamba2LM:
                 layers.append(LayerReplayState.allocate(
                     num_slots, heads=c.num_heads, head_dim=c.head_dim, groups=c.n_groups, state_size=c.state_size,
                     conv_kernel=c.conv_kernel, conv_dim=c.conv_dim, chunk_size=self.contract.chunk_size,
-                    dtype=self.dtype))
+                    dtype=self.dtype, device=self.device))
             else:
                 layers.append(LayerRunningState(
-                    ssm_state=torch.zeros(num_slots, c.num_heads, c.head_dim, c.state_size),
-                    conv_window=torch.zeros(num_slots, c.conv_kernel - 1, c.conv_dim, dtype=self.dtype)))
+                    ssm_state=torch.zeros(num_slots, c.num_heads, c.head_dim, c.state_size, device=self.device),
+                    conv_window=torch.zeros(num_slots, c.conv_kernel - 1, c.conv_dim, dtype=self.dtype,
+                                            device=self.device)))
         return ModelCache(layers=layers, num_slots=num_slots, exact_replay=exact_replay)
 
     # -- the one forward -------------------------------------------------------------------------
@@ -133,6 +138,9 @@ class Mamba2LM:
             raise ValueError(f"{token_ids.numel()} token ids for a batch of {batch.num_tokens} tokens")
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size:
             raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+        token_ids = token_ids.to(self.device)
+        if logit_rows is not None:
+            logit_rows = logit_rows.to(self.device)
         hidden = self.embedding[token_ids]
         residual = hidden.to(torch.float32) if c.residual_in_fp32 else hidden
         last = len(self.layers) - 1
@@ -159,7 +167,7 @@ class Mamba2LM:
         C = xBC[:, d + G * N:].reshape(T, G, N)
         if isinstance(state, LayerReplayState):
             y = ssd_advance(state, batch, x, dt, B, C, A=p.A, D=p.D, dt_bias=p.dt_bias, dt_limit=self.dt_limit,
-                            rows=rows, row_tile=self.row_tile)
+                            rows=rows, row_tile=self.row_tile, backend=self.contract.backend)
         else:
             y = self._baseline_ssd(state, batch, x, dt, B, C, p)
         if capture is not None:

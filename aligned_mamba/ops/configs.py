@@ -19,7 +19,16 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "torch": MappingProxyType({"row_tile": 16, "linear_row_tile": 16}),
         "triton": MappingProxyType(
-            {"row_tile": 16, "linear_row_tile": 16, "BLOCK_P": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4}
+            {
+                "row_tile": 16,
+                "linear_row_tile": 16,
+                "BLOCK_P": 64,
+                "BLOCK_N": 64,
+                "BLOCK_K": 32,
+                "num_warps": 4,
+                # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target
+                "dot_precision": "ieee",
+            }
         ),
     }
 )

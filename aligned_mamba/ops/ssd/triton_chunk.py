@@ -17,7 +17,9 @@ Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N b
 
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
 2. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk.
+3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk
+   (skipped when every sequence has one chunk and none completes: a decode step reads the state
+   in place and writes none).
 4. ``_tile_output_kernel`` [tiles holding wanted rows, H, PB]: y rows of one row tile.
 
 Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
@@ -27,7 +29,7 @@ and so the bits, would be the same, but re-check on the GPU before switching.
 
 Configs: BLOCK_P, BLOCK_N, BLOCK_K and num_warps come from ``PINNED["triton"]``; the row tile is an
 argument, as for the torch scan (callers pass ``PINNED["triton"]["row_tile"]``, 16). This module
-adds one constant, ``DOT_PRECISION`` (below).
+reads ``dot_precision`` from there too.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ BLOCK_N: int = _CFG["BLOCK_N"]
 BLOCK_K: int = _CFG["BLOCK_K"]
 NUM_WARPS: int = _CFG["num_warps"]
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
-# and would miss the fp32 accuracy target by orders of magnitude. Part of the contract like the
-# pinned configs (a different precision gives different bits).
-DOT_PRECISION: str = "ieee"
+# and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
+# the other configs: a different precision gives different bits.
+DOT_PRECISION: str = _CFG["dot_precision"]
 
 
 @triton.jit
@@ -210,7 +212,7 @@ def scan_chunks_triton(
     rows: torch.Tensor | None = None,
     final: str = "boundary",
     row_tile: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan proper on Triton; a drop-in for ``chunk.scan_chunks`` (same bits rule, own bits).
 
     ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] softplus'd, B [NC, G, L, N] fp32).
@@ -218,8 +220,10 @@ def scan_chunks_triton(
     fp32; rows [T] bool, the rows whose outputs are wanted (default all); row_tile a power of two
     >= 16 dividing L.
 
-    Returns y [T, H, P] float32 (zero in rows not wanted) and states [S, H, P, N] float32: at each
-    sequence's last full-chunk boundary (final="boundary") or at its end ("end").
+    Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
+    sequence's last full-chunk boundary for final="boundary", at its end for "end") and moved [S]
+    bool (whether a sequence's state changed; where not, states holds the initial one's bits, and
+    may be ``initial_states`` itself when no sequence moved).
     """
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
@@ -240,8 +244,9 @@ def scan_chunks_triton(
     Df = (Df[:, None].expand(H, P) if Df.dim() == 1 else Df).contiguous()
     h0 = initial_states.to(device=dev, dtype=f32).contiguous()
     y = torch.zeros(T, H, P, device=dev, dtype=f32)
+    moved = torch.zeros(S, dtype=torch.bool, device=dev)
     if NC == 0:
-        return y, h0.clone()
+        return y, h0.clone(), moved
     PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
     dims = dict(H=H, L=L, P=P, N=N)
 
@@ -250,6 +255,7 @@ def scan_chunks_triton(
 
     need = ch.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool, device=dev)
     si = torch.nonzero(need).flatten()
+    moved[ch.seq.to(dev)[si]] = True
     chunk_state = torch.empty(NC, H, P, N, device=dev, dtype=f32)  # rows of chunks not needed stay unset
     if si.numel():
         _chunk_state_kernel[(si.numel(), H, PB * NB)](
@@ -257,21 +263,27 @@ def scan_chunks_triton(
             PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
         )
 
-    count = torch.bincount(ch.seq.to(dev), minlength=S)
-    first = torch.cumsum(count, 0) - count
-    h_in = torch.empty(NC, H, P, N, device=dev, dtype=f32)
-    h_out = torch.empty(S, H, P, N, device=dev, dtype=f32)
-    if S:
+    # With one chunk per sequence (a decode step, a short prefill) chunk i belongs to sequence i
+    # and its boundary state is the initial one: read it in place, and write states only if a
+    # chunk completed (a decode step then only reads the state, as the torch scan does).
+    one_each = NC == S
+    h_in, h_out = h0, h0
+    if not one_each or si.numel():
+        count = torch.bincount(ch.seq.to(dev), minlength=S)
+        first = torch.cumsum(count, 0) - count
+        h_pass = torch.empty(NC, H, P, N, device=dev, dtype=f32)
+        h_out = torch.empty(S, H, P, N, device=dev, dtype=f32)
         _state_pass_kernel[(S, H, PB * NB)](
-            a, chunk_state, need.to(torch.int8), h0, h_in, h_out, first, count, **dims,
+            a, chunk_state, need.to(torch.int8), h0, h_pass, h_out, first, count, **dims,
             BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )
+        h_in = h0 if one_each else h_pass
 
     # The tiles holding wanted rows, and for each tile row its packed row (or -1).
     want = torch.ones(T, dtype=torch.bool, device=dev) if rows is None else rows.to(device=dev, dtype=torch.bool)
     wi = torch.nonzero(want).flatten()
     if wi.numel() == 0:
-        return y, h_out
+        return y, h_out, moved
     rc, rp = ch.row_chunk.to(dev)[wi], ch.row_pos.to(dev)[wi]
     tile_id = torch.full((NC, L // R), -1, dtype=torch.int64, device=dev)
     tile_id[rc, rp // R] = 0
@@ -286,4 +298,4 @@ def scan_chunks_triton(
         x, dt, a, Bc, Cf, Df, h_in, y, tile_chunk, tile_pos, tile_rows, G=G, **dims, R=R,
         BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
     )
-    return y, h_out
+    return y, h_out, moved

@@ -1,0 +1,1 @@
+"""Trainer-side integrations (Megatron-Core). Thin edges over ``aligned_mamba``; none ships yet."""
