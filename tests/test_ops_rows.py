@@ -39,17 +39,28 @@ def num_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(prev)
 
 
+@pytest.fixture(autouse=True)
+def _single_thread_by_default() -> Iterator[None]:
+    """One thread unless a test asks for two: on a loaded 2-core machine every 2-thread parallel
+    region can wait for a busy core, so the 2-thread runs are kept to the checks that need them."""
+    with num_threads(1):
+        yield
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (distinguishes -0.0 from 0.0; nan payloads must match too)."""
+    """Bitwise equality: distinguishes -0.0 from 0.0; any nan equals any nan at the same place."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a, b = a.contiguous(), b.contiguous()
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
     itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}[a.dtype]
-    return torch.equal(a.view(itype), b.view(itype))
+    return torch.equal(a.view(itype)[~nan], b.view(itype)[~nan])
 
 
 def _row_calls(fn, rows: torch.Tensor, full: torch.Tensor, sizes, g: torch.Generator, *extra_rows) -> None:
@@ -137,13 +148,13 @@ def test_torch_sum_is_not_row_invariant_but_tree_sum_is() -> None:
     """Contrast (measured on torch 2.13 CPU): with 2 threads a long row summed alone is split
     across threads and differs from the same row inside a [300, 50280] call; a column-major
     layout changes torch.sum's bits with any thread count. tree_sum has neither problem."""
-    x = torch.randn(300, 50280, generator=_gen(0))
+    x = torch.randn(120, 50280, generator=_gen(0))
     with num_threads(2):
         full = x.sum(-1)
-        alone = torch.stack([x[i].sum() for i in range(0, 300, 3)])
+        alone = torch.stack([x[i].sum() for i in range(0, 120, 3)])
         differ_threads = int((alone != full[::3]).sum())
         t_full = tree_sum(x)
-        assert _same_bits(torch.stack([tree_sum(x[i]) for i in range(0, 300, 3)]), t_full[::3])
+        assert _same_bits(torch.stack([tree_sum(x[i]) for i in range(0, 120, 3)]), t_full[::3])
     differ_layout = int((x.t().contiguous().t().sum(-1) != full).sum())
     assert differ_threads + differ_layout > 0, "torch.sum rows no longer depend on the call: re-measure"
     assert _same_bits(tree_sum(x.t().contiguous().t()), t_full)
@@ -176,9 +187,6 @@ def _linear_operands(m: int, k: int, n: int, dtype: torch.dtype, w_dtype: torch.
 def test_linear_row_invariance(
     k: int, n: int, m: int, dtype: torch.dtype, fp32_weight: bool, bias: bool, threads: int, seed: int
 ) -> None:
-    if dtype == torch.float32:
-        # Known failures of fp32 inputs outside this domain: see the two xfail tests below.
-        k, n = 4 * ((k + 3) // 4), max(n, 2)
     w_dtype = torch.float32 if fp32_weight else dtype
     x, w, b = _linear_operands(600, k, n, dtype, w_dtype, bias, seed)
     with num_threads(1):
@@ -211,30 +219,35 @@ def test_f_linear_fp32_is_not_row_invariant() -> None:
         for m in (1, 2, 7):
             got = torch.cat([F.linear(x[i : i + m], w) for i in range(0, 28, m)])
             if not torch.equal(got, full[: got.shape[0]]):
-                found.append((k, n, m))
-        tiled = linear(x, w)
-        for m in (1, 2, 7):
-            got = torch.cat([linear(x[i : i + m], w) for i in range(0, 28, m)])
-            assert _same_bits(got, tiled[: got.shape[0]])
+                found.append(m)
+        if found:
+            tiled = linear(x, w)  # the same shape, tiled: no row differs
+            for m in found:
+                got = torch.cat([linear(x[i : i + m], w) for i in range(0, 28, m)])
+                assert _same_bits(got, tiled[: got.shape[0]])
+            break
     assert found, "F.linear fp32 rows no longer depend on M on this machine: re-measure"
 
 
-@pytest.mark.xfail(strict=True, reason="ops.linear bug: fp32 row bits depend on the row's slot in its 16-row tile")
 def test_linear_fp32_k_not_multiple_of_4_small_n_row_invariance() -> None:
-    """Known bug (torch 2.13 CPU): fp32 x with K % 4 != 0 and a small N (about N <= 10): bmm gives
-    a row whose slot p in the tile has p*K*4 bytes not 16-byte aligned other bits (a different
-    GEMM path) than a row at an aligned slot, so row r of a big call (slot r % 16) differs from
-    the same row in a 1-row call (slot 0). Measured: K=5, N=5: ~40 of 64 rows differ; also
-    K=250/258/766/770 with N=2 or 8. bf16 inputs (exact fp32 products) are not affected."""
+    """Regression (torch 2.13 CPU): fp32 x with K % 4 != 0 and a small N (about N <= 10).
+
+    Inside a 16-row tile, a row at slot p starts p*K*4 bytes into the tile; bmm computes rows at
+    16-byte aligned slots with other bits (another GEMM path) than rows at unaligned slots, so
+    row r of a big call (slot r % 16) differs from the same row in a 1-row call (slot 0).
+    Measured: K=5, N=5: ~40 of 64 rows differ; also K=250/258/766/770 with N=2 or 8. bf16 x with
+    an fp32 weight is affected too, though the bf16 output rounding hides most cases
+    (hypothesis found K=79, N=4, seed 144: a row of an 88-row call differs from the 600-row
+    call). bf16 x with a bf16 weight (exact fp32 products) never differed.
+    """
     x, w, _ = _linear_operands(64, 5, 5, torch.float32, torch.float32, False, 0)
     full = linear(x, w)
     alone = torch.cat([linear(x[i : i + 1], w) for i in range(64)])
     assert _same_bits(alone, full)
 
 
-@pytest.mark.xfail(strict=True, reason="ops.linear bug: fp32 N=1: a 1-tile call differs from a multi-tile call")
 def test_linear_fp32_single_output_column_row_invariance() -> None:
-    """Known bug (torch 2.13 CPU): fp32 with N == 1 and K >= 25: bmm over one tile (M <= 16)
+    """Regression (torch 2.13 CPU): fp32 with N == 1 and K >= 25: bmm over one tile (M <= 16)
     takes another path than bmm over >= 2 tiles, so linear(x[:16], w) != linear(x, w)[:16]
     (K=32: 12 of 16 rows differ)."""
     x, w, _ = _linear_operands(64, 32, 1, torch.float32, torch.float32, False, 0)
@@ -339,10 +352,10 @@ def test_gated_rms_norm_groups_are_independent() -> None:
     assert not torch.equal(gated_rms_norm(y2, z, w, 1e-5, 1)[:, 32:], gated_rms_norm(y, z, w, 1e-5, 1)[:, 32:])
 
 
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     which=st.sampled_from(["rms", "gated1", "gated2", "gated4"]),
-    group_dim=st.integers(1, 200),
+    group_dim=st.integers(1, 160),
     m=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
     threads=st.sampled_from([1, 2]),
@@ -536,9 +549,9 @@ def test_log_softmax_masked_entries() -> None:
     assert _same_bits(torch.cat([log_softmax(logits[i : i + 1]) for i in range(12)]), full)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
-    v=st.one_of(st.sampled_from([1, 2, 7, 1000, 4097]), st.integers(1, 3000)),
+    v=st.one_of(st.sampled_from([1, 2, 7, 1000, 1025]), st.integers(1, 1200)),
     m=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
     threads=st.sampled_from([1, 2]),
@@ -553,8 +566,7 @@ def test_log_softmax_row_invariance(v: int, m: int, dtype: torch.dtype, threads:
         assert _same_bits(log_softmax(logits), full)
         _row_calls(log_softmax, logits, full, [m, 1, 17], g)
         ids = torch.randint(v, (300,), generator=g)
-        tl_full = token_logprobs(logits, ids)
-        assert _same_bits(tl_full, full.gather(-1, ids[:, None])[:, 0])
+        tl_full = full.gather(-1, ids[:, None])[:, 0]
         _row_calls(token_logprobs, logits, tl_full, [m, 1], g, ids)
 
 
@@ -579,3 +591,10 @@ def test_token_logprobs_shapes_and_values() -> None:
     ref = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0]
     assert float((tl.double() - ref).abs().max()) < 1e-5
     assert _same_bits(tl, token_logprobs(logits, ids.to(torch.int32)))
+
+
+def test_log_softmax_nan_logit_poisons_row() -> None:
+    """Regression: log_softmax([1, nan, 2]) = [-88.13, nan, -87.13] (torch: all nan), because
+    ew.log(nan) = 89.13; token_logprobs of a non-nan token then hides the nan as a finite value."""
+    lp = log_softmax(torch.tensor([[1.0, math.nan, 2.0]]))
+    assert bool(torch.isnan(lp).all())

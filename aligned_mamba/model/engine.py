@@ -123,6 +123,7 @@ class SamplerEngine:
         want_t = torch.tensor(want, dtype=torch.bool)
         logits = self.model.advance(self.cache, batch, torch.tensor(ids, dtype=torch.int64), want_t)
         k = r = 0  # k indexes logits rows, r the packed token rows
+        to_sample: list[tuple[Request, int, int]] = []
         for req, n in plan:
             start = req.num_computed
             req.num_computed += n
@@ -130,24 +131,30 @@ class SamplerEngine:
                 r += 1
                 if not want[r - 1]:
                     continue
-                pos, row = start + i, logits[k]
-                k += 1
-                req.rows.append((pos, row))
+                pos = start + i
+                req.rows.append((pos, logits[k]))
                 if pos == len(req.tokens) - 1 and not req.finished:
-                    self._sample(req, row, pos)
+                    to_sample.append((req, pos, k))
+                k += 1
+        if to_sample:
+            self._sample(logits[[k for _, _, k in to_sample]], to_sample)
         self.steps += 1
         for req in [r for r, _ in plan if r.finished and r.pending <= 1]:
             self.running.remove(req)
             self.free_slots.append(req.slot)
             req.slot = None
 
-    def _sample(self, req: Request, row: torch.Tensor, pos: int) -> None:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.req_id * 10_007 + pos) % (1 << 62))
-        row = row.cpu()
-        lp = log_softmax(row.unsqueeze(0) / self.temperature)[0]
-        tok = int(torch.multinomial(torch.exp(lp.double()), 1, generator=g))
-        req.tokens.append(tok)
-        req.sampled_logprobs.append(float(log_softmax(row.unsqueeze(0))[0, tok]))
+    def _sample(self, rows: torch.Tensor, who: list[tuple[Request, int, int]]) -> None:
+        """Sample the next token of each request from its row, seeded by (seed, request, position)."""
+        rows = rows.cpu()
+        lp = log_softmax(rows)
+        lp_t = lp if self.temperature == 1.0 else log_softmax(rows.to(torch.float32) / self.temperature)
+        probs = torch.exp(lp_t.double())
+        for i, (req, pos, _) in enumerate(who):
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.req_id * 10_007 + pos) % (1 << 62))
+            tok = int(torch.multinomial(probs[i], 1, generator=g))
+            req.tokens.append(tok)
+            req.sampled_logprobs.append(float(lp[i, tok]))
 
     def run(self) -> None:
         while self.has_work():

@@ -23,8 +23,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = (M + row_tile - 1) // row_tile
     if tiles == 0:
         return x.new_zeros(0, N)
-    xp = torch.nn.functional.pad(x.to(torch.float32), (0, 0, 0, tiles * row_tile - M)).view(tiles, row_tile, K)
-    out = torch.bmm(xp, w.t().expand(tiles, K, N)).view(tiles * row_tile, N)[:M]
+    # K and N padded (with exact zeros) to multiples of 16: with fp32 rows of K % 4 != 0 bytes
+    # the GEMM takes another path for rows at 16-byte aligned offsets, and N == 1 takes another
+    # path for one tile than for several (torch 2.13 CPU); aligned shapes have neither.
+    kp, n_pad = -K % 16, -N % 16
+    if kp or n_pad:
+        w = torch.nn.functional.pad(w, (0, kp, 0, n_pad))
+    xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp, 0, tiles * row_tile - M))
+    xp = xp.view(tiles, row_tile, K + kp)
+    out = torch.bmm(xp, w.t().expand(tiles, K + kp, N + n_pad)).view(tiles * row_tile, N + n_pad)[:M, :N]
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)
