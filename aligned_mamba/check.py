@@ -9,8 +9,12 @@ shows what they prevent.
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,13 +81,16 @@ def run_case(spec: CaseSpec, sampler: Mamba2LM, prompts: list[list[int]], gen_le
     return reqs, engine
 
 
-def compare(reqs: list[Request], trainer_logits: list[torch.Tensor], trainer: Contract, sampler: Contract) -> Any:
-    """verify() over every logits row the sampler emitted, against the trainer's rows."""
+def compare(rows: list, trainer_logits: list[torch.Tensor], trainer: Contract, sampler: Contract) -> Any:
+    """verify() over every logits row the sampler emitted, against the trainer's rows.
+
+    rows: per request, its Request or its list of (position, logits row).
+    """
     t_rows, s_rows = [], []
-    for req, lg in zip(reqs, trainer_logits, strict=False):
-        for pos, row in req.rows:
+    for req, lg in zip(rows, trainer_logits):
+        for pos, row in (req.rows if isinstance(req, Request) else req):
             t_rows.append(lg[pos])
-            s_rows.append(row)
+            s_rows.append(row.to(lg.device))
     return verify(torch.stack(t_rows), torch.stack(s_rows), trainer_contract=trainer, sampler_contract=sampler)
 
 
@@ -120,27 +127,96 @@ def scan_accuracy(trainer: Mamba2LM, seq: torch.Tensor, layers: int = 3) -> dict
     return out
 
 
-def run_check(trainer: Mamba2LM, sampler: Mamba2LM, *, prompt_len: int, gen_len: int, requests: int,
-              max_batch_tokens: int | None, seed: int,
+@dataclass(frozen=True)
+class ModelSource:
+    """How any process builds the sampler model: the --model argument, dtype and contract (JSON).
+
+    Picklable, so sampler engines can run in worker processes: the bits they produce are then
+    compared with a trainer in another process, as in a real RL job.
+    """
+
+    model: str
+    dtype: str | None
+    contract_json: str
+
+    def build(self) -> Mamba2LM:
+        key = (self.model, self.dtype, self.contract_json)
+        if key not in _MODELS:
+            from .model.checkpoint import load_checkpoint, make_tiny
+
+            config, tensors = make_tiny(0, dtype=self.dtype or "bfloat16") if self.model == "tiny" \
+                else load_checkpoint(self.model)
+            _MODELS.clear()
+            _MODELS[key] = Mamba2LM(config, tensors, Contract.from_dict(json.loads(self.contract_json)))
+        return _MODELS[key]
+
+
+_MODELS: dict[tuple, Mamba2LM] = {}
+
+
+@dataclass
+class SampledCase:
+    """What a sampler run returns: each request's tokens and the logits rows it emitted."""
+
+    name: str
+    tokens: list[list[int]]
+    rows: list[list[tuple[int, torch.Tensor]]]
+    steps: int
+    preemptions: int
+    seconds: float
+    pid: int
+
+
+def sample_case(source: ModelSource, name: str, prompts: list[list[int]], gen_len: int, budget: int,
+                seed: int, threads: int | None = None) -> SampledCase:
+    """Run one case's sampler engine (in this process or a worker)."""
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    spec = next(c for c in CASES if c.name == name)
+    reqs, engine = run_case(spec, source.build(), prompts, gen_len, budget, seed)
+    return SampledCase(name, [r.tokens for r in reqs], [[(p, row.cpu()) for p, row in r.rows] for r in reqs],
+                       engine.steps, sum(r.preemptions for r in reqs), time.perf_counter() - t0, os.getpid())
+
+
+def _sampled(source: ModelSource, jobs: int, args: tuple) -> Iterator[SampledCase]:
+    """Every case's sampler output, in CASES order; on ``jobs`` worker processes when jobs > 1."""
+    if jobs <= 1:
+        for spec in CASES:
+            yield sample_case(source, spec.name, *args)
+        return
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(sample_case, source, spec.name, *args, 1) for spec in CASES]
+        for fut in futures:
+            yield fut.result()
+
+
+def run_check(trainer: Mamba2LM, sampler: ModelSource, *, prompt_len: int, gen_len: int, requests: int,
+              max_batch_tokens: int | None, seed: int, jobs: int = 1,
               progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run every case and return the JSON-ready result (see ``cli`` for the schema)."""
-    check_compatible(trainer.contract, sampler.contract)
+    """Run every case and return the JSON-ready result (see ``cli`` for the schema).
+
+    The sampler engines run from ``sampler`` (in ``jobs`` worker processes when jobs > 1); the
+    trainer scores every case's tokens in this process and ``verify`` compares the rows.
+    """
+    sampler_contract = Contract.from_dict(json.loads(sampler.contract_json))
+    check_compatible(trainer.contract, sampler_contract)
     t_start = time.perf_counter()
-    vocab = sampler.config.vocab_size
-    L = sampler.contract.chunk_size
-    budget = max_batch_tokens or _default_budget(L)
+    vocab = trainer.config.vocab_size
+    budget = max_batch_tokens or _default_budget(sampler_contract.chunk_size)
     prompts = make_prompts(vocab, prompt_len, requests, seed)
     cases, timing = [], {}
-    for spec in CASES:
-        progress(f"{spec.name}: sampling {requests} x ({prompt_len}+{gen_len}) tokens")
-        t0 = time.perf_counter()
-        reqs, engine = run_case(spec, sampler, prompts, gen_len, budget, seed)
+    progress(f"sampling {len(CASES)} cases x {requests} requests x ({prompt_len}+{gen_len}) tokens"
+             f"{f' on {jobs} worker processes' if jobs > 1 else ''}")
+    first_tokens: list[int] = []
+    for got in _sampled(sampler, jobs, (prompts, gen_len, budget, seed)):
+        spec = next(c for c in CASES if c.name == got.name)
         t1 = time.perf_counter()
-        trainer_logits = trainer.forward([torch.tensor(r.tokens, dtype=torch.int64) for r in reqs])
+        trainer_logits = trainer.forward([torch.tensor(t, dtype=torch.int64) for t in got.tokens])
         t2 = time.perf_counter()
-        report = compare(reqs, trainer_logits, trainer.contract, sampler.contract)
+        report = compare(got.rows, trainer_logits, trainer.contract, sampler_contract)
         if spec.name == "decode":
-            first_tokens = reqs[0].tokens
+            first_tokens = got.tokens[0]
         cases.append({
             "name": spec.name,
             "exact_replay": spec.exact_replay,
@@ -150,26 +226,27 @@ def run_check(trainer: Mamba2LM, sampler: Mamba2LM, *, prompt_len: int, gen_len:
             "max_abs_diff": report.max_abs_diff,
             "max_abs_logprob_diff": report.max_abs_logprob_diff,
             "kl": report.kl,
-            "steps": engine.steps,
-            "preemptions": sum(r.preemptions for r in reqs),
+            "steps": got.steps,
+            "preemptions": got.preemptions,
+            "sampler_pid_differs": got.pid != os.getpid(),
             "mismatch_map": report.mismatch_map(64),
         })
-        timing[spec.name] = {"sampler_s": round(t1 - t0, 3), "trainer_s": round(t2 - t1, 3)}
-        progress(f"{spec.name}: {report.mismatched_rows}/{report.rows} rows differ ({t2 - t0:.1f}s)")
+        timing[spec.name] = {"sampler_s": round(got.seconds, 3), "trainer_s": round(t2 - t1, 3)}
+        progress(f"{spec.name}: {report.mismatched_rows}/{report.rows} rows differ "
+                 f"(sampler {got.seconds:.1f}s, trainer {t2 - t1:.1f}s)")
     progress("accuracy: fp64 reference on the trainer's scan inputs")
     t0 = time.perf_counter()
     accuracy = scan_accuracy(trainer, torch.tensor(first_tokens, dtype=torch.int64))
     timing["accuracy_s"] = round(time.perf_counter() - t0, 3)
     timing["total_s"] = round(time.perf_counter() - t_start, 3)
-    replay_cache = sampler.new_cache(1)
+    c = trainer.config
     return {
-        "contract": sampler.contract.to_dict(),
-        "model": {"layers": sampler.config.num_hidden_layers, "heads": sampler.config.num_heads,
-                  "head_dim": sampler.config.head_dim, "n_groups": sampler.config.n_groups,
-                  "state_size": sampler.config.state_size, "vocab": vocab,
-                  "replay_bytes_per_sequence": replay_cache.bytes_per_slot()},
+        "contract": sampler_contract.to_dict(),
+        "model": {"layers": c.num_hidden_layers, "heads": c.num_heads, "head_dim": c.head_dim,
+                  "n_groups": c.n_groups, "state_size": c.state_size, "vocab": vocab,
+                  "replay_bytes_per_sequence": trainer.new_cache(1).bytes_per_slot()},
         "params": {"prompt_len": prompt_len, "gen_len": gen_len, "requests": requests,
-                   "max_batch_tokens": budget, "seed": seed},
+                   "max_batch_tokens": budget, "seed": seed, "jobs": jobs},
         "cases": cases,
         "accuracy": accuracy,
         "timing": timing,

@@ -112,7 +112,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     show = _progress(start)
     import torch
 
-    from .check import run_check
+    from .check import ModelSource, run_check
     from .contract import check_compatible
     from .model.lm import Mamba2LM
 
@@ -128,10 +128,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     trainer_c = build_contract(config, args.trainer_contract or args.contract, backend, args.dtype, args.state_dtype)
     sampler_c = build_contract(config, args.sampler_contract or args.contract, backend, args.dtype, args.state_dtype)
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
+    jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if backend == "torch" else 1)
+    if jobs < 1:
+        raise AlignedMambaError("--jobs must be >= 1")
+    if jobs > 1:
+        torch.set_num_threads(1)  # one thread per process: the workers take the other cores
     trainer = Mamba2LM(config, tensors, trainer_c)
-    sampler = Mamba2LM(config, tensors, sampler_c)
+    sampler = ModelSource(args.model, args.dtype, json.dumps(sampler_c.to_dict()))
     result = run_check(trainer, sampler, prompt_len=args.prompt_len, gen_len=args.gen_len, requests=args.requests,
-                       max_batch_tokens=args.max_batch_tokens, seed=args.seed, progress=show)
+                       max_batch_tokens=args.max_batch_tokens, seed=args.seed, jobs=jobs, progress=show)
     result["engine"], result["trainer"] = args.engine, args.trainer
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
     result["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -164,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trainer-contract", default=None, help="contract for the trainer side only")
     c.add_argument("--sampler-contract", default=None, help="contract for the sampler side only")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--jobs", type=int, default=None,
+                   help="sampler worker processes (default: 2 on a multi-core CPU with the torch backend, else 1); "
+                        "the trainer scores in the main process")
     c.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     c.set_defaults(func=cmd_check)
     return p

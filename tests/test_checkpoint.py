@@ -161,7 +161,7 @@ def test_make_tiny_golden_digest() -> None:
     assert hashlib.sha256(save(tensors)).hexdigest() == GOLDEN_SHA256
 
 
-GOLDEN_SHA256 = "b7fc54bc111b48bccf1dd6f7756d372fb07609309a842598c78af1315f24e6a0"
+GOLDEN_SHA256 = "4c9981309a02ce25615b0929a729e7be3fc1865685d8f15ba478448438f2821d"
 
 
 def test_make_tiny_rejects_inconsistent_overrides() -> None:

@@ -34,12 +34,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def check_args(ckpt: Path, *extra: str) -> list[str]:
-    return ["check", "--model", str(ckpt), "--prompt-len", "70", "--gen-len", "40", "--requests", "2", *extra]
+    jobs = [] if "--jobs" in extra else ["--jobs", "1"]
+    return ["check", "--model", str(ckpt), "--prompt-len", "70", "--gen-len", "40", "--requests", "2", *jobs, *extra]
 
 
 def test_check_on_a_checkpoint_writes_the_json_schema(small_ckpt, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(check_args(small_ckpt, "--max-batch-tokens", "23", "--json", str(out))) == 0
+    assert main(check_args(small_ckpt, "--max-batch-tokens", "23", "--jobs", "2", "--json", str(out))) == 0
     r = json.loads(out.read_text())
     assert {"contract", "cases", "accuracy", "timing"} <= set(r)
     assert r["contract"]["chunk_size"] == 32 and len(r["contract"]["fingerprint"]) == 12
@@ -51,6 +52,7 @@ def test_check_on_a_checkpoint_writes_the_json_schema(small_ckpt, tmp_path, caps
         if c["exact_replay"]:
             assert c["mismatched_rows"] == 0 and c["first_mismatch"] is None and c["max_abs_diff"] == 0
     assert r["accuracy"]["within_2x_floor"]
+    assert all(c["sampler_pid_differs"] for c in r["cases"])  # samplers ran in worker processes
     table = capsys.readouterr().out
     assert "baseline_recurrent_decode" in table and "OK: every exact-replay case is bit-identical" in table
 

@@ -119,10 +119,10 @@ def save_checkpoint(
 _TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 256,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 3,
     "num_heads": 8,
     "head_dim": 64,
-    "state_size": 64,
+    "state_size": 128,
     "n_groups": 1,
     "conv_kernel": 4,
     "expand": 2,
