@@ -90,7 +90,7 @@ def test_config_json_round_trip_and_derived_sizes(tmp_path: Path) -> None:
     assert d["torch_dtype"] == "bfloat16"
     assert Mamba2Config.from_hf_dict(d) == config
     assert config.intermediate_size == 512
-    assert config.conv_dim == 512 + 2 * 2 * 64
+    assert config.conv_dim == 512 + 2 * 2 * 128
     assert config.in_proj_size == 512 + config.conv_dim + 8
     assert config.torch_dtype is torch.bfloat16
 
@@ -236,9 +236,9 @@ def test_missing_tensor(tmp_path: Path) -> None:
 
 def test_unexpected_tensor(tmp_path: Path) -> None:
     config, tensors = tiny()
-    tensors["backbone.layers.2.mixer.D"] = torch.ones(8)
+    tensors["backbone.layers.7.mixer.D"] = torch.ones(8)
     message = load_error(write_raw(tmp_path, config, tensors))
-    assert "1 unexpected tensor(s)" in message and "backbone.layers.2.mixer.D" in message
+    assert "1 unexpected tensor(s)" in message and "backbone.layers.7.mixer.D" in message
 
 
 def test_mis_shaped_tensor_names_both_shapes(tmp_path: Path) -> None:
