@@ -110,7 +110,7 @@ def scan_accuracy(trainer: Mamba2LM, seq: torch.Tensor, layers: int = 3) -> dict
         c = capture[i]
         ref, _ = ssd_naive(c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], c["dt_bias"], c["cu_seqlens"],
                            dt_limit=trainer.dt_limit)
-        state = torch.zeros(1, *ref.shape[1:], c["B"].shape[-1])
+        state = torch.zeros(1, *ref.shape[1:], c["B"].shape[-1], device=ref.device)
         rec = torch.stack([
             recurrent_step(state, c["x"][t:t + 1], c["dt"][t:t + 1], c["A"], c["B"][t:t + 1], c["C"][t:t + 1], c["D"],
                            c["dt_bias"], trainer.dt_limit)[0]

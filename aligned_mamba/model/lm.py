@@ -106,6 +106,13 @@ class Mamba2LM:
         head = "lm_head.weight" if "lm_head.weight" in tensors else "backbone.embeddings.weight"
         self.lm_head = get(head).to(f32)
         self.dt_limit = tuple(float(v) for v in c.time_step_limit)
+        # On a GPU the torch tiling does not pin cuBLAS's algorithm (it picks by batch count), so
+        # the triton backend's linear layers run a fixed-tile Triton kernel there.
+        self._linear = linear
+        if contract.backend == "triton" and self.device.type == "cuda":
+            from ..ops.linear_triton import linear_triton
+
+            self._linear = lambda x, w, b, tile: linear_triton(x, w, b)
 
     # -- state ---------------------------------------------------------------------------------
     def new_cache(self, num_slots: int, *, exact_replay: bool = True) -> ModelCache:
@@ -152,14 +159,14 @@ class Mamba2LM:
                 residual = residual[rows]
             residual = residual + out
         normed = rms_norm(residual.to(self.dtype), self.norm_f, c.layer_norm_epsilon, self.dtype)
-        return linear(normed, self.lm_head, None, self.linear_tile)
+        return self._linear(normed, self.lm_head, None, self.linear_tile)
 
     def _mixer(self, p: _Layer, state, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None,
                capture: list | None) -> torch.Tensor:
         c = self.config
         T = hidden.shape[0]
         H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
-        zxbcdt = linear(hidden, p.in_proj_w, p.in_proj_b, self.linear_tile)
+        zxbcdt = self._linear(hidden, p.in_proj_w, p.in_proj_b, self.linear_tile)
         z, xBC, dt = zxbcdt[:, :d], zxbcdt[:, d:d + c.conv_dim], zxbcdt[:, d + c.conv_dim:]
         xBC = conv_advance(state, batch, xBC, p.conv_w, p.conv_b)
         x = xBC[:, :d].reshape(T, H, P)
@@ -177,7 +184,7 @@ class Mamba2LM:
         if rows is not None:
             y, z = y[rows], z[rows]
         y = gated_rms_norm(y, z, p.gnorm_w, c.layer_norm_epsilon, G)
-        return linear(y, p.out_proj_w, p.out_proj_b, self.linear_tile)
+        return self._linear(y, p.out_proj_w, p.out_proj_b, self.linear_tile)
 
     def _baseline_ssd(self, state: LayerRunningState, batch: Batch, x, dt, B, C, p: _Layer) -> torch.Tensor:
         """Exact replay off, as engines run today: one-token sequences take the recurrent update,

@@ -41,11 +41,12 @@ def ssd_naive(
     Ad = A.to(f64)
     Dd = D.to(f64)
     Dd = Dd[:, None] if Dd.dim() == 1 else Dd
-    head_group = torch.arange(H) // (H // G)
-    y = torch.zeros(T, H, P, dtype=f64)
-    finals = torch.zeros(S, H, P, N, dtype=f64)
+    dev = x.device
+    head_group = torch.arange(H, device=dev) // (H // G)
+    y = torch.zeros(T, H, P, dtype=f64, device=dev)
+    finals = torch.zeros(S, H, P, N, dtype=f64, device=dev)
     for s in range(S):
-        h = torch.zeros(H, P, N, dtype=f64) if initial_states is None else initial_states[s].to(f64).clone()
+        h = torch.zeros(H, P, N, dtype=f64, device=dev) if initial_states is None else initial_states[s].to(f64).clone()
         for t in range(int(cu_seqlens[s]), int(cu_seqlens[s + 1])):
             Bt, Ct = Bd[t, head_group], Cd[t, head_group]  # [H, N]
             h = torch.exp(dtd[t] * Ad)[:, None, None] * h + (dtd[t][:, None] * xd[t])[:, :, None] * Bt[:, None, :]

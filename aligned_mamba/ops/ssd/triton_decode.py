@@ -1,0 +1,651 @@
+"""Fused exact-replay decode step on Triton: one new token per sequence, any offsets, any batch.
+
+A decode step must give the token's output row the bits a single-pass prefill (``ssd_advance``
+with ``backend="triton"``, i.e. ``scan_chunks_triton``) gives the same row. By the invariant of
+``chunk.py`` that row is a fixed function of (its chunk's fp32 boundary state, the chunk's inputs
+up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
+buffer, and only the token's own row:
+
+1. ``_prep_kernel`` [S, G] (compiled with ``enable_fp_fusion=False``): dt = softplus(dt + dt_bias)
+   (clamped to dt_limit) by ``softplus_exact``, which reproduces ``elementwise.softplus``
+   operation by operation, so the bits are those ``pack_chunks`` stores; writes the token's x, dt
+   and B into row ``pos % L`` of the slot's buffers; in "row" mode also cb[s] = C_t . B_s for the
+   rows of the chunk so far, as the sequential fma chain a Triton fp32 ``tl.dot`` runs.
+2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, the default) or ``_tile_kernel`` [S, H, PB]
+   ("tile" mode): the within-chunk cumsum a (the same code as ``_cumsum_kernel``, kept in a
+   scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for the one row
+   tile holding the token (same tile, the same dots, blocks and adds; only the token's row is
+   live). "row" computes the one row alone with explicit fma chains in the order the fp32 FMA
+   dot lowering accumulates (k ascending, one fused multiply-add per term, starting from the
+   accumulator): 16x less arithmetic than a 16-row tile. The fp32 boundary state is only read.
+3. ``_update_kernel`` [S, H, PB * NB], only for sequences whose token completes the chunk
+   (``pos % L == L - 1``): chunk state and new boundary state, the code of
+   ``_chunk_state_kernel`` + ``_state_pass_kernel``.
+4. ``_zero_kernel`` [S, H]: empties the buffers of those sequences.
+
+Launches 3 and 4 return at once for sequences that do not complete a chunk, and are skipped when
+the caller says no sequence completes (``completes=False``; an engine knows positions on the host).
+
+Bytes per step and sequence: the boundary state once (H P N 4), the buffer rows of the partial
+chunk (x, dt, B) once, the new token's inputs; SSU reads and writes the state every step.
+
+Bits: every arithmetic step of the prefill's path for that row is repeated with the same
+operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
+numpy matmul and ``tl.fma`` as two roundings) is checked on the GPU by
+``tests/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
+ever differs there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import elementwise as ew
+from ..configs import PINNED
+
+_CFG = PINNED["triton"]
+BLOCK_P: int = _CFG["BLOCK_P"]
+BLOCK_N: int = _CFG["BLOCK_N"]
+BLOCK_K: int = _CFG["BLOCK_K"]
+NUM_WARPS: int = _CFG["num_warps"]
+DOT_PRECISION: str = _CFG["dot_precision"]
+
+MODES = ("row", "tile")
+DEFAULT_MODE = "row"
+
+# The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
+# float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
+_LOG2E = tl.constexpr(ew._LOG2E)
+_LN2_HI = tl.constexpr(ew._LN2_HI)
+_LN2_LO = tl.constexpr(ew._LN2_LO)
+_EXP_HI = tl.constexpr(ew._EXP_HI)
+_EXP_LO_CLAMP = tl.constexpr(ew._EXP_LO - 0.7)
+_ROUND_MAGIC = tl.constexpr(ew._ROUND_MAGIC)
+_P0 = tl.constexpr(ew._EXP_POLY[0])
+_P1 = tl.constexpr(ew._EXP_POLY[1])
+_P2 = tl.constexpr(ew._EXP_POLY[2])
+_P3 = tl.constexpr(ew._EXP_POLY[3])
+_P4 = tl.constexpr(ew._EXP_POLY[4])
+_P5 = tl.constexpr(ew._EXP_POLY[5])
+_SQRT2 = tl.constexpr(2.0 * ew._SQRT_HALF)
+_INV3 = tl.constexpr(1.0 / 3.0)
+_INV5 = tl.constexpr(1.0 / 5.0)
+_INV7 = tl.constexpr(1.0 / 7.0)
+_INV9 = tl.constexpr(1.0 / 9.0)
+_INV11 = tl.constexpr(1.0 / 11.0)
+_SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# softplus with the bits of elementwise.softplus
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp_exact(x):
+    """``elementwise.exp``, step by step (clamps written as selects so NaN passes like torch.clamp)."""
+    xc = tl.where(x < _EXP_LO_CLAMP, _EXP_LO_CLAMP, x)
+    xc = tl.where(xc > _EXP_HI, _EXP_HI, xc)
+    n = xc * _LOG2E
+    n = n + _ROUND_MAGIC
+    n = n - _ROUND_MAGIC
+    n = tl.where(n < -127.0, -127.0, n)
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = r * _P0 + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    p = p * (r * r)
+    p = p + r
+    p = p + 1.0
+    scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+@triton.jit
+def _log_exact(x):
+    """``elementwise.log``, step by step (IEEE division: ``div_rn``, never Triton's approximate ``/``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    m = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > _SQRT2
+    m = tl.where(big, m * 0.5, m)
+    ef = tl.where(big, e + 1, e).to(tl.float32)
+    s = tl.math.div_rn(m - 1.0, m + 1.0)
+    s2 = s * s
+    p = _INV11 * s2 + _INV9
+    p = p * s2 + _INV7
+    p = p * s2 + _INV5
+    p = p * s2 + _INV3
+    p = p * s2
+    logm = (s + s * p) * 2.0
+    y = ef * _LN2_HI + logm
+    y = y + ef * _LN2_LO
+    y = tl.where(x == 0.0, float("-inf"), y)
+    y = tl.where(x < 0.0, float("nan"), y)
+    return tl.where(x == float("inf"), x, y)
+
+
+@triton.jit
+def softplus_exact(x):
+    """softplus of fp32 ``x`` with the bits of ``elementwise.softplus`` (threshold 20).
+
+    Only IEEE basic operations, each rounded once: call it from kernels compiled with
+    ``enable_fp_fusion=False`` (a fused multiply-add would round a product and a sum once).
+    """
+    xm = tl.where(x > _SOFTPLUS_THRESHOLD, _SOFTPLUS_THRESHOLD, x)
+    w0 = _exp_exact(xm)
+    # log1p(w0) as elementwise.log1p: log(w) * (x / (w - 1)), w = 1 + x
+    w = w0 + 1.0
+    d = w - 1.0
+    safe_d = tl.where(d == 0.0, 1.0, d)
+    y = _log_exact(w) * tl.math.div_rn(w0, safe_d)
+    y = tl.where(d == 0.0, w0, y)
+    return tl.where(x > _SOFTPLUS_THRESHOLD, x, y)
+
+
+@triton.jit
+def dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT: tl.constexpr):
+    """``chunk.dt_softplus`` for one element: softplus(raw + bias) (fp32), clamped to [lo, hi]."""
+    d = softplus_exact(raw.to(tl.float32) + bias.to(tl.float32))
+    if HAS_LIMIT:
+        d = tl.where(d < lo, lo, d)  # torch.clamp: min(max(d, lo), hi), NaN passes
+        d = tl.where(d > hi, hi, d)
+    return d
+
+
+@triton.jit
+def _dt_softplus_kernel(dt_ptr, bias_ptr, out_ptr, numel, lo, hi, H: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < numel
+    raw = tl.load(dt_ptr + i, mask=m, other=0.0)
+    bias = tl.load(bias_ptr + i % H, mask=m, other=0.0)
+    tl.store(out_ptr + i, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), mask=m)
+
+
+def _has_limit(dt_limit: tuple[float, float]) -> bool:
+    return tuple(dt_limit) != (0.0, math.inf)
+
+
+def _limits(dt_limit: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = (float(v) for v in dt_limit)
+    return lo, hi
+
+
+def dt_softplus_triton(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float] = (0.0, math.inf)
+                       ) -> torch.Tensor:
+    """``chunk.dt_softplus`` in one launch: dt [..., H] raw (any float dtype), dt_bias [H] -> fp32.
+
+    Same bits as the torch version (tested on the CPU through the interpreter and on the GPU), so
+    the Triton backend's ``pack_chunks`` can take its dt from here: one launch instead of ~40.
+    """
+    H = dt.shape[-1]
+    src = dt.contiguous()
+    out = torch.empty(dt.shape, dtype=torch.float32, device=dt.device)
+    numel = src.numel()
+    if numel == 0:
+        return out
+    lo, hi = _limits(dt_limit)
+    BLOCK = 1024
+    _dt_softplus_kernel[(triton.cdiv(numel, BLOCK),)](
+        src, dt_bias.contiguous(), out, numel, lo, hi, H=H, HAS_LIMIT=_has_limit(dt_limit), BLOCK=BLOCK,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mirror_cumsum(dt_ptr, A_ptr, a_ptr, src_base, dst_base, h, L: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The body of ``triton_chunk._cumsum_kernel``, line for line (dt row at src_base, a row at dst_base)."""
+    s = tl.arange(0, BLOCK_L)
+    m = s < L
+    dt = tl.load(dt_ptr + src_base + s, mask=m, other=0.0)
+    a = tl.cumsum(dt * tl.load(A_ptr + h), axis=0)
+    tl.store(a_ptr + dst_base + s, a, mask=m)
+
+
+@triton.jit
+def _cols4(blk):
+    """The 4 columns of a [M, 4] block (4 contiguous elements per row: one 16-byte load per fp32 row)."""
+    M: tl.constexpr = blk.shape[0]
+    lo, hi = tl.split(tl.reshape(blk, (M, 2, 2)))  # lo: columns 0, 2; hi: 1, 3
+    c0, c2 = tl.split(lo)
+    c1, c3 = tl.split(hi)
+    return c0, c1, c2, c3
+
+
+# --------------------------------------------------------------------------------------------
+# launch 1: dt, buffer rows, cb
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prep_kernel(
+    x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, slots_ptr, pos_ptr,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, cb_ptr, lo, hi,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, SBLK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr,
+):
+    """Program (q, g): the token's dt (heads of group g), its x (those heads) and B (group g) rows
+    into the slot's buffers at row r = pos % L, and cb[q, g, s] = C_q . B_s for s <= r."""
+    q = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    HG: tl.constexpr = H // G
+    slot = tl.load(slots_ptr + q)
+    r = tl.load(pos_ptr + q) % L
+
+    j = tl.arange(0, BLOCK_HG)
+    hm = j < HG
+    hh = g * HG + j
+    raw = tl.load(dt_ptr + q * H + hh, mask=hm, other=0.0)
+    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+    d = dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT)
+    tl.store(buf_dt_ptr + (slot * H + hh) * L + r, d, mask=hm)
+
+    pf = tl.arange(0, BLOCK_PF)
+    m2 = hm[:, None] & (pf < P)[None, :]
+    xv = tl.load(x_ptr + (q * H + hh[:, None]) * P + pf[None, :], mask=m2, other=0.0)
+    tl.store(buf_x_ptr + ((slot * H + hh[:, None]) * L + r) * P + pf[None, :], xv, mask=m2)
+
+    nf = tl.arange(0, BLOCK_NF)
+    nm = nf < N
+    bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nm, other=0.0)
+    tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nm)
+
+    if WITH_CB:
+        # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
+        # from 0. Row r comes from the token's B itself (this program is writing it to the buffer).
+        jj = tl.arange(0, 4)
+        cq = C_ptr + (q * G + g) * N
+        bq = B_ptr + (q * G + g) * N
+        bb = buf_B_ptr + (slot * G + g) * L * N
+        s0 = 0
+        while s0 <= r:
+            s = s0 + tl.arange(0, SBLK)
+            old = s < r
+            is_new = s == r
+            acc = tl.zeros((SBLK,), dtype=tl.float32)
+            for n0 in tl.static_range(0, N, 4):
+                blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
+                new = tl.load(bq + n0 + jj)
+                blk = tl.where(is_new[:, None], new[None, :], blk).to(tl.float32)
+                b0, b1, b2, b3 = _cols4(blk)
+                acc = tl.fma(tl.load(cq + n0).to(tl.float32), b0, acc)
+                acc = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), b1, acc)
+                acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
+                acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
+            tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
+            s0 += SBLK
+
+
+# --------------------------------------------------------------------------------------------
+# launch 2: the output row
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_kernel(
+    buf_x_ptr, buf_dt_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
+    sD_h, sD_p,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr,
+):
+    """Program (q, head pair, p block): y[q, heads, p] for the token's row alone.
+
+    The rows of the program are (head, p) pairs, HPP heads of one group x RB_P values of p; each
+    output element is computed on its own (no reduction across threads), so RB_P and HPP do not
+    touch the bits.
+        inter = fma chain over n of C_n h[p, n], then * exp(a_t)        (the prefill's first dot)
+        intra = fma chain over s <= t of ((cb_s exp(min(a_t - a_s, 0))) dt_s) x[s, p]
+        y     = (inter + intra) + D x_t
+    """
+    q = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * HPP
+    pb = tl.program_id(2)
+    HG: tl.constexpr = H // G
+    g = h0 // HG
+    slot = tl.load(slots_ptr + q)
+    r = tl.load(pos_ptr + q) % L
+    ROWS: tl.constexpr = HPP * RB_P
+    rr = tl.arange(0, ROWS)
+    head = h0 + rr // RB_P
+    p = pb * RB_P + rr % RB_P
+    pm = p < P
+    sh = slot * H + head
+    qh = q * H + head
+
+    for j in tl.static_range(HPP):
+        _mirror_cumsum(buf_dt_ptr, A_ptr, a_ptr, (slot * H + h0 + j) * L, (q * H + h0 + j) * L, h0 + j, L, BLOCK_L)
+    tl.debug_barrier()  # a is read back below by other threads of this program
+    a_row = a_ptr + qh * L
+    a_t = tl.load(a_row + r)
+
+    # Inter-chunk term. The state row of (head, p) is contiguous in n: 16-byte loads of 4 n.
+    jj = tl.arange(0, 4)
+    hrow = state_ptr + (sh * P + p) * N
+    cq = C_ptr + (q * G + g) * N
+    inter = tl.zeros((ROWS,), dtype=tl.float32)
+    for n0 in tl.static_range(0, N, 4):
+        hb = tl.load(hrow[:, None] + n0 + jj[None, :], mask=pm[:, None], other=0.0)
+        h_0, h_1, h_2, h_3 = _cols4(hb)
+        inter = tl.fma(tl.load(cq + n0).to(tl.float32), h_0, inter)
+        inter = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), h_1, inter)
+        inter = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), h_2, inter)
+        inter = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), h_3, inter)
+    inter = inter * tl.exp(a_t)
+
+    # Intra-chunk term over the chunk's rows up to the token's (later rows add exact zeros in the
+    # prefill). cb comes from the prep kernel, x from the buffer (the token's row included).
+    xrow = buf_x_ptr + sh * (L * P) + p
+    dtrow = buf_dt_ptr + sh * L
+    cbrow = cb_ptr + (q * G + g) * L
+    intra = tl.zeros((ROWS,), dtype=tl.float32)
+    s0 = 0
+    while s0 <= r:
+        for j in tl.static_range(SB):
+            s = s0 + j
+            live = s <= r
+            a_s = tl.load(a_row + s, mask=live, other=0.0)
+            dt_s = tl.load(dtrow + s, mask=live, other=0.0)
+            cb_s = tl.load(cbrow + s, mask=live, other=0.0)
+            decay = tl.exp(tl.minimum(a_t - a_s, 0.0))
+            score = (cb_s * decay) * dt_s
+            xs = tl.load(xrow + s * P, mask=pm & live, other=0.0).to(tl.float32)
+            intra = tl.fma(score, xs, intra)
+        s0 += SB
+
+    x_t = tl.load(xrow + r * P, mask=pm, other=0.0).to(tl.float32)
+    d = tl.load(D_ptr + head * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
+    out = (inter + intra) + d * x_t
+    tl.store(y_ptr + qh * P + p, out.to(y_ptr.dtype.element_ty), mask=pm)
+
+
+@triton.jit
+def _tile_kernel(
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr,
+    sD_h, sD_p,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
+    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
+    q = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pm = p < P
+    g = h // (H // G)
+    slot = tl.load(slots_ptr + q)
+    r = tl.load(pos_ptr + q) % L
+    _mirror_cumsum(buf_dt_ptr, A_ptr, a_ptr, (slot * H + h) * L, (q * H + h) * L, h, L, BLOCK_L)
+    tl.debug_barrier()
+
+    t0 = r - r % R
+    t = t0 + tl.arange(0, R)
+    live = t == r
+    sh = slot * H + h
+    qa = (q * H + h) * L
+    a_t = tl.load(a_ptr + qa + t)
+    nn = tl.arange(0, BLOCK_N)
+
+    inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + nn
+        nm = n < N
+        Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        inter += tl.dot(Cn, hT, input_precision=PRECISION)
+    inter = inter * tl.exp(a_t)[:, None]
+
+    intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
+    k0 = 0
+    while k0 < t0 + R:
+        s = k0 + tl.arange(0, BLOCK_K)
+        sm = s < L
+        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + nn
+            nm = n < N
+            Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                         other=0.0).to(tl.float32)
+            BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
+                         mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
+            cb += tl.dot(Cn, BT, input_precision=PRECISION)
+        a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
+        dt_s = tl.load(buf_dt_ptr + sh * L + s, mask=sm, other=0.0)
+        decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+        scores = (cb * decay) * dt_s[None, :]
+        xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
+                     other=0.0).to(tl.float32)
+        intra += tl.dot(scores, xs, input_precision=PRECISION)
+        k0 += BLOCK_K
+
+    x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
+    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
+    out = (inter + intra) + d[None, :] * x_t
+    tl.store(y_ptr + (q * H + h) * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
+             mask=live[:, None] & pm[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# launches 3 and 4: chunk completion
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _update_kernel(
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (q, h, block): if the token completed the chunk, the new boundary state block
+    h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the arithmetic of
+    ``_chunk_state_kernel`` followed by ``_state_pass_kernel``."""
+    q = tl.program_id(0).to(tl.int64)
+    r = tl.load(pos_ptr + q) % L
+    if r == L - 1:
+        h = tl.program_id(1)
+        NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+        pb = tl.program_id(2) // NB
+        nb = tl.program_id(2) % NB
+        g = h // (H // G)
+        slot = tl.load(slots_ptr + q)
+        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        pm = p < P
+        nm = n < N
+        sh = slot * H + h
+        qa = (q * H + h) * L
+        a_last = tl.load(a_ptr + qa + L - 1)
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            s = k0 + tl.arange(0, BLOCK_K)
+            sm = s < L
+            a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
+            dt_s = tl.load(buf_dt_ptr + sh * L + s, mask=sm, other=0.0)
+            w = tl.exp(a_last - a_s) * dt_s
+            xT = tl.load(buf_x_ptr + (sh * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
+                         other=0.0).to(tl.float32)
+            Bs = tl.load(buf_B_ptr + ((slot * G + g) * L + s[:, None]) * N + n[None, :],
+                         mask=sm[:, None] & nm[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(xT * w[None, :], Bs, input_precision=PRECISION)
+        m = pm[:, None] & nm[None, :]
+        off = (sh * P + p[:, None]) * N + n[None, :]
+        hs = tl.load(state_ptr + off, mask=m, other=0.0)
+        decay = tl.exp(tl.load(a_ptr + qa + L - 1))
+        hs = decay * hs + acc
+        tl.store(state_ptr + off, hs, mask=m)
+
+
+@triton.jit
+def _zero_kernel(
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BLOCK_L: tl.constexpr, ZB: tl.constexpr,
+):
+    """Program (q, h): if the token completed the chunk, zero head h's x and dt rows (and group h's
+    B rows for h < G) of the slot's buffers."""
+    q = tl.program_id(0).to(tl.int64)
+    r = tl.load(pos_ptr + q) % L
+    if r == L - 1:
+        h = tl.program_id(1)
+        slot = tl.load(slots_ptr + q)
+        s = tl.arange(0, BLOCK_L)
+        tl.store(buf_dt_ptr + (slot * H + h) * L + s, tl.zeros((BLOCK_L,), tl.float32), mask=s < L)
+        i = tl.arange(0, ZB)
+        xb = buf_x_ptr + (slot * H + h) * (L * P)
+        for k0 in range(0, L * P, ZB):
+            tl.store(xb + k0 + i, tl.zeros((ZB,), tl.float32).to(buf_x_ptr.dtype.element_ty), mask=k0 + i < L * P)
+        if h < G:
+            bb = buf_B_ptr + (slot * G + h) * (L * N)
+            for k0 in range(0, L * N, ZB):
+                tl.store(bb + k0 + i, tl.zeros((ZB,), tl.float32).to(buf_B_ptr.dtype.element_ty),
+                         mask=k0 + i < L * N)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+
+def _row_layout(H: int, G: int, P: int) -> tuple[int, int]:
+    """(heads per program, p values per program) of the row kernel: 2 heads of one group when the
+    group has an even number of heads (128 rows for P = 64: one row per thread of 4 warps)."""
+    rb_p = min(triton.next_power_of_2(P), 64)
+    hpp = 2 if (H // G) % 2 == 0 and rb_p * 2 <= 128 else 1
+    return hpp, rb_p
+
+
+def replay_decode_triton(
+    state,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    row_tile: int = 16,
+    mode: str | None = None,
+    completes: bool | None = None,
+) -> torch.Tensor:
+    """One exact-replay decode step for S sequences, one new token each; returns y [S, H, P].
+
+    state: a ``LayerReplayState`` (contiguous tensors; buf_x/buf_B in the model dtype, buf_dt and
+    ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
+    this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype.
+    A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the prefill's row tile (matters in "tile"
+    mode). mode: "row" (default) or "tile". completes: False when the caller knows no token
+    completes a chunk (pos % L != L - 1 for all; skips two launches), else None or True.
+
+    Updates ``state`` in place exactly as ``ssd_advance(state, Batch(slots, pos, [1] * S), ...)``
+    would, and y has the bits of that call's rows.
+    """
+    mode = DEFAULT_MODE if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    S = int(slots.numel())
+    SS, H, L, P = state.buf_x.shape
+    G, N = state.buf_B.shape[1], state.buf_B.shape[3]
+    if x.shape != (S, H, P) or dt.shape != (S, H) or B.shape != (S, G, N) or C.shape != (S, G, N):
+        raise ValueError(f"inputs do not match the state: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)} for S={S}, H={H}, P={P}, G={G}, N={N}")
+    R = row_tile
+    if R < 16 or R & (R - 1) or L % R or L & (L - 1):
+        raise ValueError(f"row tile {R} must be a power of two >= 16 dividing chunk_size {L} (a power of two)")
+    if H % G:
+        raise ValueError(f"{H} heads do not split into {G} groups")
+    if mode == "row" and N % 4:
+        raise ValueError(f"row mode needs a state size divisible by 4, not {N}; use mode='tile'")
+    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
+        t = getattr(state, name)
+        if not t.is_contiguous():
+            raise ValueError(f"state.{name} must be contiguous")
+    if state.ssm_state.dtype != torch.float32 or state.buf_dt.dtype != torch.float32:
+        raise ValueError("exact replay needs the fp32 boundary state and fp32 (softplus'd) dt buffer")
+    dev = x.device
+    y = torch.empty(S, H, P, dtype=x.dtype, device=dev)
+    if S == 0:
+        return y
+    slots_d = slots.to(device=dev, dtype=torch.int64).contiguous()
+    pos_d = pos.to(device=dev, dtype=torch.int64).contiguous()
+    x_c, dt_c, B_c, C_c = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
+    Af = A.to(device=dev, dtype=torch.float32).contiguous()
+    bias = dt_bias.to(device=dev).contiguous()
+    Dd = D.to(device=dev)
+    sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
+    lo, hi = _limits(dt_limit)
+    BLOCK_L = triton.next_power_of_2(L)
+    f32 = torch.float32
+    a_scr = torch.empty(S, H, L, dtype=f32, device=dev)
+    row = mode == "row"
+    cb_scr = torch.empty(S, G, L, dtype=f32, device=dev) if row else a_scr
+    dims = dict(H=H, G=G, L=L, P=P, N=N)
+
+    _prep_kernel[(S, G)](
+        x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, cb_scr, lo, hi, **dims,
+        BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
+        BLOCK_NF=triton.next_power_of_2(N), SBLK=min(128, BLOCK_L), HAS_LIMIT=_has_limit(dt_limit), WITH_CB=row,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    if row:
+        hpp, rb_p = _row_layout(H, G, P)
+        _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
+            state.buf_x, state.buf_dt, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
+            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
+        )
+    else:
+        _tile_kernel[(S, H, triton.cdiv(P, BLOCK_P))](
+            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr,
+            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+            PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+        )
+    if completes is not False:
+        PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
+        _update_kernel[(S, H, PB * NB)](
+            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, **dims,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+        )
+        _zero_kernel[(S, H)](
+            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, **dims, BLOCK_L=BLOCK_L, ZB=1024,
+            num_warps=NUM_WARPS,
+        )
+    return y
+
+
+def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2) -> int:
+    """Bytes one sequence's decode step moves (lower bound): the boundary state read once, the
+    partial chunk's x, dt and B rows (fill + 1 with the token's), the token's inputs and output."""
+    rows = fill + 1
+    state = H * P * N * 4
+    buf = rows * (H * P * x_bytes + H * 4 + G * N * x_bytes)
+    token = H * P * x_bytes * 2 + H * x_bytes + 2 * G * N * x_bytes  # x in, y out, dt, B, C
+    return state + buf + token
+
+
+def ssu_step_bytes(H: int, G: int, P: int, N: int, x_bytes: int = 2) -> int:
+    """Bytes one sequence's SSU step moves (lower bound): the fp32 state read and written."""
+    return 2 * H * P * N * 4 + H * P * x_bytes * 2 + H * x_bytes + 2 * G * N * x_bytes

@@ -1,0 +1,396 @@
+"""The fused replay-decode kernel (``triton_decode``) against the single-pass Triton prefill.
+
+Two groups:
+
+- CPU, Triton interpreter (run when TRITON_INTERPRET=1, which conftest sets on a machine without
+  nvidia-smi): tiny fp32 shapes. The interpreter computes ``tl.dot`` as a numpy matmul and
+  ``tl.fma`` with two roundings, so it checks the logic everywhere, and the bits where the decode
+  and the prefill run the same kind of operation: the "tile" mode, the state update, the buffers
+  and the dt softplus. The "row" mode is checked bitwise for batch invariance and against the
+  prefill to a tolerance here, bitwise on the GPU.
+- GPU (marked gpu, skipped without CUDA): real shapes in bf16, every row torch.equal to the
+  prefill's, across batch sizes, offsets and chunk boundaries, both modes, and across processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+# Import every Triton module now, while the mode (compiled or interpreted) is the session's:
+# triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
+from aligned_mamba.ops.ssd import triton_chunk  # noqa: E402, F401
+from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
+from aligned_mamba.ops.ssd.triton_decode import (  # noqa: E402
+    dt_softplus_triton,
+    replay_decode_triton,
+)
+from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="CPU checks through the Triton interpreter (TRITON_INTERPRET=1)")
+gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NO_LIMIT = (0.0, math.inf)
+
+
+@pytest.fixture(autouse=True)
+def _keep_compiled_mode(monkeypatch):
+    """test_triton_interpreter.py sets TRITON_INTERPRET=1 in os.environ when it is collected; Triton
+    reads that knob while compiling too, so the GPU tests here run without it."""
+    if not INTERPRET:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers shared by both groups
+# ------------------------------------------------------------------------------------------
+
+
+def make_params(H: int, P: int, seed: int, dev: str = "cpu", realistic: bool = False) -> dict[str, torch.Tensor]:
+    """A [H], D [H, P], dt_bias [H] in fp32. realistic: Mamba2 init (A in [-16, -1], softplus(bias)
+    in [1e-3, 1e-1]) as in the RFC's measurements."""
+    g = torch.Generator().manual_seed(seed)
+    if realistic:
+        A = -torch.empty(H).uniform_(1.0, 16.0, generator=g)
+        dt0 = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+        bias = dt0 + torch.log(-torch.expm1(-dt0))  # inverse softplus
+    else:
+        A = -(0.5 + torch.rand(H, generator=g))
+        bias = torch.rand(H, generator=g) - 0.5
+    D = torch.randn(H, P, generator=g)
+    return {k: v.to(dev) for k, v in dict(A=A, D=D, dt_bias=bias).items()}
+
+
+def make_tokens(T: int, H: int, P: int, G: int, N: int, seed: int, dtype: torch.dtype = torch.float32,
+                dev: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """x [T, H, P], raw dt [T, H], B and C [T, G, N]."""
+    g = torch.Generator(device=dev).manual_seed(1000 + seed)
+    kw = dict(generator=g, device=dev)
+    out = (torch.randn(T, H, P, **kw), torch.randn(T, H, **kw) - 1.0, torch.randn(T, G, N, **kw),
+           torch.randn(T, G, N, **kw))
+    return tuple(t.to(dtype) for t in out)
+
+
+def make_state(slots: int, H: int, P: int, G: int, N: int, L: int, dtype: torch.dtype, dev: str,
+               seed: int | None = None, scale: float = 1.0) -> LayerReplayState:
+    st = LayerReplayState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
+                                   chunk_size=L, dtype=dtype, device=dev)
+    if seed is not None:  # a nonzero boundary state, as after earlier chunks
+        g = torch.Generator(device=dev).manual_seed(2000 + seed)
+        st.ssm_state.copy_(scale * torch.randn(st.ssm_state.shape, generator=g, device=dev))
+    return st
+
+
+def clone_state(st: LayerReplayState) -> LayerReplayState:
+    return LayerReplayState(*(t.clone() for t in (st.ssm_state, st.buf_x, st.buf_dt, st.buf_B, st.conv_window)))
+
+
+def assert_same_state(s1: LayerReplayState, s2: LayerReplayState, slots=None) -> None:
+    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
+        a, b = getattr(s1, name), getattr(s2, name)
+        if slots is not None:
+            a, b = a[slots], b[slots]
+        assert torch.equal(a, b), name
+
+
+def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
+                 prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT) -> list[torch.Tensor]:
+    """Decode ``steps`` tokens for every slot (slot i takes its token k from toks[i][*][k]); returns
+    y [S, H, P] per step. hint: pass completes=False on steps where no slot completes a chunk."""
+    L = st.chunk_size
+    dev = st.buf_x.device
+    sl = torch.tensor(slots, dtype=torch.int64, device=dev)
+    ys = []
+    for k in range(steps):
+        pos = [p + k for p in start]
+        x, dt, B, C = (torch.stack([t[j][k] for t in toks]) for j in range(4))
+        completes = any(p % L == L - 1 for p in pos) if hint else None
+        ys.append(replay_decode_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
+                                       dt_limit=dt_limit, mode=mode, completes=completes, **prm))
+    return ys
+
+
+def prefill(st: LayerReplayState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
+            prm: dict, dt_limit=NO_LIMIT) -> list[torch.Tensor]:
+    """One ssd_advance (Triton scan) over every slot's tokens; returns each slot's rows [n_i, H, P]."""
+    lens = [t[0].shape[0] for t in toks]
+    cat = [torch.cat([t[j] for t in toks]) for j in range(4)]
+    y = ssd_advance(st, Batch.make(slots, start, lens), *cat, dt_limit=dt_limit, backend="triton", **prm)
+    return list(torch.split(y, lens))
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: Triton interpreter, tiny fp32
+# ------------------------------------------------------------------------------------------
+
+H, P, N, L = 2, 16, 16, 32
+
+
+@interp
+@pytest.mark.parametrize("dt_limit", [NO_LIMIT, (1e-3, 0.5)])
+def test_dt_softplus_bits(dt_limit):
+    """The Triton softplus is elementwise.softplus bit for bit, edges included."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.cat([
+        torch.randn(1501, generator=g) * 8.0,
+        torch.linspace(-100.0, 40.0, 300),
+        torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-45, 19.999998, 20.0, 20.000002, 88.0, -87.0, -87.5, -88.0,
+                      -88.1, -90.0, -200.0, 1e30, -1e30, float("inf"), float("-inf")]),
+    ]).view(-1, 4)
+    bias = torch.tensor([0.0, -0.3, 0.7, 1e-4])
+    got = dt_softplus_triton(raw, bias, dt_limit)
+    ref = dt_softplus(raw, bias, dt_limit)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@interp
+@pytest.mark.parametrize("G", [1, 2])
+def test_tile_mode_token_by_token_equals_prefill(G):
+    """Decode 40 tokens one by one from a boundary (crossing the next one) == one prefill over them."""
+    T, start = 40, L  # start at the second chunk's boundary, with a nonzero boundary state
+    prm = make_params(H, P, seed=G)
+    toks = make_tokens(T, H, P, G, N, seed=G)
+    st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=G)
+    ref = clone_state(st)
+    ys = decode_steps(st, [0], [start], [toks], prm, T, "tile")
+    yp = prefill(ref, [0], [start], [toks], prm)[0]
+    assert torch.equal(torch.cat(ys), yp)
+    assert_same_state(st, ref)
+
+
+@interp
+def test_row_mode_token_by_token_close_to_prefill():
+    """Row mode: same state and buffers bit for bit (shared code), rows close (the interpreter's
+    tl.fma and tl.dot round differently; the GPU test checks the bits)."""
+    T, start, G = 36, L, 1
+    prm = make_params(H, P, seed=3)
+    toks = make_tokens(T, H, P, G, N, seed=3)
+    st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=3)
+    ref = clone_state(st)
+    ys = decode_steps(st, [0], [start], [toks], prm, T, "row")
+    yp = prefill(ref, [0], [start], [toks], prm)[0]
+    torch.testing.assert_close(torch.cat(ys), yp, rtol=1e-5, atol=1e-5)
+    assert_same_state(st, ref)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["tile", "row"])
+def test_batch_at_mixed_offsets_equals_each_alone(mode):
+    """3 sequences at offsets 5, 31 (completes its chunk) and 40 in one batch, in scattered slots,
+    two steps: rows, states and buffers equal to each sequence decoded alone (and, in tile mode,
+    to the prefill of each sequence's chunk prefix + tokens)."""
+    G, steps = 2, 2
+    prm = make_params(H, P, seed=7)
+    offsets, slots = [5, 31, 40], [3, 0, 2]
+    st = make_state(4, H, P, G, N, L, torch.float32, "cpu", seed=7)
+    # fill each slot's partial chunk with a prefill from its boundary
+    pre = [make_tokens(o % L, H, P, G, N, seed=10 + i) for i, o in enumerate(offsets)]
+    prefill(st, slots, [o - o % L for o in offsets], pre, prm)
+    new = [make_tokens(steps, H, P, G, N, seed=20 + i) for i in range(3)]
+    alone = clone_state(st)
+    full = clone_state(st)
+    ys = decode_steps(st, slots, offsets, new, prm, steps, mode, hint=False)
+    for i in range(3):
+        ya = decode_steps(alone, [slots[i]], [offsets[i]], [new[i]], prm, steps, mode)
+        for k in range(steps):
+            assert torch.equal(ys[k][i], ya[k][0]), (i, k)
+    assert_same_state(st, alone)
+    if mode == "tile":  # reference: prefill over (chunk prefix + new tokens) from the boundary state
+        ref = clone_state(full)
+        for b in (ref.buf_x, ref.buf_dt, ref.buf_B):
+            b.zero_()
+        toks = [tuple(torch.cat([a, b]) for a, b in zip(pre[i], new[i])) for i in range(3)]
+        yp = prefill(ref, slots, [o - o % L for o in offsets], toks, prm)
+        for i in range(3):
+            assert torch.equal(torch.stack([ys[k][i] for k in range(steps)]), yp[i][-steps:]), i
+        assert_same_state(st, ref, torch.tensor(slots))
+
+
+@interp
+def test_chunk_completion_updates_state_like_prefill():
+    """A token at position L-1 moves the boundary state as the prefill of the whole chunk does and
+    empties the buffers; other slots are untouched."""
+    G = 1
+    prm = make_params(H, P, seed=11)
+    toks = make_tokens(L, H, P, G, N, seed=11)
+    st = make_state(2, H, P, G, N, L, torch.float32, "cpu", seed=11)
+    ref = clone_state(st)
+    head = tuple(t[: L - 1] for t in toks)
+    prefill(st, [1], [0], [head], prm)
+    before = clone_state(st)
+    y = decode_steps(st, [1], [L - 1], [tuple(t[L - 1:] for t in toks)], prm, 1, "tile", hint=False)[0]
+    yp = prefill(ref, [1], [0], [toks], prm)[0]
+    assert torch.equal(y[0], yp[-1])
+    assert torch.equal(st.ssm_state, ref.ssm_state)
+    assert not torch.equal(st.ssm_state[1], before.ssm_state[1])
+    for b in (st.buf_x, st.buf_dt, st.buf_B):
+        assert not bool(b[1].any())
+    assert_same_state(st, before, torch.tensor([0]))
+
+
+@interp
+def test_dt_limit_and_per_head_D():
+    """dt_limit clamps as in pack_chunks; D given per head ([H]) or per channel ([H, P])."""
+    G, T = 1, 6
+    prm = make_params(H, P, seed=5)
+    prm["D"] = prm["D"][:, 0].contiguous()
+    toks = make_tokens(T, H, P, G, N, seed=5)
+    lim = (0.05, 0.4)
+    st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=5)
+    ref = clone_state(st)
+    ys = decode_steps(st, [0], [3], [toks], prm, T, "tile", dt_limit=lim)
+    # reference: same start (3 rows already buffered: zeros, consistent with a zero prefix)
+    yp = prefill(ref, [0], [3], [toks], prm, dt_limit=lim)[0]
+    assert torch.equal(torch.cat(ys), yp)
+    assert_same_state(st, ref)
+
+
+def test_bad_arguments():
+    st = make_state(1, H, P, 1, N, L, torch.float32, "cpu")
+    x, dt, B, C = make_tokens(1, H, P, 1, N, seed=0)
+    prm = make_params(H, P, seed=0)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="mode"):
+        replay_decode_triton(st, one, one, x, dt, B, C, mode="fast", **prm)
+    with pytest.raises(ValueError, match="do not match"):
+        replay_decode_triton(st, one, one, x[:, :1], dt, B, C, **prm)
+    with pytest.raises(ValueError, match="row tile"):
+        replay_decode_triton(st, one, one, x, dt, B, C, row_tile=24, **prm)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: real shapes, bf16
+# ------------------------------------------------------------------------------------------
+
+SHAPES = {"32h_1g": (32, 1), "64h_8g": (64, 8), "128h_8g": (128, 8)}
+GP, GN, GL = 64, 128, 256
+
+
+def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, steps: int = 3, alone: int = 0):
+    """batch sequences at offsets uniform in [0, L) (some at L-1, L-2, 0 forced), nonzero boundary
+    states, partial chunks filled by a prefill; decode `steps` tokens; compare every row, state and
+    buffer with one prefill over (chunk prefix + new tokens) from the boundary, and the first
+    `alone` sequences with themselves decoded alone."""
+    dev, dt_ = "cuda", torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    offs = torch.randint(0, GL, (batch,), generator=g)
+    forced = [GL - 1, GL - 2, 0, 1]
+    offs[: min(batch, len(forced))] = torch.tensor(forced[: min(batch, len(forced))])
+    chunk_k = torch.randint(0, 3, (batch,), generator=g)  # the boundary: 0, L or 2L
+    start = (chunk_k * GL + offs).tolist()
+    bound = (chunk_k * GL).tolist()
+    nslots = batch + 7
+    slots = torch.randperm(nslots, generator=g)[:batch].tolist()
+    prm = make_params(heads, GP, seed, dev, realistic=True)
+    st = make_state(nslots, heads, GP, groups, GN, GL, dt_, dev, seed=seed, scale=0.3)
+    pre = [make_tokens(int(o), heads, GP, groups, GN, seed * 1000 + i, dt_, dev) for i, o in enumerate(offs)]
+    if any(int(o) for o in offs):
+        idx = [i for i in range(batch) if int(offs[i])]
+        prefill(st, [slots[i] for i in idx], [bound[i] for i in idx], [pre[i] for i in idx], prm)
+    new = [make_tokens(steps, heads, GP, groups, GN, seed * 1000 + 500 + i, dt_, dev) for i in range(batch)]
+    ref = clone_state(st)
+    solo = clone_state(st) if alone else None
+    ys = decode_steps(st, slots, start, new, prm, steps, mode, hint=False)
+    for i in range(alone):
+        ya = decode_steps(solo, [slots[i]], [start[i]], [new[i]], prm, steps, mode)
+        assert all(torch.equal(ys[k][i], ya[k][0]) for k in range(steps)), f"sequence {i} differs alone"
+    for b in (ref.buf_x, ref.buf_dt, ref.buf_B):
+        b[torch.tensor(slots)] = 0
+    toks = [tuple(torch.cat([a, b]) for a, b in zip(pre[i], new[i])) for i in range(batch)]
+    yp = prefill(ref, slots, bound, toks, prm)
+    bad = [i for i in range(batch) if not torch.equal(torch.stack([ys[k][i] for k in range(steps)]), yp[i][-steps:])]
+    assert not bad, f"{len(bad)}/{batch} sequences differ (offsets {[int(offs[i]) for i in bad[:8]]})"
+    assert_same_state(st, ref)
+    return st, ys
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_dt_softplus_bits():
+    g = torch.Generator().manual_seed(1)
+    raw = torch.cat([torch.randn(1 << 20, generator=g) * 6.0, torch.linspace(-120.0, 60.0, 1 << 16),
+                     torch.tensor([0.0, -0.0, 1e-30, 20.0, 20.000002, 19.999998, -87.3, -88.1, float("inf")])])
+    raw = raw[: raw.numel() // 8 * 8].view(-1, 8).cuda()
+    bias = torch.linspace(-1.0, 1.0, 8).cuda()
+    for lim in (NO_LIMIT, (1e-3, 0.1)):
+        for dtype in (torch.float32, torch.bfloat16):
+            r = raw.to(dtype)
+            assert torch.equal(dt_softplus_triton(r, bias, lim).view(torch.int32),
+                               dt_softplus(r, bias, lim).view(torch.int32)), (lim, dtype)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["row", "tile"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_token_by_token_equals_prefill(shape, mode):
+    """One sequence decoded token by token over 300 tokens from a mid-chunk start, crossing a chunk
+    boundary, == one prefill from the boundary over the same tokens: every row and the final state."""
+    heads, groups = SHAPES[shape]
+    dev, dt_ = "cuda", torch.bfloat16
+    prm = make_params(heads, GP, 3, dev, realistic=True)
+    st = make_state(1, heads, GP, groups, GN, GL, dt_, dev, seed=3, scale=0.3)
+    first = 100
+    toks = make_tokens(first + 300, heads, GP, groups, GN, seed=3, dtype=dt_, dev=dev)
+    ref = clone_state(st)
+    prefill(st, [0], [GL], [tuple(t[:first] for t in toks)], prm)
+    ys = decode_steps(st, [0], [GL + first], [tuple(t[first:] for t in toks)], prm, 300, mode)
+    yp = prefill(ref, [0], [GL], [toks], prm)[0][first:]
+    yd = torch.cat(ys)
+    rows_equal = sum(bool(torch.equal(yd[i], yp[i])) for i in range(300))
+    assert rows_equal == 300, f"{rows_equal}/300 rows equal"
+    assert_same_state(st, ref)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["row", "tile"])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_batch_offsets_equal_prefill(shape, batch, mode):
+    heads, groups = SHAPES[shape]
+    _gpu_batch_case(heads, groups, batch, mode, seed=17 + batch)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["row", "tile"])
+def test_gpu_batch_invariance(mode):
+    """A sequence's rows do not depend on the other sequences of the batch or on its slot."""
+    heads, groups = SHAPES["64h_8g"]
+    _gpu_batch_case(heads, groups, 256, mode, seed=5, steps=2, alone=6)
+
+
+def _second_process_rows(mode: str) -> torch.Tensor:
+    heads, groups = SHAPES["32h_1g"]
+    _, ys = _gpu_batch_case(heads, groups, 64, mode, seed=99, steps=2)
+    return torch.stack(ys).cpu()
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_second_process_same_bits(tmp_path):
+    """The same decode in a fresh process (fresh Triton load of the compiled kernels) gives the same bits."""
+    here = _second_process_rows("row")
+    out = tmp_path / "rows.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--dump", str(out)], check=True, env=env, cwd=root,
+                   timeout=300)
+    there = torch.load(out)
+    assert torch.equal(here.view(torch.int16), there.view(torch.int16))
+
+
+if __name__ == "__main__":  # the second process of test_gpu_second_process_same_bits
+    if len(sys.argv) == 3 and sys.argv[1] == "--dump":
+        torch.save(_second_process_rows("row"), sys.argv[2])
