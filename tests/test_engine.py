@@ -100,3 +100,11 @@ def test_replay_state_size_per_sequence():
     per_layer = (c.num_heads * c.head_dim * c.state_size * 4 + L * c.num_heads * c.head_dim * 2
                  + L * c.num_heads * 4 + L * c.n_groups * c.state_size * 2 + (c.conv_kernel - 1) * c.conv_dim * 2)
     assert model.new_cache(3).bytes_per_slot() == per_layer * c.num_hidden_layers
+
+
+def test_state_size_off_the_gemm_alignment_is_refused():
+    from aligned_mamba.errors import ModelLoadError
+
+    cfg, tensors = make_tiny(0, state_size=10)
+    with pytest.raises(ModelLoadError, match="state_size 10"):
+        Mamba2LM(cfg, tensors, Contract(chunk_size=cfg.chunk_size))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import Contract
+from ..errors import ModelLoadError
 from ..ops.linear import linear
 from ..ops.norm import gated_rms_norm, rms_norm
 from ..ops.ssd import chunk_scan, recurrent_step
@@ -66,6 +67,11 @@ class Mamba2LM:
                  device: torch.device | str | None = None) -> None:
         self.config = config
         self.contract = contract
+        if config.state_size % 4:
+            # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
+            # another alignment (torch 2.13 CPU, measured in tests/test_ops_rows.py): refuse.
+            raise ModelLoadError(f"state_size {config.state_size} is not a multiple of 4: row bits could depend on "
+                                 "alignment in the scan's GEMMs; refused")
         if device is None:
             device = "cuda" if contract.backend == "triton" and torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
