@@ -1,0 +1,247 @@
+"""Weight conversion between Megatron-Core's ``MambaModel`` state dict and the Hugging Face Mamba2 layout.
+
+Trainers export weights to rollout workers (vLLM, the reference engine) in the HF safetensors layout and
+import HF checkpoints to start training; both directions are pure renaming, so a round trip is exact
+(the very same tensor objects, same dtype, nothing copied or cast).
+
+Supported layout: megatron-core 0.16.x names of a pure Mamba2 ``MambaModel`` (every layer a Mamba layer)
+at tensor/pipeline parallel size 1, i.e. what ``model.state_dict()`` returns on one rank of a TP=1, PP=1
+run, unwrapped from DDP / Float16Module::
+
+    embedding.word_embeddings.weight                 <-> backbone.embeddings.weight
+    decoder.layers.{i}.norm.weight                   <-> backbone.layers.{i}.norm.weight
+    decoder.layers.{i}.mixer.in_proj.layer_norm_weight -> backbone.layers.{i}.norm.weight  (Transformer Engine)
+    decoder.layers.{i}.mixer.{in_proj.weight, in_proj.bias, conv1d.weight, conv1d.bias, A_log, D, dt_bias,
+                              norm.weight, out_proj.weight, out_proj.bias}
+                                                     <-> backbone.layers.{i}.mixer.<same>
+    decoder.final_norm.weight                        <-> backbone.norm_f.weight
+    output_layer.weight                              <-> lm_head.weight  (absent when embeddings are tied)
+
+in_proj rows are [z | x | B | C | dt] in Megatron (TP=1) and [z, xBC, dt] in HF: the same order, so no
+tensor is split or permuted. ``*._extra_state`` keys (Transformer Engine / fp8 metadata) are dropped on import
+and never produced. The biases appear exactly when the config's ``use_bias`` / ``use_conv_bias`` say so.
+
+Refused with a one-line ``ModelLoadError`` naming the key (and both shapes where a shape is wrong): unknown
+keys (hybrid attention/MLP layers, ``module.`` wrapper prefixes, layers beyond ``num_hidden_layers``),
+missing keys, a layer norm given twice (both the plain and the TE-fused name), wrong shapes (including a
+Megatron-padded vocabulary that the config does not state, and ``D`` per channel), tensor-parallel shards
+(TP>1 shapes: merge the shards first), and a stored output layer / lm_head that differs from the embedding
+while the config ties them (an identical copy is accepted and dropped, as ``load_checkpoint`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from aligned_mamba.errors import ModelLoadError
+from aligned_mamba.model.checkpoint import EMBEDDING, LM_HEAD, expected_shapes, load_checkpoint, save_checkpoint
+from aligned_mamba.model.config import Mamba2Config
+
+__all__ = ["export_hf_checkpoint", "hf_to_megatron", "import_hf_checkpoint", "megatron_to_hf"]
+
+MEGATRON_EMBEDDING = "embedding.word_embeddings.weight"
+MEGATRON_OUTPUT = "output_layer.weight"
+MEGATRON_FINAL_NORM = "decoder.final_norm.weight"
+EXTRA_STATE_SUFFIX = "_extra_state"
+TE_NORM = "mixer.in_proj.layer_norm_weight"  # Transformer Engine fuses the pre-mixer norm into in_proj
+
+# HF "backbone.layers.{i}.<rest>" <-> Megatron "decoder.layers.{i}.<rest>" for every per-layer tensor,
+# except the layer norm when TE fuses it; the fixed names are mapped explicitly.
+_HF_LAYER = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
+_FIXED_HF_TO_MEGATRON = {
+    EMBEDDING: MEGATRON_EMBEDDING,
+    "backbone.norm_f.weight": MEGATRON_FINAL_NORM,
+    LM_HEAD: MEGATRON_OUTPUT,
+}
+
+
+def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config) -> dict[str, torch.Tensor]:
+    """Rename a TP=1 Megatron-Core ``MambaModel`` state dict to the HF Mamba2 layout of ``config``.
+
+    Accepts the layer norm under either ``decoder.layers.{i}.norm.weight`` or the Transformer Engine name
+    ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``; drops ``*._extra_state`` keys. Returns the input
+    tensor objects themselves (no copy, no cast) under HF names, in ``expected_shapes(config)`` order, so
+    with tied embeddings there is no ``lm_head.weight``. Raises ``ModelLoadError`` (one line) for an
+    unknown, missing, duplicated or mis-shaped key, or a tensor-parallel shard.
+    """
+    shapes = expected_shapes(config)
+    hf_to_mg = _name_map(config, te_fused_norm=False)
+    mg_to_hf = {mg: hf for hf, mg in hf_to_mg.items()}
+    for i in range(config.num_hidden_layers):  # the TE spelling of the same layer norm
+        mg_to_hf[f"decoder.layers.{i}.{TE_NORM}"] = f"backbone.layers.{i}.norm.weight"
+    tied_output: torch.Tensor | None = None
+    out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # HF name -> the Megatron key it came from, for messages
+    for key, value in state_dict.items():
+        if key.rsplit(".", 1)[-1] == EXTRA_STATE_SUFFIX:
+            continue  # TE/fp8 bookkeeping (often a BytesIO or None), not a weight
+        if key == MEGATRON_OUTPUT and config.tie_word_embeddings:
+            tied_output = _tensor(key, value)  # checked against the embedding once that is known
+            continue
+        hf = mg_to_hf.get(key)
+        if hf is None:
+            raise ModelLoadError(f"unknown Megatron state-dict key {key!r}{_unknown_hint(key, config)}")
+        if hf in out:
+            raise ModelLoadError(
+                f"Megatron state dict gives {hf!r} twice: as {source[hf]!r} and as {key!r}; keep only one"
+            )
+        tensor = _tensor(key, value)
+        _check_shape(key, hf, tensor, shapes[hf], megatron_side=True)
+        out[hf] = tensor
+        source[hf] = key
+    missing = [hf for hf in shapes if hf not in out]
+    if missing:
+        first = missing[0]
+        raise ModelLoadError(
+            f"Megatron state dict lacks {hf_to_mg[first]!r} (HF {first!r}, shape {list(shapes[first])})"
+            + (f" and {len(missing) - 1} more key(s)" if len(missing) > 1 else "")
+        )
+    if tied_output is not None:
+        _check_tied(MEGATRON_OUTPUT, tied_output, MEGATRON_EMBEDDING, out[EMBEDDING])
+    return {hf: out[hf] for hf in shapes}
+
+
+def hf_to_megatron(
+    tensors: Mapping[str, Any], config: Mamba2Config, *, te_fused_norm: bool = False
+) -> dict[str, torch.Tensor]:
+    """Rename HF Mamba2 tensors (the layout of ``expected_shapes(config)``) to a TP=1 Megatron-Core state dict.
+
+    ``te_fused_norm=True`` writes each layer norm as ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``
+    (Transformer Engine specs) instead of ``decoder.layers.{i}.norm.weight``. No ``_extra_state`` keys are
+    produced (load into the model with ``strict=False`` or let TE fill them). With tied embeddings there
+    is no ``output_layer.weight``; an ``lm_head.weight`` equal to the embedding is accepted and dropped.
+    Returns the input tensor objects themselves. Raises ``ModelLoadError`` (one line) for an unknown,
+    missing or mis-shaped tensor.
+    """
+    shapes = expected_shapes(config)
+    names = _name_map(config, te_fused_norm=te_fused_norm)
+    lm_head: torch.Tensor | None = None
+    for key, value in tensors.items():
+        if key == LM_HEAD and config.tie_word_embeddings:
+            lm_head = _tensor(key, value)
+            continue
+        if key not in shapes:
+            raise ModelLoadError(f"unknown HF Mamba2 tensor {key!r} for this config{_unknown_hint(key, config)}")
+        _check_shape(key, names[key], _tensor(key, value), shapes[key], megatron_side=False)
+    missing = [hf for hf in shapes if hf not in tensors]
+    if missing:
+        first = missing[0]
+        raise ModelLoadError(
+            f"HF tensors lack {first!r} (Megatron {names[first]!r}, shape {list(shapes[first])})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    if lm_head is not None:
+        _check_tied(LM_HEAD, lm_head, EMBEDDING, tensors[EMBEDDING])
+    return {names[hf]: tensors[hf] for hf in shapes}
+
+
+def export_hf_checkpoint(
+    state_dict: Mapping[str, Any], config: Mamba2Config, path: str | os.PathLike[str]
+) -> None:
+    """Write a Megatron-Core TP=1 ``MambaModel`` state dict as an HF Mamba2 checkpoint directory at ``path``.
+
+    ``config.json`` comes from ``config`` and ``model.safetensors`` holds the renamed tensors in their own
+    dtypes (via ``save_checkpoint``, so the result loads back with ``load_checkpoint``). Raises
+    ``ModelLoadError`` for a key or shape problem, and also for what ``save_checkpoint`` refuses (fp16,
+    other dtypes, non-finite values), so that callers handle one error type.
+    """
+    tensors = megatron_to_hf(state_dict, config)
+    try:
+        save_checkpoint(path, config, tensors)
+    except ValueError as exc:  # save_checkpoint's validation: dtype or finiteness, one line
+        raise ModelLoadError(f"cannot export to {os.fspath(path)!r}: {exc}") from None
+
+
+def import_hf_checkpoint(
+    path: str | os.PathLike[str], *, te_fused_norm: bool = False
+) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """Load an HF Mamba2 checkpoint directory (strictly, via ``load_checkpoint``) as a TP=1 Megatron state dict.
+
+    Returns the config and the state dict (see ``hf_to_megatron`` for ``te_fused_norm``); the tensors keep
+    the stored dtypes. Raises ``ModelLoadError``.
+    """
+    config, tensors = load_checkpoint(path)
+    return config, hf_to_megatron(tensors, config, te_fused_norm=te_fused_norm)
+
+
+def _name_map(config: Mamba2Config, *, te_fused_norm: bool) -> dict[str, str]:
+    """HF name -> Megatron name for every tensor of ``expected_shapes(config)``, in that order."""
+    names: dict[str, str] = {}
+    for hf in expected_shapes(config):
+        layer = _HF_LAYER.fullmatch(hf)
+        if layer is None:
+            names[hf] = _FIXED_HF_TO_MEGATRON[hf]
+        elif te_fused_norm and layer.group(2) == "norm.weight":
+            names[hf] = f"decoder.layers.{layer.group(1)}.{TE_NORM}"
+        else:
+            names[hf] = f"decoder.layers.{layer.group(1)}.{layer.group(2)}"
+    return names
+
+
+def _tensor(key: str, value: Any) -> torch.Tensor:
+    """``value`` if it is a tensor, else a one-line ModelLoadError naming ``key``."""
+    if not isinstance(value, torch.Tensor):
+        raise ModelLoadError(f"{key!r} is a {type(value).__name__}, not a torch.Tensor")
+    return value
+
+
+def _check_shape(
+    key: str, other: str, tensor: torch.Tensor, expected: tuple[int, ...], *, megatron_side: bool
+) -> None:
+    """Refuse a shape other than ``expected``, naming both keys and both shapes, with a hint when one is clear."""
+    found = tuple(tensor.shape)
+    if found == expected:
+        return
+    hint = ""
+    if megatron_side:
+        tp = _tp_factor(found, expected)
+        if tp is not None:
+            hint = (f"; this looks like one tensor-parallel shard (TP={tp}): only TP=1 state dicts are supported, "
+                    "merge the shards first")
+        elif key in (MEGATRON_EMBEDDING, MEGATRON_OUTPUT) and len(found) == 2 and found[1] == expected[1] \
+                and found[0] > expected[0]:
+            hint = (f"; Megatron pads the vocabulary (--make-vocab-size-divisible-by): build the config with "
+                    f"vocab_size={found[0]}")
+    where = f"HF {other!r}" if megatron_side else f"Megatron {other!r}"
+    raise ModelLoadError(f"tensor {key!r} ({where}): expected shape {list(expected)}, found {list(found)}{hint}")
+
+
+def _tp_factor(found: tuple[int, ...], expected: tuple[int, ...]) -> int | None:
+    """k > 1 when ``found`` is ``expected`` with exactly one dimension divided by k (a TP shard), else None."""
+    if len(found) != len(expected):
+        return None
+    differing = [(f, e) for f, e in zip(found, expected) if f != e]
+    if len(differing) != 1:
+        return None
+    f, e = differing[0]
+    return e // f if 0 < f < e and e % f == 0 else None
+
+
+def _check_tied(key: str, tensor: torch.Tensor, embedding_key: str, embedding: torch.Tensor) -> None:
+    """With tied embeddings a stored output matrix is redundant; refuse it unless it equals the embedding."""
+    if tuple(tensor.shape) != tuple(embedding.shape) or not torch.equal(tensor, embedding):
+        raise ModelLoadError(
+            f"{key!r} (shape {list(tensor.shape)}) differs from {embedding_key!r} (shape {list(embedding.shape)}) "
+            "but tie_word_embeddings is true"
+        )
+
+
+def _unknown_hint(key: str, config: Mamba2Config) -> str:
+    """A short reason for a common unknown key, or ''."""
+    if key.startswith("module."):
+        return "; unwrap DDP / Float16Module (the 'module.' prefix) before converting"
+    layer = re.match(r"(?:decoder|backbone)\.layers\.(\d+)\.", key)
+    if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
+        return f"; the config has {config.num_hidden_layers} layer(s)"
+    if key.endswith("layer_norm_bias"):
+        return "; Mamba2 layer norms are RMSNorms without a bias"
+    if key.endswith(".bias"):
+        return f" (use_bias={config.use_bias}, use_conv_bias={config.use_conv_bias})"
+    if layer is not None:
+        return "; only pure Mamba2 layers (mixer + norm) are supported, not hybrid attention/MLP layers"
+    return ""
