@@ -249,7 +249,9 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
     slots_d = case["slots"].to(dev)
     pos_h = case["bound"] + case["fill"]
     pos_d = [(pos_h + k).to(dev) for k in range(steps)]
-    hint = [bool((((pos_h + k) % L) == L - 1).any()) for k in range(steps)]
+    # what an engine knows on the host: which sequences complete their chunk at each step
+    done = [torch.nonzero(((pos_h + k) % L) == L - 1).flatten() for k in range(steps)]
+    hint = [d.to(dev) if d.numel() else False for d in done]
     x, dt, B, C = case["tok"]
     prm = case["prm"]
 
@@ -265,7 +267,7 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
         out["replay_graph_ms"] = graph_time(torch, lambda: step(0, False), n)
     H, G, P, N = case["H"], case["G"], case["P"], case["N"]
     esize = x.element_size()
-    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize) for f in case["fill"]))
+    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"]) for f in case["fill"]))
     out["bytes_ssu"] = int(case["slots"].numel()) * ssu_step_bytes(H, G, P, N, esize)
     if upstream_ssu is not None and dev.type == "cuda":
         S = int(case["slots"].numel())

@@ -18,16 +18,18 @@ buffer, and only the token's own row:
    live). "row" computes the one row alone with explicit fma chains in the order the fp32 FMA
    dot lowering accumulates (k ascending, one fused multiply-add per term, starting from the
    accumulator): 16x less arithmetic than a 16-row tile. The fp32 boundary state is only read.
-3. ``_update_kernel`` [S, H, PB * NB], only for sequences whose token completes the chunk
+3. ``_update_kernel`` [S or n, H, PB * NB], only for sequences whose token completes the chunk
    (``pos % L == L - 1``): chunk state and new boundary state, the code of
    ``_chunk_state_kernel`` + ``_state_pass_kernel``.
-4. ``_zero_kernel`` [S, H]: empties the buffers of those sequences.
+4. ``_zero_kernel`` [S or n, H]: empties the buffers of those sequences.
 
-Launches 3 and 4 return at once for sequences that do not complete a chunk, and are skipped when
-the caller says no sequence completes (``completes=False``; an engine knows positions on the host).
+Launches 3 and 4 return at once for sequences that do not complete a chunk; a caller that knows
+which do (an engine knows positions on the host) passes their indices (``completes=tensor``) and
+the two kernels run over those only, or ``completes=False`` to skip them.
 
-Bytes per step and sequence: the boundary state once (H P N 4), the buffer rows of the partial
-chunk (x, dt, B) once, the new token's inputs; SSU reads and writes the state every step.
+Bytes per step and sequence ("row" mode, no completion): the boundary state read once (H P N 4),
+the x and B rows of the partial chunk up to the token read once, the chunk's dt row, small
+scratch, the token's inputs; SSU reads and writes the state every step.
 
 Bits: every arithmetic step of the prefill's path for that row is repeated with the same
 operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
@@ -453,14 +455,17 @@ def _tile_kernel(
 
 @triton.jit
 def _update_kernel(
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    LISTED: tl.constexpr,
 ):
-    """Program (q, h, block): if the token completed the chunk, the new boundary state block
-    h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the arithmetic of
-    ``_chunk_state_kernel`` followed by ``_state_pass_kernel``."""
+    """Program (i, h, block), sequence q = i (or seq[i] if LISTED): if its token completed the chunk,
+    the new boundary state block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the
+    arithmetic of ``_chunk_state_kernel`` followed by ``_state_pass_kernel``."""
     q = tl.program_id(0).to(tl.int64)
+    if LISTED:
+        q = tl.load(seq_ptr + q)
     r = tl.load(pos_ptr + q) % L
     if r == L - 1:
         h = tl.program_id(1)
@@ -498,13 +503,15 @@ def _update_kernel(
 
 @triton.jit
 def _zero_kernel(
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr, seq_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_L: tl.constexpr, ZB: tl.constexpr,
+    BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr,
 ):
-    """Program (q, h): if the token completed the chunk, zero head h's x and dt rows (and group h's
-    B rows for h < G) of the slot's buffers."""
+    """Program (i, h), sequence q = i (or seq[i] if LISTED): if its token completed the chunk, zero
+    head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers."""
     q = tl.program_id(0).to(tl.int64)
+    if LISTED:
+        q = tl.load(seq_ptr + q)
     r = tl.load(pos_ptr + q) % L
     if r == L - 1:
         h = tl.program_id(1)
@@ -525,6 +532,12 @@ def _zero_kernel(
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
+
+
+def _as(t: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if t.device == dev and t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(device=dev, dtype=dtype).contiguous()
 
 
 def _row_layout(H: int, G: int, P: int) -> tuple[int, int]:
@@ -550,7 +563,7 @@ def replay_decode_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     row_tile: int = 16,
     mode: str | None = None,
-    completes: bool | None = None,
+    completes: bool | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One exact-replay decode step for S sequences, one new token each; returns y [S, H, P].
 
@@ -558,8 +571,12 @@ def replay_decode_triton(
     ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
     this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype.
     A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the prefill's row tile (matters in "tile"
-    mode). mode: "row" (default) or "tile". completes: False when the caller knows no token
-    completes a chunk (pos % L != L - 1 for all; skips two launches), else None or True.
+    mode). mode: "row" (default) or "tile". completes: which tokens complete their chunk
+    (pos % L == L - 1), if the caller knows (an engine knows positions on the host): False for
+    none (two launches fewer), or an int64 tensor of their indices in the batch (the completion
+    kernels then run over those only); None or True: the completion kernels run over the whole
+    batch and return at once for the others. A wrong hint is harmless only in the direction of
+    listing too many: listed sequences are still checked.
 
     Updates ``state`` in place exactly as ``ssd_advance(state, Batch(slots, pos, [1] * S), ...)``
     would, and y has the bits of that call's rows.
@@ -590,19 +607,21 @@ def replay_decode_triton(
     y = torch.empty(S, H, P, dtype=x.dtype, device=dev)
     if S == 0:
         return y
-    slots_d = slots.to(device=dev, dtype=torch.int64).contiguous()
-    pos_d = pos.to(device=dev, dtype=torch.int64).contiguous()
-    x_c, dt_c, B_c, C_c = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
-    Af = A.to(device=dev, dtype=torch.float32).contiguous()
-    bias = dt_bias.to(device=dev).contiguous()
-    Dd = D.to(device=dev)
+    # Cheap on the host: convert only what is not already as the kernels want it.
+    slots_d = _as(slots, dev, torch.int64)
+    pos_d = _as(pos, dev, torch.int64)
+    x_c, dt_c, B_c, C_c = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C))
+    Af = _as(A, dev, torch.float32)
+    bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
+    Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
     lo, hi = _limits(dt_limit)
     BLOCK_L = triton.next_power_of_2(L)
-    f32 = torch.float32
-    a_scr = torch.empty(S, H, L, dtype=f32, device=dev)
     row = mode == "row"
-    cb_scr = torch.empty(S, G, L, dtype=f32, device=dev) if row else a_scr
+    # one scratch allocation: a [S, H, L] then (row mode) cb [S, G, L], fp32
+    scratch = torch.empty(S * (H + (G if row else 0)) * L, dtype=torch.float32, device=dev)
+    a_scr = scratch
+    cb_scr = scratch[S * H * L:] if row else scratch
     dims = dict(H=H, G=G, L=L, P=P, N=N)
 
     _prep_kernel[(S, G)](
@@ -623,27 +642,34 @@ def replay_decode_triton(
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
             PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
         )
-    if completes is not False:
+    listed = isinstance(completes, torch.Tensor)
+    n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
+    if n_upd:
+        seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
-        _update_kernel[(S, H, PB * NB)](
-            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, **dims,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
-        )
-        _zero_kernel[(S, H)](
-            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, **dims, BLOCK_L=BLOCK_L, ZB=1024,
+        _update_kernel[(n_upd, H, PB * NB)](
+            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, LISTED=listed,
             num_warps=NUM_WARPS,
+        )
+        _zero_kernel[(n_upd, H)](
+            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, **dims, BLOCK_L=BLOCK_L, ZB=1024,
+            LISTED=listed, num_warps=NUM_WARPS,
         )
     return y
 
 
-def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2) -> int:
-    """Bytes one sequence's decode step moves (lower bound): the boundary state read once, the
-    partial chunk's x, dt and B rows (fill + 1 with the token's), the token's inputs and output."""
+def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
+    """Bytes one sequence's "row"-mode decode step moves when no chunk completes: the boundary
+    state read once, the partial chunk's x and B rows (fill + 1 with the token's) read once, the
+    dt rows (the whole chunk: the cumsum reads L), the a and cb scratch written and read, the
+    token's inputs, its rows written to the buffers, and the output."""
     rows = fill + 1
     state = H * P * N * 4
-    buf = rows * (H * P * x_bytes + H * 4 + G * N * x_bytes)
-    token = H * P * x_bytes * 2 + H * x_bytes + 2 * G * N * x_bytes  # x in, y out, dt, B, C
-    return state + buf + token
+    buf = rows * (H * P * x_bytes + G * N * x_bytes) + H * L * 4
+    scratch = 2 * (H * L * 4 + G * L * 4)
+    token = 2 * (H * P * x_bytes + H * 4 + G * N * x_bytes) + H * x_bytes + G * N * x_bytes + H * P * x_bytes
+    return state + buf + scratch + token
 
 
 def ssu_step_bytes(H: int, G: int, P: int, N: int, x_bytes: int = 2) -> int:
