@@ -175,6 +175,16 @@ def ssd_advance(
     """
     L = state.chunk_size
     dev = x.device
+    if backend == "triton" and x.is_cuda and bool((batch.lengths == 1).all()):
+        # A decode-only batch on the GPU: the fused replay-decode kernel computes just the new
+        # rows with the prefill kernel's arithmetic (bit-identical, checked on the H200 by
+        # tests/test_triton_decode.py) and touches the boundary state only when a chunk completes.
+        from .ops.ssd.triton_decode import replay_decode_triton
+
+        done = torch.nonzero(batch.start_pos % L == L - 1).flatten()
+        return replay_decode_triton(state, batch.slots.to(dev), batch.start_pos.to(dev), x, dt, B, C, A=A, D=D,
+                                    dt_bias=dt_bias, dt_limit=dt_limit, row_tile=row_tile,
+                                    completes=done.to(dev) if done.numel() else False)
     slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
     lens = cu[1:] - cu[:-1]
     off = batch.start_pos.to(dev) % L  # rows buffered since the boundary
