@@ -134,12 +134,6 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """[T] int64: the absolute position of every new row in its sequence."""
-        seq = torch.repeat_interleave(torch.arange(self.slots.numel()), self.lengths)
-        return self.start_pos[seq] + torch.arange(self.num_tokens) - self.cu_seqlens[:-1][seq]
-
 
 def conv_advance(state: LayerReplayState | LayerRunningState, batch: Batch, xBC: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -168,7 +162,8 @@ def ssd_advance(
     """Advance every slot of ``batch`` by its new tokens; returns y [T, H, P] for the new rows.
 
     x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype; rows [T] bool (default all):
-    the rows whose outputs are wanted (others are zero). Updates ``state`` in place.
+    the rows whose outputs are wanted (others are zero, except on the GPU decode path, which
+    computes every row of its one-token batch). Updates ``state`` in place.
 
     Buffer rows at and past a slot's fill level are kept zero, so a slot's buffer is already
     its first chunk's zero-padded prefix.
