@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops.configs import PINNED
 from .ops.conv1d import causal_conv1d
 from .ops.ssd import scan_chunks_for
 from .ops.ssd.chunk import pack_chunks
@@ -156,7 +157,7 @@ def ssd_advance(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     rows: torch.Tensor | None = None,
-    row_tile: int = 16,
+    row_tile: int | None = None,
     backend: str = "torch",
 ) -> torch.Tensor:
     """Advance every slot of ``batch`` by its new tokens; returns y [T, H, P] for the new rows.
@@ -170,6 +171,8 @@ def ssd_advance(
     """
     L = state.chunk_size
     dev = x.device
+    if row_tile is None:  # the backend's pinned row tile (a shorter chunk is one tile)
+        row_tile = min(int(PINNED[backend]["row_tile"]), L)
     if backend == "triton" and x.is_cuda and bool((batch.lengths == 1).all()):
         # A decode-only batch on the GPU: the fused replay-decode kernel computes just the new
         # rows with the prefill kernel's arithmetic (bit-identical, checked on the H200 by

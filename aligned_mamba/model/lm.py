@@ -76,7 +76,8 @@ class Mamba2LM:
             device = "cuda" if contract.backend == "triton" and torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.dtype = getattr(torch, contract.model_dtype)
-        self.row_tile = int(contract.kernel_configs.get("row_tile", 16))
+        # a chunk shorter than the pinned row tile is one tile
+        self.row_tile = min(int(contract.kernel_configs.get("row_tile", 16)), contract.chunk_size)
         self.linear_tile = int(contract.kernel_configs.get("linear_row_tile", 16))
         c = config
         dt = self.dtype

@@ -561,7 +561,7 @@ def replay_decode_triton(
     D: torch.Tensor,
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-    row_tile: int = 16,
+    row_tile: int | None = None,
     mode: str | None = None,
     completes: bool | torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -590,7 +590,7 @@ def replay_decode_triton(
     if x.shape != (S, H, P) or dt.shape != (S, H) or B.shape != (S, G, N) or C.shape != (S, G, N):
         raise ValueError(f"inputs do not match the state: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} for S={S}, H={H}, P={P}, G={G}, N={N}")
-    R = row_tile
+    R = min(int(PINNED["triton"]["row_tile"]), L) if row_tile is None else row_tile
     if R < 16 or R & (R - 1) or L % R or L & (L - 1):
         raise ValueError(f"row tile {R} must be a power of two >= 16 dividing chunk_size {L} (a power of two)")
     if H % G:
