@@ -8,16 +8,16 @@ CPU (vectorised SLEEF body vs scalar libm tail), which is the mismatch the modul
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_threads import num_threads, single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba.ops import elementwise as ew
 
@@ -32,24 +32,6 @@ FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # Sizes around ATen's vector width and its parallel grain (32768 elements per thread chunk).
 EDGE_SIZES = [1, 2, 7, 15, 16, 17, 33, 65, 32767, 32769, 65537, 70000]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    prev = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
-@pytest.fixture(autouse=True)
-def _single_thread_by_default() -> Iterator[None]:
-    """One thread unless a test asks for two: on a loaded 2-core machine every 2-thread parallel
-    region can wait for a busy core, so the 2-thread runs are kept to the checks that need them."""
-    with num_threads(1):
-        yield
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

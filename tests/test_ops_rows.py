@@ -8,16 +8,15 @@ was split into calls). Contrast tests show the plain torch op that would break t
 
 from __future__ import annotations
 
-import contextlib
 import math
 from array import array
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_threads import num_threads, single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba.ops.conv1d import causal_conv1d
 from aligned_mamba.ops.linear import linear
@@ -27,24 +26,6 @@ from aligned_mamba.ops.reduce import tree_sum
 
 DTYPES = [torch.float32, torch.bfloat16]
 SUB_SIZES = [1, 2, 7, 15, 16, 17, 33]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    prev = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
-@pytest.fixture(autouse=True)
-def _single_thread_by_default() -> Iterator[None]:
-    """One thread unless a test asks for two: on a loaded 2-core machine every 2-thread parallel
-    region can wait for a busy core, so the 2-thread runs are kept to the checks that need them."""
-    with num_threads(1):
-        yield
 
 
 def _gen(seed: int) -> torch.Generator:
