@@ -13,14 +13,15 @@ import json
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .contract import Contract, check_compatible
+from .errors import AlignedMambaError
 from .model.engine import Request, SamplerEngine
 from .model.lm import Mamba2LM
 from .ops.ssd import recurrent_step, ssd_naive
@@ -179,37 +180,83 @@ def sample_case(source: ModelSource, name: str, prompts: list[list[int]], gen_le
                        engine.steps, sum(r.preemptions for r in reqs), time.perf_counter() - t0, os.getpid())
 
 
-def _sampled(source: ModelSource, jobs: int, args: tuple) -> Iterator[SampledCase]:
-    """Every case's sampler output, in CASES order; on ``jobs`` worker processes when jobs > 1."""
+def sample_cases_reference(source: ModelSource, cases: Sequence[CaseSpec], prompts: list[list[int]], gen_len: int,
+                           budget: int, seed: int, jobs: int = 1) -> Iterator[SampledCase]:
+    """The reference engine's sampler output for each case, in order; on ``jobs`` worker
+    processes when jobs > 1. This is the ``reference`` entry of ``SAMPLERS``: another engine
+    (``--engine vllm``) provides a function of the same signature."""
+    args = (prompts, gen_len, budget, seed)
     if jobs <= 1:
-        for spec in CASES:
+        for spec in cases:
             yield sample_case(source, spec.name, *args)
         return
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(sample_case, source, spec.name, *args, 1) for spec in CASES]
+        futures = [pool.submit(sample_case, source, spec.name, *args, 1) for spec in cases]
         for fut in futures:
             yield fut.result()
 
 
-def run_check(trainer: Mamba2LM, sampler: ModelSource, *, prompt_len: int, gen_len: int, requests: int,
+class Scorer(Protocol):
+    """The trainer side of a check: scores whole sequences in one pass.
+
+    ``forward(sequences)``: a list of [len_i] int64 token ids -> a list of [len_i, vocab] logits,
+    the rows to compare bitwise with the sampler's. ``contract``: what the trainer runs under.
+    """
+
+    contract: Contract
+
+    def forward(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+SampleCases = Callable[..., Iterator[SampledCase]]
+
+# --engine / --trainer names outside the core, found through entry points (the core never imports
+# vLLM or Megatron): group -> (name -> what to pip install when it is missing)
+ENGINE_GROUP, TRAINER_GROUP = "aligned_mamba.engines", "aligned_mamba.trainers"
+EXTRAS = {"vllm": "vllm", "megatron": "megatron"}
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """The object a package registered under ``group``/``name`` (an engine's ``sample_cases``, a
+    trainer's builder). One line of error when it is not installed or fails to import."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
+    if not found:
+        raise AlignedMambaError(f"no {group.split('.')[-1][:-1]} named {name!r} is installed "
+                                f"(pip install -e '.[{EXTRAS.get(name, name)}]')")
+    try:
+        return found[0].load()
+    except ImportError as e:
+        raise AlignedMambaError(f"{name!r} could not be imported ({e}); pip install -e '.[{EXTRAS.get(name, name)}]'"
+                                ) from e
+
+
+def run_check(trainer: Scorer, sampler: ModelSource, *, prompt_len: int, gen_len: int, requests: int,
               max_batch_tokens: int | None, seed: int, jobs: int = 1,
-              progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              progress: Callable[[str], None] = lambda s: None, sample_cases: SampleCases = sample_cases_reference,
+              reference: Mamba2LM | None = None) -> dict[str, Any]:
     """Run every case and return the JSON-ready result (see ``cli`` for the schema).
 
-    The sampler engines run from ``sampler`` (in ``jobs`` worker processes when jobs > 1); the
-    trainer scores every case's tokens in this process and ``verify`` compares the rows.
+    ``sample_cases`` runs the sampler engine from ``sampler`` (the reference engine by default,
+    in ``jobs`` worker processes when jobs > 1); the trainer scores every case's tokens in this
+    process and ``verify`` compares the rows. ``reference`` (default: the trainer, when it is a
+    ``Mamba2LM``) supplies the scan inputs for the fp64 accuracy line.
     """
+    reference = reference if reference is not None else trainer
+    if not isinstance(reference, Mamba2LM):
+        raise TypeError("run_check needs a reference Mamba2LM for the accuracy line")
     sampler_contract = Contract.from_dict(json.loads(sampler.contract_json))
     check_compatible(trainer.contract, sampler_contract)
     t_start = time.perf_counter()
-    vocab = trainer.config.vocab_size
+    vocab = reference.config.vocab_size
     budget = max_batch_tokens or _default_budget(sampler_contract.chunk_size)
     prompts = make_prompts(vocab, prompt_len, requests, seed)
     cases, timing = [], {}
     progress(f"sampling {len(CASES)} cases x {requests} requests x ({prompt_len}+{gen_len}) tokens"
              f"{f' on {jobs} worker processes' if jobs > 1 else ''}")
     first_tokens: list[int] = []
-    for got in _sampled(sampler, jobs, (prompts, gen_len, budget, seed)):
+    for got in sample_cases(sampler, CASES, prompts, gen_len, budget, seed, jobs):
         spec = next(c for c in CASES if c.name == got.name)
         t1 = time.perf_counter()
         trainer_logits = trainer.forward([torch.tensor(t, dtype=torch.int64) for t in got.tokens])
@@ -236,15 +283,15 @@ def run_check(trainer: Mamba2LM, sampler: ModelSource, *, prompt_len: int, gen_l
                  f"(sampler {got.seconds:.1f}s, trainer {t2 - t1:.1f}s)")
     progress("accuracy: fp64 reference on the trainer's scan inputs")
     t0 = time.perf_counter()
-    accuracy = scan_accuracy(trainer, torch.tensor(first_tokens, dtype=torch.int64))
+    accuracy = scan_accuracy(reference, torch.tensor(first_tokens, dtype=torch.int64))
     timing["accuracy_s"] = round(time.perf_counter() - t0, 3)
     timing["total_s"] = round(time.perf_counter() - t_start, 3)
-    c = trainer.config
+    c = reference.config
     return {
         "contract": sampler_contract.to_dict(),
         "model": {"layers": c.num_hidden_layers, "heads": c.num_heads, "head_dim": c.head_dim,
                   "n_groups": c.n_groups, "state_size": c.state_size, "vocab": vocab,
-                  "replay_bytes_per_sequence": trainer.new_cache(1).bytes_per_slot()},
+                  "replay_bytes_per_sequence": reference.new_cache(1).bytes_per_slot()},
         "params": {"prompt_len": prompt_len, "gen_len": gen_len, "requests": requests,
                    "max_batch_tokens": budget, "seed": seed, "jobs": jobs},
         "cases": cases,

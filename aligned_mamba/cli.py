@@ -1,6 +1,6 @@
 """The ``aligned-mamba`` command.
 
-    aligned-mamba check [--model tiny|DIR] [--engine reference] [--trainer reference]
+    aligned-mamba check [--model tiny|DIR] [--engine reference|vllm] [--trainer reference|megatron]
                         [--backend auto|torch|triton] [--prompt-len 600] [--gen-len 300]
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
                         [--seed 0] [--json PATH]
@@ -112,7 +112,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     show = _progress(start)
     import torch
 
-    from .check import ModelSource, run_check
+    from .check import ENGINE_GROUP, TRAINER_GROUP, ModelSource, load_plugin, run_check, sample_cases_reference
     from .contract import check_compatible
     from .model.lm import Mamba2LM
 
@@ -133,10 +133,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise AlignedMambaError("--jobs must be >= 1")
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
-    trainer = Mamba2LM(config, tensors, trainer_c)
+    # engines and trainers outside the core come through entry points (rollout/, trainer_hooks/)
+    sample_cases = sample_cases_reference if args.engine == "reference" else load_plugin(ENGINE_GROUP, args.engine)
+    reference = Mamba2LM(config, tensors, trainer_c)
+    if args.trainer == "reference":
+        trainer = reference
+    else:
+        show(f"building the {args.trainer} trainer")
+        trainer = load_plugin(TRAINER_GROUP, args.trainer)(config=config, tensors=tensors, contract=trainer_c)
     sampler = ModelSource(args.model, args.dtype, json.dumps(sampler_c.to_dict()))
     result = run_check(trainer, sampler, prompt_len=args.prompt_len, gen_len=args.gen_len, requests=args.requests,
-                       max_batch_tokens=args.max_batch_tokens, seed=args.seed, jobs=jobs, progress=show)
+                       max_batch_tokens=args.max_batch_tokens, seed=args.seed, jobs=jobs, progress=show,
+                       sample_cases=sample_cases, reference=reference)
     result["engine"], result["trainer"] = args.engine, args.trainer
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
     result["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -154,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="sample, score, and compare logits rows bit for bit")
     c.add_argument("--model", default="tiny", help="'tiny' (the embedded default) or a Hugging Face Mamba2 directory")
-    c.add_argument("--engine", default="reference", choices=["reference"], help="the sampler engine")
-    c.add_argument("--trainer", default="reference", choices=["reference"], help="the trainer forward")
+    c.add_argument("--engine", default="reference", choices=["reference", "vllm"],
+                   help="the sampler engine (vllm: a real vLLM engine with the exact-replay plugin; extra 'vllm')")
+    c.add_argument("--trainer", default="reference", choices=["reference", "megatron"],
+                   help="the trainer forward (megatron: Megatron-Core's MambaModel with the hook; extra 'megatron')")
     c.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     c.add_argument("--prompt-len", type=int, default=600)
     c.add_argument("--gen-len", type=int, default=300)
