@@ -11,6 +11,8 @@ Weights use the parameter names of Hugging Face's Mamba2ForCausalLM (see ``check
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,10 @@ from .config import Mamba2Config
 
 
 @dataclass
-class _Layer:
+class MixerWeights:
+    """One Mamba2 block's weights as the shared ops take them (dtypes as ``Mamba2LM`` casts them:
+    linear weights and biases fp32, A/D/dt_bias fp32, norms and conv in the model dtype)."""
+
     norm_w: torch.Tensor
     in_proj_w: torch.Tensor
     in_proj_b: torch.Tensor | None
@@ -90,12 +95,12 @@ class Mamba2LM:
             return get(name, dtype) if name in tensors else None
 
         self.embedding = get("backbone.embeddings.weight")
-        self.layers: list[_Layer] = []
+        self.layers: list[MixerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"backbone.layers.{i}."
             m = p + "mixer."
             self.layers.append(
-                _Layer(
+                MixerWeights(
                     norm_w=get(p + "norm.weight"),
                     in_proj_w=get(m + "in_proj.weight", f32),  # linear computes in fp32 (see ops.linear)
                     in_proj_b=opt(m + "in_proj.bias", f32),
@@ -147,6 +152,17 @@ class Mamba2LM:
         all). Returns [rows wanted, vocab] in the model dtype. ``capture``, if a list, receives
         per layer a dict of the scan's inputs and outputs (for accuracy reports).
         """
+        return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] (row-invariant linear)."""
+        return self._linear(hidden, self.lm_head, None, self.linear_tile)
+
+    def hidden_states(self, cache: ModelCache, batch: Batch, token_ids: torch.Tensor,
+                      logit_rows: torch.Tensor | None = None, capture: list | None = None) -> torch.Tensor:
+        """``advance`` up to the final norm: the normed hidden rows [rows wanted, hidden_size]
+        (model dtype) that ``logits`` maps to logits. Engines that compute logits for a subset
+        of rows later (vLLM's compute_logits) call this and ``logits`` separately."""
         c = self.config
         if token_ids.numel() != batch.num_tokens:
             raise ValueError(f"{token_ids.numel()} token ids for a batch of {batch.num_tokens} tokens")
@@ -165,35 +181,16 @@ class Mamba2LM:
             if rows is not None:
                 residual = residual[rows]
             residual = residual + out
-        normed = rms_norm(residual.to(self.dtype), self.norm_f, c.layer_norm_epsilon, self.dtype)
-        return self._linear(normed, self.lm_head, None, self.linear_tile)
+        return rms_norm(residual.to(self.dtype), self.norm_f, c.layer_norm_epsilon, self.dtype)
 
-    def _mixer(self, p: _Layer, state, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None,
+    def _mixer(self, p: MixerWeights, state, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None,
                capture: list | None) -> torch.Tensor:
-        c = self.config
-        T = hidden.shape[0]
-        H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
-        zxbcdt = self._linear(hidden, p.in_proj_w, p.in_proj_b, self.linear_tile)
-        z, xBC, dt = zxbcdt[:, :d], zxbcdt[:, d:d + c.conv_dim], zxbcdt[:, d + c.conv_dim:]
-        xBC = conv_advance(state, batch, xBC, p.conv_w, p.conv_b)
-        x = xBC[:, :d].reshape(T, H, P)
-        B = xBC[:, d:d + G * N].reshape(T, G, N)
-        C = xBC[:, d + G * N:].reshape(T, G, N)
-        if isinstance(state, LayerReplayState):
-            y = ssd_advance(state, batch, x, dt, B, C, A=p.A, D=p.D, dt_bias=p.dt_bias, dt_limit=self.dt_limit,
-                            rows=rows, row_tile=self.row_tile, backend=self.contract.backend)
-        else:
-            y = self._baseline_ssd(state, batch, x, dt, B, C, p)
-        if capture is not None:
-            capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, A=p.A, D=p.D, dt_bias=p.dt_bias,
-                                cu_seqlens=batch.cu_seqlens))
-        y = y.reshape(T, d)
-        if rows is not None:
-            y, z = y[rows], z[rows]
-        y = gated_rms_norm(y, z, p.gnorm_w, c.layer_norm_epsilon, G)
-        return self._linear(y, p.out_proj_w, p.out_proj_b, self.linear_tile)
+        return mixer_advance(self.config, p, state, batch, hidden, rows, linear=self._linear,
+                             linear_tile=self.linear_tile, row_tile=self.row_tile, backend=self.contract.backend,
+                             dt_limit=self.dt_limit, capture=capture,
+                             baseline=lambda *a: self._baseline_ssd(*a, p))
 
-    def _baseline_ssd(self, state: LayerRunningState, batch: Batch, x, dt, B, C, p: _Layer) -> torch.Tensor:
+    def _baseline_ssd(self, state: LayerRunningState, batch: Batch, x, dt, B, C, p: MixerWeights) -> torch.Tensor:
         """Exact replay off, as engines run today: one-token sequences take the recurrent update,
         longer ones a chunked scan whose grid starts wherever the call starts."""
         y = torch.zeros_like(x)
@@ -229,3 +226,38 @@ class Mamba2LM:
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
         return list(torch.split(logits, lens))
 
+
+
+def mixer_advance(config: Mamba2Config, p: MixerWeights, state: LayerReplayState | LayerRunningState, batch: Batch,
+                  hidden: torch.Tensor, rows: torch.Tensor | None, *, linear: Callable = linear, linear_tile: int = 16,
+                  row_tile: int | None = None, backend: str = "torch", dt_limit: tuple[float, float] = (0.0, math.inf),
+                  capture: list | None = None, baseline: Callable | None = None) -> torch.Tensor:
+    """One Mamba2 mixer (in_proj, conv1d + SiLU, the scan, gated RMSNorm, out_proj) as an advance
+    of ``batch``'s slots: hidden [T, hidden_size] (model dtype, already normed) -> [rows, hidden_size]
+    fp32. ``rows`` [T] bool picks the output rows (default all). Exported so that engine and
+    trainer integrations run the very same function as the reference model.
+    """
+    c = config
+    T = hidden.shape[0]
+    H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
+    zxbcdt = linear(hidden, p.in_proj_w, p.in_proj_b, linear_tile)
+    z, xBC, dt = zxbcdt[:, :d], zxbcdt[:, d:d + c.conv_dim], zxbcdt[:, d + c.conv_dim:]
+    xBC = conv_advance(state, batch, xBC, p.conv_w, p.conv_b)
+    x = xBC[:, :d].reshape(T, H, P)
+    B = xBC[:, d:d + G * N].reshape(T, G, N)
+    C = xBC[:, d + G * N:].reshape(T, G, N)
+    if isinstance(state, LayerReplayState):
+        y = ssd_advance(state, batch, x, dt, B, C, A=p.A, D=p.D, dt_bias=p.dt_bias, dt_limit=dt_limit,
+                        rows=rows, row_tile=row_tile, backend=backend)
+    elif baseline is not None:
+        y = baseline(state, batch, x, dt, B, C)
+    else:
+        raise TypeError("a running (non-replay) state needs the baseline scan")
+    if capture is not None:
+        capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, A=p.A, D=p.D, dt_bias=p.dt_bias,
+                            cu_seqlens=batch.cu_seqlens))
+    y = y.reshape(T, d)
+    if rows is not None:
+        y, z = y[rows], z[rows]
+    y = gated_rms_norm(y, z, p.gnorm_w, c.layer_norm_epsilon, G)
+    return linear(y, p.out_proj_w, p.out_proj_b, linear_tile)
