@@ -1,0 +1,131 @@
+"""A policy-gradient trainer over the reference model: the trainer side of an RL loop on the CPU.
+
+It keeps fp32 master weights and serves the checkpoint-dtype weights that rollout workers load.
+Scoring and the gradient step run the same ``Mamba2LM`` forward (one advance from empty slots)
+on those served weights, so the logprobs it scores are the sampler's bits, and the gradient is
+taken at exactly the logits the sampler sampled from.
+
+    trainer = PolicyTrainer(config, tensors, contract, lr=1e-4)
+    lp = trainer.token_logprobs(sequences, prompt_lens)      # per generated token, float32
+    stats = trainer.step(sequences, prompt_lens, advantages)  # REINFORCE, Adam; version += 1
+    blob, digest = trainer.export_bytes()                     # safetensors bytes, sha256
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from .contract import Contract
+from .model.config import Mamba2Config
+from .model.lm import Mamba2LM
+from .ops.logprobs import log_softmax
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order: the identity of a weights version."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def weights_to_bytes(tensors: dict[str, torch.Tensor], version: int) -> bytes:
+    """Safetensors bytes of ``tensors`` with the version in the metadata."""
+    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                            metadata={"format": "pt", "weights_version": str(version)})
+
+
+def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
+    return load_safetensors(blob)
+
+
+class PolicyTrainer:
+    """REINFORCE with Adam on fp32 master copies of a Mamba2 checkpoint's weights.
+
+    ``tensors`` are the checkpoint's (HF names, checkpoint dtypes); every update is rounded back
+    to those dtypes, which is what ``weights()`` serves and what the model scores with.
+    """
+
+    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
+                 lr: float = 1e-4) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.config = config
+        self.contract = contract
+        self.dtypes = {k: v.dtype for k, v in tensors.items()}
+        self.master = {k: v.detach().to(torch.float32).clone().requires_grad_(True) for k, v in tensors.items()}
+        self.opt = torch.optim.Adam(self.master.values(), lr=lr)
+        self.version = 0
+        self._model: Mamba2LM | None = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights: master rounded to the checkpoint dtypes (detached)."""
+        return {k: v.detach().to(self.dtypes[k]) for k, v in self.master.items()}
+
+    def model(self) -> Mamba2LM:
+        """The scoring model on the served weights (no autograd)."""
+        if self._model is None:
+            self._model = Mamba2LM(self.config, self.weights(), self.contract)
+        return self._model
+
+    def score(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one pass: list of [len_i] int64 -> list of [len_i, vocab]."""
+        with torch.no_grad():
+            return self.model().forward([s.to(torch.int64) for s in sequences])
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+        """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits,
+        [len_i - prompt_len_i] float32 each, by the sampler's log_softmax."""
+        return _generated_logprobs(self.score(sequences), sequences, prompt_lens)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        """One REINFORCE step: loss = -sum_i adv_i * sum_t logprob_it / (generated tokens), Adam.
+
+        The forward runs the served (checkpoint-dtype) weights, cast from the fp32 masters inside
+        the graph, so the logits are the scored ones. Returns loss, token count, grad norm and the
+        new weights version.
+        """
+        if not (len(sequences) == len(prompt_lens) == len(advantages)):
+            raise ValueError("sequences, prompt_lens and advantages must have the same length")
+        seqs = [s.to(torch.int64) for s in sequences]
+        served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
+        logits = Mamba2LM(self.config, served, self.contract).forward(seqs)
+        lps = _generated_logprobs(logits, seqs, prompt_lens)
+        tokens = sum(int(lp.numel()) for lp in lps)
+        if tokens == 0:
+            raise ValueError("no generated tokens to learn from")
+        loss = -sum(float(a) * lp.sum() for a, lp in zip(advantages, lps)) / tokens
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in self.master.values() if p.grad is not None])))
+        self.opt.step()
+        self.version += 1
+        self._model = None
+        return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm, "weights_version": self.version}
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The served weights as safetensors bytes (version in the metadata) and their digest."""
+        w = self.weights()
+        return weights_to_bytes(w, self.version), weights_digest(w)
+
+
+def _generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
+                        prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    out = []
+    for lg, seq, p in zip(logits, sequences, prompt_lens):
+        if not 1 <= p <= seq.numel():
+            raise ValueError(f"prompt length {p} outside [1, {seq.numel()}]")
+        # row t predicts token t + 1: generated token t (t >= p) is scored by row t - 1
+        lp = log_softmax(lg[p - 1:-1])
+        out.append(lp.gather(-1, seq[p:].to(lp.device).unsqueeze(-1)).squeeze(-1))
+    return out
