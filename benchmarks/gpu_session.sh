@@ -2,7 +2,7 @@
 # One GPU session for the Triton backend (issue 3): versions, the GPU tests, the benchmark.
 #
 #   bash benchmarks/gpu_session.sh                 # from the repository root; results under $OUT
-#   GIT_COMMIT=<sha> QUICK=1 bash benchmarks/gpu_session.sh
+#   GIT_COMMIT=<sha> QUICK=1 BENCH_ARGS=--skip-prefill bash benchmarks/gpu_session.sh
 #
 # Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the upstream columns;
 # runs without it (those columns are then null). Writes to $OUT (default ./gpu_out):
@@ -53,7 +53,7 @@ if [ "$left" -lt 60 ]; then left=60; fi
 echo "== benchmark, ${left} s budget ($(date -u +%T))" | tee "$OUT/bench.log"
 QUICK_FLAG=""
 if [ -n "${QUICK:-}" ]; then QUICK_FLAG="--quick"; fi
-timeout "$left" python3 benchmarks/bench_h200.py --out "$OUT/h200.json" $QUICK_FLAG 2>&1 | tee -a "$OUT/bench.log"
+timeout "$left" python3 benchmarks/bench_h200.py --out "$OUT/h200.json" $QUICK_FLAG ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 echo "== benchmark exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s total" | tee -a "$OUT/bench.log"
 
 python3 - "$OUT/h200.json" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
