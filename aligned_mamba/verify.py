@@ -167,7 +167,7 @@ def verify(
         want = "[T, V] or [B, T, V]" if kind == "logits" else "[T] or [B, T]"
         raise ValueError(f"{kind} must be {want}, got shape {list(t.shape)}")
 
-    a, b = _as_rows(t, kind), _as_rows(s, kind)
+    a, b = _as_rows(t.detach(), kind), _as_rows(s.detach(), kind)  # a comparison, never part of a graph
     rows, width = a.shape
     tok = None
     if token_ids is not None:

@@ -1,0 +1,602 @@
+"""``--aligned-mamba``: Megatron-Core's Mamba2 forward on the shared kernels and contract.
+
+With the hook on, Megatron's MambaModel computes each logits row with the very functions the
+sampler runs (``aligned_mamba.model.lm.mixer_advance`` and the row-invariant ops), under the
+contract's chunk size, backend and pinned tiles, so trainer logits equal the sampler's bit for bit.
+
+Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` at
+tensor, pipeline and context parallel size 1, built from Megatron's own non-Transformer-Engine
+modules (``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout.
+
+Use (Megatron-LM)::
+
+    pretrain(..., extra_args_provider=trainer_hooks.megatron.add_arguments)
+    # in model_provider, before building the MambaModel:
+    hook = trainer_hooks.megatron.apply_from_args(get_args())   # None without --aligned-mamba
+
+Frameworks that build Megatron models themselves call ``apply_from_config(transformer_config,
+contract)`` (or ``install(contract)``) before building the model, or ``hook.apply_to_model(model)``.
+
+What ``install`` patches, in place (``uninstall`` restores it):
+
+- ``megatron.core.ssm.mamba_mixer``: ``MambaMixer.forward`` runs ``mixer_advance`` over the layer's
+  own parameters: in_proj and out_proj as the shared fixed-tile linear, conv1d + SiLU, the chunked
+  scan with every sequence's chunk grid anchored at its own start (THD packing through
+  ``packed_seq_params.cu_seqlens_q(_padded)``, or each row of an [s, b] batch), an fp32 SSM state,
+  and the gate in the grouped RMSNorm after the scan. ``MambaMixer.__init__`` takes its chunk size
+  from the contract (a spec passing another one is refused, naming both). ``ExtendedRMSNorm`` (the
+  gated norm) becomes ``AlignedGatedRMSNorm``; the stock kernel names (``mamba_chunk_scan_combined``,
+  ``mamba_split_conv1d_scan_combined``, ``causal_conv1d_fn``, ``causal_conv1d_update``,
+  ``selective_state_update``) become stubs that refuse: the aligned forward never calls them, and
+  a Megatron path that would (its own inference/decode) must not run unaligned bits.
+- ``megatron.core.ssm.mamba_block.TENorm`` (the final norm MambaStack hard-codes) becomes
+  ``AlignedRMSNorm``.
+- ``MambaModel.__init__`` ends with ``apply_to_model``: every module of the model is checked against
+  what the hook covers (anything else, e.g. a Transformer Engine layer or a hybrid attention layer,
+  is refused with its path and class), and the embedding, per-layer norms and output layer get
+  forwards on the shared ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import AlignedMambaError
+from aligned_mamba.model.config import Mamba2Config
+from aligned_mamba.model.lm import MixerWeights, mixer_advance
+from aligned_mamba.ops.linear import linear
+from aligned_mamba.ops.norm import gated_rms_norm, rms_norm
+from aligned_mamba.replay import Batch, LayerReplayState
+
+__all__ = ["SUPPORTED_MEGATRON_CORE", "AlignedGatedRMSNorm", "AlignedMambaHook", "AlignedRMSNorm",
+           "AlignmentRefused", "add_arguments", "apply_from_args", "apply_from_config", "install",
+           "installed", "local_mamba_stack_spec"]
+
+SUPPORTED_MEGATRON_CORE = ">=0.16.1,<0.17"
+_STOCK_KERNELS = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "causal_conv1d_fn",
+                  "causal_conv1d_update", "selective_state_update")
+
+
+class AlignmentRefused(AlignedMambaError):
+    """Megatron would run something the hook cannot align (or under another contract); one line says what."""
+
+
+# -- flags ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider``: adds ``--aligned-mamba`` and ``--aligned-mamba-contract``.
+
+    Returns the parser (Megatron-LM's ``parse_args`` does ``parser = extra_args_provider(parser)``)."""
+    group = parser.add_argument_group("aligned-mamba", "bitwise train/inference alignment of the Mamba2 forward")
+    group.add_argument("--aligned-mamba", action="store_true",
+                       help="run Megatron's Mamba2 forward on aligned_mamba's shared kernels and contract, so trainer "
+                            "logits equal the sampler's bit for bit")
+    group.add_argument("--aligned-mamba-contract", default="default", metavar="NAME_OR_PATH",
+                       help="contract name (aligned_mamba configs/contracts) or YAML path (default: 'default'); "
+                            "the sampler must run the same one")
+    return parser
+
+
+def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
+    """Install the hook when ``args.aligned_mamba`` is set (Megatron-LM's parsed args); else None.
+
+    Refuses settings the hook cannot align before anything is built: tensor/pipeline/context
+    parallel > 1, sequence parallel, fp8, fp16, dropout, the Transformer Engine implementation, and
+    a params dtype other than the contract's model dtype.
+    """
+    if not getattr(args, "aligned_mamba", False):
+        return None
+    contract = Contract.from_yaml(getattr(args, "aligned_mamba_contract", None) or "default")
+    problems = _parallel_problems(
+        tp=getattr(args, "tensor_model_parallel_size", 1), pp=getattr(args, "pipeline_model_parallel_size", 1),
+        cp=getattr(args, "context_parallel_size", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
+        fp8=getattr(args, "fp8", None), hidden_dropout=getattr(args, "hidden_dropout", 0.0))
+    if getattr(args, "fp16", False):
+        problems.append("--fp16 (fp16 is not a contract model dtype)")
+    params_dtype = getattr(args, "params_dtype", None)  # Megatron-LM sets it from --bf16 / --fp16 in validation
+    dtype = str(params_dtype).removeprefix("torch.") if params_dtype is not None else \
+        ("bfloat16" if getattr(args, "bf16", False) else "float32")
+    if dtype != contract.model_dtype:
+        problems.append(f"params dtype {dtype} (contract model_dtype {contract.model_dtype})")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        problems.append("--transformer-impl transformer_engine (TE layers are not covered; use 'local' and "
+                        "trainer_hooks.megatron.local_mamba_stack_spec)")
+    _refuse_problems(problems)
+    return install(contract)
+
+
+def apply_from_config(config: Any, contract: Contract | str) -> AlignedMambaHook:
+    """Install the hook for a framework that builds Megatron models itself from a ``TransformerConfig``.
+
+    ``contract``: a Contract, or a contract name / YAML path. Refuses what ``apply_from_args`` refuses.
+    """
+    if not isinstance(contract, Contract):
+        contract = Contract.from_yaml(contract)
+    _refuse_problems(_config_problems(config, contract))
+    return install(contract)
+
+
+def _parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8: Any,
+                       hidden_dropout: float) -> list[str]:
+    out = []
+    for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
+        if (size or 1) > 1:
+            out.append(f"{name} model parallel size {size} (only 1 is covered: each shard would be its own GEMM)")
+    if sequence_parallel:
+        out.append("sequence parallel")
+    if fp8:
+        out.append(f"fp8 ({fp8})")
+    if hidden_dropout:
+        out.append(f"hidden dropout {hidden_dropout} (random masks give other bits than the sampler; set it to 0)")
+    return out
+
+
+def _config_problems(config: Any, contract: Contract) -> list[str]:
+    out = _parallel_problems(tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
+                             cp=config.context_parallel_size, sequence_parallel=config.sequence_parallel,
+                             fp8=config.fp8, hidden_dropout=config.hidden_dropout)
+    dtype = str(config.params_dtype).removeprefix("torch.")
+    if dtype != contract.model_dtype:
+        out.append(f"params_dtype {dtype} (contract model_dtype {contract.model_dtype})")
+    if config.normalization != "RMSNorm":
+        out.append(f"normalization {config.normalization!r} (Mamba2 norms are RMSNorm)")
+    return out
+
+
+def _refuse_problems(problems: list[str]) -> None:
+    if problems:
+        raise AlignmentRefused("--aligned-mamba cannot align this run: " + "; ".join(problems))
+
+
+# -- aligned modules -----------------------------------------------------------------------------------
+
+
+def _init_device(config: Any) -> torch.device | str | int:
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
+class AlignedRMSNorm(torch.nn.Module):
+    """RMSNorm on the shared op: the input rounded to the params dtype, normalised in fp32 by a fixed
+    tree, times the weight, in the params dtype (what ``Mamba2LM`` does for layer and final norms).
+    Constructor-compatible with Megatron's ``TENorm(config, hidden_size, eps)``; weight [hidden_size]."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                    device=_init_device(config)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] any float dtype -> [..., hidden] in the params dtype."""
+        return _aligned_rms_norm(x, self.weight, self.eps, self.config.params_dtype)
+
+
+def _aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    shape = x.shape
+    return rms_norm(x.reshape(-1, shape[-1]).to(dtype), weight, eps, dtype).reshape(shape)
+
+
+class AlignedGatedRMSNorm(torch.nn.Module):
+    """Mamba2's gated RMSNorm on the shared op: norm_g(y * silu(z)) * weight, the gate in the norm after
+    the scan. Constructor-compatible with mamba_ssm's ``RMSNormGated`` as MambaMixer builds it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
+                 norm_before_gate: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if norm_before_gate:
+            raise AlignmentRefused("gated norm with norm_before_gate=True: Mamba2 (HF, vLLM) gates before the norm")
+        self.eps = eps
+        self.group_size = group_size or hidden_size
+        if hidden_size % self.group_size:
+            raise AlignmentRefused(f"gated norm: hidden size {hidden_size} is not a multiple of group size "
+                                   f"{self.group_size}")
+        self.norm_before_gate = False
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """y, z [..., hidden] -> [..., hidden] in y's dtype."""
+        if z is None:
+            raise AlignmentRefused("gated norm called without z: the gate would have been applied inside the scan "
+                                   "(Megatron's fused training path); the aligned forward gates in the norm")
+        shape = y.shape
+        d = shape[-1]
+        out = gated_rms_norm(y.reshape(-1, d), z.reshape(-1, d), self.weight, self.eps, d // self.group_size)
+        return out.reshape(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """Distributed checkpointing: the weight sharded along dim 0 over the TP group (as ExtendedRMSNorm)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: Any = None) -> Any:
+    """A MambaStack spec from Megatron's own modules, no Transformer Engine: the layer norm is
+    ``WrappedTorchNorm`` (torch RMSNorm with ``normalization="RMSNorm"``; ``norm`` overrides), the mixer's
+    in_proj / out_proj are ``ColumnParallelLinear`` / ``RowParallelLinear``. The hook covers exactly these
+    (it refuses the TE spec, whose layer norm is fused into in_proj). The mixer's chunk size is left to
+    the hook (the contract's) or MambaMixer's default without it."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mixer = ModuleSpec(module=MambaMixer, params={"conv_bias": conv_bias},
+                       submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+    layer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=ModuleSpec(module=norm or WrappedTorchNorm, params={"eps": eps}), mixer=mixer,
+        mamba_bda=get_bias_dropout_add))
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=layer))
+
+
+# -- the hook ------------------------------------------------------------------------------------------
+
+_INSTALLED: AlignedMambaHook | None = None
+
+
+def installed() -> AlignedMambaHook | None:
+    """The installed hook, or None."""
+    return _INSTALLED
+
+
+def install(contract: Contract) -> AlignedMambaHook:
+    """Patch megatron.core's Mamba2 path for ``contract`` (idempotent for the same contract; another
+    contract while one is installed is refused, naming both). Returns the hook (``uninstall()`` undoes it)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        if _INSTALLED.contract != contract:
+            raise AlignmentRefused(f"the hook is installed with contract {_INSTALLED.contract}; refused to switch to "
+                                   f"{contract} in the same process (uninstall first)")
+        return _INSTALLED
+    _check_megatron_version()
+    hook = AlignedMambaHook(contract)
+    hook._patch()
+    _INSTALLED = hook
+    return hook
+
+
+def _check_megatron_version() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        found = version("megatron-core")
+    except PackageNotFoundError:
+        return  # a source checkout (Megatron-LM): megatron.core imported, version unknown; the names are checked
+    if found not in SpecifierSet(SUPPORTED_MEGATRON_CORE):
+        raise AlignmentRefused(f"megatron-core {found} is not supported by the hook (supported: "
+                               f"{SUPPORTED_MEGATRON_CORE}); its Mamba2 path may differ")
+
+
+class AlignedMambaHook:
+    """The installed patches for one contract. ``apply_to_model`` checks and aligns a built model."""
+
+    def __init__(self, contract: Contract) -> None:
+        self.contract = contract
+        self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
+        # as Mamba2LM: a chunk shorter than the pinned row tile is one tile
+        self.row_tile = min(int(contract.kernel_configs.get("row_tile", 16)), contract.chunk_size)
+        self.linear_tile = int(contract.kernel_configs.get("linear_row_tile", 16))
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    # -- patching --
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING) if isinstance(owner, type)
+                            else getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def _patch(self) -> None:
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm import mamba_block
+        from megatron.core.ssm import mamba_mixer as mm
+
+        hook = self
+        orig_init = mm.MambaMixer.__init__
+        signature = inspect.signature(orig_init)
+
+        @functools.wraps(orig_init)
+        def mixer_init(mixer: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(mixer, *args, **kwargs)
+            given = bound.arguments.get("chunk_size")
+            if given is not None and given != hook.contract.chunk_size:
+                raise AlignmentRefused(f"MambaMixer built with chunk_size={given} but the contract says chunk_size="
+                                       f"{hook.contract.chunk_size}; trainer and sampler must share the chunk grid")
+            bound.arguments["chunk_size"] = hook.contract.chunk_size
+            orig_init(*bound.args, **bound.kwargs)
+
+        model_init = MambaModel.__init__
+
+        @functools.wraps(model_init)
+        def mamba_model_init(model: Any, *args: Any, **kwargs: Any) -> None:
+            model_init(model, *args, **kwargs)
+            hook.apply_to_model(model)
+
+        self._set(mm.MambaMixer, "__init__", mixer_init)
+        self._set(mm.MambaMixer, "forward", _aligned_mixer_forward)
+        self._set(mm, "ExtendedRMSNorm", AlignedGatedRMSNorm)
+        for name in _STOCK_KERNELS:
+            self._set(mm, name, _refusing_kernel(name))
+        self._set(mamba_block, "TENorm", AlignedRMSNorm)
+        self._set(MambaModel, "__init__", mamba_model_init)
+
+    def uninstall(self) -> None:
+        """Restore every patched name (models keep their aligned per-module forwards)."""
+        global _INSTALLED
+        for owner, name, value in reversed(self._saved):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        self._saved.clear()
+        if _INSTALLED is self:
+            _INSTALLED = None
+
+    def __enter__(self) -> AlignedMambaHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # -- models --
+    def apply_to_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Check every module of a built MambaModel (DDP / Float16Module wrappers are unwrapped) against
+        what the hook covers, and give the embedding, the norms and the linear layers aligned forwards.
+        Refuses (``AlignmentRefused``, naming the module path and class) anything else. Returns ``model``."""
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm.mamba_block import MambaStack
+        from megatron.core.ssm.mamba_layer import MambaLayer
+        from megatron.core.ssm.mamba_mixer import MambaMixer
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+        inner = model
+        while not isinstance(inner, MambaModel) and isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module
+        if not isinstance(inner, MambaModel):
+            raise AlignmentRefused(f"{type(model).__name__} is not a Megatron MambaModel (or a wrapper of one)")
+        _refuse_problems(_config_problems(inner.config, self.contract))
+        if getattr(inner, "position_embedding_type", "none") != "none":
+            raise AlignmentRefused(f"position_embedding_type {inner.position_embedding_type!r}: a pure Mamba2 model "
+                                   "has none")
+        read_by_mixer: set[int] = set()  # the gated norms: the aligned mixer forward reads their weight and eps
+        for path, m in inner.named_modules():
+            where = f"{path or '<model>'} ({type(m).__module__}.{type(m).__qualname__})"
+            kind = type(m)
+            if kind in (MambaModel, torch.nn.ModuleList, torch.nn.SiLU, torch.nn.Conv1d) or id(m) in read_by_mixer:
+                continue  # containers, and modules whose weights the aligned mixer forward reads itself
+            if kind is MambaStack:
+                others = sorted({type(layer).__name__ for layer in m.layers if type(layer) is not MambaLayer})
+                if others:
+                    raise AlignmentRefused(f"{where}: layers {', '.join(others)} are not covered (hybrid attention/"
+                                           "MLP layers); only pure Mamba2 stacks")
+            elif kind is MambaLayer:
+                if type(m.norm) not in (AlignedRMSNorm, torch.nn.RMSNorm):
+                    raise AlignmentRefused(f"{where}: its pre-mixer norm is {type(m.norm).__name__}, not an RMSNorm "
+                                           "the hook covers (a Transformer Engine spec fuses it into in_proj; use "
+                                           "local_mamba_stack_spec)")
+            elif kind is MambaMixer:
+                self._check_mixer(m, where)
+                read_by_mixer.add(id(m.norm))
+            elif kind is LanguageModelEmbedding:
+                if m.add_position_embedding or m.tokentype_embeddings is not None:
+                    raise AlignmentRefused(f"{where}: position or token-type embeddings are not part of Mamba2")
+            elif kind is VocabParallelEmbedding:
+                self._swap(m, _aligned_embedding_forward)
+            elif kind is ColumnParallelLinear or kind is RowParallelLinear:
+                if kind is RowParallelLinear and not m.input_is_parallel:
+                    raise AlignmentRefused(f"{where}: input_is_parallel=False is not covered")
+                # the output layer rounds its weight to the model dtype first, as Mamba2LM's lm_head
+                self._swap(m, _aligned_linear_forward)
+                m._aligned_mamba_round_weight = path == "output_layer"
+            elif kind is torch.nn.RMSNorm:
+                if m.eps is None or tuple(m.normalized_shape) != (m.weight.shape[0],):
+                    raise AlignmentRefused(f"{where}: an RMSNorm needs an explicit eps and a 1-d weight")
+                self._swap(m, _aligned_torch_rms_norm_forward)
+            elif kind is AlignedRMSNorm:
+                pass
+            elif kind is torch.nn.Dropout:
+                if m.p:
+                    raise AlignmentRefused(f"{where}: dropout p={m.p} gives other bits than the sampler; set it to 0")
+            else:
+                raise AlignmentRefused(f"{where} is not covered by --aligned-mamba (e.g. a Transformer Engine layer it "
+                                       "has not been taught); refused rather than train on unaligned bits")
+        inner._aligned_mamba_contract = self.contract
+        return model
+
+    def _swap(self, module: torch.nn.Module, forward: Callable) -> None:
+        module.forward = types.MethodType(forward, module)
+        module._aligned_mamba_hook = self
+
+    def _check_mixer(self, m: Any, where: str) -> None:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        c = self.contract
+        if m.chunk_size != c.chunk_size:
+            raise AlignmentRefused(f"{where}: built with chunk_size={m.chunk_size} but the contract says chunk_size="
+                                   f"{c.chunk_size} (install the hook before building the model)")
+        problems = []
+        if not m.rmsnorm:
+            problems.append("rmsnorm=False (the gate would go inside the scan)")
+        if m.norm_before_gate:
+            problems.append("norm_before_gate=True")
+        if m.D_has_hdim:
+            problems.append("D_has_hdim=True (Mamba2 checkpoints have one D per head)")
+        if m.cp.cp_size != 1 or m.pg_collection.tp.size() != 1:
+            problems.append("tensor/context parallel > 1")
+        if m.d_state % 4:
+            problems.append(f"d_state {m.d_state} not a multiple of 4 (row bits could depend on alignment)")
+        if m.d_inner % m.d_model:
+            problems.append(f"d_inner {m.d_inner} is not a whole multiple of d_model {m.d_model}")
+        if type(m.in_proj) is not ColumnParallelLinear or type(m.out_proj) is not RowParallelLinear:
+            problems.append(f"in_proj/out_proj are {type(m.in_proj).__name__}/{type(m.out_proj).__name__}, not "
+                            "ColumnParallelLinear/RowParallelLinear (e.g. Transformer Engine layers)")
+        elif m.in_proj.bias is not None or m.out_proj.bias is not None:
+            problems.append("in_proj/out_proj biases")
+        norm = m.norm
+        if not all(hasattr(norm, a) for a in ("weight", "eps", "group_size")) or getattr(norm, "norm_before_gate", 0):
+            problems.append(f"gated norm {type(norm).__name__} is not one the hook covers")
+        elif norm.group_size * m.ngroups != m.d_inner:
+            problems.append(f"gated norm group size {norm.group_size} != d_inner / ngroups")
+        if problems:
+            raise AlignmentRefused(f"{where}: " + "; ".join(problems))
+
+
+_MISSING = object()
+
+
+def _refusing_kernel(name: str) -> Callable:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AlignmentRefused(f"Megatron reached its stock kernel {name} with --aligned-mamba on (an inference or "
+                               "decode path the hook does not cover); refused rather than run unaligned bits")
+
+    refuse.__name__ = f"refused_{name}"
+    return refuse
+
+
+def _hook_for(module: Any) -> AlignedMambaHook:
+    hook = getattr(module, "_aligned_mamba_hook", None) or _INSTALLED
+    if hook is None:
+        raise AlignmentRefused("aligned forward called without an installed hook")
+    return hook
+
+
+def _linear_for(hook: AlignedMambaHook, device: torch.device) -> Callable:
+    """The linear Mamba2LM would use: the fixed-tile Triton kernel for the triton backend on a GPU."""
+    if hook.contract.backend == "triton" and device.type == "cuda":
+        from aligned_mamba.ops.linear_triton import linear_triton
+
+        return lambda x, w, b, tile: linear_triton(x, w, b)
+    return linear
+
+
+def _refuse_grad_without_backward(hook: AlignedMambaHook) -> None:
+    if torch.is_grad_enabled() and hook.contract.backend != "torch":
+        raise AlignmentRefused(f"backend {hook.contract.backend!r} has no backward yet; train with backend 'torch' "
+                               "(or run this forward under torch.no_grad())")
+
+
+def _aligned_embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
+    """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (Mamba2LM's embedding rows)."""
+    hook = _hook_for(self)
+    return torch.nn.functional.embedding(input_, self.weight).to(hook.dtype)
+
+
+def _aligned_linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                            runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Column/RowParallelLinear at TP=1 on the shared fixed-tile linear: [..., in] -> ([..., out], bias or None)."""
+    hook = _hook_for(self)
+    _refuse_grad_without_backward(hook)
+    w = self.weight if weight is None else weight
+    if getattr(self, "_aligned_mamba_round_weight", False):
+        w = w.to(hook.dtype)
+    bias = getattr(self, "bias", None)
+    skip = getattr(self, "skip_bias_add", False)
+    shape = input_.shape
+    out = _linear_for(hook, input_.device)(input_.reshape(-1, shape[-1]), w, None if skip else bias,
+                                           hook.linear_tile)
+    return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
+
+
+def _aligned_torch_rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """torch.nn.RMSNorm (WrappedTorchNorm) on the shared op, in the model dtype."""
+    hook = _hook_for(self)
+    return _aligned_rms_norm(x, self.weight, self.eps, hook.dtype)
+
+
+def _mixer_shape(m: Any, hook: AlignedMambaHook) -> Mamba2Config:
+    """The Mamba2Config fields mixer_advance reads, from a MambaMixer (cached on the module)."""
+    cached = getattr(m, "_aligned_mamba_shape", None)
+    if cached is not None and cached[0] is hook:
+        return cached[1]
+    cfg = Mamba2Config(vocab_size=1, hidden_size=m.d_model, num_hidden_layers=1, num_heads=m.nheads,
+                       head_dim=m.headdim, state_size=m.d_state, n_groups=m.ngroups, conv_kernel=m.d_conv,
+                       expand=m.d_inner // m.d_model, chunk_size=hook.contract.chunk_size,
+                       layer_norm_epsilon=m.norm.eps, use_bias=False, use_conv_bias=m.conv1d.bias is not None,
+                       dtype=hook.contract.model_dtype)
+    m._aligned_mamba_shape = (hook, cfg)
+    return cfg
+
+
+def _mixer_weights(m: Any, dtype: torch.dtype, d_conv: int) -> MixerWeights:
+    """The layer's parameters in the dtypes Mamba2LM casts them to (see MixerWeights); differentiable."""
+    f32 = torch.float32
+    conv_b = m.conv1d.bias
+    return MixerWeights(
+        norm_w=torch.empty(0),  # the layer norm runs before the mixer (MambaLayer.norm)
+        in_proj_w=m.in_proj.weight.to(f32), in_proj_b=None,
+        conv_w=m.conv1d.weight.to(dtype).reshape(-1, d_conv),
+        conv_b=None if conv_b is None else conv_b.to(dtype),
+        A=-torch.exp(m.A_log.to(f32)), D=m.D.to(f32), dt_bias=m.dt_bias.to(f32),
+        gnorm_w=m.norm.weight.to(dtype), out_proj_w=m.out_proj.weight.to(f32), out_proj_b=None)
+
+
+def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
+                           inference_params: Any = None, packed_seq_params: Any = None
+                           ) -> tuple[torch.Tensor, None]:
+    """MambaMixer.forward under the hook: hidden_states [s, b, d_model] (or THD: [T, 1, d_model] with
+    ``packed_seq_params``) -> ([s, b, d_model] in the model dtype, fp32 with ``fp32_residual_connection``;
+    None), by ``mixer_advance`` from
+    empty per-sequence states, each sequence's chunk grid anchored at its own first token."""
+    hook = _hook_for(self)
+    if inference_context is not None or inference_params is not None:
+        raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
+                               "aligned engine (reference or the vLLM plugin), not in Megatron")
+    if self.chunk_size != hook.contract.chunk_size:
+        raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
+                               f"{hook.contract.chunk_size}")
+    _refuse_grad_without_backward(hook)
+    s, b, dm = hidden_states.shape
+    if packed_seq_params is not None:
+        if b != 1:
+            raise AlignmentRefused(f"packed sequences (THD) need micro-batch size 1, got {b}")
+        fmt = getattr(packed_seq_params, "qkv_format", "thd")
+        if fmt != "thd":
+            raise AlignmentRefused(f"packed_seq_params.qkv_format {fmt!r}: only 'thd' is covered")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        bounds = [int(v) for v in cu.tolist()]
+        if bounds[0] != 0 or any(a > c for a, c in zip(bounds, bounds[1:])) or bounds[-1] > s:
+            raise AlignmentRefused(f"cu_seqlens {bounds[:8]}... are not offsets into {s} packed tokens")
+        if bounds[-1] < s:  # tokens past the last offset form one more sequence (as Megatron's seq_idx does)
+            bounds.append(s)
+        lens = [c - a for a, c in zip(bounds, bounds[1:]) if c > a]  # empty sequences own no rows
+        hidden = hidden_states[:, 0]
+    else:
+        lens = [s] * b
+        hidden = hidden_states.transpose(0, 1).reshape(b * s, dm)
+    shape = _mixer_shape(self, hook)
+    state = LayerReplayState.allocate(
+        len(lens), heads=shape.num_heads, head_dim=shape.head_dim, groups=shape.n_groups,
+        state_size=shape.state_size, conv_kernel=shape.conv_kernel, conv_dim=shape.conv_dim,
+        chunk_size=hook.contract.chunk_size, dtype=hook.dtype, device=hidden.device)
+    batch = Batch.make(list(range(len(lens))), [0] * len(lens), lens)
+    y = mixer_advance(shape, _mixer_weights(self, hook.dtype, shape.conv_kernel), state, batch, hidden.to(hook.dtype),
+                      None, linear=_linear_for(hook, hidden.device), linear_tile=hook.linear_tile,
+                      row_tile=hook.row_tile, backend=hook.contract.backend, dt_limit=(0.0, math.inf))
+    if self.config.fp32_residual_connection:
+        # Megatron's bias-dropout-add casts the residual to the mixer output's dtype; Mamba2LM adds the
+        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives Mamba2LM's sum.
+        y = y.to(torch.float32)
+    if packed_seq_params is not None:
+        return y[:, None], None
+    return y.reshape(b, s, dm).transpose(0, 1), None

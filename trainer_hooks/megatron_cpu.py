@@ -1,0 +1,223 @@
+"""CPU-only shims for running Megatron-Core's MambaModel on a machine without CUDA, mamba_ssm or TE.
+
+Not part of the hook's production path: ``aligned-mamba check --trainer megatron`` and the tests
+apply these explicitly on a CPU-only machine (``setup()``), and ``init_single_process()`` starts a
+world of one rank. On a GPU training job none of this runs: mamba_ssm, Transformer Engine and the
+job's own distributed init are there.
+
+What ``setup()`` changes, and why (megatron-core 0.16.1, ``megatron.core.ssm``):
+
+- ``mamba_mixer.HAVE_MAMBA_SSM = True``: MambaMixer refuses to build without mamba_ssm.
+- ``torch.cuda.current_device`` returns "cpu": MambaMixer.__init__ places five tensors on it.
+- the CUDA RNG tracker: the inference tracker, whose ``fork()`` is a no-op (no CUDA RNG here).
+- ``mamba_block.TENorm`` (the final norm MambaStack hard-codes) and ``mamba_mixer.ExtendedRMSNorm``
+  (mamba_ssm's gated RMSNorm, a MagicMock subclass without mamba_ssm): torch stand-ins, only where
+  the hook has not installed its own.
+- ``_check_mamba_sequence_packing_support`` (reads the versions of causal_conv1d / mamba_ssm): True.
+- ``mamba_split_conv1d_scan_combined`` / ``mamba_chunk_scan_combined`` (undefined without mamba_ssm):
+  torch stand-ins with mamba_ssm's semantics, so that Megatron's *stock* forward (hook off) runs
+  here: the chunk grid at multiples of ``chunk_size`` over the whole packed stream (sequences reset
+  through ``seq_idx``), z gated inside the scan (``norm_before_gate=False``) on the training path,
+  then an ungated norm. They are mathematically right (tests compare them with the fp64 reference)
+  but are not mamba_ssm's kernels bit for bit; what the "hook off" comparison shows is that
+  Megatron's stock arrangement of the math gives other bits than the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["StockGatedRMSNorm", "StockRMSNorm", "init_single_process", "setup", "stock_chunk_scan_combined",
+           "stock_split_conv1d_scan_combined"]
+
+_DONE = False
+
+
+def setup() -> None:
+    """Apply the CPU shims (idempotent). Call before building a Megatron Mamba model on a CPU-only machine."""
+    global _DONE
+    if _DONE:
+        return
+    from megatron.core.ssm import mamba_block
+    from megatron.core.ssm import mamba_mixer as mm
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    if not mm.HAVE_MAMBA_SSM:
+        mm.HAVE_MAMBA_SSM = True
+        mm.ExtendedRMSNorm = StockGatedRMSNorm
+        mm.mamba_split_conv1d_scan_combined = stock_split_conv1d_scan_combined
+        mm.mamba_chunk_scan_combined = stock_chunk_scan_combined
+        # it asks causal_conv1d / mamba_ssm for their versions; the stand-ins take seq_idx
+        mm._check_mamba_sequence_packing_support = lambda for_inference_not_training=True: (True, None)
+    if getattr(mamba_block.TENorm, "__module__", "") == "megatron.core.extensions.transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            mamba_block.TENorm = StockRMSNorm
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _DONE = True
+
+
+def init_single_process() -> None:
+    """torch.distributed (gloo, one rank, a file rendezvous) and Megatron's model-parallel groups at size 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        fd, path = tempfile.mkstemp(prefix="aligned_mamba_dist_")
+        os.close(fd)
+        os.unlink(path)  # the file store creates it
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+# -- stock stand-ins (Megatron's semantics with mamba_ssm, in torch) -------------------------------------
+
+
+class StockRMSNorm(torch.nn.Module):
+    """The final norm MambaStack builds as TENorm: fp32 RMSNorm, output in the weight's dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(self.weight.dtype)
+
+
+class StockGatedRMSNorm(torch.nn.Module):
+    """mamba_ssm's ``layernorm_gated.RMSNorm``: grouped RMSNorm, z applied before (norm_before_gate=False)
+    or after the norm; called without z it is a plain grouped RMSNorm (Megatron's training path)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
+                 norm_before_gate: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size or hidden_size, norm_before_gate
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        xf = x.float()
+        if z is not None and not self.norm_before_gate:
+            xf = xf * F.silu(z.float())
+        g = xf.reshape(*xf.shape[:-1], -1, self.group_size)
+        y = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(xf.shape) * self.weight.float()
+        if z is not None and self.norm_before_gate:
+            y = y * F.silu(z.float())
+        return y.to(x.dtype)
+
+
+def _stock_conv(xBC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                seq_idx: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over [b, l, c], not reaching across ``seq_idx`` boundaries (fp32 inside)."""
+    b, seqlen, c = xBC.shape
+    K = weight.shape[-1]
+    out = torch.zeros(b, seqlen, c, dtype=torch.float32, device=xBC.device)
+    if bias is not None:
+        out = out + bias.float()
+    for k in range(K):
+        shift = K - 1 - k
+        xs = F.pad(xBC.float(), (0, 0, shift, 0))[:, :seqlen]
+        if seq_idx is not None and shift:
+            same = seq_idx == F.pad(seq_idx, (shift, 0), value=-1)[:, :seqlen]
+            xs = xs * same[..., None]
+        out = out + weight[:, k].float() * xs
+    return F.silu(out).to(xBC.dtype)
+
+
+def _stock_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                chunk_size: int, D: torch.Tensor | None, seq_idx: torch.Tensor | None) -> torch.Tensor:
+    """Chunked SSD as mamba_ssm chunks it: a grid at multiples of ``chunk_size`` over each batch row's
+    whole stream, with states and intra-chunk terms cut where ``seq_idx`` changes. fp32.
+
+    x [b, l, h, p], dt [b, l, h] (after softplus), A [h], B/C [b, l, g, n], D [h] or None -> y [b, l, h, p].
+    """
+    b, seqlen, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    L = chunk_size
+    pad = -seqlen % L
+    nc = (seqlen + pad) // L
+    seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, seqlen, dtype=torch.long, device=x.device)
+    seq = F.pad(seq, (0, pad), value=-1).reshape(b, nc, L)  # padding belongs to no sequence
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        t = t.float()
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).reshape(b, nc, L, *t.shape[2:])
+
+    xs, dts = chunks(x), chunks(dt)
+    Bs = chunks(B.repeat_interleave(h // g, dim=2))
+    Cs = chunks(C.repeat_interleave(h // g, dim=2))
+    a = torch.cumsum(dts * A.float(), dim=2)  # [b, nc, L, h]
+    same = seq[..., :, None] == seq[..., None, :]
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    seg = a[..., :, None, :] - a[..., None, :, :]  # [b, nc, t, s, h]
+    decay = torch.where((same & causal)[..., None], torch.exp(torch.clamp(seg, max=0.0)), 0.0)
+    scores = torch.einsum("bctHn,bcsHn->bctsH", Cs, Bs) * decay * dts[:, :, None]
+    y = torch.einsum("bctsH,bcsHp->bctHp", scores, xs)
+    # each chunk's end state from its own tokens (those of the sequence its last token belongs to)
+    w_end = torch.exp(a[:, :, -1:] - a) * dts * (seq == seq[..., -1:])[..., None]
+    st = torch.einsum("bcsH,bcsHp,bcsHn->bcHpn", w_end, xs, Bs)
+    h_in = torch.zeros(b, nc, h, p, n, device=x.device)
+    state = torch.zeros(b, h, p, n, device=x.device)
+    for c in range(nc):
+        if c:
+            carry = (seq[:, c, 0] == seq[:, c - 1, -1]).float()[:, None, None, None]
+            h_in[:, c] = state * carry
+        whole = (seq[:, c, 0] == seq[:, c, -1]).float()[:, None, None, None]
+        state = torch.exp(a[:, c, -1])[:, :, None, None] * h_in[:, c] * whole + st[:, c]
+    first = (seq == seq[..., :1])[..., None, None]
+    y = y + torch.einsum("bctHn,bcHpn->bctHp", Cs, h_in) * torch.exp(a)[..., None] * first
+    if D is not None:
+        Df = D.float()
+        y = y + (Df[:, None] if Df.dim() == 1 else Df) * xs
+    return y.reshape(b, nc * L, h, p)[:, :seqlen]
+
+
+def stock_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     initial_states=None, seq_idx=None, dt_limit=(0.0, math.inf),
+                                     return_final_states=False, activation="silu", rmsnorm_weight=None,
+                                     rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
+                                     ngroups=1, norm_before_gate=True):
+    """mamba_ssm's fused training-path op (torch stand-in): conv1d + SiLU, the scan, D skip, and with no
+    ``rmsnorm_weight`` the gate y * silu(z) inside, before any norm. zxbcdt [b, l, d] -> y [b, l, d_inner]."""
+    if initial_states is not None or return_final_states or outproj_weight is not None \
+            or rmsnorm_weight is not None or tuple(dt_limit) != (0.0, math.inf):
+        raise NotImplementedError("stock stand-in: only the arguments Megatron's training path passes")
+    b, seqlen, _ = zxbcdt.shape
+    H = A.shape[0]
+    P = headdim if headdim is not None else D.shape[-1]
+    d_inner = H * P
+    N = (conv1d_weight.shape[0] - d_inner) // (2 * ngroups)
+    z, xBC, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * ngroups * N, H], dim=-1)
+    xBC = _stock_conv(xBC, conv1d_weight, conv1d_bias, seq_idx)
+    x, B, C = torch.split(xBC, [d_inner, ngroups * N, ngroups * N], dim=-1)
+    dtf = F.softplus(dt.float() + dt_bias.float())
+    y = _stock_scan(x.reshape(b, seqlen, H, P), dtf, A, B.reshape(b, seqlen, ngroups, N),
+                    C.reshape(b, seqlen, ngroups, N), chunk_size, D, seq_idx).reshape(b, seqlen, d_inner)
+    y = y * F.silu(z.float())  # norm_before_gate=False without a norm weight: the gate inside the op
+    return y.to(zxbcdt.dtype)
+
+
+def stock_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+                              return_final_states=False, return_varlen_states=False):
+    """mamba_ssm's ``mamba_chunk_scan_combined`` (prefill path; torch stand-in without states in or out)."""
+    if initial_states is not None or return_final_states or return_varlen_states or tuple(dt_limit) != (0.0, math.inf):
+        raise NotImplementedError("stock stand-in: no states in or out")
+    dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    y = _stock_scan(x, dtf, A, B, C, chunk_size, D, seq_idx)
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)
