@@ -7,6 +7,9 @@
 
 Exit status: 0 when every exact-replay case has zero differing logits rows, 1 when one does,
 2 for input the command refuses (one line on stderr saying what and why).
+
+Other subcommands come from packages through the ``aligned_mamba.commands`` entry points (``rl``,
+in rollout/, needs Ray), so the core imports none of their dependencies.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from .errors import AlignedMambaError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+COMMAND_GROUP = "aligned_mamba.commands"
 
 
 def resolve_backend(backend: str) -> str:
@@ -184,7 +188,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trainer scores in the main process")
     c.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     c.set_defaults(func=cmd_check)
+    add_plugin_commands(sub)
     return p
+
+
+def add_plugin_commands(sub: Any) -> None:
+    """Subcommands registered under ``aligned_mamba.commands``: each entry point names an object with
+    ``help``, ``description``, ``add_arguments(parser)`` and ``run(args) -> int``. Loaded with
+    importlib directly rather than ``check.load_plugin``, which would import torch just to parse flags;
+    one that fails to import still appears, and says why when run."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if ep.name in sub.choices:
+            continue
+        try:
+            cmd = ep.load()
+        except ImportError as e:
+            why = f"command {ep.name!r} could not be imported ({e})"
+            sub.add_parser(ep.name, help=f"(unavailable: {why})").set_defaults(func=_unavailable(why))
+            continue
+        c = sub.add_parser(ep.name, help=cmd.help, description=getattr(cmd, "description", None))
+        cmd.add_arguments(c)
+        c.set_defaults(func=cmd.run)
+
+
+def _unavailable(why: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        raise AlignedMambaError(why)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,441 @@
+"""The three actors of the RL loop, as plain classes (``rollout.rl`` wraps them with ``ray.remote``).
+
+- ``RolloutWorker``: one sampler engine; loads versioned weights (safetensors bytes, checked
+  against their digest), samples prompts with a seed, returns tokens and the logprob of every
+  sampled token under the row that sampled it (``SampleBatch``).
+- ``TrainerScorer``: the trainer; scores sampled sequences in one pass, takes a policy-gradient
+  step on them, exports its weights as safetensors bytes with a version.
+- ``AlignmentChecker``: compares every sampled token's logprob with the trainer's bit for bit
+  (``aligned_mamba.verify``), refuses batches sampled under other weights, keeps the metrics.
+
+Engines and trainers are chosen by name behind two small interfaces, ``Sampler`` and
+``PolicyScorer``: "reference" is built in (the ``SamplerEngine`` and ``PolicyTrainer``); other
+names come from the entry-point groups ``aligned_mamba.rl_engines`` / ``aligned_mamba.rl_trainers``.
+Nothing here imports Ray, so the classes can be tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import AlignedMambaError
+from aligned_mamba.model.config import Mamba2Config
+from aligned_mamba.train import weights_digest, weights_from_bytes
+from aligned_mamba.verify import verify
+
+RL_ENGINE_GROUP, RL_TRAINER_GROUP = "aligned_mamba.rl_engines", "aligned_mamba.rl_trainers"
+
+
+# -- the interfaces an engine or trainer implements ---------------------------------------------------------------
+
+
+class Sample(NamedTuple):
+    """One sampled sequence: prompt then generated ids, and each generated token's float32 logprob."""
+
+    tokens: list[int]
+    prompt_len: int
+    sampled_logprobs: list[float]
+
+
+class Sampler(Protocol):
+    """What a rollout worker drives. Built by ``factory(spec: SamplerSpec) -> Sampler``."""
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int, digest: str) -> None:
+        """Serve these weights (HF names, checkpoint dtypes; already checked against ``digest``)."""
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, seed: int,
+               on_step: Callable[[int], None] | None = None) -> list[Sample]:
+        """Sample every prompt to ``max_new_tokens``; tokens must depend only on (weights, prompt, seed).
+        ``on_step(steps_done)`` is called after each engine step where the engine can (fault injection)."""
+
+
+class PolicyScorer(Protocol):
+    """What the trainer actor drives (``aligned_mamba.train.PolicyTrainer`` is one).
+    Built by ``factory(config=, tensors=, contract=, lr=) -> PolicyScorer``."""
+
+    version: int
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+        """float32 logprob of every generated token, one pass, bit-identical to the sampler's."""
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        """One policy-gradient step; ``version`` += 1."""
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The served weights as safetensors bytes (metadata "weights_version") and ``weights_digest``."""
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """How a worker builds its engine (picklable; the worker may run on another node)."""
+
+    model: str  # "tiny" or a checkpoint directory (an engine that needs files on disk reads it)
+    config: dict[str, Any]  # the HF config.json dict
+    contract: dict[str, Any]  # Contract.to_dict()
+    max_batch_tokens: int | None = 23  # token budget per engine step: prefill is chunked and batches mix
+    exact_replay: bool = True
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """How the trainer actor builds its trainer."""
+
+    name: str
+    model: str
+    contract: dict[str, Any]
+    lr: float = 1e-3
+    threads: int = 1
+
+
+def _plugin(group: str, name: str, what: str) -> Any:
+    """The factory registered as ``name`` in ``group``; one line of error naming what is missing."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
+    if not found:
+        raise AlignedMambaError(f"no RL {what} named {name!r} is registered (entry-point group {group}); "
+                                f"only 'reference' is built in")
+    try:
+        return found[0].load()
+    except ImportError as e:
+        raise AlignedMambaError(f"RL {what} {name!r} could not be imported ({e})") from e
+
+
+def check_plugin(kind: str, name: str) -> dict[str, Any]:
+    """Fail fast in the driver (before any actor starts) when an engine/trainer name cannot be built.
+
+    Returns the factory's ``ray_actor_options`` (e.g. a vLLM engine's ``runtime_env`` env vars or
+    ``num_gpus``), merged by the driver into the options of the actors that run it; {} for "reference".
+    """
+    if name == "reference":
+        return {}
+    factory = _plugin(RL_ENGINE_GROUP if kind == "engine" else RL_TRAINER_GROUP, name, kind)
+    return dict(getattr(factory, "ray_actor_options", None) or {})
+
+
+# -- the reference engine ------------------------------------------------------------------------------------------
+
+
+class ReferenceSampler:
+    """``SamplerEngine`` over ``Mamba2LM``: all prompts at once under a small token budget, so
+    prompts are prefilled in unaligned pieces mixed with other requests' decode steps."""
+
+    def __init__(self, spec: SamplerSpec) -> None:
+        self.spec = spec
+        self.config = Mamba2Config.from_hf_dict(spec.config, source="sampler config")
+        self.contract = Contract.from_dict(spec.contract)
+        self.model: Any = None
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int, digest: str) -> None:
+        from aligned_mamba.model.lm import Mamba2LM
+
+        self.model = Mamba2LM(self.config, tensors, self.contract)
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, seed: int,
+               on_step: Callable[[int], None] | None = None) -> list[Sample]:
+        from aligned_mamba.model.engine import SamplerEngine
+
+        engine = SamplerEngine(self.model, num_slots=len(prompts), max_batch_tokens=self.spec.max_batch_tokens,
+                               exact_replay=self.spec.exact_replay, seed=seed)
+        reqs = [engine.add_request(p, max_new_tokens) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            if on_step is not None:
+                on_step(engine.steps)
+        return [Sample(r.tokens, r.prompt_len, r.sampled_logprobs) for r in reqs]
+
+
+def build_sampler(name: str, spec: SamplerSpec) -> Sampler:
+    """The engine called ``name``: "reference", or an ``aligned_mamba.rl_engines`` entry point."""
+    if name == "reference":
+        return ReferenceSampler(spec)
+    return _plugin(RL_ENGINE_GROUP, name, "engine")(spec)
+
+
+def load_model(model: str) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
+    """'tiny' -> the embedded default (seed 0, bfloat16); otherwise a Hugging Face Mamba2 directory."""
+    from aligned_mamba.model.checkpoint import load_checkpoint, make_tiny
+
+    return make_tiny(0, dtype="bfloat16") if model == "tiny" else load_checkpoint(model)
+
+
+def build_trainer(spec: TrainerSpec) -> PolicyScorer:
+    """The trainer called ``spec.name``: "reference" (``PolicyTrainer``) or an ``aligned_mamba.rl_trainers`` entry."""
+    config, tensors = load_model(spec.model)
+    contract = Contract.from_dict(spec.contract)
+    if spec.name == "reference":
+        from aligned_mamba.train import PolicyTrainer
+
+        return PolicyTrainer(config, tensors, contract, lr=spec.lr)
+    return _plugin(RL_TRAINER_GROUP, spec.name, "trainer")(config=config, tensors=tensors, contract=contract,
+                                                           lr=spec.lr)
+
+
+# -- what travels between the actors -------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleBatch:
+    """One worker's output for one iteration, stamped with the weights it was sampled under."""
+
+    iteration: int
+    worker: int
+    weights_version: int
+    weights_digest: str
+    contract: str  # fingerprint
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    logprobs: list[torch.Tensor]  # float32, one per sequence, one per generated token
+    pid: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(lp.numel()) for lp in self.logprobs)
+
+
+def blob_version(blob: bytes) -> int | None:
+    """The "weights_version" in a safetensors blob's metadata (None when absent)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
+    v = meta.get("weights_version")
+    return int(v) if v is not None else None
+
+
+def even_token_reward(generated: Sequence[int]) -> float:
+    """A verifiable reward: the fraction of generated token ids that are even."""
+    return sum(1 for t in generated if t % 2 == 0) / max(1, len(generated))
+
+
+# -- the actors ----------------------------------------------------------------------------------------------------
+
+
+class RolloutWorker:
+    """A rollout worker: one engine, versioned weights, seeded sampling.
+
+    Fault injection (tests, ``--inject``): ``stale`` ignores every weights update after the first
+    (and honestly reports the old version); ``exact_replay=False`` in the spec runs the engine's
+    recurrent decode (what engines do today); ``sample(kill_after_steps=n)`` SIGKILLs the process
+    after n engine steps, mid-iteration.
+    """
+
+    def __init__(self, worker: int, engine: str, spec: SamplerSpec, *, stale: bool = False) -> None:
+        torch.set_num_threads(spec.threads)
+        self.worker = worker
+        self.stale = stale
+        self.contract = Contract.from_dict(spec.contract).fingerprint
+        self.sampler = build_sampler(engine, spec)
+        self.version: int | None = None
+        self.digest: str | None = None
+        self.started = time.time()
+
+    def info(self) -> dict[str, Any]:
+        """Who this process is and what it serves (a restarted actor serves nothing until weights are pushed)."""
+        return {"worker": self.worker, "pid": os.getpid(), "weights_version": self.version,
+                "weights_digest": self.digest, "started": self.started}
+
+    def load_weights(self, blob: bytes, version: int, digest: str) -> dict[str, Any]:
+        """Load safetensors bytes after checking they are the version and digest claimed."""
+        if self.stale and self.version is not None:
+            return self.info()  # injected fault: keep serving the old weights
+        in_blob = blob_version(blob)
+        if in_blob != version:
+            raise AlignedMambaError(f"worker {self.worker}: weights bytes say version {in_blob}, "
+                                    f"pushed as version {version}; refused")
+        tensors = weights_from_bytes(blob)
+        got = weights_digest(tensors)
+        if got != digest:
+            raise AlignedMambaError(f"worker {self.worker}: weights version {version} digest {got[:12]} != "
+                                    f"{digest[:12]} claimed; refused")
+        self.sampler.load_weights(tensors, version, digest)
+        self.version, self.digest = version, digest
+        return self.info()
+
+    def sample(self, iteration: int, prompts: list[list[int]], max_new_tokens: int, seed: int,
+               kill_after_steps: int | None = None) -> SampleBatch:
+        """Sample ``prompts`` with ``seed`` under the loaded weights."""
+        if self.version is None or self.digest is None:
+            raise AlignedMambaError(f"worker {self.worker} (pid {os.getpid()}) has no weights loaded; push them first")
+        t0 = time.perf_counter()
+
+        def die(steps: int) -> None:
+            if kill_after_steps is not None and steps >= kill_after_steps:
+                os.kill(os.getpid(), signal.SIGKILL)  # as an OOM killer would: no cleanup, no reply
+
+        samples = self.sampler.sample(prompts, max_new_tokens, seed, on_step=die)
+        die(1 << 62)  # engines without step callbacks still die before replying
+        return SampleBatch(iteration, self.worker, self.version, self.digest, self.contract,
+                           [list(s.tokens) for s in samples], [int(s.prompt_len) for s in samples],
+                           [torch.tensor(s.sampled_logprobs, dtype=torch.float32) for s in samples],
+                           os.getpid(), time.perf_counter() - t0)
+
+
+@dataclass
+class Scores:
+    """The trainer's one-pass logprobs for a set of batches, with the weights they were scored under."""
+
+    weights_version: int
+    weights_digest: str
+    contract: str
+    logprobs: dict[int, list[torch.Tensor]]  # worker -> per sequence
+    seconds: float
+
+
+class TrainerScorer:
+    """The trainer side: scores, steps on the batches the checker accepted, exports versioned weights."""
+
+    def __init__(self, spec: TrainerSpec, reward: Callable[[Sequence[int]], float] = even_token_reward) -> None:
+        torch.set_num_threads(spec.threads)
+        self.trainer = build_trainer(spec)
+        self.contract = Contract.from_dict(spec.contract).fingerprint
+        self.reward = reward
+        self._export: tuple[int, bytes, str] | None = None
+        self._scored: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def info(self) -> dict[str, Any]:
+        """The trainer's weights version and process."""
+        return {"weights_version": self.trainer.version, "pid": os.getpid()}
+
+    def _current(self) -> tuple[int, bytes, str]:
+        if self._export is None or self._export[0] != self.trainer.version:
+            blob, digest = self.trainer.export_bytes()
+            self._export = (self.trainer.version, blob, digest)
+        return self._export
+
+    def export(self) -> tuple[dict[str, Any], bytes]:
+        """(version/digest/size, safetensors bytes). Call with num_returns=2 so the bytes stay one object."""
+        version, blob, digest = self._current()
+        return {"weights_version": version, "weights_digest": digest, "bytes": len(blob)}, blob
+
+    def score(self, *batches: SampleBatch) -> Scores:
+        """Logprobs of every generated token of every batch, all sequences in one forward pass."""
+        t0 = time.perf_counter()
+        version, _, digest = self._current()
+        seqs = [torch.tensor(s, dtype=torch.int64) for b in batches for s in b.sequences]
+        lps = self.trainer.token_logprobs(seqs, [p for b in batches for p in b.prompt_lens])
+        out: dict[int, list[torch.Tensor]] = {}
+        for b in batches:
+            out[b.worker], lps = lps[:len(b.sequences)], lps[len(b.sequences):]
+        self._scored = {(b.iteration, b.worker): out[b.worker] for b in batches}
+        return Scores(version, digest, self.contract, out, time.perf_counter() - t0)
+
+    def step(self, *batches: SampleBatch) -> dict[str, Any]:
+        """REINFORCE on ``batches``: reward per sequence, advantage = reward - batch mean; one update.
+
+        Also rescored after the update on the same tokens: ``logprob_shift`` (max |after - before|)
+        shows that the new weights move the logprobs.
+        """
+        t0 = time.perf_counter()
+        seqs = [torch.tensor(s, dtype=torch.int64) for b in batches for s in b.sequences]
+        pls = [p for b in batches for p in b.prompt_lens]
+        rewards = [self.reward(s[p:].tolist()) for s, p in zip(seqs, pls)]
+        mean = sum(rewards) / len(rewards)
+        before = [lp for b in batches for lp in self._scored.get((b.iteration, b.worker), [])]
+        if len(before) != len(seqs):
+            before = self.trainer.token_logprobs(seqs, pls)
+        stats = self.trainer.step(seqs, pls, [r - mean for r in rewards])
+        after = self.trainer.token_logprobs(seqs, pls)
+        shift = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(after, before))
+        _, _, digest = self._current()
+        return {**stats, "reward": mean, "logprob_shift": shift, "weights_digest": digest,
+                "seconds": time.perf_counter() - t0}
+
+
+@dataclass
+class CheckReport:
+    """The checker's verdict on one iteration."""
+
+    iteration: int
+    weights_version: int
+    tokens: int = 0
+    mismatched_tokens: int = 0
+    max_abs_logprob_diff: float = 0.0
+    kl: float = 0.0
+    mean_logprob: float = 0.0
+    per_worker: dict[int, dict[str, Any]] = field(default_factory=dict)
+    refused: list[dict[str, Any]] = field(default_factory=list)
+    first_mismatch: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched_tokens == 0 and not self.refused
+
+
+class AlignmentChecker:
+    """Verifies every batch against the trainer's scores and keeps the per-iteration metrics."""
+
+    def __init__(self, contract: str) -> None:
+        self.contract = contract
+        self.reports: list[CheckReport] = []
+
+    def check(self, iteration: int, scores: Scores, *batches: SampleBatch) -> CheckReport:
+        """Refuse batches sampled under weights other than the ones scored; compare the rest token by token.
+
+        A refused batch is still compared (its differences are counted, its first differing token
+        reported) so that the report says how far off the stale worker was.
+        """
+        rep = CheckReport(iteration, scores.weights_version)
+        kl_sum = lp_sum = 0.0
+        for b in batches:
+            if b.weights_version != scores.weights_version or b.weights_digest != scores.weights_digest:
+                rep.refused.append({
+                    "iteration": iteration, "worker": b.worker, "expected_version": scores.weights_version,
+                    "served_version": b.weights_version, "expected_digest": scores.weights_digest[:12],
+                    "served_digest": b.weights_digest[:12],
+                    "reason": f"worker {b.worker} served weights version {b.weights_version} "
+                              f"({b.weights_digest[:12]}), the trainer is at version {scores.weights_version} "
+                              f"({scores.weights_digest[:12]}): batch refused"})
+            t_lps = scores.logprobs.get(b.worker)
+            if t_lps is None or len(t_lps) != len(b.logprobs):
+                raise AlignedMambaError(f"iteration {iteration}: the trainer scored "
+                                        f"{0 if t_lps is None else len(t_lps)} sequences of worker {b.worker}, "
+                                        f"which sampled {len(b.logprobs)}")
+            for i, (t, s) in enumerate(zip(t_lps, b.logprobs)):
+                if t.shape != s.shape:
+                    raise AlignedMambaError(f"iteration {iteration}, worker {b.worker}, request {i}: sampler "
+                                            f"reported {s.numel()} logprobs, the trainer scored {t.numel()}")
+            t_all, s_all = torch.cat(t_lps), torch.cat(list(b.logprobs))
+            r = verify(t_all, s_all, kind="logprobs", trainer_contract=scores.contract, sampler_contract=b.contract)
+            rep.per_worker[b.worker] = {"tokens": r.rows, "mismatched_tokens": r.mismatched_rows,
+                                        "max_abs_logprob_diff": r.max_abs_logprob_diff, "kl": r.kl,
+                                        "weights_version": b.weights_version, "pid": b.pid,
+                                        "sample_s": round(b.seconds, 3)}
+            rep.tokens += r.rows
+            rep.mismatched_tokens += r.mismatched_rows
+            rep.max_abs_logprob_diff = max(rep.max_abs_logprob_diff, r.max_abs_logprob_diff)
+            kl_sum += r.kl * r.rows
+            lp_sum += float(s_all.double().sum())
+            if r.first_mismatch is not None and rep.first_mismatch is None:
+                rep.first_mismatch = self._locate(iteration, b, t_lps, r.first_mismatch)
+        rep.kl = kl_sum / rep.tokens if rep.tokens else 0.0
+        rep.mean_logprob = lp_sum / rep.tokens if rep.tokens else 0.0
+        self.reports.append(rep)
+        return rep
+
+    @staticmethod
+    def _locate(iteration: int, b: SampleBatch, t_lps: list[torch.Tensor], row: int) -> dict[str, Any]:
+        """Flat token index -> (iteration, worker, request, position in the sequence, token id, both logprobs)."""
+        for req, s in enumerate(b.logprobs):
+            if row < s.numel():
+                return {"iteration": iteration, "worker": b.worker, "request": req,
+                        "position": b.prompt_lens[req] + row, "generated_index": row,
+                        "token": b.sequences[req][b.prompt_lens[req] + row],
+                        "trainer_logprob": float(t_lps[req][row]), "sampler_logprob": float(s[row])}
+            row -= s.numel()
+        raise AssertionError("mismatch row outside the batch")
+
+    def history(self) -> list[CheckReport]:
+        """Every iteration's report, in order."""
+        return list(self.reports)
