@@ -5,7 +5,9 @@ non-TE modules (``local_mamba_stack_spec``) with the hook installed for the chec
 checkpoint through ``megatron_weights.hf_to_megatron`` and scores sequences in one packed (THD) pass.
 On a CPU-only machine it applies ``megatron_cpu``'s shims first and starts a one-rank world.
 
-``build_mamba_model`` and ``load_hf_weights`` are also what the tests use, with the hook on or off.
+``build_mamba_model`` and ``load_hf_weights`` are also what the tests use, with the hook on or off;
+``build_hooked_model`` (process set up, hook installed, model built and loaded) is shared with the RL
+trainer ``trainer_hooks.megatron_rl``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from aligned_mamba.model.config import Mamba2Config
 from . import megatron as hook_module
 from .megatron_weights import hf_to_megatron
 
-__all__ = ["MegatronScorer", "build_mamba_model", "build_trainer", "load_hf_weights", "megatron_transformer_config",
-           "prepare_process"]
+__all__ = ["MegatronScorer", "build_hooked_model", "build_mamba_model", "build_trainer", "load_hf_weights",
+           "megatron_packed_logits", "megatron_transformer_config", "prepare_process"]
 
 # MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
 MEGATRON_GATED_NORM_EPS = 1e-5
@@ -126,6 +128,17 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.T
     return model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
 
 
+def build_hooked_model(config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract) -> Any:
+    """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, CPU
+    shims without CUDA), loaded from HF-named ``tensors`` (each parameter in its tensor's dtype), left in the
+    mode a freshly built module is in (train)."""
+    prepare_process()
+    hook_module.install(contract)
+    model = build_mamba_model(config, contract.model_dtype)
+    load_hf_weights(model, config, tensors)
+    return model
+
+
 def build_trainer(*, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract) -> MegatronScorer:
     """Entry point of ``aligned-mamba check --trainer megatron``: the hook installed for ``contract``, a
     MambaModel built and loaded from the checkpoint, in eval mode. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
@@ -137,9 +150,8 @@ def build_trainer(*, config: Mamba2Config, tensors: dict[str, torch.Tensor], con
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",
               file=sys.stderr)
         model = build_mamba_model(config, contract.model_dtype, chunk_size=contract.chunk_size)
+        load_hf_weights(model, config, tensors)
     else:
-        hook_module.install(contract)
-        model = build_mamba_model(config, contract.model_dtype)
-    load_hf_weights(model, config, tensors)
+        model = build_hooked_model(config, tensors, contract)
     model.eval()
     return MegatronScorer(model, contract)
