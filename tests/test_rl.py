@@ -206,3 +206,14 @@ def test_an_engine_registered_by_name_is_built_through_its_entry_point(monkeypat
                       ReferenceSampler)
     with pytest.raises(AlignedMambaError, match="no RL engine named 'other'"):
         RolloutWorker(0, "other", SamplerSpec("tiny", cfg.to_hf_dict(), c.to_dict()))
+
+
+def test_the_megatron_trainer_scores_and_steps_with_the_same_bits(baseline):
+    """The RL loop with Megatron (hook on) as the trainer: 0 mismatched tokens, and every weights
+    version it exports is the reference trainer's, digest for digest."""
+    pytest.importorskip("megatron.core", reason="the megatron trainer needs megatron-core (extra 'megatron')")
+    r = run_rl(RLOptions(**SMALL, trainer="megatron"))
+    assert r["ok"] and all(x["mismatched_tokens"] == 0 for x in r["iterations"])
+    assert _digests(r) == _digests(baseline)
+    nxt = lambda res: [x["next_weights_digest"] for x in res["iterations"]]
+    assert nxt(r) == nxt(baseline)
