@@ -217,3 +217,34 @@ def test_the_megatron_trainer_scores_and_steps_with_the_same_bits(baseline):
     assert _digests(r) == _digests(baseline)
     nxt = lambda res: [x["next_weights_digest"] for x in res["iterations"]]
     assert nxt(r) == nxt(baseline)
+
+
+def test_vllm_workers_and_the_megatron_trainer_on_another_shape(tmp_path):
+    """Real vLLM engines (plugin on) as rollout workers and Megatron (hook on) as the trainer, on a
+    checkpoint with 2 groups and chunk 64: every sampled token's logprob equals the trainer's while
+    the weights move; prompts of 70..54 tokens and 14 generated cross the chunk boundary."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm (extra 'vllm')")
+    pytest.importorskip("megatron.core", reason="the megatron trainer needs megatron-core (extra 'megatron')")
+    ckpt = tmp_path / "ckpt"
+    cfg, tensors = make_tiny(4, num_hidden_layers=2, hidden_size=128, num_heads=4, head_dim=64, n_groups=2,
+                             state_size=32, vocab_size=256, chunk_size=64)
+    save_checkpoint(ckpt, cfg, tensors)
+    r = run_rl(RLOptions(model=str(ckpt), engine="vllm", trainer="megatron", workers=2, iterations=3, prompt_len=70,
+                         gen_len=14, prompts_per_worker=3))
+    assert r["ok"] and r["engine"] == "vllm" and r["trainer"] == "megatron"
+    assert [x["mismatched_tokens"] for x in r["iterations"]] == [0, 0, 0]
+    assert all(x["tokens"] == 2 * 3 * 14 for x in r["iterations"])
+    assert len(set(_digests(r))) == 3 and all(x["logprob_shift"] > 0 for x in r["iterations"])
+
+
+def test_a_stock_vllm_worker_is_caught(capsys):
+    """The same loop with exact replay off on one vLLM worker (stock vLLM): the checker reports the
+    iteration, the worker and the first differing token; the exact-replay worker has none."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm (extra 'vllm')")
+    r = run_rl(RLOptions(engine="vllm", workers=2, iterations=1, prompt_len=60, gen_len=12, prompts_per_worker=3,
+                         inject=["no-replay:1"]))
+    assert not r["ok"]
+    first = r["first_mismatch"]
+    assert first["iteration"] == 0 and first["worker"] == 1
+    per = r["iterations"][0]["per_worker"]
+    assert per["0"]["mismatched_tokens"] == 0 and per["1"]["mismatched_tokens"] > 0
