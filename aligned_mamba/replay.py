@@ -51,6 +51,31 @@ class LayerReplayState:
     buf_B: torch.Tensor
     conv_window: torch.Tensor
 
+    @staticmethod
+    def layout(
+        *,
+        heads: int,
+        head_dim: int,
+        groups: int,
+        state_size: int,
+        conv_kernel: int,
+        conv_dim: int,
+        chunk_size: int,
+        dtype: torch.dtype,
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-slot shape and dtype of each field (what one sequence holds), in field order.
+
+        Engines that own the storage (vLLM's Mamba cache) declare these and build the state from
+        slot-indexed views with ``LayerReplayState(**views)``.
+        """
+        return {
+            "ssm_state": ((heads, head_dim, state_size), torch.float32),
+            "buf_x": ((heads, chunk_size, head_dim), dtype),
+            "buf_dt": ((heads, chunk_size), torch.float32),
+            "buf_B": ((groups, chunk_size, state_size), dtype),
+            "conv_window": ((conv_kernel - 1, conv_dim), dtype),
+        }
+
     @classmethod
     def allocate(
         cls,
@@ -66,14 +91,10 @@ class LayerReplayState:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> LayerReplayState:
-        z = dict(device=device)
-        return cls(
-            ssm_state=torch.zeros(num_slots, heads, head_dim, state_size, dtype=torch.float32, **z),
-            buf_x=torch.zeros(num_slots, heads, chunk_size, head_dim, dtype=dtype, **z),
-            buf_dt=torch.zeros(num_slots, heads, chunk_size, dtype=torch.float32, **z),
-            buf_B=torch.zeros(num_slots, groups, chunk_size, state_size, dtype=dtype, **z),
-            conv_window=torch.zeros(num_slots, conv_kernel - 1, conv_dim, dtype=dtype, **z),
-        )
+        shapes = cls.layout(heads=heads, head_dim=head_dim, groups=groups, state_size=state_size,
+                            conv_kernel=conv_kernel, conv_dim=conv_dim, chunk_size=chunk_size, dtype=dtype)
+        return cls(**{name: torch.zeros(num_slots, *shape, dtype=dt, device=device)
+                      for name, (shape, dt) in shapes.items()})
 
     @property
     def chunk_size(self) -> int:

@@ -1,11 +1,7 @@
-"""Sampler-side integrations: the RL loop on Ray, and (in progress) the vLLM plugin.
+"""Sampler-side integrations: thin edges over ``aligned_mamba``.
 
-- ``rollout.actors``: the rollout worker, trainer scorer and alignment checker as plain classes,
-  and the two interfaces an engine (``Sampler``) or a trainer (``PolicyScorer``) implements to be
-  selected by name (``aligned_mamba.rl_engines`` / ``aligned_mamba.rl_trainers`` entry points;
-  "reference" is built in).
-- ``rollout.rl``: the loop driver on Ray and the ``aligned-mamba rl`` subcommand (registered under
-  ``aligned_mamba.commands``; the core never imports Ray).
-
-Thin edges over ``aligned_mamba``: the bits are the core's, these modules only move them around.
+- ``vllm_plugin`` / ``vllm_model``: the vLLM plugin (``ALIGNED_MAMBA_EXACT_REPLAY=1``) that runs
+  Mamba2ForCausalLM on the core's ops with the replay state in vLLM's Mamba cache.
+- ``vllm_runner`` / ``vllm_check``: real vLLM engines driven through the check's schedules
+  (``aligned-mamba check --engine vllm``).
 """

@@ -1,0 +1,291 @@
+"""Drive real vLLM engines through the check's schedules, each engine in its own process.
+
+An engine runs in a fresh (spawned) process whose environment says whether the plugin is on
+(``ALIGNED_MAMBA_EXACT_REPLAY``): vLLM loads its plugins once per process, so exact replay and
+stock vLLM (the baseline) never share one. The process runs in-process vLLM
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can step the engine, add requests while
+others run, and preempt running requests.
+
+Rows are vLLM's own output: with ``logprobs_mode="raw_logits"`` and full-vocabulary logprobs,
+every sampled token carries the raw logits row that sampled it, and prompt logprobs carry the
+rows at prompt positions. Nothing is read out of the model.
+
+This module imports vLLM only inside the engine process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# What every engine process sets before importing vLLM: one in-process engine (the driver steps it).
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Defaults the caller's environment may override: a small state pool (1 GiB), no torch.compile of
+# the sampler (minutes of compile on this CPU, same outputs), and no OpenMP core pinning (vLLM's
+# auto binding pins every engine process to the same core, so engines started together queue).
+ENGINE_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# Set by the project's test setup for the core's Triton tests on the CPU; vLLM must not see it.
+DROPPED_ENV = ("TRITON_INTERPRET",)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one vLLM engine (picklable). ``llm_kwargs`` go to ``vllm.LLM`` last."""
+
+    model_dir: str
+    exact_replay: bool
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 16
+    seed: int = 0
+    logprobs_mode: str = "raw_logits"
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One schedule: requests, generation length, per-step token budget and events.
+
+    budget: the scheduler's per-step token budget (chunked prefill at unaligned splits); None =
+    the engine's max_num_batched_tokens. prompt_rows: also return the rows at prompt positions
+    (prompt logprobs). preempt: preempt all running requests when one reaches each mark
+    (generated-token counts). stagger: add requests one after another while others run.
+    logprobs_mode: raw_logits (rows are logits) or raw_logprobs (rows are vLLM's logprobs).
+    """
+
+    name: str
+    prompts: list[list[int]]
+    gen_len: int
+    budget: int | None = None
+    prompt_rows: bool = False
+    preempt_marks: tuple[int, ...] = ()
+    stagger: bool = False
+    logprobs_mode: str = "raw_logits"
+    reprefill: bool = False
+    collect_rows: bool = True  # False: no logprobs at all (throughput runs)
+
+
+@dataclass
+class ScenarioResult:
+    """tokens: per request, prompt + generated ids. rows: per request, (position, row [vocab]
+    float32) for every row returned, the row computed AT that position (predicting the next).
+    sampled: per request, the value of the sampled token in its row (logit or logprob).
+    decode_tokens / decode_seconds: tokens sampled in, and wall time of, the steps where every
+    request in the engine was decoding (no prefill in the batch): decode throughput.
+    reprefill_rows: with ``Scenario.reprefill``, per request the rows at every position but the
+    last when prompt + generated tokens are prefilled again (prompt logprobs of a second pass).
+    engine: what vLLM ran: model_class (the plugin's, or vLLM's own when the switch is off),
+    page_size_bytes (one request's state per layer, as vLLM's planner sized it), num_blocks."""
+
+    name: str
+    tokens: list[list[int]]
+    rows: list[list[tuple[int, torch.Tensor]]]
+    sampled: list[list[float]]
+    steps: int
+    preemptions: int
+    seconds: float
+    decode_tokens: int
+    pid: int
+    decode_seconds: float = 0.0
+    engine: dict[str, Any] = field(default_factory=dict)
+    reprefill_rows: list[list[tuple[int, torch.Tensor]]] = field(default_factory=list)
+
+
+def run_in_engine(spec: EngineSpec, scenarios: Sequence[Scenario]) -> list[ScenarioResult] | str:
+    """Start the engine (in this process) and run the scenarios in order. Returns the results,
+    or the one-line message of the exception that stopped the engine from starting."""
+    _engine_env()
+    os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+    try:
+        llm = build_llm(spec)
+    except Exception as e:  # the refusal (or any start failure) comes back as its message
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return [drive(llm, sc) for sc in scenarios]
+
+
+def _engine_env() -> None:
+    for k in DROPPED_ENV:
+        os.environ.pop(k, None)
+    os.environ.update(ENGINE_ENV)
+    for k, v in ENGINE_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def build_llm(spec: EngineSpec) -> Any:
+    """``vllm.LLM`` for ``spec`` (in-process engine, no tokenizer, eager, no prefix caching)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=spec.model_dir, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+        max_model_len=spec.max_model_len, max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs, seed=spec.seed, logprobs_mode=spec.logprobs_mode, max_logprobs=-1,
+        enable_chunked_prefill=True)
+    kwargs.update(spec.llm_kwargs)
+    return LLM(**kwargs)
+
+
+def _set_logprobs_mode(llm: Any, mode: str) -> None:
+    """Switch raw_logits / raw_logprobs between scenarios: the two attributes LLM(logprobs_mode=...)
+    sets (the sampler's and the model config's, read for prompt logprobs), saving an engine start."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner.sampler.logprobs_mode = mode
+    runner.model_config.logprobs_mode = mode
+
+
+def _row(entry: Any, vocab: int) -> torch.Tensor:
+    row = torch.full((vocab,), float("nan"), dtype=torch.float32)
+    ids = list(entry.keys())
+    row[ids] = torch.tensor([entry[i].logprob for i in ids], dtype=torch.float32)
+    return row
+
+
+def drive(llm: Any, sc: Scenario) -> ScenarioResult:
+    """Run one scenario on a started in-process engine by stepping it."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    _set_logprobs_mode(llm, sc.logprobs_mode)
+    full_budget = scheduler.max_num_scheduled_tokens
+    # A smaller per-step budget than the engine started with: what max_num_batched_tokens sets
+    # (the scheduler's budget); the runner's buffers stay sized for the larger one.
+    scheduler.max_num_scheduled_tokens = sc.budget or full_budget
+    rows_on = sc.collect_rows
+    params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0, logprobs=-1 if rows_on else None,
+                            prompt_logprobs=-1 if sc.prompt_rows and rows_on else None,
+                            output_kind=RequestOutputKind.DELTA)
+    n = len(sc.prompts)
+    gen: list[list[int]] = [[] for _ in range(n)]
+    sample_rows: list[list[Any]] = [[] for _ in range(n)]
+    prompt_rows: list[list[Any]] = [[] for _ in range(n)]
+    pending = list(range(n))
+    every = max(1, sc.gen_len // (n + 1))
+    done_marks: set[tuple[int, int]] = set()
+    steps = preemptions = decode_tokens = 0
+    decode_seconds = 0.0
+    added: set[int] = set()
+    t0 = time.perf_counter()
+    try:
+        while pending or engine.has_unfinished_requests():
+            if pending and (not sc.stagger or steps % every == 0):
+                batch = [pending.pop(0)] if sc.stagger else [pending.pop(0) for _ in range(len(pending))]
+                for i in batch:
+                    engine.add_request(f"{sc.name}-{i}", {"prompt_token_ids": sc.prompts[i]}, params)
+                    added.add(i)
+            active = [i for i in added if len(gen[i]) < sc.gen_len]
+            decoding = bool(active) and all(len(gen[i]) >= 1 for i in active) and not scheduler.waiting
+            before = sum(len(g) for g in gen)
+            t_step = time.perf_counter()
+            outputs = engine.step()
+            for out in outputs:
+                i = int(out.request_id.rsplit("-", 1)[1])
+                c = out.outputs[0]
+                gen[i].extend(c.token_ids)
+                sample_rows[i].extend(c.logprobs or [])
+                if out.prompt_logprobs:
+                    prompt_rows[i].extend(out.prompt_logprobs)
+            if decoding:
+                decode_seconds += time.perf_counter() - t_step
+                decode_tokens += sum(len(g) for g in gen) - before
+            steps += 1
+            marks = [(i, m) for i in range(n) for m in sc.preempt_marks
+                     if len(gen[i]) >= m and (i, m) not in done_marks and len(gen[i]) < sc.gen_len]
+            if marks:
+                done_marks.update(marks)
+                running = len(scheduler.running)
+                # vLLM's own preemption, as under memory pressure: every running request loses its
+                # state slot and is recomputed from prompt + generated tokens. (A pure Mamba model
+                # holds one slot per request from admission, so memory pressure only makes new
+                # requests wait; it never preempts.)
+                engine.reset_prefix_cache(True)
+                preemptions += running
+    finally:
+        scheduler.max_num_scheduled_tokens = full_budget
+    seconds = time.perf_counter() - t0
+    runner = engine.model_executor.driver_worker.worker.model_runner
+    spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    info = {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
+            "page_size_bytes": int(spec.page_size_bytes), "num_blocks": int(runner.kv_cache_config.num_blocks)}
+    if not rows_on:
+        return ScenarioResult(sc.name, [list(p) + g for p, g in zip(sc.prompts, gen)], [], [], steps, preemptions,
+                              seconds, decode_tokens, os.getpid(), decode_seconds, engine=info)
+    tokens, rows, sampled = [], [], []
+    for i, prompt in enumerate(sc.prompts):
+        if len(gen[i]) != sc.gen_len or len(sample_rows[i]) != sc.gen_len:
+            raise RuntimeError(f"request {i}: {len(gen[i])} tokens, {len(sample_rows[i])} logprob rows, "
+                               f"expected {sc.gen_len}")
+        r: list[tuple[int, torch.Tensor]] = []
+        if sc.prompt_rows:
+            # prompt_logprobs[p] scores prompt token p, from the row at position p - 1
+            if len(prompt_rows[i]) != len(prompt) or prompt_rows[i][0] is not None:
+                raise RuntimeError(f"request {i}: {len(prompt_rows[i])} prompt logprob entries for {len(prompt)}")
+            r.extend((p - 1, _row(prompt_rows[i][p], vocab)) for p in range(1, len(prompt)))
+        # generated token j (position len(prompt) + j) was sampled from the row at position len(prompt) - 1 + j
+        r.extend((len(prompt) - 1 + j, _row(e, vocab)) for j, e in enumerate(sample_rows[i]))
+        tokens.append(list(prompt) + gen[i])
+        rows.append(r)
+        sampled.append([float(e[t].logprob) for e, t in zip(sample_rows[i], gen[i])])
+    res = ScenarioResult(sc.name, tokens, rows, sampled, steps, preemptions, seconds, decode_tokens, os.getpid(),
+                         decode_seconds, engine=info)
+    if sc.reprefill:
+        # vLLM's decode-vs-prefill logprob property: score prompt + generated in one more prefill
+        again = drive(llm, Scenario(f"{sc.name}-again", tokens, 1, budget=sc.budget, prompt_rows=True,
+                                    logprobs_mode=sc.logprobs_mode))
+        res.reprefill_rows = [r[:-1] for r in again.rows]  # drop the row of the extra sampled token
+    return res
+
+
+def try_start(specs: Sequence[EngineSpec]) -> list[str | None]:
+    """Start each engine in turn (this process): its failure message, or None when it started.
+    All specs must agree on ``exact_replay``."""
+    if len({s.exact_replay for s in specs}) > 1:
+        raise ValueError("vLLM loads its plugins once per process: start these specs in separate processes")
+    _engine_env()
+    out: list[str | None] = []
+    for spec in specs:
+        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+        try:
+            llm = build_llm(spec)
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {' '.join(str(e).split())}")
+        else:
+            out.append(None)
+            del llm
+    return out
+
+
+def spawn(fn: Any, *args: Any) -> tuple[ProcessPoolExecutor, Future]:
+    """Run ``fn(*args)`` (``run_in_engine`` or ``try_start``) in a fresh spawned process; returns
+    (pool, future). Shut the pool down after reading the future: the process then exits, and
+    its engine with it."""
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return pool, pool.submit(fn, *args)
+
+
+def run_engines(jobs: Sequence[tuple[EngineSpec, Sequence[Scenario]]], parallel: int = 1
+                ) -> Iterator[list[ScenarioResult] | str]:
+    """Run each (engine, scenarios) job in its own process, ``parallel`` at a time; yields in order."""
+    queue = list(jobs)
+    running: list[tuple[ProcessPoolExecutor, Future]] = []
+    try:
+        while queue or running:
+            while queue and len(running) < max(1, parallel):
+                spec, scenarios = queue.pop(0)
+                running.append(spawn(run_in_engine, spec, list(scenarios)))
+            pool, fut = running.pop(0)
+            try:
+                yield fut.result()
+            finally:
+                pool.shutdown(wait=True)
+    finally:
+        for pool, _ in running:
+            pool.shutdown(wait=True, cancel_futures=True)
