@@ -308,3 +308,27 @@ def test_cli_check_trainer_megatron(tmp_path, monkeypatch, hook: str) -> None:
         assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
     else:
         assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
+
+
+@pytest.mark.parametrize("name", ["bf16_groups2", "fp32"])
+def test_cli_check_trainer_megatron_engine_vllm(tmp_path, name: str) -> None:
+    """Both integrations at once: Megatron (hook on) scores, real vLLM engines sample (plugin on for
+    the exact-replay cases, stock vLLM for the baseline): 0 differing rows in every exact-replay case,
+    and the stock baseline differs."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm (extra 'vllm')")
+    from aligned_mamba.cli import main
+
+    kw = dict(SHAPES[name])
+    config, tensors = make_tiny(0, dtype=kw.pop("dtype"), **kw)
+    save_checkpoint(tmp_path / "ckpt", config, tensors)
+    out = tmp_path / "result.json"
+    code = main(["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--engine", "vllm",
+                 "--backend", "torch", "--prompt-len", "45", "--gen-len", "20", "--requests", "2", "--jobs", "2",
+                 "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["trainer"] == "megatron" and result["engine"] == "vllm"
+    exact = [case for case in result["cases"] if case["exact_replay"]]
+    assert len(exact) == 4 and all(case["rows"] > 0 for case in exact)
+    assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
+    base = next(case for case in result["cases"] if not case["exact_replay"])
+    assert base["mismatched_rows"] > 0

@@ -146,17 +146,19 @@ def test_exact_replay_off_on_one_worker_is_caught(tmp_path, capsys):
     assert sum(x["per_worker"]["0"]["mismatched_tokens"] for x in r["iterations"]) > 0
 
 
-def _registered(group: str, name: str) -> bool:
-    from importlib.metadata import entry_points
+@pytest.mark.parametrize("kind, group", [("engine", "aligned_mamba.rl_engines"),
+                                         ("trainer", "aligned_mamba.rl_trainers")])
+def test_an_unregistered_engine_or_trainer_is_refused_in_one_line(kind, group):
+    """What --engine vllm / --trainer megatron say where the extra is not installed: the name is
+    looked up in its entry-point group and refused before any actor starts."""
+    from rollout.actors import check_plugin
 
-    return any(ep.name == name for ep in entry_points(group=group))
+    want = rf"no RL {kind} named 'absent' is registered \(entry-point group {group}\)"
+    with pytest.raises(AlignedMambaError, match=want):
+        check_plugin(kind, "absent")
 
 
 @pytest.mark.parametrize("args, words", [
-    pytest.param(["--engine", "vllm"], "no RL engine named 'vllm'", marks=pytest.mark.skipif(
-        _registered("aligned_mamba.rl_engines", "vllm"), reason="a vllm RL engine is registered")),
-    pytest.param(["--trainer", "megatron"], "no RL trainer named 'megatron'", marks=pytest.mark.skipif(
-        _registered("aligned_mamba.rl_trainers", "megatron"), reason="a megatron RL trainer is registered")),
     (["--inject", "kill:1"], "expected stale-weights:WORKER"),
     (["--inject", "no-replay:2"], "worker 2 outside 0..1"),
     (["--inject", "kill:0@3"], "iteration 3 outside 0..2"),
