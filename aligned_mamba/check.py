@@ -216,20 +216,29 @@ ENGINE_GROUP, TRAINER_GROUP = "aligned_mamba.engines", "aligned_mamba.trainers"
 EXTRAS = {"vllm": "vllm", "megatron": "megatron"}
 
 
-def load_plugin(group: str, name: str) -> Any:
-    """The object a package registered under ``group``/``name`` (an engine's ``sample_cases``, a
-    trainer's builder). One line of error when it is not installed or fails to import."""
+def load_entry_point(group: str, name: str, *, missing: str, broken: str = "") -> Any:
+    """The object a package registered as ``name`` in the entry-point group ``group``.
+
+    AlignedMambaError(``missing``) when none is registered; one line naming the import error (and
+    ``broken``, a hint) when it fails to import. Shared by ``--engine``/``--trainer`` here and the
+    RL loop's engines and trainers.
+    """
     from importlib.metadata import entry_points
 
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if not found:
-        raise AlignedMambaError(f"no {group.split('.')[-1][:-1]} named {name!r} is installed "
-                                f"(pip install -e '.[{EXTRAS.get(name, name)}]')")
+        raise AlignedMambaError(missing)
     try:
         return found[0].load()
     except ImportError as e:
-        raise AlignedMambaError(f"{name!r} could not be imported ({e}); pip install -e '.[{EXTRAS.get(name, name)}]'"
-                                ) from e
+        raise AlignedMambaError(f"{name!r} could not be imported ({e}){broken}") from e
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """An engine's ``sample_cases`` or a trainer's builder, registered under ``group``/``name``."""
+    pip = f"pip install -e '.[{EXTRAS.get(name, name)}]'"
+    return load_entry_point(group, name, missing=f"no {group.split('.')[-1][:-1]} named {name!r} is installed ({pip})",
+                            broken=f"; {pip}")
 
 
 def run_check(trainer: Scorer, sampler: ModelSource, *, prompt_len: int, gen_len: int, requests: int,

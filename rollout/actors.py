@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from aligned_mamba.check import load_entry_point
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import AlignedMambaError
 from aligned_mamba.model.config import Mamba2Config
@@ -101,16 +102,8 @@ class TrainerSpec:
 
 def _plugin(group: str, name: str, what: str) -> Any:
     """The factory registered as ``name`` in ``group``; one line of error naming what is missing."""
-    from importlib.metadata import entry_points
-
-    found = [ep for ep in entry_points(group=group) if ep.name == name]
-    if not found:
-        raise AlignedMambaError(f"no RL {what} named {name!r} is registered (entry-point group {group}); "
-                                f"only 'reference' is built in")
-    try:
-        return found[0].load()
-    except ImportError as e:
-        raise AlignedMambaError(f"RL {what} {name!r} could not be imported ({e})") from e
+    return load_entry_point(group, name, missing=f"no RL {what} named {name!r} is registered (entry-point group "
+                                                 f"{group}); only 'reference' is built in")
 
 
 def check_plugin(kind: str, name: str) -> dict[str, Any]:
