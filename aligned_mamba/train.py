@@ -14,7 +14,7 @@ taken at exactly the logits the sampler sampled from.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -56,8 +56,7 @@ class PolicyTrainer:
 
     def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
                  lr: float = 1e-4) -> None:
-        if lr <= 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        check_lr(lr)
         self.config = config
         self.contract = contract
         self.dtypes = {k: v.dtype for k, v in tensors.items()}
@@ -84,7 +83,7 @@ class PolicyTrainer:
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
         """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits,
         [len_i - prompt_len_i] float32 each, by the sampler's log_softmax."""
-        return _generated_logprobs(self.score(sequences), sequences, prompt_lens)
+        return generated_logprobs(self.score(sequences), sequences, prompt_lens)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -94,20 +93,14 @@ class PolicyTrainer:
         the graph, so the logits are the scored ones. Returns loss, token count, grad norm and the
         new weights version.
         """
-        if not (len(sequences) == len(prompt_lens) == len(advantages)):
-            raise ValueError("sequences, prompt_lens and advantages must have the same length")
+        check_step_inputs(sequences, prompt_lens, advantages)
         seqs = [s.to(torch.int64) for s in sequences]
         served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
-        logits = Mamba2LM(self.config, served, self.contract).forward(seqs)
-        lps = _generated_logprobs(logits, seqs, prompt_lens)
-        tokens = sum(int(lp.numel()) for lp in lps)
-        if tokens == 0:
-            raise ValueError("no generated tokens to learn from")
-        loss = -sum(float(a) * lp.sum() for a, lp in zip(advantages, lps)) / tokens
+        loss, tokens = reinforce_loss(Mamba2LM(self.config, served, self.contract).forward(seqs), seqs, prompt_lens,
+                                      advantages)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in self.master.values() if p.grad is not None])))
+        grad_norm = total_norm(p.grad for p in self.master.values())
         self.opt.step()
         self.version += 1
         self._model = None
@@ -115,12 +108,48 @@ class PolicyTrainer:
 
     def export_bytes(self) -> tuple[bytes, str]:
         """The served weights as safetensors bytes (version in the metadata) and their digest."""
-        w = self.weights()
-        return weights_to_bytes(w, self.version), weights_digest(w)
+        return export_weights(self.weights(), self.version)
 
 
-def _generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
-                        prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+# -- the pieces every policy trainer shares (PolicyTrainer; trainer_hooks.megatron_rl) ----------------------
+
+
+def check_lr(lr: float) -> None:
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+
+
+def check_step_inputs(sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                      advantages: Sequence[float]) -> None:
+    if not (len(sequences) == len(prompt_lens) == len(advantages)):
+        raise ValueError("sequences, prompt_lens and advantages must have the same length")
+
+
+def reinforce_loss(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                   advantages: Sequence[float]) -> tuple[torch.Tensor, int]:
+    """REINFORCE loss -sum_i adv_i * sum_t logprob_it / (generated tokens) over one-pass logits
+    (list of [len_i, vocab]); returns (loss, generated tokens)."""
+    lps = generated_logprobs(logits, sequences, prompt_lens)
+    tokens = sum(int(lp.numel()) for lp in lps)
+    if tokens == 0:
+        raise ValueError("no generated tokens to learn from")
+    return -sum(float(a) * lp.sum() for a, lp in zip(advantages, lps)) / tokens, tokens
+
+
+def total_norm(grads: Iterable[torch.Tensor | None]) -> float:
+    """The 2-norm of the per-tensor 2-norms, in the given order (None entries skipped)."""
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads if g is not None])))
+
+
+def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[bytes, str]:
+    """Served weights as safetensors bytes (version in the metadata) and their ``weights_digest``."""
+    return weights_to_bytes(weights, version), weights_digest(weights)
+
+
+def generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
+                       prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    """float32 logprob of each generated token (positions prompt_len .. len-1) under ``logits`` (list
+    of [len_i, vocab]), by the sampler's ``log_softmax``: [len_i - prompt_len_i] each."""
     out = []
     for lg, seq, p in zip(logits, sequences, prompt_lens):
         if not 1 <= p <= seq.numel():

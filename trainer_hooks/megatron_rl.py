@@ -33,7 +33,14 @@ from aligned_mamba.contract import Contract
 from aligned_mamba.errors import ModelLoadError
 from aligned_mamba.model.checkpoint import EMBEDDING, LM_HEAD
 from aligned_mamba.model.config import Mamba2Config
-from aligned_mamba.train import _generated_logprobs, weights_digest, weights_to_bytes
+from aligned_mamba.train import (
+    check_lr,
+    check_step_inputs,
+    export_weights,
+    generated_logprobs,
+    reinforce_loss,
+    total_norm,
+)
 
 from . import megatron as hook_module
 from .megatron_check import build_hooked_model, megatron_packed_logits
@@ -50,8 +57,7 @@ class MegatronPolicyTrainer:
 
     def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
                  lr: float = 1e-4) -> None:
-        if lr <= 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        check_lr(lr)
         self.config = config
         self.contract = contract
         self.dtypes = {k: v.dtype for k, v in tensors.items()}  # the served names and dtypes, in input order
@@ -93,7 +99,7 @@ class MegatronPolicyTrainer:
         seqs = [s.to(torch.int64) for s in sequences]
         self.model.eval()
         with torch.no_grad():
-            return _generated_logprobs(self._logits(seqs), seqs, prompt_lens)
+            return generated_logprobs(self._logits(seqs), seqs, prompt_lens)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -101,23 +107,17 @@ class MegatronPolicyTrainer:
         forward and backward on the checkpoint-dtype parameters; their gradients (upcast to fp32) step the fp32
         masters with Adam, and the parameters are re-set from the rounded masters. Returns loss, token count,
         grad norm (of the master gradients) and the new weights version."""
-        if not (len(sequences) == len(prompt_lens) == len(advantages)):
-            raise ValueError("sequences, prompt_lens and advantages must have the same length")
+        check_step_inputs(sequences, prompt_lens, advantages)
         seqs = [s.to(torch.int64) for s in sequences]
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        lps = _generated_logprobs(self._logits(seqs), seqs, prompt_lens)
-        tokens = sum(int(lp.numel()) for lp in lps)
-        if tokens == 0:
-            raise ValueError("no generated tokens to learn from")
-        loss = -sum(float(a) * lp.sum() for a, lp in zip(advantages, lps)) / tokens
+        loss, tokens = reinforce_loss(self._logits(seqs), seqs, prompt_lens, advantages)
         loss.backward()
         self.opt.zero_grad(set_to_none=True)
         for name, p in self.params.items():
             if p.grad is not None:
                 self.master[name].grad = p.grad.detach().to(torch.float32)
-        grads = [g for g in (self.master[n].grad for n in self._hf_order) if g is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        grad_norm = total_norm(self.master[n].grad for n in self._hf_order)
         self.opt.step()
         self.model.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -128,8 +128,7 @@ class MegatronPolicyTrainer:
 
     def export_bytes(self) -> tuple[bytes, str]:
         """The served weights as safetensors bytes (metadata "weights_version") and their ``weights_digest``."""
-        w = self.weights()
-        return weights_to_bytes(w, self.version), weights_digest(w)
+        return export_weights(self.weights(), self.version)
 
 
 def build_policy_trainer(*, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract,
