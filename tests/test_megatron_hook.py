@@ -139,6 +139,19 @@ def test_stock_stand_in_scan_is_right() -> None:
     assert rel_err(y, ref) < 1e-5
 
 
+def test_stock_stand_ins_refuse_what_they_do_not_cover() -> None:
+    """Arguments beyond what Megatron's forward passes (states in or out, a dt limit) are refused by name."""
+    from trainer_hooks.megatron_cpu import stock_chunk_scan_combined, stock_split_conv1d_scan_combined
+
+    x, dt, A = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 2), -torch.ones(2)
+    B = C = torch.zeros(1, 8, 1, 4)
+    with pytest.raises(ValueError, match="mamba_chunk_scan_combined does not cover initial_states, dt_limit"):
+        stock_chunk_scan_combined(x, dt, A, B, C, 4, initial_states=torch.zeros(1, 2, 4, 4), dt_limit=(0.0, 1.0))
+    with pytest.raises(ValueError, match="mamba_split_conv1d_scan_combined does not cover return_final_states"):
+        stock_split_conv1d_scan_combined(torch.zeros(1, 8, 26), torch.zeros(16, 4), None, torch.zeros(2), A,
+                                         torch.zeros(2), 4, return_final_states=True, headdim=4)
+
+
 # -- gradients and training ----------------------------------------------------------------------------
 
 

@@ -183,6 +183,14 @@ def _stock_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     return y.reshape(b, nc * L, h, p)[:, :seqlen]
 
 
+def _refuse_uncovered(op: str, **used: bool) -> None:
+    """The stand-ins cover the arguments Megatron's forward passes (no states in or out, no fused
+    norm or out_proj, no dt limit); anything else is refused, naming it, rather than ignored."""
+    given = [name for name, on in used.items() if on]
+    if given:
+        raise ValueError(f"the CPU stand-in of mamba_ssm's {op} does not cover {', '.join(given)}: refused")
+
+
 def stock_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
                                      initial_states=None, seq_idx=None, dt_limit=(0.0, math.inf),
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
@@ -190,9 +198,9 @@ def stock_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                                      ngroups=1, norm_before_gate=True):
     """mamba_ssm's fused training-path op (torch stand-in): conv1d + SiLU, the scan, D skip, and with no
     ``rmsnorm_weight`` the gate y * silu(z) inside, before any norm. zxbcdt [b, l, d] -> y [b, l, d_inner]."""
-    if initial_states is not None or return_final_states or outproj_weight is not None \
-            or rmsnorm_weight is not None or tuple(dt_limit) != (0.0, math.inf):
-        raise NotImplementedError("stock stand-in: only the arguments Megatron's training path passes")
+    _refuse_uncovered("mamba_split_conv1d_scan_combined", initial_states=initial_states is not None,
+                      return_final_states=return_final_states, outproj_weight=outproj_weight is not None,
+                      rmsnorm_weight=rmsnorm_weight is not None, dt_limit=tuple(dt_limit) != (0.0, math.inf))
     b, seqlen, _ = zxbcdt.shape
     H = A.shape[0]
     P = headdim if headdim is not None else D.shape[-1]
@@ -212,8 +220,9 @@ def stock_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                               return_final_states=False, return_varlen_states=False):
     """mamba_ssm's ``mamba_chunk_scan_combined`` (prefill path; torch stand-in without states in or out)."""
-    if initial_states is not None or return_final_states or return_varlen_states or tuple(dt_limit) != (0.0, math.inf):
-        raise NotImplementedError("stock stand-in: no states in or out")
+    _refuse_uncovered("mamba_chunk_scan_combined", initial_states=initial_states is not None,
+                      return_final_states=return_final_states, return_varlen_states=return_varlen_states,
+                      dt_limit=tuple(dt_limit) != (0.0, math.inf))
     dtf = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     if dt_softplus:
         dtf = F.softplus(dtf)
