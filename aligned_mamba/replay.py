@@ -35,14 +35,16 @@ class LayerReplayState:
     """Slot-indexed replay storage of one Mamba2 layer.
 
     ssm_state [slots, H, P, N] float32: the state at each slot's last chunk boundary.
-    buf_x [slots, H, L, P], buf_B [slots, G, L, N] (model dtype) and buf_dt [slots, H, L]
-    (dt after softplus, float32): the inputs since that boundary, rows 0 .. pos % L - 1 (rows
-    past that are zero). Head-major, so a slot's buffer is its first chunk's padded input as the
-    scan reads it. conv_window [slots, K-1, conv_dim] (model dtype).
+    buf_x [slots, H, L, P], buf_dt [slots, H, L] and buf_B [slots, G, L, N], all in the model
+    dtype: the inputs since that boundary, rows 0 .. pos % L - 1 (rows past that are zero).
+    buf_dt holds the RAW dt (the in_proj output, before dt_bias and softplus). Head-major, so a
+    slot's buffer is its first chunk's input as the scan reads it. conv_window [slots, K-1,
+    conv_dim] (model dtype).
 
-    dt is kept after softplus (which acts row by row, so the bits are those the trainer computes)
-    so a decode step does not recompute it for the whole chunk: H more bytes per token than raw
-    bf16 dt, next to H * P * 2 for x.
+    Raw dt keeps the resident state at the fp32 state plus L tokens of x, dt and B in the model
+    dtype (plus the conv window): ``pack_chunks`` recomputes softplus(dt + dt_bias) for the
+    buffered rows with the same elementwise function as for new rows (it acts element by element,
+    so the bits are those a fresh computation gives).
     """
 
     ssm_state: torch.Tensor
@@ -71,7 +73,7 @@ class LayerReplayState:
         return {
             "ssm_state": ((heads, head_dim, state_size), torch.float32),
             "buf_x": ((heads, chunk_size, head_dim), dtype),
-            "buf_dt": ((heads, chunk_size), torch.float32),
+            "buf_dt": ((heads, chunk_size), dtype),
             "buf_B": ((groups, chunk_size, state_size), dtype),
             "conv_window": ((conv_kernel - 1, conv_dim), dtype),
         }
@@ -183,13 +185,19 @@ def ssd_advance(
 ) -> torch.Tensor:
     """Advance every slot of ``batch`` by its new tokens; returns y [T, H, P] for the new rows.
 
-    x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype; rows [T] bool (default all):
-    the rows whose outputs are wanted (others are zero, except on the GPU decode path, which
-    computes every row of its one-token batch). Updates ``state`` in place.
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype (x, dt and B must have the
+    buffers' dtype, so buffering does not round them; ValueError otherwise); rows [T] bool
+    (default all): the rows whose outputs are wanted (others are zero, except on the GPU decode
+    path, which computes every row of its one-token batch). Updates ``state`` in place.
 
     Buffer rows at and past a slot's fill level are kept zero, so a slot's buffer is already
-    its first chunk's zero-padded prefix.
+    its first chunk's zero-padded prefix (raw dt included: ``pack_chunks`` zeroes the softplus'd
+    dt past the fill level).
     """
+    for name, t, buf in (("x", x, state.buf_x), ("dt", dt, state.buf_dt), ("B", B, state.buf_B)):
+        if t.dtype != buf.dtype:
+            raise ValueError(f"{name} is {t.dtype} but the replay buffers are {buf.dtype}: buffering it "
+                             "would round it, and a replayed row would not be the single pass's")
     L = state.chunk_size
     dev = x.device
     if row_tile is None:  # the backend's pinned row tile (a shorter chunk is one tile)
@@ -202,7 +210,7 @@ def ssd_advance(
 
         done = torch.nonzero(batch.start_pos % L == L - 1).flatten()
         return replay_decode_triton(state, batch.slots.to(dev), batch.start_pos.to(dev), x, dt, B, C, A=A, D=D,
-                                    dt_bias=dt_bias, dt_limit=dt_limit, row_tile=row_tile,
+                                    dt_bias=dt_bias, dt_limit=dt_limit,
                                     completes=done.to(dev) if done.numel() else False)
     slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
     lens = cu[1:] - cu[:-1]
@@ -223,8 +231,8 @@ def ssd_advance(
     row_seq = torch.repeat_interleave(torch.arange(slots.numel(), device=dev), lens, output_size=x.shape[0])
     last_chunk = ch.row_chunk == (torch.cumsum((off + lens + L - 1) // L, 0) - 1)[row_seq]
     keep = last_chunk & (rem[row_seq] > 0)
-    dst_slot, dst_pos, src_chunk = slots[row_seq[keep]], ch.row_pos[keep], ch.row_chunk[keep]
+    dst_slot, dst_pos = slots[row_seq[keep]], ch.row_pos[keep]
     state.buf_x[dst_slot, :, dst_pos] = x[keep]
-    state.buf_dt[dst_slot, :, dst_pos] = ch.dt[src_chunk, :, dst_pos]
+    state.buf_dt[dst_slot, :, dst_pos] = dt[keep]  # raw: pack_chunks applies softplus on replay
     state.buf_B[dst_slot, :, dst_pos] = B[keep]
     return y.to(x.dtype)

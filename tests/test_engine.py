@@ -94,11 +94,11 @@ def test_trainer_forward_is_packing_invariant():
 
 
 def test_replay_state_size_per_sequence():
-    """fp32 boundary state + chunk_size rows of x, dt and B + conv window; no C buffer."""
+    """fp32 boundary state + chunk_size rows of x, raw dt and B (bf16) + conv window; no C buffer."""
     model = build(SHAPES["chunk128_tied"], "bfloat16")
     c, L = model.config, model.contract.chunk_size
     per_layer = (c.num_heads * c.head_dim * c.state_size * 4 + L * c.num_heads * c.head_dim * 2
-                 + L * c.num_heads * 4 + L * c.n_groups * c.state_size * 2 + (c.conv_kernel - 1) * c.conv_dim * 2)
+                 + L * c.num_heads * 2 + L * c.n_groups * c.state_size * 2 + (c.conv_kernel - 1) * c.conv_dim * 2)
     assert model.new_cache(3).bytes_per_slot() == per_layer * c.num_hidden_layers
 
 

@@ -8,8 +8,9 @@ Two groups:
   and the prefill run the same kind of operation: the "tile" mode, the state update, the buffers
   and the dt softplus. The "row" mode is checked bitwise for batch invariance and against the
   prefill to a tolerance here, bitwise on the GPU.
-- GPU (marked gpu, skipped without CUDA): real shapes in bf16, every row torch.equal to the
-  prefill's, across batch sizes, offsets and chunk boundaries, both modes, and across processes.
+- GPU (marked gpu, skipped without CUDA): real shapes, every row torch.equal to the prefill's,
+  across batch sizes, offsets and chunk boundaries, and across processes: bf16 (tensor-core dots,
+  "tile" mode, what a bf16 model runs) and fp32 ("row" mode, and "tile").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytest.importorskip("triton")
 
 # Import every Triton module now, while the mode (compiled or interpreted) is the session's:
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
+from aligned_mamba.ops.configs import PINNED  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk  # noqa: E402, F401
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
 from aligned_mamba.ops.ssd.triton_decode import (  # noqa: E402
@@ -102,11 +104,17 @@ def assert_same_state(s1: LayerReplayState, s2: LayerReplayState, slots=None) ->
 
 
 def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
-                 prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT) -> list[torch.Tensor]:
+                 prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT,
+                 row_tile: int | None = None) -> list[torch.Tensor]:
     """Decode ``steps`` tokens for every slot (slot i takes its token k from toks[i][*][k]); returns
     y [S, H, P] per step. hint: pass the indices of the sequences completing a chunk (False if none)."""
     L = st.chunk_size
     dev = st.buf_x.device
+    if row_tile is None and INTERPRET:
+        # The interpreter's tl.dot is a numpy matmul, whose bits can change with the tile's shape:
+        # the CPU checks decode with the prefill's own tile. On the GPU the default (16) is used and
+        # test_gpu_decode_row_tile_does_not_touch_bits checks that the height does not matter.
+        row_tile = min(int(PINNED["triton"]["row_tile"]), L)
     sl = torch.tensor(slots, dtype=torch.int64, device=dev)
     ys = []
     for k in range(steps):
@@ -115,7 +123,8 @@ def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks:
         done = [i for i, p in enumerate(pos) if p % L == L - 1]
         completes = (torch.tensor(done, dtype=torch.int64, device=dev) if done else False) if hint else None
         ys.append(replay_decode_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
-                                       dt_limit=dt_limit, mode=mode, completes=completes, **prm))
+                                       dt_limit=dt_limit, mode=mode, completes=completes, row_tile=row_tile,
+                                       **prm))
     return ys
 
 
@@ -298,8 +307,9 @@ f32 = "*fp32"
 pre = ptx(tc._cumsum_kernel, {"dt_ptr": f32, "A_ptr": f32, "a_ptr": f32}, dict(H=H, L=L, BLOCK_L=L))
 tile_sig = {k: f32 for k in ["x_ptr", "dt_ptr", "a_ptr", "B_ptr", "C_ptr", "D_ptr", "h_in_ptr", "y_ptr"]}
 tile_sig.update(tile_chunk_ptr="*i64", tile_pos_ptr="*i32", tile_rows_ptr="*i64")
-tile = ptx(tc._tile_output_kernel, tile_sig, dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee"))
-row_sig = {"buf_x_ptr": "*bf16", "buf_dt_ptr": f32, "state_ptr": f32, "slots_ptr": "*i64", "pos_ptr": "*i64",
+tile = ptx(tc._tile_output_kernel, tile_sig, dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee",
+                                                   TC=False))
+row_sig = {"buf_x_ptr": "*bf16", "dts_ptr": f32, "state_ptr": f32, "slots_ptr": "*i64", "pos_ptr": "*i64",
            "C_ptr": "*bf16", "A_ptr": f32, "D_ptr": f32, "y_ptr": "*bf16", "a_ptr": f32, "cb_ptr": f32,
            "sD_h": "i32", "sD_p": "i32"}
 row = ptx(td._row_kernel, row_sig, dict(D, HPP=2, RB_P=64, BLOCK_L=L, SB=16))
@@ -358,7 +368,7 @@ GP, GN, GL = 64, 128, 256
 
 def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, steps: int = 3, alone: int = 0,
                     dev: str = "cuda", dt_: torch.dtype = torch.bfloat16, dims: tuple[int, int, int] | None = None,
-                    exact: bool = True):
+                    exact: bool = True, row_tile: int | None = None):
     """batch sequences at offsets uniform in [0, L) (some at L-1, L-2, 0 forced), nonzero boundary
     states, partial chunks filled by a prefill; decode `steps` tokens; compare every row, state and
     buffer with one prefill over (chunk prefix + new tokens) from the boundary, and the first
@@ -383,7 +393,7 @@ def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, s
     new = [make_tokens(steps, heads, GP, groups, GN, seed * 1000 + 500 + i, dt_, dev) for i in range(batch)]
     ref = clone_state(st)
     solo = clone_state(st) if alone else None
-    ys = decode_steps(st, slots, start, new, prm, steps, mode, hint=False)
+    ys = decode_steps(st, slots, start, new, prm, steps, mode, hint=False, row_tile=row_tile)
     for i in range(alone):
         ya = decode_steps(solo, [slots[i]], [start[i]], [new[i]], prm, steps, mode)
         assert all(torch.equal(ys[k][i], ya[k][0]) for k in range(steps)), f"sequence {i} differs alone"
@@ -413,15 +423,21 @@ def test_gpu_dt_softplus_bits():
                                dt_softplus(r, bias, lim).view(torch.int32)), (lim, dtype)
 
 
+# (model dtype, decode mode): bf16 runs tensor-core dots and "tile" only; fp32 runs fp32 dots, both modes
+GPU_MODES = {"bf16-tile": (torch.bfloat16, "tile"), "fp32-row": (torch.float32, "row"),
+             "fp32-tile": (torch.float32, "tile")}
+
+
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["row", "tile"])
+@pytest.mark.parametrize("kind", list(GPU_MODES))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_gpu_token_by_token_equals_prefill(shape, mode):
+def test_gpu_token_by_token_equals_prefill(shape, kind):
     """One sequence decoded token by token over 300 tokens from a mid-chunk start, crossing a chunk
     boundary, == one prefill from the boundary over the same tokens: every row and the final state."""
     heads, groups = SHAPES[shape]
-    _token_by_token_case(heads, groups, mode, first=100, steps=300)
+    dtype, mode = GPU_MODES[kind]
+    _token_by_token_case(heads, groups, mode, first=100, steps=300, dt_=dtype)
 
 
 def _token_by_token_case(heads: int, groups: int, mode: str, first: int, steps: int, dev: str = "cuda",
@@ -444,21 +460,46 @@ def _token_by_token_case(heads: int, groups: int, mode: str, first: int, steps: 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["row", "tile"])
+@pytest.mark.parametrize("kind", list(GPU_MODES))
 @pytest.mark.parametrize("batch", [1, 64, 256])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_gpu_batch_offsets_equal_prefill(shape, batch, mode):
+def test_gpu_batch_offsets_equal_prefill(shape, batch, kind):
     heads, groups = SHAPES[shape]
-    _gpu_batch_case(heads, groups, batch, mode, seed=17 + batch)
+    dtype, mode = GPU_MODES[kind]
+    _gpu_batch_case(heads, groups, batch, mode, seed=17 + batch, dt_=dtype)
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["row", "tile"])
-def test_gpu_batch_invariance(mode):
+@pytest.mark.parametrize("kind", list(GPU_MODES))
+def test_gpu_batch_invariance(kind):
     """A sequence's rows do not depend on the other sequences of the batch or on its slot."""
     heads, groups = SHAPES["64h_8g"]
-    _gpu_batch_case(heads, groups, 256, mode, seed=5, steps=2, alone=6)
+    dtype, mode = GPU_MODES[kind]
+    _gpu_batch_case(heads, groups, 256, mode, seed=5, steps=2, alone=6, dt_=dtype)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("row_tile", [16, 32, 64])
+def test_gpu_decode_row_tile_does_not_touch_bits(row_tile):
+    """bf16 tensor-core dots: the decode's row tile (16, the default, to 64, the prefill's) gives the
+    prefill's bits: a row's result does not depend on the tile's height."""
+    heads, groups = SHAPES["64h_8g"]
+    g = torch.Generator().manual_seed(row_tile)
+    _gpu_batch_case(heads, groups, 64, "tile", seed=int(torch.randint(0, 1000, (1,), generator=g)), steps=2,
+                    row_tile=row_tile)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_bf16_row_mode_refused():
+    heads, groups = SHAPES["32h_1g"]
+    st = make_state(1, heads, GP, groups, GN, GL, torch.bfloat16, "cuda")
+    x, dt, B, C = make_tokens(1, heads, GP, groups, GN, seed=0, dtype=torch.bfloat16, dev="cuda")
+    one = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="tensor cores"):
+        replay_decode_triton(st, one, one, x, dt, B, C, mode="row", **make_params(heads, GP, 0, "cuda"))
 
 
 def _second_process_rows(mode: str) -> torch.Tensor:
@@ -471,7 +512,7 @@ def _second_process_rows(mode: str) -> torch.Tensor:
 @gpu_only
 def test_gpu_second_process_same_bits(tmp_path):
     """The same decode in a fresh process (fresh Triton load of the compiled kernels) gives the same bits."""
-    here = _second_process_rows("row")
+    here = _second_process_rows("tile")
     out = tmp_path / "rows.pt"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -484,4 +525,4 @@ def test_gpu_second_process_same_bits(tmp_path):
 
 if __name__ == "__main__":  # the second process of test_gpu_second_process_same_bits
     if len(sys.argv) == 3 and sys.argv[1] == "--dump":
-        torch.save(_second_process_rows("row"), sys.argv[2])
+        torch.save(_second_process_rows("tile"), sys.argv[2])

@@ -185,7 +185,7 @@ def test_requests_joining_and_leaving_keep_their_bits(setup):
 
 def test_replay_state_lives_in_vllms_cache(setup):
     """vLLM's planner sized each request's page for the five replay tensors of a layer (the
-    core's own per-slot layout: fp32 boundary state and dt, model-dtype x, B and conv window)."""
+    core's own per-slot layout: fp32 boundary state, model-dtype x, raw dt, B and conv window)."""
     info = setup["get"]("on")["chunked_rows"].engine
     stock = setup["get"]("off")["chunked_rows"].engine
     c = setup["trainer"].config

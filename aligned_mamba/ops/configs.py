@@ -30,6 +30,9 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "num_warps": 4,
                 # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target
                 "dot_precision": "ieee",
+                # bf16 models: tensor-core dots, bf16 operands, fp32 accumulation; fp32 operands
+                # (state, scores) split into two bf16 terms (ops/ssd/triton_dot.py)
+                "bf16_dots": "split2",
             }
         ),
     }

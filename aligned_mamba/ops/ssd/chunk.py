@@ -64,6 +64,20 @@ def dt_softplus(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, 
     return d
 
 
+def _prefix_dt(db: torch.Tensor, off: torch.Tensor, fill: int, dt_bias: torch.Tensor,
+               dt_limit: tuple[float, float]) -> torch.Tensor:
+    """Buffered raw dt [S, H, L] -> fp32 [S, H, L]: ``dt_softplus`` of rows < off, +0.0 from row off on.
+
+    Only the first ``fill`` (= max(off)) rows go through softplus; the rest are zero in any case.
+    """
+    S, H, L = db.shape
+    out = torch.zeros(S, H, L, device=db.device)
+    d = dt_softplus(db[:, :, :fill].transpose(1, 2), dt_bias, dt_limit).transpose(1, 2)  # bias on the head dim
+    filled = torch.arange(fill, device=db.device)[None, None, :] < off[:, None, None]  # [S, 1, fill]
+    out[:, :, :fill] = torch.where(filled, d, torch.zeros((), device=db.device))
+    return out
+
+
 def pack_chunks(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -77,10 +91,12 @@ def pack_chunks(
     """Cut packed rows into chunks anchored at each sequence's start.
 
     x [T, H, P], dt [T, H] raw, B [T, G, N], cu_seqlens [S+1].
-    prefix: (x_buf [S, H, L, P], dt_buf [S, H, L] (after softplus, float32), B_buf [S, G, L, N],
-    off [S]): the rows buffered before each sequence's new rows, rows 0 .. off-1 of its first
-    chunk, head-major; rows >= off must be zero. The new rows' dt goes through softplus here,
-    row by row, so a buffered dt and a freshly computed one are the same bits.
+    prefix: (x_buf [S, H, L, P], dt_buf [S, H, L] (raw dt), B_buf [S, G, L, N], all in the model
+    dtype, off [S]): the rows buffered before each sequence's new rows, rows 0 .. off-1 of its
+    first chunk, head-major; rows >= off of x_buf and B_buf must be zero (those of dt_buf are
+    ignored). Buffered and new dt both go through ``dt_softplus`` here, which acts element by
+    element, so a buffered row's dt is the bits a fresh computation gives; the result's dt is
+    exactly +0.0 on padding rows (rows >= the chunk's length).
     """
     dev = x.device
     T, H, P = x.shape
@@ -101,16 +117,22 @@ def pack_chunks(
     q = off[row_seq] + torch.arange(T, device=dev) - cu[:-1][row_seq]  # position in the stream
     row_chunk, row_pos = first[row_seq] + q // L, q % L
 
+    # Buffered dt is raw: softplus it here (rows < off only). When no slot buffers anything (a
+    # prefill from empty, the trainer's forward) that is skipped: dt_bias gets no zero-gradient branch.
+    fill = int(off.max()) if prefix is not None and S else 0
     if prefix is not None and NC == S:  # every sequence fits in its first chunk (decode): no zero fill
         xb, db, bb, _ = prefix
-        xc, dtc, Bc = xb.to(torch.float32), db.to(torch.float32, copy=True), bb.to(torch.float32)
+        xc, Bc = xb.to(torch.float32), bb.to(torch.float32)
+        dtc = _prefix_dt(db, off, fill, dt_bias, dt_limit) if fill else torch.zeros(NC, H, L, device=dev)
     else:
         xc = torch.zeros(NC, H, L, P, device=dev)
         dtc = torch.zeros(NC, H, L, device=dev)
         Bc = torch.zeros(NC, G, L, N, device=dev)
         if prefix is not None and S:
             xb, db, bb, _ = prefix
-            xc[first], dtc[first], Bc[first] = xb.to(torch.float32), db.to(torch.float32), bb.to(torch.float32)
+            xc[first], Bc[first] = xb.to(torch.float32), bb.to(torch.float32)
+            if fill:
+                dtc[first] = _prefix_dt(db, off, fill, dt_bias, dt_limit)
     xc[row_chunk, :, row_pos] = x.to(torch.float32)
     dtc[row_chunk, :, row_pos] = dt_softplus(dt, dt_bias, dt_limit)
     Bc[row_chunk, :, row_pos] = B.to(torch.float32)

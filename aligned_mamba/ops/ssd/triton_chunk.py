@@ -28,8 +28,9 @@ kernels through it. A ``range`` would let the compiler pipeline the loads; the a
 and so the bits, would be the same, but re-check on the GPU before switching.
 
 Configs: BLOCK_P, BLOCK_N, BLOCK_K and num_warps come from ``PINNED["triton"]``; the row tile is an
-argument, as for the torch scan (callers pass ``PINNED["triton"]["row_tile"]``, 16). This module
-reads ``dot_precision`` from there too.
+argument, as for the torch scan (callers pass ``PINNED["triton"]["row_tile"]``). Every dot goes
+through ``triton_dot.dot_acc``: fp32 FMA dots ("ieee") for fp32 models, tensor-core dots with bf16
+operands (fp32 operands split in two) for bf16 models, chosen by C's dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import triton.language as tl
 
 from ..configs import PINNED
 from .chunk import Chunks
+from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
 BLOCK_P: int = _CFG["BLOCK_P"]
@@ -70,6 +72,7 @@ def _chunk_state_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, state_ptr, chunk_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TC: tl.constexpr,
 ):
     """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32.
 
@@ -97,7 +100,7 @@ def _chunk_state_kernel(
         xT = tl.load(x_ptr + (ch * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :], other=0.0)
         Bs = tl.load(B_ptr + ((c * G + g) * L + s[:, None]) * N + n[None, :], mask=sm[:, None] & nm[None, :],
                      other=0.0)
-        acc += tl.dot(xT * w[None, :], Bs, input_precision=PRECISION)
+        acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
     tl.store(state_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
 
 
@@ -139,6 +142,7 @@ def _tile_output_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TC: tl.constexpr,
 ):
     """y rows of one tile (R consecutive rows of one chunk), one head, one BLOCK_P block of P.
 
@@ -168,7 +172,7 @@ def _tile_output_kernel(
         nm = n < N
         Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :], other=0.0)
         hT = tl.load(h_in_ptr + (ch * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
-        inter += tl.dot(Cn, hT, input_precision=PRECISION)
+        inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
     inter = inter * tl.exp(a_t)[:, None]
 
     # Intra-chunk term over the columns up to the tile's end. The bound depends on the tile's
@@ -186,14 +190,14 @@ def _tile_output_kernel(
                          other=0.0)
             BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
                          other=0.0)
-            cb += tl.dot(Cn, BT, input_precision=PRECISION)
+            cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
         a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
         dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
         # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
         decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
         scores = (cb * decay) * dt_s[None, :]
         xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
-        intra += tl.dot(scores, xs, input_precision=PRECISION)
+        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
         k0 += BLOCK_K
 
     x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0)
@@ -216,7 +220,8 @@ def scan_chunks_triton(
     """The scan proper on Triton; a drop-in for ``chunk.scan_chunks`` (same bits rule, own bits).
 
     ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] softplus'd, B [NC, G, L, N] fp32).
-    C [T, G, N] for the packed new rows; A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N]
+    C [T, G, N] for the packed new rows, in the model dtype (bf16 selects the tensor-core dots, so
+    ch.x and ch.B must hold bf16 values too); A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N]
     fp32; rows [T] bool, the rows whose outputs are wanted (default all); row_tile a power of two
     >= 16 dividing L.
 
@@ -236,6 +241,8 @@ def scan_chunks_triton(
         raise ValueError(f"{H} heads do not split into {G} groups")
     dev = ch.x.device
     f32 = torch.float32
+    tc = tensor_core_dots(C.dtype)  # x, B, C of a bf16 model are exact in bf16 (pack_chunks widens them)
+    fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
     T, S = C.shape[0], initial_states.shape[0]
     x, dt, Bc = (t.to(f32).contiguous() for t in (ch.x, ch.dt, ch.B))
     Cf = C.to(device=dev, dtype=f32).contiguous()
@@ -251,7 +258,8 @@ def scan_chunks_triton(
     dims = dict(H=H, L=L, P=P, N=N)
 
     a = torch.empty(NC, H, L, device=dev, dtype=f32)
-    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS)
+    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS,
+                            enable_fp_fusion=fuse)
 
     need = ch.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool, device=dev)
     si = torch.nonzero(need).flatten()
@@ -260,7 +268,7 @@ def scan_chunks_triton(
     if si.numel():
         _chunk_state_kernel[(si.numel(), H, PB * NB)](
             x, dt, a, Bc, chunk_state, si, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-            PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
 
     # With one chunk per sequence (a decode step, a short prefill) chunk i belongs to sequence i
@@ -275,7 +283,7 @@ def scan_chunks_triton(
         h_out = torch.empty(S, H, P, N, device=dev, dtype=f32)
         _state_pass_kernel[(S, H, PB * NB)](
             a, chunk_state, need.to(torch.int8), h0, h_pass, h_out, first, count, **dims,
-            BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+            BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
         h_in = h0 if one_each else h_pass
 
@@ -296,6 +304,7 @@ def scan_chunks_triton(
     tile_pos = (tiles[:, 1] * R).to(torch.int32).contiguous()
     _tile_output_kernel[(NT, H, PB)](
         x, dt, a, Bc, Cf, Df, h_in, y, tile_chunk, tile_pos, tile_rows, G=G, **dims, R=R,
-        BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+        BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS,
+        enable_fp_fusion=fuse,
     )
     return y, h_out, moved

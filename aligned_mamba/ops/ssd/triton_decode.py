@@ -6,18 +6,20 @@ with ``backend="triton"``, i.e. ``scan_chunks_triton``) gives the same row. By t
 up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
 buffer, and only the token's own row:
 
-1. ``_prep_kernel`` [S, G] (compiled with ``enable_fp_fusion=False``): dt = softplus(dt + dt_bias)
-   (clamped to dt_limit) by ``softplus_exact``, which reproduces ``elementwise.softplus``
-   operation by operation, so the bits are those ``pack_chunks`` stores; writes the token's x, dt
-   and B into row ``pos % L`` of the slot's buffers; in "row" mode also cb[s] = C_t . B_s for the
-   rows of the chunk so far, as the sequential fma chain a Triton fp32 ``tl.dot`` runs.
-2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, the default) or ``_tile_kernel`` [S, H, PB]
-   ("tile" mode): the within-chunk cumsum a (the same code as ``_cumsum_kernel``, kept in a
-   scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for the one row
-   tile holding the token (same tile, the same dots, blocks and adds; only the token's row is
-   live). "row" computes the one row alone with explicit fma chains in the order the fp32 FMA
-   dot lowering accumulates (k ascending, one fused multiply-add per term, starting from the
-   accumulator): 16x less arithmetic than a 16-row tile. The fp32 boundary state is only read.
+1. ``_prep_kernel`` [S, G] (compiled with ``enable_fp_fusion=False``): writes the token's x, raw
+   dt and B into row ``pos % L`` of the slot's buffers; the chunk's dt row so far, softplus(dt +
+   dt_bias) (clamped to dt_limit) of the buffered raw rows and the token's, by ``softplus_exact``,
+   which reproduces ``elementwise.softplus`` operation by operation, so the bits are those
+   ``pack_chunks`` computes; in "row" mode also cb[s] = C_t . B_s for the rows of the chunk so far,
+   as the sequential fma chain a Triton fp32 ``tl.dot`` runs.
+2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, fp32 models) or ``_tile_kernel`` [S, H, PB]
+   ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
+   kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
+   ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
+   token's row is live; a row's bits do not depend on the tile's height). "row" computes the
+   one row alone with explicit fma chains in the order the fp32 FMA dot lowering accumulates
+   (k ascending, one fused multiply-add per term, starting from the accumulator); it cannot
+   reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only read.
 3. ``_update_kernel`` [S or n, H, PB * NB], only for sequences whose token completes the chunk
    (``pos % L == L - 1``): chunk state and new boundary state, the code of
    ``_chunk_state_kernel`` + ``_state_pass_kernel``.
@@ -27,9 +29,9 @@ Launches 3 and 4 return at once for sequences that do not complete a chunk; a ca
 which do (an engine knows positions on the host) passes their indices (``completes=tensor``) and
 the two kernels run over those only, or ``completes=False`` to skip them.
 
-Bytes per step and sequence ("row" mode, no completion): the boundary state read once (H P N 4),
-the x and B rows of the partial chunk up to the token read once, the chunk's dt row, small
-scratch, the token's inputs; SSU reads and writes the state every step.
+Bytes per step and sequence (no completion): the boundary state read once (H P N 4), the x, raw
+dt and B rows of the partial chunk up to the token read once (B once per head from L2 in "tile"
+mode), small scratch, the token's inputs; SSU reads and writes the state every step.
 
 Bits: every arithmetic step of the prefill's path for that row is repeated with the same
 operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
@@ -49,6 +51,7 @@ import triton.language as tl
 
 from .. import elementwise as ew
 from ..configs import PINNED
+from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
 BLOCK_P: int = _CFG["BLOCK_P"]
@@ -58,7 +61,9 @@ NUM_WARPS: int = _CFG["num_warps"]
 DOT_PRECISION: str = _CFG["dot_precision"]
 
 MODES = ("row", "tile")
-DEFAULT_MODE = "row"
+DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
+# The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
+DECODE_ROW_TILE = 16
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
@@ -241,15 +246,27 @@ def _cols4(blk):
 @triton.jit
 def _prep_kernel(
     x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, slots_ptr, pos_ptr,
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, cb_ptr, lo, hi,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, dts_ptr, cb_ptr, lo, hi,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, SBLK: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr,
+    BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (q, g): the token's dt (heads of group g), its x (those heads) and B (group g) rows
-    into the slot's buffers at row r = pos % L, and cb[q, g, s] = C_q . B_s for s <= r."""
+    """Program (q, g, kb), for the chunk's columns s in block kb (KB wide) and group g:
+
+    - (kb = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
+      buffers at row r = pos % L;
+    - dts[q, h, s] = softplus(dt_s + dt_bias) for s <= r (buffered raw rows and the token's), 0
+      past r: the chunk's dt row exactly as ``pack_chunks`` builds it;
+    - (WITH_CB) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of block kb of the
+      tensor-core C.B tile of ``_tile_kernel`` (KB = its BLOCK_K), computed here once per group
+      instead of once per head; or (row mode) the fp32 dot's fma chain.
+
+    Every column's result is computed alone, so splitting the columns over programs does not
+    touch the bits; it spreads a step's work over S * G * L / KB programs instead of S * G.
+    """
     q = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    kb = tl.program_id(2)
     HG: tl.constexpr = H // G
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
@@ -258,33 +275,59 @@ def _prep_kernel(
     hm = j < HG
     hh = g * HG + j
     raw = tl.load(dt_ptr + q * H + hh, mask=hm, other=0.0)
+    if kb == 0:
+        tl.store(buf_dt_ptr + (slot * H + hh) * L + r, raw.to(buf_dt_ptr.dtype.element_ty), mask=hm)
+        pf = tl.arange(0, BLOCK_PF)
+        m2 = hm[:, None] & (pf < P)[None, :]
+        xv = tl.load(x_ptr + (q * H + hh[:, None]) * P + pf[None, :], mask=m2, other=0.0)
+        tl.store(buf_x_ptr + ((slot * H + hh[:, None]) * L + r) * P + pf[None, :], xv, mask=m2)
+        nf = tl.arange(0, BLOCK_NF)
+        nfm = nf < N
+        bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nfm, other=0.0)
+        tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
+
+    s = kb * KB + tl.arange(0, KB)
+    buffered = hm[:, None] & (s < r)[None, :]
+    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
     bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-    d = dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT)
-    tl.store(buf_dt_ptr + (slot * H + hh) * L + r, d, mask=hm)
+    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+    d = tl.where((s <= r)[None, :], d, 0.0)
+    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
-    pf = tl.arange(0, BLOCK_PF)
-    m2 = hm[:, None] & (pf < P)[None, :]
-    xv = tl.load(x_ptr + (q * H + hh[:, None]) * P + pf[None, :], mask=m2, other=0.0)
-    tl.store(buf_x_ptr + ((slot * H + hh[:, None]) * L + r) * P + pf[None, :], xv, mask=m2)
-
-    nf = tl.arange(0, BLOCK_NF)
-    nm = nf < N
-    bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nm, other=0.0)
-    tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nm)
-
-    if WITH_CB:
+    if WITH_CB and TC:
+        # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
+        # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
+        # tokens' B there; the zero decay discards both). Row r of B is the token's.
+        t0 = r - r % R
+        if kb * KB < t0 + R:
+            rr = tl.arange(0, R)
+            live = (t0 + rr) == r
+            nn = tl.arange(0, BLOCK_N)
+            cbt = tl.zeros((R, KB), dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                nc = n0 + nn
+                ncm = nc < N
+                Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
+                             mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
+                BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
+                             mask=ncm[:, None] & (s < r)[None, :], other=0.0)
+                Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
+                BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
+                cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
+            tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
+                     mask=live[:, None] & (s < L)[None, :])
+    elif WITH_CB:
         # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
-        # from 0. Row r comes from the token's B itself (this program is writing it to the buffer).
-        jj = tl.arange(0, 4)
-        cq = C_ptr + (q * G + g) * N
-        bq = B_ptr + (q * G + g) * N
-        bb = buf_B_ptr + (slot * G + g) * L * N
-        s0 = 0
-        while s0 <= r:
-            s = s0 + tl.arange(0, SBLK)
+        # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
+        if kb * KB <= r:
+            jj = tl.arange(0, 4)
+            cq = C_ptr + (q * G + g) * N
+            bq = B_ptr + (q * G + g) * N
+            bb = buf_B_ptr + (slot * G + g) * L * N
             old = s < r
             is_new = s == r
-            acc = tl.zeros((SBLK,), dtype=tl.float32)
+            acc = tl.zeros((KB,), dtype=tl.float32)
             for n0 in tl.static_range(0, N, 4):
                 blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
                 new = tl.load(bq + n0 + jj)
@@ -295,7 +338,6 @@ def _prep_kernel(
                 acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
                 acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
             tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
-            s0 += SBLK
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +347,7 @@ def _prep_kernel(
 
 @triton.jit
 def _row_kernel(
-    buf_x_ptr, buf_dt_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
+    buf_x_ptr, dts_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr,
@@ -335,7 +377,7 @@ def _row_kernel(
     qh = q * H + head
 
     for j in tl.static_range(HPP):
-        _mirror_cumsum(buf_dt_ptr, A_ptr, a_ptr, (slot * H + h0 + j) * L, (q * H + h0 + j) * L, h0 + j, L, BLOCK_L)
+        _mirror_cumsum(dts_ptr, A_ptr, a_ptr, (q * H + h0 + j) * L, (q * H + h0 + j) * L, h0 + j, L, BLOCK_L)
     tl.debug_barrier()  # a is read back below by other threads of this program
     a_row = a_ptr + qh * L
     a_t = tl.load(a_row + r)
@@ -357,7 +399,7 @@ def _row_kernel(
     # Intra-chunk term over the chunk's rows up to the token's (later rows add exact zeros in the
     # prefill). cb comes from the prep kernel, x from the buffer (the token's row included).
     xrow = buf_x_ptr + sh * (L * P) + p
-    dtrow = buf_dt_ptr + sh * L
+    dtrow = dts_ptr + qh * L
     cbrow = cb_ptr + (q * G + g) * L
     intra = tl.zeros((ROWS,), dtype=tl.float32)
     s0 = 0
@@ -382,11 +424,11 @@ def _row_kernel(
 
 @triton.jit
 def _tile_kernel(
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr,
+    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
     row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
@@ -397,7 +439,7 @@ def _tile_kernel(
     g = h // (H // G)
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
-    _mirror_cumsum(buf_dt_ptr, A_ptr, a_ptr, (slot * H + h) * L, (q * H + h) * L, h, L, BLOCK_L)
+    _mirror_cumsum(dts_ptr, A_ptr, a_ptr, (q * H + h) * L, (q * H + h) * L, h, L, BLOCK_L)
     tl.debug_barrier()
 
     t0 = r - r % R
@@ -415,7 +457,7 @@ def _tile_kernel(
         Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
-        inter += tl.dot(Cn, hT, input_precision=PRECISION)
+        inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
@@ -423,22 +465,26 @@ def _tile_kernel(
     while k0 < t0 + R:
         s = k0 + tl.arange(0, BLOCK_K)
         sm = s < L
-        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            n = n0 + nn
-            nm = n < N
-            Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
-                         other=0.0).to(tl.float32)
-            BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
-                         mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
-            cb += tl.dot(Cn, BT, input_precision=PRECISION)
+        if TC:  # the token's row of C.B, from the prep kernel (computed there once per group)
+            cbr = tl.load(cb_ptr + (q * G + g) * L + s, mask=sm, other=0.0)
+            cb = tl.where(live[:, None], cbr[None, :], 0.0)
+        else:
+            cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                n = n0 + nn
+                nm = n < N
+                Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0,
+                             mask=live[:, None] & nm[None, :], other=0.0).to(tl.float32)
+                BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
+                             mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
+                cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
         a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
-        dt_s = tl.load(buf_dt_ptr + sh * L + s, mask=sm, other=0.0)
+        dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
         decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
         scores = (cb * decay) * dt_s[None, :]
         xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
                      other=0.0).to(tl.float32)
-        intra += tl.dot(scores, xs, input_precision=PRECISION)
+        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
         k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
@@ -455,10 +501,10 @@ def _tile_kernel(
 
 @triton.jit
 def _update_kernel(
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr,
+    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    LISTED: tl.constexpr,
+    TC: tl.constexpr, LISTED: tl.constexpr,
 ):
     """Program (i, h, block), sequence q = i (or seq[i] if LISTED): if its token completed the chunk,
     the new boundary state block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the
@@ -486,13 +532,13 @@ def _update_kernel(
             s = k0 + tl.arange(0, BLOCK_K)
             sm = s < L
             a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
-            dt_s = tl.load(buf_dt_ptr + sh * L + s, mask=sm, other=0.0)
+            dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
             w = tl.exp(a_last - a_s) * dt_s
             xT = tl.load(buf_x_ptr + (sh * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
                          other=0.0).to(tl.float32)
             Bs = tl.load(buf_B_ptr + ((slot * G + g) * L + s[:, None]) * N + n[None, :],
                          mask=sm[:, None] & nm[None, :], other=0.0).to(tl.float32)
-            acc += tl.dot(xT * w[None, :], Bs, input_precision=PRECISION)
+            acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
         m = pm[:, None] & nm[None, :]
         off = (sh * P + p[:, None]) * N + n[None, :]
         hs = tl.load(state_ptr + off, mask=m, other=0.0)
@@ -517,7 +563,8 @@ def _zero_kernel(
         h = tl.program_id(1)
         slot = tl.load(slots_ptr + q)
         s = tl.arange(0, BLOCK_L)
-        tl.store(buf_dt_ptr + (slot * H + h) * L + s, tl.zeros((BLOCK_L,), tl.float32), mask=s < L)
+        tl.store(buf_dt_ptr + (slot * H + h) * L + s, tl.zeros((BLOCK_L,), tl.float32).to(buf_dt_ptr.dtype.element_ty),
+                 mask=s < L)
         i = tl.arange(0, ZB)
         xb = buf_x_ptr + (slot * H + h) * (L * P)
         for k0 in range(0, L * P, ZB):
@@ -567,11 +614,14 @@ def replay_decode_triton(
 ) -> torch.Tensor:
     """One exact-replay decode step for S sequences, one new token each; returns y [S, H, P].
 
-    state: a ``LayerReplayState`` (contiguous tensors; buf_x/buf_B in the model dtype, buf_dt and
+    state: a ``LayerReplayState`` (contiguous tensors; buf_x/buf_dt/buf_B in the model dtype,
     ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
     this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype.
-    A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the prefill's row tile (matters in "tile"
-    mode). mode: "row" (default) or "tile". completes: which tokens complete their chunk
+    A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
+    ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
+    prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
+    fma chains reproducing the fp32 dots) or "tile" (the default, and the only mode, for bf16
+    models, whose dots run on tensor cores). completes: which tokens complete their chunk
     (pos % L == L - 1), if the caller knows (an engine knows positions on the host): False for
     none (two launches fewer), or an int64 tensor of their indices in the batch (the completion
     kernels then run over those only); None or True: the completion kernels run over the whole
@@ -581,16 +631,20 @@ def replay_decode_triton(
     Updates ``state`` in place exactly as ``ssd_advance(state, Batch(slots, pos, [1] * S), ...)``
     would, and y has the bits of that call's rows.
     """
-    mode = DEFAULT_MODE if mode is None else mode
+    tc = tensor_core_dots(C.dtype)
+    mode = ("tile" if tc else DEFAULT_MODE) if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if tc and mode == "row":
+        raise ValueError("row mode reproduces the fp32 (ieee) dots; a bf16 model's dots run on tensor cores: "
+                         "use mode='tile'")
     S = int(slots.numel())
     SS, H, L, P = state.buf_x.shape
     G, N = state.buf_B.shape[1], state.buf_B.shape[3]
     if x.shape != (S, H, P) or dt.shape != (S, H) or B.shape != (S, G, N) or C.shape != (S, G, N):
         raise ValueError(f"inputs do not match the state: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} for S={S}, H={H}, P={P}, G={G}, N={N}")
-    R = min(int(PINNED["triton"]["row_tile"]), L) if row_tile is None else row_tile
+    R = min(DECODE_ROW_TILE, L) if row_tile is None else row_tile
     if R < 16 or R & (R - 1) or L % R or L & (L - 1):
         raise ValueError(f"row tile {R} must be a power of two >= 16 dividing chunk_size {L} (a power of two)")
     if H % G:
@@ -601,8 +655,11 @@ def replay_decode_triton(
         t = getattr(state, name)
         if not t.is_contiguous():
             raise ValueError(f"state.{name} must be contiguous")
-    if state.ssm_state.dtype != torch.float32 or state.buf_dt.dtype != torch.float32:
-        raise ValueError("exact replay needs the fp32 boundary state and fp32 (softplus'd) dt buffer")
+    if state.ssm_state.dtype != torch.float32:
+        raise ValueError(f"exact replay needs the fp32 boundary state, not {state.ssm_state.dtype}")
+    if not state.buf_x.dtype == state.buf_dt.dtype == state.buf_B.dtype == x.dtype:
+        raise ValueError(f"the buffers (x {state.buf_x.dtype}, dt {state.buf_dt.dtype}, B {state.buf_B.dtype}) "
+                         f"and the inputs ({x.dtype}) must share the model dtype")
     dev = x.device
     y = torch.empty(S, H, P, dtype=x.dtype, device=dev)
     if S == 0:
@@ -618,29 +675,33 @@ def replay_decode_triton(
     lo, hi = _limits(dt_limit)
     BLOCK_L = triton.next_power_of_2(L)
     row = mode == "row"
-    # one scratch allocation: a [S, H, L] then (row mode) cb [S, G, L], fp32
-    scratch = torch.empty(S * (H + (G if row else 0)) * L, dtype=torch.float32, device=dev)
+    # one scratch allocation, fp32: a [S, H, L], the chunk's softplus'd dt [S, H, L], cb [S, G, L] (row, TC)
+    scratch = torch.empty(S * (2 * H + (G if row or tc else 0)) * L, dtype=torch.float32, device=dev)
     a_scr = scratch
-    cb_scr = scratch[S * H * L:] if row else scratch
+    dt_scr = scratch[S * H * L:]
+    with_cb = row or tc
+    cb_scr = scratch[2 * S * H * L:] if with_cb else scratch
     dims = dict(H=H, G=G, L=L, P=P, N=N)
 
-    _prep_kernel[(S, G)](
-        x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, cb_scr, lo, hi, **dims,
-        BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
-        BLOCK_NF=triton.next_power_of_2(N), SBLK=min(128, BLOCK_L), HAS_LIMIT=_has_limit(dt_limit), WITH_CB=row,
+    KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
+    _prep_kernel[(S, G, L // KB)](
+        x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo, hi,
+        **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
+        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=_has_limit(dt_limit), WITH_CB=with_cb, TC=tc, R=R,
+        BLOCK_N=BLOCK_N,
         num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
         _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
-            state.buf_x, state.buf_dt, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
+            state.buf_x, dt_scr, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
             **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
         )
     else:
         _tile_kernel[(S, H, triton.cdiv(P, BLOCK_P))](
-            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr,
+            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=not tc,
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
@@ -648,9 +709,9 @@ def replay_decode_triton(
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
         _update_kernel[(n_upd, H, PB * NB)](
-            state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, LISTED=listed,
-            num_warps=NUM_WARPS,
+            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed,
+            num_warps=NUM_WARPS, enable_fp_fusion=not tc,
         )
         _zero_kernel[(n_upd, H)](
             state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, **dims, BLOCK_L=BLOCK_L, ZB=1024,
@@ -660,14 +721,14 @@ def replay_decode_triton(
 
 
 def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
-    """Bytes one sequence's "row"-mode decode step moves when no chunk completes: the boundary
-    state read once, the partial chunk's x and B rows (fill + 1 with the token's) read once, the
-    dt rows (the whole chunk: the cumsum reads L), the a and cb scratch written and read, the
-    token's inputs, its rows written to the buffers, and the output."""
+    """Bytes one sequence's decode step moves from HBM when no chunk completes: the boundary state
+    read once, the partial chunk's x, raw dt and B rows (fill + 1 with the token's) read once, the
+    a, dt and cb scratch written and read, the token's inputs, its rows written to the buffers,
+    and the output."""
     rows = fill + 1
     state = H * P * N * 4
-    buf = rows * (H * P * x_bytes + G * N * x_bytes) + H * L * 4
-    scratch = 2 * (H * L * 4 + G * L * 4)
+    buf = rows * (H * P * x_bytes + H * x_bytes + G * N * x_bytes)
+    scratch = 2 * (2 * H * L * 4 + G * L * 4)
     token = 2 * (H * P * x_bytes + H * 4 + G * N * x_bytes) + H * x_bytes + G * N * x_bytes + H * P * x_bytes
     return state + buf + scratch + token
 

@@ -1,0 +1,72 @@
+"""The one dot product every SSD Triton kernel accumulates with, in the two precisions the contract pins.
+
+``dot_acc(acc, a, b, TC, SPLIT)`` returns ``acc + a @ b`` (fp32 [M, K] x [K, N] -> fp32 [M, N]):
+
+- ``TC=False`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION_FP32`` ("ieee"): fp32
+  operands, fp32 fused multiply-adds on the CUDA cores, k ascending.
+- ``TC=True`` (bf16 models): tensor-core dots with bf16 operands and fp32 accumulation. An operand
+  that holds bf16 inputs (x, B, C of a bf16 model, widened to fp32 exactly) is rounded back to
+  bf16 without loss. An fp32 operand (the state, the scores, the weighted x) is split into
+  ``hi = bf16(v)`` and ``lo = bf16(v - hi)`` and multiplied as two dots, hi first: about 16
+  significant bits instead of 8, so the split costs ~2^-17 relative, far below the bf16 output
+  rounding (2^-9). ``SPLIT``: 0 both operands exact in bf16, 1 split ``a``, 2 split ``b``.
+
+Kernels that run the tensor-core dots are compiled with ``enable_fp_fusion=False``, all of them:
+the split's ``v - hi``, next to the product that made ``v``, may be contracted into one fused
+multiply-add in one kernel and not in another, and then ``lo`` differs in its last bits. Measured
+on the H200 with contraction left on: 7-103 of 64/256 decode sequences had some bf16 output
+rounded the other way from the prefill's; with it off, every row is equal (tests/test_triton_decode).
+
+Both are row-invariant (a row of the result depends on that row of ``a`` and on ``b`` only) at the
+tile shapes the kernels use, so a decode step that computes one live row in a small row tile gets
+the bits a prefill gets for that row in a large one; measured on the H200 (design notes) and
+re-checked by the GPU tests for every kernel pair. The two modes give different bits: the
+precision is part of the contract (``PINNED["triton"]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import PINNED
+
+PRECISION_FP32: str = PINNED["triton"]["dot_precision"]
+BF16_DOTS: str = PINNED["triton"]["bf16_dots"]
+
+
+def tensor_core_dots(dtype: torch.dtype) -> bool:
+    """Whether inputs of ``dtype`` run the tensor-core (bf16 split) dots: bf16 models do."""
+    return dtype == torch.bfloat16 and BF16_DOTS == "split2"
+
+
+@triton.jit
+def _split(v):
+    hi = v.to(tl.bfloat16)
+    lo = (v - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def dot_acc(acc, a, b, TC: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b; see the module docstring. acc fp32 [M, N]; a [M, K], b [K, N] fp32 (or bf16)."""
+    if TC:
+        if SPLIT == 1:
+            hi, lo = _split(a.to(tl.float32))
+            b16 = b.to(tl.bfloat16)
+            acc = tl.dot(hi, b16, acc)
+            acc = tl.dot(lo, b16, acc)
+        elif SPLIT == 2:
+            a16 = a.to(tl.bfloat16)
+            hi, lo = _split(b.to(tl.float32))
+            acc = tl.dot(a16, hi, acc)
+            acc = tl.dot(a16, lo, acc)
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    return acc
+
+
+__all__ = ["BF16_DOTS", "PRECISION_FP32", "dot_acc", "tensor_core_dots"]
