@@ -289,6 +289,7 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
 
 def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan, seed) -> dict:
     import aligned_mamba.ops.ssd.chunk as chunk_mod
+    from aligned_mamba.ops.configs import PINNED
     from aligned_mamba.ops.ssd.chunk import pack_chunks
     from aligned_mamba.ops.ssd.triton_chunk import scan_chunks_triton
     from aligned_mamba.ops.ssd.triton_decode import dt_softplus_triton
@@ -316,7 +317,8 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         ch = pack_chunks(x, dt, B, batch.cu_seqlens.to(dev), L, prm["dt_bias"], (0.0, math.inf))
         h0 = torch.zeros(S, H, P, N, device=dev)
         out["ours_scan_only"] = summary(cuda_times(
-            torch, lambda i: scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary"), n, warmup))
+            torch, lambda i: scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary",
+                                                row_tile=PINNED["triton"]["row_tile"]), n, warmup))
         del ch
     # The proposed routing: pack_chunks' dt through the Triton softplus (one launch, same bits).
     orig = chunk_mod.dt_softplus
@@ -367,8 +369,8 @@ def memory_report(torch, H, G, dims, dtype) -> dict:
         "fp32_state_bytes": state32, "bf16_state_bytes": H * P * N * 2,
         "ratio_to_fp32_state": replay_ssm / state32,
         "note": "budget = fp32 state + chunk_size tokens of x, raw dt and B in the model dtype (no C); "
-                "replay_ssm_bytes excludes the conv window, which the baseline keeps too; buf_dt is fp32 "
-                "(softplus'd), H*L*2 bytes more than raw bf16 dt",
+                "replay_ssm_bytes excludes the conv window, which the baseline keeps too; buf_dt holds raw dt "
+                "in the model dtype",
     }
 
 
@@ -482,7 +484,8 @@ def main() -> int:
                 log(traceback.format_exc())
                 continue
             ssu_cache = None
-            for mode in MODES:
+            # bf16 models decode in "tile" mode (tensor-core dots); fp32 ones in both
+            for mode in (("tile",) if dtype == torch.bfloat16 else MODES):
                 entry = {"shape": name, "batch": batch, "mode": mode, "heads": H, "groups": G,
                          "fill_mean": float(case["fill"].float().mean()),
                          "replay_ms": None, "ssu_ms": None, "ratio": None, "bitwise": None}

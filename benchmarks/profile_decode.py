@@ -40,7 +40,7 @@ def main() -> None:
                 r = int(pos[i])
                 st.buf_x[i, :, :r].normal_(generator=g)
                 st.buf_B[i, :, :r].normal_(generator=g)
-                st.buf_dt[i, :, :r].uniform_(0.001, 0.1, generator=g)
+                st.buf_dt[i, :, :r].normal_(generator=g)  # raw dt
             x = torch.randn(S, H, P, device=dev, generator=g).bfloat16()
             dt = torch.randn(S, H, device=dev, generator=g).bfloat16()
             B = torch.randn(S, G, N, device=dev, generator=g).bfloat16()

@@ -1,0 +1,85 @@
+"""Every Triton kernel compiles for sm_90 (the H200) in every configuration the backend launches.
+
+The CPU tests run the kernels through the Triton interpreter, which accepts code that the compiler
+refuses (a loop-carried variable whose shape changes, a name reused with another shape). This
+compiles each kernel offline with the ptxas shipped in the triton wheel, no GPU needed, for fp32
+models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, no fp
+contraction), with the flags the launchers pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE_ALL = r"""
+import inspect, json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import PINNED
+from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
+
+cfg = PINNED["triton"]
+BK, BP, BN, NW = cfg["BLOCK_K"], cfg["BLOCK_P"], cfg["BLOCK_N"], cfg["num_warps"]
+D = dict(H=32, G=1, L=256, P=64, N=128)
+bf, i64 = "*bf16", "*i64"
+done = []
+
+
+def comp(fn, types, consts, fuse):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NW, enable_fp_fusion=fuse))
+    done.append(f"{fn.fn.__name__}:{'tc' if consts.get('TC') else 'fp32'}")
+
+
+for TC in (False, True):
+    fuse = not TC
+    comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64), dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
+                                                            PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    comp(tc._state_pass_kernel, dict(need_ptr="*i8", first_ptr=i64, count_ptr=i64),
+         dict(H=32, L=256, P=64, N=128, BLOCK_P=BP, BLOCK_N=BN), fuse)
+    comp(tc._tile_output_kernel, dict(tile_chunk_ptr=i64, tile_pos_ptr="*i32", tile_rows_ptr=i64),
+         dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    for with_cb in (False, True):
+        comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
+                                   slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
+             dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN), False)
+    comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
+                               sD_h="i32", sD_p="i32"),
+         dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
+              PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
+comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
+     dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
+comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
+     dict(D, BLOCK_L=256, ZB=1024, LISTED=True), True)
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    triton = pytest.importorskip("triton")
+    if not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")):
+        pytest.skip("no ptxas in the triton wheel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_ALL], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    done = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(done) == 2 * 8 + 2, done  # 8 kernel configs per dot mode, and the row and zero kernels
