@@ -52,13 +52,16 @@ def log(msg: str) -> None:
 
 
 def git_commit() -> str | None:
+    """GIT_COMMIT if set (a copy of a working tree may carry stale git metadata), else git's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("GIT_COMMIT") or None
+    return None
 
 
 def source_digest() -> str:
