@@ -9,13 +9,8 @@ contraction), with the flags the launchers pass.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-
 import pytest
+from sm90_offline import run_sm90_script
 
 _COMPILE_ALL = r"""
 import inspect, json, os
@@ -71,15 +66,5 @@ print(json.dumps(done))
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
-    triton = pytest.importorskip("triton")
-    if not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")):
-        pytest.skip("no ptxas in the triton wheel")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_ALL], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    done = json.loads(out.stdout.strip().splitlines()[-1])
+    done = run_sm90_script(_COMPILE_ALL, tmp_path)
     assert len(done) == 2 * 8 + 2, done  # 8 kernel configs per dot mode, and the row and zero kernels

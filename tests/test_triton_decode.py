@@ -27,6 +27,8 @@ pytest.importorskip("triton")
 
 # Import every Triton module now, while the mode (compiled or interpreted) is the session's:
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
+from sm90_offline import run_sm90_script  # noqa: E402
+
 from aligned_mamba.ops.configs import PINNED  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk  # noqa: E402, F401
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
@@ -326,21 +328,7 @@ print(json.dumps({"scan_len": len(a), "scan_same": a == b[:len(a)], "epilogue_pr
 def test_compiled_row_kernel_matches_prefill_arithmetic(tmp_path):
     """Offline sm_90 compile (no GPU needed): the decode's cumsum compiles to the prefill cumsum's
     instruction dataflow (including the dt*A contraction), and both epilogues are fused multiply-adds."""
-    import shutil
-
-    triton = pytest.importorskip("triton")
-    if not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")):
-        pytest.skip("no ptxas in the triton wheel")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_sm90_script(_PTX_PROBE, tmp_path, timeout=600)
     assert r["scan_len"] > 20 and r["scan_same"], r
     assert r["epilogue_prefill"] == r["epilogue_row"] == ["fma.rn.f32"], r
 
