@@ -19,6 +19,7 @@ sequence; the engine hands out slots and tracks each sequence's position.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -104,13 +105,16 @@ class LayerReplayState:
 
     def reset(self, slots: torch.Tensor) -> None:
         """Empty the given slots (a new or recomputed sequence starts from zero state)."""
-        for t in (self.ssm_state, self.buf_x, self.buf_dt, self.buf_B, self.conv_window):
+        for t in self.tensors():
             t[slots] = 0
 
     def bytes_per_slot(self) -> int:
         """Resident bytes one sequence holds in this layer."""
-        return sum(t[0].numel() * t.element_size() for t in (self.ssm_state, self.buf_x, self.buf_dt, self.buf_B,
-                                                              self.conv_window))
+        return sum(t[0].numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields, in ``layout()`` order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @dataclass

@@ -194,7 +194,7 @@ def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
     st.ssm_state.copy_(0.3 * torch.randn(st.ssm_state.shape, generator=gs, device=dev))
     T = int(fill.sum())
     pre = tokens(torch, T, H, P, G, N, seed + 2, dtype, dev)
-    boundary = LayerReplayState(*(t.clone() for t in (st.ssm_state, st.buf_x, st.buf_dt, st.buf_B, st.conv_window)))
+    boundary = LayerReplayState(*(t.clone() for t in st.tensors()))
     keep = fill > 0
     if T:
         ssd_advance(st, Batch.make(slots[keep].tolist(), bound[keep].tolist(), fill[keep].tolist()), *pre,
@@ -207,7 +207,7 @@ def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
 def clone_state(st):
     from aligned_mamba.replay import LayerReplayState
 
-    return LayerReplayState(*(t.clone() for t in (st.ssm_state, st.buf_x, st.buf_dt, st.buf_B, st.conv_window)))
+    return LayerReplayState(*(t.clone() for t in st.tensors()))
 
 
 def decode_bitwise(torch, case, mode) -> dict:

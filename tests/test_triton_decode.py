@@ -94,7 +94,7 @@ def make_state(slots: int, H: int, P: int, G: int, N: int, L: int, dtype: torch.
 
 
 def clone_state(st: LayerReplayState) -> LayerReplayState:
-    return LayerReplayState(*(t.clone() for t in (st.ssm_state, st.buf_x, st.buf_dt, st.buf_B, st.conv_window)))
+    return LayerReplayState(*(t.clone() for t in st.tensors()))
 
 
 def assert_same_state(s1: LayerReplayState, s2: LayerReplayState, slots=None) -> None:

@@ -2,7 +2,7 @@
 
 ``dot_acc(acc, a, b, TC, SPLIT)`` returns ``acc + a @ b`` (fp32 [M, K] x [K, N] -> fp32 [M, N]):
 
-- ``TC=False`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION_FP32`` ("ieee"): fp32
+- ``TC=False`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION`` (the pinned "ieee"): fp32
   operands, fp32 fused multiply-adds on the CUDA cores, k ascending.
 - ``TC=True`` (bf16 models): tensor-core dots with bf16 operands and fp32 accumulation. An operand
   that holds bf16 inputs (x, B, C of a bf16 model, widened to fp32 exactly) is rounded back to
@@ -32,7 +32,6 @@ import triton.language as tl
 
 from ..configs import PINNED
 
-PRECISION_FP32: str = PINNED["triton"]["dot_precision"]
 BF16_DOTS: str = PINNED["triton"]["bf16_dots"]
 
 
@@ -69,4 +68,4 @@ def dot_acc(acc, a, b, TC: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.cons
     return acc
 
 
-__all__ = ["BF16_DOTS", "PRECISION_FP32", "dot_acc", "tensor_core_dots"]
+__all__ = ["BF16_DOTS", "dot_acc", "tensor_core_dots"]
