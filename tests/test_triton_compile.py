@@ -3,8 +3,8 @@
 The CPU tests run the kernels through the Triton interpreter, which accepts code that the compiler
 refuses (a loop-carried variable whose shape changes, a name reused with another shape). This
 compiles each kernel offline with the ptxas shipped in the triton wheel, no GPU needed, for fp32
-models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, no fp
-contraction), with the flags the launchers pass.
+models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, "fused" and
+"tile" decode, no fp contraction), with the flags the launchers pass.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ for TC in (False, True):
               PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
+comp(td._fused_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
+                            y_ptr=bf, slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", sD_h="i32", sD_p="i32"),
+     dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256, BLOCK_NF=128, HAS_LIMIT=False,
+          PRECISION=cfg["dot_precision"], TC=True), False)
 comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
      dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
 comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
@@ -67,4 +71,4 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    assert len(done) == 2 * 8 + 2, done  # 8 kernel configs per dot mode, and the row and zero kernels
+    assert len(done) == 2 * 8 + 3, done  # 8 kernel configs per dot mode; the fused (bf16), row and zero kernels
