@@ -216,6 +216,15 @@ def ssd_advance(
         return replay_decode_triton(state, batch.slots.to(dev), batch.start_pos.to(dev), x, dt, B, C, A=A, D=D,
                                     dt_bias=dt_bias, dt_limit=dt_limit,
                                     completes=done.to(dev) if done.numel() else False)
+    if backend == "triton":
+        # The chunk, tile and buffer layout comes from the batch's lengths on the host (no device
+        # syncs); pack, scan, state pass and buffer rewrite are Triton kernels (triton_chunk).
+        from .ops.ssd.plan import plan_advance
+        from .ops.ssd.triton_chunk import advance_triton
+
+        plan = plan_advance(batch.lengths, batch.start_pos % L, L, row_tile, slots=batch.slots, rows=rows)
+        return advance_triton(state, plan, x, dt, B, C, A=A, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
+                              zero_unwanted=rows is not None)
     slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
     lens = cu[1:] - cu[:-1]
     off = batch.start_pos.to(dev) % L  # rows buffered since the boundary

@@ -39,12 +39,16 @@ def comp(fn, types, consts, fuse):
 for TC in (False, True):
     fuse = not TC
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
-    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64), dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
-                                                            PRECISION=cfg["dot_precision"], TC=TC), fuse)
-    comp(tc._state_pass_kernel, dict(need_ptr="*i8", first_ptr=i64, count_ptr=i64),
-         dict(H=32, L=256, P=64, N=128, BLOCK_P=BP, BLOCK_N=BN), fuse)
-    comp(tc._tile_output_kernel, dict(tile_chunk_ptr=i64, tile_pos_ptr="*i32", tile_rows_ptr=i64),
-         dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    model = dict(x_ptr=bf, B_ptr=bf) if TC else {}  # chunks hold x and B in the model dtype
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model),
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
+         dict(H=32, L=256, P=64, N=128, BLOCK_P=BP, BLOCK_N=BN, WRITE_IN=True), fuse)
+    for static_k in (False, True):
+        comp(tc._tile_output_kernel, dict(x_ptr=bf, B_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32"),
+             dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
+                  STATIC_K=static_k), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
@@ -56,6 +60,13 @@ for TC in (False, True):
               PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
+comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
+                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, lo="fp32",
+                          hi="fp32"),
+     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
+comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
+                            keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, crossed_ptr=i64),
+     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
 comp(td._fused_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                             y_ptr=bf, slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", sD_h="i32", sD_p="i32"),
      dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256, BLOCK_NF=128, HAS_LIMIT=False,
@@ -71,4 +82,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    assert len(done) == 2 * 8 + 3, done  # 8 kernel configs per dot mode; the fused (bf16), row and zero kernels
+    # 9 kernel configs per dot mode; pack, buffer, fused (bf16), row and zero kernels
+    assert len(done) == 2 * 9 + 5, done

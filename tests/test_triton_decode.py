@@ -270,7 +270,7 @@ def test_dt_limit_and_per_head_D(mode):
 
 
 _PTX_PROBE = r"""
-import json, os, re, sys
+import inspect, json, os, re, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
@@ -310,10 +310,12 @@ def ops(code, fname, line, follow=("standard.py", "core.py")):
 
 f32 = "*fp32"
 pre = ptx(tc._cumsum_kernel, {"dt_ptr": f32, "A_ptr": f32, "a_ptr": f32}, dict(H=H, L=L, BLOCK_L=L))
-tile_sig = {k: f32 for k in ["x_ptr", "dt_ptr", "a_ptr", "B_ptr", "C_ptr", "D_ptr", "h_in_ptr", "y_ptr"]}
-tile_sig.update(tile_chunk_ptr="*i64", tile_pos_ptr="*i32", tile_rows_ptr="*i64")
-tile = ptx(tc._tile_output_kernel, tile_sig, dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee",
-                                                   TC=False))
+tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, STATIC_K=False)
+ints = dict(h_row_ptr="*i64", tile_chunk_ptr="*i64", tile_pos_ptr="*i64", tile_rows_ptr="*i64", sD_h="i32",
+            sD_p="i32")
+tile_sig = {k: ints.get(k, f32) for k in inspect.signature(tc._tile_output_kernel.fn).parameters
+            if k not in tile_consts}
+tile = ptx(tc._tile_output_kernel, tile_sig, tile_consts)
 row_sig = {"buf_x_ptr": "*bf16", "dts_ptr": f32, "state_ptr": f32, "slots_ptr": "*i64", "pos_ptr": "*i64",
            "C_ptr": "*bf16", "A_ptr": f32, "D_ptr": f32, "y_ptr": "*bf16", "a_ptr": f32, "cb_ptr": f32,
            "sD_h": "i32", "sD_p": "i32"}

@@ -28,6 +28,10 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "BLOCK_N": 64,
                 "BLOCK_K": 32,
                 "num_warps": 4,
+                # the prefill's row-tile kernel: its warps, and its K loop ("while": up to the tile's
+                # end; "static": every block of the chunk, those past the tile masked to exact zeros)
+                "tile_num_warps": 4,
+                "k_loop": "while",
                 # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target
                 "dot_precision": "ieee",
                 # bf16 models: tensor-core dots, bf16 operands, fp32 accumulation; fp32 operands

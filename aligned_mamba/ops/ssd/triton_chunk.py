@@ -13,27 +13,38 @@ its position in the chunk). Here that is kept by construction:
   compiler contract ``dt * A`` into the scan's adds differently in each);
 - states pass from chunk to chunk in float32, sequentially per sequence, by one kernel.
 
-Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N blocks of P/N):
+An advance (``advance_triton``) runs from a host-side ``plan.AdvancePlan`` (chunk, sequence and
+tile tables computed on the CPU from the batch's lengths and moved in one copy), so it never waits
+on the device. Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N
+blocks of P/N):
 
+0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: the chunks' x and B in the model dtype and dt after
+   softplus (fp32), from the slots' buffers (rows < pre) and the packed new rows; zero padding.
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
 2. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk
-   (skipped when every sequence has one chunk and none completes: a decode step reads the state
-   in place and writes none).
-4. ``_tile_output_kernel`` [tiles holding wanted rows, H, PB]: y rows of one row tile.
+3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
+   from and back into the slot's boundary state (in place).
+4. ``_tile_output_kernel`` [tiles holding wanted rows, H, PB]: y rows of one row tile. With one
+   chunk per sequence it runs before 2-3 and reads the boundary state in place (a decode-like
+   step reads the state and writes it only if a chunk completed).
+5. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt) from the packed rows.
 
 Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
 (with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
-kernels through it. A ``range`` would let the compiler pipeline the loads; the arithmetic order,
-and so the bits, would be the same, but re-check on the GPU before switching.
+kernels through it. ``K_LOOP = "static"`` instead runs every K block of the chunk with the blocks
+past the tile masked (they add exact zeros, as the columns past a row inside the tile do), which
+lets the compiler pipeline the loads.
 
-Configs: BLOCK_P, BLOCK_N, BLOCK_K and num_warps come from ``PINNED["triton"]``; the row tile is an
-argument, as for the torch scan (callers pass ``PINNED["triton"]["row_tile"]``). Every dot goes
-through ``triton_dot.dot_acc``: fp32 FMA dots ("ieee") for fp32 models, tensor-core dots with bf16
-operands (fp32 operands split in two) for bf16 models, chosen by C's dtype.
+Configs: BLOCK_P, BLOCK_N, BLOCK_K, num_warps, the tile kernel's warps and K loop come from
+``PINNED["triton"]``; the row tile is an argument, as for the torch scan (callers pass
+``PINNED["triton"]["row_tile"]``). Every dot goes through ``triton_dot.dot_acc``: fp32 FMA dots
+("ieee") for fp32 models, tensor-core dots with bf16 operands (fp32 operands split in two) for
+bf16 models, chosen by C's dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -41,6 +52,8 @@ import triton.language as tl
 
 from ..configs import PINNED
 from .chunk import Chunks
+from .plan import AdvancePlan, plan_advance, to_device
+from .triton_decode import _has_limit, _limits, dt_softplus_exact
 from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
@@ -48,10 +61,92 @@ BLOCK_P: int = _CFG["BLOCK_P"]
 BLOCK_N: int = _CFG["BLOCK_N"]
 BLOCK_K: int = _CFG["BLOCK_K"]
 NUM_WARPS: int = _CFG["num_warps"]
+TILE_WARPS: int = _CFG["tile_num_warps"]
+K_LOOP: str = _CFG["k_loop"]
+PACK_ROWS = 32
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
 # and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
 # the other configs: a different precision gives different bits.
 DOT_PRECISION: str = _CFG["dot_precision"]
+
+
+@triton.jit
+def _pack_kernel(
+    x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr,
+    row0_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """Rows s of chunk c (ROWS of them), head h: xc[c, h, s] (and Bc[c, h, s] for h < G) in the model
+    dtype, dtc[c, h, s] = dt_softplus(raw dt) in fp32, from the buffer for s < pre, from packed row
+    row0 + s for pre <= s < length, zero past length (dt exactly +0.0). Compile without fp
+    contraction (``dt_softplus_exact``)."""
+    c = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(2)
+    slot = tl.load(chunk_slot_ptr + c)
+    pre = tl.load(pre_ptr + c)
+    length = tl.load(length_ptr + c)
+    row = tl.load(row0_ptr + c) + s
+    old = s < pre
+    new = (s >= pre) & (s < length)
+
+    pf = tl.arange(0, BLOCK_PF)
+    pm = (pf < P)[None, :]
+    xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm, other=0.0)
+    xn = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
+    tl.store(xc_ptr + ((c * H + h) * L + s[:, None]) * P + pf[None, :], tl.where(old[:, None], xo, xn), mask=pm)
+
+    do = tl.load(buf_dt_ptr + (slot * H + h) * L + s, mask=old, other=0.0)
+    dn = tl.load(dt_ptr + row * H + h, mask=new, other=0.0)
+    d = dt_softplus_exact(tl.where(old, do, dn), tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
+    tl.store(dtc_ptr + (c * H + h) * L + s, tl.where(old | new, d, 0.0))
+
+    if h < G:
+        nf = tl.arange(0, BLOCK_NF)
+        nm = (nf < N)[None, :]
+        bo = tl.load(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], mask=old[:, None] & nm,
+                     other=0.0)
+        bn = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
+        tl.store(Bc_ptr + ((c * G + h) * L + s[:, None]) * N + nf[None, :], tl.where(old[:, None], bo, bn), mask=nm)
+
+
+@triton.jit
+def _buffer_kernel(
+    x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, slot_ptr, keep_lo_ptr, keep_hi_ptr, keep_row0_ptr,
+    crossed_ptr,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
+):
+    """Sequence q, head h: rows keep_lo .. keep_hi-1 of the slot's buffers (x and raw dt of head h,
+    B of group h for h < G) from packed rows keep_row0 + s; if the buffer was crossed (a chunk
+    completed), rows from keep_hi on are zeroed (rows below keep_lo are then none)."""
+    q = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + q)
+    klo = tl.load(keep_lo_ptr + q)
+    khi = tl.load(keep_hi_ptr + q)
+    r0 = tl.load(keep_row0_ptr + q)
+    crossed = tl.load(crossed_ptr + q) != 0
+    end = tl.where(crossed, L, khi)
+    pf = tl.arange(0, BLOCK_PF)
+    pm = (pf < P)[None, :]
+    nf = tl.arange(0, BLOCK_NF)
+    nm = (nf < N)[None, :]
+    s0 = klo - klo % ROWS
+    while s0 < end:
+        s = s0 + tl.arange(0, ROWS)
+        put = (s >= klo) & (s < end)
+        src = (s < khi) & put
+        row = r0 + s
+        xv = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=src[:, None] & pm, other=0.0)
+        tl.store(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], xv, mask=put[:, None] & pm)
+        dv = tl.load(dt_ptr + row * H + h, mask=src, other=0.0)
+        tl.store(buf_dt_ptr + (slot * H + h) * L + s, dv, mask=put)
+        if h < G:
+            bv = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=src[:, None] & nm, other=0.0)
+            tl.store(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], bv, mask=put[:, None] & nm)
+        s0 += ROWS
 
 
 @triton.jit
@@ -76,7 +171,8 @@ def _chunk_state_kernel(
 ):
     """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32.
 
-    x [NC, H, L, P], dt/a [NC, H, L], B [NC, G, L, N], state [NC, H, P, N]: fp32, contiguous.
+    x [NC, H, L, P] and B [NC, G, L, N] in the model dtype (widened to fp32 exactly), dt/a
+    [NC, H, L] fp32, state [NC, H, P, N] fp32; contiguous.
     """
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
@@ -97,24 +193,26 @@ def _chunk_state_kernel(
         a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
         dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
         w = tl.exp(a_last - a_s) * dt_s  # a is non-increasing, so the exponent is <= 0
-        xT = tl.load(x_ptr + (ch * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :], other=0.0)
+        xT = tl.load(x_ptr + (ch * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
+                     other=0.0).to(tl.float32)
         Bs = tl.load(B_ptr + ((c * G + g) * L + s[:, None]) * N + n[None, :], mask=sm[:, None] & nm[None, :],
-                     other=0.0)
+                     other=0.0).to(tl.float32)
         acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
     tl.store(state_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _state_pass_kernel(
-    a_ptr, state_ptr, need_ptr, h0_ptr, h_in_ptr, h_out_ptr, first_ptr, count_ptr,
+    a_ptr, state_ptr, need_ptr, h_ptr, slot_ptr, h_in_ptr, first_ptr, count_ptr,
     H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr,
 ):
-    """Walk sequence q's chunks in order: h_in[c] = h, then h = exp(a_L) h + state[c] if need[c].
+    """Walk sequence q's chunks in order from its slot's boundary state h[slot[q]]: (WRITE_IN)
+    h_in[c] = h, then h = exp(a_L) h + state[c] if need[c]; write h back to h[slot[q]].
 
-    first/count [S] int64: q's chunks are first[q] .. first[q] + count[q] - 1. need [NC] int8.
-    h0/h_out [S, H, P, N], h_in/state [NC, H, P, N]: fp32. Elementwise in (p, n), so the block
-    split does not touch the bits.
+    first/count/slot [S] and need [NC] int64: q's chunks are first[q] .. first[q] + count[q] - 1.
+    h [slots, H, P, N], h_in/state [NC, H, P, N]: fp32. Elementwise in (p, n), so the block split
+    does not touch the bits; each program owns its block of its slot's state (in place is safe).
     """
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -123,33 +221,38 @@ def _state_pass_kernel(
     n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (p < P)[:, None] & (n < N)[None, :]
     pn = p[:, None] * N + n[None, :]
-    hs = tl.load(h0_ptr + (q * H + h) * P * N + pn, mask=m, other=0.0)
+    home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
+    hs = tl.load(home, mask=m, other=0.0)
     c = tl.load(first_ptr + q)
     end = c + tl.load(count_ptr + q)
     while c < end:  # a while loop: see the note on loops in the module docstring
         off = (c * H + h) * P * N + pn
-        tl.store(h_in_ptr + off, hs, mask=m)
+        if WRITE_IN:
+            tl.store(h_in_ptr + off, hs, mask=m)
         upd = tl.load(need_ptr + c) != 0
         decay = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1))
         s_k = tl.load(state_ptr + off, mask=m & upd, other=0.0)  # not written for chunks not needed
         hs = tl.where(upd, decay * hs + s_k, hs)
         c += 1
-    tl.store(h_out_ptr + (q * H + h) * P * N + pn, hs, mask=m)
+    tl.store(home, hs, mask=m)
 
 
 @triton.jit
 def _tile_output_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr,
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr,
+    tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr,
+    TC: tl.constexpr, STATIC_K: tl.constexpr,
 ):
     """y rows of one tile (R consecutive rows of one chunk), one head, one BLOCK_P block of P.
 
     y_t = exp(a_t) (C_t . h_in) + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s + D x_t.
     tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
-    C [T, G, N], y [T, H, P], D [H, P], h_in [NC, H, P, N]; the rest as in _chunk_state_kernel.
+    C [T, G, N] (model dtype), y [T, H, P] (stored in its dtype), D with strides (sD_h, sD_p);
+    h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest as in
+    _chunk_state_kernel.
     """
     tile = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -164,46 +267,208 @@ def _tile_output_kernel(
     ch = c * H + h
     a_t = tl.load(a_ptr + ch * L + t)
     nn = tl.arange(0, BLOCK_N)
+    hb = (tl.load(h_row_ptr + c) * H + h) * P
 
     # Inter-chunk term: C_t . h_in, then the decay from the boundary.
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
-        Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :], other=0.0)
-        hT = tl.load(h_in_ptr + (ch * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        hT = tl.load(h_in_ptr + (hb + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
     inter = inter * tl.exp(a_t)[:, None]
 
     # Intra-chunk term over the columns up to the tile's end. The bound depends on the tile's
-    # position only, so a decode step runs exactly the blocks a prefill runs for this tile.
+    # position only, so a decode step runs exactly the blocks a prefill runs for this tile (with
+    # STATIC_K every block runs, those past the tile masked: exact zeros).
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    k0 = 0
-    while k0 < t0 + R:
-        s = k0 + tl.arange(0, BLOCK_K)
-        sm = s < L
-        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            n = n0 + nn
-            nm = n < N
-            Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
-                         other=0.0)
-            BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
-                         other=0.0)
-            cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
-        a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
-        dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
-        # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
-        decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        scores = (cb * decay) * dt_s[None, :]
-        xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
-        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
-        k0 += BLOCK_K
+    if STATIC_K:
+        for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
+                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    else:
+        k0 = 0
+        while k0 < t0 + R:
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
+                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            k0 += BLOCK_K
 
-    x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0)
-    d = tl.load(D_ptr + h * P + p, mask=pm, other=0.0)
+    x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
+    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
     out = (inter + intra) + d[None, :] * x_t
-    tl.store(y_ptr + (rows[:, None] * H + h) * P + p[None, :], out, mask=live[:, None] & pm[None, :])
+    tl.store(y_ptr + (rows[:, None] * H + h) * P + p[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=live[:, None] & pm[None, :])
+
+
+@triton.jit
+def _intra_block(intra, k0, kend, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr,
+                 G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """intra + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked."""
+    s = k0 + tl.arange(0, BLOCK_K)
+    sm = (s < L) & (s < kend)
+    R: tl.constexpr = t.shape[0]
+    cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + nn
+        nm = n < N
+        Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
+                     other=0.0).to(tl.float32)
+        cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
+    a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
+    dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
+    # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
+    decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+    scores = (cb * decay) * dt_s[None, :]
+    xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
+                 other=0.0).to(tl.float32)
+    return dot_acc(intra, scores, xs, TC, 1, PRECISION)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+
+def _check_shapes(H: int, G: int, L: int, R: int) -> None:
+    if R < 16 or R & (R - 1) or L % R:
+        raise ValueError(f"row tile {R} must be a power of two >= 16 that divides chunk_size {L}")
+    if H % G:
+        raise ValueError(f"{H} heads do not split into {G} groups")
+
+
+def scan_planned(
+    plan: AdvancePlan,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    states: torch.Tensor,
+    *,
+    T: int,
+    out_dtype: torch.dtype,
+    zero_unwanted: bool = True,
+) -> torch.Tensor:
+    """The scan proper over packed chunks, from a device plan; updates ``states`` in place.
+
+    plan: ``to_device(plan_advance(...))``. x [NC, H, L, P] and B [NC, G, L, N] in the model dtype
+    (or fp32 holding its values), dt [NC, H, L] fp32 after softplus (``_pack_kernel`` or
+    ``chunk.pack_chunks``). C [T, G, N] for the packed new rows, in the model dtype (bf16 selects
+    the tensor-core dots); A [H] fp32; D [H] or [H, P]. states [slots, H, P, N] fp32: the boundary
+    states, read at plan.slot and, for the sequences whose boundary moves, overwritten there.
+
+    Returns y [T, H, P] in ``out_dtype`` (rows not wanted are zero if ``zero_unwanted``, else unset).
+    """
+    NC, H, L, P = x.shape
+    G, N = B.shape[1], B.shape[3]
+    R = plan.R
+    _check_shapes(H, G, L, R)
+    dev = x.device
+    f32 = torch.float32
+    tc = tensor_core_dots(C.dtype)
+    fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
+    x, dt, B, C = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C))
+    Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
+    Dd = D if D.device == dev else D.to(dev)
+    sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
+    y = (torch.zeros if zero_unwanted else torch.empty)(T, H, P, device=dev, dtype=out_dtype)
+    if NC == 0:
+        return y
+    PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
+    dims = dict(H=H, L=L, P=P, N=N)
+
+    a = torch.empty(NC, H, L, device=dev, dtype=f32)
+    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS,
+                            enable_fp_fusion=fuse)
+
+    def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
+        if plan.num_tiles:
+            _tile_output_kernel[(plan.num_tiles, H, PB)](
+                x, dt, a, B, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
+                **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
+                STATIC_K=K_LOOP == "static", num_warps=TILE_WARPS, enable_fp_fusion=fuse,
+            )
+
+    # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its
+    # slot's, read in place before the pass below moves any of them.
+    if plan.one_each:
+        tiles(states, plan.chunk_slot)
+    n_need = int(plan.state_chunks.shape[0])
+    chunk_state = torch.empty(NC if n_need else 0, H, P, N, device=dev, dtype=f32)  # unset where not needed
+    if n_need:
+        _chunk_state_kernel[(n_need, H, PB * NB)](
+            x, dt, a, B, chunk_state, plan.state_chunks, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+            BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+        )
+    if plan.one_each and not plan.any_moved:
+        return y
+    h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
+    _state_pass_kernel[(plan.num_seqs, H, PB * NB)](
+        a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=BLOCK_P,
+        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+    )
+    if not plan.one_each:
+        tiles(h_in, torch.arange(NC, device=dev))
+    return y
+
+
+def advance_triton(
+    state,
+    plan: AdvancePlan,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    zero_unwanted: bool = True,
+) -> torch.Tensor:
+    """``replay.ssd_advance`` on the Triton backend, from a host plan (``plan_advance`` with the
+    batch's slots, "boundary"): pack, scan, move the boundary states, rewrite the buffers.
+
+    state: a ``LayerReplayState`` (contiguous; buffers in the model dtype). x [T, H, P], dt [T, H]
+    raw, B/C [T, G, N] in the model dtype. Returns y [T, H, P] in x's dtype.
+    """
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    L = plan.L
+    dev = x.device
+    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
+        if not getattr(state, name).is_contiguous():
+            raise ValueError(f"state.{name} must be contiguous")
+    pd = to_device(plan, dev)
+    NC = plan.num_chunks
+    x, dt, B = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B))
+    bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
+    xc = torch.empty(NC, H, L, P, device=dev, dtype=x.dtype)
+    dtc = torch.empty(NC, H, L, device=dev, dtype=torch.float32)
+    Bc = torch.empty(NC, G, L, N, device=dev, dtype=B.dtype)
+    lo, hi = _limits(dt_limit)
+    dims = dict(H=H, G=G, L=L, P=P, N=N)
+    blocks = dict(BLOCK_PF=triton.next_power_of_2(P), BLOCK_NF=triton.next_power_of_2(N))
+    rows = min(PACK_ROWS, L)
+    if NC:
+        _pack_kernel[(NC, triton.cdiv(L, rows), H)](
+            x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
+            xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=_has_limit(dt_limit), num_warps=4,
+            enable_fp_fusion=False,
+        )
+    y = scan_planned(pd, xc, dtc, Bc, C, A, D, state.ssm_state, T=T, out_dtype=x.dtype, zero_unwanted=zero_unwanted)
+    if plan.num_seqs:
+        _buffer_kernel[(plan.num_seqs, H)](
+            x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
+            pd.crossed, **dims, ROWS=rows, **blocks, num_warps=4,
+        )
+    return y
 
 
 def scan_chunks_triton(
@@ -223,88 +488,22 @@ def scan_chunks_triton(
     C [T, G, N] for the packed new rows, in the model dtype (bf16 selects the tensor-core dots, so
     ch.x and ch.B must hold bf16 values too); A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N]
     fp32; rows [T] bool, the rows whose outputs are wanted (default all); row_tile a power of two
-    >= 16 dividing L.
+    >= 16 dividing L. The chunk layout is read back to the host to plan the call (an advance plans
+    from the batch instead: ``advance_triton``).
 
     Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
     sequence's last full-chunk boundary for final="boundary", at its end for "end") and moved [S]
-    bool (whether a sequence's state changed; where not, states holds the initial one's bits, and
-    may be ``initial_states`` itself when no sequence moved).
+    bool (whether a sequence's state changed; where not, states holds the initial one's bits).
     """
-    if final not in ("boundary", "end"):
-        raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
     NC, H, L, P = ch.x.shape
-    G, N = ch.B.shape[1], ch.B.shape[3]
-    R = row_tile
-    if R < 16 or R & (R - 1) or L % R:
-        raise ValueError(f"row tile {R} must be a power of two >= 16 that divides chunk_size {L}")
-    if H % G:
-        raise ValueError(f"{H} heads do not split into {G} groups")
+    G = ch.B.shape[1]
+    _check_shapes(H, G, L, row_tile)
+    S = initial_states.shape[0]
     dev = ch.x.device
-    f32 = torch.float32
-    tc = tensor_core_dots(C.dtype)  # x, B, C of a bf16 model are exact in bf16 (pack_chunks widens them)
-    fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
-    T, S = C.shape[0], initial_states.shape[0]
-    x, dt, Bc = (t.to(f32).contiguous() for t in (ch.x, ch.dt, ch.B))
-    Cf = C.to(device=dev, dtype=f32).contiguous()
-    Af = A.to(device=dev, dtype=f32).contiguous()
-    Df = D.to(device=dev, dtype=f32)
-    Df = (Df[:, None].expand(H, P) if Df.dim() == 1 else Df).contiguous()
-    h0 = initial_states.to(device=dev, dtype=f32).contiguous()
-    y = torch.zeros(T, H, P, device=dev, dtype=f32)
-    moved = torch.zeros(S, dtype=torch.bool, device=dev)
-    if NC == 0:
-        return y, h0.clone(), moved
-    PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
-    dims = dict(H=H, L=L, P=P, N=N)
-
-    a = torch.empty(NC, H, L, device=dev, dtype=f32)
-    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS,
-                            enable_fp_fusion=fuse)
-
-    need = ch.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool, device=dev)
-    si = torch.nonzero(need).flatten()
-    moved[ch.seq.to(dev)[si]] = True
-    chunk_state = torch.empty(NC, H, P, N, device=dev, dtype=f32)  # rows of chunks not needed stay unset
-    if si.numel():
-        _chunk_state_kernel[(si.numel(), H, PB * NB)](
-            x, dt, a, Bc, chunk_state, si, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
-        )
-
-    # With one chunk per sequence (a decode step, a short prefill) chunk i belongs to sequence i
-    # and its boundary state is the initial one: read it in place, and write states only if a
-    # chunk completed (a decode step then only reads the state, as the torch scan does).
-    one_each = NC == S
-    h_in, h_out = h0, h0
-    if not one_each or si.numel():
-        count = torch.bincount(ch.seq.to(dev), minlength=S)
-        first = torch.cumsum(count, 0) - count
-        h_pass = torch.empty(NC, H, P, N, device=dev, dtype=f32)
-        h_out = torch.empty(S, H, P, N, device=dev, dtype=f32)
-        _state_pass_kernel[(S, H, PB * NB)](
-            a, chunk_state, need.to(torch.int8), h0, h_pass, h_out, first, count, **dims,
-            BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
-        )
-        h_in = h0 if one_each else h_pass
-
-    # The tiles holding wanted rows, and for each tile row its packed row (or -1).
-    want = torch.ones(T, dtype=torch.bool, device=dev) if rows is None else rows.to(device=dev, dtype=torch.bool)
-    wi = torch.nonzero(want).flatten()
-    if wi.numel() == 0:
-        return y, h_out, moved
-    rc, rp = ch.row_chunk.to(dev)[wi], ch.row_pos.to(dev)[wi]
-    tile_id = torch.full((NC, L // R), -1, dtype=torch.int64, device=dev)
-    tile_id[rc, rp // R] = 0
-    tiles = torch.nonzero(tile_id >= 0)  # [NT, 2]: (chunk, tile in chunk)
-    NT = tiles.shape[0]
-    tile_id[tiles[:, 0], tiles[:, 1]] = torch.arange(NT, device=dev)
-    tile_rows = torch.full((NT, R), -1, dtype=torch.int64, device=dev)
-    tile_rows[tile_id[rc, rp // R], rp % R] = wi
-    tile_chunk = tiles[:, 0].contiguous()
-    tile_pos = (tiles[:, 1] * R).to(torch.int32).contiguous()
-    _tile_output_kernel[(NT, H, PB)](
-        x, dt, a, Bc, Cf, Df, h_in, y, tile_chunk, tile_pos, tile_rows, G=G, **dims, R=R,
-        BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS,
-        enable_fp_fusion=fuse,
-    )
-    return y, h_out, moved
+    seq, length = ch.seq.cpu(), ch.length.cpu()
+    lens = torch.bincount(seq[ch.row_chunk.cpu()], minlength=S) if C.shape[0] else torch.zeros(S, dtype=torch.int64)
+    off = torch.zeros(S, dtype=torch.int64).index_add_(0, seq, length) - lens
+    plan = plan_advance(lens, off, L, row_tile, rows=None if rows is None else rows.cpu(), final=final)
+    states = initial_states.to(device=dev, dtype=torch.float32).clone()
+    y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, T=C.shape[0], out_dtype=torch.float32)
+    return y, states, plan.moved.to(dev)
