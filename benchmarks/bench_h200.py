@@ -4,15 +4,19 @@
     python3 benchmarks/bench_h200.py --out OUT/h200.json [--quick]
     python3 benchmarks/bench_h200.py --dry-run --out /tmp/h200.json     (CPU: tiny shapes, no timing)
 
-Decode: ``replay_decode_triton`` (modes "row" and "tile") vs mamba_ssm's ``selective_state_update``
+Decode: ``replay_decode_triton`` (bf16: modes "fused", the default, and "tile"; fp32: "row" and
+"tile") vs mamba_ssm's ``selective_state_update``
 (SSU) with an fp32 state, per layer, at batch 1 / 64 / 256 with partial-chunk fills uniform in
 [0, chunk); each step decodes the next token of every sequence (positions advance, so chunks
 complete as they would in serving). ``bitwise``: every decode row (and every state and buffer)
 torch.equal to a single-pass ``ssd_advance(..., backend="triton")`` over the sequence's chunk
 prefix + token from the same boundary state.
 
-Prefill: ``ssd_advance`` from an empty slot (Triton backend) vs ``mamba_chunk_scan_combined``
-(bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k tokens and a varlen batch of 64 x 512.
+Prefill: ``ssd_advance`` from an empty slot (Triton backend: host plan, pack, scan, buffers) vs
+``mamba_chunk_scan_combined`` (bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k tokens and a
+varlen batch of 64 x 512; "scan only" times the scan kernels on pre-packed chunks. ``--variants``
+also times the scan under other tile configs (row tile, tile warps, K loop) and checks that each
+gives the pinned config's bits (rows and states torch.equal).
 
 Times: CUDA events around each call, median over >= 20 calls after warm-up (eager mode: at small
 batches this is launch overhead, which is what a layer costs in an eager engine); CUDA-graph
@@ -45,6 +49,9 @@ FULL_DIMS = dict(P=64, N=128, L=256)
 TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
+BF16_MODES = ("fused", "tile")
+# (row tile, tile kernel warps, K loop): candidates for the pinned prefill tile config
+VARIANTS = [(64, 4, "while"), (64, 4, "static"), (128, 8, "while"), (128, 8, "static"), (64, 8, "while")]
 
 
 def log(msg: str) -> None:
@@ -290,12 +297,10 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
     return out
 
 
-def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan, seed) -> dict:
-    import aligned_mamba.ops.ssd.chunk as chunk_mod
+def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan, seed, variants=False) -> dict:
+    import aligned_mamba.ops.ssd.triton_chunk as tch
     from aligned_mamba.ops.configs import PINNED
-    from aligned_mamba.ops.ssd.chunk import pack_chunks
-    from aligned_mamba.ops.ssd.triton_chunk import scan_chunks_triton
-    from aligned_mamba.ops.ssd.triton_decode import dt_softplus_triton
+    from aligned_mamba.ops.ssd.plan import plan_advance, to_device
     from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
 
     P, N, L = dims["P"], dims["N"], dims["L"]
@@ -307,33 +312,48 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
     batch = Batch.make(list(range(S)), [0] * S, lens)
     slots = torch.arange(S, device=dev)
     out: dict = {}
+    R0 = min(int(PINNED["triton"]["row_tile"]), L)
 
-    def ours(i=0):
-        return ssd_advance(st, batch, x, dt, B, C, backend="triton", **prm)
+    def ours(i=0, row_tile=None):
+        return ssd_advance(st, batch, x, dt, B, C, backend="triton", row_tile=row_tile, **prm)
 
     def reset(i=0):
         st.reset(slots)
 
+    reset()
     y0 = ours()
+    s0 = [t.clone() for t in st.tensors()]
     if dev.type == "cuda":
         out["ours"] = summary(cuda_times(torch, ours, n, warmup, before=reset))
-        ch = pack_chunks(x, dt, B, batch.cu_seqlens.to(dev), L, prm["dt_bias"], (0.0, math.inf))
-        h0 = torch.zeros(S, H, P, N, device=dev)
+        # the scan kernels alone, on chunks packed once (what the scan costs without pack and buffers)
+        plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
+        NC = plan.num_chunks
+        xc = torch.zeros(NC, H, L, P, device=dev, dtype=dtype)
+        Bc = torch.zeros(NC, G, L, N, device=dev, dtype=dtype)
+        dtc = torch.rand(NC, H, L, device=dev) * 0.05
+        states = torch.zeros(S, H, P, N, device=dev)
         out["ours_scan_only"] = summary(cuda_times(
-            torch, lambda i: scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary",
-                                                row_tile=PINNED["triton"]["row_tile"]), n, warmup))
-        del ch
-    # The proposed routing: pack_chunks' dt through the Triton softplus (one launch, same bits).
-    orig = chunk_mod.dt_softplus
-    try:
-        chunk_mod.dt_softplus = lambda d, b, lim: dt_softplus_triton(d, b, lim)
-        reset()
-        y1 = ours()
-        out["triton_dt_bitwise"] = bool(torch.equal(y0, y1))
-        if dev.type == "cuda":
-            out["ours_triton_dt"] = summary(cuda_times(torch, ours, n, warmup, before=reset))
-    finally:
-        chunk_mod.dt_softplus = orig
+            torch, lambda i: tch.scan_planned(plan, xc, dtc, Bc, C, prm["A"], prm["D"], states, T=T, out_dtype=dtype,
+                                              zero_unwanted=False), n, warmup))
+        del xc, Bc, dtc
+    if variants:
+        out["variants"] = []
+        pinned = (tch.K_LOOP, tch.TILE_WARPS)
+        try:
+            for R, warps, loop in VARIANTS:
+                if L % R:
+                    continue
+                tch.K_LOOP, tch.TILE_WARPS = loop, warps
+                reset()
+                y1 = ours(row_tile=R)
+                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "bitwise": bool(torch.equal(y0, y1)) and all(
+                    torch.equal(a, b) for a, b in zip(s0, st.tensors()))}
+                if dev.type == "cuda":
+                    ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
+                    v["ms"] = summary(ts)["median_ms"]
+                out["variants"].append(v)
+        finally:
+            tch.K_LOOP, tch.TILE_WARPS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))
@@ -426,6 +446,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, build inputs, check bits and schema")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of shapes")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="prefill: also time and bit-check other tile configs")
     args = ap.parse_args()
 
     if args.dry_run:
@@ -476,7 +498,7 @@ def main() -> int:
         result["memory"][name] = memory_report(torch, H, G, dims, torch.bfloat16)
     save()
 
-    for name, (H, G) in shapes.items():
+    for name, (H, G) in ({} if args.skip_decode else shapes).items():
         for batch in batches:
             seed = 1000 * H + batch
             log(f"decode {name} batch {batch}: setup")
@@ -487,8 +509,8 @@ def main() -> int:
                 log(traceback.format_exc())
                 continue
             ssu_cache = None
-            # bf16 models decode in "tile" mode (tensor-core dots); fp32 ones in both
-            for mode in (("tile",) if dtype == torch.bfloat16 else MODES):
+            # bf16 models decode in "fused" (default) or "tile" mode (tensor-core dots); fp32 in "row"/"tile"
+            for mode in (BF16_MODES if dtype == torch.bfloat16 else MODES):
                 entry = {"shape": name, "batch": batch, "mode": mode, "heads": H, "groups": G,
                          "fill_mean": float(case["fill"].float().mean()),
                          "replay_ms": None, "ssu_ms": None, "ratio": None, "bitwise": None}
@@ -536,25 +558,23 @@ def main() -> int:
                          "ours_ms": None, "mamba_ssm_ms": None, "ratio": None}
                 log(f"prefill {name} {label}")
                 try:
-                    t = bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, chunk_scan, seed=7 * H)
-                    entry["triton_dt_bitwise"] = t.get("triton_dt_bitwise")
+                    t = bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, chunk_scan, seed=7 * H,
+                                      variants=args.variants)
+                    entry["variants"] = t.get("variants")
                     if dev.type == "cuda":
                         entry["ours_ms"] = t["ours"]["median_ms"]
                         entry["ours_scan_only_ms"] = t["ours_scan_only"]["median_ms"]
-                        entry["ours_triton_dt_ms"] = t["ours_triton_dt"]["median_ms"]
                     if "mamba_ssm" in t:
                         entry["mamba_ssm_ms"] = t["mamba_ssm"]["median_ms"]
                         entry["mamba_ssm_first_call_s"] = t["mamba_ssm_first_call_s"]
                     entry["ratio"] = _ratio(entry["ours_ms"], entry["mamba_ssm_ms"])
-                    entry["ratio_triton_dt"] = _ratio(entry.get("ours_triton_dt_ms"), entry["mamba_ssm_ms"])
                     entry["ratio_scan_only"] = _ratio(entry.get("ours_scan_only_ms"), entry["mamba_ssm_ms"])
                 except Exception as e:  # noqa: BLE001
                     result["errors"].append(f"prefill {name} {label}: {e!r}")
                     log(traceback.format_exc())
                 result["prefill"].append(entry)
-                log(f"prefill {name} {label}: ours={entry['ours_ms']} (dt via triton "
-                    f"{entry.get('ours_triton_dt_ms')}, scan only {entry.get('ours_scan_only_ms')}) "
-                    f"mamba_ssm={entry['mamba_ssm_ms']} ratio={entry['ratio']}")
+                log(f"prefill {name} {label}: ours={entry['ours_ms']} (scan only {entry.get('ours_scan_only_ms')}) "
+                    f"mamba_ssm={entry['mamba_ssm_ms']} ratio={entry['ratio']} variants={entry.get('variants')}")
                 save()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()

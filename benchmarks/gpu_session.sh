@@ -68,10 +68,12 @@ print("decode: shape batch mode bitwise replay_ms ssu_ms ratio | graph: replay s
 for d in r["decode"]:
     print(" ", d["shape"], d["batch"], d["mode"], d["bitwise"], f(d["replay_ms"]), f(d["ssu_ms"]), f(d["ratio"]), "|",
           f(d.get("replay_graph_ms")), f(d.get("ssu_graph_ms")), f(d.get("ratio_graph")))
-print("prefill: shape tokens ours_ms (triton dt, scan only) mamba_ssm_ms ratio")
+print("prefill: shape tokens ours_ms (scan only) mamba_ssm_ms ratio | variants: tile/warps/loop ms bitwise")
 for p in r["prefill"]:
-    print(" ", p["shape"], p["tokens"], f(p["ours_ms"]), f"({f(p.get('ours_triton_dt_ms'))}, {f(p.get('ours_scan_only_ms'))})",
-          f(p["mamba_ssm_ms"]), f(p["ratio"]), "triton_dt_bitwise", p.get("triton_dt_bitwise"))
+    vs = " ".join(f"{v['row_tile']}/{v['tile_warps']}/{v['k_loop']}={f(v.get('ms'))}{'' if v['bitwise'] else '(BITS DIFFER)'}"
+                  for v in (p.get("variants") or []))
+    print(" ", p["shape"], p["tokens"], f(p["ours_ms"]), f"({f(p.get('ours_scan_only_ms'))})",
+          f(p["mamba_ssm_ms"]), f(p["ratio"]), "|", vs)
 for k, m in r["memory"].items():
     print("memory", k, m["replay_ssm_bytes"], "budget", m["budget_bytes"], "within", m["within_budget"])
 print("errors:", r.get("errors"), "schema:", r.get("schema_errors"))
