@@ -4,8 +4,8 @@
     python3 benchmarks/bench_h200.py --out OUT/h200.json [--quick]
     python3 benchmarks/bench_h200.py --dry-run --out /tmp/h200.json     (CPU: tiny shapes, no timing)
 
-Decode: ``replay_decode_triton`` (bf16: modes "fused", the default, and "tile"; fp32: "row" and
-"tile") vs mamba_ssm's ``selective_state_update``
+Decode: ``replay_decode_triton`` (bf16: mode "tile"; fp32: "row" and "tile") vs mamba_ssm's
+``selective_state_update``
 (SSU) with an fp32 state, per layer, at batch 1 / 64 / 256 with partial-chunk fills uniform in
 [0, chunk); each step decodes the next token of every sequence (positions advance, so chunks
 complete as they would in serving). ``bitwise``: every decode row (and every state and buffer)
@@ -49,9 +49,12 @@ FULL_DIMS = dict(P=64, N=128, L=256)
 TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
-BF16_MODES = ("fused", "tile")
-# (row tile, tile kernel warps, K loop): candidates for the pinned prefill tile config
-VARIANTS = [(64, 4, "while"), (64, 4, "static"), (128, 8, "while"), (128, 8, "static"), (64, 8, "while")]
+BF16_MODES = ("tile",)
+# (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
+VARIANTS = [(64, 4, "while", 64), (64, 4, "range", 64), (64, 4, "while", 8), (64, 4, "range", 8),
+            (128, 8, "range", 8), (64, 8, "range", 8), (32, 4, "range", 8)]
+# bf16 decode: the tile kernel's K loop as "tile:<k_loop>" (--variants)
+DECODE_VARIANTS = ("tile:range",)
 
 
 def log(msg: str) -> None:
@@ -217,6 +220,26 @@ def clone_state(st):
     return LayerReplayState(*(t.clone() for t in st.tensors()))
 
 
+def decode_mode(mode: str):
+    """A context manager for a decode mode "tile" or "tile:<k_loop>": the mode, with the tile
+    kernel's K loop set for the duration."""
+    import contextlib
+
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    @contextlib.contextmanager
+    def ctx():
+        base, _, loop = mode.partition(":")
+        old = td.DECODE_K_LOOP
+        td.DECODE_K_LOOP = loop or old
+        try:
+            yield base
+        finally:
+            td.DECODE_K_LOOP = old
+
+    return ctx()
+
+
 def decode_bitwise(torch, case, mode) -> dict:
     """One decode step vs one prefill over (chunk prefix + token) from the boundary state."""
     from aligned_mamba.ops.ssd.triton_decode import replay_decode_triton
@@ -338,22 +361,22 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         del xc, Bc, dtc
     if variants:
         out["variants"] = []
-        pinned = (tch.K_LOOP, tch.TILE_WARPS)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P)
         try:
-            for R, warps, loop in VARIANTS:
+            for R, warps, loop, pass_bp in VARIANTS:
                 if L % R:
                     continue
-                tch.K_LOOP, tch.TILE_WARPS = loop, warps
+                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = loop, warps, pass_bp
                 reset()
                 y1 = ours(row_tile=R)
-                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "bitwise": bool(torch.equal(y0, y1)) and all(
-                    torch.equal(a, b) for a, b in zip(s0, st.tensors()))}
+                same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
+                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "bitwise": same}
                 if dev.type == "cuda":
                     ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS = pinned
+            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))
@@ -509,16 +532,18 @@ def main() -> int:
                 log(traceback.format_exc())
                 continue
             ssu_cache = None
-            # bf16 models decode in "fused" (default) or "tile" mode (tensor-core dots); fp32 in "row"/"tile"
-            for mode in (BF16_MODES if dtype == torch.bfloat16 else MODES):
+            # bf16 models decode in "tile" mode (tensor-core dots); fp32 ones in "row" and "tile"
+            modes = (BF16_MODES + (DECODE_VARIANTS if args.variants else ())) if dtype == torch.bfloat16 else MODES
+            for mode in modes:
                 entry = {"shape": name, "batch": batch, "mode": mode, "heads": H, "groups": G,
                          "fill_mean": float(case["fill"].float().mean()),
                          "replay_ms": None, "ssu_ms": None, "ratio": None, "bitwise": None}
                 try:
-                    bw = decode_bitwise(torch, case, mode)
+                    with decode_mode(mode) as m:
+                        bw = decode_bitwise(torch, case, m)
+                        t = bench_decode(torch, case, m, n, warmup, ssu if ssu_cache is None else None, dev)
                     entry.update(bitwise=bw["bitwise"], rows_equal=bw["rows_equal"], states_equal=bw["states_equal"],
                                  max_abs_diff=bw["max_abs_diff"])
-                    t = bench_decode(torch, case, mode, n, warmup, ssu if ssu_cache is None else None, dev)
                     if "ssu" in t:
                         ssu_cache = (t["ssu"], t.get("ssu_graph_ms"))
                     if dev.type == "cuda":

@@ -3,8 +3,8 @@
 The CPU tests run the kernels through the Triton interpreter, which accepts code that the compiler
 refuses (a loop-carried variable whose shape changes, a name reused with another shape). This
 compiles each kernel offline with the ptxas shipped in the triton wheel, no GPU needed, for fp32
-models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, "fused" and
-"tile" decode, no fp contraction), with the flags the launchers pass.
+models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, no fp
+contraction), with the flags the launchers pass.
 """
 
 from __future__ import annotations
@@ -43,21 +43,22 @@ for TC in (False, True):
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
-         dict(H=32, L=256, P=64, N=128, BLOCK_P=BP, BLOCK_N=BN, WRITE_IN=True), fuse)
-    for static_k in (False, True):
+         dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
+    for k_loop in (0, 1, 2):  # while, static, range
         comp(tc._tile_output_kernel, dict(x_ptr=bf, B_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                           tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32"),
              dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
-                  STATIC_K=static_k), fuse)
+                  K_LOOP=k_loop), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
                   R=td.DECODE_ROW_TILE, BLOCK_N=BN), False)
-    comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                               sD_h="i32", sD_p="i32"),
-         dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-              PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    for k_loop in (0, 2):  # while, range
+        comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
+                                   sD_h="i32", sD_p="i32"),
+             dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
+                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
@@ -67,10 +68,6 @@ comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_p
 comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                             keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, crossed_ptr=i64),
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
-comp(td._fused_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
-                            y_ptr=bf, slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", sD_h="i32", sD_p="i32"),
-     dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256, BLOCK_NF=128, HAS_LIMIT=False,
-          PRECISION=cfg["dot_precision"], TC=True), False)
 comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
      dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
 comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
@@ -82,5 +79,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 9 kernel configs per dot mode; pack, buffer, fused (bf16), row and zero kernels
-    assert len(done) == 2 * 9 + 5, done
+    # 11 kernel configs per dot mode; pack, buffer, row and zero kernels
+    assert len(done) == 2 * 11 + 4, done

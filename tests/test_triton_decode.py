@@ -165,16 +165,15 @@ def test_dt_softplus_bits(dt_limit):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["tile", "fused"])
 @pytest.mark.parametrize("G", [1, 2])
-def test_tile_mode_token_by_token_equals_prefill(G, mode):
+def test_tile_mode_token_by_token_equals_prefill(G):
     """Decode 40 tokens one by one from a boundary (crossing the next one) == one prefill over them."""
     T, start = 40, L  # start at the second chunk's boundary, with a nonzero boundary state
     prm = make_params(H, P, seed=G)
     toks = make_tokens(T, H, P, G, N, seed=G)
     st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=G)
     ref = clone_state(st)
-    ys = decode_steps(st, [0], [start], [toks], prm, T, mode)
+    ys = decode_steps(st, [0], [start], [toks], prm, T, "tile")
     yp = prefill(ref, [0], [start], [toks], prm)[0]
     assert torch.equal(torch.cat(ys), yp)
     assert_same_state(st, ref)
@@ -196,7 +195,7 @@ def test_row_mode_token_by_token_close_to_prefill():
 
 
 @interp
-@pytest.mark.parametrize("mode", ["tile", "fused", "row"])
+@pytest.mark.parametrize("mode", ["tile", "row"])
 def test_batch_at_mixed_offsets_equals_each_alone(mode):
     """3 sequences at offsets 5, 31 (completes its chunk) and 40 in one batch, in scattered slots,
     two steps: rows, states and buffers equal to each sequence decoded alone (and, in tile mode,
@@ -229,8 +228,7 @@ def test_batch_at_mixed_offsets_equals_each_alone(mode):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["tile", "fused"])
-def test_chunk_completion_updates_state_like_prefill(mode):
+def test_chunk_completion_updates_state_like_prefill():
     """A token at position L-1 moves the boundary state as the prefill of the whole chunk does and
     empties the buffers; other slots are untouched."""
     G = 1
@@ -241,7 +239,7 @@ def test_chunk_completion_updates_state_like_prefill(mode):
     head = tuple(t[: L - 1] for t in toks)
     prefill(st, [1], [0], [head], prm)
     before = clone_state(st)
-    y = decode_steps(st, [1], [L - 1], [tuple(t[L - 1:] for t in toks)], prm, 1, mode, hint=False)[0]
+    y = decode_steps(st, [1], [L - 1], [tuple(t[L - 1:] for t in toks)], prm, 1, "tile", hint=False)[0]
     yp = prefill(ref, [1], [0], [toks], prm)[0]
     assert torch.equal(y[0], yp[-1])
     assert torch.equal(st.ssm_state, ref.ssm_state)
@@ -252,8 +250,7 @@ def test_chunk_completion_updates_state_like_prefill(mode):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["tile", "fused"])
-def test_dt_limit_and_per_head_D(mode):
+def test_dt_limit_and_per_head_D():
     """dt_limit clamps as in pack_chunks; D given per head ([H]) or per channel ([H, P])."""
     G, T = 1, 6
     prm = make_params(H, P, seed=5)
@@ -262,7 +259,7 @@ def test_dt_limit_and_per_head_D(mode):
     lim = (0.05, 0.4)
     st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=5)
     ref = clone_state(st)
-    ys = decode_steps(st, [0], [3], [toks], prm, T, mode, dt_limit=lim)
+    ys = decode_steps(st, [0], [3], [toks], prm, T, "tile", dt_limit=lim)
     # reference: same start (3 rows already buffered: zeros, consistent with a zero prefix)
     yp = prefill(ref, [0], [3], [toks], prm, dt_limit=lim)[0]
     assert torch.equal(torch.cat(ys), yp)
@@ -310,7 +307,7 @@ def ops(code, fname, line, follow=("standard.py", "core.py")):
 
 f32 = "*fp32"
 pre = ptx(tc._cumsum_kernel, {"dt_ptr": f32, "A_ptr": f32, "a_ptr": f32}, dict(H=H, L=L, BLOCK_L=L))
-tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, STATIC_K=False)
+tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, K_LOOP=0)
 ints = dict(h_row_ptr="*i64", tile_chunk_ptr="*i64", tile_pos_ptr="*i64", tile_rows_ptr="*i64", sD_h="i32",
             sD_p="i32")
 tile_sig = {k: ints.get(k, f32) for k in inspect.signature(tc._tile_output_kernel.fn).parameters
@@ -416,10 +413,9 @@ def test_gpu_dt_softplus_bits():
                                dt_softplus(r, bias, lim).view(torch.int32)), (lim, dtype)
 
 
-# (model dtype, decode mode): bf16 runs tensor-core dots, "fused" (the default) or "tile"; fp32 runs
-# fp32 dots, "row" (the default) or "tile"
-GPU_MODES = {"bf16-fused": (torch.bfloat16, "fused"), "bf16-tile": (torch.bfloat16, "tile"),
-             "fp32-row": (torch.float32, "row"), "fp32-tile": (torch.float32, "tile")}
+# (model dtype, decode mode): bf16 runs tensor-core dots and "tile" only; fp32 runs fp32 dots, both modes
+GPU_MODES = {"bf16-tile": (torch.bfloat16, "tile"), "fp32-row": (torch.float32, "row"),
+             "fp32-tile": (torch.float32, "tile")}
 
 
 @pytest.mark.gpu
@@ -475,14 +471,13 @@ def test_gpu_batch_invariance(kind):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["fused", "tile"])
 @pytest.mark.parametrize("row_tile", [16, 32, 64])
-def test_gpu_decode_row_tile_does_not_touch_bits(row_tile, mode):
+def test_gpu_decode_row_tile_does_not_touch_bits(row_tile):
     """bf16 tensor-core dots: the decode's row tile (16, the default, to 64, the prefill's) gives the
     prefill's bits: a row's result does not depend on the tile's height."""
     heads, groups = SHAPES["64h_8g"]
     g = torch.Generator().manual_seed(row_tile)
-    _gpu_batch_case(heads, groups, 64, mode, seed=int(torch.randint(0, 1000, (1,), generator=g)), steps=2,
+    _gpu_batch_case(heads, groups, 64, "tile", seed=int(torch.randint(0, 1000, (1,), generator=g)), steps=2,
                     row_tile=row_tile)
 
 
@@ -497,19 +492,6 @@ def test_gpu_bf16_row_mode_refused():
         replay_decode_triton(st, one, one, x, dt, B, C, mode="row", **make_params(heads, GP, 0, "cuda"))
 
 
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_fp32_fused_mode_refused():
-    """The fused kernel is compiled without fp contraction (as the bf16 prefill is); an fp32 model's
-    prefill kernels contract, so fused decode could not promise their bits: refused."""
-    heads, groups = SHAPES["32h_1g"]
-    st = make_state(1, heads, GP, groups, GN, GL, torch.float32, "cuda")
-    x, dt, B, C = make_tokens(1, heads, GP, groups, GN, seed=0, dev="cuda")
-    one = torch.zeros(1, dtype=torch.int64, device="cuda")
-    with pytest.raises(ValueError, match="contract"):
-        replay_decode_triton(st, one, one, x, dt, B, C, mode="fused", **make_params(heads, GP, 0, "cuda"))
-
-
 def _second_process_rows(mode: str) -> torch.Tensor:
     heads, groups = SHAPES["32h_1g"]
     _, ys = _gpu_batch_case(heads, groups, 64, mode, seed=99, steps=2)
@@ -520,7 +502,7 @@ def _second_process_rows(mode: str) -> torch.Tensor:
 @gpu_only
 def test_gpu_second_process_same_bits(tmp_path):
     """The same decode in a fresh process (fresh Triton load of the compiled kernels) gives the same bits."""
-    here = _second_process_rows("fused")
+    here = _second_process_rows("tile")
     out = tmp_path / "rows.pt"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -533,4 +515,4 @@ def test_gpu_second_process_same_bits(tmp_path):
 
 if __name__ == "__main__":  # the second process of test_gpu_second_process_same_bits
     if len(sys.argv) == 3 and sys.argv[1] == "--dump":
-        torch.save(_second_process_rows("fused"), sys.argv[2])
+        torch.save(_second_process_rows("tile"), sys.argv[2])

@@ -32,6 +32,9 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 # end; "static": every block of the chunk, those past the tile masked to exact zeros)
                 "tile_num_warps": 4,
                 "k_loop": "while",
+                "decode_k_loop": "while",
+                # the state pass's P block (elementwise: parallelism only)
+                "pass_block_p": 64,
                 # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target
                 "dot_precision": "ieee",
                 # bf16 models: tensor-core dots, bf16 operands, fp32 accumulation; fp32 operands

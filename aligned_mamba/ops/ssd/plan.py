@@ -4,8 +4,9 @@ An advance over S sequences (each with ``off`` rows buffered since its chunk bou
 new rows) cuts every sequence's stream (buffer ++ new rows) into chunks anchored at its
 boundary, as ``chunk.pack_chunks`` does. Everything about that layout (which chunk holds which
 rows, which chunks complete, which row tiles hold wanted rows) follows from (off, n) alone, which
-an engine knows on the host. ``plan_advance`` computes it there with CPU tensors; ``to_device``
-moves every table to the GPU in one copy. The Triton backend's kernels then read the tables and
+an engine knows on the host. ``plan_advance`` computes it there with numpy (a few microseconds
+per table, where torch CPU ops cost tens); ``to_device`` moves every table to the device in one
+copy. The Triton backend's kernels then read the tables and
 never ask the device how many chunks or tiles there are.
 
 Tables (int64 unless noted), per chunk c of NC:
@@ -29,35 +30,36 @@ Per row tile i of NT (R rows of one chunk holding at least one wanted row):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
+import numpy as np
 import torch
-
-_I64 = torch.int64
 
 
 @dataclass
 class AdvancePlan:
-    """See the module docstring; every tensor on one device, shapes [NC], [S] or [NT(, R)]."""
+    """See the module docstring. Tables are int64 numpy arrays (bool for need, moved, crossed) on
+    the host (``plan_advance``), int64 torch tensors on a device (``to_device``)."""
 
-    seq: torch.Tensor
-    index: torch.Tensor
-    length: torch.Tensor
-    pre: torch.Tensor
-    row0: torch.Tensor
-    need: torch.Tensor
-    first: torch.Tensor
-    count: torch.Tensor
-    moved: torch.Tensor
-    keep_lo: torch.Tensor
-    keep_hi: torch.Tensor
-    keep_row0: torch.Tensor
-    crossed: torch.Tensor
-    tile_chunk: torch.Tensor
-    tile_pos: torch.Tensor
-    tile_rows: torch.Tensor
-    slot: torch.Tensor
-    chunk_slot: torch.Tensor
-    state_chunks: torch.Tensor
+    seq: Any
+    index: Any
+    length: Any
+    pre: Any
+    row0: Any
+    need: Any
+    first: Any
+    count: Any
+    moved: Any
+    keep_lo: Any
+    keep_hi: Any
+    keep_row0: Any
+    crossed: Any
+    tile_chunk: Any
+    tile_pos: Any
+    tile_rows: Any
+    slot: Any
+    chunk_slot: Any
+    state_chunks: Any
     L: int
     R: int
     any_moved: bool
@@ -75,87 +77,96 @@ class AdvancePlan:
     def num_tiles(self) -> int:
         return int(self.tile_chunk.shape[0])
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+    def tables(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "Any"}
 
 
-def plan_advance(lens: torch.Tensor, off: torch.Tensor, L: int, R: int, *, slots: torch.Tensor | None = None,
-                 rows: torch.Tensor | None = None, final: str = "boundary") -> AdvancePlan:
-    """The layout of an advance, on the CPU.
+def _np(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().to("cpu", torch.int64).numpy()
+    return np.asarray(t, dtype=np.int64)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each i, the values starts[i] .. starts[i] + counts[i] - 1, concatenated, and their owner i."""
+    owner = np.repeat(np.arange(counts.shape[0]), counts)
+    begin = np.cumsum(counts) - counts
+    return starts[owner] + np.arange(owner.shape[0]) - begin[owner], owner
+
+
+def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray, L: int, R: int, *,
+                 slots: torch.Tensor | np.ndarray | None = None, rows: torch.Tensor | None = None,
+                 final: str = "boundary") -> AdvancePlan:
+    """The layout of an advance, on the host.
 
     lens [S] new rows per sequence (>= 1), off [S] rows buffered per sequence (0 <= off < L), slots
-    [S] each sequence's slot (default 0 .. S-1), all int64 on the CPU; L the chunk size, R the row
-    tile (dividing L); rows [T] bool: the wanted rows (default all; a device mask is copied to the
-    host, one sync); final: "boundary" (exact replay) or "end" (fold the trailing partial chunk too).
+    [S] each sequence's slot (default 0 .. S-1): integer CPU tensors or arrays; L the chunk size, R
+    the row tile (dividing L); rows [T] bool: the wanted rows (default all; a device mask is copied
+    to the host, one sync); final: "boundary" (exact replay) or "end" (fold the trailing partial
+    chunk too).
     """
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
     if L % R:
         raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
-    lens, off = lens.to(_I64).cpu(), off.to(_I64).cpu()
-    S = lens.numel()
+    lens, off = _np(lens), _np(off)
+    S = lens.shape[0]
     T = int(lens.sum())
-    cu = torch.zeros(S + 1, dtype=_I64)
-    cu[1:] = torch.cumsum(lens, 0)
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
     slen = off + lens
     count = (slen + L - 1) // L
-    NC = int(count.sum())
-    first = torch.cumsum(count, 0) - count
-    seq = torch.repeat_interleave(torch.arange(S), count, output_size=NC)
-    index = torch.arange(NC) - first[seq]
-    length = torch.clamp(slen[seq] - index * L, max=L)
-    pre = torch.where(index == 0, off[seq], torch.zeros((), dtype=_I64))
+    first = np.cumsum(count) - count
+    index, seq = _ranges(np.zeros(S, dtype=np.int64), count)
+    NC = seq.shape[0]
+    length = np.minimum(slen[seq] - index * L, L)
+    pre = np.where(index == 0, off[seq], 0)
     row0 = cu[:-1][seq] + index * L - off[seq]
-    need = length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool)
-    slot = torch.arange(S) if slots is None else slots.to(_I64).cpu()
-    moved = slen >= L if final == "boundary" else torch.ones(S, dtype=torch.bool)
+    need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
+    slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
+    moved = slen >= L if final == "boundary" else np.ones(S, dtype=bool)
 
     crossed = slen >= L
     base = (slen // L) * L  # stream position of the new buffer's row 0
-    keep_lo = torch.clamp(off - base, min=0)
+    keep_lo = np.maximum(off - base, 0)
     keep_hi = slen - base
     keep_row0 = cu[:-1] - off + base
 
     # Tiles holding wanted rows: the new rows of a chunk are positions pre .. length-1.
+    want = None
     if rows is None:
-        lo_t, hi_t = pre // R, (length - 1) // R  # first and last tile with a new row
-        nt = hi_t - lo_t + 1
-        tc = torch.repeat_interleave(torch.arange(NC), nt)
-        tj = torch.arange(int(nt.sum())) - torch.repeat_interleave(torch.cumsum(nt, 0) - nt, nt) + lo_t[tc]
+        lo_t = pre // R  # first and last tile with a new row
+        tj, tc = _ranges(lo_t, (length - 1) // R - lo_t + 1)
     else:
-        want = rows.to(torch.bool).cpu()
+        want = rows.detach().to("cpu", torch.bool).numpy()
         if want.shape != (T,):
             raise ValueError(f"rows must be a [{T}] bool mask, not {tuple(want.shape)}")
-        row_seq = torch.repeat_interleave(torch.arange(S), lens, output_size=T)
-        q = off[row_seq] + torch.arange(T) - cu[:-1][row_seq]
+        q, row_seq = _ranges(off, lens)  # each row's position in its stream
         rc = first[row_seq] + q // L
-        key = torch.unique(rc[want] * (L // R) + (q[want] % L) // R)  # sorted: chunk-major, then tile
+        key = np.unique(rc[want] * (L // R) + (q[want] % L) // R)  # sorted: chunk-major, then tile
         tc, tj = key // (L // R), key % (L // R)
     tile_pos = tj * R
-    s = tile_pos[:, None] + torch.arange(R)[None, :]  # [NT, R] positions
-    tile_rows = row0[tc][:, None] + s
-    new = (s >= pre[tc][:, None]) & (s < length[tc][:, None])
-    if rows is not None:
-        new &= want[tile_rows.clamp(0, max(T - 1, 0))]
-    tile_rows = torch.where(new, tile_rows, torch.full((), -1, dtype=_I64))
+    pos = tile_pos[:, None] + np.arange(R)[None, :]  # [NT, R] positions
+    tile_rows = row0[tc][:, None] + pos
+    new = (pos >= pre[tc][:, None]) & (pos < length[tc][:, None])
+    if want is not None:
+        new &= want[np.clip(tile_rows, 0, max(T - 1, 0))]
+    tile_rows = np.where(new, tile_rows, -1)
     return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, need=need, first=first, count=count,
                        moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0, crossed=crossed,
                        tile_chunk=tc, tile_pos=tile_pos, tile_rows=tile_rows, slot=slot, chunk_slot=slot[seq],
-                       state_chunks=torch.nonzero(need).flatten(), L=L, R=R,
-                       any_moved=bool(moved.any()), one_each=NC == S)
+                       state_chunks=np.flatnonzero(need), L=L, R=R, any_moved=bool(moved.any()), one_each=NC == S)
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:
-    """The plan with every table as int64 on ``device`` (bool tables as 0/1), moved in one copy
-    (pinned and asynchronous on a GPU): what the kernels read."""
-    device = torch.device(device)
-    ts = plan.tensors()
-    flat = torch.cat([t.to(_I64).flatten() for t in ts.values()])
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    dev = flat.to(device, non_blocking=True)
+    """The plan with every table as an int64 tensor on ``device`` (bool tables as 0/1), moved in
+    one copy: what the kernels read."""
+    ts = plan.tables()
+    flat = np.concatenate([np.asarray(t, dtype=np.int64).ravel() for t in ts.values()])
+    dev = torch.from_numpy(flat).to(device, non_blocking=True)
     out, i = {}, 0
     for name, t in ts.items():
-        out[name] = dev[i:i + t.numel()].view(t.shape)
-        i += t.numel()
+        n = int(np.size(t))
+        out[name] = dev[i:i + n].view(np.shape(t))
+        i += n
     return AdvancePlan(**out, L=plan.L, R=plan.R, any_moved=plan.any_moved, one_each=plan.one_each)

@@ -33,7 +33,9 @@ Loops whose bound is read from memory are written as ``while`` loops: the Triton
 (with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
 kernels through it. ``K_LOOP = "static"`` instead runs every K block of the chunk with the blocks
 past the tile masked (they add exact zeros, as the columns past a row inside the tile do), which
-lets the compiler pipeline the loads.
+lets the compiler pipeline the loads; ``K_LOOP = "range"`` runs the while loop's blocks as a
+run-time ``tl.range`` (compiled only: under the interpreter it runs as the while loop, the same
+arithmetic).
 
 Configs: BLOCK_P, BLOCK_N, BLOCK_K, num_warps, the tile kernel's warps and K loop come from
 ``PINNED["triton"]``; the row tile is an argument, as for the torch scan (callers pass
@@ -53,7 +55,7 @@ import triton.language as tl
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _limits, dt_softplus_exact
+from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code
 from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
@@ -63,6 +65,9 @@ BLOCK_K: int = _CFG["BLOCK_K"]
 NUM_WARPS: int = _CFG["num_warps"]
 TILE_WARPS: int = _CFG["tile_num_warps"]
 K_LOOP: str = _CFG["k_loop"]
+# The state pass is elementwise in (p, n): its block only sets how many programs walk the chunks
+# in parallel (a long sequence has few), never the bits.
+PASS_BLOCK_P: int = _CFG["pass_block_p"]
 PACK_ROWS = 32
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
 # and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
@@ -205,7 +210,7 @@ def _chunk_state_kernel(
 def _state_pass_kernel(
     a_ptr, state_ptr, need_ptr, h_ptr, slot_ptr, h_in_ptr, first_ptr, count_ptr,
     H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
     """Walk sequence q's chunks in order from its slot's boundary state h[slot[q]]: (WRITE_IN)
     h_in[c] = h, then h = exp(a_L) h + state[c] if need[c]; write h back to h[slot[q]].
@@ -223,18 +228,30 @@ def _state_pass_kernel(
     pn = p[:, None] * N + n[None, :]
     home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
     hs = tl.load(home, mask=m, other=0.0)
-    c = tl.load(first_ptr + q)
-    end = c + tl.load(count_ptr + q)
-    while c < end:  # a while loop: see the note on loops in the module docstring
-        off = (c * H + h) * P * N + pn
-        if WRITE_IN:
-            tl.store(h_in_ptr + off, hs, mask=m)
-        upd = tl.load(need_ptr + c) != 0
-        decay = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1))
-        s_k = tl.load(state_ptr + off, mask=m & upd, other=0.0)  # not written for chunks not needed
-        hs = tl.where(upd, decay * hs + s_k, hs)
-        c += 1
+    c0 = tl.load(first_ptr + q)
+    end = c0 + tl.load(count_ptr + q)
+    if RT_RANGE:  # compiled: a run-time range, so the next chunk's loads can be issued early
+        for c in tl.range(c0, end, num_stages=3):
+            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
+    else:  # the interpreter: a while loop (see the note on loops in the module docstring)
+        c = c0
+        while c < end:
+            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
+            c += 1
     tl.store(home, hs, mask=m)
+
+
+@triton.jit
+def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H: tl.constexpr, L: tl.constexpr,
+               P: tl.constexpr, N: tl.constexpr, WRITE_IN: tl.constexpr):
+    """One chunk of the state pass: (WRITE_IN) h_in[c] = hs; returns exp(a_L) hs + state[c] if need[c], else hs."""
+    off = (c * H + h) * P * N + pn
+    if WRITE_IN:
+        tl.store(h_in_ptr + off, hs, mask=m)
+    upd = tl.load(need_ptr + c) != 0
+    decay = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1))
+    s_k = tl.load(state_ptr + off, mask=m & upd, other=0.0)  # not written for chunks not needed
+    return tl.where(upd, decay * hs + s_k, hs)
 
 
 @triton.jit
@@ -243,7 +260,7 @@ def _tile_output_kernel(
     tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, STATIC_K: tl.constexpr,
+    TC: tl.constexpr, K_LOOP: tl.constexpr,
 ):
     """y rows of one tile (R consecutive rows of one chunk), one head, one BLOCK_P block of P.
 
@@ -282,10 +299,14 @@ def _tile_output_kernel(
 
     # Intra-chunk term over the columns up to the tile's end. The bound depends on the tile's
     # position only, so a decode step runs exactly the blocks a prefill runs for this tile (with
-    # STATIC_K every block runs, those past the tile masked: exact zeros).
+    # K_LOOP "static" every block runs, those past the tile masked: exact zeros).
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    if STATIC_K:
+    if K_LOOP == 1:  # "static"
         for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
+                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
+        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
             intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
                                  B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
     else:
@@ -392,7 +413,7 @@ def scan_planned(
             _tile_output_kernel[(plan.num_tiles, H, PB)](
                 x, dt, a, B, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
                 **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
-                STATIC_K=K_LOOP == "static", num_warps=TILE_WARPS, enable_fp_fusion=fuse,
+                K_LOOP=k_loop_code(K_LOOP), num_warps=TILE_WARPS, enable_fp_fusion=fuse,
             )
 
     # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its
@@ -409,9 +430,11 @@ def scan_planned(
     if plan.one_each and not plan.any_moved:
         return y
     h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
-    _state_pass_kernel[(plan.num_seqs, H, PB * NB)](
-        a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=BLOCK_P,
-        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+    PP = min(PASS_BLOCK_P, BLOCK_P)
+    _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
+        a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,
+        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not _interpreting(), num_warps=NUM_WARPS,
+        enable_fp_fusion=fuse,
     )
     if not plan.one_each:
         tiles(h_in, torch.arange(NC, device=dev))
@@ -506,4 +529,4 @@ def scan_chunks_triton(
     plan = plan_advance(lens, off, L, row_tile, rows=None if rows is None else rows.cpu(), final=final)
     states = initial_states.to(device=dev, dtype=torch.float32).clone()
     y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, T=C.shape[0], out_dtype=torch.float32)
-    return y, states, plan.moved.to(dev)
+    return y, states, torch.from_numpy(plan.moved).to(dev)

@@ -60,10 +60,12 @@ BLOCK_K: int = _CFG["BLOCK_K"]
 NUM_WARPS: int = _CFG["num_warps"]
 DOT_PRECISION: str = _CFG["dot_precision"]
 
-MODES = ("row", "tile", "fused")
-DEFAULT_MODE = "row"  # fp32 models; bf16 models run "fused" (tensor-core dots: see triton_dot)
+MODES = ("row", "tile")
+DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
 # The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
+# Its K loop: "while" or "range" (the same blocks; see k_loop_code)
+DECODE_K_LOOP: str = _CFG["decode_k_loop"]
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
@@ -90,6 +92,18 @@ _SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+K_LOOPS = ("while", "static", "range")
+
+
+def k_loop_code(k_loop: str) -> int:
+    """The K loop of the row-tile kernels as their constexpr: 0 while, 1 static (every block, masked),
+    2 range (a run-time ``tl.range``; the interpreter cannot take one, so there it runs as while)."""
+    if k_loop not in K_LOOPS:
+        raise ValueError(f"k_loop must be one of {K_LOOPS}, not {k_loop!r}")
+    code = K_LOOPS.index(k_loop)
+    return 0 if code == 2 and _interpreting() else code
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,12 +437,42 @@ def _row_kernel(
 
 
 @triton.jit
+def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
+                      a_ptr, cb_ptr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """intra + the K block at k0 of ``_tile_output_kernel``'s intra-chunk term, for the decode tile."""
+    R: tl.constexpr = t.shape[0]
+    s = k0 + tl.arange(0, BLOCK_K)
+    sm = s < L
+    if TC:  # the token's row of C.B, from the prep kernel (computed there once per group)
+        cbr = tl.load(cb_ptr + (q * G + g) * L + s, mask=sm, other=0.0)
+        cb = tl.where(live[:, None], cbr[None, :], 0.0)
+    else:
+        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + nn
+            nm = n < N
+            Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0,
+                         mask=live[:, None] & nm[None, :], other=0.0).to(tl.float32)
+            BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
+                         mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
+            cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
+    a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
+    dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
+    decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+    scores = (cb * decay) * dt_s[None, :]
+    xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
+                 other=0.0).to(tl.float32)
+    return dot_acc(intra, scores, xs, TC, 1, PRECISION)
+
+
+@triton.jit
 def _tile_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
     row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
@@ -461,144 +505,21 @@ def _tile_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    k0 = 0
-    while k0 < t0 + R:
-        s = k0 + tl.arange(0, BLOCK_K)
-        sm = s < L
-        if TC:  # the token's row of C.B, from the prep kernel (computed there once per group)
-            cbr = tl.load(cb_ptr + (q * G + g) * L + s, mask=sm, other=0.0)
-            cb = tl.where(live[:, None], cbr[None, :], 0.0)
-        else:
-            cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-            for n0 in range(0, N, BLOCK_N):
-                n = n0 + nn
-                nm = n < N
-                Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0,
-                             mask=live[:, None] & nm[None, :], other=0.0).to(tl.float32)
-                BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
-                             mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
-                cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
-        a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
-        dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
-        decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        scores = (cb * decay) * dt_s[None, :]
-        xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
-                     other=0.0).to(tl.float32)
-        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
-        k0 += BLOCK_K
+    if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
+        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
+            intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    else:
+        k0 = 0
+        while k0 < t0 + R:
+            intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
     out = (inter + intra) + d[None, :] * x_t
     tl.store(y_ptr + (q * H + h) * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
-             mask=live[:, None] & pm[None, :])
-
-
-# --------------------------------------------------------------------------------------------
-# "fused" mode (bf16 models): launches 1 and 2 in one
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _fused_kernel(
-    x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, slots_ptr, pos_ptr,
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, A_ptr, D_ptr, y_ptr, a_ptr, dts_ptr, lo, hi, sD_h, sD_p,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
-):
-    """Program (q, h, p block): ``_prep_kernel`` and ``_tile_kernel`` for one head in one launch.
-
-    The same arithmetic as the two-launch "tile" mode, so the same bits: the chunk's dt row by
-    ``dt_softplus_exact`` of the buffered raw rows and the token's; its cumsum as
-    ``_cumsum_kernel`` (written to the a/dt scratch that the completion kernel reads); the live
-    row of C.B per K block as the prep's tile dot (here per head, from L2, instead of once per
-    group through a second launch); then the tile kernel's dots. The token's x, raw dt and B rows
-    are written to the buffers but read from the inputs (another program of the group may not
-    have written them yet); every buffer row read is < pos % L. Compile with fp contraction off.
-    """
-    q = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    pb = tl.program_id(2)
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    pm = p < P
-    HG: tl.constexpr = H // G
-    g = h // HG
-    slot = tl.load(slots_ptr + q)
-    r = tl.load(pos_ptr + q) % L
-    sh = slot * H + h
-    qh = q * H + h
-    sg = slot * G + g
-
-    # The token's rows into the buffers (each element written by one program).
-    x_tok = tl.load(x_ptr + qh * P + p, mask=pm, other=0.0)
-    tl.store(buf_x_ptr + (sh * L + r) * P + p, x_tok, mask=pm)
-    raw_t = tl.load(dt_ptr + qh)
-    nf = tl.arange(0, BLOCK_NF)
-    B_tok_ptr = B_ptr + (q * G + g) * N
-    if pb == 0:
-        tl.store(buf_dt_ptr + sh * L + r, raw_t)
-        if h % HG == 0:
-            tl.store(buf_B_ptr + (sg * L + r) * N + nf, tl.load(B_tok_ptr + nf, mask=nf < N, other=0.0), mask=nf < N)
-
-    # The chunk's dt row and its cumsum, as pack_chunks and _cumsum_kernel compute them.
-    sl = tl.arange(0, BLOCK_L)
-    raws = tl.load(buf_dt_ptr + sh * L + sl, mask=sl < r, other=0.0)
-    raws = tl.where(sl == r, raw_t, raws)
-    d = dt_softplus_exact(raws, tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
-    d = tl.where(sl <= r, d, 0.0)
-    a = tl.cumsum(d * tl.load(A_ptr + h), axis=0)
-    tl.store(dts_ptr + qh * L + sl, d, mask=sl < L)
-    tl.store(a_ptr + qh * L + sl, a, mask=sl < L)
-    tl.debug_barrier()  # read back by block below, by other threads of this program
-
-    t0 = r - r % R
-    t = t0 + tl.arange(0, R)
-    live = t == r
-    a_t = tl.load(a_ptr + qh * L + t)
-    nn = tl.arange(0, BLOCK_N)
-    C_tok_ptr = C_ptr + (q * G + g) * N
-
-    inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + nn
-        nm = n < N
-        Cn = tl.load(C_tok_ptr + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)
-        hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
-        inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
-    inter = inter * tl.exp(a_t)[:, None]
-
-    intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    k0 = 0
-    while k0 < t0 + R:
-        s = k0 + tl.arange(0, BLOCK_K)
-        sm = s < L
-        old = s < r
-        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            n = n0 + nn
-            nm = n < N
-            Cn = tl.load(C_tok_ptr + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
-                         other=0.0).to(tl.float32)
-            BT = tl.load(buf_B_ptr + (sg * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & old[None, :],
-                         other=0.0)
-            Bnew = tl.load(B_tok_ptr + n, mask=nm, other=0.0)
-            BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
-            cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
-        a_s = tl.load(a_ptr + qh * L + s, mask=sm, other=0.0)
-        dt_s = tl.load(dts_ptr + qh * L + s, mask=sm, other=0.0)
-        decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        scores = (cb * decay) * dt_s[None, :]
-        xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=old[:, None] & pm[None, :], other=0.0)
-        xs = tl.where((s == r)[:, None], x_tok[None, :], xs).to(tl.float32)
-        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
-        k0 += BLOCK_K
-
-    x_t = x_tok.to(tl.float32)
-    dd = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
-    out = (inter + intra) + dd[None, :] * x_t[None, :]
-    tl.store(y_ptr + qh * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
              mask=live[:, None] & pm[None, :])
 
 
@@ -740,15 +661,12 @@ def replay_decode_triton(
     would, and y has the bits of that call's rows.
     """
     tc = tensor_core_dots(C.dtype)
-    mode = ("fused" if tc else DEFAULT_MODE) if mode is None else mode
+    mode = ("tile" if tc else DEFAULT_MODE) if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if tc and mode == "row":
         raise ValueError("row mode reproduces the fp32 (ieee) dots; a bf16 model's dots run on tensor cores: "
-                         "use mode='fused' or 'tile'")
-    if mode == "fused" and not tc and not _interpreting():
-        raise ValueError("fused mode is compiled without fp contraction, as the bf16 (tensor-core) prefill is; "
-                         "an fp32 model's prefill contracts: use mode='row' or 'tile'")
+                         "use mode='tile'")
     S = int(slots.numel())
     SS, H, L, P = state.buf_x.shape
     G, N = state.buf_B.shape[1], state.buf_B.shape[3]
@@ -785,8 +703,8 @@ def replay_decode_triton(
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
     lo, hi = _limits(dt_limit)
     BLOCK_L = triton.next_power_of_2(L)
-    row, fused = mode == "row", mode == "fused"
-    with_cb = not fused and (row or tc)  # the prep kernel's C.B row (the fused kernel computes its own)
+    row = mode == "row"
+    with_cb = row or tc  # the prep kernel's C.B row
     # one scratch allocation, fp32: a [S, H, L], the chunk's softplus'd dt [S, H, L], cb [S, G, L]
     scratch = torch.empty(S * (2 * H + (G if with_cb else 0)) * L, dtype=torch.float32, device=dev)
     a_scr = scratch
@@ -796,32 +714,25 @@ def replay_decode_triton(
     has_limit = _has_limit(dt_limit)
     PB = triton.cdiv(P, BLOCK_P)
 
-    if fused:
-        _fused_kernel[(S, H, PB)](
-            x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, Af,
-            Dd, y, a_scr, dt_scr, lo, hi, sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L, BLOCK_NF=triton.next_power_of_2(N), HAS_LIMIT=has_limit,
-            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=False,
-        )
-    else:
-        KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
-        _prep_kernel[(S, G, L // KB)](
-            x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
-            hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
-            BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
-            BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False,
-        )
+    KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
+    _prep_kernel[(S, G, L // KB)](
+        x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
+        hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
+        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
+        BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False,
+    )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
         _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
             state.buf_x, dt_scr, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
             **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
         )
-    elif not fused:
+    else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=not tc,
+            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), num_warps=NUM_WARPS,
+            enable_fp_fusion=not tc,
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
