@@ -44,8 +44,11 @@ for TC in (False, True):
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
+    comp(tc._cb_kernel, dict(B_ptr=bf, C_ptr=bf, pre_ptr=i64, length_ptr=i64, row0_ptr=i64),
+         dict(G=1, L=256, N=128, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC),
+         fuse)
     for k_loop in (0, 1, 2):  # while, static, range
-        comp(tc._tile_output_kernel, dict(x_ptr=bf, B_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+        comp(tc._tile_output_kernel, dict(x_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                           tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32"),
              dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
                   K_LOOP=k_loop), fuse)
@@ -79,5 +82,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 11 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 2 * 11 + 4, done
+    # 12 kernel configs per dot mode; pack, buffer, row and zero kernels
+    assert len(done) == 2 * 12 + 4, done

@@ -21,13 +21,15 @@ blocks of P/N):
 0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: the chunks' x and B in the model dtype and dt after
    softplus (fp32), from the slots' buffers (rows < pre) and the packed new rows; zero padding.
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
-2. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
+2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
+   kernel's dot, hoisted out of its heads).
+3. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
+4. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
    from and back into the slot's boundary state (in place).
-4. ``_tile_output_kernel`` [tiles holding wanted rows, H, PB]: y rows of one row tile. With one
-   chunk per sequence it runs before 2-3 and reads the boundary state in place (a decode-like
+5. ``_tile_output_kernel`` [H, tiles holding wanted rows, PB]: y rows of one row tile. With one
+   chunk per sequence it runs before 3-4 and reads the boundary state in place (a decode-like
    step reads the state and writes it only if a chunk completed).
-5. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt) from the packed rows.
+6. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt) from the packed rows.
 
 Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
 (with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
@@ -255,24 +257,63 @@ def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H: tl.cons
 
 
 @triton.jit
+def _cb_kernel(
+    B_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr,
+    G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
+):
+    """cb[c, g, t, s] = C_t . B_s for the row tile (rows t0 .. t0+R-1) and K block (columns k0 ..
+    k0+BLOCK_K-1) of program (c * G + g, tile, block), for blocks the tile's rows reach (k0 < t0 + R).
+
+    The dot is the one ``_tile_output_kernel`` runs per head ([R, BLOCK_N] x [BLOCK_N, BLOCK_K] over
+    the n blocks, ``dot_acc``), here once per group; rows outside the chunk's new rows (buffered,
+    padding) have C = 0. C [T, G, N] packed rows (model dtype), B [NC, G, L, N] chunks, cb
+    [NC, G, L, L] fp32 (blocks past a tile's rows are never written nor read).
+    """
+    cg = tl.program_id(0).to(tl.int64)
+    c = cg // G
+    g = cg % G
+    t0 = tl.program_id(1) * R
+    k0 = tl.program_id(2) * BLOCK_K
+    if k0 < t0 + R:
+        t = t0 + tl.arange(0, R)
+        s = k0 + tl.arange(0, BLOCK_K)
+        sm = s < L
+        new = (t >= tl.load(pre_ptr + c)) & (t < tl.load(length_ptr + c))
+        row = tl.load(row0_ptr + c) + t
+        nn = tl.arange(0, BLOCK_N)
+        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + nn
+            nm = n < N
+            Cn = tl.load(C_ptr + (row[:, None] * G + g) * N + n[None, :], mask=new[:, None] & nm[None, :],
+                         other=0.0).to(tl.float32)
+            BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
+                         other=0.0)
+            cb = dot_acc(cb, Cn, BT.to(tl.float32), TC, 0, PRECISION)
+        tl.store(cb_ptr + ((c * G + g) * L + t[:, None]) * L + s[None, :], cb, mask=sm[None, :])
+
+
+@triton.jit
 def _tile_output_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr,
+    x_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr,
     tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr, K_LOOP: tl.constexpr,
 ):
-    """y rows of one tile (R consecutive rows of one chunk), one head, one BLOCK_P block of P.
+    """y rows of one tile (R consecutive rows of one chunk), head h = pid 0, one BLOCK_P block of P.
 
     y_t = exp(a_t) (C_t . h_in) + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s + D x_t.
     tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
-    C [T, G, N] (model dtype), y [T, H, P] (stored in its dtype), D with strides (sD_h, sD_p);
-    h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest as in
-    _chunk_state_kernel.
+    C [T, G, N] (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its
+    dtype), D with strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row
+    h_row[c]; the rest as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's
+    heads run together and share its C, cb and B in L2.
     """
-    tile = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
+    tile = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     pm = p < P
     g = h // (H // G)
@@ -300,20 +341,21 @@ def _tile_output_kernel(
     # Intra-chunk term over the columns up to the tile's end. The bound depends on the tile's
     # position only, so a decode step runs exactly the blocks a prefill runs for this tile (with
     # K_LOOP "static" every block runs, those past the tile masked: exact zeros).
+    cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     if K_LOOP == 1:  # "static"
         for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
-                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
     elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
-                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr,
-                                 B_ptr, C_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
             k0 += BLOCK_K
 
     x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
@@ -324,22 +366,12 @@ def _tile_output_kernel(
 
 
 @triton.jit
-def _intra_block(intra, k0, kend, t, a_t, rows, live, c, ch, g, p, pm, nn, x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr,
-                 G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+def _intra_block(intra, k0, kend, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L: tl.constexpr, P: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked."""
     s = k0 + tl.arange(0, BLOCK_K)
     sm = (s < L) & (s < kend)
-    R: tl.constexpr = t.shape[0]
-    cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + nn
-        nm = n < N
-        Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)
-        BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
-                     other=0.0).to(tl.float32)
-        cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
+    cb = tl.load(cbt[:, None] + s[None, :], mask=sm[None, :], other=0.0)
     a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
     dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
     # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
@@ -408,10 +440,18 @@ def scan_planned(
     _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS,
                             enable_fp_fusion=fuse)
 
+    # C.B once per (chunk, group): the tile kernel's per-head dot, hoisted (same shapes, same bits)
+    cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
+    if plan.num_tiles:
+        _cb_kernel[(NC * G, L // R, triton.cdiv(L, BLOCK_K))](
+            B, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
+            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+        )
+
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
-            _tile_output_kernel[(plan.num_tiles, H, PB)](
-                x, dt, a, B, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
+            _tile_output_kernel[(H, plan.num_tiles, PB)](
+                x, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
                 **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
                 K_LOOP=k_loop_code(K_LOOP), num_warps=TILE_WARPS, enable_fp_fusion=fuse,
             )
