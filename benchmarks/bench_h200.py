@@ -51,8 +51,8 @@ TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
-VARIANTS = [(64, 4, "while", 64), (64, 4, "range", 64), (64, 4, "while", 8), (64, 4, "range", 8),
-            (128, 8, "range", 8), (64, 8, "range", 8), (32, 4, "range", 8)]
+VARIANTS = [(64, 4, "while", 64), (64, 4, "range", 64), (64, 4, "while", 16), (128, 8, "while", 64),
+            (32, 4, "while", 64)]
 # bf16 decode: the tile kernel's K loop as "tile:<k_loop>" (--variants)
 DECODE_VARIANTS = ("tile:range",)
 
