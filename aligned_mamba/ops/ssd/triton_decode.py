@@ -66,6 +66,8 @@ DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: s
 DECODE_ROW_TILE = 16
 # Its K loop: "while" or "range" (the same blocks; see k_loop_code)
 DECODE_K_LOOP: str = _CFG["decode_k_loop"]
+# bf16 models: the tile kernel computes the dt row from the raw buffer (True) or reads the prep's scratch
+DT_IN_TILE = True
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
@@ -264,6 +266,7 @@ def _prep_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+    WITH_DT: tl.constexpr,
 ):
     """Program (q, g, kb), for the chunk's columns s in block kb (KB wide) and group g:
 
@@ -301,13 +304,14 @@ def _prep_kernel(
         tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
-    buffered = hm[:, None] & (s < r)[None, :]
-    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
-    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-    d = tl.where((s <= r)[None, :], d, 0.0)
-    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
+    if WITH_DT:  # (else the tile kernel computes the dt row itself)
+        buffered = hm[:, None] & (s < r)[None, :]
+        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
+        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+        d = tl.where((s <= r)[None, :], d, 0.0)
+        tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
         # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
@@ -438,8 +442,9 @@ def _row_kernel(
 
 @triton.jit
 def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
-                      a_ptr, cb_ptr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+                      a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+                      N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      TC: tl.constexpr, DT_HERE: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """intra + the K block at k0 of ``_tile_output_kernel``'s intra-chunk term, for the decode tile."""
     R: tl.constexpr = t.shape[0]
     s = k0 + tl.arange(0, BLOCK_K)
@@ -458,7 +463,11 @@ def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, bu
                          mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
             cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
     a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
-    dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
+    if DT_HERE:
+        raw = tl.load(buf_dt_ptr + sh * L + s, mask=sm & (s <= r), other=0.0)
+        dt_s = tl.where(s <= r, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), 0.0)
+    else:
+        dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
     xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
@@ -469,13 +478,21 @@ def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, bu
 @triton.jit
 def _tile_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
-    sD_h, sD_p,
+    buf_dt_ptr, dt_bias_ptr, lo, hi, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, DT_HERE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
-    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
+    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
+
+    DT_HERE (compile without fp contraction): the chunk's dt row is computed here from the raw
+    buffered dt (row r written by the prep kernel) by ``dt_softplus_exact``, once for the cumsum
+    and again per K block (elementwise, so the same bits), instead of read from the dt scratch;
+    the scratch row is written only when the token completes the chunk (the update kernel reads
+    it). Otherwise the prep kernel's dt scratch is read.
+    """
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -483,14 +500,25 @@ def _tile_kernel(
     g = h // (H // G)
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
-    _mirror_cumsum(dts_ptr, A_ptr, a_ptr, (q * H + h) * L, (q * H + h) * L, h, L, BLOCK_L)
+    sh = slot * H + h
+    qa = (q * H + h) * L
+    bias = 0.0
+    if DT_HERE:
+        bias = tl.load(dt_bias_ptr + h)
+        sl = tl.arange(0, BLOCK_L)
+        raw = tl.load(buf_dt_ptr + sh * L + sl, mask=sl <= r, other=0.0)
+        d = tl.where(sl <= r, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), 0.0)
+        a = tl.cumsum(d * tl.load(A_ptr + h), axis=0)  # as _cumsum_kernel, on the same dt bits
+        tl.store(a_ptr + qa + sl, a, mask=sl < L)
+        if r == L - 1:
+            tl.store(dts_ptr + qa + sl, d, mask=sl < L)
+    else:
+        _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
     tl.debug_barrier()
 
     t0 = r - r % R
     t = t0 + tl.arange(0, R)
     live = t == r
-    sh = slot * H + h
-    qa = (q * H + h) * L
     a_t = tl.load(a_ptr + qa + t)
     nn = tl.arange(0, BLOCK_N)
 
@@ -508,12 +536,14 @@ def _tile_kernel(
     if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
             intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G, L, P, N,
+                                      BLOCK_K, BLOCK_N, PRECISION, TC, DT_HERE, HAS_LIMIT)
     else:
         k0 = 0
         while k0 < t0 + R:
             intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G, L, P, N,
+                                      BLOCK_K, BLOCK_N, PRECISION, TC, DT_HERE, HAS_LIMIT)
             k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
@@ -705,6 +735,10 @@ def replay_decode_triton(
     BLOCK_L = triton.next_power_of_2(L)
     row = mode == "row"
     with_cb = row or tc  # the prep kernel's C.B row
+    # the tile kernel computes the chunk's dt row itself where it is compiled without contraction
+    # (tensor-core mode; and under the interpreter, which never contracts, so the CPU tests run it):
+    # no dt scratch written and read back every step
+    dt_here = DT_IN_TILE and not row and (tc or _interpreting())
     # one scratch allocation, fp32: a [S, H, L], the chunk's softplus'd dt [S, H, L], cb [S, G, L]
     scratch = torch.empty(S * (2 * H + (G if with_cb else 0)) * L, dtype=torch.float32, device=dev)
     a_scr = scratch
@@ -719,7 +753,7 @@ def replay_decode_triton(
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
-        BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False,
+        BLOCK_N=BLOCK_N, WITH_DT=not dt_here, num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
@@ -730,9 +764,9 @@ def replay_decode_triton(
     else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), num_warps=NUM_WARPS,
-            enable_fp_fusion=not tc,
+            state.buf_dt, bias, lo, hi, sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+            BLOCK_L=BLOCK_L, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), DT_HERE=dt_here,
+            HAS_LIMIT=has_limit, num_warps=NUM_WARPS, enable_fp_fusion=not tc,
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
