@@ -53,8 +53,9 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
 VARIANTS = [(64, 4, "while", 64), (64, 4, "range", 64), (64, 4, "while", 16), (128, 8, "while", 64),
             (32, 4, "while", 64)]
-# bf16 decode: the tile kernel's K loop as "tile:<k_loop>" (--variants)
-DECODE_VARIANTS = ("tile:range",)
+# bf16 decode variants (--variants): "tile:prepdt", the dt row from the prep kernel's scratch
+# (triton_decode.DT_IN_TILE off); "tile:range", the tile kernel's K loop as a tl.range
+DECODE_VARIANTS = ("tile:prepdt",)
 
 
 def log(msg: str) -> None:
@@ -221,21 +222,24 @@ def clone_state(st):
 
 
 def decode_mode(mode: str):
-    """A context manager for a decode mode "tile" or "tile:<k_loop>": the mode, with the tile
-    kernel's K loop set for the duration."""
+    """A context manager for a decode mode "tile" or "tile:<option>" (DECODE_VARIANTS): yields the
+    mode, with the option set in triton_decode for the duration."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_decode as td
 
     @contextlib.contextmanager
     def ctx():
-        base, _, loop = mode.partition(":")
-        old = td.DECODE_K_LOOP
-        td.DECODE_K_LOOP = loop or old
+        base, _, opt = mode.partition(":")
+        old = td.DECODE_K_LOOP, td.DT_IN_TILE
+        if opt == "range":
+            td.DECODE_K_LOOP = "range"
+        elif opt == "prepdt":
+            td.DT_IN_TILE = False
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP = old
+            td.DECODE_K_LOOP, td.DT_IN_TILE = old
 
     return ctx()
 
