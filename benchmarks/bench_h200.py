@@ -304,7 +304,11 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
         out["replay_graph_ms"] = graph_time(torch, lambda: step(0, False), n)
     H, G, P, N = case["H"], case["G"], case["P"], case["N"]
     esize = x.element_size()
-    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"]) for f in case["fill"]))
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    dt_scratch = not (td.DT_IN_TILE and mode == "tile" and esize == 2)
+    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"], dt_scratch)
+                                  for f in case["fill"]))
     out["bytes_ssu"] = int(case["slots"].numel()) * ssu_step_bytes(H, G, P, N, esize)
     if upstream_ssu is not None and dev.type == "cuda":
         S = int(case["slots"].numel())

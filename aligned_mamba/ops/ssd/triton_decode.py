@@ -791,15 +791,16 @@ def replay_decode_triton(
     return y
 
 
-def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
+def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256,
+                        dt_scratch: bool = False) -> int:
     """Bytes one sequence's decode step moves from HBM when no chunk completes: the boundary state
     read once, the partial chunk's x, raw dt and B rows (fill + 1 with the token's) read once, the
-    a, dt and cb scratch written and read, the token's inputs, its rows written to the buffers,
-    and the output."""
+    a and cb scratch (and the dt scratch, where the prep kernel writes it: ``dt_scratch``) written
+    and read, the token's inputs, its rows written to the buffers, and the output."""
     rows = fill + 1
     state = H * P * N * 4
     buf = rows * (H * P * x_bytes + H * x_bytes + G * N * x_bytes)
-    scratch = 2 * (2 * H * L * 4 + G * L * 4)
+    scratch = 2 * ((2 if dt_scratch else 1) * H * L * 4 + G * L * 4)
     token = 2 * (H * P * x_bytes + H * 4 + G * N * x_bytes) + H * x_bytes + G * N * x_bytes + H * P * x_bytes
     return state + buf + scratch + token
 
