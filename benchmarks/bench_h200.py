@@ -51,8 +51,7 @@ TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
-VARIANTS = [(64, 4, "while", 64), (64, 4, "range", 64), (64, 4, "while", 16), (128, 8, "while", 64),
-            (32, 4, "while", 64)]
+VARIANTS = [(64, 4, "while", 16), (128, 8, "while", 64)]
 # bf16 decode variants (--variants): "tile:prepdt", the dt row from the prep kernel's scratch
 # (triton_decode.DT_IN_TILE off); "tile:range", the tile kernel's K loop as a tl.range
 DECODE_VARIANTS = ("tile:prepdt",)
