@@ -358,14 +358,14 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         # the scan kernels alone, on chunks packed once (what the scan costs without pack and buffers)
         plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
         NC = plan.num_chunks
+        xc = torch.zeros(NC, H, L, P, device=dev, dtype=dtype)
         Bc = torch.zeros(NC, G, L, N, device=dev, dtype=dtype)
         dtc = torch.rand(NC, H, L, device=dev) * 0.05
         states = torch.zeros(S, H, P, N, device=dev)
         out["ours_scan_only"] = summary(cuda_times(
-            torch, lambda i: tch.scan_planned(plan, x, st.buf_x, plan.chunk_slot, plan.pre, dtc, Bc, C, prm["A"],
-                                              prm["D"], states, T=T, out_dtype=dtype, zero_unwanted=False),
-            n, warmup))
-        del Bc, dtc
+            torch, lambda i: tch.scan_planned(plan, xc, dtc, Bc, C, prm["A"], prm["D"], states, T=T, out_dtype=dtype,
+                                              zero_unwanted=False), n, warmup))
+        del xc, Bc, dtc
     if variants:
         out["variants"] = []
         pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P)

@@ -39,18 +39,17 @@ def comp(fn, types, consts, fuse):
 for TC in (False, True):
     fuse = not TC
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
-    model = dict(xp_ptr=bf, xb_ptr=bf, B_ptr=bf) if TC else {}  # x, B in the model dtype
-    xsrc = dict(x_slot_ptr=i64, x_pre_ptr=i64, row0_ptr=i64, length_ptr=i64)
-    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model, **xsrc),
-         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+    model = dict(x_ptr=bf, B_ptr=bf) if TC else {}  # chunks hold x and B in the model dtype
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model),
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, C_ptr=bf, pre_ptr=i64, length_ptr=i64, row0_ptr=i64),
          dict(G=1, L=256, N=128, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC),
          fuse)
     for k_loop in (0, 1, 2):  # while, static, range
-        comp(tc._tile_output_kernel, dict(xp_ptr=bf, xb_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
-                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **xsrc),
+        comp(tc._tile_output_kernel, dict(x_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32"),
              dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
                   K_LOOP=k_loop), fuse)
     for with_cb in (False, True):
@@ -65,9 +64,10 @@ for TC in (False, True):
                   PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, DT_HERE=TC, HAS_LIMIT=True), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
-comp(tc._pack_kernel, dict(dt_ptr=bf, B_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, Bc_ptr=bf, chunk_slot_ptr=i64,
-                          pre_ptr=i64, length_ptr=i64, row0_ptr=i64, lo="fp32", hi="fp32"),
-     dict(H=32, G=1, L=256, N=128, ROWS=32, BLOCK_NF=128, HAS_LIMIT=True), False)
+comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
+                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, lo="fp32",
+                          hi="fp32"),
+     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
 comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                             keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, crossed_ptr=i64),
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)

@@ -18,13 +18,12 @@ tile tables computed on the CPU from the batch's lengths and moved in one copy),
 on the device. Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N
 blocks of P/N):
 
-0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: the chunks' B in the model dtype and dt after softplus
-   (fp32), from the slots' buffers (rows < pre) and the packed new rows; zero padding. x is not
-   copied: the kernels read a chunk's rows from the slot's buffer or the packed rows (``_load_x``).
+0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: the chunks' x and B in the model dtype and dt after
+   softplus (fp32), from the slots' buffers (rows < pre) and the packed new rows; zero padding.
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
 2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
    kernel's dot, hoisted out of its heads).
-3. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
+3. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
 4. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
    from and back into the slot's boundary state (in place).
 5. ``_tile_output_kernel`` [H, tiles holding wanted rows, PB]: y rows of one row tile. With one
@@ -58,7 +57,7 @@ import triton.language as tl
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code, state_block_n
+from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code
 from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
@@ -80,15 +79,15 @@ DOT_PRECISION: str = _CFG["dot_precision"]
 
 @triton.jit
 def _pack_kernel(
-    dt_ptr, B_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr, row0_ptr, dtc_ptr,
-    Bc_ptr, lo, hi,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK_NF: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
+    x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr,
+    row0_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Rows s of chunk c (ROWS of them), head h: dtc[c, h, s] = dt_softplus(raw dt) in fp32 (and
-    Bc[c, h, s] in the model dtype for h < G), from the buffer for s < pre, from packed row
-    row0 + s for pre <= s < length, zero past length (dt exactly +0.0). x is not packed: the scan
-    kernels read it where it lies (``_load_x``). Compile without fp contraction (``dt_softplus_exact``)."""
+    """Rows s of chunk c (ROWS of them), head h: xc[c, h, s] (and Bc[c, h, s] for h < G) in the model
+    dtype, dtc[c, h, s] = dt_softplus(raw dt) in fp32, from the buffer for s < pre, from packed row
+    row0 + s for pre <= s < length, zero past length (dt exactly +0.0). Compile without fp
+    contraction (``dt_softplus_exact``)."""
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     h = tl.program_id(2)
@@ -98,6 +97,12 @@ def _pack_kernel(
     row = tl.load(row0_ptr + c) + s
     old = s < pre
     new = (s >= pre) & (s < length)
+
+    pf = tl.arange(0, BLOCK_PF)
+    pm = (pf < P)[None, :]
+    xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm, other=0.0)
+    xn = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
+    tl.store(xc_ptr + ((c * H + h) * L + s[:, None]) * P + pf[None, :], tl.where(old[:, None], xo, xn), mask=pm)
 
     do = tl.load(buf_dt_ptr + (slot * H + h) * L + s, mask=old, other=0.0)
     dn = tl.load(dt_ptr + row * H + h, mask=new, other=0.0)
@@ -111,22 +116,6 @@ def _pack_kernel(
                      other=0.0)
         bn = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
         tl.store(Bc_ptr + ((c * G + h) * L + s[:, None]) * N + nf[None, :], tl.where(old[:, None], bo, bn), mask=nm)
-
-
-@triton.jit
-def _load_x(xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, c, h, s, sm, p, pm,
-            H: tl.constexpr, L: tl.constexpr, P: tl.constexpr):
-    """x of chunk c, head h at positions s [K] and p [BP] as fp32 [K, BP]: rows s < x_pre[c] from
-    the buffer xb [*, H, L, P] at row x_slot[c], rows x_pre[c] <= s < length[c] from the packed rows
-    xp [T, H, P] (row row0[c] + s), zero elsewhere (the padding) and where the masks sm [K] or pm
-    [BP] are off."""
-    pre = tl.load(x_pre_ptr + c)
-    old = (sm & (s < pre))[:, None] & pm[None, :]
-    new = (sm & (s >= pre) & (s < tl.load(length_ptr + c)))[:, None] & pm[None, :]
-    xo = tl.load(xb_ptr + ((tl.load(x_slot_ptr + c) * H + h) * L + s[:, None]) * P + p[None, :], mask=old,
-                 other=0.0)
-    xn = tl.load(xp_ptr + ((tl.load(row0_ptr + c) + s[:, None]) * H + h) * P + p[None, :], mask=new, other=0.0)
-    return tl.where(old, xo, xn).to(tl.float32)
 
 
 @triton.jit
@@ -182,38 +171,37 @@ def _cumsum_kernel(dt_ptr, A_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, BLOCK
 
 @triton.jit
 def _chunk_state_kernel(
-    xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, B_ptr, state_ptr, chunk_ptr,
+    x_ptr, dt_ptr, a_ptr, B_ptr, state_ptr, chunk_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
 ):
-    """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32,
-    one BLOCK_P x BLOCK_NS block per program (BLOCK_NS = N: x is read once per head).
+    """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32.
 
-    x as ``_load_x`` reads it (model dtype, widened exactly); B [NC, G, L, N] in the model dtype;
-    dt/a [NC, H, L] fp32; state [NC, H, P, N] fp32; contiguous.
+    x [NC, H, L, P] and B [NC, G, L, N] in the model dtype (widened to fp32 exactly), dt/a
+    [NC, H, L] fp32, state [NC, H, P, N] fp32; contiguous.
     """
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
-    NB: tl.constexpr = (N + BLOCK_NS - 1) // BLOCK_NS
+    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pb = tl.program_id(2) // NB
     nb = tl.program_id(2) % NB
     g = h // (H // G)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = nb * BLOCK_NS + tl.arange(0, BLOCK_NS)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     pm = p < P
     nm = n < N
     ch = c * H + h
     a_last = tl.load(a_ptr + ch * L + L - 1)
-    acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):  # L is constexpr: the same blocks for every chunk
         s = k0 + tl.arange(0, BLOCK_K)
         sm = s < L
         a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
         dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
         w = tl.exp(a_last - a_s) * dt_s  # a is non-increasing, so the exponent is <= 0
-        xT = tl.trans(_load_x(xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, c, h, s, sm, p, pm, H, L,
-                              P))
+        xT = tl.load(x_ptr + (ch * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
+                     other=0.0).to(tl.float32)
         Bs = tl.load(B_ptr + ((c * G + g) * L + s[:, None]) * N + n[None, :], mask=sm[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
@@ -308,8 +296,8 @@ def _cb_kernel(
 
 @triton.jit
 def _tile_output_kernel(
-    xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr,
-    h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
+    x_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr,
+    tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr, K_LOOP: tl.constexpr,
@@ -321,8 +309,8 @@ def _tile_output_kernel(
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
     C [T, G, N] (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its
     dtype), D with strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row
-    h_row[c]; x as ``_load_x`` reads it; the rest as in _chunk_state_kernel. Heads vary fastest over
-    the grid, so a group's heads run together and share its C, cb and B in L2.
+    h_row[c]; the rest as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's
+    heads run together and share its C, cb and B in L2.
     """
     h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
@@ -357,20 +345,20 @@ def _tile_output_kernel(
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     if K_LOOP == 1:  # "static"
         for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, c, ch, h, p, pm, xp_ptr, xb_ptr, x_slot_ptr,
-                                 x_pre_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, H, L, P, BLOCK_K, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
     elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, c, ch, h, p, pm, xp_ptr, xb_ptr, x_slot_ptr,
-                                 x_pre_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, H, L, P, BLOCK_K, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, c, ch, h, p, pm, xp_ptr, xb_ptr, x_slot_ptr,
-                                 x_pre_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, H, L, P, BLOCK_K, PRECISION, TC)
+            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+                                 PRECISION, TC)
             k0 += BLOCK_K
 
-    x_t = _load_x(xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, c, h, t, t < L, p, pm, H, L, P)
+    x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
     out = (inter + intra) + d[None, :] * x_t
     tl.store(y_ptr + (rows[:, None] * H + h) * P + p[None, :], out.to(y_ptr.dtype.element_ty),
@@ -378,9 +366,8 @@ def _tile_output_kernel(
 
 
 @triton.jit
-def _intra_block(intra, k0, kend, t, a_t, cbt, c, ch, h, p, pm, xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr,
-                 length_ptr, dt_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, TC: tl.constexpr):
+def _intra_block(intra, k0, kend, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L: tl.constexpr, P: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked."""
     s = k0 + tl.arange(0, BLOCK_K)
     sm = (s < L) & (s < kend)
@@ -390,7 +377,8 @@ def _intra_block(intra, k0, kend, t, a_t, cbt, c, ch, h, p, pm, xp_ptr, xb_ptr, 
     # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    xs = _load_x(xp_ptr, xb_ptr, x_slot_ptr, x_pre_ptr, row0_ptr, length_ptr, c, h, s, sm, p, pm, H, L, P)
+    xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
+                 other=0.0).to(tl.float32)
     return dot_acc(intra, scores, xs, TC, 1, PRECISION)
 
 
@@ -409,9 +397,6 @@ def _check_shapes(H: int, G: int, L: int, R: int) -> None:
 def scan_planned(
     plan: AdvancePlan,
     x: torch.Tensor,
-    x_buf: torch.Tensor,
-    x_slot: torch.Tensor,
-    x_pre: torch.Tensor,
     dt: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
@@ -423,29 +408,25 @@ def scan_planned(
     out_dtype: torch.dtype,
     zero_unwanted: bool = True,
 ) -> torch.Tensor:
-    """The scan proper over chunks, from a device plan; updates ``states`` in place.
+    """The scan proper over packed chunks, from a device plan; updates ``states`` in place.
 
-    plan: ``to_device(plan_advance(...))``. x: where the chunks' rows lie (``_load_x``): x [T, H, P]
-    packed new rows, x_buf [*, H, L, P] buffers, x_slot/x_pre [NC] int64 (chunk c's rows below
-    x_pre[c] are x_buf[x_slot[c]]'s, the rest plan.row0[c] + s of x). B [NC, G, L, N] in the model
-    dtype (or fp32 holding its values), dt [NC, H, L] fp32 after softplus (``_pack_kernel`` or
+    plan: ``to_device(plan_advance(...))``. x [NC, H, L, P] and B [NC, G, L, N] in the model dtype
+    (or fp32 holding its values), dt [NC, H, L] fp32 after softplus (``_pack_kernel`` or
     ``chunk.pack_chunks``). C [T, G, N] for the packed new rows, in the model dtype (bf16 selects
     the tensor-core dots); A [H] fp32; D [H] or [H, P]. states [slots, H, P, N] fp32: the boundary
     states, read at plan.slot and, for the sequences whose boundary moves, overwritten there.
 
     Returns y [T, H, P] in ``out_dtype`` (rows not wanted are zero if ``zero_unwanted``, else unset).
     """
-    NC = plan.num_chunks
-    H, L, P = x_buf.shape[1], x_buf.shape[2], x_buf.shape[3]
+    NC, H, L, P = x.shape
     G, N = B.shape[1], B.shape[3]
     R = plan.R
     _check_shapes(H, G, L, R)
-    dev = x_buf.device
+    dev = x.device
     f32 = torch.float32
     tc = tensor_core_dots(C.dtype)
     fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
-    x, x_buf, dt, B, C = (t if t.is_contiguous() else t.contiguous() for t in (x, x_buf, dt, B, C))
-    xsrc = (x, x_buf, x_slot, x_pre, plan.row0, plan.length)
+    x, dt, B, C = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C))
     Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
     Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
@@ -470,8 +451,8 @@ def scan_planned(
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
             _tile_output_kernel[(H, plan.num_tiles, PB)](
-                *xsrc, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p,
-                G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
+                x, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
+                **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
                 K_LOOP=k_loop_code(K_LOOP), num_warps=TILE_WARPS, enable_fp_fusion=fuse,
             )
 
@@ -482,9 +463,9 @@ def scan_planned(
     n_need = int(plan.state_chunks.shape[0])
     chunk_state = torch.empty(NC if n_need else 0, H, P, N, device=dev, dtype=f32)  # unset where not needed
     if n_need:
-        _chunk_state_kernel[(n_need, H, PB)](
-            *xsrc, dt, a, B, chunk_state, plan.state_chunks, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-            BLOCK_NS=state_block_n(N), PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+        _chunk_state_kernel[(n_need, H, PB * NB)](
+            x, dt, a, B, chunk_state, plan.state_chunks, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+            BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
     if plan.one_each and not plan.any_moved:
         return y
@@ -531,6 +512,7 @@ def advance_triton(
     NC = plan.num_chunks
     x, dt, B = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B))
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
+    xc = torch.empty(NC, H, L, P, device=dev, dtype=x.dtype)
     dtc = torch.empty(NC, H, L, device=dev, dtype=torch.float32)
     Bc = torch.empty(NC, G, L, N, device=dev, dtype=B.dtype)
     lo, hi = _limits(dt_limit)
@@ -539,12 +521,11 @@ def advance_triton(
     rows = min(PACK_ROWS, L)
     if NC:
         _pack_kernel[(NC, triton.cdiv(L, rows), H)](
-            dt, B, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0, dtc, Bc, lo, hi,
-            H=H, G=G, L=L, N=N, ROWS=rows, BLOCK_NF=blocks["BLOCK_NF"], HAS_LIMIT=_has_limit(dt_limit),
-            num_warps=4, enable_fp_fusion=False,
+            x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
+            xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=_has_limit(dt_limit), num_warps=4,
+            enable_fp_fusion=False,
         )
-    y = scan_planned(pd, x, state.buf_x, pd.chunk_slot, pd.pre, dtc, Bc, C, A, D, state.ssm_state, T=T,
-                     out_dtype=x.dtype, zero_unwanted=zero_unwanted)
+    y = scan_planned(pd, xc, dtc, Bc, C, A, D, state.ssm_state, T=T, out_dtype=x.dtype, zero_unwanted=zero_unwanted)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
@@ -587,8 +568,5 @@ def scan_chunks_triton(
     off = torch.zeros(S, dtype=torch.int64).index_add_(0, seq, length) - lens
     plan = plan_advance(lens, off, L, row_tile, rows=None if rows is None else rows.cpu(), final=final)
     states = initial_states.to(device=dev, dtype=torch.float32).clone()
-    # every chunk's rows come from the chunk tensor itself (all of them "buffered": x_pre = L)
-    idx = torch.arange(NC, device=dev)
-    y = scan_planned(to_device(plan, dev), ch.x, ch.x, idx, torch.full_like(idx, L), ch.dt, ch.B, C, A, D, states,
-                     T=C.shape[0], out_dtype=torch.float32)
+    y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, T=C.shape[0], out_dtype=torch.float32)
     return y, states, torch.from_numpy(plan.moved).to(dev)

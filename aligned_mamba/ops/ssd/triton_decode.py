@@ -96,12 +96,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def state_block_n(N: int) -> int:
-    """The N block of the chunk-state dots (prefill's _chunk_state_kernel, decode's _update_kernel):
-    all of N in one block, so x is read once per head; the same shapes on both sides."""
-    return triton.next_power_of_2(N)
-
-
 K_LOOPS = ("while", "static", "range")
 
 
@@ -778,10 +772,10 @@ def replay_decode_triton(
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
     if n_upd:
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
-        NBS = state_block_n(N)
-        _update_kernel[(n_upd, H, PB * triton.cdiv(N, NBS))](
+        NB = triton.cdiv(N, BLOCK_N)
+        _update_kernel[(n_upd, H, PB * NB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed,
             num_warps=NUM_WARPS, enable_fp_fusion=not tc,
         )
         _zero_kernel[(n_upd, H)](
