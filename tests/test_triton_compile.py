@@ -41,7 +41,7 @@ for TC in (False, True):
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
     model = dict(x_ptr=bf, B_ptr=bf) if TC else {}  # chunks hold x and B in the model dtype
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model),
-         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, C_ptr=bf, pre_ptr=i64, length_ptr=i64, row0_ptr=i64),

@@ -23,7 +23,7 @@ blocks of P/N):
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
 2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
    kernel's dot, hoisted out of its heads).
-3. ``_chunk_state_kernel`` [chunks needed, H, PB * NB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
+3. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
 4. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
    from and back into the slot's boundary state (in place).
 5. ``_tile_output_kernel`` [H, tiles holding wanted rows, PB]: y rows of one row tile. With one
@@ -57,7 +57,7 @@ import triton.language as tl
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code
+from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code, state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
 _CFG = PINNED["triton"]
@@ -173,27 +173,28 @@ def _cumsum_kernel(dt_ptr, A_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, BLOCK
 def _chunk_state_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, state_ptr, chunk_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
 ):
-    """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32.
+    """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32,
+    one BLOCK_P x BLOCK_NS block per program (BLOCK_NS = ``state_block_n(N)``: x is read once per head).
 
     x [NC, H, L, P] and B [NC, G, L, N] in the model dtype (widened to fp32 exactly), dt/a
     [NC, H, L] fp32, state [NC, H, P, N] fp32; contiguous.
     """
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
-    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    NB: tl.constexpr = (N + BLOCK_NS - 1) // BLOCK_NS
     pb = tl.program_id(2) // NB
     nb = tl.program_id(2) % NB
     g = h // (H // G)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_NS + tl.arange(0, BLOCK_NS)
     pm = p < P
     nm = n < N
     ch = c * H + h
     a_last = tl.load(a_ptr + ch * L + L - 1)
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):  # L is constexpr: the same blocks for every chunk
         s = k0 + tl.arange(0, BLOCK_K)
         sm = s < L
@@ -463,9 +464,10 @@ def scan_planned(
     n_need = int(plan.state_chunks.shape[0])
     chunk_state = torch.empty(NC if n_need else 0, H, P, N, device=dev, dtype=f32)  # unset where not needed
     if n_need:
-        _chunk_state_kernel[(n_need, H, PB * NB)](
+        NBS = state_block_n(N)
+        _chunk_state_kernel[(n_need, H, PB * triton.cdiv(N, NBS))](
             x, dt, a, B, chunk_state, plan.state_chunks, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+            BLOCK_NS=NBS, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
     if plan.one_each and not plan.any_moved:
         return y
