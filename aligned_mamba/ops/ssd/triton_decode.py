@@ -1,28 +1,31 @@
 """Fused exact-replay decode step on Triton: one new token per sequence, any offsets, any batch.
 
 A decode step must give the token's output row the bits a single-pass prefill (``ssd_advance``
-with ``backend="triton"``, i.e. ``scan_chunks_triton``) gives the same row. By the invariant of
+with ``backend="triton"``, i.e. ``triton_chunk.advance_triton``) gives the same row. By the invariant of
 ``chunk.py`` that row is a fixed function of (its chunk's fp32 boundary state, the chunk's inputs
 up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
 buffer, and only the token's own row:
 
-1. ``_prep_kernel`` [S, G] (compiled with ``enable_fp_fusion=False``): writes the token's x, raw
+1. ``_prep_kernel`` [S, G, L / BLOCK_K] (compiled with ``enable_fp_fusion=False``): writes the token's x, raw
    dt and B into row ``pos % L`` of the slot's buffers; the chunk's dt row so far, softplus(dt +
    dt_bias) (clamped to dt_limit) of the buffered raw rows and the token's, by ``softplus_exact``,
    which reproduces ``elementwise.softplus`` operation by operation, so the bits are those
-   ``pack_chunks`` computes; in "row" mode also cb[s] = C_t . B_s for the rows of the chunk so far,
+   the prefill's pack computes; in "row" mode also cb[s] = C_t . B_s for the rows of the chunk so far,
    as the sequential fma chain a Triton fp32 ``tl.dot`` runs.
 2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, fp32 models) or ``_tile_kernel`` [S, H, PB]
    ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
    kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
    ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
-   token's row is live; a row's bits do not depend on the tile's height). "row" computes the
+   token's row is live; a row's bits do not depend on the tile's height; ``DT_IN_TILE`` has it
+   compute the chunk's dt row itself instead of reading the prep's, ``DECODE_K_LOOP = "range"``
+   runs its K loop as a ``tl.range``: both bit-identical, both off, measured slower on the
+   H200). "row" computes the
    one row alone with explicit fma chains in the order the fp32 FMA dot lowering accumulates
    (k ascending, one fused multiply-add per term, starting from the accumulator); it cannot
    reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only read.
-3. ``_update_kernel`` [S or n, H, PB * NB], only for sequences whose token completes the chunk
+3. ``_update_kernel`` [S or n, H, PB], only for sequences whose token completes the chunk
    (``pos % L == L - 1``): chunk state and new boundary state, the code of
-   ``_chunk_state_kernel`` + ``_state_pass_kernel``.
+   ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
 4. ``_zero_kernel`` [S or n, H]: empties the buffers of those sequences.
 
 Launches 3 and 4 return at once for sequences that do not complete a chunk; a caller that knows
