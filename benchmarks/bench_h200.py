@@ -52,9 +52,8 @@ MODES = ("row", "tile")
 BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
 VARIANTS = [(64, 4, "while", 16), (128, 8, "while", 64)]
-# bf16 decode variants (--variants): "tile:prepdt", the dt row from the prep kernel's scratch
-# (triton_decode.DT_IN_TILE off); "tile:range", the tile kernel's K loop as a tl.range
-DECODE_VARIANTS = ("tile:prepdt",)
+# bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range
+DECODE_VARIANTS = ("tile:range",)
 
 
 def log(msg: str) -> None:
@@ -221,8 +220,8 @@ def clone_state(st):
 
 
 def decode_mode(mode: str):
-    """A context manager for a decode mode "tile" or "tile:<option>" (DECODE_VARIANTS): yields the
-    mode, with the option set in triton_decode for the duration."""
+    """A context manager for a decode mode "tile" or "tile:<k_loop>" (DECODE_VARIANTS): yields the
+    mode, with the tile kernel's K loop set in triton_decode for the duration."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_decode as td
@@ -230,15 +229,13 @@ def decode_mode(mode: str):
     @contextlib.contextmanager
     def ctx():
         base, _, opt = mode.partition(":")
-        old = td.DECODE_K_LOOP, td.DT_IN_TILE
-        if opt == "range":
-            td.DECODE_K_LOOP = "range"
-        elif opt == "prepdt":
-            td.DT_IN_TILE = False
+        old = td.DECODE_K_LOOP
+        if opt:
+            td.DECODE_K_LOOP = opt
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP, td.DT_IN_TILE = old
+            td.DECODE_K_LOOP = old
 
     return ctx()
 
@@ -303,11 +300,7 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
         out["replay_graph_ms"] = graph_time(torch, lambda: step(0, False), n)
     H, G, P, N = case["H"], case["G"], case["P"], case["N"]
     esize = x.element_size()
-    import aligned_mamba.ops.ssd.triton_decode as td
-
-    dt_scratch = not (td.DT_IN_TILE and mode == "tile" and esize == 2)
-    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"], dt_scratch)
-                                  for f in case["fill"]))
+    out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"]) for f in case["fill"]))
     out["bytes_ssu"] = int(case["slots"].numel()) * ssu_step_bytes(H, G, P, N, esize)
     if upstream_ssu is not None and dev.type == "cuda":
         S = int(case["slots"].numel())

@@ -56,12 +56,12 @@ for TC in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
-                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, WITH_DT=not TC), False)
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN), False)
     for k_loop in (0, 2):  # while, range
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                                   buf_dt_ptr=bf, lo="fp32", hi="fp32", sD_h="i32", sD_p="i32"),
+                                   sD_h="i32", sD_p="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, DT_HERE=TC, HAS_LIMIT=True), fuse)
+                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,

@@ -20,7 +20,7 @@ Per sequence q of S:
     packed row of buffer row 0 (rows from keep_lo on are new rows); crossed[q] (bool): the buffer
     is rewritten from row 0 (rows keep_hi .. L-1 become zero), else only rows keep_lo .. keep_hi-1
     change.
-    state_chunks [n]: the chunks with need set, in order; chunk_slot[c] = slot[seq[c]].
+    state_chunks [n]: the chunks with need set, in order; chunk_slot[c] = slot[seq[c]]; chunk_id[c] = c.
 Per sequence also slot[q], its slot in the replay state.
 Per row tile i of NT (R rows of one chunk holding at least one wanted row):
     tile_chunk[i], tile_pos[i] (its first row's position), tile_rows[i, R] (each tile row's
@@ -60,6 +60,7 @@ class AdvancePlan:
     slot: Any
     chunk_slot: Any
     state_chunks: Any
+    chunk_id: Any
     L: int
     R: int
     any_moved: bool
@@ -155,7 +156,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, need=need, first=first, count=count,
                        moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0, crossed=crossed,
                        tile_chunk=tc, tile_pos=tile_pos, tile_rows=tile_rows, slot=slot, chunk_slot=slot[seq],
-                       state_chunks=np.flatnonzero(need), L=L, R=R, any_moved=bool(moved.any()), one_each=NC == S)
+                       state_chunks=np.flatnonzero(need), chunk_id=np.arange(NC, dtype=np.int64), L=L, R=R,
+                       any_moved=bool(moved.any()), one_each=NC == S)
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:

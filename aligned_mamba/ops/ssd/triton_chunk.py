@@ -49,6 +49,7 @@ bf16 models, chosen by C's dtype.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -59,6 +60,9 @@ from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
 from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code, state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
+
+if TYPE_CHECKING:
+    from ...replay import LayerReplayState
 
 _CFG = PINNED["triton"]
 BLOCK_P: int = _CFG["BLOCK_P"]
@@ -479,12 +483,12 @@ def scan_planned(
         enable_fp_fusion=fuse,
     )
     if not plan.one_each:
-        tiles(h_in, torch.arange(NC, device=dev))
+        tiles(h_in, plan.chunk_id)
     return y
 
 
 def advance_triton(
-    state,
+    state: LayerReplayState,
     plan: AdvancePlan,
     x: torch.Tensor,
     dt: torch.Tensor,

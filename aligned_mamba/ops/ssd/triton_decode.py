@@ -16,10 +16,9 @@ buffer, and only the token's own row:
    ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
    kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
    ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
-   token's row is live; a row's bits do not depend on the tile's height; ``DT_IN_TILE`` has it
-   compute the chunk's dt row itself instead of reading the prep's, ``DECODE_K_LOOP = "range"``
-   runs its K loop as a ``tl.range``: both bit-identical, both off, measured slower on the
-   H200). "row" computes the
+   token's row is live; a row's bits do not depend on the tile's height; ``DECODE_K_LOOP =
+   "range"`` runs its K loop as a ``tl.range``: bit-identical, off, no faster on the H200). "row"
+   computes the
    one row alone with explicit fma chains in the order the fp32 FMA dot lowering accumulates
    (k ascending, one fused multiply-add per term, starting from the accumulator); it cannot
    reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only read.
@@ -47,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -55,6 +55,9 @@ import triton.language as tl
 from .. import elementwise as ew
 from ..configs import PINNED
 from .triton_dot import dot_acc, tensor_core_dots
+
+if TYPE_CHECKING:
+    from ...replay import LayerReplayState
 
 _CFG = PINNED["triton"]
 BLOCK_P: int = _CFG["BLOCK_P"]
@@ -69,9 +72,6 @@ DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: s
 DECODE_ROW_TILE = 16
 # Its K loop: "while" or "range" (the same blocks; see k_loop_code)
 DECODE_K_LOOP: str = _CFG["decode_k_loop"]
-# bf16 models: the tile kernel computes the dt row from the raw buffer (True) or reads the prep kernel's
-# dt scratch (False, the default: measured faster on the H200, as True recomputes softplus per K block)
-DT_IN_TILE = False
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
@@ -276,7 +276,6 @@ def _prep_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WITH_DT: tl.constexpr,
 ):
     """Program (q, g, kb), for the chunk's columns s in block kb (KB wide) and group g:
 
@@ -314,14 +313,13 @@ def _prep_kernel(
         tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
-    if WITH_DT:  # (else the tile kernel computes the dt row itself)
-        buffered = hm[:, None] & (s < r)[None, :]
-        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
-        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-        d = tl.where((s <= r)[None, :], d, 0.0)
-        tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
+    buffered = hm[:, None] & (s < r)[None, :]
+    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
+    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+    d = tl.where((s <= r)[None, :], d, 0.0)
+    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
         # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
@@ -452,9 +450,8 @@ def _row_kernel(
 
 @triton.jit
 def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
-                      a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-                      N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                      TC: tl.constexpr, DT_HERE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                      a_ptr, cb_ptr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + the K block at k0 of ``_tile_output_kernel``'s intra-chunk term, for the decode tile."""
     R: tl.constexpr = t.shape[0]
     s = k0 + tl.arange(0, BLOCK_K)
@@ -473,11 +470,7 @@ def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, bu
                          mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
             cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
     a_s = tl.load(a_ptr + qa + s, mask=sm, other=0.0)
-    if DT_HERE:
-        raw = tl.load(buf_dt_ptr + sh * L + s, mask=sm & (s <= r), other=0.0)
-        dt_s = tl.where(s <= r, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), 0.0)
-    else:
-        dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
+    dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
     xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
@@ -488,21 +481,13 @@ def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, bu
 @triton.jit
 def _tile_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
-    buf_dt_ptr, dt_bias_ptr, lo, hi, sD_h, sD_p,
+    sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, DT_HERE: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
-    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
-
-    DT_HERE (compile without fp contraction): the chunk's dt row is computed here from the raw
-    buffered dt (row r written by the prep kernel) by ``dt_softplus_exact``, once for the cumsum
-    and again per K block (elementwise, so the same bits), instead of read from the dt scratch;
-    the scratch row is written only when the token completes the chunk (the update kernel reads
-    it). Otherwise the prep kernel's dt scratch is read.
-    """
+    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -512,18 +497,7 @@ def _tile_kernel(
     r = tl.load(pos_ptr + q) % L
     sh = slot * H + h
     qa = (q * H + h) * L
-    bias = 0.0
-    if DT_HERE:
-        bias = tl.load(dt_bias_ptr + h)
-        sl = tl.arange(0, BLOCK_L)
-        raw = tl.load(buf_dt_ptr + sh * L + sl, mask=sl <= r, other=0.0)
-        d = tl.where(sl <= r, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), 0.0)
-        a = tl.cumsum(d * tl.load(A_ptr + h), axis=0)  # as _cumsum_kernel, on the same dt bits
-        tl.store(a_ptr + qa + sl, a, mask=sl < L)
-        if r == L - 1:
-            tl.store(dts_ptr + qa + sl, d, mask=sl < L)
-    else:
-        _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
+    _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
     tl.debug_barrier()
 
     t0 = r - r % R
@@ -546,14 +520,12 @@ def _tile_kernel(
     if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
             intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G, L, P, N,
-                                      BLOCK_K, BLOCK_N, PRECISION, TC, DT_HERE, HAS_LIMIT)
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
             intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, buf_dt_ptr, bias, lo, hi, r, G, L, P, N,
-                                      BLOCK_K, BLOCK_N, PRECISION, TC, DT_HERE, HAS_LIMIT)
+                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
             k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
@@ -665,7 +637,7 @@ def _row_layout(H: int, G: int, P: int) -> tuple[int, int]:
 
 
 def replay_decode_triton(
-    state,
+    state: LayerReplayState,
     slots: torch.Tensor,
     pos: torch.Tensor,
     x: torch.Tensor,
@@ -745,10 +717,6 @@ def replay_decode_triton(
     BLOCK_L = triton.next_power_of_2(L)
     row = mode == "row"
     with_cb = row or tc  # the prep kernel's C.B row
-    # the tile kernel computes the chunk's dt row itself where it is compiled without contraction
-    # (tensor-core mode; and under the interpreter, which never contracts, so the CPU tests run it):
-    # no dt scratch written and read back every step
-    dt_here = DT_IN_TILE and not row and (tc or _interpreting())
     # one scratch allocation, fp32: a [S, H, L], the chunk's softplus'd dt [S, H, L], cb [S, G, L]
     scratch = torch.empty(S * (2 * H + (G if with_cb else 0)) * L, dtype=torch.float32, device=dev)
     a_scr = scratch
@@ -763,7 +731,7 @@ def replay_decode_triton(
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
-        BLOCK_N=BLOCK_N, WITH_DT=not dt_here, num_warps=4, enable_fp_fusion=False,
+        BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
@@ -774,9 +742,9 @@ def replay_decode_triton(
     else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            state.buf_dt, bias, lo, hi, sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-            BLOCK_L=BLOCK_L, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), DT_HERE=dt_here,
-            HAS_LIMIT=has_limit, num_warps=NUM_WARPS, enable_fp_fusion=not tc,
+            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), num_warps=NUM_WARPS,
+            enable_fp_fusion=not tc,
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
@@ -795,16 +763,15 @@ def replay_decode_triton(
     return y
 
 
-def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256,
-                        dt_scratch: bool = False) -> int:
+def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
     """Bytes one sequence's decode step moves from HBM when no chunk completes: the boundary state
     read once, the partial chunk's x, raw dt and B rows (fill + 1 with the token's) read once, the
-    a and cb scratch (and the dt scratch, where the prep kernel writes it: ``dt_scratch``) written
-    and read, the token's inputs, its rows written to the buffers, and the output."""
+    a, dt and cb scratch written and read, the token's inputs, its rows written to the buffers,
+    and the output."""
     rows = fill + 1
     state = H * P * N * 4
     buf = rows * (H * P * x_bytes + H * x_bytes + G * N * x_bytes)
-    scratch = 2 * ((2 if dt_scratch else 1) * H * L * 4 + G * L * 4)
+    scratch = 2 * (2 * H * L * 4 + G * L * 4)
     token = 2 * (H * P * x_bytes + H * 4 + G * N * x_bytes) + H * x_bytes + G * N * x_bytes + H * P * x_bytes
     return state + buf + scratch + token
 
