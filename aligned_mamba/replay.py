@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -104,9 +105,10 @@ class LayerReplayState:
         return self.buf_x.shape[2]
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Empty the given slots (a new or recomputed sequence starts from zero state)."""
+        """Empty the given slots (a new or recomputed sequence starts from zero state). One fill
+        per field on the device, no host sync (``t[slots] = 0`` would copy the scalar and sync)."""
         for t in self.tensors():
-            t[slots] = 0
+            t.index_fill_(0, slots.to(t.device), 0)
 
     def bytes_per_slot(self) -> int:
         """Resident bytes one sequence holds in this layer."""
@@ -126,8 +128,8 @@ class LayerRunningState:
     conv_window: torch.Tensor
 
     def reset(self, slots: torch.Tensor) -> None:
-        self.ssm_state[slots] = 0
-        self.conv_window[slots] = 0
+        for t in (self.ssm_state, self.conv_window):
+            t.index_fill_(0, slots.to(t.device), 0)
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,18 @@ class Batch:
     """One advance: S sequences, each with n_i new tokens packed in order.
 
     slots [S] int64 (distinct), start_pos [S] int64 (tokens already consumed by each slot),
-    cu_seqlens [S+1] int64 (new tokens' offsets in the packed rows).
+    cu_seqlens [S+1] int64 (new tokens' offsets in the packed rows), all on the CPU.
+
+    A batch is one engine step, shared by every layer of the step, and must not change once built:
+    what a backend derives from it (the Triton backend's chunk and tile plan, the decode's device
+    copies of slots and positions) is computed by the first layer and reused by the others
+    (``derived``), as an engine builds its attention metadata once per step.
     """
 
     slots: torch.Tensor
     start_pos: torch.Tensor
     cu_seqlens: torch.Tensor
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def make(cls, slots: list[int], start_pos: list[int], new_tokens: list[int]) -> Batch:
@@ -161,6 +169,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
+
+    def derived(self, key: tuple, build: Any) -> Any:
+        """``build()``, computed once per batch and key (see the class docstring)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
 
 def conv_advance(state: LayerReplayState | LayerRunningState, batch: Batch, xBC: torch.Tensor,
@@ -210,21 +224,33 @@ def ssd_advance(
         # A decode-only batch on the GPU: the fused replay-decode kernel computes just the new
         # rows with the prefill kernel's arithmetic (bit-identical, checked on the H200 by
         # tests/test_triton_decode.py) and touches the boundary state only when a chunk completes.
+        from .ops.ssd.plan import host_to_device
         from .ops.ssd.triton_decode import replay_decode_triton
 
-        done = torch.nonzero(batch.start_pos % L == L - 1).flatten()
-        return replay_decode_triton(state, batch.slots.to(dev), batch.start_pos.to(dev), x, dt, B, C, A=A, D=D,
-                                    dt_bias=dt_bias, dt_limit=dt_limit,
-                                    completes=done.to(dev) if done.numel() else False)
+        def decode_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
+            done = torch.nonzero(batch.start_pos % L == L - 1).flatten()
+            n = batch.slots.numel()
+            both = host_to_device(torch.cat([batch.slots, batch.start_pos, done]).numpy(), dev)
+            return both[:n], both[n:2 * n], both[2 * n:] if done.numel() else False
+
+        slots_d, pos_d, done_d = batch.derived(("decode", L, dev), decode_tables)
+        return replay_decode_triton(state, slots_d, pos_d, x, dt, B, C, A=A, D=D, dt_bias=dt_bias,
+                                    dt_limit=dt_limit, completes=done_d)
     if backend == "triton":
         # The chunk, tile and buffer layout comes from the batch's lengths on the host (no device
-        # syncs); pack, scan, state pass and buffer rewrite are Triton kernels (triton_chunk).
-        from .ops.ssd.plan import plan_advance
+        # syncs), once per batch (every layer of a step shares it); pack, scan, state pass and
+        # buffer rewrite are Triton kernels (triton_chunk).
+        from .ops.ssd.plan import plan_advance, to_device
         from .ops.ssd.triton_chunk import advance_triton
 
-        plan = plan_advance(batch.lengths, batch.start_pos % L, L, row_tile, slots=batch.slots, rows=rows)
+        def planned() -> tuple:
+            p = plan_advance(batch.lengths, batch.start_pos % L, L, row_tile, slots=batch.slots, rows=rows)
+            return p, to_device(p, dev)
+
+        # a rows mask is a device tensor of its own: planned per call, not kept
+        plan, plan_d = planned() if rows is not None else batch.derived(("plan", L, row_tile, dev), planned)
         return advance_triton(state, plan, x, dt, B, C, A=A, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
-                              zero_unwanted=rows is not None)
+                              zero_unwanted=rows is not None, device_plan=plan_d)
     slots, cu = batch.slots.to(dev), batch.cu_seqlens.to(dev)
     lens = cu[1:] - cu[:-1]
     off = batch.start_pos.to(dev) % L  # rows buffered since the boundary

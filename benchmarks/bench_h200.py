@@ -50,10 +50,15 @@ TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
-# (row tile, tile kernel warps, K loop, state pass P block): candidates for the pinned prefill configs
-VARIANTS = [(64, 4, "while", 16), (128, 8, "while", 64)]
-# bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range
-DECODE_VARIANTS = ("tile:range",)
+# (row tile, tile kernel warps, K loop, state pass P block, K block): candidates for the pinned
+# prefill configs. A K block other than the pinned one is another contract (other bits, its own
+# decode): its "bitwise" against the pinned config is expected False.
+VARIANTS = [(64, 4, "while", 64, 64), (64, 8, "while", 64, 64)]
+# bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
+# "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
+# "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
+# all of it; "tile:bk64", a K block of 64 (prefill and decode: the bit check runs both with it)
+DECODE_VARIANTS = ("tile:nopdl", "tile:whole", "tile:bk64", "tile:whole:bk64")
 
 
 def log(msg: str) -> None:
@@ -220,22 +225,31 @@ def clone_state(st):
 
 
 def decode_mode(mode: str):
-    """A context manager for a decode mode "tile" or "tile:<k_loop>" (DECODE_VARIANTS): yields the
-    mode, with the tile kernel's K loop set in triton_decode for the duration."""
+    """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
+    loop, "nopdl", "whole" or "bk<K block>"): yields the base mode, with those settings in
+    triton_decode (and the K block in triton_chunk) for the duration."""
     import contextlib
 
+    import aligned_mamba.ops.ssd.triton_chunk as tch
     import aligned_mamba.ops.ssd.triton_decode as td
 
     @contextlib.contextmanager
     def ctx():
-        base, _, opt = mode.partition(":")
-        old = td.DECODE_K_LOOP
-        if opt:
-            td.DECODE_K_LOOP = opt
+        base, *opts = mode.split(":")
+        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K
+        for opt in opts:
+            if opt == "nopdl":
+                td.PDL = False
+            elif opt == "whole":
+                td.PREP_WHOLE_ROW = True
+            elif opt.startswith("bk"):
+                td.BLOCK_K = tch.BLOCK_K = int(opt[2:])
+            else:
+                td.DECODE_K_LOOP = opt
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP = old
+            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K = old
 
     return ctx()
 
@@ -344,9 +358,17 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         st.reset(slots)
 
     reset()
-    y0 = ours()
+    y0 = ours()  # plans the batch (kept on it, as every layer of an engine step shares it)
     s0 = [t.clone() for t in st.tensors()]
     if dev.type == "cuda":
+        # what the plan costs the host, once per step (not per layer): numpy tables + one pinned copy
+        hs = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            to_device(plan_advance(batch.lengths, batch.start_pos % L, L, R0, slots=batch.slots), dev)
+            hs.append((time.perf_counter() - t0) * 1e3)
+        out["plan_host_ms"] = statistics.median(hs)
+        torch.cuda.synchronize()
         out["ours"] = summary(cuda_times(torch, ours, n, warmup, before=reset))
         # the scan kernels alone, on chunks packed once (what the scan costs without pack and buffers)
         plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
@@ -361,22 +383,23 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         del xc, Bc, dtc
     if variants:
         out["variants"] = []
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K)
         try:
-            for R, warps, loop, pass_bp in VARIANTS:
+            for R, warps, loop, pass_bp, bk in VARIANTS:
                 if L % R:
                     continue
-                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = loop, warps, pass_bp
+                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K = loop, warps, pass_bp, bk
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
-                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "bitwise": same}
+                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "block_k": bk,
+                     "bitwise": same}
                 if dev.type == "cuda":
                     ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = pinned
+            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))
@@ -589,6 +612,7 @@ def main() -> int:
                     if dev.type == "cuda":
                         entry["ours_ms"] = t["ours"]["median_ms"]
                         entry["ours_scan_only_ms"] = t["ours_scan_only"]["median_ms"]
+                        entry["plan_host_ms"] = t["plan_host_ms"]
                     if "mamba_ssm" in t:
                         entry["mamba_ssm_ms"] = t["mamba_ssm"]["median_ms"]
                         entry["mamba_ssm_first_call_s"] = t["mamba_ssm_first_call_s"]

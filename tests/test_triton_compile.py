@@ -56,12 +56,12 @@ for TC in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
-                  R=td.DECODE_ROW_TILE, BLOCK_N=BN), False)
-    for k_loop in (0, 2):  # while, range
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb, KB_PER=256 // BK if with_cb else 1), False)
+    for k_loop, pdl in ((0, False), (0, True), (2, False)):  # while, range; with and without PDL
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
                                    sD_h="i32", sD_p="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop), fuse)
+                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, PDL=pdl), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC, LISTED=True), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
@@ -82,5 +82,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 12 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 2 * 12 + 4, done
+    # 13 kernel configs per dot mode; pack, buffer, row and zero kernels
+    assert len(done) == 2 * 13 + 4, done

@@ -197,3 +197,35 @@ def test_unaligned_split_without_replay_changes_bits(split: int) -> None:
     assert torch.equal(y_split[a], y_one[a])  # the part before the split is the same prefix
     assert not torch.equal(y_split[b], y_one[b])  # rows after it are rounded differently ...
     assert torch.allclose(y_split, y_one, rtol=1e-4, atol=1e-4)  # ... but are the same values
+
+
+def test_one_batch_shared_by_layers_of_other_shapes() -> None:
+    """An engine step hands one ``Batch`` to every layer: the plan kept on it (``Batch.derived``)
+    is keyed by chunk size and row tile, so layers of another chunk size or row tile get their
+    own plan and every layer's rows are those of a fresh batch."""
+    G, lens, start = 1, [40, 9], [5, 30]
+    x, dt, B, C = _tokens(sum(lens), G, 11)
+    prm = _params(11)
+    layers = [(L, None), (L // 2, None), (L, 16)]  # (chunk size, row tile; None: min(pinned, chunk size))
+
+    def states(chunk: int) -> LayerReplayState:
+        st_ = LayerReplayState.allocate(2, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
+                                        chunk_size=chunk, dtype=torch.float32)
+        g = torch.Generator().manual_seed(chunk)
+        st_.ssm_state.copy_(torch.randn(st_.ssm_state.shape, generator=g))
+        for i, p0 in enumerate(start):
+            for buf in (st_.buf_x, st_.buf_dt, st_.buf_B):
+                buf[i, :, : p0 % chunk] = torch.rand(buf[i, :, : p0 % chunk].shape, generator=g)
+        return st_
+
+    shared = Batch.make([0, 1], start, lens)
+    ys_shared, ys_fresh = [], []
+    for chunk, tile in layers:
+        a, b = states(chunk), states(chunk)
+        ys_shared.append(ssd_advance(a, shared, x, dt, B, C, row_tile=tile, backend="triton", **prm))
+        ys_fresh.append(ssd_advance(b, Batch.make([0, 1], start, lens), x, dt, B, C, row_tile=tile, backend="triton",
+                                    **prm))
+        _assert_same_state(a, b)
+    assert len(shared._derived) == 3  # one plan per (chunk size, row tile), each built once
+    for y_s, y_f in zip(ys_shared, ys_fresh, strict=True):
+        assert torch.equal(y_s, y_f)

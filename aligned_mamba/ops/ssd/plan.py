@@ -6,8 +6,9 @@ boundary, as ``chunk.pack_chunks`` does. Everything about that layout (which chu
 rows, which chunks complete, which row tiles hold wanted rows) follows from (off, n) alone, which
 an engine knows on the host. ``plan_advance`` computes it there with numpy (a few microseconds
 per table, where torch CPU ops cost tens); ``to_device`` moves every table to the device in one
-copy. The Triton backend's kernels then read the tables and
-never ask the device how many chunks or tiles there are.
+asynchronous copy. A step plans once for all its layers (``replay.Batch.derived``). The Triton
+backend's kernels then read the tables and never ask the device how many chunks or tiles there
+are.
 
 Tables (int64 unless noted), per chunk c of NC:
     seq[c]   owning sequence; index[c] chunk number within it; length[c] valid rows (<= L);
@@ -160,12 +161,21 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
                        any_moved=bool(moved.any()), one_each=NC == S)
 
 
+def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """An int64 array on ``device`` without waiting on it: to a GPU through pinned (page-locked)
+    memory, whose copy is truly asynchronous (a pageable one may wait for the stream's work)."""
+    t = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:
     """The plan with every table as an int64 tensor on ``device`` (bool tables as 0/1), moved in
-    one copy: what the kernels read."""
+    one asynchronous copy (``host_to_device``): what the kernels read."""
     ts = plan.tables()
     flat = np.concatenate([np.asarray(t, dtype=np.int64).ravel() for t in ts.values()])
-    dev = torch.from_numpy(flat).to(device, non_blocking=True)
+    dev = host_to_device(flat, device)
     out, i = {}, 0
     for name, t in ts.items():
         n = int(np.size(t))

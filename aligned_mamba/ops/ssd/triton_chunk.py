@@ -382,8 +382,9 @@ def _intra_block(intra, k0, kend, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, 
     # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
-                 other=0.0).to(tl.float32)
+    xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
+    if not TC:  # the tensor-core dot takes x as it is (bf16); widening it and back is exact, and work
+        xs = xs.to(tl.float32)
     return dot_acc(intra, scores, xs, TC, 1, PRECISION)
 
 
@@ -500,12 +501,15 @@ def advance_triton(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     zero_unwanted: bool = True,
+    device_plan: AdvancePlan | None = None,
 ) -> torch.Tensor:
     """``replay.ssd_advance`` on the Triton backend, from a host plan (``plan_advance`` with the
     batch's slots, "boundary"): pack, scan, move the boundary states, rewrite the buffers.
 
     state: a ``LayerReplayState`` (contiguous; buffers in the model dtype). x [T, H, P], dt [T, H]
-    raw, B/C [T, G, N] in the model dtype. Returns y [T, H, P] in x's dtype.
+    raw, B/C [T, G, N] in the model dtype. device_plan: ``to_device(plan, x.device)`` if the caller
+    keeps one (every layer of a step shares it), else it is made here. Returns y [T, H, P] in x's
+    dtype.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -514,7 +518,7 @@ def advance_triton(
     for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
         if not getattr(state, name).is_contiguous():
             raise ValueError(f"state.{name} must be contiguous")
-    pd = to_device(plan, dev)
+    pd = to_device(plan, dev) if device_plan is None else device_plan
     NC = plan.num_chunks
     x, dt, B = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B))
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()

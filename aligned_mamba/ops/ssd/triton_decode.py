@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import elementwise as ew
 from ..configs import PINNED
@@ -98,6 +99,22 @@ _SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Programmatic dependent launch (Hopper and later): the tile kernel starts while the prep kernel
+# runs, reads the boundary state and computes its inter-chunk term (inputs the prep does not
+# write), then waits for the prep (``gdc_wait``) before reading what the prep wrote. Scheduling
+# only: the arithmetic and its order are the same with it off.
+PDL: bool = True
+# With PDL, one prep program per (sequence, group) walks the whole chunk row (see _prep_kernel)
+PREP_WHOLE_ROW: bool = False
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependents (sm_90+, compiled)."""
+    if _interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def state_block_n(N: int) -> int:
@@ -275,11 +292,13 @@ def _prep_kernel(
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, dts_ptr, cb_ptr, lo, hi,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB_PER: tl.constexpr, HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (q, g, kb), for the chunk's columns s in block kb (KB wide) and group g:
+    """Program (q, g, j), for group g and the chunk's columns s in blocks kb = j KB_PER ..
+    (j + 1) KB_PER - 1 (each KB wide):
 
-    - (kb = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
+    - (j = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
       buffers at row r = pos % L;
     - dts[q, h, s] = softplus(dt_s + dt_bias) for s <= r (buffered raw rows and the token's), 0
       past r: the chunk's dt row exactly as ``pack_chunks`` builds it;
@@ -288,11 +307,15 @@ def _prep_kernel(
       instead of once per head; or (row mode) the fp32 dot's fma chain.
 
     Every column's result is computed alone, so splitting the columns over programs does not
-    touch the bits; it spreads a step's work over S * G * L / KB programs instead of S * G.
+    touch the bits: KB_PER = 1 spreads a step's work over S * G * L / KB programs; KB_PER = L / KB
+    keeps it to S * G, few enough to be resident at once, so that (PDL) the tile kernel, launched
+    as its programmatic dependent once every prep program has started, overlaps all of it.
     """
+    if PDL:
+        gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    kb = tl.program_id(2)
+    kb0 = tl.program_id(2) * KB_PER
     HG: tl.constexpr = H // G
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
@@ -301,7 +324,7 @@ def _prep_kernel(
     hm = j < HG
     hh = g * HG + j
     raw = tl.load(dt_ptr + q * H + hh, mask=hm, other=0.0)
-    if kb == 0:
+    if kb0 == 0:
         tl.store(buf_dt_ptr + (slot * H + hh) * L + r, raw.to(buf_dt_ptr.dtype.element_ty), mask=hm)
         pf = tl.arange(0, BLOCK_PF)
         m2 = hm[:, None] & (pf < P)[None, :]
@@ -312,58 +335,60 @@ def _prep_kernel(
         bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nfm, other=0.0)
         tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
-    s = kb * KB + tl.arange(0, KB)
-    buffered = hm[:, None] & (s < r)[None, :]
-    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row: the kb = 0 program writes it
-    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-    d = tl.where((s <= r)[None, :], d, 0.0)
-    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
+    for kj in range(KB_PER):  # this program's column blocks, each computed alone
+        kb = kb0 + kj
+        s = kb * KB + tl.arange(0, KB)
+        buffered = hm[:, None] & (s < r)[None, :]
+        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the j = 0 program writes it)
+        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+        d = tl.where((s <= r)[None, :], d, 0.0)
+        tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
-    if WITH_CB and TC:
-        # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
-        # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
-        # tokens' B there; the zero decay discards both). Row r of B is the token's.
-        t0 = r - r % R
-        if kb * KB < t0 + R:
-            rr = tl.arange(0, R)
-            live = (t0 + rr) == r
-            nn = tl.arange(0, BLOCK_N)
-            cbt = tl.zeros((R, KB), dtype=tl.float32)
-            for n0 in range(0, N, BLOCK_N):
-                nc = n0 + nn
-                ncm = nc < N
-                Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
-                             mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
-                BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
-                             mask=ncm[:, None] & (s < r)[None, :], other=0.0)
-                Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
-                BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
-                cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
-            tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
-                     mask=live[:, None] & (s < L)[None, :])
-    elif WITH_CB:
-        # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
-        # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
-        if kb * KB <= r:
-            jj = tl.arange(0, 4)
-            cq = C_ptr + (q * G + g) * N
-            bq = B_ptr + (q * G + g) * N
-            bb = buf_B_ptr + (slot * G + g) * L * N
-            old = s < r
-            is_new = s == r
-            acc = tl.zeros((KB,), dtype=tl.float32)
-            for n0 in tl.static_range(0, N, 4):
-                blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
-                new = tl.load(bq + n0 + jj)
-                blk = tl.where(is_new[:, None], new[None, :], blk).to(tl.float32)
-                b0, b1, b2, b3 = _cols4(blk)
-                acc = tl.fma(tl.load(cq + n0).to(tl.float32), b0, acc)
-                acc = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), b1, acc)
-                acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
-                acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
-            tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
+        if WITH_CB and TC:
+            # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
+            # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
+            # tokens' B there; the zero decay discards both). Row r of B is the token's.
+            t0 = r - r % R
+            if kb * KB < t0 + R:
+                rr = tl.arange(0, R)
+                live = (t0 + rr) == r
+                nn = tl.arange(0, BLOCK_N)
+                cbt = tl.zeros((R, KB), dtype=tl.float32)
+                for n0 in range(0, N, BLOCK_N):
+                    nc = n0 + nn
+                    ncm = nc < N
+                    Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
+                                 mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
+                    BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
+                                 mask=ncm[:, None] & (s < r)[None, :], other=0.0)
+                    Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
+                    BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
+                    cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
+                tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
+                         mask=live[:, None] & (s < L)[None, :])
+        elif WITH_CB:
+            # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
+            # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
+            if kb * KB <= r:
+                jj = tl.arange(0, 4)
+                cq = C_ptr + (q * G + g) * N
+                bq = B_ptr + (q * G + g) * N
+                bb = buf_B_ptr + (slot * G + g) * L * N
+                old = s < r
+                is_new = s == r
+                acc = tl.zeros((KB,), dtype=tl.float32)
+                for n0 in tl.static_range(0, N, 4):
+                    blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
+                    new = tl.load(bq + n0 + jj)
+                    blk = tl.where(is_new[:, None], new[None, :], blk).to(tl.float32)
+                    b0, b1, b2, b3 = _cols4(blk)
+                    acc = tl.fma(tl.load(cq + n0).to(tl.float32), b0, acc)
+                    acc = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), b1, acc)
+                    acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
+                    acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
+                tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,7 +474,7 @@ def _row_kernel(
 
 
 @triton.jit
-def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
+def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
                       a_ptr, cb_ptr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + the K block at k0 of ``_tile_output_kernel``'s intra-chunk term, for the decode tile."""
@@ -473,8 +498,12 @@ def _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, bu
     dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :],
-                 other=0.0).to(tl.float32)
+    # Rows past the token's are not read: the buffer holds zeros there and the prefill's later rows
+    # meet zero scores, so a zero x gives the same exact-zero products with fewer bytes.
+    xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=(sm & (s <= r))[:, None] & pm[None, :],
+                 other=0.0)
+    if not TC:
+        xs = xs.to(tl.float32)
     return dot_acc(intra, scores, xs, TC, 1, PRECISION)
 
 
@@ -484,10 +513,15 @@ def _tile_kernel(
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
-    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly)."""
+    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
+
+    The inter-chunk dots come first: they read the boundary state and C only, which the prep
+    kernel does not write, so (PDL) they overlap the prep; ``gdc_wait`` then waits for it before
+    the dt row, the buffers and cb are read.
+    """
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -497,13 +531,9 @@ def _tile_kernel(
     r = tl.load(pos_ptr + q) % L
     sh = slot * H + h
     qa = (q * H + h) * L
-    _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
-    tl.debug_barrier()
-
     t0 = r - r % R
     t = t0 + tl.arange(0, R)
     live = t == r
-    a_t = tl.load(a_ptr + qa + t)
     nn = tl.arange(0, BLOCK_N)
 
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
@@ -514,17 +544,23 @@ def _tile_kernel(
                      other=0.0).to(tl.float32)
         hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
+
+    if PDL:
+        gdc_wait()
+    _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
+    tl.debug_barrier()
+    a_t = tl.load(a_ptr + qa + t)
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
                                       buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
-            intra = _tile_intra_block(intra, k0, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
                                       buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
             k0 += BLOCK_K
 
@@ -727,11 +763,13 @@ def replay_decode_triton(
     PB = triton.cdiv(P, BLOCK_P)
 
     KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
-    _prep_kernel[(S, G, L // KB)](
+    pdl = PDL and not row and pdl_supported(dev)
+    kb_per = (L // KB) if pdl and PREP_WHOLE_ROW else 1
+    _prep_kernel[(S, G, L // KB // kb_per)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
-        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
-        BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False,
+        BLOCK_NF=triton.next_power_of_2(N), KB=KB, KB_PER=kb_per, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
+        BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
@@ -743,8 +781,8 @@ def replay_decode_triton(
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), num_warps=NUM_WARPS,
-            enable_fp_fusion=not tc,
+            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, num_warps=NUM_WARPS,
+            enable_fp_fusion=not tc, **({"launch_pdl": True} if pdl else {}),
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
