@@ -50,15 +50,17 @@ TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
-# (row tile, tile kernel warps, K loop, state pass P block, K block): candidates for the pinned
-# prefill configs. A K block other than the pinned one is another contract (other bits, its own
-# decode): its "bitwise" against the pinned config is expected False.
-VARIANTS = [(64, 4, "while", 64, 64), (64, 8, "while", 64, 64)]
+# (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
+# candidates for the pinned prefill configs. A K block other than the pinned one is another
+# contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
+VARIANTS = [(64, 4, "while", 64, 32, {"num_stages": 1}), (64, 4, "while", 64, 32, {"num_stages": 2}),
+            (64, 4, "while", 64, 32, {"num_stages": 1, "maxnreg": 128})]
 # bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
 # "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
 # "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
 # all of it; "tile:bk64", a K block of 64 (prefill and decode: the bit check runs both with it)
-DECODE_VARIANTS = ("tile:nopdl", "tile:whole", "tile:bk64", "tile:whole:bk64")
+# "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
+DECODE_VARIANTS = ("tile:nopdl", "tile:ns2:reg72", "tile:ns2:reg64", "tile:ns2")
 
 
 def log(msg: str) -> None:
@@ -226,7 +228,7 @@ def clone_state(st):
 
 def decode_mode(mode: str):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole" or "bk<K block>"): yields the base mode, with those settings in
+    loop, "nopdl", "whole", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base mode, with those settings in
     triton_decode (and the K block in triton_chunk) for the duration."""
     import contextlib
 
@@ -236,9 +238,14 @@ def decode_mode(mode: str):
     @contextlib.contextmanager
     def ctx():
         base, *opts = mode.split(":")
-        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K
+        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS
+        td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt == "nopdl":
+            if opt.startswith("ns"):
+                td.TILE_OPTS["num_stages"] = int(opt[2:])
+            elif opt.startswith("reg"):
+                td.TILE_OPTS["maxnreg"] = int(opt[3:])
+            elif opt == "nopdl":
                 td.PDL = False
             elif opt == "whole":
                 td.PREP_WHOLE_ROW = True
@@ -249,7 +256,7 @@ def decode_mode(mode: str):
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K = old
+            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS = old
 
     return ctx()
 
@@ -383,23 +390,24 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         del xc, Bc, dtc
     if variants:
         out["variants"] = []
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS)
         try:
-            for R, warps, loop, pass_bp, bk in VARIANTS:
+            for R, warps, loop, pass_bp, bk, opts in VARIANTS:
                 if L % R:
                     continue
-                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K = loop, warps, pass_bp, bk
+                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = loop, warps, pass_bp
+                tch.BLOCK_K, tch.TILE_OPTS = bk, opts
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
                 v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "block_k": bk,
-                     "bitwise": same}
+                     "tile_opts": opts, "bitwise": same}
                 if dev.type == "cuda":
                     ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K = pinned
+            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

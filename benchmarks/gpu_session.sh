@@ -70,7 +70,7 @@ for d in r["decode"]:
           f(d.get("replay_graph_ms")), f(d.get("ssu_graph_ms")), f(d.get("ratio_graph")))
 print("prefill: shape tokens ours_ms (scan only) mamba_ssm_ms ratio | variants: tile/warps/loop ms bitwise")
 for p in r["prefill"]:
-    vs = " ".join(f"{v['row_tile']}/{v['tile_warps']}/{v['k_loop']}/{v.get('pass_block_p')}/bk{v.get('block_k')}={f(v.get('ms'))}{'' if v['bitwise'] else '(BITS DIFFER)'}"
+    vs = " ".join(f"{v['row_tile']}/{v['tile_warps']}/{v['k_loop']}/{v.get('pass_block_p')}/bk{v.get('block_k')}/{v.get('tile_opts')}={f(v.get('ms'))}{'' if v['bitwise'] else '(BITS DIFFER)'}"
                   for v in (p.get("variants") or []))
     print(" ", p["shape"], p["tokens"], f(p["ours_ms"]), f"({f(p.get('ours_scan_only_ms'))})",
           f(p["mamba_ssm_ms"]), f(p["ratio"]), "|", vs)

@@ -108,6 +108,9 @@ def _interpreting() -> bool:
 PDL: bool = True
 # With PDL, one prep program per (sequence, group) walks the whole chunk row (see _prep_kernel)
 PREP_WHOLE_ROW: bool = False
+# Compile options of the tile kernel beyond the pinned ones (software-pipelining stages, register
+# cap): occupancy only, never the arithmetic.
+TILE_OPTS: dict = {}
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -520,8 +523,11 @@ def _tile_kernel(
 
     The inter-chunk dots come first: they read the boundary state and C only, which the prep
     kernel does not write, so (PDL) they overlap the prep; ``gdc_wait`` then waits for it before
-    the dt row, the buffers and cb are read.
+    the dt row, the buffers and cb are read. Its own dependents (the completion kernels) may launch
+    at once: they wait for it.
     """
+    if PDL:
+        gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -581,11 +587,15 @@ def _update_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, LISTED: tl.constexpr,
+    TC: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i, h, block), sequence q = i (or seq[i] if LISTED): if its token completed the chunk,
     the new boundary state block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the
-    arithmetic of ``_chunk_state_kernel`` followed by ``_state_pass_kernel``."""
+    arithmetic of ``_chunk_state_kernel`` followed by ``_state_pass_kernel``. (PDL) launched as the
+    tile kernel's dependent: every program waits for it first, so this kernel ends after it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     q = tl.program_id(0).to(tl.int64)
     if LISTED:
         q = tl.load(seq_ptr + q)
@@ -628,10 +638,13 @@ def _update_kernel(
 def _zero_kernel(
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr, seq_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr,
+    BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i, h), sequence q = i (or seq[i] if LISTED): if its token completed the chunk, zero
-    head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers."""
+    head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers. (PDL) launched
+    as the update kernel's dependent: every program waits for it first."""
+    if PDL:
+        gdc_wait()
     q = tl.program_id(0).to(tl.int64)
     if LISTED:
         q = tl.load(seq_ptr + q)
@@ -765,6 +778,7 @@ def replay_decode_triton(
     KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
     pdl = PDL and not row and pdl_supported(dev)
     kb_per = (L // KB) if pdl and PREP_WHOLE_ROW else 1
+    launch = {"launch_pdl": True} if pdl else {}
     _prep_kernel[(S, G, L // KB // kb_per)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
@@ -782,7 +796,7 @@ def replay_decode_triton(
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
             PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, num_warps=NUM_WARPS,
-            enable_fp_fusion=not tc, **({"launch_pdl": True} if pdl else {}),
+            enable_fp_fusion=not tc, **launch, **TILE_OPTS,
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
@@ -792,11 +806,11 @@ def replay_decode_triton(
         _update_kernel[(n_upd, H, PB * triton.cdiv(N, NBS))](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
             BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed,
-            num_warps=NUM_WARPS, enable_fp_fusion=not tc,
+            PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=not tc, **launch,
         )
         _zero_kernel[(n_upd, H)](
             state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, **dims, BLOCK_L=BLOCK_L, ZB=1024,
-            LISTED=listed, num_warps=NUM_WARPS,
+            LISTED=listed, PDL=pdl, num_warps=NUM_WARPS, **launch,
         )
     return y
 
