@@ -53,14 +53,17 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-VARIANTS = [(64, 4, "while", 64, 32, {"num_stages": 1}), (64, 4, "while", 64, 32, {"num_stages": 2}),
-            (64, 4, "while", 64, 32, {"num_stages": 1, "maxnreg": 128})]
+# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
+VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
 # bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
 # "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
 # "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
 # all of it; "tile:bk64", a K block of 64 (prefill and decode: the bit check runs both with it)
 # "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
-DECODE_VARIANTS = ("tile:nopdl", "tile:ns2:reg72", "tile:ns2:reg64", "tile:ns2")
+# "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit check runs the prefill so too)
+DECODE_VARIANTS = ("tile:nopdl", "tile:round")
+# prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
+ACCURACY_MAX_TOKENS = 2048
 
 
 def log(msg: str) -> None:
@@ -228,20 +231,24 @@ def clone_state(st):
 
 def decode_mode(mode: str):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base mode, with those settings in
-    triton_decode (and the K block in triton_chunk) for the duration."""
+    loop, "nopdl", "whole", "round", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base
+    mode, with those settings in triton_decode (the K block also in triton_chunk, the dot mode in
+    triton_dot) for the duration."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_chunk as tch
     import aligned_mamba.ops.ssd.triton_decode as td
+    import aligned_mamba.ops.ssd.triton_dot as tdot
 
     @contextlib.contextmanager
     def ctx():
         base, *opts = mode.split(":")
-        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS
+        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS
         td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt.startswith("ns"):
+            if opt == "round":
+                tdot.BF16_DOTS = "round"
+            elif opt.startswith("ns"):
                 td.TILE_OPTS["num_stages"] = int(opt[2:])
             elif opt.startswith("reg"):
                 td.TILE_OPTS["maxnreg"] = int(opt[3:])
@@ -256,7 +263,7 @@ def decode_mode(mode: str):
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS = old
+            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
 
     return ctx()
 
@@ -367,6 +374,14 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
     reset()
     y0 = ours()  # plans the batch (kept on it, as every layer of an engine step shares it)
     s0 = [t.clone() for t in st.tensors()]
+    ref = None
+    if T <= ACCURACY_MAX_TOKENS:  # the fp64 token-by-token reference, next to the bf16 floor
+        from aligned_mamba.ops.ssd.naive import ssd_naive
+
+        cu = torch.tensor([0, *lens], device=dev).cumsum(0)
+        ref, _ = ssd_naive(x, dt, prm["A"], B, C, prm["D"], prm["dt_bias"], cu)
+        out["error_vs_fp64"] = rel_error(y0, ref)
+        out["bf16_floor"] = rel_error(ref.to(dtype), ref)
     if dev.type == "cuda":
         # what the plan costs the host, once per step (not per layer): numpy tables + one pinned copy
         hs = []
@@ -390,24 +405,30 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         del xc, Bc, dtc
     if variants:
         out["variants"] = []
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS)
+        import aligned_mamba.ops.ssd.triton_dot as tdot
+
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
         try:
             for R, warps, loop, pass_bp, bk, opts in VARIANTS:
                 if L % R:
                     continue
                 tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = loop, warps, pass_bp
-                tch.BLOCK_K, tch.TILE_OPTS = bk, opts
+                tch.BLOCK_K = bk
+                tch.TILE_OPTS = opts.get("tile", pinned[4])
+                tdot.BF16_DOTS = opts.get("dots", pinned[5])
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
                 v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "block_k": bk,
                      "tile_opts": opts, "bitwise": same}
+                if ref is not None:
+                    v["error_vs_fp64"] = rel_error(y1, ref)
                 if dev.type == "cuda":
                     ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS = pinned
+            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))
@@ -423,6 +444,11 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["mamba_ssm_first_call_s"] = time.time() - t0
         out["mamba_ssm"] = summary(cuda_times(torch, up, n, warmup))
     return out
+
+
+def rel_error(y, ref) -> float:
+    """mean |y - ref| / mean |ref| (ref fp64)."""
+    return float((y.double() - ref).abs().mean() / ref.abs().mean())
 
 
 def memory_report(torch, H, G, dims, dtype) -> dict:
@@ -621,6 +647,9 @@ def main() -> int:
                         entry["ours_ms"] = t["ours"]["median_ms"]
                         entry["ours_scan_only_ms"] = t["ours_scan_only"]["median_ms"]
                         entry["plan_host_ms"] = t["plan_host_ms"]
+                    for k in ("error_vs_fp64", "bf16_floor"):
+                        if k in t:
+                            entry[k] = t[k]
                     if "mamba_ssm" in t:
                         entry["mamba_ssm_ms"] = t["mamba_ssm"]["median_ms"]
                         entry["mamba_ssm_first_call_s"] = t["mamba_ssm_first_call_s"]

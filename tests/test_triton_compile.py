@@ -32,11 +32,16 @@ def comp(fn, types, consts, fuse):
     sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NW, enable_fp_fusion=fuse))
-    done.append(f"{fn.fn.__name__}:{'tc' if consts.get('TC') else 'fp32'}")
+    opts = dict(num_warps=NW, enable_fp_fusion=fuse)
+    if consts.get("TC") and fn is tc._tile_output_kernel:
+        opts.update(tc.TILE_OPTS)
+    if consts.get("TC") and fn is td._tile_kernel:
+        opts.update(td.TILE_OPTS)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    done.append(f"{fn.fn.__name__}:{consts.get('TC', 'fp32')}")
 
 
-for TC in (False, True):
+for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     fuse = not TC
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
     model = dict(x_ptr=bf, B_ptr=bf) if TC else {}  # chunks hold x and B in the model dtype
@@ -83,4 +88,4 @@ print(json.dumps(done))
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
     # 13 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 2 * 13 + 4, done
+    assert len(done) == 3 * 13 + 4, done

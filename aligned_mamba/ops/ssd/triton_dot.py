@@ -4,12 +4,15 @@
 
 - ``TC=False`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION`` (the pinned "ieee"): fp32
   operands, fp32 fused multiply-adds on the CUDA cores, k ascending.
-- ``TC=True`` (bf16 models): tensor-core dots with bf16 operands and fp32 accumulation. An operand
-  that holds bf16 inputs (x, B, C of a bf16 model, widened to fp32 exactly) is rounded back to
-  bf16 without loss. An fp32 operand (the state, the scores, the weighted x) is split into
+- ``TC=1`` ("split2", bf16 models): tensor-core dots with bf16 operands and fp32 accumulation. An
+  operand that holds bf16 inputs (x, B, C of a bf16 model, widened to fp32 exactly) is rounded
+  back to bf16 without loss. An fp32 operand (the state, the scores, the weighted x) is split into
   ``hi = bf16(v)`` and ``lo = bf16(v - hi)`` and multiplied as two dots, hi first: about 16
   significant bits instead of 8, so the split costs ~2^-17 relative, far below the bf16 output
   rounding (2^-9). ``SPLIT``: 0 both operands exact in bf16, 1 split ``a``, 2 split ``b``.
+- ``TC=2`` ("round"): the fp32 operand is rounded to bf16 and multiplied in one dot, as
+  mamba_ssm's kernels do (``SPLIT`` only says which operand): half the tensor-core work, with
+  about 2^-9 relative error per product instead of 2^-17.
 
 Kernels that run the tensor-core dots are compiled with ``enable_fp_fusion=False``, all of them:
 the split's ``v - hi``, next to the product that made ``v``, may be contracted into one fused
@@ -35,9 +38,16 @@ from ..configs import PINNED
 BF16_DOTS: str = PINNED["triton"]["bf16_dots"]
 
 
-def tensor_core_dots(dtype: torch.dtype) -> bool:
-    """Whether inputs of ``dtype`` run the tensor-core (bf16 split) dots: bf16 models do."""
-    return dtype == torch.bfloat16 and BF16_DOTS == "split2"
+# bf16_dots value -> the kernels' TC code (fp32 models always run 0, the fp32 FMA dots)
+DOT_MODES = {"split2": 1, "round": 2}
+
+
+def tensor_core_dots(dtype: torch.dtype) -> int:
+    """The kernels' ``TC`` for inputs of ``dtype``: 0 (fp32 FMA dots) unless bf16, then the pinned
+    ``bf16_dots`` mode's code (1 "split2", 2 "round"; see the module docstring)."""
+    if BF16_DOTS not in DOT_MODES:
+        raise ValueError(f"bf16_dots must be one of {sorted(DOT_MODES)}, not {BF16_DOTS!r}")
+    return DOT_MODES[BF16_DOTS] if dtype == torch.bfloat16 else 0
 
 
 @triton.jit
@@ -50,7 +60,9 @@ def _split(v):
 @triton.jit
 def dot_acc(acc, a, b, TC: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b; see the module docstring. acc fp32 [M, N]; a [M, K], b [K, N] fp32 (or bf16)."""
-    if TC:
+    if TC == 2:
+        acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif TC:
         if SPLIT == 1:
             hi, lo = _split(a.to(tl.float32))
             b16 = b.to(tl.bfloat16)
@@ -68,4 +80,4 @@ def dot_acc(acc, a, b, TC: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.cons
     return acc
 
 
-__all__ = ["BF16_DOTS", "dot_acc", "tensor_core_dots"]
+__all__ = ["BF16_DOTS", "DOT_MODES", "dot_acc", "tensor_core_dots"]
