@@ -61,7 +61,8 @@ VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
 # all of it; "tile:bk64", a K block of 64 (prefill and decode: the bit check runs both with it)
 # "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
 # "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit check runs the prefill so too)
-DECODE_VARIANTS = ("tile:nopdl", "tile:round")
+# "tile:bp32", the tile kernel over 32-column P blocks (twice the programs)
+DECODE_VARIANTS = ("tile:bp32", "tile:round", "tile:round:bp32")
 # prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
 ACCURACY_MAX_TOKENS = 2048
 
@@ -231,7 +232,7 @@ def clone_state(st):
 
 def decode_mode(mode: str):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole", "round", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base
+    loop, "nopdl", "whole", "round", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base
     mode, with those settings in triton_decode (the K block also in triton_chunk, the dot mode in
     triton_dot) for the duration."""
     import contextlib
@@ -243,10 +244,13 @@ def decode_mode(mode: str):
     @contextlib.contextmanager
     def ctx():
         base, *opts = mode.split(":")
-        old = td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS
+        old = (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
+               td.TILE_BLOCK_P)
         td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt == "round":
+            if opt.startswith("bp"):
+                td.TILE_BLOCK_P = int(opt[2:])
+            elif opt == "round":
                 tdot.BF16_DOTS = "round"
             elif opt.startswith("ns"):
                 td.TILE_OPTS["num_stages"] = int(opt[2:])
@@ -263,7 +267,8 @@ def decode_mode(mode: str):
         try:
             yield base
         finally:
-            td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
+            (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
+             td.TILE_BLOCK_P) = old
 
     return ctx()
 
@@ -326,6 +331,10 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
         out["replay_nohint"] = summary(cuda_times(torch, lambda i: step(i, False), n, warmup))
         st = clone_state(case["state"])
         out["replay_graph_ms"] = graph_time(torch, lambda: step(0, False), n)
+        # what the completion kernels cost in a graph: the same step told that no chunk completes
+        st = clone_state(case["state"])
+        out["replay_graph_nocompletion_ms"] = graph_time(torch, lambda: replay_decode_triton(
+            st, slots_d, pos_d[0], x, dt, B, C, mode=mode, completes=False, **prm), n)
     H, G, P, N = case["H"], case["G"], case["P"], case["N"]
     esize = x.element_size()
     out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"]) for f in case["fill"]))
@@ -608,6 +617,7 @@ def main() -> int:
                         entry["replay_mean_ms"] = t["replay"]["mean_ms"]
                         entry["replay_nohint_ms"] = t["replay_nohint"]["median_ms"]
                         entry["replay_graph_ms"] = t["replay_graph_ms"]
+                        entry["replay_graph_nocompletion_ms"] = t["replay_graph_nocompletion_ms"]
                     if ssu_cache is not None:
                         entry["ssu_ms"] = ssu_cache[0]["median_ms"]
                         entry["ssu_mean_ms"] = ssu_cache[0]["mean_ms"]

@@ -112,6 +112,9 @@ PREP_WHOLE_ROW: bool = False
 # never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB); measured on
 # the H200 at 414b8af (h200_variants.json): 1-5% faster at batch 64 and 256 in CUDA graphs.
 TILE_OPTS: dict = {"num_stages": 2}
+# The tile kernel's P block (its output columns per program): a column's bits do not depend on it
+# (the dots' columns are independent; checked on the H200), only the number of programs does.
+TILE_BLOCK_P: int = BLOCK_P
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -793,9 +796,9 @@ def replay_decode_triton(
             **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
         )
     else:
-        _tile_kernel[(S, H, PB)](
+        _tile_kernel[(S, H, triton.cdiv(P, TILE_BLOCK_P))](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=TILE_BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
             PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, num_warps=NUM_WARPS,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
