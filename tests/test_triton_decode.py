@@ -228,6 +228,35 @@ def test_batch_at_mixed_offsets_equals_each_alone(mode):
 
 
 @interp
+@pytest.mark.parametrize("hint", [False, True])
+def test_several_completions_in_one_step(hint, monkeypatch):
+    """Four sequences, three of them completing their chunk in the same step, with two batch entries
+    per program of the completion kernels (a program meets two completions; the batch spans two
+    programs): rows, states and buffers equal to each sequence decoded alone."""
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    monkeypatch.setattr(td, "COMPLETION_BLOCK", 2)
+    G = 2
+    prm = make_params(H, P, seed=13)
+    offsets, slots = [L - 1, 5, 2 * L - 1, 3 * L - 1], [2, 0, 3, 1]
+    st = make_state(4, H, P, G, N, L, torch.float32, "cpu", seed=13)
+    pre = [make_tokens(o % L, H, P, G, N, seed=30 + i) for i, o in enumerate(offsets)]
+    prefill(st, slots, [o - o % L for o in offsets], pre, prm)
+    new = [make_tokens(1, H, P, G, N, seed=40 + i) for i in range(4)]
+    alone = clone_state(st)
+    before = clone_state(st)
+    y = decode_steps(st, slots, offsets, new, prm, 1, "tile", hint=hint)[0]
+    for i in range(4):
+        ya = decode_steps(alone, [slots[i]], [offsets[i]], [new[i]], prm, 1, "tile")[0]
+        assert torch.equal(y[i], ya[0]), i
+    assert_same_state(st, alone)
+    for i in (0, 2, 3):  # the completing ones moved their boundary and emptied their buffers
+        assert not torch.equal(st.ssm_state[slots[i]], before.ssm_state[slots[i]])
+        assert not bool(st.buf_x[slots[i]].any())
+    assert torch.equal(st.ssm_state[slots[1]], before.ssm_state[slots[1]])
+
+
+@interp
 def test_chunk_completion_updates_state_like_prefill():
     """A token at position L-1 moves the boundary state as the prefill of the whole chunk does and
     empties the buffers; other slots are untouched."""

@@ -115,6 +115,8 @@ TILE_OPTS: dict = {"num_stages": 2}
 # The tile kernel's P block (its output columns per program): a column's bits do not depend on it
 # (the dots' columns are independent; checked on the H200), only the number of programs does.
 TILE_BLOCK_P: int = BLOCK_P
+# Batch entries per program of the completion kernels (see _update_kernel)
+COMPLETION_BLOCK = 32
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -587,34 +589,55 @@ def _tile_kernel(
 
 
 @triton.jit
+def _completing(pos_ptr, seq_ptr, n, L: tl.constexpr, QB: tl.constexpr, LISTED: tl.constexpr):
+    """The QB batch entries of program block pid 0 (entries i < n; sequence q = i, or seq[i] if
+    LISTED) as int32 sequence indices, and which of them complete their chunk (pos % L == L - 1)."""
+    i = tl.program_id(0) * QB + tl.arange(0, QB)
+    valid = i < n
+    if LISTED:
+        qi = tl.load(seq_ptr + i, mask=valid, other=0).to(tl.int32)
+    else:
+        qi = i
+    r = tl.load(pos_ptr + qi, mask=valid, other=0) % L
+    return qi, valid & (r == L - 1)
+
+
+@triton.jit
+def _next_completing(qi, done):
+    """The smallest completing sequence left (int64) and the mask without it."""
+    q = tl.min(tl.where(done, qi, 2147483647), axis=0)
+    return q.to(tl.int64), done & (qi != q)
+
+
+@triton.jit
 def _update_kernel(
-    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr,
+    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr, n,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
+    TC: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (i, h, block), sequence q = i (or seq[i] if LISTED): if its token completed the chunk,
-    the new boundary state block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T, with the
-    arithmetic of ``_chunk_state_kernel`` followed by ``_state_pass_kernel``. (PDL) launched as the
+    """Program (j, h, block): for each sequence of entries j QB .. j QB + QB - 1 (``_completing``)
+    whose token completed the chunk, the new boundary state block h = exp(a_L) h + sum_s exp(a_L -
+    a_s) dt_s x_s B_s^T, with the arithmetic of ``_chunk_state_kernel`` followed by
+    ``_state_pass_kernel``. A step has few completions (one in L steps per sequence): QB entries per
+    program keep the grid, and the cost of the programs that find none, small. (PDL) launched as the
     tile kernel's dependent: every program waits for it first, so this kernel ends after it."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    q = tl.program_id(0).to(tl.int64)
-    if LISTED:
-        q = tl.load(seq_ptr + q)
-    r = tl.load(pos_ptr + q) % L
-    if r == L - 1:
-        h = tl.program_id(1)
-        NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-        pb = tl.program_id(2) // NB
-        nb = tl.program_id(2) % NB
-        g = h // (H // G)
+    qi, done = _completing(pos_ptr, seq_ptr, n, L, QB, LISTED)
+    h = tl.program_id(1)
+    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pb = tl.program_id(2) // NB
+    nb = tl.program_id(2) % NB
+    g = h // (H // G)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n_ = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n_ < N
+    while tl.max(done.to(tl.int32), axis=0) > 0:
+        q, done = _next_completing(qi, done)
         slot = tl.load(slots_ptr + q)
-        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        pm = p < P
-        nm = n < N
         sh = slot * H + h
         qa = (q * H + h) * L
         a_last = tl.load(a_ptr + qa + L - 1)
@@ -627,11 +650,11 @@ def _update_kernel(
             w = tl.exp(a_last - a_s) * dt_s
             xT = tl.load(buf_x_ptr + (sh * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
                          other=0.0).to(tl.float32)
-            Bs = tl.load(buf_B_ptr + ((slot * G + g) * L + s[:, None]) * N + n[None, :],
+            Bs = tl.load(buf_B_ptr + ((slot * G + g) * L + s[:, None]) * N + n_[None, :],
                          mask=sm[:, None] & nm[None, :], other=0.0).to(tl.float32)
             acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
         m = pm[:, None] & nm[None, :]
-        off = (sh * P + p[:, None]) * N + n[None, :]
+        off = (sh * P + p[:, None]) * N + n_[None, :]
         hs = tl.load(state_ptr + off, mask=m, other=0.0)
         decay = tl.exp(tl.load(a_ptr + qa + L - 1))
         hs = decay * hs + acc
@@ -640,21 +663,19 @@ def _update_kernel(
 
 @triton.jit
 def _zero_kernel(
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr, seq_ptr,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr, seq_ptr, n,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (i, h), sequence q = i (or seq[i] if LISTED): if its token completed the chunk, zero
-    head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers. (PDL) launched
-    as the update kernel's dependent: every program waits for it first."""
+    """Program (j, h): for each sequence of entries j QB .. j QB + QB - 1 whose token completed the
+    chunk, zero head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers.
+    (PDL) launched as the update kernel's dependent: every program waits for it first."""
     if PDL:
         gdc_wait()
-    q = tl.program_id(0).to(tl.int64)
-    if LISTED:
-        q = tl.load(seq_ptr + q)
-    r = tl.load(pos_ptr + q) % L
-    if r == L - 1:
-        h = tl.program_id(1)
+    qi, done = _completing(pos_ptr, seq_ptr, n, L, QB, LISTED)
+    h = tl.program_id(1)
+    while tl.max(done.to(tl.int32), axis=0) > 0:
+        q, done = _next_completing(qi, done)
         slot = tl.load(slots_ptr + q)
         s = tl.arange(0, BLOCK_L)
         tl.store(buf_dt_ptr + (slot * H + h) * L + s, tl.zeros((BLOCK_L,), tl.float32).to(buf_dt_ptr.dtype.element_ty),
@@ -804,17 +825,18 @@ def replay_decode_triton(
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)
+    QB = COMPLETION_BLOCK
     if n_upd:
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         NBS = state_block_n(N)
-        _update_kernel[(n_upd, H, PB * triton.cdiv(N, NBS))](
-            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, **dims,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed,
+        _update_kernel[(triton.cdiv(n_upd, QB), H, PB * triton.cdiv(N, NBS))](
+            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed, QB=QB,
             PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=not tc, **launch,
         )
-        _zero_kernel[(n_upd, H)](
-            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, **dims, BLOCK_L=BLOCK_L, ZB=1024,
-            LISTED=listed, PDL=pdl, num_warps=NUM_WARPS, **launch,
+        _zero_kernel[(triton.cdiv(n_upd, QB), H)](
+            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L, ZB=1024,
+            LISTED=listed, QB=QB, PDL=pdl, num_warps=NUM_WARPS, **launch,
         )
     return y
 
