@@ -116,7 +116,7 @@ TILE_OPTS: dict = {"num_stages": 2}
 # (the dots' columns are independent; checked on the H200), only the number of programs does.
 TILE_BLOCK_P: int = BLOCK_P
 # Batch entries per program of the completion kernels (see _update_kernel)
-COMPLETION_BLOCK = 32
+COMPLETION_BLOCK = 16
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -590,9 +590,9 @@ def _tile_kernel(
 
 @triton.jit
 def _completing(pos_ptr, seq_ptr, n, L: tl.constexpr, QB: tl.constexpr, LISTED: tl.constexpr):
-    """The QB batch entries of program block pid 0 (entries i < n; sequence q = i, or seq[i] if
+    """The QB batch entries of program block pid 1 (entries i < n; sequence q = i, or seq[i] if
     LISTED) as int32 sequence indices, and which of them complete their chunk (pos % L == L - 1)."""
-    i = tl.program_id(0) * QB + tl.arange(0, QB)
+    i = tl.program_id(1) * QB + tl.arange(0, QB)
     valid = i < n
     if LISTED:
         qi = tl.load(seq_ptr + i, mask=valid, other=0).to(tl.int32)
@@ -616,17 +616,19 @@ def _update_kernel(
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (j, h, block): for each sequence of entries j QB .. j QB + QB - 1 (``_completing``)
+    """Program (h, j, block): for each sequence of entries j QB .. j QB + QB - 1 (``_completing``)
     whose token completed the chunk, the new boundary state block h = exp(a_L) h + sum_s exp(a_L -
     a_s) dt_s x_s B_s^T, with the arithmetic of ``_chunk_state_kernel`` followed by
     ``_state_pass_kernel``. A step has few completions (one in L steps per sequence): QB entries per
-    program keep the grid, and the cost of the programs that find none, small. (PDL) launched as the
-    tile kernel's dependent: every program waits for it first, so this kernel ends after it."""
+    program keep the grid, and the cost of the programs that find none, small; heads run fastest
+    over the grid, so the programs of one block of entries (all heads of a completing sequence)
+    are dispatched together instead of one per wave. (PDL) launched as the tile kernel's
+    dependent: every program waits for it first, so this kernel ends after it."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     qi, done = _completing(pos_ptr, seq_ptr, n, L, QB, LISTED)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pb = tl.program_id(2) // NB
     nb = tl.program_id(2) % NB
@@ -667,13 +669,13 @@ def _zero_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (j, h): for each sequence of entries j QB .. j QB + QB - 1 whose token completed the
+    """Program (h, j): for each sequence of entries j QB .. j QB + QB - 1 whose token completed the
     chunk, zero head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers.
     (PDL) launched as the update kernel's dependent: every program waits for it first."""
     if PDL:
         gdc_wait()
     qi, done = _completing(pos_ptr, seq_ptr, n, L, QB, LISTED)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
     while tl.max(done.to(tl.int32), axis=0) > 0:
         q, done = _next_completing(qi, done)
         slot = tl.load(slots_ptr + q)
@@ -829,12 +831,12 @@ def replay_decode_triton(
     if n_upd:
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         NBS = state_block_n(N)
-        _update_kernel[(triton.cdiv(n_upd, QB), H, PB * triton.cdiv(N, NBS))](
+        _update_kernel[(H, triton.cdiv(n_upd, QB), PB * triton.cdiv(N, NBS))](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
             BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed, QB=QB,
             PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=not tc, **launch,
         )
-        _zero_kernel[(triton.cdiv(n_upd, QB), H)](
+        _zero_kernel[(H, triton.cdiv(n_upd, QB))](
             state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L, ZB=1024,
             LISTED=listed, QB=QB, PDL=pdl, num_warps=NUM_WARPS, **launch,
         )
