@@ -6,30 +6,33 @@ with ``backend="triton"``, i.e. ``triton_chunk.advance_triton``) gives the same 
 up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
 buffer, and only the token's own row:
 
-1. ``_prep_kernel`` [S, G, L / BLOCK_K] (compiled with ``enable_fp_fusion=False``): writes the token's x, raw
-   dt and B into row ``pos % L`` of the slot's buffers; the chunk's dt row so far, softplus(dt +
-   dt_bias) (clamped to dt_limit) of the buffered raw rows and the token's, by ``softplus_exact``,
-   which reproduces ``elementwise.softplus`` operation by operation, so the bits are those
-   the prefill's pack computes; in "row" mode also cb[s] = C_t . B_s for the rows of the chunk so far,
-   as the sequential fma chain a Triton fp32 ``tl.dot`` runs.
+1. ``_prep_kernel`` [S, G, L / BLOCK_K] (compiled with ``enable_fp_fusion=False``): writes the
+   token's x, raw dt and B into row ``pos % L`` of the slot's buffers; the chunk's dt row so far,
+   softplus(dt + dt_bias) (clamped to dt_limit) of the buffered raw rows and the token's, by
+   ``softplus_exact``, which reproduces ``elementwise.softplus`` operation by operation, so the
+   bits are those the prefill's pack computes; cb[s] = C_t . B_s for the rows of the chunk so far,
+   once per group: in "tile" mode the token's row of the tile kernel's tensor-core C.B tile, in
+   "row" mode the sequential fma chain a Triton fp32 ``tl.dot`` runs.
 2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, fp32 models) or ``_tile_kernel`` [S, H, PB]
    ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
    kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
    ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
    token's row is live; a row's bits do not depend on the tile's height; ``DECODE_K_LOOP =
    "range"`` runs its K loop as a ``tl.range``: bit-identical, off, no faster on the H200). "row"
-   computes the
-   one row alone with explicit fma chains in the order the fp32 FMA dot lowering accumulates
-   (k ascending, one fused multiply-add per term, starting from the accumulator); it cannot
-   reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only read.
-3. ``_update_kernel`` [S or n, H, PB], only for sequences whose token completes the chunk
-   (``pos % L == L - 1``): chunk state and new boundary state, the code of
+   computes the one row alone with explicit fma chains in the order the fp32 FMA dot lowering
+   accumulates (k ascending, one fused multiply-add per term, starting from the accumulator); it
+   cannot reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only
+   read. On sm_90+ the tile kernel is the prep's programmatic dependent (``PDL``): it computes its
+   inter-chunk dots from the state while the prep runs and waits for the prep before the rest.
+3. ``_update_kernel`` [H, entries / COMPLETION_BLOCK, PB]: for the sequences whose token completes
+   the chunk (``pos % L == L - 1``), chunk state and new boundary state, the code of
    ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
-4. ``_zero_kernel`` [S or n, H]: empties the buffers of those sequences.
+4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
 
-Launches 3 and 4 return at once for sequences that do not complete a chunk; a caller that knows
-which do (an engine knows positions on the host) passes their indices (``completes=tensor``) and
-the two kernels run over those only, or ``completes=False`` to skip them.
+Launches 3 and 4 run over the batch's entries (or, when the caller knows which sequences complete,
+as an engine knows positions on the host, over ``completes=tensor`` of their indices; none with
+``completes=False``), COMPLETION_BLOCK entries per program, each program looping over the ones
+that complete: one in L steps per sequence, so most programs find none and end at once.
 
 Bytes per step and sequence (no completion): the boundary state read once (H P N 4), the x, raw
 dt and B rows of the partial chunk up to the token read once (B once per head from L2 in "tile"
