@@ -1,8 +1,8 @@
-"""The one dot product every SSD Triton kernel accumulates with, in the two precisions the contract pins.
+"""The one dot product every SSD Triton kernel accumulates with, in the precision the contract pins.
 
 ``dot_acc(acc, a, b, TC, SPLIT)`` returns ``acc + a @ b`` (fp32 [M, K] x [K, N] -> fp32 [M, N]):
 
-- ``TC=False`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION`` (the pinned "ieee"): fp32
+- ``TC=0`` (fp32 models): ``tl.dot`` with ``input_precision=PRECISION`` (the pinned "ieee"): fp32
   operands, fp32 fused multiply-adds on the CUDA cores, k ascending.
 - ``TC=1`` ("split2", bf16 models): tensor-core dots with bf16 operands and fp32 accumulation. An
   operand that holds bf16 inputs (x, B, C of a bf16 model, widened to fp32 exactly) is rounded
