@@ -47,6 +47,7 @@ ever differs there.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import TYPE_CHECKING
@@ -126,7 +127,13 @@ def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependents (sm_90+, compiled)."""
     if _interpreting() or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _sm_major(device) >= 9
+
+
+@functools.cache
+def _sm_major(device: torch.device) -> int:
+    """The device's compute capability major, asked once per device (decode calls this per layer)."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def state_block_n(N: int) -> int:
