@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,7 +171,7 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
 
-    def derived(self, key: tuple, build: Any) -> Any:
+    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
         """``build()``, computed once per batch and key (see the class docstring)."""
         if key not in self._derived:
             self._derived[key] = build()
@@ -230,8 +231,8 @@ def ssd_advance(
         def decode_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
             done = torch.nonzero(batch.start_pos % L == L - 1).flatten()
             n = batch.slots.numel()
-            both = host_to_device(torch.cat([batch.slots, batch.start_pos, done]).numpy(), dev)
-            return both[:n], both[n:2 * n], both[2 * n:] if done.numel() else False
+            tables = host_to_device(torch.cat([batch.slots, batch.start_pos, done]).numpy(), dev)  # one copy
+            return tables[:n], tables[n:2 * n], tables[2 * n:] if done.numel() else False
 
         slots_d, pos_d, done_d = batch.derived(("decode", L, dev), decode_tables)
         return replay_decode_triton(state, slots_d, pos_d, x, dt, B, C, A=A, D=D, dt_bias=dt_bias,
