@@ -14,7 +14,7 @@ prefix + token from the same boundary state.
 
 Prefill: ``ssd_advance`` from an empty slot (Triton backend: host plan, pack, scan, buffers) vs
 ``mamba_chunk_scan_combined`` (bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k tokens and a
-varlen batch of 64 x 512; "scan only" times the scan kernels on pre-packed chunks. ``--variants``
+varlen batch of 64 x 512; "scan only" times the scan kernels with dt packed beforehand. ``--variants``
 also times the scan under other tile configs (row tile, tile warps, K loop) and checks that each
 gives the pinned config's bits (rows and states torch.equal).
 
@@ -53,8 +53,11 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
-VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
+# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots, "accumulate": the output
+# tiles' accumulation (another contract too: "bitwise" against the pinned one is expected False)}.
+VARIANTS = [(64, 4, "while", 64, 32, {"accumulate": "seeded"}),
+            (64, 4, "while", 64, 32, {"accumulate": "seeded", "tile": {"num_stages": 1}}),
+            (64, 4, "while", 64, 32, {"accumulate": "seeded", "tile": {"num_stages": 1, "maxnreg": 96}})]
 # bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
 # "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
 # "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
@@ -62,7 +65,8 @@ VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
 # "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
 # "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit check runs the prefill so too)
 # "tile:bp32", the tile kernel over 32-column P blocks (twice the programs)
-DECODE_VARIANTS = ("tile:bp32", "tile:round", "tile:round:bp32")
+# "tile:seeded", the output tiles' "seeded" accumulation (the bit check runs the prefill so too)
+DECODE_VARIANTS = ("tile:seeded",)
 # prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
 ACCURACY_MAX_TOKENS = 2048
 
@@ -232,9 +236,9 @@ def clone_state(st):
 
 def decode_mode(mode: str):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole", "round", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base
-    mode, with those settings in triton_decode (the K block also in triton_chunk, the dot mode in
-    triton_dot) for the duration."""
+    loop, "nopdl", "whole", "round", "seeded", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"):
+    yields the base mode, with those settings in triton_decode (the K block and the accumulation also
+    in triton_chunk, the dot mode in triton_dot) for the duration."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_chunk as tch
@@ -245,10 +249,12 @@ def decode_mode(mode: str):
     def ctx():
         base, *opts = mode.split(":")
         old = (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-               td.TILE_BLOCK_P)
+               td.TILE_BLOCK_P, td.SEEDED, tch.SEEDED)
         td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt.startswith("bp"):
+            if opt == "seeded":
+                td.SEEDED = tch.SEEDED = True
+            elif opt.startswith("bp"):
                 td.TILE_BLOCK_P = int(opt[2:])
             elif opt == "round":
                 tdot.BF16_DOTS = "round"
@@ -268,7 +274,7 @@ def decode_mode(mode: str):
             yield base
         finally:
             (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-             td.TILE_BLOCK_P) = old
+             td.TILE_BLOCK_P, td.SEEDED, tch.SEEDED) = old
 
     return ctx()
 
@@ -401,22 +407,21 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["plan_host_ms"] = statistics.median(hs)
         torch.cuda.synchronize()
         out["ours"] = summary(cuda_times(torch, ours, n, warmup, before=reset))
-        # the scan kernels alone, on chunks packed once (what the scan costs without pack and buffers)
+        # the scan kernels alone, dt packed once (what the scan costs without the pack and the buffers)
         plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
         NC = plan.num_chunks
-        xc = torch.zeros(NC, H, L, P, device=dev, dtype=dtype)
-        Bc = torch.zeros(NC, G, L, N, device=dev, dtype=dtype)
         dtc = torch.rand(NC, H, L, device=dev) * 0.05
         states = torch.zeros(S, H, P, N, device=dev)
+        none = dict(x_parts=x.new_empty(0, H, L, P), B_parts=B.new_empty(0, G, L, N))  # no buffered rows
         out["ours_scan_only"] = summary(cuda_times(
-            torch, lambda i: tch.scan_planned(plan, xc, dtc, Bc, C, prm["A"], prm["D"], states, T=T, out_dtype=dtype,
-                                              zero_unwanted=False), n, warmup))
-        del xc, Bc, dtc
+            torch, lambda i: tch.scan_planned(plan, x, dtc, B, C, prm["A"], prm["D"], states, T=T, out_dtype=dtype,
+                                              zero_unwanted=False, **none), n, warmup))
+        del dtc
     if variants:
         out["variants"] = []
         import aligned_mamba.ops.ssd.triton_dot as tdot
 
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS, tch.SEEDED)
         try:
             for R, warps, loop, pass_bp, bk, opts in VARIANTS:
                 if L % R:
@@ -425,6 +430,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 tch.BLOCK_K = bk
                 tch.TILE_OPTS = opts.get("tile", pinned[4])
                 tdot.BF16_DOTS = opts.get("dots", pinned[5])
+                tch.SEEDED = opts.get("accumulate", "seeded" if pinned[6] else "apart") == "seeded"
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
@@ -437,7 +443,8 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
+            (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS,
+             tch.SEEDED) = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

@@ -44,41 +44,44 @@ def comp(fn, types, consts, fuse):
 for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     fuse = not TC
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
-    model = dict(x_ptr=bf, B_ptr=bf) if TC else {}  # chunks hold x and B in the model dtype
-    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model),
+    model = dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf) if TC else {}  # x and B in the model dtype
+    rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model, **rows),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
-    comp(tc._cb_kernel, dict(B_ptr=bf, C_ptr=bf, pre_ptr=i64, length_ptr=i64, row0_ptr=i64),
+    comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, **rows),
          dict(G=1, L=256, N=128, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC),
          fuse)
-    for k_loop in (0, 1, 2):  # while, static, range
-        comp(tc._tile_output_kernel, dict(x_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
-                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32"),
+    for k_loop, seeded in ((0, False), (0, True), (1, False), (2, False)):  # while, static, range
+        comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **rows),
              dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
-                  K_LOOP=k_loop), fuse)
+                  K_LOOP=k_loop, SEEDED=seeded), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
                   R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb, KB_PER=256 // BK if with_cb else 1), False)
-    for k_loop, pdl in ((0, False), (0, True), (2, False)):  # while, range; with and without PDL
+    for k_loop, pdl, seeded in ((0, False, False), (0, True, False), (0, True, True), (2, False, False)):
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
                                    sD_h="i32", sD_p="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, PDL=pdl), fuse)
+                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, PDL=pdl, SEEDED=seeded), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg["dot_precision"], TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
-                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, lo="fp32",
+                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
+                          lo="fp32",
                           hi="fp32"),
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
 comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                             keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, crossed_ptr=i64),
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
-comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
-     dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
+for seeded in (False, True):
+    comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
+         dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16, SEEDED=seeded), True)
 comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
                           n="i32"),
      dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
@@ -89,5 +92,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 13 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 3 * 13 + 4, done
+    # 15 kernel configs per dot mode (output tiles "apart" and "seeded"); pack, buffer, 2 row and zero kernels
+    assert len(done) == 3 * 15 + 5, done

@@ -14,6 +14,8 @@ Tables (int64 unless noted), per chunk c of NC:
     seq[c]   owning sequence; index[c] chunk number within it; length[c] valid rows (<= L);
     pre[c]   rows taken from the slot's buffer (off for a sequence's first chunk, else 0);
     row0[c]  packed row of chunk position 0 (position s < length holds packed row row0 + s if s >= pre);
+    part[c]  the chunk's index among the chunks with buffered rows (pre > 0), which are copied whole
+             into chunk-shaped tensors; -1 for the others, whose rows are read where they lie;
     need[c]  the chunk's state is folded into the boundary state (length == L, or every chunk for "end").
 Per sequence q of S:
     first[q], count[q]  its chunks; moved[q] (bool) whether its boundary moves;
@@ -47,6 +49,7 @@ class AdvancePlan:
     length: Any
     pre: Any
     row0: Any
+    part: Any
     need: Any
     first: Any
     count: Any
@@ -66,6 +69,7 @@ class AdvancePlan:
     R: int
     any_moved: bool
     one_each: bool  # one chunk per sequence
+    num_parts: int  # chunks with buffered rows (part >= 0)
 
     @property
     def num_chunks(self) -> int:
@@ -124,6 +128,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     length = np.minimum(slen[seq] - index * L, L)
     pre = np.where(index == 0, off[seq], 0)
     row0 = cu[:-1][seq] + index * L - off[seq]
+    has_pre = pre > 0
+    part = np.where(has_pre, np.cumsum(has_pre) - 1, -1)
     need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
     slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
     moved = slen >= L if final == "boundary" else np.ones(S, dtype=bool)
@@ -154,11 +160,11 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     if want is not None:
         new &= want[np.clip(tile_rows, 0, max(T - 1, 0))]
     tile_rows = np.where(new, tile_rows, -1)
-    return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, need=need, first=first, count=count,
-                       moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0, crossed=crossed,
+    return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, part=part, need=need, first=first,
+                       count=count, moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0, crossed=crossed,
                        tile_chunk=tc, tile_pos=tile_pos, tile_rows=tile_rows, slot=slot, chunk_slot=slot[seq],
                        state_chunks=np.flatnonzero(need), chunk_id=np.arange(NC, dtype=np.int64), L=L, R=R,
-                       any_moved=bool(moved.any()), one_each=NC == S)
+                       any_moved=bool(moved.any()), one_each=NC == S, num_parts=int(has_pre.sum()))
 
 
 def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -181,4 +187,5 @@ def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:
         n = int(np.size(t))
         out[name] = dev[i:i + n].view(np.shape(t))
         i += n
-    return AdvancePlan(**out, L=plan.L, R=plan.R, any_moved=plan.any_moved, one_each=plan.one_each)
+    return AdvancePlan(**out, L=plan.L, R=plan.R, any_moved=plan.any_moved, one_each=plan.one_each,
+                       num_parts=plan.num_parts)

@@ -18,8 +18,10 @@ tile tables computed on the CPU from the batch's lengths and moved in one copy),
 on the device. Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N
 blocks of P/N):
 
-0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: the chunks' x and B in the model dtype and dt after
-   softplus (fp32), from the slots' buffers (rows < pre) and the packed new rows; zero padding.
+0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: dt after softplus (fp32) of every chunk, and x and B
+   (model dtype) of the chunks with buffered rows, whole, from the slots' buffers (rows < pre) and
+   the packed new rows; zero padding. Every other chunk's x and B are read where they lie, in the
+   packed new rows (``_rows_at``): a long prefill copies none of them.
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
 2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
    kernel's dot, hoisted out of its heads).
@@ -48,9 +50,11 @@ bf16 models, chosen by C's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -58,7 +62,15 @@ import triton.language as tl
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code, state_block_n
+from .triton_decode import (
+    _has_limit,
+    _interpreting,
+    _limits,
+    accumulate_seeded,
+    dt_softplus_exact,
+    k_loop_code,
+    state_block_n,
+)
 from .triton_dot import dot_acc, tensor_core_dots
 
 if TYPE_CHECKING:
@@ -80,6 +92,8 @@ PASS_BLOCK_P: int = _CFG["pass_block_p"]
 # measured on the H200 at 414b8af (h200_variants.json): 6-12% faster from 8k tokens on.
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
 PACK_ROWS = 32
+# The row-tile kernel's accumulation (pinned "accumulate"; the decode's tile kernel reads the same).
+SEEDED: bool = accumulate_seeded()
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
 # and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
 # the other configs: a different precision gives different bits.
@@ -89,14 +103,15 @@ DOT_PRECISION: str = _CFG["dot_precision"]
 @triton.jit
 def _pack_kernel(
     x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr,
-    row0_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi,
+    row0_ptr, part_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Rows s of chunk c (ROWS of them), head h: xc[c, h, s] (and Bc[c, h, s] for h < G) in the model
-    dtype, dtc[c, h, s] = dt_softplus(raw dt) in fp32, from the buffer for s < pre, from packed row
-    row0 + s for pre <= s < length, zero past length (dt exactly +0.0). Compile without fp
-    contraction (``dt_softplus_exact``)."""
+    """Rows s of chunk c (ROWS of them), head h: dtc[c, h, s] = dt_softplus(raw dt) in fp32, and for
+    a chunk with buffered rows (k = part[c] >= 0) xc[k, h, s] (and Bc[k, h, s] for h < G) in the
+    model dtype: from the buffer for s < pre, from packed row row0 + s for pre <= s < length, zero
+    past length (dt exactly +0.0). The other chunks' x and B are read where they lie. Compile
+    without fp contraction (``dt_softplus_exact``)."""
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     h = tl.program_id(2)
@@ -107,24 +122,39 @@ def _pack_kernel(
     old = s < pre
     new = (s >= pre) & (s < length)
 
-    pf = tl.arange(0, BLOCK_PF)
-    pm = (pf < P)[None, :]
-    xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm, other=0.0)
-    xn = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
-    tl.store(xc_ptr + ((c * H + h) * L + s[:, None]) * P + pf[None, :], tl.where(old[:, None], xo, xn), mask=pm)
-
     do = tl.load(buf_dt_ptr + (slot * H + h) * L + s, mask=old, other=0.0)
     dn = tl.load(dt_ptr + row * H + h, mask=new, other=0.0)
     d = dt_softplus_exact(tl.where(old, do, dn), tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
     tl.store(dtc_ptr + (c * H + h) * L + s, tl.where(old | new, d, 0.0))
 
-    if h < G:
-        nf = tl.arange(0, BLOCK_NF)
-        nm = (nf < N)[None, :]
-        bo = tl.load(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], mask=old[:, None] & nm,
+    k = tl.load(part_ptr + c)
+    if k >= 0:
+        pf = tl.arange(0, BLOCK_PF)
+        pm = (pf < P)[None, :]
+        xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm,
                      other=0.0)
-        bn = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
-        tl.store(Bc_ptr + ((c * G + h) * L + s[:, None]) * N + nf[None, :], tl.where(old[:, None], bo, bn), mask=nm)
+        xn = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
+        tl.store(xc_ptr + ((k * H + h) * L + s[:, None]) * P + pf[None, :], tl.where(old[:, None], xo, xn), mask=pm)
+        if h < G:
+            nf = tl.arange(0, BLOCK_NF)
+            nm = (nf < N)[None, :]
+            bo = tl.load(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], mask=old[:, None] & nm,
+                         other=0.0)
+            bn = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
+            tl.store(Bc_ptr + ((k * G + h) * L + s[:, None]) * N + nf[None, :], tl.where(old[:, None], bo, bn),
+                     mask=nm)
+
+
+@triton.jit
+def _rows_at(raw_ptr, parts_ptr, part, row0, j, J: tl.constexpr, L: tl.constexpr, F: tl.constexpr):
+    """Where a chunk's rows of feature block j of J lie (a head of x: J = H, F = P; a group of B:
+    J = G, F = N): (pointer to the chunk's position 0, row stride in elements). part >= 0: the
+    chunk's copy in parts [*, J, L, F] (zero past its length); else the packed new rows raw
+    [T, J, F] from row row0 (readers mask positions >= the chunk's length: other sequences' rows).
+    The stride is F times a run-time factor, so loads along F stay vectorised."""
+    whole = part >= 0
+    base = tl.where(whole, parts_ptr + (part * J + j) * L * F, raw_ptr + (row0 * J + j) * F)
+    return base, F * tl.where(whole, 1, J).to(tl.int64)
 
 
 @triton.jit
@@ -180,7 +210,7 @@ def _cumsum_kernel(dt_ptr, A_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, BLOCK
 
 @triton.jit
 def _chunk_state_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, state_ptr, chunk_ptr,
+    x_ptr, xp_ptr, B_ptr, Bp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, state_ptr, chunk_ptr,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
@@ -188,8 +218,10 @@ def _chunk_state_kernel(
     """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32,
     one BLOCK_P x BLOCK_NS block per program (BLOCK_NS = ``state_block_n(N)``: x is read once per head).
 
-    x [NC, H, L, P] and B [NC, G, L, N] in the model dtype (widened to fp32 exactly), dt/a
-    [NC, H, L] fp32, state [NC, H, P, N] fp32; contiguous.
+    x [T, H, P] / B [T, G, N] the packed new rows and xp [*, H, L, P] / Bp [*, G, L, N] the chunks
+    with buffered rows, in the model dtype (widened to fp32 exactly), as ``_rows_at`` reads them
+    (part, row0, length: the plan's tables); dt/a [NC, H, L] fp32, state [NC, H, P, N] fp32;
+    contiguous.
     """
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
@@ -202,18 +234,22 @@ def _chunk_state_kernel(
     pm = p < P
     nm = n < N
     ch = c * H + h
+    part = tl.load(part_ptr + c)
+    row0 = tl.load(row0_ptr + c)
+    length = tl.load(length_ptr + c)
+    xb, xs = _rows_at(x_ptr, xp_ptr, part, row0, h, H, L, P)
+    bb, bs = _rows_at(B_ptr, Bp_ptr, part, row0, g, G, L, N)
     a_last = tl.load(a_ptr + ch * L + L - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):  # L is constexpr: the same blocks for every chunk
         s = k0 + tl.arange(0, BLOCK_K)
         sm = s < L
+        rm = s < length
         a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
         dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
         w = tl.exp(a_last - a_s) * dt_s  # a is non-increasing, so the exponent is <= 0
-        xT = tl.load(x_ptr + (ch * L + s[None, :]) * P + p[:, None], mask=pm[:, None] & sm[None, :],
-                     other=0.0).to(tl.float32)
-        Bs = tl.load(B_ptr + ((c * G + g) * L + s[:, None]) * N + n[None, :], mask=sm[:, None] & nm[None, :],
-                     other=0.0).to(tl.float32)
+        xT = tl.load(xb + s[None, :] * xs + p[:, None], mask=pm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        Bs = tl.load(bb + s[:, None] * bs + n[None, :], mask=rm[:, None] & nm[None, :], other=0.0).to(tl.float32)
         acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
     tl.store(state_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
 
@@ -268,7 +304,7 @@ def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H: tl.cons
 
 @triton.jit
 def _cb_kernel(
-    B_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr,
+    B_ptr, Bp_ptr, part_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr,
     G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
@@ -277,8 +313,9 @@ def _cb_kernel(
 
     The dot is the one ``_tile_output_kernel`` runs per head ([R, BLOCK_N] x [BLOCK_N, BLOCK_K] over
     the n blocks, ``dot_acc``), here once per group; rows outside the chunk's new rows (buffered,
-    padding) have C = 0. C [T, G, N] packed rows (model dtype), B [NC, G, L, N] chunks, cb
-    [NC, G, L, L] fp32 (blocks past a tile's rows are never written nor read).
+    padding) have C = 0. C and B [T, G, N] packed rows (model dtype), Bp [*, G, L, N] the chunks with
+    buffered rows (``_rows_at``), cb [NC, G, L, L] fp32 (blocks past a tile's rows are never written
+    nor read).
     """
     cg = tl.program_id(0).to(tl.int64)
     c = cg // G
@@ -288,9 +325,13 @@ def _cb_kernel(
     if k0 < t0 + R:
         t = t0 + tl.arange(0, R)
         s = k0 + tl.arange(0, BLOCK_K)
+        length = tl.load(length_ptr + c)
         sm = s < L
-        new = (t >= tl.load(pre_ptr + c)) & (t < tl.load(length_ptr + c))
-        row = tl.load(row0_ptr + c) + t
+        bm = sm & (s < length)  # B past the chunk's length is zero (other sequences' rows, or none)
+        new = (t >= tl.load(pre_ptr + c)) & (t < length)
+        row0 = tl.load(row0_ptr + c)
+        row = row0 + t
+        bb, bs = _rows_at(B_ptr, Bp_ptr, tl.load(part_ptr + c), row0, g, G, L, N)
         nn = tl.arange(0, BLOCK_N)
         cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
@@ -298,29 +339,31 @@ def _cb_kernel(
             nm = n < N
             Cn = tl.load(C_ptr + (row[:, None] * G + g) * N + n[None, :], mask=new[:, None] & nm[None, :],
                          other=0.0).to(tl.float32)
-            BT = tl.load(B_ptr + ((c * G + g) * L + s[None, :]) * N + n[:, None], mask=nm[:, None] & sm[None, :],
-                         other=0.0)
+            BT = tl.load(bb + s[None, :] * bs + n[:, None], mask=nm[:, None] & bm[None, :], other=0.0)
             cb = dot_acc(cb, Cn, BT.to(tl.float32), TC, 0, PRECISION)
         tl.store(cb_ptr + ((c * G + g) * L + t[:, None]) * L + s[None, :], cb, mask=sm[None, :])
 
 
 @triton.jit
 def _tile_output_kernel(
-    x_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr, tile_chunk_ptr, tile_pos_ptr,
-    tile_rows_ptr, sD_h, sD_p,
+    x_ptr, xp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr,
+    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, K_LOOP: tl.constexpr,
+    TC: tl.constexpr, K_LOOP: tl.constexpr, SEEDED: tl.constexpr,
 ):
     """y rows of one tile (R consecutive rows of one chunk), head h = pid 0, one BLOCK_P block of P.
 
     y_t = exp(a_t) (C_t . h_in) + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s + D x_t.
+    SEEDED: the intra-chunk dots accumulate onto the decayed inter-chunk term (one accumulator),
+    else into their own, added after (see ``configs``: "accumulate").
     tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
-    C [T, G, N] (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its
-    dtype), D with strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row
-    h_row[c]; the rest as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's
-    heads run together and share its C, cb and B in L2.
+    x [T, H, P] the packed new rows and xp the chunks with buffered rows (``_rows_at``); C [T, G, N]
+    (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its dtype), D with
+    strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest
+    as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's heads run together and
+    share its C, cb and B in L2.
     """
     h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
@@ -352,33 +395,42 @@ def _tile_output_kernel(
     # position only, so a decode step runs exactly the blocks a prefill runs for this tile (with
     # K_LOOP "static" every block runs, those past the tile masked: exact zeros).
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
-    intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
+    xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, H, L, P)
+    xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
+    if SEEDED:
+        intra = inter
+    else:
+        intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     if K_LOOP == 1:  # "static"
         for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+            intra = _intra_block(intra, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
                                  PRECISION, TC)
     elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+            intra = _intra_block(intra, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
                                  PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
-            intra = _intra_block(intra, k0, t0 + R, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L, P, BLOCK_K,
+            intra = _intra_block(intra, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
                                  PRECISION, TC)
             k0 += BLOCK_K
 
-    x_t = tl.load(x_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
+    x_t = tl.load(xb + t[:, None] * xs + p[None, :], mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
-    out = (inter + intra) + d[None, :] * x_t
+    if SEEDED:
+        out = intra + d[None, :] * x_t
+    else:
+        out = (inter + intra) + d[None, :] * x_t
     tl.store(y_ptr + (rows[:, None] * H + h) * P + p[None, :], out.to(y_ptr.dtype.element_ty),
              mask=live[:, None] & pm[None, :])
 
 
 @triton.jit
-def _intra_block(intra, k0, kend, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, L: tl.constexpr, P: tl.constexpr,
+def _intra_block(intra, k0, kend, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
-    """intra + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked."""
+    """intra + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked,
+    x of columns >= xend read as zero (x at xb, row stride xs: ``_rows_at``)."""
     s = k0 + tl.arange(0, BLOCK_K)
     sm = (s < L) & (s < kend)
     cb = tl.load(cbt[:, None] + s[None, :], mask=sm[None, :], other=0.0)
@@ -387,10 +439,10 @@ def _intra_block(intra, k0, kend, t, a_t, cbt, ch, p, pm, x_ptr, dt_ptr, a_ptr, 
     # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    xs = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
+    xv = tl.load(xb + s[:, None] * xs + p[None, :], mask=(sm & (s < xend))[:, None] & pm[None, :], other=0.0)
     if not TC:  # the tensor-core dot takes x as it is (bf16); widening it and back is exact, and work
-        xs = xs.to(tl.float32)
-    return dot_acc(intra, scores, xs, TC, 1, PRECISION)
+        xv = xv.to(tl.float32)
+    return dot_acc(intra, scores, xv, TC, 1, PRECISION)
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,29 +467,35 @@ def scan_planned(
     D: torch.Tensor,
     states: torch.Tensor,
     *,
+    x_parts: torch.Tensor,
+    B_parts: torch.Tensor,
     T: int,
     out_dtype: torch.dtype,
     zero_unwanted: bool = True,
 ) -> torch.Tensor:
-    """The scan proper over packed chunks, from a device plan; updates ``states`` in place.
+    """The scan proper, from a device plan; updates ``states`` in place.
 
-    plan: ``to_device(plan_advance(...))``. x [NC, H, L, P] and B [NC, G, L, N] in the model dtype
-    (or fp32 holding its values), dt [NC, H, L] fp32 after softplus (``_pack_kernel`` or
-    ``chunk.pack_chunks``). C [T, G, N] for the packed new rows, in the model dtype (bf16 selects
-    the tensor-core dots); A [H] fp32; D [H] or [H, P]. states [slots, H, P, N] fp32: the boundary
-    states, read at plan.slot and, for the sequences whose boundary moves, overwritten there.
+    plan: ``to_device(plan_advance(...))``. x [T, H, P] and B [T, G, N]: the packed new rows;
+    x_parts [*, H, L, P] and B_parts [*, G, L, N]: the chunks with plan.part >= 0, whole (buffered
+    rows, new rows, zero padding): all in the model dtype (or fp32 holding its values). dt [NC, H, L]
+    fp32 after softplus (``_pack_kernel`` or ``chunk.pack_chunks``). C [T, G, N] for the packed new
+    rows, in the model dtype (bf16 selects the tensor-core dots); A [H] fp32; D [H] or [H, P].
+    states [slots, H, P, N] fp32: the boundary states, read at plan.slot and, for the sequences whose
+    boundary moves, overwritten there.
 
     Returns y [T, H, P] in ``out_dtype`` (rows not wanted are zero if ``zero_unwanted``, else unset).
     """
-    NC, H, L, P = x.shape
-    G, N = B.shape[1], B.shape[3]
+    NC, L = dt.shape[0], plan.L
+    H, P = x_parts.shape[1], x_parts.shape[3]
+    G, N = B_parts.shape[1], B_parts.shape[3]
     R = plan.R
     _check_shapes(H, G, L, R)
-    dev = x.device
+    dev = dt.device
     f32 = torch.float32
     tc = tensor_core_dots(C.dtype)
     fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
-    x, dt, B, C = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C))
+    x, dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous()
+                                     for t in (x, dt, B, C, x_parts, B_parts))
     Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
     Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
@@ -455,16 +513,18 @@ def scan_planned(
     cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
     if plan.num_tiles:
         _cb_kernel[(NC * G, L // R, triton.cdiv(L, BLOCK_K))](
-            B, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
+            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K,
+            BLOCK_N=BLOCK_N,
             PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
 
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
             _tile_output_kernel[(H, plan.num_tiles, PB)](
-                x, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk, plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G,
-                **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc,
-                K_LOOP=k_loop_code(K_LOOP), num_warps=TILE_WARPS, enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
+                x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
+                plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(K_LOOP), SEEDED=SEEDED,
+                num_warps=TILE_WARPS, enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
             )
 
     # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its
@@ -476,7 +536,8 @@ def scan_planned(
     if n_need:
         NBS = state_block_n(N)
         _chunk_state_kernel[(n_need, H, PB * triton.cdiv(N, NBS))](
-            x, dt, a, B, chunk_state, plan.state_chunks, G=G, **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+            x, x_parts, B, B_parts, plan.part, plan.row0, plan.length, dt, a, chunk_state, plan.state_chunks, G=G,
+            **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
             BLOCK_NS=NBS, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
     if plan.one_each and not plan.any_moved:
@@ -527,9 +588,10 @@ def advance_triton(
     NC = plan.num_chunks
     x, dt, B = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B))
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
-    xc = torch.empty(NC, H, L, P, device=dev, dtype=x.dtype)
+    NP = plan.num_parts  # chunks with buffered rows: copied whole; the others are read in place
+    xc = torch.empty(NP, H, L, P, device=dev, dtype=x.dtype)
     dtc = torch.empty(NC, H, L, device=dev, dtype=torch.float32)
-    Bc = torch.empty(NC, G, L, N, device=dev, dtype=B.dtype)
+    Bc = torch.empty(NP, G, L, N, device=dev, dtype=B.dtype)
     lo, hi = _limits(dt_limit)
     dims = dict(H=H, G=G, L=L, P=P, N=N)
     blocks = dict(BLOCK_PF=triton.next_power_of_2(P), BLOCK_NF=triton.next_power_of_2(N))
@@ -537,10 +599,11 @@ def advance_triton(
     if NC:
         _pack_kernel[(NC, triton.cdiv(L, rows), H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
-            xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=_has_limit(dt_limit), num_warps=4,
+            pd.part, xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=_has_limit(dt_limit), num_warps=4,
             enable_fp_fusion=False,
         )
-    y = scan_planned(pd, xc, dtc, Bc, C, A, D, state.ssm_state, T=T, out_dtype=x.dtype, zero_unwanted=zero_unwanted)
+    y = scan_planned(pd, x, dtc, B, C, A, D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T, out_dtype=x.dtype,
+                     zero_unwanted=zero_unwanted)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
@@ -583,5 +646,8 @@ def scan_chunks_triton(
     off = torch.zeros(S, dtype=torch.int64).index_add_(0, seq, length) - lens
     plan = plan_advance(lens, off, L, row_tile, rows=None if rows is None else rows.cpu(), final=final)
     states = initial_states.to(device=dev, dtype=torch.float32).clone()
-    y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, T=C.shape[0], out_dtype=torch.float32)
+    # every chunk is already whole (packed): read them all from the parts
+    plan = dataclasses.replace(plan, part=np.arange(plan.num_chunks, dtype=np.int64), num_parts=plan.num_chunks)
+    y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, x_parts=ch.x, B_parts=ch.B,
+                     T=C.shape[0], out_dtype=torch.float32)
     return y, states, torch.from_numpy(plan.moved).to(dev)
