@@ -53,11 +53,11 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots, "accumulate": the output
-# tiles' accumulation (another contract too: "bitwise" against the pinned one is expected False)}.
-VARIANTS = [(64, 4, "while", 64, 32, {"accumulate": "seeded"}),
-            (64, 4, "while", 64, 32, {"accumulate": "seeded", "tile": {"num_stages": 1}}),
-            (64, 4, "while", 64, 32, {"accumulate": "seeded", "tile": {"num_stages": 1, "maxnreg": 96}})]
+# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots, "heads": heads per
+# row-tile program (scheduling: "bitwise" against the pinned config is expected True)}.
+VARIANTS = [(64, 4, "while", 64, 32, {"heads": 1, "tile": {"num_stages": 1, "maxnreg": 128}}),
+            (64, 4, "while", 64, 32, {"heads": 2, "tile": {"num_stages": 1}}),
+            (64, 4, "while", 64, 32, {"heads": 2, "tile": {"num_stages": 1, "maxnreg": 128}})]
 # bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
 # "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
 # "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
@@ -65,8 +65,7 @@ VARIANTS = [(64, 4, "while", 64, 32, {"accumulate": "seeded"}),
 # "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
 # "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit check runs the prefill so too)
 # "tile:bp32", the tile kernel over 32-column P blocks (twice the programs)
-# "tile:seeded", the output tiles' "seeded" accumulation (the bit check runs the prefill so too)
-DECODE_VARIANTS = ("tile:seeded",)
+DECODE_VARIANTS = ("tile:nopdl",)
 # prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
 ACCURACY_MAX_TOKENS = 2048
 
@@ -236,9 +235,9 @@ def clone_state(st):
 
 def decode_mode(mode: str):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole", "round", "seeded", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"):
-    yields the base mode, with those settings in triton_decode (the K block and the accumulation also
-    in triton_chunk, the dot mode in triton_dot) for the duration."""
+    loop, "nopdl", "whole", "round", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"): yields
+    the base mode, with those settings in triton_decode (the K block also in triton_chunk, the dot
+    mode in triton_dot) for the duration."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_chunk as tch
@@ -249,12 +248,10 @@ def decode_mode(mode: str):
     def ctx():
         base, *opts = mode.split(":")
         old = (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-               td.TILE_BLOCK_P, td.SEEDED, tch.SEEDED)
+               td.TILE_BLOCK_P)
         td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt == "seeded":
-                td.SEEDED = tch.SEEDED = True
-            elif opt.startswith("bp"):
+            if opt.startswith("bp"):
                 td.TILE_BLOCK_P = int(opt[2:])
             elif opt == "round":
                 tdot.BF16_DOTS = "round"
@@ -274,7 +271,7 @@ def decode_mode(mode: str):
             yield base
         finally:
             (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-             td.TILE_BLOCK_P, td.SEEDED, tch.SEEDED) = old
+             td.TILE_BLOCK_P) = old
 
     return ctx()
 
@@ -421,7 +418,8 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["variants"] = []
         import aligned_mamba.ops.ssd.triton_dot as tdot
 
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS, tch.SEEDED)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS,
+                  tch.TILE_HEADS)
         try:
             for R, warps, loop, pass_bp, bk, opts in VARIANTS:
                 if L % R:
@@ -430,7 +428,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 tch.BLOCK_K = bk
                 tch.TILE_OPTS = opts.get("tile", pinned[4])
                 tdot.BF16_DOTS = opts.get("dots", pinned[5])
-                tch.SEEDED = opts.get("accumulate", "seeded" if pinned[6] else "apart") == "seeded"
+                tch.TILE_HEADS = opts.get("heads", pinned[6])
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
@@ -444,7 +442,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 out["variants"].append(v)
         finally:
             (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS,
-             tch.SEEDED) = pinned
+             tch.TILE_HEADS) = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

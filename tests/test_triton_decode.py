@@ -336,8 +336,7 @@ def ops(code, fname, line, follow=("standard.py", "core.py")):
 
 f32 = "*fp32"
 pre = ptx(tc._cumsum_kernel, {"dt_ptr": f32, "A_ptr": f32, "a_ptr": f32}, dict(H=H, L=L, BLOCK_L=L))
-tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, K_LOOP=0,
-                   SEEDED=tc.SEEDED)
+tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, K_LOOP=0, HEADS=2)
 ints = dict(h_row_ptr="*i64", tile_chunk_ptr="*i64", tile_pos_ptr="*i64", tile_rows_ptr="*i64", sD_h="i32",
             sD_p="i32", part_ptr="*i64", row0_ptr="*i64", length_ptr="*i64")
 tile_sig = {k: ints.get(k, f32) for k in inspect.signature(tc._tile_output_kernel.fn).parameters
@@ -346,14 +345,14 @@ tile = ptx(tc._tile_output_kernel, tile_sig, tile_consts)
 row_sig = {"buf_x_ptr": "*bf16", "dts_ptr": f32, "state_ptr": f32, "slots_ptr": "*i64", "pos_ptr": "*i64",
            "C_ptr": "*bf16", "A_ptr": f32, "D_ptr": f32, "y_ptr": "*bf16", "a_ptr": f32, "cb_ptr": f32,
            "sD_h": "i32", "sD_p": "i32"}
-row = ptx(td._row_kernel, row_sig, dict(D, HPP=2, RB_P=64, BLOCK_L=L, SB=16, SEEDED=td.SEEDED))
+row = ptx(td._row_kernel, row_sig, dict(D, HPP=2, RB_P=64, BLOCK_L=L, SB=16))
 a = ops(pre, "triton_chunk.py", line_of(tc, "a = tl.cumsum("))
 b = ops(row, "triton_decode.py", line_of(td, "a = tl.cumsum("))
-epi = "out = intra + d" if tc.SEEDED else "out = (inter + intra)"  # the epilogue line of the pinned accumulation
-ep = lambda code, f, mod: sorted({o.split()[0] for o in ops(code, f, line_of(mod, epi), follow=())
-                                  if o.split()[0].startswith(("fma", "mul", "add", "sub"))})
-print(json.dumps({"scan_len": len(a), "scan_same": a == b[:len(a)], "epilogue_prefill": ep(tile, "triton_chunk.py", tc),
-                  "epilogue_row": ep(row, "triton_decode.py", td)}))
+ep = lambda code, f, mod, epi: sorted({o.split()[0] for o in ops(code, f, line_of(mod, epi), follow=())
+                                       if o.split()[0].startswith(("fma", "mul", "add", "sub"))})
+print(json.dumps({"scan_len": len(a), "scan_same": a == b[:len(a)],
+                  "epilogue_prefill": ep(tile, "triton_chunk.py", tc, "out = acc + d"),
+                  "epilogue_row": ep(row, "triton_decode.py", td, "out = intra + d * x_t")}))
 """
 
 

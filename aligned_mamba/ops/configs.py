@@ -40,10 +40,9 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 # bf16 models: tensor-core dots, bf16 operands, fp32 accumulation; fp32 operands
                 # (state, scores) split into two bf16 terms (ops/ssd/triton_dot.py)
                 "bf16_dots": "split2",
-                # the output tile's accumulation: "apart" (inter- and intra-chunk terms in two
-                # accumulators, added after) or "seeded" (the intra-chunk dots accumulate onto the
-                # decayed inter-chunk term: one accumulator, fewer registers)
-                "accumulate": "apart",
+                # the output tiles' accumulation: the intra-chunk dots accumulate onto the decayed
+                # inter-chunk term (one accumulator). Into their own, added after, gives other bits.
+                "accumulate": "seeded",
             }
         ),
     }

@@ -142,19 +142,6 @@ def state_block_n(N: int) -> int:
     return triton.next_power_of_2(N)
 
 
-def accumulate_seeded(accumulate: str | None = None) -> bool:
-    """Whether the output tiles accumulate "seeded" (the intra-chunk dots onto the decayed
-    inter-chunk term: one accumulator) or "apart" (two, added after): the pinned "accumulate" by
-    default. The two give different bits; prefill and decode tiles always run the same one."""
-    acc = _CFG["accumulate"] if accumulate is None else accumulate
-    if acc not in ("seeded", "apart"):
-        raise ValueError(f"accumulate must be 'seeded' or 'apart', not {acc!r}")
-    return acc == "seeded"
-
-
-# The tile kernel's accumulation (see accumulate_seeded); triton_chunk.SEEDED is the prefill's.
-SEEDED: bool = accumulate_seeded()
-
 K_LOOPS = ("while", "static", "range")
 
 
@@ -433,7 +420,7 @@ def _row_kernel(
     buf_x_ptr, dts_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr, SEEDED: tl.constexpr,
+    HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr,
 ):
     """Program (q, head pair, p block): y[q, heads, p] for the token's row alone.
 
@@ -441,9 +428,8 @@ def _row_kernel(
     output element is computed on its own (no reduction across threads), so RB_P and HPP do not
     touch the bits.
         inter = fma chain over n of C_n h[p, n], then * exp(a_t)        (the prefill's first dot)
-        intra = fma chain over s <= t of ((cb_s exp(min(a_t - a_s, 0))) dt_s) x[s, p]
-        y     = (inter + intra) + D x_t
-    (SEEDED: the intra chain starts from inter, and y = intra + D x_t.)
+        acc   = fma chain from inter over s <= t of ((cb_s exp(min(a_t - a_s, 0))) dt_s) x[s, p]
+        y     = acc + D x_t
     """
     q = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HPP
@@ -485,10 +471,7 @@ def _row_kernel(
     xrow = buf_x_ptr + sh * (L * P) + p
     dtrow = dts_ptr + qh * L
     cbrow = cb_ptr + (q * G + g) * L
-    if SEEDED:
-        intra = inter
-    else:
-        intra = tl.zeros((ROWS,), dtype=tl.float32)
+    intra = inter  # the intra-chunk chain continues from the inter-chunk term ("accumulate": "seeded")
     s0 = 0
     while s0 <= r:
         for j in tl.static_range(SB):
@@ -505,10 +488,7 @@ def _row_kernel(
 
     x_t = tl.load(xrow + r * P, mask=pm, other=0.0).to(tl.float32)
     d = tl.load(D_ptr + head * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
-    if SEEDED:
-        out = intra + d * x_t
-    else:
-        out = (inter + intra) + d * x_t
+    out = intra + d * x_t
     tl.store(y_ptr + qh * P + p, out.to(y_ptr.dtype.element_ty), mask=pm)
 
 
@@ -552,11 +532,10 @@ def _tile_kernel(
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, PDL: tl.constexpr, SEEDED: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
-    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly). SEEDED:
-    the accumulation of ``_tile_output_kernel`` (``accumulate_seeded``).
+    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
 
     The inter-chunk dots come first: they read the boundary state and C only, which the prep
     kernel does not write, so (PDL) they overlap the prep; ``gdc_wait`` then waits for it before
@@ -595,10 +574,7 @@ def _tile_kernel(
     a_t = tl.load(a_ptr + qa + t)
     inter = inter * tl.exp(a_t)[:, None]
 
-    if SEEDED:
-        intra = inter
-    else:
-        intra = tl.zeros((R, BLOCK_P), dtype=tl.float32)
+    intra = inter  # the intra-chunk dots accumulate onto the inter-chunk term, as in the prefill
     if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
             intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
@@ -612,10 +588,7 @@ def _tile_kernel(
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
-    if SEEDED:
-        out = intra + d[None, :] * x_t
-    else:
-        out = (inter + intra) + d[None, :] * x_t
+    out = intra + d[None, :] * x_t
     tl.store(y_ptr + (q * H + h) * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
              mask=live[:, None] & pm[None, :])
 
@@ -853,14 +826,13 @@ def replay_decode_triton(
         hpp, rb_p = _row_layout(H, G, P)
         _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
             state.buf_x, dt_scr, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
-            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, SEEDED=SEEDED, num_warps=NUM_WARPS,
+            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
         )
     else:
         _tile_kernel[(S, H, triton.cdiv(P, TILE_BLOCK_P))](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
             sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=TILE_BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, SEEDED=SEEDED,
-            num_warps=NUM_WARPS,
+            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, num_warps=NUM_WARPS,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)
