@@ -53,11 +53,8 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots, "heads": heads per
-# row-tile program (scheduling: "bitwise" against the pinned config is expected True)}.
-VARIANTS = [(64, 4, "while", 64, 32, {"heads": 1, "tile": {"num_stages": 1, "maxnreg": 128}}),
-            (64, 4, "while", 64, 32, {"heads": 2, "tile": {"num_stages": 1}}),
-            (64, 4, "while", 64, 32, {"heads": 2, "tile": {"num_stages": 1, "maxnreg": 128}})]
+# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
+VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
 # bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
 # "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
 # "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
@@ -418,8 +415,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["variants"] = []
         import aligned_mamba.ops.ssd.triton_dot as tdot
 
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS,
-                  tch.TILE_HEADS)
+        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
         try:
             for R, warps, loop, pass_bp, bk, opts in VARIANTS:
                 if L % R:
@@ -428,7 +424,6 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 tch.BLOCK_K = bk
                 tch.TILE_OPTS = opts.get("tile", pinned[4])
                 tdot.BF16_DOTS = opts.get("dots", pinned[5])
-                tch.TILE_HEADS = opts.get("heads", pinned[6])
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
@@ -441,8 +436,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS,
-             tch.TILE_HEADS) = pinned
+            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

@@ -80,13 +80,11 @@ K_LOOP: str = _CFG["k_loop"]
 PASS_BLOCK_P: int = _CFG["pass_block_p"]
 # Compile options of the row-tile kernel (tensor-core dots) beyond the pinned ones: occupancy only,
 # never the arithmetic. No pipelining (the 2-block inter loop's buffers took 49 of its 74 KB of
-# shared memory), and a register cap: two heads per program take 215 registers uncapped (2 programs
-# per SM), 168 without spilling (3 programs, 6 heads per SM; one head per program: 128, 4 heads).
-TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 168}
+# shared memory) and at most 128 registers: 4 programs per SM (414b8af, h200_variants.json). With
+# the seeded accumulation it fits without spilling. Two heads of a group per program (sharing the
+# loads of C and C.B) measured slower at a5fdb37 at every length from 8k tokens, capped or not.
+TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
 PACK_ROWS = 32
-# Heads per row-tile program (1 or 2, of one group): two share the loads of C and C.B. Scheduling
-# only: each head runs the same operations on the same tile shapes either way.
-TILE_HEADS: int = 2
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
 # and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
 # the other configs: a different precision gives different bits.
@@ -343,15 +341,12 @@ def _tile_output_kernel(
     tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, K_LOOP: tl.constexpr, HEADS: tl.constexpr,
+    TC: tl.constexpr, K_LOOP: tl.constexpr,
 ):
-    """y rows of one tile (R consecutive rows of one chunk), heads HEADS * pid 0 .. + HEADS - 1 (1 or
-    2, of one group), one BLOCK_P block of P.
+    """y rows of one tile (R consecutive rows of one chunk), head h = pid 0, one BLOCK_P block of P.
 
     y_t = [exp(a_t) (C_t . h_in) + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t: the
-    intra-chunk dots accumulate onto the decayed inter-chunk term ("accumulate": "seeded"). Each head
-    runs the same operations on the same tile shapes whether it shares its program or not (HEADS
-    only lets two heads share the loads of C and of C.B: scheduling, not bits).
+    intra-chunk dots accumulate onto the decayed inter-chunk term ("accumulate": "seeded").
     tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
     x [T, H, P] the packed new rows and xp the chunks with buffered rows (``_rows_at``); C [T, G, N]
@@ -360,7 +355,7 @@ def _tile_output_kernel(
     as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's heads run together and
     share its C, cb and B in L2.
     """
-    h = tl.program_id(0) * HEADS
+    h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     pm = p < P
@@ -370,64 +365,43 @@ def _tile_output_kernel(
     t = t0 + tl.arange(0, R)
     rows = tl.load(tile_rows_ptr + tile * R + tl.arange(0, R))
     live = rows >= 0
+    ch = c * H + h
+    a_t = tl.load(a_ptr + ch * L + t)
     nn = tl.arange(0, BLOCK_N)
-    hb = (tl.load(h_row_ptr + c) * H + h) * P  # head h's state; head h + 1's is P * N further
+    hb = (tl.load(h_row_ptr + c) * H + h) * P
 
     # Inter-chunk term: C_t . h_in, then the decay from the boundary.
     acc = tl.zeros((R, BLOCK_P), dtype=tl.float32)
-    acc2 = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
         Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
-        hp = h_in_ptr + (hb + p[None, :]) * N + n[:, None]
-        hm = nm[:, None] & pm[None, :]
-        acc = dot_acc(acc, Cn, tl.load(hp, mask=hm, other=0.0), TC, 2, PRECISION)
-        if HEADS == 2:
-            acc2 = dot_acc(acc2, Cn, tl.load(hp + P * N, mask=hm, other=0.0), TC, 2, PRECISION)
-    ch = c * H + h
-    a_t = tl.load(a_ptr + ch * L + t)
+        hT = tl.load(h_in_ptr + (hb + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        acc = dot_acc(acc, Cn, hT, TC, 2, PRECISION)
     acc = acc * tl.exp(a_t)[:, None]
-    a_t2 = a_t
-    if HEADS == 2:
-        a_t2 = tl.load(a_ptr + (ch + 1) * L + t)
-        acc2 = acc2 * tl.exp(a_t2)[:, None]
 
     # Intra-chunk term over the columns up to the tile's end, onto the inter term. The bound
     # depends on the tile's position only, so a decode step runs exactly the blocks a prefill runs
     # for this tile (with K_LOOP "static" every block runs, those past the tile masked: exact zeros).
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
-    part = tl.load(part_ptr + c)
-    row0 = tl.load(row0_ptr + c)
-    xb, xs = _rows_at(x_ptr, xp_ptr, part, row0, h, H, L, P)
-    xb2 = xb
-    if HEADS == 2:
-        xb2, xs = _rows_at(x_ptr, xp_ptr, part, row0, h + 1, H, L, P)
+    xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
     if K_LOOP == 1:  # "static"
         for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
-            acc, acc2 = _intra_block(acc, acc2, k0, t0 + R, xend, t, a_t, a_t2, cbt, ch, p, pm, xb, xb2, xs, dt_ptr,
-                                     a_ptr, L, BLOCK_K, PRECISION, TC, HEADS)
+            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                               PRECISION, TC)
     elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
         for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            acc, acc2 = _intra_block(acc, acc2, k0, t0 + R, xend, t, a_t, a_t2, cbt, ch, p, pm, xb, xb2, xs, dt_ptr,
-                                     a_ptr, L, BLOCK_K, PRECISION, TC, HEADS)
+            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                               PRECISION, TC)
     else:
         k0 = 0
         while k0 < t0 + R:
-            acc, acc2 = _intra_block(acc, acc2, k0, t0 + R, xend, t, a_t, a_t2, cbt, ch, p, pm, xb, xb2, xs, dt_ptr,
-                                     a_ptr, L, BLOCK_K, PRECISION, TC, HEADS)
+            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                               PRECISION, TC)
             k0 += BLOCK_K
 
-    _store_rows(acc, xb, xs, t, rows, live, h, p, pm, D_ptr, sD_h, sD_p, y_ptr, H, P)
-    if HEADS == 2:
-        _store_rows(acc2, xb2, xs, t, rows, live, h + 1, p, pm, D_ptr, sD_h, sD_p, y_ptr, H, P)
-
-
-@triton.jit
-def _store_rows(acc, xb, xs, t, rows, live, h, p, pm, D_ptr, sD_h, sD_p, y_ptr, H: tl.constexpr, P: tl.constexpr):
-    """y[rows, h, p] = acc + D x_t for the live rows (x of head h at xb, row stride xs)."""
     x_t = tl.load(xb + t[:, None] * xs + p[None, :], mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
     out = acc + d[None, :] * x_t
@@ -436,33 +410,19 @@ def _store_rows(acc, xb, xs, t, rows, live, h, p, pm, D_ptr, sD_h, sD_p, y_ptr, 
 
 
 @triton.jit
-def _intra_block(acc, acc2, k0, kend, xend, t, a_t, a_t2, cbt, ch, p, pm, xb, xb2, xs, dt_ptr, a_ptr,
-                 L: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
-                 HEADS: tl.constexpr):
-    """(acc, acc2) + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns, for head ch (and
-    ch + 1 if HEADS == 2: the C.B block is loaded once); columns >= kend masked, x of columns >= xend
-    read as zero (x of the two heads at xb and xb2, row stride xs: ``_rows_at``)."""
+def _intra_block(acc, k0, kend, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """acc + (scores of columns k0 .. k0+BLOCK_K-1) @ x of those columns; columns >= kend masked,
+    x of columns >= xend read as zero (x at xb, row stride xs: ``_rows_at``)."""
     s = k0 + tl.arange(0, BLOCK_K)
     sm = (s < L) & (s < kend)
     cb = tl.load(cbt[:, None] + s[None, :], mask=sm[None, :], other=0.0)
-    xm = (sm & (s < xend))[:, None] & pm[None, :]
-    xo = s[:, None] * xs + p[None, :]
-    acc = _intra_head(acc, cb, s, sm, t, a_t, a_ptr + ch * L, dt_ptr + ch * L, xb + xo, xm, PRECISION, TC)
-    if HEADS == 2:
-        acc2 = _intra_head(acc2, cb, s, sm, t, a_t2, a_ptr + (ch + 1) * L, dt_ptr + (ch + 1) * L, xb2 + xo, xm,
-                           PRECISION, TC)
-    return acc, acc2
-
-
-@triton.jit
-def _intra_head(acc, cb, s, sm, t, a_t, a_row, dt_row, xp, xm, PRECISION: tl.constexpr, TC: tl.constexpr):
-    """acc + ((cb * decay) * dt) @ x for one head: its a and dt rows, its x at xp (mask xm)."""
-    a_s = tl.load(a_row + s, mask=sm, other=0.0)
-    dt_s = tl.load(dt_row + s, mask=sm, other=0.0)
+    a_s = tl.load(a_ptr + ch * L + s, mask=sm, other=0.0)
+    dt_s = tl.load(dt_ptr + ch * L + s, mask=sm, other=0.0)
     # exp(a_t - a_s) for s <= t only; the min keeps the (discarded) s > t entries finite.
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    xv = tl.load(xp, mask=xm, other=0.0)
+    xv = tl.load(xb + s[:, None] * xs + p[None, :], mask=(sm & (s < xend))[:, None] & pm[None, :], other=0.0)
     if not TC:  # the tensor-core dot takes x as it is (bf16); widening it and back is exact, and work
         xv = xv.to(tl.float32)
     return dot_acc(acc, scores, xv, TC, 1, PRECISION)
@@ -541,14 +501,12 @@ def scan_planned(
             PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
         )
 
-    heads = TILE_HEADS if (H // G) % TILE_HEADS == 0 else 1  # a program's heads share a group
-
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
-            _tile_output_kernel[(H // heads, plan.num_tiles, PB)](
+            _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
                 plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(K_LOOP), HEADS=heads,
+                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(K_LOOP),
                 num_warps=TILE_WARPS, enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
             )
 
