@@ -56,25 +56,4 @@ if [ -n "${QUICK:-}" ]; then QUICK_FLAG="--quick"; fi
 timeout "$left" python3 benchmarks/bench_h200.py --out "$OUT/h200.json" $QUICK_FLAG ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 echo "== benchmark exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s total" | tee -a "$OUT/bench.log"
 
-python3 - "$OUT/h200.json" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except Exception as e:  # noqa: BLE001
-    sys.exit(f"no h200.json: {e}")
-f = lambda v, d=3: "-" if v is None else (f"{v:.{d}f}" if isinstance(v, float) else str(v))  # noqa: E731
-print(f"{r['gpu']} torch {r['torch']} triton {r['triton']} commit {r['commit']} copy {f(r['bandwidth'].get('copy_GBps'), 0)} GB/s")
-print("decode: shape batch mode bitwise replay_ms ssu_ms ratio | graph: replay ssu ratio")
-for d in r["decode"]:
-    print(" ", d["shape"], d["batch"], d["mode"], d["bitwise"], f(d["replay_ms"]), f(d["ssu_ms"]), f(d["ratio"]), "|",
-          f(d.get("replay_graph_ms")), f(d.get("ssu_graph_ms")), f(d.get("ratio_graph")))
-print("prefill: shape tokens ours_ms (scan only) mamba_ssm_ms ratio | variants: tile/warps/loop ms bitwise")
-for p in r["prefill"]:
-    vs = " ".join(f"{v['row_tile']}/{v['tile_warps']}/{v['k_loop']}/{v.get('pass_block_p')}/bk{v.get('block_k')}/{v.get('tile_opts')}={f(v.get('ms'))}{'' if v['bitwise'] else '(BITS DIFFER)'}"
-                  for v in (p.get("variants") or []))
-    print(" ", p["shape"], p["tokens"], f(p["ours_ms"]), f"({f(p.get('ours_scan_only_ms'))})",
-          f(p["mamba_ssm_ms"]), f(p["ratio"]), "|", vs)
-for k, m in r["memory"].items():
-    print("memory", k, m["replay_ssm_bytes"], "budget", m["budget_bytes"], "within", m["within_budget"])
-print("errors:", r.get("errors"), "schema:", r.get("schema_errors"))
-EOF
+python3 benchmarks/summarize.py "$OUT/h200.json" 2>&1 | tee "$OUT/summary.txt"
