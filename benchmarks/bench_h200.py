@@ -15,7 +15,7 @@ prefix + token from the same boundary state.
 Prefill: ``ssd_advance`` from an empty slot (Triton backend: host plan, pack, scan, buffers) vs
 ``mamba_chunk_scan_combined`` (bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k tokens and a
 varlen batch of 64 x 512; "scan only" times the scan kernels with dt packed beforehand. ``--variants``
-also times the scan under other tile configs (row tile, tile warps, K loop) and checks that each
+also times the scan under other tile configs (row tile, tile warps, K block, dot mode) and checks that each
 gives the pinned config's bits (rows and states torch.equal).
 
 Times: CUDA events around each call, median over >= 20 calls after warm-up (eager mode: at small
@@ -50,18 +50,16 @@ TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
-# (row tile, tile kernel warps, K loop, state pass P block, K block, tile kernel compile options):
+# (row tile, tile kernel warps, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
 # opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
-VARIANTS = [(64, 4, "while", 64, 32, {"dots": "round"})]
-# bf16 decode variants (--variants): "tile:range", the tile kernel's K loop as a tl.range;
-# "tile:nopdl", the tile kernel launched after the prep kernel ends (no programmatic dependent launch);
-# "tile:whole", one prep program per sequence and group (the whole chunk row), so that PDL overlaps
-# all of it; "tile:bk64", a K block of 64 (prefill and decode: the bit check runs both with it)
-# "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages and at most n registers
-# "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit check runs the prefill so too)
-# "tile:bp32", the tile kernel over 32-column P blocks (twice the programs)
+VARIANTS = [(64, 4, 64, 32, {"dots": "round"})]
+# bf16 decode variants (--variants): "tile:nopdl", the tile kernel launched after the prep kernel
+# ends (no programmatic dependent launch); "tile:bk64", a K block of 64 (prefill and decode: the bit
+# check runs both with it); "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages
+# and at most n registers; "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit
+# check runs the prefill so too)
 DECODE_VARIANTS = ("tile:nopdl",)
 # prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
 ACCURACY_MAX_TOKENS = 2048
@@ -231,10 +229,10 @@ def clone_state(st):
 
 
 def decode_mode(mode: str):
-    """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt: a K
-    loop, "nopdl", "whole", "round", "bp<P block>", "bk<K block>", "ns<stages>", "reg<registers>"): yields
-    the base mode, with those settings in triton_decode (the K block also in triton_chunk, the dot
-    mode in triton_dot) for the duration."""
+    """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt:
+    "nopdl", "round", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base mode, with those
+    settings in triton_decode (the K block also in triton_chunk, the dot mode in triton_dot) for the
+    duration. An unknown option raises ValueError."""
     import contextlib
 
     import aligned_mamba.ops.ssd.triton_chunk as tch
@@ -244,13 +242,10 @@ def decode_mode(mode: str):
     @contextlib.contextmanager
     def ctx():
         base, *opts = mode.split(":")
-        old = (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-               td.TILE_BLOCK_P)
+        old = (td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS)
         td.TILE_OPTS = dict(td.TILE_OPTS)
         for opt in opts:
-            if opt.startswith("bp"):
-                td.TILE_BLOCK_P = int(opt[2:])
-            elif opt == "round":
+            if opt == "round":
                 tdot.BF16_DOTS = "round"
             elif opt.startswith("ns"):
                 td.TILE_OPTS["num_stages"] = int(opt[2:])
@@ -258,17 +253,15 @@ def decode_mode(mode: str):
                 td.TILE_OPTS["maxnreg"] = int(opt[3:])
             elif opt == "nopdl":
                 td.PDL = False
-            elif opt == "whole":
-                td.PREP_WHOLE_ROW = True
             elif opt.startswith("bk"):
                 td.BLOCK_K = tch.BLOCK_K = int(opt[2:])
             else:
-                td.DECODE_K_LOOP = opt
+                td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
+                raise ValueError(f"unknown decode option {opt!r} in {mode!r}")
         try:
             yield base
         finally:
-            (td.DECODE_K_LOOP, td.PDL, td.PREP_WHOLE_ROW, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS,
-             td.TILE_BLOCK_P) = old
+            td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
 
     return ctx()
 
@@ -415,20 +408,20 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["variants"] = []
         import aligned_mamba.ops.ssd.triton_dot as tdot
 
-        pinned = (tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
+        pinned = (tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
         try:
-            for R, warps, loop, pass_bp, bk, opts in VARIANTS:
+            for R, warps, pass_bp, bk, opts in VARIANTS:
                 if L % R:
                     continue
-                tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P = loop, warps, pass_bp
+                tch.TILE_WARPS, tch.PASS_BLOCK_P = warps, pass_bp
                 tch.BLOCK_K = bk
-                tch.TILE_OPTS = opts.get("tile", pinned[4])
-                tdot.BF16_DOTS = opts.get("dots", pinned[5])
+                tch.TILE_OPTS = opts.get("tile", pinned[3])
+                tdot.BF16_DOTS = opts.get("dots", pinned[4])
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
-                v = {"row_tile": R, "tile_warps": warps, "k_loop": loop, "pass_block_p": pass_bp, "block_k": bk,
-                     "tile_opts": opts, "bitwise": same}
+                v = {"row_tile": R, "tile_warps": warps, "pass_block_p": pass_bp, "block_k": bk, "tile_opts": opts,
+                     "bitwise": same}
                 if ref is not None:
                     v["error_vs_fp64"] = rel_error(y1, ref)
                 if dev.type == "cuda":
@@ -436,7 +429,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.K_LOOP, tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
+            tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

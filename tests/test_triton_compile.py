@@ -53,28 +53,25 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, **rows),
          dict(G=1, L=256, N=128, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC),
          fuse)
-    for k_loop in (0, 1, 2):  # while, static, range
-        comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
-                                          tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **rows),
-             dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC,
-                  K_LOOP=k_loop), fuse)
+    comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+                                      tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **rows),
+         dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
-                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb, KB_PER=256 // BK if with_cb else 1), False)
-    for k_loop, pdl in ((0, False), (0, True), (2, False)):  # while, range; with and without PDL
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb), False)
+    for pdl in (False, True):  # with and without programmatic dependent launch
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
                                    sD_h="i32", sD_p="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg["dot_precision"], TC=TC, K_LOOP=k_loop, PDL=pdl), fuse)
+                  PRECISION=cfg["dot_precision"], TC=TC, PDL=pdl), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg["dot_precision"], TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
                           Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
-                          lo="fp32",
-                          hi="fp32"),
+                          lo="fp32", hi="fp32"),
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
 comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                             keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, crossed_ptr=i64),
@@ -91,5 +88,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 13 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 3 * 13 + 4, done
+    # 10 kernel configs per dot mode; pack, buffer, row and zero kernels
+    assert len(done) == 3 * 10 + 4, done

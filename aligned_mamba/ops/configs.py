@@ -28,11 +28,8 @@ PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "BLOCK_N": 64,
                 "BLOCK_K": 32,
                 "num_warps": 4,
-                # the prefill's row-tile kernel: its warps, and its K loop ("while": up to the tile's
-                # end; "static": every block of the chunk, those past the tile masked to exact zeros)
+                # the prefill's row-tile kernel's warps (its K loop runs the blocks up to the tile's end)
                 "tile_num_warps": 4,
-                "k_loop": "while",
-                "decode_k_loop": "while",
                 # the state pass's P block (elementwise: parallelism only)
                 "pass_block_p": 64,
                 # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target

@@ -35,13 +35,11 @@ blocks of P/N):
 
 Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
 (with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
-kernels through it. ``K_LOOP = "static"`` instead runs every K block of the chunk with the blocks
-past the tile masked (they add exact zeros, as the columns past a row inside the tile do), which
-lets the compiler pipeline the loads; ``K_LOOP = "range"`` runs the while loop's blocks as a
-run-time ``tl.range`` (compiled only: under the interpreter it runs as the while loop, the same
-arithmetic).
+kernels through it. (Every K block of the chunk with those past the tile masked, or the while
+loop's blocks as a run-time ``tl.range``, give the same bits and were no faster on the H200:
+``benchmarks/README.md``.)
 
-Configs: BLOCK_P, BLOCK_N, BLOCK_K, num_warps, the tile kernel's warps and K loop come from
+Configs: BLOCK_P, BLOCK_N, BLOCK_K, num_warps and the tile kernel's warps come from
 ``PINNED["triton"]``; the row tile is an argument, as for the torch scan (callers pass
 ``PINNED["triton"]["row_tile"]``). Every dot goes through ``triton_dot.dot_acc``: fp32 FMA dots
 ("ieee") for fp32 models, tensor-core dots with bf16 operands (fp32 operands split in two) for
@@ -62,7 +60,7 @@ import triton.language as tl
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, k_loop_code, state_block_n
+from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
 if TYPE_CHECKING:
@@ -74,7 +72,6 @@ BLOCK_N: int = _CFG["BLOCK_N"]
 BLOCK_K: int = _CFG["BLOCK_K"]
 NUM_WARPS: int = _CFG["num_warps"]
 TILE_WARPS: int = _CFG["tile_num_warps"]
-K_LOOP: str = _CFG["k_loop"]
 # The state pass is elementwise in (p, n): its block only sets how many programs walk the chunks
 # in parallel (a long sequence has few), never the bits.
 PASS_BLOCK_P: int = _CFG["pass_block_p"]
@@ -341,7 +338,7 @@ def _tile_output_kernel(
     tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, K_LOOP: tl.constexpr,
+    TC: tl.constexpr,
 ):
     """y rows of one tile (R consecutive rows of one chunk), head h = pid 0, one BLOCK_P block of P.
 
@@ -383,24 +380,15 @@ def _tile_output_kernel(
 
     # Intra-chunk term over the columns up to the tile's end, onto the inter term. The bound
     # depends on the tile's position only, so a decode step runs exactly the blocks a prefill runs
-    # for this tile (with K_LOOP "static" every block runs, those past the tile masked: exact zeros).
+    # for this tile.
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
     xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
-    if K_LOOP == 1:  # "static"
-        for k0 in tl.range(0, L, BLOCK_K, num_stages=2):
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-    elif K_LOOP == 2:  # "range": the while loop's blocks, as a run-time range the compiler can pipeline
-        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-    else:
-        k0 = 0
-        while k0 < t0 + R:
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-            k0 += BLOCK_K
+    k0 = 0
+    while k0 < t0 + R:
+        acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                           PRECISION, TC)
+        k0 += BLOCK_K
 
     x_t = tl.load(xb + t[:, None] * xs + p[None, :], mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
@@ -506,8 +494,8 @@ def scan_planned(
             _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
                 plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(K_LOOP),
-                num_warps=TILE_WARPS, enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
+                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=TILE_WARPS, enable_fp_fusion=fuse,
+                **(TILE_OPTS if tc else {}),
             )
 
     # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its

@@ -17,8 +17,7 @@ buffer, and only the token's own row:
    ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
    kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
    ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
-   token's row is live; a row's bits do not depend on the tile's height; ``DECODE_K_LOOP =
-   "range"`` runs its K loop as a ``tl.range``: bit-identical, off, no faster on the H200). "row"
+   token's row is live; a row's bits do not depend on the tile's height). "row"
    computes the one row alone with explicit fma chains in the order the fp32 FMA dot lowering
    accumulates (k ascending, one fused multiply-add per term, starting from the accumulator); it
    cannot reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only
@@ -75,8 +74,6 @@ MODES = ("row", "tile")
 DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
 # The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
-# Its K loop: "while" or "range" (the same blocks; see k_loop_code)
-DECODE_K_LOOP: str = _CFG["decode_k_loop"]
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
@@ -110,15 +107,10 @@ def _interpreting() -> bool:
 # write), then waits for the prep (``gdc_wait``) before reading what the prep wrote. Scheduling
 # only: the arithmetic and its order are the same with it off.
 PDL: bool = True
-# With PDL, one prep program per (sequence, group) walks the whole chunk row (see _prep_kernel)
-PREP_WHOLE_ROW: bool = False
 # Compile options of the tile kernel (tensor-core dots) beyond the pinned ones: occupancy only,
 # never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB); measured on
 # the H200 at 414b8af (h200_variants.json): 1-5% faster at batch 64 and 256 in CUDA graphs.
 TILE_OPTS: dict = {"num_stages": 2}
-# The tile kernel's P block (its output columns per program): a column's bits do not depend on it
-# (the dots' columns are independent; checked on the H200), only the number of programs does.
-TILE_BLOCK_P: int = BLOCK_P
 # Batch entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
 
@@ -140,18 +132,6 @@ def state_block_n(N: int) -> int:
     """The N block of the chunk-state dots (prefill's _chunk_state_kernel, decode's _update_kernel):
     all of N in one block, so x is read once per head; the same shapes on both sides."""
     return triton.next_power_of_2(N)
-
-
-K_LOOPS = ("while", "static", "range")
-
-
-def k_loop_code(k_loop: str) -> int:
-    """The K loop of the row-tile kernels as their constexpr: 0 while, 1 static (every block, masked),
-    2 range (a run-time ``tl.range``; the interpreter cannot take one, so there it runs as while)."""
-    if k_loop not in K_LOOPS:
-        raise ValueError(f"k_loop must be one of {K_LOOPS}, not {k_loop!r}")
-    code = K_LOOPS.index(k_loop)
-    return 0 if code == 2 and _interpreting() else code
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,13 +291,12 @@ def _prep_kernel(
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, dts_ptr, cb_ptr, lo, hi,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
-    KB_PER: tl.constexpr, HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program (q, g, j), for group g and the chunk's columns s in blocks kb = j KB_PER ..
-    (j + 1) KB_PER - 1 (each KB wide):
+    """Program (q, g, kb), for group g and the chunk's columns s in block kb (KB wide):
 
-    - (j = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
+    - (kb = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
       buffers at row r = pos % L;
     - dts[q, h, s] = softplus(dt_s + dt_bias) for s <= r (buffered raw rows and the token's), 0
       past r: the chunk's dt row exactly as ``pack_chunks`` builds it;
@@ -326,15 +305,14 @@ def _prep_kernel(
       instead of once per head; or (row mode) the fp32 dot's fma chain.
 
     Every column's result is computed alone, so splitting the columns over programs does not
-    touch the bits: KB_PER = 1 spreads a step's work over S * G * L / KB programs; KB_PER = L / KB
-    keeps it to S * G, few enough to be resident at once, so that (PDL) the tile kernel, launched
-    as its programmatic dependent once every prep program has started, overlaps all of it.
+    touch the bits. (PDL) the tile kernel is launched as its programmatic dependent once every prep
+    program has started.
     """
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    kb0 = tl.program_id(2) * KB_PER
+    kb = tl.program_id(2)
     HG: tl.constexpr = H // G
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
@@ -343,7 +321,7 @@ def _prep_kernel(
     hm = j < HG
     hh = g * HG + j
     raw = tl.load(dt_ptr + q * H + hh, mask=hm, other=0.0)
-    if kb0 == 0:
+    if kb == 0:
         tl.store(buf_dt_ptr + (slot * H + hh) * L + r, raw.to(buf_dt_ptr.dtype.element_ty), mask=hm)
         pf = tl.arange(0, BLOCK_PF)
         m2 = hm[:, None] & (pf < P)[None, :]
@@ -354,60 +332,58 @@ def _prep_kernel(
         bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nfm, other=0.0)
         tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
-    for kj in range(KB_PER):  # this program's column blocks, each computed alone
-        kb = kb0 + kj
-        s = kb * KB + tl.arange(0, KB)
-        buffered = hm[:, None] & (s < r)[None, :]
-        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the j = 0 program writes it)
-        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-        d = tl.where((s <= r)[None, :], d, 0.0)
-        tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
+    s = kb * KB + tl.arange(0, KB)
+    buffered = hm[:, None] & (s < r)[None, :]
+    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the kb = 0 program writes it)
+    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+    d = tl.where((s <= r)[None, :], d, 0.0)
+    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
-        if WITH_CB and TC:
-            # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
-            # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
-            # tokens' B there; the zero decay discards both). Row r of B is the token's.
-            t0 = r - r % R
-            if kb * KB < t0 + R:
-                rr = tl.arange(0, R)
-                live = (t0 + rr) == r
-                nn = tl.arange(0, BLOCK_N)
-                cbt = tl.zeros((R, KB), dtype=tl.float32)
-                for n0 in range(0, N, BLOCK_N):
-                    nc = n0 + nn
-                    ncm = nc < N
-                    Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
-                                 mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
-                    BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
-                                 mask=ncm[:, None] & (s < r)[None, :], other=0.0)
-                    Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
-                    BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
-                    cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
-                tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
-                         mask=live[:, None] & (s < L)[None, :])
-        elif WITH_CB:
-            # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
-            # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
-            if kb * KB <= r:
-                jj = tl.arange(0, 4)
-                cq = C_ptr + (q * G + g) * N
-                bq = B_ptr + (q * G + g) * N
-                bb = buf_B_ptr + (slot * G + g) * L * N
-                old = s < r
-                is_new = s == r
-                acc = tl.zeros((KB,), dtype=tl.float32)
-                for n0 in tl.static_range(0, N, 4):
-                    blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
-                    new = tl.load(bq + n0 + jj)
-                    blk = tl.where(is_new[:, None], new[None, :], blk).to(tl.float32)
-                    b0, b1, b2, b3 = _cols4(blk)
-                    acc = tl.fma(tl.load(cq + n0).to(tl.float32), b0, acc)
-                    acc = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), b1, acc)
-                    acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
-                    acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
-                tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
+    if WITH_CB and TC:
+        # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
+        # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
+        # tokens' B there; the zero decay discards both). Row r of B is the token's.
+        t0 = r - r % R
+        if kb * KB < t0 + R:
+            rr = tl.arange(0, R)
+            live = (t0 + rr) == r
+            nn = tl.arange(0, BLOCK_N)
+            cbt = tl.zeros((R, KB), dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                nc = n0 + nn
+                ncm = nc < N
+                Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
+                             mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
+                BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
+                             mask=ncm[:, None] & (s < r)[None, :], other=0.0)
+                Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
+                BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
+                cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
+            tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
+                     mask=live[:, None] & (s < L)[None, :])
+    elif WITH_CB:
+        # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
+        # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
+        if kb * KB <= r:
+            jj = tl.arange(0, 4)
+            cq = C_ptr + (q * G + g) * N
+            bq = B_ptr + (q * G + g) * N
+            bb = buf_B_ptr + (slot * G + g) * L * N
+            old = s < r
+            is_new = s == r
+            acc = tl.zeros((KB,), dtype=tl.float32)
+            for n0 in tl.static_range(0, N, 4):
+                blk = tl.load(bb + s[:, None] * N + n0 + jj[None, :], mask=old[:, None], other=0.0)
+                new = tl.load(bq + n0 + jj)
+                blk = tl.where(is_new[:, None], new[None, :], blk).to(tl.float32)
+                b0, b1, b2, b3 = _cols4(blk)
+                acc = tl.fma(tl.load(cq + n0).to(tl.float32), b0, acc)
+                acc = tl.fma(tl.load(cq + n0 + 1).to(tl.float32), b1, acc)
+                acc = tl.fma(tl.load(cq + n0 + 2).to(tl.float32), b2, acc)
+                acc = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), b3, acc)
+            tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,7 +508,7 @@ def _tile_kernel(
     sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, K_LOOP: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
     row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
@@ -575,16 +551,11 @@ def _tile_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = inter  # the intra-chunk dots accumulate onto the inter-chunk term, as in the prefill
-    if K_LOOP == 2:  # a run-time range: the same blocks as the while loop, loads pipelined
-        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=2):
-            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
-    else:
-        k0 = 0
-        while k0 < t0 + R:
-            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                      buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
-            k0 += BLOCK_K
+    k0 = 0
+    while k0 < t0 + R:  # the prefill tile's K blocks (see the module docstring of triton_chunk on loops)
+        intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+                                  buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+        k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
@@ -814,12 +785,11 @@ def replay_decode_triton(
 
     KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
     pdl = PDL and not row and pdl_supported(dev)
-    kb_per = (L // KB) if pdl and PREP_WHOLE_ROW else 1
     launch = {"launch_pdl": True} if pdl else {}
-    _prep_kernel[(S, G, L // KB // kb_per)](
+    _prep_kernel[(S, G, L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
-        BLOCK_NF=triton.next_power_of_2(N), KB=KB, KB_PER=kb_per, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
+        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
         BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
     if row:
@@ -829,10 +799,10 @@ def replay_decode_triton(
             **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
         )
     else:
-        _tile_kernel[(S, H, triton.cdiv(P, TILE_BLOCK_P))](
+        _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=TILE_BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, K_LOOP=k_loop_code(DECODE_K_LOOP), PDL=pdl, num_warps=NUM_WARPS,
+            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+            PRECISION=DOT_PRECISION, TC=tc, PDL=pdl, num_warps=NUM_WARPS,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)
