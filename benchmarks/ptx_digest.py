@@ -1,0 +1,137 @@
+"""A digest of the PTX every SSD Triton kernel compiles to for sm_90, in its pinned launch config.
+
+    python3 benchmarks/ptx_digest.py [--out digest.json] [--ptx-dir DIR]
+
+No GPU needed (the triton wheel's compiler and ptxas). Run it at two commits and compare: equal
+digests mean a change left the compiled kernels as they were (a refactor that cannot move a
+bit), which a GPU run would otherwise have to show. The PTX is taken without its debug line
+information (``.loc``/``.file`` lines, labels, comments and the debug sections), which moves
+with every edit of the source file. Shapes are the 128-head, 8-group mixer of the H200 bench
+(head dim 64, state 128, chunk 256); each kernel is compiled for fp32 models (fp32 FMA dots) and
+bf16 models (tensor-core dots, programmatic dependent launch where the launcher uses it).
+Constexprs a kernel no longer has are dropped, and the pinned values of ones it used to have
+are passed to older sources (``LEGACY``), so that the same script can read past commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from aligned_mamba.ops.configs import PINNED  # noqa: E402
+from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
+from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
+
+CFG = PINNED["triton"]
+D = dict(H=128, G=8, L=256, P=64, N=128)
+BF, I64 = "*bf16", "*i64"
+# pinned values of constexprs that older sources had (the while K loop; one column block per prep program)
+LEGACY = dict(K_LOOP=0, KB_PER=1)
+
+
+def normalized_ptx(ptx: str) -> str:
+    ptx = ptx.split(".section\t.debug")[0]
+    return "\n".join(ln for ln in ptx.splitlines() if not ln.strip().startswith((".loc", ".file", "$L__", "//")))
+
+
+def compile_ptx(fn, types: dict, consts: dict, fuse: bool, opts: dict) -> str:
+    params = inspect.signature(fn.fn).parameters
+    consts = {k: v for k, v in {**LEGACY, **consts}.items() if k in params}
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=CFG["num_warps"], enable_fp_fusion=fuse, **opts))
+    return normalized_ptx(k.asm["ptx"])
+
+
+def configs():
+    """(name, kernel, pointer types, constexprs, fp fusion, compile options) per pinned launch."""
+    BK, BP, BN, prec = CFG["BLOCK_K"], CFG["BLOCK_P"], CFG["BLOCK_N"], CFG["dot_precision"]
+    rows = dict(part_ptr=I64, row0_ptr=I64, length_ptr=I64, pre_ptr=I64, chunk_ptr=I64)
+    for TC in (0, 1):  # fp32 models; bf16 models (the pinned bf16_dots, split2)
+        fuse, model = not TC, ("bf16" if TC else "fp32")
+        m = dict(x_ptr=BF, xp_ptr=BF, B_ptr=BF, Bp_ptr=BF) if TC else {}
+        yield f"cumsum/{model}", tc._cumsum_kernel, {}, dict(H=D["H"], L=D["L"], BLOCK_L=D["L"]), fuse, {}
+        yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows),
+               dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
+        yield (f"state_pass/{model}", tc._state_pass_kernel,
+               dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64),
+               dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG["pass_block_p"], BP), BLOCK_N=BN,
+                    WRITE_IN=True, RT_RANGE=True), fuse, {})
+        yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, **rows),
+               dict(G=D["G"], L=D["L"], N=D["N"], R=CFG["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC),
+               fuse, {})
+        yield (f"row_tiles/{model}", tc._tile_output_kernel,
+               dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
+                    sD_h="i32", sD_p="i32", **rows),
+               dict(D, R=CFG["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
+               tc.TILE_OPTS if TC else {})
+        pdl = bool(TC)
+        yield (f"decode_prep/{model}", td._prep_kernel,
+               dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64,
+                    pos_ptr=I64, lo="fp32", hi="fp32"),
+               dict(D, BLOCK_HG=triton.next_power_of_2(D["H"] // D["G"]), BLOCK_PF=D["P"], BLOCK_NF=D["N"], KB=BK,
+                    HAS_LIMIT=False, WITH_CB=True, TC=TC, R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=pdl), False, {})
+        if TC:
+            yield (f"decode_tile/{model}", td._tile_kernel,
+                   dict(buf_x_ptr=BF, buf_B_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32",
+                        sD_p="i32"),
+                   dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=D["L"], PRECISION=prec,
+                        TC=TC, PDL=pdl), fuse, td.TILE_OPTS)
+        else:
+            yield (f"decode_row/{model}", td._row_kernel,
+                   dict(buf_x_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32", sD_p="i32"),
+                   dict(D, HPP=2, RB_P=64, BLOCK_L=D["L"], SB=16), True, {})
+        yield (f"decode_update/{model}", td._update_kernel,
+               dict(buf_x_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),
+               dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=td.state_block_n(D["N"]), PRECISION=prec, TC=TC, LISTED=pdl,
+                    QB=td.COMPLETION_BLOCK, PDL=pdl), fuse, {})
+    yield ("pack", tc._pack_kernel,
+           dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, xc_ptr=BF, Bc_ptr=BF,
+                chunk_slot_ptr=I64, pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, lo="fp32", hi="fp32"),
+           dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"], HAS_LIMIT=False), False, {})
+    yield ("buffer", tc._buffer_kernel,
+           dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slot_ptr=I64, keep_lo_ptr=I64,
+                keep_hi_ptr=I64, keep_row0_ptr=I64, crossed_ptr=I64),
+           dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"]), True, {})
+    yield ("decode_zero", td._zero_kernel,
+           dict(buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),
+           dict(D, BLOCK_L=D["L"], ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True, {})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the digests as JSON")
+    ap.add_argument("--ptx-dir", help="also write each kernel's normalized PTX here")
+    args = ap.parse_args()
+    digests = {}
+    for name, fn, types, consts, fuse, opts in configs():
+        ptx = compile_ptx(fn, types, consts, fuse, opts)
+        digests[name] = hashlib.sha256(ptx.encode()).hexdigest()[:16]
+        print(f"{digests[name]}  {name}", flush=True)
+        if args.ptx_dir:
+            Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.ptx_dir) / f"{name.replace('/', '_')}.ptx").write_text(ptx)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"triton": triton.__version__, "target": "sm_90", "digests": digests},
+                                             indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
