@@ -9,6 +9,7 @@ copies are exactly the chunks with buffered rows, numbered in order.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,3 +50,42 @@ def test_the_device_plan_keeps_the_copies() -> None:
     dev = to_device(plan, "cpu")
     assert dev.num_parts == plan.num_parts == 2
     assert dev.part.tolist() == plan.part.tolist() == [0, -1, -1, 1, -1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches())
+def test_buffer_rewrite_keeps_rows_past_the_fill_level_zero(batch) -> None:
+    """Apply the plan's buffer writes to a model of each slot's buffer (old rows 1, rows past the
+    old fill level 0): afterwards exactly the new fill level's rows hold data, every row past it
+    is zero, and a buffer whose chunk completed keeps none of its old rows. (Clearing only up to
+    keep_hi, or not at all, fails.)"""
+    lens, offs, _ = batch
+    plan = plan_advance(lens, offs, L, R)
+    for q in range(lens.shape[0]):
+        buf = np.where(np.arange(L) < offs[q], 1, 0)
+        lo, hi, clear = plan.keep_lo[q], plan.keep_hi[q], plan.clear_hi[q]
+        assert 0 <= lo <= hi <= clear <= L
+        buf[lo:hi] = 2
+        buf[hi:clear] = 0
+        fill = (offs[q] + lens[q]) % L
+        assert (buf[:fill] != 0).all() and (buf[fill:] == 0).all(), (q, buf, fill)
+        if offs[q] + lens[q] >= L:
+            assert (buf != 1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.data())
+def test_zero_in_marks_the_first_chunk_of_fresh_sequences(batch, data) -> None:
+    lens, offs, final = batch
+    fresh = np.array(data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens))))
+    offs = np.where(fresh, 0, offs)  # a fresh sequence (position 0) has nothing buffered
+    plan = plan_advance(lens, offs, L, R, final=final, fresh=fresh)
+    assert plan.zero_in.tolist() == (fresh[plan.seq] & (plan.index == 0)).tolist()
+    assert plan_advance(lens, offs, L, R, final=final).zero_in.sum() == 0  # default: none fresh
+
+
+def test_a_fresh_sequence_has_no_buffered_rows() -> None:
+    with pytest.raises(ValueError, match="fresh sequence"):
+        plan_advance(np.array([5, 7]), np.array([0, 3]), L, R, fresh=np.array([False, True]))
+    with pytest.raises(ValueError, match="bool mask"):
+        plan_advance(np.array([5, 7]), np.array([0, 3]), L, R, fresh=np.array([True]))
