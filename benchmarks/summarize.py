@@ -35,13 +35,14 @@ def summarize(r: dict) -> str:
                    f"{fmt(d.get('ssu_graph_ms'))} {fmt(d.get('ratio_graph'))} | "
                    f"{fmt(d.get('replay_frac_copy_bw'), 2)} {fmt(d.get('ssu_frac_copy_bw'), 2)}")
     out.append("prefill: shape tokens ours_ms (scan only) mamba_ssm_ms ratio | plan host ms (once per step)"
-               " | error vs fp64 (bf16 floor) | variants: ms")
+               " | slot reset ms | error vs fp64 (bf16 floor) | variants: ms")
     for p in r["prefill"]:
         err = "-" if p.get("error_vs_fp64") is None else f"{fmt(p['error_vs_fp64'], 4)} ({fmt(p.get('bf16_floor'), 4)})"
         vs = " ".join(f"{v.get('tile_opts')}={fmt(v.get('ms'))}{'' if v['bitwise'] else '(other bits)'}"
                       for v in (p.get("variants") or []))
         out.append(f"  {p['shape']} {p['tokens']} {fmt(p['ours_ms'])} ({fmt(p.get('ours_scan_only_ms'))}) "
-                   f"{fmt(p['mamba_ssm_ms'])} {fmt(p['ratio'])} | {fmt(p.get('plan_host_ms'))} | {err} | {vs}")
+                   f"{fmt(p['mamba_ssm_ms'])} {fmt(p['ratio'])} | {fmt(p.get('plan_host_ms'))} | "
+                   f"{fmt(p.get('reset_ms'))} | {err} | {vs}")
     for k, m in r["memory"].items():
         out.append(f"memory {k} {m['replay_ssm_bytes']} budget {m['budget_bytes']} within {m['within_budget']}")
     out.append(f"errors: {r.get('errors')} schema: {r.get('schema_errors')}")
