@@ -211,8 +211,7 @@ def ssd_advance(
 
     Buffer rows at and past a slot's fill level are kept zero, so a slot's buffer is already
     its first chunk's zero-padded prefix (raw dt included: ``pack_chunks`` zeroes the softplus'd
-    dt past the fill level). A sequence at position 0 starts from a reset slot (``reset``: zero
-    state, zero buffers); the Triton backend relies on that and does not read such a slot's state.
+    dt past the fill level).
     """
     for name, t, buf in (("x", x, state.buf_x), ("dt", dt, state.buf_dt), ("B", B, state.buf_B)):
         if t.dtype != buf.dtype:
@@ -246,8 +245,7 @@ def ssd_advance(
         from .ops.ssd.triton_chunk import advance_triton
 
         def planned() -> tuple:
-            p = plan_advance(batch.lengths, batch.start_pos % L, L, row_tile, slots=batch.slots, rows=rows,
-                             fresh=batch.start_pos == 0)
+            p = plan_advance(batch.lengths, batch.start_pos % L, L, row_tile, slots=batch.slots, rows=rows)
             return p, to_device(p, dev)
 
         # a rows mask is a device tensor of its own: planned per call, not kept

@@ -53,8 +53,8 @@ BF16_MODES = ("tile",)
 # (row tile, tile kernel warps, state pass P block, K block, tile kernel compile options):
 # candidates for the pinned prefill configs. A K block other than the pinned one is another
 # contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots, "pdl": PREFILL_PDL}.
-VARIANTS = [(64, 4, 64, 32, {"pdl": False})]
+# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
+VARIANTS = [(64, 4, 64, 32, {"dots": "round"})]
 # bf16 decode variants (--variants): "tile:nopdl", the tile kernel launched after the prep kernel
 # ends (no programmatic dependent launch); "tile:bk64", a K block of 64 (prefill and decode: the bit
 # check runs both with it); "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages
@@ -389,8 +389,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         hs = []
         for _ in range(n):
             t0 = time.perf_counter()
-            to_device(plan_advance(batch.lengths, batch.start_pos % L, L, R0, slots=batch.slots,
-                                   fresh=batch.start_pos == 0), dev)
+            to_device(plan_advance(batch.lengths, batch.start_pos % L, L, R0, slots=batch.slots), dev)
             hs.append((time.perf_counter() - t0) * 1e3)
         out["plan_host_ms"] = statistics.median(hs)
         torch.cuda.synchronize()
@@ -398,8 +397,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         # what an engine also pays when these sequences start: LayerReplayState.reset of their slots
         out["reset_ms"] = summary(cuda_times(torch, reset, n, warmup))["median_ms"]
         # the scan kernels alone, dt packed once (what the scan costs without the pack and the buffers)
-        plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0,
-                                      fresh=torch.ones(S, dtype=torch.bool)), dev)
+        plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
         NC = plan.num_chunks
         dtc = torch.rand(NC, H, L, device=dev) * 0.05
         states = torch.zeros(S, H, P, N, device=dev)
@@ -412,7 +410,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["variants"] = []
         import aligned_mamba.ops.ssd.triton_dot as tdot
 
-        pinned = (tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS, tch.PREFILL_PDL)
+        pinned = (tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
         try:
             for R, warps, pass_bp, bk, opts in VARIANTS:
                 if L % R:
@@ -421,7 +419,6 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 tch.BLOCK_K = bk
                 tch.TILE_OPTS = opts.get("tile", pinned[3])
                 tdot.BF16_DOTS = opts.get("dots", pinned[4])
-                tch.PREFILL_PDL = opts.get("pdl", pinned[5])
                 reset()
                 y1 = ours(row_tile=R)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
@@ -434,7 +431,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS, tch.PREFILL_PDL = pinned
+            tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

@@ -70,15 +70,15 @@ def configs():
         yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
         yield (f"state_pass/{model}", tc._state_pass_kernel,
-               dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64, zero_in_ptr=I64),
+               dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64),
                dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG["pass_block_p"], BP), BLOCK_N=BN,
-                    WRITE_IN=True, RT_RANGE=True, PDL=bool(TC) and tc.PREFILL_PDL), fuse, {})
+                    WRITE_IN=True, RT_RANGE=True), fuse, {})
         yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, **rows),
-               dict(G=D["G"], L=D["L"], N=D["N"], R=CFG["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC,
-                    PDL=bool(TC) and tc.PREFILL_PDL), fuse, {})
+               dict(G=D["G"], L=D["L"], N=D["N"], R=CFG["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC),
+               fuse, {})
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
-                    zero_in_ptr=I64, sD_h="i32", sD_p="i32", **rows),
+                    sD_h="i32", sD_p="i32", **rows),
                dict(D, R=CFG["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
                tc.TILE_OPTS if TC else {})
         pdl = bool(TC)

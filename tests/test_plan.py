@@ -9,7 +9,6 @@ copies are exactly the chunks with buffered rows, numbered in order.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,20 +71,3 @@ def test_buffer_rewrite_keeps_rows_past_the_fill_level_zero(batch) -> None:
         if offs[q] + lens[q] >= L:
             assert (buf != 1).all()
 
-
-@settings(max_examples=40, deadline=None)
-@given(batches(), st.data())
-def test_zero_in_marks_the_first_chunk_of_fresh_sequences(batch, data) -> None:
-    lens, offs, final = batch
-    fresh = np.array(data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens))))
-    offs = np.where(fresh, 0, offs)  # a fresh sequence (position 0) has nothing buffered
-    plan = plan_advance(lens, offs, L, R, final=final, fresh=fresh)
-    assert plan.zero_in.tolist() == (fresh[plan.seq] & (plan.index == 0)).tolist()
-    assert plan_advance(lens, offs, L, R, final=final).zero_in.sum() == 0  # default: none fresh
-
-
-def test_a_fresh_sequence_has_no_buffered_rows() -> None:
-    with pytest.raises(ValueError, match="fresh sequence"):
-        plan_advance(np.array([5, 7]), np.array([0, 3]), L, R, fresh=np.array([False, True]))
-    with pytest.raises(ValueError, match="bool mask"):
-        plan_advance(np.array([5, 7]), np.array([0, 3]), L, R, fresh=np.array([True]))

@@ -229,30 +229,3 @@ def test_one_batch_shared_by_layers_of_other_shapes() -> None:
     assert len(shared._derived) == 3  # one plan per (chunk size, row tile), each built once
     for y_s, y_f in zip(ys_shared, ys_fresh, strict=True):
         assert torch.equal(y_s, y_f)
-
-
-@pytest.mark.parametrize("lens", [[2 * L + 5, L + 3], [20, 9]], ids=["state_pass", "one_chunk_each"])
-def test_a_fresh_sequence_does_not_read_its_slot_state(lens: list[int]) -> None:
-    """A sequence at position 0 starts from the zero state a reset gives its slot: the Triton
-    advance takes that as known and never reads the slot's state, so NaN there changes no bit of
-    the rows, states or buffers. The same batch at a chunk boundary later in the streams (nothing
-    buffered either, but the state is the history) reads it: NaN shows in every row."""
-    G = 1
-    x, dt, B, C = _tokens(sum(lens), G, 13)
-    prm = _params(13)
-
-    def run(start: list[int], fill: float) -> tuple[torch.Tensor, LayerReplayState]:
-        st_ = _state(G, slots=2)
-        st_.ssm_state.fill_(fill)
-        return ssd_advance(st_, Batch.make([0, 1], start, lens), x, dt, B, C, backend="triton", **prm), st_
-
-    y_ref, st_ref = run([0, 0], 0.0)
-    y_nan, st_nan = run([0, 0], math.nan)
-    assert torch.equal(y_nan, y_ref)
-    for name in ("buf_x", "buf_dt", "buf_B"):
-        assert torch.equal(getattr(st_nan, name), getattr(st_ref, name)), name
-    for i, n in enumerate(lens):  # a slot whose chunk completed holds the new state; the others are untouched
-        h_nan, h_ref = st_nan.ssm_state[i], st_ref.ssm_state[i]
-        assert torch.equal(h_nan, h_ref) if n >= L else bool(h_nan.isnan().all())
-    y_later, _ = run([L, 2 * L], math.nan)
-    assert bool(y_later.isnan().all(dim=-1).all())

@@ -16,9 +16,7 @@ Tables (int64 unless noted), per chunk c of NC:
     row0[c]  packed row of chunk position 0 (position s < length holds packed row row0 + s if s >= pre);
     part[c]  the chunk's index among the chunks with buffered rows (pre > 0), which are copied whole
              into chunk-shaped tensors; -1 for the others, whose rows are read where they lie;
-    need[c]  the chunk's state is folded into the boundary state (length == L, or every chunk for "end");
-    zero_in[c]  the chunk's boundary state is the zero state: the first chunk of a fresh sequence
-             (position 0, a reset slot), whose slot state is then never read nor copied.
+    need[c]  the chunk's state is folded into the boundary state (length == L, or every chunk for "end").
 Per sequence q of S:
     first[q], count[q]  its chunks; moved[q] (bool) whether its boundary moves;
     keep_lo[q], keep_hi[q], keep_row0[q]: the rows [keep_lo, keep_hi) of its new buffer and the
@@ -44,7 +42,7 @@ import torch
 
 @dataclass
 class AdvancePlan:
-    """See the module docstring. Tables are int64 numpy arrays (bool for need, zero_in, moved) on
+    """See the module docstring. Tables are int64 numpy arrays (bool for need and moved) on
     the host (``plan_advance``), int64 torch tensors on a device (``to_device``)."""
 
     seq: Any
@@ -54,7 +52,6 @@ class AdvancePlan:
     row0: Any
     part: Any
     need: Any
-    zero_in: Any
     first: Any
     count: Any
     moved: Any
@@ -106,16 +103,14 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray, L: int, R: int, *,
                  slots: torch.Tensor | np.ndarray | None = None, rows: torch.Tensor | None = None,
-                 final: str = "boundary", fresh: torch.Tensor | np.ndarray | None = None) -> AdvancePlan:
+                 final: str = "boundary") -> AdvancePlan:
     """The layout of an advance, on the host.
 
     lens [S] new rows per sequence (>= 1), off [S] rows buffered per sequence (0 <= off < L), slots
     [S] each sequence's slot (default 0 .. S-1): integer CPU tensors or arrays; L the chunk size, R
     the row tile (dividing L); rows [T] bool: the wanted rows (default all; a device mask is copied
     to the host, one sync); final: "boundary" (exact replay) or "end" (fold the trailing partial
-    chunk too); fresh [S] bool: the sequences at stream position 0 (default none), whose slots
-    hold a reset's zeros: the kernels take their boundary state as zero instead of reading it
-    (the same operands, fewer bytes).
+    chunk too).
     """
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
@@ -139,15 +134,6 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
     slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
     moved = slen >= L if final == "boundary" else np.ones(S, dtype=bool)
-    if fresh is None:
-        fresh_q = np.zeros(S, dtype=bool)
-    else:
-        fresh_q = _np(fresh).astype(bool)
-        if fresh_q.shape != (S,):
-            raise ValueError(f"fresh must be a [{S}] bool mask, not {tuple(fresh_q.shape)}")
-        if (fresh_q & (off != 0)).any():
-            raise ValueError("a fresh sequence (position 0) has no buffered rows, but off > 0 for one")
-    zero_in = fresh_q[seq] & (index == 0)
 
     crossed = slen >= L
     base = (slen // L) * L  # stream position of the new buffer's row 0
@@ -176,8 +162,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     if want is not None:
         new &= want[np.clip(tile_rows, 0, max(T - 1, 0))]
     tile_rows = np.where(new, tile_rows, -1)
-    return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, part=part, need=need, zero_in=zero_in,
-                       first=first, count=count, moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0,
+    return AdvancePlan(seq=seq, index=index, length=length, pre=pre, row0=row0, part=part, need=need, first=first,
+                       count=count, moved=moved, keep_lo=keep_lo, keep_hi=keep_hi, keep_row0=keep_row0,
                        clear_hi=clear_hi, tile_chunk=tc, tile_pos=tile_pos, tile_rows=tile_rows, slot=slot,
                        chunk_slot=slot[seq],
                        state_chunks=np.flatnonzero(need), chunk_id=np.arange(NC, dtype=np.int64), L=L, R=R,

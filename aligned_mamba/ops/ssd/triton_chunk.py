@@ -23,16 +23,13 @@ blocks of P/N):
    the packed new rows; zero padding. Every other chunk's x and B are read where they lie, in the
    packed new rows (``_rows_at``): a long prefill copies none of them.
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
-2. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-3. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
-   from and back into the slot's boundary state (in place). A fresh sequence (position 0, a reset
-   slot) starts from zeros without reading its slot, and its first chunk's h_in is neither written
-   nor read (``plan.zero_in``): the same operands, fewer bytes.
-4. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
-   kernel's dot, hoisted out of its heads). On sm_90+ the state pass's programmatic dependent
-   (``PREFILL_PDL``): the two share the GPU.
+2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
+   kernel's dot, hoisted out of its heads).
+3. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
+4. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
+   from and back into the slot's boundary state (in place).
 5. ``_tile_output_kernel`` [H, tiles holding wanted rows, PB]: y rows of one row tile. With one
-   chunk per sequence 4-5 run before 2-3 and read the boundary state in place (a decode-like
+   chunk per sequence it runs before 3-4 and reads the boundary state in place (a decode-like
    step reads the state and writes it only if a chunk completed).
 6. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt) from the packed rows.
 
@@ -59,12 +56,11 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import PINNED
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, pdl_supported, state_block_n
+from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
 if TYPE_CHECKING:
@@ -86,11 +82,6 @@ PASS_BLOCK_P: int = _CFG["pass_block_p"]
 # loads of C and C.B) measured slower at a5fdb37 at every length from 8k tokens, capped or not.
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
 PACK_ROWS = 32
-# Programmatic dependent launch (sm_90+) of a prefill of several chunks per sequence: the C.B kernel
-# is the state pass's dependent, so the two (C.B on C and B, the pass on the chunk states: neither
-# reads what the other writes) share the GPU; every C.B program waits for the pass at its end, so
-# the row tiles, launched after C.B, see the passed states. Scheduling only: the same bits.
-PREFILL_PDL: bool = True
 # fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
 # and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
 # the other configs: a different precision gives different bits.
@@ -163,7 +154,8 @@ def _buffer_kernel(
 ):
     """Sequence q, head h: rows keep_lo .. keep_hi-1 of the slot's buffers (x and raw dt of head h,
     B of group h for h < G) from packed rows keep_row0 + s, and rows keep_hi .. clear_hi-1 zeroed
-    (a crossed buffer's old rows past its new fill level; the rows past the old one are zero)."""
+    (a completed buffer's old rows past its new fill level; the rows past the old one are zero
+    already, so a batch of new sequences writes no zeros)."""
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + q)
@@ -252,23 +244,17 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_pass_kernel(
-    a_ptr, state_ptr, need_ptr, h_ptr, slot_ptr, h_in_ptr, first_ptr, count_ptr, zero_in_ptr,
+    a_ptr, state_ptr, need_ptr, h_ptr, slot_ptr, h_in_ptr, first_ptr, count_ptr,
     H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr, RT_RANGE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Walk sequence q's chunks in order from its slot's boundary state h[slot[q]]: (WRITE_IN)
     h_in[c] = h, then h = exp(a_L) h + state[c] if need[c]; write h back to h[slot[q]].
 
-    first/count/slot [S] and need/zero_in [NC] int64: q's chunks are first[q] .. first[q] + count[q] - 1.
-    A fresh sequence (zero_in of its first chunk) starts from zeros, as its reset slot holds: the
-    slot is not read, and h_in of that chunk is not written (the tile kernel takes it as zero).
+    first/count/slot [S] and need [NC] int64: q's chunks are first[q] .. first[q] + count[q] - 1.
     h [slots, H, P, N], h_in/state [NC, H, P, N]: fp32. Elementwise in (p, n), so the block split
     does not touch the bits; each program owns its block of its slot's state (in place is safe).
-    (PDL) its dependent (the C.B kernel) may start at once.
     """
-    if PDL:
-        gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -277,30 +263,27 @@ def _state_pass_kernel(
     m = (p < P)[:, None] & (n < N)[None, :]
     pn = p[:, None] * N + n[None, :]
     home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
+    hs = tl.load(home, mask=m, other=0.0)
     c0 = tl.load(first_ptr + q)
-    hs = tl.load(home, mask=m & (tl.load(zero_in_ptr + c0) == 0), other=0.0)
     end = c0 + tl.load(count_ptr + q)
     if RT_RANGE:  # compiled: a run-time range, so the next chunk's loads can be issued early
         for c in tl.range(c0, end, num_stages=3):
-            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, zero_in_ptr, pn, m, h, H, L, P, N,
-                            WRITE_IN)
+            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
     else:  # the interpreter: a while loop (see the note on loops in the module docstring)
         c = c0
         while c < end:
-            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, zero_in_ptr, pn, m, h, H, L, P, N,
-                            WRITE_IN)
+            hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
             c += 1
     tl.store(home, hs, mask=m)
 
 
 @triton.jit
-def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, zero_in_ptr, pn, m, h, H: tl.constexpr,
-               L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, WRITE_IN: tl.constexpr):
-    """One chunk of the state pass: (WRITE_IN) h_in[c] = hs unless zero_in[c]; returns
-    exp(a_L) hs + state[c] if need[c], else hs."""
+def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H: tl.constexpr, L: tl.constexpr,
+               P: tl.constexpr, N: tl.constexpr, WRITE_IN: tl.constexpr):
+    """One chunk of the state pass: (WRITE_IN) h_in[c] = hs; returns exp(a_L) hs + state[c] if need[c], else hs."""
     off = (c * H + h) * P * N + pn
     if WRITE_IN:
-        tl.store(h_in_ptr + off, hs, mask=m & (tl.load(zero_in_ptr + c) == 0))
+        tl.store(h_in_ptr + off, hs, mask=m)
     upd = tl.load(need_ptr + c) != 0
     decay = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1))
     s_k = tl.load(state_ptr + off, mask=m & upd, other=0.0)  # not written for chunks not needed
@@ -311,7 +294,7 @@ def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, zero_in_ptr, pn, m, 
 def _cb_kernel(
     B_ptr, Bp_ptr, part_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr,
     G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """cb[c, g, t, s] = C_t . B_s for the row tile (rows t0 .. t0+R-1) and K block (columns k0 ..
     k0+BLOCK_K-1) of program (c * G + g, tile, block), for blocks the tile's rows reach (k0 < t0 + R).
@@ -320,7 +303,7 @@ def _cb_kernel(
     the n blocks, ``dot_acc``), here once per group; rows outside the chunk's new rows (buffered,
     padding) have C = 0. C and B [T, G, N] packed rows (model dtype), Bp [*, G, L, N] the chunks with
     buffered rows (``_rows_at``), cb [NC, G, L, L] fp32 (blocks past a tile's rows are never written
-    nor read). (PDL) launched as the state pass's dependent: every program waits for it at its end.
+    nor read).
     """
     cg = tl.program_id(0).to(tl.int64)
     c = cg // G
@@ -347,14 +330,12 @@ def _cb_kernel(
             BT = tl.load(bb + s[None, :] * bs + n[:, None], mask=nm[:, None] & bm[None, :], other=0.0)
             cb = dot_acc(cb, Cn, BT.to(tl.float32), TC, 0, PRECISION)
         tl.store(cb_ptr + ((c * G + g) * L + t[:, None]) * L + s[None, :], cb, mask=sm[None, :])
-    if PDL:
-        gdc_wait()
 
 
 @triton.jit
 def _tile_output_kernel(
     x_ptr, xp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr,
-    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, zero_in_ptr, sD_h, sD_p,
+    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
@@ -367,8 +348,7 @@ def _tile_output_kernel(
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
     x [T, H, P] the packed new rows and xp the chunks with buffered rows (``_rows_at``); C [T, G, N]
     (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its dtype), D with
-    strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c], read as
-    zeros (not read) where zero_in[c] (a fresh sequence's first chunk: the same operands); the rest
+    strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest
     as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's heads run together and
     share its C, cb and B in L2.
     """
@@ -386,7 +366,6 @@ def _tile_output_kernel(
     a_t = tl.load(a_ptr + ch * L + t)
     nn = tl.arange(0, BLOCK_N)
     hb = (tl.load(h_row_ptr + c) * H + h) * P
-    hm = pm[None, :] & (tl.load(zero_in_ptr + c) == 0)
 
     # Inter-chunk term: C_t . h_in, then the decay from the boundary.
     acc = tl.zeros((R, BLOCK_P), dtype=tl.float32)
@@ -395,7 +374,7 @@ def _tile_output_kernel(
         nm = n < N
         Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
-        hT = tl.load(h_in_ptr + (hb + p[None, :]) * N + n[:, None], mask=nm[:, None] & hm, other=0.0)
+        hT = tl.load(h_in_ptr + (hb + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         acc = dot_acc(acc, Cn, hT, TC, 2, PRECISION)
     acc = acc * tl.exp(a_t)[:, None]
 
@@ -503,20 +482,20 @@ def scan_planned(
 
     # C.B once per (chunk, group): the tile kernel's per-head dot, hoisted (same shapes, same bits)
     cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
+    if plan.num_tiles:
+        _cb_kernel[(NC * G, L // R, triton.cdiv(L, BLOCK_K))](
+            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K,
+            BLOCK_N=BLOCK_N,
+            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+        )
 
-    def tiles(h_in: torch.Tensor, h_row: torch.Tensor, after_pass: bool = False) -> None:
+    def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
-            pdl = after_pass and PREFILL_PDL and pdl_supported(dev)
-            _cb_kernel[(NC * G, L // R, triton.cdiv(L, BLOCK_K))](
-                B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K,
-                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
-                **({"launch_pdl": True} if pdl else {}),
-            )
             _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
-                plan.tile_pos, plan.tile_rows, plan.zero_in, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K,
-                BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=TILE_WARPS,
-                enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
+                plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=TILE_WARPS, enable_fp_fusion=fuse,
+                **(TILE_OPTS if tc else {}),
             )
 
     # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its
@@ -537,13 +516,12 @@ def scan_planned(
     h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
     PP = min(PASS_BLOCK_P, BLOCK_P)
     _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
-        a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, plan.zero_in, **dims, BLOCK_P=PP,
-        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not _interpreting(),
-        PDL=not plan.one_each and plan.num_tiles > 0 and PREFILL_PDL and pdl_supported(dev), num_warps=NUM_WARPS,
+        a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,
+        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not _interpreting(), num_warps=NUM_WARPS,
         enable_fp_fusion=fuse,
     )
     if not plan.one_each:
-        tiles(h_in, plan.chunk_id, after_pass=True)
+        tiles(h_in, plan.chunk_id)
     return y
 
 
