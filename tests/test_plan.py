@@ -9,6 +9,7 @@ copies are exactly the chunks with buffered rows, numbered in order.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,3 +72,16 @@ def test_buffer_rewrite_keeps_rows_past_the_fill_level_zero(batch) -> None:
         if offs[q] + lens[q] >= L:
             assert (buf != 1).all()
 
+
+
+@pytest.mark.parametrize(("lens", "offs", "slots", "match"), [
+    ([-1, 3], [0, 0], None, "lens >= 0"),
+    ([3], [L], None, "off < chunk_size"),
+    ([3], [-1], None, "off < chunk_size"),
+    ([2, 3], [0], None, r"\[S\] each"),
+    ([2, 3], [0, 1], [0], "slots must be"),
+])
+def test_a_bad_batch_is_refused(lens, offs, slots, match) -> None:
+    """The kernels index memory with these tables unchecked: a batch they cannot describe is refused."""
+    with pytest.raises(ValueError, match=match):
+        plan_advance(np.array(lens), np.array(offs), L, R, slots=None if slots is None else np.array(slots))

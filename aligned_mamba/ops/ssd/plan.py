@@ -106,11 +106,11 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
                  final: str = "boundary") -> AdvancePlan:
     """The layout of an advance, on the host.
 
-    lens [S] new rows per sequence (>= 1), off [S] rows buffered per sequence (0 <= off < L), slots
-    [S] each sequence's slot (default 0 .. S-1): integer CPU tensors or arrays; L the chunk size, R
-    the row tile (dividing L); rows [T] bool: the wanted rows (default all; a device mask is copied
-    to the host, one sync); final: "boundary" (exact replay) or "end" (fold the trailing partial
-    chunk too).
+    lens [S] new rows per sequence (>= 0; an advance's batches have >= 1), off [S] rows buffered
+    per sequence (0 <= off < L), slots [S] each sequence's slot (default 0 .. S-1): integer CPU
+    tensors or arrays; L the chunk size, R the row tile (dividing L); rows [T] bool: the wanted rows
+    (default all; a device mask is copied to the host, one sync); final: "boundary" (exact replay)
+    or "end" (fold the trailing partial chunk too). ValueError for tables the kernels cannot use.
     """
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
@@ -118,6 +118,13 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
         raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
     lens, off = _np(lens), _np(off)
     S = lens.shape[0]
+    # The kernels trust these tables (no bounds checks on the device): a bad batch fails here.
+    if lens.ndim != 1 or off.shape != lens.shape:
+        raise ValueError(f"lens and off must be [S] each, not {lens.shape} and {off.shape}")
+    if S and (int(lens.min()) < 0 or int(off.min()) < 0 or int(off.max()) >= L):
+        raise ValueError(f"every sequence needs lens >= 0 new rows and 0 <= off < chunk_size {L}")
+    if slots is not None and _np(slots).shape != lens.shape:
+        raise ValueError(f"slots must be [{S}], not {tuple(_np(slots).shape)}")
     T = int(lens.sum())
     cu = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
