@@ -57,8 +57,8 @@ def test_the_device_plan_keeps_the_copies() -> None:
 def test_buffer_rewrite_keeps_rows_past_the_fill_level_zero(batch) -> None:
     """Apply the plan's buffer writes to a model of each slot's buffer (old rows 1, rows past the
     old fill level 0): afterwards exactly the new fill level's rows hold data, every row past it
-    is zero, and a buffer whose chunk completed keeps none of its old rows. (Clearing only up to
-    keep_hi, or not at all, fails.)"""
+    is zero, and a buffer whose chunk completed keeps none of its old rows (leaving its old rows
+    past keep_hi in place fails)."""
     lens, offs, _ = batch
     plan = plan_advance(lens, offs, L, R)
     for q in range(lens.shape[0]):
@@ -71,7 +71,6 @@ def test_buffer_rewrite_keeps_rows_past_the_fill_level_zero(batch) -> None:
         assert (buf[:fill] != 0).all() and (buf[fill:] == 0).all(), (q, buf, fill)
         if offs[q] + lens[q] >= L:
             assert (buf != 1).all()
-
 
 
 @pytest.mark.parametrize(("lens", "offs", "slots", "match"), [
