@@ -203,6 +203,31 @@ def test_training_run_lowers_loss_and_stays_aligned() -> None:
     assert differing_rows(got, Mamba2LM(config, exported, contract).forward(seqs)) == 0
 
 
+def test_layers_of_one_forward_share_its_batch(monkeypatch) -> None:
+    """Every mixer of a forward gets the same ``Batch`` (so the Triton backend plans the step once per
+    forward, not once per layer); a forward over the same lengths reuses it, one over other lengths
+    gets its own."""
+    config, tensors, contract = tiny("fp32")
+    model = megatron_model(config, tensors, contract)
+    model.eval()
+    seen = []
+    real = hk.mixer_advance
+
+    def spy(shape, weights, state, batch, *args, **kwargs):
+        seen.append(batch)
+        return real(shape, weights, state, batch, *args, **kwargs)
+
+    monkeypatch.setattr(hk, "mixer_advance", spy)
+    with torch.no_grad():
+        for lengths in ((40, 17), (40, 17), (9,)):
+            mc.MegatronScorer(model, contract).forward(sequences(config.vocab_size, lengths))
+    n = config.num_hidden_layers
+    assert len(seen) == 3 * n and n > 1
+    assert all(b is seen[0] for b in seen[:2 * n])
+    assert all(b is seen[2 * n] for b in seen[2 * n:]) and seen[2 * n] is not seen[0]
+    assert seen[2 * n].lengths.tolist() == [9]
+
+
 # -- refusals ------------------------------------------------------------------------------------------
 
 

@@ -297,6 +297,16 @@ class AlignedMambaHook:
         self.row_tile = min(int(contract.kernel_configs.get("row_tile", 16)), contract.chunk_size)
         self.linear_tile = int(contract.kernel_configs.get("linear_row_tile", 16))
         self._saved: list[tuple[Any, str, Any]] = []
+        self._batch: tuple[tuple[int, ...], Batch] | None = None
+
+    def batch_for(self, lens: list[int]) -> Batch:
+        """The ``Batch`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
+        forward sees the same lengths, so they share one (a Batch never changes once built), and the
+        Triton backend plans the step once per forward instead of once per layer (``Batch.derived``)."""
+        key = tuple(lens)
+        if self._batch is None or self._batch[0] != key:
+            self._batch = (key, Batch.make(list(range(len(lens))), [0] * len(lens), lens))
+        return self._batch[1]
 
     # -- patching --
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -589,7 +599,7 @@ def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_con
         len(lens), heads=shape.num_heads, head_dim=shape.head_dim, groups=shape.n_groups,
         state_size=shape.state_size, conv_kernel=shape.conv_kernel, conv_dim=shape.conv_dim,
         chunk_size=hook.contract.chunk_size, dtype=hook.dtype, device=hidden.device)
-    batch = Batch.make(list(range(len(lens))), [0] * len(lens), lens)
+    batch = hook.batch_for(lens)
     y = mixer_advance(shape, _mixer_weights(self, hook.dtype, shape.conv_kernel), state, batch, hidden.to(hook.dtype),
                       None, linear=_linear_for(hook, hidden.device), linear_tile=hook.linear_tile,
                       row_tile=hook.row_tile, backend=hook.contract.backend, dt_limit=(0.0, math.inf))
