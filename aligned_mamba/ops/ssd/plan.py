@@ -123,8 +123,9 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
         raise ValueError(f"lens and off must be [S] each, not {lens.shape} and {off.shape}")
     if S and (int(lens.min()) < 0 or int(off.min()) < 0 or int(off.max()) >= L):
         raise ValueError(f"every sequence needs lens >= 0 new rows and 0 <= off < chunk_size {L}")
-    if slots is not None and _np(slots).shape != lens.shape:
-        raise ValueError(f"slots must be [{S}], not {tuple(_np(slots).shape)}")
+    slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
+    if slot.shape != lens.shape:
+        raise ValueError(f"slots must be [{S}], not {tuple(slot.shape)}")
     T = int(lens.sum())
     cu = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
@@ -139,7 +140,6 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     has_pre = pre > 0
     part = np.where(has_pre, np.cumsum(has_pre) - 1, -1)
     need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
-    slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
     moved = slen >= L if final == "boundary" else np.ones(S, dtype=bool)
 
     crossed = slen >= L
