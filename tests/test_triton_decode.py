@@ -32,10 +32,8 @@ from sm90_offline import run_sm90_script  # noqa: E402
 from aligned_mamba.ops.configs import PINNED  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk  # noqa: E402, F401
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
-from aligned_mamba.ops.ssd.triton_decode import (  # noqa: E402
-    dt_softplus_triton,
-    replay_decode_triton,
-)
+from aligned_mamba.ops.ssd.triton_decode import replay_decode_triton  # noqa: E402
+from aligned_mamba.ops.triton_math import dt_softplus_triton  # noqa: E402
 from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

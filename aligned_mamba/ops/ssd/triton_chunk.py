@@ -58,9 +58,10 @@ import triton
 import triton.language as tl
 
 from ..configs import PINNED
+from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
 from .chunk import Chunks
 from .plan import AdvancePlan, plan_advance, to_device
-from .triton_decode import _has_limit, _interpreting, _limits, dt_softplus_exact, state_block_n
+from .triton_decode import state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
 if TYPE_CHECKING:
@@ -517,7 +518,7 @@ def scan_planned(
     PP = min(PASS_BLOCK_P, BLOCK_P)
     _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
         a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,
-        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not _interpreting(), num_warps=NUM_WARPS,
+        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not interpreting(), num_warps=NUM_WARPS,
         enable_fp_fusion=fuse,
     )
     if not plan.one_each:
@@ -563,14 +564,14 @@ def advance_triton(
     xc = torch.empty(NP, H, L, P, device=dev, dtype=x.dtype)
     dtc = torch.empty(NC, H, L, device=dev, dtype=torch.float32)
     Bc = torch.empty(NP, G, L, N, device=dev, dtype=B.dtype)
-    lo, hi = _limits(dt_limit)
+    lo, hi = limits(dt_limit)
     dims = dict(H=H, G=G, L=L, P=P, N=N)
     blocks = dict(BLOCK_PF=triton.next_power_of_2(P), BLOCK_NF=triton.next_power_of_2(N))
     rows = min(PACK_ROWS, L)
     if NC:
         _pack_kernel[(NC, triton.cdiv(L, rows), H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
-            pd.part, xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=_has_limit(dt_limit), num_warps=4,
+            pd.part, xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=has_limit(dt_limit), num_warps=4,
             enable_fp_fusion=False,
         )
     y = scan_planned(pd, x, dtc, B, C, A, D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T, out_dtype=x.dtype,

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,8 +55,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .. import elementwise as ew
 from ..configs import PINNED
+from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
 from .triton_dot import dot_acc, tensor_core_dots
 
 if TYPE_CHECKING:
@@ -75,33 +74,6 @@ DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: s
 # The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
 
-# The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
-# float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
-_LOG2E = tl.constexpr(ew._LOG2E)
-_LN2_HI = tl.constexpr(ew._LN2_HI)
-_LN2_LO = tl.constexpr(ew._LN2_LO)
-_EXP_HI = tl.constexpr(ew._EXP_HI)
-_EXP_LO_CLAMP = tl.constexpr(ew._EXP_LO - 0.7)
-_ROUND_MAGIC = tl.constexpr(ew._ROUND_MAGIC)
-_P0 = tl.constexpr(ew._EXP_POLY[0])
-_P1 = tl.constexpr(ew._EXP_POLY[1])
-_P2 = tl.constexpr(ew._EXP_POLY[2])
-_P3 = tl.constexpr(ew._EXP_POLY[3])
-_P4 = tl.constexpr(ew._EXP_POLY[4])
-_P5 = tl.constexpr(ew._EXP_POLY[5])
-_SQRT2 = tl.constexpr(2.0 * ew._SQRT_HALF)
-_INV3 = tl.constexpr(1.0 / 3.0)
-_INV5 = tl.constexpr(1.0 / 5.0)
-_INV7 = tl.constexpr(1.0 / 7.0)
-_INV9 = tl.constexpr(1.0 / 9.0)
-_INV11 = tl.constexpr(1.0 / 11.0)
-_SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # Programmatic dependent launch (Hopper and later): the tile kernel starts while the prep kernel
 # runs, reads the boundary state and computes its inter-chunk term (inputs the prep does not
 # write), then waits for the prep (``gdc_wait``) before reading what the prep wrote. Scheduling
@@ -117,7 +89,7 @@ COMPLETION_BLOCK = 16
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependents (sm_90+, compiled)."""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return False
     return _sm_major(device) >= 9
 
@@ -132,127 +104,6 @@ def state_block_n(N: int) -> int:
     """The N block of the chunk-state dots (prefill's _chunk_state_kernel, decode's _update_kernel):
     all of N in one block, so x is read once per head; the same shapes on both sides."""
     return triton.next_power_of_2(N)
-
-
-# --------------------------------------------------------------------------------------------
-# softplus with the bits of elementwise.softplus
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp_exact(x):
-    """``elementwise.exp``, step by step (clamps written as selects so NaN passes like torch.clamp)."""
-    xc = tl.where(x < _EXP_LO_CLAMP, _EXP_LO_CLAMP, x)
-    xc = tl.where(xc > _EXP_HI, _EXP_HI, xc)
-    n = xc * _LOG2E
-    n = n + _ROUND_MAGIC
-    n = n - _ROUND_MAGIC
-    n = tl.where(n < -127.0, -127.0, n)
-    r = xc - n * _LN2_HI
-    r = r - n * _LN2_LO
-    p = r * _P0 + _P1
-    p = p * r + _P2
-    p = p * r + _P3
-    p = p * r + _P4
-    p = p * r + _P5
-    p = p * (r * r)
-    p = p + r
-    p = p + 1.0
-    scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return p * scale
-
-
-@triton.jit
-def _log_exact(x):
-    """``elementwise.log``, step by step (IEEE division: ``div_rn``, never Triton's approximate ``/``)."""
-    bits = x.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    m = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    big = m > _SQRT2
-    m = tl.where(big, m * 0.5, m)
-    ef = tl.where(big, e + 1, e).to(tl.float32)
-    s = tl.math.div_rn(m - 1.0, m + 1.0)
-    s2 = s * s
-    p = _INV11 * s2 + _INV9
-    p = p * s2 + _INV7
-    p = p * s2 + _INV5
-    p = p * s2 + _INV3
-    p = p * s2
-    logm = (s + s * p) * 2.0
-    y = ef * _LN2_HI + logm
-    y = y + ef * _LN2_LO
-    y = tl.where(x == 0.0, float("-inf"), y)
-    y = tl.where(x < 0.0, float("nan"), y)
-    return tl.where(x == float("inf"), x, y)
-
-
-@triton.jit
-def softplus_exact(x):
-    """softplus of fp32 ``x`` with the bits of ``elementwise.softplus`` (threshold 20).
-
-    Only IEEE basic operations, each rounded once: call it from kernels compiled with
-    ``enable_fp_fusion=False`` (a fused multiply-add would round a product and a sum once).
-    """
-    xm = tl.where(x > _SOFTPLUS_THRESHOLD, _SOFTPLUS_THRESHOLD, x)
-    w0 = _exp_exact(xm)
-    # log1p(w0) as elementwise.log1p: log(w) * (x / (w - 1)), w = 1 + x
-    w = w0 + 1.0
-    d = w - 1.0
-    safe_d = tl.where(d == 0.0, 1.0, d)
-    y = _log_exact(w) * tl.math.div_rn(w0, safe_d)
-    y = tl.where(d == 0.0, w0, y)
-    return tl.where(x > _SOFTPLUS_THRESHOLD, x, y)
-
-
-@triton.jit
-def dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT: tl.constexpr):
-    """``chunk.dt_softplus`` for one element: softplus(raw + bias) (fp32), clamped to [lo, hi]."""
-    d = softplus_exact(raw.to(tl.float32) + bias.to(tl.float32))
-    if HAS_LIMIT:
-        d = tl.where(d < lo, lo, d)  # torch.clamp: min(max(d, lo), hi), NaN passes
-        d = tl.where(d > hi, hi, d)
-    return d
-
-
-@triton.jit
-def _dt_softplus_kernel(dt_ptr, bias_ptr, out_ptr, numel, lo, hi, H: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < numel
-    raw = tl.load(dt_ptr + i, mask=m, other=0.0)
-    bias = tl.load(bias_ptr + i % H, mask=m, other=0.0)
-    tl.store(out_ptr + i, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), mask=m)
-
-
-def _has_limit(dt_limit: tuple[float, float]) -> bool:
-    return tuple(dt_limit) != (0.0, math.inf)
-
-
-def _limits(dt_limit: tuple[float, float]) -> tuple[float, float]:
-    lo, hi = (float(v) for v in dt_limit)
-    return lo, hi
-
-
-def dt_softplus_triton(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float] = (0.0, math.inf)
-                       ) -> torch.Tensor:
-    """``chunk.dt_softplus`` in one launch: dt [..., H] raw (any float dtype), dt_bias [H] -> fp32.
-
-    Same bits as the torch version (tested on the CPU through the interpreter and on the GPU), so
-    the Triton backend's ``pack_chunks`` can take its dt from here: one launch instead of ~40.
-    """
-    H = dt.shape[-1]
-    src = dt.contiguous()
-    out = torch.empty(dt.shape, dtype=torch.float32, device=dt.device)
-    numel = src.numel()
-    if numel == 0:
-        return out
-    lo, hi = _limits(dt_limit)
-    BLOCK = 1024
-    _dt_softplus_kernel[(triton.cdiv(numel, BLOCK),)](
-        src, dt_bias.contiguous(), out, numel, lo, hi, H=H, HAS_LIMIT=_has_limit(dt_limit), BLOCK=BLOCK,
-        num_warps=4, enable_fp_fusion=False,
-    )
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -770,7 +621,7 @@ def replay_decode_triton(
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
     Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
-    lo, hi = _limits(dt_limit)
+    lo, hi = limits(dt_limit)
     BLOCK_L = triton.next_power_of_2(L)
     row = mode == "row"
     with_cb = row or bool(tc)  # the prep kernel's C.B row
@@ -780,7 +631,7 @@ def replay_decode_triton(
     dt_scr = scratch[S * H * L:]
     cb_scr = scratch[2 * S * H * L:] if with_cb else scratch
     dims = dict(H=H, G=G, L=L, P=P, N=N)
-    has_limit = _has_limit(dt_limit)
+    with_limit = has_limit(dt_limit)
     PB = triton.cdiv(P, BLOCK_P)
 
     KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
@@ -789,7 +640,7 @@ def replay_decode_triton(
     _prep_kernel[(S, G, L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
-        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=has_limit, WITH_CB=with_cb, TC=tc, R=R,
+        BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=with_limit, WITH_CB=with_cb, TC=tc, R=R,
         BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
     if row:

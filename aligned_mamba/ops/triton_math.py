@@ -1,0 +1,172 @@
+"""Position-invariant transcendentals in Triton, with the bits of ``ops.elementwise``.
+
+``elementwise`` computes exp, log and softplus from IEEE basic operations only (each rounded once),
+so that an element's bits never depend on where it sits in a tensor. These are the same functions,
+operation by operation, as ``@triton.jit`` helpers for the Triton kernels: a kernel that calls them
+gets the torch backend's bits for the same inputs, provided it is compiled with
+``enable_fp_fusion=False`` (a fused multiply-add rounds a product and a sum once). Division is
+``div_rn`` (IEEE), never Triton's approximate ``/``.
+
+``dt_softplus_exact`` is ``ops.ssd.chunk.dt_softplus`` for one element (softplus(raw + bias), clamped to
+dt_limit); ``dt_softplus_triton`` applies it to a whole tensor in one launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import elementwise as ew
+
+# The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
+# float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
+_LOG2E = tl.constexpr(ew._LOG2E)
+_LN2_HI = tl.constexpr(ew._LN2_HI)
+_LN2_LO = tl.constexpr(ew._LN2_LO)
+_EXP_HI = tl.constexpr(ew._EXP_HI)
+_EXP_LO_CLAMP = tl.constexpr(ew._EXP_LO - 0.7)
+_ROUND_MAGIC = tl.constexpr(ew._ROUND_MAGIC)
+_P0 = tl.constexpr(ew._EXP_POLY[0])
+_P1 = tl.constexpr(ew._EXP_POLY[1])
+_P2 = tl.constexpr(ew._EXP_POLY[2])
+_P3 = tl.constexpr(ew._EXP_POLY[3])
+_P4 = tl.constexpr(ew._EXP_POLY[4])
+_P5 = tl.constexpr(ew._EXP_POLY[5])
+_SQRT2 = tl.constexpr(2.0 * ew._SQRT_HALF)
+_INV3 = tl.constexpr(1.0 / 3.0)
+_INV5 = tl.constexpr(1.0 / 5.0)
+_INV7 = tl.constexpr(1.0 / 7.0)
+_INV9 = tl.constexpr(1.0 / 9.0)
+_INV11 = tl.constexpr(1.0 / 11.0)
+_SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``), which some loops must allow for."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def exp_exact(x):
+    """``elementwise.exp``, step by step (clamps written as selects so NaN passes like torch.clamp)."""
+    xc = tl.where(x < _EXP_LO_CLAMP, _EXP_LO_CLAMP, x)
+    xc = tl.where(xc > _EXP_HI, _EXP_HI, xc)
+    n = xc * _LOG2E
+    n = n + _ROUND_MAGIC
+    n = n - _ROUND_MAGIC
+    n = tl.where(n < -127.0, -127.0, n)
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = r * _P0 + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    p = p * (r * r)
+    p = p + r
+    p = p + 1.0
+    scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+@triton.jit
+def log_exact(x):
+    """``elementwise.log``, step by step (IEEE division: ``div_rn``, never Triton's approximate ``/``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    m = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > _SQRT2
+    m = tl.where(big, m * 0.5, m)
+    ef = tl.where(big, e + 1, e).to(tl.float32)
+    s = tl.math.div_rn(m - 1.0, m + 1.0)
+    s2 = s * s
+    p = _INV11 * s2 + _INV9
+    p = p * s2 + _INV7
+    p = p * s2 + _INV5
+    p = p * s2 + _INV3
+    p = p * s2
+    logm = (s + s * p) * 2.0
+    y = ef * _LN2_HI + logm
+    y = y + ef * _LN2_LO
+    y = tl.where(x == 0.0, float("-inf"), y)
+    y = tl.where(x < 0.0, float("nan"), y)
+    return tl.where(x == float("inf"), x, y)
+
+
+@triton.jit
+def softplus_exact(x):
+    """softplus of fp32 ``x`` with the bits of ``elementwise.softplus`` (threshold 20).
+
+    Only IEEE basic operations, each rounded once: call it from kernels compiled with
+    ``enable_fp_fusion=False`` (a fused multiply-add would round a product and a sum once).
+    """
+    xm = tl.where(x > _SOFTPLUS_THRESHOLD, _SOFTPLUS_THRESHOLD, x)
+    w0 = exp_exact(xm)
+    # log1p(w0) as elementwise.log1p: log(w) * (x / (w - 1)), w = 1 + x
+    w = w0 + 1.0
+    d = w - 1.0
+    safe_d = tl.where(d == 0.0, 1.0, d)
+    y = log_exact(w) * tl.math.div_rn(w0, safe_d)
+    y = tl.where(d == 0.0, w0, y)
+    return tl.where(x > _SOFTPLUS_THRESHOLD, x, y)
+
+
+@triton.jit
+def silu_exact(x):
+    """``elementwise.silu`` of fp32 ``x``: x / (1 + exp(-x)), IEEE division (compile without fp fusion)."""
+    return tl.math.div_rn(x, exp_exact(-x) + 1.0)
+
+
+@triton.jit
+def dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT: tl.constexpr):
+    """``chunk.dt_softplus`` for one element: softplus(raw + bias) (fp32), clamped to [lo, hi]."""
+    d = softplus_exact(raw.to(tl.float32) + bias.to(tl.float32))
+    if HAS_LIMIT:
+        d = tl.where(d < lo, lo, d)  # torch.clamp: min(max(d, lo), hi), NaN passes
+        d = tl.where(d > hi, hi, d)
+    return d
+
+
+@triton.jit
+def _dt_softplus_kernel(dt_ptr, bias_ptr, out_ptr, numel, lo, hi, H: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < numel
+    raw = tl.load(dt_ptr + i, mask=m, other=0.0)
+    bias = tl.load(bias_ptr + i % H, mask=m, other=0.0)
+    tl.store(out_ptr + i, dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT), mask=m)
+
+
+def has_limit(dt_limit: tuple[float, float]) -> bool:
+    return tuple(dt_limit) != (0.0, math.inf)
+
+
+def limits(dt_limit: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = (float(v) for v in dt_limit)
+    return lo, hi
+
+
+def dt_softplus_triton(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float] = (0.0, math.inf)
+                       ) -> torch.Tensor:
+    """``chunk.dt_softplus`` in one launch: dt [..., H] raw (any float dtype), dt_bias [H] -> fp32.
+
+    Same bits as the torch version (tested on the CPU through the interpreter and on the GPU), so
+    the Triton backend's ``pack_chunks`` can take its dt from here: one launch instead of ~40.
+    """
+    H = dt.shape[-1]
+    src = dt.contiguous()
+    out = torch.empty(dt.shape, dtype=torch.float32, device=dt.device)
+    numel = src.numel()
+    if numel == 0:
+        return out
+    lo, hi = limits(dt_limit)
+    BLOCK = 1024
+    _dt_softplus_kernel[(triton.cdiv(numel, BLOCK),)](
+        src, dt_bias.contiguous(), out, numel, lo, hi, H=H, HAS_LIMIT=has_limit(dt_limit), BLOCK=BLOCK,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out
