@@ -1,62 +1,204 @@
-"""Row-invariant linear layer as a Triton kernel (the GPU path of ``ops.linear``).
+"""Row-invariant linear layer on tensor cores (the GPU path of ``ops.linear``).
 
-cuBLAS picks its GEMM algorithm by shape, batch count included, so the torch tiling of
-``ops.linear`` does not keep a row's bits fixed on a GPU (measured on an H200: the model's
-decode rows differed from its prefill rows until this kernel replaced it). Here every program
-computes a fixed BLOCK_M x BLOCK_N output tile with the same loop over K in BLOCK_K steps, and a
-row of the tile depends only on that row's operands: the rows of a decode step equal the same
-rows of a prefill, whatever M is. Operands are taken to float32 and multiplied in IEEE fp32
-(exact for bf16 inputs), accumulated in fp32, rounded once to the output dtype.
+cuBLAS picks its GEMM algorithm by shape, split-K included: on an H200, rows of a bf16 ``F.linear``
+computed in a call of 1 to 64 rows differ from the same rows computed in a call of 8192. Here each
+output element is ``sum_k x[m, k] w[n, k]`` accumulated in fp32 by ``tl.dot`` over K in BLOCK_K
+steps, in ascending order, every step of the sum inside the one program that owns the element (no
+split-K, no atomics), plus the bias in fp32, rounded once to the output dtype. bf16 models give the
+dot bf16 operands (tensor cores: wgmma for tiles of 64 rows and more, mma for 16); fp32 models give
+it fp32 operands in IEEE precision (FMA).
+
+The output tile and the schedule are picked by the number of rows M (small tiles for decode, a
+persistent grouped grid of large tiles for prefill), from the configs passed in. That is safe only
+because a tensor-core dot gives an output row the same bits whatever the tile's row and column
+extent: tests/test_triton_ops.py proves it at every model shape for M from 1 to 8192, and the
+offline compile test that every config compiles. The K block is one and the same in every regime.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import PINNED
-
-_CFG = PINNED["triton"]
-BLOCK_M: int = _CFG["linear_row_tile"]
-BLOCK_N: int = 64
-BLOCK_K: int = 32
-NUM_WARPS: int = _CFG["num_warps"]
+from .configs import TritonKernelConfigs
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles sweep the N tiles together, so their x rows stay in L2."""
+    width = GROUP_M * num_pid_n
+    group = tile // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % size_m
+    pid_n = (tile % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _bias_round(acc, b_ptr, on, N, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, OUT: tl.constexpr):
+    """acc [BM, BN] fp32 (+ bias in fp32), rounded once to OUT."""
+    if HAS_BIAS:
+        rn = on + tl.arange(0, BLOCK_N)
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    return acc.to(OUT)
+
+
+@triton.jit
+def _tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    om = pid_m * BLOCK_M
+    on = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = x_desc.load([om, ki * BLOCK_K])
+        b = w_desc.load([on, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    c = _bias_round(acc, b_ptr, on, N, HAS_BIAS, BLOCK_N, y_desc.dtype)
+    if EPI_SPLIT == 2:
+        # two half-width stores: half the shared-memory staging, no change to any value
+        c0, c1 = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+        y_desc.store([om, on], c0)
+        y_desc.store([om, on + BLOCK_N // 2], c1)
+    else:
+        y_desc.store([om, on], c)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, NUM_PROGS, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, PRECISION: tl.constexpr):
+    """Tiles through TMA descriptors (x [M, K] blocks [BM, BK], w [N, K] blocks [BN, BK], y [M, N]
+    blocks [BM, BN / EPI_SPLIT]); out-of-range rows and columns load as zero and are not stored.
+    One tile per program, or (PERSISTENT) program p computes tiles p, p + NUM_PROGS, ..."""
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+            _tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, K, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      EPI_SPLIT, PRECISION)
+    else:
+        _tma_tile(x_desc, w_desc, y_desc, b_ptr, tl.program_id(0), M, N, K, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+                  GROUP_M, EPI_SPLIT, PRECISION)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The same tiles and arithmetic through masked pointer loads (for tensors TMA cannot take), one
+    tile per program."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K),
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(a, b, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                    mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    c = _bias_round(acc, b_ptr, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, on x's (CUDA) device."""
+@dataclass(frozen=True)
+class LinearPlan:
+    """One launch's tiles and schedule (see ``plan``)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int
+    persistent: bool
+    tma: bool
+    epi_split: int
+    precision: str
+
+
+def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs) -> LinearPlan:
+    """The tiles for M rows of a layer with this weight, from ``cfg``'s linear_* fields.
+
+    bf16: M <= linear_decode_max_m takes the decode tile, M <= linear_mid_max_m the mid tile, larger
+    M the large tile, persistent if linear_persistent. fp32: one tile for every M. The K block is
+    linear_block_k (linear_fp32_block_k for fp32) in every regime.
+    """
+    if weight.dtype == torch.float32:
+        return LinearPlan(cfg.linear_fp32_block_m, cfg.linear_fp32_block_n, cfg.linear_fp32_block_k,
+                          cfg.linear_fp32_warps, cfg.linear_fp32_stages, cfg.linear_group_m, False, cfg.linear_tma, 1,
+                          "ieee")
+    if M <= cfg.linear_decode_max_m:
+        return LinearPlan(cfg.linear_decode_block_m, cfg.linear_decode_block_n, cfg.linear_block_k,
+                          cfg.linear_decode_warps, cfg.linear_decode_stages, 1, False, cfg.linear_tma, 1, "ieee")
+    if M <= cfg.linear_mid_max_m:
+        return LinearPlan(cfg.linear_mid_block_m, cfg.linear_mid_block_n, cfg.linear_block_k, cfg.linear_mid_warps,
+                          cfg.linear_mid_stages, cfg.linear_group_m, False, cfg.linear_tma, 1, "ieee")
+    return LinearPlan(cfg.linear_block_m, cfg.linear_block_n, cfg.linear_block_k, cfg.linear_warps,
+                      cfg.linear_stages, cfg.linear_group_m, cfg.linear_persistent, cfg.linear_tma,
+                      cfg.linear_epi_split, "ieee")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent grid: one per SM (a few in the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides and a unit last stride."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in ts)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs,
+                  *, tiles: LinearPlan | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias), each row a fixed function of that row of x.
+
+    x [M, K] and weight [N, K] in the model dtype (bf16 or fp32, the same; x's rows may be strided),
+    bias [N] (any float dtype) or None. Returns a new contiguous [M, N] tensor in x's dtype on x's CUDA
+    device; no host synchronisation. ``tiles`` overrides ``plan`` (benchmarks and tests only).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"linear_triton: x {x.dtype} and weight {weight.dtype} must both be bfloat16 or float32")
     M, K = x.shape
     N = weight.shape[0]
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
+    if M == 0 or N == 0:
         return y
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
-                         y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         PRECISION=_CFG["dot_precision"], num_warps=NUM_WARPS)
+    p = tiles or plan(M, weight, cfg)
+    num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
+    progs = min(num_tiles, _num_sms(x.device)) if p.persistent else num_tiles
+    has_bias = bias is not None
+    b = bias.contiguous() if has_bias else y
+    common = dict(HAS_BIAS=has_bias, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
+                  PRECISION=p.precision, num_warps=p.num_warps, num_stages=p.num_stages)
+    if p.tma and _tma_ok(x, weight, y):
+        num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
+        progs = min(num_tiles, _num_sms(x.device)) if p.persistent else num_tiles
+        xd = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k])
+        wd = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k])
+        yd = TensorDescriptor(y, [M, N], [N, 1], [p.block_m, p.block_n // p.epi_split])
+        _linear_tma_kernel[(progs,)](xd, wd, yd, b, M, N, K, progs, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                                     **common)
+    else:
+        grid = (triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n),)
+        _linear_ptr_kernel[grid](x, weight, y, b, M, N, K, x.stride(0), weight.stride(0), N, **common)
     return y

@@ -1,0 +1,131 @@
+"""Causal depthwise conv1d + SiLU in Triton (the GPU path of ``ops.conv1d``), slot-indexed windows.
+
+Each sequence's new rows are convolved with the ``K - 1`` inputs before them, kept in its slot's
+window (zeros at the start of a sequence). Every output element is computed the same way whether
+its row came in a prefill of thousands of rows or alone in a decode step: bias + w_0 x_{t-K+1} + ...
++ w_{K-1} x_t, each product and sum rounded once in fp32 (compiled without fp contraction), then
+``silu_exact``: the operation sequence of ``ops.conv1d``, so the bits are the torch backend's too.
+
+Two launches: the first computes the outputs from the old windows and the new rows; the second,
+after it on the same stream, writes each slot's new window (the last K - 1 rows of window ++ new
+rows) in place. No host synchronisation: a row finds its sequence by a binary search over
+cu_seqlens on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import TritonKernelConfigs
+from .triton_math import silu_exact
+
+
+@triton.jit
+def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws, stride_wk,
+                 stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [BLOCK_T] x channels [BLOCK_C] of the output, from the old windows and x."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < T
+    cmask = ch < Cd
+    # the row's sequence: the largest s with cu[s] <= row (cu[0] = 0 <= row < cu[S] = T)
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    hi = tl.full((BLOCK_T,), S, dtype=tl.int32)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + mid, mask=rmask, other=0) <= rows
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    j = rows - tl.load(cu_ptr + lo, mask=rmask, other=0).to(tl.int32)  # the row's index in its sequence
+    slot = tl.load(slots_ptr + lo, mask=rmask, other=0).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    if HAS_BIAS:
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + tl.load(b_ptr + ch, mask=cmask, other=0.0).to(
+            tl.float32)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    m2 = rmask[:, None] & cmask[None, :]
+    for k in tl.static_range(K):
+        # position j + k of the sequence's (window ++ new rows) stream: window row j + k, or new row
+        # row + k - (K - 1)
+        p = j + k
+        in_win = (p < K - 1)[:, None]
+        wv = tl.load(win_ptr + slot[:, None] * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
+                     mask=m2 & in_win, other=0.0)
+        xv = tl.load(x_ptr + (r64 + (k - (K - 1)))[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
+        v = tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+        acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+    if SILU:
+        acc = silu_exact(acc)
+    tl.store(out_ptr + r64[:, None] * stride_out + ch[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _window_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, Cd, stride_x, stride_ws, stride_wk, K: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sequence s (program (s, c)): its slot's window := the last K - 1 rows of (window ++ new rows)."""
+    s = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < Cd
+    start = tl.load(cu_ptr + s)
+    n = tl.load(cu_ptr + s + 1) - start
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    q = tl.arange(0, BLOCK_Q)
+    qmask = q < K - 1
+    p = n + q  # stream position of the new window's row q
+    in_win = (p < K - 1)[:, None]
+    m2 = qmask[:, None] & cmask[None, :]
+    base = win_ptr + slot * stride_ws
+    wv = tl.load(base + p[:, None] * stride_wk + ch[None, :], mask=m2 & in_win, other=0.0)
+    xv = tl.load(x_ptr + (start + p - (K - 1))[:, None].to(tl.int64) * stride_x + ch[None, :], mask=m2 & ~in_win,
+                 other=0.0)
+    v = tl.where(in_win, wv, xv.to(wv.dtype))
+    # every thread's old-window reads before any thread's writes: a short sequence shifts its
+    # window down within the same rows
+    tl.debug_barrier()
+    tl.store(base + q[:, None] * stride_wk + ch[None, :], v, mask=m2)
+
+
+def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs, *,
+                         activation: bool = True) -> torch.Tensor:
+    """Conv1d (+ SiLU) of the new rows of S packed sequences; updates their windows in place.
+
+    x [T, Cd] (model dtype; rows may be strided, e.g. a column slice of in_proj's output),
+    cu_seqlens [S+1] int64 on x's device (cu[0] = 0, cu[S] = T), slots [S] int64 on the device
+    (distinct), windows [num_slots, K-1, Cd] in x's dtype (slot ``slots[s]`` holds the K-1 inputs
+    before sequence s's first new row; zeros for a fresh sequence), weight [Cd, K], bias [Cd] or
+    None. Returns out [T, Cd] in x's dtype. Afterwards ``windows[slots[s]]`` holds the last K-1 rows
+    of (old window ++ sequence s's new rows). A sequence may have no new rows.
+    """
+    T, Cd = x.shape
+    S = slots.shape[0]
+    K = weight.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
+        raise ValueError(f"windows {tuple(windows.shape)} must be [num_slots, {K - 1}, {Cd}] with unit last stride")
+    if windows.dtype != x.dtype:
+        raise ValueError(f"windows are {windows.dtype} but x is {x.dtype}: keeping x in the window would round it")
+    if cu_seqlens.shape != (S + 1,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not match {S} slots")
+    out = torch.empty(T, Cd, dtype=x.dtype, device=x.device)
+    if S == 0:
+        return out
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    bc = cfg.conv_block_c
+    if T > 0:
+        grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
+        _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
+                           windows.stride(1), out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None,
+                           SILU=activation, BLOCK_T=cfg.conv_block_t, BLOCK_C=bc, num_warps=4,
+                           enable_fp_fusion=False)
+    if K > 1:
+        _window_kernel[(S, triton.cdiv(Cd, bc))](x, cu_seqlens, slots, windows, Cd, x.stride(0), windows.stride(0),
+                                                windows.stride(1), K=K, BLOCK_Q=triton.next_power_of_2(K - 1),
+                                                BLOCK_C=bc, num_warps=4)
+    return out

@@ -1,0 +1,167 @@
+"""Fused RMSNorms in Triton (the GPU path of ``ops.norm``), each row a fixed function of that row.
+
+One program normalises one row (one group of a row for the gated norm): it loads the row into one
+block of the next power of two of its width, reduces the sum of squares with one ``tl.sum`` over
+that block (a fixed tree for a given width and ``norm_num_warps``), and never looks at another row,
+so a row's bits do not depend on how many rows the call holds. The arithmetic is ``ops.norm``'s:
+normalise in fp32 (IEEE sqrt and division), round to the output dtype, multiply by the weight in the
+output dtype; the gate y * silu(z) in fp32 before a per-group normalisation. The sum's order differs
+from ``reduce.tree_sum``, so the bits can differ from the torch backend's (by an fp32 rounding).
+Kernels are compiled without fp contraction, so each operation rounds once, as in torch.
+
+``add_rms_norm_triton`` fuses the residual add (the Mamba2 block: an fp32 residual plus the mixer's
+bf16 output), ``embed_rms_norm_triton`` the embedding gather with the first layer's residual.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import TritonKernelConfigs
+from .triton_math import silu_exact
+
+
+@triton.jit
+def _normalize_row(v, mask, D, eps):
+    """v [BLOCK] fp32 (zeros past D) -> v / sqrt(mean(v^2) + eps), IEEE operations."""
+    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
+    var = tl.math.div_rn(ss, D.to(tl.float32))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    return v * rstd
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, stride_x, stride_res, stride_out,
+                     stride_res_out, eps, HAS_X: tl.constexpr, HAS_IDX: tl.constexpr, WRITE_RES: tl.constexpr,
+                     ROUND_IN: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r: v = res[idx[r] or r] (+ x[r], in fp32, rounded to res_out's dtype), written to res_out
+    if WRITE_RES; out[r] = w * round(normalise(v, rounded to IN_DTYPE first if ROUND_IN))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    src = tl.load(idx_ptr + row).to(tl.int64) if HAS_IDX else row
+    v = tl.load(res_ptr + src * stride_res + cols, mask=mask, other=0.0)
+    if HAS_X:
+        v = v.to(tl.float32) + tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if WRITE_RES:
+        v = v.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, v, mask=mask)
+    if ROUND_IN:
+        v = v.to(IN_DTYPE)
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    y = _normalize_row(v.to(tl.float32), mask, D, eps).to(OUT)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT)
+    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y.to(tl.float32)).to(OUT), mask=mask)
+
+
+@triton.jit
+def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, stride_out, eps, BLOCK_G: tl.constexpr):
+    """Row r, group g (program (r, g)): out = w * round(normalise(y * silu(z)) over the group's GS columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
+    mask = tl.arange(0, BLOCK_G) < GS
+    y = tl.load(y_ptr + row * stride_y + c, mask=mask, other=0.0)
+    z = tl.load(z_ptr + row * stride_z + c, mask=mask, other=0.0).to(tl.float32)
+    g = y.to(tl.float32) * silu_exact(z)
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    n = _normalize_row(g, mask, GS, eps).to(OUT)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT)
+    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * n.to(tl.float32)).to(OUT), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be [M, d], got {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            out_dtype: torch.dtype, res_dtype: torch.dtype | None, norm_input_dtype: torch.dtype | None,
+            cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    M = idx.shape[0] if idx is not None else res.shape[0]
+    D = res.shape[1]
+    out = torch.empty(M, D, dtype=out_dtype, device=res.device)
+    res_out = torch.empty(M, D, dtype=res_dtype, device=res.device) if res_dtype is not None else None
+    if M == 0:
+        return out, res_out
+    _rms_norm_kernel[(M,)](
+        x if x is not None else res, res, idx if idx is not None else res, weight.contiguous(), out,
+        res_out if res_out is not None else out, D, x.stride(0) if x is not None else 0, res.stride(0), out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, float(eps), HAS_X=x is not None, HAS_IDX=idx is not None,
+        WRITE_RES=res_out is not None, ROUND_IN=norm_input_dtype is not None,
+        IN_DTYPE=_TL[norm_input_dtype or torch.float32], BLOCK_D=triton.next_power_of_2(D),
+        num_warps=cfg.norm_num_warps, enable_fp_fusion=False)
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
+                    cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``ops.norm.rms_norm``: x [M, d] (any float dtype, rows may be strided), weight [d] ->
+    [M, d] in ``out_dtype`` (default weight's dtype): weight * round(x / rms(x))."""
+    x = _rows(x, "x")
+    out, _ = _launch(None, x, None, weight, eps, out_dtype or weight.dtype, None, None, cfg)
+    return out
+
+
+def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None, cfg: TritonKernelConfigs, *,
+                        norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one pass.
+
+    x [M, d] (the block's output, any float dtype) or None (the first layer: no add), residual
+    [M, d]. new_residual = residual + x computed in fp32 and rounded to residual's dtype (exact for
+    an fp32 residual and a bf16 x), or residual itself copied when x is None; normed =
+    ``rms_norm(new_residual)``, the new residual first rounded to ``norm_input_dtype`` if given (the
+    reference model normalises ``residual.to(model dtype)``). Returns (normed [M, d] in ``out_dtype``,
+    default weight's dtype; new_residual [M, d] in residual's dtype), both new tensors.
+    """
+    residual = _rows(residual, "residual")
+    if x is not None:
+        x = _rows(x, "x")
+        if x.shape != residual.shape:
+            raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    out, res = _launch(x, residual, None, weight, eps, out_dtype or weight.dtype, residual.dtype, norm_input_dtype,
+                       cfg)
+    return out, res
+
+
+def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out_dtype: torch.dtype | None, residual_dtype: torch.dtype, cfg: TritonKernelConfigs, *,
+                          norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding gather, the first residual and the first layer's RMSNorm in one pass.
+
+    token_ids [M] (int32/int64, on the device, in range: not checked here), embedding [V, d].
+    residual = embedding[token_ids] in ``residual_dtype``; normed as ``add_rms_norm_triton(None,
+    residual, ...)``. Returns (normed [M, d] in ``out_dtype``, residual [M, d] in ``residual_dtype``).
+    """
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be [M], got {tuple(token_ids.shape)}")
+    embedding = _rows(embedding, "embedding")
+    return _launch(None, embedding, token_ids.contiguous(), weight, eps, out_dtype or weight.dtype, residual_dtype,
+                   norm_input_dtype, cfg)
+
+
+def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
+                          cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``ops.norm.gated_rms_norm``: norm_g(y * silu(z)) * weight, normalised per group.
+
+    y, z [M, d] (model dtype; rows may be strided, e.g. z a column slice of in_proj's output),
+    weight [d], d divisible by n_groups. Returns a new [M, d] tensor in y's dtype.
+    """
+    y, z = _rows(y, "y"), _rows(z, "z")
+    M, d = y.shape
+    if z.shape != y.shape or d % n_groups:
+        raise ValueError(f"gated_rms_norm_triton: y {tuple(y.shape)}, z {tuple(z.shape)}, {n_groups} groups")
+    out = torch.empty(M, d, dtype=y.dtype, device=y.device)
+    if M == 0:
+        return out
+    gs = d // n_groups
+    _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, gs, y.stride(0), z.stride(0), out.stride(0),
+                                      float(eps), BLOCK_G=triton.next_power_of_2(gs), num_warps=cfg.norm_num_warps,
+                                      enable_fp_fusion=False)
+    return out

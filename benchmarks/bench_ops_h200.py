@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""The row-invariant GEMM and the fused ops on one GPU, against cuBLAS and unfused torch.
+
+    python3 benchmarks/bench_ops_h200.py --out OUT/h200_ops.json [--quick] [--variants]
+    python3 benchmarks/bench_ops_h200.py --dry-run --out /tmp/ops.json     (CPU: tiny shapes, interpreter)
+
+GEMM: ``linear_triton`` (pinned configs) vs ``F.linear`` (cuBLAS) in bf16 at every linear layer of
+mamba2-130m, -1.3b, -2.7b, a Nemotron-H-8B mixer and a 256k lm_head, M in {1, 64, 256, 2048, 8192}
+(and 32768 for in_proj). Bits: for each shape, rows of calls of M rows against the same rows of a call
+of 8192 rows (ours and cuBLAS's). Memory-bound sizes (M <= 256) report bytes moved (weight + x + y)
+over the measured copy bandwidth. ``--variants`` also times other tile configs per M regime and
+checks each gives the pinned config's bits.
+
+Fused ops: add + RMSNorm (fp32 residual, bf16 x), gated RMSNorm, causal conv1d + SiLU (prefill and
+decode), log_softmax and token logprobs, each against the project's torch op (ops/*.py) and a plain
+torch composition, with their bytes over the copy bandwidth.
+
+Times: ``triton.testing.do_bench`` medians (CUDA events around each call, L2 flushed before each),
+eager. JSON: GPU, torch/triton versions, commit, date; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GEMM_SHAPES = [  # (name, K, N)
+    ("130m.in_proj", 768, 3352), ("130m.out_proj", 1536, 768), ("130m.lm_head", 768, 50280),
+    ("1.3b.in_proj", 2048, 8512), ("1.3b.out_proj", 4096, 2048), ("1.3b.lm_head", 2048, 50280),
+    ("2.7b.in_proj", 2560, 10576), ("2.7b.out_proj", 5120, 2560),
+    ("8b.in_proj", 4096, 18560), ("8b.out_proj", 8192, 4096), ("lm_head_256k", 4096, 256000),
+]
+TINY_SHAPES = [("tiny.in_proj", 64, 96), ("tiny.out_proj", 96, 64)]
+# --variants: tiles tried per regime, (block_m, block_n, warps, stages, group_m, persistent, epi_split)
+VARIANTS = {
+    "decode": [(16, 16, 4, 6, 1, False, 1), (16, 32, 4, 4, 1, False, 1), (16, 32, 4, 8, 1, False, 1),
+               (16, 64, 4, 6, 1, False, 1), (64, 32, 4, 6, 1, False, 1), (64, 64, 4, 5, 1, False, 1)],
+    "mid": [(64, 64, 4, 5, 8, False, 1), (64, 128, 4, 4, 8, False, 1), (128, 64, 4, 5, 8, False, 1),
+            (128, 128, 8, 4, 8, False, 1), (64, 256, 8, 3, 8, False, 1)],
+    "large": [(128, 256, 8, 3, 8, True, 2), (128, 256, 8, 3, 8, False, 1), (128, 256, 8, 4, 8, True, 2),
+              (128, 128, 8, 4, 8, True, 1), (128, 128, 4, 4, 8, False, 1), (256, 128, 8, 3, 8, True, 2),
+              (128, 256, 8, 3, 16, True, 2)],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[ops {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def git_commit() -> str | None:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Bench:
+    def __init__(self, torch, triton, dev, quick: bool, dry: bool) -> None:
+        self.torch, self.triton, self.dev, self.quick, self.dry = torch, triton, dev, quick, dry
+
+    def ms(self, fn) -> float:
+        """Median ms of fn() (CUDA events, L2 flushed before each call); one wall-clock call on a CPU."""
+        if self.dev.type != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        warm, rep = (5, 20) if self.quick else (25, 100)
+        return float(self.triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"))
+
+
+def ceilings(b: Bench) -> dict:
+    torch = b.torch
+    if b.dev.type != "cuda":
+        return {"copy_gbps": None, "cublas_tflops": None}
+    src = torch.randn(2 ** 29 // 2, device=b.dev)  # 1 GiB fp32
+    dst = torch.empty_like(src)
+    t = b.ms(lambda: dst.copy_(src))
+    copy = 2 * src.numel() * 4 / t / 1e6
+    a = torch.randn(8192, 8192, device=b.dev).to(torch.bfloat16)
+    c = torch.randn(8192, 8192, device=b.dev).to(torch.bfloat16)
+    tm = b.ms(lambda: a @ c)
+    return {"copy_gbps": round(copy, 1), "cublas_tflops": round(2 * 8192 ** 3 / tm / 1e9, 1)}
+
+
+def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> None:
+    torch = b.torch
+    F = torch.nn.functional
+    from aligned_mamba.ops import linear_triton as lt
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    cfg = TritonKernelConfigs()
+    dtype = torch.bfloat16 if b.dev.type == "cuda" else torch.float32
+    copy = res["ceilings"]["copy_gbps"]
+    peak = res["ceilings"]["cublas_tflops"]
+    for name, K, N in shapes:
+        g = torch.Generator(device=b.dev).manual_seed(K + N)
+        mmax = max(ms_list) if not name.endswith("in_proj") else max(ms_list + [32768 if b.dev.type == "cuda" else 0])
+        x = torch.randn(mmax, K, device=b.dev, generator=g).to(dtype)
+        w = (torch.randn(N, K, device=b.dev, generator=g) / K ** 0.5).to(dtype)
+        # bits: rows of M-row calls against the same rows of the largest bits call
+        ref_m = 8192 if b.dev.type == "cuda" else max(ms_list)
+        ours_full = lt.linear_triton(x[:ref_m], w, None, cfg)
+        cub_full = F.linear(x[:ref_m], w)
+        for M in [m for m in (1, 2, 7, 64, 256, 1000, 2048) if m < ref_m]:
+            s = ref_m - M
+            ours = lt.linear_triton(x[s:s + M], w, None, cfg)
+            cub = F.linear(x[s:s + M], w)
+            res["gemm_bits"].append(dict(shape=name, M=M, ref_M=ref_m,
+                                         ours_rows_differ=int((ours != ours_full[s:]).any(1).sum()),
+                                         cublas_rows_differ=int((cub != cub_full[s:]).any(1).sum())))
+        del ours_full, cub_full
+        ms_here = list(ms_list) + ([32768] if name.endswith("in_proj") and b.dev.type == "cuda" else [])
+        for M in ms_here:
+            xm = x[:M]
+            t_ours = b.ms(lambda: lt.linear_triton(xm, w, None, cfg))
+            t_cub = b.ms(lambda: F.linear(xm, w))
+            p = lt.plan(M, w, cfg)
+            e = dict(shape=name, K=K, N=N, M=M, ours_ms=round(t_ours, 5), cublas_ms=round(t_cub, 5),
+                     ours_over_cublas=round(t_ours / t_cub, 3),
+                     tiles=f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
+                           + (" persistent" if p.persistent else ""),
+                     ours_tflops=round(2 * M * N * K / t_ours / 1e9, 1),
+                     cublas_tflops=round(2 * M * N * K / t_cub / 1e9, 1))
+            if M <= 256:
+                nbytes = (N * K + M * K + M * N) * x.element_size()
+                e.update(bytes=nbytes, ours_gbps=round(nbytes / t_ours / 1e6, 1),
+                         cublas_gbps=round(nbytes / t_cub / 1e6, 1))
+                if copy:
+                    e["ours_frac_of_copy"] = round(nbytes / t_ours / 1e6 / copy, 3)
+            elif peak:
+                e["ours_frac_of_cublas_peak"] = round(2 * M * N * K / t_ours / 1e9 / peak, 3)
+            res["gemm"].append(e)
+            log(f"gemm {name} M={M}: ours {t_ours:.4f} ms, cuBLAS {t_cub:.4f} ms ({t_ours / t_cub:.2f}x) "
+                f"[{e['tiles']}]")
+            if variants:
+                pinned = lt.linear_triton(xm, w, None, cfg)
+                regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
+                for v in VARIANTS[regime]:
+                    bm, bn, nw, st, gm, pers, epi = v
+                    tiles = lt.LinearPlan(bm, bn, cfg.linear_block_k, nw, st, gm, pers, True, epi, "ieee")
+                    try:
+                        y = lt.linear_triton(xm, w, None, cfg, tiles=tiles)
+                        same = bool(torch.equal(y, pinned))
+                        t = b.ms(lambda: lt.linear_triton(xm, w, None, cfg, tiles=tiles))
+                        res["variants"].append(dict(shape=name, M=M, regime=regime, tiles=list(v), ms=round(t, 5),
+                                                    over_cublas=round(t / t_cub, 3), bits_equal_pinned=same))
+                    except Exception as exc:  # noqa: BLE001
+                        res["variants"].append(dict(shape=name, M=M, regime=regime, tiles=list(v),
+                                                    error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+        save()
+
+
+def ops_section(b: Bench, res: dict, save) -> None:
+    torch = b.torch
+    F = torch.nn.functional
+    from aligned_mamba.ops import conv1d, logprobs, norm
+    from aligned_mamba.ops import conv1d_triton as ct
+    from aligned_mamba.ops import logprobs_triton as lpt
+    from aligned_mamba.ops import norm_triton as nt
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    cfg = TritonKernelConfigs()
+    cuda = b.dev.type == "cuda"
+    bf = torch.bfloat16 if cuda else torch.float32
+    copy = res["ceilings"]["copy_gbps"]
+    eps = 1e-5
+
+    def add(op: str, shape: str, nbytes: int, ours, torch_op, plain, bits: bool | None = None) -> None:
+        t0, t1, t2 = b.ms(ours), b.ms(torch_op), b.ms(plain) if plain is not None else None
+        e = dict(op=op, shape=shape, ours_ms=round(t0, 5), torch_op_ms=round(t1, 5),
+                 plain_torch_ms=round(t2, 5) if t2 is not None else None, bytes=nbytes,
+                 ours_gbps=round(nbytes / t0 / 1e6, 1))
+        if copy:
+            e["ours_frac_of_copy"] = round(nbytes / t0 / 1e6 / copy, 3)
+        if bits is not None:
+            e["bits_equal_torch_op"] = bits
+        res["ops"].append(e)
+        log(f"{op} {shape}: ours {t0:.4f} ms, torch op {t1:.4f} ms" + (f", plain {t2:.4f} ms" if t2 else ""))
+        save()
+
+    rows = (1, 64, 256, 8192) if cuda else (1, 5)
+    for d in ((2048, 4096) if cuda else (64,)):
+        w = (1 + 0.1 * torch.randn(d, device=b.dev)).to(bf)
+        for M in rows:
+            x = torch.randn(M, d, device=b.dev).to(bf)
+            r = torch.randn(M, d, device=b.dev)
+
+            def plain_add_norm(x=x, r=r, w=w):
+                nr = r + x
+                v = nr.pow(2).mean(-1, keepdim=True)
+                return (w * (nr * torch.rsqrt(v + eps)).to(bf)), nr
+
+            add("add_rms_norm", f"M={M} d={d} (fp32 residual)", M * d * (2 + 4 + 4 + 2) + d * 2,
+                lambda x=x, r=r, w=w: nt.add_rms_norm_triton(x, r, w, eps, None, cfg),
+                lambda x=x, r=r, w=w: (norm.rms_norm(r + x, w, eps), r + x), plain_add_norm)
+    for d, groups in (((4096, 1), (8192, 8)) if cuda else ((64, 2),)):
+        w = (1 + 0.1 * torch.randn(d, device=b.dev)).to(bf)
+        for M in rows:
+            y = torch.randn(M, d, device=b.dev).to(bf)
+            z = torch.randn(M, d, device=b.dev).to(bf)
+
+            def plain_gated(y=y, z=z, w=w, d=d, groups=groups):
+                gg = (y.float() * F.silu(z.float())).view(-1, groups, d // groups)
+                gg = gg * torch.rsqrt(gg.pow(2).mean(-1, keepdim=True) + eps)
+                return w * gg.view(-1, d).to(bf)
+
+            add("gated_rms_norm", f"M={M} d={d} groups={groups}", M * d * 2 * 3 + d * 2,
+                lambda y=y, z=z, w=w, groups=groups: nt.gated_rms_norm_triton(y, z, w, eps, groups, cfg),
+                lambda y=y, z=z, w=w, groups=groups: norm.gated_rms_norm(y, z, w, eps, groups), plain_gated)
+    # conv1d: 1.3b's conv width (4096 + 2 * 128), prefill of 4 x 2048 tokens and decode steps
+    Cd, K = (4352, 4) if cuda else (40, 4)
+    cw = torch.randn(Cd, K, device=b.dev).to(bf)
+    cb = torch.randn(Cd, device=b.dev).to(bf)
+    for label, lens in ((("prefill 4x2048", [2048] * 4), ("decode b64", [1] * 64), ("decode b256", [1] * 256))
+                        if cuda else (("prefill 2x9", [9, 9]), ("decode b3", [1] * 3))):
+        S, T = len(lens), sum(lens)
+        x = torch.randn(T, Cd, device=b.dev).to(bf)
+        cu = torch.zeros(S + 1, dtype=torch.int64, device=b.dev)
+        cu[1:] = torch.tensor(lens, device=b.dev).cumsum(0)
+        slots = torch.arange(S, device=b.dev)
+        win = torch.randn(S, K - 1, Cd, device=b.dev).to(bf)
+        ref, _ = conv1d.causal_conv1d(x, cu, win, cw, cb)
+        got = ct.causal_conv1d_triton(x, cu, slots, win.clone(), cw, cb, cfg)
+        same = bool(torch.equal(got, ref))
+
+        def plain_conv(x=x, S=S, T=T, win=win):
+            if S * 1 == T:  # decode: one new row per sequence, as a window dot
+                stream = torch.cat([win, x[:, None]], dim=1)  # [S, K, Cd]
+                return F.silu((stream.float() * cw.float().T[None]).sum(1) + cb.float()).to(bf)
+            xs = torch.cat([win, x.view(S, -1, Cd)], dim=1).transpose(1, 2)  # [S, Cd, K-1+L]
+            return F.silu(F.conv1d(xs, cw[:, None], cb, groups=Cd)).transpose(1, 2)
+
+        wbuf = win.clone()
+        add("causal_conv1d", f"{label} Cd={Cd}", (2 * T * Cd + 2 * S * (K - 1) * Cd) * x.element_size(),
+            lambda x=x, cu=cu, slots=slots, wbuf=wbuf: ct.causal_conv1d_triton(x, cu, slots, wbuf, cw, cb, cfg),
+            lambda x=x, cu=cu, win=win: conv1d.causal_conv1d(x, cu, win, cw, cb), plain_conv, bits=same)
+    for V in ((50280, 256000) if cuda else (300,)):
+        for M in ((1, 64, 2048) if cuda else (3,)):
+            x = (torch.randn(M, V, device=b.dev) * 4).to(bf)
+            tok = torch.randint(0, V, (M,), device=b.dev)
+            add("log_softmax", f"M={M} V={V}", M * V * (x.element_size() * 2 + 4),
+                lambda x=x: lpt.log_softmax_triton(x, cfg), lambda x=x: logprobs.log_softmax(x),
+                lambda x=x: torch.log_softmax(x.float(), dim=-1))
+            add("token_logprobs", f"M={M} V={V}", M * V * x.element_size(),
+                lambda x=x, tok=tok: lpt.token_logprobs_triton(x, tok, cfg),
+                lambda x=x, tok=tok: logprobs.token_logprobs(x, tok),
+                lambda x=x, tok=tok: torch.log_softmax(x.float(), dim=-1).gather(1, tok[:, None]))
+
+
+def table(res: dict) -> str:
+    cols = sorted({e["M"] for e in res["gemm"]})
+    lines = [f"{'GEMM ms, ours/cuBLAS':<24}" + "".join(f"{'M=' + str(m):>16}" for m in cols)]
+    by = {}
+    for e in res["gemm"]:
+        by.setdefault(e["shape"], {})[e["M"]] = e
+    for shape, row in by.items():
+        cells = []
+        for m in cols:
+            e = row.get(m)
+            cells.append(f"{e['ours_ms']:.3f}/{e['cublas_ms']:.3f}" if e else "-")
+        lines.append(f"{shape:<24}" + "".join(f"{c:>16}" for c in cells))
+    bad = [e for e in res["gemm_bits"] if e["ours_rows_differ"]]
+    cub = sum(1 for e in res["gemm_bits"] if e["cublas_rows_differ"])
+    lines.append(f"bits: {len(res['gemm_bits'])} (shape, M) checks, ours differing in {len(bad)}, cuBLAS in {cub}")
+    for e in res["ops"]:
+        lines.append(f"{e['op']:<15} {e['shape']:<34} ours {e['ours_ms']:.4f}  torch op {e['torch_op_ms']:.4f}  "
+                     f"plain {e['plain_torch_ms'] if e['plain_torch_ms'] is not None else '-'}"
+                     f"  {e.get('ours_frac_of_copy', '')}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through the Triton interpreter")
+    ap.add_argument("--variants", action="store_true", help="also time other tile configs per M regime")
+    ap.add_argument("--sections", default="gemm,ops")
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    if dev.type != "cuda" and not args.dry_run:
+        log("no CUDA device: run with --dry-run on a CPU")
+        return 2
+    b = Bench(torch, triton, dev, args.quick, args.dry_run)
+    res = dict(
+        script="benchmarks/bench_ops_h200.py", commit=git_commit(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(0) if dev.type == "cuda" else None, torch=torch.__version__,
+        triton=triton.__version__, configs=dataclasses.asdict(TritonKernelConfigs()), dry_run=args.dry_run,
+        ceilings={}, gemm=[], gemm_bits=[], variants=[], ops=[], errors=[])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(res, indent=1))
+
+    res["ceilings"] = ceilings(b)
+    log(f"ceilings {res['ceilings']}")
+    shapes = TINY_SHAPES if args.dry_run else GEMM_SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    ms_list = [1, 5, 20] if args.dry_run else [1, 64, 256, 2048, 8192]
+    for sec, fn in (("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save)),
+                    ("ops", lambda: ops_section(b, res, save))):
+        if sec not in args.sections.split(","):
+            continue
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            res["errors"].append(f"{sec}: {traceback.format_exc()[-2000:]}")
+            log(f"{sec} FAILED:\n{traceback.format_exc()}")
+        save()
+    save()
+    print(table(res), flush=True)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
