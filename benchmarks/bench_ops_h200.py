@@ -15,8 +15,12 @@ Fused ops: add + RMSNorm (fp32 residual, bf16 x), gated RMSNorm, causal conv1d +
 decode), log_softmax and token logprobs, each against the project's torch op (ops/*.py) and a plain
 torch composition, with their bytes over the copy bandwidth.
 
-Times: ``triton.testing.do_bench`` medians (CUDA events around each call, L2 flushed before each),
-eager. JSON: GPU, torch/triton versions, commit, date; a short table is printed last.
+Times: GPU time per call from CUDA-graph replays (no host launch cost, as in a captured decode step);
+a GEMM's graph cycles through copies of its weight (>= 180 MB in all) so that weights come from DRAM
+as they do in a model, and ours and cuBLAS are each timed twice, alternating, the faster kept.
+Eager times (``triton.testing.do_bench`` medians, L2 flushed, host launch cost included where it
+exceeds the flush) are reported for M <= 256 and the fused ops, and ``host_us`` is the host time
+per launch. JSON: GPU, torch/triton versions, commit, date, the configs; a short table last.
 """
 
 from __future__ import annotations
@@ -41,17 +45,20 @@ GEMM_SHAPES = [  # (name, K, N)
     ("8b.in_proj", 4096, 18560), ("8b.out_proj", 8192, 4096), ("lm_head_256k", 4096, 256000),
 ]
 TINY_SHAPES = [("tiny.in_proj", 64, 96), ("tiny.out_proj", 96, 64)]
-# --variants: tiles tried per regime, (block_m, block_n, warps, stages, group_m, persistent, epi_split)
+# --variants: config overrides tried per regime (each checked for the pinned config's bits)
 VARIANTS = {
-    "decode": [(16, 16, 4, 6, 1, False, 1), (16, 32, 4, 4, 1, False, 1), (16, 32, 4, 8, 1, False, 1),
-               (16, 64, 4, 6, 1, False, 1), (64, 32, 4, 6, 1, False, 1), (64, 64, 4, 5, 1, False, 1)],
-    "mid": [(64, 64, 4, 5, 8, False, 1), (64, 128, 4, 4, 8, False, 1), (128, 64, 4, 5, 8, False, 1),
-            (128, 128, 8, 4, 8, False, 1), (64, 256, 8, 3, 8, False, 1)],
-    "large": [(128, 256, 8, 3, 8, True, 2), (128, 256, 8, 3, 8, False, 1), (128, 256, 8, 4, 8, True, 2),
-              (128, 128, 8, 4, 8, True, 1), (128, 128, 4, 4, 8, False, 1), (256, 128, 8, 3, 8, True, 2),
-              (128, 256, 8, 3, 16, True, 2)],
+    "decode": [dict(linear_fill_programs=0), dict(linear_decode_block_n=64), dict(linear_decode_stages=8),
+               dict(linear_decode_tma=True),
+               dict(linear_decode_block_m=64, linear_decode_tma=True, linear_decode_stages=6)],
+    "mid": [dict(linear_fill_programs=0), dict(linear_mid_block_n=64, linear_mid_stages=6),
+            dict(linear_mid_persistent=True),
+            dict(linear_mid_persistent=True, linear_mid_block_n=64, linear_mid_stages=6),
+            dict(linear_mid_persistent=True, linear_mid_block_m=128, linear_mid_warps=8, linear_mid_programs_per_sm=1),
+            dict(linear_mid_tma=False)],
+    "large": [dict(linear_fill_programs=0), dict(linear_stages=4), dict(linear_block_n=128, linear_stages=4)],
 }
-
+# bytes of weight copies a graph cycles through, so that small weights come from DRAM as in a model
+ROTATE_BYTES = 3 * 60 * 2 ** 20
 
 def log(msg: str) -> None:
     print(f"[ops {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -72,13 +79,64 @@ class Bench:
         self.torch, self.triton, self.dev, self.quick, self.dry = torch, triton, dev, quick, dry
 
     def ms(self, fn) -> float:
-        """Median ms of fn() (CUDA events, L2 flushed before each call); one wall-clock call on a CPU."""
+        """Eager: median ms of fn() (CUDA events, L2 flushed before each call, host launch cost
+        included where it exceeds the flush); one wall-clock call on a CPU."""
         if self.dev.type != "cuda":
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
         warm, rep = (5, 20) if self.quick else (25, 100)
         return float(self.triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"))
+
+    def graph_ms(self, fns) -> float:
+        """GPU time per call: all of ``fns`` (closures over distinct inputs) captured in one CUDA graph,
+        replayed; median over trials of the replay time / len(fns). No host launch cost."""
+        torch = self.torch
+        if self.dev.type != "cuda":
+            return self.ms(lambda: [f() for f in fns]) / len(fns)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        inner = max(1, min(200, int(2e-3 / max(time.perf_counter() - t, 1e-6))))
+        times = []
+        for _ in range(5 if self.quick else 12):
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.record()
+            for _ in range(inner):
+                g.replay()
+            en.record()
+            en.synchronize()
+            times.append(st.elapsed_time(en) / inner / len(fns))
+        del g
+        times.sort()
+        return times[len(times) // 2]
+
+    def host_us(self, fn, n: int = 200) -> float:
+        """Host time per call of fn (launches only, no synchronisation inside), microseconds."""
+        torch = self.torch
+        n = n if self.dev.type == "cuda" else 2
+        fn()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        return dt / n * 1e6
 
 
 def ceilings(b: Bench) -> dict:
@@ -102,16 +160,19 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
     from aligned_mamba.ops.configs import TritonKernelConfigs
 
     cfg = TritonKernelConfigs()
-    dtype = torch.bfloat16 if b.dev.type == "cuda" else torch.float32
+    cuda = b.dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     copy = res["ceilings"]["copy_gbps"]
     peak = res["ceilings"]["cublas_tflops"]
     for name, K, N in shapes:
         g = torch.Generator(device=b.dev).manual_seed(K + N)
-        mmax = max(ms_list) if not name.endswith("in_proj") else max(ms_list + [32768 if b.dev.type == "cuda" else 0])
-        x = torch.randn(mmax, K, device=b.dev, generator=g).to(dtype)
-        w = (torch.randn(N, K, device=b.dev, generator=g) / K ** 0.5).to(dtype)
-        # bits: rows of M-row calls against the same rows of the largest bits call
-        ref_m = 8192 if b.dev.type == "cuda" else max(ms_list)
+        ms_here = list(ms_list) + ([32768] if name.endswith("in_proj") and cuda else [])
+        x = torch.randn(max(ms_here), K, device=b.dev, generator=g).to(dtype)
+        n_w = max(2, min(64, -(-ROTATE_BYTES // (N * K * 2)))) if cuda else 1
+        ws = [(torch.randn(N, K, device=b.dev, generator=g) / K ** 0.5).to(dtype) for _ in range(n_w)]
+        w = ws[0]
+        # bits: rows of M-row calls against the same rows of one call of ref_m rows
+        ref_m = 8192 if cuda else max(ms_list)
         ours_full = lt.linear_triton(x[:ref_m], w, None, cfg)
         cub_full = F.linear(x[:ref_m], w)
         for M in [m for m in (1, 2, 7, 64, 256, 1000, 2048) if m < ref_m]:
@@ -122,19 +183,25 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
                                          ours_rows_differ=int((ours != ours_full[s:]).any(1).sum()),
                                          cublas_rows_differ=int((cub != cub_full[s:]).any(1).sum())))
         del ours_full, cub_full
-        ms_here = list(ms_list) + ([32768] if name.endswith("in_proj") and b.dev.type == "cuda" else [])
         for M in ms_here:
             xm = x[:M]
-            t_ours = b.ms(lambda: lt.linear_triton(xm, w, None, cfg))
-            t_cub = b.ms(lambda: F.linear(xm, w))
+            wl = ws if M <= 2048 else ws[:2]
+            # twice each, alternating, the faster kept: the first graph of a cell was seen to run slower
+            t_ours, t_cub = float("inf"), float("inf")
+            for _ in range(1 if variants else 2):
+                t_ours = min(t_ours, b.graph_ms([lambda w=w: lt.linear_triton(xm, w, None, cfg) for w in wl]))
+                t_cub = min(t_cub, b.graph_ms([lambda w=w: F.linear(xm, w) for w in wl]))
             p = lt.plan(M, w, cfg)
             e = dict(shape=name, K=K, N=N, M=M, ours_ms=round(t_ours, 5), cublas_ms=round(t_cub, 5),
                      ours_over_cublas=round(t_ours / t_cub, 3),
                      tiles=f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
-                           + (" persistent" if p.persistent else ""),
+                           + (" tma" if p.tma else " ptr")
+                           + (f" persistent{p.programs_per_sm}" if p.persistent else ""),
                      ours_tflops=round(2 * M * N * K / t_ours / 1e9, 1),
                      cublas_tflops=round(2 * M * N * K / t_cub / 1e9, 1))
             if M <= 256:
+                e["ours_eager_ms"] = round(b.ms(lambda: lt.linear_triton(xm, w, None, cfg)), 5)
+                e["cublas_eager_ms"] = round(b.ms(lambda: F.linear(xm, w)), 5)
                 nbytes = (N * K + M * K + M * N) * x.element_size()
                 e.update(bytes=nbytes, ours_gbps=round(nbytes / t_ours / 1e6, 1),
                          cublas_gbps=round(nbytes / t_cub / 1e6, 1))
@@ -145,25 +212,64 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
             res["gemm"].append(e)
             log(f"gemm {name} M={M}: ours {t_ours:.4f} ms, cuBLAS {t_cub:.4f} ms ({t_ours / t_cub:.2f}x) "
                 f"[{e['tiles']}]")
-            if variants:
+            if variants and M != 32768:
                 pinned = lt.linear_triton(xm, w, None, cfg)
                 regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
                 for v in VARIANTS[regime]:
-                    bm, bn, nw, st, gm, pers, epi = v
-                    tiles = lt.LinearPlan(bm, bn, cfg.linear_block_k, nw, st, gm, pers, True, epi, "ieee")
+                    c = dataclasses.replace(cfg, **v)
+                    q = lt.plan(M, w, c)
+                    tiles = (f"{q.block_m}x{q.block_n} w{q.num_warps} s{q.num_stages}" + (" tma" if q.tma else " ptr")
+                             + (f" persistent{q.programs_per_sm}" if q.persistent else ""))
                     try:
-                        y = lt.linear_triton(xm, w, None, cfg, tiles=tiles)
-                        same = bool(torch.equal(y, pinned))
-                        t = b.ms(lambda: lt.linear_triton(xm, w, None, cfg, tiles=tiles))
-                        res["variants"].append(dict(shape=name, M=M, regime=regime, tiles=list(v), ms=round(t, 5),
-                                                    over_cublas=round(t / t_cub, 3), bits_equal_pinned=same))
+                        same = bool(torch.equal(lt.linear_triton(xm, w, None, c), pinned))
+                        t = b.graph_ms([lambda w=w, c=c: lt.linear_triton(xm, w, None, c) for w in wl])
+                        res["variants"].append(dict(shape=name, M=M, regime=regime, override=v, tiles=tiles,
+                                                    ms=round(t, 5), over_cublas=round(t / t_cub, 3),
+                                                    bits_equal_pinned=same))
                     except Exception as exc:  # noqa: BLE001
-                        res["variants"].append(dict(shape=name, M=M, regime=regime, tiles=list(v),
+                        res["variants"].append(dict(shape=name, M=M, regime=regime, override=v, tiles=tiles,
                                                     error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+        torch.cuda.empty_cache() if cuda else None
         save()
 
 
-def ops_section(b: Bench, res: dict, save) -> None:
+def host_section(b: Bench, res: dict) -> None:
+    """Host time per launch (eager engines pay it; a CUDA graph does not)."""
+    torch = b.torch
+    F = torch.nn.functional
+    from aligned_mamba.ops import linear_triton as lt
+    from aligned_mamba.ops import norm_triton as nt
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    cfg = TritonKernelConfigs()
+    cuda = b.dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    M, K, N = (64, 2048, 8512) if cuda else (4, 32, 32)
+    x = torch.randn(M, K, device=b.dev).to(dtype)
+    w = torch.randn(N, K, device=b.dev).to(dtype)
+    r = torch.randn(M, K, device=b.dev)
+    nw = torch.randn(K, device=b.dev).to(dtype)
+    no_tma = dataclasses.replace(cfg, linear_tma=False, linear_decode_tma=False, linear_mid_tma=False)
+    res["host_us"] = {
+        "cublas_linear": round(b.host_us(lambda: F.linear(x, w)), 1),
+        "linear_triton_tma": round(b.host_us(lambda: lt.linear_triton(x, w, None, cfg)), 1),
+        "linear_triton_ptr": round(b.host_us(lambda: lt.linear_triton(x, w, None, no_tma)), 1),
+        "add_rms_norm_triton": round(b.host_us(lambda: nt.add_rms_norm_triton(x, r, nw, 1e-5, None, cfg)), 1),
+        "torch_empty": round(b.host_us(lambda: torch.empty(M, N, device=b.dev, dtype=dtype)), 1),
+    }
+    log(f"host us per call {res['host_us']}")
+
+
+OP_VARIANTS = {
+    "norm": [dict(norm_num_warps=w) for w in (1, 2, 8, 16)],
+    "conv": [dict(conv_block_t=t, conv_block_c=c) for t, c in ((4, 512), (8, 256), (16, 128), (16, 512), (32, 256),
+                                                                (64, 128))],
+    "logprobs": [dict(logprobs_block_v=v, logprobs_num_warps=w) for v, w in ((1024, 4), (2048, 4), (4096, 8),
+                                                                             (4096, 16), (8192, 16))],
+}
+
+
+def ops_section(b: Bench, res: dict, variants: bool, save, op_variants: bool = False) -> None:
     torch = b.torch
     F = torch.nn.functional
     from aligned_mamba.ops import conv1d, logprobs, norm
@@ -178,17 +284,33 @@ def ops_section(b: Bench, res: dict, save) -> None:
     copy = res["ceilings"]["copy_gbps"]
     eps = 1e-5
 
-    def add(op: str, shape: str, nbytes: int, ours, torch_op, plain, bits: bool | None = None) -> None:
-        t0, t1, t2 = b.ms(ours), b.ms(torch_op), b.ms(plain) if plain is not None else None
-        e = dict(op=op, shape=shape, ours_ms=round(t0, 5), torch_op_ms=round(t1, 5),
-                 plain_torch_ms=round(t2, 5) if t2 is not None else None, bytes=nbytes,
-                 ours_gbps=round(nbytes / t0 / 1e6, 1))
+    def graph_or_eager(fn) -> tuple[float, str]:
+        try:
+            return b.graph_ms([fn]), "graph"
+        except Exception:  # noqa: BLE001  (ops that synchronise the host cannot be captured)
+            torch.cuda.synchronize() if cuda else None
+            return b.ms(fn), "eager"
+
+    def add(op: str, kind: str, shape: str, nbytes: int, ours, torch_op, plain, bits: bool | None = None) -> None:
+        """ours(cfg) runs our kernel; torch_op and plain are closures."""
+        t0 = b.graph_ms([lambda: ours(cfg)])
+        e = dict(op=op, shape=shape, ours_ms=round(t0, 5), ours_eager_ms=round(b.ms(lambda: ours(cfg)), 5),
+                 torch_op_eager_ms=round(b.ms(torch_op), 5), bytes=nbytes, ours_gbps=round(nbytes / t0 / 1e6, 1))
+        if plain is not None:
+            t2, mode = graph_or_eager(plain)
+            e.update(plain_torch_ms=round(t2, 5), plain_torch_mode=mode)
         if copy:
             e["ours_frac_of_copy"] = round(nbytes / t0 / 1e6 / copy, 3)
         if bits is not None:
             e["bits_equal_torch_op"] = bits
+        if variants and op_variants:
+            e["variants"] = []
+            for v in OP_VARIANTS[kind]:
+                c = dataclasses.replace(cfg, **v)
+                e["variants"].append(dict(v, ms=round(b.graph_ms([lambda c=c: ours(c)]), 5)))
         res["ops"].append(e)
-        log(f"{op} {shape}: ours {t0:.4f} ms, torch op {t1:.4f} ms" + (f", plain {t2:.4f} ms" if t2 else ""))
+        log(f"{op} {shape}: ours {t0:.4f} ms (eager {e['ours_eager_ms']:.4f}), torch op {e['torch_op_eager_ms']:.4f} ms"
+            + (f", plain {e['plain_torch_ms']:.4f} ms ({e['plain_torch_mode']})" if plain is not None else ""))
         save()
 
     rows = (1, 64, 256, 8192) if cuda else (1, 5)
@@ -203,8 +325,8 @@ def ops_section(b: Bench, res: dict, save) -> None:
                 v = nr.pow(2).mean(-1, keepdim=True)
                 return (w * (nr * torch.rsqrt(v + eps)).to(bf)), nr
 
-            add("add_rms_norm", f"M={M} d={d} (fp32 residual)", M * d * (2 + 4 + 4 + 2) + d * 2,
-                lambda x=x, r=r, w=w: nt.add_rms_norm_triton(x, r, w, eps, None, cfg),
+            add("add_rms_norm", "norm", f"M={M} d={d} (fp32 residual)", M * d * (2 + 4 + 4 + 2) + d * 2,
+                lambda c, x=x, r=r, w=w: nt.add_rms_norm_triton(x, r, w, eps, None, c),
                 lambda x=x, r=r, w=w: (norm.rms_norm(r + x, w, eps), r + x), plain_add_norm)
     for d, groups in (((4096, 1), (8192, 8)) if cuda else ((64, 2),)):
         w = (1 + 0.1 * torch.randn(d, device=b.dev)).to(bf)
@@ -217,8 +339,8 @@ def ops_section(b: Bench, res: dict, save) -> None:
                 gg = gg * torch.rsqrt(gg.pow(2).mean(-1, keepdim=True) + eps)
                 return w * gg.view(-1, d).to(bf)
 
-            add("gated_rms_norm", f"M={M} d={d} groups={groups}", M * d * 2 * 3 + d * 2,
-                lambda y=y, z=z, w=w, groups=groups: nt.gated_rms_norm_triton(y, z, w, eps, groups, cfg),
+            add("gated_rms_norm", "norm", f"M={M} d={d} groups={groups}", M * d * 2 * 3 + d * 2,
+                lambda c, y=y, z=z, w=w, groups=groups: nt.gated_rms_norm_triton(y, z, w, eps, groups, c),
                 lambda y=y, z=z, w=w, groups=groups: norm.gated_rms_norm(y, z, w, eps, groups), plain_gated)
     # conv1d: 1.3b's conv width (4096 + 2 * 128), prefill of 4 x 2048 tokens and decode steps
     Cd, K = (4352, 4) if cuda else (40, 4)
@@ -237,25 +359,25 @@ def ops_section(b: Bench, res: dict, save) -> None:
         same = bool(torch.equal(got, ref))
 
         def plain_conv(x=x, S=S, T=T, win=win):
-            if S * 1 == T:  # decode: one new row per sequence, as a window dot
+            if S == T:  # decode: one new row per sequence, as a window dot
                 stream = torch.cat([win, x[:, None]], dim=1)  # [S, K, Cd]
                 return F.silu((stream.float() * cw.float().T[None]).sum(1) + cb.float()).to(bf)
             xs = torch.cat([win, x.view(S, -1, Cd)], dim=1).transpose(1, 2)  # [S, Cd, K-1+L]
             return F.silu(F.conv1d(xs, cw[:, None], cb, groups=Cd)).transpose(1, 2)
 
         wbuf = win.clone()
-        add("causal_conv1d", f"{label} Cd={Cd}", (2 * T * Cd + 2 * S * (K - 1) * Cd) * x.element_size(),
-            lambda x=x, cu=cu, slots=slots, wbuf=wbuf: ct.causal_conv1d_triton(x, cu, slots, wbuf, cw, cb, cfg),
+        add("causal_conv1d", "conv", f"{label} Cd={Cd}", (2 * T * Cd + 2 * S * (K - 1) * Cd) * x.element_size(),
+            lambda c, x=x, cu=cu, slots=slots, wbuf=wbuf: ct.causal_conv1d_triton(x, cu, slots, wbuf, cw, cb, c),
             lambda x=x, cu=cu, win=win: conv1d.causal_conv1d(x, cu, win, cw, cb), plain_conv, bits=same)
     for V in ((50280, 256000) if cuda else (300,)):
         for M in ((1, 64, 2048) if cuda else (3,)):
             x = (torch.randn(M, V, device=b.dev) * 4).to(bf)
             tok = torch.randint(0, V, (M,), device=b.dev)
-            add("log_softmax", f"M={M} V={V}", M * V * (x.element_size() * 2 + 4),
-                lambda x=x: lpt.log_softmax_triton(x, cfg), lambda x=x: logprobs.log_softmax(x),
+            add("log_softmax", "logprobs", f"M={M} V={V}", M * V * (x.element_size() * 2 + 4),
+                lambda c, x=x: lpt.log_softmax_triton(x, c), lambda x=x: logprobs.log_softmax(x),
                 lambda x=x: torch.log_softmax(x.float(), dim=-1))
-            add("token_logprobs", f"M={M} V={V}", M * V * x.element_size(),
-                lambda x=x, tok=tok: lpt.token_logprobs_triton(x, tok, cfg),
+            add("token_logprobs", "logprobs", f"M={M} V={V}", M * V * x.element_size(),
+                lambda c, x=x, tok=tok: lpt.token_logprobs_triton(x, tok, c),
                 lambda x=x, tok=tok: logprobs.token_logprobs(x, tok),
                 lambda x=x, tok=tok: torch.log_softmax(x.float(), dim=-1).gather(1, tok[:, None]))
 
@@ -275,10 +397,13 @@ def table(res: dict) -> str:
     bad = [e for e in res["gemm_bits"] if e["ours_rows_differ"]]
     cub = sum(1 for e in res["gemm_bits"] if e["cublas_rows_differ"])
     lines.append(f"bits: {len(res['gemm_bits'])} (shape, M) checks, ours differing in {len(bad)}, cuBLAS in {cub}")
+    lines.append("op              shape                              ours ms (graph)  plain torch ms  "
+                 "torch op ms (eager)  ours/copy BW")
     for e in res["ops"]:
-        lines.append(f"{e['op']:<15} {e['shape']:<34} ours {e['ours_ms']:.4f}  torch op {e['torch_op_ms']:.4f}  "
-                     f"plain {e['plain_torch_ms'] if e['plain_torch_ms'] is not None else '-'}"
-                     f"  {e.get('ours_frac_of_copy', '')}")
+        lines.append(f"{e['op']:<15} {e['shape']:<34} {e['ours_ms']:>10.4f}  {e.get('plain_torch_ms', 0):>14.4f}  "
+                     f"{e['torch_op_eager_ms']:>19.4f}  {e.get('ours_frac_of_copy', '')}")
+    if res.get("host_us"):
+        lines.append(f"host us per launch: {res['host_us']}")
     return "\n".join(lines)
 
 
@@ -287,8 +412,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through the Triton interpreter")
-    ap.add_argument("--variants", action="store_true", help="also time other tile configs per M regime")
-    ap.add_argument("--sections", default="gemm,ops")
+    ap.add_argument("--variants", action="store_true", help="also time other GEMM configs per M regime")
+    ap.add_argument("--op-variants", action="store_true", help="also time other norm/conv/logprobs configs")
+    ap.add_argument("--sections", default="host,gemm,ops")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")
     args = ap.parse_args()
     if args.dry_run:
@@ -321,9 +447,10 @@ def main() -> int:
     shapes = TINY_SHAPES if args.dry_run else GEMM_SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
-    ms_list = [1, 5, 20] if args.dry_run else [1, 64, 256, 2048, 8192]
-    for sec, fn in (("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save)),
-                    ("ops", lambda: ops_section(b, res, save))):
+    ms_list = [1, 5, 20] if args.dry_run else [1, 16, 64, 128, 256, 2048, 8192]
+    for sec, fn in (("host", lambda: host_section(b, res)),
+                    ("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save)),
+                    ("ops", lambda: ops_section(b, res, args.variants, save, args.op_variants))):
         if sec not in args.sections.split(","):
             continue
         try:

@@ -41,9 +41,13 @@ def _rand(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch
 # -- configs -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field,value", [("linear_warps", 2), ("linear_block_k", 256), ("linear_persistent", 1),
-                                         ("linear_epi_split", 4), ("linear_decode_stages", 9), ("norm_num_warps", 3),
-                                         ("conv_block_c", 100), ("logprobs_block_v", 64), ("linear_mid_max_m", -1)])
+_REFUSED = [("linear_warps", 2), ("linear_block_k", 256), ("linear_persistent", 1), ("linear_epi_split", 4),
+            ("linear_decode_stages", 9), ("linear_decode_tma", "yes"), ("linear_mid_programs_per_sm", 0),
+            ("linear_fill_programs", -1), ("linear_mid_max_m", -1), ("norm_block_per_warp", 3),
+            ("conv_block_c", 100), ("logprobs_block_v", 64)]
+
+
+@pytest.mark.parametrize("field,value", _REFUSED)
 def test_configs_refuse_values_no_kernel_implements(field, value):
     with pytest.raises(ValueError, match=field) as e:
         TritonKernelConfigs(**{field: value})
@@ -56,11 +60,12 @@ def test_the_mid_regime_cannot_end_below_the_decode_regime():
 
 
 def test_plan_takes_the_tile_of_each_m_regime_and_one_k_block():
-    w = torch.empty(8, 8, dtype=torch.bfloat16)
+    w = torch.empty(50280, 8, dtype=torch.bfloat16)  # enough columns that no N tile is halved
     c = CFG
     tiles = {M: lt.plan(M, w, c) for M in (1, c.linear_decode_max_m, c.linear_decode_max_m + 1, c.linear_mid_max_m,
                                            c.linear_mid_max_m + 1, 8192)}
-    assert (tiles[1].block_m, tiles[1].block_n) == (c.linear_decode_block_m, c.linear_decode_block_n)
+    assert (tiles[1].block_m, tiles[1].block_n, tiles[1].tma) == (c.linear_decode_block_m, c.linear_decode_block_n,
+                                                                  c.linear_decode_tma)
     assert tiles[c.linear_decode_max_m] == tiles[1]
     assert (tiles[c.linear_mid_max_m].block_m, tiles[c.linear_mid_max_m].block_n) == (c.linear_mid_block_m,
                                                                                         c.linear_mid_block_n)
@@ -69,6 +74,17 @@ def test_plan_takes_the_tile_of_each_m_regime_and_one_k_block():
     assert {t.block_k for t in tiles.values()} == {c.linear_block_k}
     f32 = {lt.plan(M, w.float(), c) for M in (1, 100, 8192)}
     assert len(f32) == 1 and next(iter(f32)).block_k == c.linear_fp32_block_k
+
+
+def test_few_output_columns_halve_the_n_tile_and_keep_the_k_block():
+    c = dataclasses.replace(CFG, linear_fill_programs=132)
+    p = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), c)  # out_proj of a 2048-wide model
+    assert p.block_n < c.linear_decode_block_n and p.block_k == c.linear_block_k
+    assert 2048 // p.block_n >= 128 or p.block_n == 16
+    big = lt.plan(1, torch.empty(50280, 8, dtype=torch.bfloat16), c)
+    assert big.block_n == c.linear_decode_block_n
+    off = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), dataclasses.replace(c, linear_fill_programs=0))
+    assert off.block_n == c.linear_decode_block_n
 
 
 # -- GEMM logic (fp32 through the interpreter on a CPU) ------------------------------------------------
@@ -294,7 +310,7 @@ def test_gpu_gemm_rows_do_not_depend_on_m(name, K, N):
 
 
 @gpu
-def test_gpu_cublas_rows_do_depend_on_m(mark):
+def test_gpu_cublas_rows_do_depend_on_m():
     # the baseline that the GEMM test would catch: cuBLAS at out_proj's shape (K 4096)
     x, w = _gpu_gemm_operands(4096, 2048, torch.bfloat16)
     bad = _rows_invariant(lambda t: torch.nn.functional.linear(t, w), x, [1, 7, 64])
@@ -302,14 +318,14 @@ def test_gpu_cublas_rows_do_depend_on_m(mark):
 
 
 @gpu
-def test_gpu_gemm_fp32_rows_do_not_depend_on_m(mark):
+def test_gpu_gemm_fp32_rows_do_not_depend_on_m():
     x, w = _gpu_gemm_operands(2048, 8512, torch.float32)
     bad = _rows_invariant(lambda t: lt.linear_triton(t, w, None, CFG), x[:4097], [1, 3, 17, 255, 1000, 4097])
     assert all(n == 0 for _, n in bad), bad
 
 
 @gpu
-def test_gpu_gemm_tma_and_pointer_tiles_agree_and_sit_at_the_bf16_floor(mark):
+def test_gpu_gemm_tma_and_pointer_tiles_agree_and_sit_at_the_bf16_floor():
     for K, N in ((2048, 8512), (4096, 2048), (768, 50280)):
         x, w = _gpu_gemm_operands(K, N, torch.bfloat16)
         b = torch.randn(N, device="cuda").to(torch.bfloat16)
@@ -352,7 +368,7 @@ def test_gpu_norm_rows_do_not_depend_on_m(d, groups):
 
 
 @gpu
-def test_gpu_conv_decode_rows_equal_prefill_rows(mark):
+def test_gpu_conv_decode_rows_equal_prefill_rows():
     # 64 sequences of 1 .. 300 tokens at the 8B mixer's conv width, bf16: one prefill call against
     # a split at a random point followed by decode steps; and against the torch op
     Cd, K, S = 10240, 4, 64
@@ -388,7 +404,7 @@ def test_gpu_conv_decode_rows_equal_prefill_rows(mark):
 
 
 @gpu
-def test_gpu_logprob_rows_do_not_depend_on_m(mark):
+def test_gpu_logprob_rows_do_not_depend_on_m():
     g = torch.Generator(device="cuda").manual_seed(2)
     x = (torch.randn(300, 256000, device="cuda", generator=g) * 4).to(torch.bfloat16)
     ms = [1, 7, 64]

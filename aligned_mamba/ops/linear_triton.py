@@ -17,6 +17,7 @@ offline compile test that every config compiles. The K block is one and the same
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -125,28 +126,54 @@ class LinearPlan:
     tma: bool
     epi_split: int
     precision: str
+    programs_per_sm: int = 1
 
 
 def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs) -> LinearPlan:
-    """The tiles for M rows of a layer with this weight, from ``cfg``'s linear_* fields.
+    """The tiles for M rows of a layer with this weight [N, K], from ``cfg``'s linear_* fields.
 
     bf16: M <= linear_decode_max_m takes the decode tile, M <= linear_mid_max_m the mid tile, larger
-    M the large tile, persistent if linear_persistent. fp32: one tile for every M. The K block is
-    linear_block_k (linear_fp32_block_k for fp32) in every regime.
+    M the large tile; then the N tile is halved while the grid has fewer than linear_fill_programs
+    tiles. fp32: one tile for every M. The K block is linear_block_k (linear_fp32_block_k for fp32)
+    in every regime, so only the tile changes with M, never the K loop.
     """
     if weight.dtype == torch.float32:
-        return LinearPlan(cfg.linear_fp32_block_m, cfg.linear_fp32_block_n, cfg.linear_fp32_block_k,
-                          cfg.linear_fp32_warps, cfg.linear_fp32_stages, cfg.linear_group_m, False, cfg.linear_tma, 1,
-                          "ieee")
-    if M <= cfg.linear_decode_max_m:
-        return LinearPlan(cfg.linear_decode_block_m, cfg.linear_decode_block_n, cfg.linear_block_k,
-                          cfg.linear_decode_warps, cfg.linear_decode_stages, 1, False, cfg.linear_tma, 1, "ieee")
-    if M <= cfg.linear_mid_max_m:
-        return LinearPlan(cfg.linear_mid_block_m, cfg.linear_mid_block_n, cfg.linear_block_k, cfg.linear_mid_warps,
-                          cfg.linear_mid_stages, cfg.linear_group_m, False, cfg.linear_tma, 1, "ieee")
-    return LinearPlan(cfg.linear_block_m, cfg.linear_block_n, cfg.linear_block_k, cfg.linear_warps,
-                      cfg.linear_stages, cfg.linear_group_m, cfg.linear_persistent, cfg.linear_tma,
-                      cfg.linear_epi_split, "ieee")
+        return _plan("fp32", cfg)
+    p = _plan("decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large", cfg)
+    return _fill(p, triton.cdiv(M, p.block_m), weight.shape[0], cfg.linear_fill_programs)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(regime: str, cfg: TritonKernelConfigs) -> LinearPlan:
+    c = cfg
+    if regime == "fp32":
+        return LinearPlan(c.linear_fp32_block_m, c.linear_fp32_block_n, c.linear_fp32_block_k, c.linear_fp32_warps,
+                          c.linear_fp32_stages, c.linear_group_m, False, c.linear_tma, 1, "ieee")
+    if regime == "decode":
+        return LinearPlan(c.linear_decode_block_m, c.linear_decode_block_n, c.linear_block_k, c.linear_decode_warps,
+                          c.linear_decode_stages, 1, c.linear_decode_persistent, c.linear_decode_tma, 1, "ieee",
+                          c.linear_decode_programs_per_sm)
+    if regime == "mid":
+        return LinearPlan(c.linear_mid_block_m, c.linear_mid_block_n, c.linear_block_k, c.linear_mid_warps,
+                          c.linear_mid_stages, c.linear_group_m, c.linear_mid_persistent, c.linear_mid_tma, 1, "ieee",
+                          c.linear_mid_programs_per_sm)
+    return LinearPlan(c.linear_block_m, c.linear_block_n, c.linear_block_k, c.linear_warps, c.linear_stages,
+                      c.linear_group_m, c.linear_persistent, c.linear_tma, c.linear_epi_split, "ieee",
+                      c.linear_programs_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fill(p: LinearPlan, row_tiles: int, N: int, fill: int) -> LinearPlan:
+    """Halve the N tile (to 16 at least) while row_tiles x N tiles < fill: layers of few output
+    columns (out_proj) get enough programs to stream their weights without splitting K. The stages
+    grow to keep the program's shared memory (a stage holds BM + BN rows of BK)."""
+    bn, stages = p.block_n, p.num_stages
+    while bn > 16 and row_tiles * triton.cdiv(N, bn) < fill:
+        stages = min(8, stages * (p.block_m + bn) // (p.block_m + bn // 2))
+        bn //= 2
+    if bn == p.block_n:
+        return p
+    return dataclasses.replace(p, block_n=bn, num_stages=stages, epi_split=p.epi_split if bn >= 32 else 1)
 
 
 @functools.cache
@@ -185,14 +212,14 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y
     p = tiles or plan(M, weight, cfg)
     num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
-    progs = min(num_tiles, _num_sms(x.device)) if p.persistent else num_tiles
+    progs = min(num_tiles, _num_sms(x.device) * p.programs_per_sm) if p.persistent else num_tiles
     has_bias = bias is not None
     b = bias.contiguous() if has_bias else y
     common = dict(HAS_BIAS=has_bias, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                   PRECISION=p.precision, num_warps=p.num_warps, num_stages=p.num_stages)
     if p.tma and _tma_ok(x, weight, y):
         num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
-        progs = min(num_tiles, _num_sms(x.device)) if p.persistent else num_tiles
+        progs = min(num_tiles, _num_sms(x.device) * p.programs_per_sm) if p.persistent else num_tiles
         xd = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k])
         wd = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k])
         yd = TensorDescriptor(y, [M, N], [N, 1], [p.block_m, p.block_n // p.epi_split])

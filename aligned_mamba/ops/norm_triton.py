@@ -2,8 +2,9 @@
 
 One program normalises one row (one group of a row for the gated norm): it loads the row into one
 block of the next power of two of its width, reduces the sum of squares with one ``tl.sum`` over
-that block (a fixed tree for a given width and ``norm_num_warps``), and never looks at another row,
-so a row's bits do not depend on how many rows the call holds. The arithmetic is ``ops.norm``'s:
+that block (a fixed tree for a given width and ``norm_block_per_warp``), and never looks at another row,
+so a row's bits do not depend on how many rows the call holds (the block and the warps follow from
+the width and the configs alone). The arithmetic is ``ops.norm``'s:
 normalise in fp32 (IEEE sqrt and division), round to the output dtype, multiply by the weight in the
 output dtype; the gate y * silu(z) in fp32 before a per-group normalisation. The sum's order differs
 from ``reduce.tree_sum``, so the bits can differ from the torch backend's (by an fp32 rounding).
@@ -74,6 +75,12 @@ def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, str
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def _block_warps(width: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
+    """The power-of-two block of a row (or group) of ``width`` and its program's warps."""
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(16, block // cfg.norm_block_per_warp))
+
+
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.dim() != 2:
         raise ValueError(f"{name} must be [M, d], got {tuple(t.shape)}")
@@ -89,13 +96,13 @@ def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None,
     res_out = torch.empty(M, D, dtype=res_dtype, device=res.device) if res_dtype is not None else None
     if M == 0:
         return out, res_out
+    block, warps = _block_warps(D, cfg)
     _rms_norm_kernel[(M,)](
         x if x is not None else res, res, idx if idx is not None else res, weight.contiguous(), out,
         res_out if res_out is not None else out, D, x.stride(0) if x is not None else 0, res.stride(0), out.stride(0),
         res_out.stride(0) if res_out is not None else 0, float(eps), HAS_X=x is not None, HAS_IDX=idx is not None,
         WRITE_RES=res_out is not None, ROUND_IN=norm_input_dtype is not None,
-        IN_DTYPE=_TL[norm_input_dtype or torch.float32], BLOCK_D=triton.next_power_of_2(D),
-        num_warps=cfg.norm_num_warps, enable_fp_fusion=False)
+        IN_DTYPE=_TL[norm_input_dtype or torch.float32], BLOCK_D=block, num_warps=warps, enable_fp_fusion=False)
     return out, res_out
 
 
@@ -161,7 +168,7 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     if M == 0:
         return out
     gs = d // n_groups
+    block, warps = _block_warps(gs, cfg)
     _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, gs, y.stride(0), z.stride(0), out.stride(0),
-                                      float(eps), BLOCK_G=triton.next_power_of_2(gs), num_warps=cfg.norm_num_warps,
-                                      enable_fp_fusion=False)
+                                      float(eps), BLOCK_G=block, num_warps=warps, enable_fp_fusion=False)
     return out
