@@ -1,18 +1,35 @@
-"""aligned-mamba: bitwise train/inference alignment for Mamba2 language models.
+"""aligned-mamba: bitwise train/inference alignment for Mamba2 (and hybrid) language models.
 
 One shared SSD kernel family and one chunk-size contract, used by the trainer's one-pass forward
 and by the sampler's exact-replay decode, so the logits the sampler produced for a token are the
 logits the trainer computes for it, bit for bit.
 
 Public API:
+    load_model(path, contract=None) -> CausalLM   # model.forward(sequences) -> the trainer's logits
     verify(trainer_logits, sampler_logits) -> VerifyReport
     Contract, check_compatible
     AlignmentError, ContractError, ContractMismatchError, ModelLoadError
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .contract import Contract, check_compatible
 from .errors import AlignedMambaError, AlignmentError, ContractError, ContractMismatchError, ModelLoadError
 from .verify import VerifyReport, verify
+
+if TYPE_CHECKING:
+    from .models import CausalLM
+
+
+def load_model(path: Any, contract: Contract | None = None, device: Any = None) -> "CausalLM":
+    """A checkpoint directory of any registered model family (Hugging Face Mamba2, mamba_ssm's
+    MambaLMHeadModel) as the trainer's model: ``model.forward(sequences)`` takes a list of [len_i]
+    int64 token-id tensors and returns one [len_i, vocab] logits tensor per sequence. ``contract``
+    defaults to the checkpoint's own (its chunk size, the torch backend, its dtype); the sampler
+    must run the same one. Raises ``ModelLoadError`` (one line) for a checkpoint it refuses."""
+    from .models import load_model as _load
+
+    return _load(path, contract, device)
 
 __version__ = "0.1.0"
 
@@ -25,5 +42,6 @@ __all__ = [
     "ModelLoadError",
     "VerifyReport",
     "check_compatible",
+    "load_model",
     "verify",
 ]

@@ -22,45 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import AlignedMambaError
-
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
-COMMAND_GROUP = "aligned_mamba.commands"
-
-
-def resolve_backend(backend: str) -> str:
-    """auto -> triton where a CUDA device and Triton are present, else torch."""
-    import torch
-
-    if backend == "auto":
-        return "triton" if torch.cuda.is_available() and _has_triton() else "torch"
-    if backend == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise AlignedMambaError("backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run)")
-    if backend == "triton" and not _has_triton():
-        raise AlignedMambaError("backend 'triton' needs the triton package: pip install triton")
-    return backend
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def load_model_source(model: str, dtype: str | None) -> tuple[Any, dict]:
-    """'tiny' -> the embedded default (seed 0); otherwise a Hugging Face Mamba2 directory."""
-    from .model.checkpoint import load_checkpoint, make_tiny
-
-    if model == "tiny":
-        return make_tiny(0, dtype=dtype or "bfloat16")
-    return load_checkpoint(model)
+from .errors import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, AlignedMambaError
+from .integrations import COMMAND_GROUP
 
 
 def build_contract(config: Any, spec: str | None, backend: str, dtype: str | None, state_dtype: str | None) -> Any:
     """A named/YAML contract (flags given explicitly override its fields), else the checkpoint's."""
     from .contract import Contract
+    from .models import contract_for
 
     overrides: dict[str, Any] = {"backend": backend}
     if dtype is not None:
@@ -69,8 +38,7 @@ def build_contract(config: Any, spec: str | None, backend: str, dtype: str | Non
         overrides["state_dtype"] = state_dtype
     if spec:
         return Contract.from_yaml(spec, **overrides)
-    overrides.setdefault("model_dtype", config.dtype)
-    return Contract.from_hf_config(config.to_hf_dict(), **overrides)
+    return contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
 
 
 def _progress(start: float):
@@ -116,9 +84,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     show = _progress(start)
     import torch
 
-    from .check import ENGINE_GROUP, TRAINER_GROUP, ModelSource, load_plugin, run_check, sample_cases_reference
+    from .check import run_check
     from .contract import check_compatible
-    from .model.lm import Mamba2LM
+    from .integrations import EngineSpec, build_trainer, engine_factory
+    from .models import load_source
+    from .ops.backend import choose_backend
 
     torch.manual_seed(args.seed)
     for name in ("prompt_len", "gen_len", "requests"):
@@ -126,9 +96,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise AlignedMambaError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise AlignedMambaError("--max-batch-tokens must be >= 1")
-    backend = resolve_backend(args.backend)
+    backend = choose_backend(args.backend)
+    engine_factory(args.engine)  # an engine that is not installed is refused before anything runs
     show(f"loading model {args.model!r}")
-    config, tensors = load_model_source(args.model, args.dtype)
+    config, tensors = load_source(args.model, args.dtype)
     trainer_c = build_contract(config, args.trainer_contract or args.contract, backend, args.dtype, args.state_dtype)
     sampler_c = build_contract(config, args.sampler_contract or args.contract, backend, args.dtype, args.state_dtype)
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
@@ -137,18 +108,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise AlignedMambaError("--jobs must be >= 1")
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
-    # engines and trainers outside the core come through entry points (rollout/, trainer_hooks/)
-    sample_cases = sample_cases_reference if args.engine == "reference" else load_plugin(ENGINE_GROUP, args.engine)
-    reference = Mamba2LM(config, tensors, trainer_c)
-    if args.trainer == "reference":
-        trainer = reference
-    else:
+    if args.trainer != "reference":
         show(f"building the {args.trainer} trainer")
-        trainer = load_plugin(TRAINER_GROUP, args.trainer)(config=config, tensors=tensors, contract=trainer_c)
-    sampler = ModelSource(args.model, args.dtype, json.dumps(sampler_c.to_dict()))
-    result = run_check(trainer, sampler, prompt_len=args.prompt_len, gen_len=args.gen_len, requests=args.requests,
-                       max_batch_tokens=args.max_batch_tokens, seed=args.seed, jobs=jobs, progress=show,
-                       sample_cases=sample_cases, reference=reference)
+    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c)
+    from .models import build_model
+    from .train import PolicyTrainer
+
+    # the model of the accuracy line: the reference trainer's own, else one built from the same weights
+    reference = trainer.model() if isinstance(trainer, PolicyTrainer) else build_model(config, tensors, trainer_c)
+    longest = args.prompt_len + args.gen_len
+    spec = EngineSpec(model=args.model, contract=sampler_c.to_dict(), dtype=args.dtype,
+                      max_model_len=max(longest + 16, 256), max_num_seqs=args.requests,
+                      max_batch_tokens=max(args.prompt_len * args.requests, args.max_batch_tokens or 0, 256))
+    result = run_check(trainer, args.engine, spec, reference=reference, prompt_len=args.prompt_len,
+                       gen_len=args.gen_len, requests=args.requests, max_batch_tokens=args.max_batch_tokens,
+                       seed=args.seed, jobs=jobs, progress=show)
     result["engine"], result["trainer"] = args.engine, args.trainer
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
     result["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),

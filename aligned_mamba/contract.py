@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from .errors import ContractError, ContractMismatchError
-from .ops.configs import BACKENDS, pinned_configs
+from .ops.configs import BACKENDS, KernelConfigs, kernel_configs
 
 CONTRACT_VERSION = 1
-CONTRACTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "contracts"
+# a wheel ships the contracts inside the package; a source checkout keeps them in configs/contracts
+_PACKAGED = Path(__file__).resolve().parent / "contracts"
+CONTRACTS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "configs" / "contracts"
 MODEL_DTYPES = ("bfloat16", "float32")
 HF_DEFAULT_CHUNK_SIZE = 256  # transformers' Mamba2Config default
 
@@ -51,15 +53,16 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
 class Contract:
     """What trainer and sampler must share. Compare with ``==`` or ``diff``; hash by fingerprint.
 
-    ``kernel_configs`` defaults to the backend's pinned configs and is stored as a key-sorted
-    plain dict (picklable; treat it as read-only).
+    ``kernel_configs``: the backend's typed, frozen configs (``ops.configs``), what its launches
+    use; given as a mapping, its fields replace the pinned defaults (unknown names and values no
+    kernel implements are refused).
     """
 
     chunk_size: int
     state_dtype: str = "float32"
     backend: str = "torch"
     model_dtype: str = "bfloat16"
-    kernel_configs: Mapping[str, Any] | None = None
+    kernel_configs: KernelConfigs | Mapping[str, Any] | None = None
     version: int = CONTRACT_VERSION
 
     def __post_init__(self) -> None:
@@ -82,20 +85,19 @@ class Contract:
             raise ContractError(f"model_dtype {model!r} refused: expected one of {', '.join(MODEL_DTYPES)}")
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise ContractError(f"version {self.version!r} refused: expected a positive int")
-        configs = pinned_configs(self.backend) if self.kernel_configs is None else self.kernel_configs
-        if not isinstance(configs, Mapping) or not all(isinstance(k, str) for k in configs):
-            raise ContractError(f"kernel_configs {configs!r} refused: expected a mapping with str keys")
-        configs = {k: configs[k] for k in sorted(configs)}
         try:
-            json.dumps(configs)
+            configs = kernel_configs(self.backend, self.kernel_configs)
         except (TypeError, ValueError) as e:
-            raise ContractError(f"kernel_configs refused: values must be JSON-serialisable ({e})") from None
+            raise ContractError(f"kernel_configs: {e}") from None
         object.__setattr__(self, "state_dtype", state)
         object.__setattr__(self, "model_dtype", model)
         object.__setattr__(self, "kernel_configs", configs)
 
     def _fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field as JSON-ready values (the kernel configs as a dict of their fields)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["kernel_configs"] = dataclasses.asdict(self.kernel_configs)
+        return out
 
     @property
     def fingerprint(self) -> str:
@@ -115,7 +117,6 @@ class Contract:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of all fields plus "fingerprint"."""
         d = self._fields()
-        d["kernel_configs"] = dict(d["kernel_configs"])
         d["fingerprint"] = self.fingerprint
         return d
 
@@ -212,8 +213,9 @@ class Contract:
     def diff(self, other: Contract) -> list[tuple[str, Any, Any]]:
         """Differing fields as (name, self value, other value); kernel configs per key."""
         out: list[tuple[str, Any, Any]] = []
-        for name, mine in self._fields().items():
-            theirs = getattr(other, name)
+        ours, others = self._fields(), other._fields()
+        for name, mine in ours.items():
+            theirs = others[name]
             if name == "kernel_configs":
                 for key in sorted(set(mine) | set(theirs)):
                     if mine.get(key) != theirs.get(key):

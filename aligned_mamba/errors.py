@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# exit statuses of the commands (check, rl)
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+
 
 class AlignedMambaError(Exception):
     """Base class: an input or setting the library refuses, with a one-line reason."""

@@ -1,7 +1,7 @@
 """A policy-gradient trainer over the reference model: the trainer side of an RL loop on the CPU.
 
 It keeps fp32 master weights and serves the checkpoint-dtype weights that rollout workers load.
-Scoring and the gradient step run the same ``Mamba2LM`` forward (one advance from empty slots)
+Scoring and the gradient step run the same ``CausalLM`` forward (one advance from empty slots)
 on those served weights, so the logprobs it scores are the sampler's bits, and the gradient is
 taken at exactly the logits the sampler sampled from.
 
@@ -22,8 +22,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .contract import Contract
-from .model.config import Mamba2Config
-from .model.lm import Mamba2LM
+from .models import CausalLM, build_model
 from .ops.logprobs import log_softmax
 
 
@@ -48,42 +47,50 @@ def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
 
 
 class PolicyTrainer:
-    """REINFORCE with Adam on fp32 master copies of a Mamba2 checkpoint's weights.
+    """REINFORCE with Adam on fp32 master copies of a checkpoint's weights (any model family): the
+    "reference" trainer (``integrations.Trainer``).
 
-    ``tensors`` are the checkpoint's (HF names, checkpoint dtypes); every update is rounded back
-    to those dtypes, which is what ``weights()`` serves and what the model scores with.
+    ``tensors`` are the checkpoint's (its names and dtypes); every update is rounded back to those
+    dtypes, which is what ``weights()`` serves and what the model scores with. The fp32 masters and
+    Adam's state are made at the first ``step``, so a trainer that only scores holds the weights once.
     """
 
-    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, *,
                  lr: float = 1e-4) -> None:
         check_lr(lr)
         self.config = config
         self.contract = contract
+        self.lr = lr
         self.dtypes = {k: v.dtype for k, v in tensors.items()}
-        self.master = {k: v.detach().to(torch.float32).clone().requires_grad_(True) for k, v in tensors.items()}
-        self.opt = torch.optim.Adam(self.master.values(), lr=lr)
+        self._served = {k: v.detach() for k, v in tensors.items()}
+        self.master: dict[str, torch.Tensor] | None = None
+        self.opt: torch.optim.Optimizer | None = None
         self.version = 0
-        self._model: Mamba2LM | None = None
+        self._model: CausalLM | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The served weights: master rounded to the checkpoint dtypes (detached)."""
+        """The served weights: the masters rounded to the checkpoint dtypes (detached)."""
+        if self.master is None:
+            return dict(self._served)
         return {k: v.detach().to(self.dtypes[k]) for k, v in self.master.items()}
 
-    def model(self) -> Mamba2LM:
+    def model(self) -> CausalLM:
         """The scoring model on the served weights (no autograd)."""
         if self._model is None:
-            self._model = Mamba2LM(self.config, self.weights(), self.contract)
+            self._model = build_model(self.config, self.weights(), self.contract)
         return self._model
 
-    def score(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Raw logits of whole sequences in one pass: list of [len_i] int64 -> list of [len_i, vocab]."""
         with torch.no_grad():
             return self.model().forward([s.to(torch.int64) for s in sequences])
 
+    score = forward
+
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
         """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits,
         [len_i - prompt_len_i] float32 each, by the sampler's log_softmax."""
-        return generated_logprobs(self.score(sequences), sequences, prompt_lens)
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -94,10 +101,15 @@ class PolicyTrainer:
         new weights version.
         """
         check_step_inputs(sequences, prompt_lens, advantages)
+        if self.master is None:
+            self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self._served.items()}
+            self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)
+            self._served = {}
+        assert self.opt is not None
         seqs = [s.to(torch.int64) for s in sequences]
         served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
-        loss, tokens = reinforce_loss(Mamba2LM(self.config, served, self.contract).forward(seqs), seqs, prompt_lens,
-                                      advantages)
+        loss, tokens = reinforce_loss(build_model(self.config, served, self.contract).forward(seqs), seqs,
+                                      prompt_lens, advantages)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = total_norm(p.grad for p in self.master.values())
@@ -111,7 +123,13 @@ class PolicyTrainer:
         return export_weights(self.weights(), self.version)
 
 
-# -- the pieces every policy trainer shares (PolicyTrainer; trainer_hooks.megatron_rl) ----------------------
+def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4
+                 ) -> PolicyTrainer:
+    """The "reference" trainer's factory (``integrations.trainer_factory``)."""
+    return PolicyTrainer(config, tensors, contract, lr=lr)
+
+
+# -- the pieces every policy trainer shares (PolicyTrainer; trainer_hooks.megatron_trainer) -----------------
 
 
 def check_lr(lr: float) -> None:

@@ -4,19 +4,19 @@
     python3 benchmarks/bench_h200.py --out OUT/h200.json [--quick]
     python3 benchmarks/bench_h200.py --dry-run --out /tmp/h200.json     (CPU: tiny shapes, no timing)
 
-Decode: ``replay_decode_triton`` (bf16: mode "tile"; fp32: "row" and "tile") vs mamba_ssm's
-``selective_state_update``
-(SSU) with an fp32 state, per layer, at batch 1 / 64 / 256 with partial-chunk fills uniform in
-[0, chunk); each step decodes the next token of every sequence (positions advance, so chunks
-complete as they would in serving). ``bitwise``: every decode row (and every state and buffer)
-torch.equal to a single-pass ``ssd_advance(..., backend="triton")`` over the sequence's chunk
-prefix + token from the same boundary state.
+Decode: ``triton_decode.decode_step_triton`` (bf16: mode "tile"; fp32: "row" and "tile") vs
+mamba_ssm's ``selective_state_update`` (SSU) with an fp32 state, per layer, at batch 1 / 64 / 256
+with partial-chunk fills uniform in [0, chunk); each step decodes the next token of every sequence
+(positions advance, so chunks complete as they would in serving). ``bitwise``: every decode row
+(and every state and buffer) torch.equal to a single-pass prefill (``triton_chunk.replay_chunk_triton``,
+same kernel configs) over the sequence's chunk prefix + token from the same boundary state.
 
-Prefill: ``ssd_advance`` from an empty slot (Triton backend: host plan, pack, scan, buffers) vs
-``mamba_chunk_scan_combined`` (bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k tokens and a
-varlen batch of 64 x 512; "scan only" times the scan kernels with dt packed beforehand. ``--variants``
-also times the scan under other tile configs (row tile, tile warps, K block, dot mode) and checks that each
-gives the pinned config's bits (rows and states torch.equal).
+Prefill: ``replay.ssd_advance`` from an empty slot on the Triton backend (host plan, pack, scan,
+buffers) vs ``mamba_chunk_scan_combined`` (bf16 inputs, chunk 256, dt_softplus) at 2k / 8k / 32k
+tokens and a varlen batch of 64 x 512; "scan only" times the scan kernels with dt packed beforehand.
+``--variants`` also times the scan under other kernel configs (row tile, tile warps, K block, dot
+mode: ``TritonKernelConfigs`` replacements) and checks that each gives the pinned config's bits
+(rows and states torch.equal).
 
 Times: CUDA events around each call, median over >= 20 calls after warm-up (eager mode: at small
 batches this is launch overhead, which is what a layer costs in an eager engine); CUDA-graph
@@ -50,16 +50,19 @@ TINY_SHAPES = {"tiny_2h_1g": (2, 1)}
 TINY_DIMS = dict(P=16, N=16, L=32)
 MODES = ("row", "tile")
 BF16_MODES = ("tile",)
-# (row tile, tile kernel warps, state pass P block, K block, tile kernel compile options):
-# candidates for the pinned prefill configs. A K block other than the pinned one is another
-# contract (other bits, its own decode): its "bitwise" against the pinned config is expected False.
-# opts: {"tile": the row-tile kernel's compile options, "dots": bf16_dots}.
+# (row tile, tile kernel warps, state pass P block, K block, opts): candidates for the pinned
+# prefill configs, each run as ``TritonKernelConfigs`` with row_tile, tile_num_warps, pass_block_p
+# and block_k replaced. A K block other than the pinned one is another contract (other bits, its
+# own decode): its "bitwise" against the pinned config is expected False. opts: {"tile": the
+# row-tile kernel's compile options (``triton_chunk.TILE_OPTS``, occupancy only), "dots": the
+# config's bf16_dots}.
 VARIANTS = [(64, 4, 64, 32, {"dots": "round"})]
 # bf16 decode variants (--variants): "tile:nopdl", the tile kernel launched after the prep kernel
-# ends (no programmatic dependent launch); "tile:bk64", a K block of 64 (prefill and decode: the bit
-# check runs both with it); "tile:ns<k>:reg<n>", the tile kernel compiled with k pipelining stages
-# and at most n registers; "tile:round", bf16_dots "round" (one bf16 dot per fp32 operand; the bit
-# check runs the prefill so too)
+# ends (no programmatic dependent launch: ``triton_decode.PDL``); "tile:bk64", a K block of 64
+# (config block_k, so prefill and decode: the bit check runs both with it); "tile:ns<k>:reg<n>",
+# the tile kernel compiled with k pipelining stages and at most n registers
+# (``triton_decode.TILE_OPTS``); "tile:round", config bf16_dots "round" (one bf16 dot per fp32
+# operand; the bit check runs the prefill so too)
 DECODE_VARIANTS = ("tile:nopdl",)
 # prefill lengths up to this get an accuracy figure (fp64 reference, token by token)
 ACCURACY_MAX_TOKENS = 2048
@@ -83,9 +86,10 @@ def git_commit() -> str | None:
 
 
 def source_digest() -> str:
-    """sha256 over the library sources and this script: identifies the code even without git."""
+    """sha256 over the library sources, this script and its byte counters: identifies the code even
+    without git."""
     h = hashlib.sha256()
-    files = sorted((ROOT / "aligned_mamba").rglob("*.py")) + [ROOT / SCRIPT]
+    files = sorted((ROOT / "aligned_mamba").rglob("*.py")) + [ROOT / SCRIPT, ROOT / "benchmarks/bytes_moved.py"]
     for f in files:
         h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())
@@ -179,12 +183,14 @@ def load_upstream() -> tuple[object, object, str | None]:
 
 def params(torch, H, P, seed, dev):
     """Mamba2 init as in the RFC: A in [-16, -1], softplus(dt_bias) in [1e-3, 1e-1]; D per head."""
+    from aligned_mamba.ops.ssd.state import SSMParams
+
     g = torch.Generator().manual_seed(seed)
     A = -torch.empty(H).uniform_(1.0, 16.0, generator=g)
     dt0 = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
     bias = dt0 + torch.log(-torch.expm1(-dt0))
     D = torch.randn(H, generator=g)
-    return {k: v.to(dev) for k, v in dict(A=A, D=D, dt_bias=bias).items()}
+    return SSMParams(A=A.to(dev), D=D.to(dev), dt_bias=bias.to(dev))
 
 
 def tokens(torch, T, H, P, G, N, seed, dtype, dev):
@@ -194,10 +200,29 @@ def tokens(torch, T, H, P, G, N, seed, dtype, dev):
             torch.randn(T, G, N, **kw).to(dtype), torch.randn(T, G, N, **kw).to(dtype))
 
 
+def pinned_cfg():
+    """The pinned Triton kernel configs (the defaults of every contract that states none)."""
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    return TritonKernelConfigs()
+
+
+def triton_backend(cfg, L, dtype, dev):
+    """The Triton backend an engine resolves for a contract with these kernel configs."""
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.ops.backend import resolve
+
+    contract = Contract(chunk_size=L, backend="triton", model_dtype=str(dtype).replace("torch.", ""),
+                        kernel_configs=cfg)
+    return resolve(contract, dev)
+
+
 def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
     """batch sequences in scattered slots, each at boundary k L (k in 0..3) + fill (uniform in
-    [0, L)), nonzero boundary states, partial chunks filled by one prefill."""
-    from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
+    [0, L)), nonzero boundary states, partial chunks filled by one prefill (pinned configs)."""
+    from aligned_mamba.ops.ssd.state import SSDState
+    from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton
+    from aligned_mamba.replay import Batch
 
     P, N, L = dims["P"], dims["N"], dims["L"]
     g = torch.Generator().manual_seed(seed)
@@ -206,75 +231,80 @@ def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
     nslots = batch + 3
     slots = torch.randperm(nslots, generator=g)[:batch]
     prm = params(torch, H, P, seed, dev)
-    st = LayerReplayState.allocate(nslots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4,
-                                   conv_dim=H * P + 2 * G * N, chunk_size=L, dtype=dtype, device=dev)
+    st = SSDState.allocate(nslots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype,
+                           device=dev)
     gs = torch.Generator(device=dev).manual_seed(seed + 1)
     st.ssm_state.copy_(0.3 * torch.randn(st.ssm_state.shape, generator=gs, device=dev))
     T = int(fill.sum())
     pre = tokens(torch, T, H, P, G, N, seed + 2, dtype, dev)
-    boundary = LayerReplayState(*(t.clone() for t in st.tensors()))
+    boundary = clone_state(st)
     keep = fill > 0
     if T:
-        ssd_advance(st, Batch.make(slots[keep].tolist(), bound[keep].tolist(), fill[keep].tolist()), *pre,
-                    backend="triton", **prm)
+        replay_chunk_triton(st, Batch.make(slots[keep].tolist(), bound[keep].tolist(), fill[keep].tolist()), *pre,
+                            prm, cfg=pinned_cfg())
     tok = tokens(torch, batch, H, P, G, N, seed + 3, dtype, dev)
     return dict(state=st, boundary=boundary, slots=slots, fill=fill, bound=bound, pre=pre, tok=tok, prm=prm,
                 H=H, G=G, P=P, N=N, L=L)
 
 
 def clone_state(st):
-    from aligned_mamba.replay import LayerReplayState
+    from aligned_mamba.ops.ssd.state import SSDState
 
-    return LayerReplayState(*(t.clone() for t in st.tensors()))
+    return SSDState(*(t.clone() for t in st.tensors()))
 
 
-def decode_mode(mode: str):
+def decode_mode(mode: str, cfg):
     """A context manager for a decode mode "tile" or "tile:<opt>[:<opt>]" (DECODE_VARIANTS; opt:
-    "nopdl", "round", "bk<K block>", "ns<stages>", "reg<registers>"): yields the base mode, with those
-    settings in triton_decode (the K block also in triton_chunk, the dot mode in triton_dot) for the
-    duration. An unknown option raises ValueError."""
+    "nopdl", "round", "bk<K block>", "ns<stages>", "reg<registers>"): yields (the base mode, the
+    kernel configs to launch with). "round" and "bk" replace fields of ``cfg`` (bf16_dots,
+    block_k: the contract, so the bit check's prefill runs with them too); "nopdl", "ns" and "reg"
+    set ``triton_decode.PDL`` and ``triton_decode.TILE_OPTS`` (occupancy knobs outside the contract)
+    for the duration. An unknown option, or a value the configs refuse, raises ValueError."""
     import contextlib
+    import dataclasses
 
-    import aligned_mamba.ops.ssd.triton_chunk as tch
     import aligned_mamba.ops.ssd.triton_decode as td
-    import aligned_mamba.ops.ssd.triton_dot as tdot
+
+    base, *opts = mode.split(":")
+    changes: dict = {}
+    pdl, tile_opts = td.PDL, dict(td.TILE_OPTS)
+    for opt in opts:
+        if opt == "round":
+            changes["bf16_dots"] = "round"
+        elif opt.startswith("ns"):
+            tile_opts["num_stages"] = int(opt[2:])
+        elif opt.startswith("reg"):
+            tile_opts["maxnreg"] = int(opt[3:])
+        elif opt == "nopdl":
+            pdl = False
+        elif opt.startswith("bk"):
+            changes["block_k"] = int(opt[2:])
+        else:
+            raise ValueError(f"unknown decode option {opt!r} in {mode!r}")
+    mode_cfg = dataclasses.replace(cfg, **changes)
 
     @contextlib.contextmanager
     def ctx():
-        base, *opts = mode.split(":")
-        old = (td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS)
-        td.TILE_OPTS = dict(td.TILE_OPTS)
-        for opt in opts:
-            if opt == "round":
-                tdot.BF16_DOTS = "round"
-            elif opt.startswith("ns"):
-                td.TILE_OPTS["num_stages"] = int(opt[2:])
-            elif opt.startswith("reg"):
-                td.TILE_OPTS["maxnreg"] = int(opt[3:])
-            elif opt == "nopdl":
-                td.PDL = False
-            elif opt.startswith("bk"):
-                td.BLOCK_K = tch.BLOCK_K = int(opt[2:])
-            else:
-                td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
-                raise ValueError(f"unknown decode option {opt!r} in {mode!r}")
+        old = (td.PDL, td.TILE_OPTS)
+        td.PDL, td.TILE_OPTS = pdl, tile_opts
         try:
-            yield base
+            yield base, mode_cfg
         finally:
-            td.PDL, td.BLOCK_K, tch.BLOCK_K, td.TILE_OPTS, tdot.BF16_DOTS = old
+            td.PDL, td.TILE_OPTS = old
 
     return ctx()
 
 
-def decode_bitwise(torch, case, mode) -> dict:
+def decode_bitwise(torch, case, mode, cfg) -> dict:
     """One decode step vs one prefill over (chunk prefix + token) from the boundary state."""
-    from aligned_mamba.ops.ssd.triton_decode import replay_decode_triton
-    from aligned_mamba.replay import Batch, ssd_advance
+    from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton
+    from aligned_mamba.ops.ssd.triton_decode import decode_step_triton
+    from aligned_mamba.replay import Batch
 
     dev = case["tok"][0].device
     st = clone_state(case["state"])
     slots, fill, bound = case["slots"], case["fill"], case["bound"]
-    y = replay_decode_triton(st, slots.to(dev), (bound + fill).to(dev), *case["tok"], mode=mode, **case["prm"])
+    y = decode_step_triton(st, slots.to(dev), (bound + fill).to(dev), *case["tok"], case["prm"], cfg=cfg, mode=mode)
     ref = clone_state(case["boundary"])
     lens = (fill + 1).tolist()
     cu = torch.tensor([0] + lens).cumsum(0)
@@ -287,7 +317,8 @@ def decode_bitwise(torch, case, mode) -> dict:
         z[~is_tok] = p
         z[is_tok] = t
         packed.append(z)
-    yp = ssd_advance(ref, Batch.make(slots.tolist(), bound.tolist(), lens), *packed, backend="triton", **case["prm"])
+    # the prefill form itself: through a backend, a batch of one-token sequences would take the decode kernels
+    yp = replay_chunk_triton(ref, Batch.make(slots.tolist(), bound.tolist(), lens), *packed, case["prm"], cfg=cfg)
     yl = yp[cu[1:].to(dev) - 1]
     rows_equal = int((y == yl).flatten(1).all(1).sum())
     sl = slots.to(dev)
@@ -298,8 +329,9 @@ def decode_bitwise(torch, case, mode) -> dict:
             "max_abs_diff": float((y.float() - yl.float()).abs().max())}
 
 
-def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
-    from aligned_mamba.ops.ssd.triton_decode import replay_decode_bytes, replay_decode_triton, ssu_step_bytes
+def bench_decode(torch, case, mode, cfg, n, warmup, upstream_ssu, dev) -> dict:
+    from aligned_mamba.ops.ssd.triton_decode import decode_step_triton
+    from benchmarks.bytes_moved import replay_decode_bytes, ssu_step_bytes
 
     out: dict = {}
     steps = warmup + n
@@ -315,8 +347,8 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
     prm = case["prm"]
 
     def step(i, use_hint):
-        replay_decode_triton(st, slots_d, pos_d[i], x, dt, B, C, mode=mode, completes=(hint[i] if use_hint else None),
-                             **prm)
+        decode_step_triton(st, slots_d, pos_d[i], x, dt, B, C, prm, cfg=cfg, mode=mode,
+                           completes=(hint[i] if use_hint else None))
 
     if dev.type == "cuda":
         out["replay"] = summary(cuda_times(torch, lambda i: step(i, True), n, warmup))
@@ -326,8 +358,8 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
         out["replay_graph_ms"] = graph_time(torch, lambda: step(0, False), n)
         # what the completion kernels cost in a graph: the same step told that no chunk completes
         st = clone_state(case["state"])
-        out["replay_graph_nocompletion_ms"] = graph_time(torch, lambda: replay_decode_triton(
-            st, slots_d, pos_d[0], x, dt, B, C, mode=mode, completes=False, **prm), n)
+        out["replay_graph_nocompletion_ms"] = graph_time(torch, lambda: decode_step_triton(
+            st, slots_d, pos_d[0], x, dt, B, C, prm, cfg=cfg, mode=mode, completes=False), n)
     H, G, P, N = case["H"], case["G"], case["P"], case["N"]
     esize = x.element_size()
     out["bytes_replay"] = int(sum(replay_decode_bytes(H, G, P, N, int(f), esize, case["L"]) for f in case["fill"]))
@@ -335,9 +367,9 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
     if upstream_ssu is not None and dev.type == "cuda":
         S = int(case["slots"].numel())
         pool = torch.randn(case["state"].ssm_state.shape, device=dev) * 0.3
-        A_e = prm["A"][:, None, None].expand(H, P, N)
-        bias_e = prm["dt_bias"][:, None].expand(H, P)
-        D_e = prm["D"][:, None].expand(H, P)
+        A_e = prm.A[:, None, None].expand(H, P, N)
+        bias_e = prm.dt_bias[:, None].expand(H, P)
+        D_e = prm.D[:, None].expand(H, P)
         dt_e = dt[:, :, None].expand(S, H, P)
         idx = slots_d.to(torch.int32)
 
@@ -351,24 +383,27 @@ def bench_decode(torch, case, mode, n, warmup, upstream_ssu, dev) -> dict:
 
 
 def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan, seed, variants=False) -> dict:
+    import dataclasses
+
     import aligned_mamba.ops.ssd.triton_chunk as tch
-    from aligned_mamba.ops.configs import PINNED
     from aligned_mamba.ops.ssd.plan import plan_advance, to_device
-    from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
+    from aligned_mamba.ops.ssd.state import SSDState
+    from aligned_mamba.replay import Batch, ssd_advance
 
     P, N, L = dims["P"], dims["N"], dims["L"]
     S, T = len(lens), sum(lens)
     prm = params(torch, H, P, seed, dev)
     x, dt, B, C = tokens(torch, T, H, P, G, N, seed + 1, dtype, dev)
-    st = LayerReplayState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4,
-                                   conv_dim=H * P + 2 * G * N, chunk_size=L, dtype=dtype, device=dev)
+    st = SSDState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype, device=dev)
     batch = Batch.make(list(range(S)), [0] * S, lens)
     slots = torch.arange(S, device=dev)
     out: dict = {}
-    R0 = min(int(PINNED["triton"]["row_tile"]), L)
+    cfg = pinned_cfg()
+    R0 = cfg.scan_row_tile(L)
+    pinned_backend = triton_backend(cfg, L, dtype, dev)
 
-    def ours(i=0, row_tile=None):
-        return ssd_advance(st, batch, x, dt, B, C, backend="triton", row_tile=row_tile, **prm)
+    def ours(i=0, backend=pinned_backend):
+        return ssd_advance(backend, st, batch, x, dt, B, C, prm)
 
     def reset(i=0):
         st.reset(slots)
@@ -381,7 +416,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         from aligned_mamba.ops.ssd.naive import ssd_naive
 
         cu = torch.tensor([0, *lens], device=dev).cumsum(0)
-        ref, _ = ssd_naive(x, dt, prm["A"], B, C, prm["D"], prm["dt_bias"], cu)
+        ref, _ = ssd_naive(x, dt, B, C, prm, cu)
         out["error_vs_fp64"] = rel_error(y0, ref)
         out["bf16_floor"] = rel_error(ref.to(dtype), ref)
     if dev.type == "cuda":
@@ -394,7 +429,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         out["plan_host_ms"] = statistics.median(hs)
         torch.cuda.synchronize()
         out["ours"] = summary(cuda_times(torch, ours, n, warmup, before=reset))
-        # what an engine also pays when these sequences start: LayerReplayState.reset of their slots
+        # what an engine also pays when these sequences start: SSDState.reset of their slots
         out["reset_ms"] = summary(cuda_times(torch, reset, n, warmup))["median_ms"]
         # the scan kernels alone, dt packed once (what the scan costs without the pack and the buffers)
         plan = to_device(plan_advance(batch.lengths, torch.zeros(S, dtype=torch.int64), L, R0), dev)
@@ -403,35 +438,33 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         states = torch.zeros(S, H, P, N, device=dev)
         none = dict(x_parts=x.new_empty(0, H, L, P), B_parts=B.new_empty(0, G, L, N))  # no buffered rows
         out["ours_scan_only"] = summary(cuda_times(
-            torch, lambda i: tch.scan_planned(plan, x, dtc, B, C, prm["A"], prm["D"], states, T=T, out_dtype=dtype,
-                                              zero_unwanted=False, **none), n, warmup))
+            torch, lambda i: tch.scan_planned(plan, x, dtc, B, C, prm.A, prm.D, states, T=T, out_dtype=dtype,
+                                              zero_unwanted=False, cfg=cfg, **none), n, warmup))
         del dtc
     if variants:
         out["variants"] = []
-        import aligned_mamba.ops.ssd.triton_dot as tdot
-
-        pinned = (tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS)
+        pinned_tile_opts = tch.TILE_OPTS
         try:
             for R, warps, pass_bp, bk, opts in VARIANTS:
                 if L % R:
                     continue
-                tch.TILE_WARPS, tch.PASS_BLOCK_P = warps, pass_bp
-                tch.BLOCK_K = bk
-                tch.TILE_OPTS = opts.get("tile", pinned[3])
-                tdot.BF16_DOTS = opts.get("dots", pinned[4])
+                vcfg = dataclasses.replace(cfg, row_tile=R, tile_num_warps=warps, pass_block_p=pass_bp, block_k=bk,
+                                           bf16_dots=opts.get("dots", cfg.bf16_dots))
+                tch.TILE_OPTS = opts.get("tile", pinned_tile_opts)
+                vbackend = triton_backend(vcfg, L, dtype, dev)
                 reset()
-                y1 = ours(row_tile=R)
+                y1 = ours(backend=vbackend)
                 same = bool(torch.equal(y0, y1)) and all(torch.equal(a, b) for a, b in zip(s0, st.tensors()))
                 v = {"row_tile": R, "tile_warps": warps, "pass_block_p": pass_bp, "block_k": bk, "tile_opts": opts,
                      "bitwise": same}
                 if ref is not None:
                     v["error_vs_fp64"] = rel_error(y1, ref)
                 if dev.type == "cuda":
-                    ts = cuda_times(torch, lambda i: ours(row_tile=R), n, warmup, before=reset)  # noqa: B023
+                    ts = cuda_times(torch, lambda i: ours(backend=vbackend), n, warmup, before=reset)
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.TILE_WARPS, tch.PASS_BLOCK_P, tch.BLOCK_K, tch.TILE_OPTS, tdot.BF16_DOTS = pinned
+            tch.TILE_OPTS = pinned_tile_opts
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))
@@ -439,7 +472,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
             xu, dtu, Bu, Cu = (t.view(S, lens[0], *t.shape[1:]) for t in (x, dt, B, C))
 
         def up(i=0):
-            return upstream_scan(xu, dtu, prm["A"], Bu, Cu, L, D=prm["D"], dt_bias=prm["dt_bias"], dt_softplus=True)
+            return upstream_scan(xu, dtu, prm.A, Bu, Cu, L, D=prm.D, dt_bias=prm.dt_bias, dt_softplus=True)
 
         t0 = time.time()
         up()  # first call autotunes
@@ -455,16 +488,18 @@ def rel_error(y, ref) -> float:
 
 
 def memory_report(torch, H, G, dims, dtype) -> dict:
-    from aligned_mamba.replay import LayerReplayState
+    """One Mamba2 layer's resident state per sequence (``Mamba2Mixer.state_spec``: the scan's
+    replay state and the conv window, kernel 4) against the budget."""
+    from aligned_mamba.layers.mamba2 import Mamba2MixerConfig, state_spec
 
     P, N, L = dims["P"], dims["N"], dims["L"]
-    conv_dim = H * P + 2 * G * N
-    st = LayerReplayState.allocate(1, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=conv_dim,
-                                   chunk_size=L, dtype=dtype, device="cpu")
+    # hidden_size does not enter the per-slot state
+    mixer = Mamba2MixerConfig(hidden_size=H * P // 2, num_heads=H, head_dim=P, state_size=N, n_groups=G,
+                              conv_kernel=4)
+    spec = state_spec(mixer, L, dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
-    parts = {n: int(getattr(st, n)[0].numel() * getattr(st, n).element_size())
-             for n in ("ssm_state", "buf_x", "buf_dt", "buf_B", "conv_window")}
-    total = st.bytes_per_slot()
+    parts = {name: math.prod(shape) * dt.itemsize for name, shape, dt in spec.fields}
+    total = spec.bytes_per_slot()
     state32 = H * P * N * 4
     budget = state32 + L * (H * P * esize + H * esize + G * N * esize)  # fp32 state + L tokens of x, raw dt, B
     replay_ssm = total - parts["conv_window"]
@@ -599,9 +634,9 @@ def main() -> int:
                          "fill_mean": float(case["fill"].float().mean()),
                          "replay_ms": None, "ssu_ms": None, "ratio": None, "bitwise": None}
                 try:
-                    with decode_mode(mode) as m:
-                        bw = decode_bitwise(torch, case, m)
-                        t = bench_decode(torch, case, m, n, warmup, ssu if ssu_cache is None else None, dev)
+                    with decode_mode(mode, pinned_cfg()) as (m, mcfg):
+                        bw = decode_bitwise(torch, case, m, mcfg)
+                        t = bench_decode(torch, case, m, mcfg, n, warmup, ssu if ssu_cache is None else None, dev)
                     entry.update(bitwise=bw["bitwise"], rows_equal=bw["rows_equal"], states_equal=bw["states_equal"],
                                  max_abs_diff=bw["max_abs_diff"])
                     if "ssu" in t:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint
-from rollout.vllm_runner import EngineSpec, Scenario, run_engines
+from aligned_mamba.integrations import Scenario
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
+from rollout.vllm_runner import LLMSpec, run_engines
 
 # tiny: the embedded default (3 layers, d=256). wide: 8 layers, d=512, 16 heads x 64, state 128.
 MODELS = {"tiny": {}, "wide": {"num_hidden_layers": 8, "hidden_size": 512, "num_heads": 16, "head_dim": 64}}
@@ -46,15 +47,15 @@ def main() -> None:
             path = Path(tmp) / name
             save_checkpoint(path, config, tensors)
             g = torch.Generator().manual_seed(0)
-            scenarios = [Scenario("warmup", [list(range(1, 40))], 8, collect_rows=False)]
+            scenarios = [Scenario("warmup", [list(range(1, 40))], 8, rows="none")]
             for b in batches:
                 prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist()
                            for _ in range(b)]
-                scenarios += [Scenario(f"b{b}-r{r}", prompts, args.gen_len, collect_rows=False)
+                scenarios += [Scenario(f"b{b}-r{r}", prompts, args.gen_len, rows="none")
                               for r in range(args.repeats)]
             per_mode = {}
             for exact in (True, False):
-                spec = EngineSpec(model_dir=str(path), exact_replay=exact, max_model_len=args.prompt_len
+                spec = LLMSpec(model_dir=str(path), exact_replay=exact, max_model_len=args.prompt_len
                                   + args.gen_len + 16, max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
                                   max_num_seqs=max(batches))
                 t0 = time.perf_counter()
@@ -63,13 +64,13 @@ def main() -> None:
                     raise SystemExit(f"engine did not start: {got}")
                 per_mode[exact] = {r.name: r for r in got}
                 print(f"{name} {'exact' if exact else 'stock'}: {time.perf_counter() - t0:.0f}s "
-                      f"({got[0].engine['model_class']})", flush=True)
+                      f"({got[0].info['model_class']})", flush=True)
             for b in batches:
                 row = {"model": name, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                        "heads": config.num_heads, "batch": b}
                 for exact, key in ((True, "exact"), (False, "stock")):
                     runs = [per_mode[exact][f"b{b}-r{r}"] for r in range(args.repeats)]
-                    tps = [r.decode_tokens / r.decode_seconds for r in runs]
+                    tps = [r.info["decode_tokens"] / r.info["decode_seconds"] for r in runs]
                     row[f"{key}_tok_s"] = round(statistics.median(tps), 2)
                     row[f"{key}_runs_tok_s"] = [round(t, 2) for t in tps]
                 row["exact_over_stock"] = round(row["exact_tok_s"] / row["stock_tok_s"], 3)

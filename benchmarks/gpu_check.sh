@@ -7,7 +7,7 @@
 #
 # Writes $OUT/check_tiny.json, $OUT/check_130m.json and their logs (the table each check prints).
 # On the H200 the tiny check takes about 40 s and the 130m-shaped one more than 200 s (its first
-# two of five cases took 120 s at 80db394), so a session with a tight time limit runs them apart.
+# two of five cases took 120 s), so a session with a tight time limit runs them apart.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -23,7 +23,7 @@ fi
 M130="${M130:-/tmp/m130}"
 python3 - "$M130" <<'PY'
 import sys
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
 cfg, tensors = make_tiny(0, vocab_size=50280, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64,
                          state_size=128)
 save_checkpoint(sys.argv[1], cfg, tensors)

@@ -5,12 +5,12 @@
 Writes OUT_DIR/gpu_validate.json:
   bitwise: per shape, rows of decode steps (one token per sequence, a batch at random offsets) and
            of unaligned chunked prefills compared with torch.equal to the single-pass prefill rows;
-  timing:  medians (CUDA events, after warm-up) of our scan through ``ssd_advance`` (prefill from
-           empty; one decode step of a batch) and, where importable (PYTHONPATH holding mamba_ssm's
-           Triton files), mamba_ssm's ``mamba_chunk_scan_combined`` and ``selective_state_update``
-           (fp32 state) on the same shapes.
-The decode path timed here is the naive replay (a chunk scan over the partial chunk, with torch
-bookkeeping around it), the path the fused replay-decode kernel replaces.
+  timing:  medians (CUDA events, after warm-up) of our scan through ``replay.ssd_advance`` on the
+           Triton backend with the pinned configs (prefill from empty; one decode step of a batch)
+           and, where importable (PYTHONPATH holding mamba_ssm's Triton files), mamba_ssm's
+           ``mamba_chunk_scan_combined`` and ``selective_state_update`` (fp32 state) on the same shapes.
+The decode step timed here is whatever ``ssd_advance`` runs for a batch of one-token sequences (on a
+GPU the backend's fused decode kernels); its JSON key keeps the name ``naive_replay_ms``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E402
+from aligned_mamba.contract import Contract  # noqa: E402
+from aligned_mamba.ops.backend import Backend, resolve  # noqa: E402
+from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
+from aligned_mamba.replay import Batch, ssd_advance  # noqa: E402
 
 SHAPES = {"h32_g1": (32, 1), "h64_g8": (64, 8), "h128_g8": (128, 8)}
 P, N, L = 64, 128, 256
 
 
-def params(H: int, dev: str, seed: int = 0) -> dict:
+def backend(dev: str) -> Backend:
+    """The Triton backend of a bf16 contract with the pinned kernel configs (what an engine resolves)."""
+    return resolve(Contract(chunk_size=L, backend="triton", model_dtype="bfloat16"), dev)
+
+
+def params(H: int, dev: str, seed: int = 0) -> SSMParams:
     g = torch.Generator().manual_seed(seed)
     A = -(1 + 15 * torch.rand(H, generator=g))
     dt0 = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=g))
-    return dict(A=A.to(dev), D=torch.ones(H, device=dev), dt_bias=(dt0 + torch.log(-torch.expm1(-dt0))).to(dev))
+    return SSMParams(A=A.to(dev), D=torch.ones(H, device=dev), dt_bias=(dt0 + torch.log(-torch.expm1(-dt0))).to(dev))
 
 
 def inputs(T: int, H: int, G: int, dev: str, seed: int = 1):
@@ -49,9 +57,9 @@ def inputs(T: int, H: int, G: int, dev: str, seed: int = 1):
             torch.randn(T, G, N, generator=g).to(dev, bf), torch.randn(T, G, N, generator=g).to(dev, bf))
 
 
-def state(S: int, H: int, G: int, dev: str) -> LayerReplayState:
-    return LayerReplayState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
-                                     chunk_size=L, dtype=torch.bfloat16, device=dev)
+def state(S: int, H: int, G: int, dev: str) -> SSDState:
+    return SSDState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=torch.bfloat16,
+                             device=dev)
 
 
 def cuda_ms(fn, reps: int) -> float:
@@ -73,28 +81,26 @@ def cuda_ms(fn, reps: int) -> float:
 def bitwise(H: int, G: int, dev: str, batch: int, T: int = 2048) -> dict:
     """Single pass over ``batch`` sequences vs (a) one decode step of all of them at random offsets
     (prefix prefilled in one advance), (b) an unaligned chunked prefill of each."""
-    prm = params(H, dev)
+    prm, be = params(H, dev), backend(dev)
     x, dt, B, C = inputs(T * batch, H, G, dev)
     lens = [T] * batch
     st = state(batch, H, G, dev)
-    ref = ssd_advance(st, Batch.make(list(range(batch)), [0] * batch, lens), x, dt, B, C, backend="triton", **prm)
+    ref = ssd_advance(be, st, Batch.make(list(range(batch)), [0] * batch, lens), x, dt, B, C, prm)
     g = torch.Generator().manual_seed(2)
     offs = [int(v) for v in torch.randint(1, T, (batch,), generator=g)]
     st = state(batch, H, G, dev)
     rows = torch.cat([torch.arange(i * T, i * T + o) for i, o in enumerate(offs)]).to(dev)
-    ssd_advance(st, Batch.make(list(range(batch)), [0] * batch, offs), x[rows], dt[rows], B[rows], C[rows],
-                backend="triton", **prm)
+    ssd_advance(be, st, Batch.make(list(range(batch)), [0] * batch, offs), x[rows], dt[rows], B[rows], C[rows], prm)
     new = torch.tensor([i * T + o for i, o in enumerate(offs)], device=dev)
-    y = ssd_advance(st, Batch.make(list(range(batch)), offs, [1] * batch), x[new], dt[new], B[new], C[new],
-                    backend="triton", **prm)
+    y = ssd_advance(be, st, Batch.make(list(range(batch)), offs, [1] * batch), x[new], dt[new], B[new], C[new], prm)
     decode_bad = int(sum(not torch.equal(y[i], ref[int(new[i])]) for i in range(batch)))
     # unaligned chunked prefill: 100-token pieces for the first sequence
     st = state(1, H, G, dev)
     pieces, pos, bad = [], 0, 0
     while pos < T:
         n = min(100, T - pos)
-        pieces.append(ssd_advance(st, Batch.make([0], [pos], [n]), x[pos:pos + n], dt[pos:pos + n], B[pos:pos + n],
-                                  C[pos:pos + n], backend="triton", **prm))
+        piece = slice(pos, pos + n)
+        pieces.append(ssd_advance(be, st, Batch.make([0], [pos], [n]), x[piece], dt[piece], B[piece], C[piece], prm))
         pos += n
     yc = torch.cat(pieces)
     bad = int(sum(not torch.equal(yc[t], ref[t]) for t in range(T)))
@@ -103,17 +109,16 @@ def bitwise(H: int, G: int, dev: str, batch: int, T: int = 2048) -> dict:
 
 
 def timing(H: int, G: int, dev: str, reps: int, upstream) -> dict:
-    prm = params(H, dev)
+    prm, be = params(H, dev), backend(dev)
     out: dict = {"prefill": [], "decode": []}
     for T in (2048, 8192):
         x, dt, B, C = inputs(T, H, G, dev)
-        ours = cuda_ms(lambda: ssd_advance(state(1, H, G, dev), Batch.make([0], [0], [T]), x, dt, B, C,
-                                           backend="triton", **prm), reps)
+        ours = cuda_ms(lambda: ssd_advance(be, state(1, H, G, dev), Batch.make([0], [0], [T]), x, dt, B, C, prm), reps)
         up = None
         if upstream:
             chunk_scan, _ = upstream
-            up = cuda_ms(lambda: chunk_scan(x[None], dt[None], prm["A"], B[None], C[None], L, D=prm["D"],
-                                            dt_bias=prm["dt_bias"], dt_softplus=True), reps)
+            up = cuda_ms(lambda: chunk_scan(x[None], dt[None], prm.A, B[None], C[None], L, D=prm.D,
+                                            dt_bias=prm.dt_bias, dt_softplus=True), reps)
         out["prefill"].append({"tokens": T, "ours_ms": ours, "mamba_ssm_ms": up})
     for batch in (1, 64, 256):
         g = torch.Generator().manual_seed(3)
@@ -128,14 +133,14 @@ def timing(H: int, G: int, dev: str, reps: int, upstream) -> dict:
             st.buf_B[i, :, o:] = 0
         x, dt, B, C = inputs(batch, H, G, dev)
         bt = Batch.make(list(range(batch)), offs, [1] * batch)
-        ours = cuda_ms(lambda: ssd_advance(st, bt, x, dt, B, C, backend="triton", **prm), reps)
+        ours = cuda_ms(lambda: ssd_advance(be, st, bt, x, dt, B, C, prm), reps)
         ssu = None
         if upstream:
             _, ssu_fn = upstream
             s32 = torch.zeros(batch, H, P, N, device=dev)
-            A3 = prm["A"][:, None, None].expand(H, P, N)
-            D2 = prm["D"][:, None].expand(H, P)
-            db2 = prm["dt_bias"][:, None].expand(H, P)
+            A3 = prm.A[:, None, None].expand(H, P, N)
+            D2 = prm.D[:, None].expand(H, P)
+            db2 = prm.dt_bias[:, None].expand(H, P)
             ssu = cuda_ms(lambda: ssu_fn(s32, x, dt[:, :, None].expand(batch, H, P), A3, B, C, D=D2, dt_bias=db2,
                                          dt_softplus=True), reps)
         out["decode"].append({"batch": batch, "naive_replay_ms": ours, "ssu_ms": ssu})

@@ -1,9 +1,10 @@
-"""Per-kernel CUDA time of one replay decode step (torch.profiler), next to SSU, on the GPU.
+"""Per-kernel CUDA time of one replay decode step (torch.profiler) on the GPU.
 
     python3 benchmarks/profile_decode.py [--out PATH]
 
-For each shape and batch: the kernels a decode step launches and their median device time, so
-a change to the decode kernels can be aimed at the launch that costs most.
+For each shape and batch: the kernels a decode step (``triton_decode.decode_step_triton``, bf16,
+pinned kernel configs) launches and their median device time, so a change to the decode kernels
+can be aimed at the launch that costs most.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="64,256")
     args = ap.parse_args()
-    from aligned_mamba.ops.ssd.triton_decode import replay_decode_triton
-    from aligned_mamba.replay import LayerReplayState
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.ssd.state import SSDState, SSMParams
+    from aligned_mamba.ops.ssd.triton_decode import decode_step_triton
 
     P, N, L = 64, 128, 256
     dev = "cuda"
+    cfg = TritonKernelConfigs()
     res = []
     for name, (H, G) in SHAPES.items():
         for S in (int(b) for b in args.batches.split(",")):
             g = torch.Generator(device=dev).manual_seed(0)
-            st = LayerReplayState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4,
-                                           conv_dim=H * P + 2 * G * N, chunk_size=L, dtype=torch.bfloat16, device=dev)
+            st = SSDState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L,
+                                   dtype=torch.bfloat16, device=dev)
             st.ssm_state.normal_(generator=g)
             pos = torch.randint(0, L - 1, (S,), generator=g, device=dev)
             for i in range(S):  # fill the partial chunks up to each offset
@@ -45,14 +48,13 @@ def main() -> None:
             dt = torch.randn(S, H, device=dev, generator=g).bfloat16()
             B = torch.randn(S, G, N, device=dev, generator=g).bfloat16()
             C = torch.randn(S, G, N, device=dev, generator=g).bfloat16()
-            A = -torch.rand(H, device=dev, generator=g)
-            D = torch.ones(H, device=dev)
-            bias = torch.zeros(H, device=dev)
+            prm = SSMParams(A=-torch.rand(H, device=dev, generator=g), D=torch.ones(H, device=dev),
+                            dt_bias=torch.zeros(H, device=dev))
             slots = torch.arange(S, device=dev)
 
             def step() -> None:
                 # pos never reaches L - 1, so no completion kernels (the common step)
-                replay_decode_triton(st, slots, pos, x, dt, B, C, A=A, D=D, dt_bias=bias, completes=False)
+                decode_step_triton(st, slots, pos, x, dt, B, C, prm, cfg=cfg, completes=False)
 
             for _ in range(5):
                 step()

@@ -1,5 +1,6 @@
-"""Where a Triton-backend prefill (``ssd_advance`` from empty slots) spends its time on the GPU,
-kernel by kernel, next to mamba_ssm's ``mamba_chunk_scan_combined`` on the same inputs.
+"""Where a Triton-backend prefill (``replay.ssd_advance`` from empty slots, pinned kernel configs)
+spends its time on the GPU, kernel by kernel, next to mamba_ssm's ``mamba_chunk_scan_combined`` on
+the same inputs.
 
     python3 benchmarks/profile_prefill.py [--out PATH] [--cases 32768,64x512] [--shapes 128h_8g]
 
@@ -51,7 +52,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="32h_1g,64h_8g,128h_8g")
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
-    from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.ops.backend import resolve
+    from aligned_mamba.ops.ssd.state import SSDState, SSMParams
+    from aligned_mamba.replay import Batch, ssd_advance
 
     sys.path.insert(0, str(ROOT / ".anchors"))
     try:
@@ -62,6 +66,7 @@ def main() -> None:
 
     P, N, L = 64, 128, 256
     dev = "cuda"
+    backend = resolve(Contract(chunk_size=L, backend="triton", model_dtype="bfloat16"), dev)
     res = []
     for name in args.shapes.split(","):
         H, G = SHAPES[name]
@@ -69,28 +74,28 @@ def main() -> None:
             lens = lengths(case)
             S, T = len(lens), sum(lens)
             g = torch.Generator(device=dev).manual_seed(0)
-            st = LayerReplayState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4,
-                                           conv_dim=8, chunk_size=L, dtype=torch.bfloat16, device=dev)
+            st = SSDState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L,
+                                   dtype=torch.bfloat16, device=dev)
             x = torch.randn(T, H, P, device=dev, generator=g).bfloat16()
             dt = (torch.randn(T, H, device=dev, generator=g) - 1).bfloat16()
             B = torch.randn(T, G, N, device=dev, generator=g).bfloat16()
             C = torch.randn(T, G, N, device=dev, generator=g).bfloat16()
-            prm = dict(A=-torch.rand(H, device=dev, generator=g) - 0.5, D=torch.ones(H, device=dev),
-                       dt_bias=torch.zeros(H, device=dev))
+            prm = SSMParams(A=-torch.rand(H, device=dev, generator=g) - 0.5, D=torch.ones(H, device=dev),
+                            dt_bias=torch.zeros(H, device=dev))
             batch = Batch.make(list(range(S)), [0] * S, lens)
             slots = torch.arange(S, device=dev)
 
             def ours() -> None:
                 st.reset(slots)
-                ssd_advance(st, batch, x, dt, B, C, backend="triton", **prm)  # noqa: B023
+                ssd_advance(backend, st, batch, x, dt, B, C, prm)
 
             entry = {"shape": name, "case": case, "ours": kernels(ours, args.calls)}
             if mamba_chunk_scan_combined is not None:
                 xu, dtu, Bu, Cu = (t.view(S, lens[0], *t.shape[1:]) for t in (x, dt, B, C))
 
                 def up() -> None:
-                    mamba_chunk_scan_combined(xu, dtu, prm["A"], Bu, Cu, L, D=prm["D"],  # noqa: B023
-                                              dt_bias=prm["dt_bias"], dt_softplus=True)  # noqa: B023
+                    mamba_chunk_scan_combined(xu, dtu, prm.A, Bu, Cu, L, D=prm.D, dt_bias=prm.dt_bias,
+                                              dt_softplus=True)
 
                 entry["mamba_ssm"] = kernels(up, args.calls)
             res.append(entry)

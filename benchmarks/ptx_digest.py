@@ -32,11 +32,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from aligned_mamba.ops.configs import PINNED  # noqa: E402
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
 
-CFG = PINNED["triton"]
+CFG = TritonKernelConfigs()
 D = dict(H=128, G=8, L=256, P=64, N=128)
 BF, I64 = "*bf16", "*i64"
 # pinned values of constexprs that older sources had (the while K loop; one column block per prep program)
@@ -55,13 +55,13 @@ def compile_ptx(fn, types: dict, consts: dict, fuse: bool, opts: dict) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=CFG["num_warps"], enable_fp_fusion=fuse, **opts))
+                       options=dict(num_warps=CFG.num_warps, enable_fp_fusion=fuse, **opts))
     return normalized_ptx(k.asm["ptx"])
 
 
 def configs():
     """(name, kernel, pointer types, constexprs, fp fusion, compile options) per pinned launch."""
-    BK, BP, BN, prec = CFG["BLOCK_K"], CFG["BLOCK_P"], CFG["BLOCK_N"], CFG["dot_precision"]
+    BK, BP, BN, prec = CFG.block_k, CFG.block_p, CFG.block_n, CFG.dot_precision
     rows = dict(part_ptr=I64, row0_ptr=I64, length_ptr=I64, pre_ptr=I64, chunk_ptr=I64)
     for TC in (0, 1):  # fp32 models; bf16 models (the pinned bf16_dots, split2)
         fuse, model = not TC, ("bf16" if TC else "fp32")
@@ -71,15 +71,15 @@ def configs():
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
         yield (f"state_pass/{model}", tc._state_pass_kernel,
                dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64),
-               dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG["pass_block_p"], BP), BLOCK_N=BN,
+               dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG.pass_block_p, BP), BLOCK_N=BN,
                     WRITE_IN=True, RT_RANGE=True), fuse, {})
         yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, **rows),
-               dict(G=D["G"], L=D["L"], N=D["N"], R=CFG["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC),
+               dict(G=D["G"], L=D["L"], N=D["N"], R=CFG.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC),
                fuse, {})
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
                     sD_h="i32", sD_p="i32", **rows),
-               dict(D, R=CFG["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
+               dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
                tc.TILE_OPTS if TC else {})
         pdl = bool(TC)
         yield (f"decode_prep/{model}", td._prep_kernel,

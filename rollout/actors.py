@@ -8,10 +8,10 @@
 - ``AlignmentChecker``: compares every sampled token's logprob with the trainer's bit for bit
   (``aligned_mamba.verify``), refuses batches sampled under other weights, keeps the metrics.
 
-Engines and trainers are chosen by name behind two small interfaces, ``Sampler`` and
-``PolicyScorer``: "reference" is built in (the ``SamplerEngine`` and ``PolicyTrainer``); other
-names come from the entry-point groups ``aligned_mamba.rl_engines`` / ``aligned_mamba.rl_trainers``.
-Nothing here imports Ray, so the classes can be tested without a cluster.
+Engines and trainers are the core's protocols (``aligned_mamba.integrations``), chosen by name:
+"reference" is built in, others come from the entry-point groups ``aligned_mamba.engines`` /
+``aligned_mamba.trainers`` (the same that ``aligned-mamba check`` uses). Nothing here imports Ray,
+so the classes can be tested without a cluster.
 """
 
 from __future__ import annotations
@@ -23,75 +23,29 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 
-from aligned_mamba.check import load_entry_point
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import AlignedMambaError
-from aligned_mamba.model.config import Mamba2Config
+from aligned_mamba.integrations import (
+    EngineSpec,
+    Scenario,
+    Trainer,
+    build_engine,
+    build_trainer,
+    engine_factory,
+    trainer_factory,
+)
+from aligned_mamba.models import load_source
 from aligned_mamba.train import weights_digest, weights_from_bytes
 from aligned_mamba.verify import verify
-
-RL_ENGINE_GROUP, RL_TRAINER_GROUP = "aligned_mamba.rl_engines", "aligned_mamba.rl_trainers"
-
-
-# -- the interfaces an engine or trainer implements ---------------------------------------------------------------
-
-
-class Sample(NamedTuple):
-    """One sampled sequence: prompt then generated ids, and each generated token's float32 logprob."""
-
-    tokens: list[int]
-    prompt_len: int
-    sampled_logprobs: list[float]
-
-
-class Sampler(Protocol):
-    """What a rollout worker drives. Built by ``factory(spec: SamplerSpec) -> Sampler``."""
-
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int, digest: str) -> None:
-        """Serve these weights (HF names, checkpoint dtypes; already checked against ``digest``)."""
-
-    def sample(self, prompts: list[list[int]], max_new_tokens: int, seed: int,
-               on_step: Callable[[int], None] | None = None) -> list[Sample]:
-        """Sample every prompt to ``max_new_tokens``; tokens must depend only on (weights, prompt, seed).
-        ``on_step(steps_done)`` is called after each engine step where the engine can (fault injection)."""
-
-
-class PolicyScorer(Protocol):
-    """What the trainer actor drives (``aligned_mamba.train.PolicyTrainer`` is one).
-    Built by ``factory(config=, tensors=, contract=, lr=) -> PolicyScorer``."""
-
-    version: int
-
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """float32 logprob of every generated token, one pass, bit-identical to the sampler's."""
-
-    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-             advantages: Sequence[float]) -> dict[str, Any]:
-        """One policy-gradient step; ``version`` += 1."""
-
-    def export_bytes(self) -> tuple[bytes, str]:
-        """The served weights as safetensors bytes (metadata "weights_version") and ``weights_digest``."""
-
-
-@dataclass(frozen=True)
-class SamplerSpec:
-    """How a worker builds its engine (picklable; the worker may run on another node)."""
-
-    model: str  # "tiny" or a checkpoint directory (an engine that needs files on disk reads it)
-    config: dict[str, Any]  # the HF config.json dict
-    contract: dict[str, Any]  # Contract.to_dict()
-    max_batch_tokens: int | None = 23  # token budget per engine step: prefill is chunked and batches mix
-    exact_replay: bool = True
-    threads: int = 1
 
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """How the trainer actor builds its trainer."""
+    """How the trainer actor builds its trainer (picklable)."""
 
     name: str
     model: str
@@ -100,80 +54,21 @@ class TrainerSpec:
     threads: int = 1
 
 
-def _plugin(group: str, name: str, what: str) -> Any:
-    """The factory registered as ``name`` in ``group``; one line of error naming what is missing."""
-    return load_entry_point(group, name, missing=f"no RL {what} named {name!r} is registered (entry-point group "
-                                                 f"{group}); only 'reference' is built in")
-
-
 def check_plugin(kind: str, name: str) -> dict[str, Any]:
     """Fail fast in the driver (before any actor starts) when an engine/trainer name cannot be built.
 
     Returns the factory's ``ray_actor_options`` (e.g. a vLLM engine's ``runtime_env`` env vars or
     ``num_gpus``), merged by the driver into the options of the actors that run it; {} for "reference".
     """
-    if name == "reference":
-        return {}
-    factory = _plugin(RL_ENGINE_GROUP if kind == "engine" else RL_TRAINER_GROUP, name, kind)
+    factory = engine_factory(name) if kind == "engine" else trainer_factory(name)
     return dict(getattr(factory, "ray_actor_options", None) or {})
 
 
-# -- the reference engine ------------------------------------------------------------------------------------------
-
-
-class ReferenceSampler:
-    """``SamplerEngine`` over ``Mamba2LM``: all prompts at once under a small token budget, so
-    prompts are prefilled in unaligned pieces mixed with other requests' decode steps."""
-
-    def __init__(self, spec: SamplerSpec) -> None:
-        self.spec = spec
-        self.config = Mamba2Config.from_hf_dict(spec.config, source="sampler config")
-        self.contract = Contract.from_dict(spec.contract)
-        self.model: Any = None
-
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int, digest: str) -> None:
-        from aligned_mamba.model.lm import Mamba2LM
-
-        self.model = Mamba2LM(self.config, tensors, self.contract)
-
-    def sample(self, prompts: list[list[int]], max_new_tokens: int, seed: int,
-               on_step: Callable[[int], None] | None = None) -> list[Sample]:
-        from aligned_mamba.model.engine import SamplerEngine
-
-        engine = SamplerEngine(self.model, num_slots=len(prompts), max_batch_tokens=self.spec.max_batch_tokens,
-                               exact_replay=self.spec.exact_replay, seed=seed)
-        reqs = [engine.add_request(p, max_new_tokens) for p in prompts]
-        while engine.has_work():
-            engine.step()
-            if on_step is not None:
-                on_step(engine.steps)
-        return [Sample(r.tokens, r.prompt_len, r.sampled_logprobs) for r in reqs]
-
-
-def build_sampler(name: str, spec: SamplerSpec) -> Sampler:
-    """The engine called ``name``: "reference", or an ``aligned_mamba.rl_engines`` entry point."""
-    if name == "reference":
-        return ReferenceSampler(spec)
-    return _plugin(RL_ENGINE_GROUP, name, "engine")(spec)
-
-
-def load_model(model: str) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """'tiny' -> the embedded default (seed 0, bfloat16); otherwise a Hugging Face Mamba2 directory."""
-    from aligned_mamba.model.checkpoint import load_checkpoint, make_tiny
-
-    return make_tiny(0, dtype="bfloat16") if model == "tiny" else load_checkpoint(model)
-
-
-def build_trainer(spec: TrainerSpec) -> PolicyScorer:
-    """The trainer called ``spec.name``: "reference" (``PolicyTrainer``) or an ``aligned_mamba.rl_trainers`` entry."""
-    config, tensors = load_model(spec.model)
-    contract = Contract.from_dict(spec.contract)
-    if spec.name == "reference":
-        from aligned_mamba.train import PolicyTrainer
-
-        return PolicyTrainer(config, tensors, contract, lr=spec.lr)
-    return _plugin(RL_TRAINER_GROUP, spec.name, "trainer")(config=config, tensors=tensors, contract=contract,
-                                                           lr=spec.lr)
+def make_trainer(spec: TrainerSpec) -> Trainer:
+    """The trainer called ``spec.name`` over the model source's checkpoint."""
+    config, tensors = load_source(spec.model)
+    return build_trainer(spec.name, config=config, tensors=tensors, contract=Contract.from_dict(spec.contract),
+                         lr=spec.lr)
 
 
 # -- what travels between the actors -------------------------------------------------------------------------------
@@ -220,16 +115,17 @@ class RolloutWorker:
 
     Fault injection (tests, ``--inject``): ``stale`` ignores every weights update after the first
     (and honestly reports the old version); ``exact_replay=False`` in the spec runs the engine's
-    recurrent decode (what engines do today); ``sample(kill_after_steps=n)`` SIGKILLs the process
+    stock decode (what engines do today); ``sample(kill_after_steps=n)`` SIGKILLs the process
     after n engine steps, mid-iteration.
     """
 
-    def __init__(self, worker: int, engine: str, spec: SamplerSpec, *, stale: bool = False) -> None:
+    def __init__(self, worker: int, engine: str, spec: EngineSpec, budget: int | None, *, stale: bool = False) -> None:
         torch.set_num_threads(spec.threads)
         self.worker = worker
         self.stale = stale
+        self.budget = budget
         self.contract = Contract.from_dict(spec.contract).fingerprint
-        self.sampler = build_sampler(engine, spec)
+        self.engine = build_engine(engine, spec)
         self.version: int | None = None
         self.digest: str | None = None
         self.started = time.time()
@@ -252,13 +148,14 @@ class RolloutWorker:
         if got != digest:
             raise AlignedMambaError(f"worker {self.worker}: weights version {version} digest {got[:12]} != "
                                     f"{digest[:12]} claimed; refused")
-        self.sampler.load_weights(tensors, version, digest)
+        self.engine.load_weights(tensors)
         self.version, self.digest = version, digest
         return self.info()
 
     def sample(self, iteration: int, prompts: list[list[int]], max_new_tokens: int, seed: int,
                kill_after_steps: int | None = None) -> SampleBatch:
-        """Sample ``prompts`` with ``seed`` under the loaded weights."""
+        """Sample ``prompts`` with ``seed`` under the loaded weights: all at once under the token budget
+        (prefill chunked at unaligned points, mixed with other requests' decode)."""
         if self.version is None or self.digest is None:
             raise AlignedMambaError(f"worker {self.worker} (pid {os.getpid()}) has no weights loaded; push them first")
         t0 = time.perf_counter()
@@ -267,11 +164,11 @@ class RolloutWorker:
             if kill_after_steps is not None and steps >= kill_after_steps:
                 os.kill(os.getpid(), signal.SIGKILL)  # as an OOM killer would: no cleanup, no reply
 
-        samples = self.sampler.sample(prompts, max_new_tokens, seed, on_step=die)
+        res = self.engine.run(Scenario("rl", prompts, max_new_tokens, budget=self.budget, seed=seed), on_step=die)
         die(1 << 62)  # engines without step callbacks still die before replying
         return SampleBatch(iteration, self.worker, self.version, self.digest, self.contract,
-                           [list(s.tokens) for s in samples], [int(s.prompt_len) for s in samples],
-                           [torch.tensor(s.sampled_logprobs, dtype=torch.float32) for s in samples],
+                           [list(t) for t in res.tokens], [len(p) for p in prompts],
+                           [torch.tensor(lp, dtype=torch.float32) for lp in res.sampled_logprobs],
                            os.getpid(), time.perf_counter() - t0)
 
 
@@ -291,7 +188,7 @@ class TrainerScorer:
 
     def __init__(self, spec: TrainerSpec, reward: Callable[[Sequence[int]], float] = even_token_reward) -> None:
         torch.set_num_threads(spec.threads)
-        self.trainer = build_trainer(spec)
+        self.trainer = make_trainer(spec)
         self.contract = Contract.from_dict(spec.contract).fingerprint
         self.reward = reward
         self._export: tuple[int, bytes, str] | None = None

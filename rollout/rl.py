@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+from aligned_mamba.errors import EXIT_MISMATCH, EXIT_OK
+
 _INJECT = re.compile(r"^(stale-weights|no-replay):(\d+)$|^kill:(\d+)@(\d+)$")
 
 
@@ -87,11 +88,10 @@ class Faults:
 
 def make_prompts(vocab: int, prompt_len: int, count: int, seed: int, iteration: int, worker: int) -> list[list[int]]:
     """Random prompts for one (iteration, worker): lengths prompt_len, -7, -14, ... (shifted by 3 per worker)."""
-    import torch
+    from aligned_mamba.check import random_prompts
 
-    g = torch.Generator().manual_seed(_seed(seed, iteration, worker))
-    return [torch.randint(0, vocab, (max(1, prompt_len - 7 * i - 3 * worker),), generator=g).tolist()
-            for i in range(count)]
+    return random_prompts(vocab, [prompt_len - 7 * i - 3 * worker for i in range(count)],
+                          _seed(seed, iteration, worker))
 
 
 def _seed(seed: int, iteration: int, worker: int) -> int:
@@ -176,15 +176,14 @@ def run_rl(opts: RLOptions, progress: Callable[[str], None] = lambda s: None,
 def _model(opts: RLOptions) -> tuple[Any, Any]:
     """The model's config (the whole checkpoint is validated) and the contract both sides run;
     ``opts.model`` becomes an absolute path, as actors may run in other directories."""
-    from aligned_mamba.cli import build_contract, resolve_backend
-    from aligned_mamba.model.checkpoint import load_checkpoint, make_tiny
+    from aligned_mamba.cli import build_contract
+    from aligned_mamba.models import load_source
+    from aligned_mamba.ops.backend import choose_backend
 
-    if opts.model == "tiny":
-        config = make_tiny(0, dtype="bfloat16")[0]
-    else:
-        config = load_checkpoint(opts.model)[0]
+    config = load_source(opts.model)[0]
+    if opts.model != "tiny":
         opts.model = str(Path(opts.model).resolve())
-    return config, build_contract(config, None, resolve_backend(opts.backend), None, None)
+    return config, build_contract(config, None, choose_backend(opts.backend), None, None)
 
 
 def _validate(opts: RLOptions) -> None:
@@ -232,10 +231,12 @@ class _Loop:
     def _start(self) -> None:
         import ray
 
-        from .actors import AlignmentChecker, RolloutWorker, SamplerSpec, TrainerScorer, TrainerSpec
+        from aligned_mamba.integrations import EngineSpec
+
+        from .actors import AlignmentChecker, RolloutWorker, TrainerScorer, TrainerSpec
 
         o = self.opts
-        config, contract = self.config, self.contract
+        contract = self.contract
         cdict = contract.to_dict()
         # num_cpus=0 unless the plug-in's ray_actor_options say otherwise (num_gpus, runtime_env): the
         # actors are scheduled whatever the cluster's CPU count. max_task_retries=0: the driver re-runs an
@@ -244,9 +245,8 @@ class _Loop:
         worker_cls = ray.remote(RolloutWorker).options(**{"num_cpus": 0, **self.actor_options["engine"],
                                                           "max_restarts": o.max_restarts, "max_task_retries": 0})
         self.workers = [
-            worker_cls.remote(w, o.engine, SamplerSpec(o.model, config.to_hf_dict(), cdict, o.max_batch_tokens,
-                                                       exact_replay=w not in self.faults.no_replay),
-                              stale=w in self.faults.stale)
+            worker_cls.remote(w, o.engine, EngineSpec(o.model, cdict, exact_replay=w not in self.faults.no_replay),
+                              o.max_batch_tokens, stale=w in self.faults.stale)
             for w in range(o.workers)]
         self.scorer = ray.remote(TrainerScorer).options(**{"num_cpus": 0, **self.actor_options["trainer"],
                                                            "max_restarts": 0}).remote(
@@ -260,6 +260,12 @@ class _Loop:
         self.served: dict[int, int | None] = dict.fromkeys(range(o.workers))
         self.deaths = dict.fromkeys(range(o.workers), 0)
         self.iter_restarts = dict.fromkeys(range(o.workers), 0)
+
+    def _summary(self) -> dict[str, Any]:
+        """The model's line of the report, from its config."""
+        from aligned_mamba.models import describe
+
+        return describe(self.config)
 
     def _push(self, k: int, workers: list[int], meta: dict[str, Any], blob_ref: Any) -> None:
         """The same bytes (one object) to each worker that does not serve this version yet; a worker
@@ -360,11 +366,11 @@ class _Loop:
                       f"on Ray ({cluster.address})")
         self._start()
         startup_s = time.perf_counter() - t_start
-        c = self.config
-        self.progress(f"model {o.model}: {c.num_hidden_layers} layers, {c.num_heads} heads x {c.head_dim}, groups "
-                      f"{c.n_groups}, state {c.state_size}, vocab {c.vocab_size}; contract {self.contract.fingerprint} "
-                      f"(chunk {self.contract.chunk_size}, {self.contract.backend}, {self.contract.model_dtype}); "
-                      f"actors ready in {startup_s:.1f}s")
+        summary = self._summary()
+        vocab = summary["vocab"]
+        self.progress(f"model {o.model}: {summary['layers']} layers, vocab {vocab}; contract "
+                      f"{self.contract.fingerprint} (chunk {self.contract.chunk_size}, {self.contract.backend}, "
+                      f"{self.contract.model_dtype}); actors ready in {startup_s:.1f}s")
         rows: list[dict[str, Any]] = []
         stopped_early = False
         for k in range(o.iterations):
@@ -374,7 +380,7 @@ class _Loop:
             self.iter_restarts = dict.fromkeys(range(o.workers), 0)
             self._push(k, list(range(o.workers)), meta, blob_ref)
             t1 = time.perf_counter()
-            prompts = {w: make_prompts(c.vocab_size, o.prompt_len, o.prompts_per_worker, o.seed, k, w)
+            prompts = {w: make_prompts(vocab, o.prompt_len, o.prompts_per_worker, o.seed, k, w)
                        for w in range(o.workers)}
             batch_refs = self._sample(k, prompts, meta, blob_ref)
             t2 = time.perf_counter()
@@ -423,9 +429,8 @@ class _Loop:
             "engine": o.engine,
             "trainer": o.trainer,
             "contract": self.contract.to_dict(),
-            "model": {"source": o.model, "layers": c.num_hidden_layers, "heads": c.num_heads,
-                      "head_dim": c.head_dim, "n_groups": c.n_groups, "state_size": c.state_size,
-                      "chunk_size": c.chunk_size, "vocab": c.vocab_size, "dtype": c.dtype},
+            "model": {"source": o.model, **summary, "chunk_size": self.contract.chunk_size,
+                      "dtype": self.contract.model_dtype},
             "params": {k: v for k, v in asdict(o).items() if k not in ("model",)},
             "cluster": {"address": cluster.address, "started_here": cluster.temp_dir is not None},
             "timing": {"startup_s": round(startup_s, 3), "total_s": round(time.perf_counter() - t_start, 3)},
@@ -460,11 +465,11 @@ refused batch; 1 otherwise; 2 for refused input (one line on stderr)."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``rl`` subcommand's flags."""
     d = RLOptions()
-    p.add_argument("--model", default=d.model, help="'tiny' (the embedded default) or a Hugging Face Mamba2 directory")
+    p.add_argument("--model", default=d.model, help="'tiny' (the embedded default) or a checkpoint directory")
     p.add_argument("--engine", default=d.engine, choices=["reference", "vllm"],
-                   help="rollout engine (vllm: registered under aligned_mamba.rl_engines)")
+                   help="rollout engine (vllm: registered under aligned_mamba.engines)")
     p.add_argument("--trainer", default=d.trainer, choices=["reference", "megatron"],
-                   help="trainer (megatron: registered under aligned_mamba.rl_trainers)")
+                   help="trainer (megatron: registered under aligned_mamba.trainers)")
     p.add_argument("--workers", type=int, default=d.workers, help="rollout worker actors")
     p.add_argument("--iterations", type=int, default=d.iterations)
     p.add_argument("--prompts-per-worker", type=int, default=d.prompts_per_worker)
@@ -472,7 +477,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt; the others are 7 tokens shorter each (3 per worker index)")
     p.add_argument("--gen-len", type=int, default=d.gen_len, help="tokens sampled per prompt")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help="reference engine: token budget per step (prefill chunked at unaligned points, batches mix)")
+                   help="token budget per engine step (prefill chunked at unaligned points, batches mix)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the REINFORCE step")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", default=d.backend, choices=["auto", "torch", "triton"])

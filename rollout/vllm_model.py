@@ -2,15 +2,12 @@
 
 vLLM keeps doing what it is good at (requests, scheduling, chunked prefill, continuous batching,
 preemption, sampling, the state memory pool); every op on the path from token to logit is the
-core's: ``Mamba2LM.hidden_states`` over a ``ModelCache`` whose ``LayerReplayState`` tensors are
-views of vLLM's per-layer Mamba cache, then ``Mamba2LM.logits``. The trainer's forward is the
-same function, so its logits rows equal the ones vLLM sampled from.
-
-Each Mamba layer is a ``ReplayMambaLayer`` (a ``MambaBase``) that declares the five replay
-tensors as its state, so vLLM's memory planner sizes the cache for them, and the Mamba2 attention
-backend hands the forward its per-step metadata (slots, query lengths), from which the core's
-``Batch`` is derived. A hybrid model would place these layers between its attention layers and
-call ``mixer_advance`` per layer with the same state views.
+core's. Each Mamba layer is a ``ReplayMambaLayer`` (a ``MambaBase``, as vLLM's own MambaMixer2):
+it declares the core layer's per-slot state (``layers.mamba2.state_spec``) so vLLM's memory planner
+sizes the cache for it, receives the bound views as ``kv_cache``, and in the forward runs its own
+block (norm, then ``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Batch``
+(derived once per step: the layers of one KV-cache group share the metadata object). The trainer's
+forward runs the same blocks, so its logits rows equal the ones vLLM sampled from.
 """
 
 from __future__ import annotations
@@ -29,14 +26,16 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.model.checkpoint import LM_HEAD, expected_shapes
-from aligned_mamba.model.config import Mamba2Config
-from aligned_mamba.model.lm import Mamba2LM, ModelCache
-from aligned_mamba.replay import Batch, LayerReplayState
+from aligned_mamba.layers import mamba2 as mamba2_layer
+from aligned_mamba.models import CausalLM, build_model
+from aligned_mamba.models.causal_lm import Block
+from aligned_mamba.models.mamba2 import LM_HEAD, Mamba2Config, expected_shapes
+from aligned_mamba.replay import Batch
 
 from .vllm_plugin import ExactReplayRefused, check_engine, engine_contract, refuse
 
 logger = init_logger(__name__)
+_BATCH_ATTR = "_aligned_mamba_batch"  # the core Batch of a metadata object, made by the first layer that reads it
 
 
 def core_config(vllm_config: VllmConfig) -> Mamba2Config:
@@ -49,58 +48,21 @@ def core_config(vllm_config: VllmConfig) -> Mamba2Config:
 
 
 def replay_layout(config: Mamba2Config, contract: Contract) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The replay tensors of one layer as vLLM state entries: (field, per-slot shape, dtype).
+    """One Mamba2 layer's state as vLLM state entries: (field, per-slot shape, dtype).
 
     fp32 fields first, so every field's byte offset inside a slot's page is a multiple of its
     element size (the page is one int8 buffer that ``MambaBase.bind_kv_cache`` slices and views).
     """
-    shapes = LayerReplayState.layout(
-        heads=config.num_heads, head_dim=config.head_dim, groups=config.n_groups, state_size=config.state_size,
-        conv_kernel=config.conv_kernel, conv_dim=config.conv_dim, chunk_size=contract.chunk_size,
-        dtype=getattr(torch, contract.model_dtype))
-    entries = [(name, shape, dt) for name, (shape, dt) in shapes.items()]
-    entries.sort(key=lambda e: -e[2].itemsize)  # stable: field order within a dtype size
+    spec = mamba2_layer.state_spec(config.mixer_config(), contract.chunk_size, getattr(torch, contract.model_dtype))
+    entries = sorted(spec.fields, key=lambda e: -e[2].itemsize)  # stable: field order within a dtype size
     total = sum(math.prod(s) * dt.itemsize for _, s, dt in entries)
     if total % 4:  # pad the page so the next slot's fp32 fields stay 4-byte aligned
         entries.append(("_pad", (4 - total % 4,), torch.uint8))
     return entries
 
 
-class ReplayMambaLayer(MambaBase, nn.Module):
-    """One Mamba2 layer's slot of vLLM's Mamba cache, holding a ``LayerReplayState`` per request.
-
-    It computes nothing itself (the model runs the core over all layers); it declares the state
-    (shapes and dtypes, so the planner counts it) and receives the bound views as ``kv_cache``.
-    """
-
-    def __init__(self, prefix: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        super().__init__()
-        self.prefix = prefix
-        self.layout = layout
-        self.kv_cache = tuple(torch.tensor([]) for _ in layout)
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in ctx:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        ctx[prefix] = self
-
-    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape, _ in self.layout)
-
-    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return tuple(dt for _, _, dt in self.layout)
-
-    @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.MAMBA2  # the Mamba2 metadata (decodes first, slots, query starts)
-
-    def replay_state(self) -> LayerReplayState:
-        """The bound cache as the core's state: each field [num_slots, *shape], a view (no copy)."""
-        views = {name: t for (name, _, _), t in zip(self.layout, self.kv_cache) if not name.startswith("_")}
-        return LayerReplayState(**views)
-
-
-def batch_from_metadata(md: Any, positions: torch.Tensor) -> tuple[Batch, int]:
-    """The core's ``Batch`` for one vLLM step, and the number of real (unpadded) tokens.
+def batch_from_metadata(md: Any, positions: torch.Tensor) -> Batch:
+    """The core's ``Batch`` for one vLLM step.
 
     md: a ``Mamba2AttentionMetadata``: decode rows first (one token each, slot in
     ``state_indices_tensor_d[:, 0]``), then prefill rows (slots ``state_indices_tensor_p``, token
@@ -121,7 +83,6 @@ def batch_from_metadata(md: Any, positions: torch.Tensor) -> tuple[Batch, int]:
     slots_t, lens_t = torch.cat(slots), torch.cat(lens)
     cu = torch.zeros(nd + npf + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens_t, 0)
-    n = int(cu[-1])
     start = positions[cu[:-1].to(positions.device)].to("cpu", torch.int64)
     seq_lens = md.seq_lens[: nd + npf].to("cpu", torch.int64)
     if not torch.equal(start + lens_t, seq_lens):
@@ -131,14 +92,79 @@ def batch_from_metadata(md: Any, positions: torch.Tensor) -> tuple[Batch, int]:
                            f"seq_lens {seq_lens.tolist()}")
     if slots_t.unique().numel() != slots_t.numel():
         raise RuntimeError(f"aligned-mamba: a state slot appears twice in one step: {slots_t.tolist()}")
-    return Batch(slots=slots_t, start_pos=start, cu_seqlens=cu), n
+    return Batch(slots=slots_t, start_pos=start, cu_seqlens=cu)
+
+
+def step_batch(md: Any, positions: torch.Tensor) -> Batch:
+    """``batch_from_metadata``, once per metadata object (vLLM builds one per step and KV-cache group)."""
+    batch = getattr(md, _BATCH_ATTR, None)
+    if batch is None:
+        batch = batch_from_metadata(md, positions)
+        setattr(md, _BATCH_ATTR, batch)
+    return batch
+
+
+class ReplayMambaLayer(MambaBase, nn.Module):
+    """One Mamba2 block over its slot of vLLM's Mamba cache (the core layer's state per request).
+
+    ``block`` (the core's norm + ``Mamba2Mixer``) is set when the weights are loaded; the forward
+    advances the step's slots through it from this layer's own metadata and state views.
+    """
+
+    def __init__(self, prefix: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.layout = layout
+        self.kv_cache = tuple(torch.tensor([]) for _ in layout)
+        self.block: Block | None = None
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in self.layout)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return tuple(dt for _, _, dt in self.layout)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.MAMBA2  # the Mamba2 metadata (decodes first, slots, query starts)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The bound cache as the core layer's named state tensors, each [num_slots, *shape] (views)."""
+        return {name: t for (name, _, _), t in zip(self.layout, self.kv_cache) if not name.startswith("_")}
+
+    def batch(self, positions: torch.Tensor) -> Batch | None:
+        """This step's core Batch from this layer's metadata (None in a profiling / dummy run)."""
+        md = get_forward_context().attn_metadata
+        if md is None:
+            return None
+        if not isinstance(md, dict):
+            refuse("micro-batched (ubatch) steps are not covered")
+        return step_batch(md[self.prefix], positions)
+
+    def forward(self, residual: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """residual [T, hidden] (the step's real tokens) -> residual + mixer(norm(residual))."""
+        assert self.block is not None, "weights not loaded"
+        batch = self.batch(positions)
+        if batch is None:
+            return residual
+        mixer = self.block.mixer
+        state = mixer.state(self.state_tensors())
+        fresh = batch.slots[batch.start_pos == 0]
+        if fresh.numel():
+            state.reset(fresh)  # vLLM reuses slots: a new or recomputed request starts from zero state
+        return residual + mixer.advance(state, batch, self.block.norm(residual))
 
 
 class ExactReplayMamba2ForCausalLM(nn.Module):
-    """Mamba2ForCausalLM on the core's ops (registered under that name when the switch is on).
+    """Mamba2ForCausalLM on the core's layers (registered under that name when the switch is on).
 
-    The weights are the checkpoint's tensors as ``Mamba2LM`` takes them, so every cast
-    (A = -exp(A_log) in fp32, fp32 linear weights, ...) is the trainer's own code.
+    The weights are the checkpoint's tensors as the core's ``build_model`` takes them, so every cast
+    (A = -exp(A_log) in fp32, the linear weights as the backend wants them, ...) is the trainer's own
+    code.
     """
 
     # vLLM's model interfaces (HasInnerState, IsAttentionFree), declared as flags
@@ -156,7 +182,7 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         base = f"{prefix}." if prefix else ""
         self.layers = nn.ModuleList(ReplayMambaLayer(f"{base}backbone.layers.{i}.mixer", self.layout)
                                     for i in range(self.config.num_hidden_layers))
-        self.core: Mamba2LM | None = None
+        self.core: CausalLM | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._device = vllm_config.device_config.device
         logger.info("aligned-mamba exact replay: %s; %d bytes of replay state per sequence", self.contract,
@@ -209,17 +235,14 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         missing = [n for n in shapes if n not in self._tensors]
         if missing:
             raise ModelLoadError(f"aligned-mamba: {len(missing)} missing tensor(s), e.g. {missing[:3]}")
-        self.core = Mamba2LM(self.config, self._tensors, self.contract, device=self._device)
+        self.core = build_model(self.config, self._tensors, self.contract, device=self._device)
+        for layer, block in zip(self.layers, self.core.blocks, strict=True):
+            layer.block = block
         if self.config.tie_word_embeddings:
             got.add(LM_HEAD)
         return got
 
     # -- the forward -------------------------------------------------------------------------------
-    def model_cache(self) -> ModelCache:
-        """The core's cache over vLLM's bound per-layer state (views, no copies)."""
-        layers = [layer.replay_state() for layer in self.layers]
-        return ModelCache(layers=layers, num_slots=layers[0].ssm_state.shape[0], exact_replay=True)
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.core is not None
         return self.core.embedding[input_ids]
@@ -227,27 +250,25 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        """One engine step: advance every scheduled request's slot by its new tokens.
+        """One engine step: every layer advances the scheduled requests' slots by their new tokens.
 
         input_ids / positions [T_padded]; returns the final normed hidden rows [T_padded, hidden]
         (model dtype; rows past the real tokens are zero) for ``compute_logits``.
         """
         if input_ids is None or inputs_embeds is not None:
             refuse("prompt embeddings are not covered (the core starts from token ids)")
-        assert self.core is not None, "weights not loaded"
-        out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.core.dtype,
-                          device=input_ids.device)
-        md = get_forward_context().attn_metadata
-        if md is None:  # profiling / dummy run without a cache: nothing to advance
+        core = self.core
+        assert core is not None, "weights not loaded"
+        out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=core.dtype, device=input_ids.device)
+        batch = self.layers[0].batch(positions)
+        if batch is None:  # profiling / dummy run without a cache: nothing to advance
             return out
-        if not isinstance(md, dict):
-            refuse("micro-batched (ubatch) steps are not covered")
-        batch, n = batch_from_metadata(md[self.layers[0].prefix], positions)
-        cache = self.model_cache()
-        fresh = batch.slots[batch.start_pos == 0]
-        if fresh.numel():
-            cache.reset(fresh)  # vLLM reuses slots: a new or recomputed request starts from zero state
-        out[:n] = self.core.hidden_states(cache, batch, input_ids[:n])
+        n = batch.num_tokens
+        hidden = core.embedding[input_ids[:n]]
+        residual = hidden.to(torch.float32) if core.shape.residual_in_fp32 else hidden
+        for layer in self.layers:
+            residual = layer(residual, positions)
+        out[:n] = core.norm_f(residual)
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

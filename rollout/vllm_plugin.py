@@ -4,8 +4,8 @@ vLLM calls ``register()`` in every process it starts (entry point group ``vllm.g
 Switched off, it returns at once and vLLM is untouched. Switched on, it
 
 - registers ``rollout.vllm_model:ExactReplayMamba2ForCausalLM`` as ``Mamba2ForCausalLM``, so the
-  model's forward and logits run on the core (``Mamba2LM``) with the replay state in vLLM's
-  Mamba cache;
+  model's forward and logits run on the core's layers with their replay state in vLLM's Mamba
+  cache;
 - puts a config hook in front of every architecture (vLLM's ``MODELS_CONFIG_MAP``), which runs
   while vLLM builds its config, in the process that constructs ``LLM(...)`` / ``vllm serve``: it
   refuses, with one line, every setting under which bits cannot be promised (``check_engine``).

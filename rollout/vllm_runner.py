@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from aligned_mamba.integrations import Scenario, ScenarioResult
+
 # What every engine process sets before importing vLLM: one in-process engine (the driver steps it).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Defaults the caller's environment may override: a small state pool (1 GiB), no torch.compile of
@@ -36,7 +38,7 @@ DROPPED_ENV = ("TRITON_INTERPRET",)
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class LLMSpec:
     """How to start one vLLM engine (picklable). ``llm_kwargs`` go to ``vllm.LLM`` last."""
 
     model_dir: str
@@ -50,55 +52,17 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
-class Scenario:
-    """One schedule: requests, generation length, per-step token budget and events.
+class Run:
+    """A core ``Scenario`` with the options of a vLLM run: logprobs_mode raw_logits (rows are logits)
+    or raw_logprobs (rows are vLLM's logprobs); reprefill: score prompt + generated tokens in one
+    more prefill afterwards (``info["reprefill_rows"]``, vLLM's decode-vs-prefill property)."""
 
-    budget: the scheduler's per-step token budget (chunked prefill at unaligned splits); None =
-    the engine's max_num_batched_tokens. prompt_rows: also return the rows at prompt positions
-    (prompt logprobs). preempt: preempt all running requests when one reaches each mark
-    (generated-token counts). stagger: add requests one after another while others run.
-    logprobs_mode: raw_logits (rows are logits) or raw_logprobs (rows are vLLM's logprobs).
-    """
-
-    name: str
-    prompts: list[list[int]]
-    gen_len: int
-    budget: int | None = None
-    prompt_rows: bool = False
-    preempt_marks: tuple[int, ...] = ()
-    stagger: bool = False
+    scenario: Scenario
     logprobs_mode: str = "raw_logits"
     reprefill: bool = False
-    collect_rows: bool = True  # False: no logprobs at all (throughput runs)
 
 
-@dataclass
-class ScenarioResult:
-    """tokens: per request, prompt + generated ids. rows: per request, (position, row [vocab]
-    float32) for every row returned, the row computed AT that position (predicting the next).
-    sampled: per request, the value of the sampled token in its row (logit or logprob).
-    decode_tokens / decode_seconds: tokens sampled in, and wall time of, the steps where every
-    request in the engine was decoding (no prefill in the batch): decode throughput.
-    reprefill_rows: with ``Scenario.reprefill``, per request the rows at every position but the
-    last when prompt + generated tokens are prefilled again (prompt logprobs of a second pass).
-    engine: what vLLM ran: model_class (the plugin's, or vLLM's own when the switch is off),
-    page_size_bytes (one request's state per layer, as vLLM's planner sized it), num_blocks."""
-
-    name: str
-    tokens: list[list[int]]
-    rows: list[list[tuple[int, torch.Tensor]]]
-    sampled: list[list[float]]
-    steps: int
-    preemptions: int
-    seconds: float
-    decode_tokens: int
-    pid: int
-    decode_seconds: float = 0.0
-    engine: dict[str, Any] = field(default_factory=dict)
-    reprefill_rows: list[list[tuple[int, torch.Tensor]]] = field(default_factory=list)
-
-
-def run_in_engine(spec: EngineSpec, scenarios: Sequence[Scenario]) -> list[ScenarioResult] | str:
+def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[ScenarioResult] | str:
     """Start the engine (in this process) and run the scenarios in order. Returns the results,
     or the one-line message of the exception that stopped the engine from starting."""
     _engine_env()
@@ -107,7 +71,11 @@ def run_in_engine(spec: EngineSpec, scenarios: Sequence[Scenario]) -> list[Scena
         llm = build_llm(spec)
     except Exception as e:  # the refusal (or any start failure) comes back as its message
         return f"{type(e).__name__}: {' '.join(str(e).split())}"
-    return [drive(llm, sc) for sc in scenarios]
+    out = []
+    for r in runs:
+        r = r if isinstance(r, Run) else Run(r)
+        out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill))
+    return out
 
 
 def _engine_env() -> None:
@@ -118,7 +86,7 @@ def _engine_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def build_llm(spec: EngineSpec) -> Any:
+def build_llm(spec: LLMSpec) -> Any:
     """``vllm.LLM`` for ``spec`` (in-process engine, no tokenizer, eager, no prefix caching)."""
     from vllm import LLM
 
@@ -146,23 +114,32 @@ def _row(entry: Any, vocab: int) -> torch.Tensor:
     return row
 
 
-def drive(llm: Any, sc: Scenario) -> ScenarioResult:
-    """Run one scenario on a started in-process engine by stepping it."""
+def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False) -> ScenarioResult:
+    """Run one scenario on a started in-process engine by stepping it.
+
+    Returns the rows as vLLM hands them out (float32 copies; see ``Run`` for what they hold); the
+    sampled tokens' values in their rows go to ``info["sampled_values"]`` (``sampled_logprobs`` is
+    left empty: what the core calls a logprob is its own ``log_softmax`` of a logits row, which
+    ``vllm_engine`` computes). ``info`` also holds the decode throughput (``decode_tokens``,
+    ``decode_seconds``: the steps where every request was decoding) and what vLLM ran
+    (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``).
+    """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    _set_logprobs_mode(llm, sc.logprobs_mode)
+    _set_logprobs_mode(llm, logprobs_mode)
     full_budget = scheduler.max_num_scheduled_tokens
     # A smaller per-step budget than the engine started with: what max_num_batched_tokens sets
     # (the scheduler's budget); the runner's buffers stay sized for the larger one.
     scheduler.max_num_scheduled_tokens = sc.budget or full_budget
-    rows_on = sc.collect_rows
+    rows_on = sc.rows != "none"
+    prompt_rows_on = sc.rows == "all"
+    torch.manual_seed(sc.seed)  # the in-process engine samples from this process's torch RNG
     params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0, logprobs=-1 if rows_on else None,
-                            prompt_logprobs=-1 if sc.prompt_rows and rows_on else None,
-                            output_kind=RequestOutputKind.DELTA)
+                            prompt_logprobs=-1 if prompt_rows_on else None, output_kind=RequestOutputKind.DELTA)
     n = len(sc.prompts)
     gen: list[list[int]] = [[] for _ in range(n)]
     sample_rows: list[list[Any]] = [[] for _ in range(n)]
@@ -213,18 +190,20 @@ def drive(llm: Any, sc: Scenario) -> ScenarioResult:
     seconds = time.perf_counter() - t0
     runner = engine.model_executor.driver_worker.worker.model_runner
     spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    info = {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
-            "page_size_bytes": int(spec.page_size_bytes), "num_blocks": int(runner.kv_cache_config.num_blocks)}
+    info: dict[str, Any] = {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
+                            "page_size_bytes": int(spec.page_size_bytes),
+                            "num_blocks": int(runner.kv_cache_config.num_blocks), "decode_tokens": decode_tokens,
+                            "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode}
     if not rows_on:
         return ScenarioResult(sc.name, [list(p) + g for p, g in zip(sc.prompts, gen)], [], [], steps, preemptions,
-                              seconds, decode_tokens, os.getpid(), decode_seconds, engine=info)
+                              seconds, os.getpid(), info)
     tokens, rows, sampled = [], [], []
     for i, prompt in enumerate(sc.prompts):
         if len(gen[i]) != sc.gen_len or len(sample_rows[i]) != sc.gen_len:
             raise RuntimeError(f"request {i}: {len(gen[i])} tokens, {len(sample_rows[i])} logprob rows, "
                                f"expected {sc.gen_len}")
         r: list[tuple[int, torch.Tensor]] = []
-        if sc.prompt_rows:
+        if prompt_rows_on:
             # prompt_logprobs[p] scores prompt token p, from the row at position p - 1
             if len(prompt_rows[i]) != len(prompt) or prompt_rows[i][0] is not None:
                 raise RuntimeError(f"request {i}: {len(prompt_rows[i])} prompt logprob entries for {len(prompt)}")
@@ -234,17 +213,17 @@ def drive(llm: Any, sc: Scenario) -> ScenarioResult:
         tokens.append(list(prompt) + gen[i])
         rows.append(r)
         sampled.append([float(e[t].logprob) for e, t in zip(sample_rows[i], gen[i])])
-    res = ScenarioResult(sc.name, tokens, rows, sampled, steps, preemptions, seconds, decode_tokens, os.getpid(),
-                         decode_seconds, engine=info)
-    if sc.reprefill:
+    info["sampled_values"] = sampled
+    res = ScenarioResult(sc.name, tokens, rows, [], steps, preemptions, seconds, os.getpid(), info)
+    if reprefill:
         # vLLM's decode-vs-prefill logprob property: score prompt + generated in one more prefill
-        again = drive(llm, Scenario(f"{sc.name}-again", tokens, 1, budget=sc.budget, prompt_rows=True,
-                                    logprobs_mode=sc.logprobs_mode))
-        res.reprefill_rows = [r[:-1] for r in again.rows]  # drop the row of the extra sampled token
+        again = drive(llm, Scenario(f"{sc.name}-again", tokens, 1, budget=sc.budget, rows="all", seed=sc.seed),
+                      logprobs_mode=logprobs_mode)
+        info["reprefill_rows"] = [r[:-1] for r in again.rows]  # drop the row of the extra sampled token
     return res
 
 
-def try_start(specs: Sequence[EngineSpec]) -> list[str | None]:
+def try_start(specs: Sequence[LLMSpec]) -> list[str | None]:
     """Start each engine in turn (this process): its failure message, or None when it started.
     All specs must agree on ``exact_replay``."""
     if len({s.exact_replay for s in specs}) > 1:
@@ -271,7 +250,7 @@ def spawn(fn: Any, *args: Any) -> tuple[ProcessPoolExecutor, Future]:
     return pool, pool.submit(fn, *args)
 
 
-def run_engines(jobs: Sequence[tuple[EngineSpec, Sequence[Scenario]]], parallel: int = 1
+def run_engines(jobs: Sequence[tuple[LLMSpec, Sequence[Run | Scenario]]], parallel: int = 1
                 ) -> Iterator[list[ScenarioResult] | str]:
     """Run each (engine, scenarios) job in its own process, ``parallel`` at a time; yields in order."""
     queue = list(jobs)

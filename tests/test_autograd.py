@@ -3,7 +3,7 @@
 The position-invariant transcendentals (``ops.elementwise``) are built from IEEE basic ops and bit
 tricks, so autograd through them would be wrong (before the analytic backward: dt, A and dt_bias
 gradients of the scan were off by a relative 1.0). These tests hold every gradient of the chunked scan
-and of a whole tiny Mamba2LM (fp32 model dtype) to the fp64 reference, and check that turning
+and of a whole tiny Mamba2 model (fp32 model dtype) to the fp64 reference, and check that turning
 gradients on changes no forward bit.
 """
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba import Contract
-from aligned_mamba.model import make_tiny
-from aligned_mamba.model.lm import Mamba2LM
+from aligned_mamba.models import build_model
+from aligned_mamba.models.mamba2 import make_tiny
 from aligned_mamba.ops import elementwise as ew
 from aligned_mamba.ops.logprobs import log_softmax
-from aligned_mamba.ops.ssd import chunk_scan, ssd_naive
+from aligned_mamba.ops.ssd import SSMParams, ssd_chunk, ssd_naive
 
 # fp32 against fp64: measured relative errors (norm of the difference / norm of the reference) are
 # 4e-8 .. 2.3e-6 for the scan and up to ~1e-5 for the model; 1e-4 leaves room without hiding a wrong
@@ -94,15 +94,16 @@ def test_chunk_scan_gradients_match_fp64_reference(chunk: int, lens: list[int]) 
     wh = torch.randn(leaves["h0"].shape, generator=g)
 
     a = {k: v.clone().requires_grad_() for k, v in leaves.items()}
-    y, h = chunk_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], cu, a["h0"], chunk,
-                      final="end", row_tile=16)
+    y, h = ssd_chunk(a["x"], a["dt"], a["B"], a["C"], SSMParams(a["A"], a["D"], a["dt_bias"]), cu, a["h0"],
+                     chunk_size=chunk, final="end", row_tile=16)
     ((y * wy).sum() + (h * wh).sum()).backward()
-    y_plain, h_plain = chunk_scan(*(leaves[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")), cu, leaves["h0"],
-                                  chunk, final="end", row_tile=16)
+    y_plain, h_plain = ssd_chunk(leaves["x"], leaves["dt"], leaves["B"], leaves["C"],
+                                 SSMParams(leaves["A"], leaves["D"], leaves["dt_bias"]), cu, leaves["h0"],
+                                 chunk_size=chunk, final="end", row_tile=16)
     assert torch.equal(y.detach(), y_plain) and torch.equal(h.detach(), h_plain), "grad mode changed forward bits"
 
     b = {k: v.double().requires_grad_() for k, v in leaves.items()}
-    yr, hr = ssd_naive(b["x"], b["dt"], b["A"], b["B"], b["C"], b["D"], b["dt_bias"], cu, b["h0"])
+    yr, hr = ssd_naive(b["x"], b["dt"], b["B"], b["C"], SSMParams(b["A"], b["D"], b["dt_bias"]), cu, b["h0"])
     ((yr * wy.double()).sum() + (hr * wh.double()).sum()).backward()
     errs = {k: rel_err(a[k].grad, b[k].grad) for k in SCAN_LEAVES}
     assert all(e < GRAD_RTOL for e in errs.values()), errs
@@ -134,7 +135,7 @@ def reference_logits_fp64(config, w: dict[str, torch.Tensor], seq: torch.Tensor)
         xBC = F.silu(conv)
         x = xBC[:, :d].reshape(T, c.num_heads, c.head_dim)
         B, C = xBC[:, d:d + G * N].reshape(T, G, N), xBC[:, d + G * N:].reshape(T, G, N)
-        y, _ = ssd_naive(x, dt, -torch.exp(w[m + "A_log"]), B, C, w[m + "D"], w[m + "dt_bias"],
+        y, _ = ssd_naive(x, dt, B, C, SSMParams(-torch.exp(w[m + "A_log"]), w[m + "D"], w[m + "dt_bias"]),
                          torch.tensor([0, T]))
         gated = (y.reshape(T, d) * F.silu(z)).view(T, G, d // G)
         gated = _rms(gated, 1.0, eps).reshape(T, d) * w[m + "norm.weight"]
@@ -149,10 +150,10 @@ def test_tiny_model_gradients_match_fp64_reference() -> None:
     targets = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 17, 5)]
 
     leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    model = Mamba2LM(config, leaves, Contract(chunk_size=config.chunk_size, model_dtype="float32"))
+    model = build_model(config, leaves, Contract(chunk_size=config.chunk_size, model_dtype="float32"))
     logits = model.forward(seqs)
     with torch.no_grad():
-        plain = Mamba2LM(config, tensors, model.contract).forward(seqs)
+        plain = build_model(config, tensors, model.contract).forward(seqs)
     assert all(torch.equal(a.detach(), b) for a, b in zip(logits, plain)), "grad mode changed forward bits"
     # the policy-gradient shape of loss: logprobs of chosen tokens through the shared log_softmax
     loss = -sum(log_softmax(lg).gather(-1, t[:, None]).sum() for lg, t in zip(logits, targets))

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save, save_file
 
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.model import Mamba2Config, expected_shapes, load_checkpoint, make_tiny, save_checkpoint
+from aligned_mamba.models import load_checkpoint
+from aligned_mamba.models.mamba2 import Mamba2Config, expected_shapes, make_tiny, save_checkpoint
 
 LAYER0 = "backbone.layers.0.mixer."
 
@@ -84,8 +85,12 @@ def test_config_json_round_trip_and_derived_sizes(tmp_path: Path) -> None:
     config, tensors = tiny(n_groups=2)
     save_checkpoint(tmp_path, config, tensors)
     text = (tmp_path / "config.json").read_text()
-    assert "Infinity" in text  # the inf upper time-step limit is written as JSON Infinity
-    d = json.loads(text)
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"config.json holds a bare {name}: not strict JSON")
+
+    d = json.loads(text, parse_constant=refuse)  # strict JSON: the inf time-step limit as transformers tags it
+    assert d["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
     assert d["model_type"] == "mamba2" and d["architectures"] == ["Mamba2ForCausalLM"]
     assert d["torch_dtype"] == "bfloat16"
     assert Mamba2Config.from_hf_dict(d) == config
@@ -221,7 +226,7 @@ def test_no_or_unreadable_safetensors(tmp_path: Path) -> None:
     config, tensors = tiny()
     write_raw(tmp_path, config, tensors)
     (tmp_path / "model.safetensors").unlink()
-    assert "no model.safetensors or model.safetensors.index.json" in load_error(tmp_path)
+    assert "no weights (model.safetensors, model.safetensors.index.json)" in load_error(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!garbage!")
     assert "cannot read safetensors file" in load_error(tmp_path)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aligned_mamba.cli import main
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,13 +10,13 @@ import torch
 
 from aligned_mamba.contract import CONTRACTS_DIR, Contract, check_compatible
 from aligned_mamba.errors import ContractError, ContractMismatchError
-from aligned_mamba.ops.configs import pinned_configs
+from aligned_mamba.ops.configs import TorchKernelConfigs, TritonKernelConfigs, kernel_configs, pinned_configs
 
 
 def test_defaults_and_fingerprint_stable() -> None:
     c = Contract(256)
     assert (c.state_dtype, c.backend, c.model_dtype, c.version) == ("float32", "torch", "bfloat16", 1)
-    assert dict(c.kernel_configs) == pinned_configs("torch")
+    assert c.kernel_configs == TorchKernelConfigs() and c.to_dict()["kernel_configs"] == pinned_configs("torch")
     assert len(c.fingerprint) == 12 and int(c.fingerprint, 16) >= 0
     assert c.fingerprint == Contract(256).fingerprint
     # Key order of kernel_configs does not matter; the canonical JSON sorts it.
@@ -54,12 +54,33 @@ def test_chunk_size_refused(bad: object) -> None:
         Contract(bad)  # type: ignore[arg-type]
 
 
+def test_kernel_configs_are_typed_and_refuse_what_no_kernel_implements() -> None:
+    c = Contract(256, backend="triton", kernel_configs={"block_k": 64})
+    assert isinstance(c.kernel_configs, TritonKernelConfigs) and c.kernel_configs.block_k == 64
+    assert c.kernel_configs.row_tile == TritonKernelConfigs().row_tile  # the rest stay pinned
+    assert c.fingerprint != Contract(256, backend="triton").fingerprint
+    assert isinstance(Contract(256).kernel_configs, TorchKernelConfigs)
+    for bad, words in [({"block_k": 48}, "block_k 48 refused: expected a power of two"),
+                       ({"bf16_dots": "tf32"}, "bf16_dots 'tf32' refused: the kernels implement 'split2', 'round'"),
+                       ({"dot_precision": "tf32"}, "dot_precision 'tf32' refused"),
+                       ({"num_warps": 3}, "num_warps 3 refused"),
+                       ({"accumulate": "seeded"}, "kernel configs accumulate refused: the triton backend's are")]:
+        with pytest.raises(ContractError, match=words) as e:
+            Contract(256, backend="triton", kernel_configs=bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ContractError, match="kernel configs BLOCK_K refused"):
+        Contract(256, kernel_configs={"BLOCK_K": 32})  # the torch backend has no such config
+    with pytest.raises(ContractError, match="expected a mapping"):
+        Contract(256, backend="triton", kernel_configs=TorchKernelConfigs())
+    assert pinned_configs("torch") == {"row_tile": 16, "linear_row_tile": 16}
+
+
 def test_other_fields_refused() -> None:
     with pytest.raises(ContractError, match="backend 'cuda'"):
         Contract(256, backend="cuda")
     with pytest.raises(ContractError, match="model_dtype 'float16'"):
         Contract(256, model_dtype="fp16")
-    with pytest.raises(ContractError, match="JSON"):
+    with pytest.raises(ContractError, match="row_tile .* refused"):
         Contract(256, kernel_configs={"row_tile": object()})
 
 
@@ -120,7 +141,7 @@ def test_from_yaml_by_name_and_path(tmp_path) -> None:
     assert Contract.from_yaml("chunk128") == Contract(128)
     assert Contract.from_yaml(CONTRACTS_DIR / "default.yaml") == default
     assert Contract.from_yaml("default", chunk_size=64).chunk_size == 64
-    assert Contract.from_yaml("default", backend="triton").kernel_configs == pinned_configs("triton")
+    assert Contract.from_yaml("default", backend="triton").kernel_configs == kernel_configs("triton")
     p = tmp_path / "mine.yaml"
     p.write_text(f"chunk_size: 512\nfingerprint: {Contract(512).fingerprint}\n")
     assert Contract.from_yaml(str(p)) == Contract(512)

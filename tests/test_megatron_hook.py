@@ -2,7 +2,7 @@
 logits bit for bit, trains, and refuses what it cannot align.
 
 The Megatron side is a real megatron-core 0.16 MambaModel (non-TE spec) on the CPU, built with the
-CPU shims of ``trainer_hooks.megatron_cpu``; the reference side is ``Mamba2LM`` on the same weights.
+CPU shims of ``trainer_hooks.megatron_cpu``; the reference side is the core's model on the same weights.
 "Hook off" is Megatron's stock forward with torch stand-ins for mamba_ssm's kernels (see
 megatron_cpu): it must differ, so these equality tests can fail.
 """
@@ -23,12 +23,13 @@ from test_autograd import GRAD_RTOL, reference_logits_fp64, rel_err  # noqa: E40
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)
 
 from aligned_mamba import Contract, ContractMismatchError  # noqa: E402
-from aligned_mamba.model import make_tiny, save_checkpoint  # noqa: E402
-from aligned_mamba.model.lm import Mamba2LM  # noqa: E402
+from aligned_mamba.layers.mamba2 import Mamba2Mixer  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 from aligned_mamba.ops.logprobs import log_softmax  # noqa: E402
-from aligned_mamba.ops.ssd import ssd_naive  # noqa: E402
+from aligned_mamba.ops.ssd import SSMParams, ssd_naive  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_check as mc  # noqa: E402
+from trainer_hooks import megatron_trainer as mc  # noqa: E402
 from trainer_hooks.megatron_weights import megatron_to_hf  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, state_size=16, num_hidden_layers=2, vocab_size=96,
@@ -53,6 +54,11 @@ def no_hook_left() -> Iterator[None]:
     yield
     if hk.installed() is not None:
         hk.installed().uninstall()
+
+
+def score(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One packed forward of a built Megatron model -> per sequence [len_i, vocab] logits."""
+    return list(torch.split(mc.megatron_packed_logits(model, seqs), [int(s.numel()) for s in seqs]))
 
 
 def tiny(name: str):
@@ -87,11 +93,11 @@ def differing_rows(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 def test_megatron_logits_equal_reference_engine(name: str) -> None:
     config, tensors, contract = tiny(name)
     seqs = sequences(config.vocab_size, LENGTHS.get(name, (40, 17, 5, 1)))
-    ref = Mamba2LM(config, tensors, contract).forward(seqs)
+    ref = build_model(config, tensors, contract).forward(seqs)
     model = megatron_model(config, tensors, contract)
     model.eval()
     with torch.no_grad():
-        got = mc.MegatronScorer(model, contract).forward(seqs)
+        got = score(model, seqs)
     assert got[0].dtype == ref[0].dtype
     assert differing_rows(got, ref) == 0
     # the training forward (train mode, autograd recording) gives the same bits
@@ -102,7 +108,7 @@ def test_megatron_logits_equal_reference_engine(name: str) -> None:
     same_len = [seqs[0], sequences(config.vocab_size, (seqs[0].numel(),), seed=1)[0]]
     with torch.no_grad():
         batch_logits = model(torch.stack(same_len), None, attention_mask=None)
-    ref2 = Mamba2LM(config, tensors, contract).forward(same_len)
+    ref2 = build_model(config, tensors, contract).forward(same_len)
     assert torch.equal(batch_logits, torch.stack(ref2))
 
 
@@ -112,11 +118,11 @@ def test_hook_off_stock_forward_differs(chunk: int | None) -> None:
     bits, at its default chunk 128 and even at the contract's chunk; numerically it is the same model."""
     config, tensors, contract = tiny("bf16_groups2")
     seqs = sequences(config.vocab_size)
-    ref = Mamba2LM(config, tensors, contract).forward(seqs)
+    ref = build_model(config, tensors, contract).forward(seqs)
     model = megatron_model(config, tensors, None, chunk_size=chunk)
     model.eval()
     with torch.no_grad():
-        got = mc.MegatronScorer(model, contract).forward(seqs)
+        got = score(model, seqs)
     rows = sum(x.shape[0] for x in ref)
     assert differing_rows(got, ref) > rows // 2
     scale = max(float(x.float().abs().max()) for x in ref)
@@ -133,7 +139,7 @@ def test_stock_stand_in_scan_is_right() -> None:
     x, dt = torch.randn(T, H, P, generator=g), torch.rand(T, H, generator=g) * 3 - 2
     A, D, db = -torch.exp(torch.rand(H, generator=g) * 2.7), torch.randn(H, generator=g), torch.randn(H, generator=g)
     B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
-    ref, _ = ssd_naive(x, dt, A, B, C, D, db, torch.tensor([0, 40, 57, 62]))
+    ref, _ = ssd_naive(x, dt, B, C, SSMParams(A, D, db), torch.tensor([0, 40, 57, 62]))
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))[None]
     y = _stock_scan(x[None], torch.nn.functional.softplus(dt + db)[None], A, B[None], C[None], 16, D, seq)[0]
     assert rel_err(y, ref) < 1e-5
@@ -199,8 +205,8 @@ def test_training_run_lowers_loss_and_stays_aligned() -> None:
     exported = {k: v.detach() for k, v in megatron_to_hf(model.state_dict(), config).items()}
     model.eval()
     with torch.no_grad():
-        got = mc.MegatronScorer(model, contract).forward(seqs)
-    assert differing_rows(got, Mamba2LM(config, exported, contract).forward(seqs)) == 0
+        got = score(model, seqs)
+    assert differing_rows(got, build_model(config, exported, contract).forward(seqs)) == 0
 
 
 def test_layers_of_one_forward_share_its_batch(monkeypatch) -> None:
@@ -211,16 +217,16 @@ def test_layers_of_one_forward_share_its_batch(monkeypatch) -> None:
     model = megatron_model(config, tensors, contract)
     model.eval()
     seen = []
-    real = hk.mixer_advance
+    real = Mamba2Mixer.advance
 
-    def spy(shape, weights, state, batch, *args, **kwargs):
+    def spy(self, state, batch, *args, **kwargs):
         seen.append(batch)
-        return real(shape, weights, state, batch, *args, **kwargs)
+        return real(self, state, batch, *args, **kwargs)
 
-    monkeypatch.setattr(hk, "mixer_advance", spy)
+    monkeypatch.setattr(Mamba2Mixer, "advance", spy)
     with torch.no_grad():
         for lengths in ((40, 17), (40, 17), (9,)):
-            mc.MegatronScorer(model, contract).forward(sequences(config.vocab_size, lengths))
+            score(model, sequences(config.vocab_size, lengths))
     n = config.num_hidden_layers
     assert len(seen) == 3 * n and n > 1
     assert all(b is seen[0] for b in seen[:2 * n])
@@ -245,15 +251,16 @@ def test_chunk_size_from_the_contract_and_mismatch_refused() -> None:
 
 
 def test_contract_mismatch_refused_before_any_comparison(tmp_path) -> None:
-    from aligned_mamba.check import ModelSource, run_check
+    from aligned_mamba.check import run_check
+    from aligned_mamba.integrations import EngineSpec
 
     config, tensors, contract = tiny("bf16_groups2")
-    trainer = mc.build_trainer(config=config, tensors=tensors, contract=contract)
+    trainer = mc.make_trainer(config=config, tensors=tensors, contract=contract)
     other = Contract(chunk_size=32, model_dtype="bfloat16")
-    source = ModelSource("tiny", "bfloat16", json.dumps(other.to_dict()))
+    spec = EngineSpec(model="tiny", contract=other.to_dict(), dtype="bfloat16")
     with pytest.raises(ContractMismatchError, match=r"chunk_size trainer=16 sampler=32"):
-        run_check(trainer, source, prompt_len=8, gen_len=4, requests=1, max_batch_tokens=None, seed=0,
-                  reference=Mamba2LM(config, tensors, contract))
+        run_check(trainer, "reference", spec, reference=build_model(config, tensors, contract), prompt_len=8,
+                  gen_len=4, requests=1, max_batch_tokens=None, seed=0)
     with pytest.raises(hk.AlignmentRefused, match=r"contract.*chunk=16.*chunk=32"):
         hk.install(other)
 

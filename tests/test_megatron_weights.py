@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from aligned_mamba import Contract, ModelLoadError
-from aligned_mamba.model import Mamba2Config, load_checkpoint, make_tiny
-from aligned_mamba.model.lm import Mamba2LM
+from aligned_mamba.models import build_model, load_checkpoint
+from aligned_mamba.models.mamba2 import Mamba2Config, make_tiny
 from trainer_hooks.megatron_weights import export_hf_checkpoint, hf_to_megatron, import_hf_checkpoint, megatron_to_hf
 
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, state_size=16, num_hidden_layers=2, vocab_size=96,
@@ -143,8 +143,8 @@ def test_through_files_and_logits(tmp_path, name: str, te: bool) -> None:
 
     contract = Contract(chunk_size=config.chunk_size, model_dtype=config.dtype)
     tokens = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(0))
-    want = Mamba2LM(config, hf, contract).forward([tokens])[0]
-    got = Mamba2LM(config, megatron_to_hf(imported, config), contract).forward([tokens])[0]
+    want = build_model(config, hf, contract).forward([tokens])[0]
+    got = build_model(config, megatron_to_hf(imported, config), contract).forward([tokens])[0]
     assert torch.isfinite(want).all()
     assert torch.equal(got, want)
 

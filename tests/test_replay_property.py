@@ -19,8 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aligned_mamba.ops.ssd import chunk_scan, recurrent_step, ssd_naive
-from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
+from aligned_mamba.contract import Contract
+from aligned_mamba.ops.backend import resolve
+from aligned_mamba.ops.ssd import SSDState, SSMParams, recurrent_step, ssd_chunk, ssd_naive
+from aligned_mamba.replay import Batch, ssd_advance
+
+TORCH = resolve(Contract(16))  # the torch backend: its replay form takes the chunk size from the state
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -32,7 +36,7 @@ def make_layer(seed: int, H: int, P: int, G: int, N: int, dtype: torch.dtype, D_
     dt0 = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=g))
     dt_bias = dt0 + torch.log(-torch.expm1(-dt0))
     D = 1 + 0.1 * torch.randn((H, P) if D_per_channel else (H,), generator=g)
-    return dict(A=A, D=D, dt_bias=dt_bias)
+    return SSMParams(A=A, D=D, dt_bias=dt_bias)
 
 
 def make_inputs(seed: int, T: int, H: int, P: int, G: int, N: int, dtype: torch.dtype):
@@ -47,10 +51,8 @@ def make_inputs(seed: int, T: int, H: int, P: int, G: int, N: int, dtype: torch.
 def single_pass(inputs, params, lens, L, dtype, H, P, G, N):
     """The trainer: one advance from empty slots over whole, packed sequences."""
     x, dt, B, C = inputs
-    state = LayerReplayState.allocate(len(lens), heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=2,
-                                      conv_dim=1, chunk_size=L, dtype=dtype)
-    batch = Batch.make(list(range(len(lens))), [0] * len(lens), lens)
-    return ssd_advance(state, batch, x, dt, B, C, **params)
+    state = SSDState.allocate(len(lens), heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
+    return ssd_advance(TORCH, state, Batch.from_empty(lens), x, dt, B, C, params)
 
 
 @st.composite
@@ -77,8 +79,7 @@ def run_schedule(sc, inputs, params, dtype):
         starts.append(starts[-1] + n)
     rng = torch.Generator().manual_seed(sc["sched_seed"])
     nslots = len(lens) + 3
-    state = LayerReplayState.allocate(nslots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=2,
-                                      conv_dim=1, chunk_size=L, dtype=dtype)
+    state = SSDState.allocate(nslots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
     slots = torch.randperm(nslots, generator=rng)[: len(lens)].tolist()
     pos = [0] * len(lens)
     out: dict[int, dict[int, list[torch.Tensor]]] = {i: {} for i in range(len(lens))}
@@ -93,7 +94,7 @@ def run_schedule(sc, inputs, params, dtype):
             news.append(min(n, lens[i] - pos[i]))
         batch = Batch.make([slots[i] for i in pick], [pos[i] for i in pick], news)
         rows = torch.cat([torch.arange(starts[i] + pos[i], starts[i] + pos[i] + n) for i, n in zip(pick, news)])
-        y = ssd_advance(state, batch, x[rows], dt[rows], B[rows], C[rows], **params)
+        y = ssd_advance(TORCH, state, batch, x[rows], dt[rows], B[rows], C[rows], params)
         k = 0
         for i, n in zip(pick, news):
             for j in range(n):
@@ -138,12 +139,10 @@ def test_baseline_recurrent_decode_differs(sc):
     x, dt, B, C = make_inputs(sc["seed"], T, H, P, G, N, torch.float32)
     ref = single_pass((x, dt, B, C), params, [T], L, torch.float32, H, P, G, N)
     cu = torch.tensor([0, prefill])
-    _, h = chunk_scan(x[:prefill], dt[:prefill], params["A"], B[:prefill], C[:prefill], params["D"],
-                      params["dt_bias"], cu, torch.zeros(1, H, P, N), L, final="end")
+    _, h = ssd_chunk(x[:prefill], dt[:prefill], B[:prefill], C[:prefill], params, cu, chunk_size=L)
     differ = 0
     for t in range(prefill, T):
-        y = recurrent_step(h, x[t:t + 1], dt[t:t + 1], params["A"], B[t:t + 1], C[t:t + 1], params["D"],
-                           params["dt_bias"])
+        y = recurrent_step(h, x[t:t + 1], dt[t:t + 1], B[t:t + 1], C[t:t + 1], params)
         differ += not torch.equal(y[0], ref[t])
     assert differ > 0, "the recurrent baseline matched the chunked pass on every row"
 
@@ -155,10 +154,9 @@ def test_baseline_unaligned_chunked_prefill_differs():
     x, dt, B, C = make_inputs(3, 200, H, P, G, N, torch.float32)
     ref = single_pass((x, dt, B, C), params, [200], L, torch.float32, H, P, G, N)
     split = 100
-    _, h = chunk_scan(x[:split], dt[:split], params["A"], B[:split], C[:split], params["D"], params["dt_bias"],
-                      torch.tensor([0, split]), torch.zeros(1, H, P, N), L, final="end")
-    y2, _ = chunk_scan(x[split:], dt[split:], params["A"], B[split:], C[split:], params["D"], params["dt_bias"],
-                       torch.tensor([0, 200 - split]), h, L, final="end")
+    _, h = ssd_chunk(x[:split], dt[:split], B[:split], C[:split], params, torch.tensor([0, split]), chunk_size=L)
+    y2, _ = ssd_chunk(x[split:], dt[split:], B[split:], C[split:], params, torch.tensor([0, 200 - split]), h,
+                      chunk_size=L)
     differ = sum(not torch.equal(y2[i], ref[split + i]) for i in range(200 - split))
     assert differ > 50
 
@@ -174,7 +172,7 @@ def test_accuracy_against_fp64_reference(dtype, D_per_channel, seed, L, G):
     params = make_layer(seed, H, P, G, N, dt_, D_per_channel)
     x, dt, B, C = make_inputs(seed, T, H, P, G, N, dt_)
     y = single_pass((x, dt, B, C), params, [T], L, dt_, H, P, G, N)
-    ref, _ = ssd_naive(x, dt, params["A"], B, C, params["D"], params["dt_bias"], torch.tensor([0, T]))
+    ref, _ = ssd_naive(x, dt, B, C, params, torch.tensor([0, T]))
     err = (y.double() - ref).abs().mean() / ref.abs().mean()
     if dt_ == torch.bfloat16:
         floor = (ref.to(dt_).double() - ref).abs().mean() / ref.abs().mean()
@@ -188,10 +186,9 @@ def test_states_match_reference_and_dt_limit():
     params = make_layer(7, H, P, G, N, torch.float32)
     x, dt, B, C = make_inputs(7, T, H, P, G, N, torch.float32)
     for limit in [(0.0, math.inf), (0.01, 0.05)]:
-        y, h = chunk_scan(x, dt, params["A"], B, C, params["D"], params["dt_bias"], torch.tensor([0, T]),
-                          torch.zeros(1, H, P, N), L, dt_limit=limit, final="end")
-        ref, href = ssd_naive(x, dt, params["A"], B, C, params["D"], params["dt_bias"], torch.tensor([0, T]),
-                              dt_limit=limit)
+        lp = SSMParams(params.A, params.D, params.dt_bias, limit)
+        y, h = ssd_chunk(x, dt, B, C, lp, torch.tensor([0, T]), chunk_size=L)
+        ref, href = ssd_naive(x, dt, B, C, lp, torch.tensor([0, T]))
         assert (y.double() - ref).abs().max() < 1e-4 * ref.abs().max()
         assert (h.double() - href).abs().max() < 1e-4 * href.abs().max()
 
@@ -215,12 +212,10 @@ def test_rows_not_wanted_are_not_computed_and_others_unchanged():
     H, P, G, N, L, T = 4, 16, 1, 16, 32, 90
     params = make_layer(5, H, P, G, N, torch.float32)
     x, dt, B, C = make_inputs(5, T, H, P, G, N, torch.float32)
-    full, _ = chunk_scan(x, dt, params["A"], B, C, params["D"], params["dt_bias"], torch.tensor([0, T]),
-                         torch.zeros(1, H, P, N), L)
+    full, _ = ssd_chunk(x, dt, B, C, params, torch.tensor([0, T]), chunk_size=L)
     rows = torch.zeros(T, dtype=torch.bool)
     rows[[0, 17, 33, 89]] = True
-    part, _ = chunk_scan(x, dt, params["A"], B, C, params["D"], params["dt_bias"], torch.tensor([0, T]),
-                         torch.zeros(1, H, P, N), L, rows=rows)
+    part, _ = ssd_chunk(x, dt, B, C, params, torch.tensor([0, T]), chunk_size=L, rows=rows)
     assert torch.equal(part[rows], full[rows])
     assert not part[~rows].any()
 

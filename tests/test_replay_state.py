@@ -1,7 +1,8 @@
 """The replay state's layout and contents: what one sequence holds per layer.
 
 The memory target: the resident state is the fp32 boundary state plus ``chunk_size`` tokens of
-x, RAW dt and B in the model dtype (plus the conv window, which the baseline keeps too). The
+x, RAW dt and B in the model dtype (plus the Mamba2 layer's conv window, which the baseline keeps
+too). The
 buffered dt is the in_proj output as it came (before dt_bias and softplus), bit for bit;
 ``pack_chunks`` recomputes softplus for it, giving the bits a single pass computes.
 """
@@ -13,17 +14,23 @@ import math
 import pytest
 import torch
 
+from aligned_mamba.contract import Contract
+from aligned_mamba.layers.mamba2 import Mamba2MixerConfig, state_spec
+from aligned_mamba.ops.backend import resolve
+from aligned_mamba.ops.ssd import SSDState, SSMParams
 from aligned_mamba.ops.ssd.chunk import pack_chunks
-from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance
+from aligned_mamba.replay import Batch, ssd_advance
+
+TORCH = resolve(Contract(16))  # the torch backend: its replay form takes the chunk size from the state
 
 H, P, G, N, K, CD, L = 4, 8, 2, 16, 4, 40, 16
 
 
-def _params(seed: int = 0) -> dict:
+def _params(seed: int = 0) -> SSMParams:
     g = torch.Generator().manual_seed(seed)
     dt0 = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=g))
-    return dict(A=-(1 + 15 * torch.rand(H, generator=g)), D=1 + 0.1 * torch.randn(H, generator=g),
-                dt_bias=dt0 + torch.log(-torch.expm1(-dt0)))
+    return SSMParams(A=-(1 + 15 * torch.rand(H, generator=g)), D=1 + 0.1 * torch.randn(H, generator=g),
+                     dt_bias=dt0 + torch.log(-torch.expm1(-dt0)))
 
 
 def _inputs(T: int, dtype: torch.dtype, seed: int = 1):
@@ -32,25 +39,28 @@ def _inputs(T: int, dtype: torch.dtype, seed: int = 1):
             torch.randn(T, G, N, generator=g).to(dtype), torch.randn(T, G, N, generator=g).to(dtype))
 
 
-def _allocate(slots: int, dtype: torch.dtype) -> LayerReplayState:
-    return LayerReplayState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=K,
-                                     conv_dim=CD, chunk_size=L, dtype=dtype)
+def _allocate(slots: int, dtype: torch.dtype) -> SSDState:
+    return SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layout_is_the_memory_budget(dtype):
-    layout = LayerReplayState.layout(heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=K, conv_dim=CD,
-                                     chunk_size=L, dtype=dtype)
+    layout = SSDState.layout(heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
     assert layout["ssm_state"] == ((H, P, N), torch.float32)
     assert layout["buf_dt"] == ((H, L), dtype)
-    assert layout["buf_x"][1] == layout["buf_B"][1] == layout["conv_window"][1] == dtype
+    assert layout["buf_x"][1] == layout["buf_B"][1] == dtype
     state = _allocate(3, dtype)
     for name, (shape, dt) in layout.items():
         t = getattr(state, name)
         assert t.shape == (3, *shape) and t.dtype == dt
     itemsize = torch.empty((), dtype=dtype).element_size()
-    conv = (K - 1) * CD * itemsize
-    assert state.bytes_per_slot() - conv == H * P * N * 4 + L * (H * P + H + G * N) * itemsize
+    assert state.bytes_per_slot() == H * P * N * 4 + L * (H * P + H + G * N) * itemsize
+    # the Mamba2 layer keeps the scan's state and its conv window, nothing else
+    mixer = Mamba2MixerConfig(hidden_size=H * P // 2, num_heads=H, head_dim=P, state_size=N, n_groups=G,
+                              conv_kernel=K)
+    spec = state_spec(mixer, L, dtype)
+    assert [f[0] for f in spec.fields] == [*layout, "conv_window"]
+    assert spec.bytes_per_slot() == state.bytes_per_slot() + (K - 1) * mixer.conv_dim * itemsize
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -68,7 +78,7 @@ def test_buffered_dt_is_the_raw_input(dtype):
     for step in schedule:
         batch = Batch.make(slots, pos, step)
         rows = slice(r, r + sum(step))
-        ssd_advance(state, batch, x[rows], dt[rows], B[rows], C[rows], **_params())
+        ssd_advance(TORCH, state, batch, x[rows], dt[rows], B[rows], C[rows], _params())
         i = r
         for k, n in enumerate(step):
             hist[k].extend(range(i, i + n))
@@ -106,9 +116,9 @@ def test_packed_dt_from_a_raw_prefix_is_the_single_pass(dt_limit):
         new.extend(range(r + o, r + o + n))
         r += o + n
     cu = lambda v: torch.tensor([0, *torch.tensor(v).cumsum(0).tolist()])  # noqa: E731
-    got = pack_chunks(x[new], dt[new], B[new], cu(news), L, p["dt_bias"], dt_limit,
+    got = pack_chunks(x[new], dt[new], B[new], cu(news), L, p.dt_bias, dt_limit,
                       prefix=(xb, db, bb, torch.tensor(offs)))
-    ref = pack_chunks(x[whole], dt[whole], B[whole], cu([o + n for o, n in zip(offs, news)]), L, p["dt_bias"],
+    ref = pack_chunks(x[whole], dt[whole], B[whole], cu([o + n for o, n in zip(offs, news)]), L, p.dt_bias,
                       dt_limit)
     assert torch.equal(got.length, ref.length)
     for name in ("x", "dt", "B"):
@@ -122,9 +132,9 @@ def test_packed_dt_from_a_raw_prefix_is_the_single_pass(dt_limit):
     starts = [0, *torch.tensor([o + n for o, n in zip(offs, news)]).cumsum(0).tolist()]
     new1 = [starts[k] + offs[k] for k in range(S)]
     whole1 = [i for k in range(S) for i in range(starts[k], starts[k] + offs[k] + 1)]
-    got = pack_chunks(x[new1], dt[new1], B[new1], cu([1] * S), L, p["dt_bias"], dt_limit,
+    got = pack_chunks(x[new1], dt[new1], B[new1], cu([1] * S), L, p.dt_bias, dt_limit,
                       prefix=(xb, db, bb, torch.tensor(offs)))
-    ref = pack_chunks(x[whole1], dt[whole1], B[whole1], cu([o + 1 for o in offs]), L, p["dt_bias"], dt_limit)
+    ref = pack_chunks(x[whole1], dt[whole1], B[whole1], cu([o + 1 for o in offs]), L, p.dt_bias, dt_limit)
     assert got.dt.shape[0] == S
     for name in ("x", "dt", "B"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
@@ -133,4 +143,4 @@ def test_advance_refuses_inputs_the_buffers_would_round():
     state = _allocate(1, torch.bfloat16)
     x, dt, B, C = _inputs(3, torch.bfloat16)
     with pytest.raises(ValueError, match="dt is torch.float32"):
-        ssd_advance(state, Batch.make([0], [0], [3]), x, dt.float(), B, C, **_params())
+        ssd_advance(TORCH, state, Batch.make([0], [0], [3]), x, dt.float(), B, C, _params())

@@ -18,9 +18,10 @@ import torch  # noqa: E402
 from aligned_mamba.cli import main  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402
 from aligned_mamba.errors import AlignedMambaError  # noqa: E402
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint  # noqa: E402
+from aligned_mamba.integrations import ENGINE_GROUP, EngineSpec  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
-from rollout.actors import RolloutWorker, SamplerSpec  # noqa: E402
+from rollout.actors import RolloutWorker  # noqa: E402
 from rollout.rl import RLOptions, run_rl  # noqa: E402
 
 # small prompts and generations: prefill is still chunked (budget 23) and mixed with decode steps
@@ -146,14 +147,14 @@ def test_exact_replay_off_on_one_worker_is_caught(tmp_path, capsys):
     assert sum(x["per_worker"]["0"]["mismatched_tokens"] for x in r["iterations"]) > 0
 
 
-@pytest.mark.parametrize("kind, group", [("engine", "aligned_mamba.rl_engines"),
-                                         ("trainer", "aligned_mamba.rl_trainers")])
+@pytest.mark.parametrize("kind, group", [("engine", "aligned_mamba.engines"),
+                                         ("trainer", "aligned_mamba.trainers")])
 def test_an_unregistered_engine_or_trainer_is_refused_in_one_line(kind, group):
     """What --engine vllm / --trainer megatron say where the extra is not installed: the name is
-    looked up in its entry-point group and refused before any actor starts."""
+    looked up in its entry-point group (the same as the check's) and refused before any actor starts."""
     from rollout.actors import check_plugin
 
-    want = rf"no RL {kind} named 'absent' is registered \(entry-point group {group}\)"
+    want = rf"no {kind} named 'absent' is installed \(entry-point group {group}"
     with pytest.raises(AlignedMambaError, match=want):
         check_plugin(kind, "absent")
 
@@ -171,11 +172,12 @@ def test_refused_input_is_one_line_and_exit_2(args, words, capsys):
     assert len(err) == 1 and err[0].startswith("aligned-mamba: error:") and words in err[0], err
 
 
-def test_a_worker_refuses_bytes_that_are_not_what_they_claim():
+def test_a_worker_refuses_bytes_that_are_not_what_they_claim(tmp_path):
     cfg, t = make_tiny(0, num_hidden_layers=1, hidden_size=128, num_heads=4, vocab_size=64, state_size=32,
                        chunk_size=32)
+    save_checkpoint(tmp_path, cfg, t)
     c = Contract.from_hf_config(cfg.to_hf_dict(), backend="torch", model_dtype="bfloat16")
-    w = RolloutWorker(0, "reference", SamplerSpec("tiny", cfg.to_hf_dict(), c.to_dict()))
+    w = RolloutWorker(0, "reference", EngineSpec(str(tmp_path), c.to_dict()), 23)
     with pytest.raises(AlignedMambaError, match="no weights loaded"):
         w.sample(0, [[1, 2, 3]], 4, 0)
     tr = PolicyTrainer(cfg, t, c)
@@ -195,19 +197,19 @@ def test_a_worker_refuses_bytes_that_are_not_what_they_claim():
 def test_an_engine_registered_by_name_is_built_through_its_entry_point(monkeypatch):
     from importlib import metadata
 
-    from rollout.actors import RL_ENGINE_GROUP, ReferenceSampler, check_plugin
+    from aligned_mamba.engine import ReferenceEngine
+    from rollout.actors import check_plugin
 
     real = metadata.entry_points
-    fake = metadata.EntryPoint("fake", "rollout.actors:ReferenceSampler", RL_ENGINE_GROUP)
+    fake = metadata.EntryPoint("fake", "aligned_mamba.engine:make_engine", ENGINE_GROUP)
     monkeypatch.setattr(metadata, "entry_points",
-                        lambda **kw: [fake] if kw.get("group") == RL_ENGINE_GROUP else real(**kw))
+                        lambda **kw: [fake] if kw.get("group") == ENGINE_GROUP else real(**kw))
     assert check_plugin("engine", "fake") == {}
     cfg, _ = make_tiny(0, num_hidden_layers=1, hidden_size=128, num_heads=4, vocab_size=64, state_size=32)
     c = Contract.from_hf_config(cfg.to_hf_dict(), backend="torch", model_dtype="bfloat16")
-    assert isinstance(RolloutWorker(0, "fake", SamplerSpec("tiny", cfg.to_hf_dict(), c.to_dict())).sampler,
-                      ReferenceSampler)
-    with pytest.raises(AlignedMambaError, match="no RL engine named 'other'"):
-        RolloutWorker(0, "other", SamplerSpec("tiny", cfg.to_hf_dict(), c.to_dict()))
+    assert isinstance(RolloutWorker(0, "fake", EngineSpec("tiny", c.to_dict()), 23).engine, ReferenceEngine)
+    with pytest.raises(AlignedMambaError, match="no engine named 'other'"):
+        RolloutWorker(0, "other", EngineSpec("tiny", c.to_dict()), 23)
 
 
 def test_the_megatron_trainer_scores_and_steps_with_the_same_bits(baseline):

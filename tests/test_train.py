@@ -5,9 +5,9 @@ import torch
 from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.model.checkpoint import make_tiny
-from aligned_mamba.model.engine import SamplerEngine
-from aligned_mamba.model.lm import Mamba2LM
+from aligned_mamba.engine import SamplerEngine
+from aligned_mamba.models import build_model
+from aligned_mamba.models.mamba2 import make_tiny
 from aligned_mamba.train import PolicyTrainer, weights_digest, weights_from_bytes
 
 
@@ -19,7 +19,7 @@ def setup():
 
 
 def _sample(cfg, weights, c, seed):
-    eng = SamplerEngine(Mamba2LM(cfg, weights, c), num_slots=3, max_batch_tokens=23, seed=seed)
+    eng = SamplerEngine(build_model(cfg, weights, c), num_slots=3, max_batch_tokens=23, seed=seed)
     reqs = [eng.add_request(list(range(1, 30 + 11 * i)), 12) for i in range(3)]
     eng.run()
     return [torch.tensor(r.tokens) for r in reqs], [r.prompt_len for r in reqs], reqs

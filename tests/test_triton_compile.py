@@ -18,11 +18,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from aligned_mamba.ops.configs import PINNED
+from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
 
-cfg = PINNED["triton"]
-BK, BP, BN, NW = cfg["BLOCK_K"], cfg["BLOCK_P"], cfg["BLOCK_N"], cfg["num_warps"]
+cfg = TritonKernelConfigs()
+BK, BP, BN, NW = cfg.block_k, cfg.block_p, cfg.block_n, cfg.num_warps
 D = dict(H=32, G=1, L=256, P=64, N=128)
 bf, i64 = "*bf16", "*i64"
 done = []
@@ -47,15 +47,15 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     model = dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf) if TC else {}  # x and B in the model dtype
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model, **rows),
-         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, **rows),
-         dict(G=1, L=256, N=128, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC),
+         dict(G=1, L=256, N=128, R=cfg.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC),
          fuse)
     comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                       tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **rows),
-         dict(D, R=cfg["row_tile"], BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg["dot_precision"], TC=TC), fuse)
+         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
@@ -65,9 +65,9 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
                                    sD_h="i32", sD_p="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg["dot_precision"], TC=TC, PDL=pdl), fuse)
+                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
-         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg["dot_precision"], TC=TC, LISTED=TC == 1,
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
                           Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,

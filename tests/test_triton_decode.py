@@ -29,12 +29,15 @@ pytest.importorskip("triton")
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
 from sm90_offline import run_sm90_script  # noqa: E402
 
-from aligned_mamba.ops.configs import PINNED  # noqa: E402
-from aligned_mamba.ops.ssd import triton_chunk  # noqa: E402, F401
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
-from aligned_mamba.ops.ssd.triton_decode import replay_decode_triton  # noqa: E402
+from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
+from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
 from aligned_mamba.ops.triton_math import dt_softplus_triton  # noqa: E402
-from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E402
+from aligned_mamba.replay import Batch  # noqa: E402
+
+CFG = TritonKernelConfigs()  # the pinned configs, as every launch here takes them
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU checks through the Triton interpreter (TRITON_INTERPRET=1)")
@@ -82,20 +85,23 @@ def make_tokens(T: int, H: int, P: int, G: int, N: int, seed: int, dtype: torch.
 
 
 def make_state(slots: int, H: int, P: int, G: int, N: int, L: int, dtype: torch.dtype, dev: str,
-               seed: int | None = None, scale: float = 1.0) -> LayerReplayState:
-    st = LayerReplayState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
-                                   chunk_size=L, dtype=dtype, device=dev)
+               seed: int | None = None, scale: float = 1.0) -> SSDState:
+    st = SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype, device=dev)
     if seed is not None:  # a nonzero boundary state, as after earlier chunks
         g = torch.Generator(device=dev).manual_seed(2000 + seed)
         st.ssm_state.copy_(scale * torch.randn(st.ssm_state.shape, generator=g, device=dev))
     return st
 
 
-def clone_state(st: LayerReplayState) -> LayerReplayState:
-    return LayerReplayState(*(t.clone() for t in st.tensors()))
+def clone_state(st: SSDState) -> SSDState:
+    return SSDState(*(t.clone() for t in st.tensors()))
 
 
-def assert_same_state(s1: LayerReplayState, s2: LayerReplayState, slots=None) -> None:
+def params_of(prm: dict, dt_limit=NO_LIMIT) -> SSMParams:
+    return SSMParams(A=prm["A"], D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=dt_limit)
+
+
+def assert_same_state(s1: SSDState, s2: SSDState, slots=None) -> None:
     for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
         a, b = getattr(s1, name), getattr(s2, name)
         if slots is not None:
@@ -103,7 +109,7 @@ def assert_same_state(s1: LayerReplayState, s2: LayerReplayState, slots=None) ->
         assert torch.equal(a, b), name
 
 
-def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
+def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
                  prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT,
                  row_tile: int | None = None) -> list[torch.Tensor]:
     """Decode ``steps`` tokens for every slot (slot i takes its token k from toks[i][*][k]); returns
@@ -114,7 +120,7 @@ def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks:
         # The interpreter's tl.dot is a numpy matmul, whose bits can change with the tile's shape:
         # the CPU checks decode with the prefill's own tile. On the GPU the default (16) is used and
         # test_gpu_decode_row_tile_does_not_touch_bits checks that the height does not matter.
-        row_tile = min(int(PINNED["triton"]["row_tile"]), L)
+        row_tile = CFG.scan_row_tile(L)
     sl = torch.tensor(slots, dtype=torch.int64, device=dev)
     ys = []
     for k in range(steps):
@@ -122,18 +128,18 @@ def decode_steps(st: LayerReplayState, slots: list[int], start: list[int], toks:
         x, dt, B, C = (torch.stack([t[j][k] for t in toks]) for j in range(4))
         done = [i for i, p in enumerate(pos) if p % L == L - 1]
         completes = (torch.tensor(done, dtype=torch.int64, device=dev) if done else False) if hint else None
-        ys.append(replay_decode_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
-                                       dt_limit=dt_limit, mode=mode, completes=completes, row_tile=row_tile,
-                                       **prm))
+        ys.append(decode_step_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
+                                     params_of(prm, dt_limit), cfg=CFG, mode=mode, completes=completes,
+                                     row_tile=row_tile))
     return ys
 
 
-def prefill(st: LayerReplayState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
+def prefill(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
             prm: dict, dt_limit=NO_LIMIT) -> list[torch.Tensor]:
-    """One ssd_advance (Triton scan) over every slot's tokens; returns each slot's rows [n_i, H, P]."""
+    """One advance through the prefill kernels over every slot's tokens; returns each slot's rows [n_i, H, P]."""
     lens = [t[0].shape[0] for t in toks]
     cat = [torch.cat([t[j] for t in toks]) for j in range(4)]
-    y = ssd_advance(st, Batch.make(slots, start, lens), *cat, dt_limit=dt_limit, backend="triton", **prm)
+    y = replay_chunk_triton(st, Batch.make(slots, start, lens), *cat, params_of(prm, dt_limit), cfg=CFG)
     return list(torch.split(y, lens))
 
 
@@ -369,11 +375,11 @@ def test_bad_arguments():
     prm = make_params(H, P, seed=0)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="mode"):
-        replay_decode_triton(st, one, one, x, dt, B, C, mode="fast", **prm)
+        decode_step_triton(st, one, one, x, dt, B, C, params_of(prm), cfg=CFG, mode="fast")
     with pytest.raises(ValueError, match="do not match"):
-        replay_decode_triton(st, one, one, x[:, :1], dt, B, C, **prm)
+        decode_step_triton(st, one, one, x[:, :1], dt, B, C, params_of(prm), cfg=CFG)
     with pytest.raises(ValueError, match="row tile"):
-        replay_decode_triton(st, one, one, x, dt, B, C, row_tile=24, **prm)
+        decode_step_triton(st, one, one, x, dt, B, C, params_of(prm), cfg=CFG, row_tile=24)
 
 
 # ------------------------------------------------------------------------------------------
@@ -517,7 +523,8 @@ def test_gpu_bf16_row_mode_refused():
     x, dt, B, C = make_tokens(1, heads, GP, groups, GN, seed=0, dtype=torch.bfloat16, dev="cuda")
     one = torch.zeros(1, dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="tensor cores"):
-        replay_decode_triton(st, one, one, x, dt, B, C, mode="row", **make_params(heads, GP, 0, "cuda"))
+        decode_step_triton(st, one, one, x, dt, B, C, params_of(make_params(heads, GP, 0, "cuda")), cfg=CFG,
+                           mode="row")
 
 
 def _second_process_rows(mode: str) -> torch.Tensor:

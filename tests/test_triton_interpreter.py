@@ -32,10 +32,14 @@ if _TOO_LATE:
 from hypothesis import Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import pack_chunks, scan_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.naive import ssd_naive  # noqa: E402
-from aligned_mamba.ops.ssd.triton_chunk import scan_chunks_triton  # noqa: E402
-from aligned_mamba.replay import Batch, LayerReplayState, ssd_advance  # noqa: E402
+from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton, scan_chunks_triton  # noqa: E402
+from aligned_mamba.replay import Batch  # noqa: E402
+
+CFG = TritonKernelConfigs()
 
 H, P, N, L, R = 2, 16, 16, 32, 16
 NO_LIMIT = (0.0, math.inf)
@@ -57,14 +61,18 @@ def _tokens(T: int, G: int, seed: int) -> tuple[torch.Tensor, ...]:
             torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g))
 
 
-def _state(G: int, slots: int = 1) -> LayerReplayState:
-    return LayerReplayState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
-                                     chunk_size=L, dtype=torch.float32)
+def _state(G: int, slots: int = 1) -> SSDState:
+    return SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=torch.float32)
+
+
+def _advance(st_: SSDState, batch: Batch, x, dt, B, C, prm: dict, rows=None, cfg: TritonKernelConfigs = CFG):
+    """The Triton replay form (the prefill kernels, as the triton backend runs them off a GPU)."""
+    return replay_chunk_triton(st_, batch, x, dt, B, C, SSMParams(**prm), rows=rows, cfg=cfg)
 
 
 def _replay(G: int, seed: int, schedule: list[int], rows_mask: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, LayerReplayState]:
-    """One sequence advanced through ``ssd_advance`` (with the Triton scan) in steps of ``schedule``."""
+            ) -> tuple[torch.Tensor, SSDState]:
+    """One sequence advanced through the Triton replay form in steps of ``schedule``."""
     T = sum(schedule)
     x, dt, B, C = _tokens(T, G, seed)
     prm = _params(seed)
@@ -73,13 +81,12 @@ def _replay(G: int, seed: int, schedule: list[int], rows_mask: torch.Tensor | No
     for n in schedule:
         sl = slice(pos, pos + n)
         rows = None if rows_mask is None else rows_mask[sl]
-        ys.append(ssd_advance(st_, Batch.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], rows=rows,
-                              backend="triton", **prm))
+        ys.append(_advance(st_, Batch.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], prm, rows=rows))
         pos += n
     return torch.cat(ys), st_
 
 
-def _assert_same_state(s1: LayerReplayState, s2: LayerReplayState) -> None:
+def _assert_same_state(s1: SSDState, s2: SSDState) -> None:
     for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
         assert torch.equal(getattr(s1, name), getattr(s2, name)), name
 
@@ -126,14 +133,13 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    packed = LayerReplayState(*(t.clone() for t in vars(hist).values()))
-    y_packed = ssd_advance(packed, Batch.make(list(range(S)), start, lens), x, dt, B, C, rows=rows,
-                           backend="triton", **prm)
+    packed = SSDState(*(t.clone() for t in vars(hist).values()))
+    y_packed = _advance(packed, Batch.make(list(range(S)), start, lens), x, dt, B, C, prm, rows=rows)
     for i in range(S):
-        alone = LayerReplayState(*(t[i : i + 1].clone() for t in vars(hist).values()))
+        alone = SSDState(*(t[i : i + 1].clone() for t in vars(hist).values()))
         sl = slice(cu[i], cu[i + 1])
-        y_alone = ssd_advance(alone, Batch.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl],
-                              rows=rows[sl], backend="triton", **prm)
+        y_alone = _advance(alone, Batch.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl], prm,
+                           rows=rows[sl])
         assert torch.equal(y_packed[sl], y_alone), i
         for name, t in vars(alone).items():
             assert torch.equal(getattr(packed, name)[i : i + 1], t), name
@@ -149,16 +155,16 @@ def test_accuracy_against_fp64_reference(G: int, d_per_channel: bool) -> None:
     cu = torch.tensor([0, lens[0], T])
     h0 = torch.randn(2, H, P, N, generator=torch.Generator().manual_seed(7))
     ch = pack_chunks(x, dt, B, cu, L, prm["dt_bias"], NO_LIMIT)
-    y, h_end, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="end")
-    y_ref, h_ref = ssd_naive(x, dt, prm["A"], B, C, prm["D"], prm["dt_bias"], cu, h0)
+    y, h_end, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="end", cfg=CFG)
+    y_ref, h_ref = ssd_naive(x, dt, B, C, SSMParams(**prm), cu, h0)
     assert ((y.double() - y_ref).abs().mean() / y_ref.abs().mean()).item() < 1e-5
     assert torch.allclose(h_end.double(), h_ref, rtol=1e-4, atol=1e-4)
     # final="boundary": the state after each sequence's last full chunk (32 and 64 tokens).
-    _, h_bd, _ = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary")
+    _, h_bd, _ = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, final="boundary", cfg=CFG)
     cut = [L, 2 * L]
     idx = torch.cat([torch.arange(0, cut[0]), torch.arange(lens[0], lens[0] + cut[1])])
-    _, h_bd_ref = ssd_naive(x[idx], dt[idx], prm["A"], B[idx], C[idx], prm["D"], prm["dt_bias"],
-                            torch.tensor([0, cut[0], sum(cut)]), h0)
+    _, h_bd_ref = ssd_naive(x[idx], dt[idx], B[idx], C[idx], SSMParams(**prm), torch.tensor([0, cut[0], sum(cut)]),
+                            h0)
     assert torch.allclose(h_bd.double(), h_bd_ref, rtol=1e-4, atol=1e-4)
     # And close to (not bitwise equal to: a different backend) the torch scan.
     y_t, h_t, moved_t = scan_chunks(ch, C, prm["A"], prm["D"], h0, final="end")
@@ -173,7 +179,7 @@ def test_state_untouched_without_a_full_chunk() -> None:
     prm = _params(5)
     ch = pack_chunks(x, dt, B, torch.tensor([0, 5, 20]), L, prm["dt_bias"], NO_LIMIT)
     h0 = torch.randn(2, H, P, N)
-    _, h, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0)
+    _, h, moved = scan_chunks_triton(ch, C, prm["A"], prm["D"], h0, cfg=CFG)
     assert not bool(moved.any()) and torch.equal(h, h0)
 
 
@@ -187,12 +193,12 @@ def test_unaligned_split_without_replay_changes_bits(split: int) -> None:
     A, D, bias = prm["A"], prm["D"], prm["dt_bias"]
     h0 = torch.zeros(1, H, P, N)
     whole = pack_chunks(x, dt, B, torch.tensor([0, T]), L, bias, NO_LIMIT)
-    y_one, _, _ = scan_chunks_triton(whole, C, A, D, h0)
+    y_one, _, _ = scan_chunks_triton(whole, C, A, D, h0, cfg=CFG)
     a, b = slice(0, split), slice(split, T)
     first = pack_chunks(x[a], dt[a], B[a], torch.tensor([0, split]), L, bias, NO_LIMIT)
-    y_a, h_run, _ = scan_chunks_triton(first, C[a], A, D, h0, final="end")
+    y_a, h_run, _ = scan_chunks_triton(first, C[a], A, D, h0, final="end", cfg=CFG)
     second = pack_chunks(x[b], dt[b], B[b], torch.tensor([0, T - split]), L, bias, NO_LIMIT)
-    y_b, _, _ = scan_chunks_triton(second, C[b], A, D, h_run)
+    y_b, _, _ = scan_chunks_triton(second, C[b], A, D, h_run, cfg=CFG)
     y_split = torch.cat([y_a, y_b])
     assert torch.equal(y_split[a], y_one[a])  # the part before the split is the same prefix
     assert not torch.equal(y_split[b], y_one[b])  # rows after it are rounded differently ...
@@ -206,11 +212,10 @@ def test_one_batch_shared_by_layers_of_other_shapes() -> None:
     G, lens, start = 1, [40, 9], [5, 30]
     x, dt, B, C = _tokens(sum(lens), G, 11)
     prm = _params(11)
-    layers = [(L, None), (L // 2, None), (L, 16)]  # (chunk size, row tile; None: min(pinned, chunk size))
+    layers = [(L, CFG), (L // 2, CFG), (L, TritonKernelConfigs(row_tile=16))]  # (chunk size, configs)
 
-    def states(chunk: int) -> LayerReplayState:
-        st_ = LayerReplayState.allocate(2, heads=H, head_dim=P, groups=G, state_size=N, conv_kernel=4, conv_dim=8,
-                                        chunk_size=chunk, dtype=torch.float32)
+    def states(chunk: int) -> SSDState:
+        st_ = SSDState.allocate(2, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=chunk, dtype=torch.float32)
         g = torch.Generator().manual_seed(chunk)
         st_.ssm_state.copy_(torch.randn(st_.ssm_state.shape, generator=g))
         for i, p0 in enumerate(start):
@@ -220,11 +225,10 @@ def test_one_batch_shared_by_layers_of_other_shapes() -> None:
 
     shared = Batch.make([0, 1], start, lens)
     ys_shared, ys_fresh = [], []
-    for chunk, tile in layers:
+    for chunk, cfg in layers:
         a, b = states(chunk), states(chunk)
-        ys_shared.append(ssd_advance(a, shared, x, dt, B, C, row_tile=tile, backend="triton", **prm))
-        ys_fresh.append(ssd_advance(b, Batch.make([0, 1], start, lens), x, dt, B, C, row_tile=tile, backend="triton",
-                                    **prm))
+        ys_shared.append(_advance(a, shared, x, dt, B, C, prm, cfg=cfg))
+        ys_fresh.append(_advance(b, Batch.make([0, 1], start, lens), x, dt, B, C, prm, cfg=cfg))
         _assert_same_state(a, b)
     assert len(shared._derived) == 3  # one plan per (chunk size, row tile), each built once
     for y_s, y_f in zip(ys_shared, ys_fresh, strict=True):

@@ -10,16 +10,16 @@ pytest.importorskip("triton")
 
 from aligned_mamba.check import CASES, compare, make_prompts, run_case  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.model.checkpoint import make_tiny  # noqa: E402
-from aligned_mamba.model.lm import Mamba2LM  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 
 
 @pytest.mark.parametrize("case", ["decode", "chunked_prefill_unaligned"])
 def test_triton_backend_engine_matches_trainer(case):
     cfg, tensors = make_tiny(0, dtype="float32", num_hidden_layers=1, hidden_size=64, num_heads=2, head_dim=64,
                              state_size=16, chunk_size=32, vocab_size=64)
-    model = Mamba2LM(cfg, tensors, Contract(chunk_size=32, backend="triton", model_dtype="float32"))
+    model = build_model(cfg, tensors, Contract(chunk_size=32, backend="triton", model_dtype="float32"))
     prompts = make_prompts(cfg.vocab_size, 40, 2, seed=0)
-    reqs, _ = run_case(next(c for c in CASES if c.name == case), model, prompts, 20, 13, seed=0)
-    report = compare(reqs, model.forward([torch.tensor(r.tokens) for r in reqs]), model.contract, model.contract)
+    res = run_case(next(c for c in CASES if c.name == case), model, prompts, 20, 13, seed=0)
+    report = compare(res.rows, model.forward([torch.tensor(t) for t in res.tokens]), model.contract, model.contract)
     assert report.rows > 0 and report.bitwise_equal, report.summary()

@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 from aligned_mamba.check import compare  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint  # noqa: E402
-from aligned_mamba.model.lm import Mamba2LM  # noqa: E402
-from aligned_mamba.replay import LayerReplayState  # noqa: E402
+from aligned_mamba.integrations import Scenario  # noqa: E402
+from aligned_mamba.layers.mamba2 import state_spec  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 from rollout.vllm_plugin import ExactReplayRefused, exact_replay_requested  # noqa: E402
-from rollout.vllm_runner import EngineSpec, Scenario, run_in_engine, spawn, try_start  # noqa: E402
+from rollout.vllm_runner import LLMSpec, Run, run_in_engine, spawn, try_start  # noqa: E402
 
 # Unaligned prompt lengths around the 256-token chunk: one request crosses the boundary while
 # decoding (226 + 40), two start past it; a 37-token budget splits every prefill at odd offsets.
@@ -38,12 +39,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _scenarios(prompts: list[list[int]], exact: bool) -> list[Scenario]:
-    out = [Scenario("logprob_property", prompts, GEN, budget=BUDGET, logprobs_mode="raw_logprobs", reprefill=True),
-           Scenario("chunked_rows", prompts, GEN, budget=BUDGET, prompt_rows=True)]
+def _scenarios(prompts: list[list[int]], exact: bool) -> list[Run]:
+    out = [Run(Scenario("logprob_property", prompts, GEN, budget=BUDGET), logprobs_mode="raw_logprobs",
+               reprefill=True),
+           Run(Scenario("chunked_rows", prompts, GEN, budget=BUDGET, rows="all"))]
     if exact:
-        out += [Scenario("preempt", prompts, GEN, budget=BUDGET, preempt_marks=(5, 23)),
-                Scenario("join_leave", prompts, GEN, budget=64, prompt_rows=True, stagger=True)]
+        out += [Run(Scenario("preempt", prompts, GEN, budget=BUDGET, preempt_marks=(5, 23))),
+                Run(Scenario("join_leave", prompts, GEN, budget=64, rows="all", stagger=True))]
     return out
 
 
@@ -56,9 +58,9 @@ def setup(tmp_path_factory):
     contract = Contract.from_hf_config(config.to_hf_dict(), backend="torch", model_dtype="bfloat16")
     prompts = _prompts(config.vocab_size)
     base = dict(model_dir=str(root / "tiny"), max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=8)
-    on = EngineSpec(exact_replay=True, llm_kwargs={"additional_config": {"aligned_mamba": {
+    on = LLMSpec(exact_replay=True, llm_kwargs={"additional_config": {"aligned_mamba": {
         "contract": contract.to_dict()}}}, **base)
-    off = EngineSpec(exact_replay=False, **base)
+    off = LLMSpec(exact_replay=False, **base)
     mamba1 = root / "mamba1"
     mamba1.mkdir()
     (mamba1 / "config.json").write_text(json.dumps({
@@ -82,7 +84,7 @@ def setup(tmp_path_factory):
     for kw, _ in refusals.values():
         kw = dict(kw)
         model = kw.pop("model", base["model_dir"])
-        refusal_specs.append(EngineSpec(exact_replay=True, **{**base, "model_dir": model}, llm_kwargs=kw))
+        refusal_specs.append(LLMSpec(exact_replay=True, **{**base, "model_dir": model}, llm_kwargs=kw))
     procs = {"on": spawn(run_in_engine, on, _scenarios(prompts, True)),
              "off": spawn(run_in_engine, off, _scenarios(prompts, False)),
              "refusals": spawn(try_start, refusal_specs)}
@@ -101,7 +103,7 @@ def setup(tmp_path_factory):
                 cache[name] = {r.name: r for r in cache[name]}
         return cache[name]
 
-    trainer = Mamba2LM(config, tensors, contract)
+    trainer = build_model(config, tensors, contract)
     yield {"get": get, "trainer": trainer, "contract": contract, "refusals": refusals, "prompts": prompts}
     for name, (pool, _) in procs.items():
         if name not in cache:
@@ -109,12 +111,11 @@ def setup(tmp_path_factory):
 
 
 def _trainer_mismatches(setup, res) -> tuple[int, int]:
-    """(rows, rows differing from the trainer's single pass) over every row vLLM returned."""
-    from rollout.vllm_check import to_sampled
-
-    got = to_sampled(res, torch.bfloat16, exact=True)
-    logits = setup["trainer"].forward([torch.tensor(t) for t in got.tokens])
-    report = compare(got.rows, logits, setup["contract"], setup["contract"])
+    """(rows, rows differing from the trainer's single pass) over every row vLLM returned (fp32 copies of
+    bf16 logits: exact in bf16)."""
+    rows = [[(pos, row.to(torch.bfloat16)) for pos, row in req] for req in res.rows]
+    logits = setup["trainer"].forward([torch.tensor(t) for t in res.tokens])
+    report = compare(rows, logits, setup["contract"], setup["contract"])
     return report.rows, report.mismatched_rows
 
 
@@ -123,7 +124,8 @@ def _property(res) -> tuple[int, int, int]:
     logprob differs from their prompt logprob when prompt + generation is prefilled again,
     full logprob rows that differ)."""
     tokens = differ = rows_differ = 0
-    for req_tokens, sampled, rows, again in zip(res.tokens, res.sampled, res.rows, res.reprefill_rows):
+    for req_tokens, sampled, rows, again in zip(res.tokens, res.info["sampled_values"], res.rows,
+                                                res.info["reprefill_rows"]):
         prefill = dict(again)
         n = len(req_tokens) - len(sampled)
         for j, (lp, (pos, row)) in enumerate(zip(sampled, rows)):
@@ -144,7 +146,7 @@ def test_switch_parsing():
 
 def test_decode_logprobs_match_prefill_logprobs(setup):
     res = setup["get"]("on")["logprob_property"]
-    assert res.engine["model_class"] == PLUGIN_CLASS
+    assert res.info["model_class"] == PLUGIN_CLASS
     tokens, differ, rows_differ = _property(res)
     print(f"\nexact replay: {differ}/{tokens} sampled logprobs differ from prefill, {rows_differ} rows")
     assert tokens == GEN * len(PROMPT_LENS) and differ == 0 and rows_differ == 0
@@ -152,7 +154,7 @@ def test_decode_logprobs_match_prefill_logprobs(setup):
 
 def test_decode_logprobs_differ_from_prefill_without_plugin(setup):
     res = setup["get"]("off")["logprob_property"]
-    assert res.engine["model_class"] != PLUGIN_CLASS  # switched off: vLLM's own model
+    assert res.info["model_class"] != PLUGIN_CLASS  # switched off: vLLM's own model
     tokens, differ, rows_differ = _property(res)
     print(f"\nstock vLLM: {differ}/{tokens} sampled logprobs differ from prefill, {rows_differ} rows")
     assert differ > 0
@@ -186,13 +188,10 @@ def test_requests_joining_and_leaving_keep_their_bits(setup):
 def test_replay_state_lives_in_vllms_cache(setup):
     """vLLM's planner sized each request's page for the five replay tensors of a layer (the
     core's own per-slot layout: fp32 boundary state, model-dtype x, raw dt, B and conv window)."""
-    info = setup["get"]("on")["chunked_rows"].engine
-    stock = setup["get"]("off")["chunked_rows"].engine
+    info = setup["get"]("on")["chunked_rows"].info
+    stock = setup["get"]("off")["chunked_rows"].info
     c = setup["trainer"].config
-    layout = LayerReplayState.layout(heads=c.num_heads, head_dim=c.head_dim, groups=c.n_groups,
-                                     state_size=c.state_size, conv_kernel=c.conv_kernel, conv_dim=c.conv_dim,
-                                     chunk_size=setup["contract"].chunk_size, dtype=torch.bfloat16)
-    per_layer = sum(torch.Size(s).numel() * d.itemsize for s, d in layout.values())
+    per_layer = state_spec(c.mixer_config(), setup["contract"].chunk_size, torch.bfloat16).bytes_per_slot()
     print(f"\nstate per request and layer: {info['page_size_bytes']} bytes (stock vLLM {stock['page_size_bytes']})")
     assert info["page_size_bytes"] == per_layer > stock["page_size_bytes"]
 

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install -e '.[vllm]')")
 
 from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.model.checkpoint import make_tiny, save_checkpoint  # noqa: E402
-from aligned_mamba.model.lm import Mamba2LM  # noqa: E402
-from aligned_mamba.replay import LayerReplayState  # noqa: E402
+from aligned_mamba.layers.mamba2 import state_spec  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 
 KV_BYTES = 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1
 
@@ -91,10 +91,7 @@ def test_the_server_plans_the_replay_state(server, model):
     """vLLM's planner in the server sized its Mamba cache with the plugin's per-request state (the
     core's replay layout), not stock vLLM's: the plugin's model class ran in the engine process."""
     _, config, _ = model
-    layout = LayerReplayState.layout(heads=config.num_heads, head_dim=config.head_dim, groups=config.n_groups,
-                                     state_size=config.state_size, conv_kernel=config.conv_kernel,
-                                     conv_dim=config.conv_dim, chunk_size=config.chunk_size, dtype=torch.bfloat16)
-    per_layer = sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in layout.values())
+    per_layer = state_spec(config.mixer_config(), config.chunk_size, torch.bfloat16).bytes_per_slot()
     stock_per_layer = (config.num_heads * config.head_dim * config.state_size
                        + (config.conv_kernel - 1) * config.conv_dim) * 2  # bf16 state and conv window
     metrics = _get(server + "/metrics")
@@ -107,7 +104,7 @@ def test_the_server_plans_the_replay_state(server, model):
 def test_the_server_decodes_the_reference_tokens(server, model):
     """Greedy completions by token ids: the reference model's argmax continuation, token for token."""
     path, config, tensors = model
-    lm = Mamba2LM(config, tensors, Contract.from_hf_config(config.to_hf_dict(), backend="torch"))
+    lm = build_model(config, tensors, Contract.from_hf_config(config.to_hf_dict(), backend="torch"))
     g = torch.Generator().manual_seed(3)
     for n in (37, 300):
         prompt = torch.randint(0, config.vocab_size, (n,), generator=g).tolist()

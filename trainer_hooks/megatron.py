@@ -1,8 +1,9 @@
 """``--aligned-mamba``: Megatron-Core's Mamba2 forward on the shared kernels and contract.
 
 With the hook on, Megatron's MambaModel computes each logits row with the very functions the
-sampler runs (``aligned_mamba.model.lm.mixer_advance`` and the row-invariant ops), under the
-contract's chunk size, backend and pinned tiles, so trainer logits equal the sampler's bit for bit.
+sampler runs (the core's Mamba2 layer, ``aligned_mamba.layers.mamba2.Mamba2Mixer``, and the ops of
+the contract's backend), under the contract's chunk size, backend and kernel configs, so trainer
+logits equal the sampler's bit for bit.
 
 Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` at
 tensor, pipeline and context parallel size 1, built from Megatron's own non-Transformer-Engine
@@ -19,8 +20,8 @@ contract)`` (or ``install(contract)``) before building the model, or ``hook.appl
 
 What ``install`` patches, in place (``uninstall`` restores it):
 
-- ``megatron.core.ssm.mamba_mixer``: ``MambaMixer.forward`` runs ``mixer_advance`` over the layer's
-  own parameters: in_proj and out_proj as the shared fixed-tile linear, conv1d + SiLU, the chunked
+- ``megatron.core.ssm.mamba_mixer``: ``MambaMixer.forward`` runs the core's ``Mamba2Mixer`` over
+  the layer's own parameters: in_proj and out_proj as the backend's row-invariant linear, conv1d + SiLU, the chunked
   scan with every sequence's chunk grid anchored at its own start (THD packing through
   ``packed_seq_params.cu_seqlens_q(_padded)``, or each row of an [s, b] batch), an fp32 SSM state,
   and the gate in the grouped RMSNorm after the scan. ``MambaMixer.__init__`` takes its chunk size
@@ -51,11 +52,9 @@ import torch
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import AlignedMambaError
-from aligned_mamba.model.config import Mamba2Config
-from aligned_mamba.model.lm import MixerWeights, mixer_advance
-from aligned_mamba.ops.linear import linear
-from aligned_mamba.ops.norm import gated_rms_norm, rms_norm
-from aligned_mamba.replay import Batch, LayerReplayState
+from aligned_mamba.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from aligned_mamba.ops.backend import Backend, resolve
+from aligned_mamba.replay import Batch
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "AlignedGatedRMSNorm", "AlignedMambaHook", "AlignedRMSNorm",
            "AlignmentRefused", "add_arguments", "apply_from_args", "apply_from_config", "install",
@@ -167,7 +166,7 @@ def _init_device(config: Any) -> torch.device | str | int:
 
 class AlignedRMSNorm(torch.nn.Module):
     """RMSNorm on the shared op: the input rounded to the params dtype, normalised in fp32 by a fixed
-    tree, times the weight, in the params dtype (what ``Mamba2LM`` does for layer and final norms).
+    tree, times the weight, in the params dtype (what the core model does for layer and final norms).
     Constructor-compatible with Megatron's ``TENorm(config, hidden_size, eps)``; weight [hidden_size]."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
@@ -179,12 +178,13 @@ class AlignedRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] any float dtype -> [..., hidden] in the params dtype."""
-        return _aligned_rms_norm(x, self.weight, self.eps, self.config.params_dtype)
+        return _aligned_rms_norm(_hook_for(self).backend(x.device), x, self.weight, self.eps, self.config.params_dtype)
 
 
-def _aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+def _aligned_rms_norm(backend: Backend, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      dtype: torch.dtype) -> torch.Tensor:
     shape = x.shape
-    return rms_norm(x.reshape(-1, shape[-1]).to(dtype), weight, eps, dtype).reshape(shape)
+    return backend.rms_norm(x.reshape(-1, shape[-1]).to(dtype), weight, eps, dtype).reshape(shape)
 
 
 class AlignedGatedRMSNorm(torch.nn.Module):
@@ -211,7 +211,9 @@ class AlignedGatedRMSNorm(torch.nn.Module):
                                    "(Megatron's fused training path); the aligned forward gates in the norm")
         shape = y.shape
         d = shape[-1]
-        out = gated_rms_norm(y.reshape(-1, d), z.reshape(-1, d), self.weight, self.eps, d // self.group_size)
+        backend = _hook_for(self).backend(y.device)
+        out = backend.gated_rms_norm(y.reshape(-1, d), z.reshape(-1, d), self.weight.to(y.dtype), self.eps,
+                                     d // self.group_size)
         return out.reshape(shape)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
@@ -293,11 +295,12 @@ class AlignedMambaHook:
     def __init__(self, contract: Contract) -> None:
         self.contract = contract
         self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
-        # as Mamba2LM: a chunk shorter than the pinned row tile is one tile
-        self.row_tile = min(int(contract.kernel_configs.get("row_tile", 16)), contract.chunk_size)
-        self.linear_tile = int(contract.kernel_configs.get("linear_row_tile", 16))
         self._saved: list[tuple[Any, str, Any]] = []
         self._batch: tuple[tuple[int, ...], Batch] | None = None
+
+    def backend(self, device: torch.device) -> Backend:
+        """The contract's ops on ``device`` (the very object the core's models resolve)."""
+        return resolve(self.contract, device)
 
     def batch_for(self, lens: list[int]) -> Batch:
         """The ``Batch`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
@@ -305,7 +308,7 @@ class AlignedMambaHook:
         Triton backend plans the step once per forward instead of once per layer (``Batch.derived``)."""
         key = tuple(lens)
         if self._batch is None or self._batch[0] != key:
-            self._batch = (key, Batch.make(list(range(len(lens))), [0] * len(lens), lens))
+            self._batch = (key, Batch.from_empty(lens))
         return self._batch[1]
 
     # -- patching --
@@ -414,7 +417,7 @@ class AlignedMambaHook:
             elif kind is ColumnParallelLinear or kind is RowParallelLinear:
                 if kind is RowParallelLinear and not m.input_is_parallel:
                     raise AlignmentRefused(f"{where}: input_is_parallel=False is not covered")
-                # the output layer rounds its weight to the model dtype first, as Mamba2LM's lm_head
+                # the output layer rounds its weight to the model dtype first, as the core's lm_head
                 self._swap(m, _aligned_linear_forward)
                 m._aligned_mamba_round_weight = path == "output_layer"
             elif kind is torch.nn.RMSNorm:
@@ -489,15 +492,6 @@ def _hook_for(module: Any) -> AlignedMambaHook:
     return hook
 
 
-def _linear_for(hook: AlignedMambaHook, device: torch.device) -> Callable:
-    """The linear Mamba2LM would use: the fixed-tile Triton kernel for the triton backend on a GPU."""
-    if hook.contract.backend == "triton" and device.type == "cuda":
-        from aligned_mamba.ops.linear_triton import linear_triton
-
-        return lambda x, w, b, tile: linear_triton(x, w, b)
-    return linear
-
-
 def _refuse_grad_without_backward(hook: AlignedMambaHook) -> None:
     if torch.is_grad_enabled() and hook.contract.backend != "torch":
         raise AlignmentRefused(f"backend {hook.contract.backend!r} has no backward yet; train with backend 'torch' "
@@ -505,58 +499,46 @@ def _refuse_grad_without_backward(hook: AlignedMambaHook) -> None:
 
 
 def _aligned_embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
-    """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (Mamba2LM's embedding rows)."""
+    """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (the core model's embedding rows)."""
     hook = _hook_for(self)
     return torch.nn.functional.embedding(input_, self.weight).to(hook.dtype)
 
 
 def _aligned_linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
                             runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Column/RowParallelLinear at TP=1 on the shared fixed-tile linear: [..., in] -> ([..., out], bias or None)."""
+    """Column/RowParallelLinear at TP=1 on the backend's row-invariant linear: [..., in] -> ([..., out], bias
+    or None)."""
     hook = _hook_for(self)
     _refuse_grad_without_backward(hook)
+    backend = hook.backend(input_.device)
     w = self.weight if weight is None else weight
     if getattr(self, "_aligned_mamba_round_weight", False):
         w = w.to(hook.dtype)
     bias = getattr(self, "bias", None)
     skip = getattr(self, "skip_bias_add", False)
     shape = input_.shape
-    out = _linear_for(hook, input_.device)(input_.reshape(-1, shape[-1]), w, None if skip else bias,
-                                           hook.linear_tile)
+    out = backend.linear(input_.reshape(-1, shape[-1]), backend.linear_weight(w), None if skip else bias)
     return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
 
 
 def _aligned_torch_rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """torch.nn.RMSNorm (WrappedTorchNorm) on the shared op, in the model dtype."""
+    """torch.nn.RMSNorm (WrappedTorchNorm) on the backend's op, in the model dtype."""
     hook = _hook_for(self)
-    return _aligned_rms_norm(x, self.weight, self.eps, hook.dtype)
+    return _aligned_rms_norm(hook.backend(x.device), x, self.weight, self.eps, hook.dtype)
 
 
-def _mixer_shape(m: Any, hook: AlignedMambaHook) -> Mamba2Config:
-    """The Mamba2Config fields mixer_advance reads, from a MambaMixer (cached on the module)."""
-    cached = getattr(m, "_aligned_mamba_shape", None)
-    if cached is not None and cached[0] is hook:
-        return cached[1]
-    cfg = Mamba2Config(vocab_size=1, hidden_size=m.d_model, num_hidden_layers=1, num_heads=m.nheads,
-                       head_dim=m.headdim, state_size=m.d_state, n_groups=m.ngroups, conv_kernel=m.d_conv,
-                       expand=m.d_inner // m.d_model, chunk_size=hook.contract.chunk_size,
-                       layer_norm_epsilon=m.norm.eps, use_bias=False, use_conv_bias=m.conv1d.bias is not None,
-                       dtype=hook.contract.model_dtype)
-    m._aligned_mamba_shape = (hook, cfg)
-    return cfg
-
-
-def _mixer_weights(m: Any, dtype: torch.dtype, d_conv: int) -> MixerWeights:
-    """The layer's parameters in the dtypes Mamba2LM casts them to (see MixerWeights); differentiable."""
-    f32 = torch.float32
-    conv_b = m.conv1d.bias
-    return MixerWeights(
-        norm_w=torch.empty(0),  # the layer norm runs before the mixer (MambaLayer.norm)
-        in_proj_w=m.in_proj.weight.to(f32), in_proj_b=None,
-        conv_w=m.conv1d.weight.to(dtype).reshape(-1, d_conv),
-        conv_b=None if conv_b is None else conv_b.to(dtype),
-        A=-torch.exp(m.A_log.to(f32)), D=m.D.to(f32), dt_bias=m.dt_bias.to(f32),
-        gnorm_w=m.norm.weight.to(dtype), out_proj_w=m.out_proj.weight.to(f32), out_proj_b=None)
+def _core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mixer:
+    """The core's Mamba2 layer over a MambaMixer's own parameters (differentiable casts, rebuilt per
+    forward: the optimizer moves the parameters)."""
+    config = Mamba2MixerConfig(hidden_size=m.d_model, num_heads=m.nheads, head_dim=m.headdim, state_size=m.d_state,
+                               n_groups=m.ngroups, conv_kernel=m.d_conv, use_bias=False,
+                               use_conv_bias=m.conv1d.bias is not None, norm_eps=m.norm.eps, dt_limit=(0.0, math.inf))
+    names = {"in_proj.weight": m.in_proj.weight, "conv1d.weight": m.conv1d.weight, "dt_bias": m.dt_bias,
+             "A_log": m.A_log, "D": m.D, "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight}
+    if m.conv1d.bias is not None:
+        names["conv1d.bias"] = m.conv1d.bias
+    return Mamba2Mixer(config, names, "", backend=hook.backend(device), dtype=hook.dtype,
+                       chunk_size=hook.contract.chunk_size)
 
 
 def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
@@ -564,8 +546,8 @@ def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_con
                            ) -> tuple[torch.Tensor, None]:
     """MambaMixer.forward under the hook: hidden_states [s, b, d_model] (or THD: [T, 1, d_model] with
     ``packed_seq_params``) -> ([s, b, d_model] in the model dtype, fp32 with ``fp32_residual_connection``;
-    None), by ``mixer_advance`` from
-    empty per-sequence states, each sequence's chunk grid anchored at its own first token."""
+    None), by the core's ``Mamba2Mixer.advance`` from empty per-sequence states, each sequence's chunk
+    grid anchored at its own first token."""
     hook = _hook_for(self)
     if inference_context is not None or inference_params is not None:
         raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
@@ -594,18 +576,12 @@ def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_con
     else:
         lens = [s] * b
         hidden = hidden_states.transpose(0, 1).reshape(b * s, dm)
-    shape = _mixer_shape(self, hook)
-    state = LayerReplayState.allocate(
-        len(lens), heads=shape.num_heads, head_dim=shape.head_dim, groups=shape.n_groups,
-        state_size=shape.state_size, conv_kernel=shape.conv_kernel, conv_dim=shape.conv_dim,
-        chunk_size=hook.contract.chunk_size, dtype=hook.dtype, device=hidden.device)
-    batch = hook.batch_for(lens)
-    y = mixer_advance(shape, _mixer_weights(self, hook.dtype, shape.conv_kernel), state, batch, hidden.to(hook.dtype),
-                      None, linear=_linear_for(hook, hidden.device), linear_tile=hook.linear_tile,
-                      row_tile=hook.row_tile, backend=hook.contract.backend, dt_limit=(0.0, math.inf))
+    mixer = _core_mixer(self, hook, hidden.device)
+    state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
+    y = mixer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
     if self.config.fp32_residual_connection:
-        # Megatron's bias-dropout-add casts the residual to the mixer output's dtype; Mamba2LM adds the
-        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives Mamba2LM's sum.
+        # Megatron's bias-dropout-add casts the residual to the mixer output's dtype; the core adds the
+        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives the core's sum.
         y = y.to(torch.float32)
     if packed_seq_params is not None:
         return y[:, None], None

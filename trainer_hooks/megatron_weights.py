@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.model.checkpoint import EMBEDDING, LM_HEAD, expected_shapes, load_checkpoint, save_checkpoint
-from aligned_mamba.model.config import Mamba2Config
+from aligned_mamba.models import load_checkpoint
+from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config, expected_shapes, save_checkpoint
 
 __all__ = ["export_hf_checkpoint", "hf_to_megatron", "import_hf_checkpoint", "megatron_to_hf"]
 
@@ -166,6 +166,9 @@ def import_hf_checkpoint(
     the stored dtypes. Raises ``ModelLoadError``.
     """
     config, tensors = load_checkpoint(path)
+    if not isinstance(config, Mamba2Config):
+        raise ModelLoadError(f"{os.fspath(path)!r} is a {type(config).__name__} checkpoint; the Megatron conversion "
+                             "covers the Hugging Face Mamba2 layout")
     return config, hf_to_megatron(tensors, config, te_fused_norm=te_fused_norm)
 
 

@@ -1,53 +1,200 @@
-"""Pinned kernel configurations, per backend.
+"""Kernel configurations: one typed, frozen set per backend, part of the contract.
 
-No run-time autotuning: every process that runs a backend uses exactly these tile shapes, so a
-row's bits never depend on which config an autotuner happened to pick. They are part of the
-contract (and of its fingerprint).
+No run-time autotuning: every process that runs a backend launches its kernels with exactly the
+configs of its contract, so a row's bits never depend on which config an autotuner happened to
+pick. The defaults are the pinned values; a contract may state others, and each value is checked
+here against what the kernels implement (anything else is refused with one line). Every field is
+read by the launches (``Contract.kernel_configs`` is passed to each one), so the fingerprint covers
+exactly what runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("torch", "triton")
 
-# row_tile: output rows are computed in tiles of this many rows (zero-padded), so a decode step
-# (one row) runs the same GEMM shapes as a prefill of thousands of rows.
-PINNED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
-    {
-        "torch": MappingProxyType({"row_tile": 16, "linear_row_tile": 16}),
-        "triton": MappingProxyType(
-            {
-                # 64 output rows per scan program: 4x fewer, larger programs than 16 (the columns a
-                # row does not use carry a zero decay and add exact zeros, so its bits stay put)
-                "row_tile": 64,
-                "linear_row_tile": 16,
-                "BLOCK_P": 64,
-                "BLOCK_N": 64,
-                "BLOCK_K": 32,
-                "num_warps": 4,
-                # the prefill's row-tile kernel's warps (its K loop runs the blocks up to the tile's end)
-                "tile_num_warps": 4,
-                # the state pass's P block (elementwise: parallelism only)
-                "pass_block_p": 64,
-                # fp32 dots in IEEE precision: TF32 would change bits and miss the fp32 accuracy target
-                "dot_precision": "ieee",
-                # bf16 models: tensor-core dots, bf16 operands, fp32 accumulation; fp32 operands
-                # (state, scores) split into two bf16 terms (ops/ssd/triton_dot.py)
-                "bf16_dots": "split2",
-                # the output tiles' accumulation: the intra-chunk dots accumulate onto the decayed
-                # inter-chunk term (one accumulator). Into their own, added after, gives other bits.
-                "accumulate": "seeded",
-            }
-        ),
-    }
-)
+
+def _pow2(name: str, v: Any, lo: int, hi: int) -> None:
+    if type(v) is not int or v < lo or v > hi or v & (v - 1):
+        raise ValueError(f"{name} {v!r} refused: expected a power of two from {lo} to {hi}")
+
+
+def _among(name: str, v: Any, allowed: tuple) -> None:
+    if v not in allowed or type(v) is not type(allowed[0]):
+        raise ValueError(f"{name} {v!r} refused: the kernels implement {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class TorchKernelConfigs:
+    """The torch backend (CPU). Rows are computed in fixed-size, zero-padded tiles, so a decode
+    step (one row) runs the same GEMM shapes as a prefill of thousands of rows.
+
+    row_tile: output rows per tile of the chunked scan (a chunk shorter than it is one tile).
+    linear_row_tile: rows per tile of the linear layers' batched GEMM (``ops.linear``).
+    """
+
+    row_tile: int = 16
+    linear_row_tile: int = 16
+
+    def __post_init__(self) -> None:
+        _pow2("row_tile", self.row_tile, 16, 1024)
+        _pow2("linear_row_tile", self.linear_row_tile, 1, 1024)
+
+    def scan_row_tile(self, chunk_size: int) -> int:
+        """The scan's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""
+        return min(self.row_tile, chunk_size)
+
+
+@dataclass(frozen=True)
+class TritonKernelConfigs:
+    """The triton backend (GPU). Tile shapes and dot precision of every kernel.
+
+    SSD scan (ops/ssd/triton_chunk.py, triton_decode.py):
+      row_tile: output rows per prefill program (columns a row does not use carry a zero decay and
+        add exact zeros, so a row's bits do not depend on it; a shorter chunk is one tile).
+      block_p, block_n, block_k: the P, N and column (K) blocks of the scan's dots.
+      num_warps: warps of the scan kernels; tile_num_warps: of the prefill's row-tile kernel.
+      pass_block_p: the state pass's P block (elementwise: parallelism only).
+      dot_precision: fp32 models' dots; "ieee" (TF32 keeps a 10-bit mantissa: other bits, and far
+        from fp32 accuracy).
+      bf16_dots: bf16 models' tensor-core dots: "split2" (fp32 operands split into two bf16 terms,
+        the bf16 rounding floor) or "round" (one bf16 term, as mamba_ssm; ~1.25x the floor).
+    Linear layers (ops/linear_triton.py; bf16 models on tensor cores, fp32 models in IEEE fp32):
+      linear_block_k: the K block of every bf16 regime (one K loop, ascending, whatever M).
+      linear_decode_max_m, linear_mid_max_m: bf16 calls of M <= decode_max_m rows take the decode
+        tile, M <= mid_max_m the mid tile, larger M the large tile (a row's bits do not depend on
+        the tile: tests/test_triton_ops.py checks M = 1..8192 at every model shape).
+      linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
+        (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
+        of that many programs per SM looping over the tiles, else one program per tile).
+      linear_block_m, linear_block_n, linear_warps, linear_stages, linear_tma, linear_persistent,
+        linear_programs_per_sm: the large tile; linear_epi_split: its output stored in 1 or 2 halves.
+      linear_group_m: row tiles per group of the grouped order (x rows shared through L2).
+      linear_fill_programs: a regime's N tile is halved (down to 16, stages raised to keep its
+        shared memory) while the grid has fewer tiles than this (0: never).
+      linear_fp32_block_m/_block_n/_block_k/_warps/_stages: fp32 models' one tile (TMA if linear_tma).
+    Norms (ops/norm_triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
+      warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
+    Conv1d (ops/conv1d_triton.py): conv_block_t, conv_block_c: tokens and channels per program.
+    Log-softmax (ops/logprobs_triton.py): logprobs_block_v, the vocabulary block of a row's
+      program (fixed order over the row); logprobs_num_warps.
+    """
+
+    row_tile: int = 64
+    block_p: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    tile_num_warps: int = 4
+    pass_block_p: int = 64
+    dot_precision: str = "ieee"
+    bf16_dots: str = "split2"
+    linear_block_k: int = 64
+    linear_decode_max_m: int = 16
+    linear_decode_block_m: int = 16
+    linear_decode_block_n: int = 64
+    linear_decode_warps: int = 4
+    linear_decode_stages: int = 6
+    linear_decode_tma: bool = False
+    linear_decode_persistent: bool = False
+    linear_decode_programs_per_sm: int = 1
+    linear_mid_max_m: int = 256
+    linear_mid_block_m: int = 64
+    linear_mid_block_n: int = 128
+    linear_mid_warps: int = 4
+    linear_mid_stages: int = 4
+    linear_mid_tma: bool = True
+    linear_mid_persistent: bool = False
+    linear_mid_programs_per_sm: int = 2
+    linear_block_m: int = 128
+    linear_block_n: int = 256
+    linear_warps: int = 8
+    linear_stages: int = 3
+    linear_tma: bool = True
+    linear_persistent: bool = True
+    linear_programs_per_sm: int = 1
+    linear_epi_split: int = 2
+    linear_group_m: int = 8
+    linear_fill_programs: int = 132
+    linear_fp32_block_m: int = 64
+    linear_fp32_block_n: int = 64
+    linear_fp32_block_k: int = 32
+    linear_fp32_warps: int = 8
+    linear_fp32_stages: int = 3
+    norm_block_per_warp: int = 512
+    conv_block_t: int = 8
+    conv_block_c: int = 256
+    logprobs_block_v: int = 8192
+    logprobs_num_warps: int = 16
+
+    def __post_init__(self) -> None:
+        _pow2("row_tile", self.row_tile, 16, 1024)
+        for name in ("block_p", "block_n", "block_k", "pass_block_p"):
+            _pow2(name, getattr(self, name), 16, 256)
+        for name in ("num_warps", "tile_num_warps"):
+            _among(name, getattr(self, name), (2, 4, 8))
+        _among("dot_precision", self.dot_precision, ("ieee",))
+        _among("bf16_dots", self.bf16_dots, ("split2", "round"))
+        _pow2("linear_block_k", self.linear_block_k, 16, 128)
+        _pow2("linear_fp32_block_k", self.linear_fp32_block_k, 16, 128)
+        for name in ("decode", "mid", "", "fp32"):
+            pre = f"linear_{name}_" if name else "linear_"
+            _pow2(pre + "block_m", getattr(self, pre + "block_m"), 16, 256)
+            _pow2(pre + "block_n", getattr(self, pre + "block_n"), 16, 256)
+            _among(pre + "warps", getattr(self, pre + "warps"), (4, 8))
+            _among(pre + "stages", getattr(self, pre + "stages"), (1, 2, 3, 4, 5, 6, 7, 8))
+            if name != "fp32":
+                _among(pre + "tma", getattr(self, pre + "tma"), (True, False))
+                _among(pre + "persistent", getattr(self, pre + "persistent"), (True, False))
+                _among(pre + "programs_per_sm", getattr(self, pre + "programs_per_sm"), (1, 2, 3, 4))
+        for name in ("linear_decode_max_m", "linear_mid_max_m", "linear_fill_programs"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} {v!r} refused: expected an int >= 0")
+        if self.linear_mid_max_m < self.linear_decode_max_m:
+            raise ValueError(f"linear_mid_max_m {self.linear_mid_max_m} refused: below linear_decode_max_m "
+                             f"{self.linear_decode_max_m}")
+        _pow2("linear_group_m", self.linear_group_m, 1, 64)
+        _among("linear_epi_split", self.linear_epi_split, (1, 2))
+        _pow2("norm_block_per_warp", self.norm_block_per_warp, 32, 8192)
+        _pow2("conv_block_t", self.conv_block_t, 1, 256)
+        _pow2("conv_block_c", self.conv_block_c, 16, 1024)
+        _pow2("logprobs_block_v", self.logprobs_block_v, 128, 16384)
+        _among("logprobs_num_warps", self.logprobs_num_warps, (1, 2, 4, 8, 16))
+
+    def scan_row_tile(self, chunk_size: int) -> int:
+        """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""
+        return min(self.row_tile, chunk_size)
+
+
+KernelConfigs = TorchKernelConfigs | TritonKernelConfigs
+CONFIG_TYPES: dict[str, type] = {"torch": TorchKernelConfigs, "triton": TritonKernelConfigs}
+
+
+def kernel_configs(backend: str, values: Mapping[str, Any] | KernelConfigs | None = None) -> KernelConfigs:
+    """The configs of ``backend``: the pinned defaults, with ``values`` (a mapping of field names, or
+    a configs object of that backend) in their place. ValueError (one line) for an unknown backend,
+    an unknown field or a value no kernel implements."""
+    if backend not in CONFIG_TYPES:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    cls = CONFIG_TYPES[backend]
+    if values is None:
+        return cls()
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+        raise ValueError(f"kernel configs {values!r} refused: expected a mapping of {backend} config names")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"kernel configs {', '.join(unknown)} refused: the {backend} backend's are {', '.join(names)}")
+    return cls(**values)
 
 
 def pinned_configs(backend: str) -> dict[str, Any]:
     """The pinned kernel configs of ``backend`` as a plain dict."""
-    if backend not in PINNED:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    return dict(PINNED[backend])
+    return dataclasses.asdict(kernel_configs(backend))

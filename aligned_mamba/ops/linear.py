@@ -7,7 +7,7 @@ same operation sequence in every call: a decode step's row equals the trainer's 
 
 Operands are taken to float32 (exact for bf16), accumulated in float32 and rounded once to the
 input dtype: what a bf16 GEMM computes, and 3-4x faster than bf16 ``bmm`` on CPUs without bf16
-units. Pass float32 weights (``Mamba2LM`` keeps them) to skip a per-call conversion.
+units. Pass float32 weights (``TorchBackend.linear_weight`` makes them) to skip a per-call conversion.
 """
 
 from __future__ import annotations

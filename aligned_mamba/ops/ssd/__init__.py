@@ -1,26 +1,29 @@
-"""The SSD (Mamba2 state-space duality) scan, in three forms.
+"""The SSD (Mamba2 state-space duality) scan, in its forms, side by side.
 
-- ``naive``: the fp64 sequential recurrence, the accuracy reference.
-- ``chunk``: the chunked scan, the one shared kernel used by trainer and sampler alike.
-- ``fused_recurrent``: the recurrent one-step update (SSU), the baseline engines decode with today.
-- ``triton_chunk``: the chunked scan as Triton kernels (the GPU backend), same contract.
+Scan forms, one signature ``(x, dt, B, C, params, cu_seqlens, initial_states=None, **options) ->
+(y, final_states)`` over packed sequences:
+
+- ``naive.ssd_naive``: the fp64 sequential recurrence, the accuracy reference;
+- ``chunk.ssd_chunk``: the chunked scan on torch ops (the CPU backend);
+- ``fused_recurrent.ssd_fused_recurrent``: the recurrent one-step update (SSU), token by token,
+  the baseline engines decode with today;
+- ``triton_chunk.ssd_chunk_triton``: the chunked scan as Triton kernels (the GPU backend).
+
+Replay forms, one signature ``(state, step, x, dt, B, C, params, *, rows=None, cfg) -> y``: an
+advance of the slots of ``step`` from their boundary states and buffers (``state.SSDState``),
+what trainer and sampler both run:
+
+- ``chunk.replay_chunk`` (torch),
+- ``triton_chunk.replay_chunk_triton`` (Triton, any step),
+- ``triton_decode.replay_decode_triton`` (Triton, one new token per sequence).
+
+The Triton modules import triton; import them where the triton backend is resolved.
 """
 
-from collections.abc import Callable
-
-from .chunk import chunk_scan, scan_chunks
-from .fused_recurrent import recurrent_step
+from .chunk import replay_chunk, ssd_chunk
+from .fused_recurrent import recurrent_step, ssd_fused_recurrent
 from .naive import ssd_naive
+from .state import SSDState, SSMParams, Step
 
-__all__ = ["chunk_scan", "recurrent_step", "scan_chunks_for", "ssd_naive"]
-
-
-def scan_chunks_for(backend: str) -> Callable:
-    """The ``scan_chunks`` of a backend: "torch" (CPU default) or "triton" (GPU; imported lazily)."""
-    if backend == "torch":
-        return scan_chunks
-    if backend == "triton":
-        from .triton_chunk import scan_chunks_triton
-
-        return scan_chunks_triton
-    raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
+__all__ = ["SSDState", "SSMParams", "Step", "recurrent_step", "replay_chunk", "ssd_chunk", "ssd_fused_recurrent",
+           "ssd_naive"]

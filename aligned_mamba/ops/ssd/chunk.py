@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import elementwise as ew
+from ..configs import TorchKernelConfigs
+from .state import SSDState, SSMParams, Step
 
 
 @dataclass
@@ -261,38 +263,83 @@ def scan_chunks(
     return y, h, moved
 
 
-def chunk_scan(
+def ssd_chunk(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSMParams,
     cu_seqlens: torch.Tensor,
-    initial_states: torch.Tensor,
-    chunk_size: int,
+    initial_states: torch.Tensor | None = None,
     *,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    rows: torch.Tensor | None = None,
-    final: str = "boundary",
+    chunk_size: int,
     row_tile: int = 16,
+    final: str = "end",
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan over packed sequences, each starting at a chunk boundary.
+    """Chunked scan over packed sequences, each starting at a chunk boundary (the forms' signature).
 
-    Args:
-        x: [T, H, P] (bf16 or fp32). dt: [T, H] raw dt. B, C: [T, G, N].
-        A: [H] fp32 (negative). D: [H] or [H, P]. dt_bias: [H].
-        cu_seqlens: [S+1] int64 offsets of the sequences in the packed rows.
-        initial_states: [S, H, P, N] float32, the state at each sequence's first row.
-        rows: [T] bool, the rows whose outputs are wanted (default all).
-        final: "boundary" returns each sequence's state at its last full-chunk boundary (what
-            exact replay keeps); "end" folds the trailing partial chunk in too (the baseline's
-            running state).
+    x [T, H, P] (bf16 or fp32), dt [T, H] raw, B/C [T, G, N], cu_seqlens [S+1] int64 offsets of the
+    sequences in the packed rows, initial_states [S, H, P, N] float32 (the state at each sequence's
+    first row; None: zeros). rows [T] bool: the rows whose outputs are wanted (default all).
+    final: "end" folds every chunk into the returned states (a sequence's state at its last row),
+    "boundary" stops at each sequence's last full-chunk boundary (what exact replay keeps).
 
-    Returns:
-        y [T, H, P] in x's dtype (zero in rows not wanted) and states [S, H, P, N] float32.
+    Returns y [T, H, P] in x's dtype (zero in rows not wanted) and states [S, H, P, N] float32.
     """
-    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit)
-    y, h, _ = scan_chunks(ch, C, A, D, initial_states, rows=rows, final=final, row_tile=row_tile)
+    S = cu_seqlens.numel() - 1
+    H, P, N = x.shape[1], x.shape[2], B.shape[2]
+    if initial_states is None:
+        initial_states = torch.zeros(S, H, P, N, device=x.device)
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, params.dt_bias, params.dt_limit)
+    y, h, _ = scan_chunks(ch, C, params.A, params.D, initial_states, rows=rows, final=final, row_tile=row_tile)
     return y.to(x.dtype), h
+
+
+def replay_chunk(
+    state: SSDState,
+    step: Step,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    *,
+    rows: torch.Tensor | None = None,
+    cfg: TorchKernelConfigs,
+) -> torch.Tensor:
+    """Advance every slot of ``step`` by its new tokens on the torch backend (the replay forms'
+    signature); returns y [T, H, P] in x's dtype, zero in rows not wanted.
+
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype (the buffers'); rows [T] bool
+    (default all). Updates ``state`` in place: boundary states of the slots whose chunk completed,
+    buffers (rows past a slot's fill level stay zero, so a slot's buffer is its first chunk's
+    zero-padded prefix; ``pack_chunks`` zeroes the softplus'd dt past the fill level).
+    """
+    state.check_inputs(x, dt, B)
+    L = state.chunk_size
+    dev = x.device
+    slots, cu = step.slots.to(dev), step.cu_seqlens.to(dev)
+    lens = cu[1:] - cu[:-1]
+    off = step.start_pos.to(dev) % L  # rows buffered since the boundary
+    prefix = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots], off)
+    ch = pack_chunks(x, dt, B, cu, L, params.dt_bias, params.dt_limit, prefix=prefix)
+    y, h, moved = scan_chunks(ch, C, params.A, params.D, state.ssm_state[slots], rows=rows, final="boundary",
+                              row_tile=cfg.scan_row_tile(L))
+    if bool(moved.any()):
+        state.ssm_state[slots[moved]] = h[moved]
+    # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is
+    # emptied first (rows past the fill level stay zero); the others only gain rows.
+    rem = (off + lens) % L
+    crossed = off + lens >= L
+    if bool(crossed.any()):
+        for buf in (state.buf_x, state.buf_dt, state.buf_B):
+            buf[slots[crossed]] = 0
+    row_seq = torch.repeat_interleave(torch.arange(slots.numel(), device=dev), lens, output_size=x.shape[0])
+    last_chunk = ch.row_chunk == (torch.cumsum((off + lens + L - 1) // L, 0) - 1)[row_seq]
+    keep = last_chunk & (rem[row_seq] > 0)
+    dst_slot, dst_pos = slots[row_seq[keep]], ch.row_pos[keep]
+    state.buf_x[dst_slot, :, dst_pos] = x[keep]
+    state.buf_dt[dst_slot, :, dst_pos] = dt[keep]  # raw: pack_chunks applies softplus on replay
+    state.buf_B[dst_slot, :, dst_pos] = B[keep]
+    return y.to(x.dtype)

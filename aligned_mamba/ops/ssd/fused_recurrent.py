@@ -1,4 +1,4 @@
-"""The recurrent one-step update (selective state update, SSU): the baseline.
+"""The recurrent form of the SSD scan (selective state update, SSU): the baseline.
 
 This is how engines decode Mamba2 today: one token per step, the state updated in place. It is
 the same math as the chunked scan but another rounding, so its outputs differ from the trainer's
@@ -7,39 +7,62 @@ chunked pass from the first decoded token on. Kept to show the mismatch exact re
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from .state import SSMParams
 
-def recurrent_step(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
+
+def recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   params: SSMParams) -> torch.Tensor:
     """One token for each of S sequences; ``state`` [S, H, P, N] float32 is updated in place.
 
-    x [S, H, P], dt [S, H] raw, A [H] fp32, B/C [S, G, N], D [H] or [H, P], dt_bias [H].
-    Returns y [S, H, P] in x's dtype.
+    x [S, H, P], dt [S, H] raw, B/C [S, G, N]. Returns y [S, H, P] in x's dtype.
     """
     H = x.shape[1]
     G = B.shape[1]
-    dtf = F.softplus(dt.float() + dt_bias)
-    if dt_limit != (0.0, math.inf):
-        dtf = dtf.clamp(dt_limit[0], dt_limit[1])
+    dtf = F.softplus(dt.float() + params.dt_bias)
+    if params.has_limit:
+        dtf = dtf.clamp(params.dt_limit[0], params.dt_limit[1])
     head_group = torch.arange(H, device=x.device) // (H // G)
     Bh, Ch = B.float()[:, head_group], C.float()[:, head_group]  # [S, H, N]
     xf = x.float()
-    decay = torch.exp(dtf * A)[:, :, None, None]
+    decay = torch.exp(dtf * params.A)[:, :, None, None]
     state.mul_(decay).add_((dtf[:, :, None] * xf)[:, :, :, None] * Bh[:, :, None, :])
     y = (state * Ch[:, :, None, :]).sum(-1)
-    Df = D.float()
+    Df = params.D.float()
     y = y + (Df[:, None] if Df.dim() == 1 else Df) * xf
     return y.to(x.dtype)
+
+
+def ssd_fused_recurrent(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every packed sequence token by token with ``recurrent_step`` (the forms' signature).
+
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N], cu_seqlens [S+1], initial_states [S, H, P, N] fp32
+    or None (zeros). Returns y [T, H, P] in x's dtype and the states at each sequence's end
+    [S, H, P, N] float32.
+    """
+    T, H, P = x.shape
+    N = B.shape[2]
+    S = cu_seqlens.numel() - 1
+    states = (torch.zeros(S, H, P, N, device=x.device) if initial_states is None
+              else initial_states.to(torch.float32).clone())
+    y = torch.empty_like(x)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    starts = cu_seqlens[:-1].tolist()
+    for j in range(max(lens, default=0)):  # position j of every sequence that has one, in one update
+        seqs = [i for i in range(S) if lens[i] > j]
+        rows = torch.tensor([starts[i] + j for i in seqs], dtype=torch.int64, device=x.device)
+        idx = torch.tensor(seqs, dtype=torch.int64, device=x.device)
+        st = states[idx]
+        y[rows] = recurrent_step(st, x[rows], dt[rows], B[rows], C[rows], params)
+        states[idx] = st
+    return y, states

@@ -7,36 +7,33 @@ Per head h:  dt_t = softplus(dt_raw_t + dt_bias), clamped to dt_limit
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .state import SSMParams
 
 
 def ssd_naive(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSMParams,
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None = None,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run each packed sequence token by token in float64.
 
-    x [T, H, P], dt [T, H] (raw), A [H], B/C [T, G, N], D [H] or [H, P], dt_bias [H],
-    cu_seqlens [S+1], initial_states [S, H, P, N] or None (zeros).
-    Returns y [T, H, P] float64 and the final states [S, H, P, N] float64.
+    x [T, H, P], dt [T, H] (raw), B/C [T, G, N], cu_seqlens [S+1], initial_states [S, H, P, N]
+    or None (zeros). Returns y [T, H, P] float64 and the final states [S, H, P, N] float64.
     """
+    A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     f64 = torch.float64
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = cu_seqlens.numel() - 1
     xd, Bd, Cd = x.to(f64), B.to(f64), C.to(f64)
     dtd = torch.nn.functional.softplus(dt.to(f64) + dt_bias.to(f64))
-    if dt_limit != (0.0, math.inf):
+    if params.has_limit:
         dtd = dtd.clamp(dt_limit[0], dt_limit[1])
     Ad = A.to(f64)
     Dd = D.to(f64)

@@ -23,7 +23,7 @@ Per sequence q of S:
     packed row of buffer row 0 (rows from keep_lo on are new rows); clear_hi[q]: rows keep_hi ..
     clear_hi-1 become zero. A buffer whose chunk completed is rewritten from row 0 (keep_lo = 0) and
     its old rows past the new fill level are cleared; rows at and past the old fill level are zero
-    already (the buffer invariant of ``LayerReplayState``), so they are not written.
+    already (the buffer invariant of ``SSDState``), so they are not written.
     state_chunks [n]: the chunks with need set, in order; chunk_slot[c] = slot[seq[c]]; chunk_id[c] = c.
 Per sequence also slot[q], its slot in the replay state.
 Per row tile i of NT (R rows of one chunk holding at least one wanted row):

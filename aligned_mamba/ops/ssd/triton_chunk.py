@@ -13,10 +13,11 @@ its position in the chunk). Here that is kept by construction:
   compiler contract ``dt * A`` into the scan's adds differently in each);
 - states pass from chunk to chunk in float32, sequentially per sequence, by one kernel.
 
-An advance (``advance_triton``) runs from a host-side ``plan.AdvancePlan`` (chunk, sequence and
-tile tables computed on the CPU from the batch's lengths and moved in one copy), so it never waits
-on the device. Kernels, in launch order (grids in brackets; PB/NB = number of BLOCK_P/BLOCK_N
-blocks of P/N):
+An advance (``replay_chunk_triton``, the replay form; ``advance_planned`` below it) runs from a
+host-side ``plan.AdvancePlan`` (chunk, sequence and tile tables computed on the CPU from the step's
+lengths and moved in one copy), so it never waits on the device. ``ssd_chunk_triton`` is the same
+scan as a stateless form (``chunk.ssd_chunk``'s signature). Kernels, in launch order (grids in
+brackets; PB/NB = number of BLOCK_P/BLOCK_N blocks of P/N):
 
 0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: dt after softplus (fp32) of every chunk, and x and B
    (model dtype) of the chunks with buffered rows, whole, from the slots' buffers (rows < pre) and
@@ -35,13 +36,10 @@ blocks of P/N):
 
 Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
 (with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
-kernels through it. (Every K block of the chunk with those past the tile masked, or the while
-loop's blocks as a run-time ``tl.range``, give the same bits and were no faster on the H200:
-``benchmarks/README.md``.)
+kernels through it.
 
-Configs: BLOCK_P, BLOCK_N, BLOCK_K, num_warps and the tile kernel's warps come from
-``PINNED["triton"]``; the row tile is an argument, as for the torch scan (callers pass
-``PINNED["triton"]["row_tile"]``). Every dot goes through ``triton_dot.dot_acc``: fp32 FMA dots
+Configs: the row tile, the P, N and K blocks, the warps and the dot precision are the contract's
+``TritonKernelConfigs``, passed to every launch (``cfg``). Every dot goes through ``triton_dot.dot_acc``: fp32 FMA dots
 ("ieee") for fp32 models, tensor-core dots with bf16 operands (fp32 operands split in two) for
 bf16 models, chosen by C's dtype.
 """
@@ -49,44 +47,26 @@ bf16 models, chosen by C's dtype.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ..configs import PINNED
+from ..configs import TritonKernelConfigs
 from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
-from .chunk import Chunks
+from .chunk import Chunks, pack_chunks
 from .plan import AdvancePlan, plan_advance, to_device
+from .state import SSDState, SSMParams, Step
 from .triton_decode import state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
-if TYPE_CHECKING:
-    from ...replay import LayerReplayState
-
-_CFG = PINNED["triton"]
-BLOCK_P: int = _CFG["BLOCK_P"]
-BLOCK_N: int = _CFG["BLOCK_N"]
-BLOCK_K: int = _CFG["BLOCK_K"]
-NUM_WARPS: int = _CFG["num_warps"]
-TILE_WARPS: int = _CFG["tile_num_warps"]
-# The state pass is elementwise in (p, n): its block only sets how many programs walk the chunks
-# in parallel (a long sequence has few), never the bits.
-PASS_BLOCK_P: int = _CFG["pass_block_p"]
-# Compile options of the row-tile kernel (tensor-core dots) beyond the pinned ones: occupancy only,
-# never the arithmetic. No pipelining (the 2-block inter loop's buffers took 49 of its 74 KB of
-# shared memory) and at most 128 registers: 4 programs per SM (414b8af, h200_variants.json). With
-# the seeded accumulation it fits without spilling. Two heads of a group per program (sharing the
-# loads of C and C.B) measured slower at a5fdb37 at every length from 8k tokens, capped or not.
+# Compile options of the row-tile kernel (tensor-core dots) beyond the contract's configs: occupancy
+# only, never the arithmetic. No software pipelining (the two-block inter-chunk loop's buffers
+# would take most of its shared memory) and at most 128 registers (4 programs per SM), where the
+# seeded accumulation fits without spilling (benchmarks/README.md has the measurements).
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
 PACK_ROWS = 32
-# fp32 operands are multiplied in full IEEE fp32: Triton's default (tf32) keeps a 10-bit mantissa
-# and would miss the fp32 accuracy target by orders of magnitude. Pinned (and fingerprinted) with
-# the other configs: a different precision gives different bits.
-DOT_PRECISION: str = _CFG["dot_precision"]
 
 
 @triton.jit
@@ -444,8 +424,9 @@ def scan_planned(
     T: int,
     out_dtype: torch.dtype,
     zero_unwanted: bool = True,
+    cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """The scan proper, from a device plan; updates ``states`` in place.
+    """The scan proper, from a device plan, launched with ``cfg``; updates ``states`` in place.
 
     plan: ``to_device(plan_advance(...))``. x [T, H, P] and B [T, G, N]: the packed new rows;
     x_parts [*, H, L, P] and B_parts [*, G, L, N]: the chunks with plan.part >= 0, whole (buffered
@@ -464,7 +445,7 @@ def scan_planned(
     _check_shapes(H, G, L, R)
     dev = dt.device
     f32 = torch.float32
-    tc = tensor_core_dots(C.dtype)
+    tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
     fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
     x, dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous()
                                      for t in (x, dt, B, C, x_parts, B_parts))
@@ -474,28 +455,29 @@ def scan_planned(
     y = (torch.zeros if zero_unwanted else torch.empty)(T, H, P, device=dev, dtype=out_dtype)
     if NC == 0:
         return y
-    PB, NB = triton.cdiv(P, BLOCK_P), triton.cdiv(N, BLOCK_N)
+    PB, NB = triton.cdiv(P, cfg.block_p), triton.cdiv(N, cfg.block_n)
     dims = dict(H=H, L=L, P=P, N=N)
 
     a = torch.empty(NC, H, L, device=dev, dtype=f32)
-    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=NUM_WARPS,
+    _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=cfg.num_warps,
                             enable_fp_fusion=fuse)
 
     # C.B once per (chunk, group): the tile kernel's per-head dot, hoisted (same shapes, same bits)
     cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
     if plan.num_tiles:
-        _cb_kernel[(NC * G, L // R, triton.cdiv(L, BLOCK_K))](
-            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=BLOCK_K,
-            BLOCK_N=BLOCK_N,
-            PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+        _cb_kernel[(NC * G, L // R, triton.cdiv(L, cfg.block_k))](
+            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=cfg.block_k,
+            BLOCK_N=cfg.block_n,
+            PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps, enable_fp_fusion=fuse,
         )
 
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
             _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
-                plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-                BLOCK_N=BLOCK_N, PRECISION=DOT_PRECISION, TC=tc, num_warps=TILE_WARPS, enable_fp_fusion=fuse,
+                plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=cfg.block_k,
+                BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
+                num_warps=cfg.tile_num_warps, enable_fp_fusion=fuse,
                 **(TILE_OPTS if tc else {}),
             )
 
@@ -509,16 +491,16 @@ def scan_planned(
         NBS = state_block_n(N)
         _chunk_state_kernel[(n_need, H, PB * triton.cdiv(N, NBS))](
             x, x_parts, B, B_parts, plan.part, plan.row0, plan.length, dt, a, chunk_state, plan.state_chunks, G=G,
-            **dims, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
-            BLOCK_NS=NBS, PRECISION=DOT_PRECISION, TC=tc, num_warps=NUM_WARPS, enable_fp_fusion=fuse,
+            **dims, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
+            BLOCK_NS=NBS, PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps, enable_fp_fusion=fuse,
         )
     if plan.one_each and not plan.any_moved:
         return y
     h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
-    PP = min(PASS_BLOCK_P, BLOCK_P)
+    PP = min(cfg.pass_block_p, cfg.block_p)
     _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
         a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,
-        BLOCK_N=BLOCK_N, WRITE_IN=not plan.one_each, RT_RANGE=not interpreting(), num_warps=NUM_WARPS,
+        BLOCK_N=cfg.block_n, WRITE_IN=not plan.one_each, RT_RANGE=not interpreting(), num_warps=cfg.num_warps,
         enable_fp_fusion=fuse,
     )
     if not plan.one_each:
@@ -526,29 +508,27 @@ def scan_planned(
     return y
 
 
-def advance_triton(
-    state: LayerReplayState,
+def advance_planned(
+    state: SSDState,
     plan: AdvancePlan,
     x: torch.Tensor,
     dt: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
+    params: SSMParams,
     *,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
     zero_unwanted: bool = True,
     device_plan: AdvancePlan | None = None,
+    cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """``replay.ssd_advance`` on the Triton backend, from a host plan (``plan_advance`` with the
-    batch's slots, "boundary"): pack, scan, move the boundary states, rewrite the buffers.
+    """An advance on the Triton backend from a host plan (``plan_advance`` with the step's slots,
+    "boundary"): pack, scan, move the boundary states, rewrite the buffers.
 
-    state: a ``LayerReplayState`` (contiguous; buffers in the model dtype). x [T, H, P], dt [T, H]
-    raw, B/C [T, G, N] in the model dtype. device_plan: ``to_device(plan, x.device)`` if the caller
-    keeps one (every layer of a step shares it), else it is made here. Returns y [T, H, P] in x's
-    dtype.
+    state: an ``SSDState`` (contiguous; buffers in the model dtype). x [T, H, P], dt [T, H] raw,
+    B/C [T, G, N] in the model dtype. device_plan: ``to_device(plan, x.device)`` if the caller keeps
+    one (every layer of a step shares it), else it is made here. Returns y [T, H, P] in x's dtype.
     """
+    dt_bias, dt_limit = params.dt_bias, params.dt_limit
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     L = plan.L
@@ -574,8 +554,8 @@ def advance_triton(
             pd.part, xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=has_limit(dt_limit), num_warps=4,
             enable_fp_fusion=False,
         )
-    y = scan_planned(pd, x, dtc, B, C, A, D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T, out_dtype=x.dtype,
-                     zero_unwanted=zero_unwanted)
+    y = scan_planned(pd, x, dtc, B, C, params.A, params.D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T,
+                     out_dtype=x.dtype, zero_unwanted=zero_unwanted, cfg=cfg)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
@@ -593,16 +573,15 @@ def scan_chunks_triton(
     *,
     rows: torch.Tensor | None = None,
     final: str = "boundary",
-    row_tile: int = 16,
+    cfg: TritonKernelConfigs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan proper on Triton; a drop-in for ``chunk.scan_chunks`` (same bits rule, own bits).
 
     ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] softplus'd, B [NC, G, L, N] fp32).
     C [T, G, N] for the packed new rows, in the model dtype (bf16 selects the tensor-core dots, so
     ch.x and ch.B must hold bf16 values too); A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N]
-    fp32; rows [T] bool, the rows whose outputs are wanted (default all); row_tile a power of two
-    >= 16 dividing L. The chunk layout is read back to the host to plan the call (an advance plans
-    from the batch instead: ``advance_triton``).
+    fp32; rows [T] bool, the rows whose outputs are wanted (default all). The chunk layout is read
+    back to the host to plan the call (an advance plans from the step instead: ``replay_chunk_triton``).
 
     Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
     sequence's last full-chunk boundary for final="boundary", at its end for "end") and moved [S]
@@ -610,6 +589,7 @@ def scan_chunks_triton(
     """
     NC, H, L, P = ch.x.shape
     G = ch.B.shape[1]
+    row_tile = cfg.scan_row_tile(L)
     _check_shapes(H, G, L, row_tile)
     S = initial_states.shape[0]
     dev = ch.x.device
@@ -621,5 +601,69 @@ def scan_chunks_triton(
     # every chunk is already whole (packed): read them all from the parts
     plan = dataclasses.replace(plan, part=np.arange(plan.num_chunks, dtype=np.int64), num_parts=plan.num_chunks)
     y = scan_planned(to_device(plan, dev), ch.x, ch.dt, ch.B, C, A, D, states, x_parts=ch.x, B_parts=ch.B,
-                     T=C.shape[0], out_dtype=torch.float32)
+                     T=C.shape[0], out_dtype=torch.float32, cfg=cfg)
     return y, states, torch.from_numpy(plan.moved).to(dev)
+
+
+def ssd_chunk_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    *,
+    chunk_size: int,
+    cfg: TritonKernelConfigs,
+    final: str = "end",
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk.ssd_chunk`` on the Triton kernels (the forms' signature; its own bits).
+
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N] (bf16 selects the tensor-core dots), cu_seqlens
+    [S+1], initial_states [S, H, P, N] float32 or None (zeros). Returns y [T, H, P] in x's dtype
+    and the states [S, H, P, N] float32 (at each end for final="end", at the last full-chunk
+    boundary for "boundary").
+    """
+    S = cu_seqlens.numel() - 1
+    H, P, N = x.shape[1], x.shape[2], B.shape[2]
+    if initial_states is None:
+        initial_states = torch.zeros(S, H, P, N, device=x.device)
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, params.dt_bias, params.dt_limit)
+    y, h, _ = scan_chunks_triton(ch, C, params.A, params.D, initial_states, rows=rows, final=final, cfg=cfg)
+    return y.to(x.dtype), h
+
+
+def replay_chunk_triton(
+    state: SSDState,
+    step: Step,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    *,
+    rows: torch.Tensor | None = None,
+    cfg: TritonKernelConfigs,
+) -> torch.Tensor:
+    """An advance of every slot of ``step`` on the Triton kernels (the replay forms' signature):
+    returns y [T, H, P] in x's dtype (zero in rows not wanted when ``rows`` is given).
+
+    The chunk, tile and buffer layout comes from the step's lengths on the host (no device syncs),
+    once per step and device (``step.derived``: every layer of a step shares it); pack, scan, state
+    pass and buffer rewrite are Triton kernels. A rows mask is a device tensor of its own, so a
+    masked advance is planned per call.
+    """
+    state.check_inputs(x, dt, B)
+    L = state.chunk_size
+    R = cfg.scan_row_tile(L)
+    dev = x.device
+
+    def planned() -> tuple[AdvancePlan, AdvancePlan]:
+        p = plan_advance(step.lengths, step.start_pos % L, L, R, slots=step.slots, rows=rows)
+        return p, to_device(p, dev)
+
+    plan, plan_d = planned() if rows is not None else step.derived(("plan", L, R, dev), planned)
+    return advance_planned(state, plan, x, dt, B, C, params, zero_unwanted=rows is not None, device_plan=plan_d,
+                           cfg=cfg)

@@ -1,7 +1,7 @@
 """Fused exact-replay decode step on Triton: one new token per sequence, any offsets, any batch.
 
-A decode step must give the token's output row the bits a single-pass prefill (``ssd_advance``
-with ``backend="triton"``, i.e. ``triton_chunk.advance_triton``) gives the same row. By the invariant of
+A decode step must give the token's output row the bits a single-pass prefill
+(``triton_chunk.replay_chunk_triton``) gives the same row. By the invariant of
 ``chunk.py`` that row is a fixed function of (its chunk's fp32 boundary state, the chunk's inputs
 up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
 buffer, and only the token's own row:
@@ -47,27 +47,17 @@ ever differs there.
 from __future__ import annotations
 
 import functools
-import math
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..configs import PINNED
+from ..configs import TritonKernelConfigs
 from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
+from .plan import host_to_device
+from .state import SSDState, SSMParams, Step
 from .triton_dot import dot_acc, tensor_core_dots
-
-if TYPE_CHECKING:
-    from ...replay import LayerReplayState
-
-_CFG = PINNED["triton"]
-BLOCK_P: int = _CFG["BLOCK_P"]
-BLOCK_N: int = _CFG["BLOCK_N"]
-BLOCK_K: int = _CFG["BLOCK_K"]
-NUM_WARPS: int = _CFG["num_warps"]
-DOT_PRECISION: str = _CFG["dot_precision"]
 
 MODES = ("row", "tile")
 DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
@@ -79,9 +69,9 @@ DECODE_ROW_TILE = 16
 # write), then waits for the prep (``gdc_wait``) before reading what the prep wrote. Scheduling
 # only: the arithmetic and its order are the same with it off.
 PDL: bool = True
-# Compile options of the tile kernel (tensor-core dots) beyond the pinned ones: occupancy only,
-# never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB); measured on
-# the H200 at 414b8af (h200_variants.json): 1-5% faster at batch 64 and 256 in CUDA graphs.
+# Compile options of the tile kernel (tensor-core dots) beyond the contract's configs: occupancy
+# only, never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB), which
+# measured a few per cent faster in CUDA graphs (benchmarks/README.md).
 TILE_OPTS: dict = {"num_stages": 2}
 # Batch entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
@@ -544,26 +534,24 @@ def _row_layout(H: int, G: int, P: int) -> tuple[int, int]:
     return hpp, rb_p
 
 
-def replay_decode_triton(
-    state: LayerReplayState,
+def decode_step_triton(
+    state: SSDState,
     slots: torch.Tensor,
     pos: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
+    params: SSMParams,
     *,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
+    cfg: TritonKernelConfigs,
     row_tile: int | None = None,
     mode: str | None = None,
     completes: bool | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One exact-replay decode step for S sequences, one new token each; returns y [S, H, P].
 
-    state: a ``LayerReplayState`` (contiguous tensors; buf_x/buf_dt/buf_B in the model dtype,
+    state: an ``SSDState`` (contiguous tensors; buf_x/buf_dt/buf_B in the model dtype,
     ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
     this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype.
     A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
@@ -577,10 +565,12 @@ def replay_decode_triton(
     batch and return at once for the others. A wrong hint is harmless only in the direction of
     listing too many: listed sequences are still checked.
 
-    Updates ``state`` in place exactly as ``ssd_advance(state, Batch(slots, pos, [1] * S), ...)``
-    would, and y has the bits of that call's rows.
+    Updates ``state`` in place exactly as ``triton_chunk.replay_chunk_triton`` would for the step
+    (slots, pos, one token each), and y has the bits of that call's rows. Every table is a device
+    tensor and nothing is read back, so the step can be captured in a CUDA graph.
     """
-    tc = tensor_core_dots(C.dtype)
+    A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
+    tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
     mode = ("tile" if tc else DEFAULT_MODE) if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -632,28 +622,28 @@ def replay_decode_triton(
     cb_scr = scratch[2 * S * H * L:] if with_cb else scratch
     dims = dict(H=H, G=G, L=L, P=P, N=N)
     with_limit = has_limit(dt_limit)
-    PB = triton.cdiv(P, BLOCK_P)
+    PB = triton.cdiv(P, cfg.block_p)
 
-    KB = min(BLOCK_K, L)  # the tile kernel's K block: the prep's column block
+    KB = min(cfg.block_k, L)  # the tile kernel's K block: the prep's column block
     pdl = PDL and not row and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
     _prep_kernel[(S, G, L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=with_limit, WITH_CB=with_cb, TC=tc, R=R,
-        BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, enable_fp_fusion=False,
+        BLOCK_N=cfg.block_n, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
         _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
             state.buf_x, dt_scr, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
-            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=NUM_WARPS,
+            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=cfg.num_warps,
         )
     else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, **dims, R=R, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-            PRECISION=DOT_PRECISION, TC=tc, PDL=pdl, num_warps=NUM_WARPS,
+            sD_h, sD_p, **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
+            BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)
@@ -664,29 +654,46 @@ def replay_decode_triton(
         NBS = state_block_n(N)
         _update_kernel[(H, triton.cdiv(n_upd, QB), PB * triton.cdiv(N, NBS))](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=NBS, PRECISION=DOT_PRECISION, TC=tc, LISTED=listed, QB=QB,
-            PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=not tc, **launch,
+            BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=NBS, PRECISION=cfg.dot_precision, TC=tc,
+            LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=not tc, **launch,
         )
         _zero_kernel[(H, triton.cdiv(n_upd, QB))](
             state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L, ZB=1024,
-            LISTED=listed, QB=QB, PDL=pdl, num_warps=NUM_WARPS, **launch,
+            LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, **launch,
         )
     return y
 
 
-def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
-    """Bytes one sequence's decode step moves from HBM when no chunk completes: the boundary state
-    read once, the partial chunk's x, raw dt and B rows (fill + 1 with the token's) read once, the
-    a, dt and cb scratch written and read, the token's inputs, its rows written to the buffers,
-    and the output."""
-    rows = fill + 1
-    state = H * P * N * 4
-    buf = rows * (H * P * x_bytes + H * x_bytes + G * N * x_bytes)
-    scratch = 2 * (2 * H * L * 4 + G * L * 4)
-    token = 2 * (H * P * x_bytes + H * 4 + G * N * x_bytes) + H * x_bytes + G * N * x_bytes + H * P * x_bytes
-    return state + buf + scratch + token
+def replay_decode_triton(
+    state: SSDState,
+    step: Step,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    *,
+    rows: torch.Tensor | None = None,
+    cfg: TritonKernelConfigs,
+) -> torch.Tensor:
+    """A decode step (one new token per slot of ``step``) on the fused kernels (the replay forms'
+    signature); returns y [S, H, P] in x's dtype with the bits of ``replay_chunk_triton``'s rows.
 
+    Every row of a one-token step is computed (``rows`` may only say which are wanted: the
+    others are computed all the same). The step's slots, positions and the indices of the tokens
+    that complete a chunk go to the device in one copy, once per step (``step.derived``).
+    """
+    if not bool((step.lengths == 1).all()):
+        raise ValueError("the decode kernels take one new token per sequence; use replay_chunk_triton")
+    state.check_inputs(x, dt, B)
+    L = state.chunk_size
+    dev = x.device
 
-def ssu_step_bytes(H: int, G: int, P: int, N: int, x_bytes: int = 2) -> int:
-    """Bytes one sequence's SSU step moves (lower bound): the fp32 state read and written."""
-    return 2 * H * P * N * 4 + H * P * x_bytes * 2 + H * x_bytes + 2 * G * N * x_bytes
+    def tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
+        done = torch.nonzero(step.start_pos % L == L - 1).flatten()
+        n = step.slots.numel()
+        t = host_to_device(torch.cat([step.slots, step.start_pos, done]).numpy(), dev)  # one copy
+        return t[:n], t[n:2 * n], t[2 * n:] if done.numel() else False
+
+    slots_d, pos_d, done_d = step.derived(("decode", L, dev), tables)
+    return decode_step_triton(state, slots_d, pos_d, x, dt, B, C, params, cfg=cfg, completes=done_d)

@@ -24,7 +24,7 @@ Both are row-invariant (a row of the result depends on that row of ``a`` and on 
 tile shapes the kernels use, so a decode step that computes one live row in a small row tile gets
 the bits a prefill gets for that row in a large one; measured on the H200 (design notes) and
 re-checked by the GPU tests for every kernel pair. The two modes give different bits: the
-precision is part of the contract (``PINNED["triton"]``).
+precision is part of the contract (``TritonKernelConfigs.bf16_dots``).
 """
 
 from __future__ import annotations
@@ -33,21 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import PINNED
-
-BF16_DOTS: str = PINNED["triton"]["bf16_dots"]
-
-
 # bf16_dots value -> the kernels' TC code (fp32 models always run 0, the fp32 FMA dots)
 DOT_MODES = {"split2": 1, "round": 2}
 
 
-def tensor_core_dots(dtype: torch.dtype) -> int:
-    """The kernels' ``TC`` for inputs of ``dtype``: 0 (fp32 FMA dots) unless bf16, then the pinned
-    ``bf16_dots`` mode's code (1 "split2", 2 "round"; see the module docstring)."""
-    if BF16_DOTS not in DOT_MODES:
-        raise ValueError(f"bf16_dots must be one of {sorted(DOT_MODES)}, not {BF16_DOTS!r}")
-    return DOT_MODES[BF16_DOTS] if dtype == torch.bfloat16 else 0
+def tensor_core_dots(dtype: torch.dtype, bf16_dots: str) -> int:
+    """The kernels' ``TC`` for inputs of ``dtype``: 0 (fp32 FMA dots) unless bf16, then the code of
+    the contract's ``bf16_dots`` mode (1 "split2", 2 "round"; see the module docstring)."""
+    if bf16_dots not in DOT_MODES:
+        raise ValueError(f"bf16_dots must be one of {sorted(DOT_MODES)}, not {bf16_dots!r}")
+    return DOT_MODES[bf16_dots] if dtype == torch.bfloat16 else 0
 
 
 @triton.jit
@@ -80,4 +75,4 @@ def dot_acc(acc, a, b, TC: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.cons
     return acc
 
 
-__all__ = ["BF16_DOTS", "DOT_MODES", "dot_acc", "tensor_core_dots"]
+__all__ = ["DOT_MODES", "dot_acc", "tensor_core_dots"]

@@ -1,8 +1,8 @@
-"""The RL trainer on a real Megatron-Core MambaModel (``trainer_hooks.megatron_rl``): it scores the sampler's
+"""The trainer on a real Megatron-Core MambaModel (``trainer_hooks.megatron_trainer``): it scores the sampler's
 logprobs bit for bit, steps through Megatron's forward and backward with fp32 masters, and serves the new
 weights, which sample what it scores; it also agrees bit for bit with the reference ``PolicyTrainer``.
 
-The sampler is the reference engine (``SamplerEngine`` over ``Mamba2LM``) under a small token budget, so
+The sampler is the reference engine (``SamplerEngine`` over the core's model) under a small token budget, so
 prompts are prefilled in unaligned pieces mixed with other requests' decode steps.
 """
 
@@ -20,13 +20,13 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)
 
 from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.model.checkpoint import make_tiny  # noqa: E402
-from aligned_mamba.model.engine import SamplerEngine  # noqa: E402
-from aligned_mamba.model.lm import Mamba2LM  # noqa: E402
+from aligned_mamba.engine import SamplerEngine  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.train import PolicyTrainer, weights_digest, weights_from_bytes  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_check as mc  # noqa: E402
-from trainer_hooks.megatron_rl import MegatronPolicyTrainer, build_policy_trainer  # noqa: E402
+from trainer_hooks import megatron_trainer as mc  # noqa: E402
+from trainer_hooks.megatron_trainer import MegatronTrainer, make_trainer  # noqa: E402
 
 TINY = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, vocab_size=256, chunk_size=32)
 
@@ -55,7 +55,7 @@ def setup():
 
 def sample(config, weights, contract, seed: int):
     """Three requests (prompts 29, 40, 51 tokens, 12 new each) at a 23-token budget: chunked prefill."""
-    eng = SamplerEngine(Mamba2LM(config, weights, contract), num_slots=3, max_batch_tokens=23, seed=seed)
+    eng = SamplerEngine(build_model(config, weights, contract), num_slots=3, max_batch_tokens=23, seed=seed)
     reqs = [eng.add_request(list(range(1, 30 + 11 * i)), 12) for i in range(3)]
     eng.run()
     return [torch.tensor(r.tokens) for r in reqs], [r.prompt_len for r in reqs], reqs
@@ -76,8 +76,8 @@ def assert_scores_are_sampled(trainer, seqs, prompt_lens, reqs) -> None:
 
 def test_exports_the_checkpoint_and_scores_the_sampled_logprobs(setup) -> None:
     config, tensors, contract = setup
-    tr = build_policy_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
-    assert isinstance(tr, MegatronPolicyTrainer) and tr.version == 0
+    tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
+    assert isinstance(tr, MegatronTrainer) and tr.version == 0
     blob, digest = tr.export_bytes()
     w = weights_from_bytes(blob)
     # the same names and dtypes (and bits) as the checkpoint, version in the metadata
@@ -91,7 +91,7 @@ def test_exports_the_checkpoint_and_scores_the_sampled_logprobs(setup) -> None:
 
 def test_step_moves_the_served_bits_and_they_sample_what_it_scores(setup) -> None:
     config, tensors, contract = setup
-    tr = build_policy_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
+    tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
     seqs, pl, _ = sample(config, exported(tr), contract, 0)
     before = tr.token_logprobs(seqs, pl)
     d0 = tr.export_bytes()[1]
@@ -112,12 +112,12 @@ def test_step_moves_the_served_bits_and_they_sample_what_it_scores(setup) -> Non
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_agrees_with_the_reference_trainer_bit_for_bit(tied: bool, setup) -> None:
-    """Scores are bit-identical by construction (the hook's forward is Mamba2LM's). Steps agree bitwise too
+    """Scores are bit-identical by construction (the hook's forward is the core's layer). Steps agree bitwise too
     (measured on torch 2.13 CPU, tied and untied): the backward runs the same ops on the same checkpoint-dtype
     tensors, so the fp32 master gradients, the Adam updates, the served weights and the reported loss /
     grad norm are equal, step after step."""
     config, tensors, contract = tiny(tie_word_embeddings=True) if tied else setup
-    tr = build_policy_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
+    tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
     ref = PolicyTrainer(config, tensors, contract, lr=1e-3)
     if tied:  # the tiny tied model samples near-certain tokens; random sequences give a real gradient
         g = torch.Generator().manual_seed(0)
@@ -137,12 +137,12 @@ def test_agrees_with_the_reference_trainer_bit_for_bit(tied: bool, setup) -> Non
 def test_registered_and_bad_input(setup) -> None:
     from importlib.metadata import entry_points
 
-    (ep,) = [ep for ep in entry_points(group="aligned_mamba.rl_trainers") if ep.name == "megatron"]
-    assert ep.load() is build_policy_trainer
+    (ep,) = [ep for ep in entry_points(group="aligned_mamba.trainers") if ep.name == "megatron"]
+    assert ep.load() is make_trainer
     config, tensors, contract = setup
     with pytest.raises(ValueError, match="lr"):
-        build_policy_trainer(config=config, tensors=tensors, contract=contract, lr=0)
-    tr = build_policy_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
+        make_trainer(config=config, tensors=tensors, contract=contract, lr=0)
+    tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
     with pytest.raises(ValueError, match="same length"):
         tr.step([torch.tensor([1, 2, 3])], [1], [])
     with pytest.raises(ValueError, match="prompt length"):

@@ -1,4 +1,4 @@
-"""A small sampler engine: requests scheduled through ``Mamba2LM.advance``.
+"""The reference sampler engine: requests scheduled through ``CausalLM.advance``.
 
 It schedules the way serving engines do, so every case the trainer must agree with occurs:
 decode steps first (one token per running request), then prefill chunks under a shared token
@@ -7,19 +7,26 @@ requests joining and leaving while others run, and preemption: a preempted reque
 slot and is later recomputed from an empty slot over its whole history.
 
 Sampling is seeded per (engine seed, request, position), so a request's tokens depend on its
-logits only, never on the schedule.
+logits only, never on the schedule. ``ReferenceEngine`` runs ``integrations.Scenario``s on it (the
+"reference" engine of ``check`` and ``rl``).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.logprobs import log_softmax
-from ..replay import Batch
-from .lm import Mamba2LM
+from .contract import Contract
+from .integrations import EngineSpec, Scenario, ScenarioResult
+from .models import build_model, load_source
+from .models.causal_lm import CausalLM
+from .ops.logprobs import log_softmax
+from .replay import Batch
 
 
 @dataclass
@@ -56,12 +63,12 @@ class Request:
 class SamplerEngine:
     """Continuous batching over ``num_slots`` state slots with a per-step token budget."""
 
-    def __init__(self, model: Mamba2LM, *, num_slots: int, max_batch_tokens: int | None = None,
-                 exact_replay: bool = True, seed: int = 0, temperature: float = 1.0) -> None:
+    def __init__(self, model: CausalLM, *, num_slots: int, max_batch_tokens: int | None = None,
+                 seed: int = 0, temperature: float = 1.0) -> None:
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model
-        self.cache = model.new_cache(num_slots, exact_replay=exact_replay)
+        self.cache = model.new_cache(num_slots)
         self.max_batch_tokens = max_batch_tokens
         self.seed = seed
         self.temperature = temperature
@@ -159,3 +166,82 @@ class SamplerEngine:
     def run(self) -> None:
         while self.has_work():
             self.step()
+
+
+class ReferenceEngine:
+    """The built-in engine (``integrations.Engine``): ``SamplerEngine`` over the core's model, one
+    slot per request. ``exact_replay=False`` in the spec decodes as engines do today
+    (``baseline.baseline_model``)."""
+
+    def __init__(self, spec: EngineSpec, model: CausalLM | None = None) -> None:
+        self.spec = spec
+        self.contract = Contract.from_dict(spec.contract)
+        if model is None:
+            self.config, tensors = load_source(spec.model, spec.dtype)
+            model = build_model(self.config, tensors, self.contract)
+        else:
+            self.config = model.config
+        self.model = self._wrap(model)
+
+    @classmethod
+    def for_model(cls, model: CausalLM, *, exact_replay: bool = True) -> ReferenceEngine:
+        """An engine over a model already built (tests, benchmarks)."""
+        return cls(EngineSpec(model="<memory>", contract=model.contract.to_dict(), exact_replay=exact_replay), model)
+
+    def _wrap(self, model: CausalLM) -> CausalLM:
+        if self.spec.exact_replay:
+            return model
+        from .baseline import baseline_model
+
+        return baseline_model(model)
+
+    def _build(self, tensors: dict[str, torch.Tensor]) -> CausalLM:
+        return self._wrap(build_model(self.config, tensors, self.contract))
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.model = self._build(tensors)
+
+    def run(self, scenario: Scenario, on_step: Callable[[int], None] | None = None) -> ScenarioResult:
+        """All requests through one ``SamplerEngine``: every prompt at once (or one after another with
+        ``stagger``), the scenario's budget per step, a request preempted when it reaches each mark."""
+        sc = scenario
+        t0 = time.perf_counter()
+        engine = SamplerEngine(self.model, num_slots=len(sc.prompts), max_batch_tokens=sc.budget, seed=sc.seed)
+        all_rows = sc.rows == "all"
+        pending = list(sc.prompts)
+        reqs: list[Request] = []
+        if not sc.stagger:
+            reqs = [engine.add_request(p, sc.gen_len, emit_all_rows=all_rows) for p in pending]
+            pending = []
+        every = max(1, sc.gen_len // (len(sc.prompts) + 1))
+        done_marks: dict[int, set[int]] = {}
+        loop = 0  # loop turns (an engine step with nothing to run is not an engine step)
+        while pending or engine.has_work():
+            if pending and loop % every == 0:
+                reqs.append(engine.add_request(pending.pop(0), sc.gen_len, emit_all_rows=all_rows))
+            engine.step()
+            loop += 1
+            if on_step is not None:
+                on_step(engine.steps)
+            for req in list(engine.running):
+                seen = done_marks.setdefault(req.req_id, set())
+                for m in sc.preempt_marks:
+                    if len(req.generated) >= m and m not in seen and not req.finished:
+                        seen.add(m)
+                        engine.preempt(req)
+                        break
+        rows = [] if sc.rows == "none" else [[(pos, row.cpu()) for pos, row in r.rows] for r in reqs]
+        return ScenarioResult(sc.name, [list(r.tokens) for r in reqs], rows, [list(r.sampled_logprobs) for r in reqs],
+                              engine.steps, sum(r.preemptions for r in reqs), time.perf_counter() - t0, os.getpid(),
+                              {"engine": "reference", "exact_replay": self.spec.exact_replay})
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+
+
+def make_engine(spec: EngineSpec) -> ReferenceEngine:
+    """The "reference" engine's factory (``integrations.engine_factory``)."""
+    return ReferenceEngine(spec)
+
+
+make_engine.per_scenario = True  # type: ignore[attr-defined]  # a model build is cheap: one worker per scenario

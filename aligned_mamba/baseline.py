@@ -1,0 +1,81 @@
+"""The baseline: a model decoding as engines do today, to show the mismatch exact replay removes.
+
+Exact replay off: each Mamba2 layer keeps the running fp32 state at its last token (no boundary,
+no buffer); a one-token step takes the recurrent update (SSU), a longer one a chunked scan whose
+chunk grid starts wherever the call starts. The same weights and every other op are the model's,
+so the rows it produces differ from the trainer's only by the scan's rounding and chunking. Only
+``aligned-mamba check`` and the tests use it; no production path does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .layers.base import StateSpec
+from .layers.mamba2 import Mamba2Mixer
+from .models.causal_lm import Block, CausalLM
+from .ops.ssd import recurrent_step, ssd_chunk
+from .replay import Batch
+
+
+@dataclass
+class RunningState:
+    """ssm_state [slots, H, P, N] float32 at each slot's last token; conv_window as the replay state's."""
+
+    ssm_state: torch.Tensor
+    conv_window: torch.Tensor
+
+
+class RecurrentMamba2Mixer(Mamba2Mixer):
+    """A ``Mamba2Mixer`` (the same weights) whose scan is the baseline's."""
+
+    def __init__(self, mixer: Mamba2Mixer) -> None:  # shares the mixer's weights and backend
+        self.__dict__.update(mixer.__dict__)
+
+    def state_spec(self) -> StateSpec:
+        c = self.config
+        return StateSpec((("ssm_state", (c.num_heads, c.head_dim, c.state_size), torch.float32),
+                          ("conv_window", (c.conv_kernel - 1, c.conv_dim), self.dtype)))
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> RunningState:
+        return RunningState(tensors["ssm_state"], tensors["conv_window"])
+
+    def scan(self, state: RunningState, batch: Batch, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        y = torch.zeros_like(x)
+        lens = batch.lengths
+        seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        one = lens == 1
+        if one.any():  # decode: the recurrent update, the state rounded nowhere but updated in place
+            r = one[seq]
+            sl = batch.slots[one]
+            s = state.ssm_state[sl].clone()
+            y[r] = recurrent_step(s, x[r], dt[r], B[r], C[r], self.params)
+            state.ssm_state[sl] = s
+        if (~one).any():  # prefill: a chunked scan anchored at the call's first token
+            r = (~one)[seq]
+            sl = batch.slots[~one]
+            cu = torch.zeros(int((~one).sum()) + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum(lens[~one], 0)
+            yp, h = ssd_chunk(x[r], dt[r], B[r], C[r], self.params, cu, state.ssm_state[sl],
+                              chunk_size=self.chunk_size, row_tile=self.backend.configs.scan_row_tile(self.chunk_size),
+                              final="end")
+            y[r] = yp
+            state.ssm_state[sl] = h
+        return y
+
+
+def baseline_model(model: CausalLM) -> CausalLM:
+    """``model`` with every Mamba2 mixer decoding as the baseline (the same weight tensors)."""
+    blocks = [Block(norm=b.norm, mixer=RecurrentMamba2Mixer(b.mixer) if isinstance(b.mixer, Mamba2Mixer) else b.mixer)
+              for b in model.blocks]
+    out = CausalLM.__new__(CausalLM)
+    out.__dict__.update(model.__dict__)
+    out.blocks = blocks
+    return out
+
+
+__all__ = ["RecurrentMamba2Mixer", "RunningState", "baseline_model"]

@@ -1,0 +1,279 @@
+"""The engine and trainer protocols that ``aligned-mamba check`` and ``aligned-mamba rl`` share.
+
+An engine (the sampler side) runs ``Scenario``s: requests under a schedule (token budget, chunked
+prefill, preemption, staggered arrivals), returning every logits row it sampled from. A trainer
+scores whole sequences in one pass, takes policy-gradient steps and exports its weights. Both
+sides implement one protocol each, whatever the framework: "reference" (this package's engine and
+trainer) is built in; others register a factory under an entry-point group (``rollout/`` registers
+the vLLM engine, ``trainer_hooks/`` the Megatron trainer), so the core imports neither.
+
+This module imports no torch at import time: the CLI loads entry points through it to build its
+parser.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import AlignedMambaError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .contract import Contract
+
+ENGINE_GROUP = "aligned_mamba.engines"
+TRAINER_GROUP = "aligned_mamba.trainers"
+COMMAND_GROUP = "aligned_mamba.commands"
+# what to pip install when a named engine or trainer is missing
+EXTRAS = {"vllm": "vllm", "megatron": "megatron"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One schedule of requests.
+
+    prompts: token ids per request; gen_len: tokens sampled per request; budget: the per-step
+    token budget (prefill chunked at unaligned points, mixed with other requests' decode; None:
+    unbounded); rows: which logits rows to return, "sampled" (the rows each sampled token came
+    from), "all" (prompt positions too) or "none"; preempt_marks: generated-token counts at which
+    running requests are preempted (and later recomputed from empty); stagger: requests join one
+    after another while others run; seed: the sampling seed (tokens depend on weights, prompts and
+    seed only).
+    """
+
+    name: str
+    prompts: list[list[int]]
+    gen_len: int
+    budget: int | None = None
+    rows: str = "sampled"
+    preempt_marks: tuple[int, ...] = ()
+    stagger: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rows not in ("sampled", "all", "none"):
+            raise ValueError(f"rows {self.rows!r}: expected 'sampled', 'all' or 'none'")
+
+
+@dataclass
+class ScenarioResult:
+    """What an engine returns for a scenario.
+
+    tokens: per request, prompt + generated ids; rows: per request, (position, logits row [vocab]
+    in the model dtype) for every row returned, the row computed AT that position (predicting the
+    next token); sampled_logprobs: per request, the float32 ``log_softmax`` (``ops.logprobs``) of
+    each sampled token under the row it was sampled from; info: what the engine ran (free form).
+    """
+
+    name: str
+    tokens: list[list[int]]
+    rows: list[list[tuple[int, torch.Tensor]]]
+    sampled_logprobs: list[list[float]]
+    steps: int
+    preemptions: int
+    seconds: float
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build an engine (picklable: engines may run in other processes or nodes).
+
+    model: "tiny" or a checkpoint directory; dtype: the embedded default's dtype; contract:
+    ``Contract.to_dict()``; exact_replay: False runs the engine's stock decode (the baseline, as
+    engines decode today); max_model_len / max_num_seqs / max_batch_tokens: the engine's capacity
+    (a scenario's budget may be lower); threads: torch's intra-op threads in the engine's process.
+    """
+
+    model: str
+    contract: dict[str, Any]
+    dtype: str | None = None
+    exact_replay: bool = True
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 4096
+    threads: int = 1
+
+
+class Engine(Protocol):
+    """A sampler engine. Built by an ``aligned_mamba.engines`` factory ``make(spec: EngineSpec)``.
+
+    A factory may say ``own_process = True`` (the engine must not share its process with another
+    engine, e.g. vLLM, which loads its plugins once per process) and ``per_scenario = True`` (an
+    engine is cheap to build: the check runs each scenario in its own worker).
+    """
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve these weights (the checkpoint's names and dtypes), replacing every tensor."""
+
+    def run(self, scenario: Scenario, on_step: Callable[[int], None] | None = None) -> ScenarioResult:
+        """Run the scenario's requests to completion. ``on_step(steps_done)`` after each engine step
+        where the engine can call it (fault injection)."""
+
+    def close(self) -> None:
+        """Release the engine."""
+
+
+class Trainer(Protocol):
+    """The trainer side. Built by an ``aligned_mamba.trainers`` factory
+    ``make(*, config, tensors, contract, lr) -> Trainer``."""
+
+    contract: Contract
+    version: int
+
+    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one pass: [len_i] int64 -> [len_i, vocab], the rows to
+        compare bitwise with the engine's."""
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+        """float32 logprob of every generated token under the one-pass logits."""
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        """One policy-gradient step; ``version`` += 1."""
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The served weights as safetensors bytes (metadata "weights_version") and their digest."""
+
+
+# -- finding engines and trainers ---------------------------------------------------------------------------
+
+
+def load_entry_point(group: str, name: str, *, missing: str, broken: str = "") -> Any:
+    """The object a package registered as ``name`` in the entry-point group ``group``.
+
+    AlignedMambaError(``missing``) when none is registered; one line naming the import error (and
+    ``broken``, a hint) when it fails to import.
+    """
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
+    if not found:
+        raise AlignedMambaError(missing)
+    try:
+        return found[0].load()
+    except ImportError as e:
+        raise AlignedMambaError(f"{name!r} could not be imported ({e}){broken}") from e
+
+
+def _plugin(group: str, name: str, what: str) -> Any:
+    pip = f"pip install -e '.[{EXTRAS.get(name, name)}]'"
+    return load_entry_point(group, name, missing=f"no {what} named {name!r} is installed (entry-point group {group}; "
+                                                 f"{pip})", broken=f"; {pip}")
+
+
+def engine_factory(name: str) -> Callable[[EngineSpec], Engine]:
+    """The factory of the engine called ``name``: "reference" (built in) or an entry point."""
+    if name == "reference":
+        from .engine import make_engine
+
+        return make_engine
+    return _plugin(ENGINE_GROUP, name, "engine")
+
+
+def trainer_factory(name: str) -> Callable[..., Trainer]:
+    """The factory of the trainer called ``name``: "reference" (built in) or an entry point."""
+    if name == "reference":
+        from .train import make_trainer
+
+        return make_trainer
+    return _plugin(TRAINER_GROUP, name, "trainer")
+
+
+def build_engine(name: str, spec: EngineSpec) -> Engine:
+    return engine_factory(name)(spec)
+
+
+def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
+                  lr: float = 1e-4) -> Trainer:
+    return trainer_factory(name)(config=config, tensors=tensors, contract=contract, lr=lr)
+
+
+# -- running scenarios, in worker processes where asked --------------------------------------------------------
+
+
+def run_scenarios_here(name: str, spec: EngineSpec, scenarios: Sequence[Scenario], *,
+                       worker: bool = False) -> list[ScenarioResult]:
+    """Build the engine in this process and run the scenarios in order (a ``worker`` process takes
+    the spec's thread count)."""
+    if worker:
+        import torch
+
+        torch.set_num_threads(max(1, spec.threads))
+    engine = build_engine(name, spec)
+    try:
+        return [engine.run(sc) for sc in scenarios]
+    finally:
+        engine.close()
+
+
+def run_scenarios(name: str, jobs: Sequence[tuple[EngineSpec, Scenario]], parallel: int = 1
+                  ) -> Iterator[ScenarioResult]:
+    """The results of each (spec, scenario), in order.
+
+    Scenarios with equal specs share an engine, unless the factory says ``per_scenario``; each
+    engine runs in a spawned worker process when ``parallel`` > 1 or the factory says
+    ``own_process``, at most ``parallel`` at a time; else in this process.
+    """
+    factory = engine_factory(name)
+    per_scenario = bool(getattr(factory, "per_scenario", False))
+    groups: list[tuple[EngineSpec, list[int]]] = []
+    for i, (spec, _) in enumerate(jobs):
+        group = None if per_scenario else next((g for g in groups if g[0] == spec), None)
+        if group is None:
+            groups.append((spec, [i]))
+        else:
+            group[1].append(i)
+    spawned = parallel > 1 or bool(getattr(factory, "own_process", False))
+    results: dict[int, ScenarioResult] = {}
+    if not spawned:
+        for spec, idx in groups:
+            for i, res in zip(idx, run_scenarios_here(name, spec, [jobs[i][1] for i in idx])):
+                results[i] = res
+        for i in range(len(jobs)):
+            yield results.pop(i)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    tasks = [(idx, spec) for spec, idx in groups]
+
+    def submit(pool: ProcessPoolExecutor, idx: list[int], spec: EngineSpec) -> Future:
+        return pool.submit(run_scenarios_here, name, spec, [jobs[i][1] for i in idx], worker=True)
+
+    nxt = 0
+    if not getattr(factory, "own_process", False):  # one pool of ``parallel`` workers for every job
+        with ProcessPoolExecutor(max_workers=max(1, parallel), mp_context=ctx) as pool:
+            futures = [(idx, submit(pool, idx, spec)) for idx, spec in tasks]
+            for idx, fut in futures:
+                for i, res in zip(idx, fut.result()):
+                    results[i] = res
+                while nxt in results:
+                    yield results.pop(nxt)
+                    nxt += 1
+        return
+    # A fresh process per engine, ``parallel`` at a time; each is shut down only after its results are
+    # read (torch hands tensors across processes through the sender, which must still be alive).
+    running: list[tuple[list[int], ProcessPoolExecutor, Future]] = []
+    try:
+        while tasks or running:
+            while tasks and len(running) < max(1, parallel):
+                idx, spec = tasks.pop(0)
+                pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+                running.append((idx, pool, submit(pool, idx, spec)))
+            idx, pool, fut = running.pop(0)
+            try:
+                for i, res in zip(idx, fut.result()):
+                    results[i] = res
+            finally:
+                pool.shutdown(wait=True)
+            while nxt in results:
+                yield results.pop(nxt)
+                nxt += 1
+    finally:
+        for _, pool, _ in running:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,193 @@
+"""The Mamba2 mixer: in_proj, causal conv1d + SiLU, the SSD scan, gated RMSNorm, out_proj.
+
+Its per-slot state is the scan's replay state (``ops.ssd.state.SSDState``: the fp32 state at the
+last chunk boundary and the x, raw dt and B rows since it) plus the conv window (the last K - 1
+conv inputs). ``advance`` runs the mixer over a batch's new tokens from those states; every op on
+the way comes from the contract's backend, so a row's bits are the same in the trainer's one-pass
+forward and in any schedule of the sampler's.
+
+Weight names (under the layer's prefix) are those of Hugging Face's ``Mamba2Mixer``, mamba_ssm's
+``Mamba2`` and Megatron's ``MambaMixer`` alike: in_proj.weight [(z | xBC | dt), hidden],
+in_proj.bias, conv1d.weight [conv_dim, 1, K], conv1d.bias, dt_bias [H], A_log [H], D [H],
+norm.weight [intermediate], out_proj.weight [hidden, intermediate], out_proj.bias.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelLoadError
+from ..ops.backend import Backend
+from ..ops.ssd.state import SSDState, SSMParams
+from ..replay import Batch, ssd_advance
+from .base import StateSpec, take, take_optional
+
+
+@dataclass(frozen=True)
+class Mamba2MixerConfig:
+    """Shape and numerics of one Mamba2 mixer.
+
+    hidden_size: the model width; num_heads x head_dim: the SSM width (intermediate_size);
+    state_size: N; n_groups: groups sharing B and C; conv_kernel: K; use_bias: in/out_proj biases;
+    use_conv_bias; norm_eps: the gated RMSNorm's eps; dt_limit: (lo, hi) clamp of dt after softplus.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv over xBC: intermediate_size + 2 * n_groups * state_size."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        """Output rows of in_proj, laid out as [z: intermediate_size | xBC: conv_dim | dt: num_heads]."""
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight under the layer's prefix with its shape, in a fixed order."""
+        d, h = self.intermediate_size, self.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"in_proj.weight": (self.in_proj_size, h)}
+        if self.use_bias:
+            shapes["in_proj.bias"] = (self.in_proj_size,)
+        shapes["conv1d.weight"] = (self.conv_dim, 1, self.conv_kernel)
+        if self.use_conv_bias:
+            shapes["conv1d.bias"] = (self.conv_dim,)
+        shapes.update({"dt_bias": (self.num_heads,), "A_log": (self.num_heads,), "D": (self.num_heads,),
+                       "norm.weight": (d,), "out_proj.weight": (h, d)})
+        if self.use_bias:
+            shapes["out_proj.bias"] = (h,)
+        return shapes
+
+
+@dataclass
+class Mamba2State:
+    """One layer's slot-indexed state: the scan's replay state and conv_window [slots, K-1, conv_dim]
+    (model dtype). ``tensors()`` gives the five fields in ``Mamba2Mixer.state_spec`` order."""
+
+    ssd: SSDState
+    conv_window: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"ssm_state": self.ssd.ssm_state, "buf_x": self.ssd.buf_x, "buf_dt": self.ssd.buf_dt,
+                "buf_B": self.ssd.buf_B, "conv_window": self.conv_window}
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Empty the given slots (one fill per field on the device, no host sync)."""
+        self.ssd.reset(slots)
+        self.conv_window.index_fill_(0, slots.to(self.conv_window.device), 0)
+
+
+def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -> StateSpec:
+    """What one sequence slot holds in a Mamba2 layer (no weights needed: an engine sizes its memory
+    from this before loading them): ssm_state, buf_x, buf_dt, buf_B, conv_window."""
+    c = config
+    ssd = SSDState.layout(heads=c.num_heads, head_dim=c.head_dim, groups=c.n_groups, state_size=c.state_size,
+                          chunk_size=chunk_size, dtype=dtype)
+    fields = [(name, shape, dt) for name, (shape, dt) in ssd.items()]
+    fields.append(("conv_window", (c.conv_kernel - 1, c.conv_dim), dtype))
+    return StateSpec(tuple(fields))
+
+
+class Mamba2Mixer:
+    """A Mamba2 mixer on a backend, for a chunk size (the contract's) and a model dtype.
+
+    Weights as the backend's ops take them: linear weights through ``backend.linear_weight``, A =
+    -exp(A_log), D and dt_bias in fp32, the conv and the gated norm in the model dtype. Every cast
+    is differentiable, so a trainer can build the mixer from its parameters on each forward.
+    """
+
+    kind = "mamba2"
+
+    def __init__(self, config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
+                 backend: Backend, dtype: torch.dtype, chunk_size: int) -> None:
+        c = config
+        if c.state_size % 4:
+            # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
+            # another alignment (torch CPU, tests/test_ops_rows.py): refused.
+            raise ModelLoadError(f"state_size {c.state_size} is not a multiple of 4: row bits could depend on "
+                                 "alignment in the scan's GEMMs; refused")
+        if c.num_heads % c.n_groups:
+            raise ModelLoadError(f"num_heads {c.num_heads} is not divisible by n_groups {c.n_groups}")
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+        dev, f32 = backend.device, torch.float32
+
+        def get(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+            return take(tensors, prefix, name).to(device=dev, dtype=dt)
+
+        def opt(name: str, dt: torch.dtype) -> torch.Tensor | None:
+            t = take_optional(tensors, prefix, name)
+            return None if t is None else t.to(device=dev, dtype=dt)
+
+        lw = backend.linear_weight
+        self.in_proj_w = lw(get("in_proj.weight"))
+        self.in_proj_b = opt("in_proj.bias", f32)
+        self.conv_w = get("conv1d.weight").reshape(c.conv_dim, c.conv_kernel)
+        self.conv_b = opt("conv1d.bias", dtype)
+        self.params = SSMParams(A=-torch.exp(get("A_log", f32)), D=get("D", f32), dt_bias=get("dt_bias", f32),
+                                dt_limit=tuple(float(v) for v in c.dt_limit))
+        self.norm_w = get("norm.weight")
+        self.out_proj_w = lw(get("out_proj.weight"))
+        self.out_proj_b = opt("out_proj.bias", f32)
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_spec(self) -> StateSpec:
+        """ssm_state, buf_x, buf_dt, buf_B (``SSDState.layout``), then conv_window."""
+        return state_spec(self.config, self.chunk_size, self.dtype)
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> Mamba2State:
+        """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied)."""
+        return Mamba2State(ssd=SSDState(tensors["ssm_state"], tensors["buf_x"], tensors["buf_dt"], tensors["buf_B"]),
+                           conv_window=tensors["conv_window"])
+
+    # -- the one forward ---------------------------------------------------------------------------
+    def advance(self, state: Mamba2State, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+                capture: list | None = None) -> torch.Tensor:
+        """The mixer over the batch's new tokens from each slot's state; updates the state.
+
+        hidden [T, hidden_size] (model dtype, already normed) -> [rows wanted, hidden_size] in the
+        model dtype. rows [T] bool picks the output rows (default all). ``capture``, if a list,
+        receives a dict of the scan's inputs and outputs (for accuracy reports).
+        """
+        c, be = self.config, self.backend
+        T = hidden.shape[0]
+        H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
+        zxbcdt = be.linear(hidden, self.in_proj_w, self.in_proj_b)
+        z, xBC, dt = zxbcdt[:, :d], zxbcdt[:, d:d + c.conv_dim], zxbcdt[:, d + c.conv_dim:]
+        xBC = be.conv_advance(state.conv_window, batch, xBC, self.conv_w, self.conv_b)
+        x = xBC[:, :d].reshape(T, H, P)
+        B = xBC[:, d:d + G * N].reshape(T, G, N)
+        C = xBC[:, d + G * N:].reshape(T, G, N)
+        y = self.scan(state, batch, x, dt, B, C, rows)
+        if capture is not None:
+            capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, params=self.params, cu_seqlens=batch.cu_seqlens))
+        y = y.reshape(T, d)
+        if rows is not None:
+            y, z = y[rows], z[rows]
+        y = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
+        return be.linear(y, self.out_proj_w, self.out_proj_b)
+
+    def scan(self, state: Mamba2State, batch: Batch, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The SSD advance from the slots' boundary states: y [T, H, P] in the model dtype."""
+        return ssd_advance(self.backend, state.ssd, batch, x, dt, B, C, self.params, rows)

@@ -1,0 +1,169 @@
+"""One causal LM over layer kinds: embedding, pre-norm residual blocks, final norm, lm_head.
+
+Every forward is an ``advance`` of some slots: the trainer's whole-sequence forward is one advance
+from empty slots, the sampler's prefill, decode and recompute are advances of its own slots. Each
+block is ``residual += mixer(norm(residual))`` with the mixer any layer kind (``layers/``), and
+every op comes from the contract's backend, so the logits row of a token is the same function of
+the same inputs on both sides. A model family (``models/<family>.py``) only maps its checkpoint's
+names and config onto this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..contract import Contract
+from ..layers.base import Layer
+from ..layers.norm import RMSNorm
+from ..ops.backend import Backend
+from ..replay import Batch
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """What the generic model needs of a family's config.
+
+    vocab_size: rows of the embedding and the lm_head; hidden_size; residual_in_fp32: the residual
+    stream is kept in fp32 (else in the model dtype); tie_word_embeddings: the lm_head is the
+    embedding.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    residual_in_fp32: bool = True
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class Block:
+    """A pre-norm residual block: ``residual + mixer(norm(residual))``."""
+
+    norm: RMSNorm
+    mixer: Layer
+
+
+class Cache:
+    """Per-layer, slot-indexed states for ``num_slots`` sequences (None for a stateless layer).
+
+    ``states[i]`` is what block i's mixer keeps; ``tensors[i]`` its named tensors (the
+    ``StateSpec`` fields), which an engine may own (views into its memory).
+    """
+
+    def __init__(self, states: list[Any], tensors: list[dict[str, torch.Tensor] | None], num_slots: int) -> None:
+        self.states = states
+        self.tensors = tensors
+        self.num_slots = num_slots
+
+    def reset(self, slots: list[int] | torch.Tensor) -> None:
+        """Empty ``slots`` in every layer (one fill per tensor on the device)."""
+        idx = torch.as_tensor(slots, dtype=torch.int64)
+        for ts in self.tensors:
+            for t in (ts or {}).values():
+                t.index_fill_(0, idx.to(t.device), 0)
+
+    def bytes_per_slot(self) -> int:
+        """Resident bytes one sequence holds across all layers."""
+        return sum(t[0].numel() * t.element_size() for ts in self.tensors for t in (ts or {}).values())
+
+
+class CausalLM:
+    """A causal LM on the shared ops under one contract (chunk size, backend, configs, dtype).
+
+    Built by a model family (``models.build_model`` / ``load_model``): ``family`` names it and
+    ``config`` is the family's own config; ``shape`` is what the generic forward reads.
+    """
+
+    def __init__(self, *, family: str, config: Any, shape: LMShape, contract: Contract, backend: Backend,
+                 embedding: torch.Tensor, blocks: list[Block], norm_f: RMSNorm, lm_head: torch.Tensor) -> None:
+        self.family = family
+        self.config = config
+        self.shape = shape
+        self.contract = contract
+        self.backend = backend
+        self.device = backend.device
+        self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
+        self.embedding = embedding
+        self.blocks = blocks
+        self.norm_f = norm_f
+        self.lm_head = lm_head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    # -- state --------------------------------------------------------------------------------------
+    def new_cache(self, num_slots: int) -> Cache:
+        """Zeroed states for ``num_slots`` sequences on the model's device."""
+        tensors = []
+        for b in self.blocks:
+            spec = b.mixer.state_spec()
+            tensors.append(None if spec is None else spec.allocate(num_slots, self.device))
+        return self.cache_over(tensors, num_slots)
+
+    def cache_over(self, tensors: list[dict[str, torch.Tensor] | None], num_slots: int) -> Cache:
+        """A cache over per-layer tensors someone else owns (an engine's memory), one dict per block."""
+        states = [None if ts is None else b.mixer.state(ts) for b, ts in zip(self.blocks, tensors, strict=True)]
+        return Cache(states, tensors, num_slots)
+
+    def state_bytes_per_sequence(self) -> int:
+        """Resident bytes of state one sequence holds across all layers."""
+        return sum(spec.bytes_per_slot() for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
+
+    # -- the one forward ------------------------------------------------------------------------------
+    def advance(self, cache: Cache, batch: Batch, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
+                capture: list | None = None) -> torch.Tensor:
+        """Advance the batch's slots by their new tokens and return logits for ``logit_rows``.
+
+        token_ids [T] int64 packed as ``batch.cu_seqlens`` says; logit_rows [T] bool (default all).
+        Returns [rows wanted, vocab] in the model dtype. ``capture``, if a list, receives per Mamba2
+        layer a dict of the scan's inputs and outputs (for accuracy reports).
+        """
+        return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype."""
+        return self.backend.linear(hidden, self.lm_head)
+
+    def hidden_states(self, cache: Cache, batch: Batch, token_ids: torch.Tensor,
+                      logit_rows: torch.Tensor | None = None, capture: list | None = None) -> torch.Tensor:
+        """``advance`` up to the final norm: the normed hidden rows [rows wanted, hidden_size] (model
+        dtype) that ``logits`` maps to logits. Engines that compute logits for a subset of rows later
+        (vLLM's compute_logits) call this and ``logits`` separately."""
+        if token_ids.numel() != batch.num_tokens:
+            raise ValueError(f"{token_ids.numel()} token ids for a batch of {batch.num_tokens} tokens")
+        V = self.shape.vocab_size
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
+            raise ValueError(f"token ids must lie in [0, {V})")
+        token_ids = token_ids.to(self.device)
+        if logit_rows is not None:
+            logit_rows = logit_rows.to(self.device)
+        hidden = self.embedding[token_ids]
+        residual = hidden.to(torch.float32) if self.shape.residual_in_fp32 else hidden
+        last = len(self.blocks) - 1
+        for i, (block, state) in enumerate(zip(self.blocks, cache.states, strict=True)):
+            rows = logit_rows if i == last else None
+            out = block.mixer.advance(state, batch, block.norm(residual), rows, capture)
+            if rows is not None:
+                residual = residual[rows]
+            residual = residual + out
+        return self.norm_f(residual)
+
+    # -- the trainer's side ------------------------------------------------------------------------
+    def forward(self, sequences: Sequence[torch.Tensor], capture: list | None = None) -> list[torch.Tensor]:
+        """Score whole sequences in one packed varlen pass: one advance from empty slots.
+
+        sequences: list of [len_i] int64 token ids. Returns a list of [len_i, vocab] logits (model dtype).
+        """
+        lens = [int(s.numel()) for s in sequences]
+        cache = self.new_cache(len(sequences))
+        batch = Batch.from_empty(lens)
+        logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
+        return list(torch.split(logits, lens))
+
+    def __repr__(self) -> str:
+        return (f"CausalLM({self.family}, {len(self.blocks)} layers, hidden {self.shape.hidden_size}, vocab "
+                f"{self.shape.vocab_size}, {self.contract})")

@@ -1,0 +1,244 @@
+"""Mamba2 checkpoints as mamba_ssm publishes them (``MambaLMHeadModel``, e.g. state-spaces/mamba2-*).
+
+config.json holds ``d_model``, ``n_layer``, ``vocab_size``, ``ssm_cfg`` (the Mamba2 layer's kwargs:
+``layer: "Mamba2"``, ``d_state``, ``d_conv``, ``expand``, ``headdim``, ``ngroups``, ``chunk_size``,
+``dt_limit``, ``bias``, ``conv_bias``, ...), ``rms_norm``, ``residual_in_fp32``, ``fused_add_norm``,
+``pad_vocab_size_multiple`` and ``tie_embeddings``; the weights are ``pytorch_model.bin`` (read
+with ``torch.load(weights_only=True)``) or safetensors. The embedding and lm_head have the vocab
+padded up to a multiple of ``pad_vocab_size_multiple``, as mamba_ssm builds them, and the logits
+have that width. Weight names: ``backbone.embedding.weight``, ``backbone.layers.{i}.norm.weight``,
+``backbone.layers.{i}.mixer.*`` (``layers.mamba2``), ``backbone.norm_f.weight``, ``lm_head.weight``.
+
+The math is the generic causal LM's, the same as the Hugging Face layout's (``models.mamba2``): the
+same weights give the same logits bit for bit in either layout. mamba_ssm's gated RMSNorm has eps
+1e-5 whatever the block norms' ``norm_epsilon``. Refused with one line: attention layers
+(``attn_layer_idx``), MLPs (``d_intermediate``), Mamba1 layers, ``d_ssm`` (a partial SSM width),
+``rmsnorm: false``, ``norm_before_gate: true``, ``D_has_hdim: true`` and LayerNorm models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..contract import Contract
+from ..errors import ModelLoadError
+from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from ..layers.norm import RMSNorm, RMSNormConfig
+from ..ops.backend import Backend
+from . import checkpoint as ckpt
+from .causal_lm import Block, CausalLM, LMShape
+from .registry import Family, register
+
+EMBEDDING = "backbone.embedding.weight"
+LM_HEAD = "lm_head.weight"
+GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5
+
+# ssm_cfg keys that do not change the forward (initialisation, parallelism, kernel choice)
+_SSM_IGNORED = ("conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "use_mem_eff_path", "layer_idx",
+                "process_group", "sequence_parallel", "device", "dtype")
+
+
+@dataclass(frozen=True)
+class MambaSSMConfig:
+    """A pure-Mamba2 ``MambaLMHeadModel`` config. ``vocab_size`` is config.json's (unpadded);
+    ``padded_vocab`` is the embedding's rows. ``dtype``: the stored tensors' dtype (mamba_ssm's
+    config.json states none; the loader reads it off the weights)."""
+
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 256
+    bias: bool = False
+    conv_bias: bool = True
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    norm_epsilon: float = 1e-5
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return self.vocab_size + (-self.vocab_size % m)
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    def mixer_config(self) -> Mamba2MixerConfig:
+        return Mamba2MixerConfig(hidden_size=self.d_model, num_heads=self.d_inner // self.headdim,
+                                 head_dim=self.headdim, state_size=self.d_state, n_groups=self.ngroups,
+                                 conv_kernel=self.d_conv, use_bias=self.bias, use_conv_bias=self.conv_bias,
+                                 norm_eps=GATED_NORM_EPS, dt_limit=self.dt_limit)
+
+    def lm_shape(self) -> LMShape:
+        return LMShape(vocab_size=self.padded_vocab, hidden_size=self.d_model, residual_in_fp32=self.residual_in_fp32,
+                       tie_word_embeddings=self.tie_embeddings)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> MambaSSMConfig:
+        """From a mamba_ssm config.json dict; ModelLoadError (one line, naming the key) for what is
+        missing, malformed or not covered."""
+        for key in ("d_model", "n_layer", "vocab_size"):
+            if key not in d:
+                raise ModelLoadError(f"{source}: missing {key!r} (a mamba_ssm config needs d_model, n_layer, "
+                                     "vocab_size)")
+        ssm = d.get("ssm_cfg") or {}
+        if not isinstance(ssm, Mapping):
+            raise ModelLoadError(f"{source}: ssm_cfg must be an object, found {type(ssm).__name__}")
+        refusals = [
+            (ssm.get("layer", "Mamba1") != "Mamba2", f"ssm_cfg.layer {ssm.get('layer', 'Mamba1')!r} (only Mamba2)"),
+            (bool(d.get("attn_layer_idx")), f"attention layers at attn_layer_idx {d.get('attn_layer_idx')}"),
+            (bool(d.get("d_intermediate", 0)), f"MLP blocks (d_intermediate {d.get('d_intermediate')})"),
+            (ssm.get("d_ssm") is not None, f"a partial SSM width (ssm_cfg.d_ssm {ssm.get('d_ssm')})"),
+            (not ssm.get("rmsnorm", True), "ssm_cfg.rmsnorm false (no gated norm)"),
+            (bool(ssm.get("norm_before_gate", False)), "ssm_cfg.norm_before_gate true"),
+            (bool(ssm.get("D_has_hdim", False)), "ssm_cfg.D_has_hdim true"),
+            (not d.get("rms_norm", True), "rms_norm false (LayerNorm blocks)"),
+            (bool(d.get("bidirectional", False)), "bidirectional models"),
+        ]
+        for refused, what in refusals:
+            if refused:
+                raise ModelLoadError(f"{source}: {what} is not covered")
+        known = {f.name for f in dataclasses.fields(cls)} | {"layer", "d_ssm", "rmsnorm", "norm_before_gate",
+                                                            "D_has_hdim"}
+        unknown = sorted(k for k in ssm if k not in known and k not in _SSM_IGNORED)
+        if unknown:
+            raise ModelLoadError(f"{source}: ssm_cfg key(s) {unknown} are not understood; refused rather than ignored")
+        kwargs: dict[str, Any] = {k: d[k] for k in ("d_model", "n_layer", "vocab_size", "norm_epsilon",
+                                                     "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple",
+                                                     "tie_embeddings") if k in d}
+        kwargs.update({k: ssm[k] for k in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "bias",
+                                            "conv_bias") if k in ssm})
+        if "dt_limit" in ssm:
+            lim = ssm["dt_limit"]
+            numbers = isinstance(lim, (list, tuple)) and len(lim) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in lim)
+            if not numbers:
+                raise ModelLoadError(f"{source}: ssm_cfg.dt_limit must be two numbers, found {lim!r}")
+            kwargs["dt_limit"] = (float(lim[0]), float(lim[1]))
+        try:
+            config = cls(**kwargs)
+            config.validate()
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
+        return config
+
+    def validate(self) -> None:
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups",
+                     "chunk_size", "pad_vocab_size_multiple"):
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ValueError(f"{name} must be a positive int, found {v!r}")
+        for name in ("bias", "conv_bias", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, found {getattr(self, name)!r}")
+        if self.d_inner % self.headdim:
+            raise ValueError(f"expand * d_model ({self.d_inner}) is not a multiple of headdim {self.headdim}")
+        if (self.d_inner // self.headdim) % self.ngroups:
+            raise ValueError(f"{self.d_inner // self.headdim} heads do not split into ngroups {self.ngroups}")
+        lo, hi = self.dt_limit
+        if math.isnan(lo) or math.isnan(hi) or lo > hi:
+            raise ValueError(f"dt_limit must be (lo, hi) with lo <= hi, found {self.dt_limit}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json dict mamba_ssm writes for this model."""
+        ssm = {"layer": "Mamba2", "d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
+               "headdim": self.headdim, "ngroups": self.ngroups, "chunk_size": self.chunk_size, "bias": self.bias,
+               "conv_bias": self.conv_bias, "dt_limit": list(self.dt_limit)}
+        return {"d_model": self.d_model, "d_intermediate": 0, "n_layer": self.n_layer, "vocab_size": self.vocab_size,
+                "ssm_cfg": ssm, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+                "residual_in_fp32": self.residual_in_fp32, "fused_add_norm": self.fused_add_norm,
+                "pad_vocab_size_multiple": self.pad_vocab_size_multiple, "tie_embeddings": self.tie_embeddings,
+                "norm_epsilon": self.norm_epsilon}
+
+
+def expected_shapes(config: MambaSSMConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight name with its shape, in a fixed order (lm_head omitted when tied)."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (c.padded_vocab, c.d_model)}
+    mixer = c.mixer_config().weight_shapes()
+    for i in range(c.n_layer):
+        p = f"backbone.layers.{i}."
+        shapes.update({p + "mixer." + name: shape for name, shape in mixer.items()})
+        shapes[p + "norm.weight"] = (c.d_model,)
+    shapes["backbone.norm_f.weight"] = (c.d_model,)
+    if not c.tie_embeddings:
+        shapes[LM_HEAD] = (c.padded_vocab, c.d_model)
+    return shapes
+
+
+def build(config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], contract: Contract,
+          backend: Backend) -> CausalLM:
+    """The generic causal LM over mamba_ssm-named ``tensors`` under ``contract``."""
+    dtype = getattr(torch, contract.model_dtype)
+    dev = backend.device
+    norm = RMSNormConfig(config.d_model, config.norm_epsilon)
+    mixer = config.mixer_config()
+    blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
+                    mixer=Mamba2Mixer(mixer, tensors, f"backbone.layers.{i}.mixer.", backend=backend, dtype=dtype,
+                                      chunk_size=contract.chunk_size))
+              for i in range(config.n_layer)]
+    head = tensors[LM_HEAD] if LM_HEAD in tensors else tensors[EMBEDDING]
+    return CausalLM(family="mamba_ssm", config=config, shape=config.lm_shape(), contract=contract, backend=backend,
+                    embedding=tensors[EMBEDDING].to(device=dev, dtype=dtype), blocks=blocks,
+                    norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
+                    lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)))
+
+
+def with_storage_dtype(config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor]) -> MambaSSMConfig:
+    """The config with ``dtype`` read off the stored embedding (mamba_ssm's config.json states none)."""
+    t = tensors.get(EMBEDDING)
+    if t is None or t.dtype not in (torch.bfloat16, torch.float32):
+        return config
+    return dataclasses.replace(config, dtype=str(t.dtype).removeprefix("torch."))
+
+
+def save_checkpoint(path: str, config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], *,
+                    weights_file: str = ckpt.TORCH_FILE) -> None:
+    """Write a mamba_ssm-layout checkpoint: config.json and ``pytorch_model.bin`` (or safetensors),
+    with the tied lm_head stored too when tied (as ``MambaLMHeadModel.save_pretrained`` does)."""
+    tensors = dict(tensors)
+    ckpt.validate(expected_shapes(config), {k: v for k, v in tensors.items() if k != LM_HEAD or
+                                            not config.tie_embeddings}, {k: "tensors" for k in tensors}, ValueError)
+    if config.tie_embeddings:
+        tensors[LM_HEAD] = tensors[EMBEDDING]
+    ckpt.save_files(path, config.to_dict(), tensors, weights_file=weights_file)
+
+
+def from_hf(config: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[MambaSSMConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face-layout Mamba2 (``models.mamba2``) renamed to this layout, the same tensors
+    (its vocab must already be a multiple of the padding, which is then 1 if it is not of 8)."""
+    pad = 8 if config.vocab_size % 8 == 0 else 1
+    out = MambaSSMConfig(d_model=config.hidden_size, n_layer=config.num_hidden_layers, vocab_size=config.vocab_size,
+                         d_state=config.state_size, d_conv=config.conv_kernel, expand=config.expand,
+                         headdim=config.head_dim, ngroups=config.n_groups, chunk_size=config.chunk_size,
+                         bias=config.use_bias, conv_bias=config.use_conv_bias, dt_limit=config.time_step_limit,
+                         norm_epsilon=config.layer_norm_epsilon, residual_in_fp32=config.residual_in_fp32,
+                         pad_vocab_size_multiple=pad, tie_embeddings=config.tie_word_embeddings, dtype=config.dtype)
+    if config.layer_norm_epsilon != GATED_NORM_EPS:
+        raise ValueError(f"layer_norm_epsilon {config.layer_norm_epsilon}: mamba_ssm's gated norm has eps "
+                         f"{GATED_NORM_EPS}, so this model has no mamba_ssm layout")
+    renamed = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v for k, v in tensors.items()}
+    return out, renamed
+
+
+FAMILY = register(Family(
+    name="mamba_ssm", config_type=MambaSSMConfig, architectures=("MambaLMHeadModel",), model_types=(),
+    read_config=lambda d, source: MambaSSMConfig.from_dict(d, source=source), expected_shapes=expected_shapes,
+    build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: c.tie_embeddings, config_dtype=lambda c: c.dtype,
+    hf_dict=lambda c: c.to_dict(), matches=lambda d: "ssm_cfg" in d and "d_model" in d and "n_layer" in d,
+    torch_bin=True, tie_flag="tie_embeddings", num_layers=lambda c: c.n_layer, finish=with_storage_dtype))

@@ -1,0 +1,69 @@
+"""Realistic random weights for small checkpoints (the embedded default and the tests' models).
+
+Bitwise reproducible on every machine: values come from ``torch.rand`` (exact multiples of 2**-24
+from a seeded CPU ``torch.Generator``), combined only with correctly rounded float64 arithmetic
+(and libm for the per-head scalars) before one rounding to the output dtype. Gaussian-like draws
+are Irwin-Hall sums of 12 uniforms, which torch sums exactly in float64, avoiding torch's
+ISA-dependent vectorised log/cos in ``randn``. One generator is consumed in a family's fixed
+weight order, so each tensor depends only on the seed and the config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, *,
+                conv_kernel: int = 4, embedding: str = "embeddings.weight") -> torch.Tensor:
+    """The initial value of the weight ``name`` (its suffix decides): A_log, dt_bias and D in fp32
+    (they feed exp/softplus in the fp32 SSM math), every other tensor in ``dtype``. Realistic Mamba2
+    init: A in [-16, -1], softplus(dt_bias) log-uniform in [1e-3, 1e-1], D = 1."""
+    if name.endswith(".A_log"):  # A ~ U[1, 16], stored as log(A) so that A = -exp(A_log) lies in [-16, -1]
+        return _per_head(lambda u: math.log(1.0 + 15.0 * u), shape, gen)
+    if name.endswith(".dt_bias"):  # dt log-uniform in [1e-3, 1e-1]; dt_bias = softplus^-1(dt) = dt + log(-expm1(-dt))
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        return _per_head(lambda u: _inv_softplus(math.exp(lo + (hi - lo) * u)), shape, gen)
+    if name.endswith(".D"):
+        return torch.ones(shape, dtype=torch.float32)
+    if name.endswith("conv1d.weight"):
+        bound = 1.0 / math.sqrt(conv_kernel)
+        values = _uniform(shape, -bound, bound, gen)
+    elif name.endswith("conv1d.bias"):
+        values = _uniform(shape, -0.1, 0.1, gen)
+    elif name.endswith(("norm.weight", "norm_f.weight", "layernorm.weight")):
+        values = 1.0 + 0.05 * _normal(shape, gen)  # ones + noise, so a norm bug cannot hide behind all-ones
+    elif name.endswith(embedding):
+        values = _normal(shape, gen)
+    elif name.endswith(".weight"):  # projections and lm_head: shape [out, in]
+        values = _normal(shape, gen) / math.sqrt(shape[1])
+    elif name.endswith(".bias"):
+        values = 0.02 * _normal(shape, gen)
+    else:
+        raise AssertionError(f"no initialiser for {name}")
+    # Round once to fp32, then to the storage dtype: a bf16 model is exactly the fp32 model cast.
+    return values.to(torch.float32).to(dtype)
+
+
+def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
+    """float64 U[lo, hi) from float32 torch.rand (exact k * 2**-24 values)."""
+    return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float32).to(torch.float64)
+
+
+def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6 (exact in float64, bounded to [-6, 6])."""
+    u = torch.rand((12, *shape), generator=gen, dtype=torch.float32).to(torch.float64)
+    return u.sum(dim=0) - 6.0
+
+
+def _per_head(fn: Callable[[float], float], shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """fp32 tensor of ``fn(u)`` for u ~ U[0, 1), evaluated per element in Python float64 (libm, no SIMD)."""
+    u = torch.rand(shape, generator=gen, dtype=torch.float32).tolist()
+    return torch.tensor([fn(x) for x in u], dtype=torch.float64).to(torch.float32)
+
+
+def _inv_softplus(y: float) -> float:
+    """x with softplus(x) = y, for y > 0."""
+    return y + math.log(-math.expm1(-y))

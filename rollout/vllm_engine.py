@@ -1,0 +1,104 @@
+"""The ``vllm`` engine (``aligned_mamba.integrations.Engine``): a real in-process vLLM engine.
+
+Registered as the ``vllm`` entry of ``aligned_mamba.engines``, so ``aligned-mamba check --engine
+vllm`` and the RL loop's rollout workers (``aligned-mamba rl --engine vllm``) both run it. With the
+spec's ``exact_replay`` (the default) the plugin is on and vLLM runs the model on the core's
+layers; off, it is stock vLLM (the baseline). vLLM loads its plugins once per process, so the
+factory asks for a process of its own (``own_process``).
+
+Rows are vLLM's own output (``logprobs_mode="raw_logits"``, full-vocabulary logprobs: every
+sampled token carries the raw logits row it was sampled from; prompt logprobs the rows at prompt
+positions), cast back to the model dtype (vLLM hands out fp32 copies of model-dtype logits:
+exact; a row that is not is refused). Each sampled token's logprob is the core's ``log_softmax``
+of its row, the function the trainer scores with (vLLM's own logprob of the same row is another
+rounding). New weights go through vLLM's ``reload_weights`` (the plugin's model rebuilds its core).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import AlignedMambaError
+from aligned_mamba.integrations import EngineSpec, Scenario, ScenarioResult
+from aligned_mamba.ops.logprobs import log_softmax
+
+from .vllm_runner import LLMSpec, _engine_env, build_llm, drive
+
+
+def model_dir(spec: EngineSpec, root: str) -> str:
+    """A directory vLLM can load: the checkpoint directory itself, or the embedded default saved under ``root``."""
+    if spec.model != "tiny":
+        if not os.path.isdir(spec.model):
+            raise AlignedMambaError(f"vllm engine: model {spec.model!r} is not a directory on this node")
+        return spec.model
+    from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
+
+    path = os.path.join(root, "tiny")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        config, tensors = make_tiny(0, dtype=spec.dtype or Contract.from_dict(spec.contract).model_dtype)
+        save_checkpoint(path, config, tensors)
+    return path
+
+
+class VLLMEngine:
+    """One ``vllm.LLM`` in this process, run scenario by scenario."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.contract = Contract.from_dict(spec.contract)
+        self.dtype = getattr(torch, self.contract.model_dtype)
+        self._tmp = tempfile.TemporaryDirectory(prefix="aligned_mamba_vllm_")
+        path = model_dir(spec, self._tmp.name)
+        _engine_env()
+        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+        kwargs: dict = {"dtype": self.contract.model_dtype}
+        if spec.exact_replay:
+            kwargs["additional_config"] = {"aligned_mamba": {"contract": self.contract.to_dict()}}
+        self.llm = build_llm(LLMSpec(model_dir=path, exact_replay=spec.exact_replay,
+                                     max_model_len=spec.max_model_len, max_num_batched_tokens=spec.max_batch_tokens,
+                                     max_num_seqs=spec.max_num_seqs, llm_kwargs=kwargs))
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
+
+    def run(self, scenario: Scenario, on_step: Callable[[int], None] | None = None) -> ScenarioResult:
+        """The scenario on the engine (no step callback: vLLM steps inside ``drive``)."""
+        res = drive(self.llm, scenario)
+        res.rows = [[(pos, self._model_dtype(res.name, row)) for pos, row in req] for req in res.rows]
+        if scenario.rows != "none":
+            for prompt_tokens, rows in zip(res.tokens, res.rows):
+                sampled = [(pos, row) for pos, row in rows if pos >= len(prompt_tokens) - scenario.gen_len - 1]
+                logits = torch.stack([row for _, row in sampled])
+                ids = torch.tensor([prompt_tokens[pos + 1] for pos, _ in sampled])
+                lp = log_softmax(logits).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+                res.sampled_logprobs.append(lp.tolist())
+        return res
+
+    def _model_dtype(self, name: str, row: torch.Tensor) -> torch.Tensor:
+        cast = row.to(self.dtype)
+        if self.spec.exact_replay and not torch.equal(cast.to(torch.float32), row):
+            raise AlignedMambaError(f"{name}: a logits row is not representable in {self.dtype} (engine output dtype "
+                                    "differs from the contract's model dtype)")
+        return cast
+
+    def close(self) -> None:
+        del self.llm
+        self._tmp.cleanup()
+
+
+def make_engine(spec: EngineSpec) -> VLLMEngine:
+    """The ``aligned_mamba.engines`` entry point ``vllm``."""
+    return VLLMEngine(spec)
+
+
+make_engine.own_process = True  # type: ignore[attr-defined]  # vLLM loads its plugins once per process
+# Ray worker actors with a vLLM engine: environment set before vLLM is imported in the actor's process.
+make_engine.ray_actor_options = {  # type: ignore[attr-defined]
+    "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                 "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
+}

@@ -1,0 +1,126 @@
+"""The shape of the house: import layers that hold, no cycles, and a core that imports no integration.
+
+Read from the source (every ``import`` statement, function-local ones too, except those under
+``if TYPE_CHECKING:``), so a change that reaches upwards fails here before it tangles the tree:
+
+- ``ops/`` (kernels, the backend resolver) imports nothing above it: not ``replay``, ``layers``,
+  ``models`` or the commands;
+- ``replay`` (the Batch and the one advance) sits on ``ops``; ``layers/`` on ``replay`` and ``ops``;
+  ``models/`` on ``layers/``; the engine, trainer, check and CLI on ``models/``;
+- the core (``aligned_mamba``) never imports ``rollout``, ``trainer_hooks``, vLLM, Megatron or Ray;
+- the module-level imports of ``aligned_mamba`` form no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "aligned_mamba"
+INTEGRATIONS = ("rollout", "trainer_hooks", "vllm", "megatron", "ray")
+# each layer, and the modules it may not import (prefixes of dotted names under aligned_mamba)
+FORBIDDEN = {
+    "ops": ("replay", "layers", "models", "engine", "baseline", "check", "cli", "train", "integrations", "verify"),
+    "replay": ("layers", "models", "engine", "baseline", "check", "cli", "train", "integrations"),
+    "layers": ("models", "engine", "baseline", "check", "cli", "train", "integrations"),
+    "models": ("engine", "baseline", "check", "cli", "train", "integrations"),
+    "contract": ("ops.backend", "replay", "layers", "models", "engine", "check", "cli", "train", "integrations"),
+}
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path, *, module_level: bool = False) -> set[str]:
+    """Dotted names imported by ``path`` (relative imports resolved), TYPE_CHECKING blocks skipped."""
+    tree = ast.parse(path.read_text())
+    pkg = _module(path).split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]
+    out: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if module_level and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = pkg[: len(pkg) - child.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                if child.module:  # ``from . import x`` imports x, the package being already under way
+                    out.add(base)
+                out.update(f"{base}.{a.name}" for a in child.names)
+            visit(child, top)
+
+    visit(tree, True)
+    return out
+
+
+def _core_files() -> list[Path]:
+    return sorted(p for p in CORE.rglob("*.py"))
+
+
+def test_the_core_imports_no_integration() -> None:
+    bad = {}
+    for path in _core_files():
+        hits = sorted(n for n in _imports(path) if n.split(".")[0] in INTEGRATIONS)
+        if hits:
+            bad[_module(path)] = hits
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_each_layer_imports_only_below_it(layer: str) -> None:
+    target = CORE / layer
+    files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+    bad = {}
+    for path in files:
+        hits = sorted(n for n in _imports(path) if n.startswith("aligned_mamba.")
+                      and any(n.removeprefix("aligned_mamba.").startswith(f) for f in FORBIDDEN[layer]))
+        if hits:
+            bad[_module(path)] = hits
+    assert files and not bad, bad
+
+
+def test_module_level_imports_form_no_cycle() -> None:
+    modules = {_module(p): p for p in _core_files()}
+    graph = {m: {n for n in _imports(p, module_level=True) if n in modules and n != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                pytest.fail(f"import cycle: {' -> '.join(stack[stack.index(n):] + [n])}")
+            if n not in state:
+                dfs(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            dfs(m)
+
+
+def test_the_tree_has_one_place_per_thing() -> None:
+    """One module per layer kind, one file per model family, the forms of the scan side by side."""
+    assert {p.stem for p in (CORE / "layers").glob("*.py")} >= {"base", "mamba2", "norm"}
+    assert {p.stem for p in (CORE / "models").glob("*.py")} >= {"causal_lm", "registry", "mamba2", "mamba_ssm"}
+    assert {p.stem for p in (CORE / "ops" / "ssd").glob("*.py")} >= {"naive", "chunk", "fused_recurrent",
+                                                                      "triton_chunk", "triton_decode", "state"}
+    assert not (CORE / "model").exists()
+    for top in ("aligned_mamba", "trainer_hooks", "rollout", "configs", "tests"):
+        assert (ROOT / top).is_dir(), top

@@ -1,0 +1,112 @@
+"""Model families on the generic causal LM: the registry, and mamba_ssm's published layout.
+
+A mamba_ssm checkpoint (``MambaLMHeadModel``: config.json with ``ssm_cfg``, ``pytorch_model.bin``)
+written from the same weights as a Hugging Face one loads onto the same model and gives the same
+logits bit for bit; what that layout holds and the model does not cover is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import aligned_mamba
+from aligned_mamba import Contract, ModelLoadError
+from aligned_mamba.models import FAMILIES, build_model, family_of, load_checkpoint, load_model
+from aligned_mamba.models import mamba_ssm as ms
+from aligned_mamba.models.mamba2 import Mamba2Config, make_tiny, save_checkpoint
+
+SMALL = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, head_dim=64, n_groups=2, state_size=32,
+             chunk_size=64, vocab_size=512)
+
+
+def _seqs(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in (150, 37, 1)]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
+def test_a_mamba_ssm_checkpoint_gives_the_hugging_face_layouts_bits(tmp_path: Path, tied: bool, weights: str) -> None:
+    config, tensors = make_tiny(1, dtype="bfloat16", tie_word_embeddings=tied, **SMALL)
+    save_checkpoint(tmp_path / "hf", config, tensors)
+    ms_config, ms_tensors = ms.from_hf(config, tensors)
+    ms.save_checkpoint(str(tmp_path / "ms"), ms_config, ms_tensors, weights_file=weights)
+    raw = json.loads((tmp_path / "ms" / "config.json").read_text())
+    assert "architectures" not in raw and raw["ssm_cfg"]["layer"] == "Mamba2"  # as mamba_ssm writes it
+    hf = load_model(tmp_path / "hf")
+    got = load_model(tmp_path / "ms")
+    assert got.family == "mamba_ssm" and hf.family == "mamba2"
+    assert got.contract == hf.contract  # chunk size from ssm_cfg, dtype read off the weights
+    seqs = _seqs(config.vocab_size)
+    for a, b in zip(got.forward(seqs), hf.forward(seqs), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    # and the same advance through the sampler's state: one decode step from a prefill
+    cache_a, cache_b = got.new_cache(1), hf.new_cache(1)
+    from aligned_mamba.replay import Batch
+
+    for cache, model in ((cache_a, got), (cache_b, hf)):
+        model.advance(cache, Batch.make([0], [0], [40]), seqs[0][:40])
+    step = Batch.make([0], [40], [1])
+    assert torch.equal(got.advance(cache_a, step, seqs[0][40:41]), hf.advance(cache_b, step, seqs[0][40:41]))
+
+
+def test_the_vocab_is_padded_as_mamba_ssm_builds_it(tmp_path: Path) -> None:
+    cfg = ms.MambaSSMConfig(d_model=64, n_layer=1, vocab_size=500, d_state=16, headdim=32, chunk_size=32,
+                            pad_vocab_size_multiple=16)
+    assert cfg.padded_vocab == 512 and ms.expected_shapes(cfg)[ms.EMBEDDING] == (512, 64)
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: (torch.rand(shape, generator=g) * 0.1).to(torch.float32)
+               for name, shape in ms.expected_shapes(cfg).items()}
+    ms.save_checkpoint(str(tmp_path), cfg, tensors)
+    model = load_model(tmp_path)
+    assert model.forward([torch.tensor([1, 2, 499])])[0].shape == (3, 512)
+    assert model.contract.chunk_size == 32 and model.contract.model_dtype == "float32"
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"attn_layer_idx": [1]}, "attention layers at attn_layer_idx [1] is not covered"),
+    ({"d_intermediate": 256}, "MLP blocks (d_intermediate 256) is not covered"),
+    ({"ssm_cfg": {"layer": "Mamba1"}}, "ssm_cfg.layer 'Mamba1' (only Mamba2) is not covered"),
+    ({"ssm_cfg": {"layer": "Mamba2", "d_ssm": 64}}, "a partial SSM width"),
+    ({"ssm_cfg": {"layer": "Mamba2", "D_has_hdim": True}}, "D_has_hdim true is not covered"),
+    ({"ssm_cfg": {"layer": "Mamba2", "mystery": 1}}, "ssm_cfg key(s) ['mystery'] are not understood"),
+    ({"rms_norm": False}, "rms_norm false (LayerNorm blocks) is not covered"),
+])
+def test_what_the_mamba_ssm_layout_holds_and_the_model_does_not_is_refused(tmp_path: Path, change: dict,
+                                                                            words: str) -> None:
+    config, tensors = make_tiny(1, **SMALL)
+    ms_config, ms_tensors = ms.from_hf(config, tensors)
+    ms.save_checkpoint(str(tmp_path), ms_config, ms_tensors)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(ModelLoadError) as e:
+        load_checkpoint(tmp_path)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_registry_finds_each_family_and_refuses_others() -> None:
+    names = [f.name for f in FAMILIES]
+    assert names[:2] == ["mamba2", "mamba_ssm"]
+    assert family_of({"architectures": ["Mamba2ForCausalLM"]}).name == "mamba2"
+    assert family_of({"model_type": "mamba2"}).name == "mamba2"
+    assert family_of({"d_model": 8, "n_layer": 1, "ssm_cfg": {}}).name == "mamba_ssm"
+    with pytest.raises(ModelLoadError, match="no model family for architectures \\['LlamaForCausalLM'\\]"):
+        family_of({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
+def test_the_public_entry_point(tmp_path: Path) -> None:
+    config, tensors = make_tiny(2, **SMALL)
+    save_checkpoint(tmp_path, config, tensors)
+    model = aligned_mamba.load_model(tmp_path)
+    seqs = _seqs(config.vocab_size)
+    want = build_model(config, tensors, Contract(chunk_size=64, model_dtype="bfloat16")).forward(seqs)
+    got = model.forward(seqs)
+    assert [t.shape for t in got] == [(s.numel(), config.vocab_size) for s in seqs]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    other = aligned_mamba.load_model(tmp_path, Contract(chunk_size=32, model_dtype="bfloat16"))
+    assert other.contract.chunk_size == 32
+    assert isinstance(model.config, Mamba2Config)

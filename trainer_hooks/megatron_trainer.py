@@ -1,0 +1,265 @@
+"""The trainer on a real Megatron-Core MambaModel with the ``--aligned-mamba`` hook.
+
+``MegatronTrainer`` implements the core's trainer protocol (``aligned_mamba.integrations.Trainer``:
+``forward``, ``token_logprobs``, ``step``, ``export_bytes``) like the reference
+``aligned_mamba.train.PolicyTrainer``, but every forward and backward is Megatron's: a MambaModel
+built from Megatron's own non-TE modules (``megatron.local_mamba_stack_spec``) with the hook
+installed for the contract, loaded from the checkpoint through ``megatron_weights.hf_to_megatron``,
+scoring sequences in one packed (THD) pass. It is the ``megatron`` entry of ``aligned_mamba.trainers``,
+so ``aligned-mamba check --trainer megatron`` and ``aligned-mamba rl --trainer megatron`` both run it.
+
+- ``forward`` / ``token_logprobs``: the one-pass logits (eval mode, no grad), then the core's
+  ``log_softmax`` of rows prompt_len-1 .. len-2 gathered at the generated tokens, as ``PolicyTrainer``.
+- ``step``: REINFORCE with ``PolicyTrainer``'s loss, mixed precision as Megatron's fp16/bf16 optimizer
+  does it: the model's parameters stay in the checkpoint dtypes (bf16 weights, fp32 A_log / D /
+  dt_bias for ``make_tiny``), their gradients are copied to fp32 master copies, Adam steps the masters,
+  and the parameters are re-set from the masters rounded to their dtypes. The next forward and the
+  exported weights are therefore the same bits.
+- ``export_bytes``: ``megatron_to_hf`` of the model's state dict (HF names in the checkpoint dtypes;
+  with tied embeddings an ``lm_head.weight`` only if the checkpoint had one), as safetensors bytes
+  with the version in the metadata, and their ``weights_digest``.
+
+On a CPU-only machine ``prepare_process`` applies ``megatron_cpu``'s shims first and starts a
+one-rank world. One hook per process: a second trainer under another contract in the same process
+is refused (``AlignmentRefused``). ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds Megatron's stock
+forward instead (the "hook off" demonstration: its rows differ; it cannot step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import ModelLoadError
+from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config
+from aligned_mamba.train import (
+    check_lr,
+    check_step_inputs,
+    export_weights,
+    generated_logprobs,
+    reinforce_loss,
+    total_norm,
+)
+
+from . import megatron as hook_module
+from .megatron_weights import hf_to_megatron, megatron_to_hf
+
+__all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
+           "megatron_packed_logits", "megatron_transformer_config", "prepare_process"]
+
+# MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
+MEGATRON_GATED_NORM_EPS = 1e-5
+
+
+def prepare_process() -> None:
+    """One-rank torch.distributed + model-parallel groups; on a CPU-only machine also the CPU shims."""
+    from . import megatron_cpu
+
+    if not torch.cuda.is_available():
+        megatron_cpu.setup()
+    megatron_cpu.init_single_process()
+
+
+def megatron_transformer_config(config: Mamba2Config, dtype: str) -> Any:
+    """The TransformerConfig of a pure Mamba2 model with ``config``'s shapes, params in ``dtype``.
+
+    Refuses (ModelLoadError) what Megatron's MambaMixer cannot represent: biases on in/out_proj, no conv bias, a
+    time_step_limit (Megatron does not clamp dt), a layer_norm_epsilon other than the gated norm's 1e-5.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if config.use_bias:
+        raise ModelLoadError("use_bias=True: Megatron's MambaMixer has no in_proj/out_proj bias")
+    if not config.use_conv_bias:  # MambaMixer.__init__ tags conv1d.bias unconditionally (0.16.1)
+        raise ModelLoadError("use_conv_bias=False: megatron-core 0.16's MambaMixer cannot be built without a conv bias")
+    if tuple(config.time_step_limit) != (0.0, math.inf):
+        raise ModelLoadError(f"time_step_limit {config.time_step_limit}: Megatron's MambaMixer does not clamp dt")
+    if config.layer_norm_epsilon != MEGATRON_GATED_NORM_EPS:
+        raise ModelLoadError(f"layer_norm_epsilon {config.layer_norm_epsilon}: Megatron's MambaMixer hard-codes "
+                             f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=1,
+        mamba_state_dim=config.state_size, mamba_head_dim=config.head_dim, mamba_num_groups=config.n_groups,
+        mamba_num_heads=config.num_heads, params_dtype=getattr(torch, dtype), bf16=dtype == "bfloat16",
+        layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm", hidden_dropout=0.0,
+        attention_dropout=0.0, fp32_residual_connection=config.residual_in_fp32,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
+
+
+def build_mamba_model(config: Mamba2Config, dtype: str, *, chunk_size: int | None = None) -> Any:
+    """A Megatron MambaModel of ``config``'s shape (weights uninitialised: load them). With the hook installed
+    it is aligned on construction; ``chunk_size`` (only without the hook, or equal to the contract's) is
+    passed to every MambaMixer explicitly."""
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    spec = hook_module.local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias)
+    if chunk_size is not None:
+        spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
+    return MambaModel(megatron_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
+                      max_sequence_length=1 << 20, share_embeddings_and_output_weights=config.tie_word_embeddings,
+                      position_embedding_type="none")
+
+
+def load_hf_weights(model: Any, config: Mamba2Config, tensors: dict[str, torch.Tensor]) -> None:
+    """Load HF-named tensors into ``model`` (renamed by ``hf_to_megatron``), each parameter first switched to
+    the stored tensor's dtype (in place: the same Parameter objects, which MambaMixer's context-parallel
+    helper also holds), so values are copied exactly, never cast into Megatron's params dtype. The forward
+    casts as the core does (e.g. fp32 A_log / D / dt_bias stay fp32, as make_tiny stores them)."""
+    sd = hf_to_megatron(tensors, config)
+    params = dict(model.named_parameters())
+    for name, value in sd.items():
+        param = params.get(name)
+        if param is not None and param.dtype != value.dtype:
+            param.data = param.data.to(value.dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ModelLoadError(f"Megatron model and checkpoint differ: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+
+
+def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """One THD forward of MambaModel over the packed sequences -> [sum len_i, vocab] logits (grad follows
+    torch's grad mode; the model is left in the mode it is in)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = [int(s.numel()) for s in sequences]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.cat([s.to(torch.int64) for s in sequences])[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                             max_seqlen_kv=max(lens))
+    return model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
+
+
+def build_hooked_model(config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract) -> Any:
+    """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, CPU
+    shims without CUDA), loaded from HF-named ``tensors`` (each parameter in its tensor's dtype), left in the
+    mode a freshly built module is in (train)."""
+    prepare_process()
+    hook_module.install(contract)
+    model = build_mamba_model(config, contract.model_dtype)
+    load_hf_weights(model, config, tensors)
+    return model
+
+
+class MegatronTrainer:
+    """The trainer protocol through a hooked Megatron MambaModel; Adam on fp32 masters of its
+    checkpoint-dtype parameters (made at the first ``step``).
+
+    ``tensors``: the checkpoint (HF names, checkpoint dtypes); the model's parameters take those dtypes.
+    ``hook=False``: Megatron's stock forward (no contract is applied; for the "hook off" demonstration).
+    """
+
+    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
+                 lr: float = 1e-4, hook: bool = True) -> None:
+        check_lr(lr)
+        self.config = config
+        self.contract = contract
+        self.lr = lr
+        self.hooked = hook
+        self.dtypes = {k: v.dtype for k, v in tensors.items()}  # the served names and dtypes, in input order
+        if hook:
+            self.model = build_hooked_model(config, tensors, contract)
+        else:
+            prepare_process()
+            self.model = build_mamba_model(config, contract.model_dtype, chunk_size=contract.chunk_size)
+            load_hf_weights(self.model, config, tensors)
+        self.params = dict(self.model.named_parameters())
+        self.master: dict[str, torch.Tensor] | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        # the parameters in the checkpoint's (HF) order, the order PolicyTrainer sums the gradient norm in
+        megatron_name = {id(p): n for n, p in self.params.items()}
+        by_hf = megatron_to_hf(self.params, config)
+        self._hf_order = [megatron_name[id(by_hf[k])] for k in self.dtypes if k in by_hf]
+        self.version = 0
+        changed = [k for k, v in self.weights().items() if v.dtype != self.dtypes[k]]
+        if changed:
+            raise ModelLoadError(f"the Megatron model holds {changed[:3]} in other dtypes than the checkpoint")
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    def _logits(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One packed forward -> per sequence [len_i, vocab] logits (autograd per torch's grad mode)."""
+        if self.hooked:
+            hook_module.install(self.contract)  # idempotent; back in place if someone uninstalled it
+        logits = megatron_packed_logits(self.model, sequences)
+        return list(torch.split(logits, [int(s.numel()) for s in sequences]))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights: the model's parameters under HF names, in the checkpoint dtypes (detached;
+        the same names as the checkpoint, so a tied ``lm_head.weight`` only if it had one)."""
+        hf = megatron_to_hf(self.model.state_dict(), self.config)
+        if LM_HEAD in self.dtypes and LM_HEAD not in hf:  # tied, but the checkpoint stored the copy
+            hf[LM_HEAD] = hf[EMBEDDING]
+        if set(hf) != set(self.dtypes):
+            raise ModelLoadError(f"the Megatron model's tensors {sorted(set(hf) ^ set(self.dtypes))[:3]} do not match "
+                                 "the checkpoint's")
+        return {k: hf[k].detach() for k in self.dtypes}
+
+    # -- the trainer protocol ------------------------------------------------------------------------------------
+    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one packed pass (eval mode, no grad): [len_i, vocab] each."""
+        self.model.eval()
+        with torch.no_grad():
+            return self._logits([s.to(torch.int64) for s in sequences])
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+        """Logprob of every generated token (positions prompt_len .. len-1) under Megatron's one-pass logits,
+        [len_i - prompt_len_i] float32 each, by the sampler's log_softmax (as ``PolicyTrainer``)."""
+        seqs = [s.to(torch.int64) for s in sequences]
+        return generated_logprobs(self.forward(seqs), seqs, prompt_lens)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        """One REINFORCE step: loss = -sum_i adv_i * sum_t logprob_it / (generated tokens), through Megatron's
+        forward and backward on the checkpoint-dtype parameters; their gradients (upcast to fp32) step the fp32
+        masters with Adam, and the parameters are re-set from the rounded masters. Returns loss, token count,
+        grad norm (of the master gradients) and the new weights version."""
+        check_step_inputs(sequences, prompt_lens, advantages)
+        if self.master is None:
+            self.master = {n: p.detach().to(torch.float32).clone().requires_grad_(True)
+                           for n, p in self.params.items()}
+            self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)
+        assert self.opt is not None
+        seqs = [s.to(torch.int64) for s in sequences]
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        loss, tokens = reinforce_loss(self._logits(seqs), seqs, prompt_lens, advantages)
+        loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        for name, p in self.params.items():
+            if p.grad is not None:
+                self.master[name].grad = p.grad.detach().to(torch.float32)
+        grad_norm = total_norm(self.master[n].grad for n in self._hf_order)
+        self.opt.step()
+        self.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(self.master[name].detach().to(p.dtype))
+        self.version += 1
+        return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm, "weights_version": self.version}
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The served weights as safetensors bytes (metadata "weights_version") and their ``weights_digest``."""
+        return export_weights(self.weights(), self.version)
+
+
+def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4
+                 ) -> MegatronTrainer:
+    """The ``aligned_mamba.trainers`` entry point ``megatron``. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
+    Megatron's stock forward (a demonstration that its rows differ; it does not run under the contract
+    it reports)."""
+    if not isinstance(config, Mamba2Config):
+        raise ModelLoadError(f"the Megatron trainer covers Mamba2 checkpoints (Hugging Face layout), not "
+                             f"{type(config).__name__}")
+    hook = os.environ.get("ALIGNED_MAMBA_MEGATRON_HOOK", "on") != "off"
+    if not hook:
+        print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",
+              file=sys.stderr)
+    return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
