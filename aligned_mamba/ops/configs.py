@@ -109,7 +109,7 @@ class TritonKernelConfigs:
     linear_mid_stages: int = 4
     linear_mid_tma: bool = True
     linear_mid_persistent: bool = False
-    linear_mid_programs_per_sm: int = 2
+    linear_mid_programs_per_sm: int = 1
     linear_block_m: int = 128
     linear_block_n: int = 256
     linear_warps: int = 8
@@ -135,6 +135,9 @@ class TritonKernelConfigs:
         _pow2("row_tile", self.row_tile, 16, 1024)
         for name in ("block_p", "block_n", "block_k", "pass_block_p"):
             _pow2(name, getattr(self, name), 16, 256)
+        if self.pass_block_p > self.block_p:
+            raise ValueError(f"pass_block_p {self.pass_block_p} refused: above block_p {self.block_p} (the state "
+                             "pass splits the scan's P blocks)")
         for name in ("num_warps", "tile_num_warps"):
             _among(name, getattr(self, name), (2, 4, 8))
         _among("dot_precision", self.dot_precision, ("ieee",))
@@ -151,6 +154,13 @@ class TritonKernelConfigs:
                 _among(pre + "tma", getattr(self, pre + "tma"), (True, False))
                 _among(pre + "persistent", getattr(self, pre + "persistent"), (True, False))
                 _among(pre + "programs_per_sm", getattr(self, pre + "programs_per_sm"), (1, 2, 3, 4))
+                # the pointer kernel runs one tile per program: a persistent grid needs TMA, and
+                # programs per SM a persistent grid (a value no launch reads is refused)
+                if getattr(self, pre + "persistent") and not getattr(self, pre + "tma"):
+                    raise ValueError(f"{pre}persistent refused without {pre}tma: the pointer kernel is not persistent")
+                if getattr(self, pre + "programs_per_sm") != 1 and not getattr(self, pre + "persistent"):
+                    raise ValueError(f"{pre}programs_per_sm {getattr(self, pre + 'programs_per_sm')} refused without "
+                                     f"{pre}persistent: a grid of one program per tile")
         for name in ("linear_decode_max_m", "linear_mid_max_m", "linear_fill_programs"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
@@ -160,6 +170,8 @@ class TritonKernelConfigs:
                              f"{self.linear_decode_max_m}")
         _pow2("linear_group_m", self.linear_group_m, 1, 64)
         _among("linear_epi_split", self.linear_epi_split, (1, 2))
+        if self.linear_epi_split != 1 and not self.linear_tma:
+            raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")
         _pow2("norm_block_per_warp", self.norm_block_per_warp, 32, 8192)
         _pow2("conv_block_t", self.conv_block_t, 1, 256)
         _pow2("conv_block_c", self.conv_block_c, 16, 1024)

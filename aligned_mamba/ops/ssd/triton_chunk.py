@@ -497,7 +497,7 @@ def scan_planned(
     if plan.one_each and not plan.any_moved:
         return y
     h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
-    PP = min(cfg.pass_block_p, cfg.block_p)
+    PP = cfg.pass_block_p  # <= block_p (the configs refuse more)
     _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
         a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,
         BLOCK_N=cfg.block_n, WRITE_IN=not plan.one_each, RT_RANGE=not interpreting(), num_warps=cfg.num_warps,
