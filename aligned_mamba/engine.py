@@ -64,11 +64,20 @@ class SamplerEngine:
     """Continuous batching over ``num_slots`` state slots with a per-step token budget."""
 
     def __init__(self, model: CausalLM, *, num_slots: int, max_batch_tokens: int | None = None,
-                 seed: int = 0, temperature: float = 1.0) -> None:
+                 seed: int = 0, temperature: float = 1.0, graphs: bool | None = None) -> None:
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model
-        self.cache = model.new_cache(num_slots)
+        # decode-only steps as CUDA graphs where the backend can capture them (default: the triton
+        # backend on a GPU); the cache then holds one spare slot for the graphs' padding entries
+        if graphs is None:
+            graphs = model.backend.name == "triton" and model.device.type == "cuda"
+        self.cache = model.new_cache(num_slots + 1 if graphs else num_slots)
+        self.graphs = None
+        if graphs:
+            from .decode_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.cache, spare_slot=num_slots)
         self.max_batch_tokens = max_batch_tokens
         self.seed = seed
         self.temperature = temperature
@@ -128,7 +137,11 @@ class SamplerEngine:
             last = len(req.tokens) - 1
             want.extend((p == last and not req.finished) or req.emit_all_rows for p in pos)
         want_t = torch.tensor(want, dtype=torch.bool)
-        logits = self.model.advance(self.cache, batch, torch.tensor(ids, dtype=torch.int64), want_t)
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        if self.graphs is not None and all(n == 1 for _, n in plan) and len(plan) <= self.graphs.buckets[-1]:
+            logits = self.graphs.step(batch.slots, batch.start_pos, ids_t)[want_t.to(self.model.device)]
+        else:
+            logits = self.model.advance(self.cache, batch, ids_t, want_t)
         k = r = 0  # k indexes logits rows, r the packed token rows
         to_sample: list[tuple[Request, int, int]] = []
         for req, n in plan:
@@ -206,7 +219,9 @@ class ReferenceEngine:
         ``stagger``), the scenario's budget per step, a request preempted when it reaches each mark."""
         sc = scenario
         t0 = time.perf_counter()
-        engine = SamplerEngine(self.model, num_slots=len(sc.prompts), max_batch_tokens=sc.budget, seed=sc.seed)
+        # the baseline's recurrent scan indexes its state from the host: it is not captured in graphs
+        engine = SamplerEngine(self.model, num_slots=len(sc.prompts), max_batch_tokens=sc.budget, seed=sc.seed,
+                               graphs=None if self.spec.exact_replay else False)
         all_rows = sc.rows == "all"
         pending = list(sc.prompts)
         reqs: list[Request] = []

@@ -22,6 +22,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .contract import Contract
+from .errors import AlignedMambaError
 from .models import CausalLM, build_model
 from .ops.logprobs import log_softmax
 
@@ -101,6 +102,9 @@ class PolicyTrainer:
         new weights version.
         """
         check_step_inputs(sequences, prompt_lens, advantages)
+        if self.contract.backend != "torch":
+            raise AlignedMambaError(f"training on the {self.contract.backend} backend is refused: its ops have no "
+                                    "backward yet (train on the torch backend)")
         if self.master is None:
             self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self._served.items()}
             self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)

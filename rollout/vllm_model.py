@@ -5,7 +5,7 @@ preemption, sampling, the state memory pool); every op on the path from token to
 core's. Each Mamba layer is a ``ReplayMambaLayer`` (a ``MambaBase``, as vLLM's own MambaMixer2):
 it declares the core layer's per-slot state (``layers.mamba2.state_spec``) so vLLM's memory planner
 sizes the cache for it, receives the bound views as ``kv_cache``, and in the forward runs its own
-block (norm, then ``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Batch``
+mixer (``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Batch``
 (derived once per step: the layers of one KV-cache group share the metadata object). The trainer's
 forward runs the same blocks, so its logits rows equal the ones vLLM sampled from.
 """
@@ -108,7 +108,8 @@ class ReplayMambaLayer(MambaBase, nn.Module):
     """One Mamba2 block over its slot of vLLM's Mamba cache (the core layer's state per request).
 
     ``block`` (the core's norm + ``Mamba2Mixer``) is set when the weights are loaded; the forward
-    advances the step's slots through it from this layer's own metadata and state views.
+    advances the step's slots through its mixer from this layer's own metadata and state views (the
+    model fuses each residual add with the next norm, as the core's forward does).
     """
 
     def __init__(self, prefix: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
@@ -145,18 +146,18 @@ class ReplayMambaLayer(MambaBase, nn.Module):
             refuse("micro-batched (ubatch) steps are not covered")
         return step_batch(md[self.prefix], positions)
 
-    def forward(self, residual: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """residual [T, hidden] (the step's real tokens) -> residual + mixer(norm(residual))."""
+    def forward(self, normed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The mixer over the step's new tokens: normed [T, hidden] (the block's norm of the residual,
+        the step's real tokens) -> [T, hidden] in the model dtype; the model adds it to the residual."""
         assert self.block is not None, "weights not loaded"
         batch = self.batch(positions)
-        if batch is None:
-            return residual
+        assert batch is not None, "a layer's forward without attention metadata"
         mixer = self.block.mixer
         state = mixer.state(self.state_tensors())
         fresh = batch.slots[batch.start_pos == 0]
         if fresh.numel():
             state.reset(fresh)  # vLLM reuses slots: a new or recomputed request starts from zero state
-        return residual + mixer.advance(state, batch, self.block.norm(residual))
+        return mixer.advance(state, batch, normed)
 
 
 class ExactReplayMamba2ForCausalLM(nn.Module):
@@ -264,11 +265,8 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         if batch is None:  # profiling / dummy run without a cache: nothing to advance
             return out
         n = batch.num_tokens
-        hidden = core.embedding[input_ids[:n]]
-        residual = hidden.to(torch.float32) if core.shape.residual_in_fp32 else hidden
-        for layer in self.layers:
-            residual = layer(residual, positions)
-        out[:n] = core.norm_f(residual)
+        # the core's forward, each block's mixer run by its own layer from its own metadata
+        out[:n] = core.run_blocks(input_ids[:n], lambda i, normed, rows: self.layers[i](normed, positions))
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ names and config onto this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,42 +115,63 @@ class CausalLM:
 
     # -- the one forward ------------------------------------------------------------------------------
     def advance(self, cache: Cache, batch: Batch, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
-                capture: list | None = None) -> torch.Tensor:
+                capture: list | None = None, *, check: bool = True) -> torch.Tensor:
         """Advance the batch's slots by their new tokens and return logits for ``logit_rows``.
 
         token_ids [T] int64 packed as ``batch.cu_seqlens`` says; logit_rows [T] bool (default all).
         Returns [rows wanted, vocab] in the model dtype. ``capture``, if a list, receives per Mamba2
-        layer a dict of the scan's inputs and outputs (for accuracy reports).
+        layer a dict of the scan's inputs and outputs (for accuracy reports); ``check``: see
+        ``hidden_states``.
         """
-        return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture))
+        return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture, check=check))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype."""
         return self.backend.linear(hidden, self.lm_head)
 
     def hidden_states(self, cache: Cache, batch: Batch, token_ids: torch.Tensor,
-                      logit_rows: torch.Tensor | None = None, capture: list | None = None) -> torch.Tensor:
+                      logit_rows: torch.Tensor | None = None, capture: list | None = None, *,
+                      check: bool = True) -> torch.Tensor:
         """``advance`` up to the final norm: the normed hidden rows [rows wanted, hidden_size] (model
         dtype) that ``logits`` maps to logits. Engines that compute logits for a subset of rows later
-        (vLLM's compute_logits) call this and ``logits`` separately."""
+        (vLLM's compute_logits) call this and ``logits`` separately. ``check=False`` skips the token-id
+        range check (a device read): for callers that checked on the host, e.g. a captured CUDA graph.
+        """
         if token_ids.numel() != batch.num_tokens:
             raise ValueError(f"{token_ids.numel()} token ids for a batch of {batch.num_tokens} tokens")
         V = self.shape.vocab_size
-        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
+        if check and token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
             raise ValueError(f"token ids must lie in [0, {V})")
         token_ids = token_ids.to(self.device)
         if logit_rows is not None:
             logit_rows = logit_rows.to(self.device)
-        hidden = self.embedding[token_ids]
-        residual = hidden.to(torch.float32) if self.shape.residual_in_fp32 else hidden
+
+        def mix(i: int, normed: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            return self.blocks[i].mixer.advance(cache.states[i], batch, normed, rows, capture)
+
+        return self.run_blocks(token_ids, mix, logit_rows)
+
+    def run_blocks(self, token_ids: torch.Tensor, mix: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor],
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward around the mixers: ``mix(i, normed, rows)`` runs block i's mixer on its normed
+        input [T, hidden] (model dtype), returning [rows, hidden]. Each block's residual add is fused
+        with the next block's norm (``Backend.add_norm``; the final norm after the last block), the
+        embedding gather with the first norm. Returns the final normed rows [rows wanted, hidden].
+        An engine that runs each mixer itself (vLLM's layers, from their own metadata) passes its own
+        ``mix``; ``hidden_states`` passes the mixers' advance over a cache."""
+        be, dtype = self.backend, self.dtype
+        first = self.blocks[0].norm
+        res_dtype = torch.float32 if self.shape.residual_in_fp32 else dtype
+        normed, residual = be.embed_norm(token_ids, self.embedding, first.weight, first.config.eps, dtype, res_dtype)
+        norms = [b.norm for b in self.blocks[1:]] + [self.norm_f]
         last = len(self.blocks) - 1
-        for i, (block, state) in enumerate(zip(self.blocks, cache.states, strict=True)):
+        for i, nxt in enumerate(norms):
             rows = logit_rows if i == last else None
-            out = block.mixer.advance(state, batch, block.norm(residual), rows, capture)
+            out = mix(i, normed, rows)
             if rows is not None:
                 residual = residual[rows]
-            residual = residual + out
-        return self.norm_f(residual)
+            normed, residual = be.add_norm(out, residual, nxt.weight, nxt.config.eps, dtype)
+        return normed
 
     # -- the trainer's side ------------------------------------------------------------------------
     def forward(self, sequences: Sequence[torch.Tensor], capture: list | None = None) -> list[torch.Tensor]:

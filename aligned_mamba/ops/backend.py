@@ -8,10 +8,11 @@ resolve the same contract, so they run the same kernels with the same configs.
 - ``TorchBackend``: torch ops (the CPU path, and the readable statement of each op's arithmetic):
   fixed-tile GEMMs, fixed-tree reductions, IEEE-only transcendentals (``ops.elementwise``).
 - ``TritonBackend``: Triton kernels with the contract's ``TritonKernelConfigs``. On a CUDA device
-  every op is a Triton kernel where one exists. Under the Triton interpreter (``TRITON_INTERPRET=1``,
-  the CPU tests) the scan runs its Triton kernels and the other ops their torch forms: the
-  interpreter is a logic check (it runs one program in ~15 ms and computes bf16 arithmetic in
-  fp32), not the GPU's bits.
+  every op is a Triton kernel: the tensor-core GEMM, the fused norms (the residual add and the
+  embedding gather folded in), the causal conv, the scan, log-softmax. Under the Triton
+  interpreter (``TRITON_INTERPRET=1``, the CPU tests) the scan runs its Triton kernels and the
+  other ops their torch forms: the interpreter is a logic check (it runs one program in ~15 ms
+  and computes bf16 arithmetic in fp32), not the GPU's bits.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ class Backend:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
         """[M, d] -> [M, d] in ``out_dtype`` (``ops.norm.rms_norm``)."""
         return _norm.rms_norm(x, w, eps, out_dtype)
+
+    def embed_norm(self, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
+                   dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
+        normed = rms_norm(residual rounded to ``dtype``) [T, d] in ``dtype``. Returns (normed, residual)."""
+        residual = embedding[token_ids].to(residual_dtype)
+        return self.rms_norm(residual.to(dtype), w, eps, dtype), residual
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's residual add and the next norm: residual += x (in residual's dtype), normed =
+        rms_norm(residual rounded to ``dtype``). x, residual [M, d]. Returns (normed, residual)."""
+        residual = residual + x
+        return self.rms_norm(residual.to(dtype), w, eps, dtype), residual
 
     def gated_rms_norm(self, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
                        n_groups: int) -> torch.Tensor:
@@ -119,16 +134,60 @@ class TritonBackend(Backend):
             raise AlignedMambaError(f"backend 'triton' needs the triton package ({e}): pip install triton") from None
         self._chunk, self._decode = triton_chunk, triton_decode
         self._torch_ops = TorchBackend(TorchKernelConfigs(), device)  # the interpreter's stand-ins
+        if self.compiled:
+            from . import logprobs_triton, norm_triton
+            from .conv1d_triton import causal_conv1d_triton
+            from .linear_triton import linear_triton
+
+            self._linear, self._conv = linear_triton, causal_conv1d_triton
+            self._norm, self._logprobs = norm_triton, logprobs_triton
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return w.to(torch.float32) if not self.compiled else w
+        # the tensor-core GEMM takes the model dtype's weights as they are (no fp32 copies)
+        return w.to(torch.float32) if not self.compiled else w.contiguous()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.compiled:
             return self._torch_ops.linear(x, w, b)
-        from .linear_triton import linear_triton
+        return self._linear(x, w, b, self.configs)
 
-        return linear_triton(x, w, b, self.configs)
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        if not self.compiled:
+            return super().rms_norm(x, w, eps, out_dtype)
+        return self._norm.rms_norm_triton(x, w, eps, out_dtype, self.configs)
+
+    def embed_norm(self, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
+                   dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.compiled:
+            return super().embed_norm(token_ids, embedding, w, eps, dtype, residual_dtype)
+        return self._norm.embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, self.configs,
+                                                norm_input_dtype=dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.compiled:
+            return super().add_norm(x, residual, w, eps, dtype)
+        return self._norm.add_rms_norm_triton(x, residual, w, eps, dtype, self.configs, norm_input_dtype=dtype)
+
+    def gated_rms_norm(self, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
+                       n_groups: int) -> torch.Tensor:
+        if not self.compiled:
+            return super().gated_rms_norm(y, z, w, eps, n_groups)
+        return self._norm.gated_rms_norm_triton(y, z, w, eps, n_groups, self.configs)
+
+    def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
+                     b: torch.Tensor | None) -> torch.Tensor:
+        if not self.compiled:
+            return super().conv_advance(windows, step, x, w, b)
+        dev = windows.device
+        cu, slots = step.derived(("conv", dev), lambda: conv_tables(step, dev))
+        return self._conv(x, cu, slots, windows, w, b, self.configs)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.compiled or not logits.is_cuda:
+            return super().log_softmax(logits)
+        return self._logprobs.log_softmax_triton(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(
+            logits.shape)
 
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,6 +196,15 @@ class TritonBackend(Backend):
             # arithmetic and touch the boundary state only when a chunk completes
             return self._decode.replay_decode_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
         return self._chunk.replay_chunk_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
+
+
+def conv_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cu_seqlens [S+1] and slots [S] as int64 on ``device``, in one asynchronous copy."""
+    from .ssd.plan import host_to_device
+
+    n = step.slots.numel()
+    t = host_to_device(torch.cat([step.cu_seqlens, step.slots]).numpy(), device)
+    return t[:n + 1], t[n + 1:]
 
 
 _BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}

@@ -1,0 +1,122 @@
+"""A decode step as one CUDA graph per batch-size bucket.
+
+A decode step advances B sequences by one token each. On the triton backend every launch of the
+step reads its tables (slots, positions, the conv's offsets) from the device and none reads
+anything back, so the whole step (embedding, every layer's GEMMs, conv, scan and norms, the
+lm_head) can be captured once per bucket and replayed. Before a replay the step's tables and token
+ids are copied into the graph's static buffers (one copy from pinned memory); a bucket larger
+than the step is filled with padding entries that decode into a spare slot of the cache, which no
+sequence owns (their rows are computed and dropped: every row is a fixed function of its own
+inputs, so they change nothing in the others). Chunk completions run inside the graph: the
+completion kernels check every entry's position on the device.
+
+The graph runs the very kernels of an eager step with the same arguments, so its rows are the
+eager step's, and by the decode kernels' contract the single-pass prefill's
+(tests/test_decode_graph.py checks both on a GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .models.causal_lm import Cache, CausalLM
+from .replay import Batch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    """Decode steps of ``model`` over ``cache`` as CUDA graphs, one per bucket, captured on first use.
+
+    ``spare_slot``: a slot of ``cache`` that no sequence owns (allocate one more than the engine
+    hands out); padding entries decode there. Refuses (ValueError) a model that cannot be captured:
+    the triton backend on a CUDA device is required.
+    """
+
+    def __init__(self, model: CausalLM, cache: Cache, *, spare_slot: int, buckets: Sequence[int] = BUCKETS) -> None:
+        be = model.backend
+        if be.name != "triton" or model.device.type != "cuda":
+            raise ValueError(f"a decode step can be captured on the triton backend on a CUDA device, not {be!r}")
+        if not 0 <= spare_slot < cache.num_slots:
+            raise ValueError(f"spare slot {spare_slot} outside the cache's {cache.num_slots} slots")
+        self.model, self.cache, self.spare = model, cache, spare_slot
+        self.buckets = tuple(sorted(buckets))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"a decode step of {n} sequences exceeds the largest bucket {self.buckets[-1]}")
+
+    def step(self, slots: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor,
+             token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One decode step: sequence i (in ``slots[i]``, ``positions[i]`` tokens already consumed)
+        takes ``token_ids[i]``. Returns its logits rows [B, vocab] in the model dtype: a view of the
+        graph's static output, valid until the next step of this bucket (clone what you keep)."""
+        slots, positions, token_ids = (torch.as_tensor(t, dtype=torch.int64).reshape(-1)
+                                       for t in (slots, positions, token_ids))
+        n = slots.numel()
+        if positions.numel() != n or token_ids.numel() != n or n == 0:
+            raise ValueError(f"{n} slots, {positions.numel()} positions, {token_ids.numel()} tokens")
+        V = self.model.shape.vocab_size
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= V:
+            raise ValueError(f"token ids must lie in [0, {V})")
+        if len(set(slots.tolist())) != n or self.spare in set(slots.tolist()):
+            raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
+        b = self.bucket(n)
+        graph, tables, host, logits = self._graphs.get(b) or self._capture(b)
+        host[0, :n], host[1, :n], host[2, :n] = slots, positions, token_ids
+        host[0, n:], host[1, n:], host[2, n:] = self.spare, 0, 0
+        tables.copy_(host, non_blocking=True)  # pinned: ordered on the stream, no wait for the device
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the device as the layers' tensors name it (cuda:0): part of the keys of their derived tables
+        dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)
+        tables = torch.empty(3, b, dtype=torch.int64, device=dev)
+        host = torch.empty(3, b, dtype=torch.int64).pin_memory()
+        tables[0].fill_(self.spare)
+        tables[1:].zero_()
+        batch = self._batch(b, tables)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # compile every kernel (decoding into the spare slot) before capture
+            self.model.advance(self.cache, batch, tables[2], check=False)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.advance(self.cache, batch, tables[2], check=False)
+        self._graphs[b] = (graph, tables, host, logits)
+        return self._graphs[b]
+
+    def _batch(self, b: int, tables: torch.Tensor) -> Batch:
+        """A Batch of b one-token sequences whose device tables are the static buffers: what the
+        layers derive from a batch (``Batch.derived``) is put there first, and asking for anything
+        else raises, so nothing is ever built from the host fields (which only say: b sequences of
+        one token) inside the graph."""
+        batch = _GraphBatch.make(list(range(b)), [0] * b, [1] * b)
+        dev = tables.device
+        cu = torch.arange(b + 1, dtype=torch.int64, device=dev)
+        for state in self.cache.states:
+            L = getattr(getattr(state, "ssd", None), "chunk_size", None)
+            if L is not None:
+                # every entry is checked for a completing chunk on the device (completes=True)
+                batch._derived[("decode", L, dev)] = (tables[0], tables[1], True)
+        batch._derived[("conv", dev)] = (cu, tables[0])
+        return batch
+
+
+class _GraphBatch(Batch):
+    """A Batch whose derived tables are all given up front (see ``DecodeGraphs._batch``)."""
+
+    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
+        if key not in self._derived:
+            raise RuntimeError(f"a captured decode step has no device table {key[0]!r} for {key[1:]}: it would be "
+                               "built from the host's placeholder fields")
+        return self._derived[key]

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One H200 session for the whole model on the triton backend: the GPU tests, the model benchmark
+# against a stock engine's parts, and `aligned-mamba check --backend triton`.
+#
+#   OUT=/path bash benchmarks/gpu_model_session.sh        # from the repository root
+#   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m" ...
+#
+# Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the stock columns.
+# Writes under $OUT: env.log, pytest_gpu.log, model.log, h200_model.json, check_<model>.json/.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .anchors ]; then export PYTHONPATH="$PYTHONPATH:$PWD/.anchors"; fi
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+STEPS="${STEPS:-tests bench check}"
+t0=$(date +%s)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+  git rev-parse HEAD 2>/dev/null || echo "commit ${GIT_COMMIT:-unknown}"; } 2>&1 | tee "$OUT/env.log"
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=8 \
+    ${TEST_FILES:-tests/test_decode_graph.py tests/test_triton_ops.py tests/test_gpu.py tests/test_triton_decode.py} \
+    2>&1 | tee "$OUT/pytest_gpu.log"
+  echo "== tests exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_gpu.log"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  timeout "${BENCH_S:-330}" python3 benchmarks/bench_model_h200.py --out "$OUT/h200_model.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/model.log"
+  echo "== bench exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/model.log"
+fi
+if [[ " $STEPS " == *" check "* ]]; then
+  for m in ${CHECK:-tiny}; do
+    args=()
+    if [ "$m" != tiny ]; then
+      python3 - "$m" "/tmp/ckpt_$m" <<'PY'
+import sys
+from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
+shapes = {"130m": dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, num_heads=24),
+          "1.3b": dict(vocab_size=50280, hidden_size=2048, num_hidden_layers=48, num_heads=64)}
+cfg, tensors = make_tiny(0, head_dim=64, state_size=128, **shapes[sys.argv[1]])
+save_checkpoint(sys.argv[2], cfg, tensors)
+PY
+      args=(--model "/tmp/ckpt_$m" ${CHECK_ARGS:-})
+    fi
+    timeout "${CHECK_S:-240}" python3 -m aligned_mamba.cli check --backend triton --jobs 1 "${args[@]}" \
+      --json "$OUT/check_$m.json" 2>&1 | tee "$OUT/check_$m.log"
+    echo "== check $m exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/check_$m.log"
+  done
+fi
