@@ -44,7 +44,9 @@ class DecodeGraphs:
             raise ValueError(f"spare slot {spare_slot} outside the cache's {cache.num_slots} slots")
         self.model, self.cache, self.spare = model, cache, spare_slot
         self.buckets = tuple(sorted(buckets))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # bucket -> (graph, device tables [3, b], pinned host tables, logits, event after the copy)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.cuda.Event]] = {}
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
 
     def bucket(self, n: int) -> int:
@@ -69,14 +71,26 @@ class DecodeGraphs:
         if len(set(slots.tolist())) != n or self.spare in set(slots.tolist()):
             raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
         b = self.bucket(n)
-        graph, tables, host, logits = self._graphs.get(b) or self._capture(b)
+        graph, tables, host, logits, copied = self._graphs.get(b) or self._capture(b)
+        copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, token_ids
         host[0, n:], host[1, n:], host[2, n:] = self.spare, 0, 0
         tables.copy_(host, non_blocking=True)  # pinned: ordered on the stream, no wait for the device
+        copied.record()
         graph.replay()
         return logits[:n]
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def capture(self, buckets: Sequence[int] | None = None) -> None:
+        """Capture the graphs of ``buckets`` (default: all) now rather than at their first step
+        (an engine does this at start-up; each capture decodes into the spare slot only)."""
+        for b in self.buckets if buckets is None else buckets:
+            if b not in self.buckets:
+                raise ValueError(f"{b} is not a bucket of {self.buckets}")
+            if b not in self._graphs:
+                self._capture(b)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.cuda.Event]:
         # the device as the layers' tensors name it (cuda:0): part of the keys of their derived tables
         dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)
         tables = torch.empty(3, b, dtype=torch.int64, device=dev)
@@ -92,7 +106,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.model.advance(self.cache, batch, tables[2], check=False)
-        self._graphs[b] = (graph, tables, host, logits)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(dev))
+        self._graphs[b] = (graph, tables, host, logits, copied)
         return self._graphs[b]
 
     def _batch(self, b: int, tables: torch.Tensor) -> Batch:
