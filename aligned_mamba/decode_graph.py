@@ -18,6 +18,7 @@ eager step's, and by the decode kernels' contract the single-pass prefill's
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,9 +45,7 @@ class DecodeGraphs:
             raise ValueError(f"spare slot {spare_slot} outside the cache's {cache.num_slots} slots")
         self.model, self.cache, self.spare = model, cache, spare_slot
         self.buckets = tuple(sorted(buckets))
-        # bucket -> (graph, device tables [3, b], pinned host tables, logits, event after the copy)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.cuda.Event]] = {}
+        self._graphs: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
 
     def bucket(self, n: int) -> int:
@@ -71,14 +70,14 @@ class DecodeGraphs:
         if len(set(slots.tolist())) != n or self.spare in set(slots.tolist()):
             raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
         b = self.bucket(n)
-        graph, tables, host, logits, copied = self._graphs.get(b) or self._capture(b)
-        copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
-        host[0, :n], host[1, :n], host[2, :n] = slots, positions, token_ids
-        host[0, n:], host[1, n:], host[2, n:] = self.spare, 0, 0
-        tables.copy_(host, non_blocking=True)  # pinned: ordered on the stream, no wait for the device
-        copied.record()
-        graph.replay()
-        return logits[:n]
+        c = self._graphs.get(b) or self._capture(b)
+        c.copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
+        c.host[0, :n], c.host[1, :n], c.host[2, :n] = slots, positions, token_ids
+        c.host[0, n:], c.host[1, n:], c.host[2, n:] = self.spare, 0, 0
+        c.tables.copy_(c.host, non_blocking=True)  # pinned: ordered on the stream, no wait for the device
+        c.copied.record()
+        c.graph.replay()
+        return c.logits[:n]
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
         """Capture the graphs of ``buckets`` (default: all) now rather than at their first step
@@ -89,8 +88,7 @@ class DecodeGraphs:
             if b not in self._graphs:
                 self._capture(b)
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
-                                        torch.cuda.Event]:
+    def _capture(self, b: int) -> _Captured:
         # the device as the layers' tensors name it (cuda:0): part of the keys of their derived tables
         dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)
         tables = torch.empty(3, b, dtype=torch.int64, device=dev)
@@ -108,7 +106,9 @@ class DecodeGraphs:
             logits = self.model.advance(self.cache, batch, tables[2], check=False)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(dev))
-        self._graphs[b] = (graph, tables, host, logits, copied)
+        # the batch holds device tables made before the capture (the conv's offsets): the graph reads
+        # their memory at every replay, so they live as long as the graph
+        self._graphs[b] = _Captured(graph, tables, host, logits, copied, batch)
         return self._graphs[b]
 
     def _batch(self, b: int, tables: torch.Tensor) -> Batch:
@@ -126,6 +126,18 @@ class DecodeGraphs:
                 batch._derived[("decode", L, dev)] = (tables[0], tables[1], True)
         batch._derived[("conv", dev)] = (cu, tables[0])
         return batch
+
+
+@dataclass
+class _Captured:
+    """One bucket's graph and everything its replays read or write."""
+
+    graph: torch.cuda.CUDAGraph
+    tables: torch.Tensor  # [3, b] int64 on the device: slots, positions, token ids
+    host: torch.Tensor  # [3, b] pinned: the next step's tables
+    logits: torch.Tensor  # [b, vocab]: the graph's output
+    copied: torch.cuda.Event  # after the last copy out of ``host``
+    batch: Batch  # owns the device tables the graph reads
 
 
 class _GraphBatch(Batch):

@@ -249,7 +249,9 @@ def host_section(b: Bench, res: dict) -> None:
     w = torch.randn(N, K, device=b.dev).to(dtype)
     r = torch.randn(M, K, device=b.dev)
     nw = torch.randn(K, device=b.dev).to(dtype)
-    no_tma = dataclasses.replace(cfg, linear_tma=False, linear_decode_tma=False, linear_mid_tma=False)
+    no_tma = dataclasses.replace(cfg, linear_tma=False, linear_persistent=False, linear_epi_split=1,
+                                 linear_decode_tma=False, linear_decode_persistent=False, linear_mid_tma=False,
+                                 linear_mid_persistent=False)
     res["host_us"] = {
         "cublas_linear": round(b.host_us(lambda: F.linear(x, w)), 1),
         "linear_triton_tma": round(b.host_us(lambda: lt.linear_triton(x, w, None, cfg)), 1),
