@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from aligned_mamba import Contract
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.models import load_checkpoint
+from aligned_mamba.models import build_model, load_checkpoint, load_model
 from aligned_mamba.models.mamba2 import Mamba2Config, expected_shapes, make_tiny, save_checkpoint
 
 LAYER0 = "backbone.layers.0.mixer."
@@ -128,7 +129,7 @@ def test_from_hf_dict_defaults_and_spellings() -> None:
         ({"time_step_limit": "none"}, "time_step_limit must be two numbers"),
         ({"layer_norm_epsilon": -1.0}, "layer_norm_epsilon"),
         ({"use_bias": "no"}, "use_bias must be true or false"),
-        ({"model_type": "mamba"}, "expected 'mamba2'"),
+        ({"model_type": "mamba"}, "architectures ['Mamba2ForCausalLM'] (mamba2) contradict model_type 'mamba'"),
     ],
 )
 def test_bad_config_values(tmp_path: Path, change: dict[str, Any], words: str) -> None:
@@ -277,3 +278,141 @@ def test_save_refuses_what_would_not_load(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected shape"):
         save_checkpoint(tmp_path, config, tensors)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+# -- what real inputs get: the storage dtype, absent config keys, symlinks ---------------------------
+
+
+def test_a_config_dtype_that_is_not_the_stored_one_is_refused(tmp_path: Path) -> None:
+    config, tensors = tiny()  # bf16 weights (the per-head A_log, D, dt_bias in fp32)
+    cfg = config.to_hf_dict()
+    message = load_error(write_raw(tmp_path / "a", {**cfg, "torch_dtype": "float32"}, tensors))
+    assert message.endswith("config.json: torch_dtype is 'float32' but the weights are stored in bfloat16 "
+                            f"('backbone.embeddings.weight' in '{tmp_path / 'a' / 'model.safetensors'}'); correct "
+                            "torch_dtype or convert the weights")
+    # transformers 5 writes the key "dtype"; the message names the key the file has
+    del cfg["torch_dtype"]
+    _, f32 = tiny(dtype="float32")
+    message = load_error(write_raw(tmp_path / "b", {**cfg, "dtype": "bfloat16"}, f32))
+    assert "config.json: dtype is 'bfloat16' but the weights are stored in float32" in message
+
+
+def test_without_a_config_dtype_the_stored_one_is_the_models(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    cfg = config.to_hf_dict()
+    del cfg["torch_dtype"]  # transformers would assume float32 and run this bf16 checkpoint in fp32
+    write_raw(tmp_path, cfg, tensors)
+    loaded, _ = load_checkpoint(tmp_path)
+    assert loaded == config and loaded.dtype == "bfloat16"
+    assert load_model(tmp_path).contract.model_dtype == "bfloat16"
+
+
+def test_mixed_storage_dtypes_are_refused_but_per_head_fp32_is_not(tmp_path: Path) -> None:
+    config, tensors = tiny()
+    tensors[LAYER0 + "in_proj.weight"] = tensors[LAYER0 + "in_proj.weight"].float()
+    message = load_error(write_raw(tmp_path / "mixed", config, tensors))
+    assert message.startswith("mixed storage dtypes: 'backbone.embeddings.weight' in ")
+    assert f"is bfloat16 but '{LAYER0}in_proj.weight' in " in message and "is float32" in message
+    # A_log, D, dt_bias may be bf16 or fp32 in a bf16 checkpoint: the model computes with them in fp32
+    config, tensors = tiny()
+    tensors[LAYER0 + "A_log"] = tensors[LAYER0 + "A_log"].bfloat16()
+    loaded, got = load_checkpoint(write_raw(tmp_path / "per_head", config, tensors))
+    assert loaded.dtype == "bfloat16" and got[LAYER0 + "A_log"].dtype == torch.bfloat16
+    assert got["backbone.layers.1.mixer.A_log"].dtype == torch.float32
+
+
+def test_save_refuses_a_config_dtype_the_tensors_do_not_have(tmp_path: Path) -> None:
+    config, _ = tiny(dtype="float32")
+    _, bf16 = tiny()
+    with pytest.raises(ValueError, match="config dtype 'float32' but the tensors are bfloat16"):
+        save_checkpoint(tmp_path, config, bf16)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_a_contract_dtype_other_than_the_stored_one_needs_cast(tmp_path: Path) -> None:
+    config, tensors = tiny(num_hidden_layers=1)
+    save_checkpoint(tmp_path, config, tensors)
+    fp32 = Contract(chunk_size=config.chunk_size, model_dtype="float32")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path, fp32)
+    assert str(info.value) == (f"{str(tmp_path)!r} stores bfloat16 weights but the contract's model_dtype is "
+                               "float32; aligned_mamba.models.load_model(..., cast=True) computes in float32 from "
+                               "them, or use a bfloat16 contract")
+    model = load_model(tmp_path, fp32, cast=True)
+    assert model.dtype == torch.float32 and model.config.dtype == "bfloat16"  # both recorded
+    seq = torch.arange(40) % config.vocab_size
+    assert torch.equal(model.forward([seq])[0], build_model(config, tensors, fp32).forward([seq])[0])
+
+
+@pytest.mark.parametrize(("absent", "overrides", "words"), [
+    (["num_hidden_layers"], {}, "lacks num_hidden_layers (default 64), so transformers' Mamba2Config defaults "
+                                "apply, and then: 549 missing tensor(s): 'backbone.layers.3.norm.weight'"),
+    (["hidden_size"], {}, "lacks hidden_size (default 4096), so transformers' Mamba2Config defaults apply, and "
+                          "then: num_heads * head_dim (8 * 64 = 512) must equal intermediate_size"),
+    (["vocab_size"], {}, "lacks vocab_size (default 32768), so transformers' Mamba2Config defaults apply, and then: "
+                         "tensor 'backbone.embeddings.weight'"),
+    (["n_groups"], {}, "lacks n_groups (default 8), so"),
+    (["tie_word_embeddings"], {"tie_word_embeddings": True},
+     "lacks tie_word_embeddings (default False), so transformers' Mamba2Config defaults apply, and then: 1 missing "
+     "tensor(s): 'lm_head.weight'"),
+    (["head_dim", "num_heads"], {}, "lacks num_heads (default 128), head_dim (default 64), so"),
+])
+def test_absent_shape_keys_are_named_when_the_tensors_disagree(tmp_path: Path, absent: list[str],
+                                                               overrides: dict[str, Any], words: str) -> None:
+    config, tensors = tiny(**overrides)
+    cfg = {k: v for k, v in config.to_hf_dict().items() if k not in absent}
+    message = load_error(write_raw(tmp_path, cfg, tensors))
+    assert message.startswith(f"{tmp_path / 'config.json'}: {words}"), message
+
+
+def test_absent_shape_keys_whose_defaults_fit_are_accepted_and_present_ones_are_not_blamed(tmp_path: Path) -> None:
+    config, tensors = tiny()  # state_size 128, conv_kernel 4, expand 2: transformers' defaults
+    cfg = {k: v for k, v in config.to_hf_dict().items() if k not in ("state_size", "conv_kernel", "expand")}
+    assert load_checkpoint(write_raw(tmp_path / "ok", cfg, tensors))[0] == config
+    message = load_error(write_raw(tmp_path / "present", {**config.to_hf_dict(), "num_hidden_layers": 2}, tensors))
+    assert message.startswith("9 unexpected tensor(s)") and "lacks" not in message
+
+
+def _loop(link: Path) -> None:
+    """``link`` as one half of a two-link loop."""
+    other = link.with_name(link.name + ".other")
+    link.symlink_to(other.name)
+    other.symlink_to(link.name)
+
+
+@pytest.mark.parametrize(("name", "what"), [("config.json", "config file"),
+                                            ("model.safetensors", "safetensors file")])
+def test_symlink_loops_and_broken_links_are_named(tmp_path: Path, name: str, what: str) -> None:
+    config, tensors = tiny()
+    write_raw(tmp_path, config, tensors)
+    (tmp_path / name).unlink()
+    _loop(tmp_path / name)
+    assert load_error(tmp_path) == (f"{what} {str(tmp_path / name)!r} is a symlink loop (too many levels of "
+                                    "symbolic links)")
+    (tmp_path / name).unlink()
+    (tmp_path / name).symlink_to("gone")
+    assert load_error(tmp_path) == (f"{what} {str(tmp_path / name)!r} is a broken symlink: its target 'gone' does "
+                                    "not exist")
+
+
+def test_a_looping_checkpoint_folder_or_shard_is_named_and_real_links_load(tmp_path: Path) -> None:
+    _loop(tmp_path / "ckpt")
+    assert load_error(tmp_path / "ckpt") == (f"checkpoint path {str(tmp_path / 'ckpt')!r} is a symlink loop (too many "
+                                             "levels of symbolic links)")
+    # a Hugging Face cache snapshot: every file a symlink to a blob
+    config, tensors = tiny()
+    write_raw(tmp_path / "blobs", config, tensors)
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (snap / f).symlink_to(tmp_path / "blobs" / f)
+    assert load_checkpoint(snap)[0] == config
+    # a shard the index lists that loops
+    shard = "model-00001-of-00001.safetensors"
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(tensors, shard)}))
+    _loop(snap / shard)
+    assert load_error(snap) == f"shard {str(snap / shard)!r} is a symlink loop (too many levels of symbolic links)"
+    (snap / "model.safetensors.index.json").unlink()
+    (snap / "model.safetensors").mkdir()
+    assert load_error(snap) == f"safetensors file {str(snap / 'model.safetensors')!r} is not a regular file"

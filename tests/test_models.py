@@ -110,3 +110,73 @@ def test_the_public_entry_point(tmp_path: Path) -> None:
     other = aligned_mamba.load_model(tmp_path, Contract(chunk_size=32, model_dtype="bfloat16"))
     assert other.contract.chunk_size == 32
     assert isinstance(model.config, Mamba2Config)
+
+
+# -- architectures, absent keys and symlinks in both layouts ------------------------------------------------
+
+
+def _hf(tmp_path: Path, change: dict, drop: tuple[str, ...] = ()) -> Path:
+    config, tensors = make_tiny(1, **SMALL)
+    save_checkpoint(tmp_path, config, tensors)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in {**raw, **change}.items() if k not in drop}))
+    return tmp_path
+
+
+def _refusal(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"architectures": ["LlamaForCausalLM"]},
+     "architectures ['LlamaForCausalLM'] contradict model_type 'mamba2' (the mamba2 family's architectures are "
+     "['Mamba2ForCausalLM'])"),
+    ({"architectures": ["Mamba2ForCausalLM", "LlamaForCausalLM"]},
+     "architectures ['Mamba2ForCausalLM', 'LlamaForCausalLM'] name classes besides the mamba2 family's "
+     "['Mamba2ForCausalLM']; a config names one model"),
+    ({"architectures": ["MambaLMHeadModel"]},
+     "architectures ['MambaLMHeadModel'] (mamba_ssm) contradict model_type 'mamba2'; a config names one model"),
+    ({"architectures": "Mamba2ForCausalLM"}, "architectures must be a list of class names, found 'Mamba2ForCausalLM'"),
+])
+def test_architectures_that_contradict_the_model_type_are_refused(tmp_path: Path, change: dict, words: str) -> None:
+    assert _refusal(_hf(tmp_path, change)) == f"{tmp_path / 'config.json'}: {words}"
+
+
+@pytest.mark.parametrize("archs", ["absent", None, []])
+def test_absent_architectures_are_accepted(tmp_path: Path, archs: object) -> None:
+    path = _hf(tmp_path, {} if archs == "absent" else {"architectures": archs},
+               drop=("architectures",) if archs == "absent" else ())
+    assert load_checkpoint(path)[0] == make_tiny(1, **SMALL)[0]
+
+
+def test_mamba_ssm_absent_layer_keys_are_named_and_links_checked(tmp_path: Path) -> None:
+    config, tensors = make_tiny(1, **SMALL)  # ngroups 2: not the Mamba2 layer's default 1
+    ms_config, ms_tensors = ms.from_hf(config, tensors)
+    ms.save_checkpoint(str(tmp_path), ms_config, ms_tensors)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["ssm_cfg"]["ngroups"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    message = _refusal(tmp_path)
+    assert message.startswith(f"{tmp_path / 'config.json'}: lacks ssm_cfg.ngroups (default 1), so mamba_ssm's "
+                              "defaults apply, and then: tensor 'backbone.layers.0.mixer.in_proj.weight'"), message
+    # pytorch_model.bin, the layout's own weights file, as a symlink loop
+    bin_file = tmp_path / "pytorch_model.bin"
+    bin_file.unlink()
+    bin_file.symlink_to(bin_file.name)
+    assert _refusal(tmp_path) == (f"PyTorch weights {str(bin_file)!r} is a symlink loop (too many levels of "
+                                  "symbolic links)")
+
+
+def test_mamba_ssm_mixed_storage_dtypes_are_refused_on_save_and_load(tmp_path: Path) -> None:
+    config, tensors = make_tiny(1, **SMALL)
+    ms_config, ms_tensors = ms.from_hf(config, tensors)
+    ms_tensors["backbone.norm_f.weight"] = ms_tensors["backbone.norm_f.weight"].float()
+    with pytest.raises(ValueError, match="mixed storage dtypes: 'backbone.embedding.weight' in 'tensors' is bfloat16 "
+                                         "but 'backbone.norm_f.weight' in 'tensors' is float32"):
+        ms.save_checkpoint(str(tmp_path), ms_config, ms_tensors)
+    torch.save(ms_tensors, tmp_path / "pytorch_model.bin")  # as some tool might write it
+    (tmp_path / "config.json").write_text(json.dumps(ms_config.to_dict()))
+    assert _refusal(tmp_path).startswith("mixed storage dtypes: 'backbone.embedding.weight' in ")

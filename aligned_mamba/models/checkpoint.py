@@ -3,8 +3,10 @@ PyTorch ``.bin`` state dicts; strict validation against a family's expected shap
 
 Loading is strict: every expected tensor must be present with its exact shape, a supported dtype
 and finite values, and nothing else may be there, because a silently ignored or mis-read tensor
-would break the bitwise promise in ways that are hard to trace. Every problem raises
-``ModelLoadError`` with a one-line message.
+would break the bitwise promise in ways that are hard to trace. The tensors hold one storage dtype
+(``storage_dtype``; the per-head SSM parameters may be fp32 besides), so nothing is cast that the
+checkpoint does not say. A file that is a symlink loop or a broken symlink is named as such. Every
+problem raises ``ModelLoadError`` with a one-line message.
 
 config.json is read and written as transformers does: non-finite floats as ``{"__float__":
 "Infinity"}`` (its encoding; strict JSON), and a bare ``Infinity`` is read too (Python's json).
@@ -12,9 +14,11 @@ config.json is read and written as transformers does: non-finite floats as ``{"_
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,7 +67,7 @@ def _encode_floats(obj: Any) -> Any:
 def read_json(file: Path, what: str = "config") -> Any:
     """Parse a JSON file (transformers' non-finite float tags decoded), every failure a one-line
     ModelLoadError naming the file."""
-    if not file.is_file():
+    if not is_file(file, f"{what} file"):
         raise ModelLoadError(f"{what} file {str(file)!r} is missing")
     try:
         return _decode_floats(json.loads(file.read_text()))
@@ -78,6 +82,39 @@ def config_json_text(config: Mapping[str, Any]) -> str:
     return json.dumps(_encode_floats(dict(config)), indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
+# -- paths ---------------------------------------------------------------------------------------------
+
+
+def probe(path: Path, what: str) -> os.stat_result | None:
+    """``path``'s stat (links followed), or None when nothing is there. A symlink loop, a broken
+    symlink or an unreadable path raises ModelLoadError naming ``what`` and the path: each would
+    otherwise read as "missing" (``Path.exists`` swallows the error), which sends a user looking
+    for a file that is there."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ModelLoadError(f"{what} {str(path)!r} is a symlink loop (too many levels of symbolic "
+                                 "links)") from None
+        if os.path.islink(path):
+            raise ModelLoadError(f"{what} {str(path)!r} is a broken symlink: its target {os.readlink(path)!r} "
+                                 "does not exist") from None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise ModelLoadError(f"cannot read {what} {str(path)!r}: {one_line(exc)}") from None
+
+
+def is_file(path: Path, what: str) -> bool:
+    """Whether ``path`` is a regular file (links followed); False when nothing is there; a symlink
+    loop, a broken symlink or something that is not a regular file (a folder) raises ModelLoadError."""
+    st = probe(path, what)
+    if st is None:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(f"{what} {str(path)!r} is not a regular file")
+    return True
+
+
 # -- tensors -------------------------------------------------------------------------------------------
 
 
@@ -86,11 +123,11 @@ def read_tensors(root: Path, *, allow_torch_bin: bool = False) -> tuple[dict[str
     shards of ``model.safetensors.index.json``, or (``allow_torch_bin``) ``pytorch_model.bin`` read
     with ``torch.load(weights_only=True)`` (tensors only, no pickled code)."""
     single, index, torch_bin = root / SAFETENSORS_FILE, root / SAFETENSORS_INDEX, root / TORCH_FILE
-    if single.is_file():
+    if is_file(single, "safetensors file"):
         return _read_safetensors({single: None})
-    if index.is_file():
+    if is_file(index, "safetensors index"):
         return _read_safetensors(_shards_from_index(root, index))
-    if allow_torch_bin and torch_bin.is_file():
+    if allow_torch_bin and is_file(torch_bin, "PyTorch weights"):
         return _read_torch_bin(torch_bin)
     names = f"{SAFETENSORS_FILE}, {SAFETENSORS_INDEX}" + (f" or {TORCH_FILE}" if allow_torch_bin else "")
     raise ModelLoadError(f"no weights ({names}) in {str(root)!r}")
@@ -139,7 +176,7 @@ def _shards_from_index(root: Path, index: Path) -> dict[Path, set[str]]:
         if not isinstance(shard, str) or Path(shard).name != shard:
             raise ModelLoadError(f"safetensors index {str(index)!r} maps {name!r} to an invalid file name {shard!r}")
         file = root / shard
-        if not file.is_file():
+        if not is_file(file, "shard"):
             raise ModelLoadError(f"shard {str(file)!r} listed in {str(index)!r} is missing")
         shards.setdefault(file, set()).add(name)
     return shards
@@ -148,6 +185,13 @@ def _shards_from_index(root: Path, index: Path) -> dict[Path, set[str]]:
 def validate(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
              origin: Mapping[str, str], error: type[Exception] = ModelLoadError) -> None:
     """Names, shapes, dtypes and finiteness against ``shapes``; raises ``error`` with a one-line message."""
+    check_shapes(shapes, tensors, origin, error)
+    check_values(tensors, origin, error)
+
+
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
+                 origin: Mapping[str, str], error: type[Exception] = ModelLoadError) -> None:
+    """Exactly the names of ``shapes``, each a tensor of its shape (what the config decides)."""
     extra = [name for name in tensors if name not in shapes]
     if extra:
         raise error(f"{len(extra)} unexpected tensor(s) in {_where(origin, extra)}: {few(extra)}")
@@ -160,6 +204,12 @@ def validate(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.
             raise error(f"{name!r} in {origin[name]!r} is a {type(t).__name__}, not a torch.Tensor")
         if tuple(t.shape) != tuple(shape):
             raise error(f"tensor {name!r} in {origin[name]!r}: expected shape {list(shape)}, found {list(t.shape)}")
+
+
+def check_values(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str],
+                 error: type[Exception] = ModelLoadError) -> None:
+    """Each tensor's dtype (bf16 or fp32) and finiteness (what the weights decide)."""
+    for name, t in tensors.items():
         if t.dtype == torch.float16:
             raise error(
                 f"tensor {name!r} in {origin[name]!r} is float16, which is refused: its range and rounding differ "
@@ -171,6 +221,33 @@ def validate(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise error(f"tensor {name!r} in {origin[name]!r} has {bad} non-finite value(s) (NaN or Inf)")
+
+
+def storage_dtype(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str], free: tuple[str, ...] = (),
+                  error: type[Exception] = ModelLoadError) -> str:
+    """The one dtype ("bfloat16" or "float32") the (validated) tensors are stored in.
+
+    Tensors whose names end with one of ``free`` (the per-head SSM parameters, which the model
+    computes with in fp32 whatever the model dtype) may be stored in either loadable dtype; every
+    other tensor must share one dtype, since a model dtype of either would round or widen the rest
+    without the checkpoint saying so. Raises ``error`` (one line, naming a tensor of each dtype).
+    """
+    first: dict[torch.dtype, str] = {}
+    for name, t in tensors.items():
+        if not name.endswith(free):
+            first.setdefault(t.dtype, name)
+    if len(first) > 1:
+        (d1, n1), (d2, n2) = list(first.items())[:2]
+        raise error(f"mixed storage dtypes: {n1!r} in {origin.get(n1, 'tensors')!r} is {_name(d1)} but {n2!r} in "
+                    f"{origin.get(n2, 'tensors')!r} is {_name(d2)}; a checkpoint holds one dtype (only the per-head "
+                    f"{', '.join(f.lstrip('.') for f in free) or 'parameters'} may be float32 besides)")
+    if not first:
+        raise error("no tensors to read a storage dtype from")
+    return _name(next(iter(first)))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def untie(tensors: dict[str, torch.Tensor], head: str, embedding: str, tied: bool, origin: Mapping[str, str],

@@ -36,6 +36,11 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
                   "conv_kernel", "expand", "chunk_size")
 _BOOLS = ("use_bias", "use_conv_bias", "residual_in_fp32", "tie_word_embeddings")
+# The config.json keys that decide which tensors a checkpoint holds and their shapes. transformers
+# fills an absent one with its default (Mamba2Config's), and so does from_hf_dict; the loader names
+# the absent ones when the tensors then disagree (see registry.load_checkpoint).
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
+              "conv_kernel", "expand", "use_bias", "use_conv_bias", "tie_word_embeddings")
 # JSON spellings of +-inf that config.json files carry (json.dump writes Infinity, some tools write strings).
 _INF_STRINGS = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "+infinity": math.inf,
                 "-inf": -math.inf, "-infinity": -math.inf}
@@ -45,7 +50,9 @@ _INF_STRINGS = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "+infin
 class Mamba2Config:
     """Shape and numerics of a Mamba2 causal LM. Field defaults are Hugging Face's ``Mamba2Config`` defaults.
 
-    ``dtype`` is the checkpoint's storage dtype ("bfloat16" or "float32"); the model casts from it.
+    ``dtype`` is the checkpoint's storage dtype ("bfloat16" or "float32"); the model casts from it
+    to the contract's model dtype. ``load_checkpoint`` sets it to the stored tensors' dtype (a
+    config.json ``torch_dtype`` that differs is refused).
     ``time_step_limit`` is (lo, hi) for clamping dt after softplus; (0.0, inf) means no clamp.
     Construction validates every field and raises ``ValueError`` (``TypeError`` for a non-bool flag), one line.
     """
@@ -131,8 +138,9 @@ class Mamba2Config:
         """Build a config from a Hugging Face ``config.json`` dict; absent keys take HF defaults.
 
         Unknown keys are ignored (HF configs carry many that do not change the math). The dtype comes
-        from ``torch_dtype`` or ``dtype`` (default float32). Raises ``ModelLoadError`` (one line, prefixed
-        with ``source``) for anything invalid.
+        from ``torch_dtype`` or ``dtype`` (default float32, transformers' own; ``load_checkpoint``
+        replaces it with the stored one). Raises ``ModelLoadError`` (one line, prefixed with
+        ``source``) for anything invalid.
         """
         if not isinstance(d, dict):
             raise ModelLoadError(f"{source}: expected a JSON object, found {type(d).__name__}")
@@ -194,12 +202,18 @@ def build(config: Mamba2Config, tensors: Mapping[str, torch.Tensor], contract: C
 def save_checkpoint(path: str | os.PathLike[str], config: Mamba2Config, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write ``config.json`` (strict JSON, as transformers writes it) and one ``model.safetensors``.
 
-    Tensors are validated as ``load_checkpoint`` does (raising ``ValueError``), so nothing is written
-    that would not load back; a tied lm_head equal to the embedding is dropped (it would only invite
-    drift). They are saved contiguous, in their own dtypes.
+    Tensors are validated as ``load_checkpoint`` does (raising ``ValueError``; their storage dtype
+    must be ``config.dtype``), so nothing is written that would not load back; a tied lm_head equal
+    to the embedding is dropped (it would only invite drift). They are saved contiguous, in their
+    own dtypes.
     """
     tensors = ckpt.untie(dict(tensors), LM_HEAD, EMBEDDING, config.tie_word_embeddings, {}, ValueError)
-    ckpt.validate(expected_shapes(config), tensors, {name: "tensors" for name in tensors}, ValueError)
+    origin = {name: "tensors" for name in tensors}
+    ckpt.validate(expected_shapes(config), tensors, origin, ValueError)
+    stored = ckpt.storage_dtype(tensors, origin, FAMILY.free_dtype, ValueError)
+    if stored != config.dtype:
+        raise ValueError(f"config dtype {config.dtype!r} but the tensors are {stored}: config.json would state a "
+                         "dtype the weights do not have")
     ckpt.save_files(path, config.to_hf_dict(), tensors)
 
 
@@ -245,13 +259,28 @@ def make_tiny(seed: int = 0, *, dtype: str = "bfloat16",
     return config, tensors
 
 
-def _read_dtype(d: dict[str, Any], source: str) -> str:
-    """The storage dtype named by ``torch_dtype`` / ``dtype`` (either may be "torch.bfloat16")."""
+def stated_dtype(d: Mapping[str, Any], source: str = "config.json") -> tuple[str, str] | None:
+    """(key, dtype name) of the storage dtype ``torch_dtype`` / ``dtype`` name (either may be
+    "torch.bfloat16"; transformers 5 writes ``dtype``, older versions ``torch_dtype``), None when
+    neither is there. ModelLoadError when the two disagree."""
     found = {key: d[key] for key in ("torch_dtype", "dtype") if d.get(key) is not None}
     names = {key: str(value).removeprefix("torch.") for key, value in found.items()}
     if len(set(names.values())) > 1:
         raise ModelLoadError(f"{source}: torch_dtype {found['torch_dtype']!r} and dtype {found['dtype']!r} disagree")
-    return next(iter(names.values()), "float32")
+    return next(iter(names.items()), None)
+
+
+def _read_dtype(d: dict[str, Any], source: str) -> str:
+    """The storage dtype named by ``torch_dtype`` / ``dtype``, float32 (transformers' default) when
+    neither is there (models.nemotron_h reads its config with this too)."""
+    stated = stated_dtype(d, source)
+    return stated[1] if stated else "float32"
+
+
+def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
+    """{key: transformers' default} for each ``SHAPE_KEYS`` key absent from the config.json dict ``d``."""
+    defaults = {f.name: f.default for f in fields(Mamba2Config)}
+    return {key: defaults[key] for key in SHAPE_KEYS if key not in d}
 
 
 def _parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -282,4 +311,5 @@ FAMILY = register(Family(
     name=MODEL_TYPE, config_type=Mamba2Config, architectures=(ARCHITECTURE,), model_types=(MODEL_TYPE,),
     read_config=lambda d, source: Mamba2Config.from_hf_dict(d, source=source), expected_shapes=expected_shapes,
     build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: c.tie_word_embeddings,
-    config_dtype=lambda c: c.dtype, hf_dict=lambda c: c.to_hf_dict()))
+    config_dtype=lambda c: c.dtype, hf_dict=lambda c: c.to_hf_dict(), stated_dtype=stated_dtype,
+    defaults_taken=defaults_taken, defaults_of="transformers' Mamba2Config"))

@@ -39,6 +39,8 @@ EMBEDDING = "backbone.embedding.weight"
 LM_HEAD = "lm_head.weight"
 GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5
 
+# ssm_cfg keys that decide tensor shapes (absent ones take the Mamba2 layer's defaults, as in mamba_ssm)
+_SSM_SHAPE_KEYS = ("d_state", "d_conv", "expand", "headdim", "ngroups", "bias", "conv_bias")
 # ssm_cfg keys that do not change the forward (initialisation, parallelism, kernel choice)
 _SSM_IGNORED = ("conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "use_mem_eff_path", "layer_idx",
                 "process_group", "sequence_parallel", "device", "dtype")
@@ -48,7 +50,8 @@ _SSM_IGNORED = ("conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor"
 class MambaSSMConfig:
     """A pure-Mamba2 ``MambaLMHeadModel`` config. ``vocab_size`` is config.json's (unpadded);
     ``padded_vocab`` is the embedding's rows. ``dtype``: the stored tensors' dtype (mamba_ssm's
-    config.json states none; the loader reads it off the weights)."""
+    config.json states none; ``load_checkpoint`` reads it off the weights, which hold one dtype but
+    for the per-head A_log, D, dt_bias)."""
 
     d_model: int
     n_layer: int
@@ -199,21 +202,27 @@ def build(config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], contract:
                     lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)))
 
 
-def with_storage_dtype(config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor]) -> MambaSSMConfig:
-    """The config with ``dtype`` read off the stored embedding (mamba_ssm's config.json states none)."""
-    t = tensors.get(EMBEDDING)
-    if t is None or t.dtype not in (torch.bfloat16, torch.float32):
-        return config
-    return dataclasses.replace(config, dtype=str(t.dtype).removeprefix("torch."))
+def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
+    """{key: mamba_ssm's default} for each config.json key that decides tensor shapes and is absent
+    from ``d`` (``ssm_cfg.*`` for the Mamba2 layer's kwargs); d_model, n_layer and vocab_size are
+    required (``MambaSSMConfig.from_dict``)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MambaSSMConfig)}
+    ssm = d.get("ssm_cfg") if isinstance(d.get("ssm_cfg"), Mapping) else {}
+    out = {f"ssm_cfg.{k}": defaults[k] for k in _SSM_SHAPE_KEYS if k not in ssm}
+    out.update({k: defaults[k] for k in ("pad_vocab_size_multiple", "tie_embeddings") if k not in d})
+    return out
 
 
 def save_checkpoint(path: str, config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], *,
                     weights_file: str = ckpt.TORCH_FILE) -> None:
     """Write a mamba_ssm-layout checkpoint: config.json and ``pytorch_model.bin`` (or safetensors),
-    with the tied lm_head stored too when tied (as ``MambaLMHeadModel.save_pretrained`` does)."""
+    with the tied lm_head stored too when tied (as ``MambaLMHeadModel.save_pretrained`` does).
+    Tensors are validated as ``load_checkpoint`` does (``ValueError``, one line)."""
     tensors = dict(tensors)
-    ckpt.validate(expected_shapes(config), {k: v for k, v in tensors.items() if k != LM_HEAD or
-                                            not config.tie_embeddings}, {k: "tensors" for k in tensors}, ValueError)
+    stored = {k: v for k, v in tensors.items() if k != LM_HEAD or not config.tie_embeddings}
+    origin = {k: "tensors" for k in tensors}
+    ckpt.validate(expected_shapes(config), stored, origin, ValueError)
+    ckpt.storage_dtype(stored, origin, FAMILY.free_dtype, ValueError)  # one dtype, as load_checkpoint asks
     if config.tie_embeddings:
         tensors[LM_HEAD] = tensors[EMBEDDING]
     ckpt.save_files(path, config.to_dict(), tensors, weights_file=weights_file)
@@ -241,4 +250,5 @@ FAMILY = register(Family(
     read_config=lambda d, source: MambaSSMConfig.from_dict(d, source=source), expected_shapes=expected_shapes,
     build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: c.tie_embeddings, config_dtype=lambda c: c.dtype,
     hf_dict=lambda c: c.to_dict(), matches=lambda d: "ssm_cfg" in d and "d_model" in d and "n_layer" in d,
-    torch_bin=True, tie_flag="tie_embeddings", num_layers=lambda c: c.n_layer, finish=with_storage_dtype))
+    torch_bin=True, tie_flag="tie_embeddings", num_layers=lambda c: c.n_layer, defaults_taken=defaults_taken,
+    defaults_of="mamba_ssm's"))

@@ -4,11 +4,32 @@ A family is one file in ``models/`` plus its entry here: how to recognise its co
 (``architectures`` / ``model_type``, or the keys of a layout that has neither), how to read the
 config, its weight names and shapes, and the build onto ``CausalLM``. ``load_model`` finds the
 family of a checkpoint directory, loads and validates it strictly, and builds it under a contract.
+
+What a checkpoint directory gets (``load_checkpoint``), each refusal one line:
+
+- ``architectures`` decides the family when present; one that contradicts ``model_type`` (Llama's
+  architecture with ``model_type: mamba2``) is refused naming both; absent, ``model_type`` or the
+  layout's keys decide.
+- Config keys that decide tensor shapes may be absent (transformers then takes its defaults, and
+  so does the loader); when the tensors then disagree, the message starts with the absent keys
+  and the defaults they took, before the shape error.
+- The stored tensors hold one dtype (``checkpoint.storage_dtype``); a ``torch_dtype`` / ``dtype``
+  in config.json that differs from it is refused naming both. Without one, the stored dtype is
+  the config's ``dtype``.
+- The contract's ``model_dtype`` is what the model computes in. ``load_model`` with a contract
+  whose model_dtype is not the stored dtype refuses, naming both, unless ``cast=True`` asks for
+  the cast; ``build_model`` is the explicit form (the CLI's ``--dtype`` builds through it) and
+  casts. Either way ``model.config.dtype`` keeps the stored dtype and ``model.dtype`` is the
+  computed one.
+- A checkpoint folder, config.json or weights file that is a symlink loop or a broken symlink is
+  named as such.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +56,13 @@ class Family:
     tied checkpoint may store twice; torch_bin: weights may come as pytorch_model.bin;
     config_dtype(config): the storage dtype the config states; hf_dict(config): the config as a dict
     (``Contract.from_hf_config`` reads chunk_size from it); finish(config, tensors): the config
-    completed from the stored tensors (a layout whose config.json states no dtype).
+    completed from the stored tensors; stated_dtype(d): (key, dtype name) of the storage dtype the
+    config.json dict states, None when it states none; with_dtype(config, dtype): the config with
+    the stored dtype (``checkpoint.storage_dtype``) as its ``dtype``; free_dtype: weight-name
+    suffixes that may be stored in fp32 besides the storage dtype (the per-head SSM parameters,
+    which the model computes with in fp32); defaults_taken(d): {key: default} for the config keys
+    that decide tensor shapes and are absent from ``d`` (named when the tensors then disagree);
+    defaults_of: whose defaults those are, for messages.
     """
 
     name: str
@@ -55,6 +82,18 @@ class Family:
     tie_flag: str = "tie_word_embeddings"
     num_layers: Callable[[Any], int] = lambda config: config.num_hidden_layers
     finish: Callable[[Any, Mapping[str, torch.Tensor]], Any] = lambda config, tensors: config
+    stated_dtype: Callable[[dict], tuple[str, str] | None] = lambda d: None
+    with_dtype: Callable[[Any, str], Any] = lambda config, dtype: _replace_dtype(config, dtype)
+    free_dtype: tuple[str, ...] = (".A_log", ".D", ".dt_bias")
+    defaults_taken: Callable[[dict], dict[str, Any]] = lambda d: {}
+    defaults_of: str = "the family's"
+
+
+def _replace_dtype(config: Any, dtype: str) -> Any:
+    """``config`` with ``dtype`` set, for a dataclass config with a ``dtype`` field (else unchanged)."""
+    if dataclasses.is_dataclass(config) and any(f.name == "dtype" for f in dataclasses.fields(config)):
+        return dataclasses.replace(config, dtype=dtype)
+    return config
 
 
 FAMILIES: list[Family] = []
@@ -71,22 +110,40 @@ def register(family: Family) -> Family:
 
 
 def family_of(config: Mapping[str, Any], source: str = "config.json") -> Family:
-    """The family a config.json dict belongs to: by ``architectures``, else ``model_type``, else the
-    layout's own keys. ModelLoadError (one line) when none matches."""
-    archs = config.get("architectures") or []
-    if isinstance(archs, list):
-        for f in FAMILIES:
-            if any(a in f.architectures for a in archs):
-                return f
+    """The family a config.json dict belongs to: by ``architectures`` when present, else
+    ``model_type``, else the layout's own keys. ModelLoadError (one line) when none matches, when
+    ``architectures`` is not a list of names, or when it contradicts ``model_type`` (a config whose
+    two keys name different models is not read as either)."""
+    archs = config.get("architectures")
     mt = config.get("model_type")
-    for f in FAMILIES:
-        if mt is not None and mt in f.model_types:
-            return f
-    for f in FAMILIES:
-        if f.matches(dict(config)):
-            return f
+    by_type = next((f for f in FAMILIES if mt is not None and mt in f.model_types), None)
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{source}: architectures must be a list of class names, found {archs!r}")
+    if archs:
+        by_arch = [f for f in FAMILIES if any(a in f.architectures for a in archs)]
+        if len(by_arch) == 1 and not all(a in by_arch[0].architectures for a in archs):
+            raise ModelLoadError(f"{source}: architectures {archs!r} name classes besides the {by_arch[0].name} "
+                                 f"family's {list(by_arch[0].architectures)!r}; a config names one model")
+        if len(by_arch) == 1:
+            family = by_arch[0]
+            if mt is not None and (by_type not in (None, family) or (family.model_types and by_type is None)):
+                raise ModelLoadError(f"{source}: architectures {archs!r} ({family.name}) contradict model_type "
+                                     f"{mt!r}; a config names one model")
+            return family
+        if len(by_arch) > 1:
+            raise ModelLoadError(f"{source}: architectures {archs!r} name classes of several families "
+                                 f"({', '.join(f.name for f in by_arch)}); a config names one model")
+        if by_type is not None:
+            raise ModelLoadError(f"{source}: architectures {archs!r} contradict model_type {mt!r} (the "
+                                 f"{by_type.name} family's architectures are {list(by_type.architectures)!r})")
+    elif by_type is not None:
+        return by_type
+    else:
+        for f in FAMILIES:
+            if f.matches(dict(config)):
+                return f
     known = ", ".join(a for f in FAMILIES for a in f.architectures)
-    raise ModelLoadError(f"{source}: no model family for architectures {archs!r} / model_type {mt!r} "
+    raise ModelLoadError(f"{source}: no model family for architectures {archs or []!r} / model_type {mt!r} "
                          f"(covered: {known})")
 
 
@@ -122,33 +179,67 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.
     """Load and validate a checkpoint directory of any registered family.
 
     ``path`` holds ``config.json`` and the weights (safetensors, sharded safetensors, or for the
-    families that publish it, ``pytorch_model.bin``). Returns the family's config and the tensors as
-    stored (bf16 or fp32; the model casts); the dict's keys are exactly the family's
-    ``expected_shapes``, so with tied embeddings it has no lm_head (a stored one must equal the
-    embedding). Raises ``ModelLoadError``.
+    families that publish it, ``pytorch_model.bin``). Returns the family's config, its ``dtype`` the
+    stored one, and the tensors as stored (bf16 or fp32, one dtype but for the per-head SSM
+    parameters; the model casts); the dict's keys are exactly the family's ``expected_shapes``, so
+    with tied embeddings it has no lm_head (a stored one must equal the embedding). Raises
+    ``ModelLoadError`` (one line; see the module docstring for what is refused).
     """
     root = Path(path)
-    if not root.exists():
+    st = ckpt.probe(root, "checkpoint path")
+    if st is None:
         raise ModelLoadError(f"checkpoint path {str(root)!r} does not exist")
-    if not root.is_dir():
+    if not stat.S_ISDIR(st.st_mode):
         raise ModelLoadError(f"checkpoint path {str(root)!r} is not a directory")
     source = str(root / ckpt.CONFIG_FILE)
     raw = ckpt.read_json(root / ckpt.CONFIG_FILE, "config")
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{source}: expected a JSON object, found {type(raw).__name__}")
     family = family_of(raw, source)
-    config = family.read_config(raw, source)
+    taken = family.defaults_taken(raw)
+    # Only what the config's values decide (the config itself, the expected names and shapes) is
+    # led by the absent keys; a file that cannot be read is not about them.
+    try:
+        config = family.read_config(raw, source)
+    except ModelLoadError as exc:
+        raise _with_defaults(exc, taken, family, source) from None
     tensors, origin = ckpt.read_tensors(root, allow_torch_bin=family.torch_bin)
     config = family.finish(config, tensors)
     tensors = ckpt.untie(tensors, family.head, family.embedding, family.tied(config), origin, flag=family.tie_flag)
-    ckpt.validate(family.expected_shapes(config), tensors, origin)
-    return config, tensors
+    try:
+        ckpt.check_shapes(family.expected_shapes(config), tensors, origin)
+    except ModelLoadError as exc:
+        raise _with_defaults(exc, taken, family, source) from None
+    ckpt.check_values(tensors, origin)
+    stored = ckpt.storage_dtype(tensors, origin, family.free_dtype)
+    stated = family.stated_dtype(raw)
+    if stated is not None and stated[1] != stored:
+        example = next(n for n, t in tensors.items() if not n.endswith(family.free_dtype))
+        raise ModelLoadError(f"{source}: {stated[0]} is {stated[1]!r} but the weights are stored in {stored} "
+                             f"({example!r} in {origin[example]!r}); correct {stated[0]} or convert the weights")
+    return family.with_dtype(config, stored), tensors
+
+
+def _with_defaults(exc: ModelLoadError, taken: Mapping[str, Any], family: Family, source: str) -> ModelLoadError:
+    """``exc`` led by the shape-deciding keys config.json lacks, when it lacks any: their defaults
+    are the likeliest reason the tensors disagree, and the key is what a user can fix."""
+    if not taken:
+        return exc
+    detail = str(exc).removeprefix(f"{source}: ")
+    keys = ", ".join(f"{k} (default {v!r})" for k, v in taken.items())
+    return ModelLoadError(f"{source}: lacks {keys}, so {family.defaults_of} defaults apply, and then: {detail}")
 
 
 def build_model(config: Any, tensors: Mapping[str, torch.Tensor], contract: Contract,
                 device: torch.device | str | None = None) -> CausalLM:
     """The generic causal LM of ``config``'s family over ``tensors`` under ``contract`` (on ``device``,
-    default: the contract's backend's)."""
+    default: the contract's backend's).
+
+    The model computes in ``contract.model_dtype`` whatever the tensors' dtype: calling this is the
+    explicit request for that cast (bf16 to fp32 is exact; fp32 to bf16 rounds every weight), as
+    the CLI's ``--dtype`` makes it. ``model.config.dtype`` keeps the stored dtype, ``model.dtype`` is
+    the computed one. ``load_model`` refuses the cast unless asked.
+    """
     family = family_for_config(config)
     return family.build(config, tensors, contract, resolve(contract, device))
 
@@ -163,10 +254,21 @@ def contract_for(config: Any, *, backend: str = "torch", model_dtype: str | None
 
 
 def load_model(path: str | os.PathLike[str], contract: Contract | None = None,
-               device: torch.device | str | None = None) -> CausalLM:
+               device: torch.device | str | None = None, *, cast: bool = False) -> CausalLM:
     """A checkpoint directory of any registered family as a model whose ``forward(sequences)`` (a
     list of [len_i] int64 token-id tensors) returns the trainer's logits, one [len_i, vocab] tensor
     per sequence. ``contract`` defaults to the checkpoint's own (its chunk size, the torch backend,
-    its dtype); the sampler must run the same one."""
+    its stored dtype); the sampler must run the same one.
+
+    A ``contract`` whose ``model_dtype`` is not the stored dtype is refused (ModelLoadError naming
+    both) unless ``cast=True``: computing a bf16 checkpoint in fp32, or rounding an fp32 one to
+    bf16, is then the caller's stated choice rather than a contract default's. The model records
+    both: ``model.config.dtype`` (stored) and ``model.dtype`` (computed).
+    """
     config, tensors = load_checkpoint(path)
+    stored = family_for_config(config).config_dtype(config)
+    if contract is not None and contract.model_dtype != stored and not cast:
+        raise ModelLoadError(f"{os.fspath(path)!r} stores {stored} weights but the contract's model_dtype is "
+                             f"{contract.model_dtype}; aligned_mamba.models.load_model(..., cast=True) computes in "
+                             f"{contract.model_dtype} from them, or use a {stored} contract")
     return build_model(config, tensors, contract or contract_for(config), device)
