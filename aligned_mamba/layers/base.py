@@ -3,6 +3,10 @@
 A layer kind is one module in this package: its config, its weights read from a state dict under
 a prefix, the state it keeps per sequence slot, and ``advance(state, batch, hidden, rows)``, the
 one forward that prefill, chunked prefill, decode, recompute and the trainer's pass all run.
+
+A state that grows with the sequence (attention's keys and values) states its length dimension as
+``MAX_LEN``; whoever allocates the state (``CausalLM.new_cache``, an engine) supplies the maximum
+sequence length it serves.
 """
 
 from __future__ import annotations
@@ -16,24 +20,46 @@ import torch
 
 from ..replay import Batch
 
+MAX_LEN = -1
+"""A per-slot shape entry standing for the maximum sequence length, resolved when the state is
+allocated (a layer's state that holds one row per token, e.g. attention's keys and values)."""
+
 
 @dataclass(frozen=True)
 class StateSpec:
     """The tensors one sequence slot holds in a layer: name -> (per-slot shape, dtype), in order.
 
     An engine allocates ``[num_slots, *shape]`` of each (``allocate``), or hands out slot-indexed
-    views of memory it owns (vLLM's Mamba cache); ``Layer.state(tensors)`` wraps either.
+    views of memory it owns (vLLM's Mamba cache); ``Layer.state(tensors)`` wraps either. A shape
+    entry ``MAX_LEN`` is the maximum sequence length, which ``allocate`` and ``bytes_per_slot`` then
+    need (``per_length``).
     """
 
     fields: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
-    def allocate(self, num_slots: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """Zeroed ``[num_slots, *shape]`` tensors, one per field (a zero state is an empty sequence)."""
-        return {name: torch.zeros(num_slots, *shape, dtype=dt, device=device) for name, shape, dt in self.fields}
+    @property
+    def per_length(self) -> bool:
+        """Whether a field grows with the sequence (a ``MAX_LEN`` entry)."""
+        return any(MAX_LEN in shape for _, shape, _ in self.fields)
 
-    def bytes_per_slot(self) -> int:
-        """Resident bytes one sequence holds."""
-        return sum(math.prod(shape) * dt.itemsize for _, shape, dt in self.fields)
+    def shapes(self, max_len: int | None = None) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """The fields with ``MAX_LEN`` replaced by ``max_len`` (ValueError if one needs it and it is None)."""
+        if self.per_length and (max_len is None or max_len < 1):
+            raise ValueError(f"this state holds one row per token: it needs a maximum sequence length >= 1, "
+                             f"got {max_len!r}")
+        return tuple((name, tuple(max_len if d == MAX_LEN else d for d in shape), dt)
+                     for name, shape, dt in self.fields)
+
+    def allocate(self, num_slots: int, device: torch.device | str,
+                 max_len: int | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed ``[num_slots, *shape]`` tensors, one per field (a zero state is an empty sequence);
+        ``max_len``: the maximum sequence length, for a ``per_length`` spec."""
+        return {name: torch.zeros(num_slots, *shape, dtype=dt, device=device)
+                for name, shape, dt in self.shapes(max_len)}
+
+    def bytes_per_slot(self, max_len: int | None = None) -> int:
+        """Resident bytes one sequence holds (at ``max_len`` tokens, for a ``per_length`` spec)."""
+        return sum(math.prod(shape) * dt.itemsize for _, shape, dt in self.shapes(max_len))
 
 
 class Layer(Protocol):

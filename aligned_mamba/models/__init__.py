@@ -5,7 +5,9 @@
 is the CLI's model argument (the embedded default or a directory). Families, one file each:
 
 - ``mamba2``: Hugging Face's ``Mamba2ForCausalLM`` layout (the embedded default's);
-- ``mamba_ssm``: mamba_ssm's ``MambaLMHeadModel`` layout (state-spaces/mamba2-* as published).
+- ``mamba_ssm``: mamba_ssm's ``MambaLMHeadModel`` layout (state-spaces/mamba2-* as published);
+- ``nemotron_h``: Hugging Face's ``NemotronHForCausalLM`` layout, hybrid Mamba2 / attention / MLP
+  layers (``nemotron_h.make_tiny_hybrid`` makes small ones).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import mamba2, mamba_ssm  # noqa: F401 (each registers its family)
+from . import mamba2, mamba_ssm, nemotron_h  # noqa: F401 (each registers its family)
 from .causal_lm import Block, Cache, CausalLM, LMShape
 from .registry import (
     FAMILIES,

@@ -50,13 +50,16 @@ class Cache:
     """Per-layer, slot-indexed states for ``num_slots`` sequences (None for a stateless layer).
 
     ``states[i]`` is what block i's mixer keeps; ``tensors[i]`` its named tensors (the
-    ``StateSpec`` fields), which an engine may own (views into its memory).
+    ``StateSpec`` fields), which an engine may own (views into its memory). ``max_len``: the most
+    tokens a slot can hold when a layer keeps a row per token (attention), else None (no limit).
     """
 
-    def __init__(self, states: list[Any], tensors: list[dict[str, torch.Tensor] | None], num_slots: int) -> None:
+    def __init__(self, states: list[Any], tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
+                 max_len: int | None = None) -> None:
         self.states = states
         self.tensors = tensors
         self.num_slots = num_slots
+        self.max_len = max_len
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
         """Empty ``slots`` in every layer (one fill per tensor on the device)."""
@@ -74,11 +77,14 @@ class CausalLM:
     """A causal LM on the shared ops under one contract (chunk size, backend, configs, dtype).
 
     Built by a model family (``models.build_model`` / ``load_model``): ``family`` names it and
-    ``config`` is the family's own config; ``shape`` is what the generic forward reads.
+    ``config`` is the family's own config; ``shape`` is what the generic forward reads; ``max_len``:
+    the default maximum sequence length of a sampler's cache when a layer keeps a row per token
+    (attention's keys and values; the family's max_position_embeddings), unused otherwise.
     """
 
     def __init__(self, *, family: str, config: Any, shape: LMShape, contract: Contract, backend: Backend,
-                 embedding: torch.Tensor, blocks: list[Block], norm_f: RMSNorm, lm_head: torch.Tensor) -> None:
+                 embedding: torch.Tensor, blocks: list[Block], norm_f: RMSNorm, lm_head: torch.Tensor,
+                 max_len: int | None = None) -> None:
         self.family = family
         self.config = config
         self.shape = shape
@@ -90,28 +96,40 @@ class CausalLM:
         self.blocks = blocks
         self.norm_f = norm_f
         self.lm_head = lm_head
+        self.max_len = max_len
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
 
     # -- state --------------------------------------------------------------------------------------
-    def new_cache(self, num_slots: int) -> Cache:
-        """Zeroed states for ``num_slots`` sequences on the model's device."""
+    @property
+    def per_length_state(self) -> bool:
+        """Whether a layer keeps a row per token (its cache then needs a maximum sequence length)."""
+        return any(spec.per_length for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
+
+    def new_cache(self, num_slots: int, max_len: int | None = None) -> Cache:
+        """Zeroed states for ``num_slots`` sequences on the model's device; ``max_len``: the most tokens
+        a sequence may reach, for layers that keep a row per token (default: the model's ``max_len``)."""
+        max_len = (max_len or self.max_len) if self.per_length_state else None
         tensors = []
         for b in self.blocks:
             spec = b.mixer.state_spec()
-            tensors.append(None if spec is None else spec.allocate(num_slots, self.device))
-        return self.cache_over(tensors, num_slots)
+            tensors.append(None if spec is None else spec.allocate(num_slots, self.device, max_len))
+        return self.cache_over(tensors, num_slots, max_len)
 
-    def cache_over(self, tensors: list[dict[str, torch.Tensor] | None], num_slots: int) -> Cache:
-        """A cache over per-layer tensors someone else owns (an engine's memory), one dict per block."""
+    def cache_over(self, tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
+                   max_len: int | None = None) -> Cache:
+        """A cache over per-layer tensors someone else owns (an engine's memory), one dict per block
+        (``max_len``: as ``new_cache``'s, what the tensors were sized for)."""
         states = [None if ts is None else b.mixer.state(ts) for b, ts in zip(self.blocks, tensors, strict=True)]
-        return Cache(states, tensors, num_slots)
+        return Cache(states, tensors, num_slots, max_len)
 
-    def state_bytes_per_sequence(self) -> int:
-        """Resident bytes of state one sequence holds across all layers."""
-        return sum(spec.bytes_per_slot() for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
+    def state_bytes_per_sequence(self, max_len: int | None = None) -> int:
+        """Resident bytes of state one sequence holds across all layers (at ``max_len`` tokens, default
+        the model's, for layers that keep a row per token)."""
+        max_len = (max_len or self.max_len) if self.per_length_state else None
+        return sum(spec.bytes_per_slot(max_len) for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
 
     # -- the one forward ------------------------------------------------------------------------------
     def advance(self, cache: Cache, batch: Batch, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
@@ -180,7 +198,7 @@ class CausalLM:
         sequences: list of [len_i] int64 token ids. Returns a list of [len_i, vocab] logits (model dtype).
         """
         lens = [int(s.numel()) for s in sequences]
-        cache = self.new_cache(len(sequences))
+        cache = self.new_cache(len(sequences), max_len=max([1, *lens]))
         batch = Batch.from_empty(lens)
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
         return list(torch.split(logits, lens))

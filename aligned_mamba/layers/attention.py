@@ -1,0 +1,174 @@
+"""Causal self-attention (grouped-query): q/k/v projections, the blocked attention, o_proj.
+
+Its per-slot state is the slot's keys and values, one row per token consumed (``k_cache`` and
+``v_cache`` [MAX_LEN, G, D] in the model dtype: exactly the k_proj / v_proj outputs, never
+rounded again). ``advance`` projects the batch's new tokens, writes their keys and values at
+their positions, and runs ``ops.attention.attention_blocked`` for the new rows over each slot's
+keys 0 .. position: every row is a fixed function of its query and the keys and values of its
+positions 0..t (keys in fixed blocks from position 0, one online-softmax order in fp32, masked
+entries exact zeros), so prefill, chunked prefill, decode, recompute and any batch give the same
+bits. The projections run on the backend's row-invariant ``linear``.
+
+Weight names (under the layer's prefix), as transformers' ``NemotronHAttention``: q_proj.weight
+[H*D, hidden], k_proj.weight [G*D, hidden], v_proj.weight [G*D, hidden], o_proj.weight
+[hidden, H*D]; no biases, no rotary embeddings (Nemotron-H's attention has neither), scale D^-0.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelLoadError
+from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, attention_blocked, blocked_plan
+from ..ops.backend import Backend
+from ..replay import Batch
+from .base import MAX_LEN, StateSpec, take
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """hidden_size; num_heads (H) query heads and num_kv_heads (G) key/value heads of head_dim (D)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight under the layer's prefix with its shape, in a fixed order."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q)}
+
+
+@dataclass
+class AttentionState:
+    """One layer's slot-indexed keys and values: k_cache, v_cache [slots, max_len, G, D] (model dtype);
+    rows 0 .. position - 1 of a slot hold its tokens' keys and values."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"k_cache": self.k_cache, "v_cache": self.v_cache}
+
+    @property
+    def max_len(self) -> int:
+        return self.k_cache.shape[1]
+
+
+def state_spec(config: AttentionConfig, dtype: torch.dtype) -> StateSpec:
+    """What one sequence slot holds in an attention layer: k_cache, v_cache [MAX_LEN, G, D]."""
+    shape = (MAX_LEN, config.num_kv_heads, config.head_dim)
+    return StateSpec((("k_cache", shape, dtype), ("v_cache", shape, dtype)))
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """One step's attention tables (shared by every attention layer of the step).
+
+    write_slot, write_pos [T] int64: where each new token's key and value go. read_slot, read_pos
+    [Tk]: the keys each sequence attends to (its positions 0 .. start + n - 1), packed in batch
+    order. cu_seqlens_k [S+1] (CPU). plan: the blocked form's tables, on the device.
+    """
+
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    read_slot: torch.Tensor
+    read_pos: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    plan: BlockedPlan
+
+
+def step_tables(batch: Batch, rep: int, device: torch.device) -> StepTables:
+    """The tables of ``batch`` for H // G = ``rep`` (built on the host, moved once)."""
+    n = batch.lengths
+    end = batch.start_pos + n
+    seq_t = torch.repeat_interleave(torch.arange(n.numel()), n)
+    write_pos = batch.start_pos[seq_t] + torch.arange(batch.num_tokens) - batch.cu_seqlens[:-1][seq_t]
+    cu_k = torch.zeros(n.numel() + 1, dtype=torch.int64)
+    cu_k[1:] = torch.cumsum(end, 0)
+    seq_k = torch.repeat_interleave(torch.arange(n.numel()), end)
+    read_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq_k]
+    plan = blocked_plan(batch.cu_seqlens, cu_k, rep, kv_block=KV_BLOCK, row_tile=ROW_TILE).to(device)
+    return StepTables(batch.slots[seq_t].to(device), write_pos.to(device), batch.slots[seq_k].to(device),
+                      read_pos.to(device), cu_k, plan)
+
+
+class Attention:
+    """Causal grouped-query self-attention on a backend, in a model dtype.
+
+    Linear weights as ``backend.linear_weight`` makes them; every cast is differentiable, so a
+    trainer can build the layer from its parameters on each forward.
+    """
+
+    kind = "attention"
+
+    def __init__(self, config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
+                 backend: Backend, dtype: torch.dtype) -> None:
+        c = config
+        if backend.device.type == "cuda":
+            # the blocked form's batched GEMMs go to cuBLAS there, whose row bits across call shapes
+            # (a decode step's few items against a prefill's many) are not yet measured: fail closed
+            raise ModelLoadError("attention layers on a CUDA device are refused: their bits across schedules are "
+                                 "verified on the CPU only (no attention kernel for the GPU yet)")
+        if c.num_heads % c.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads "
+                                 f"{c.num_kv_heads}")
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        lw = backend.linear_weight
+
+        def get(name: str) -> torch.Tensor:
+            return lw(take(tensors, prefix, name).to(device=backend.device, dtype=dtype))
+
+        self.q_w, self.k_w, self.v_w, self.o_w = (get(f"{n}_proj.weight") for n in "qkvo")
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_spec(self) -> StateSpec:
+        """k_cache, v_cache [MAX_LEN, G, D] in the model dtype."""
+        return state_spec(self.config, self.dtype)
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> AttentionState:
+        """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied)."""
+        return AttentionState(tensors["k_cache"], tensors["v_cache"])
+
+    # -- the one forward ---------------------------------------------------------------------------
+    def advance(self, state: AttentionState, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+                capture: list | None = None) -> torch.Tensor:
+        """Attention over the batch's new tokens from each slot's keys and values; stores the new ones.
+
+        hidden [T, hidden_size] (model dtype, already normed) -> [rows wanted, hidden_size] in the
+        model dtype; rows [T] bool picks the output rows (default all). ``capture`` is unused (it
+        collects Mamba2 scan inputs).
+        """
+        c, be = self.config, self.backend
+        T, H, G, D = hidden.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        end = int((batch.start_pos + batch.lengths).max()) if batch.slots.numel() else 0
+        if end > state.max_len:
+            raise ValueError(f"a sequence reaches {end} tokens but the attention cache holds {state.max_len} "
+                             "per sequence")
+        t = batch.derived(("attention", H // G, hidden.device), lambda: step_tables(batch, H // G, hidden.device))
+        q = be.linear(hidden, self.q_w).view(T, H, D)
+        k = be.linear(hidden, self.k_w).view(T, G, D)
+        v = be.linear(hidden, self.v_w).view(T, G, D)
+        state.k_cache[t.write_slot, t.write_pos] = k
+        state.v_cache[t.write_slot, t.write_pos] = v
+        o = self.attend(q, state.k_cache[t.read_slot, t.read_pos], state.v_cache[t.read_slot, t.read_pos],
+                        batch.cu_seqlens, t.cu_seqlens_k, t.plan)
+        o = o.reshape(T, H * D)
+        if rows is not None:
+            o = o[rows]
+        return be.linear(o, self.o_w)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, plan: BlockedPlan) -> torch.Tensor:
+        """The attention op (``ops.attention`` signature): [T, H, D] in the model dtype."""
+        return attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=self.config.scale, plan=plan)

@@ -1,0 +1,369 @@
+"""Nemotron-H in the Hugging Face layout (transformers' ``NemotronHForCausalLM``): hybrid blocks of
+Mamba2, attention and MLP layers on the generic causal LM; config, weight names, a small-checkpoint
+maker, and the build.
+
+The layer types come from ``hybrid_override_pattern`` (one character per layer: "M" Mamba2, "*"
+attention, "-" MLP, "E" MoE) or from transformers 5's ``layers_block_type`` list ("linear_attention"
+/ "mamba", "full_attention" / "attention", "mlp", "moe"). Every layer is one pre-norm residual block
+``residual + mixer(norm(residual))`` whose mixer is the layer: ``layers.mamba2.Mamba2Mixer`` (heads
+``mamba_num_heads`` x ``mamba_head_dim``), ``layers.attention.Attention`` (``num_attention_heads``
+query heads, ``num_key_value_heads`` key/value heads of ``head_dim``; no rotary embeddings, no
+biases) or ``layers.mlp.MLP`` (``intermediate_size``, squared ReLU).
+
+Weight names: ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
+``backbone.layers.{i}.mixer.*`` (the layer's names), ``backbone.norm_f.weight``, ``lm_head.weight``
+(published checkpoints' names; transformers renames ``backbone.`` to ``model.`` when it loads them).
+
+Semantics follow transformers with three deliberate choices, each noted where it acts:
+
+- dt is clamped to the checkpoint's ``time_step_limit`` (default none), as vLLM, mamba_ssm and
+  Megatron do; transformers' chunked path clamps at ``time_step_min`` instead (an initialiser range,
+  and its own recurrent path does not clamp);
+- the residual stream is kept in the model dtype whatever ``residual_in_fp32`` says (transformers
+  and vLLM ignore the flag too);
+- in bf16 the block norms round the normalised row before the weight (as Mamba2 and vLLM's RMSNorm
+  do); transformers' NemotronHRMSNorm multiplies by the weight in fp32 first: one bf16 rounding
+  apart, nothing in fp32.
+
+Refused with one line: MoE layers, sliding-window attention, multi-token prediction, attention
+biases, tied embeddings, activations other than squared ReLU (MLP) and SiLU (Mamba2), a stack
+without Mamba2 layers, and (``layers.attention``) attention layers on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..contract import Contract
+from ..errors import ModelLoadError
+from ..layers.attention import Attention, AttentionConfig
+from ..layers.base import Layer
+from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from ..layers.mlp import MLP, MLPConfig
+from ..layers.norm import RMSNorm, RMSNormConfig
+from ..ops.backend import Backend
+from . import checkpoint as ckpt
+from .causal_lm import Block, CausalLM, LMShape
+from .registry import Family, register
+from .tiny import init_tensor
+
+ARCHITECTURE = "NemotronHForCausalLM"
+MODEL_TYPE = "nemotron_h"
+EMBEDDING = "backbone.embeddings.weight"
+LM_HEAD = "lm_head.weight"
+MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
+# transformers 5's layers_block_type names (and their legacy spellings) -> pattern characters
+_LAYER_NAMES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
+                "mlp": MLP_LAYER, "moe": MOE}
+_DEFAULT_LAYERS = "ME*-"  # transformers' NemotronHConfig default layers_block_type
+# legacy config keys transformers still reads (the legacy key wins when both are present, as there)
+_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
+            "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings", "intermediate_size", "ssm_state_size", "mamba_num_heads",
+                  "mamba_head_dim", "n_groups", "conv_kernel", "chunk_size")
+_BOOLS = ("attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "tie_word_embeddings")
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    """Shape and numerics of a Nemotron-H causal LM; defaults are transformers' ``NemotronHConfig``'s.
+
+    ``hybrid_override_pattern``: one character per layer (module docstring). ``dtype``: the
+    checkpoint's storage dtype ("bfloat16" or "float32"). ``time_step_limit``: (lo, hi) clamp of dt
+    after softplus; (0, inf) is none. Construction validates every field and raises ``ValueError``
+    (``TypeError`` for a non-bool flag) with one line; features not covered are refused there.
+    """
+
+    hybrid_override_pattern: str
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    intermediate_size: int = 21504
+    mlp_hidden_act: str = "relu2"
+    mlp_bias: bool = False
+    ssm_state_size: int = 128
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    mamba_hidden_act: str = "silu"
+    n_groups: int = 8
+    conv_kernel: int = 4
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    use_conv_bias: bool = True
+    chunk_size: int = 128
+    use_bias: bool = False
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time_step_limit", _time_step_limit(self.time_step_limit))
+        p = self.hybrid_override_pattern
+        if not isinstance(p, str) or not p or set(p) - {MAMBA, ATTENTION, MLP_LAYER, MOE}:
+            raise ValueError(f"hybrid_override_pattern must be a non-empty string of 'M', '*', '-', 'E'; found {p!r}")
+        if MOE in p:
+            raise ValueError(f"MoE layers ('E' in hybrid_override_pattern {p!r}) are not covered")
+        if MAMBA not in p:
+            raise ValueError(f"a stack without Mamba2 layers (hybrid_override_pattern {p!r}) is not covered")
+        if self.sliding_window is not None:
+            raise ValueError(f"sliding-window attention (sliding_window={self.sliding_window!r}) is not covered")
+        if self.num_nextn_predict_layers != 0:
+            raise ValueError(f"multi-token prediction (num_nextn_predict_layers={self.num_nextn_predict_layers!r}) "
+                             "is not covered")
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:  # bool is an int subclass: refuse it too
+                raise ValueError(f"{name} must be a positive int, found {value!r}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, found {getattr(self, name)!r}")
+        if self.attention_bias:
+            raise ValueError("attention_bias true is not covered (transformers' NemotronHAttention has no biases)")
+        if self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings true is not covered (transformers' NemotronH never ties lm_head)")
+        if self.mlp_hidden_act != "relu2":
+            raise ValueError(f"mlp_hidden_act {self.mlp_hidden_act!r} is not covered (only 'relu2')")
+        if self.mamba_hidden_act != "silu":
+            raise ValueError(f"mamba_hidden_act {self.mamba_hidden_act!r} is not covered (only 'silu')")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
+            raise ValueError(f"layer_norm_epsilon must be a positive finite number, found {eps!r}")
+        object.__setattr__(self, "layer_norm_epsilon", float(eps))
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported (only {', '.join(SUPPORTED_DTYPES)})")
+        if self.mamba_num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups "
+                             f"({self.n_groups})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.hybrid_override_pattern)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SUPPORTED_DTYPES[self.dtype]
+
+    def mixer_config(self) -> Mamba2MixerConfig:
+        """The Mamba2 layers' mixer (the gated norm shares ``layer_norm_epsilon``)."""
+        return Mamba2MixerConfig(hidden_size=self.hidden_size, num_heads=self.mamba_num_heads,
+                                 head_dim=self.mamba_head_dim, state_size=self.ssm_state_size, n_groups=self.n_groups,
+                                 conv_kernel=self.conv_kernel, use_bias=self.use_bias,
+                                 use_conv_bias=self.use_conv_bias, norm_eps=self.layer_norm_epsilon,
+                                 dt_limit=self.time_step_limit)
+
+    def attention_config(self) -> AttentionConfig:
+        return AttentionConfig(hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+                               num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim)
+
+    def mlp_config(self) -> MLPConfig:
+        return MLPConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, bias=self.mlp_bias)
+
+    def layer_shapes(self, kind: str) -> dict[str, tuple[int, ...]]:
+        """The mixer weights of a layer of ``kind`` (a pattern character)."""
+        if kind == MAMBA:
+            return self.mixer_config().weight_shapes()
+        if kind == ATTENTION:
+            return self.attention_config().weight_shapes()
+        return self.mlp_config().weight_shapes()
+
+    def lm_shape(self) -> LMShape:
+        # the residual in the model dtype, as transformers and vLLM keep it (residual_in_fp32 unread)
+        return LMShape(vocab_size=self.vocab_size, hidden_size=self.hidden_size, residual_in_fp32=False,
+                       tie_word_embeddings=False)
+
+    @classmethod
+    def from_hf_dict(cls, d: Any, *, source: str = "config.json") -> NemotronHConfig:
+        """A config from a Hugging Face ``config.json`` dict; absent keys take transformers' defaults,
+        unknown keys are ignored, legacy keys (``mamba_chunk_size``, ``mamba_n_groups``, ...) are read.
+        Raises ``ModelLoadError`` (one line, prefixed with ``source``)."""
+        if not isinstance(d, dict):
+            raise ModelLoadError(f"{source}: expected a JSON object, found {type(d).__name__}")
+        model_type = d.get("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ModelLoadError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
+        d = dict(d)
+        for old, new in _ALIASES.items():
+            if old in d:
+                d[new] = d[old]
+        try:
+            pattern = _read_pattern(d)
+        except ValueError as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
+        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name not in ("dtype", "hybrid_override_pattern")
+                  and f.name in d}
+        kwargs["dtype"] = _read_dtype(d, source)
+        try:
+            return cls(hybrid_override_pattern=pattern, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict transformers accepts: the pattern as ``hybrid_override_pattern`` (which
+        transformers 4 and 5 both read) and ``num_hidden_layers`` its length."""
+        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for f in fields(self):
+            if f.name not in ("dtype", "time_step_limit"):
+                out[f.name] = getattr(self, f.name)
+        out["num_hidden_layers"] = self.num_hidden_layers
+        out["time_step_limit"] = list(self.time_step_limit)
+        out["mamba_ssm_cache_dtype"] = "float32"
+        out["torch_dtype"] = self.dtype
+        return out
+
+
+def _read_dtype(d: Mapping[str, Any], source: str) -> str:
+    """The storage dtype ``torch_dtype`` / ``dtype`` names (either may be "torch.bfloat16"; float32
+    when neither is there, as transformers loads then); ModelLoadError when the two disagree."""
+    names = {str(d[k]).removeprefix("torch.") for k in ("torch_dtype", "dtype") if d.get(k) is not None}
+    if len(names) > 1:
+        raise ModelLoadError(f"{source}: torch_dtype {d['torch_dtype']!r} and dtype {d['dtype']!r} disagree")
+    return next(iter(names), "float32")
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """(lo, hi) from a JSON pair: numbers, "inf"/"Infinity" spellings, None for hi meaning +inf.
+    ValueError unless two numbers with lo <= hi."""
+    def num(x: Any, hi: bool) -> float:
+        if x is None and hi:
+            return math.inf
+        if isinstance(x, str) and x.strip().lower().lstrip("+") in ("inf", "infinity"):
+            return math.inf
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+            raise ValueError(f"time_step_limit must be two numbers [lo, hi] with lo <= hi, found {value!r}")
+        return float(x)
+
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"time_step_limit must be two numbers [lo, hi], found {value!r}")
+    lo, hi = num(value[0], False), num(value[1], True)
+    if lo > hi:
+        raise ValueError(f"time_step_limit must be two numbers [lo, hi] with lo <= hi, found {value!r}")
+    return (lo, hi)
+
+
+def _read_pattern(d: dict[str, Any]) -> str:
+    """The layer types of a config dict as a pattern string; ValueError when they are malformed,
+    disagree, or do not match ``num_hidden_layers``."""
+    found: list[tuple[str, str]] = []
+    if "hybrid_override_pattern" in d:
+        p = d["hybrid_override_pattern"]
+        if not isinstance(p, str):
+            raise ValueError(f"hybrid_override_pattern must be a string, found {p!r}")
+        found.append(("hybrid_override_pattern", p))
+    for key in ("layers_block_type", "layer_types"):
+        names = d.get(key)
+        if names is None:
+            continue
+        if not isinstance(names, list) or any(n not in _LAYER_NAMES for n in names):
+            raise ValueError(f"{key} must be a list of {', '.join(map(repr, _LAYER_NAMES))}; found {names!r}")
+        found.append((key, "".join(_LAYER_NAMES[n] for n in names)))
+    if any(p != found[0][1] for _, p in found):
+        raise ValueError("the layer types disagree: " + ", ".join(f"{k} gives {p!r}" for k, p in found))
+    pattern = found[0][1] if found else _DEFAULT_LAYERS
+    n = d.get("num_hidden_layers")
+    if n is not None and n != len(pattern):
+        raise ValueError(f"num_hidden_layers is {n!r} but the layer types {pattern!r} list {len(pattern)} layers")
+    return pattern
+
+
+def expected_shapes(config: NemotronHConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name of the HF layout with its shape, in a fixed order."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (c.vocab_size, c.hidden_size)}
+    for i, kind in enumerate(c.hybrid_override_pattern):
+        p = f"backbone.layers.{i}."
+        shapes[p + "norm.weight"] = (c.hidden_size,)
+        shapes.update({p + "mixer." + name: shape for name, shape in c.layer_shapes(kind).items()})
+    shapes["backbone.norm_f.weight"] = (c.hidden_size,)
+    shapes[LM_HEAD] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def build(config: NemotronHConfig, tensors: Mapping[str, torch.Tensor], contract: Contract,
+          backend: Backend) -> CausalLM:
+    """The generic causal LM over HF-named ``tensors`` (``expected_shapes``), under ``contract``."""
+    dtype = getattr(torch, contract.model_dtype)
+    dev = backend.device
+    norm = RMSNormConfig(config.hidden_size, config.layer_norm_epsilon)
+
+    def mixer(kind: str, prefix: str) -> Layer:
+        if kind == MAMBA:
+            return Mamba2Mixer(config.mixer_config(), tensors, prefix, backend=backend, dtype=dtype,
+                               chunk_size=contract.chunk_size)
+        if kind == ATTENTION:
+            return Attention(config.attention_config(), tensors, prefix, backend=backend, dtype=dtype)
+        return MLP(config.mlp_config(), tensors, prefix, backend=backend, dtype=dtype)
+
+    blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
+                    mixer=mixer(kind, f"backbone.layers.{i}.mixer."))
+              for i, kind in enumerate(config.hybrid_override_pattern)]
+    return CausalLM(family=MODEL_TYPE, config=config, shape=config.lm_shape(), contract=contract, backend=backend,
+                    embedding=tensors[EMBEDDING].to(device=dev, dtype=dtype), blocks=blocks,
+                    norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
+                    lm_head=backend.linear_weight(tensors[LM_HEAD].to(device=dev, dtype=dtype)),
+                    max_len=config.max_position_embeddings)
+
+
+def save_checkpoint(path: str | os.PathLike[str], config: NemotronHConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and one ``model.safetensors`` (validated as ``load_checkpoint`` validates,
+    raising ``ValueError``): a directory transformers' ``NemotronHForCausalLM.from_pretrained`` loads."""
+    ckpt.validate(expected_shapes(config), tensors, {name: "tensors" for name in tensors}, ValueError)
+    ckpt.save_files(path, config.to_hf_dict(), tensors)
+
+
+_TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "ssm_state_size": 32,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 32,
+    "n_groups": 1,
+    "conv_kernel": 4,
+    "chunk_size": 64,
+}
+
+
+def make_tiny_hybrid(seed: int = 0, *, pattern: str = "M*M-", dtype: str = "bfloat16",
+                     **overrides: Any) -> tuple[NemotronHConfig, dict[str, torch.Tensor]]:
+    """A small Nemotron-H with realistic random weights from ``seed`` (``models.tiny``; bitwise the
+    same on every machine): layers as ``pattern`` says, ``overrides`` any ``NemotronHConfig`` fields
+    (e.g. ``num_attention_heads=8, num_key_value_heads=1``). A_log, D, dt_bias are fp32, every other
+    tensor ``dtype``. Write it with ``save_checkpoint``."""
+    names = {f.name for f in fields(NemotronHConfig)} - {"dtype", "hybrid_override_pattern"}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"make_tiny_hybrid() got unknown config fields: {', '.join(unknown)}")
+    try:
+        config = NemotronHConfig(hybrid_override_pattern=pattern, **{**_TINY_DEFAULTS, **overrides, "dtype": dtype})
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"make_tiny_hybrid(): {exc}") from None
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = {name: init_tensor(name, shape, config.torch_dtype, gen, conv_kernel=config.conv_kernel)
+               for name, shape in expected_shapes(config).items()}
+    return config, tensors
+
+
+FAMILY = register(Family(
+    name=MODEL_TYPE, config_type=NemotronHConfig, architectures=(ARCHITECTURE,), model_types=(MODEL_TYPE,),
+    read_config=lambda d, source: NemotronHConfig.from_hf_dict(d, source=source), expected_shapes=expected_shapes,
+    build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: False, config_dtype=lambda c: c.dtype,
+    hf_dict=lambda c: c.to_hf_dict()))

@@ -1,0 +1,229 @@
+"""Causal self-attention over packed sequences, its forms side by side.
+
+One signature, ``(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, **options) -> out``:
+q [Tq, H, D], k and v [Tk, G, D] (G key/value heads, H a multiple of G: grouped-query attention,
+query head h reads key/value head h // (H // G)), cu_seqlens_q / cu_seqlens_k [S+1] int64 on the
+CPU. Sequence i has n_k keys (positions 0 .. n_k - 1) and its n_q queries are its LAST n_q
+positions (n_k - n_q .. n_k - 1): a prefill passes all of a sequence's tokens as queries, a decode
+step its newest one, a chunk of a prefill the chunk's tokens (with every earlier token as a key).
+Query t attends to keys 0 .. t.
+
+- ``attention_naive``: float64, one softmax per row over exactly its keys: the accuracy reference.
+- ``attention_blocked``: the contract's form (trainer and sampler both run it). Every output row is
+  a fixed sequence of float32 operations on its own query and the keys/values of positions 0..t:
+
+  * keys are cut into blocks of ``kv_block`` positions from position 0 of each sequence, so a key
+    always sits at the same block and offset whatever the call holds;
+  * a row visits blocks 0, 1, 2, ... in order with an online softmax (running max m, running sum l,
+    running weighted sum acc, all fp32): m' = max(m, max_c s_c), alpha = exp(m - m'),
+    p_c = exp(s_c - m'), l' = alpha l + tree_sum(p), acc' = alpha acc + p @ V_block;
+  * masked entries (keys after the row, a block's padding) have s = -inf, so p = 0 exactly: they add
+    exact zeros to the sum and to p @ V. A block wholly after the row (which a row visits when it
+    shares a tile with a later row) has m' = m, alpha = exp(0) = 1 and p = 0: a no-op on every bit;
+  * the dots run as fixed-shape batched GEMMs, one item per (query tile, key/value head, block): a
+    tile holds ``max(1, row_tile // (H // G))`` tokens' query heads of one key/value head, padded
+    with zero rows, so a decode step's one row runs the prefill's item shape;
+  * exp comes from ``ops.elementwise`` (position-invariant), sums are fixed trees (``reduce``).
+
+  So prefill, chunked prefill, decode, recompute and any batch give every row the same bits.
+- ``attention_stock``: the baseline, as eager engines compute it (transformers' eager path): per
+  sequence, scores as a model-dtype matmul over exactly the row's keys, one softmax over the whole
+  row, a model-dtype matmul with V. Its shapes follow the call (a decode row is a 1 x n_k matmul, a
+  prefill row part of an n_q x n_k one), so its bits depend on the schedule.
+
+Rotary embeddings are not applied here (Nemotron-H's attention has none); a layer that needs them
+applies them to q and k before the call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import elementwise as ew
+from .reduce import tree_sum
+
+KV_BLOCK = 64
+"""Key positions per block of ``attention_blocked`` (a fixed part of the bits: both sides use it)."""
+ROW_TILE = 16
+"""Query rows (token x query head of one key/value head) per GEMM item of ``attention_blocked``."""
+
+
+def _lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_q, cu_k = cu_seqlens_q.to("cpu", torch.int64), cu_seqlens_k.to("cpu", torch.int64)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences, cu_seqlens_k {cu_k.numel() - 1}")
+    nq, nk = cu_q.diff(), cu_k.diff()
+    if bool((nq > nk).any()) or bool((nq < 0).any()):
+        raise ValueError("every sequence needs 0 <= queries <= keys (queries are its last positions)")
+    return nq, nk
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """H // G, after checking the shapes."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q [Tq, H, D], k and v [Tk, G, D] expected; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    return q.shape[1] // k.shape[1]
+
+
+def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """The reference: per sequence and row, softmax(scale q . k) @ v over the row's keys in float64.
+
+    Shapes as the module docstring; returns [Tq, H, D] float64.
+    """
+    rep = _check(q, k, v)
+    nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
+    f64 = torch.float64
+    out = torch.zeros(q.shape, dtype=f64, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(nq.numel()):
+        qs = q[cq[i]:cq[i + 1]].to(f64)                                   # [n_q, H, D]
+        ks = k[ck[i]:ck[i + 1]].to(f64).repeat_interleave(rep, dim=1)     # [n_k, H, D]
+        vs = v[ck[i]:ck[i + 1]].to(f64).repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        pos = torch.arange(int(nq[i]), device=q.device) + int(nk[i] - nq[i])
+        future = torch.arange(int(nk[i]), device=q.device)[None, :] > pos[:, None]
+        weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+        out[cq[i]:cq[i + 1]] = torch.einsum("hqk,khd->qhd", weights, vs)
+    return out
+
+
+@dataclass(frozen=True)
+class BlockedPlan:
+    """The index tables of one ``attention_blocked`` call (built on the host from cu_seqlens only, so
+    a step builds them once for all its layers).
+
+    key_index [NB, kv_block] int64: the packed key row at each block position (Tk: a zero row).
+    tile_rows [NT, tile_tokens] int64: the packed query row of each tile entry (Tq: a zero row).
+    tile_pos [NT, tile_tokens] int64: each entry's position in its sequence (padding entries: the
+    tile's first entry's). tile_block0 [NT]: the tile's sequence's first block in key_index.
+    Tiles are sorted by how many blocks they read, most first, so the tiles that read block j are
+    the first ``active[j]``.
+    """
+
+    key_index: torch.Tensor
+    tile_rows: torch.Tensor
+    tile_pos: torch.Tensor
+    tile_block0: torch.Tensor
+    active: tuple[int, ...]
+    kv_block: int
+    tile_tokens: int
+
+    def to(self, device: torch.device | str) -> BlockedPlan:
+        return BlockedPlan(self.key_index.to(device), self.tile_rows.to(device), self.tile_pos.to(device),
+                           self.tile_block0.to(device), self.active, self.kv_block, self.tile_tokens)
+
+
+def blocked_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, rep: int, *, kv_block: int = KV_BLOCK,
+                 row_tile: int = ROW_TILE) -> BlockedPlan:
+    """The tables of ``attention_blocked`` for these sequences and H // G = ``rep`` (CPU tensors)."""
+    nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.to("cpu", torch.int64), cu_seqlens_k.to("cpu", torch.int64)
+    S, Tq, Tk = nq.numel(), int(cu_q[-1]), int(cu_k[-1])
+    tt = max(1, row_tile // rep)
+    seqs = torch.arange(S)
+
+    def excl_cumsum(n: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(n, 0) - n
+
+    nb = (nk + kv_block - 1) // kv_block
+    block_seq = seqs.repeat_interleave(nb)
+    block_j = torch.arange(int(nb.sum())) - excl_cumsum(nb)[block_seq]
+    kpos = block_j[:, None] * kv_block + torch.arange(kv_block)[None, :]
+    key_index = torch.where(kpos < nk[block_seq, None], cu_k[block_seq, None] + kpos, Tk)
+
+    nt = (nq + tt - 1) // tt
+    tile_seq = seqs.repeat_interleave(nt)
+    tile_i = torch.arange(int(nt.sum())) - excl_cumsum(nt)[tile_seq]
+    tok = tile_i[:, None] * tt + torch.arange(tt)[None, :]
+    valid = tok < nq[tile_seq, None]
+    rows = torch.where(valid, cu_q[tile_seq, None] + tok, Tq)
+    pos = (nk - nq)[tile_seq, None] + torch.where(valid, tok, tile_i[:, None] * tt)
+    blocks = pos.amax(1) // kv_block + 1                    # blocks 0 .. last row's block
+    order = torch.sort(blocks, descending=True, stable=True).indices
+    blocks = blocks[order]
+    max_blocks = int(blocks[0]) if blocks.numel() else 0
+    active = tuple(int((blocks > j).sum()) for j in range(max_blocks))
+    return BlockedPlan(key_index, rows[order], pos[order], excl_cumsum(nb)[tile_seq][order], active, kv_block, tt)
+
+
+def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, *, scale: float, kv_block: int = KV_BLOCK,
+                      row_tile: int = ROW_TILE, plan: BlockedPlan | None = None) -> torch.Tensor:
+    """The contract's attention (module docstring): [Tq, H, D] in q's dtype, fp32 inside.
+
+    q, k, v in the model dtype (bf16 or fp32; taken to fp32 exactly). ``plan``: the call's
+    ``blocked_plan`` (on q's device), to share one across the layers of a step.
+    """
+    rep = _check(q, k, v)
+    if plan is None:
+        plan = blocked_plan(cu_seqlens_q, cu_seqlens_k, rep, kv_block=kv_block, row_tile=row_tile).to(q.device)
+    Tq, H, D = q.shape
+    G = k.shape[1]
+    Bk, tt = plan.kv_block, plan.tile_tokens
+    NT, M = plan.tile_rows.shape[0], plan.tile_tokens * rep
+    if Tq == 0:
+        return q.new_zeros(q.shape)
+    f32 = torch.float32
+    # D padded to a multiple of 16 with exact zeros: the GEMMs' inner dimension never takes another
+    # path at another alignment (see ops/linear.py); a zero row at the end stands for padding.
+    dp = -D % 16
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.to(f32), (0, dp))
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+    kb = padded(k)[plan.key_index].permute(0, 2, 3, 1).contiguous()      # [NB, G, Dp, Bk]
+    vb = padded(v)[plan.key_index].permute(0, 2, 1, 3).contiguous()      # [NB, G, Bk, Dp]
+    # a tile's rows: (token, query head of the group), token-major; [NT, G, M, Dp]
+    qt = padded(q)[plan.tile_rows].view(NT, tt, G, rep, D + dp).permute(0, 2, 1, 3, 4).reshape(NT, G, M, D + dp)
+    row_pos = plan.tile_pos.repeat_interleave(rep, dim=1)[:, None, :, None]  # [NT, 1, M, 1]
+    m = torch.full((NT, G, M), -math.inf, dtype=f32, device=q.device)
+    l = torch.zeros((NT, G, M), dtype=f32, device=q.device)  # noqa: E741
+    acc = torch.zeros((NT, G, M, D + dp), dtype=f32, device=q.device)
+    offsets = torch.arange(Bk, device=q.device)
+    for j, n in enumerate(plan.active):  # the first n tiles read block j
+        blk = plan.tile_block0[:n] + j
+        s = torch.matmul(qt[:n], kb[blk]) * scale                          # [n, G, M, Bk]
+        s = torch.where(offsets + j * Bk <= row_pos[:n], s, -math.inf)
+        m_new = torch.maximum(m[:n], s.amax(-1))
+        alpha = ew.exp(m[:n] - m_new)  # exp(-inf) = 0 on block 0, exp(0) = 1 where the max holds
+        p = ew.exp(s - m_new[..., None])
+        # out of place (the tiles past n keep their values): autograd may hold the old ones
+        l = torch.cat([alpha * l[:n] + tree_sum(p), l[n:]])  # noqa: E741
+        acc = torch.cat([alpha[..., None] * acc[:n] + torch.matmul(p, vb[blk]), acc[n:]])
+        m = torch.cat([m_new, m[n:]])
+    o = (acc / l[..., None]).view(NT, G, tt, rep, D + dp).permute(0, 2, 1, 3, 4).reshape(NT * tt, H, D + dp)
+    out = q.new_zeros(Tq + 1, H, D)  # row Tq takes the padding entries
+    out[plan.tile_rows.reshape(-1)] = o[..., :D].to(q.dtype)
+    return out[:Tq]
+
+
+def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """The baseline (module docstring): per sequence, softmax(scale q k^T + mask) in fp32 over the
+    row's keys as one torch.softmax, the matmuls in the model dtype. [Tq, H, D] in q's dtype."""
+    rep = _check(q, k, v)
+    nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
+    out = torch.zeros_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(nq.numel()):
+        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)                                       # [H, n_q, D]
+        ks = k[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)         # [H, n_k, D]
+        vs = v[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        pos = torch.arange(int(nq[i]), device=q.device) + int(nk[i] - nq[i])
+        future = torch.arange(int(nk[i]), device=q.device)[None, :] > pos[:, None]
+        weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1, dtype=torch.float32).to(q.dtype)
+        out[cq[i]:cq[i + 1]] = torch.matmul(weights, vs).transpose(0, 1)
+    return out
+
+
+__all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "attention_blocked", "attention_naive", "attention_stock",
+           "blocked_plan"]
