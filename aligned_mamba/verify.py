@@ -1,12 +1,16 @@
 """Bitwise comparison of trainer and sampler logits (or per-token logprobs), with a report.
 
-The verdict is per row: a row is equal iff ``torch.equal`` holds for it. The logprob and KL
-figures only say how far apart mismatched rows are; they never soften the verdict.
+The verdict is per row: by default a row is equal iff ``torch.equal`` holds for it (value
+equality: -0.0 == +0.0); with ``bits=True`` iff its bit patterns are equal (-0.0 != +0.0). A row
+holding a NaN is never equal in either mode. The logprob and KL figures only say how far apart
+mismatched rows are; they never soften the verdict. ``rows_digest`` lets two processes compare
+bits without shipping the rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,9 +20,18 @@ import torch
 
 from .contract import Contract, check_compatible
 from .errors import AlignmentError, ContractMismatchError
+from .hardware import HardwareLike, check_same_hardware, hardware_key
 from .ops.logprobs import log_softmax
 
 KINDS = ("auto", "logits", "logprobs")
+# kind="auto" takes an input as logits only if its last dimension is at least this long: a
+# vocabulary has 32 entries or more (byte-level ones 256), a shorter last dim is as likely the T of
+# a short [B, T] logprobs batch.
+AUTO_MIN_VOCAB = 32
+DIGEST_CHARS = 16  # hex chars of sha256 kept: 64 bits, ample for telling two tensors apart
+# bit patterns of each float width, for bits=True
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_BLOCK_BYTES = 1 << 26  # rows hashed in 64 MiB pieces: a GPU tensor is never copied whole
 # Rows per block are capped so that a block holds at most this many elements: the fp64
 # logprob/KL work on a [4096, 50280] input then needs tens of MB per temporary, not GBs.
 _BLOCK_ELEMENTS = 1 << 23
@@ -31,7 +44,12 @@ class VerifyReport:
 
     ``max_abs_diff`` is over elements finite on both sides; the logprob figures and ``kl`` skip
     NaN rows. ``kl`` is the mean over rows of KL(sampler || trainer) for full logits, or the
-    k3 estimator mean(exp(d) - d - 1), d = lp_trainer - lp_sampler, at given tokens.
+    k3 estimator mean(exp(d) - d - 1), d = lp_trainer - lp_sampler, at given tokens; each row's
+    term is clamped at >= 0 (both are >= 0 exactly; rounding of the fp32 logprobs can leave a
+    near-equal row a hair below 0, which must not cancel another row's divergence).
+    ``bits``: the verdict compared bit patterns (``verify(bits=True)``). ``trainer_digest`` /
+    ``sampler_digest``: ``rows_digest`` of each input as given. ``hardware``: the declared
+    hardware classes, {"trainer": key, "sampler": key, "same": bool}, or None if not both declared.
     """
 
     bitwise_equal: bool
@@ -49,6 +67,10 @@ class VerifyReport:
     fingerprint: str | None
     mismatched_row_indices: list[int] = field(default_factory=list)
     nan_row_indices: list[int] = field(default_factory=list)
+    bits: bool = False
+    trainer_digest: str | None = None
+    sampler_digest: str | None = None
+    hardware: dict[str, Any] | None = None
 
     def __bool__(self) -> bool:
         return self.bitwise_equal
@@ -86,6 +108,12 @@ class VerifyReport:
     def summary(self) -> str:
         """One line: the verdict, then where and how far apart (if not equal)."""
         what = f"{self.dtype} {self.kind} {self.shape}" + (f", contract {self.fingerprint}" if self.fingerprint else "")
+        if self.bits:
+            what += ", bit patterns"
+        if self.hardware is not None:
+            hw = self.hardware
+            what += (f", hardware {hw['trainer']}" if hw["same"]
+                     else f", hardware trainer {hw['trainer']} vs sampler {hw['sampler']} (cross-hardware allowed)")
         if self.bitwise_equal:
             return f"bitwise equal: {self.rows}/{self.rows} rows [{what}]"
         nans = f", {self.nan_rows} with NaN" if self.nan_rows else ""
@@ -106,6 +134,58 @@ def _contract_fingerprint(trainer: Contract | str | None, sampler: Contract | st
     if fps[0] is not None and fps[1] is not None and fps[0] != fps[1]:
         raise ContractMismatchError(f"contract mismatch: fingerprint trainer={fps[0]!r} sampler={fps[1]!r}")
     return fps[0] if fps[0] is not None else fps[1]
+
+
+def rows_digest(rows: torch.Tensor) -> str:
+    """The first 16 hex chars (64 bits) of sha256 over a tensor's dtype, shape and raw bytes.
+
+    rows: any tensor (logits [T, V] or [B, T, V], logprobs [T] / [B, T], any dtype and device),
+    hashed as its contiguous bytes in the machine's byte order (little-endian on every platform
+    torch ships for), after a header naming dtype and shape: the same bytes as another dtype or
+    shape give another digest. Equal digests mean equal bit patterns (-0.0 and +0.0 differ, NaN
+    payloads count): what ``verify(bits=True)`` compares, not the default's value equality.
+    """
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows_digest expects a torch tensor, got {type(rows).__name__}")
+    h = hashlib.sha256(f"aligned-mamba rows v1 {str(rows.dtype).removeprefix('torch.')} {list(rows.shape)}\n".encode())
+    flat = rows.detach().contiguous().reshape(-1)
+    step = max(1, _DIGEST_BLOCK_BYTES // max(1, flat.element_size()))
+    for lo in range(0, flat.numel(), step):
+        # uint8 view: raw bytes for every dtype, bf16 and fp8 included (numpy has neither)
+        h.update(flat[lo : lo + step].cpu().view(torch.uint8).numpy())
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def _hardware(trainer: HardwareLike | None, sampler: HardwareLike | None, allow: bool) -> dict[str, Any] | None:
+    """Refuse differing declared hardware classes (unless allowed); the report's hardware entry."""
+    if trainer is None or sampler is None:
+        return None
+    same = check_same_hardware(trainer, sampler, allow=allow)
+    return {"trainer": hardware_key(trainer), "sampler": hardware_key(sampler), "same": same}
+
+
+def _auto_kind(t: torch.Tensor, s: torch.Tensor) -> str:
+    """kind="auto": 1-D is logprobs; >= 2-D is logits only when it cannot be [B, T] logprobs."""
+    if t.dim() <= 1 or t.dim() > 3:
+        return "logprobs" if t.dim() <= 1 else "logits"  # the shape check after refuses what fits neither
+    hint = "pass kind='logits' or kind='logprobs'"
+    if t.shape[-1] < AUTO_MIN_VOCAB:
+        raise ValueError(f"kind='auto' refused for shape {list(t.shape)}: a last dim under {AUTO_MIN_VOCAB} may be "
+                         f"[B, T] logprobs rather than a vocabulary; {hint}")
+    # Logprobs are all <= 0 (probabilities, NLLs all >= 0); logits of a model take both signs.
+    for side, x in (("trainer", t), ("sampler", s)):
+        if not (bool((x > 0).any()) and bool((x < 0).any())):
+            raise ValueError(f"kind='auto' refused: the {side}'s values are not of both signs, so they may be "
+                             f"logprobs (all <= 0) or probabilities rather than logits; {hint}")
+    return "logits"
+
+
+def _row_equal(xa: torch.Tensor, xb: torch.Tensor, bits: bool) -> torch.Tensor:
+    """[R, W] x2 -> [R] bool: every element equal by value (torch.equal) or by bit pattern."""
+    if bits:
+        ints = _INT_OF_SIZE[xa.element_size()]
+        return (xa.view(ints) == xb.view(ints)).all(1)
+    return (xa == xb).all(1)
 
 
 def _as_rows(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -140,16 +220,31 @@ def verify(
     token_ids: torch.Tensor | None = None,
     trainer_contract: Contract | str | None = None,
     sampler_contract: Contract | str | None = None,
+    bits: bool = False,
+    trainer_hardware: HardwareLike | None = None,
+    sampler_hardware: HardwareLike | None = None,
+    allow_cross_hardware: bool = False,
 ) -> VerifyReport:
     """Compare trainer and sampler outputs row by row, bit for bit.
 
-    Inputs: logits [T, V] or [B, T, V] (any float dtype), or per-token logprobs [T] / [B, T]
-    (``kind="logprobs"``; "auto" takes 1-D as logprobs, 2-D/3-D as logits). ``token_ids``
-    (int, the logits' leading shape) switches the logprob figures to those tokens. Contracts
-    (``Contract`` or fingerprint string) are checked first. ``strict`` raises AlignmentError
-    carrying the report when any row differs.
+    Inputs: logits [T, V] or [B, T, V] (any float dtype, ``kind="logits"``), or per-token
+    logprobs [T] / [B, T] (``kind="logprobs"``). ``kind="auto"`` takes 1-D as logprobs, and a
+    2-D or 3-D input as logits only when it cannot be logprobs: its last dim is at least
+    AUTO_MIN_VOCAB (32) and each side holds a value > 0 and a value < 0 (logprobs are all <= 0);
+    anything else is refused with a hint to pass ``kind``, never guessed.
+
+    A row is equal iff every element is equal by value (``torch.equal``: -0.0 == +0.0), or with
+    ``bits=True`` by bit pattern (-0.0 != +0.0). A row holding a NaN on either side is never equal
+    (``nan_rows`` counts them), even where both sides hold the same NaN bits: the model broke.
+
+    ``token_ids`` (int, the logits' leading shape) switches the logprob figures to those tokens.
+    Contracts (``Contract`` or fingerprint string) are checked first, then hardware classes
+    (``HardwareClass``, its ``to_dict()`` or key; both or neither), which must be one class
+    unless ``allow_cross_hardware`` (raises HardwareMismatchError). ``strict`` raises
+    AlignmentError carrying the report when any row differs.
     """
     fingerprint = _contract_fingerprint(trainer_contract, sampler_contract)
+    hardware = _hardware(trainer_hardware, sampler_hardware, allow_cross_hardware)
     t, s = trainer_logits, sampler_logits
     if not isinstance(t, torch.Tensor) or not isinstance(s, torch.Tensor):
         raise TypeError(f"expected torch tensors, got {type(t).__name__} and {type(s).__name__}")
@@ -162,7 +257,7 @@ def verify(
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} refused: expected one of {', '.join(KINDS)}")
     if kind == "auto":
-        kind = "logprobs" if t.dim() == 1 else "logits"
+        kind = _auto_kind(t, s)
     if (kind == "logits" and t.dim() not in (2, 3)) or (kind == "logprobs" and t.dim() not in (1, 2)):
         want = "[T, V] or [B, T, V]" if kind == "logits" else "[T] or [B, T]"
         raise ValueError(f"{kind} must be {want}, got shape {list(t.shape)}")
@@ -189,8 +284,8 @@ def verify(
     for lo in range(0, rows, step):
         xa, xb = a[lo : lo + step], b[lo : lo + step].to(a.device)
         nan[lo : lo + step] = xa.isnan().any(1) | xb.isnan().any(1)
-        equal[lo : lo + step] = (xa == xb).all(1)  # NaN != NaN, so NaN rows are never equal
-    equal &= ~nan
+        equal[lo : lo + step] = _row_equal(xa, xb, bits)
+    equal &= ~nan  # a NaN row is never equal, in either mode (in bits mode equal NaN bits would be)
     bad_idx = (~equal).nonzero().flatten()
 
     # Equal rows contribute exactly 0 to every figure, so only mismatched rows are processed.
@@ -219,6 +314,7 @@ def verify(
             ps = ls.exp()
             # KL(s || t) per row; p_s = 0 terms are 0 (not 0 * inf = NaN).
             kl_rows = _fail_closed(torch.where(ps > 0, ps * (ls - lt), torch.zeros_like(ps)).sum(1))
+        kl_rows = kl_rows.clamp_min(0.0)  # >= 0 exactly; fp rounding must not cancel other rows' KL
         max_lp = max(max_lp, float(absd.max()))
         sum_lp += float(absd.sum())
         kl_sum += float(kl_rows.sum())
@@ -242,6 +338,10 @@ def verify(
         fingerprint=fingerprint,
         mismatched_row_indices=bad_idx.tolist(),
         nan_row_indices=nan.nonzero().flatten().tolist(),
+        bits=bits,
+        trainer_digest=rows_digest(t),
+        sampler_digest=rows_digest(s),
+        hardware=hardware,
     )
     if strict and not report.bitwise_equal:
         raise AlignmentError(report.summary(), report)

@@ -1,4 +1,5 @@
-"""verify: bitwise verdict per row, refusals, report figures and rendering."""
+"""verify: bitwise verdict per row (value and bit-pattern modes), refusals (ambiguous kinds,
+other hardware), report figures, digests and rendering."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.errors import AlignmentError, ContractMismatchError
-from aligned_mamba.verify import VerifyReport, verify
+from aligned_mamba.errors import AlignmentError, ContractMismatchError, HardwareMismatchError
+from aligned_mamba.hardware import HardwareClass
+from aligned_mamba.ops.logprobs import log_softmax
+from aligned_mamba.verify import AUTO_MIN_VOCAB, VerifyReport, rows_digest, verify
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -41,9 +44,6 @@ def test_equal_tensors() -> None:
     assert r.mismatch_map(4) == "...." and r.summary().startswith("bitwise equal: 8/8 rows")
 
 
-def test_negative_zero_counts_as_equal() -> None:
-    # torch.equal is value equality: -0.0 == 0.0.
-    assert verify(torch.zeros(2, 4), -torch.zeros(2, 4)).bitwise_equal
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -62,7 +62,7 @@ def test_single_flipped_bit(dtype: torch.dtype) -> None:
 def test_batched_logits_flatten_rows() -> None:
     x = _logits(3, 5, 20)
     y = _flip_lowest_bit(x, (2, 1, 0))
-    r = verify(x, y)
+    r = verify(x, y, kind="logits")
     assert r.rows == 15 and r.mismatched_row_indices == [2 * 5 + 1] and r.shape == [3, 5, 20]
 
 
@@ -87,9 +87,9 @@ def test_nan_rows_fail_closed() -> None:
     y[2, 3] = float("nan")
     both = x.clone()
     both[4, 0] = float("nan")
-    r = verify(x, y)
+    r = verify(x, y, kind="logits")
     assert not r and r.nan_rows == 1 and r.mismatched_row_indices == [2]
-    r = verify(both, both.clone())  # NaN in both at the same place: still not equal
+    r = verify(both, both.clone(), kind="logits")  # NaN in both at the same place: still not equal
     assert not r and r.nan_rows == 1 and r.mismatched_row_indices == [4] and r.nan_row_indices == [4]
     assert r.kl == 0.0 and r.max_abs_logprob_diff == 0.0  # NaN rows are left out of the figures
     assert r.mismatch_map(6) == "....!." and json.loads(r.to_json())["nan_rows"] == 1
@@ -111,18 +111,18 @@ def test_refusals_name_both_values() -> None:
     with pytest.raises(ValueError, match="kind"):
         verify(x, x, kind="probs")
     with pytest.raises(ValueError, match="token_ids"):
-        verify(x, x, token_ids=torch.zeros(5, dtype=torch.int64))
+        verify(x, x, kind="logits", token_ids=torch.zeros(5, dtype=torch.int64))
 
 
 def test_matching_contracts_record_fingerprint() -> None:
-    x = _logits(2, 8)
+    x = _logits(2, 40)
     c = Contract(256)
     assert verify(x, x, trainer_contract=c, sampler_contract=Contract(256)).fingerprint == c.fingerprint
     assert verify(x, x, trainer_contract=c, sampler_contract=c.fingerprint).fingerprint == c.fingerprint
 
 
 def test_strict_raises_with_report() -> None:
-    x = _logits(4, 8)
+    x = _logits(4, 40)
     assert verify(x, x, strict=True)
     with pytest.raises(AlignmentError) as e:
         verify(x, _flip_lowest_bit(x, (1, 1)), strict=True)
@@ -146,7 +146,7 @@ def test_token_ids_figures() -> None:
     y = x.clone()
     y[1, 2, 5] += 1.0
     tok = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    r = verify(x, y, token_ids=tok)
+    r = verify(x, y, kind="logits", token_ids=tok)
     lt = torch.log_softmax(x[1, 2], -1)[5]
     ls = torch.log_softmax(y[1, 2], -1)[5]
     d = float(lt) - float(ls)
@@ -155,12 +155,12 @@ def test_token_ids_figures() -> None:
     assert r.mean_abs_logprob_diff == pytest.approx(abs(d) / 6, rel=1e-4)
     assert r.kl == pytest.approx((math.exp(d) - d - 1) / 6, rel=1e-3)
     with pytest.raises(ValueError, match="out of range"):
-        verify(x, y, token_ids=tok + 16)
+        verify(x, y, kind="logits", token_ids=tok + 16)
 
 
 def test_empty_inputs() -> None:
-    for x in (torch.empty(0, 7), torch.empty(2, 0, 7), torch.empty(0)):
-        r = verify(x, x.clone())
+    for x, kind in ((torch.empty(0, 7), "logits"), (torch.empty(2, 0, 7), "logits"), (torch.empty(0), "auto")):
+        r = verify(x, x.clone(), kind=kind)
         assert r.bitwise_equal and r.rows == 0 and r.mismatch_map() == "" and json.loads(r.to_json())["rows"] == 0
 
 
@@ -170,7 +170,7 @@ def test_mismatch_map_characters() -> None:
     y[0:2] += 1  # bucket 0 (rows 0-1): all differ
     y[3] += 1  # bucket 1 (rows 2-3): some differ
     y[9, 0] = float("nan")  # bucket 4 (rows 8-9): NaN
-    r = verify(x, y)
+    r = verify(x, y, kind="logits")
     assert r.mismatch_map(width=5) == "Xx..!"
     assert len(r.mismatch_map(width=64)) == 10 and r.mismatch_map(width=3) == "x.!"  # 4 rows per char
 
@@ -179,7 +179,7 @@ def test_non_finite_figures_serialise_as_null() -> None:
     x = _logits(2, 4)
     y = x.clone()
     y[0, 1] = float("-inf")  # a masked logit on one side only: infinite logprob gap
-    r = verify(x, y)
+    r = verify(x, y, kind="logits")
     assert r.max_abs_logprob_diff == math.inf and r.max_abs_diff == 0.0  # no finite element differs
     d = json.loads(r.to_json())
     assert d["max_abs_logprob_diff"] is None and d["mismatched_rows"] == 1
@@ -199,7 +199,209 @@ def test_property_exact_perturbed_set(rows: int, width: int, dtype: torch.dtype,
     bits = y.view(_INT_VIEW[dtype])
     for r in picked:
         bits[r, data.draw(st.integers(0, width - 1))] ^= 1
-    rep = verify(x, y)
+    rep = verify(x, y, kind="logits")
     assert rep.mismatched_row_indices == sorted(picked)
     assert rep.bitwise_equal == (not picked) and rep.first_mismatch == (min(picked) if picked else None)
     assert rep.max_abs_diff == float((x.double() - y.double()).abs().max())
+
+
+def _one_line(e: pytest.ExceptionInfo[BaseException]) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+# --- kind="auto": logits only where the input cannot be logprobs ---------------------------------
+
+
+def test_auto_takes_model_logits() -> None:
+    x = _logits(4, 6, AUTO_MIN_VOCAB)
+    assert verify(x, x.clone()).kind == "logits" and verify(x[0], x[0].clone()).kind == "logits"
+
+
+def test_auto_refuses_batched_logprobs() -> None:
+    # [B, T] per-token logprobs with a long T: all <= 0, so never taken as [T, V] logits
+    lp = torch.log_softmax(_logits(4, 600, 40), -1).amax(-1)
+    assert lp.shape == (4, 600) and bool((lp <= 0).all())
+    with pytest.raises(ValueError) as e:
+        verify(lp, lp.clone())
+    assert "kind='auto' refused: the trainer's values are not of both signs" in _one_line(e)
+    assert "pass kind='logits' or kind='logprobs'" in str(e.value)
+    r = verify(lp, lp.clone(), kind="logprobs")
+    assert r and r.rows == 2400 and r.kind == "logprobs"  # one row per token, as meant
+
+
+def test_auto_refuses_short_last_dim() -> None:
+    lp = torch.log_softmax(_logits(4, 6, 40), -1).amax(-1)  # [4, 6] logprobs
+    with pytest.raises(ValueError) as e:
+        verify(lp, lp.clone())
+    assert f"a last dim under {AUTO_MIN_VOCAB} may be [B, T] logprobs" in _one_line(e)
+    x = _logits(3, AUTO_MIN_VOCAB - 1)  # both signs, but too short to tell from logprobs
+    with pytest.raises(ValueError, match="last dim under"):
+        verify(x, x.clone())
+    assert verify(x, x.clone(), kind="logits").rows == 3
+
+
+def test_auto_checks_both_sides() -> None:
+    x = _logits(5, 64)
+    lp = torch.log_softmax(x, -1)  # the sampler sent logprobs of the whole vocabulary
+    with pytest.raises(ValueError) as e:
+        verify(x, lp)
+    assert "the sampler's values are not of both signs" in _one_line(e)
+    assert not verify(x, lp, kind="logits")  # stated explicitly, it is compared (and differs)
+    probs = torch.softmax(x, -1)  # probabilities (or NLLs): all >= 0, not logits either
+    with pytest.raises(ValueError, match="trainer's values are not of both signs"):
+        verify(probs, probs.clone())
+
+
+# --- NaN rows, bit patterns, KL clamp -----------------------------------------------------------
+
+
+def test_nan_rows_counted_and_never_equal() -> None:
+    x = _logits(8, 40)
+    y = x.clone()
+    for row in (1, 4, 6):
+        y[row, row] = float("nan")
+    for bits in (False, True):
+        r = verify(x, y, bits=bits)
+        assert r.nan_rows == 3 and r.nan_row_indices == [1, 4, 6] and r.mismatched_row_indices == [1, 4, 6]
+        assert "3/8 rows differ (first row 1, 3 with NaN)" in r.summary()
+        same = verify(y, y.clone(), bits=bits)  # the same NaN bits on both sides: still not equal
+        assert not same and same.nan_rows == 3 and same.mismatched_rows == 3
+        assert same.trainer_digest == same.sampler_digest  # the bits agree; the verdict does not
+
+
+def test_bits_mode_tells_signed_zeros_apart() -> None:
+    x = _logits(4, 40)
+    x[2, 7] = 0.0
+    y = x.clone()
+    y[2, 7] = -0.0
+    assert verify(x, y) and torch.equal(x, y)  # default: torch.equal semantics, -0.0 == +0.0
+    r = verify(x, y, bits=True)
+    assert not r and r.bits and r.mismatched_row_indices == [2] and r.max_abs_diff == 0.0
+    assert "bit patterns" in r.summary() and r.kl == 0.0
+    assert verify(x, x.clone(), bits=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_bits_mode_per_dtype(dtype: torch.dtype) -> None:
+    x = _logits(3, 40, dtype=dtype)
+    y = x.clone()
+    y[1, 0] = -0.0
+    x[1, 0] = 0.0
+    assert verify(x, y, kind="logits") and not verify(x, y, kind="logits", bits=True)
+
+
+def test_bits_mode_compares_nan_payloads() -> None:
+    x = _logits(3, 40)
+    y = x.clone()
+    x.view(torch.int32)[0, 3] = 0x7FC00000  # quiet NaN
+    y.view(torch.int32)[0, 3] = 0x7FC00001  # another payload
+    assert x[0, 3].isnan() and y[0, 3].isnan()
+    r = verify(x, y, bits=True)
+    assert r.nan_rows == 1 and r.mismatched_row_indices == [0]
+    assert r.trainer_digest != r.sampler_digest
+
+
+def _unclamped_kl_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """KL(y || x) per row as verify computes it, without the clamp."""
+    lt, ls = log_softmax(x).double(), log_softmax(y).double()
+    ps = ls.exp()
+    return torch.where(ps > 0, ps * (ls - lt), torch.zeros_like(ps)).sum(1)
+
+
+def test_kl_clamped_at_zero() -> None:
+    # One-ulp perturbations: each row's exact KL is >= 0, but the fp32 logprobs' rounding leaves
+    # some rows' estimate a hair below 0 (on every machine tried, within a few seeds).
+    found = 0
+    for seed in range(40):
+        x = _logits(8, 64, seed=seed)
+        y = x.clone()
+        y.view(torch.int32)[:, 5] ^= 1
+        raw = _unclamped_kl_rows(x, y)
+        if not bool((raw < 0).any()):
+            continue
+        found += 1
+        r = verify(x, y)
+        assert r.kl >= 0 and r.kl == pytest.approx(float(raw.clamp_min(0).sum()) / 8, rel=1e-9, abs=0)
+        assert r.kl > float(raw.mean())  # the clamp moved it: negative rows no longer cancel others
+    assert found, "no seed gave a negative unclamped KL row: the clamp test shows nothing"
+
+
+def test_k3_figure_non_negative() -> None:
+    lp = torch.log_softmax(_logits(64, 40), -1).amax(-1)
+    other = lp.clone()
+    other.view(torch.int32)[::3] ^= 1
+    r = verify(lp, other, kind="logprobs")
+    assert not r and r.kl >= 0
+
+
+# --- digests ------------------------------------------------------------------------------------
+
+
+def test_rows_digest_equal_for_equal_bits() -> None:
+    x = _logits(6, 40, dtype=torch.bfloat16)
+    d = rows_digest(x)
+    assert len(d) == 16 and int(d, 16) >= 0 and d == rows_digest(x.clone())
+    assert rows_digest(x.t().contiguous().t()) == d  # a strided layout of the same rows: the same digest
+    r = verify(x, x.clone())
+    assert r.trainer_digest == r.sampler_digest == d
+    assert json.loads(r.to_json())["trainer_digest"] == d
+
+
+def test_rows_digest_changes_with_one_ulp() -> None:
+    x = _logits(6, 40)
+    y = _flip_lowest_bit(x, (5, 39))
+    assert rows_digest(x) != rows_digest(y)
+    r = verify(x, y)
+    assert r.trainer_digest == rows_digest(x) and r.sampler_digest == rows_digest(y)
+
+
+def test_rows_digest_names_dtype_and_shape() -> None:
+    x = _logits(6, 40)
+    same_bytes = {
+        "int32 view": x.view(torch.int32),
+        "reshaped": x.reshape(40, 6),
+        "flat": x.reshape(-1),
+        "batched": x.reshape(2, 3, 40),
+    }
+    digests = {name: rows_digest(t) for name, t in same_bytes.items()}
+    assert len({rows_digest(x), *digests.values()}) == 5, digests
+    h = _logits(6, 40, dtype=torch.bfloat16)
+    assert rows_digest(h) != rows_digest(h.view(torch.float16))  # 2-byte floats, same bytes
+    zero = torch.zeros(3, 40)
+    assert rows_digest(zero) != rows_digest(-zero)  # bit patterns, like bits=True
+    with pytest.raises(TypeError, match="rows_digest expects a torch tensor"):
+        rows_digest([1.0, 2.0])  # type: ignore[arg-type]
+
+
+# --- hardware -----------------------------------------------------------------------------------
+
+_AVX2 = HardwareClass("cpu", "AMD EPYC", isa="avx2", native_isa="avx2")
+_DEFAULT = HardwareClass("cpu", "AMD EPYC", isa="default", native_isa="avx2")
+
+
+def test_different_hardware_refused() -> None:
+    x = _logits(4, 40)
+    with pytest.raises(HardwareMismatchError) as e:
+        verify(x, x.clone(), trainer_hardware=_AVX2, sampler_hardware=_DEFAULT)
+    msg = _one_line(e)
+    assert "trainer 'cpu:avx2' vs sampler 'cpu:default/avx2'" in msg and "--allow-cross-hardware" in msg
+    # a key string or a to_dict() from another process declares the class just as well
+    with pytest.raises(HardwareMismatchError):
+        verify(x, x.clone(), trainer_hardware=_AVX2.key, sampler_hardware=_DEFAULT.to_dict())
+    # contracts are still checked first
+    with pytest.raises(ContractMismatchError):
+        verify(x, x, trainer_contract=Contract(128), sampler_contract=Contract(256), trainer_hardware=_AVX2,
+               sampler_hardware=_DEFAULT)
+
+
+def test_cross_hardware_allowed_and_recorded() -> None:
+    x = _logits(4, 40)
+    r = verify(x, x.clone(), trainer_hardware=_AVX2, sampler_hardware=_DEFAULT, allow_cross_hardware=True)
+    assert r and r.hardware == {"trainer": "cpu:avx2", "sampler": "cpu:default/avx2", "same": False}
+    assert "hardware trainer cpu:avx2 vs sampler cpu:default/avx2 (cross-hardware allowed)" in r.summary()
+    same = verify(x, x.clone(), trainer_hardware=_AVX2, sampler_hardware=_AVX2.to_dict())
+    assert same.hardware == {"trainer": "cpu:avx2", "sampler": "cpu:avx2", "same": True}
+    assert "hardware cpu:avx2]" in same.summary() and json.loads(same.to_json())["hardware"]["same"] is True
+    assert verify(x, x.clone(), trainer_hardware=_AVX2).hardware is None  # one side declared: nothing to compare
