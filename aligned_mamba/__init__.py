@@ -7,6 +7,7 @@ logits the trainer computes for it, bit for bit.
 Public API:
     load_model(path, contract=None) -> CausalLM   # model.forward(sequences) -> the trainer's logits
     verify(trainer_logits, sampler_logits) -> VerifyReport
+    rows_digest(rows) -> str; hardware_class(device=None) -> HardwareClass
     Contract, check_compatible
     AlignmentError, ContractError, ContractMismatchError, ModelLoadError
 """
@@ -15,21 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 from .contract import Contract, check_compatible
 from .errors import AlignedMambaError, AlignmentError, ContractError, ContractMismatchError, ModelLoadError
-from .verify import VerifyReport, verify
+from .hardware import hardware_class
+from .verify import VerifyReport, rows_digest, verify
 
 if TYPE_CHECKING:
     from .models import CausalLM
 
 
-def load_model(path: Any, contract: Contract | None = None, device: Any = None) -> "CausalLM":
+def load_model(path: Any, contract: Contract | None = None, device: Any = None, *, cast: bool = False
+               ) -> "CausalLM":
     """A checkpoint directory of any registered model family (Hugging Face Mamba2, mamba_ssm's
     MambaLMHeadModel) as the trainer's model: ``model.forward(sequences)`` takes a list of [len_i]
     int64 token-id tensors and returns one [len_i, vocab] logits tensor per sequence. ``contract``
     defaults to the checkpoint's own (its chunk size, the torch backend, its dtype); the sampler
-    must run the same one. Raises ``ModelLoadError`` (one line) for a checkpoint it refuses."""
+    must run the same one; one whose model dtype is not the stored one needs ``cast=True``. Raises
+    ``ModelLoadError`` (one line) for a checkpoint it refuses."""
     from .models import load_model as _load
 
-    return _load(path, contract, device)
+    return _load(path, contract, device, cast=cast)
 
 __version__ = "0.1.0"
 
@@ -42,6 +46,8 @@ __all__ = [
     "ModelLoadError",
     "VerifyReport",
     "check_compatible",
+    "hardware_class",
     "load_model",
+    "rows_digest",
     "verify",
 ]

@@ -19,6 +19,7 @@ import torch
 
 from .contract import Contract, check_compatible
 from .engine import ReferenceEngine
+from .hardware import check_same_hardware, hardware_class, hardware_key
 from .integrations import EngineSpec, Scenario, ScenarioResult, Trainer, run_scenarios
 from .models import CausalLM, describe
 from .ops.ssd import recurrent_step, ssd_naive
@@ -120,14 +121,20 @@ def scan_accuracy(trainer: CausalLM, seq: torch.Tensor, layers: int = 3) -> dict
 
 def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: CausalLM, prompt_len: int, gen_len: int,
               requests: int, max_batch_tokens: int | None, seed: int, jobs: int = 1,
-              progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              progress: Callable[[str], None] = lambda s: None,
+              on_case: Callable[[dict[str, Any]], None] = lambda r: None,
+              allow_cross_hardware: bool = False) -> dict[str, Any]:
     """Run every case and return the JSON-ready result (see ``cli`` for the schema).
 
     ``engine`` names the sampler engine (``integrations.engine_factory``), built from ``spec``
     (its ``exact_replay`` set per case), in ``jobs`` worker processes when jobs > 1; the trainer
     scores every case's tokens in this process and ``verify`` compares the rows. ``reference``
     supplies the vocabulary, the model summary and the scan inputs of the fp64 accuracy line.
+    ``on_case`` gets the result so far after each case (a report that survives an interruption).
+    Rows computed on another hardware class than the trainer's (the engine's ``info["hardware"]``)
+    are refused unless ``allow_cross_hardware``: their bits are not promised to agree.
     """
+    trainer_hw = hardware_class(_trainer_device(trainer))
     sampler_contract = Contract.from_dict(spec.contract)
     check_compatible(trainer.contract, sampler_contract)
     t_start = time.perf_counter()
@@ -138,9 +145,26 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
              f"engine{f' on {jobs} worker processes' if jobs > 1 else ''}")
     jobs_list = [(_with_replay(spec, case.exact_replay), scenario_for(case, prompts, gen_len, budget, seed))
                  for case in CASES]
-    cases, timing = [], {}
+    cases: list[dict[str, Any]] = []
+    timing: dict[str, Any] = {}
     first_tokens: list[int] = []
+
+    def result() -> dict[str, Any]:
+        return {
+            "trainer_hardware": trainer_hw.key,
+            "contract": sampler_contract.to_dict(),
+            "model": {**describe(reference.config), "replay_bytes_per_sequence": reference.state_bytes_per_sequence()},
+            "params": {"prompt_len": prompt_len, "gen_len": gen_len, "requests": requests,
+                       "max_batch_tokens": budget, "seed": seed, "jobs": jobs},
+            "cases": cases,
+            "timing": timing,
+            "ok": all(c["mismatched_rows"] == 0 for c in cases if c["exact_replay"]),
+        }
+
     for case, got in zip(CASES, run_scenarios(engine, jobs_list, parallel=jobs)):
+        sampler_hw = got.info.get("hardware")
+        if sampler_hw is not None:
+            check_same_hardware(trainer_hw, sampler_hw, allow=allow_cross_hardware)
         t1 = time.perf_counter()
         trainer_logits = trainer.forward([torch.tensor(t, dtype=torch.int64) for t in got.tokens])
         t2 = time.perf_counter()
@@ -160,25 +184,20 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             "preemptions": got.preemptions,
             "sampler_pid_differs": got.pid != os.getpid(),
             "mismatch_map": report.mismatch_map(64),
+            "trainer_digest": report.trainer_digest,
+            "sampler_digest": report.sampler_digest,
+            "sampler_hardware": hardware_key(sampler_hw) if sampler_hw is not None else None,
         })
         timing[case.name] = {"sampler_s": round(got.seconds, 3), "trainer_s": round(t2 - t1, 3)}
         progress(f"{case.name}: {report.mismatched_rows}/{report.rows} rows differ "
                  f"(sampler {got.seconds:.1f}s, trainer {t2 - t1:.1f}s)")
+        on_case(result())
     progress("accuracy: fp64 reference on the trainer's scan inputs")
     t0 = time.perf_counter()
     accuracy = scan_accuracy(reference, torch.tensor(first_tokens, dtype=torch.int64))
     timing["accuracy_s"] = round(time.perf_counter() - t0, 3)
     timing["total_s"] = round(time.perf_counter() - t_start, 3)
-    return {
-        "contract": sampler_contract.to_dict(),
-        "model": {**describe(reference.config), "replay_bytes_per_sequence": reference.state_bytes_per_sequence()},
-        "params": {"prompt_len": prompt_len, "gen_len": gen_len, "requests": requests,
-                   "max_batch_tokens": budget, "seed": seed, "jobs": jobs},
-        "cases": cases,
-        "accuracy": accuracy,
-        "timing": timing,
-        "ok": all(c["mismatched_rows"] == 0 for c in cases if c["exact_replay"]),
-    }
+    return {**result(), "accuracy": accuracy}
 
 
 def _with_replay(spec: EngineSpec, exact_replay: bool) -> EngineSpec:
@@ -190,3 +209,8 @@ def _with_replay(spec: EngineSpec, exact_replay: bool) -> EngineSpec:
 def _default_budget(chunk_size: int) -> int:
     """100 tokens a step (as in the RFC's measurement), nudged off any multiple of the chunk size."""
     return 101 if 100 % chunk_size == 0 else 100
+
+
+def _trainer_device(trainer: Trainer) -> str:
+    """"cuda" or "cpu": where the trainer's logits are computed (its contract's backend)."""
+    return "cuda" if trainer.contract.backend == "triton" else "cpu"

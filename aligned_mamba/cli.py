@@ -5,8 +5,11 @@
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
                         [--seed 0] [--json PATH]
 
-Exit status: 0 when every exact-replay case has zero differing logits rows, 1 when one does,
-2 for input the command refuses (one line on stderr saying what and why).
+Exit status (one meaning each, one line on stderr saying what and why for 2 and 3): 0 every
+exact-replay case has zero differing logits rows; 1 rows differ; 2 input or settings refused;
+3 the run failed (out of memory, a dead worker process, an unreachable cluster, a diverged training
+step); 130 interrupted. ``--json PATH`` is checked before any work, rewritten after each case and
+closed with a ``status`` ("ok", "mismatch", "refused", "failed", "interrupted").
 
 Other subcommands come from packages through the ``aligned_mamba.commands`` entry points (``rl``,
 in rollout/, needs Ray), so the core imports none of their dependencies.
@@ -15,30 +18,46 @@ in rollout/, needs Ray), so the core imports none of their dependencies.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
+import traceback
 from typing import Any
 
-from .errors import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK, AlignedMambaError
+from .errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_RUNTIME,
+    AlignedMambaError,
+    RuntimeFailure,
+)
 from .integrations import COMMAND_GROUP
+from .report import JsonReport
 
 
-def build_contract(config: Any, spec: str | None, backend: str, dtype: str | None, state_dtype: str | None) -> Any:
-    """A named/YAML contract (flags given explicitly override its fields), else the checkpoint's."""
+def build_contract(config: Any, spec: str | None, backend: str, dtype: str | None, state_dtype: str | None,
+                   *, backend_flag: str = "auto") -> Any:
+    """A named/YAML contract, else the checkpoint's. A flag given explicitly that contradicts the
+    contract file is refused (one line naming both), never silently applied; the file's backend
+    is checked against what this machine can run (``backend``, resolved from ``backend_flag``)."""
     from .contract import Contract
     from .models import contract_for
 
-    overrides: dict[str, Any] = {"backend": backend}
-    if dtype is not None:
-        overrides["model_dtype"] = dtype
-    if state_dtype is not None:
-        overrides["state_dtype"] = state_dtype
-    if spec:
-        return Contract.from_yaml(spec, **overrides)
-    return contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
+    if not spec:
+        return contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
+    from_file = Contract.from_yaml(spec)
+    flags = {"backend": None if backend_flag == "auto" else backend, "model_dtype": dtype, "state_dtype": state_dtype}
+    for name, flag in flags.items():
+        if flag is not None and flag != getattr(from_file, name):
+            raise AlignedMambaError(f"--{name.replace('_', '-').replace('model-', '')} {flag} contradicts contract "
+                                    f"{spec}'s {name}: {getattr(from_file, name)} (drop the flag or edit the file)")
+    if backend_flag == "auto" and from_file.backend != backend:
+        from .ops.backend import choose_backend
+
+        choose_backend(from_file.backend)  # refuses a backend this machine cannot run, in one line
+    return from_file
 
 
 def _progress(start: float):
@@ -64,6 +83,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"model: {m['layers']} layers, {m['heads']} heads x {m['head_dim']}, groups {m['n_groups']}, "
           f"state {m['state_size']}, vocab {m['vocab']}; replay state {m['replay_bytes_per_sequence'] / 2**20:.2f} "
           f"MiB per sequence")
+    if "trainer_hardware" in result:
+        print(f"hardware: {result['trainer_hardware']} (the class the bits belong to)")
     head = f"{'case':<27} {'replay':<6} {'rows':>6} {'differ':>7} {'first':>6} {'max|d|':>9}  map (x: rows differ)"
     print(head)
     print("-" * len(head))
@@ -82,6 +103,18 @@ def print_table(result: dict[str, Any]) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     show = _progress(start)
+    report = JsonReport(args.json)  # a path that cannot be written is refused before any work
+    try:
+        return _check(args, start, show, report)
+    except KeyboardInterrupt:
+        report.close("interrupted")
+        raise
+    except BaseException as e:
+        report.close(*status_of(e))
+        raise
+
+
+def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport) -> int:
     import torch
 
     from .check import run_check
@@ -96,16 +129,25 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise AlignedMambaError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise AlignedMambaError("--max-batch-tokens must be >= 1")
+    if args.jobs is not None and args.jobs < 1:
+        raise AlignedMambaError("--jobs must be >= 1")
     backend = choose_backend(args.backend)
     engine_factory(args.engine)  # an engine that is not installed is refused before anything runs
     show(f"loading model {args.model!r}")
     config, tensors = load_source(args.model, args.dtype)
-    trainer_c = build_contract(config, args.trainer_contract or args.contract, backend, args.dtype, args.state_dtype)
-    sampler_c = build_contract(config, args.sampler_contract or args.contract, backend, args.dtype, args.state_dtype)
+    contracts = [build_contract(config, side or args.contract, backend, args.dtype, args.state_dtype,
+                                backend_flag=args.backend) for side in (args.trainer_contract, args.sampler_contract)]
+    trainer_c, sampler_c = contracts
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
+    stored = getattr(config, "dtype", None)
+    if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:
+        # a contract file's dtype would cast the checkpoint: only an explicit --dtype asks for that
+        raise AlignedMambaError(f"the contract's model_dtype {sampler_c.model_dtype} is not the checkpoint's stored "
+                                f"{stored}: pass --dtype {sampler_c.model_dtype} to compute in it from these weights")
+    backend = sampler_c.backend
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if backend == "torch" else 1)
-    if jobs < 1:
-        raise AlignedMambaError("--jobs must be >= 1")
+    if backend == "torch":
+        _check_memory(config, sampler_c, args, jobs)
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
     if args.trainer != "reference":
@@ -120,19 +162,44 @@ def cmd_check(args: argparse.Namespace) -> int:
     spec = EngineSpec(model=args.model, contract=sampler_c.to_dict(), dtype=args.dtype,
                       max_model_len=max(longest + 16, 256), max_num_seqs=args.requests,
                       max_batch_tokens=max(args.prompt_len * args.requests, args.max_batch_tokens or 0, 256))
+    from .hardware import hardware_class
+
+    device = "cpu" if backend == "torch" else "cuda"
+    here = {"engine": args.engine, "trainer": args.trainer, "hardware": hardware_class(device).to_dict(),
+            "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "device": "cpu" if backend == "torch" else torch.cuda.get_device_name()}}
+    report.update(here)
     result = run_check(trainer, args.engine, spec, reference=reference, prompt_len=args.prompt_len,
                        gen_len=args.gen_len, requests=args.requests, max_batch_tokens=args.max_batch_tokens,
-                       seed=args.seed, jobs=jobs, progress=show)
-    result["engine"], result["trainer"] = args.engine, args.trainer
+                       seed=args.seed, jobs=jobs, progress=show, on_case=lambda r: report.update({**r, **here}),
+                       allow_cross_hardware=args.allow_cross_hardware)
+    result.update(here)
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
-    result["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                             "device": "cpu" if backend == "torch" else torch.cuda.get_device_name()}
     print_table(result)
+    report.update(result)
+    report.close("ok" if result["ok"] else "mismatch")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         show(f"wrote {args.json}")
     return EXIT_OK if result["ok"] else EXIT_MISMATCH
+
+
+def _check_memory(config: Any, contract: Any, args: argparse.Namespace, jobs: int) -> None:
+    """Refuse a torch-backend run whose estimated peak (memory.py) exceeds the available memory."""
+    from .memory import RUNTIME_BYTES, check_fits, forward_bytes_per_token
+    from .models import describe
+
+    m = describe(config)
+    if "heads" not in m:  # a family without Mamba2 mixers: no estimate of its scan
+        return
+    per_token = forward_bytes_per_token(hidden=m["hidden_size"], heads=m["heads"], head_dim=m["head_dim"],
+                                        groups=m["n_groups"], state=m["state_size"], chunk=contract.chunk_size,
+                                        vocab=m["vocab"], dtype_bytes=2 if contract.model_dtype == "bfloat16" else 4)
+    trainer_tokens = args.requests * (args.prompt_len + args.gen_len)
+    sampler_tokens = args.requests * args.prompt_len  # a decode case prefills every prompt in one step
+    engines = max(1, jobs) if args.engine == "reference" else 0  # vLLM's own workers budget their memory
+    need = (1 + engines) * RUNTIME_BYTES + per_token * (trainer_tokens + engines * sampler_tokens)
+    check_fits(need, f"check of {args.requests} x ({args.prompt_len}+{args.gen_len}) tokens",
+               "lower --prompt-len, --gen-len or --requests (or --jobs 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--jobs", type=int, default=None,
                    help="sampler worker processes (default: 2 on a multi-core CPU with the torch backend, else 1); "
                         "the trainer scores in the main process")
-    c.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    c.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results as JSON (checked first, rewritten after each case, with a status)")
+    c.add_argument("--allow-cross-hardware", action="store_true",
+                   help="compare rows computed on different hardware classes (bits are not promised to agree)")
     c.set_defaults(func=cmd_check)
     add_plugin_commands(sub)
     return p
@@ -194,16 +264,48 @@ def _unavailable(why: str) -> Any:
     return run
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def status_of(e: BaseException) -> tuple[str, str]:
+    """(report status, one-line reason) of an exception that ends a command (see ``exit_status``)."""
+    code, why = exit_status(e)
+    return ("refused" if code == EXIT_BAD_INPUT else "failed"), why
+
+
+def exit_status(e: BaseException) -> tuple[int, str]:
+    """The exit status and one-line reason for an exception that ends a command: 2 for refused
+    input (``AlignedMambaError``, ``ValueError``), 3 for a failed run (``RuntimeFailure``, out of
+    memory, a worker process that died, an OS error during the run, anything unexpected)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if isinstance(e, RuntimeFailure):
+        return EXIT_RUNTIME, _one_line(e)
+    if isinstance(e, (AlignedMambaError, ValueError)):
+        return EXIT_BAD_INPUT, _one_line(e)
+    if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+        return EXIT_RUNTIME, f"out of memory: {_one_line(e)}"
+    if isinstance(e, BrokenProcessPool):
+        return EXIT_RUNTIME, "a sampler worker process died (killed, e.g. out of memory)"
+    return EXIT_RUNTIME, f"{type(e).__name__}: {_one_line(e)} (ALIGNED_MAMBA_TRACEBACK=1 shows where)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (AlignedMambaError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"aligned-mamba: error: {msg}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        print("aligned-mamba: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every failure leaves with one line and a status that means one thing
+        code, why = exit_status(e)
+        if os.environ.get("ALIGNED_MAMBA_TRACEBACK"):
+            traceback.print_exc()
+        kind = "error" if code == EXIT_BAD_INPUT else "runtime failure"
+        print(f"aligned-mamba: {kind}: {why}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

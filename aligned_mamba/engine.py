@@ -64,15 +64,19 @@ class SamplerEngine:
     """Continuous batching over ``num_slots`` state slots with a per-step token budget."""
 
     def __init__(self, model: CausalLM, *, num_slots: int, max_batch_tokens: int | None = None,
-                 seed: int = 0, temperature: float = 1.0, graphs: bool | None = None) -> None:
+                 seed: int = 0, temperature: float = 1.0, graphs: bool | None = None,
+                 max_len: int | None = None) -> None:
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model
         # decode-only steps as CUDA graphs where the backend can capture them (default: the triton
-        # backend on a GPU); the cache then holds one spare slot for the graphs' padding entries
+        # backend on a GPU, for models whose layers keep no per-token rows: attention's host-built
+        # tables are not captured); the cache then holds one spare slot for the graphs' padding entries
         if graphs is None:
-            graphs = model.backend.name == "triton" and model.device.type == "cuda"
-        self.cache = model.new_cache(num_slots + 1 if graphs else num_slots)
+            graphs = model.backend.name == "triton" and model.device.type == "cuda" and not model.per_length_state
+        # max_len: the most tokens (prompt + generated) a request may reach, for layers that keep a
+        # row per token (attention's keys and values); default the model's max_len
+        self.cache = model.new_cache(num_slots + 1 if graphs else num_slots, max_len)
         self.graphs = None
         if graphs:
             from .decode_graph import DecodeGraphs
@@ -90,6 +94,10 @@ class SamplerEngine:
     def add_request(self, prompt: list[int], max_new_tokens: int, *, emit_all_rows: bool = False) -> Request:
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        limit = self.cache.max_len
+        if limit is not None and len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens exceeds the cache's "
+                             f"{limit} tokens per sequence")
         req = Request(self._next_id, list(prompt), len(prompt), max_new_tokens, emit_all_rows)
         self._next_id += 1
         self.waiting.append(req)
@@ -167,6 +175,14 @@ class SamplerEngine:
     def _sample(self, rows: torch.Tensor, who: list[tuple[Request, int, int]]) -> None:
         """Sample the next token of each request from its row, seeded by (seed, request, position)."""
         rows = rows.cpu()
+        if not bool(torch.isfinite(rows).all()):
+            # weights that overflow (a diverged update) give NaN/inf logits: stop with the reason,
+            # not with the sampler's "probability tensor contains inf, nan" from deep inside
+            from .errors import RuntimeFailure
+
+            bad = [who[i][0].req_id for i in range(rows.shape[0]) if not bool(torch.isfinite(rows[i]).all())]
+            raise RuntimeFailure(f"non-finite logits at engine step {self.steps} for request(s) {bad[:4]}: the "
+                                 "weights overflow the model dtype (a diverged update?)")
         lp = log_softmax(rows)
         lp_t = lp if self.temperature == 1.0 else log_softmax(rows.to(torch.float32) / self.temperature)
         probs = torch.exp(lp_t.double())
@@ -221,7 +237,8 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         # the baseline's recurrent scan indexes its state from the host: it is not captured in graphs
         engine = SamplerEngine(self.model, num_slots=len(sc.prompts), max_batch_tokens=sc.budget, seed=sc.seed,
-                               graphs=None if self.spec.exact_replay else False)
+                               graphs=None if self.spec.exact_replay else False,
+                               max_len=max(len(p) for p in sc.prompts) + sc.gen_len)
         all_rows = sc.rows == "all"
         pending = list(sc.prompts)
         reqs: list[Request] = []

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-# exit statuses of the commands (check, rl)
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+# exit statuses of the commands (check, rl): each means one thing
+EXIT_OK = 0  # every exact-replay row (token) is bit-identical
+EXIT_MISMATCH = 1  # rows differ: the alignment is broken
+EXIT_BAD_INPUT = 2  # an input or setting refused before (or instead of) the work
+EXIT_RUNTIME = 3  # the work failed: out of memory, a dead worker, an unreachable cluster, a diverged step
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it
 
 
 class AlignedMambaError(Exception):
@@ -22,9 +26,22 @@ class ModelLoadError(AlignedMambaError):
     """A model directory, config or tensor that is missing, malformed or mis-shaped."""
 
 
+class RuntimeFailure(AlignedMambaError):
+    """The work itself failed (not the input): exit status 3. The message says what and where."""
+
+
+class TrainingDiverged(RuntimeFailure):
+    """A training step produced a non-finite loss, gradient or weight; nothing was exported."""
+
+
 class AlignmentError(AlignedMambaError):
     """Raised by ``verify(..., strict=True)`` when trainer and sampler logits differ."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class HardwareMismatchError(ContractError):
+    """Trainer and sampler run on different hardware classes (``hardware.check_same_hardware``);
+    the message names both and the override (allow=True, the CLI's --allow-cross-hardware)."""

@@ -206,11 +206,19 @@ def run_scenarios_here(name: str, spec: EngineSpec, scenarios: Sequence[Scenario
         import torch
 
         torch.set_num_threads(max(1, spec.threads))
+    from .hardware import hardware_class
+
     engine = build_engine(name, spec)
     try:
-        return [engine.run(sc) for sc in scenarios]
+        results = [engine.run(sc) for sc in scenarios]
     finally:
         engine.close()
+    # the hardware class the rows were computed on, as this process sees it (a worker may be
+    # started with other ISA settings than its parent): the checker compares it with the trainer's
+    hw = hardware_class("cuda" if spec.contract.get("backend") == "triton" else "cpu").to_dict()
+    for res in results:
+        res.info.setdefault("hardware", hw)
+    return results
 
 
 def run_scenarios(name: str, jobs: Sequence[tuple[EngineSpec, Scenario]], parallel: int = 1

@@ -14,6 +14,7 @@ taken at exactly the logits the sampler sampled from.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .contract import Contract
-from .errors import AlignedMambaError
+from .errors import AlignedMambaError, TrainingDiverged
 from .models import CausalLM, build_model
 from .ops.logprobs import log_softmax
 
@@ -117,6 +118,7 @@ class PolicyTrainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = total_norm(p.grad for p in self.master.values())
+        check_step_health(loss, grad_norm, self.version)
         self.opt.step()
         self.version += 1
         self._model = None
@@ -137,8 +139,23 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
 
 
 def check_lr(lr: float) -> None:
-    if lr <= 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a finite number > 0, got {lr}")
+
+
+def check_step_health(loss: torch.Tensor, grad_norm: float, version: int) -> None:
+    """Before the optimizer step: a non-finite loss or gradient stops training (nothing applied)."""
+    if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):
+        raise TrainingDiverged(f"training step {version + 1} diverged: loss {float(loss.detach())}, grad norm "
+                               f"{grad_norm}; not applied, weights v{version} kept")
+
+
+def check_weights_finite(weights: dict[str, torch.Tensor], version: int) -> None:
+    """Before export: weights holding NaN or inf are never pushed to a sampler."""
+    bad = [k for k, v in weights.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise TrainingDiverged(f"weights v{version} hold non-finite values in {len(bad)} tensor(s) (first {bad[0]}) "
+                               "after the step; not exported (lower the learning rate)")
 
 
 def check_step_inputs(sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
@@ -164,7 +181,9 @@ def total_norm(grads: Iterable[torch.Tensor | None]) -> float:
 
 
 def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[bytes, str]:
-    """Served weights as safetensors bytes (version in the metadata) and their ``weights_digest``."""
+    """Served weights as safetensors bytes (version in the metadata) and their ``weights_digest``;
+    refuses non-finite weights (``TrainingDiverged``)."""
+    check_weights_finite(weights, version)
     return weights_to_bytes(weights, version), weights_digest(weights)
 
 

@@ -88,6 +88,7 @@ class SampleBatch:
     logprobs: list[torch.Tensor]  # float32, one per sequence, one per generated token
     pid: int
     seconds: float
+    hardware: str | None = None  # the class the rows were computed on (hardware.HardwareClass.key)
 
     @property
     def tokens(self) -> int:
@@ -125,6 +126,7 @@ class RolloutWorker:
         self.stale = stale
         self.budget = budget
         self.contract = Contract.from_dict(spec.contract).fingerprint
+        self.hardware = _hardware_key(spec.contract)
         self.engine = build_engine(engine, spec)
         self.version: int | None = None
         self.digest: str | None = None
@@ -169,7 +171,7 @@ class RolloutWorker:
         return SampleBatch(iteration, self.worker, self.version, self.digest, self.contract,
                            [list(t) for t in res.tokens], [len(p) for p in prompts],
                            [torch.tensor(lp, dtype=torch.float32) for lp in res.sampled_logprobs],
-                           os.getpid(), time.perf_counter() - t0)
+                           os.getpid(), time.perf_counter() - t0, self.hardware)
 
 
 @dataclass
@@ -181,6 +183,7 @@ class Scores:
     contract: str
     logprobs: dict[int, list[torch.Tensor]]  # worker -> per sequence
     seconds: float
+    hardware: str | None = None
 
 
 class TrainerScorer:
@@ -190,6 +193,7 @@ class TrainerScorer:
         torch.set_num_threads(spec.threads)
         self.trainer = make_trainer(spec)
         self.contract = Contract.from_dict(spec.contract).fingerprint
+        self.hardware = _hardware_key(spec.contract)
         self.reward = reward
         self._export: tuple[int, bytes, str] | None = None
         self._scored: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -219,7 +223,7 @@ class TrainerScorer:
         for b in batches:
             out[b.worker], lps = lps[:len(b.sequences)], lps[len(b.sequences):]
         self._scored = {(b.iteration, b.worker): out[b.worker] for b in batches}
-        return Scores(version, digest, self.contract, out, time.perf_counter() - t0)
+        return Scores(version, digest, self.contract, out, time.perf_counter() - t0, self.hardware)
 
     def step(self, *batches: SampleBatch) -> dict[str, Any]:
         """REINFORCE on ``batches``: reward per sequence, advantage = reward - batch mean; one update.
@@ -266,8 +270,9 @@ class CheckReport:
 class AlignmentChecker:
     """Verifies every batch against the trainer's scores and keeps the per-iteration metrics."""
 
-    def __init__(self, contract: str) -> None:
+    def __init__(self, contract: str, *, allow_cross_hardware: bool = False) -> None:
         self.contract = contract
+        self.allow_cross_hardware = allow_cross_hardware
         self.reports: list[CheckReport] = []
 
     def check(self, iteration: int, scores: Scores, *batches: SampleBatch) -> CheckReport:
@@ -297,8 +302,11 @@ class AlignmentChecker:
                     raise AlignedMambaError(f"iteration {iteration}, worker {b.worker}, request {i}: sampler "
                                             f"reported {s.numel()} logprobs, the trainer scored {t.numel()}")
             t_all, s_all = torch.cat(t_lps), torch.cat(list(b.logprobs))
-            r = verify(t_all, s_all, kind="logprobs", trainer_contract=scores.contract, sampler_contract=b.contract)
+            r = verify(t_all, s_all, kind="logprobs", trainer_contract=scores.contract, sampler_contract=b.contract,
+                       trainer_hardware=scores.hardware, sampler_hardware=b.hardware,
+                       allow_cross_hardware=self.allow_cross_hardware)
             rep.per_worker[b.worker] = {"tokens": r.rows, "mismatched_tokens": r.mismatched_rows,
+                                        "hardware": b.hardware, "logprobs_digest": r.sampler_digest,
                                         "max_abs_logprob_diff": r.max_abs_logprob_diff, "kl": r.kl,
                                         "weights_version": b.weights_version, "pid": b.pid,
                                         "sample_s": round(b.seconds, 3)}
@@ -329,3 +337,10 @@ class AlignmentChecker:
     def history(self) -> list[CheckReport]:
         """Every iteration's report, in order."""
         return list(self.reports)
+
+
+def _hardware_key(contract: dict[str, Any]) -> str:
+    """This process's hardware class key for a contract's backend (triton: the GPU, torch: the CPU)."""
+    from aligned_mamba.hardware import hardware_class
+
+    return hardware_class("cuda" if contract.get("backend") == "triton" else "cpu").key

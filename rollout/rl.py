@@ -15,7 +15,7 @@ This module imports neither torch nor Ray at import time: the CLI loads it (entr
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import re
 import shutil
@@ -50,6 +50,7 @@ class RLOptions:
     backend: str = "auto"
     address: str = "local"
     fail_fast: bool = False
+    allow_cross_hardware: bool = False
     max_restarts: int = 2
     restart_timeout_s: float = 120.0
     inject: list[str] = field(default_factory=list)
@@ -125,7 +126,12 @@ def _connect(address: str) -> _Cluster:
         ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=512 << 20, _temp_dir=tmp,
                  **quiet)
         return _Cluster(True, tmp, "local")
-    ray.init(address=address, **quiet)
+    try:
+        ray.init(address=address, **quiet)
+    except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError or its own types
+        from aligned_mamba.errors import RuntimeFailure
+
+        raise RuntimeFailure(f"cannot reach the Ray cluster at {address}: {_first_line(e)}") from None
     return _Cluster(True, None, address)
 
 
@@ -142,11 +148,13 @@ def _disconnect(cluster: _Cluster) -> None:
 
 
 def run_rl(opts: RLOptions, progress: Callable[[str], None] = lambda s: None,
-           line: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the loop; return the JSON-ready result. ``progress`` gets status lines, ``line`` one line per iteration.
+           line: Callable[[str], None] = print,
+           on_iteration: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
+    """Run the loop; return the JSON-ready result. ``progress`` gets status lines, ``line`` one line per
+    iteration, ``on_iteration`` the result so far after each iteration (a report that survives).
 
-    Raises ``AlignedMambaError`` (one line) for refused input, a failed plug-in, or a worker that
-    could not be brought back.
+    Raises ``AlignedMambaError`` (one line) for refused input or a failed plug-in, ``RuntimeFailure``
+    for a worker that could not be brought back, an unreachable cluster or a diverged step.
     """
     from aligned_mamba.errors import AlignedMambaError
 
@@ -163,7 +171,7 @@ def run_rl(opts: RLOptions, progress: Callable[[str], None] = lambda s: None,
     except ImportError as e:
         raise AlignedMambaError(f"aligned-mamba rl needs Ray ({e}): pip install -e '.[ray]'") from None
     cluster = _connect(opts.address)
-    loop = _Loop(opts, faults, config, contract, progress, line, actor_options)
+    loop = _Loop(opts, faults, config, contract, progress, line, actor_options, on_iteration)
     try:
         return loop.run(cluster)
     except ray.exceptions.RayError as e:
@@ -192,26 +200,40 @@ def _validate(opts: RLOptions) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
     if opts.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
-    if opts.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {opts.lr}")
+    if not math.isfinite(opts.lr) or opts.lr <= 0:
+        raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = _ANSI.sub("", str(e)).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _one_line(e: BaseException) -> Exception:
-    """Ray wraps an actor's exception in a traceback-laden one; keep the cause's first line."""
-    from aligned_mamba.errors import AlignedMambaError
+    """Ray wraps an actor's exception in a traceback-laden one; keep the cause's first line, and
+    its meaning: refused input stays refused (exit 2), anything else failed the run (exit 3)."""
+    from aligned_mamba.errors import AlignedMambaError, RuntimeFailure
 
     cause = getattr(e, "cause", None) or e
-    msg = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    return AlignedMambaError(msg if isinstance(cause, AlignedMambaError | ValueError)
-                             else f"{type(cause).__name__}: {msg}")
+    msg = _first_line(cause)
+    if isinstance(cause, RuntimeFailure):
+        return type(cause)(msg)
+    if isinstance(cause, AlignedMambaError | ValueError):
+        return AlignedMambaError(msg)
+    return RuntimeFailure(f"{type(cause).__name__}: {msg}")
 
 
 class _Loop:
     """One run: the actors, the weights pushed to each worker, the results."""
 
     def __init__(self, opts: RLOptions, faults: Faults, config: Any, contract: Any, progress: Callable[[str], None],
-                 line: Callable[[str], None], actor_options: dict[str, dict[str, Any]]) -> None:
+                 line: Callable[[str], None], actor_options: dict[str, dict[str, Any]],
+                 on_iteration: Callable[[dict[str, Any]], None] = lambda r: None) -> None:
         self.opts, self.faults, self.progress, self.line = opts, faults, progress, line
+        self.on_iteration = on_iteration
         self.actor_options = actor_options
         self.config, self.contract = config, contract
         self.actors: list[Any] = []
@@ -252,7 +274,7 @@ class _Loop:
                                                            "max_restarts": 0}).remote(
             TrainerSpec(o.trainer, o.model, cdict, lr=o.lr))
         self.checker = ray.remote(AlignmentChecker).options(num_cpus=0, max_restarts=0).remote(
-            contract.fingerprint)
+            contract.fingerprint, allow_cross_hardware=o.allow_cross_hardware)
         self.actors = [*self.workers, self.scorer, self.checker]
         infos = ray.get([w.info.remote() for w in self.workers] + [self.scorer.info.remote(),
                                                                    self.checker.history.remote()])
@@ -414,7 +436,15 @@ class _Loop:
             if stop:
                 stopped_early = True
                 self.line(f"  --fail-fast: stopping after iteration {k}")
+            self.on_iteration(self._result(rows, cluster, summary, startup_s, t_start, stopped_early))
+            if stop:
                 break
+        return self._result(rows, cluster, summary, startup_s, t_start, stopped_early)
+
+    def _result(self, rows: list[dict[str, Any]], cluster: _Cluster, summary: dict[str, Any], startup_s: float,
+                t_start: float, stopped_early: bool) -> dict[str, Any]:
+        """The JSON-ready result of the iterations in ``rows`` (all of them, or those finished so far)."""
+        o = self.opts
         total_restarts = {str(w): sum(int(r["restarts"][str(w)]) for r in rows) for w in range(o.workers)}
         first = next((r["first_mismatch"] for r in rows if r["first_mismatch"] is not None), None)
         ok = all(r["mismatched_tokens"] == 0 and not r["refused"] for r in rows) and len(rows) == o.iterations
@@ -486,6 +516,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "must be installed on its nodes)")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="Ray restarts per rollout worker")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first iteration with a mismatch or refusal")
+    p.add_argument("--allow-cross-hardware", action="store_true",
+                   help="compare workers and a trainer on different hardware classes (bits are not promised)")
     p.add_argument("--inject", action="append", default=[], metavar="FAULT",
                    help="for tests, repeatable: 'stale-weights:W' (worker W ignores weight updates), 'no-replay:W' "
                         "(worker W samples with exact replay off), 'kill:W@K' (worker W is SIGKILLed mid-sampling "
@@ -503,9 +535,20 @@ def cmd_rl(args: argparse.Namespace) -> int:
     def line(msg: str) -> None:
         print(msg, flush=True)
 
+    from aligned_mamba.cli import status_of
+    from aligned_mamba.report import JsonReport
+
+    report = JsonReport(args.json)  # refused before Ray starts if it cannot be written
     d = RLOptions()
     opts = RLOptions(**{k: getattr(args, k, getattr(d, k)) for k in RLOptions.__dataclass_fields__})
-    result = run_rl(opts, show, line)
+    try:
+        result = run_rl(opts, show, line, on_iteration=report.update)
+    except KeyboardInterrupt:
+        report.close("interrupted")  # the iterations that finished are in it
+        raise
+    except BaseException as e:
+        report.close(*status_of(e))
+        raise
     n = len(result["iterations"])
     tokens = sum(r["tokens"] for r in result["iterations"])
     versions = [r["weights_version"] for r in result["iterations"]]
@@ -518,9 +561,9 @@ def cmd_rl(args: argparse.Namespace) -> int:
         bad = sum(r["mismatched_tokens"] for r in result["iterations"])
         print(f"FAIL: {bad}/{tokens} tokens differ, {len(result['refused'])} batch(es) refused"
               f"{'; first: ' + describe_mismatch(result['first_mismatch']) if result['first_mismatch'] else ''}")
+    report.update(result)
+    report.close("ok" if result["ok"] else "mismatch")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         show(f"wrote {args.json}")
     return EXIT_OK if result["ok"] else EXIT_MISMATCH
 

@@ -66,3 +66,29 @@ def test_bad_input(setup):
         tr.step([torch.tensor([1, 2, 3])], [1], [])
     with pytest.raises(ValueError, match="prompt length"):
         tr.step([torch.tensor([1, 2, 3])], [4], [1.0])
+
+
+def test_a_diverged_step_is_stopped_before_its_weights_leave(setup):
+    """Weights that overflow: the sampler stops with the reason, the next step (loss NaN) is not
+    applied, and weights holding NaN or inf are never exported."""
+    from aligned_mamba.errors import RuntimeFailure, TrainingDiverged
+
+    cfg, t, c = setup
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            PolicyTrainer(cfg, t, c, lr=bad)
+    seqs, plens, _ = _sample(cfg, t, c, seed=0)
+    tr = PolicyTrainer(cfg, t, c, lr=3e37)  # finite; Adam's first step moves every weight by ~3e37
+    tr.step(seqs, plens, [1.0, -1.0, 0.5])
+    with pytest.raises(RuntimeFailure, match="non-finite logits at engine step .* diverged update"):
+        _sample(cfg, tr.weights(), c, seed=1)
+    with pytest.raises(TrainingDiverged, match=r"training step 2 diverged: loss nan.*not applied, weights v1 kept"):
+        tr.step(seqs, plens, [1.0, -1.0, 0.5])
+    assert tr.version == 1
+    with torch.no_grad():
+        next(iter(tr.master.values())).view(-1)[0] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"weights v1 hold non-finite values in 1 tensor\(s\).*not exported"):
+        tr.export_bytes()
+    sane = PolicyTrainer(cfg, t, c, lr=1e-3)  # the same step at a sane rate exports
+    sane.step(seqs, plens, [1.0, -1.0, 0.5])
+    assert sane.export_bytes()[1]

@@ -40,6 +40,7 @@ from aligned_mamba.errors import ModelLoadError
 from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config
 from aligned_mamba.train import (
     check_lr,
+    check_step_health,
     check_step_inputs,
     export_weights,
     generated_logprobs,
@@ -237,6 +238,7 @@ class MegatronTrainer:
             if p.grad is not None:
                 self.master[name].grad = p.grad.detach().to(torch.float32)
         grad_norm = total_norm(self.master[n].grad for n in self._hf_order)
+        check_step_health(loss, grad_norm, self.version)
         self.opt.step()
         self.model.zero_grad(set_to_none=True)
         with torch.no_grad():

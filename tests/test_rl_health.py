@@ -1,0 +1,74 @@
+"""``aligned-mamba rl`` without a cluster: refused settings, what Ray's failures become, and a
+report that keeps the finished iterations when the run is interrupted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aligned_mamba.cli import main
+from aligned_mamba.errors import AlignedMambaError, RuntimeFailure, TrainingDiverged
+
+rl = pytest.importorskip("rollout.rl")
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "0", "-1e-3"])
+def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused(lr, capsys):
+    assert main(["rl", f"--lr={lr}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"aligned-mamba: error: --lr must be a finite number > 0, got {float(lr)}"]
+
+
+def test_an_unreachable_cluster_is_a_runtime_failure_in_one_line(monkeypatch):
+    ray = pytest.importorskip("ray")
+
+    def refuse(*a, **k):
+        raise ConnectionError("\x1b[31mCould not find any running Ray instance.\x1b[0m\nmore detail\n")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(RuntimeFailure) as e:
+        rl._connect("10.0.0.1:6379")
+    assert str(e.value) == "cannot reach the Ray cluster at 10.0.0.1:6379: Could not find any running Ray instance."
+
+
+class _RayError(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"\x1b[36mray::TrainerScorer.step()\x1b[39m (pid=1)\n  File ...\n{cause}")
+        self.cause = cause
+
+
+def test_an_actors_failure_keeps_its_meaning():
+    assert type(rl._one_line(_RayError(TrainingDiverged("training step 4 diverged: loss nan")))) is TrainingDiverged
+    refused = rl._one_line(_RayError(ValueError("bad prompt")))
+    assert type(refused) is AlignedMambaError and str(refused) == "bad prompt"
+    crash = rl._one_line(_RayError(KeyError("w")))
+    assert isinstance(crash, RuntimeFailure) and str(crash) == "KeyError: 'w'"
+
+
+def test_an_interrupted_run_leaves_the_iterations_it_finished(tmp_path, monkeypatch):
+    def run(opts, progress, line, on_iteration):
+        on_iteration({"iterations": [{"iteration": 0, "tokens": 36, "mismatched_tokens": 0}], "ok": True})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rl, "run_rl", run)
+    out = tmp_path / "rl.json"
+    assert main(["rl", "--json", str(out)]) == 130
+    r = json.loads(out.read_text())
+    assert r["status"] == "interrupted" and [i["iteration"] for i in r["iterations"]] == [0]
+
+
+def test_a_diverged_run_exits_3_and_says_where(tmp_path, monkeypatch, capsys):
+    def run(opts, progress, line, on_iteration):
+        on_iteration({"iterations": [{"iteration": 0}], "ok": True})
+        raise TrainingDiverged("training step 2 diverged: loss nan, grad norm nan; not applied, weights v1 kept")
+
+    monkeypatch.setattr(rl, "run_rl", run)
+    out = tmp_path / "rl.json"
+    assert main(["rl", "--json", str(out)]) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "aligned-mamba: runtime failure: training step 2 diverged: loss nan, grad norm nan; not applied, weights v1 "
+        "kept")
+    r = json.loads(out.read_text())
+    assert r["status"] == "failed" and r["error"].startswith("training step 2 diverged") and len(r["iterations"]) == 1
