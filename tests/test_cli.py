@@ -168,6 +168,20 @@ def test_the_report_has_a_status_hardware_and_row_digests(small_ckpt, tmp_path):
         assert (c["trainer_digest"] == c["sampler_digest"]) == (c["mismatched_rows"] == 0), c["name"]
 
 
+def test_two_runs_on_one_machine_give_the_same_digests(small_ckpt, tmp_path):
+    """The digests are what two machines compare instead of rows: a rerun must reproduce every one,
+    while the baseline's sampler digest differs from its trainer's (so a digest can tell)."""
+    runs = []
+    for name in ("a.json", "b.json"):
+        # fp32: there the baseline's rows differ from the trainer's (in bf16 they round alike here)
+        assert main(check_args(small_ckpt, "--dtype", "float32", "--json", str(tmp_path / name))) == 0
+        runs.append(json.loads((tmp_path / name).read_text()))
+    digests = [[(c["name"], c["trainer_digest"], c["sampler_digest"]) for c in r["cases"]] for r in runs]
+    assert digests[0] == digests[1]
+    base = next(c for c in runs[0]["cases"] if not c["exact_replay"])
+    assert base["trainer_digest"] != base["sampler_digest"]
+
+
 def test_an_interrupted_check_leaves_the_cases_it_finished(small_ckpt, tmp_path, monkeypatch):
     import aligned_mamba.check as check
 
