@@ -5,9 +5,12 @@ sampler runs (the core's Mamba2 layer, ``aligned_mamba.layers.mamba2.Mamba2Mixer
 the contract's backend), under the contract's chunk size, backend and kernel configs, so trainer
 logits equal the sampler's bit for bit.
 
-Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` at
-tensor, pipeline and context parallel size 1, built from Megatron's own non-Transformer-Engine
-modules (``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout.
+Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` or a
+hybrid one (Nemotron-H: ``hybrid_override_pattern`` of M, * and - layers) at tensor, pipeline and
+context parallel size 1, built from Megatron's own non-Transformer-Engine modules
+(``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout. MoE layers (E),
+rotary or learned position embeddings, sliding-window attention, query/key norms, output gates,
+softmax offsets, other scales, gated or non-squared-ReLU MLPs and padding masks are refused, by name.
 
 Use (Megatron-LM)::
 
@@ -33,9 +36,13 @@ What ``install`` patches, in place (``uninstall`` restores it):
 - ``megatron.core.ssm.mamba_block.TENorm`` (the final norm MambaStack hard-codes) becomes
   ``AlignedRMSNorm``.
 - ``MambaModel.__init__`` ends with ``apply_to_model``: every module of the model is checked against
-  what the hook covers (anything else, e.g. a Transformer Engine layer or a hybrid attention layer,
-  is refused with its path and class), and the embedding, per-layer norms and output layer get
-  forwards on the shared ops.
+  what the hook covers (anything else, e.g. a Transformer Engine layer or a MoE layer, is refused with
+  its path and class or the feature), and the embedding, per-layer norms and output layer get
+  forwards on the shared ops. Hybrid layers get per-instance forwards (Megatron's classes are left
+  alone, so a GPT model in the same process is untouched): each ``SelfAttention`` runs the core's
+  attention layer (``aligned_mamba.layers.attention.Attention``: q/k/v taken apart from linear_qkv's
+  per-group rows, the blocked causal attention per sequence from its own position 0, THD packing or
+  each row of an [s, b] batch), each ``MLP`` the core's ``layers.mlp.MLP`` (squared ReLU).
 """
 
 from __future__ import annotations
@@ -51,8 +58,11 @@ from typing import Any
 import torch
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.errors import AlignedMambaError
+from aligned_mamba.errors import AlignedMambaError, ModelLoadError
+from aligned_mamba.layers.attention import Attention, AttentionConfig
 from aligned_mamba.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from aligned_mamba.layers.mlp import MLP as CoreMLP
+from aligned_mamba.layers.mlp import MLPConfig
 from aligned_mamba.ops.backend import Backend, resolve
 from aligned_mamba.replay import Batch
 
@@ -228,25 +238,51 @@ class AlignedGatedRMSNorm(torch.nn.Module):
 
 
 def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: Any = None) -> Any:
-    """A MambaStack spec from Megatron's own modules, no Transformer Engine: the layer norm is
-    ``WrappedTorchNorm`` (torch RMSNorm with ``normalization="RMSNorm"``; ``norm`` overrides), the mixer's
-    in_proj / out_proj are ``ColumnParallelLinear`` / ``RowParallelLinear``. The hook covers exactly these
-    (it refuses the TE spec, whose layer norm is fused into in_proj). The mixer's chunk size is left to
-    the hook (the contract's) or MambaMixer's default without it."""
+    """A MambaStack spec from Megatron's own modules, no Transformer Engine, for pure and hybrid stacks.
+
+    Mamba layers (``M``): the layer norm is ``WrappedTorchNorm`` (torch RMSNorm with
+    ``normalization="RMSNorm"``; ``norm`` overrides), the mixer's in_proj / out_proj are
+    ``ColumnParallelLinear`` / ``RowParallelLinear``. Attention layers (``*``): a ``TransformerLayer`` with
+    ``input_layernorm=WrappedTorchNorm`` and a causal ``SelfAttention`` (linear_qkv ColumnParallelLinear,
+    core_attention DotProductAttention, linear_proj RowParallelLinear). MLP layers (``-``): an ``MLPLayer``
+    with ``pre_mlp_layernorm=WrappedTorchNorm`` and an ``MLP`` (linear_fc1 / linear_fc2). No MoE layer spec:
+    an ``E`` in the pattern is refused by the hook. The hook covers exactly these (it refuses the TE spec,
+    whose layer norms are fused into the following linear). The mixer's chunk size is left to the hook (the
+    contract's) or MambaMixer's default without it; attention and MLP layers take ``layernorm_epsilon`` from
+    the TransformerConfig."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     mixer = ModuleSpec(module=MambaMixer, params={"conv_bias": conv_bias},
                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
     layer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=ModuleSpec(module=norm or WrappedTorchNorm, params={"eps": eps}), mixer=mixer,
         mamba_bda=get_bias_dropout_add))
-    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=layer))
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                     core_attention=DotProductAttention,
+                                                                     linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=layer, attention_layer=attention,
+                                                                         mlp_layer=mlp))
 
 
 # -- the hook ------------------------------------------------------------------------------------------
@@ -372,14 +408,19 @@ class AlignedMambaHook:
     # -- models --
     def apply_to_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Check every module of a built MambaModel (DDP / Float16Module wrappers are unwrapped) against
-        what the hook covers, and give the embedding, the norms and the linear layers aligned forwards.
-        Refuses (``AlignmentRefused``, naming the module path and class) anything else. Returns ``model``."""
+        what the hook covers, and give the embedding, the norms, the linear layers, the attention layers
+        (``SelfAttention``) and the MLPs aligned forwards. Refuses (``AlignmentRefused``, naming the module
+        path and class, or the feature) anything else. Returns ``model``."""
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.models.mamba.mamba_model import MambaModel
         from megatron.core.ssm.mamba_block import MambaStack
         from megatron.core.ssm.mamba_layer import MambaLayer
         from megatron.core.ssm.mamba_mixer import MambaMixer
+        from megatron.core.ssm.mlp_layer import MLPLayer
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.transformer_layer import TransformerLayer
 
         inner = model
         while not isinstance(inner, MambaModel) and isinstance(getattr(inner, "module", None), torch.nn.Module):
@@ -388,19 +429,17 @@ class AlignedMambaHook:
             raise AlignmentRefused(f"{type(model).__name__} is not a Megatron MambaModel (or a wrapper of one)")
         _refuse_problems(_config_problems(inner.config, self.contract))
         if getattr(inner, "position_embedding_type", "none") != "none":
-            raise AlignmentRefused(f"position_embedding_type {inner.position_embedding_type!r}: a pure Mamba2 model "
-                                   "has none")
-        read_by_mixer: set[int] = set()  # the gated norms: the aligned mixer forward reads their weight and eps
+            raise AlignmentRefused(f"position_embedding_type {inner.position_embedding_type!r}: position embeddings "
+                                   "(rotary or learned) are not covered (Mamba2 and Nemotron-H's attention have none)")
+        # modules the aligned forwards of their parents read (or that compute nothing): not visited themselves
+        covered: set[int] = set()
         for path, m in inner.named_modules():
             where = f"{path or '<model>'} ({type(m).__module__}.{type(m).__qualname__})"
             kind = type(m)
-            if kind in (MambaModel, torch.nn.ModuleList, torch.nn.SiLU, torch.nn.Conv1d) or id(m) in read_by_mixer:
-                continue  # containers, and modules whose weights the aligned mixer forward reads itself
+            if kind in (MambaModel, torch.nn.ModuleList, torch.nn.SiLU, torch.nn.Conv1d) or id(m) in covered:
+                continue  # containers, and modules whose weights an aligned forward reads itself
             if kind is MambaStack:
-                others = sorted({type(layer).__name__ for layer in m.layers if type(layer) is not MambaLayer})
-                if others:
-                    raise AlignmentRefused(f"{where}: layers {', '.join(others)} are not covered (hybrid attention/"
-                                           "MLP layers); only pure Mamba2 stacks")
+                _check_layer_types(m, where, {"M": MambaLayer, "*": TransformerLayer, "-": MLPLayer})
             elif kind is MambaLayer:
                 if type(m.norm) not in (AlignedRMSNorm, torch.nn.RMSNorm):
                     raise AlignmentRefused(f"{where}: its pre-mixer norm is {type(m.norm).__name__}, not an RMSNorm "
@@ -408,7 +447,17 @@ class AlignedMambaHook:
                                            "local_mamba_stack_spec)")
             elif kind is MambaMixer:
                 self._check_mixer(m, where)
-                read_by_mixer.add(id(m.norm))
+                covered.add(id(m.norm))  # the gated norm: the aligned mixer forward reads its weight and eps
+            elif kind is TransformerLayer or kind is MLPLayer:
+                covered.update(_check_transformer_layer(m, where, attention=kind is TransformerLayer))
+            elif kind is SelfAttention:
+                _check_attention(m, where)
+                self._swap(m, _aligned_attention_forward)
+                covered.update(id(x) for x in m.modules() if x is not m)
+            elif kind is MLP:
+                _check_mlp(m, where)
+                self._swap(m, _aligned_mlp_forward)
+                covered.update(id(x) for x in m.modules() if x is not m)
             elif kind is LanguageModelEmbedding:
                 if m.add_position_embedding or m.tokentype_embeddings is not None:
                     raise AlignmentRefused(f"{where}: position or token-type embeddings are not part of Mamba2")
@@ -471,6 +520,129 @@ class AlignedMambaHook:
             problems.append(f"gated norm group size {norm.group_size} != d_inner / ngroups")
         if problems:
             raise AlignmentRefused(f"{where}: " + "; ".join(problems))
+
+
+def _check_layer_types(stack: Any, where: str, covered: dict[str, type]) -> None:
+    """Each layer of a MambaStack is the class the hook covers for its pattern symbol; MoE ('E') and any
+    other layer class are refused, naming the layer, its symbol and the pattern."""
+    pattern = "".join(stack.layer_type_list)
+    for i, (symbol, layer) in enumerate(zip(stack.layer_type_list, stack.layers)):
+        if symbol == "E":
+            raise AlignmentRefused(f"{where}: layer {i} is a MoE layer ('E' in the hybrid pattern {pattern!r}): MoE "
+                                   "layers are not covered (token routing and expert GEMMs are not row-invariant in "
+                                   "the core yet)")
+        want = covered.get(symbol)
+        if want is None or type(layer) is not want:
+            raise AlignmentRefused(f"{where}: layer {i} ({symbol!r} in {pattern!r}) is a {type(layer).__name__}, not "
+                                   f"the {getattr(want, '__name__', 'layer')} the hook covers (build the stack from "
+                                   "local_mamba_stack_spec)")
+
+
+def _check_transformer_layer(layer: Any, where: str, *, attention: bool) -> set[int]:
+    """A hybrid attention layer (``TransformerLayer``: norm, self-attention, residual add, nothing else) or
+    MLP layer (``MLPLayer``: norm, MLP, residual add). Returns the ids of its identity slots (visited no
+    further). Refuses any other arrangement, e.g. a Transformer Engine spec (its norm fused into the next
+    linear, the norm slot an IdentityOp) or a GPT block (attention and MLP in one layer)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    used = ("input_layernorm", "self_attention") if attention else ("pre_mlp_layernorm", "mlp")
+    work = SelfAttention if attention else MLP
+    identity = [n for n in ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
+                            "pre_mlp_layernorm", "mlp") if n not in used]
+    problems = []
+    norm, inner = (getattr(layer, n) for n in used)
+    if type(norm) not in (AlignedRMSNorm, torch.nn.RMSNorm):
+        problems.append(f"its {used[0]} is {type(norm).__name__}, not an RMSNorm (a Transformer Engine spec fuses it "
+                        "into the next linear; use local_mamba_stack_spec)")
+    if type(inner) is not work:
+        problems.append(f"its {used[1]} is {type(inner).__name__}, not Megatron's {work.__name__}")
+    others = [n for n in identity if type(getattr(layer, n)) is not IdentityOp]
+    if others:
+        problems.append(f"{', '.join(others)} are not identities (one mixer per hybrid layer, as Nemotron-H)")
+    bda = layer.self_attn_bda if attention else layer.mlp_bda
+    if bda is not get_bias_dropout_add:
+        problems.append(f"its residual add is {getattr(bda, '__name__', type(bda).__name__)}, not get_bias_dropout_add")
+    if layer.config.apply_residual_connection_post_layernorm:
+        problems.append("apply_residual_connection_post_layernorm (the residual would be the normed input)")
+    if layer.hidden_dropout:
+        problems.append(f"hidden dropout {layer.hidden_dropout}")
+    if problems:
+        raise AlignmentRefused(f"{where}: " + "; ".join(problems))
+    slots = [getattr(layer, n) for n in identity] + [layer.cross_attn_bda, layer.mlp_bda if attention
+                                                     else layer.self_attn_bda]
+    return {id(x) for x in slots if isinstance(x, (IdentityOp, IdentityFuncOp))}
+
+
+def _check_attention(m: Any, where: str) -> None:
+    """A SelfAttention the core's attention layer computes: causal, grouped-query, no biases, no rotary,
+    the default scale, none of the attention features the core lacks (each refused by name)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = m.config
+    head_dim = m.hidden_size_per_attention_head
+    problems = []
+    if m.attn_mask_type != AttnMaskType.causal:
+        problems.append(f"attn_mask_type {m.attn_mask_type.name} (only causal self-attention)")
+    if cfg.window_size is not None:
+        problems.append(f"sliding-window attention (window_size={cfg.window_size})")
+    if cfg.attention_output_gate:
+        problems.append("an output gate (attention_output_gate)")
+    if cfg.qk_layernorm or m.q_layernorm is not None or m.k_layernorm is not None:
+        problems.append("query/key norms (qk_layernorm)")
+    if cfg.qk_l2_norm:
+        problems.append("query/key L2 norms (qk_l2_norm)")
+    if cfg.softmax_type != "vanilla":
+        problems.append(f"softmax_type {cfg.softmax_type!r} (a softmax offset)")
+    if cfg.softmax_scale is not None and cfg.softmax_scale != head_dim ** -0.5:
+        problems.append(f"softmax_scale {cfg.softmax_scale} (the core scales scores by head_dim ** -0.5)")
+    if cfg.apply_query_key_layer_scaling:
+        problems.append("apply_query_key_layer_scaling")
+    if cfg.attention_dropout:
+        problems.append(f"attention dropout {cfg.attention_dropout}")
+    if cfg.multi_latent_attention or cfg.experimental_attention_variant is not None:
+        problems.append(f"attention variant {cfg.experimental_attention_variant or 'multi_latent_attention'}")
+    if m.world_size != 1:
+        problems.append("tensor parallel > 1")
+    if type(m.linear_qkv) is not ColumnParallelLinear or type(m.linear_proj) is not RowParallelLinear:
+        problems.append(f"linear_qkv/linear_proj are {type(m.linear_qkv).__name__}/{type(m.linear_proj).__name__}, "
+                        "not ColumnParallelLinear/RowParallelLinear (e.g. Transformer Engine layers)")
+    elif m.linear_qkv.bias is not None or m.linear_proj.bias is not None:
+        problems.append("attention biases (add_bias_linear / add_qkv_bias; Nemotron-H's attention has none)")
+    if type(m.core_attention) is not DotProductAttention:
+        problems.append(f"core attention {type(m.core_attention).__name__} (only Megatron's DotProductAttention "
+                        "slot, which the aligned forward replaces)")
+    if problems:
+        raise AlignmentRefused(f"{where}: attention with " + "; ".join(problems) + " is not covered")
+
+
+def _check_mlp(m: Any, where: str) -> None:
+    """An MLP the core's MLP layer computes: fc2(relu(fc1 x)^2), no gate, no biases."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    cfg = m.config
+    problems = []
+    if cfg.gated_linear_unit:
+        problems.append("a gated linear unit (gated_linear_unit; Nemotron-H's MLP has no gate)")
+    if m.activation_func is not squared_relu or cfg.use_te_activation_func:
+        act = getattr(m.activation_func, "__name__", type(m.activation_func).__name__)
+        problems.append(f"activation {act} (only megatron.core.activations.squared_relu, Nemotron-H's relu2)")
+    if cfg.activation_func_clamp_value is not None:
+        problems.append(f"activation_func_clamp_value {cfg.activation_func_clamp_value}")
+    if type(m.linear_fc1) is not ColumnParallelLinear or type(m.linear_fc2) is not RowParallelLinear:
+        problems.append(f"linear_fc1/linear_fc2 are {type(m.linear_fc1).__name__}/{type(m.linear_fc2).__name__}, "
+                        "not ColumnParallelLinear/RowParallelLinear (e.g. Transformer Engine layers)")
+    elif m.linear_fc1.bias is not None or m.linear_fc2.bias is not None:
+        problems.append("MLP biases (add_bias_linear)")
+    elif m.tp_group.size() != 1:
+        problems.append("tensor parallel > 1")
+    if problems:
+        raise AlignmentRefused(f"{where}: MLP with " + "; ".join(problems) + " is not covered")
 
 
 _MISSING = object()
@@ -541,6 +713,41 @@ def _core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2M
                        chunk_size=hook.contract.chunk_size)
 
 
+def _sequences(hidden_states: torch.Tensor, packed_seq_params: Any) -> tuple[list[int], torch.Tensor]:
+    """The sequences of a Megatron layer input: hidden_states [s, b, d] (each batch row one sequence) or,
+    with ``packed_seq_params``, THD [T, 1, d] cut at ``cu_seqlens_q(_padded)``. Returns (their lengths,
+    the rows [sum lens, d] packed in that order)."""
+    s, b, d = hidden_states.shape
+    if packed_seq_params is None:
+        return [s] * b, hidden_states.transpose(0, 1).reshape(b * s, d)
+    if b != 1:
+        raise AlignmentRefused(f"packed sequences (THD) need micro-batch size 1, got {b}")
+    fmt = getattr(packed_seq_params, "qkv_format", "thd")
+    if fmt != "thd":
+        raise AlignmentRefused(f"packed_seq_params.qkv_format {fmt!r}: only 'thd' is covered")
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    bounds = [int(v) for v in cu.tolist()]
+    if bounds[0] != 0 or any(a > c for a, c in zip(bounds, bounds[1:])) or bounds[-1] > s:
+        raise AlignmentRefused(f"cu_seqlens {bounds[:8]}... are not offsets into {s} packed tokens")
+    if bounds[-1] < s:  # tokens past the last offset form one more sequence (as Megatron's seq_idx does)
+        bounds.append(s)
+    return [c - a for a, c in zip(bounds, bounds[1:]) if c > a], hidden_states[:, 0]  # empty ones own no rows
+
+
+def _layer_output(y: torch.Tensor, hidden_states: torch.Tensor, packed: bool, config: Any) -> torch.Tensor:
+    """Rows [sum lens, d] (model dtype) back in the input's layout ([s, b, d], or THD [T, 1, d])."""
+    if config.fp32_residual_connection:
+        # Megatron's bias-dropout-add casts the residual to the layer output's dtype; the core adds the
+        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives the core's sum.
+        y = y.to(torch.float32)
+    if packed:
+        return y[:, None]
+    s, b, d = hidden_states.shape
+    return y.reshape(b, s, d).transpose(0, 1)
+
+
 def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
                            inference_params: Any = None, packed_seq_params: Any = None
                            ) -> tuple[torch.Tensor, None]:
@@ -556,33 +763,87 @@ def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_con
         raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
                                f"{hook.contract.chunk_size}")
     _refuse_grad_without_backward(hook)
-    s, b, dm = hidden_states.shape
-    if packed_seq_params is not None:
-        if b != 1:
-            raise AlignmentRefused(f"packed sequences (THD) need micro-batch size 1, got {b}")
-        fmt = getattr(packed_seq_params, "qkv_format", "thd")
-        if fmt != "thd":
-            raise AlignmentRefused(f"packed_seq_params.qkv_format {fmt!r}: only 'thd' is covered")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
-        bounds = [int(v) for v in cu.tolist()]
-        if bounds[0] != 0 or any(a > c for a, c in zip(bounds, bounds[1:])) or bounds[-1] > s:
-            raise AlignmentRefused(f"cu_seqlens {bounds[:8]}... are not offsets into {s} packed tokens")
-        if bounds[-1] < s:  # tokens past the last offset form one more sequence (as Megatron's seq_idx does)
-            bounds.append(s)
-        lens = [c - a for a, c in zip(bounds, bounds[1:]) if c > a]  # empty sequences own no rows
-        hidden = hidden_states[:, 0]
-    else:
-        lens = [s] * b
-        hidden = hidden_states.transpose(0, 1).reshape(b * s, dm)
+    lens, hidden = _sequences(hidden_states, packed_seq_params)
     mixer = _core_mixer(self, hook, hidden.device)
     state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
     y = mixer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
-    if self.config.fp32_residual_connection:
-        # Megatron's bias-dropout-add casts the residual to the mixer output's dtype; the core adds the
-        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives the core's sum.
-        y = y.to(torch.float32)
-    if packed_seq_params is not None:
-        return y[:, None], None
-    return y.reshape(b, s, dm).transpose(0, 1), None
+    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+
+
+def _core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Attention:
+    """The core's attention layer over a SelfAttention's own parameters (rebuilt per forward: the optimizer
+    moves them). linear_qkv's rows are per key/value group [q heads of the group | k | v] (Megatron's
+    layout); they are taken apart by differentiable views, so gradients reach linear_qkv itself."""
+    H, G, D = m.num_attention_heads_per_partition, m.num_query_groups_per_partition, m.hidden_size_per_attention_head
+    rep = H // G
+    w = m.linear_qkv.weight
+    per_group = w.view(G, rep + 2, D, w.shape[-1])
+    names = {"q_proj.weight": per_group[:, :rep].reshape(H * D, -1),
+             "k_proj.weight": per_group[:, rep].reshape(G * D, -1),
+             "v_proj.weight": per_group[:, rep + 1].reshape(G * D, -1), "o_proj.weight": m.linear_proj.weight}
+    config = AttentionConfig(hidden_size=w.shape[-1], num_heads=H, num_kv_heads=G, head_dim=D)
+    try:
+        return Attention(config, names, "", backend=hook.backend(device), dtype=hook.dtype)
+    except ModelLoadError as exc:  # e.g. attention on a CUDA device, not yet measured there
+        raise AlignmentRefused(str(exc)) from None
+
+
+def _refuse_uncausal_mask(mask: torch.Tensor | None, s: int) -> None:
+    """Only a causal mask (or none) is covered: True above the diagonal of [.., s, s], broadcast over batch
+    and heads. A padding or document mask would change which keys a row sees."""
+    if mask is None:
+        return
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype != torch.bool or mask.shape[-2:] != (s, s) or mask.dim() != 4 or \
+            not bool((mask == causal).all()):
+        raise AlignmentRefused(f"attention_mask {tuple(mask.shape)} {mask.dtype} is not the causal mask: padding or "
+                               "document masks are not covered (pack sequences with packed_seq_params instead)")
+
+
+def _aligned_attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                               key_value_states: torch.Tensor | None = None, inference_context: Any = None,
+                               rotary_pos_emb: Any = None, rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
+                               rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
+                               packed_seq_params: Any = None, sequence_len_offset: Any = None, *,
+                               inference_params: Any = None) -> tuple[torch.Tensor, None]:
+    """SelfAttention.forward under the hook: hidden_states [s, b, hidden] (normed; or THD [T, 1, hidden]
+    with ``packed_seq_params``) -> ([s, b, hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None as the bias), by the core's ``Attention.advance`` from empty
+    per-sequence key/value states: every row a fixed function of its query and the keys and values of its
+    own sequence's positions 0..t (``ops.attention.attention_blocked``), as the sampler computes it."""
+    hook = _hook_for(self)
+    if inference_context is not None or inference_params is not None:
+        raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
+                               "aligned engine (reference or the vLLM plugin), not in Megatron")
+    extra = {"rotary embeddings (rotary_pos_emb)": rotary_pos_emb is not None or rotary_pos_cos is not None
+             or rotary_pos_sin is not None or rotary_pos_cos_sin is not None,
+             "an attention bias": attention_bias is not None, "cross-attention": key_value_states is not None,
+             "a sequence_len_offset (inference)": sequence_len_offset is not None}
+    given = [name for name, on in extra.items() if on]
+    if given:
+        raise AlignmentRefused(f"attention with {', '.join(given)} is not covered by --aligned-mamba")
+    _refuse_grad_without_backward(hook)
+    _refuse_uncausal_mask(attention_mask, hidden_states.shape[0])
+    lens, hidden = _sequences(hidden_states, packed_seq_params)
+    layer = _core_attention(self, hook, hidden.device)
+    state = layer.state(layer.state_spec().allocate(len(lens), hidden.device, max([1, *lens])))
+    y = layer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
+    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+
+
+def _aligned_mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
+                         **unused: Any) -> tuple[torch.Tensor, None]:
+    """MLP.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None as the bias), by the core's MLP layer (squared ReLU between the two
+    row-invariant linears). Rows are independent, so the layout does not matter."""
+    hook = _hook_for(self)
+    if per_token_scale is not None:
+        raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
+    _refuse_grad_without_backward(hook)
+    shape = hidden_states.shape
+    w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+    mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0]),
+                  {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
+                  dtype=hook.dtype)
+    y = mlp.advance(None, None, hidden_states.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
+    return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None

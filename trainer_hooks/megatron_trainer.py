@@ -5,8 +5,9 @@
 ``aligned_mamba.train.PolicyTrainer``, but every forward and backward is Megatron's: a MambaModel
 built from Megatron's own non-TE modules (``megatron.local_mamba_stack_spec``) with the hook
 installed for the contract, loaded from the checkpoint through ``megatron_weights.hf_to_megatron``,
-scoring sequences in one packed (THD) pass. It is the ``megatron`` entry of ``aligned_mamba.trainers``,
-so ``aligned-mamba check --trainer megatron`` and ``aligned-mamba rl --trainer megatron`` both run it.
+scoring sequences in one packed (THD) pass. It is the ``megatron`` entry of ``aligned_mamba.trainers``
+(Mamba2 and Nemotron-H checkpoints: a hybrid MambaModel for the latter), so ``aligned-mamba check --trainer
+megatron`` and ``aligned-mamba rl --trainer megatron`` both run it.
 
 - ``forward`` / ``token_logprobs``: the one-pass logits (eval mode, no grad), then the core's
   ``log_softmax`` of rows prompt_len-1 .. len-2 gathered at the generated tokens, as ``PolicyTrainer``.
@@ -38,6 +39,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import ModelLoadError
 from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config
+from aligned_mamba.models.nemotron_h import NemotronHConfig
 from aligned_mamba.train import (
     check_lr,
     check_step_health,
@@ -49,10 +51,10 @@ from aligned_mamba.train import (
 )
 
 from . import megatron as hook_module
-from .megatron_weights import hf_to_megatron, megatron_to_hf
+from .megatron_weights import hf_to_megatron, megatron_names, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
-           "megatron_packed_logits", "megatron_transformer_config", "prepare_process"]
+           "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process"]
 
 # MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
 MEGATRON_GATED_NORM_EPS = 1e-5
@@ -67,13 +69,17 @@ def prepare_process() -> None:
     megatron_cpu.init_single_process()
 
 
-def megatron_transformer_config(config: Mamba2Config, dtype: str) -> Any:
-    """The TransformerConfig of a pure Mamba2 model with ``config``'s shapes, params in ``dtype``.
+def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: str) -> Any:
+    """The TransformerConfig of a pure Mamba2 model (or, for a ``NemotronHConfig``, of the hybrid) with
+    ``config``'s shapes, params in ``dtype``.
 
     Refuses (ModelLoadError) what Megatron's MambaMixer cannot represent: biases on in/out_proj, no conv bias, a
     time_step_limit (Megatron does not clamp dt), a layer_norm_epsilon other than the gated norm's 1e-5.
     """
     from megatron.core.transformer import TransformerConfig
+
+    if isinstance(config, NemotronHConfig):
+        return _hybrid_transformer_config(config, dtype)
 
     if config.use_bias:
         raise ModelLoadError("use_bias=True: Megatron's MambaMixer has no in_proj/out_proj bias")
@@ -93,21 +99,54 @@ def megatron_transformer_config(config: Mamba2Config, dtype: str) -> Any:
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
 
 
-def build_mamba_model(config: Mamba2Config, dtype: str, *, chunk_size: int | None = None) -> Any:
-    """A Megatron MambaModel of ``config``'s shape (weights uninitialised: load them). With the hook installed
-    it is aligned on construction; ``chunk_size`` (only without the hook, or equal to the contract's) is
-    passed to every MambaMixer explicitly."""
+def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
+    """The TransformerConfig of a hybrid MambaModel with a Nemotron-H config's shapes: Mamba2 heads,
+    grouped-query attention (num_query_groups = num_key_value_heads, kv_channels = head_dim) and the
+    squared-ReLU MLP (ffn_hidden_size = intermediate_size); the residual in the model dtype, as Nemotron-H
+    keeps it. Refuses (ModelLoadError) what Megatron cannot represent for it: Mamba2 or MLP biases
+    (Megatron's one add_bias_linear would give the attention biases Nemotron-H has not), no conv bias, a
+    time_step_limit, a layer_norm_epsilon other than the gated norm's 1e-5."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer import TransformerConfig
+
+    if config.use_bias or config.mlp_bias:
+        raise ModelLoadError(f"use_bias={config.use_bias}, mlp_bias={config.mlp_bias}: Megatron has one "
+                             "add_bias_linear for every linear, and Nemotron-H's attention has no biases")
+    if not config.use_conv_bias:
+        raise ModelLoadError("use_conv_bias=False: megatron-core 0.16's MambaMixer cannot be built without a conv bias")
+    if tuple(config.time_step_limit) != (0.0, math.inf):
+        raise ModelLoadError(f"time_step_limit {config.time_step_limit}: Megatron's MambaMixer does not clamp dt")
+    if config.layer_norm_epsilon != MEGATRON_GATED_NORM_EPS:
+        raise ModelLoadError(f"layer_norm_epsilon {config.layer_norm_epsilon}: Megatron's MambaMixer hard-codes "
+                             f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim, ffn_hidden_size=config.intermediate_size, activation_func=squared_relu,
+        gated_linear_unit=False, mamba_state_dim=config.ssm_state_size, mamba_head_dim=config.mamba_head_dim,
+        mamba_num_groups=config.n_groups, mamba_num_heads=config.mamba_num_heads, params_dtype=getattr(torch, dtype),
+        bf16=dtype == "bfloat16", layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, fp32_residual_connection=False,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
+
+
+def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chunk_size: int | None = None) -> Any:
+    """A Megatron MambaModel of ``config``'s shape (weights uninitialised: load them); a ``NemotronHConfig``
+    gives the hybrid (``hybrid_override_pattern``). With the hook installed it is aligned on construction;
+    ``chunk_size`` (only without the hook, or equal to the contract's) is passed to every MambaMixer
+    explicitly."""
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     spec = hook_module.local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias)
     if chunk_size is not None:
         spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
+    pattern = config.hybrid_override_pattern if isinstance(config, NemotronHConfig) else None
     return MambaModel(megatron_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
                       max_sequence_length=1 << 20, share_embeddings_and_output_weights=config.tie_word_embeddings,
-                      position_embedding_type="none")
+                      position_embedding_type="none", hybrid_override_pattern=pattern)
 
 
-def load_hf_weights(model: Any, config: Mamba2Config, tensors: dict[str, torch.Tensor]) -> None:
+def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Load HF-named tensors into ``model`` (renamed by ``hf_to_megatron``), each parameter first switched to
     the stored tensor's dtype (in place: the same Parameter objects, which MambaMixer's context-parallel
     helper also holds), so values are copied exactly, never cast into Megatron's params dtype. The forward
@@ -139,7 +178,20 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.T
     return model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
 
 
-def build_hooked_model(config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract) -> Any:
+def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """Megatron's forward one sequence at a time ([s, 1] with an explicit causal mask) -> [sum len_i, vocab]:
+    how the stock (hook off) hybrid runs on the CPU, whose DotProductAttention takes no packed sequences and
+    whose default causal mask is built on a CUDA device."""
+    out = []
+    for seq in sequences:
+        n = int(seq.numel())
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
+        out.append(model(seq.to(torch.int64)[None], None, attention_mask=mask)[0])
+    return torch.cat(out)
+
+
+def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
+                       contract: Contract) -> Any:
     """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, CPU
     shims without CUDA), loaded from HF-named ``tensors`` (each parameter in its tensor's dtype), left in the
     mode a freshly built module is in (train)."""
@@ -158,8 +210,8 @@ class MegatronTrainer:
     ``hook=False``: Megatron's stock forward (no contract is applied; for the "hook off" demonstration).
     """
 
-    def __init__(self, config: Mamba2Config, tensors: dict[str, torch.Tensor], contract: Contract, *,
-                 lr: float = 1e-4, hook: bool = True) -> None:
+    def __init__(self, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor], contract: Contract,
+                 *, lr: float = 1e-4, hook: bool = True) -> None:
         check_lr(lr)
         self.config = config
         self.contract = contract
@@ -175,10 +227,7 @@ class MegatronTrainer:
         self.params = dict(self.model.named_parameters())
         self.master: dict[str, torch.Tensor] | None = None
         self.opt: torch.optim.Optimizer | None = None
-        # the parameters in the checkpoint's (HF) order, the order PolicyTrainer sums the gradient norm in
-        megatron_name = {id(p): n for n, p in self.params.items()}
-        by_hf = megatron_to_hf(self.params, config)
-        self._hf_order = [megatron_name[id(by_hf[k])] for k in self.dtypes if k in by_hf]
+        self._hybrid = isinstance(config, NemotronHConfig)
         self.version = 0
         changed = [k for k, v in self.weights().items() if v.dtype != self.dtypes[k]]
         if changed:
@@ -189,7 +238,10 @@ class MegatronTrainer:
         """One packed forward -> per sequence [len_i, vocab] logits (autograd per torch's grad mode)."""
         if self.hooked:
             hook_module.install(self.contract)  # idempotent; back in place if someone uninstalled it
-        logits = megatron_packed_logits(self.model, sequences)
+        if self._hybrid and not self.hooked:
+            logits = megatron_sequence_logits(self.model, sequences)
+        else:
+            logits = megatron_packed_logits(self.model, sequences)
         return list(torch.split(logits, [int(s.numel()) for s in sequences]))
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -237,7 +289,7 @@ class MegatronTrainer:
         for name, p in self.params.items():
             if p.grad is not None:
                 self.master[name].grad = p.grad.detach().to(torch.float32)
-        grad_norm = total_norm(self.master[n].grad for n in self._hf_order)
+        grad_norm = self._grad_norm()
         check_step_health(loss, grad_norm, self.version)
         self.opt.step()
         self.model.zero_grad(set_to_none=True)
@@ -246,6 +298,16 @@ class MegatronTrainer:
                 p.copy_(self.master[name].detach().to(p.dtype))
         self.version += 1
         return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm, "weights_version": self.version}
+
+    def _grad_norm(self) -> float:
+        """The master gradients' norm over the checkpoint's (HF) tensors in its order, as ``PolicyTrainer``
+        sums it (a Nemotron-H linear_qkv's gradient counted as its q, k and v parts; tensors without a
+        gradient skipped)."""
+        assert self.master is not None
+        master = self.master
+        grads = {n: g if (g := master[n].grad) is not None else torch.zeros_like(master[n]) for n in self.params}
+        by_hf, source = megatron_to_hf(grads, self.config), megatron_names(self.config)
+        return total_norm(by_hf[k] if master[source[k]].grad is not None else None for k in self.dtypes if k in by_hf)
 
     def export_bytes(self) -> tuple[bytes, str]:
         """The served weights as safetensors bytes (metadata "weights_version") and their ``weights_digest``."""
@@ -257,9 +319,9 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
     """The ``aligned_mamba.trainers`` entry point ``megatron``. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
     Megatron's stock forward (a demonstration that its rows differ; it does not run under the contract
     it reports)."""
-    if not isinstance(config, Mamba2Config):
-        raise ModelLoadError(f"the Megatron trainer covers Mamba2 checkpoints (Hugging Face layout), not "
-                             f"{type(config).__name__}")
+    if not isinstance(config, (Mamba2Config, NemotronHConfig)):
+        raise ModelLoadError(f"the Megatron trainer covers Mamba2 and Nemotron-H checkpoints (Hugging Face layouts), "
+                             f"not {type(config).__name__}")
     hook = os.environ.get("ALIGNED_MAMBA_MEGATRON_HOOK", "on") != "off"
     if not hook:
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",

@@ -21,6 +21,25 @@ in_proj rows are [z | x | B | C | dt] in Megatron (TP=1) and [z, xBC, dt] in HF:
 tensor is split or permuted. ``*._extra_state`` keys (Transformer Engine / fp8 metadata) are dropped on import
 and never produced. The biases appear exactly when the config's ``use_bias`` / ``use_conv_bias`` say so.
 
+Nemotron-H (``NemotronHConfig``, a hybrid ``MambaModel`` with ``hybrid_override_pattern`` of M, * and -
+layers built from ``trainer_hooks.megatron.local_mamba_stack_spec``), per layer kind::
+
+    M  decoder.layers.{i}.norm.weight (TE: mixer.in_proj.layer_norm_weight) <-> backbone.layers.{i}.norm.weight
+       decoder.layers.{i}.mixer.<name>                                      <-> backbone.layers.{i}.mixer.<name>
+    *  decoder.layers.{i}.input_layernorm.weight (TE: self_attention.linear_qkv.layer_norm_weight)
+                                                                            <-> backbone.layers.{i}.norm.weight
+       decoder.layers.{i}.self_attention.linear_qkv.weight                  <-> mixer.{q,k,v}_proj.weight
+       decoder.layers.{i}.self_attention.linear_proj.weight                 <-> mixer.o_proj.weight
+    -  decoder.layers.{i}.pre_mlp_layernorm.weight (TE: mlp.linear_fc1.layer_norm_weight)
+                                                                            <-> backbone.layers.{i}.norm.weight
+       decoder.layers.{i}.mlp.linear_fc1.{weight,bias}                      <-> mixer.up_proj.{weight,bias}
+       decoder.layers.{i}.mlp.linear_fc2.{weight,bias}                      <-> mixer.down_proj.{weight,bias}
+
+and the embedding, final norm and output layer as above. linear_qkv's rows are grouped per key/value head
+g (Megatron's layout, ``SelfAttention.get_query_key_value_tensors``): [q rows of the H/G query heads of g |
+k_g | v_g] for g = 0 .. G-1, not q | k | v; the conversion splits and joins exactly those rows (new tensors,
+the same bits), every other tensor is renamed (the same objects).
+
 Refused with a one-line ``ModelLoadError`` naming the key (and both shapes where a shape is wrong): unknown
 keys (hybrid attention/MLP layers, ``module.`` wrapper prefixes, layers beyond ``num_hidden_layers``),
 missing keys, a layer norm given twice (both the plain and the TE-fused name), wrong shapes (including a
@@ -39,10 +58,12 @@ from typing import Any
 import torch
 
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.models import load_checkpoint
+from aligned_mamba.models import load_checkpoint, nemotron_h
 from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config, expected_shapes, save_checkpoint
+from aligned_mamba.models.nemotron_h import NemotronHConfig
 
-__all__ = ["export_hf_checkpoint", "hf_to_megatron", "import_hf_checkpoint", "megatron_to_hf"]
+__all__ = ["export_hf_checkpoint", "hf_to_megatron", "hybrid_hf_to_megatron", "hybrid_megatron_to_hf", "join_qkv",
+           "import_hf_checkpoint", "megatron_names", "megatron_to_hf", "split_qkv"]
 
 MEGATRON_EMBEDDING = "embedding.word_embeddings.weight"
 MEGATRON_OUTPUT = "output_layer.weight"
@@ -60,8 +81,9 @@ _FIXED_HF_TO_MEGATRON = {
 }
 
 
-def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config) -> dict[str, torch.Tensor]:
-    """Rename a TP=1 Megatron-Core ``MambaModel`` state dict to the HF Mamba2 layout of ``config``.
+def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config | NemotronHConfig) -> dict[str, torch.Tensor]:
+    """Rename a TP=1 Megatron-Core ``MambaModel`` state dict to the HF Mamba2 layout of ``config``
+    (a ``NemotronHConfig``: to the Nemotron-H layout, ``hybrid_megatron_to_hf``).
 
     Accepts the layer norm under either ``decoder.layers.{i}.norm.weight`` or the Transformer Engine name
     ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``; drops ``*._extra_state`` keys. Returns the input
@@ -69,6 +91,8 @@ def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config) -> dict[
     with tied embeddings there is no ``lm_head.weight``. Raises ``ModelLoadError`` (one line) for an
     unknown, missing, duplicated or mis-shaped key, or a tensor-parallel shard.
     """
+    if isinstance(config, NemotronHConfig):
+        return hybrid_megatron_to_hf(state_dict, config)
     shapes = expected_shapes(config)
     hf_to_mg = _name_map(config, te_fused_norm=False)
     mg_to_hf = {mg: hf for hf, mg in hf_to_mg.items()}
@@ -107,9 +131,10 @@ def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config) -> dict[
 
 
 def hf_to_megatron(
-    tensors: Mapping[str, Any], config: Mamba2Config, *, te_fused_norm: bool = False
+    tensors: Mapping[str, Any], config: Mamba2Config | NemotronHConfig, *, te_fused_norm: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Rename HF Mamba2 tensors (the layout of ``expected_shapes(config)``) to a TP=1 Megatron-Core state dict.
+    """Rename HF Mamba2 tensors (the layout of ``expected_shapes(config)``) to a TP=1 Megatron-Core state dict
+    (a ``NemotronHConfig``: Nemotron-H tensors, ``hybrid_hf_to_megatron``).
 
     ``te_fused_norm=True`` writes each layer norm as ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``
     (Transformer Engine specs) instead of ``decoder.layers.{i}.norm.weight``. No ``_extra_state`` keys are
@@ -118,6 +143,8 @@ def hf_to_megatron(
     Returns the input tensor objects themselves. Raises ``ModelLoadError`` (one line) for an unknown,
     missing or mis-shaped tensor.
     """
+    if isinstance(config, NemotronHConfig):
+        return hybrid_hf_to_megatron(tensors, config, te_fused_norm=te_fused_norm)
     shapes = expected_shapes(config)
     names = _name_map(config, te_fused_norm=te_fused_norm)
     lm_head: torch.Tensor | None = None
@@ -141,7 +168,7 @@ def hf_to_megatron(
 
 
 def export_hf_checkpoint(
-    state_dict: Mapping[str, Any], config: Mamba2Config, path: str | os.PathLike[str]
+    state_dict: Mapping[str, Any], config: Mamba2Config | NemotronHConfig, path: str | os.PathLike[str]
 ) -> None:
     """Write a Megatron-Core TP=1 ``MambaModel`` state dict as an HF Mamba2 checkpoint directory at ``path``.
 
@@ -151,25 +178,35 @@ def export_hf_checkpoint(
     other dtypes, non-finite values), so that callers handle one error type.
     """
     tensors = megatron_to_hf(state_dict, config)
+    save = nemotron_h.save_checkpoint if isinstance(config, NemotronHConfig) else save_checkpoint
     try:
-        save_checkpoint(path, config, tensors)
+        save(path, config, tensors)
     except ValueError as exc:  # save_checkpoint's validation: dtype or finiteness, one line
         raise ModelLoadError(f"cannot export to {os.fspath(path)!r}: {exc}") from None
 
 
 def import_hf_checkpoint(
     path: str | os.PathLike[str], *, te_fused_norm: bool = False
-) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """Load an HF Mamba2 checkpoint directory (strictly, via ``load_checkpoint``) as a TP=1 Megatron state dict.
+) -> tuple[Mamba2Config | NemotronHConfig, dict[str, torch.Tensor]]:
+    """Load an HF Mamba2 or Nemotron-H checkpoint directory (strictly, via ``load_checkpoint``) as a TP=1
+    Megatron state dict.
 
     Returns the config and the state dict (see ``hf_to_megatron`` for ``te_fused_norm``); the tensors keep
     the stored dtypes. Raises ``ModelLoadError``.
     """
     config, tensors = load_checkpoint(path)
-    if not isinstance(config, Mamba2Config):
+    if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"{os.fspath(path)!r} is a {type(config).__name__} checkpoint; the Megatron conversion "
-                             "covers the Hugging Face Mamba2 layout")
+                             "covers the Hugging Face Mamba2 and Nemotron-H layouts")
     return config, hf_to_megatron(tensors, config, te_fused_norm=te_fused_norm)
+
+
+def megatron_names(config: Mamba2Config | NemotronHConfig) -> dict[str, str]:
+    """HF name -> the TP=1 Megatron state-dict name holding it (plain norm names), in HF order; q/k/v of a
+    Nemotron-H attention layer all map to its linear_qkv."""
+    if isinstance(config, NemotronHConfig):
+        return {hf: mg for mg, hf_names in _hybrid_plan(config, te_fused_norm=False) for hf in hf_names}
+    return _name_map(config, te_fused_norm=False)
 
 
 def _name_map(config: Mamba2Config, *, te_fused_norm: bool) -> dict[str, str]:
@@ -246,5 +283,142 @@ def _unknown_hint(key: str, config: Mamba2Config) -> str:
     if key.endswith(".bias"):
         return f" (use_bias={config.use_bias}, use_conv_bias={config.use_conv_bias})"
     if layer is not None:
-        return "; only pure Mamba2 layers (mixer + norm) are supported, not hybrid attention/MLP layers"
+        return ("; a Mamba2Config has only Mamba2 layers (mixer + norm): hybrid attention/MLP layers convert with a "
+                "NemotronHConfig")
     return ""
+
+
+# -- Nemotron-H (hybrid MambaModel) --------------------------------------------------------------------------
+
+_HYBRID_NORM = {nemotron_h.MAMBA: ("norm.weight", "mixer.in_proj.layer_norm_weight"),
+                nemotron_h.ATTENTION: ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+                nemotron_h.MLP_LAYER: ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")}
+_HYBRID_MIXER = {"o_proj.weight": "self_attention.linear_proj.weight", "up_proj.weight": "mlp.linear_fc1.weight",
+                 "up_proj.bias": "mlp.linear_fc1.bias", "down_proj.weight": "mlp.linear_fc2.weight",
+                 "down_proj.bias": "mlp.linear_fc2.bias"}
+_QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+_KIND_NAMES = {nemotron_h.MAMBA: "a Mamba2", nemotron_h.ATTENTION: "an attention", nemotron_h.MLP_LAYER: "an MLP"}
+
+
+def _hybrid_plan(config: NemotronHConfig, *, te_fused_norm: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """(Megatron name, the HF names it holds) for every tensor, in HF order: one HF name is a rename, three
+    (q, k, v) are one linear_qkv."""
+    plan: list[tuple[str, tuple[str, ...]]] = [(MEGATRON_EMBEDDING, (EMBEDDING,))]
+    for i, kind in enumerate(config.hybrid_override_pattern):
+        hf, mg = f"backbone.layers.{i}.", f"decoder.layers.{i}."
+        plan.append((mg + _HYBRID_NORM[kind][te_fused_norm], (hf + "norm.weight",)))
+        names = list(config.layer_shapes(kind))
+        if kind == nemotron_h.ATTENTION:
+            plan.append((mg + "self_attention.linear_qkv.weight", tuple(hf + "mixer." + n for n in _QKV)))
+            names = [n for n in names if n not in _QKV]
+        for n in names:
+            plan.append((mg + (f"mixer.{n}" if kind == nemotron_h.MAMBA else _HYBRID_MIXER[n]), (hf + "mixer." + n,)))
+    plan += [(MEGATRON_FINAL_NORM, ("backbone.norm_f.weight",)), (MEGATRON_OUTPUT, (nemotron_h.LM_HEAD,))]
+    return plan
+
+
+def _qkv_groups(config: NemotronHConfig) -> tuple[int, int, int]:
+    """(G key/value heads, H/G query heads per group, head_dim D)."""
+    c = config
+    return c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+
+
+def _megatron_shape(config: NemotronHConfig, hf_names: tuple[str, ...]) -> tuple[int, ...]:
+    shapes = nemotron_h.expected_shapes(config)
+    if len(hf_names) == 1:
+        return shapes[hf_names[0]]
+    return (sum(shapes[n][0] for n in hf_names), config.hidden_size)
+
+
+def split_qkv(qkv: torch.Tensor, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's linear_qkv weight [G * (H/G + 2) * D, hidden] -> q [H*D, hidden], k, v [G*D, hidden]
+    (new contiguous tensors, the same bits)."""
+    G, rep, D = _qkv_groups(config)
+    per_group = qkv.reshape(G, rep + 2, D, qkv.shape[-1])
+    return tuple(part.reshape(-1, qkv.shape[-1]).clone(memory_format=torch.contiguous_format)  # type: ignore[return-value]
+                 for part in (per_group[:, :rep], per_group[:, rep], per_group[:, rep + 1]))
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: NemotronHConfig) -> torch.Tensor:
+    """HF q [H*D, hidden], k, v [G*D, hidden] -> Megatron's linear_qkv [G * (H/G + 2) * D, hidden], rows
+    grouped per key/value head: [q of the group's query heads | k_g | v_g] (``split_qkv``'s inverse)."""
+    G, rep, D = _qkv_groups(config)
+    h = q.shape[-1]
+    return torch.cat([q.reshape(G, rep * D, h), k.reshape(G, D, h), v.reshape(G, D, h)], dim=1).reshape(-1, h)
+
+
+def hybrid_megatron_to_hf(state_dict: Mapping[str, Any], config: NemotronHConfig) -> dict[str, torch.Tensor]:
+    """A TP=1 Megatron-Core hybrid ``MambaModel`` state dict -> Nemotron-H HF tensors (``nemotron_h.expected_shapes``
+    order). Layer norms under the plain or the Transformer Engine name; ``*._extra_state`` dropped. Renamed
+    tensors are the input objects; q/k/v are split from linear_qkv (``split_qkv``). Raises ``ModelLoadError``
+    (one line) for an unknown, missing, duplicated or mis-shaped key, or a tensor-parallel shard."""
+    plan = _hybrid_plan(config, te_fused_norm=False)
+    by_mg = dict(plan)
+    te_alias = {mg_te: mg for (mg_te, _), (mg, _) in zip(_hybrid_plan(config, te_fused_norm=True), plan)
+                if mg_te != mg}
+    got: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for key, value in state_dict.items():
+        if key.rsplit(".", 1)[-1] == EXTRA_STATE_SUFFIX:
+            continue
+        name = te_alias.get(key, key)
+        hf_names = by_mg.get(name)
+        if hf_names is None:
+            raise ModelLoadError(f"unknown Megatron state-dict key {key!r}{_hybrid_hint(key, config)}")
+        if name in got:
+            raise ModelLoadError(f"Megatron state dict gives {hf_names[0]!r} twice: as {source[name]!r} and as "
+                                 f"{key!r}; keep only one")
+        tensor = _tensor(key, value)
+        _check_shape(key, "/".join(hf_names), tensor, _megatron_shape(config, hf_names), megatron_side=True)
+        got[name], source[name] = tensor, key
+    missing = [(mg, hf) for mg, hf in plan if mg not in got]
+    if missing:
+        mg, hf = missing[0]
+        raise ModelLoadError(f"Megatron state dict lacks {mg!r} (HF {'/'.join(hf)!r}, shape "
+                             f"{list(_megatron_shape(config, hf))})"
+                             + (f" and {len(missing) - 1} more key(s)" if len(missing) > 1 else ""))
+    out: dict[str, torch.Tensor] = {}
+    for mg, hf_names in plan:
+        if len(hf_names) == 1:
+            out[hf_names[0]] = got[mg]
+        else:
+            out.update(zip(hf_names, split_qkv(got[mg], config)))
+    return out
+
+
+def hybrid_hf_to_megatron(tensors: Mapping[str, Any], config: NemotronHConfig, *,
+                          te_fused_norm: bool = False) -> dict[str, torch.Tensor]:
+    """Nemotron-H HF tensors (``nemotron_h.expected_shapes(config)``) -> a TP=1 Megatron-Core hybrid ``MambaModel``
+    state dict, in the model's layer order. ``te_fused_norm``: layer norms under the Transformer Engine names.
+    Renamed tensors are the input objects; linear_qkv is joined from q/k/v (``join_qkv``). No ``_extra_state``
+    keys. Raises ``ModelLoadError`` (one line) for an unknown, missing or mis-shaped tensor."""
+    shapes = nemotron_h.expected_shapes(config)
+    plan = _hybrid_plan(config, te_fused_norm=te_fused_norm)
+    mg_of = {hf: mg for mg, hf_names in plan for hf in hf_names}
+    for key, value in tensors.items():
+        if key not in shapes:
+            raise ModelLoadError(f"unknown HF Nemotron-H tensor {key!r} for this config{_hybrid_hint(key, config)}")
+        _check_shape(key, mg_of[key], _tensor(key, value), shapes[key], megatron_side=False)
+    missing = [hf for hf in shapes if hf not in tensors]
+    if missing:
+        first = missing[0]
+        raise ModelLoadError(f"HF tensors lack {first!r} (Megatron {mg_of[first]!r}, shape {list(shapes[first])})"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return {mg: tensors[hf_names[0]] if len(hf_names) == 1 else join_qkv(*(tensors[n] for n in hf_names), config)
+            for mg, hf_names in plan}
+
+
+def _hybrid_hint(key: str, config: NemotronHConfig) -> str:
+    """A short reason for an unknown key of a hybrid state dict, or ''."""
+    if key.startswith("module."):
+        return "; unwrap DDP / Float16Module (the 'module.' prefix) before converting"
+    layer = re.match(r"(?:decoder|backbone)\.layers\.(\d+)\.", key)
+    pattern = config.hybrid_override_pattern
+    if layer is None:
+        return ""
+    i = int(layer.group(1))
+    if i >= len(pattern):
+        return f"; the config has {len(pattern)} layer(s)"
+    kind = pattern[i]
+    return (f"; layer {i} is {_KIND_NAMES[kind]} layer ({kind!r} in hybrid_override_pattern {pattern!r}; "
+            f"use_bias={config.use_bias}, mlp_bias={config.mlp_bias}, use_conv_bias={config.use_conv_bias})")
