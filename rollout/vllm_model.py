@@ -1,4 +1,4 @@
-"""The exact-replay Mamba2ForCausalLM for vLLM: vLLM schedules, the core computes.
+"""The exact-replay Mamba2ForCausalLM and NemotronHForCausalLM for vLLM: vLLM schedules, the core computes.
 
 vLLM keeps doing what it is good at (requests, scheduling, chunked prefill, continuous batching,
 preemption, sampling, the state memory pool); every op on the path from token to logit is the
@@ -8,6 +8,13 @@ sizes the cache for it, receives the bound views as ``kv_cache``, and in the for
 mixer (``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Batch``
 (derived once per step: the layers of one KV-cache group share the metadata object). The trainer's
 forward runs the same blocks, so its logits rows equal the ones vLLM sampled from.
+
+In a hybrid (Nemotron-H) each attention layer is a ``PagedAttentionLayer``: it declares a vLLM
+``Attention`` layer (so vLLM's planner sizes a paged KV cache for it and its scheduler and block
+manager own the pages), and in the forward writes the new tokens' keys and values into those pages
+at the places the block table says, gathers each sequence's keys 0..t back into the packed layout
+the core's blocked attention reads, and runs the core layer's arithmetic (``Attention.advance_paged``).
+MLP layers are stateless and run as they are. vLLM's own attention kernel is never called.
 """
 
 from __future__ import annotations
@@ -27,28 +34,22 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import ModelLoadError
 from aligned_mamba.layers import mamba2 as mamba2_layer
+from aligned_mamba.layers.attention import Attention as CoreAttention
+from aligned_mamba.layers.attention import PagedTables, paged_tables
 from aligned_mamba.models import CausalLM, build_model
 from aligned_mamba.models.causal_lm import Block
-from aligned_mamba.models.mamba2 import LM_HEAD, Mamba2Config, expected_shapes
+from aligned_mamba.models.registry import family_for_config
 from aligned_mamba.replay import Batch
 
-from .vllm_plugin import ExactReplayRefused, check_engine, engine_contract, refuse
+from .vllm_plugin import ExactReplayRefused, check_engine, core_config, engine_contract, refuse
 
 logger = init_logger(__name__)
 _BATCH_ATTR = "_aligned_mamba_batch"  # the core Batch of a metadata object, made by the first layer that reads it
 
 
-def core_config(vllm_config: VllmConfig) -> Mamba2Config:
-    """The core's ``Mamba2Config`` from vLLM's HF config (hf_overrides included)."""
-    hf = vllm_config.model_config.hf_config
-    try:
-        return Mamba2Config.from_hf_dict(hf.to_dict(), source="vLLM hf_config")
-    except ModelLoadError as e:
-        raise ExactReplayRefused(f"aligned-mamba exact replay refused: {e}") from None
-
-
-def replay_layout(config: Mamba2Config, contract: Contract) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """One Mamba2 layer's state as vLLM state entries: (field, per-slot shape, dtype).
+def replay_layout(config: Any, contract: Contract) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """One Mamba2 layer's state as vLLM state entries: (field, per-slot shape, dtype); ``config``: a
+    family config with ``mixer_config()`` (Mamba2Config, NemotronHConfig).
 
     fp32 fields first, so every field's byte offset inside a slot's page is a multiple of its
     element size (the page is one int8 buffer that ``MambaBase.bind_kv_cache`` slices and views).
@@ -146,6 +147,12 @@ class ReplayMambaLayer(MambaBase, nn.Module):
             refuse("micro-batched (ubatch) steps are not covered")
         return step_batch(md[self.prefix], positions)
 
+    def num_tokens(self, positions: torch.Tensor) -> int:
+        """The step's real tokens (the rest of input_ids is padding)."""
+        batch = self.batch(positions)
+        assert batch is not None, "no attention metadata"
+        return batch.num_tokens
+
     def forward(self, normed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The mixer over the step's new tokens: normed [T, hidden] (the block's norm of the residual,
         the step's real tokens) -> [T, hidden] in the model dtype; the model adds it to the residual."""
@@ -160,17 +167,113 @@ class ReplayMambaLayer(MambaBase, nn.Module):
         return mixer.advance(state, batch, normed)
 
 
-class ExactReplayMamba2ForCausalLM(nn.Module):
-    """Mamba2ForCausalLM on the core's layers (registered under that name when the switch is on).
+_PAGED_ATTR = "_aligned_mamba_paged"  # an attention metadata object's PagedTables, by (H // G, block size)
 
-    The weights are the checkpoint's tensors as the core's ``build_model`` takes them, so every cast
-    (A = -exp(A_log) in fp32, the linear weights as the backend wants them, ...) is the trainer's own
-    code.
+
+def tables_from_metadata(md: Any, positions: torch.Tensor, rep: int, block_size: int,
+                         device: torch.device) -> PagedTables:
+    """The core's paged tables for one vLLM step of one KV-cache group.
+
+    md: the attention metadata (the CPU backend's ``CPUAttentionMetadata``): ``query_start_loc``
+    [R+1] (the new tokens' offsets), ``seq_lens`` [R] (lengths after the step), ``block_table`` [R,
+    max_blocks] (page ids in units of the cache tensor's blocks), ``slot_mapping`` [T] (where vLLM
+    itself would store each new token). positions [>= T] int64. Both are cross-checked, so a
+    layout this code does not understand stops the engine instead of reading the wrong keys.
+    """
+    seq_lens = md.seq_lens.to("cpu", torch.int64)
+    R = seq_lens.numel()
+    cu = md.query_start_loc[: R + 1].to("cpu", torch.int64)
+    T = int(cu[-1])
+    if T != int(md.num_actual_tokens):
+        raise RuntimeError(f"aligned-mamba: query_start_loc ends at {T}, the step has {int(md.num_actual_tokens)} "
+                           "tokens")
+    if not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
+        refuse("non-causal attention metadata (encoder or prefix-LM attention) is not covered")
+    start = positions[cu[:-1].to(positions.device)].to("cpu", torch.int64)
+    if not torch.equal(start + cu.diff(), seq_lens):
+        raise RuntimeError(f"aligned-mamba: positions {start.tolist()} + query lengths {cu.diff().tolist()} != "
+                           f"seq_lens {seq_lens.tolist()}")
+    tables = paged_tables(cu, seq_lens, md.block_table[:R], block_size, rep, device)
+    slots = (tables.write_block * block_size + tables.write_off).to("cpu")
+    if not torch.equal(slots, md.slot_mapping[:T].to("cpu", torch.int64)):
+        raise RuntimeError("aligned-mamba: the block table and vLLM's slot mapping disagree on where the new "
+                           "tokens' keys go (a KV-cache layout this code does not understand)")
+    return tables
+
+
+class PagedAttentionLayer(nn.Module):
+    """One attention block over vLLM's paged KV cache.
+
+    ``attn`` is a vLLM ``Attention`` layer, declared only for what vLLM does with one: its KV-cache
+    spec (the planner sizes the pages, the block manager hands them out per request), the bound
+    ``kv_cache`` tensor and the per-step metadata. Its forward (vLLM's kernel) is never called: the
+    core's ``Attention`` (``block.mixer``, set at weight load) writes and reads the pages.
     """
 
-    # vLLM's model interfaces (HasInnerState, IsAttentionFree), declared as flags
+    def __init__(self, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int, cache_config: Any) -> None:
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        self.num_kv_heads, self.head_dim, self.rep = num_kv_heads, head_dim, num_heads // num_kv_heads
+        self.attn = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads=num_kv_heads,
+                              cache_config=cache_config, prefix=f"{prefix}.attn")
+        self.block: Block | None = None
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each [num_blocks, G, block_size, D] views of the bound cache, as the CPU
+        backend lays a page out ([num_blocks, G, block_size, 2 D]: per head, the block's keys, then its values)."""
+        kv = self.attn.kv_cache
+        G, D = self.num_kv_heads, self.head_dim
+        if kv.dim() != 4 or kv.shape[1] != G or kv.shape[3] != 2 * D:
+            refuse(f"a KV-cache page layout {list(kv.shape)} other than the CPU backend's "
+                   f"[blocks, {G}, block_size, {2 * D}] is not covered")
+        nb, _, bs, _ = kv.shape
+        k, v = kv.view(nb, G, 2 * bs, D).chunk(2, dim=2)
+        return k, v
+
+    def tables(self, positions: torch.Tensor) -> PagedTables:
+        """This step's tables from this layer's metadata (one build per metadata object and shape)."""
+        md = get_forward_context().attn_metadata
+        if not isinstance(md, dict):
+            refuse("micro-batched (ubatch) steps are not covered")
+        m = md[self.attn.layer_name]
+        bs = self.attn.kv_cache.shape[2]
+        cache = m.__dict__.setdefault(_PAGED_ATTR, {})
+        key = (self.rep, bs)
+        if key not in cache:
+            cache[key] = tables_from_metadata(m, positions, self.rep, bs, positions.device)
+        return cache[key]
+
+    def num_tokens(self, positions: torch.Tensor) -> int:
+        return int(self.tables(positions).cu_seqlens_q[-1])
+
+    def forward(self, normed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """normed [T, hidden] (model dtype) -> [T, hidden]: the core attention over the pages."""
+        assert self.block is not None, "weights not loaded"
+        mixer = self.block.mixer
+        assert isinstance(mixer, CoreAttention)
+        k, v = self.pages()
+        return mixer.advance_paged(k, v, self.tables(positions), normed)
+
+
+class StatelessLayer(nn.Module):
+    """A block that keeps nothing per request (Nemotron-H's MLP): the core mixer on the step's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: Block | None = None
+
+    def forward(self, normed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.block is not None, "weights not loaded"
+        return self.block.mixer.advance(None, None, normed)  # type: ignore[arg-type]  # stateless: no batch
+
+
+class _ExactReplayLM(nn.Module):
+    """What both exact-replay models share: the core model built from the checkpoint's tensors, the
+    forward over vLLM's per-layer metadata, the core's logits. Subclasses build ``self.layers`` (one
+    vLLM-facing layer per core block, each with a ``block`` set at weight load)."""
+
     has_inner_state: ClassVar[Literal[True]] = True
-    is_attention_free: ClassVar[Literal[True]] = True
     supports_mamba_prefix_caching: ClassVar[Literal[False]] = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -179,15 +282,15 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         self.vllm_config = vllm_config
         self.contract = engine_contract(vllm_config)
         self.config = core_config(vllm_config)
+        self.family = family_for_config(self.config)
         self.layout = replay_layout(self.config, self.contract)
-        base = f"{prefix}." if prefix else ""
-        self.layers = nn.ModuleList(ReplayMambaLayer(f"{base}backbone.layers.{i}.mixer", self.layout)
-                                    for i in range(self.config.num_hidden_layers))
         self.core: CausalLM | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._device = vllm_config.device_config.device
-        logger.info("aligned-mamba exact replay: %s; %d bytes of replay state per sequence", self.contract,
-                    self.state_bytes_per_sequence())
+        self.layers = nn.ModuleList(self.make_layers(vllm_config, f"{prefix}." if prefix else ""))
+
+    def make_layers(self, vllm_config: VllmConfig, base: str) -> list[nn.Module]:
+        raise NotImplementedError
 
     # -- vLLM's state declaration, from the config alone (hybrid page sizing) ---------------------
     @classmethod
@@ -212,7 +315,9 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         return {t: cls.get_mamba_state_copy_func() for t in mamba_types}
 
     def state_bytes_per_sequence(self) -> int:
-        return len(self.layers) * sum(math.prod(s) * d.itemsize for _, s, d in self.layout)
+        """Bytes of Mamba replay state one request holds (attention pages grow with its length)."""
+        per_layer = sum(math.prod(s) * d.itemsize for _, s, d in self.layout)
+        return per_layer * sum(isinstance(layer, ReplayMambaLayer) for layer in self.layers)
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -221,13 +326,15 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         A later call (vLLM's reload_weights, an RL weight update) may carry a subset: it replaces
         those tensors and rebuilds. Names outside the checkpoint layout are refused.
         """
-        shapes = expected_shapes(self.config)
+        family, config = self.family, self.config
+        shapes = family.expected_shapes(config)
+        tied = family.tied(config)
         got: set[str] = set()
         for name, t in weights:
-            if name == LM_HEAD and self.config.tie_word_embeddings:
+            if name == family.head and tied:
                 continue  # tied: the embedding is the head (the core reads it from there)
             if name not in shapes:
-                raise ModelLoadError(f"aligned-mamba: unexpected tensor {name!r} for a Mamba2 checkpoint")
+                raise ModelLoadError(f"aligned-mamba: unexpected tensor {name!r} for a {family.name} checkpoint")
             if tuple(t.shape) != shapes[name]:
                 raise ModelLoadError(f"aligned-mamba: tensor {name!r} has shape {list(t.shape)}, "
                                      f"expected {list(shapes[name])}")
@@ -236,11 +343,13 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         missing = [n for n in shapes if n not in self._tensors]
         if missing:
             raise ModelLoadError(f"aligned-mamba: {len(missing)} missing tensor(s), e.g. {missing[:3]}")
-        self.core = build_model(self.config, self._tensors, self.contract, device=self._device)
+        self.core = build_model(config, self._tensors, self.contract, device=self._device)
         for layer, block in zip(self.layers, self.core.blocks, strict=True):
             layer.block = block
-        if self.config.tie_word_embeddings:
-            got.add(LM_HEAD)
+        if tied:
+            got.add(family.head)
+        # the vLLM Attention layers' own buffers (kv scales): not checkpoint tensors, nothing reads them
+        got.update(name for name, _ in self.named_parameters())
         return got
 
     # -- the forward -------------------------------------------------------------------------------
@@ -251,7 +360,7 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        """One engine step: every layer advances the scheduled requests' slots by their new tokens.
+        """One engine step: every layer advances the scheduled requests by their new tokens.
 
         input_ids / positions [T_padded]; returns the final normed hidden rows [T_padded, hidden]
         (model dtype; rows past the real tokens are zero) for ``compute_logits``.
@@ -261,10 +370,10 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         core = self.core
         assert core is not None, "weights not loaded"
         out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=core.dtype, device=input_ids.device)
-        batch = self.layers[0].batch(positions)
-        if batch is None:  # profiling / dummy run without a cache: nothing to advance
+        if get_forward_context().attn_metadata is None:  # profiling / dummy run without a cache
             return out
-        n = batch.num_tokens
+        first = next(layer for layer in self.layers if not isinstance(layer, StatelessLayer))
+        n = first.num_tokens(positions)
         # the core's forward, each block's mixer run by its own layer from its own metadata
         out[:n] = core.run_blocks(input_ids[:n], lambda i, normed, rows: self.layers[i](normed, positions))
         return out
@@ -273,3 +382,55 @@ class ExactReplayMamba2ForCausalLM(nn.Module):
         """The core's row-invariant lm_head: [R, hidden] -> [R, vocab] (model dtype)."""
         assert self.core is not None
         return self.core.logits(hidden_states)
+
+
+class ExactReplayMamba2ForCausalLM(_ExactReplayLM):
+    """Mamba2ForCausalLM on the core's layers (registered under that name when the switch is on).
+
+    The weights are the checkpoint's tensors as the core's ``build_model`` takes them, so every cast
+    (A = -exp(A_log) in fp32, the linear weights as the backend wants them, ...) is the trainer's own
+    code.
+    """
+
+    # vLLM's model interfaces (HasInnerState, IsAttentionFree), declared as flags
+    is_attention_free: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        logger.info("aligned-mamba exact replay: %s; %d bytes of replay state per sequence", self.contract,
+                    self.state_bytes_per_sequence())
+
+    def make_layers(self, vllm_config: VllmConfig, base: str) -> list[nn.Module]:
+        return [ReplayMambaLayer(f"{base}backbone.layers.{i}.mixer", self.layout)
+                for i in range(self.config.num_hidden_layers)]
+
+
+class ExactReplayNemotronHForCausalLM(_ExactReplayLM):
+    """NemotronHForCausalLM (Mamba2, attention and MLP layers) on the core's layers, registered under
+    that name when the switch is on: Mamba2 layers' replay state in vLLM's Mamba cache, attention
+    layers' keys and values in vLLM's paged KV cache, MLP layers stateless. The weights are the
+    checkpoint's HF-named tensors (``models.nemotron_h.expected_shapes``)."""
+
+    # vLLM's model interfaces (HasInnerState, IsHybrid), declared as flags
+    is_hybrid: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        logger.info("aligned-mamba exact replay (hybrid %s): %s; %d bytes of Mamba replay state per sequence",
+                    self.config.hybrid_override_pattern, self.contract, self.state_bytes_per_sequence())
+
+    def make_layers(self, vllm_config: VllmConfig, base: str) -> list[nn.Module]:
+        from aligned_mamba.models.nemotron_h import ATTENTION, MAMBA
+
+        c = self.config
+        out: list[nn.Module] = []
+        for i, kind in enumerate(c.hybrid_override_pattern):
+            prefix = f"{base}backbone.layers.{i}.mixer"
+            if kind == MAMBA:
+                out.append(ReplayMambaLayer(prefix, self.layout))
+            elif kind == ATTENTION:
+                out.append(PagedAttentionLayer(prefix, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                               vllm_config.cache_config))
+            else:
+                out.append(StatelessLayer())
+        return out

@@ -1,11 +1,13 @@
-"""vLLM general plugin: exact-replay decode for Mamba2 models, switched on by ``ALIGNED_MAMBA_EXACT_REPLAY=1``.
+"""vLLM general plugin: exact-replay decode for Mamba2 and hybrid (Nemotron-H) models, switched on by
+``ALIGNED_MAMBA_EXACT_REPLAY=1``.
 
 vLLM calls ``register()`` in every process it starts (entry point group ``vllm.general_plugins``).
 Switched off, it returns at once and vLLM is untouched. Switched on, it
 
-- registers ``rollout.vllm_model:ExactReplayMamba2ForCausalLM`` as ``Mamba2ForCausalLM``, so the
-  model's forward and logits run on the core's layers with their replay state in vLLM's Mamba
-  cache;
+- registers ``rollout.vllm_model:ExactReplayMamba2ForCausalLM`` as ``Mamba2ForCausalLM`` and
+  ``rollout.vllm_model:ExactReplayNemotronHForCausalLM`` as ``NemotronHForCausalLM``, so the model's
+  forward and logits run on the core's layers: Mamba2 layers with their replay state in vLLM's
+  Mamba cache, attention layers with their keys and values in vLLM's paged KV cache;
 - puts a config hook in front of every architecture (vLLM's ``MODELS_CONFIG_MAP``), which runs
   while vLLM builds its config, in the process that constructs ``LLM(...)`` / ``vllm serve``: it
   refuses, with one line, every setting under which bits cannot be promised (``check_engine``).
@@ -25,8 +27,10 @@ from aligned_mamba.errors import AlignedMambaError, ContractError
 
 ENV_SWITCH = "ALIGNED_MAMBA_EXACT_REPLAY"
 CONFIG_KEY = "aligned_mamba"  # the key in vLLM's additional_config
-COVERED_ARCHITECTURES = ("Mamba2ForCausalLM",)
-MODEL_CLASS = "rollout.vllm_model:ExactReplayMamba2ForCausalLM"
+MODEL_CLASSES = {"Mamba2ForCausalLM": "rollout.vllm_model:ExactReplayMamba2ForCausalLM",
+                 "NemotronHForCausalLM": "rollout.vllm_model:ExactReplayNemotronHForCausalLM"}
+COVERED_ARCHITECTURES = tuple(MODEL_CLASSES)
+MODEL_CLASS = MODEL_CLASSES["Mamba2ForCausalLM"]
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _registered = False
@@ -62,8 +66,8 @@ def register() -> None:
     import vllm.model_executor.models.config as model_configs
     from vllm import ModelRegistry
 
-    for arch in COVERED_ARCHITECTURES:
-        ModelRegistry.register_model(arch, MODEL_CLASS)
+    for arch, cls in MODEL_CLASSES.items():
+        ModelRegistry.register_model(arch, cls)
     if not isinstance(model_configs.MODELS_CONFIG_MAP, _GuardedConfigMap):
         model_configs.MODELS_CONFIG_MAP = _GuardedConfigMap(model_configs.MODELS_CONFIG_MAP, _config_hooks())
     _registered = True
@@ -73,21 +77,32 @@ class _GuardedConfigMap(dict):
     """vLLM's per-architecture config hooks, with every lookup answered by the plugin's hooks:
     the covered architectures get the checks (then vLLM's own hook), all others a refusal."""
 
-    def __init__(self, original: dict, hooks: tuple[type, type]) -> None:
+    def __init__(self, original: dict, hooks: tuple[dict[str, type], type]) -> None:
         super().__init__(original)
         self._covered, self._refused = hooks
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self._covered if key in COVERED_ARCHITECTURES else self._refused
+        return self._covered.get(key, self._refused)
 
     def __getitem__(self, key: Any) -> Any:
         return self.get(key)
 
 
-def _config_hooks() -> tuple[type, type]:
-    from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
+def _config_hooks() -> tuple[dict[str, type], type]:
+    from vllm.model_executor.models.config import (
+        MambaModelConfig,
+        NemotronHForCausalLMConfig,
+        VerifyAndUpdateConfig,
+    )
 
     class ExactReplayMamba2Config(MambaModelConfig):
+        @classmethod
+        def verify_and_update_config(cls, vllm_config: Any) -> None:
+            check_engine(vllm_config, resolved=False)
+            super().verify_and_update_config(vllm_config)
+
+    # vLLM runs its hybrid hook (MambaModelConfig's cache settings) itself after this one.
+    class ExactReplayNemotronHConfig(NemotronHForCausalLMConfig):
         @classmethod
         def verify_and_update_config(cls, vllm_config: Any) -> None:
             check_engine(vllm_config, resolved=False)
@@ -102,12 +117,30 @@ def _config_hooks() -> tuple[type, type]:
         def verify_and_update_config(vllm_config: Any) -> None:
             _refuse_architecture(vllm_config.model_config.architecture)
 
-    return ExactReplayMamba2Config, UncoveredArchitecture
+    return {"Mamba2ForCausalLM": ExactReplayMamba2Config,
+            "NemotronHForCausalLM": ExactReplayNemotronHConfig}, UncoveredArchitecture
 
 
 def _refuse_architecture(arch: str | None) -> NoReturn:
     refuse(f"architecture {arch!r} is not covered (covered: {', '.join(COVERED_ARCHITECTURES)}); "
            f"unset {ENV_SWITCH} to run it on stock vLLM")
+
+
+def core_config(vllm_config: Any) -> Any:
+    """The core family's config of vLLM's HF config (hf_overrides included): ``Mamba2Config`` or
+    ``NemotronHConfig``. What the core does not cover (MoE layers, sliding-window attention,
+    multi-token prediction, ...) is refused here with the core's one-line reason."""
+    from aligned_mamba.models.registry import family_of
+
+    hf = vllm_config.model_config.hf_config
+    d = hf.to_dict()
+    if not d.get("architectures"):
+        d["architectures"] = [vllm_config.model_config.architecture]
+    try:
+        family = family_of(d, "vLLM hf_config")
+        return family.read_config(d, "vLLM hf_config")
+    except AlignedMambaError as e:
+        refuse(str(e))
 
 
 def engine_contract(vllm_config: Any) -> Contract:
@@ -121,7 +154,7 @@ def engine_contract(vllm_config: Any) -> Contract:
     from vllm.platforms import current_platform
 
     backend = "torch" if current_platform.is_cpu() else "triton"
-    chunk = getattr(mc.hf_config, "chunk_size", None)
+    chunk = core_config(vllm_config).chunk_size
     try:
         contract = Contract(chunk_size=chunk, state_dtype="float32", backend=backend, model_dtype=dtype)
     except ContractError as e:
@@ -150,6 +183,20 @@ def engine_contract(vllm_config: Any) -> Contract:
             parts = "; ".join(f"{name} contract={a!r} engine={b!r}" for name, a, b in diffs)
             refuse(f"the engine differs from the stated contract: {parts}")
     return contract
+
+
+def _check_hybrid(vllm_config: Any) -> None:
+    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype.
+    (MoE and MTP layers in the checkpoint are refused by the core's config reader, ``core_config``.)"""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    window = getattr(cc, "sliding_window", None) or mc.get_sliding_window()
+    if window is not None:
+        refuse(f"sliding-window attention (window {window}): the attention layers read every key 0..t")
+    if str(cc.cache_dtype) != "auto":
+        refuse(f"kv_cache_dtype={cc.cache_dtype!r}: the attention layers read back the keys and values they "
+               "wrote, in the model dtype")
+    if getattr(cc, "kv_sharing_fast_prefill", False):
+        refuse("kv_sharing_fast_prefill: every layer computes every new token's row")
 
 
 def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
@@ -188,6 +235,8 @@ def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
                "every step (pass enforce_eager=True)")
     if not resolved and not current_platform.is_cpu() and not mc.enforce_eager:
         refuse("CUDA graphs would capture the replay call: pass enforce_eager=True")
+    if mc.architecture == "NemotronHForCausalLM":
+        _check_hybrid(vllm_config)
     if vllm_config.lora_config is not None:
         refuse("LoRA adapters are not covered by the shared ops")
     if mc.quantization is not None:

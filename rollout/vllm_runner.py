@@ -122,7 +122,10 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     left empty: what the core calls a logprob is its own ``log_softmax`` of a logits row, which
     ``vllm_engine`` computes). ``info`` also holds the decode throughput (``decode_tokens``,
     ``decode_seconds``: the steps where every request was decoding) and what vLLM ran
-    (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``).
+    (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``, and
+    ``vllm_preemptions``: vLLM's own count of preemptions over the scenario's requests, its
+    ``Request.num_preemptions``, which counts the scheduler's preemptions under memory pressure as
+    well as the ones ``preempt_marks`` forces).
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -150,6 +153,7 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     steps = preemptions = decode_tokens = 0
     decode_seconds = 0.0
     added: set[int] = set()
+    seen_preemptions: dict[str, int] = {}
     t0 = time.perf_counter()
     try:
         while pending or engine.has_unfinished_requests():
@@ -163,6 +167,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
             before = sum(len(g) for g in gen)
             t_step = time.perf_counter()
             outputs = engine.step()
+            for rid, req in scheduler.requests.items():
+                if rid.startswith(f"{sc.name}-"):
+                    seen_preemptions[rid] = max(seen_preemptions.get(rid, 0), req.num_preemptions)
             for out in outputs:
                 i = int(out.request_id.rsplit("-", 1)[1])
                 c = out.outputs[0]
@@ -193,7 +200,8 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     info: dict[str, Any] = {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
                             "page_size_bytes": int(spec.page_size_bytes),
                             "num_blocks": int(runner.kv_cache_config.num_blocks), "decode_tokens": decode_tokens,
-                            "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode}
+                            "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode,
+                            "vllm_preemptions": sum(seen_preemptions.values())}
     if not rows_on:
         return ScenarioResult(sc.name, [list(p) + g for p, g in zip(sc.prompts, gen)], [], [], steps, preemptions,
                               seconds, os.getpid(), info)

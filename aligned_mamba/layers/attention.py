@@ -9,6 +9,11 @@ positions 0..t (keys in fixed blocks from position 0, one online-softmax order i
 entries exact zeros), so prefill, chunked prefill, decode, recompute and any batch give the same
 bits. The projections run on the backend's row-invariant ``linear``.
 
+An engine that owns a paged KV cache (vLLM's block manager) calls ``advance_paged`` instead: the
+same projections write the new keys and values into its pages (``paged_tables`` says where, from
+the engine's block table), the keys and values of positions 0..t are gathered back into the same
+packed layout, and the same ``attend`` and o_proj run, so the rows are the same bits.
+
 Weight names (under the layer's prefix), as transformers' ``NemotronHAttention``: q_proj.weight
 [H*D, hidden], k_proj.weight [G*D, hidden], v_proj.weight [G*D, hidden], o_proj.weight
 [hidden, H*D]; no biases, no rotary embeddings (Nemotron-H's attention has neither), scale D^-0.5.
@@ -101,6 +106,61 @@ def step_tables(batch: Batch, rep: int, device: torch.device) -> StepTables:
                       read_pos.to(device), cu_k, plan)
 
 
+@dataclass(frozen=True)
+class PagedTables:
+    """One step's tables over a paged KV cache (shared by the attention layers reading one block table).
+
+    write_block, write_off [T] int64: the page and offset of each new token's key and value.
+    read_block, read_off [Tk]: those of the keys each sequence attends to (its positions 0 .. its
+    length - 1), packed in batch order. cu_seqlens_q, cu_seqlens_k [S+1] int64 (CPU). plan: the
+    blocked form's tables, on the device.
+    """
+
+    write_block: torch.Tensor
+    write_off: torch.Tensor
+    read_block: torch.Tensor
+    read_off: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    plan: BlockedPlan
+
+
+def paged_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                 rep: int, device: torch.device) -> PagedTables:
+    """The tables of one step over a paged cache, for H // G = ``rep``.
+
+    cu_seqlens_q [S+1]: the new tokens' offsets; seq_lens [S]: each sequence's length after the step
+    (its new tokens are its last positions); block_table [S, max_blocks]: each sequence's pages in
+    order (entries past its length are not read). Host tensors (int); the tables are built there and
+    moved once.
+    """
+    cu_q = cu_seqlens_q.to("cpu", torch.int64)
+    end = seq_lens.to("cpu", torch.int64)
+    bt = block_table.to("cpu", torch.int64)
+    n = cu_q.diff()
+    if bool((n > end).any()) or bool((n < 0).any()):
+        raise ValueError("every sequence needs 0 <= new tokens <= its length")
+    S = n.numel()
+    need = (end + block_size - 1) // block_size
+    if S and int(need.max()) > bt.shape[1]:
+        raise ValueError(f"a sequence of {int(end.max())} tokens needs {int(need.max())} pages of {block_size}; "
+                         f"its block table lists {bt.shape[1]}")
+    seq_t = torch.repeat_interleave(torch.arange(S), n)
+    write_pos = (end - n)[seq_t] + torch.arange(int(cu_q[-1])) - cu_q[:-1][seq_t]
+    cu_k = torch.zeros(S + 1, dtype=torch.int64)
+    cu_k[1:] = torch.cumsum(end, 0)
+    seq_k = torch.repeat_interleave(torch.arange(S), end)
+    read_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq_k]
+    plan = blocked_plan(cu_q, cu_k, rep, kv_block=KV_BLOCK, row_tile=ROW_TILE).to(device)
+
+    def page(seq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return bt[seq, pos // block_size].to(device), (pos % block_size).to(device)
+
+    wb, wo = page(seq_t, write_pos)
+    rb, ro = page(seq_k, read_pos)
+    return PagedTables(wb, wo, rb, ro, cu_q, cu_k, plan)
+
+
 class Attention:
     """Causal grouped-query self-attention on a backend, in a model dtype.
 
@@ -149,24 +209,55 @@ class Attention:
         model dtype; rows [T] bool picks the output rows (default all). ``capture`` is unused (it
         collects Mamba2 scan inputs).
         """
-        c, be = self.config, self.backend
-        T, H, G, D = hidden.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        c = self.config
         end = int((batch.start_pos + batch.lengths).max()) if batch.slots.numel() else 0
         if end > state.max_len:
             raise ValueError(f"a sequence reaches {end} tokens but the attention cache holds {state.max_len} "
                              "per sequence")
-        t = batch.derived(("attention", H // G, hidden.device), lambda: step_tables(batch, H // G, hidden.device))
-        q = be.linear(hidden, self.q_w).view(T, H, D)
-        k = be.linear(hidden, self.k_w).view(T, G, D)
-        v = be.linear(hidden, self.v_w).view(T, G, D)
+        rep = c.num_heads // c.num_kv_heads
+        t = batch.derived(("attention", rep, hidden.device), lambda: step_tables(batch, rep, hidden.device))
+        q, k, v = self.project(hidden)
         state.k_cache[t.write_slot, t.write_pos] = k
         state.v_cache[t.write_slot, t.write_pos] = v
         o = self.attend(q, state.k_cache[t.read_slot, t.read_pos], state.v_cache[t.read_slot, t.read_pos],
                         batch.cu_seqlens, t.cu_seqlens_k, t.plan)
-        o = o.reshape(T, H * D)
+        return self.output(o, rows)
+
+    def advance_paged(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: PagedTables,
+                      hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``advance`` over a paged cache someone else owns (an engine's block manager, e.g. vLLM's).
+
+        key_pages, value_pages [num_blocks, G, block_size, D] (model dtype; views are written in place):
+        a sequence's key of position p sits in its block ``block_table[p // block_size]`` at offset
+        ``p % block_size``; ``tables`` (``paged_tables``) says where. Same arithmetic as ``advance``:
+        the keys and values read back are the very bits the projections wrote, gathered into the same
+        packed [Tk, G, D] layout, so every row equals the trainer's.
+        """
+        if key_pages.dtype != self.dtype or value_pages.dtype != self.dtype:
+            raise ValueError(f"the paged KV cache holds {key_pages.dtype}, the model computes in {self.dtype}: "
+                             "keys would be rounded")
+        q, k, v = self.project(hidden)
+        key_pages[tables.write_block, :, tables.write_off] = k
+        value_pages[tables.write_block, :, tables.write_off] = v
+        o = self.attend(q, key_pages[tables.read_block, :, tables.read_off],
+                        value_pages[tables.read_block, :, tables.read_off], tables.cu_seqlens_q, tables.cu_seqlens_k,
+                        tables.plan)
+        return self.output(o, rows)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, G, D] (model dtype) of normed rows [T, hidden_size]."""
+        c, be, T = self.config, self.backend, hidden.shape[0]
+        q = be.linear(hidden, self.q_w).view(T, c.num_heads, c.head_dim)
+        k = be.linear(hidden, self.k_w).view(T, c.num_kv_heads, c.head_dim)
+        v = be.linear(hidden, self.v_w).view(T, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
+    def output(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """o_proj of the attention rows o [T, H, D] (those ``rows`` picks) -> [rows, hidden_size]."""
+        o = o.reshape(o.shape[0], -1)
         if rows is not None:
             o = o[rows]
-        return be.linear(o, self.o_w)
+        return self.backend.linear(o, self.o_w)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, plan: BlockedPlan) -> torch.Tensor:
