@@ -30,6 +30,7 @@ from . import logprobs as _logprobs
 from . import norm as _norm
 from .configs import TorchKernelConfigs, TritonKernelConfigs
 from .ssd.chunk import replay_chunk
+from .ssd.decode import replay_decode
 from .ssd.state import SSDState, SSMParams, Step
 
 if TYPE_CHECKING:
@@ -108,15 +109,32 @@ class TorchBackend(Backend):
     configs: TorchKernelConfigs
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        # fp32 once, not per call: the GEMM takes fp32 operands (exact for bf16 values)
-        return w.to(torch.float32)
+        # fp32 and padded once, not per call: the GEMM takes fp32 operands (exact for bf16 values)
+        return _linear.gemm_weight(w)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return _linear.linear(x, w, b, self.configs.linear_row_tile)
 
+    def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
+                     b: torch.Tensor | None) -> torch.Tensor:
+        if not self._decode_only(step):
+            return super().conv_advance(windows, step, x, w, b)
+        slots = step.derived(("slots", windows.device), lambda: step.slots.to(windows.device))
+        out, window = _conv.causal_conv1d_step(x, windows.index_select(0, slots), w, b)
+        windows.index_copy_(0, slots, window)
+        return out
+
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self._decode_only(step):
+            # the row tile holding each token, with the prefill's arithmetic (``ops.ssd.decode``)
+            return replay_decode(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
         return replay_chunk(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
+
+    @staticmethod
+    def _decode_only(step: Step) -> bool:
+        """Whether every sequence of the step brings exactly one token (worked out once per step)."""
+        return step.derived(("one-token-each",), lambda: step.slots.numel() > 0 and bool((step.lengths == 1).all()))
 
 
 class TritonBackend(Backend):

@@ -13,6 +13,23 @@ import torch
 from . import elementwise as ew
 
 
+def _tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bias + w_0 x_0 + ... + w_{K-1} x_{K-1} per row, in float32, added in that order.
+
+    taps [T, K, Cd] (each row's K inputs, oldest first), weight [Cd, K], bias [Cd] or None ->
+    [T, Cd] float32. The K products come from one multiply (each a single rounding, as K separate
+    ones would give), the sum from K adds in order.
+    """
+    T, K, Cd = taps.shape
+    prods = taps.to(torch.float32) * weight.to(torch.float32).t()  # [T, K, Cd]
+    out = torch.zeros(T, Cd, dtype=torch.float32, device=taps.device)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    for k in range(K):
+        out = out + prods[:, k]
+    return out
+
+
 def causal_conv1d(
     x: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -43,12 +60,8 @@ def causal_conv1d(
         """Row of ``stream`` holding position p of a sequence's (window ++ new) stream."""
         return torch.where(p < Km1, seq_ids * Km1 + p, S * Km1 + cu[:-1][seq_ids] + p - Km1)
 
-    out = torch.zeros(T, Cd, dtype=torch.float32, device=dev)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    wf = weight.to(torch.float32)
-    for k in range(K):
-        out = out + wf[:, k] * stream[src(seq, j + k)].to(torch.float32)
+    taps = stream[src(seq[:, None], j[:, None] + torch.arange(K, device=dev)[None, :])]  # [T, K, Cd]
+    out = _tap_sum(taps, weight, bias)
     if activation:
         out = ew.silu(out)
     # The new window: the last K-1 positions of each (window ++ new) stream.
@@ -56,3 +69,23 @@ def causal_conv1d(
     sidx = torch.arange(S, device=dev)[:, None].expand(S, Km1)
     new_window = stream[src(sidx, lens[:, None] + q[None, :])]
     return out.to(x.dtype), new_window
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    activation: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d`` for one new token per sequence (a decode step), the same arithmetic.
+
+    x [S, Cd] (model dtype), window [S, K-1, Cd], weight [Cd, K], bias [Cd] or None.
+    Returns (out [S, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
+    """
+    taps = torch.cat([window.to(x.dtype), x[:, None]], dim=1)  # [S, K, Cd]
+    out = _tap_sum(taps, weight, bias)
+    if activation:
+        out = ew.silu(out)
+    return out.to(x.dtype), taps[:, 1:]

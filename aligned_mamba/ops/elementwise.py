@@ -23,6 +23,25 @@ from __future__ import annotations
 
 import torch
 
+_CONSTANTS: dict[tuple[float | int, torch.dtype], torch.Tensor] = {}
+
+
+def operand(value: float | int, like: torch.Tensor) -> torch.Tensor | float | int:
+    """``value`` as an operand for ``like`` (float32 or int32 on the CPU): a 0-dim tensor of
+    like's dtype, made once. A Python number costs a wrapped tensor in every op (about twice a
+    small op's time); both are rounded to like's dtype before the op, so the bits are the same.
+    Other dtypes and devices get the number itself."""
+    if not like.is_cpu or like.dtype not in (torch.float32, torch.int32):
+        return value
+    key = (value, like.dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype)
+    return t
+
+
+_k = operand
+
 _LOG2E = 1.44269504088896341
 # Cody-Waite split of ln 2 (cephes): C1 is exact in a few bits so n * C1 is exact.
 _LN2_HI = 0.693359375
@@ -41,65 +60,79 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     """
     xc = x.clamp(_EXP_LO - 0.7, _EXP_HI)
     # round to nearest (even) by adding and subtracting 1.5 * 2^23: two exact IEEE adds
-    n = (xc * _LOG2E).add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC).clamp_(min=-127.0)
-    r = xc.sub_(n * _LN2_HI).sub_(n * _LN2_LO)
-    p = r * _EXP_POLY[0] + _EXP_POLY[1]
+    magic = _k(_ROUND_MAGIC, x)
+    n = (xc * _k(_LOG2E, x)).add_(magic).sub_(magic).clamp_(min=-127.0)
+    r = xc.sub_(n * _k(_LN2_HI, x)).sub_(n * _k(_LN2_LO, x))
+    p = r * _k(_EXP_POLY[0], x) + _k(_EXP_POLY[1], x)
     for c in _EXP_POLY[2:]:
-        p.mul_(r).add_(c)
-    p.mul_(r * r).add_(r).add_(1.0)
-    scale = n.to(torch.int32).add_(127).bitwise_left_shift_(23).view(torch.float32)
+        p.mul_(r).add_(_k(c, x))
+    p.mul_(r * r).add_(r).add_(_k(1.0, x))
+    ni = n.to(torch.int32)
+    scale = ni.add_(_k(127, ni)).bitwise_left_shift_(_k(23, ni)).view(torch.float32)
     return p.mul_(scale)
 
 
 _SQRT_HALF = 0.70710678118654752
 
 
-def _log(x: torch.Tensor) -> torch.Tensor:
-    """Natural log of positive normal float32 x (x <= 0 gives nan/-inf like libm)."""
+def _log(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """Natural log of positive normal float32 x (x <= 0 gives nan/-inf like libm). ``finite``:
+    the caller's x is never 0, negative or +inf, so those cases are not checked (a nan input then
+    gives a finite number, not nan: the caller must propagate nan itself)."""
     bits = x.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127
-    m = ((bits & 0x007FFFFF) | 0x3F800000).view(torch.float32)  # mantissa in [1, 2)
-    big = m > (2.0 * _SQRT_HALF)
-    m = torch.where(big, m * 0.5, m)  # now in [sqrt(1/2), sqrt(2))
-    e = torch.where(big, e + 1, e).to(torch.float32)
-    s = (m - 1.0) / (m + 1.0)
+    e = ((bits >> _k(23, bits)) & _k(0xFF, bits)) - _k(127, bits)
+    m = ((bits & _k(0x007FFFFF, bits)) | _k(0x3F800000, bits)).view(torch.float32)  # mantissa in [1, 2)
+    big = m > _k(2.0 * _SQRT_HALF, x)
+    m = torch.where(big, m * _k(0.5, x), m)  # now in [sqrt(1/2), sqrt(2))
+    e = torch.where(big, e + _k(1, e), e).to(torch.float32)
+    one = _k(1.0, x)
+    s = (m - one) / (m + one)
     s2 = s * s
     # log(m) = 2 atanh(s) = 2 (s + s^3/3 + ... ), |s| < 0.1716
-    p = torch.full_like(s, 1.0 / 11.0)
-    for k in (9.0, 7.0, 5.0, 3.0):
-        p = p * s2 + 1.0 / k
+    p = s2 * _k(1.0 / 11.0, x) + _k(1.0 / 9.0, x)
+    for k in (7.0, 5.0, 3.0):
+        p = p * s2 + _k(1.0 / k, x)
     p = p * s2
-    logm = (s + s * p) * 2.0
-    y = e * _LN2_HI + logm
-    y = y + e * _LN2_LO
-    y = torch.where(x == 0, torch.full_like(y, float("-inf")), y)
-    y = torch.where(x < 0, torch.full_like(y, float("nan")), y)
+    logm = (s + s * p) * _k(2.0, x)
+    y = e * _k(_LN2_HI, x) + logm
+    y = y + e * _k(_LN2_LO, x)
+    if finite:
+        return y
+    y = torch.where(x == 0, float("-inf"), y)
+    y = torch.where(x < 0, float("nan"), y)
     return torch.where(torch.isnan(x) | (torch.isinf(x) & (x > 0)), x, y)  # nan stays nan, inf stays inf
 
 
-def _log1p(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + x) for float32 x > -1, accurate for small x (log(w) * x / (w - 1), w = 1 + x)."""
-    w = x + 1.0
-    d = w - 1.0
-    safe_d = torch.where(d == 0, torch.ones_like(d), d)
-    y = _log(w) * (x / safe_d)
-    y = torch.where(torch.isinf(x) & (x > 0), x, y)
+def _log1p(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """log(1 + x) for float32 x > -1, accurate for small x (log(w) * x / (w - 1), w = 1 + x).
+    ``finite``: the caller's x is finite and >= 0 (or nan), so w is a finite normal >= 1 and the
+    special cases of ``_log`` and +inf are not checked: the same arithmetic, nan still gives nan
+    (through x / safe_d)."""
+    one = _k(1.0, x)
+    w = x + one
+    d = w - one
+    safe_d = torch.where(d == 0, one, d)
+    y = _log(w, finite) * (x / safe_d)
+    if not finite:
+        y = torch.where(torch.isinf(x) & (x > 0), x, y)
     return torch.where(d == 0, x, y)
 
 
 def _softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     """log(1 + exp(x)), returning x itself above ``threshold`` (as torch's softplus does)."""
-    y = _log1p(_exp(torch.minimum(x, torch.full_like(x, threshold))))
-    return torch.where(x > threshold, x, y)
+    # exp of at most the threshold is finite and >= 0 (or nan): log1p's finite case
+    y = _log1p(_exp(x.clamp(max=threshold)), finite=True)
+    return torch.where(x > _k(threshold, x), x, y)
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return 1.0 / (_exp(-x) + 1.0)
+    one = _k(1.0, x)
+    return one / (_exp(-x) + one)
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x), written x / (1 + exp(-x))."""
-    return x / (_exp(-x) + 1.0)
+    return x / (_exp(-x) + _k(1.0, x))
 
 
 # -- differentiable wrappers: forward = the bit-exact implementation, backward = the derivative ----------

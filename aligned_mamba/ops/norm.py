@@ -15,8 +15,9 @@ from .reduce import tree_sum
 
 def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
     """xf [..., d] float32 -> xf / sqrt(mean(xf^2) + eps)."""
-    var = tree_sum(xf * xf) / xf.shape[-1]
-    return xf * (1.0 / torch.sqrt(var + eps))[..., None]
+    k = ew.operand  # the constants as 0-dim tensors: the same rounding, half the cost of a Python number
+    var = tree_sum(xf * xf) / k(float(xf.shape[-1]), xf)
+    return xf * (k(1.0, xf) / torch.sqrt(var + k(eps, xf)))[..., None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -18,5 +18,5 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, width - n))
     while width > 1:
         width //= 2
-        x = x[..., :width] + x[..., width:]
+        x = torch.add(*x.split(width, dim=-1))  # first half + second half
     return x[..., 0]

@@ -29,6 +29,7 @@ diagonal block: 2R + R^2 exponentials per tile and head instead of R * chunk_siz
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -141,6 +142,128 @@ def pack_chunks(
     return Chunks(x=xc, dt=dtc, B=Bc, seq=seq, index=index, length=length, row_chunk=row_chunk, row_pos=row_pos)
 
 
+@dataclass(frozen=True)
+class TileLayout:
+    """Where NT row tiles lie in their chunks: what the tile arithmetic indexes with, fixed by the
+    tiles' positions alone (so a decode step computes it once for all its layers).
+
+    rows [NT, R] int64: each tile row's position in its chunk; before [NT, L] bool: the chunk's
+    columns before the tile's first row; causal [R, R] bool: row >= column inside the tile;
+    neg_inf: the -inf scalar that masked exponents take. With one live row per tile (a decode
+    step): live [NT] its row in the tile, live_pos [NT] its position in the chunk, live_causal
+    [NT, 1, 1, R] its row of ``causal``, tile_ids [NT] = 0 .. NT-1; all None otherwise.
+    """
+
+    rows: torch.Tensor
+    before: torch.Tensor
+    causal: torch.Tensor
+    neg_inf: torch.Tensor
+    live: torch.Tensor | None = None
+    live_pos: torch.Tensor | None = None
+    live_causal: torch.Tensor | None = None
+    tile_ids: torch.Tensor | None = None
+
+
+def tile_layout(tile: torch.Tensor, L: int, R: int, live: torch.Tensor | None = None) -> TileLayout:
+    """The layout of tiles number ``tile`` [NT] (int64, row tiles of R rows in chunks of L); live [NT]
+    (optional): the one row of each tile whose output is wanted."""
+    dev = tile.device
+    ar = torch.arange(R, device=dev)
+    rows = tile[:, None] * R + ar
+    causal = ar[:, None] >= ar[None, :]
+    lay = TileLayout(rows=rows, before=torch.arange(L, device=dev)[None, :] < (tile * R)[:, None], causal=causal,
+                     neg_inf=torch.tensor(-math.inf, device=dev))
+    if live is None:
+        return lay
+    return dataclasses.replace(lay, live=live, live_pos=tile * R + live, live_causal=causal[live][:, None, None, :],
+                               tile_ids=torch.arange(tile.shape[0], device=dev))
+
+
+def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
+                 h_in: torch.Tensor, Ct: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """The output rows of NT row tiles: the one statement of a row's arithmetic, which a prefill
+    runs for every tile holding new rows and a decode step for the tile holding its token.
+
+    Per tile, its chunk's operands in float32: a [NT, H, L] (cumsum of dt*A), dt [NT, H, L], x
+    [NT, H, L, P], B [NT, G, L, N]; h_in [NT, H, P, N] the chunk's boundary state; Ct [NT, G, R, N]
+    C of the tile's rows (zero in rows not wanted); D [H] or [H, P]. Returns [NT, H, Q, P] float32:
+    every row (Q = R), or with ``lay.live`` set each tile's live row (Q = 1).
+
+    Columns past a row carry a zero decay, so what the chunk holds there (later tokens in a
+    prefill, zeros in a decode) adds exact zeros: a row's bits depend on columns up to it only.
+    The GEMMs always run at the tile's shapes, [R, N] x [N, L], [R, L] x [L, P] and [R, N] x
+    [N, Hg*P] (a GEMM row's bits depend on that row's operands, not on the other rows); the
+    elementwise work of a live row is that row's elements of the whole tile's, operation by operation.
+    """
+    NT, H, L, P = x.shape
+    G, N = B.shape[1], B.shape[3]
+    R = Ct.shape[2]
+    Hg = H // G  # heads per group
+    rows_in_chunk, neg_inf = lay.rows, lay.neg_inf
+    a_t = a.gather(-1, rows_in_chunk[:, None, :].expand(NT, H, R))  # [NT, H, R]
+    a_0 = a_t[..., :1]
+    if lay.live is None:
+        Q, a_q, causal = R, a_t, lay.causal
+    else:
+        Q, a_q, causal = 1, a.gather(-1, lay.live_pos[:, None, None].expand(NT, H, 1)), lay.live_causal
+    # All exponentials of the tile in one call (each is <= 1): columns before the tile, the
+    # tile's rows against its first row, its diagonal block, and the boundary-state decay.
+    args = (
+        torch.where(lay.before[:, None, :], a_0 - a, neg_inf),  # [NT, H, L]
+        a_q - a_0,  # [NT, H, Q]
+        torch.where(causal, a_q[..., :, None] - a_t[..., None, :], neg_inf),  # [NT, H, Q, R]
+        a_q,  # [NT, H, Q]
+    )
+    e = ew.exp(torch.cat([t.reshape(NT, H, -1) for t in args], dim=-1))
+    e_col, e_row, diag, e_in = torch.split(e, [L, Q, Q * R, Q], dim=-1)
+    decay = e_row[..., :, None] * e_col[..., None, :]  # [NT, H, Q, L]
+    decay.scatter_(-1, rows_in_chunk[:, None, None, :].expand(NT, H, Q, R), diag.reshape(NT, H, Q, R))
+
+    CB = torch.bmm(Ct.view(NT * G, R, N), B.view(NT * G, L, N).transpose(1, 2))  # [NT*G, R, L]
+    # C_t . h_in for all heads of a group in one GEMM: [R, N] x [N, Hg*P]
+    inter = torch.bmm(Ct.view(NT * G, R, N), h_in.reshape(NT * G, Hg * P, N).transpose(1, 2))
+    if lay.live is not None:
+        ids, live = lay.tile_ids, lay.live
+        CB = CB.view(NT, G, R, L)[ids, :, live]  # [NT, G, L]
+        inter = inter.view(NT, G, R, Hg * P)[ids, :, live]  # [NT, G, Hg*P]
+    # (C.B) * decay * dt, with a group's C.B broadcast over its heads
+    scores = (CB.view(NT, G, 1, Q, L) * decay.view(NT, G, Hg, Q, L)) * dt.view(NT, G, Hg, 1, L)
+    if lay.live is None:
+        intra = torch.bmm(scores.view(NT * H, R, L), x.view(NT * H, L, P)).view(NT, H, R, P)
+        x_t = x.gather(2, rows_in_chunk[:, None, :, None].expand(NT, H, R, P))  # [NT, H, R, P]
+    else:  # the live row in its place in a zero tile: the GEMM's shape
+        tiles = scores.new_zeros(NT, H, R, L)
+        tiles[ids, :, live] = scores.view(NT, H, L)
+        intra = torch.bmm(tiles.view(NT * H, R, L), x.view(NT * H, L, P)).view(NT, H, R, P)[ids, :, live][:, :, None]
+        x_t = x[ids, :, lay.live_pos][:, :, None]  # [NT, H, 1, P]
+    inter = inter.view(NT, G, Q, Hg, P).permute(0, 1, 3, 2, 4).reshape(NT, H, Q, P) * e_in[..., None]
+    Df = D.to(torch.float32)
+    Df = Df[:, None] if Df.dim() == 1 else Df
+    return (inter + intra) + Df[None, :, None, :] * x_t  # [NT, H, Q, P]
+
+
+def chunk_states(a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor,
+                 B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state n chunks add from a zero boundary, sum_s exp(a_L - a_s) dt_s x_s B_s^T, and their
+    decay exp(a_L): what a prefill and a decode step's chunk completion both fold into the state.
+
+    a, dt [n, H, L], x [n, H, L, P], B [n, G, L, N] float32. Returns ([n, H, P, N], [n, H, 1, 1]).
+    """
+    n, H, L, P = x.shape
+    G, N = B.shape[1], B.shape[3]
+    Hg = H // G
+    w = ew.exp(a[:, :, -1:] - a) * dt  # [n, H, L]
+    xw = (x * w[..., None]).view(n * G, Hg * L, P)  # heads of a group stacked on rows
+    xw = xw.view(n * G, Hg, L, P).transpose(1, 2).reshape(n * G, L, Hg * P)
+    st = torch.bmm(xw.transpose(1, 2), B.view(n * G, L, N))  # [n*G, Hg*P, N]
+    return st.view(n, H, P, N), ew.exp(a[:, :, -1])[:, :, None, None]
+
+
+def fold_state(h: torch.Tensor, decay: torch.Tensor, chunk_state: torch.Tensor) -> torch.Tensor:
+    """The state at a chunk's end from the state at its boundary: decay * h + chunk_state (float32)."""
+    return decay * h + chunk_state
+
+
 def scan_chunks(
     ch: Chunks,
     C: torch.Tensor,
@@ -163,7 +286,6 @@ def scan_chunks(
     NC, H, L, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
     S = initial_states.shape[0]
-    Hg = H // G  # heads per group
     R = row_tile
     if L % R:
         raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
@@ -177,12 +299,8 @@ def scan_chunks(
     si = torch.nonzero(need).flatten()
     n = si.numel()
     if n:
-        w = ew.exp(a[si, :, -1:] - a[si]) * ch.dt[si]  # [n, H, L]
-        xw = (ch.x[si] * w[..., None]).view(n * G, Hg * L, P)  # heads of a group stacked on rows
-        xw = xw.view(n * G, Hg, L, P).transpose(1, 2).reshape(n * G, L, Hg * P)
-        st = torch.bmm(xw.transpose(1, 2), ch.B[si].view(n * G, L, N))  # [n*G, Hg*P, N]
-        chunk_state = st.view(n, H, P, N)
-        chunk_decay = ew.exp(a[si, :, -1])[:, :, None, None]  # [n, H, 1, 1]
+        # index_select, not t[si]: the same rows, copied whole (advanced indexing is ~5x slower)
+        chunk_state, chunk_decay = chunk_states(*(t.index_select(0, si) for t in (a, ch.dt, ch.x, ch.B)))
 
     # Pass states along each sequence, chunk after chunk, in float32.
     moved = torch.zeros(S, dtype=torch.bool, device=dev)
@@ -191,7 +309,7 @@ def scan_chunks(
         h = h0
         if n:
             h = h0.clone()
-            h[ch.seq[si]] = chunk_decay * h0[ch.seq[si]] + chunk_state
+            h[ch.seq[si]] = fold_state(h0.index_select(0, ch.seq[si]), chunk_decay, chunk_state)
             moved[ch.seq[si]] = True
     else:
         h = h0.clone()
@@ -204,7 +322,7 @@ def scan_chunks(
             h_in[ck] = h[sq]
             upd = need[ck]
             cu_, su_ = slot_of[ck[upd]], sq[upd]
-            h[su_] = chunk_decay[cu_] * h[su_] + chunk_state[cu_]
+            h[su_] = fold_state(h[su_], chunk_decay[cu_], chunk_state[cu_])
         moved[ch.seq[si]] = True
 
     # Tiles holding wanted rows.
@@ -219,46 +337,13 @@ def scan_chunks(
     tile_id[tiles[:, 0], tiles[:, 1]] = torch.arange(NT, device=dev)
     tc, tr = tiles[:, 0], tiles[:, 1]
     ident = NT == NC and bool((tc == torch.arange(NC, device=dev)).all())
-    ar = torch.arange(R, device=dev)
-    rows_in_chunk = tr[:, None] * R + ar  # [NT, R]
-    a_c = a if ident else a[tc]  # [NT, H, L]
-    a_t = a_c.gather(-1, rows_in_chunk[:, None, :].expand(NT, H, R))  # [NT, H, R]
-    a_0 = a_t[..., :1]
-    before = torch.arange(L, device=dev)[None, :] < (tr * R)[:, None]  # [NT, L]
-    causal = ar[:, None] >= ar[None, :]
-    neg_inf = torch.tensor(-math.inf, device=dev)
-    # All exponentials of the tile in one call (each is <= 1): columns before the tile, the
-    # tile's rows against its first row, its diagonal block, and the boundary-state decay.
-    args = (
-        torch.where(before[:, None, :], a_0 - a_c, neg_inf),  # [NT, H, L]
-        a_t - a_0,  # [NT, H, R]
-        torch.where(causal, a_t[..., :, None] - a_t[..., None, :], neg_inf),  # [NT, H, R, R]
-        a_t,  # [NT, H, R]
-    )
-    e = ew.exp(torch.cat([t.reshape(NT, H, -1) for t in args], dim=-1))
-    e_col, e_row, diag, e_in = torch.split(e, [L, R, R * R, R], dim=-1)
-    decay = e_row[..., :, None] * e_col[..., None, :]  # [NT, H, R, L]
-    decay.scatter_(-1, rows_in_chunk[:, None, None, :].expand(NT, H, R, R), diag.reshape(NT, H, R, R))
 
     # C of the wanted rows, placed in their tiles (other rows stay zero).
     rt = tile_id[ch.row_chunk, ch.row_pos // R]
     Ct = torch.zeros(NT, G, R, N, device=dev)
     Ct[rt[want], :, ch.row_pos[want] % R] = C[want].to(torch.float32)
-    Bt = ch.B if ident else ch.B[tc]  # [NT, G, L, N]
-    CB = torch.bmm(Ct.view(NT * G, R, N), Bt.view(NT * G, L, N).transpose(1, 2))  # [NT*G, R, L]
-    dt_t = ch.dt if ident else ch.dt[tc]  # [NT, H, L]
-    # (C.B) * decay * dt, with a group's C.B broadcast over its heads
-    scores = (CB.view(NT, G, 1, R, L) * decay.view(NT, G, Hg, R, L)) * dt_t.view(NT, G, Hg, 1, L)
-    xt = ch.x if ident else ch.x[tc]  # [NT, H, L, P]
-    intra = torch.bmm(scores.view(NT * H, R, L), xt.view(NT * H, L, P)).view(NT, H, R, P)
-    # C_t . h_in for all heads of a group in one GEMM: [R, N] x [N, Hg*P]
-    hb = h_in if ident else h_in[tc]  # [NT, H, P, N]
-    inter = torch.bmm(Ct.view(NT * G, R, N), hb.reshape(NT * G, Hg * P, N).transpose(1, 2))
-    inter = inter.view(NT, G, R, Hg, P).permute(0, 1, 3, 2, 4).reshape(NT, H, R, P) * e_in[..., None]
-    x_t = xt.gather(2, rows_in_chunk[:, None, :, None].expand(NT, H, R, P))  # [NT, H, R, P]
-    Df = D.to(torch.float32)
-    Df = Df[:, None] if Df.dim() == 1 else Df
-    out = (inter + intra) + Df[None, :, None, :] * x_t  # [NT, H, R, P]
+    pick = (lambda t: t) if ident else (lambda t: t.index_select(0, tc))
+    out = tile_outputs(tile_layout(tr, L, R), pick(a), pick(ch.dt), pick(ch.x), pick(ch.B), pick(h_in), Ct, D)
     y[want] = out[rt[want], :, ch.row_pos[want] % R]
     return y, h, moved
 
@@ -322,10 +407,11 @@ def replay_chunk(
     slots, cu = step.slots.to(dev), step.cu_seqlens.to(dev)
     lens = cu[1:] - cu[:-1]
     off = step.start_pos.to(dev) % L  # rows buffered since the boundary
-    prefix = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots], off)
+    prefix = (state.buf_x.index_select(0, slots), state.buf_dt.index_select(0, slots),
+              state.buf_B.index_select(0, slots), off)
     ch = pack_chunks(x, dt, B, cu, L, params.dt_bias, params.dt_limit, prefix=prefix)
-    y, h, moved = scan_chunks(ch, C, params.A, params.D, state.ssm_state[slots], rows=rows, final="boundary",
-                              row_tile=cfg.scan_row_tile(L))
+    y, h, moved = scan_chunks(ch, C, params.A, params.D, state.ssm_state.index_select(0, slots), rows=rows,
+                              final="boundary", row_tile=cfg.scan_row_tile(L))
     if bool(moved.any()):
         state.ssm_state[slots[moved]] = h[moved]
     # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is
@@ -334,7 +420,7 @@ def replay_chunk(
     crossed = off + lens >= L
     if bool(crossed.any()):
         for buf in (state.buf_x, state.buf_dt, state.buf_B):
-            buf[slots[crossed]] = 0
+            buf.index_fill_(0, slots[crossed], 0)
     row_seq = torch.repeat_interleave(torch.arange(slots.numel(), device=dev), lens, output_size=x.shape[0])
     last_chunk = ch.row_chunk == (torch.cumsum((off + lens + L - 1) // L, 0) - 1)[row_seq]
     keep = last_chunk & (rem[row_seq] > 0)

@@ -1,0 +1,177 @@
+"""Exact-replay decode on the torch backend: one new token per sequence, only its row tile.
+
+A decode step must give its token the bits the single pass gives the same row. By the invariant of
+``chunk.py`` that row is a fixed function of (the chunk's fp32 boundary state, the chunk's inputs up
+to the token, its position), and the prefill computes it in the row tile holding it
+(``chunk.tile_outputs``, R = ``TorchKernelConfigs.scan_row_tile(L)`` rows) from the zero-padded
+chunk. So a decode step
+
+1. writes the token's x, raw dt and B into row ``pos % L`` of its slot's buffers, which then hold
+   the chunk so far (rows past it are zero, the buffer invariant of ``SSDState``);
+2. builds the chunk's operands as ``chunk.pack_chunks`` does (fp32 x and B, softplus'd dt, +0.0
+   past the token; the within-chunk cumsum a) and runs ``chunk.tile_outputs`` for the one tile
+   holding the token, with the token's C in its row and zeros in the others: the prefill's
+   operations, in its order, at its shapes; the S tiles of a step go through one batched GEMM each
+   (a batch item's bits do not depend on how many items share the call: tests/test_ops_rows.py,
+   tests/test_replay_decode_torch.py);
+3. where the token completes its chunk (``pos % L == L - 1``), folds the chunk into the boundary
+   state with the prefill's code (``chunk.chunk_states``, ``chunk.fold_state``) and empties the
+   slot's buffers.
+
+Everything that depends only on the step's positions and slots (the tiles, masks, scatter and
+gather indices, which sequences complete) is worked out once per step on the host and shared by
+all layers (``Step.derived``); a layer's call is then a fixed sequence of torch ops with no host
+syncs. Where the step's slots, sorted, are one contiguous range, the sequences are taken in slot
+order and the state and buffers are read through views of that range, not gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..configs import TorchKernelConfigs
+from .chunk import TileLayout, chunk_states, dt_softplus, fold_state, tile_layout, tile_outputs
+from .state import SSDState, SSMParams, Step
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode step's layout for layers of H heads and G groups, on the device.
+
+    S sequences; ``order`` [S] (None: identity): the packed row each plan entry takes, ascending by
+    slot when the slots form one range (``first`` >= 0 is then the first slot and entry i is slot
+    first + i), else the packed order. Per entry: ``slots`` [S], ``pos`` [S] the token's position in
+    its chunk, ``row`` [S] its row in its tile, ``lay`` the tiles' ``TileLayout``, ``filled``
+    [S, 1, L] bool (chunk rows up to the token). ``put_x``/``put_B``: index tuples writing the token's
+    x [S, H, P] (and raw dt [S, H]) / B [S, G, N] rows into buffers of [slots, H | G, L, ...];
+    ``put_C`` places C [S, G, N] in the tile rows [S, G, R, N]. ``done`` [n] (None if none): entries
+    whose token completes its chunk, ``done_slots`` [n] their slots.
+    """
+
+    S: int
+    first: int
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
+    slots: torch.Tensor
+    pos: torch.Tensor
+    row: torch.Tensor
+    lay: TileLayout
+    filled: torch.Tensor
+    put_x: tuple[torch.Tensor, ...]
+    put_B: tuple[torch.Tensor, ...]
+    put_C: tuple[torch.Tensor, ...]
+    done: torch.Tensor | None
+    done_slots: torch.Tensor | None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The plan's slots of a slot-indexed tensor, in plan order: a view when they are one range."""
+        return t.narrow(0, self.first, self.S) if self.first >= 0 else t.index_select(0, self.slots)
+
+
+def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device) -> DecodePlan:
+    """The ``DecodePlan`` of a step whose sequences each bring one token (host tables, one copy each)."""
+    slots_h = step.slots.to(torch.int64)
+    S = slots_h.numel()
+    if step.num_tokens != S:
+        raise ValueError("replay_decode takes one new token per sequence; use chunk.replay_chunk")
+    sorted_slots, order = torch.sort(slots_h, stable=True)
+    contiguous = S > 0 and int(sorted_slots[-1]) - int(sorted_slots[0]) == S - 1
+    if contiguous:
+        first = int(sorted_slots[0])
+        identity = bool((order == torch.arange(S)).all())
+        slots_h = sorted_slots
+        perm = None if identity else order
+    else:
+        first, perm = -1, None
+    start = step.start_pos.to(torch.int64)
+    pos_h = (start if perm is None else start[perm]) % L
+    done_h = torch.nonzero(pos_h == L - 1).flatten()
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device)
+
+    slots, pos = dev(slots_h), dev(pos_h)
+    seq = torch.arange(S, device=device)
+    heads, groups = torch.arange(H, device=device), torch.arange(G, device=device)
+    row = pos % R
+    return DecodePlan(
+        S=S, first=first, order=None if perm is None else dev(perm),
+        inverse=None if perm is None else dev(torch.argsort(perm)), slots=slots, pos=pos, row=row,
+        lay=tile_layout(pos // R, L, R, live=row),
+        filled=(torch.arange(L, device=device)[None, :] <= pos[:, None])[:, None, :],
+        put_x=(slots[:, None], heads[None, :], pos[:, None]), put_B=(slots[:, None], groups[None, :], pos[:, None]),
+        put_C=(seq[:, None], groups[None, :], row[:, None]),
+        done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
+
+
+def replay_decode(
+    state: SSDState,
+    step: Step,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    params: SSMParams,
+    *,
+    rows: torch.Tensor | None = None,
+    cfg: TorchKernelConfigs,
+) -> torch.Tensor:
+    """Advance every slot of ``step`` by its one new token (the replay forms' signature); returns
+    y [S, H, P] in x's dtype with the bits of the single pass's rows, zero in rows not wanted.
+
+    x [S, H, P], dt [S, H] raw, B/C [S, G, N] in the model dtype (the buffers'), one row per
+    sequence in the step's order; rows [S] bool (default all). Updates ``state`` in place as
+    ``chunk.replay_chunk`` does: the token's buffer rows, and for a token that completes its chunk
+    the boundary state and emptied buffers. ValueError unless every sequence has one new token.
+    """
+    state.check_inputs(x, dt, B)
+    S, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    L = state.chunk_size
+    R = cfg.scan_row_tile(L)
+    if L % R:
+        raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
+    dev = x.device
+    if S == 0:
+        return x.new_zeros(0, H, P)
+    p = step.derived(("torch-decode", L, R, H, G, dev), lambda: plan_decode(step, L, R, H, G, dev))
+    if S != p.S:
+        raise ValueError(f"{S} new rows for a decode step of {p.S} sequences")
+    if p.order is not None:
+        x, dt, B, C = x[p.order], dt[p.order], B[p.order], C[p.order]
+    f32 = torch.float32
+
+    # 1. the token's rows into the buffers, which then hold the chunk up to it
+    state.buf_x.index_put_(p.put_x, x)
+    state.buf_dt.index_put_(p.put_x, dt)
+    state.buf_B.index_put_(p.put_B, B)
+
+    # 2. the chunk's operands as pack_chunks builds them, then the prefill's tile arithmetic
+    xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
+    Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
+    # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
+    d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
+    dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
+    a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
+    h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
+    Ct = torch.zeros(S, G, R, N, device=dev)
+    Ct.index_put_(p.put_C, C.to(f32))
+    y = tile_outputs(p.lay, a, dtc, xc, Bc, h0, Ct, params.D)[:, :, 0]  # [S, H, P]: the live rows
+
+    # 3. chunks the token completes: the prefill's chunk state and state pass, then empty buffers
+    if p.done is not None:
+        d_ = p.done
+        cs, cd = chunk_states(a[d_], dtc[d_], xc[d_], Bc[d_])
+        state.ssm_state[p.done_slots] = fold_state(h0[d_], cd, cs)
+        for buf in (state.buf_x, state.buf_dt, state.buf_B):
+            buf.index_fill_(0, p.done_slots, 0)
+    if p.inverse is not None:
+        y = y[p.inverse]
+    if rows is not None:
+        y = torch.where(rows.to(dev)[:, None, None], y, torch.zeros((), device=dev))
+    return y.to(x.dtype)
+
+
+__all__ = ["DecodePlan", "plan_decode", "replay_decode"]
