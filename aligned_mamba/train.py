@@ -23,7 +23,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .contract import Contract
-from .errors import AlignedMambaError, TrainingDiverged
+from .errors import TrainingDiverged
 from .models import CausalLM, build_model
 from .ops.logprobs import log_softmax
 
@@ -103,9 +103,8 @@ class PolicyTrainer:
         new weights version.
         """
         check_step_inputs(sequences, prompt_lens, advantages)
-        if self.contract.backend != "torch":
-            raise AlignedMambaError(f"training on the {self.contract.backend} backend is refused: its ops have no "
-                                    "backward yet (train on the torch backend)")
+        # every backend trains: the triton backend's kernels carry the torch forms' backward
+        # (ops/triton_autograd.py), and its forward under autograd is the same launch, the same bits
         if self.master is None:
             self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self._served.items()}
             self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)

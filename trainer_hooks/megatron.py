@@ -664,12 +664,6 @@ def _hook_for(module: Any) -> AlignedMambaHook:
     return hook
 
 
-def _refuse_grad_without_backward(hook: AlignedMambaHook) -> None:
-    if torch.is_grad_enabled() and hook.contract.backend != "torch":
-        raise AlignmentRefused(f"backend {hook.contract.backend!r} has no backward yet; train with backend 'torch' "
-                               "(or run this forward under torch.no_grad())")
-
-
 def _aligned_embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
     """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (the core model's embedding rows)."""
     hook = _hook_for(self)
@@ -681,7 +675,6 @@ def _aligned_linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tenso
     """Column/RowParallelLinear at TP=1 on the backend's row-invariant linear: [..., in] -> ([..., out], bias
     or None)."""
     hook = _hook_for(self)
-    _refuse_grad_without_backward(hook)
     backend = hook.backend(input_.device)
     w = self.weight if weight is None else weight
     if getattr(self, "_aligned_mamba_round_weight", False):
@@ -762,7 +755,6 @@ def _aligned_mixer_forward(self: Any, hidden_states: torch.Tensor, inference_con
     if self.chunk_size != hook.contract.chunk_size:
         raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
                                f"{hook.contract.chunk_size}")
-    _refuse_grad_without_backward(hook)
     lens, hidden = _sequences(hidden_states, packed_seq_params)
     mixer = _core_mixer(self, hook, hidden.device)
     state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
@@ -822,7 +814,6 @@ def _aligned_attention_forward(self: Any, hidden_states: torch.Tensor, attention
     given = [name for name, on in extra.items() if on]
     if given:
         raise AlignmentRefused(f"attention with {', '.join(given)} is not covered by --aligned-mamba")
-    _refuse_grad_without_backward(hook)
     _refuse_uncausal_mask(attention_mask, hidden_states.shape[0])
     lens, hidden = _sequences(hidden_states, packed_seq_params)
     layer = _core_attention(self, hook, hidden.device)
@@ -839,7 +830,6 @@ def _aligned_mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale
     hook = _hook_for(self)
     if per_token_scale is not None:
         raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
-    _refuse_grad_without_backward(hook)
     shape = hidden_states.shape
     w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
     mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0]),

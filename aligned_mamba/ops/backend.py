@@ -147,10 +147,14 @@ class TritonBackend(Backend):
         if not self.compiled and os.environ.get("TRITON_INTERPRET") != "1":
             raise AlignedMambaError("backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for a slow CPU run)")
         try:
+            from . import triton_autograd
             from .ssd import triton_chunk, triton_decode
         except ImportError as e:
             raise AlignedMambaError(f"backend 'triton' needs the triton package ({e}): pip install triton") from None
         self._chunk, self._decode = triton_chunk, triton_decode
+        # under autograd the kernels run inside Functions whose backward is the torch form's (only then:
+        # the inference path calls the kernels directly)
+        self._ag, self._grad = triton_autograd, triton_autograd.grad_needed
         self._torch_ops = TorchBackend(TorchKernelConfigs(), device)  # the interpreter's stand-ins
         if self.compiled:
             from . import logprobs_triton, norm_triton
@@ -167,17 +171,23 @@ class TritonBackend(Backend):
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.compiled:
             return self._torch_ops.linear(x, w, b)
+        if self._grad(x, w, b):
+            return self._ag.linear(x, w, b, self.configs)
         return self._linear(x, w, b, self.configs)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
         if not self.compiled:
             return super().rms_norm(x, w, eps, out_dtype)
+        if self._grad(x, w):
+            return self._ag.rms_norm(x, w, eps, out_dtype, self.configs)
         return self._norm.rms_norm_triton(x, w, eps, out_dtype, self.configs)
 
     def embed_norm(self, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
                    dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.compiled:
             return super().embed_norm(token_ids, embedding, w, eps, dtype, residual_dtype)
+        if self._grad(embedding, w):
+            return self._ag.embed_norm(token_ids, embedding, w, eps, dtype, residual_dtype, self.configs)
         return self._norm.embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, self.configs,
                                                 norm_input_dtype=dtype)
 
@@ -185,12 +195,16 @@ class TritonBackend(Backend):
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.compiled:
             return super().add_norm(x, residual, w, eps, dtype)
+        if self._grad(x, residual, w):
+            return self._ag.add_norm(x, residual, w, eps, dtype, self.configs)
         return self._norm.add_rms_norm_triton(x, residual, w, eps, dtype, self.configs, norm_input_dtype=dtype)
 
     def gated_rms_norm(self, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
                        n_groups: int) -> torch.Tensor:
         if not self.compiled:
             return super().gated_rms_norm(y, z, w, eps, n_groups)
+        if self._grad(y, z, w):
+            return self._ag.gated_rms_norm(y, z, w, eps, n_groups, self.configs)
         return self._norm.gated_rms_norm_triton(y, z, w, eps, n_groups, self.configs)
 
     def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
@@ -199,16 +213,26 @@ class TritonBackend(Backend):
             return super().conv_advance(windows, step, x, w, b)
         dev = windows.device
         cu, slots = step.derived(("conv", dev), lambda: conv_tables(step, dev))
+        if self._grad(x, w, b, windows):
+            return self._ag.conv(x, cu, slots, windows, w, b, self.configs)
         return self._conv(x, cu, slots, windows, w, b, self.configs)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.compiled or not logits.is_cuda:
             return super().log_softmax(logits)
+        if self._grad(logits):
+            return self._ag.log_softmax(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(logits.shape)
         return self._logprobs.log_softmax_triton(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(
             logits.shape)
 
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self._grad(x, dt, B, C, params.A, params.D, params.dt_bias, state.ssm_state):
+            return self._ag.ssd_advance(self._ssd_kernels, state, step, x, dt, B, C, params, rows, self.configs)
+        return self._ssd_kernels(state, step, x, dt, B, C, params, rows)
+
+    def _ssd_kernels(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.compiled and bool((step.lengths == 1).all()):
             # a decode-only step: the fused kernels compute just the new rows with the prefill's
             # arithmetic and touch the boundary state only when a chunk completes

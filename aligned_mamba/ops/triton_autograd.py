@@ -1,0 +1,299 @@
+"""Autograd for the triton backend's kernels: the Triton forward, the torch backend's gradient.
+
+Each op the triton backend runs with its own kernels is a ``torch.autograd.Function`` whose forward
+calls that kernel unchanged (the same bits as the sampler's, since it is the same launch) and saves
+only the op's inputs, and whose backward recomputes the op with the torch backend's differentiable
+form (``ops.norm``, ``ops.conv1d``, ``ops.logprobs``, ``ops.ssd.chunk``) on those inputs and returns
+``torch.autograd.grad`` of it (``recompute_grads``). The gradients are therefore the torch backend's
+(tests/test_autograd.py holds those to an fp64 reference), taken at the Triton forward's inputs; they
+differ from the exact derivative of the Triton forward only by rounding. The linear layer's backward
+is the two GEMMs ``grad @ w`` and ``grad.T @ x`` in torch (cuBLAS on a GPU).
+
+Without these, autograd cannot see through a Triton launch: its outputs are fresh tensors written by
+raw pointers, with no ``grad_fn``, so every parameter upstream of one silently gets no gradient.
+
+Determinism: the recompute and its ``autograd.grad`` run under ``torch.use_deterministic_algorithms
+(True, warn_only=True)``, which swaps the atomics-based backwards of the torch forms' gathers and
+indexing (``gather``, ``index_put`` with accumulate, ``index_select``) for deterministic ones. What
+is not covered (it warns once): ``torch.cumsum`` on CUDA (the scan's within-chunk cumsum), which has
+no deterministic implementation in torch, and cuBLAS, deterministic run to run only for one stream
+and a fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the CPU all of it is deterministic.
+Gradients are not row-invariant (nothing asks them to be).
+
+This first step trades memory and speed for correctness: a backward holds the torch form's graph of
+one op while it runs, and the scan saves the boundary states it started from. Triton backward kernels
+come next (issue 15).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from . import conv1d as _conv
+from . import logprobs as _logprobs
+from . import norm as _norm
+from .configs import TritonKernelConfigs
+from .conv1d_triton import causal_conv1d_triton
+from .linear_triton import linear_triton
+from .logprobs_triton import log_softmax_triton
+from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+from .ssd.chunk import pack_chunks, scan_chunks
+from .ssd.state import SSDState, SSMParams, Step
+
+Tensor = torch.Tensor
+
+
+def grad_needed(*tensors: Tensor | None) -> bool:
+    """Whether a call must be recorded for autograd: grad mode on and some input requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms for the block (warn-only: see the module docstring), then
+    the caller's setting back."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+def recompute_grads(ctx: torch.autograd.function.FunctionCtx, reference: Callable[..., Tensor | tuple[Tensor, ...]],
+                    grads: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+    """The shared backward: ``reference(*saved tensors, *ctx.consts)`` (the torch form) recomputed
+    with gradients on the saved inputs, and ``torch.autograd.grad`` of its outputs against ``grads``.
+
+    The Function's forward inputs must be its saved tensors first (in order, None allowed), then
+    non-tensor arguments; returns one gradient per forward input (None where none is needed).
+    """
+    saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    leaves = [t.detach().requires_grad_() if t is not None and n else t for t, n in zip(saved, needs)]
+    wanted = [t for t, n in zip(leaves, needs) if t is not None and n]
+    got: list[Tensor | None] = []
+    if wanted:
+        with torch.enable_grad(), _deterministic():
+            outs = reference(*leaves, *ctx.consts)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    it = iter(got)
+    per_saved = [next(it) if t is not None and n else None for t, n in zip(leaves, needs)]
+    return (*per_saved, *([None] * (len(needs) - len(saved))))
+
+
+# -- the torch forms the backwards recompute (the torch backend's ops) ------------------------------------
+
+
+def _embed_norm_torch(token_ids: Tensor, embedding: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
+                      residual_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``Backend.embed_norm`` (the torch backend's): (normed, residual)."""
+    residual = embedding[token_ids].to(residual_dtype)
+    return _norm.rms_norm(residual.to(dtype), w, eps, dtype), residual
+
+
+def _add_norm_torch(x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``Backend.add_norm`` (the torch backend's): (normed, residual + x)."""
+    residual = residual + x
+    return _norm.rms_norm(residual.to(dtype), w, eps, dtype), residual
+
+
+def _conv_torch(x: Tensor, w: Tensor, b: Tensor | None, window: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """``ops.conv1d.causal_conv1d`` + SiLU over (window ++ x) per sequence: out [T, Cd]."""
+    return _conv.causal_conv1d(x, cu_seqlens, window, w, b)[0]
+
+
+def _ssd_torch(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+               buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, cu_seqlens: Tensor, off: Tensor,
+               rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float], row_tile: int) -> Tensor:
+    """``chunk.replay_chunk``'s arithmetic without the state writes: y [T, H, P] in x's dtype of an
+    advance from boundary states h0 [S, H, P, N] and buffered rows (buf_* [S, ...] at the step's
+    slots, None when no slot has buffered rows)."""
+    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
+    y, _, _ = scan_chunks(ch, C, A, D, h0, rows=rows, final="boundary", row_tile=row_tile)
+    return y.to(x.dtype)
+
+
+# -- the Functions: forward = the kernel, unchanged; backward = recompute_grads of the torch form ---------
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.bias_dtype = None if b is None else b.dtype
+        return linear_triton(x, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        nx, nw, nb, _ = ctx.needs_input_grad
+        # y = x w^T (+ b): dx = g w, dw = g^T x (cuBLAS), db = the fp32 column sums of g
+        return (g @ w if nx else None, (g.t() @ x).to(w.dtype) if nw else None,
+                g.to(torch.float32).sum(0).to(ctx.bias_dtype) if nb else None, None)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype, cfg: TritonKernelConfigs) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.consts = (eps, out_dtype)
+        return rms_norm_triton(x, w, eps, out_dtype, cfg)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _norm.rms_norm, (g,))
+
+
+class _EmbedNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token_ids: Tensor, embedding: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
+                residual_dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(token_ids, embedding, w)
+        ctx.consts = (eps, dtype, residual_dtype)
+        return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _embed_norm_torch, (g_normed, g_residual))
+
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(x, residual, w)
+        ctx.consts = (eps, dtype)
+        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _add_norm_torch, (g_normed, g_residual))
+
+
+class _GatedRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: Tensor, z: Tensor, w: Tensor, eps: float, n_groups: int, cfg: TritonKernelConfigs) -> Tensor:
+        ctx.save_for_backward(y, z, w)
+        ctx.consts = (eps, n_groups)
+        return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _norm.gated_rms_norm, (g,))
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, window: Tensor, cu_seqlens: Tensor, slots: Tensor,
+                windows: Tensor, cfg: TritonKernelConfigs) -> Tensor:
+        # window: windows[slots] as the kernel finds them (it overwrites them in place)
+        ctx.save_for_backward(x, w, b, window)
+        ctx.consts = (cu_seqlens,)
+        return causal_conv1d_triton(x, cu_seqlens, slots, windows, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _conv_torch, (g,))
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, cfg: TritonKernelConfigs) -> Tensor:
+        ctx.save_for_backward(logits)
+        ctx.consts = ()
+        return log_softmax_triton(logits, cfg)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _logprobs.log_softmax, (g,))
+
+
+class _SSDAdvance(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+                buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, run: Callable[[], Tensor],
+                consts: tuple) -> Tensor:
+        # run() is the triton backend's advance over the real state (which it updates); the tensors
+        # here are its inputs: h0 and buf_* are copies of the slots' state taken before it runs
+        ctx.save_for_backward(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B)
+        ctx.consts = consts
+        return run()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        return recompute_grads(ctx, _ssd_torch, (g,))
+
+
+# -- the differentiable ops (the triton backend calls these only when grad_needed) --------------------------
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+    """``linear_triton`` (x [M, K] @ w [N, K]^T + b [N] -> [M, N] in x's dtype) with a cuBLAS backward."""
+    return _Linear.apply(x, w, b, cfg)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype, cfg: TritonKernelConfigs) -> Tensor:
+    """``rms_norm_triton``: [M, d] -> [M, d] in ``out_dtype``; backward of ``ops.norm.rms_norm``."""
+    return _RmsNorm.apply(x, w, eps, out_dtype, cfg)
+
+
+def embed_norm(token_ids: Tensor, embedding: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
+               residual_dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
+    """``embed_rms_norm_triton``: token_ids [T] -> (normed [T, d] in ``dtype``, residual [T, d] in
+    ``residual_dtype``); backward of the torch backend's ``embed_norm``."""
+    return _EmbedNorm.apply(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
+
+
+def add_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
+             cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
+    """``add_rms_norm_triton``: x, residual [M, d] -> (normed [M, d] in ``dtype``, residual + x [M, d]
+    in residual's dtype); backward of the torch backend's ``add_norm``."""
+    return _AddNorm.apply(x, residual, w, eps, dtype, cfg)
+
+
+def gated_rms_norm(y: Tensor, z: Tensor, w: Tensor, eps: float, n_groups: int, cfg: TritonKernelConfigs) -> Tensor:
+    """``gated_rms_norm_triton``: y, z [M, d] -> [M, d] in y's dtype; backward of ``ops.norm.gated_rms_norm``."""
+    return _GatedRmsNorm.apply(y, z, w, eps, n_groups, cfg)
+
+
+def conv(x: Tensor, cu_seqlens: Tensor, slots: Tensor, windows: Tensor, w: Tensor, b: Tensor | None,
+         cfg: TritonKernelConfigs) -> Tensor:
+    """``causal_conv1d_triton`` (x [T, Cd] -> [T, Cd]; windows [num_slots, K-1, Cd] updated in place);
+    backward of ``ops.conv1d.causal_conv1d`` from the slots' windows as they were (gradient of the
+    windows included, when they require it)."""
+    return _Conv.apply(x, w, b, windows[slots], cu_seqlens, slots, windows, cfg)
+
+
+def log_softmax(logits: Tensor, cfg: TritonKernelConfigs) -> Tensor:
+    """``log_softmax_triton``: [M, V] -> [M, V] float32; backward of ``ops.logprobs.log_softmax``."""
+    return _LogSoftmax.apply(logits, cfg)
+
+
+def ssd_advance(run: Callable[[SSDState, Step, Tensor, Tensor, Tensor, Tensor, SSMParams, Tensor | None], Tensor],
+                state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, params: SSMParams,
+                rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+    """``run(state, step, x, dt, B, C, params, rows)`` (the triton backend's advance: y [T, H, P] in
+    x's dtype; updates ``state``) with the gradient of the torch backend's advance from the same state:
+    of x [T, H, P], dt [T, H], B, C [T, G, N], params.A, D, dt_bias, and of ``state.ssm_state`` at the
+    step's slots when it requires grad. The buffered rows (raw inputs of earlier calls) get none."""
+    L = state.chunk_size
+    slots = step.slots.to(x.device)
+    off = step.start_pos % L
+    h0 = state.ssm_state[slots]  # a copy: the advance moves the boundary states in place
+    # the buffers are read only where a slot has buffered rows (a trainer's forward from empty has none)
+    bufs = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots]) if bool((off > 0).any()) else (None,) * 3
+    consts = (step.cu_seqlens, off, rows, L, tuple(params.dt_limit), cfg.scan_row_tile(L))
+    return _SSDAdvance.apply(x, dt, B, C, params.A, params.D, params.dt_bias, h0, *bufs,
+                             lambda: run(state, step, x, dt, B, C, params, rows), consts)
+
+
+__all__ = ["add_norm", "conv", "embed_norm", "gated_rms_norm", "grad_needed", "linear", "log_softmax",
+           "recompute_grads", "rms_norm", "ssd_advance"]
