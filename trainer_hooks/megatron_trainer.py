@@ -69,6 +69,17 @@ def prepare_process() -> None:
     megatron_cpu.init_single_process()
 
 
+def _refuse_mixer_settings(config: Any) -> None:
+    """What Megatron's MambaMixer cannot represent, for Mamba2 and Nemotron-H configs alike."""
+    if not config.use_conv_bias:  # MambaMixer.__init__ tags conv1d.bias unconditionally (0.16.1)
+        raise ModelLoadError("use_conv_bias=False: megatron-core 0.16's MambaMixer cannot be built without a conv bias")
+    if tuple(config.time_step_limit) != (0.0, math.inf):
+        raise ModelLoadError(f"time_step_limit {config.time_step_limit}: Megatron's MambaMixer does not clamp dt")
+    if config.layer_norm_epsilon != MEGATRON_GATED_NORM_EPS:
+        raise ModelLoadError(f"layer_norm_epsilon {config.layer_norm_epsilon}: Megatron's MambaMixer hard-codes "
+                             f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
+
+
 def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: str) -> Any:
     """The TransformerConfig of a pure Mamba2 model (or, for a ``NemotronHConfig``, of the hybrid) with
     ``config``'s shapes, params in ``dtype``.
@@ -83,13 +94,7 @@ def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: s
 
     if config.use_bias:
         raise ModelLoadError("use_bias=True: Megatron's MambaMixer has no in_proj/out_proj bias")
-    if not config.use_conv_bias:  # MambaMixer.__init__ tags conv1d.bias unconditionally (0.16.1)
-        raise ModelLoadError("use_conv_bias=False: megatron-core 0.16's MambaMixer cannot be built without a conv bias")
-    if tuple(config.time_step_limit) != (0.0, math.inf):
-        raise ModelLoadError(f"time_step_limit {config.time_step_limit}: Megatron's MambaMixer does not clamp dt")
-    if config.layer_norm_epsilon != MEGATRON_GATED_NORM_EPS:
-        raise ModelLoadError(f"layer_norm_epsilon {config.layer_norm_epsilon}: Megatron's MambaMixer hard-codes "
-                             f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
+    _refuse_mixer_settings(config)
     return TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=1,
         mamba_state_dim=config.state_size, mamba_head_dim=config.head_dim, mamba_num_groups=config.n_groups,
@@ -112,13 +117,7 @@ def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
     if config.use_bias or config.mlp_bias:
         raise ModelLoadError(f"use_bias={config.use_bias}, mlp_bias={config.mlp_bias}: Megatron has one "
                              "add_bias_linear for every linear, and Nemotron-H's attention has no biases")
-    if not config.use_conv_bias:
-        raise ModelLoadError("use_conv_bias=False: megatron-core 0.16's MambaMixer cannot be built without a conv bias")
-    if tuple(config.time_step_limit) != (0.0, math.inf):
-        raise ModelLoadError(f"time_step_limit {config.time_step_limit}: Megatron's MambaMixer does not clamp dt")
-    if config.layer_norm_epsilon != MEGATRON_GATED_NORM_EPS:
-        raise ModelLoadError(f"layer_norm_epsilon {config.layer_norm_epsilon}: Megatron's MambaMixer hard-codes "
-                             f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
+    _refuse_mixer_settings(config)
     return TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
