@@ -241,6 +241,29 @@ def test_vllm_workers_and_the_megatron_trainer_on_another_shape(tmp_path):
     assert len(set(_digests(r))) == 3 and all(x["logprob_shift"] > 0 for x in r["iterations"])
 
 
+def test_a_hybrid_with_vllm_workers_and_the_megatron_trainer(tmp_path):
+    """A Nemotron-H hybrid (Mamba2, attention with 4 query heads per key/value head, MLP) through the
+    loop with real vLLM workers (attention keys in vLLM's paged cache) and the Megatron trainer:
+    every sampled logprob equals the trainer's while the weights move; a stock vLLM worker on the
+    same checkpoint is caught."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm (extra 'vllm')")
+    pytest.importorskip("megatron.core", reason="the megatron trainer needs megatron-core (extra 'megatron')")
+    from aligned_mamba.models.nemotron_h import make_tiny_hybrid
+    from aligned_mamba.models.nemotron_h import save_checkpoint as save_hybrid
+
+    ckpt = tmp_path / "hybrid"
+    cfg, tensors = make_tiny_hybrid(3, pattern="M*-M", num_attention_heads=8, num_key_value_heads=2)
+    save_hybrid(ckpt, cfg, tensors)
+    opts = {"model": str(ckpt), "engine": "vllm", "workers": 2, "prompt_len": 70, "gen_len": 14,
+            "prompts_per_worker": 3}
+    r = run_rl(RLOptions(**opts, trainer="megatron", iterations=2))
+    assert r["ok"] and [x["mismatched_tokens"] for x in r["iterations"]] == [0, 0]
+    assert len(set(_digests(r))) == 2 and all(x["logprob_shift"] > 0 for x in r["iterations"])
+    stock = run_rl(RLOptions(**opts, iterations=1, inject=["no-replay:1"]))
+    per = stock["iterations"][0]["per_worker"]
+    assert not stock["ok"] and per["0"]["mismatched_tokens"] == 0 and per["1"]["mismatched_tokens"] > 0
+
+
 def test_a_stock_vllm_worker_is_caught(capsys):
     """The same loop with exact replay off on one vLLM worker (stock vLLM): the checker reports the
     iteration, the worker and the first differing token; the exact-replay worker has none."""
