@@ -401,5 +401,6 @@ def test_check_accepts_a_hybrid_checkpoint(tmp_path, capsys):
     assert main(args) == 0, capsys.readouterr()
     r = json.loads(out.read_text())
     assert r["ok"] and r["model"]["family"] == "nemotron_h" and r["contract"]["chunk_size"] == 32
+    assert r["model"]["pattern"] == "M*-M" and "layers: M*-M (M Mamba2, * attention of" in capsys.readouterr().out
     assert all(c["rows"] > 0 and (c["mismatched_rows"] == 0) == c["exact_replay"] for c in r["cases"])
     assert math.isfinite(r["accuracy"]["chunked_scan"])

@@ -172,6 +172,10 @@ def describe(config: Any) -> dict[str, Any]:
     if mixer is not None:
         m = mixer()
         out.update(heads=m.num_heads, head_dim=m.head_dim, n_groups=m.n_groups, state_size=m.state_size)
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if pattern:  # a hybrid: its layer kinds, and the attention layers' query / key-value heads
+        out.update(pattern=pattern, attention_heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads, attention_head_dim=config.head_dim)
     return out
 
 
