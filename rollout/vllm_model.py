@@ -290,7 +290,8 @@ class _ExactReplayLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layers(vllm_config, f"{prefix}." if prefix else ""))
 
     def make_layers(self, vllm_config: VllmConfig, base: str) -> list[nn.Module]:
-        raise NotImplementedError
+        """One vLLM module per decoder layer (each family's subclass says which kinds)."""
+        raise TypeError(f"{type(self).__name__} is an abstract base: use a family's subclass")
 
     # -- vLLM's state declaration, from the config alone (hybrid page sizing) ---------------------
     @classmethod

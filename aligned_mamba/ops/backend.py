@@ -17,6 +17,7 @@ resolve the same contract, so they run the same kernels with the same configs.
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 from typing import TYPE_CHECKING
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from ..contract import Contract
 
 
-class Backend:
+class Backend(abc.ABC):
     """The ops of one contract on one device. Shapes and dtypes are those of the torch ops in
     ``ops/`` (each method names its module); every method is row-invariant: a row's bits depend
     on that row's inputs only, never on how many rows share the call."""
@@ -50,14 +51,14 @@ class Backend:
         self.device = device
 
     # -- weights ------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         """A linear layer's weight [N, K] as this backend's ``linear`` takes it (differentiable)."""
-        raise NotImplementedError
 
     # -- ops ----------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype (``ops.linear``); w from ``linear_weight``."""
-        raise NotImplementedError
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
         """[M, d] -> [M, d] in ``out_dtype`` (``ops.norm.rms_norm``)."""
@@ -91,10 +92,10 @@ class Backend:
         windows[slots] = window
         return out
 
+    @abc.abstractmethod
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The replay advance (``ops.ssd`` replay forms): y [T, H, P] in x's dtype; updates ``state``."""
-        raise NotImplementedError
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] -> [..., V] float32 (``ops.logprobs``)."""
