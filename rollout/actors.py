@@ -114,16 +114,22 @@ def even_token_reward(generated: Sequence[int]) -> float:
 class RolloutWorker:
     """A rollout worker: one engine, versioned weights, seeded sampling.
 
+    ``keep_rows``: keep the raw logits rows each token was sampled from (``last_rows``, per request
+    (position, row) pairs) for a caller that compares them too; the loop itself compares logprobs.
+
     Fault injection (tests, ``--inject``): ``stale`` ignores every weights update after the first
     (and honestly reports the old version); ``exact_replay=False`` in the spec runs the engine's
     stock decode (what engines do today); ``sample(kill_after_steps=n)`` SIGKILLs the process
     after n engine steps, mid-iteration.
     """
 
-    def __init__(self, worker: int, engine: str, spec: EngineSpec, budget: int | None, *, stale: bool = False) -> None:
+    def __init__(self, worker: int, engine: str, spec: EngineSpec, budget: int | None, *, stale: bool = False,
+                 keep_rows: bool = False) -> None:
         torch.set_num_threads(spec.threads)
         self.worker = worker
         self.stale = stale
+        self.keep_rows = keep_rows
+        self.last_rows: list[list[tuple[int, torch.Tensor]]] | None = None
         self.budget = budget
         self.contract = Contract.from_dict(spec.contract).fingerprint
         self.hardware = _hardware_key(spec.contract)
@@ -168,6 +174,7 @@ class RolloutWorker:
 
         res = self.engine.run(Scenario("rl", prompts, max_new_tokens, budget=self.budget, seed=seed), on_step=die)
         die(1 << 62)  # engines without step callbacks still die before replying
+        self.last_rows = res.rows if self.keep_rows else None
         return SampleBatch(iteration, self.worker, self.version, self.digest, self.contract,
                            [list(t) for t in res.tokens], [len(p) for p in prompts],
                            [torch.tensor(lp, dtype=torch.float32) for lp in res.sampled_logprobs],
@@ -229,7 +236,8 @@ class TrainerScorer:
         """REINFORCE on ``batches``: reward per sequence, advantage = reward - batch mean; one update.
 
         Also rescored after the update on the same tokens: ``logprob_shift`` (max |after - before|)
-        shows that the new weights move the logprobs.
+        shows that the new weights move the logprobs, and ``loss_after`` is the step's loss on the same
+        tokens and advantages under the new weights (below ``loss`` when the step descended).
         """
         t0 = time.perf_counter()
         seqs = [torch.tensor(s, dtype=torch.int64) for b in batches for s in b.sequences]
@@ -239,11 +247,13 @@ class TrainerScorer:
         before = [lp for b in batches for lp in self._scored.get((b.iteration, b.worker), [])]
         if len(before) != len(seqs):
             before = self.trainer.token_logprobs(seqs, pls)
-        stats = self.trainer.step(seqs, pls, [r - mean for r in rewards])
+        advantages = [r - mean for r in rewards]
+        stats = self.trainer.step(seqs, pls, advantages)
         after = self.trainer.token_logprobs(seqs, pls)
         shift = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(after, before))
+        loss_after = -sum(a * float(lp.double().sum()) for a, lp in zip(advantages, after)) / stats["tokens"]
         _, _, digest = self._current()
-        return {**stats, "reward": mean, "logprob_shift": shift, "weights_digest": digest,
+        return {**stats, "reward": mean, "logprob_shift": shift, "loss_after": loss_after, "weights_digest": digest,
                 "seconds": time.perf_counter() - t0}
 
 

@@ -420,7 +420,7 @@ class _Loop:
             accepted = [ref for w, ref in enumerate(batch_refs) if w not in refused]
             if not stop and accepted:
                 st = ray.get(self.scorer.step.remote(*accepted))
-                row.update(reward=st["reward"], loss=st["loss"], grad_norm=st["grad_norm"],
+                row.update(reward=st["reward"], loss=st["loss"], loss_after=st["loss_after"], grad_norm=st["grad_norm"],
                            logprob_shift=st["logprob_shift"], next_weights_version=st["weights_version"],
                            next_weights_digest=st["weights_digest"][:12])
             t4 = time.perf_counter()

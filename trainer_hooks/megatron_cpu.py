@@ -1,15 +1,17 @@
-"""CPU-only shims for running Megatron-Core's MambaModel on a machine without CUDA, mamba_ssm or TE.
+"""Stand-ins for running Megatron-Core's MambaModel where mamba_ssm, Transformer Engine or CUDA is missing.
 
-Not part of the hook's production path: ``aligned-mamba check --trainer megatron`` and the tests
-apply these explicitly on a CPU-only machine (``setup()``), and ``init_single_process()`` starts a
-world of one rank. On a GPU training job none of this runs: mamba_ssm, Transformer Engine and the
-job's own distributed init are there.
+Not part of the hook's production path. ``megatron_trainer.prepare_process`` (``aligned-mamba check
+--trainer megatron``, the tests, the H200 benchmarks) calls ``setup()``, which patches only what the
+machine lacks: on a CPU-only machine all of it; on a GPU without mamba_ssm and TE (the hooked forward
+calls neither) the two imports. ``init_single_process()`` starts a world of one rank (NCCL on a GPU,
+gloo on the CPU) and, on a GPU, seeds Megatron's CUDA RNG tracker unless the job has. A training job
+with mamba_ssm, TE and its own distributed init needs none of this.
 
 What ``setup()`` changes, and why (megatron-core 0.16.1, ``megatron.core.ssm``):
 
 - ``mamba_mixer.HAVE_MAMBA_SSM = True``: MambaMixer refuses to build without mamba_ssm.
 - ``torch.cuda.current_device`` returns "cpu": MambaMixer.__init__ places five tensors on it.
-- the CUDA RNG tracker: the inference tracker, whose ``fork()`` is a no-op (no CUDA RNG here).
+- without CUDA, the CUDA RNG tracker: the inference tracker, whose ``fork()`` is a no-op.
 - ``mamba_block.TENorm`` (the final norm MambaStack hard-codes) and ``mamba_mixer.ExtendedRMSNorm``
   (mamba_ssm's gated RMSNorm, a MagicMock subclass without mamba_ssm): torch stand-ins, only where
   the hook has not installed its own.
@@ -39,7 +41,7 @@ _DONE = False
 
 
 def setup() -> None:
-    """Apply the CPU shims (idempotent). Call before building a Megatron Mamba model on a CPU-only machine."""
+    """Apply the stand-ins for what is missing (idempotent). Call before building a Megatron Mamba model."""
     global _DONE
     if _DONE:
         return
@@ -61,7 +63,7 @@ def setup() -> None:
             mamba_block.TENorm = StockRMSNorm
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _DONE = True
 
 
@@ -74,9 +76,15 @@ def init_single_process() -> None:
         fd, path = tempfile.mkstemp(prefix="aligned_mamba_dist_")
         os.close(fd)
         os.unlink(path)  # the file store creates it
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        if not get_cuda_rng_tracker().get_states():  # a job that seeded its tracker keeps it
+            model_parallel_cuda_manual_seed(0)
 
 
 # -- stock stand-ins (Megatron's semantics with mamba_ssm, in torch) -------------------------------------

@@ -20,10 +20,12 @@ megatron`` and ``aligned-mamba rl --trainer megatron`` both run it.
   with tied embeddings an ``lm_head.weight`` only if the checkpoint had one), as safetensors bytes
   with the version in the metadata, and their ``weights_digest``.
 
-On a CPU-only machine ``prepare_process`` applies ``megatron_cpu``'s shims first and starts a
-one-rank world. One hook per process: a second trainer under another contract in the same process
-is refused (``AlignmentRefused``). ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds Megatron's stock
-forward instead (the "hook off" demonstration: its rows differ; it cannot step).
+``prepare_process`` applies ``megatron_cpu``'s stand-ins for what the machine lacks (mamba_ssm and
+Transformer Engine, which the hooked forward does not call; CUDA) and starts a one-rank world. The
+model lives where Megatron builds it (CUDA when there is a GPU); inputs follow it. One hook per
+process: a second trainer under another contract in the same process is refused (``AlignmentRefused``).
+``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds Megatron's stock forward instead (the "hook off"
+demonstration: its rows differ; it cannot step).
 """
 
 from __future__ import annotations
@@ -61,11 +63,11 @@ MEGATRON_GATED_NORM_EPS = 1e-5
 
 
 def prepare_process() -> None:
-    """One-rank torch.distributed + model-parallel groups; on a CPU-only machine also the CPU shims."""
+    """One-rank torch.distributed + model-parallel groups, and the stand-ins for what this machine lacks
+    (mamba_ssm, Transformer Engine, CUDA: ``megatron_cpu.setup`` patches only what is missing)."""
     from . import megatron_cpu
 
-    if not torch.cuda.is_available():
-        megatron_cpu.setup()
+    megatron_cpu.setup()
     megatron_cpu.init_single_process()
 
 
@@ -168,10 +170,11 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.T
     torch's grad mode; the model is left in the mode it is in)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    dev = _model_device(model)
     lens = [int(s.numel()) for s in sequences]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    ids = torch.cat([s.to(torch.int64) for s in sequences])[None]
-    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    ids = torch.cat([s.to(torch.int64) for s in sequences])[None].to(dev)
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(dev)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                              max_seqlen_kv=max(lens))
     return model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
@@ -181,12 +184,18 @@ def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch
     """Megatron's forward one sequence at a time ([s, 1] with an explicit causal mask) -> [sum len_i, vocab]:
     how the stock (hook off) hybrid runs on the CPU, whose DotProductAttention takes no packed sequences and
     whose default causal mask is built on a CUDA device."""
+    dev = _model_device(model)
     out = []
     for seq in sequences:
         n = int(seq.numel())
-        mask = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
-        out.append(model(seq.to(torch.int64)[None], None, attention_mask=mask)[0])
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)[None, None]
+        out.append(model(seq.to(torch.int64)[None].to(dev), None, attention_mask=mask)[0])
     return torch.cat(out)
+
+
+def _model_device(model: Any) -> torch.device:
+    """Where the model's parameters are (the inputs go there: a CUDA MambaModel takes CUDA token ids)."""
+    return next(model.parameters()).device
 
 
 def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
