@@ -142,9 +142,13 @@ def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chu
     if chunk_size is not None:
         spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
     pattern = config.hybrid_override_pattern if isinstance(config, NemotronHConfig) else None
-    return MambaModel(megatron_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
-                      max_sequence_length=1 << 20, share_embeddings_and_output_weights=config.tie_word_embeddings,
-                      position_embedding_type="none", hybrid_override_pattern=pattern)
+    model = MambaModel(megatron_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
+                       max_sequence_length=1 << 20, share_embeddings_and_output_weights=config.tie_word_embeddings,
+                       position_embedding_type="none", hybrid_override_pattern=pattern)
+    if torch.cuda.is_available():
+        # as Megatron-LM's get_model does: modules built without a device (torch norms) start on the CPU
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor]) -> None:
