@@ -292,7 +292,7 @@ def verify(
     max_abs = max_lp = sum_lp = kl_sum = 0.0
     for lo in range(0, bad_idx.numel(), step):
         idx = bad_idx[lo : lo + step]
-        xa, xb = a[idx], b[idx].to(a.device)
+        xa, xb = a[idx], b[idx.to(b.device)].to(a.device)  # trainer and sampler rows may live apart
         both_finite = xa.isfinite() & xb.isfinite()
         if both_finite.any():
             d = (xa.double() - xb.double()).abs()

@@ -577,12 +577,16 @@ def _decode_from_prefill(H: int, P: int, G: int, N: int, L: int, start: int) -> 
 # first shape's boundary state differs from the prefill's (measured on the H200, 2026-12-01), and a
 # 2-layer model of state 64, 2 groups, chunk 32 gave other decode rows (tests/test_decode_graph.py);
 # the triton backend refuses fp32 layers with a state or chunk size under 64 on the GPU until the
-# cause is found. The (8, 64, 2, 64, 32) kernel case is expected to show it too (not yet measured).
+# cause is found. The (8, 64, 2, 64, 32) kernel case differs too (H200, 2026-12-01), and
+# (4, 64, 1, 16, 32) was equal in one run and differing in the next: the cause may not be
+# deterministic, which is why the refusal covers every shape not measured equal in repeated runs.
 @gpu_only
 @pytest.mark.parametrize("shape", [
     pytest.param((4, 64, 2, 32, 32), marks=pytest.mark.xfail(strict=True, reason="known: fp32 completion state")),
-    pytest.param((8, 64, 2, 64, 32), marks=pytest.mark.xfail(strict=False, reason="refused shape: chunk 32")),
-    (4, 64, 1, 16, 32), (8, 64, 2, 64, 64), (8, 64, 1, 128, 256), (8, 64, 2, 32, 64)])
+    pytest.param((8, 64, 2, 64, 32), marks=pytest.mark.xfail(strict=False, reason="differed: refused shape")),
+    pytest.param((4, 64, 1, 16, 32), marks=pytest.mark.xfail(strict=False, reason="equal in one H200 run, "
+                                                                            "differing in another: refused shape")),
+    (8, 64, 2, 64, 64), (8, 64, 1, 128, 256), (8, 64, 2, 32, 64)])
 def test_gpu_fp32_small_state_completion(shape):
     H, P, G, N, L = shape
     st, ref, bad = _decode_from_prefill(H, P, G, N, L, start=L + L // 2 + 3)
