@@ -1,28 +1,31 @@
-"""Autograd for the triton backend's kernels: the Triton forward, the torch backend's gradient.
+"""Autograd for the triton backend's kernels: the Triton forward, a torch form's gradient.
 
 Each op the triton backend runs with its own kernels is a ``torch.autograd.Function`` whose forward
 calls that kernel unchanged (the same bits as the sampler's, since it is the same launch) and saves
-only the op's inputs, and whose backward recomputes the op with the torch backend's differentiable
-form (``ops.norm``, ``ops.conv1d``, ``ops.logprobs``, ``ops.ssd.chunk``) on those inputs and returns
-``torch.autograd.grad`` of it (``recompute_grads``). The gradients are therefore the torch backend's
-(tests/test_autograd.py holds those to an fp64 reference), taken at the Triton forward's inputs; they
-differ from the exact derivative of the Triton forward only by rounding. The linear layer's backward
-is the two GEMMs ``grad @ w`` and ``grad.T @ x`` in torch (cuBLAS on a GPU).
+only the op's inputs, and whose backward recomputes the op with a differentiable torch form on those
+inputs and returns ``torch.autograd.grad`` of it (``recompute_grads``): the torch backend's own ops
+(``ops.norm``, ``ops.conv1d``, ``ops.logprobs``) for the norms, conv and log-softmax, and for the
+scan ``ops.ssd.chunk_dense``, the same function as the torch backend's ``ops.ssd.chunk`` in dense
+per-chunk blocks (the tile form copies each chunk once per row tile, which its backward pays for in
+memory traffic). The gradients are taken at the Triton forward's inputs and differ from the exact
+derivative of the Triton forward only by rounding (tests/test_triton_backward.py holds them to an
+fp64 reference). The linear layer's backward is the two GEMMs ``grad @ w`` and ``grad.T @ x`` in
+torch (cuBLAS on a GPU).
 
 Without these, autograd cannot see through a Triton launch: its outputs are fresh tensors written by
 raw pointers, with no ``grad_fn``, so every parameter upstream of one silently gets no gradient.
 
-Determinism: the recompute and its ``autograd.grad`` run under ``torch.use_deterministic_algorithms
-(True, warn_only=True)``, which swaps the atomics-based backwards of the torch forms' gathers and
-indexing (``gather``, ``index_put`` with accumulate, ``index_select``) for deterministic ones. What
-is not covered (it warns once): ``torch.cumsum`` on CUDA (the scan's within-chunk cumsum), which has
-no deterministic implementation in torch, and cuBLAS, deterministic run to run only for one stream
-and a fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the CPU all of it is deterministic.
-Gradients are not row-invariant (nothing asks them to be).
+Determinism: the norms', conv's and log-softmax's recomputes run under
+``torch.use_deterministic_algorithms(True, warn_only=True)``, which swaps the atomics-based backwards
+of their gathers and indexing for deterministic ones. The scan's dense form is deterministic by
+construction (see ``chunk_dense``) and runs without it. Not covered: ``torch.cumsum`` on CUDA, which
+torch does not promise deterministic (its row scans along the chunk measured repeatable: two
+backwards compare equal on the H200, ``benchmarks/bench_train_h200.py``), and cuBLAS, deterministic
+run to run only for one stream and a fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the
+CPU all of it is deterministic. Gradients are not row-invariant (nothing asks them to be).
 
-This first step trades memory and speed for correctness: a backward holds the torch form's graph of
-one op while it runs, and the scan saves the boundary states it started from. Triton backward kernels
-come next (issue 15).
+Memory and speed: a backward holds one op's torch graph while it runs, and the scan saves the
+boundary states it started from. Triton backward kernels are the next step (issue 15).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .linear_triton import linear_triton
 from .logprobs_triton import log_softmax_triton
 from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from .ssd.chunk import pack_chunks, scan_chunks
+from .ssd.chunk_dense import dense_outputs
 from .ssd.state import SSDState, SSMParams, Step
 
 Tensor = torch.Tensor
@@ -65,12 +69,14 @@ def _deterministic() -> Iterator[None]:
 
 
 def recompute_grads(ctx: torch.autograd.function.FunctionCtx, reference: Callable[..., Tensor | tuple[Tensor, ...]],
-                    grads: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+                    grads: tuple[Tensor, ...], *, deterministic: bool = True) -> tuple[Tensor | None, ...]:
     """The shared backward: ``reference(*saved tensors, *ctx.consts)`` (the torch form) recomputed
     with gradients on the saved inputs, and ``torch.autograd.grad`` of its outputs against ``grads``.
 
     The Function's forward inputs must be its saved tensors first (in order, None allowed), then
     non-tensor arguments; returns one gradient per forward input (None where none is needed).
+    ``deterministic=False`` for a form that is deterministic by construction (``chunk_dense``):
+    torch's deterministic mode would swap its index backwards for sorting ones, for nothing.
     """
     saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
@@ -78,7 +84,7 @@ def recompute_grads(ctx: torch.autograd.function.FunctionCtx, reference: Callabl
     wanted = [t for t, n in zip(leaves, needs) if t is not None and n]
     got: list[Tensor | None] = []
     if wanted:
-        with torch.enable_grad(), _deterministic():
+        with torch.enable_grad(), (_deterministic() if deterministic else contextlib.nullcontext()):
             outs = reference(*leaves, *ctx.consts)
             outs = outs if isinstance(outs, tuple) else (outs,)
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
@@ -118,6 +124,19 @@ def _ssd_torch(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor
     prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
     ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
     y, _, _ = scan_chunks(ch, C, A, D, h0, rows=rows, final="boundary", row_tile=row_tile)
+    return y.to(x.dtype)
+
+
+def _ssd_dense(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+               buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, cu_seqlens: Tensor, off: Tensor,
+               rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float], row_tile: int) -> Tensor:
+    """``_ssd_torch``'s function (same arguments, same y up to rounding) in ``chunk_dense``'s form, which
+    autograd differentiates without the tile form's per-tile copies of each chunk."""
+    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
+    y, _ = dense_outputs(ch, C, A, D, h0)
+    if rows is not None:
+        y = y * rows.to(y.device)[:, None, None]  # the forward's y is zero in rows not wanted
     return y.to(x.dtype)
 
 
@@ -229,7 +248,7 @@ class _SSDAdvance(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _ssd_torch, (g,))
+        return recompute_grads(ctx, _ssd_dense, (g,), deterministic=False)
 
 
 # -- the differentiable ops (the triton backend calls these only when grad_needed) --------------------------
