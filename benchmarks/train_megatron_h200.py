@@ -82,7 +82,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.dry_run:
         args.iterations = min(args.iterations, 2)
-
+    sys.path.insert(0, str(ROOT))
     import torch
 
     from aligned_mamba.cli import build_contract
