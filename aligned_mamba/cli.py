@@ -84,8 +84,9 @@ def print_table(result: dict[str, Any]) -> None:
           f"state {m['state_size']}, vocab {m['vocab']}; replay state {m['replay_bytes_per_sequence'] / 2**20:.2f} "
           f"MiB per sequence")
     if "pattern" in m:  # a hybrid: the heads above are its Mamba2 layers'
+        moe = f", E MoE of {m['experts']} experts, {m['experts_per_token']} per token" if "experts" in m else ""
         print(f"layers: {m['pattern']} (M Mamba2, * attention of {m['attention_heads']} query / {m['kv_heads']} "
-              f"key-value heads x {m['attention_head_dim']}, - MLP)")
+              f"key-value heads x {m['attention_head_dim']}, - MLP{moe})")
     if "trainer_hardware" in result:
         print(f"hardware: {result['trainer_hardware']} (the class the bits belong to)")
     head = f"{'case':<27} {'replay':<6} {'rows':>6} {'differ':>7} {'first':>6} {'max|d|':>9}  map (x: rows differ)"

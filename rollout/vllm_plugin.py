@@ -128,8 +128,8 @@ def _refuse_architecture(arch: str | None) -> NoReturn:
 
 def core_config(vllm_config: Any) -> Any:
     """The core family's config of vLLM's HF config (hf_overrides included): ``Mamba2Config`` or
-    ``NemotronHConfig``. What the core does not cover (MoE layers, sliding-window attention,
-    multi-token prediction, ...) is refused here with the core's one-line reason."""
+    ``NemotronHConfig``. What the core does not cover (sliding-window attention, multi-token
+    prediction, ...) is refused here with the core's one-line reason."""
     from aligned_mamba.models.registry import family_of
 
     hf = vllm_config.model_config.hf_config
@@ -186,8 +186,13 @@ def engine_contract(vllm_config: Any) -> Contract:
 
 
 def _check_hybrid(vllm_config: Any) -> None:
-    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype.
-    (MoE and MTP layers in the checkpoint are refused by the core's config reader, ``core_config``.)"""
+    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype;
+    no MoE layers (the core runs them; under vLLM they are not yet verified). (MTP layers in the
+    checkpoint are refused by the core's config reader, ``core_config``.)"""
+    pattern = core_config(vllm_config).hybrid_override_pattern
+    if "E" in pattern:
+        refuse(f"MoE layers ('E' in the hybrid pattern {pattern!r}): the reference engine and trainer cover them; "
+               "under vLLM their bits are not yet verified")
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     window = getattr(cc, "sliding_window", None) or mc.get_sliding_window()
     if window is not None:

@@ -46,6 +46,11 @@ LAYOUTS = {
                                 use_bias=True, mlp_bias=True),
     "two_attention_gqa8": dict(pattern="M**-M", num_attention_heads=8, num_key_value_heads=1, head_dim=32,
                                n_groups=2),
+    # Nemotron 3 Nano's blocks: MoE layers (8 experts in 4 groups, top 2 of the 2 best groups, a shared
+    # expert), one with a latent projection of the experts' input
+    "moe_gqa2": dict(pattern="ME*M-E", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "moe_latent": dict(pattern="MEM*", num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                       moe_latent_size=32, routed_scaling_factor=2.5, norm_topk_prob=False),
 }
 EXACT_CASES = ("decode", "chunked_prefill_unaligned", "preempt_recompute", "mixed_batch")
 
@@ -191,7 +196,8 @@ def test_fp32_logits_equal_transformers_in_fp64(layout, tmp_path):
     got = ours.forward([seq])[0].double()
 
     def hf_model(dtype: torch.dtype, clamp: bool = True):
-        m = transformers.NemotronHForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager")
+        m = transformers.NemotronHForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager",
+                                                             experts_implementation="eager")
         for mod in m.modules():
             if clamp and hasattr(mod, "time_step_limit"):
                 mod.time_step_limit = tuple(cfg.time_step_limit)
@@ -318,7 +324,8 @@ def _write(tmp_path: Path, **edit) -> Path:
 
 
 @pytest.mark.parametrize("edit,words", [
-    (dict(hybrid_override_pattern="M*E", num_hidden_layers=None), "MoE layers"),
+    (dict(hybrid_override_pattern="M*E", num_hidden_layers=None, n_routed_experts=6, n_group=4), "not divisible"),
+    (dict(hybrid_override_pattern="M*E", num_hidden_layers=None, num_experts_per_tok=9), "num_experts_per_tok 9"),
     (dict(sliding_window=1024), "sliding-window attention"),
     (dict(num_nextn_predict_layers=1), "multi-token prediction"),
     (dict(attention_bias=True), "attention_bias"),
@@ -374,8 +381,8 @@ def test_per_token_state_size_and_limits():
 
 def test_training_forward_gives_the_scoring_bits_and_gradients():
     """The trainer's autograd forward (fp32 masters cast inside the graph) is the scoring forward, bit
-    for bit, and its gradients reach every attention and MLP weight."""
-    cfg, tensors = make_tiny_hybrid(4, dtype="float32", pattern="M*-", **SMALL)
+    for bit, and its gradients reach every attention, MLP and MoE weight (the experts some token chose)."""
+    cfg, tensors = make_tiny_hybrid(4, dtype="float32", pattern="M*-E", **SMALL)
     contract = Contract(chunk_size=cfg.chunk_size, model_dtype="float32")
     seqs = [torch.arange(70) % cfg.vocab_size, torch.arange(33) % 7]
     master = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
@@ -384,8 +391,11 @@ def test_training_forward_gives_the_scoring_bits_and_gradients():
         scored = build_model(cfg, tensors, contract).forward(seqs)
     assert all(torch.equal(a.detach(), b) for a, b in zip(logits, scored))
     sum(lg.float().logsumexp(-1).sum() for lg in logits).backward()
+    chosen = [k for k in master if ".experts." in k and master[k].grad is not None]
+    assert len(chosen) >= 4, chosen  # at least two experts (up and down) took tokens
     for name in ("backbone.layers.1.mixer.q_proj.weight", "backbone.layers.1.mixer.k_proj.weight",
-                 "backbone.layers.1.mixer.v_proj.weight", "backbone.layers.2.mixer.up_proj.weight"):
+                 "backbone.layers.1.mixer.v_proj.weight", "backbone.layers.2.mixer.up_proj.weight",
+                 "backbone.layers.3.mixer.gate.weight", "backbone.layers.3.mixer.shared_experts.up_proj.weight"):
         grad = master[name].grad
         assert grad is not None and bool(torch.isfinite(grad).all()) and float(grad.abs().max()) > 0, name
 

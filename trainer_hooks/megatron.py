@@ -528,9 +528,9 @@ def _check_layer_types(stack: Any, where: str, covered: dict[str, type]) -> None
     pattern = "".join(stack.layer_type_list)
     for i, (symbol, layer) in enumerate(zip(stack.layer_type_list, stack.layers)):
         if symbol == "E":
-            raise AlignmentRefused(f"{where}: layer {i} is a MoE layer ('E' in the hybrid pattern {pattern!r}): MoE "
-                                   "layers are not covered (token routing and expert GEMMs are not row-invariant in "
-                                   "the core yet)")
+            raise AlignmentRefused(f"{where}: layer {i} is a MoE layer ('E' in the hybrid pattern {pattern!r}): the "
+                                   "hook does not cover Megatron's MoE layer (its own router and grouped expert "
+                                   "GEMMs); the reference trainer runs the core's")
         want = covered.get(symbol)
         if want is None or type(layer) is not want:
             raise AlignmentRefused(f"{where}: layer {i} ({symbol!r} in {pattern!r}) is a {type(layer).__name__}, not "

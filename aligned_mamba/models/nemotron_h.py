@@ -8,7 +8,8 @@ attention, "-" MLP, "E" MoE) or from transformers 5's ``layers_block_type`` list
 ``residual + mixer(norm(residual))`` whose mixer is the layer: ``layers.mamba2.Mamba2Mixer`` (heads
 ``mamba_num_heads`` x ``mamba_head_dim``), ``layers.attention.Attention`` (``num_attention_heads``
 query heads, ``num_key_value_heads`` key/value heads of ``head_dim``; no rotary embeddings, no
-biases) or ``layers.mlp.MLP`` (``intermediate_size``, squared ReLU).
+biases), ``layers.mlp.MLP`` (``intermediate_size``, squared ReLU) or ``layers.moe.MoE`` (Nemotron 3
+Nano's routed experts with a shared expert: ``n_routed_experts``, ``num_experts_per_tok``, ...).
 
 Weight names: ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
 ``backbone.layers.{i}.mixer.*`` (the layer's names), ``backbone.norm_f.weight``, ``lm_head.weight``
@@ -25,9 +26,9 @@ Semantics follow transformers with three deliberate choices, each noted where it
   do); transformers' NemotronHRMSNorm multiplies by the weight in fp32 first: one bf16 rounding
   apart, nothing in fp32.
 
-Refused with one line: MoE layers, sliding-window attention, multi-token prediction, attention
-biases, tied embeddings, activations other than squared ReLU (MLP) and SiLU (Mamba2), a stack
-without Mamba2 layers, and (``layers.attention``) attention layers on a CUDA device.
+Refused with one line: sliding-window attention, multi-token prediction, attention biases, tied
+embeddings, activations other than squared ReLU (MLP, MoE) and SiLU (Mamba2), a stack without
+Mamba2 layers, and (``layers.attention``, ``layers.moe``) attention and MoE layers on a CUDA device.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..layers.attention import Attention, AttentionConfig
 from ..layers.base import Layer
 from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
 from ..layers.mlp import MLP, MLPConfig
+from ..layers.moe import MoE, MoEConfig
 from ..layers.norm import RMSNorm, RMSNormConfig
 from ..ops.backend import Backend
 from . import checkpoint as ckpt
@@ -67,8 +69,10 @@ _ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_
             "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "max_position_embeddings", "intermediate_size", "ssm_state_size", "mamba_num_heads",
-                  "mamba_head_dim", "n_groups", "conv_kernel", "chunk_size")
-_BOOLS = ("attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "tie_word_embeddings")
+                  "mamba_head_dim", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts", "n_shared_experts",
+                  "moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group",
+                  "topk_group")
+_BOOLS = ("attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "tie_word_embeddings", "norm_topk_prob")
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -107,6 +111,16 @@ class NemotronHConfig:
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -114,8 +128,6 @@ class NemotronHConfig:
         p = self.hybrid_override_pattern
         if not isinstance(p, str) or not p or set(p) - {MAMBA, ATTENTION, MLP_LAYER, MOE}:
             raise ValueError(f"hybrid_override_pattern must be a non-empty string of 'M', '*', '-', 'E'; found {p!r}")
-        if MOE in p:
-            raise ValueError(f"MoE layers ('E' in hybrid_override_pattern {p!r}) are not covered")
         if MAMBA not in p:
             raise ValueError(f"a stack without Mamba2 layers (hybrid_override_pattern {p!r}) is not covered")
         if self.sliding_window is not None:
@@ -147,6 +159,15 @@ class NemotronHConfig:
         if self.mamba_num_heads % self.n_groups:
             raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups "
                              f"({self.n_groups})")
+        latent = self.moe_latent_size
+        if latent is not None and (type(latent) is not int or latent <= 0):
+            raise ValueError(f"moe_latent_size must be a positive int or null, found {latent!r}")
+        f = self.routed_scaling_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 < f < math.inf):
+            raise ValueError(f"routed_scaling_factor must be a positive finite number, found {f!r}")
+        object.__setattr__(self, "routed_scaling_factor", float(f))
+        if MOE in p:
+            self.moe_config()  # its own checks (groups, top-k)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -174,12 +195,24 @@ class NemotronHConfig:
     def mlp_config(self) -> MLPConfig:
         return MLPConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, bias=self.mlp_bias)
 
+    def moe_config(self) -> MoEConfig:
+        """The MoE layers' routing and experts (transformers' ``NemotronHMoE``; one shared expert, as
+        transformers builds it whatever ``n_shared_experts`` says)."""
+        return MoEConfig(hidden_size=self.hidden_size, n_routed_experts=self.n_routed_experts,
+                         num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                         moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+                         moe_latent_size=self.moe_latent_size, n_group=self.n_group, topk_group=self.topk_group,
+                         norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
+                         bias=self.mlp_bias)
+
     def layer_shapes(self, kind: str) -> dict[str, tuple[int, ...]]:
         """The mixer weights of a layer of ``kind`` (a pattern character)."""
         if kind == MAMBA:
             return self.mixer_config().weight_shapes()
         if kind == ATTENTION:
             return self.attention_config().weight_shapes()
+        if kind == MOE:
+            return self.moe_config().weight_shapes()
         return self.mlp_config().weight_shapes()
 
     def lm_shape(self) -> LMShape:
@@ -307,6 +340,8 @@ def build(config: NemotronHConfig, tensors: Mapping[str, torch.Tensor], contract
                                chunk_size=contract.chunk_size)
         if kind == ATTENTION:
             return Attention(config.attention_config(), tensors, prefix, backend=backend, dtype=dtype)
+        if kind == MOE:
+            return MoE(config.moe_config(), tensors, prefix, backend=backend, dtype=dtype)
         return MLP(config.mlp_config(), tensors, prefix, backend=backend, dtype=dtype)
 
     blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
@@ -339,6 +374,13 @@ _TINY_DEFAULTS: dict[str, Any] = {
     "n_groups": 1,
     "conv_kernel": 4,
     "chunk_size": 64,
+    # MoE layers ('E'): 8 experts in 4 groups, the 2 best groups, 2 experts per token
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 128,
+    "n_group": 4,
+    "topk_group": 2,
 }
 
 
@@ -366,4 +408,4 @@ FAMILY = register(Family(
     name=MODEL_TYPE, config_type=NemotronHConfig, architectures=(ARCHITECTURE,), model_types=(MODEL_TYPE,),
     read_config=lambda d, source: NemotronHConfig.from_hf_dict(d, source=source), expected_shapes=expected_shapes,
     build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: False, config_dtype=lambda c: c.dtype,
-    hf_dict=lambda c: c.to_hf_dict()))
+    hf_dict=lambda c: c.to_hf_dict(), free_dtype=(".A_log", ".D", ".dt_bias", ".e_score_correction_bias")))

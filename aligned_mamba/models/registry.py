@@ -176,6 +176,8 @@ def describe(config: Any) -> dict[str, Any]:
     if pattern:  # a hybrid: its layer kinds, and the attention layers' query / key-value heads
         out.update(pattern=pattern, attention_heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads, attention_head_dim=config.head_dim)
+        if "E" in pattern:  # MoE layers: routed experts and how many each token takes
+            out.update(experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok)
     return out
 
 

@@ -28,6 +28,8 @@ def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torc
         return _per_head(lambda u: _inv_softplus(math.exp(lo + (hi - lo) * u)), shape, gen)
     if name.endswith(".D"):
         return torch.ones(shape, dtype=torch.float32)
+    if name.endswith(".e_score_correction_bias"):  # a MoE router's per-expert offset, fp32 as published
+        return (0.1 * _normal(shape, gen)).to(torch.float32)
     if name.endswith("conv1d.weight"):
         bound = 1.0 / math.sqrt(conv_kernel)
         values = _uniform(shape, -bound, bound, gen)

@@ -1,0 +1,186 @@
+"""Nemotron-H's mixture-of-experts layer (Nemotron 3 Nano's ``moe`` blocks). Stateless and row-invariant.
+
+As transformers' ``NemotronHMoE``: a sigmoid router with a per-expert score correction bias and
+group-limited top-k (``n_group`` groups, the ``topk_group`` best by the sum of their two best
+scores, then the ``num_experts_per_tok`` best experts among them), routing weights = the chosen
+experts' sigmoid scores, normalised to sum 1 when ``norm_topk_prob``, times
+``routed_scaling_factor``; routed experts down(relu(up(x))^2) on the optional latent projection of
+the row, each expert's output times its weight in fp32, summed over the row's experts in ascending
+expert order (transformers' accumulation order) and rounded to the model dtype; plus one shared
+expert MLP on the row itself.
+
+Row invariance: every step is a function of the row alone. The router's GEMM is the backend's
+row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice is a stable sort
+per row (ties go to the lower expert index, whatever the other rows); each expert's GEMMs run the
+backend's row-invariant linear over the rows routed to it, so a row's result does not depend on
+which or how many other rows share its experts (tests/test_moe.py).
+
+Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
+gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],
+experts.{e}.down_proj.weight [d_in, moe_intermediate] (d_in = moe_latent_size or hidden),
+shared_experts.up_proj.weight / down_proj.weight, and with a latent size fc1_latent_proj.weight
+[latent, hidden] and fc2_latent_proj.weight [hidden, latent]; with ``mlp_bias`` every projection's
+bias too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ModelLoadError
+from ..ops import elementwise as ew
+from ..ops.backend import Backend
+from ..replay import Batch
+from .base import StateSpec, take, take_optional
+from .mlp import MLP, MLPConfig, relu2
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The MoE layer's shape and routing (transformers' NemotronHConfig fields of the same names)."""
+
+    hidden_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        E, k, g = self.n_routed_experts, self.num_experts_per_tok, self.n_group
+        if E % g:
+            raise ValueError(f"n_routed_experts {E} is not divisible by n_group {g}")
+        if E // g < 2:
+            raise ValueError(f"each of the {g} expert groups needs >= 2 experts (a group is scored by its two best)")
+        if not 1 <= self.topk_group <= g:
+            raise ValueError(f"topk_group {self.topk_group} must be in 1 .. n_group {g}")
+        if not 1 <= k <= self.topk_group * (E // g):
+            raise ValueError(f"num_experts_per_tok {k} must be in 1 .. the {self.topk_group * (E // g)} experts "
+                             f"of the {self.topk_group} chosen groups")
+
+    @property
+    def expert_input_size(self) -> int:
+        return self.moe_latent_size or self.hidden_size
+
+    def shared_config(self) -> MLPConfig:
+        return MLPConfig(self.hidden_size, self.moe_shared_expert_intermediate_size, self.bias)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, d, i, E = self.hidden_size, self.expert_input_size, self.moe_intermediate_size, self.n_routed_experts
+        shapes: dict[str, tuple[int, ...]] = {"gate.weight": (E, h), "gate.e_score_correction_bias": (E,)}
+        for e in range(E):
+            shapes[f"experts.{e}.up_proj.weight"] = (i, d)
+            if self.bias:
+                shapes[f"experts.{e}.up_proj.bias"] = (i,)
+            shapes[f"experts.{e}.down_proj.weight"] = (d, i)
+            if self.bias:
+                shapes[f"experts.{e}.down_proj.bias"] = (d,)
+        shapes.update({f"shared_experts.{k}": v for k, v in self.shared_config().weight_shapes().items()})
+        if self.moe_latent_size is not None:
+            shapes["fc1_latent_proj.weight"] = (self.moe_latent_size, h)
+            if self.bias:
+                shapes["fc1_latent_proj.bias"] = (self.moe_latent_size,)
+            shapes["fc2_latent_proj.weight"] = (h, self.moe_latent_size)
+            if self.bias:
+                shapes["fc2_latent_proj.bias"] = (h,)
+        return shapes
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [T, E] fp32 (sigmoid of the router logits), bias [E] fp32 -> (experts [T, k] int64 in
+    ascending order, weights [T, k] fp32 in the same order). Per row; ties to the lower index."""
+    c = config
+    T, E = scores.shape
+    per_group = E // c.n_group
+    choice = scores + bias
+    top2 = torch.sort(choice.view(T, c.n_group, per_group), dim=-1, descending=True, stable=True).values[..., :2]
+    group_scores = top2[..., 0] + top2[..., 1]  # [T, n_group]: the best plus the second best
+    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :c.topk_group]
+    allowed = torch.zeros(T, c.n_group, dtype=torch.bool, device=scores.device)
+    allowed.scatter_(1, groups, True)
+    masked = choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+    experts = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :c.num_experts_per_tok]
+    experts = torch.sort(experts, dim=-1).values  # the order the outputs are summed in
+    weights = scores.gather(1, experts)
+    if c.norm_topk_prob:
+        total = weights[:, 0]
+        for j in range(1, weights.shape[1]):  # one fixed order (a torch sum's order is its own)
+            total = total + weights[:, j]
+        weights = weights / (total + 1e-20)[:, None]
+    return experts, weights * c.routed_scaling_factor
+
+
+class MoE:
+    """The MoE layer on a backend, in a model dtype (router, expert and latent weights from
+    ``backend.linear_weight``; the router in fp32, as transformers runs it; biases fp32)."""
+
+    kind = "moe"
+
+    def __init__(self, config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *, backend: Backend,
+                 dtype: torch.dtype) -> None:
+        if backend.device.type == "cuda":
+            # the same stance as attention's: the expert GEMMs' row bits across call shapes are
+            # verified through the torch backend only
+            raise ModelLoadError("MoE layers on a CUDA device are refused: their bits across schedules are verified "
+                                 "on the CPU only (no MoE kernel for the GPU yet)")
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        dev = backend.device
+        f32 = torch.float32
+
+        def weight(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+            return backend.linear_weight(take(tensors, prefix, name).to(device=dev, dtype=dt))
+
+        def bias(name: str) -> torch.Tensor | None:
+            t = take_optional(tensors, prefix, name)
+            return None if t is None else t.to(device=dev, dtype=f32)
+
+        self.gate_w = weight("gate.weight", f32)
+        self.score_bias = take(tensors, prefix, "gate.e_score_correction_bias").to(device=dev, dtype=f32)
+        self.up = [(weight(f"experts.{e}.up_proj.weight"), bias(f"experts.{e}.up_proj.bias"))
+                   for e in range(config.n_routed_experts)]
+        self.down = [(weight(f"experts.{e}.down_proj.weight"), bias(f"experts.{e}.down_proj.bias"))
+                     for e in range(config.n_routed_experts)]
+        self.shared = MLP(config.shared_config(), tensors, prefix + "shared_experts.", backend=backend, dtype=dtype)
+        latent = config.moe_latent_size is not None
+        self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
+        self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
+
+    def state_spec(self) -> StateSpec | None:
+        return None
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        return None
+
+    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+                capture: list | None = None) -> torch.Tensor:
+        """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
+        x = hidden if rows is None else hidden[rows]
+        be, c = self.backend, self.config
+        T = x.shape[0]
+        scores = ew.sigmoid(be.linear(x.to(torch.float32), self.gate_w))
+        experts, weights = route(scores, self.score_bias, c)
+        h = x if self.fc1 is None else be.linear(x, *self.fc1)
+        # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32
+        parts = torch.zeros(T, c.num_experts_per_tok, h.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.nonzero(experts == e, as_tuple=True)
+            y = be.linear(relu2(be.linear(h[tok], *self.up[e])), *self.down[e])
+            parts[tok, slot] = y.to(torch.float32) * weights[tok, slot, None]
+        acc = torch.zeros(T, h.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(c.num_experts_per_tok):
+            acc = acc + parts[:, j]
+        routed = acc.to(self.dtype)
+        if self.fc2 is not None:
+            routed = be.linear(routed, *self.fc2)
+        return routed + self.shared.advance(None, batch, x)
