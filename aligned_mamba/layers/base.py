@@ -75,6 +75,16 @@ class Layer(Protocol):
                 capture: list | None = None) -> torch.Tensor: ...
 
 
+class Stateless:
+    """The state half of ``Layer`` for a kind that keeps nothing per sequence (MLP, MoE)."""
+
+    def state_spec(self) -> StateSpec | None:
+        return None
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        return None
+
+
 def take(tensors: Mapping[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
     """``tensors[prefix + name]``; KeyError naming the full name when absent."""
     key = prefix + name

@@ -17,7 +17,7 @@ import torch
 
 from ..ops.backend import Backend
 from ..replay import Batch
-from .base import StateSpec, take, take_optional
+from .base import Stateless, take, take_optional
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return (r * r).to(x.dtype)
 
 
-class MLP:
+class MLP(Stateless):
     """The MLP on a backend, in a model dtype (linear weights from ``backend.linear_weight``; biases fp32)."""
 
     kind = "mlp"
@@ -66,12 +66,6 @@ class MLP:
         self.up_b = bias("up_proj.bias")
         self.down_w = backend.linear_weight(take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype))
         self.down_b = bias("down_proj.bias")
-
-    def state_spec(self) -> StateSpec | None:
-        return None
-
-    def state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        return None
 
     def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:

@@ -35,8 +35,8 @@ from ..errors import ModelLoadError
 from ..ops import elementwise as ew
 from ..ops.backend import Backend
 from ..replay import Batch
-from .base import StateSpec, take, take_optional
-from .mlp import MLP, MLPConfig, relu2
+from .base import Stateless, take, take_optional
+from .mlp import MLP, MLPConfig
 
 
 @dataclass(frozen=True)
@@ -71,19 +71,18 @@ class MoEConfig:
     def expert_input_size(self) -> int:
         return self.moe_latent_size or self.hidden_size
 
+    def expert_config(self) -> MLPConfig:
+        """A routed expert: the MLP on the (latent) row, up_proj / down_proj as ``layers.mlp`` names them."""
+        return MLPConfig(self.expert_input_size, self.moe_intermediate_size, self.bias)
+
     def shared_config(self) -> MLPConfig:
         return MLPConfig(self.hidden_size, self.moe_shared_expert_intermediate_size, self.bias)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, d, i, E = self.hidden_size, self.expert_input_size, self.moe_intermediate_size, self.n_routed_experts
+        h, E = self.hidden_size, self.n_routed_experts
         shapes: dict[str, tuple[int, ...]] = {"gate.weight": (E, h), "gate.e_score_correction_bias": (E,)}
         for e in range(E):
-            shapes[f"experts.{e}.up_proj.weight"] = (i, d)
-            if self.bias:
-                shapes[f"experts.{e}.up_proj.bias"] = (i,)
-            shapes[f"experts.{e}.down_proj.weight"] = (d, i)
-            if self.bias:
-                shapes[f"experts.{e}.down_proj.bias"] = (d,)
+            shapes.update({f"experts.{e}.{k}": v for k, v in self.expert_config().weight_shapes().items()})
         shapes.update({f"shared_experts.{k}": v for k, v in self.shared_config().weight_shapes().items()})
         if self.moe_latent_size is not None:
             shapes["fc1_latent_proj.weight"] = (self.moe_latent_size, h)
@@ -119,7 +118,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[
     return experts, weights * c.routed_scaling_factor
 
 
-class MoE:
+class MoE(Stateless):
     """The MoE layer on a backend, in a model dtype (router, expert and latent weights from
     ``backend.linear_weight``; the router in fp32, as transformers runs it; biases fp32)."""
 
@@ -147,20 +146,12 @@ class MoE:
 
         self.gate_w = weight("gate.weight", f32)
         self.score_bias = take(tensors, prefix, "gate.e_score_correction_bias").to(device=dev, dtype=f32)
-        self.up = [(weight(f"experts.{e}.up_proj.weight"), bias(f"experts.{e}.up_proj.bias"))
-                   for e in range(config.n_routed_experts)]
-        self.down = [(weight(f"experts.{e}.down_proj.weight"), bias(f"experts.{e}.down_proj.bias"))
-                     for e in range(config.n_routed_experts)]
+        self.experts = [MLP(config.expert_config(), tensors, f"{prefix}experts.{e}.", backend=backend, dtype=dtype)
+                        for e in range(config.n_routed_experts)]
         self.shared = MLP(config.shared_config(), tensors, prefix + "shared_experts.", backend=backend, dtype=dtype)
         latent = config.moe_latent_size is not None
         self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
         self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
-
-    def state_spec(self) -> StateSpec | None:
-        return None
-
-    def state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        return None
 
     def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
@@ -175,7 +166,7 @@ class MoE:
         parts = torch.zeros(T, c.num_experts_per_tok, h.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(experts).tolist():
             tok, slot = torch.nonzero(experts == e, as_tuple=True)
-            y = be.linear(relu2(be.linear(h[tok], *self.up[e])), *self.down[e])
+            y = self.experts[e].advance(None, batch, h[tok])
             parts[tok, slot] = y.to(torch.float32) * weights[tok, slot, None]
         acc = torch.zeros(T, h.shape[1], dtype=torch.float32, device=x.device)
         for j in range(c.num_experts_per_tok):

@@ -43,7 +43,7 @@ from .conv1d_triton import causal_conv1d_triton
 from .linear_triton import linear_triton
 from .logprobs_triton import log_softmax_triton
 from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
-from .ssd.chunk import pack_chunks, scan_chunks
+from .ssd.chunk import pack_chunks
 from .ssd.chunk_dense import dense_outputs
 from .ssd.state import SSDState, SSMParams, Step
 
@@ -115,23 +115,13 @@ def _conv_torch(x: Tensor, w: Tensor, b: Tensor | None, window: Tensor, cu_seqle
     return _conv.causal_conv1d(x, cu_seqlens, window, w, b)[0]
 
 
-def _ssd_torch(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
-               buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, cu_seqlens: Tensor, off: Tensor,
-               rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float], row_tile: int) -> Tensor:
-    """``chunk.replay_chunk``'s arithmetic without the state writes: y [T, H, P] in x's dtype of an
-    advance from boundary states h0 [S, H, P, N] and buffered rows (buf_* [S, ...] at the step's
-    slots, None when no slot has buffered rows)."""
-    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
-    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
-    y, _, _ = scan_chunks(ch, C, A, D, h0, rows=rows, final="boundary", row_tile=row_tile)
-    return y.to(x.dtype)
-
-
 def _ssd_dense(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
                buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, cu_seqlens: Tensor, off: Tensor,
                rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float], row_tile: int) -> Tensor:
-    """``_ssd_torch``'s function (same arguments, same y up to rounding) in ``chunk_dense``'s form, which
-    autograd differentiates without the tile form's per-tile copies of each chunk."""
+    """``chunk.replay_chunk``'s arithmetic without the state writes, in ``chunk_dense``'s form (same y up
+    to rounding), which autograd differentiates without the tile form's per-tile copies of each chunk:
+    y [T, H, P] in x's dtype of an advance from boundary states h0 [S, H, P, N] and buffered rows
+    (buf_* [S, ...] at the step's slots, None when no slot has buffered rows)."""
     prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
     ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
     y, _ = dense_outputs(ch, C, A, D, h0)
