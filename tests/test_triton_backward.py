@@ -134,15 +134,15 @@ def test_ssd_prefill_gradients_match_fp64(chunk, G, lens):
     ref = _fp64_grads(leaves, lens, wy)
     errs = {k: rel_err(gk, ref[k]) for k, gk in zip(SCAN_LEAVES, got)}
     assert all(errs[k] < SCAN_RTOL[k] for k in SCAN_LEAVES), errs
-    # the torch backend's scan at the same inputs: the same gradient up to the roundings of the two forms
-    # (the backward differentiates chunk_dense, the same function in dense blocks)
+    # as accurate as the torch backend's own gradient at the same inputs (autograd through its scan):
+    # measured at most 2.0x its error against fp64 (dt_bias, a sum over every row with cancellation)
     t = {k: v.clone().requires_grad_() for k, v in leaves.items()}
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     yt, _ = ssd_chunk(t["x"], t["dt"], t["B"], t["C"], SSMParams(t["A"], t["D"], t["dt_bias"]), cu, t["h0"],
                       chunk_size=chunk, row_tile=CFG.scan_row_tile(chunk))
     tgot = torch.autograd.grad(yt, [t[k] for k in SCAN_LEAVES], wy)
-    vs_torch = {k: rel_err(u, v.double()) for k, u, v in zip(SCAN_LEAVES, got, tgot)}
-    assert all(e < SCAN_RTOL[k] / 10 for k, e in vs_torch.items()), vs_torch
+    torch_errs = {k: rel_err(v.to(DEV), ref[k]) for k, v in zip(SCAN_LEAVES, tgot)}
+    assert all(errs[k] < 3 * torch_errs[k] + 1e-7 for k in SCAN_LEAVES), (errs, torch_errs)
 
 
 def test_ssd_advance_from_buffered_rows_has_the_fp64_gradient():
@@ -191,16 +191,16 @@ def test_autograd_cannot_see_through_a_bare_triton_launch():
 
 
 def test_a_wrong_backward_is_caught(monkeypatch):
-    """The fp64 comparison has teeth: a backward that differentiates the torch form at a slightly
-    wrong point (dt_bias dropped) fails it."""
+    """The fp64 comparison has teeth: a backward that takes the scan's gradient at a slightly wrong
+    point (dt_bias dropped from the recomputed chunk grid) fails it."""
     chunk, G, H, P, N, lens = 32, 2, 4, 16, 16, [40, 9]
     leaves = _scan_leaves(3, lens, H, P, G, N)
-    real = ta._ssd_dense
+    real = ta.pack_chunks
 
-    def dt_bias_dropped(x, dt, B, C, A, D, dt_bias, *rest):
-        return real(x, dt, B, C, A, D, dt_bias * 0.0, *rest)
+    def dt_bias_dropped(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=None):
+        return real(x, dt, B, cu_seqlens, chunk_size, dt_bias * 0.0, dt_limit, prefix=prefix)
 
-    monkeypatch.setattr(ta, "_ssd_dense", dt_bias_dropped)
+    monkeypatch.setattr(ta, "pack_chunks", dt_bias_dropped)
     a = {k: v.clone().requires_grad_() for k, v in leaves.items()}
     y, _ = _advance(_backend(), a, lens, chunk, G)
     wy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -209,9 +209,24 @@ def test_a_wrong_backward_is_caught(monkeypatch):
     assert rel_err(a["dt"].grad, ref["dt"]) > 100 * GRAD_RTOL
 
 
+def _ssd_dense(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B, cu_seqlens, off, rows, chunk_size, dt_limit,
+               row_tile):
+    """An advance's y (``chunk.replay_chunk``'s arithmetic without the state writes) in ``chunk_dense``'s
+    form, the function ``ta.ssd_backward`` takes the gradient of, under torch autograd."""
+    from aligned_mamba.ops.ssd.chunk import pack_chunks
+    from aligned_mamba.ops.ssd.chunk_dense import dense_outputs
+
+    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
+    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
+    y, _ = dense_outputs(ch, C, A, D, h0)
+    if rows is not None:
+        y = y * rows.to(y.device)[:, None, None]
+    return y.to(x.dtype)
+
+
 def _ssd_tile(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B, cu_seqlens, off, rows, chunk_size, dt_limit,
               row_tile):
-    """``ta._ssd_dense``'s signature over the torch backend's tile form (``chunk.replay_chunk``'s
+    """``_ssd_dense``'s signature over the torch backend's tile form (``chunk.replay_chunk``'s
     arithmetic without the state writes)."""
     from aligned_mamba.ops.ssd.chunk import pack_chunks, scan_chunks
 
@@ -242,7 +257,7 @@ def test_the_dense_form_is_the_tile_forms_function(off):
             (0.0, math.inf), 16)
     wy = torch.randn(sum(lens), H, P, generator=g)
     outs = {}
-    for name, form in (("tile", _ssd_tile), ("dense", ta._ssd_dense)):
+    for name, form in (("tile", _ssd_tile), ("dense", _ssd_dense)):
         y = form(*args[0], *args[1:])
         outs[name] = (y.detach(), torch.autograd.grad((y * wy).sum(), args[0]))
     assert rel_err(outs["dense"][0], outs["tile"][0].double()) < 1e-6
@@ -256,6 +271,39 @@ def test_the_dense_form_is_the_tile_forms_function(off):
         _, h = ssd_chunk_dense(lv["x"], lv["dt"], lv["B"], lv["C"], prm, cu, lv["h0"], chunk_size=chunk)
         _, h_ref = ssd_naive(lv["x"], lv["dt"], lv["B"], lv["C"], prm, cu, lv["h0"])
         assert rel_err(h, h_ref) < 1e-6
+
+
+@pytest.mark.parametrize("off,D_per_p", [(0, False), (5, True)], ids=["from-empty", "buffered-D[H,P]"])
+def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p):
+    """``ta.ssd_backward`` (the Triton backward kernels) against torch autograd through ``_ssd_dense``
+    at the same inputs: buffered rows, rows not wanted, several chunks per sequence, several row
+    blocks per chunk (chunk 32, blocks 16), D per head or per channel."""
+    ARGS = ("x", "dt", "B", "C", "A", "D", "dt_bias", "h0")  # the positional order
+    chunk, G, H, P, N, lens = 32, 2, 4, 16, 16, [70, 5, 32]
+    cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
+    lv = _scan_leaves(21, lens, H, P, G, N)
+    if D_per_p:
+        lv["D"] = _rand(H, P, seed=22)
+    S, g = len(lens), torch.Generator().manual_seed(6)
+    bufs = (None,) * 3
+    offs = torch.full((S,), off, dtype=torch.int64, device=DEV)
+    if off:
+        bx, bB = torch.zeros(S, H, chunk, P), torch.zeros(S, G, chunk, N)
+        bx[:, :, :off], bB[:, :, :off] = torch.randn(S, H, off, P, generator=g), torch.randn(S, G, off, N, generator=g)
+        bufs = tuple(t.to(DEV) for t in (bx, torch.randn(S, H, chunk, generator=g), bB))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    rows = (torch.rand(sum(lens), generator=g) < 0.7).to(DEV)
+    wy = torch.randn(sum(lens), H, P, generator=g).to(DEV)
+    leaves = {k: v.clone().requires_grad_() for k, v in lv.items()}
+    y = _ssd_dense(*(leaves[k] for k in ARGS), *bufs, cu, offs, rows, chunk, (0.0, math.inf), 16)
+    want = torch.autograd.grad((y * wy).sum(), [leaves[k] for k in ARGS])
+    got = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, rows, chunk,
+                          (0.0, math.inf), cfg)
+    again = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, rows, chunk,
+                            (0.0, math.inf), cfg)
+    assert all(torch.equal(u, v) for u, v in zip(got, again)), "two backwards gave different bits"
+    errs = {k: rel_err(u, v.double()) for k, u, v in zip(ARGS, got, want)}
+    assert all(e < SCAN_RTOL[k] / 10 for k, e in errs.items()), errs
 
 
 # -- the other kernels' Functions (through the interpreter on a CPU) --------------------------------------

@@ -82,6 +82,8 @@ class TritonKernelConfigs:
     Conv1d (ops/conv1d_triton.py): conv_block_t, conv_block_c: tokens and channels per program.
     Log-softmax (ops/logprobs_triton.py): logprobs_block_v, the vocabulary block of a row's
       program (fixed order over the row); logprobs_num_warps.
+    The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
+      bwd_block_s, bwd_block_t: the s and t row blocks of its two chunk kernels; bwd_warps.
     """
 
     row_tile: int = 64
@@ -130,6 +132,9 @@ class TritonKernelConfigs:
     conv_block_c: int = 256
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16
+    bwd_block_s: int = 64
+    bwd_block_t: int = 64
+    bwd_warps: int = 8
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
@@ -177,6 +182,9 @@ class TritonKernelConfigs:
         _pow2("conv_block_c", self.conv_block_c, 16, 1024)
         _pow2("logprobs_block_v", self.logprobs_block_v, 128, 16384)
         _among("logprobs_num_warps", self.logprobs_num_warps, (1, 2, 4, 8, 16))
+        _pow2("bwd_block_s", self.bwd_block_s, 16, 256)
+        _pow2("bwd_block_t", self.bwd_block_t, 16, 256)
+        _among("bwd_warps", self.bwd_warps, (2, 4, 8, 16))
 
     def scan_row_tile(self, chunk_size: int) -> int:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""

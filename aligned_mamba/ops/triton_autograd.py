@@ -4,10 +4,10 @@ Each op the triton backend runs with its own kernels is a ``torch.autograd.Funct
 calls that kernel unchanged (the same bits as the sampler's, since it is the same launch) and saves
 only the op's inputs, and whose backward recomputes the op with a differentiable torch form on those
 inputs and returns ``torch.autograd.grad`` of it (``recompute_grads``): the torch backend's own ops
-(``ops.norm``, ``ops.conv1d``, ``ops.logprobs``) for the norms, conv and log-softmax, and for the
-scan ``ops.ssd.chunk_dense``, the same function as the torch backend's ``ops.ssd.chunk`` in dense
-per-chunk blocks (the tile form copies each chunk once per row tile, which its backward pays for in
-memory traffic). The gradients are taken at the Triton forward's inputs and differ from the exact
+(``ops.norm``, ``ops.conv1d``, ``ops.logprobs``) for the norms, conv and log-softmax. The scan's
+backward is ``ssd_backward``: Triton kernels (``ops.ssd.triton_backward``) for the gradient of
+``ops.ssd.chunk_dense``'s function (the torch backend's scan in dense per-chunk blocks) on the chunk
+grid, and autograd through the packing. The gradients are taken at the Triton forward's inputs and differ from the exact
 derivative of the Triton forward only by rounding (tests/test_triton_backward.py holds them to an
 fp64 reference). The linear layer's backward is the two GEMMs ``grad @ w`` and ``grad.T @ x`` in
 torch (cuBLAS on a GPU).
@@ -17,20 +17,21 @@ raw pointers, with no ``grad_fn``, so every parameter upstream of one silently g
 
 Determinism: the norms', conv's and log-softmax's recomputes run under
 ``torch.use_deterministic_algorithms(True, warn_only=True)``, which swaps the atomics-based backwards
-of their gathers and indexing for deterministic ones. The scan's dense form is deterministic by
-construction (see ``chunk_dense``) and runs without it. Not covered: ``torch.cumsum`` on CUDA, which
+of their gathers and indexing for deterministic ones. The scan's kernels are deterministic by
+construction (see ``triton_backward``) and run without it. Not covered: ``torch.cumsum`` on CUDA, which
 torch does not promise deterministic (its row scans along the chunk measured repeatable: two
 backwards compare equal on the H200, ``benchmarks/bench_train_h200.py``), and cuBLAS, deterministic
 run to run only for one stream and a fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the
 CPU all of it is deterministic. Gradients are not row-invariant (nothing asks them to be).
 
-Memory and speed: a backward holds one op's torch graph while it runs, and the scan saves the
-boundary states it started from. Triton backward kernels are the next step (issue 15).
+Memory: a backward holds one op's torch graph while it runs, and the scan saves the boundary states
+it started from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -44,8 +45,8 @@ from .linear_triton import linear_triton
 from .logprobs_triton import log_softmax_triton
 from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from .ssd.chunk import pack_chunks
-from .ssd.chunk_dense import dense_outputs
 from .ssd.state import SSDState, SSMParams, Step
+from .ssd.triton_backward import chunk_scan_backward
 
 Tensor = torch.Tensor
 
@@ -113,21 +114,6 @@ def _add_norm_torch(x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: t
 def _conv_torch(x: Tensor, w: Tensor, b: Tensor | None, window: Tensor, cu_seqlens: Tensor) -> Tensor:
     """``ops.conv1d.causal_conv1d`` + SiLU over (window ++ x) per sequence: out [T, Cd]."""
     return _conv.causal_conv1d(x, cu_seqlens, window, w, b)[0]
-
-
-def _ssd_dense(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
-               buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, cu_seqlens: Tensor, off: Tensor,
-               rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float], row_tile: int) -> Tensor:
-    """``chunk.replay_chunk``'s arithmetic without the state writes, in ``chunk_dense``'s form (same y up
-    to rounding), which autograd differentiates without the tile form's per-tile copies of each chunk:
-    y [T, H, P] in x's dtype of an advance from boundary states h0 [S, H, P, N] and buffered rows
-    (buf_* [S, ...] at the step's slots, None when no slot has buffered rows)."""
-    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
-    ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=prefix)
-    y, _ = dense_outputs(ch, C, A, D, h0)
-    if rows is not None:
-        y = y * rows.to(y.device)[:, None, None]  # the forward's y is zero in rows not wanted
-    return y.to(x.dtype)
 
 
 # -- the Functions: forward = the kernel, unchanged; backward = recompute_grads of the torch form ---------
@@ -225,6 +211,46 @@ class _LogSoftmax(torch.autograd.Function):
         return recompute_grads(ctx, _logprobs.log_softmax, (g,))
 
 
+def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+                 buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, g: Tensor, needs: tuple[bool, ...],
+                 cu_seqlens: Tensor, off: Tensor, rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float],
+                 cfg: TritonKernelConfigs) -> tuple[Tensor | None, ...]:
+    """The gradient of an advance's y [T, H, P] (``chunk.replay_chunk``'s function, without the state
+    writes) against g [T, H, P]: (dx, ddt, dB, dC, dA, dD, ddt_bias, dh0), None where ``needs`` (one
+    flag per leaf, in that order) is False.
+
+    The chunk grid is ``pack_chunks`` of the inputs (buffered rows first, from buf_* [S, ...] at the
+    step's slots, None when no slot has any), recomputed under autograd; the scan's gradient on it is
+    ``triton_backward.chunk_scan_backward``, and autograd carries it back through the packing (its
+    softplus and its index copies, which gather) to x, dt, B and dt_bias.
+    """
+    nx, ndt, nB, nC, nA, nD, nbias, nh0 = needs
+    leaf = {k: v.detach().requires_grad_() if n else v.detach()
+            for k, v, n in (("x", x, nx), ("dt", dt, ndt), ("B", B, nB), ("dt_bias", dt_bias, nbias))}
+    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
+    with torch.enable_grad():
+        ch = pack_chunks(leaf["x"], leaf["dt"], leaf["B"], cu_seqlens, chunk_size, leaf["dt_bias"], dt_limit,
+                         prefix=prefix)
+    NC, H, L, P = ch.x.shape
+    G, N = ch.B.shape[1], ch.B.shape[3]
+    at = (ch.row_chunk, slice(None), ch.row_pos)
+    Cc = torch.zeros(NC, G, L, N, device=x.device)
+    Cc[at] = C.to(torch.float32)
+    gy = g if rows is None else g * rows.to(g.device)[:, None, None]  # the forward's y is zero in rows not wanted
+    dyc = torch.zeros(NC, H, L, P, device=x.device)
+    dyc[at] = gy.to(torch.float32)
+    plain = dataclasses.replace(ch, x=ch.x.detach(), dt=ch.dt.detach(), B=ch.B.detach())
+    bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
+    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(plain, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16)
+    pairs = [(o, go) for o, go in ((ch.x, dxc), (ch.dt, ddtc), (ch.B, dBc)) if o.requires_grad]
+    wanted = [leaf[k] for k, n in (("x", nx), ("dt", ndt), ("B", nB), ("dt_bias", nbias)) if n]
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True)
+               if pairs and wanted else [])
+    dx, ddt, dB, dbias = (next(got) if n else None for n in (nx, ndt, nB, nbias))
+    return (dx, ddt, dB, dCc[at].to(C.dtype) if nC else None, dA if nA else None, dD if nD else None, dbias,
+            dh0.to(h0.dtype) if nh0 else None)
+
+
 class _SSDAdvance(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
@@ -238,7 +264,10 @@ class _SSDAdvance(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _ssd_dense, (g,), deterministic=False)
+        x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B = ctx.saved_tensors
+        grads = ssd_backward(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B, g, ctx.needs_input_grad[:8],
+                             *ctx.consts)
+        return (*grads, None, None, None, None, None)
 
 
 # -- the differentiable ops (the triton backend calls these only when grad_needed) --------------------------
@@ -299,10 +328,10 @@ def ssd_advance(run: Callable[[SSDState, Step, Tensor, Tensor, Tensor, Tensor, S
     h0 = state.ssm_state[slots]  # a copy: the advance moves the boundary states in place
     # the buffers are read only where a slot has buffered rows (a trainer's forward from empty has none)
     bufs = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots]) if bool((off > 0).any()) else (None,) * 3
-    consts = (step.cu_seqlens, off, rows, L, tuple(params.dt_limit), cfg.scan_row_tile(L))
+    consts = (step.cu_seqlens, off, rows, L, tuple(params.dt_limit), cfg)
     return _SSDAdvance.apply(x, dt, B, C, params.A, params.D, params.dt_bias, h0, *bufs,
                              lambda: run(state, step, x, dt, B, C, params, rows), consts)
 
 
 __all__ = ["add_norm", "conv", "embed_norm", "gated_rms_norm", "grad_needed", "linear", "log_softmax",
-           "recompute_grads", "rms_norm", "ssd_advance"]
+           "recompute_grads", "rms_norm", "ssd_advance", "ssd_backward"]

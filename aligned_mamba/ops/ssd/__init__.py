@@ -6,7 +6,7 @@ Scan forms, one signature ``(x, dt, B, C, params, cu_seqlens, initial_states=Non
 - ``naive.ssd_naive``: the fp64 sequential recurrence, the accuracy reference;
 - ``chunk.ssd_chunk``: the chunked scan on torch ops (the CPU backend);
 - ``chunk_dense.ssd_chunk_dense``: the same function in dense per-chunk blocks, not row-invariant:
-  what the triton backend's backward differentiates;
+  the function whose gradient ``triton_backward.chunk_scan_backward`` (Triton kernels) computes;
 - ``fused_recurrent.ssd_fused_recurrent``: the recurrent one-step update (SSU), token by token,
   the baseline engines decode with today;
 - ``triton_chunk.ssd_chunk_triton``: the chunked scan as Triton kernels (the GPU backend).

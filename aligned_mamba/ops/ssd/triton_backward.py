@@ -1,0 +1,282 @@
+"""The SSD scan's backward as Triton kernels: the gradient of ``chunk_dense``'s function on the chunk grid.
+
+The forward both sides run is ``triton_chunk``'s (row-invariant); this is its gradient, which needs
+accuracy and run-to-run determinism, not row invariance. Per chunk and head, with a_t the cumsum
+of dt*A from the chunk start, M[t, s] = (C_t . B_s) exp(a_t - a_s) dt_s for s <= t, the chunk's
+boundary state h_in and the gradient dh_out of the state it hands on:
+
+    y_t   = exp(a_t) C_t . h_in + sum_{s<=t} M[t, s] x_s + D x_t
+    h_out = exp(a_L) h_in + sum_s exp(a_L - a_s) dt_s x_s B_s^T
+
+Given dy, with xdy[s, t] = dy_t . x_s, e[s, t] = (C_t . B_s) exp(a_t - a_s) xdy[s, t] and
+w_s = exp(a_L - a_s) dt_s:
+
+    dx_s   = sum_{t>=s} M[t, s] dy_t + w_s dh_out B_s + D dy_s
+    ddt_s  = sum_{t>=s} e[s, t] + exp(a_L - a_s) x_s . (dh_out B_s)        (through M and w)
+    dB_s   = sum_{t>=s} exp(a_t - a_s) dt_s xdy[s, t] C_t + w_s x_s dh_out  (per head; summed per group)
+    dC_t   = sum_{s<=t} exp(a_t - a_s) dt_s xdy[s, t] B_s + exp(a_t) dy_t h_in
+    da_t   = sum_{s<=t} dt_s e[s, t] - dt_t ddt_t + exp(a_t) C_t . (dy_t h_in)  (+ the a_L terms)
+    dh_in  = exp(a_L) dh_out + sum_t exp(a_t) dy_t^T C_t
+
+and then d(dt*A) = the reverse cumsum of da, ddt += A d(dt*A), dA = sum dt d(dt*A), dD = sum dy x.
+
+Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/``bwd_block_t``):
+
+1. ``_state_pass_kernel`` of ``triton_chunk`` (the forward's, unchanged) for every chunk's h_in,
+   from chunk states computed by one batched fp32 GEMM;
+2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
+   chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
+3. ``_bwd_s_kernel`` [NC * H, L / BS]: dx, ddt (its M and w parts) and the per-head dB of one s block,
+   looping over the t blocks at or after it;
+4. ``_bwd_t_kernel`` [NC * H, L / BT]: the per-head dC and the da part summed over s, of one t block,
+   looping over the s blocks at or before it.
+
+Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
+fixed order inside a program, and what spans programs (dB and dC over a group's heads, dA and dD
+over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
+contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
+operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
+split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products, the chunk states and
+the reductions are torch fp32 ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import TritonKernelConfigs
+from ..triton_math import interpreting
+from .chunk import Chunks
+from .triton_chunk import _state_pass_kernel
+from .triton_dot import dot_acc, tensor_core_dots
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr,
+                        H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sequence q, head h, one (p, n) block: walking q's chunks last to first, dh_out[c] = g, then
+    g = exp(a_L[c]) g + dS[c] (g = 0 past the last chunk); dh0[q] = g at the end (dh_in of the first).
+
+    a [NC, H, L], dS/dh_out [NC, H, P, N], dh0 [S, H, P, N]: fp32; first/count [S] int64.
+    """
+    q = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    p = (tl.program_id(2) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (p < P)[:, None] & (n < N)[None, :]
+    pn = p[:, None] * N + n[None, :]
+    c0 = tl.load(first_ptr + q)
+    c = c0 + tl.load(count_ptr + q) - 1
+    g = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    while c >= c0:
+        off = (c * H + h) * P * N + pn
+        tl.store(dh_out_ptr + off, g, mask=m)
+        g = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1)) * g + tl.load(dS_ptr + off, mask=m, other=0.0)
+        c -= 1
+    tl.store(dh0_ptr + (q * H + h) * P * N + pn, g, mask=m)
+
+
+@triton.jit
+def _bwd_s_kernel(
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, sD_h, sD_p,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr,
+):
+    """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx [BS, P], ddt [BS] (through M
+    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the head's dB [BS, N].
+
+    x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
+    C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
+    """
+    ch = tl.program_id(0).to(tl.int64)
+    c = ch // H
+    h = ch % H
+    cg = c * G + h // (H // G)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = (p < P)[None, :]
+    nm = (n < N)[None, :]
+    a_s = tl.load(a_ptr + ch * L + s)
+    dt_s = tl.load(dt_ptr + ch * L + s)
+    x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
+    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
+    acc_e = tl.zeros((BS,), dtype=tl.float32)
+    t0 = tl.program_id(1) * BS
+    t0 = t0 - t0 % BT
+    while t0 < L:
+        t = t0 + tl.arange(0, BT)
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
+        C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
+        cbT = tl.load(cb_ptr + (cg * L + t[None, :]) * L + s[:, None])  # [BS, BT]: C_t . B_s
+        causal = t[None, :] >= s[:, None]
+        decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+        xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
+        q = cbT * decay
+        acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
+        acc_e += tl.sum(q * xdy, axis=1)
+        acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
+        t0 += BT
+
+    # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+    B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
+    dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+    hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
+    xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
+    decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
+    w = decay_L * dt_s
+    f = decay_L * tl.sum(x_s * hb, axis=1)
+    dy_s = tl.load(dy_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
+    acc_dx += w[:, None] * hb + d[None, :] * dy_s
+    acc_dB += w[:, None] * xh
+    tl.store(dx_ptr + (ch * L + s[:, None]) * P + p[None, :], acc_dx, mask=pm)
+    tl.store(ddt_ptr + ch * L + s, acc_e + f)
+    tl.store(f_ptr + ch * L + s, f * dt_s)
+    tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
+
+
+@triton.jit
+def _bwd_t_kernel(
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dC_ptr, da_ptr,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr,
+):
+    """Chunk c, head h (pid 0 = c * H + h), rows t of t block pid 1: the head's dC [BT, N] and
+    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in).
+
+    h_in [NC, H, P, N] (each chunk's boundary state), dC [NC, H, L, N], da [NC, H, L]; the rest as
+    in ``_bwd_s_kernel``.
+    """
+    ch = tl.program_id(0).to(tl.int64)
+    c = ch // H
+    h = ch % H
+    cg = c * G + h // (H // G)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = (p < P)[None, :]
+    nm = (n < N)[None, :]
+    a_t = tl.load(a_ptr + ch * L + t)
+    dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
+    h_in = tl.load(h_in_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+    ea = tl.exp(a_t)
+    gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
+    acc_dC = ea[:, None] * gh
+    acc_da = ea * tl.sum(C_t * gh, axis=1)
+    t_end = tl.program_id(1) * BT + BT
+    s0 = 0
+    while s0 < t_end:
+        s = s0 + tl.arange(0, BS)
+        a_s = tl.load(a_ptr + ch * L + s)
+        dt_s = tl.load(dt_ptr + ch * L + s)
+        x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+        B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
+        cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
+        causal = s[None, :] <= t[:, None]
+        decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+        xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
+        dcb = (decay * xdy) * dt_s[None, :]
+        acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
+        acc_da += tl.sum(dcb * cb, axis=1)
+        s0 += BS
+    tl.store(dC_ptr + (ch * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
+    tl.store(da_ptr + ch * L + t, acc_da)
+
+
+def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
+    """The s and t row blocks at chunk size L (a chunk shorter than a block is one block)."""
+    return min(cfg.bwd_block_s, L), min(cfg.bwd_block_t, L)
+
+
+def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
+                        cfg: TritonKernelConfigs, *, bf16_operands: bool
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
+
+    ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] after softplus, B [NC, G, L, N] fp32;
+    seq, index); Cc [NC, G, L, N] fp32, C at the packed rows' chunk positions (zero elsewhere); A [H],
+    D [H] or [H, P] fp32; h0 [S, H, P, N] fp32 the state at each sequence's first chunk boundary;
+    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding).
+    ``bf16_operands``: x, B, C and dy hold bf16 values (a bf16 model), so the tensor-core dots take
+    them exactly (``dot_acc``); else fp32 FMA dots.
+
+    Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
+    shape), dh0 [S, H, P, N]), fp32 (dD in D's dtype).
+    """
+    NC, H, L, P = ch.x.shape
+    G, N = ch.B.shape[1], ch.B.shape[3]
+    S, HG, dev, f32 = h0.shape[0], H // G, ch.x.device, torch.float32
+    BS, BT = _blocks(L, cfg)
+    if L % BS or L % BT or BS < 16 or BT < 16:
+        raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
+    tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bf16_dots)
+    opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
+    x, dt, B, C, dy = (t.contiguous() for t in (ch.x, ch.dt, ch.B, Cc, dyc))
+    Af = A.to(device=dev, dtype=f32)
+    a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
+
+    # every chunk's boundary state: chunk states by one GEMM, passed along by the forward's kernel
+    seq = ch.seq
+    count = torch.bincount(seq, minlength=S)
+    first = torch.cumsum(count, 0) - count
+    w = (a[..., -1:] - a).exp() * dt
+    states = ((x * w[..., None]).view(NC, G, HG, L, P).transpose(-1, -2).reshape(NC, G, HG * P, L) @ B
+              ).view(NC, H, P, N)  # [NC, H, P, N]
+    h_in = torch.empty(NC, H, P, N, device=dev, dtype=f32)
+    h_run = h0.to(f32).contiguous().clone()
+    PP, NBk = min(cfg.pass_block_p, triton.next_power_of_2(P)), min(cfg.block_n, triton.next_power_of_2(N))
+    pass_grid = (S, H, triton.cdiv(P, PP) * triton.cdiv(N, NBk))
+    _state_pass_kernel[pass_grid](a, states, torch.ones(NC, dtype=torch.int64, device=dev), h_run,
+                                  torch.arange(S, device=dev), h_in, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP,
+                                  BLOCK_N=NBk, WRITE_IN=True, RT_RANGE=not interpreting(), num_warps=cfg.num_warps)
+
+    # what each chunk's outputs ask of its boundary state, then dh_out walking backwards
+    dS = ((dy * a.exp()[..., None]).view(NC, G, HG, L, P).transpose(-1, -2).reshape(NC, G, HG * P, L) @ C
+          ).view(NC, H, P, N)
+    dh_out = torch.empty(NC, H, P, N, device=dev, dtype=f32)
+    dh0 = torch.empty(S, H, P, N, device=dev, dtype=f32)
+    _dstate_pass_kernel[pass_grid](a, dS, dh_out, dh0, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP, BLOCK_N=NBk,
+                                   num_warps=cfg.num_warps)
+
+    cb = C @ B.transpose(-1, -2)  # [NC, G, L, L]: cb[t, s] = C_t . B_s
+    Dd = D.to(device=dev, dtype=f32)
+    sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
+    dx = torch.empty_like(x)
+    ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
+    fL = torch.empty_like(ddt)
+    dBh = torch.empty(NC, H, L, N, device=dev, dtype=f32)
+    dCh = torch.empty_like(dBh)
+    da_t = torch.empty_like(ddt)
+    blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
+                  BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
+    if NC:
+        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, sD_h, sD_p, **blocks,
+                                         **opts)
+        _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dCh, da_t, **blocks, **opts)
+
+    # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
+    da = da_t - dt * ddt
+    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * (dh_out * h_in).sum((-2, -1))
+    dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
+    ddt = ddt + Af[None, :, None] * dAdt
+    dA = (dAdt * dt).sum((0, 2))
+    dD = (dy * x).sum((0, 2))  # [H, P]
+    dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
+    dB = dBh.view(NC, G, HG, L, N).sum(2)
+    dC = dCh.view(NC, G, HG, L, N).sum(2)
+    return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0
+
+
+__all__ = ["chunk_scan_backward"]
