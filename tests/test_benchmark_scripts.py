@@ -47,3 +47,15 @@ def test_train_megatron_dry_run(tmp_path: Path) -> None:
     assert s["iterations"] == 2 and s["rows"] == s["tokens"] > 0, s
     assert s["mismatched_tokens"] == 0 and s["differing_rows"] == 0, s
     assert s["steps_lowering_their_loss"] == 2, s
+
+
+def test_bench_scan_backward_dry_run(tmp_path: Path) -> None:
+    """The scan-backward benchmark's kernel configs through the interpreter: each config computes the
+    first one's gradients up to fp32 rounding."""
+    pytest.importorskip("triton")
+    out = tmp_path / "scan_backward.json"
+    r = _run("bench_scan_backward_h200.py", out)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 2 and all(len(c["ours"]) == 2 for c in cells)
+    assert all(e["max_rel_vs_first"] < 1e-5 for c in cells for e in c["ours"]), cells

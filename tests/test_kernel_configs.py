@@ -12,6 +12,7 @@ so the shapes are the real ones and the test takes a second.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,8 @@ from aligned_mamba.ops import linear_triton as lt  # noqa: E402
 from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
 from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.ssd import triton_chunk, triton_decode  # noqa: E402
+from aligned_mamba.ops.ssd import triton_backward, triton_chunk, triton_decode  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.replay import Batch  # noqa: E402
 
@@ -109,6 +111,12 @@ def _workload(cfg: TritonKernelConfigs) -> None:
             triton_chunk.replay_chunk_triton(state, step, *args, params, cfg=cfg)
             if bool((step.lengths == 1).all()):
                 triton_decode.replay_decode_triton(state, step, *args, params, cfg=cfg)
+    # the scan's backward on a chunk grid of two sequences
+    T, cu = 300, torch.tensor([0, 280, 300])
+    ch = pack_chunks(r(T, H, P), r(T, H), r(T, G, N), cu, L, params.dt_bias, (0.0, math.inf))
+    NC = ch.x.shape[0]
+    triton_backward.chunk_scan_backward(ch, torch.zeros(NC, G, L, N), params.A, params.D, torch.zeros(2, H, P, N),
+                                        torch.zeros(NC, H, L, P), cfg, bf16_operands=True)
 
 
 def _launches(cfg: TritonKernelConfigs, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:

@@ -45,30 +45,66 @@ def causal_conv1d(
     sequence's first new token), weight [Cd, K], bias [Cd] or None.
     Returns (out [T, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
     """
-    T, Cd = x.shape
     S, Km1, _ = window.shape
-    K = Km1 + 1
-    dev = x.device
-    cu = cu_seqlens.to(torch.int64).to(dev)
-    lens = cu[1:] - cu[:-1]
-    # One stream per sequence: its window rows, then its new rows; src indexes cat([window, x]).
-    stream = torch.cat([window.reshape(S * Km1, Cd).to(x.dtype), x])
-    seq = torch.repeat_interleave(torch.arange(S, device=dev), lens)
-    j = torch.arange(T, device=dev) - cu[:-1][seq]  # index of each new row within its sequence
-
-    def src(seq_ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Row of ``stream`` holding position p of a sequence's (window ++ new) stream."""
-        return torch.where(p < Km1, seq_ids * Km1 + p, S * Km1 + cu[:-1][seq_ids] + p - Km1)
-
-    taps = stream[src(seq[:, None], j[:, None] + torch.arange(K, device=dev)[None, :])]  # [T, K, Cd]
+    stream, src, lens = _streams(x, cu_seqlens, window)
+    taps = stream[src]  # [T, K, Cd]
     out = _tap_sum(taps, weight, bias)
     if activation:
         out = ew.silu(out)
     # The new window: the last K-1 positions of each (window ++ new) stream.
-    q = torch.arange(Km1, device=dev)
-    sidx = torch.arange(S, device=dev)[:, None].expand(S, Km1)
-    new_window = stream[src(sidx, lens[:, None] + q[None, :])]
+    q = torch.arange(Km1, device=x.device)
+    sidx = torch.arange(S, device=x.device)[:, None].expand(S, Km1)
+    new_window = stream[_stream_row(sidx, lens[:, None] + q[None, :], cu_seqlens.to(torch.int64).to(x.device), S,
+                                    Km1)]
     return out.to(x.dtype), new_window
+
+
+def _stream_row(seq_ids: torch.Tensor, p: torch.Tensor, cu: torch.Tensor, S: int, Km1: int) -> torch.Tensor:
+    """Row of the stream (``_streams``) holding position p of a sequence's (window ++ new) stream."""
+    return torch.where(p < Km1, seq_ids * Km1 + p, S * Km1 + cu[:-1][seq_ids] + p - Km1)
+
+
+def _streams(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequences' (window ++ new) streams as one table: (stream [S*(K-1) + T, Cd] in x's dtype,
+    src [T, K] the stream rows of each new row's K taps, oldest first, lens [S])."""
+    T, Cd = x.shape
+    S, Km1, _ = window.shape
+    dev = x.device
+    cu = cu_seqlens.to(torch.int64).to(dev)
+    lens = cu[1:] - cu[:-1]
+    stream = torch.cat([window.reshape(S * Km1, Cd).to(x.dtype), x])
+    seq = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)
+    j = torch.arange(T, device=dev) - cu[:-1][seq]  # index of each new row within its sequence
+    src = _stream_row(seq[:, None], j[:, None] + torch.arange(Km1 + 1, device=dev)[None, :], cu, S, Km1)
+    return stream, src, lens
+
+
+def causal_conv1d_backward(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, g: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradient of ``causal_conv1d(...)[0]`` (with SiLU) against g [T, Cd]: (dx [T, Cd], dwindow
+    [S, K-1, Cd], dweight [Cd, K], dbias [Cd] or None, each in its input's dtype).
+
+    Native torch ops in fp32 (accuracy, not row invariance). Deterministic: tap k of distinct rows
+    reads distinct stream rows, so each tap's scatter adds one value per row, tap after tap.
+    """
+    S, Km1, Cd = window.shape
+    stream, src, _ = _streams(x, cu_seqlens, window)
+    taps = stream[src].to(torch.float32)  # [T, K, Cd]
+    wf = weight.to(torch.float32)
+    pre = (taps * wf.t()).sum(1)
+    if bias is not None:
+        pre = pre + bias.to(torch.float32)
+    s = torch.sigmoid(pre)
+    dpre = g.to(torch.float32) * (s * (1.0 + pre * (1.0 - s)))
+    dstream = torch.zeros(stream.shape, device=x.device, dtype=torch.float32)
+    for k in range(Km1 + 1):
+        dstream.index_put_((src[:, k],), dpre * wf[:, k], accumulate=True)
+    dw = torch.stack([(dpre * taps[:, k]).sum(0) for k in range(Km1 + 1)], 1)
+    db = None if bias is None else dpre.sum(0).to(bias.dtype)
+    return (dstream[S * Km1:].to(x.dtype), dstream[:S * Km1].view(S, Km1, Cd).to(window.dtype),
+            dw.to(weight.dtype), db)
 
 
 def causal_conv1d_step(

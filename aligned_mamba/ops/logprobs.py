@@ -21,6 +21,13 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return x - lse
 
 
+def log_softmax_backward(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of ``log_softmax`` from its output ``out`` [..., V] float32 against g: the logits'
+    gradient g - softmax * sum(g) in ``dtype`` (native torch ops: accuracy, not row invariance)."""
+    gf = g.to(torch.float32)
+    return (gf - torch.exp(out) * gf.sum(-1, keepdim=True)).to(dtype)
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Logprob of ``token_ids`` under ``logits``. [..., V], [...] int64 -> [...] float32."""
     lp = log_softmax(logits)

@@ -43,3 +43,40 @@ def gated_rms_norm(
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)
     return weight.to(y.dtype) * g.to(y.dtype)
+
+
+# -- backwards (the triton backend's autograd, ``ops.triton_autograd``) --------------------------------------
+# Gradients need accuracy, not row invariance: native torch ops, fp32.
+
+
+def _normalize_backward(xf: torch.Tensor, gn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gradient of ``_normalize(xf, eps)`` against gn: both [..., d] float32 -> [..., d] float32."""
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * r
+    return r * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
+                      g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``rms_norm(x, weight, eps, out_dtype)`` against g [M, d]: (dx [M, d] in x's
+    dtype, dweight [d] in weight's)."""
+    out_dtype = out_dtype or weight.dtype
+    xf, gf = x.to(torch.float32), g.to(torch.float32)
+    dx = _normalize_backward(xf, gf * weight.to(out_dtype).to(torch.float32), eps)
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(out_dtype).to(torch.float32)
+    return dx.to(x.dtype), (gf * n).sum(0).to(weight.dtype)
+
+
+def gated_rms_norm_backward(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
+                            g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``gated_rms_norm(y, z, weight, eps, n_groups)`` against g [M, d]: (dy, dz in
+    their dtypes, dweight [d] in weight's)."""
+    M, d = y.shape
+    yf, zf, gf = y.to(torch.float32), z.to(torch.float32), g.to(torch.float32)
+    s = torch.sigmoid(zf)
+    u = (yf * (zf * s)).view(M, n_groups, d // n_groups)
+    du = _normalize_backward(u, (gf * weight.to(y.dtype).to(torch.float32)).view(u.shape), eps).view(M, d)
+    n = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).view(M, d).to(y.dtype).to(torch.float32)
+    dy = du * (zf * s)
+    dz = du * yf * (s * (1.0 + zf * (1.0 - s)))
+    return dy.to(y.dtype), dz.to(z.dtype), (gf * n).sum(0).to(weight.dtype)

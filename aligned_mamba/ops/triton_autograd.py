@@ -1,31 +1,30 @@
-"""Autograd for the triton backend's kernels: the Triton forward, a torch form's gradient.
+"""Autograd for the triton backend's kernels: the Triton forward, the op's gradient.
 
 Each op the triton backend runs with its own kernels is a ``torch.autograd.Function`` whose forward
 calls that kernel unchanged (the same bits as the sampler's, since it is the same launch) and saves
-only the op's inputs, and whose backward recomputes the op with a differentiable torch form on those
-inputs and returns ``torch.autograd.grad`` of it (``recompute_grads``): the torch backend's own ops
-(``ops.norm``, ``ops.conv1d``, ``ops.logprobs``) for the norms, conv and log-softmax. The scan's
-backward is ``ssd_backward``: Triton kernels (``ops.ssd.triton_backward``) for the gradient of
-``ops.ssd.chunk_dense``'s function (the torch backend's scan in dense per-chunk blocks) on the chunk
-grid, and autograd through the packing. The gradients are taken at the Triton forward's inputs and differ from the exact
-derivative of the Triton forward only by rounding (tests/test_triton_backward.py holds them to an
-fp64 reference). The linear layer's backward is the two GEMMs ``grad @ w`` and ``grad.T @ x`` in
-torch (cuBLAS on a GPU).
+its inputs (log-softmax: its output), and whose backward is the op's gradient at those inputs:
+
+- the scan: ``ssd_backward``, the Triton kernels of ``ops.ssd.triton_backward`` on the chunk grid,
+  the gradient of ``ops.ssd.chunk_dense``'s function (the torch backend's scan in dense blocks);
+- the norms, the gated norm, conv1d + SiLU and log-softmax: the ``*_backward`` functions next to
+  their torch forms (``ops.norm``, ``ops.conv1d``, ``ops.logprobs``), native torch ops in fp32;
+- the linear layer: the two GEMMs ``grad @ w`` and ``grad.T @ x`` in torch (cuBLAS on a GPU).
+
+They are derivatives of the functions the forward computes, taken at the forward's inputs, so they
+differ from the exact derivative of the Triton forward only by rounding (tests/test_triton_backward.py
+holds them to an fp64 reference). Gradients are not row-invariant (nothing asks them to be).
 
 Without these, autograd cannot see through a Triton launch: its outputs are fresh tensors written by
 raw pointers, with no ``grad_fn``, so every parameter upstream of one silently gets no gradient.
 
-Determinism: the norms', conv's and log-softmax's recomputes run under
-``torch.use_deterministic_algorithms(True, warn_only=True)``, which swaps the atomics-based backwards
-of their gathers and indexing for deterministic ones. The scan's kernels are deterministic by
-construction (see ``triton_backward``) and run without it. Not covered: ``torch.cumsum`` on CUDA, which
-torch does not promise deterministic (its row scans along the chunk measured repeatable: two
+Determinism: no backward here reduces with atomics. The scan's kernels own the rows they write and
+leave the cross-program sums to torch reductions; the conv's scatter adds one value per element per
+tap; the embedding's gradient (repeated token ids) runs torch's sorting accumulation
+(``torch.use_deterministic_algorithms`` for that one call). Not covered: ``torch.cumsum`` on CUDA,
+which torch does not promise deterministic (its row scans along the chunk measured repeatable: two
 backwards compare equal on the H200, ``benchmarks/bench_train_h200.py``), and cuBLAS, deterministic
 run to run only for one stream and a fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the
-CPU all of it is deterministic. Gradients are not row-invariant (nothing asks them to be).
-
-Memory: a backward holds one op's torch graph while it runs, and the scan saves the boundary states
-it started from.
+CPU all of it is deterministic.
 """
 
 from __future__ import annotations
@@ -69,54 +68,14 @@ def _deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
 
 
-def recompute_grads(ctx: torch.autograd.function.FunctionCtx, reference: Callable[..., Tensor | tuple[Tensor, ...]],
-                    grads: tuple[Tensor, ...], *, deterministic: bool = True) -> tuple[Tensor | None, ...]:
-    """The shared backward: ``reference(*saved tensors, *ctx.consts)`` (the torch form) recomputed
-    with gradients on the saved inputs, and ``torch.autograd.grad`` of its outputs against ``grads``.
-
-    The Function's forward inputs must be its saved tensors first (in order, None allowed), then
-    non-tensor arguments; returns one gradient per forward input (None where none is needed).
-    ``deterministic=False`` for a form that is deterministic by construction (``chunk_dense``):
-    torch's deterministic mode would swap its index backwards for sorting ones, for nothing.
-    """
-    saved = ctx.saved_tensors
+def _wanted(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+    """One gradient per forward input: ``grads`` for the first inputs (None where an input needs none),
+    None for the rest (configs and other non-tensor arguments)."""
     needs = ctx.needs_input_grad
-    leaves = [t.detach().requires_grad_() if t is not None and n else t for t, n in zip(saved, needs)]
-    wanted = [t for t, n in zip(leaves, needs) if t is not None and n]
-    got: list[Tensor | None] = []
-    if wanted:
-        with torch.enable_grad(), (_deterministic() if deterministic else contextlib.nullcontext()):
-            outs = reference(*leaves, *ctx.consts)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-    it = iter(got)
-    per_saved = [next(it) if t is not None and n else None for t, n in zip(leaves, needs)]
-    return (*per_saved, *([None] * (len(needs) - len(saved))))
+    return (*(gr if n else None for gr, n in zip(grads, needs)), *([None] * (len(needs) - len(grads))))
 
 
-# -- the torch forms the backwards recompute (the torch backend's ops) ------------------------------------
-
-
-def _embed_norm_torch(token_ids: Tensor, embedding: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
-                      residual_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``Backend.embed_norm`` (the torch backend's): (normed, residual)."""
-    residual = embedding[token_ids].to(residual_dtype)
-    return _norm.rms_norm(residual.to(dtype), w, eps, dtype), residual
-
-
-def _add_norm_torch(x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``Backend.add_norm`` (the torch backend's): (normed, residual + x)."""
-    residual = residual + x
-    return _norm.rms_norm(residual.to(dtype), w, eps, dtype), residual
-
-
-def _conv_torch(x: Tensor, w: Tensor, b: Tensor | None, window: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """``ops.conv1d.causal_conv1d`` + SiLU over (window ++ x) per sequence: out [T, Cd]."""
-    return _conv.causal_conv1d(x, cu_seqlens, window, w, b)[0]
-
-
-# -- the Functions: forward = the kernel, unchanged; backward = recompute_grads of the torch form ---------
+# -- the Functions: forward = the kernel, unchanged; backward = the op's gradient -----------------------
 
 
 class _Linear(torch.autograd.Function):
@@ -144,7 +103,10 @@ class _RmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _norm.rms_norm, (g,))
+        x, w = ctx.saved_tensors
+        eps, out_dtype = ctx.consts
+        dx, dw = _norm.rms_norm_backward(x, w, eps, out_dtype, g)
+        return _wanted(ctx, dx, dw)
 
 
 class _EmbedNorm(torch.autograd.Function):
@@ -157,7 +119,17 @@ class _EmbedNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _embed_norm_torch, (g_normed, g_residual))
+        token_ids, embedding, w = ctx.saved_tensors
+        eps, dtype, residual_dtype = ctx.consts
+        residual = embedding[token_ids].to(residual_dtype)
+        dn, dw = _norm.rms_norm_backward(residual.to(dtype), w, eps, dtype, g_normed)
+        g = g_residual.to(torch.float32) + dn.to(torch.float32)
+        de = None
+        if ctx.needs_input_grad[1]:
+            with _deterministic():  # repeated token ids: the sorting accumulation, not atomics
+                de = torch.zeros(embedding.shape, device=g.device).index_put_((token_ids,), g, accumulate=True)
+            de = de.to(embedding.dtype)
+        return _wanted(ctx, None, de, dw)
 
 
 class _AddNorm(torch.autograd.Function):
@@ -170,7 +142,11 @@ class _AddNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _add_norm_torch, (g_normed, g_residual))
+        x, residual, w = ctx.saved_tensors
+        eps, dtype = ctx.consts
+        dn, dw = _norm.rms_norm_backward((residual + x).to(dtype), w, eps, dtype, g_normed)
+        g = g_residual.to(torch.float32) + dn.to(torch.float32)
+        return _wanted(ctx, g.to(x.dtype), g.to(residual.dtype), dw)
 
 
 class _GatedRmsNorm(torch.autograd.Function):
@@ -182,7 +158,9 @@ class _GatedRmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _norm.gated_rms_norm, (g,))
+        y, z, w = ctx.saved_tensors
+        eps, n_groups = ctx.consts
+        return _wanted(ctx, *_norm.gated_rms_norm_backward(y, z, w, eps, n_groups, g))
 
 
 class _Conv(torch.autograd.Function):
@@ -196,19 +174,24 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _conv_torch, (g,))
+        x, w, b, window = ctx.saved_tensors
+        (cu_seqlens,) = ctx.consts
+        dx, dwindow, dw, db = _conv.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
+        return _wanted(ctx, dx, dw, db, dwindow)
 
 
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, cfg: TritonKernelConfigs) -> Tensor:
-        ctx.save_for_backward(logits)
-        ctx.consts = ()
-        return log_softmax_triton(logits, cfg)
+        out = log_softmax_triton(logits, cfg)
+        ctx.save_for_backward(out)
+        ctx.logits_dtype = logits.dtype
+        return out
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        return recompute_grads(ctx, _logprobs.log_softmax, (g,))
+        (out,) = ctx.saved_tensors
+        return _wanted(ctx, _logprobs.log_softmax_backward(out, g, ctx.logits_dtype))
 
 
 def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
@@ -334,4 +317,4 @@ def ssd_advance(run: Callable[[SSDState, Step, Tensor, Tensor, Tensor, Tensor, S
 
 
 __all__ = ["add_norm", "conv", "embed_norm", "gated_rms_norm", "grad_needed", "linear", "log_softmax",
-           "recompute_grads", "rms_norm", "ssd_advance", "ssd_backward"]
+           "rms_norm", "ssd_advance", "ssd_backward"]
