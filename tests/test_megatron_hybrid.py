@@ -1,4 +1,4 @@
-"""The Megatron-Core hook on a hybrid MambaModel (Nemotron-H: ``hybrid_override_pattern`` of M, * and -
+"""The Megatron-Core hook on a hybrid MambaModel (Nemotron-H: ``hybrid_override_pattern`` of M, *, - and E
 layers): exact Megatron <-> Hugging Face weight conversion, Megatron's logits equal to the core's CausalLM
 (the reference engine's model) bit for bit, training through Megatron whose served weights sample what it
 scores, the stock baselines that differ, and the refusals.
@@ -47,6 +47,9 @@ LAYOUTS = {
                                n_groups=2),
 }
 DTYPES = ("bfloat16", "float32")
+# MoE layers as Nemotron 3 Nano's (8 experts in 4 groups, top 2 from the best group, a shared expert), in a
+# layout Megatron's MoELayer represents: its group score is the top topk / group_topk = 2 experts, as ours
+MOE = dict(pattern="ME*-E", num_attention_heads=4, num_key_value_heads=4, head_dim=16, topk_group=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +65,7 @@ def no_hook_left() -> Iterator[None]:
 
 
 def hybrid(layout: str, dtype: str, seed: int = 7):
-    over = dict(LAYOUTS[layout])
+    over = dict(MOE if layout == "moe" else LAYOUTS[layout])
     config, tensors = make_tiny_hybrid(seed, dtype=dtype, pattern=over.pop("pattern"), **{**SMALL, **over})
     return config, tensors, Contract(chunk_size=config.chunk_size, model_dtype=dtype)
 
@@ -245,6 +248,99 @@ def test_stock_mlp_differs_where_its_gemm_changes_path() -> None:
     assert diffs > 0
 
 
+# -- MoE layers ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_hybrid_round_trips_and_equals_the_reference_engine(dtype: str) -> None:
+    """Megatron's MoELayer (TopKRouter, SequentialMLP experts, a shared expert) under the hook: the weights
+    round-trip exactly, the logits equal the core model's bit for bit (packed, and in train mode with
+    autograd on), and the gradient reaches the router and every expert."""
+    config, tensors, contract = hybrid("moe", dtype)
+    model = megatron_model(config, tensors, contract)
+    back = megatron_to_hf(model.state_dict(), config)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    seqs = sequences(config.vocab_size)
+    ref = build_model(config, tensors, contract).forward(seqs)
+    assert differing_rows(score(model, seqs), ref) == 0
+    model.train()
+    logits = mc.megatron_packed_logits(model, seqs)
+    assert torch.equal(logits.detach(), torch.cat(ref))
+    logits.float().logsumexp(-1).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if ".mlp.router." in n or ".mlp.experts." in n}
+    assert len(grads) == 2 * (1 + 2 * config.n_routed_experts)  # two MoE layers: router + fc1/fc2 per expert
+    assert all(g is not None and float(g.abs().max()) > 0 for g in grads.values()), \
+        [n for n, g in grads.items() if g is None or not float(g.abs().max())]
+    # Megatron's expert-bias bookkeeping (its aux-loss-free update) saw every routed token: 113 tokens x top 2
+    counts = [float(m.router.local_tokens_per_expert.sum()) for m in model.modules()
+              if type(m).__name__ == "MoELayer"]
+    assert counts == [2.0 * sum(int(s.numel()) for s in seqs)] * 2
+
+
+def test_moe_hybrid_without_the_aligned_moe_the_logits_differ() -> None:
+    """What the hook's MoE forward prevents: transformers' NemotronHMoE (its experts' F.linear over however
+    many rows each expert got) in place of it, same weights, the rest aligned, gives other bits (fp32).
+    Megatron's own MoELayer cannot run on this CPU without Transformer Engine (its router GEMM), so that is
+    the stock expert path measured here."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h import modeling_nemotron_h as hf
+
+    config, tensors, contract = hybrid("moe", "float32")
+    seqs = sequences(config.vocab_size, (90, 90))
+    ref = torch.stack(build_model(config, tensors, contract).forward(seqs))
+    model = megatron_model(config, tensors, contract)
+    hc = transformers.NemotronHConfig(**{k: v for k, v in config.to_hf_dict().items() if k != "architectures"})
+    n = 0
+    for i, kind in enumerate(config.hybrid_override_pattern):
+        if kind != "E":
+            continue
+        theirs, t = hf.NemotronHMoE(hc).to(torch.float32).eval(), f"backbone.layers.{i}.mixer."
+        with torch.no_grad():
+            theirs.gate.weight.copy_(tensors[t + "gate.weight"])
+            theirs.gate.e_score_correction_bias.copy_(tensors[t + "gate.e_score_correction_bias"])
+            for name in ("up_proj", "down_proj"):
+                getattr(theirs.experts, name).copy_(torch.stack([tensors[f"{t}experts.{e}.{name}.weight"]
+                                                                 for e in range(config.n_routed_experts)]))
+                getattr(theirs.shared_experts, name).weight.copy_(tensors[f"{t}shared_experts.{name}.weight"])
+        layer = model.decoder.layers[i].mlp
+        layer.forward = lambda x, *a, _m=theirs, **k: (_m(x.transpose(0, 1).contiguous()).transpose(0, 1), None)
+        n += 1
+    assert n == 2
+    with torch.no_grad():
+        got = model(torch.stack(seqs), None, attention_mask=causal(90))
+    rows = ref.shape[0] * ref.shape[1]
+    assert int((got != ref).any(-1).sum()) > rows // 2
+
+
+def test_moe_features_not_covered_are_refused_in_one_line() -> None:
+    config, _, contract = hybrid("moe", "bfloat16")
+
+    def build(**overrides: Any):
+        from megatron.core.models.mamba.mamba_model import MambaModel
+
+        hk.install(contract)
+        tc = mc.megatron_transformer_config(config, contract.model_dtype)
+        for k, v in overrides.items():
+            setattr(tc, k, v)
+        spec = hk.local_mamba_stack_spec(config.layer_norm_epsilon, moe_experts=config.n_routed_experts)
+        return MambaModel(tc, spec, vocab_size=config.vocab_size, max_sequence_length=4096,
+                          hybrid_override_pattern=config.hybrid_override_pattern, position_embedding_type="none")
+
+    build()  # the covered configuration builds
+    hk.installed().uninstall()
+    refused(lambda: build(moe_router_score_function="softmax"), "decoder.layers.1.mlp", "'softmax'")
+    hk.installed().uninstall()
+    refused(lambda: build(moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss"), "aux loss")
+    hk.installed().uninstall()
+    refused(lambda: build(moe_router_group_topk=2, moe_router_topk=2), "group_topk 2", "top 2 experts")
+    hk.installed().uninstall()
+    for over, words in ((dict(moe_latent_size=32), ("moe_latent_size=32", "Transformer Engine")),
+                        (dict(norm_topk_prob=False), ("norm_topk_prob=False",)),
+                        (dict(topk_group=2), ("topk_group=2", "top 2"))):
+        c, _ = make_tiny_hybrid(0, pattern="ME", **{**SMALL, **over})
+        refused(lambda c=c: mc.megatron_transformer_config(c, "bfloat16"), *words, error=ModelLoadError)
+
+
 # -- training -------------------------------------------------------------------------------------------------
 
 
@@ -264,7 +360,8 @@ def exported(trainer) -> dict[str, torch.Tensor]:
     return w
 
 
-@pytest.mark.parametrize("layout,dtype", [("two_attention_gqa8", "bfloat16"), ("attention_first_gqa1", "float32")])
+@pytest.mark.parametrize("layout,dtype", [("two_attention_gqa8", "bfloat16"), ("attention_first_gqa1", "float32"),
+                                          ("moe", "bfloat16")])
 def test_megatron_trainer_steps_and_serves_what_it_scores(layout: str, dtype: str) -> None:
     """Steps through Megatron's forward and backward on the hybrid; after each, the exported weights sample
     (reference engine, chunked prefill mixed with decode) logprobs equal to the trainer's scores, bit for bit.
@@ -300,10 +397,11 @@ def test_megatron_trainer_steps_and_serves_what_it_scores(layout: str, dtype: st
         assert torch.equal(lp, torch.tensor(r.sampled_logprobs, dtype=torch.float32))
 
 
-def test_cli_check_trainer_megatron_on_a_hybrid(tmp_path) -> None:
+@pytest.mark.parametrize("layout", ["two_attention_gqa8", "moe"])
+def test_cli_check_trainer_megatron_on_a_hybrid(layout: str, tmp_path) -> None:
     from aligned_mamba.cli import main
 
-    config, tensors, _ = hybrid("two_attention_gqa8", "bfloat16")
+    config, tensors, _ = hybrid(layout, "bfloat16")
     save_checkpoint(tmp_path / "ckpt", config, tensors)
     out = tmp_path / "result.json"
     code = main(["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--backend", "torch",
@@ -335,7 +433,8 @@ def build_with(config, contract: Contract, *, pattern: str | None = None, positi
 
 def test_features_not_covered_are_refused_in_one_line() -> None:
     config, tensors, contract = hybrid("attention_first_gqa1", "bfloat16")
-    refused(lambda: build_with(config, contract, pattern="*M-E"), "layer 3 is a MoE layer", "'*M-E'")
+    # an E layer built without a MoE spec (MambaStack's default IdentityOp)
+    refused(lambda: build_with(config, contract, pattern="*M-E"), "layer 3 ('E' in '*M-E') is a IdentityOp")
     refused(lambda: build_with(config, contract, window_size=(16, 0)), "sliding-window attention")
     refused(lambda: build_with(config, contract, qk_layernorm=True), "qk_layernorm")
     refused(lambda: build_with(config, contract, softmax_type="off-by-one"), "softmax_type 'off-by-one'")

@@ -6,11 +6,13 @@ the contract's backend), under the contract's chunk size, backend and kernel con
 logits equal the sampler's bit for bit.
 
 Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` or a
-hybrid one (Nemotron-H: ``hybrid_override_pattern`` of M, * and - layers) at tensor, pipeline and
-context parallel size 1, built from Megatron's own non-Transformer-Engine modules
-(``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout. MoE layers (E),
-rotary or learned position embeddings, sliding-window attention, query/key norms, output gates,
-softmax offsets, other scales, gated or non-squared-ReLU MLPs and padding masks are refused, by name.
+hybrid one (Nemotron-H: ``hybrid_override_pattern`` of M, *, - and E layers) at tensor, pipeline,
+context and expert parallel size 1, built from Megatron's own non-Transformer-Engine modules
+(``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout. Rotary or
+learned position embeddings, sliding-window attention, query/key norms, output gates, softmax
+offsets, other scales, gated or non-squared-ReLU MLPs, MoE routers other than Nemotron-H's (sigmoid,
+group-limited top-k, expert bias), MoE aux losses, latent projections and padding masks are refused,
+by name.
 
 Use (Megatron-LM)::
 
@@ -42,7 +44,9 @@ What ``install`` patches, in place (``uninstall`` restores it):
   alone, so a GPT model in the same process is untouched): each ``SelfAttention`` runs the core's
   attention layer (``aligned_mamba.layers.attention.Attention``: q/k/v taken apart from linear_qkv's
   per-group rows, the blocked causal attention per sequence from its own position 0, THD packing or
-  each row of an [s, b] batch), each ``MLP`` the core's ``layers.mlp.MLP`` (squared ReLU).
+  each row of an [s, b] batch), each ``MLP`` the core's ``layers.mlp.MLP`` (squared ReLU), each
+  ``MoELayer`` the core's ``layers.moe.MoE`` over its router, experts and shared expert (Megatron's
+  token dispatcher is not used; the router's token counts for its expert-bias update are kept).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ from aligned_mamba.layers.attention import Attention, AttentionConfig
 from aligned_mamba.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
 from aligned_mamba.layers.mlp import MLP as CoreMLP
 from aligned_mamba.layers.mlp import MLPConfig
+from aligned_mamba.layers.moe import MoE as CoreMoE
+from aligned_mamba.layers.moe import MoEConfig
 from aligned_mamba.ops.backend import Backend, resolve
 from aligned_mamba.replay import Batch
 
@@ -237,7 +243,8 @@ class AlignedGatedRMSNorm(torch.nn.Module):
             dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
-def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: Any = None) -> Any:
+def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: Any = None,
+                           moe_experts: int | None = None) -> Any:
     """A MambaStack spec from Megatron's own modules, no Transformer Engine, for pure and hybrid stacks.
 
     Mamba layers (``M``): the layer norm is ``WrappedTorchNorm`` (torch RMSNorm with
@@ -245,11 +252,13 @@ def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: A
     ``ColumnParallelLinear`` / ``RowParallelLinear``. Attention layers (``*``): a ``TransformerLayer`` with
     ``input_layernorm=WrappedTorchNorm`` and a causal ``SelfAttention`` (linear_qkv ColumnParallelLinear,
     core_attention DotProductAttention, linear_proj RowParallelLinear). MLP layers (``-``): an ``MLPLayer``
-    with ``pre_mlp_layernorm=WrappedTorchNorm`` and an ``MLP`` (linear_fc1 / linear_fc2). No MoE layer spec:
-    an ``E`` in the pattern is refused by the hook. The hook covers exactly these (it refuses the TE spec,
-    whose layer norms are fused into the following linear). The mixer's chunk size is left to the hook (the
-    contract's) or MambaMixer's default without it; attention and MLP layers take ``layernorm_epsilon`` from
-    the TransformerConfig."""
+    with ``pre_mlp_layernorm=WrappedTorchNorm`` and an ``MLP`` (linear_fc1 / linear_fc2). MoE layers (``E``,
+    with ``moe_experts`` routed experts): a ``TransformerLayer`` with ``pre_mlp_layernorm=WrappedTorchNorm`` and
+    Megatron's local ``MoELayer`` (``get_moe_module_spec(use_te=False)``: a ``TopKRouter``, a ``SequentialMLP``
+    of ``MLP`` experts, a ``SharedExpertMLP``); without ``moe_experts`` none. The hook covers exactly these (it
+    refuses the TE spec, whose layer norms are fused into the following linear). The mixer's chunk size is
+    left to the hook (the contract's) or MambaMixer's default without it; attention, MLP and MoE layers take
+    ``layernorm_epsilon`` from the TransformerConfig."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
@@ -281,8 +290,16 @@ def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: A
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
+    moe: dict[str, Any] = {}
+    if moe_experts is not None:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        moe["moe_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=moe_experts, moe_grouped_gemm=False),
+            mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(mamba_layer=layer, attention_layer=attention,
-                                                                         mlp_layer=mlp))
+                                                                         mlp_layer=mlp, **moe))
 
 
 # -- the hook ------------------------------------------------------------------------------------------
@@ -420,6 +437,7 @@ class AlignedMambaHook:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
         from megatron.core.transformer.attention import SelfAttention
         from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
         inner = model
@@ -439,7 +457,8 @@ class AlignedMambaHook:
             if kind in (MambaModel, torch.nn.ModuleList, torch.nn.SiLU, torch.nn.Conv1d) or id(m) in covered:
                 continue  # containers, and modules whose weights an aligned forward reads itself
             if kind is MambaStack:
-                _check_layer_types(m, where, {"M": MambaLayer, "*": TransformerLayer, "-": MLPLayer})
+                _check_layer_types(m, where, {"M": MambaLayer, "*": TransformerLayer, "-": MLPLayer,
+                                              "E": TransformerLayer})
             elif kind is MambaLayer:
                 if type(m.norm) not in (AlignedRMSNorm, torch.nn.RMSNorm):
                     raise AlignmentRefused(f"{where}: its pre-mixer norm is {type(m.norm).__name__}, not an RMSNorm "
@@ -449,7 +468,13 @@ class AlignedMambaHook:
                 self._check_mixer(m, where)
                 covered.add(id(m.norm))  # the gated norm: the aligned mixer forward reads its weight and eps
             elif kind is TransformerLayer or kind is MLPLayer:
-                covered.update(_check_transformer_layer(m, where, attention=kind is TransformerLayer))
+                moe = type(getattr(m, "mlp", None)) is MoELayer
+                covered.update(_check_transformer_layer(m, where, attention=kind is TransformerLayer and not moe,
+                                                        moe=moe))
+            elif kind is MoELayer:
+                _check_moe(m, where)
+                self._swap(m, _aligned_moe_forward)
+                covered.update(id(x) for x in m.modules() if x is not m)
             elif kind is SelfAttention:
                 _check_attention(m, where)
                 self._swap(m, _aligned_attention_forward)
@@ -523,14 +548,10 @@ class AlignedMambaHook:
 
 
 def _check_layer_types(stack: Any, where: str, covered: dict[str, type]) -> None:
-    """Each layer of a MambaStack is the class the hook covers for its pattern symbol; MoE ('E') and any
-    other layer class are refused, naming the layer, its symbol and the pattern."""
+    """Each layer of a MambaStack is the class the hook covers for its pattern symbol; any other layer class
+    is refused, naming the layer, its symbol and the pattern."""
     pattern = "".join(stack.layer_type_list)
     for i, (symbol, layer) in enumerate(zip(stack.layer_type_list, stack.layers)):
-        if symbol == "E":
-            raise AlignmentRefused(f"{where}: layer {i} is a MoE layer ('E' in the hybrid pattern {pattern!r}): the "
-                                   "hook does not cover Megatron's MoE layer (its own router and grouped expert "
-                                   "GEMMs); the reference trainer runs the core's")
         want = covered.get(symbol)
         if want is None or type(layer) is not want:
             raise AlignmentRefused(f"{where}: layer {i} ({symbol!r} in {pattern!r}) is a {type(layer).__name__}, not "
@@ -538,18 +559,20 @@ def _check_layer_types(stack: Any, where: str, covered: dict[str, type]) -> None
                                    "local_mamba_stack_spec)")
 
 
-def _check_transformer_layer(layer: Any, where: str, *, attention: bool) -> set[int]:
-    """A hybrid attention layer (``TransformerLayer``: norm, self-attention, residual add, nothing else) or
-    MLP layer (``MLPLayer``: norm, MLP, residual add). Returns the ids of its identity slots (visited no
-    further). Refuses any other arrangement, e.g. a Transformer Engine spec (its norm fused into the next
-    linear, the norm slot an IdentityOp) or a GPT block (attention and MLP in one layer)."""
+def _check_transformer_layer(layer: Any, where: str, *, attention: bool, moe: bool = False) -> set[int]:
+    """A hybrid attention layer (``TransformerLayer``: norm, self-attention, residual add, nothing else),
+    MLP layer (``MLPLayer``: norm, MLP, residual add) or MoE layer (``TransformerLayer``: norm, ``MoELayer``,
+    residual add). Returns the ids of its identity slots (visited no further). Refuses any other
+    arrangement, e.g. a Transformer Engine spec (its norm fused into the next linear, the norm slot an
+    IdentityOp) or a GPT block (attention and MLP in one layer)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     used = ("input_layernorm", "self_attention") if attention else ("pre_mlp_layernorm", "mlp")
-    work = SelfAttention if attention else MLP
+    work = SelfAttention if attention else MoELayer if moe else MLP
     identity = [n for n in ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
                             "pre_mlp_layernorm", "mlp") if n not in used]
     problems = []
@@ -643,6 +666,47 @@ def _check_mlp(m: Any, where: str) -> None:
         problems.append("tensor parallel > 1")
     if problems:
         raise AlignmentRefused(f"{where}: MLP with " + "; ".join(problems) + " is not covered")
+
+
+def _check_moe(m: Any, where: str) -> None:
+    """A MoELayer the core's MoE layer computes (Nemotron-H's): Megatron's TopKRouter with sigmoid scores
+    (its expert bias, when enabled, as the score correction bias), group-limited top-k as Nemotron-H scores
+    groups, no aux or z loss, no jitter; local ``SequentialMLP`` experts and one ``SharedExpertMLP``, each
+    an MLP ``_check_mlp`` covers; no latent projection; expert parallel size 1."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    cfg, r = m.config, m.router
+    problems = []
+    if type(r) is not TopKRouter:
+        problems.append(f"router {type(r).__name__} (only Megatron's TopKRouter)")
+    else:
+        if cfg.moe_router_score_function != "sigmoid":
+            problems.append(f"moe_router_score_function {cfg.moe_router_score_function!r} (Nemotron-H's is sigmoid)")
+        if r.bias is not None:
+            problems.append("a router bias (add_bias_linear)")
+        if r.is_aux_loss_enabled() or cfg.moe_z_loss_coeff or cfg.moe_input_jitter_eps:
+            problems.append("an aux loss, z loss or input jitter (the aligned forward computes the layer's output "
+                            "only)")
+        groups = cfg.moe_router_num_groups or 1
+        if groups > 1 and cfg.moe_router_topk // (cfg.moe_router_group_topk or 1) != 2:
+            problems.append(f"moe_router_num_groups {groups} with topk {cfg.moe_router_topk} and group_topk "
+                            f"{cfg.moe_router_group_topk} (Nemotron-H scores a group by its top 2 experts)")
+        if cfg.moe_router_force_load_balancing or cfg.moe_router_fusion:
+            problems.append("moe_router_force_load_balancing or moe_router_fusion")
+    if cfg.moe_latent_size:
+        problems.append(f"a latent projection (moe_latent_size={cfg.moe_latent_size})")
+    if type(m.experts) is not SequentialMLP or m.num_local_experts != cfg.num_moe_experts:
+        problems.append(f"experts {type(m.experts).__name__} over {m.num_local_experts} of {cfg.num_moe_experts} "
+                        "experts (only SequentialMLP, expert parallel size 1)")
+    if type(m.shared_experts) is not SharedExpertMLP or m.shared_experts.use_shared_expert_gate:
+        problems.append("no shared expert, or a gated one (Nemotron-H's MoE has one ungated shared expert)")
+    if problems:
+        raise AlignmentRefused(f"{where}: MoE layer with " + "; ".join(problems) + " is not covered")
+    for e, expert in enumerate(m.experts.local_experts):
+        _check_mlp(expert, f"{where} expert {e}")
+    _check_mlp(m.shared_experts, f"{where} shared expert")
 
 
 _MISSING = object()
@@ -836,4 +900,47 @@ def _aligned_mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale
                   {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
                   dtype=hook.dtype)
     y = mlp.advance(None, None, hidden_states.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
+    return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None
+
+
+def _core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
+    """The core's MoE layer over a MoELayer's own parameters (router weight and expert bias, each expert's
+    and the shared expert's linear_fc1 / linear_fc2), so gradients reach them."""
+    cfg, r = m.config, m.router
+    E, k = cfg.num_moe_experts, cfg.moe_router_topk
+    bias = r.expert_bias if r.expert_bias is not None else torch.zeros(E, device=r.weight.device)
+    tensors = {"gate.weight": r.weight, "gate.e_score_correction_bias": bias}
+    for name, mlp in [*((f"experts.{e}.", x) for e, x in enumerate(m.experts.local_experts)),
+                      ("shared_experts.", m.shared_experts)]:
+        tensors[name + "up_proj.weight"] = mlp.linear_fc1.weight
+        tensors[name + "down_proj.weight"] = mlp.linear_fc2.weight
+    config = MoEConfig(hidden_size=cfg.hidden_size, n_routed_experts=E, num_experts_per_tok=k,
+                       moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                       moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                       n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
+                       norm_topk_prob=k > 1, routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0)
+    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype)
+
+
+def _aligned_moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                         padding_mask: torch.Tensor | None = None, **unused: Any) -> tuple[torch.Tensor, None]:
+    """MoELayer.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32
+    with ``fp32_residual_connection``; None as the bias), by the core's MoE layer (row-invariant routing and
+    expert GEMMs). Rows are independent, so the layout does not matter. While training with the expert
+    bias enabled, each expert's token count goes into the router's ``local_tokens_per_expert``, as
+    Megatron's router counts them, for its aux-loss-free bias update."""
+    hook = _hook_for(self)
+    if intermediate_tensors is not None or padding_mask is not None:
+        raise AlignmentRefused("MoE layer with intermediate tensors or a padding mask is not covered by "
+                               "--aligned-mamba")
+    shape = hidden_states.shape
+    moe = _core_moe(self, hook, hidden_states.device)
+    x = hidden_states.reshape(-1, shape[-1]).to(hook.dtype)
+    y = moe.advance(None, None, x).reshape(shape)
+    r = self.router
+    if self.training and torch.is_grad_enabled() and getattr(r, "enable_expert_bias", False):
+        with torch.no_grad():
+            experts, _ = moe.route_rows(x)
+            r.local_tokens_per_expert += torch.bincount(experts.flatten(), minlength=moe.config.n_routed_experts).to(
+                r.local_tokens_per_expert.dtype)
     return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None

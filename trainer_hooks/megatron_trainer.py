@@ -106,6 +106,33 @@ def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: s
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
 
 
+def _moe_transformer_fields(config: NemotronHConfig) -> dict[str, Any]:
+    """The TransformerConfig fields of Nemotron-H's MoE layers ('E'), none without them: Megatron's sigmoid
+    TopKRouter with the score correction bias as its expert bias (the aux-loss-free bias, DeepSeek-V3's),
+    group-limited top-k, routed experts of moe_ffn_hidden_size, one shared expert, fp32 routing, no aux
+    loss, the all-gather dispatcher (the one a single CPU process can build). Refuses (ModelLoadError) what
+    megatron-core 0.16 cannot represent: a latent projection (Transformer Engine only), unnormalised top-k
+    weights (its sigmoid router normalises them)."""
+    if "E" not in config.hybrid_override_pattern:
+        return {}
+    if config.moe_latent_size is not None:
+        raise ModelLoadError(f"moe_latent_size={config.moe_latent_size}: megatron-core 0.16's MoE latent projections "
+                             "need Transformer Engine")
+    if not config.norm_topk_prob and config.num_experts_per_tok > 1:
+        raise ModelLoadError("norm_topk_prob=False: Megatron's sigmoid router always normalises the top-k weights")
+    if config.n_group > 1 and config.num_experts_per_tok // config.topk_group != 2:
+        raise ModelLoadError(f"n_group={config.n_group} with num_experts_per_tok={config.num_experts_per_tok} and "
+                             f"topk_group={config.topk_group}: Megatron scores a group by its top "
+                             "num_experts_per_tok // topk_group experts, Nemotron-H by its top 2")
+    return dict(num_moe_experts=config.n_routed_experts, moe_router_topk=config.num_experts_per_tok,
+                moe_ffn_hidden_size=config.moe_intermediate_size,
+                moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_num_groups=config.n_group, moe_router_group_topk=config.topk_group,
+                moe_router_topk_scaling_factor=config.routed_scaling_factor, moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+
+
 def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
     """The TransformerConfig of a hybrid MambaModel with a Nemotron-H config's shapes: Mamba2 heads,
     grouped-query attention (num_query_groups = num_key_value_heads, kv_channels = head_dim) and the
@@ -121,6 +148,7 @@ def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
                              "add_bias_linear for every linear, and Nemotron-H's attention has no biases")
     _refuse_mixer_settings(config)
     return TransformerConfig(
+        **_moe_transformer_fields(config),
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
         kv_channels=config.head_dim, ffn_hidden_size=config.intermediate_size, activation_func=squared_relu,
@@ -138,7 +166,9 @@ def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chu
     explicitly."""
     from megatron.core.models.mamba.mamba_model import MambaModel
 
-    spec = hook_module.local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias)
+    moe = isinstance(config, NemotronHConfig) and "E" in config.hybrid_override_pattern
+    spec = hook_module.local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias,
+                                              moe_experts=config.n_routed_experts if moe else None)
     if chunk_size is not None:
         spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
     pattern = config.hybrid_override_pattern if isinstance(config, NemotronHConfig) else None
@@ -317,9 +347,12 @@ class MegatronTrainer:
         gradient skipped)."""
         assert self.master is not None
         master = self.master
-        grads = {n: g if (g := master[n].grad) is not None else torch.zeros_like(master[n]) for n in self.params}
+        # buffers among the checkpoint's tensors (a MoE router's expert bias) have no gradient: zeros, skipped
+        grads = {n: g if n in master and (g := master[n].grad) is not None else torch.zeros_like(v)
+                 for n, v in self.model.state_dict().items() if not n.endswith("_extra_state")}
         by_hf, source = megatron_to_hf(grads, self.config), megatron_names(self.config)
-        return total_norm(by_hf[k] if master[source[k]].grad is not None else None for k in self.dtypes if k in by_hf)
+        return total_norm(by_hf[k] if source[k] in master and master[source[k]].grad is not None else None
+                          for k in self.dtypes if k in by_hf)
 
     def export_bytes(self) -> tuple[bytes, str]:
         """The served weights as safetensors bytes (metadata "weights_version") and their ``weights_digest``."""

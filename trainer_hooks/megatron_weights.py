@@ -21,7 +21,7 @@ in_proj rows are [z | x | B | C | dt] in Megatron (TP=1) and [z, xBC, dt] in HF:
 tensor is split or permuted. ``*._extra_state`` keys (Transformer Engine / fp8 metadata) are dropped on import
 and never produced. The biases appear exactly when the config's ``use_bias`` / ``use_conv_bias`` say so.
 
-Nemotron-H (``NemotronHConfig``, a hybrid ``MambaModel`` with ``hybrid_override_pattern`` of M, * and -
+Nemotron-H (``NemotronHConfig``, a hybrid ``MambaModel`` with ``hybrid_override_pattern`` of M, *, - and E
 layers built from ``trainer_hooks.megatron.local_mamba_stack_spec``), per layer kind::
 
     M  decoder.layers.{i}.norm.weight (TE: mixer.in_proj.layer_norm_weight) <-> backbone.layers.{i}.norm.weight
@@ -34,6 +34,12 @@ layers built from ``trainer_hooks.megatron.local_mamba_stack_spec``), per layer 
                                                                             <-> backbone.layers.{i}.norm.weight
        decoder.layers.{i}.mlp.linear_fc1.{weight,bias}                      <-> mixer.up_proj.{weight,bias}
        decoder.layers.{i}.mlp.linear_fc2.{weight,bias}                      <-> mixer.down_proj.{weight,bias}
+    E  decoder.layers.{i}.pre_mlp_layernorm.weight (both specs)             <-> backbone.layers.{i}.norm.weight
+       decoder.layers.{i}.mlp.router.weight                                 <-> mixer.gate.weight
+       decoder.layers.{i}.mlp.router.expert_bias                            <-> mixer.gate.e_score_correction_bias
+       decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight   <-> mixer.experts.{e}.up_proj.weight
+       decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight   <-> mixer.experts.{e}.down_proj.weight
+       decoder.layers.{i}.mlp.shared_experts.linear_fc{1,2}.weight <-> mixer.shared_experts.{up,down}_proj.weight
 
 and the embedding, final norm and output layer as above. linear_qkv's rows are grouped per key/value head
 g (Megatron's layout, ``SelfAttention.get_query_key_value_tensors``): [q rows of the H/G query heads of g |
@@ -292,12 +298,31 @@ def _unknown_hint(key: str, config: Mamba2Config) -> str:
 
 _HYBRID_NORM = {nemotron_h.MAMBA: ("norm.weight", "mixer.in_proj.layer_norm_weight"),
                 nemotron_h.ATTENTION: ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-                nemotron_h.MLP_LAYER: ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")}
+                nemotron_h.MLP_LAYER: ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+                # a MoE layer's norm is not fused into a linear in either spec (its router reads the normed row)
+                nemotron_h.MOE: ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight")}
 _HYBRID_MIXER = {"o_proj.weight": "self_attention.linear_proj.weight", "up_proj.weight": "mlp.linear_fc1.weight",
                  "up_proj.bias": "mlp.linear_fc1.bias", "down_proj.weight": "mlp.linear_fc2.weight",
                  "down_proj.bias": "mlp.linear_fc2.bias"}
 _QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-_KIND_NAMES = {nemotron_h.MAMBA: "a Mamba2", nemotron_h.ATTENTION: "an attention", nemotron_h.MLP_LAYER: "an MLP"}
+_KIND_NAMES = {nemotron_h.MAMBA: "a Mamba2", nemotron_h.ATTENTION: "an attention", nemotron_h.MLP_LAYER: "an MLP",
+               nemotron_h.MOE: "a MoE"}
+# a MoE layer's HF mixer names -> Megatron's under the layer (MoELayer: TopKRouter, SequentialMLP, SharedExpertMLP)
+_MOE_NAMES = ((re.compile(r"gate\.weight$"), "mlp.router.weight"),
+              (re.compile(r"gate\.e_score_correction_bias$"), "mlp.router.expert_bias"),
+              (re.compile(r"experts\.(\d+)\.up_proj\.(weight|bias)$"), r"mlp.experts.local_experts.\1.linear_fc1.\2"),
+              (re.compile(r"experts\.(\d+)\.down_proj\.(weight|bias)$"), r"mlp.experts.local_experts.\1.linear_fc2.\2"),
+              (re.compile(r"shared_experts\.up_proj\.(weight|bias)$"), r"mlp.shared_experts.linear_fc1.\1"),
+              (re.compile(r"shared_experts\.down_proj\.(weight|bias)$"), r"mlp.shared_experts.linear_fc2.\1"))
+
+
+def _moe_name(name: str) -> str:
+    """The Megatron name (under the layer) of a MoE layer's HF mixer tensor ``name``."""
+    for pattern, repl in _MOE_NAMES:
+        if pattern.fullmatch(name):
+            return pattern.sub(repl, name)
+    raise ModelLoadError(f"MoE tensor {name!r} has no Megatron name (a latent projection: megatron-core 0.16 needs "
+                         "Transformer Engine for it)")
 
 
 def _hybrid_plan(config: NemotronHConfig, *, te_fused_norm: bool) -> list[tuple[str, tuple[str, ...]]]:
@@ -312,7 +337,9 @@ def _hybrid_plan(config: NemotronHConfig, *, te_fused_norm: bool) -> list[tuple[
             plan.append((mg + "self_attention.linear_qkv.weight", tuple(hf + "mixer." + n for n in _QKV)))
             names = [n for n in names if n not in _QKV]
         for n in names:
-            plan.append((mg + (f"mixer.{n}" if kind == nemotron_h.MAMBA else _HYBRID_MIXER[n]), (hf + "mixer." + n,)))
+            mg_name = f"mixer.{n}" if kind == nemotron_h.MAMBA else _moe_name(n) if kind == nemotron_h.MOE \
+                else _HYBRID_MIXER[n]
+            plan.append((mg + mg_name, (hf + "mixer." + n,)))
     plan += [(MEGATRON_FINAL_NORM, ("backbone.norm_f.weight",)), (MEGATRON_OUTPUT, (nemotron_h.LM_HEAD,))]
     return plan
 

@@ -153,14 +153,19 @@ class MoE(Stateless):
         self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
         self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
 
+    def route_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden_size] (model dtype, normed) -> ``route``'s (experts [T, k], weights [T, k]): the
+        router GEMM in fp32, the sigmoid, the group-limited choice."""
+        scores = ew.sigmoid(self.backend.linear(x.to(torch.float32), self.gate_w))
+        return route(scores, self.score_bias, self.config)
+
     def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         be, c = self.backend, self.config
         T = x.shape[0]
-        scores = ew.sigmoid(be.linear(x.to(torch.float32), self.gate_w))
-        experts, weights = route(scores, self.score_bias, c)
+        experts, weights = self.route_rows(x)
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32
         parts = torch.zeros(T, c.num_experts_per_tok, h.shape[1], dtype=torch.float32, device=x.device)
