@@ -31,30 +31,22 @@ if "--dry-run" in sys.argv:  # before triton is imported: its kernels are built 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.triton_backward import chunk_scan_backward  # noqa: E402
+from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 CONFIGS = [(64, 64, 8), (64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (64, 128, 8), (32, 32, 4)]
 
 
 def timed(fn, reps: int = 10) -> float:
-    if not torch.cuda.is_available():  # the dry run: wall clock, a few calls
-        import time
+    """Median ms of ``fn``: CUDA events (``gpu_validate.cuda_ms``), or wall clock in the dry run."""
+    if torch.cuda.is_available():
+        return cuda_ms(fn, reps)
+    import time
 
-        out = []
-        for _ in range(2):
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(out)
-    fn()
-    torch.cuda.synchronize()
     out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    for _ in range(2):
+        t = time.perf_counter()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
+        out.append((time.perf_counter() - t) * 1e3)
     return statistics.median(out)
 
 

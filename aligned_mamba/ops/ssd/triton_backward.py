@@ -83,6 +83,20 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
 
 @triton.jit
+def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the head, the chunk's
+    group row cg = chunk * G + group, its R rows of row block pid 1, the P and N ranges and their masks
+    ([1, BLOCK_P], [1, BLOCK_N])."""
+    ch = tl.program_id(0).to(tl.int64)
+    h = ch % H
+    rows = tl.program_id(1) * R + tl.arange(0, R)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    return ch, h, (ch // H) * G + h // (H // G), rows, p, n, (p < P)[None, :], (n < N)[None, :]
+
+
+@triton.jit
 def _bwd_s_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
@@ -95,15 +109,7 @@ def _bwd_s_kernel(
     x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
     C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
     """
-    ch = tl.program_id(0).to(tl.int64)
-    c = ch // H
-    h = ch % H
-    cg = c * G + h // (H // G)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
-    p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm = (p < P)[None, :]
-    nm = (n < N)[None, :]
+    ch, h, cg, s, p, n, pm, nm = _program(BS, H, G, P, N, BLOCK_P, BLOCK_N)
     a_s = tl.load(a_ptr + ch * L + s)
     dt_s = tl.load(dt_ptr + ch * L + s)
     x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
@@ -158,15 +164,7 @@ def _bwd_t_kernel(
     h_in [NC, H, P, N] (each chunk's boundary state), dC [NC, H, L, N], da [NC, H, L]; the rest as
     in ``_bwd_s_kernel``.
     """
-    ch = tl.program_id(0).to(tl.int64)
-    c = ch // H
-    h = ch % H
-    cg = c * G + h // (H // G)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
-    p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm = (p < P)[None, :]
-    nm = (n < N)[None, :]
+    ch, h, cg, t, p, n, pm, nm = _program(BT, H, G, P, N, BLOCK_P, BLOCK_N)
     a_t = tl.load(a_ptr + ch * L + t)
     dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
     C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
