@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from aligned_mamba.ops.configs import TritonKernelConfigs
-from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
+from aligned_mamba.ops.ssd import triton_backward as tb, triton_chunk as tc, triton_decode as td
 
 cfg = TritonKernelConfigs()
 BK, BP, BN, NW = cfg.block_k, cfg.block_p, cfg.block_n, cfg.num_warps
@@ -28,11 +28,11 @@ bf, i64 = "*bf16", "*i64"
 done = []
 
 
-def comp(fn, types, consts, fuse):
+def comp(fn, types, consts, fuse, warps=NW):
     sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = dict(num_warps=NW, enable_fp_fusion=fuse)
+    opts = dict(num_warps=warps, enable_fp_fusion=fuse)
     if consts.get("TC") and fn is tc._tile_output_kernel:
         opts.update(tc.TILE_OPTS)
     if consts.get("TC") and fn is td._tile_kernel:
@@ -69,6 +69,11 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
+    # the scan's backward (fp32 chunk tensors; the dots' precision as the forward's)
+    bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, PRECISION=cfg.dot_precision,
+               TC=TC)
+    comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32"), bwd, fuse, cfg.bwd_warps)
+    comp(tb._bwd_t_kernel, {}, bwd, fuse, cfg.bwd_warps)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
                           Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
                           lo="fp32", hi="fp32"),
@@ -78,6 +83,8 @@ comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt
      dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
 comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
      dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
+comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
+                                                                     BLOCK_N=BN), True)
 comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
                           n="i32"),
      dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
@@ -88,5 +95,5 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 10 kernel configs per dot mode; pack, buffer, row and zero kernels
-    assert len(done) == 3 * 10 + 4, done
+    # 12 kernel configs per dot mode (2 of the backward's); pack, buffer, row, reverse pass and zero kernels
+    assert len(done) == 3 * 12 + 5, done

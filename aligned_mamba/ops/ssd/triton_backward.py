@@ -49,7 +49,7 @@ import triton.language as tl
 from ..configs import TritonKernelConfigs
 from ..triton_math import interpreting
 from .chunk import Chunks
-from .triton_chunk import _state_pass_kernel
+from .triton_chunk import _pass_block, _state_pass_kernel
 from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
@@ -64,13 +64,7 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
     a [NC, H, L], dS/dh_out [NC, H, P, N], dh0 [S, H, P, N]: fp32; first/count [S] int64.
     """
-    q = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    p = (tl.program_id(2) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (p < P)[:, None] & (n < N)[None, :]
-    pn = p[:, None] * N + n[None, :]
+    q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
     c0 = tl.load(first_ptr + q)
     c = c0 + tl.load(count_ptr + q) - 1
     g = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)

@@ -224,6 +224,17 @@ def _chunk_state_kernel(
 
 
 @triton.jit
+def _pass_block(P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A state pass program's (sequence q, head h, its (p, n) block's mask m and offsets pn within a
+    [P, N] state): grid [S, H, P blocks * N blocks]."""
+    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    p = (tl.program_id(2) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (tl.program_id(0).to(tl.int64), tl.program_id(1), (p < P)[:, None] & (n < N)[None, :],
+            p[:, None] * N + n[None, :])
+
+
+@triton.jit
 def _state_pass_kernel(
     a_ptr, state_ptr, need_ptr, h_ptr, slot_ptr, h_in_ptr, first_ptr, count_ptr,
     H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
@@ -236,13 +247,7 @@ def _state_pass_kernel(
     h [slots, H, P, N], h_in/state [NC, H, P, N]: fp32. Elementwise in (p, n), so the block split
     does not touch the bits; each program owns its block of its slot's state (in place is safe).
     """
-    q = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    p = (tl.program_id(2) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (p < P)[:, None] & (n < N)[None, :]
-    pn = p[:, None] * N + n[None, :]
+    q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
     home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
     hs = tl.load(home, mask=m, other=0.0)
     c0 = tl.load(first_ptr + q)
