@@ -227,10 +227,11 @@ def storage_dtype(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str]
                   error: type[Exception] = ModelLoadError) -> str:
     """The one dtype ("bfloat16" or "float32") the (validated) tensors are stored in.
 
-    Tensors whose names end with one of ``free`` (the per-head SSM parameters, which the model
-    computes with in fp32 whatever the model dtype) may be stored in either loadable dtype; every
-    other tensor must share one dtype, since a model dtype of either would round or widen the rest
-    without the checkpoint saying so. Raises ``error`` (one line, naming a tensor of each dtype).
+    Tensors whose names end with one of ``free`` (the per-head SSM parameters and a MoE router's
+    score correction bias, which the model computes with in fp32 whatever the model dtype) may be
+    stored in either loadable dtype; every other tensor must share one dtype, since a model dtype of
+    either would round or widen the rest without the checkpoint saying so. Raises ``error`` (one line,
+    naming a tensor of each dtype).
     """
     first: dict[torch.dtype, str] = {}
     for name, t in tensors.items():
@@ -239,8 +240,9 @@ def storage_dtype(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str]
     if len(first) > 1:
         (d1, n1), (d2, n2) = list(first.items())[:2]
         raise error(f"mixed storage dtypes: {n1!r} in {origin.get(n1, 'tensors')!r} is {_name(d1)} but {n2!r} in "
-                    f"{origin.get(n2, 'tensors')!r} is {_name(d2)}; a checkpoint holds one dtype (only the per-head "
-                    f"{', '.join(f.lstrip('.') for f in free) or 'parameters'} may be float32 besides)")
+                    f"{origin.get(n2, 'tensors')!r} is {_name(d2)}; a checkpoint holds one dtype (only "
+                    f"{', '.join(f.lstrip('.') for f in free) or 'none'}, which the model computes with in float32, "
+                    "may be float32 besides)")
     if not first:
         raise error("no tensors to read a storage dtype from")
     return _name(next(iter(first)))
