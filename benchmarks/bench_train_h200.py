@@ -229,8 +229,9 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": git_commit(),
         "script": SCRIPT, "argv": sys.argv[1:], "dry_run": args.dry_run, "quick": args.quick,
         "contract": contract.to_dict(), "stock": stock_impl, "stock_error": stock_err,
-        "deterministic_note": "ours' backward runs torch's deterministic algorithms (warn-only); torch.cumsum on "
-                              "CUDA has no deterministic kernel", "train": []}
+        "deterministic_note": "ours' backward has no atomics reductions (the embedding's gradient runs torch's "
+                              "deterministic accumulation); torch.cumsum on CUDA has no deterministic kernel",
+        "train": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for si, (name, spec) in enumerate(shapes.items()):
