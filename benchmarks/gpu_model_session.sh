@@ -4,9 +4,11 @@
 #
 #   OUT=/path bash benchmarks/gpu_model_session.sh        # from the repository root
 #   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m" ...
+#   STEPS="tests scanbwd train" TEST_FILES=tests/test_triton_backward.py TRAIN_ARGS="--quick --profile"  (training)
 #
 # Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the stock columns.
-# Writes under $OUT: env.log, pytest_gpu.log, model.log, h200_model.json, check_<model>.json/.log.
+# Writes under $OUT: env.log, pytest_gpu.log, model.log, h200_model.json, check_<model>.json/.log,
+# scan_backward.log, h200_scan_backward.json, train.log, h200_train.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -31,6 +33,16 @@ if [[ " $STEPS " == *" bench "* ]]; then
   timeout "${BENCH_S:-330}" python3 benchmarks/bench_model_h200.py --out "$OUT/h200_model.json" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/model.log"
   echo "== bench exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/model.log"
+fi
+if [[ " $STEPS " == *" scanbwd "* ]]; then
+  timeout "${SCANBWD_S:-150}" python3 benchmarks/bench_scan_backward_h200.py --out "$OUT/h200_scan_backward.json" \
+    2>&1 | tee "$OUT/scan_backward.log"
+  echo "== scanbwd exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/scan_backward.log"
+fi
+if [[ " $STEPS " == *" train "* ]]; then
+  timeout "${TRAIN_S:-330}" python3 benchmarks/bench_train_h200.py --shapes mamba2-1.3b --out "$OUT/h200_train.json" \
+    ${TRAIN_ARGS:---quick} 2>&1 | tee "$OUT/train.log"
+  echo "== train exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
 fi
 if [[ " $STEPS " == *" check "* ]]; then
   for m in ${CHECK:-tiny}; do

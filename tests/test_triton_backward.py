@@ -496,6 +496,35 @@ def test_gpu_ssd_prefill_gradients_at_a_1_3b_layer_shape(chunk, G):
 
 @gpu
 @gpu_only
+@pytest.mark.parametrize("mode,rtol", [("split2", 1e-4), ("round", 2e-2)])
+def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
+    """The backward kernels' tensor-core dots (a bf16 model: x, B, C, dy hold bf16 values) against their
+    fp32 FMA dots at the same inputs, mamba2-1.3b's scan shape: "split2" (fp32 operands in two bf16
+    terms) close to fp32, "round" (one term, as mamba_ssm) at bf16 precision; and deterministic."""
+    from aligned_mamba.ops.ssd.chunk import pack_chunks
+    from aligned_mamba.ops.ssd.triton_backward import chunk_scan_backward
+
+    H, P, G, N, L, lens = 64, 64, 1, 128, 256, [600, 77]
+    lv = _scan_leaves(8, lens, H, P, G, N)
+    bf = {k: lv[k].to(torch.bfloat16).float() for k in ("x", "B", "C")}  # bf16 values, held in fp32
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    ch = pack_chunks(bf["x"], lv["dt"], bf["B"], cu, L, lv["dt_bias"], (0.0, math.inf))
+    NC = ch.x.shape[0]
+    Cc = torch.zeros(NC, G, L, N, device=DEV)
+    Cc[ch.row_chunk, :, ch.row_pos] = bf["C"]
+    dyc = torch.zeros(NC, H, L, P, device=DEV)
+    dyc[ch.row_chunk, :, ch.row_pos] = torch.randn(sum(lens), H, P, device=DEV).to(torch.bfloat16).float()
+    args = (ch, Cc, lv["A"], lv["D"], lv["h0"], dyc)
+    want = chunk_scan_backward(*args, CFG, bf16_operands=False)
+    cfg = TritonKernelConfigs(bf16_dots=mode)
+    got = chunk_scan_backward(*args, cfg, bf16_operands=True)
+    assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True)))
+    errs = {k: rel_err(u, v.double()) for k, u, v in zip(("dx", "ddt", "dB", "dC", "dA", "dD", "dh0"), got, want)}
+    assert all(e < rtol for e in errs.values()), errs
+
+
+@gpu
+@gpu_only
 def test_gpu_1_3b_layer_model_trains_with_the_samplers_bits():
     """One mamba2-1.3b-shaped layer (d_model 2048, 64 heads of 64, state 128, 1 group, chunk 256) in
     bf16 on the compiled triton backend: logits with gradients on equal the no-grad logits bit for bit,
