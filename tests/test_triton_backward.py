@@ -395,6 +395,41 @@ def test_kernel_functions_forward_bits_and_gradients(name):
     assert all(e < OP_RTOL for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
+    """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:
+    row blocks of 4 that straddle sequences, an empty sequence, sequences shorter than the window,
+    windows of earlier rows; two calls bit-identical."""
+    from aligned_mamba.ops import conv1d as conv
+    from aligned_mamba.ops.conv1d_triton import causal_conv1d_backward_triton
+
+    lens, Cd, K = [9, 0, 2, 1, 17], 40, 4
+    T, S = sum(lens), len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    x, g, window = _rand(T, Cd, seed=31), _rand(T, Cd, seed=32), _rand(S, K - 1, Cd, seed=33)
+    w, b = _rand(Cd, K, seed=34, scale=0.5), _rand(Cd, seed=35) if bias else None
+    cfg = TritonKernelConfigs(conv_block_t=4, conv_block_c=16)
+    got = causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)
+    assert all(u is None or torch.equal(u, v) for u, v in
+               zip(got, causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)))
+    dx, _, dw, db = conv.causal_conv1d_backward(x, cu, window, w, b, g)
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = None if b is None else b.double().requires_grad_()
+    outs = []
+    for q in range(S):  # fp64: each sequence's (window ++ rows) stream, the K taps summed
+        stream, n = torch.cat([window[q].double(), x64[cu[q]:cu[q + 1]]]), lens[q]
+        acc = sum(w64[:, k] * stream[k:k + n] for k in range(K)) + (0.0 if b64 is None else b64)
+        outs.append(torch.nn.functional.silu(acc))
+    torch.autograd.backward(torch.cat(outs), g.double())
+    for name, ours, torch_form, ref in (("dx", got[0], dx, x64.grad), ("dw", got[1], dw, w64.grad),
+                                        ("db", got[2], db, None if b64 is None else b64.grad)):
+        if ref is None:
+            assert ours is None and torch_form is None
+            continue
+        assert rel_err(ours, ref) < OP_RTOL and rel_err(torch_form, ref) < OP_RTOL, name
+
+
 # -- a tiny model ----------------------------------------------------------------------------------------
 
 

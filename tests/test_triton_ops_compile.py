@@ -89,6 +89,11 @@ for bias in (False, True):
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
+for bias in (False, True):  # the backward (fp32 gradients of bf16 inputs)
+    comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
+         dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
+              dx_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32"),
+         dict(K=4, HAS_BIAS=bias, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4)
 lw = dict(num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
 comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"),
      dict(BLOCK_V=cfg.logprobs_block_v), **lw)
@@ -103,7 +108,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, tmp_path)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 5 + 3 + 2, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 5 + 5 + 2, sorted(by)
     for d in done:
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills

@@ -23,6 +23,20 @@ from .triton_math import silu_exact
 
 
 @triton.jit
+def _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T: tl.constexpr):
+    """Each row's sequence (the largest s with cu[s] <= row; cu[0] = 0 <= row < cu[S] = T) and its index
+    in that sequence, by a binary search over cu_seqlens [S+1]: (seq [BLOCK_T] int32, j [BLOCK_T] int32)."""
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    hi = tl.full((BLOCK_T,), S, dtype=tl.int32)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + mid, mask=rmask, other=0) <= rows
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo, rows - tl.load(cu_ptr + lo, mask=rmask, other=0).to(tl.int32)
+
+
+@triton.jit
 def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws, stride_wk,
                  stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -31,15 +45,7 @@ def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S,
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < T
     cmask = ch < Cd
-    # the row's sequence: the largest s with cu[s] <= row (cu[0] = 0 <= row < cu[S] = T)
-    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    hi = tl.full((BLOCK_T,), S, dtype=tl.int32)
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        below = tl.load(cu_ptr + mid, mask=rmask, other=0) <= rows
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    j = rows - tl.load(cu_ptr + lo, mask=rmask, other=0).to(tl.int32)  # the row's index in its sequence
+    lo, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
     slot = tl.load(slots_ptr + lo, mask=rmask, other=0).to(tl.int64)
     r64 = rows.to(tl.int64)
     if HAS_BIAS:
@@ -87,6 +93,90 @@ def _window_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, Cd, stride_x, stride_ws, s
     # window down within the same rows
     tl.debug_barrier()
     tl.store(base + q[:, None] * stride_wk + ch[None, :], v, mask=m2)
+
+
+@triton.jit
+def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, stride_wk, K: tl.constexpr):
+    """Position p [BLOCK_T] of each row's sequence stream (its window ++ its new rows) in fp32,
+    [BLOCK_T, BLOCK_C]: window row p of sequence seq (win [S, K-1, Cd]) for p < K-1, else new row xrow
+    (the packed row at that position)."""
+    in_win = (p < K - 1)[:, None]
+    wv = tl.load(win_ptr + seq[:, None].to(tl.int64) * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
+                 mask=m2 & in_win, other=0.0)
+    xv = tl.load(x_ptr + xrow[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
+    return tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+
+
+@triton.jit
+def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
+                     stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The gradient of conv1d + SiLU for rows [BLOCK_T] x channels [BLOCK_C]: dx of the rows (fp32
+    [T, Cd]), and this row block's partial sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks,
+    Cd], fp32), which the caller sums over blocks in a fixed order.
+
+    Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
+    sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre): each shifted dpre is
+    recomputed here from the stream, so no program needs another's output."""
+    blk = tl.program_id(0)
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < T
+    cmask = ch < Cd
+    seq, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
+    n = tl.load(cu_ptr + seq + 1, mask=rmask, other=0).to(tl.int32) - (rows - j)  # the sequence's length
+    r64 = rows.to(tl.int64)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for d in tl.static_range(K):
+        m2 = (rmask & (j + d < n))[:, None] & cmask[None, :]
+        pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
+        for k in tl.static_range(K):
+            v = _stream_value(x_ptr, win_ptr, r64 + (d + k - (K - 1)), seq, j + d + k, ch, m2, stride_x, stride_ws,
+                              stride_wk, K)
+            pre += tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+        s = 1.0 / (1.0 + tl.exp(-pre))
+        g = tl.load(g_ptr + (r64 + d)[:, None] * stride_g + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        dpre = tl.where(m2, g * (s * (1.0 + pre * (1.0 - s))), 0.0)
+        dx += tl.load(w_ptr + ch * K + (K - 1 - d), mask=cmask, other=0.0).to(tl.float32)[None, :] * dpre
+        if d == 0:  # the block's own rows: their weight and bias gradients
+            tl.store(db_ptr + blk * Cd + ch, tl.sum(dpre, axis=0), mask=cmask)
+            for k in tl.static_range(K):
+                v = _stream_value(x_ptr, win_ptr, r64 + (k - (K - 1)), seq, j + k, ch, m2, stride_x, stride_ws,
+                                  stride_wk, K)
+                tl.store(dw_ptr + (blk * K + k) * Cd + ch, tl.sum(dpre * v, axis=0), mask=cmask)
+    tl.store(dx_ptr + r64[:, None] * Cd + ch[None, :], dx, mask=rmask[:, None] & cmask[None, :])
+
+
+def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
+                                  weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
+                                  cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
+    windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
+    [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
+    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch."""
+    T, Cd = x.shape
+    S, K = window.shape[0], weight.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    g = g if g.stride(1) == 1 else g.contiguous()
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    BT, BC = cfg.conv_block_t, cfg.conv_block_c
+    nb = triton.cdiv(T, BT)
+    dx = torch.empty(T, Cd, device=x.device, dtype=torch.float32)
+    dw = torch.empty(nb, K, Cd, device=x.device, dtype=torch.float32)
+    db = torch.empty(nb, Cd, device=x.device, dtype=torch.float32)
+    if T:
+        _conv_bwd_kernel[(nb, triton.cdiv(Cd, BC))](
+            x, cu_seqlens, window, w, b, g, dx, dw, db, T, S, Cd, x.stride(0), window.stride(0), window.stride(1),
+            g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, BLOCK_T=BT, BLOCK_C=BC,
+            num_warps=4)
+    return (dx.to(x.dtype), dw.sum(0).t().to(weight.dtype),
+            None if bias is None else db.sum(0).to(bias.dtype))
 
 
 def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,

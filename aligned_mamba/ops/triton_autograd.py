@@ -6,8 +6,10 @@ its inputs (log-softmax: its output), and whose backward is the op's gradient at
 
 - the scan: ``ssd_backward``, the Triton kernels of ``ops.ssd.triton_backward`` on the chunk grid,
   the gradient of ``ops.ssd.chunk_dense``'s function (the torch backend's scan in dense blocks);
-- the norms, the gated norm, conv1d + SiLU and log-softmax: the ``*_backward`` functions next to
-  their torch forms (``ops.norm``, ``ops.conv1d``, ``ops.logprobs``), native torch ops in fp32;
+- conv1d + SiLU: a Triton kernel (``conv1d_triton.causal_conv1d_backward_triton``; the windows'
+  own gradient, when they require one, from ``ops.conv1d.causal_conv1d_backward``);
+- the norms, the gated norm and log-softmax: the ``*_backward`` functions next to their torch forms
+  (``ops.norm``, ``ops.logprobs``), native torch ops in fp32;
 - the linear layer: the two GEMMs ``grad @ w`` and ``grad.T @ x`` in torch (cuBLAS on a GPU).
 
 They are derivatives of the functions the forward computes, taken at the forward's inputs, so they
@@ -18,7 +20,8 @@ Without these, autograd cannot see through a Triton launch: its outputs are fres
 raw pointers, with no ``grad_fn``, so every parameter upstream of one silently gets no gradient.
 
 Determinism: no backward here reduces with atomics. The scan's kernels own the rows they write and
-leave the cross-program sums to torch reductions; the conv's scatter adds one value per element per
+leave the cross-program sums to torch reductions, and so does the conv's kernel (per row block
+partial sums of its weight gradient); the conv's torch form scatters one value per element per
 tap; the embedding's gradient (repeated token ids) runs torch's sorting accumulation
 (``torch.use_deterministic_algorithms`` for that one call). Not covered: ``torch.cumsum`` on CUDA,
 which torch does not promise deterministic (its row scans along the chunk measured repeatable: two
@@ -39,7 +42,7 @@ from . import conv1d as _conv
 from . import logprobs as _logprobs
 from . import norm as _norm
 from .configs import TritonKernelConfigs
-from .conv1d_triton import causal_conv1d_triton
+from .conv1d_triton import causal_conv1d_backward_triton, causal_conv1d_triton
 from .linear_triton import linear_triton
 from .logprobs_triton import log_softmax_triton
 from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
@@ -169,15 +172,18 @@ class _Conv(torch.autograd.Function):
                 windows: Tensor, cfg: TritonKernelConfigs) -> Tensor:
         # window: windows[slots] as the kernel finds them (it overwrites them in place)
         ctx.save_for_backward(x, w, b, window)
-        ctx.consts = (cu_seqlens,)
+        ctx.consts = (cu_seqlens, cfg)
         return causal_conv1d_triton(x, cu_seqlens, slots, windows, w, b, cfg)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w, b, window = ctx.saved_tensors
-        (cu_seqlens,) = ctx.consts
-        dx, dwindow, dw, db = _conv.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
-        return _wanted(ctx, dx, dw, db, dwindow)
+        cu_seqlens, cfg = ctx.consts
+        if ctx.needs_input_grad[3]:  # the windows' own gradient: the torch form has it
+            dx, dwindow, dw, db = _conv.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
+            return _wanted(ctx, dx, dw, db, dwindow)
+        dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)
+        return _wanted(ctx, dx, dw, db)
 
 
 class _LogSoftmax(torch.autograd.Function):
