@@ -95,6 +95,8 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     nt.embed_rms_norm_triton(torch.zeros(64, dtype=torch.int64), r(100, D), wn, 1e-5, BF16, F32, cfg,
                              norm_input_dtype=BF16)
     nt.gated_rms_norm_triton(x, r(64, D), wn, 1e-5, 4, cfg)
+    nt.rms_norm_backward_triton(x, wn, 1e-5, BF16, x, cfg)
+    nt.gated_rms_norm_backward_triton(x, r(64, D), wn, 1e-5, 4, x, cfg)
     Cd, W = 1024, 4
     cu = torch.tensor([0, 300, 301], dtype=torch.int64)
     slots = torch.tensor([0, 1], dtype=torch.int64)

@@ -395,6 +395,29 @@ def test_kernel_functions_forward_bits_and_gradients(name):
     assert all(e < OP_RTOL for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
+    """The norms' Triton backwards against their torch forms (``ops.norm.*_backward``, native torch):
+    37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups;
+    two calls bit-identical."""
+    from aligned_mamba.ops import norm
+    from aligned_mamba.ops.norm_triton import gated_rms_norm_backward_triton, rms_norm_backward_triton
+
+    cfg = TritonKernelConfigs(norm_bwd_rows=4)
+    M, d = 37, 48
+    x, y, z, g, add = (_rand(M, d, seed=s).to(dtype) for s in (51, 52, 53, 54, 55))
+    w = _rand(d, seed=56).to(dtype)
+    tol = OP_RTOL if dtype == torch.float32 else 1e-2  # bf16: the outputs' own rounding
+    got = rms_norm_backward_triton(x, w, EPS, dtype, g, cfg, add=add)
+    assert all(torch.equal(u, v) for u, v in zip(got, rms_norm_backward_triton(x, w, EPS, dtype, g, cfg, add=add)))
+    dx, dw = norm.rms_norm_backward(x, w, EPS, dtype, g)
+    assert rel_err(got[0], (dx.float() + add.float()).double()) < tol and rel_err(got[1], dw.double()) < tol
+    got = gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg)
+    assert all(torch.equal(u, v) for u, v in zip(got, gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg)))
+    want = norm.gated_rms_norm_backward(y, z, w, EPS, 3, g)
+    assert all(rel_err(u, v.double()) < tol for u, v in zip(got, want))
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
     """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:

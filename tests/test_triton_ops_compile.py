@@ -82,6 +82,14 @@ for name, x, res, ro, has_x, idx, rnd in (("rms", bf, bf, bf, False, False, Fals
 comp("norm:gated", nt._gated_norm_kernel, dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                                                eps="fp32"), dict(BLOCK_G=1024),
      num_warps=nt._block_warps(1024, cfg)[1], enable_fp_fusion=False)
+for add in (False, True):  # the backwards (fp32 gradients of bf16 rows)
+    comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
+         dict(x_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32", dw_ptr="*fp32",
+              eps="fp32"), dict(HAS_ADD=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows, BLOCK_D=4096),
+         num_warps=nt._block_warps(4096, cfg)[1])
+comp("norm:gated:backward", nt._gated_norm_bwd_kernel,
+     dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", dy_ptr="*bf16", dz_ptr="*bf16", dw_ptr="*fp32",
+          eps="fp32"), dict(ROWS=cfg.norm_bwd_rows, BLOCK_G=1024), num_warps=nt._block_warps(1024, cfg)[1])
 conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
               out_ptr="*bf16")
 for bias in (False, True):
@@ -108,7 +116,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, tmp_path)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 5 + 5 + 2, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2, sorted(by)
     for d in done:
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills

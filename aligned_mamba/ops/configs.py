@@ -79,6 +79,7 @@ class TritonKernelConfigs:
       linear_fp32_block_m/_block_n/_block_k/_warps/_stages: fp32 models' one tile (TMA if linear_tma).
     Norms (ops/norm_triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
+      norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
     Conv1d (ops/conv1d_triton.py): conv_block_t, conv_block_c: tokens and channels per program.
     Log-softmax (ops/logprobs_triton.py): logprobs_block_v, the vocabulary block of a row's
       program (fixed order over the row); logprobs_num_warps.
@@ -128,6 +129,7 @@ class TritonKernelConfigs:
     linear_fp32_warps: int = 8
     linear_fp32_stages: int = 3
     norm_block_per_warp: int = 512
+    norm_bwd_rows: int = 16
     conv_block_t: int = 8
     conv_block_c: int = 256
     logprobs_block_v: int = 8192
@@ -178,6 +180,7 @@ class TritonKernelConfigs:
         if self.linear_epi_split != 1 and not self.linear_tma:
             raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")
         _pow2("norm_block_per_warp", self.norm_block_per_warp, 32, 8192)
+        _pow2("norm_bwd_rows", self.norm_bwd_rows, 1, 256)
         _pow2("conv_block_t", self.conv_block_t, 1, 256)
         _pow2("conv_block_c", self.conv_block_c, 16, 1024)
         _pow2("logprobs_block_v", self.logprobs_block_v, 128, 16384)

@@ -75,6 +75,110 @@ def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, str
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+# -- backwards (gradients: accuracy and determinism, not row invariance) ----------------------------------
+
+
+@triton.jit
+def _norm_backward(v, gw, mask, D, eps):
+    """The gradient of normalise(v) against gw, with normalise(v) itself: v, gw [BLOCK] fp32 (zeros past
+    D) -> (r (gw - vhat mean(gw vhat)), vhat), r = 1 / sqrt(mean(v^2) + eps), vhat = v r."""
+    r = 1.0 / tl.sqrt(tl.sum(tl.where(mask, v * v, 0.0), axis=0) / D.to(tl.float32) + eps)
+    vhat = v * r
+    return r * (gw - vhat * (tl.sum(tl.where(mask, gw * vhat, 0.0), axis=0) / D.to(tl.float32))), vhat
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dw_ptr, M, D, stride_x, stride_g, stride_add, eps,
+                         HAS_ADD: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of w * round_OUT(normalise(x)) against g: dx (fp32, plus
+    add[r] if HAS_ADD: the residual's own gradient) and this block's partial sum of dw (dw_ptr [blocks,
+    D] fp32, summed over blocks by the caller)."""
+    blk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = (blk * ROWS + i).to(tl.int64)
+        m = mask & (row < M)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        dx, xhat = _norm_backward(x, g * w, mask, D, eps)
+        if HAS_ADD:
+            dx += tl.load(add_ptr + row * stride_add + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * D + cols, dx, mask=m)
+        dw += g * xhat.to(OUT).to(tl.float32)
+    tl.store(dw_ptr + blk * D + cols, dw, mask=mask)
+
+
+@triton.jit
+def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M, d, GS, stride_y, stride_z,
+                           stride_g, eps, ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of w * round(normalise_g(y silu(z))) against
+    g: dy, dz (in y's and z's dtypes) and this block's partial sum of dw (dw_ptr [blocks, d] fp32)."""
+    blk = tl.program_id(0)
+    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
+    mask = tl.arange(0, BLOCK_G) < GS
+    OUT: tl.constexpr = y_ptr.dtype.element_ty
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT).to(tl.float32)
+    dw = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = (blk * ROWS + i).to(tl.int64)
+        m = mask & (row < M)
+        y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-z))
+        du, nhat = _norm_backward(y * (z * s), g * w, mask, GS, eps)
+        tl.store(dy_ptr + row * d + c, (du * (z * s)).to(dy_ptr.dtype.element_ty), mask=m)
+        tl.store(dz_ptr + row * d + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty), mask=m)
+        dw += g * nhat.to(OUT).to(tl.float32)
+    tl.store(dw_ptr + blk * d + c, dw, mask=mask)
+
+
+def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                             g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``rms_norm_triton(x, weight, eps, out_dtype)`` against g [M, D]: (dx [M, D] fp32,
+    plus ``add`` [M, D] when given (a residual's own gradient, summed in fp32), dweight [D] in weight's
+    dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch."""
+    x, g = _rows(x, "x"), _rows(g, "g")
+    M, D = x.shape
+    rows = cfg.norm_bwd_rows
+    nb = triton.cdiv(M, rows)
+    dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
+    dw = torch.zeros(max(nb, 1), D, device=x.device, dtype=torch.float32)
+    if M:
+        a = _rows(add, "add") if add is not None else g
+        block, warps = _block_warps(D, cfg)
+        _rms_norm_bwd_kernel[(nb,)](x, weight.contiguous(), g, a, dx, dw, M, D, x.stride(0), g.stride(0), a.stride(0),
+                                    float(eps), HAS_ADD=add is not None, OUT=_TL[out_dtype], ROWS=rows,
+                                    BLOCK_D=block, num_warps=warps)
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``gated_rms_norm_triton(y, z, weight, eps, n_groups)`` against g [M, d]: (dy in y's
+    dtype, dz in z's, dweight [d] in weight's). Deterministic, as ``rms_norm_backward_triton``."""
+    y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
+    M, d = y.shape
+    rows, gs = cfg.norm_bwd_rows, d // n_groups
+    nb = triton.cdiv(M, rows)
+    dy = torch.empty(M, d, device=y.device, dtype=y.dtype)
+    dz = torch.empty(M, d, device=y.device, dtype=z.dtype)
+    dw = torch.zeros(max(nb, 1), d, device=y.device, dtype=torch.float32)
+    if M:
+        block, warps = _block_warps(gs, cfg)
+        _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, dy, dz, dw, M, d, gs, y.stride(0),
+                                               z.stride(0), g.stride(0), float(eps), ROWS=rows, BLOCK_G=block,
+                                               num_warps=warps)
+    return dy, dz, dw.sum(0).to(weight.dtype)
+
+
+
+
 def _block_warps(width: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
     """The power-of-two block of a row (or group) of ``width`` and its program's warps."""
     block = triton.next_power_of_2(width)

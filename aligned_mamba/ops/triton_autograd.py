@@ -8,8 +8,9 @@ its inputs (log-softmax: its output), and whose backward is the op's gradient at
   the gradient of ``ops.ssd.chunk_dense``'s function (the torch backend's scan in dense blocks);
 - conv1d + SiLU: a Triton kernel (``conv1d_triton.causal_conv1d_backward_triton``; the windows'
   own gradient, when they require one, from ``ops.conv1d.causal_conv1d_backward``);
-- the norms, the gated norm and log-softmax: the ``*_backward`` functions next to their torch forms
-  (``ops.norm``, ``ops.logprobs``), native torch ops in fp32;
+- the norms and the gated norm: Triton kernels (``norm_triton.*_backward_triton``, per row block
+  partial sums of the weight gradient);
+- log-softmax: ``ops.logprobs.log_softmax_backward`` from the saved output, native torch ops;
 - the linear layer: the two GEMMs ``grad @ w`` and ``grad.T @ x`` in torch (cuBLAS on a GPU).
 
 They are derivatives of the functions the forward computes, taken at the forward's inputs, so they
@@ -40,12 +41,18 @@ import torch
 
 from . import conv1d as _conv
 from . import logprobs as _logprobs
-from . import norm as _norm
 from .configs import TritonKernelConfigs
 from .conv1d_triton import causal_conv1d_backward_triton, causal_conv1d_triton
 from .linear_triton import linear_triton
 from .logprobs_triton import log_softmax_triton
-from .norm_triton import add_rms_norm_triton, embed_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+from .norm_triton import (
+    add_rms_norm_triton,
+    embed_rms_norm_triton,
+    gated_rms_norm_backward_triton,
+    gated_rms_norm_triton,
+    rms_norm_backward_triton,
+    rms_norm_triton,
+)
 from .ssd.chunk import pack_chunks
 from .ssd.state import SSDState, SSMParams, Step
 from .ssd.triton_backward import chunk_scan_backward
@@ -101,15 +108,15 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype, cfg: TritonKernelConfigs) -> Tensor:
         ctx.save_for_backward(x, w)
-        ctx.consts = (eps, out_dtype)
+        ctx.consts = (eps, out_dtype, cfg)
         return rms_norm_triton(x, w, eps, out_dtype, cfg)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        eps, out_dtype = ctx.consts
-        dx, dw = _norm.rms_norm_backward(x, w, eps, out_dtype, g)
-        return _wanted(ctx, dx, dw)
+        eps, out_dtype, cfg = ctx.consts
+        dx, dw = rms_norm_backward_triton(x, w, eps, out_dtype, g, cfg)
+        return _wanted(ctx, dx.to(x.dtype), dw)
 
 
 class _EmbedNorm(torch.autograd.Function):
@@ -117,16 +124,15 @@ class _EmbedNorm(torch.autograd.Function):
     def forward(ctx, token_ids: Tensor, embedding: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
                 residual_dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(token_ids, embedding, w)
-        ctx.consts = (eps, dtype, residual_dtype)
+        ctx.consts = (eps, dtype, residual_dtype, cfg)
         return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
 
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
         token_ids, embedding, w = ctx.saved_tensors
-        eps, dtype, residual_dtype = ctx.consts
+        eps, dtype, residual_dtype, cfg = ctx.consts
         residual = embedding[token_ids].to(residual_dtype)
-        dn, dw = _norm.rms_norm_backward(residual.to(dtype), w, eps, dtype, g_normed)
-        g = g_residual.to(torch.float32) + dn.to(torch.float32)
+        g, dw = rms_norm_backward_triton(residual.to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
         de = None
         if ctx.needs_input_grad[1]:
             with _deterministic():  # repeated token ids: the sorting accumulation, not atomics
@@ -140,15 +146,15 @@ class _AddNorm(torch.autograd.Function):
     def forward(ctx, x: Tensor, residual: Tensor, w: Tensor, eps: float, dtype: torch.dtype,
                 cfg: TritonKernelConfigs) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(x, residual, w)
-        ctx.consts = (eps, dtype)
+        ctx.consts = (eps, dtype, cfg)
         return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
 
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_residual: Tensor) -> tuple[Tensor | None, ...]:
         x, residual, w = ctx.saved_tensors
-        eps, dtype = ctx.consts
-        dn, dw = _norm.rms_norm_backward((residual + x).to(dtype), w, eps, dtype, g_normed)
-        g = g_residual.to(torch.float32) + dn.to(torch.float32)
+        eps, dtype, cfg = ctx.consts
+        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype)
+        g, dw = rms_norm_backward_triton((residual + x).to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
         return _wanted(ctx, g.to(x.dtype), g.to(residual.dtype), dw)
 
 
@@ -156,14 +162,14 @@ class _GatedRmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor, z: Tensor, w: Tensor, eps: float, n_groups: int, cfg: TritonKernelConfigs) -> Tensor:
         ctx.save_for_backward(y, z, w)
-        ctx.consts = (eps, n_groups)
+        ctx.consts = (eps, n_groups, cfg)
         return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
         y, z, w = ctx.saved_tensors
-        eps, n_groups = ctx.consts
-        return _wanted(ctx, *_norm.gated_rms_norm_backward(y, z, w, eps, n_groups, g))
+        eps, n_groups, cfg = ctx.consts
+        return _wanted(ctx, *gated_rms_norm_backward_triton(y, z, w, eps, n_groups, g, cfg))
 
 
 class _Conv(torch.autograd.Function):
