@@ -136,6 +136,14 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M
     tl.store(dw_ptr + blk * d + c, dw, mask=mask)
 
 
+def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
+                        ) -> tuple[int, torch.Tensor]:
+    """A norm backward's row blocks of ``norm_bwd_rows`` rows: (their number, their weight-gradient
+    partial sums [blocks, d] fp32, zeros: the caller sums them over blocks)."""
+    nb = triton.cdiv(M, cfg.norm_bwd_rows)
+    return nb, torch.zeros(max(nb, 1), d, device=device, dtype=torch.float32)
+
+
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
                              g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,15 +152,13 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch."""
     x, g = _rows(x, "x"), _rows(g, "g")
     M, D = x.shape
-    rows = cfg.norm_bwd_rows
-    nb = triton.cdiv(M, rows)
     dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
-    dw = torch.zeros(max(nb, 1), D, device=x.device, dtype=torch.float32)
+    nb, dw = _weight_grad_blocks(M, D, cfg, x.device)
     if M:
         a = _rows(add, "add") if add is not None else g
         block, warps = _block_warps(D, cfg)
         _rms_norm_bwd_kernel[(nb,)](x, weight.contiguous(), g, a, dx, dw, M, D, x.stride(0), g.stride(0), a.stride(0),
-                                    float(eps), HAS_ADD=add is not None, OUT=_TL[out_dtype], ROWS=rows,
+                                    float(eps), HAS_ADD=add is not None, OUT=_TL[out_dtype], ROWS=cfg.norm_bwd_rows,
                                     BLOCK_D=block, num_warps=warps)
     return dx, dw.sum(0).to(weight.dtype)
 
@@ -164,16 +170,15 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
     dtype, dz in z's, dweight [d] in weight's). Deterministic, as ``rms_norm_backward_triton``."""
     y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
     M, d = y.shape
-    rows, gs = cfg.norm_bwd_rows, d // n_groups
-    nb = triton.cdiv(M, rows)
+    gs = d // n_groups
     dy = torch.empty(M, d, device=y.device, dtype=y.dtype)
     dz = torch.empty(M, d, device=y.device, dtype=z.dtype)
-    dw = torch.zeros(max(nb, 1), d, device=y.device, dtype=torch.float32)
+    nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
     if M:
         block, warps = _block_warps(gs, cfg)
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, dy, dz, dw, M, d, gs, y.stride(0),
-                                               z.stride(0), g.stride(0), float(eps), ROWS=rows, BLOCK_G=block,
-                                               num_warps=warps)
+                                               z.stride(0), g.stride(0), float(eps), ROWS=cfg.norm_bwd_rows,
+                                               BLOCK_G=block, num_warps=warps)
     return dy, dz, dw.sum(0).to(weight.dtype)
 
 
