@@ -936,11 +936,11 @@ def _aligned_moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_te
     shape = hidden_states.shape
     moe = _core_moe(self, hook, hidden_states.device)
     x = hidden_states.reshape(-1, shape[-1]).to(hook.dtype)
-    y = moe.advance(None, None, x).reshape(shape)
+    experts, weights = moe.route_rows(x)
+    y = moe.experts_out(None, x, experts, weights).reshape(shape)  # MoE.advance's arithmetic, routed once
     r = self.router
     if self.training and torch.is_grad_enabled() and getattr(r, "enable_expert_bias", False):
         with torch.no_grad():
-            experts, _ = moe.route_rows(x)
             r.local_tokens_per_expert += torch.bincount(experts.flatten(), minlength=moe.config.n_routed_experts).to(
                 r.local_tokens_per_expert.dtype)
     return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None

@@ -163,9 +163,14 @@ class MoE(Stateless):
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
+        return self.experts_out(batch, x, *self.route_rows(x))
+
+    def experts_out(self, batch: Batch | None, x: torch.Tensor, experts: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
+        says (experts, weights [T, k]): [T, hidden_size] in the model dtype."""
         be, c = self.backend, self.config
         T = x.shape[0]
-        experts, weights = self.route_rows(x)
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32
         parts = torch.zeros(T, c.num_experts_per_tok, h.shape[1], dtype=torch.float32, device=x.device)
