@@ -28,6 +28,7 @@ from ..errors import AlignedMambaError
 from . import conv1d as _conv
 from . import linear as _linear
 from . import logprobs as _logprobs
+from . import native as _native
 from . import norm as _norm
 from .configs import TorchKernelConfigs, TritonKernelConfigs
 from .ssd.chunk import replay_chunk
@@ -115,6 +116,12 @@ class TorchBackend(Backend):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return _linear.linear(x, w, b, self.configs.linear_row_tile)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # the add and the norm in one native loop where it applies: the base's bits
+        fused = _native.rms_norm(x, w, eps, dtype, residual=residual)
+        return super().add_norm(x, residual, w, eps, dtype) if fused is None else (fused[0], fused[1])
 
     def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
                      b: torch.Tensor | None) -> torch.Tensor:

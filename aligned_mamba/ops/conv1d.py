@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import elementwise as ew
+from . import native
 
 
 def _tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,16 +48,22 @@ def causal_conv1d(
     """
     S, Km1, _ = window.shape
     stream, src, lens = _streams(x, cu_seqlens, window)
-    taps = stream[src]  # [T, K, Cd]
-    out = _tap_sum(taps, weight, bias)
-    if activation:
-        out = ew.silu(out)
+    out = _conv_out(stream[src], weight, bias, activation)  # taps [T, K, Cd]
     # The new window: the last K-1 positions of each (window ++ new) stream.
     q = torch.arange(Km1, device=x.device)
     sidx = torch.arange(S, device=x.device)[:, None].expand(S, Km1)
     new_window = stream[_stream_row(sidx, lens[:, None] + q[None, :], cu_seqlens.to(torch.int64).to(x.device), S,
                                     Km1)]
-    return out.to(x.dtype), new_window
+    return out, new_window
+
+
+def _conv_out(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: bool) -> torch.Tensor:
+    """``_tap_sum`` (then SiLU) rounded to taps' dtype: [T, K, Cd] -> [T, Cd] (``ops.native``'s loop
+    where it applies: the same bits)."""
+    if (out := native.tap_sum(taps, weight, bias, activation)) is not None:
+        return out
+    out = _tap_sum(taps, weight, bias)
+    return (ew.silu(out) if activation else out).to(taps.dtype)
 
 
 def _stream_row(seq_ids: torch.Tensor, p: torch.Tensor, cu: torch.Tensor, S: int, Km1: int) -> torch.Tensor:
@@ -121,7 +128,4 @@ def causal_conv1d_step(
     Returns (out [S, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
     """
     taps = torch.cat([window.to(x.dtype), x[:, None]], dim=1)  # [S, K, Cd]
-    out = _tap_sum(taps, weight, bias)
-    if activation:
-        out = ew.silu(out)
-    return out.to(x.dtype), taps[:, 1:]
+    return _conv_out(taps, weight, bias, activation), taps[:, 1:]

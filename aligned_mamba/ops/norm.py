@@ -1,8 +1,9 @@
 """RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction.
 
 The sum of squares is a fixed pairwise tree (``reduce.tree_sum``), 1/sqrt is two correctly
-rounded IEEE operations, and the gate's SiLU is position-invariant, so a row's bits depend on that
-row only.
+rounded IEEE operations (``torch.rsqrt`` computes 1 / sqrt so; ``torch.sqrt`` of float32 goes to
+MKL's vector math on the CPU, which is not correctly rounded: 17% of random inputs differ), and
+the gate's SiLU is position-invariant, so a row's bits depend on that row only.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import elementwise as ew
+from . import native
 from .reduce import tree_sum
 
 
@@ -17,7 +19,7 @@ def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
     """xf [..., d] float32 -> xf / sqrt(mean(xf^2) + eps)."""
     k = ew.operand  # the constants as 0-dim tensors: the same rounding, half the cost of a Python number
     var = tree_sum(xf * xf) / k(float(xf.shape[-1]), xf)
-    return xf * (k(1.0, xf) / torch.sqrt(var + k(eps, xf)))[..., None]
+    return xf * torch.rsqrt(var + k(eps, xf))[..., None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -26,6 +28,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     x [M, d] any float dtype; weight [d]; returns [M, d] in ``out_dtype`` (default weight's dtype).
     """
     out_dtype = out_dtype or weight.dtype
+    if (fused := native.rms_norm(x, weight, eps, out_dtype)) is not None:  # the same bits, one loop
+        return fused[0]
     y = _normalize(x.to(torch.float32), eps).to(out_dtype)
     return weight.to(out_dtype) * y
 
@@ -39,6 +43,8 @@ def gated_rms_norm(
     Face, vLLM and mamba_ssm do for Mamba2), never inside the scan.
     y, z [M, d] (model dtype); weight [d]; d divisible by n_groups. Returns [M, d] in y's dtype.
     """
+    if (fused := native.gated_rms_norm(y, z, weight, eps, n_groups)) is not None:  # the same bits, one loop
+        return fused
     M, d = y.shape
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)

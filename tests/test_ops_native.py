@@ -1,0 +1,200 @@
+"""ops.native: the single-loop CPU ops give their torch forms' bits.
+
+Every native function is compared bitwise with the torch form it stands for (``elementwise._exp``
+and friends, ``reduce.tree_sum``'s torch tree, ``norm``'s and ``conv1d``'s torch arithmetic), on
+values hypothesis picks, on the special values (0, -0, inf, nan, subnormals, the clamps'
+edges), and on every float32 exponent. The contrast tests show what a loop that does not replay
+the torch forms' operations gets: libm's exp, a fused multiply-add, MKL's sqrt.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
+
+from aligned_mamba.ops import conv1d, native, norm, reduce
+from aligned_mamba.ops import elementwise as ew
+
+UNARY = {
+    "exp": ew._exp,
+    "log": ew._log,
+    "log1p": ew._log1p,
+    "softplus": lambda x: ew._softplus(x, 20.0),
+    "sigmoid": ew._sigmoid,
+    "silu": ew._silu,
+}
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 1e-38, 1.17549435e-38, -1.0,
+           1.0, 2.0, 0.5, 88.3762626647949, 88.38, 88.37626, -87.3365447505531, -88.0365447505531, -88.04, -103.9,
+           20.0, 20.000002, 19.999998, -20.0, 1.4142135, 1.4142137, 0.70710677, 3.4028235e38, -3.4028235e38]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 bit patterns with every nan as one pattern (a nan's payload carries no value)."""
+    t = t.contiguous()
+    return torch.where(torch.isnan(t), torch.full_like(t.view(torch.int32), 0x7FC00000), t.view(torch.int32))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.float()), _bits(b.float()))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built() -> None:
+    # The suite runs where a C compiler is: the native ops must be there, not silently absent.
+    assert native.library() is not None, native.status()
+
+
+def _values(seed: int, n: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randn(n, generator=g) * scale, torch.tensor(SPECIAL)])
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_equals_torch_form_on_every_exponent(name: str) -> None:
+    # every float32 exponent and sign, 64 random mantissas each, plus the special values
+    g = torch.Generator().manual_seed(1)
+    mant = torch.randint(0, 1 << 23, (64 * 512,), generator=g, dtype=torch.int32)
+    sign_exp = torch.arange(512, dtype=torch.int32).repeat_interleave(64) << 23
+    x = torch.cat([(sign_exp | mant).view(torch.float32), torch.tensor(SPECIAL)])
+    assert _same(native.unary(name, x, 20.0), UNARY[name](x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(UNARY)), seed=st.integers(0, 2**31), n=st.integers(0, 3000),
+       scale=st.sampled_from([1e-3, 1.0, 10.0, 90.0, 1e4]))
+def test_unary_equals_torch_form(name: str, seed: int, n: int, scale: float) -> None:
+    x = _values(seed, n, scale)
+    assert _same(native.unary(name, x, 20.0), UNARY[name](x))
+
+
+def test_softplus_threshold_is_the_callers() -> None:
+    x = _values(3, 2000, 10.0)
+    assert _same(native.unary("softplus", x, 5.0), ew._softplus(x, 5.0))
+
+
+def _torch_tree_sum(x: torch.Tensor) -> torch.Tensor:
+    with native_off():
+        return reduce.tree_sum(x)
+
+
+class native_off:
+    """Within: every op runs its torch form (the library looks absent)."""
+
+    def __enter__(self) -> None:
+        self._saved = native._lib
+        native._lib = None
+
+    def __exit__(self, *exc: object) -> None:
+        native._lib = self._saved
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(0, 9), n=st.integers(1, 1100))
+def test_tree_sum_equals_torch_form(seed: int, rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * 100
+    assert _same(native.tree_sum(x), _torch_tree_sum(x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), M=st.integers(1, 9), d=st.sampled_from([8, 48, 256, 300, 768, 1024]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), wdtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       residual=st.sampled_from([None, torch.float32, torch.bfloat16]), eps=st.sampled_from([1e-5, 1e-6, 0.1]))
+def test_rms_norm_and_add_norm_equal_torch_form(seed: int, M: int, d: int, dtype: torch.dtype, wdtype: torch.dtype,
+                                                residual: torch.dtype | None, eps: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, d, generator=g) * 3).to(dtype)
+    w = torch.randn(d, generator=g).to(wdtype)
+    with native_off():
+        if residual is None:
+            want, want_res = norm.rms_norm(x, w, eps, dtype), None
+        else:
+            res = (torch.randn(M, d, generator=g) * 5).to(torch.promote_types(residual, dtype))
+            want_res = res + x
+            want = norm.rms_norm(want_res.to(dtype), w, eps, dtype)
+    got, got_res = native.rms_norm(x, w, eps, dtype, residual=None if residual is None else res)
+    assert _same(got, want)
+    assert (got_res is None) == (want_res is None) and (got_res is None or _same(got_res, want_res))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), M=st.integers(1, 9), G=st.sampled_from([1, 2, 8]), dg=st.sampled_from([16, 64, 96]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_gated_norm_equals_torch_form(seed: int, M: int, G: int, dg: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    y, z = ((torch.randn(M, G * dg, generator=g) * 4).to(dtype) for _ in range(2))
+    w = torch.randn(G * dg, generator=g).to(dtype)
+    with native_off():
+        want = norm.gated_rms_norm(y, z, w, 1e-5, G)
+    assert _same(native.gated_rms_norm(y, z, w, 1e-5, G), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 12), K=st.integers(1, 5), Cd=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(), act=st.booleans())
+def test_tap_sum_equals_torch_form(seed: int, T: int, K: int, Cd: int, dtype: torch.dtype, bias: bool,
+                                   act: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    taps = torch.randn(T, K, Cd, generator=g).to(dtype)
+    w = torch.randn(Cd, K, generator=g).to(dtype)
+    b = torch.randn(Cd, generator=g).to(dtype) if bias else None
+    with native_off():
+        want = conv1d._conv_out(taps, w, b, act)
+    assert _same(native.tap_sum(taps, w, b, act), want)
+
+
+def test_public_ops_take_the_native_loop_and_give_the_torch_forms_bits() -> None:
+    x = _values(5, 5000, 10.0)
+    for name in UNARY:
+        fn = getattr(ew, name)
+        with native_off():
+            want = fn(x)
+        assert _same(fn(x), want), name
+
+
+def test_gradients_and_other_devices_take_the_torch_form() -> None:
+    x = torch.randn(10, requires_grad=True)
+    assert native.unary("exp", x) is None and ew.exp(x).requires_grad
+    with torch.no_grad():
+        assert native.unary("exp", x) is not None
+    assert native.unary("exp", torch.randn(4, dtype=torch.float64)) is None
+
+
+# -- the mismatches a loop that does not replay the torch forms would give --------------------------------
+
+
+def test_contrast_libm_exp_and_mkl_sqrt_differ() -> None:
+    x = _values(7, 20000, 10.0)
+    assert not _same(torch.exp(x), ew._exp(x))  # SLEEF / libm: other roundings
+    v = torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 10 + 0.1
+    # torch.sqrt (MKL's vector math) is not correctly rounded; the norms' rsqrt is 1 / sqrt, IEEE
+    assert not torch.equal(1.0 / torch.sqrt(v), torch.rsqrt(v))
+    assert torch.equal(torch.rsqrt(v), 1.0 / torch.sqrt(v.double()).float())
+
+
+def test_contrast_fused_multiply_add_differs() -> None:
+    # the conv's tap sum built with fused multiply-adds (what -ffp-contract would make of the loop)
+    g = torch.Generator().manual_seed(0)
+    taps, w = torch.randn(64, 4, 256, generator=g), torch.randn(256, 4, generator=g)
+    fma = torch.zeros(64, 256, dtype=torch.float64)
+    for k in range(4):  # exact product + sum in float64, rounded once per step: a fused multiply-add
+        fma = (fma + taps[:, k].double() * w[:, k].double()).float().double()
+    assert not torch.equal(fma.float(), native.tap_sum(taps, w, None, False))
+
+
+def test_no_compiler_falls_back_to_the_torch_forms(tmp_path: Path) -> None:
+    code = ("import torch; from aligned_mamba.ops import native, elementwise as ew; "
+            "x = torch.randn(100); y = ew.exp(x); print(native.status()); "
+            "assert torch.equal(y, ew._exp(x))")
+    env = {**os.environ, "CC": "/nonexistent/cc", "XDG_CACHE_HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "unavailable" in out.stdout and "native CPU ops unavailable" in out.stderr
