@@ -72,7 +72,7 @@ def test_kernel_configs_are_typed_and_refuse_what_no_kernel_implements() -> None
         Contract(256, kernel_configs={"BLOCK_K": 32})  # the torch backend has no such config
     with pytest.raises(ContractError, match="expected a mapping"):
         Contract(256, backend="triton", kernel_configs=TorchKernelConfigs())
-    assert pinned_configs("torch") == {"row_tile": 16, "linear_row_tile": 16}
+    assert pinned_configs("torch") == {"row_tile": 16, "gemm_form": "lanes", "linear_row_tile": 16}
 
 
 def test_other_fields_refused() -> None:

@@ -111,11 +111,12 @@ class TorchBackend(Backend):
     configs: TorchKernelConfigs
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        # fp32 and padded once, not per call: the GEMM takes fp32 operands (exact for bf16 values)
-        return _linear.gemm_weight(w)
+        # padded once, not per call (and fp32 for the tiles' GEMM)
+        return _linear.gemm_weight(w, self.configs.gemm_form)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return _linear.linear(x, w, b, self.configs.linear_row_tile)
+        c = self.configs
+        return _linear.linear(x, w, b, c.linear_row_tile, c.gemm_form)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,18 +30,24 @@ def _among(name: str, v: Any, allowed: tuple) -> None:
 
 @dataclass(frozen=True)
 class TorchKernelConfigs:
-    """The torch backend (CPU). Rows are computed in fixed-size, zero-padded tiles, so a decode
-    step (one row) runs the same GEMM shapes as a prefill of thousands of rows.
+    """The torch backend (CPU). A row's operations never depend on how many rows share a call.
 
-    row_tile: output rows per tile of the chunked scan (a chunk shorter than it is one tile).
-    linear_row_tile: rows per tile of the linear layers' batched GEMM (``ops.linear``).
+    row_tile: output rows per tile of the chunked scan (a chunk shorter than it is one tile); the
+      tile fixes the scan's decay arithmetic (``ssd.chunk.tile_outputs``).
+    gemm_form: how the linear layers' and the scan's GEMMs compute a row (``ops.linear``): "lanes",
+      each output one fixed chain (eight sequential partial sums and a fixed tree), so a decode
+      step computes its one row; or "tiles", rows padded to whole tiles (``linear_row_tile`` for
+      the linear layers, ``row_tile`` for the scan) and one batched BLAS GEMM per tile shape.
+    linear_row_tile: rows per tile of the linear layers' "tiles" form.
     """
 
     row_tile: int = 16
+    gemm_form: str = "lanes"
     linear_row_tile: int = 16
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
+        _among("gemm_form", self.gemm_form, ("lanes", "tiles"))
         _pow2("linear_row_tile", self.linear_row_tile, 1, 1024)
 
     def scan_row_tile(self, chunk_size: int) -> int:

@@ -40,10 +40,20 @@ def _cache_dir() -> Path:
     return Path(base) / "aligned_mamba"
 
 
+def _isa_flags() -> tuple[str, ...]:
+    """-mavx2 -mfma where this CPU has both (the lanes then fill one register; the bits are the same)."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return ()
+    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(flags) else ()
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
+    flags = (*_FLAGS, *_isa_flags())
+    key = hashlib.sha256(src + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     for d in (_cache_dir(), Path(tempfile.gettempdir()) / f"aligned_mamba-{os.getuid()}"):
         so = d / f"native_cpu-{key}.so"
         if so.exists():
@@ -55,7 +65,7 @@ def _build() -> ctypes.CDLL:
         except OSError:
             continue
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, text=True)
+            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, text=True)
             os.replace(tmp, so)  # atomic: a concurrent build leaves one complete file
         except subprocess.CalledProcessError as exc:
             os.unlink(tmp)
@@ -76,7 +86,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_rms_norm.argtypes = [p, i, p, p, i, p, p, i, i64, i64, f, p]
     lib.am_gated_norm.argtypes = [p, p, p, p, i, i64, i64, i64, f, p]
     lib.am_tap_sum.argtypes = [p, i, p, p, p, i64, i64, i64, i]
-    for fn in (lib.am_unary, lib.am_tree_sum, lib.am_rms_norm, lib.am_gated_norm, lib.am_tap_sum):
+    lib.am_decode_put.argtypes = [p] * 6 + [i, i64, i64, i64, p, p, *[i64] * 6, p, i, f, f, p]
+    lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
+    lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p]
+    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
+    lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
+    for fn in (lib.am_lane_gemm, lib.am_unary, lib.am_tree_sum, lib.am_rms_norm, lib.am_gated_norm, lib.am_tap_sum,
+               lib.am_decode_put, lib.am_decode_scores, lib.am_decode_combine, lib.am_lane_gemm_kn):
         fn.restype = None
 
 
@@ -95,6 +111,20 @@ def library() -> ctypes.CDLL | None:
                 _status = f"unavailable ({exc}); the torch forms run"
                 print(f"aligned_mamba: native CPU ops {_status}", file=sys.stderr)
     return _lib
+
+
+class off:
+    """Within: ``library()`` returns None, so every op runs its torch form (for statements of the
+    arithmetic and for tests that compare the two)."""
+
+    def __enter__(self) -> None:
+        global _lib
+        library()
+        self._saved, _lib = _lib, None
+
+    def __exit__(self, *exc: object) -> None:
+        global _lib
+        _lib = self._saved
 
 
 def status() -> str:
@@ -190,4 +220,110 @@ def tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty(T, Cd, dtype=taps.dtype)
     lib.am_tap_sum(taps.data_ptr(), _DTYPES[taps.dtype], w.data_ptr(), _ptr(b), out.data_ptr(), T, K, Cd,
                    int(activation))
+    return out
+
+
+def _slot_stride(buf: torch.Tensor) -> int | None:
+    """A slot-major buffer's slot stride, where each slot's block is contiguous; else None."""
+    return buf.stride(0) if buf.dim() and buf.shape[0] and buf[0].is_contiguous() else None
+
+
+def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+               B: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, dt_bias: torch.Tensor,
+               dt_limit: tuple[float, float]) -> torch.Tensor | None:
+    """Steps 1 and 2 of ``ssd.decode.replay_decode`` for sequences in ``slots`` [S] with tokens at
+    chunk rows ``pos`` [S]: writes the tokens' x [S, H, P], raw dt [S, H] and B [S, G, N] into the
+    buffers [slots, H | G, L, ...] (all one dtype) and returns dtc [S, H, L] float32 (softplus'd dt,
+    +0.0 past the token). None, with nothing written, where it does not apply."""
+    ts = (buf_x, buf_dt, buf_B, x, dt, B)
+    if not _ok(*ts) or len({t.dtype for t in ts}) != 1 or (lib := library()) is None:
+        return None
+    strides = [_slot_stride(b) for b in (buf_x, buf_dt, buf_B)]
+    if None in strides:
+        return None
+    _, H, L, P = buf_x.shape
+    G, N = buf_B.shape[1], buf_B.shape[3]
+    S = slots.numel()
+    slots, pos = slots.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
+    x, dt, B = x.contiguous(), dt.contiguous(), B.contiguous()
+    bias = dt_bias.to(torch.float32).contiguous()
+    dtc = torch.empty(S, H, L)
+    lo, hi = (float(v) for v in dt_limit)
+    limit = (lo, hi) != (0.0, float("inf"))
+    lib.am_decode_put(buf_x.data_ptr(), buf_dt.data_ptr(), buf_B.data_ptr(), x.data_ptr(), dt.data_ptr(),
+                      B.data_ptr(), _DTYPES[x.dtype], *strides, slots.data_ptr(), pos.data_ptr(), S, H, G, L, P, N,
+                      bias.data_ptr(), int(limit), lo if limit else 0.0, hi if limit else 0.0, dtc.data_ptr())
+    return dtc
+
+
+def decode_scores(a: torch.Tensor, dtc: torch.Tensor, CB: torch.Tensor, pos: torch.Tensor, G: int,
+                  R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk.tile_outputs``' elementwise work for each tile's one live row (tiles of R rows): a, dtc
+    [S, H, L] float32, CB [S * G, Q, L] (the C.B GEMM's output: Q = R whole tiles, or Q = 1 the live
+    rows alone), pos [S] -> (tiles [S * H, Q, L], the intra GEMM's left operand, zero but for the live
+    rows; e_in [S, H], the boundary state's decay). The library must be loaded (``decode_operands``
+    returned operands)."""
+    lib = library()
+    S, H, L = a.shape
+    a, dtc, CB = a.contiguous(), dtc.contiguous(), CB.contiguous()
+    pos = pos.to(torch.int64).contiguous()
+    Q = CB.shape[1]
+    tiles, e_in = torch.empty(S * H, Q, L), torch.empty(S, H)
+    lib.am_decode_scores(a.data_ptr(), dtc.data_ptr(), CB.data_ptr(), pos.data_ptr(), S, H, G, L, R, Q,
+                         tiles.data_ptr(), e_in.data_ptr())
+    return tiles, e_in
+
+
+def decode_combine(inter: torch.Tensor, intra: torch.Tensor, e_in: torch.Tensor, D: torch.Tensor, xt: torch.Tensor,
+                   pos: torch.Tensor, G: int, R: int) -> torch.Tensor:
+    """The tokens' rows y [S, H, P] float32 = (C.h_in * e_in + intra) + D x_t, from the GEMMs' outputs
+    inter [S * G, Q, Hg * P] and intra [S * H, Q, P] (Q as in ``decode_scores``), e_in [S, H], D [H]
+    or [H, P], xt [S, H, P] the tokens' x in float32."""
+    lib = library()
+    S, H, P = xt.shape
+    inter, intra, xt = inter.contiguous(), intra.contiguous(), xt.contiguous()
+    Df = D.to(torch.float32).contiguous()
+    pos = pos.to(torch.int64).contiguous()
+    y = torch.empty(S, H, P)
+    lib.am_decode_combine(inter.data_ptr(), intra.data_ptr(), e_in.data_ptr(), Df.data_ptr(), int(Df.dim() == 2),
+                          xt.data_ptr(), pos.data_ptr(), S, H, G, P, R, inter.shape[1], y.data_ptr())
+    return y
+
+
+def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | None:
+    """``linear.lane_matmul``'s sums: x [..., M, Kp] float32, w [..., N, Kp] float32 or bfloat16 (both
+    zero-padded to Kp, a multiple of 8; batch dims equal, or w without them) -> [..., M, N] float32.
+    ``exact``: every product is exact (bfloat16 values), so fused multiply-adds give the same bits.
+    None where it does not apply."""
+    if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None:
+        return None
+    M, Kp = x.shape[-2:]
+    N = w.shape[-2]
+    batch = x.shape[:-2]
+    if w.dim() > 2 and w.shape[:-2] != batch:
+        return None
+    x = x.contiguous().view(-1, M, Kp)
+    w = w.contiguous()
+    nb = x.shape[0]
+    out = torch.empty(*batch, M, N)
+    lib.am_lane_gemm(x.data_ptr(), M * Kp, w.data_ptr(), N * Kp if w.dim() > 2 else 0,
+                     int(w.dtype == torch.bfloat16), out.data_ptr(), nb, M, N, Kp, int(exact))
+    return out
+
+
+def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | None:
+    """``lane_gemm(x, w^T)`` with w as [..., K, N]: x [..., M, K] float32, w [..., K, N] float32 or
+    bfloat16 (batch dims equal) -> [..., M, N] float32, the same bits (each output the same chain), with
+    no transposed copy of w. K need not be a multiple of 8 (the rest counts as zero-padded). None where
+    it does not apply."""
+    if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None or w.shape[:-2] != x.shape[:-2]:
+        return None
+    M, K = x.shape[-2:]
+    N = w.shape[-1]
+    batch = x.shape[:-2]
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty(*batch, M, N)
+    nb = out.numel() // max(1, M * N)
+    lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, int(w.dtype == torch.bfloat16), out.data_ptr(),
+                        nb, M, N, K, int(exact))
     return out

@@ -11,6 +11,7 @@
    even as torch rounds). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int64_t i64;
@@ -215,4 +216,245 @@ void am_tap_sum(const void *taps, int dt, const float *w, const float *bias, voi
             for (i64 k = 0; k < K; k++) acc = acc + load(taps, (t * K + k) * Cd + c, dt) * w[c * K + k];
             store(out, t * Cd + c, dt, activation ? am_silu1(acc) : acc);
         }
+}
+
+/* -- ssd/decode.py: the token's row tile ---------------------------------------------------------- */
+
+/* Steps 1 and 2 of decode.replay_decode for S sequences, sequence i in slot slots[i] with its token
+   at chunk row pos[i]: writes the token's x [S, H, P], raw dt [S, H] and B [S, G, N] into row pos[i]
+   of the slot's buffers bx [slots, H, L, P], bdt [slots, H, L], bB [slots, G, L, N] (all in dtype dt;
+   s_x, s_dt, s_B their slot strides in elements, each slot's block contiguous), then builds dtc
+   [S, H, L] float32 = dt_softplus(raw dt + dt_bias) (clamped to [lo, hi] if limit) up to the token,
+   +0.0 past it. */
+void am_decode_put(void *bx, void *bdt, void *bB, const void *x, const void *dtn, const void *Bn, int dt,
+                   i64 s_x, i64 s_dt, i64 s_B, const i64 *slots, const i64 *pos, i64 S, i64 H, i64 G, i64 L, i64 P,
+                   i64 N, const float *dt_bias, int limit, float lo, float hi, float *dtc) {
+    i64 es = dt ? 2 : 4;
+    for (i64 i = 0; i < S; i++) {
+        i64 sl = slots[i], t = pos[i];
+        for (i64 h = 0; h < H; h++) {
+            memcpy((char *)bx + ((sl * s_x) + (h * L + t) * P) * es, (const char *)x + (i * H + h) * P * es,
+                   (size_t)(P * es));
+            memcpy((char *)bdt + (sl * s_dt + h * L + t) * es, (const char *)dtn + (i * H + h) * es, (size_t)es);
+        }
+        for (i64 g = 0; g < G; g++)
+            memcpy((char *)bB + ((sl * s_B) + (g * L + t) * N) * es, (const char *)Bn + (i * G + g) * N * es,
+                   (size_t)(N * es));
+        for (i64 h = 0; h < H; h++)
+            for (i64 s = 0; s < L; s++) {
+                float d = 0.0f;
+                if (s <= t) {
+                    d = am_softplus1(load(bdt, sl * s_dt + h * L + s, dt) + dt_bias[h], 20.0f);
+                    if (limit) d = clamp_hi(clamp_lo(d, lo), hi);
+                }
+                dtc[(i * H + h) * L + s] = d;
+            }
+    }
+}
+
+/* chunk.tile_outputs' elementwise work for one live row per tile (S tiles, the token's, of R rows):
+   from a = cumsum(dtc * A) and dtc [S, H, L] and C.B, CB [S * G, Q, L], the intra GEMM's left
+   operand, tiles [S * H, Q, L] ((C.B * decay) * dt in the live row, zero in the others), and the
+   boundary state's decay e_in [S * H] = exp(a at the token). Q = R: whole tiles, the live row in
+   its place (the "tiles" GEMMs); Q = 1: the live row alone (the lanes). */
+void am_decode_scores(const float *a, const float *dtc, const float *CB, const i64 *pos, i64 S, i64 H, i64 G,
+                      i64 L, i64 R, i64 Q, float *tiles, float *e_in) {
+    const float neg_inf = bits_f32(0xFF800000u);
+    i64 Hg = H / G;
+    memset(tiles, 0, (size_t)(S * H * Q * L) * sizeof(float));
+    for (i64 i = 0; i < S; i++) {
+        i64 t = pos[i], live = t % R, t0 = t - live, q = Q == 1 ? 0 : live;
+        for (i64 h = 0; h < H; h++) {
+            const float *ah = a + (i * H + h) * L, *dh = dtc + (i * H + h) * L;
+            const float *cb = CB + ((i * G + h / Hg) * Q + q) * L;
+            float *row = tiles + ((i * H + h) * Q + q) * L;
+            float a0 = ah[t0], aq = ah[t];
+            float e_row = am_exp1(aq - a0);
+            for (i64 s = 0; s < L; s++) {
+                float decay;
+                if (s >= t0 && s < t0 + R) decay = am_exp1(s - t0 <= live ? aq - ah[s] : neg_inf);
+                else decay = e_row * am_exp1(s < t0 ? a0 - ah[s] : neg_inf);
+                row[s] = (cb[s] * decay) * dh[s];
+            }
+            e_in[i * H + h] = am_exp1(aq);
+        }
+    }
+}
+
+/* The token's output row: (C.h_in * e_in + intra) + D x_t, y [S, H, P] float32. inter [S * G, Q, Hg * P]
+   and intra [S * H, Q, P]: the GEMMs' outputs (Q as in am_decode_scores), the live row taken here;
+   D [H] (d_per_p 0) or [H, P]; xt [S, H, P] the tokens' x, float32. */
+void am_decode_combine(const float *inter, const float *intra, const float *e_in, const float *D, int d_per_p,
+                       const float *xt_all, const i64 *pos, i64 S, i64 H, i64 G, i64 P, i64 R, i64 Q, float *y) {
+    i64 Hg = H / G;
+    for (i64 i = 0; i < S; i++) {
+        i64 live = pos[i] % R, q = Q == 1 ? 0 : live;
+        for (i64 h = 0; h < H; h++) {
+            const float *ir = inter + ((i * G + h / Hg) * Q + q) * Hg * P + (h % Hg) * P;
+            const float *tr = intra + ((i * H + h) * Q + q) * P;
+            const float *xt = xt_all + (i * H + h) * P;
+            float e = e_in[i * H + h];
+            for (i64 p = 0; p < P; p++) {
+                float d = D[d_per_p ? h * P + p : h];
+                y[(i * H + h) * P + p] = (ir[p] * e + tr[p]) + d * xt[p];
+            }
+        }
+    }
+}
+
+/* -- linear.py: the lane GEMM ---------------------------------------------------------------------- */
+
+/* out[m, n] = sum over k of x[m, k] w[n, k] as linear.lane_matmul defines it: eight partial sums,
+   lane j taking k = j, j + 8, ... in order (acc = acc + x w: the product rounded, then the sum),
+   then the fixed tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Every output is its own
+   chain, so a row's bits depend on neither M nor the blocking, and vectorising the lanes changes
+   no lane's operations. Where the products are exact (bfloat16 x and w: 8 x 8 significant bits),
+   a fused multiply-add rounds once, like the separate add: the same bits. */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline float tree8(v8f l) {
+    float b0 = l[0] + l[4], b1 = l[1] + l[5], b2 = l[2] + l[6], b3 = l[3] + l[7];
+    return (b0 + b2) + (b1 + b3);
+}
+
+static inline v8f load8_f32(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline v8f load8_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+/* acc + x w with one rounding of the product and one of the sum; the fused form rounds once, which
+   is the same where the product is exact */
+static inline v8f madd(v8f acc, v8f x, v8f w) { return acc + x * w; }
+static inline v8f fmadd(v8f acc, v8f x, v8f w) {
+#ifdef __FMA__
+    return __builtin_ia32_vfmaddps256(x, w, acc);
+#else
+    for (int j = 0; j < 8; j++) acc[j] = __builtin_fmaf(x[j], w[j], acc[j]);
+    return acc;
+#endif
+}
+
+#define LANE_BLOCK(NAME, WBF16, FMA, MR, NR)                                                          \
+    static void NAME(const float *x, i64 ldx, const void *w, i64 ldw, float *out, i64 ldo, i64 KB) {  \
+        v8f acc[MR][NR];                                                                               \
+        for (int m = 0; m < MR; m++)                                                                   \
+            for (int n = 0; n < NR; n++) acc[m][n] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};                    \
+        for (i64 kb = 0; kb < KB; kb++) {                                                              \
+            v8f wv[NR];                                                                                \
+            for (int n = 0; n < NR; n++)                                                               \
+                wv[n] = WBF16 ? load8_bf16((const uint16_t *)w + n * ldw + kb * 8)                     \
+                              : load8_f32((const float *)w + n * ldw + kb * 8);                        \
+            for (int m = 0; m < MR; m++) {                                                             \
+                v8f xm = load8_f32(x + m * ldx + kb * 8);                                              \
+                for (int n = 0; n < NR; n++)                                                           \
+                    acc[m][n] = FMA ? fmadd(acc[m][n], xm, wv[n]) : madd(acc[m][n], xm, wv[n]);        \
+            }                                                                                          \
+        }                                                                                              \
+        for (int m = 0; m < MR; m++)                                                                   \
+            for (int n = 0; n < NR; n++) out[m * ldo + n] = tree8(acc[m][n]);                          \
+    }
+
+#define LANE_FAMILY(P, WBF16, FMA)                                                                     \
+    LANE_BLOCK(P##_2x4, WBF16, FMA, 2, 4)                                                              \
+    LANE_BLOCK(P##_2x1, WBF16, FMA, 2, 1)                                                              \
+    LANE_BLOCK(P##_1x4, WBF16, FMA, 1, 4)                                                              \
+    LANE_BLOCK(P##_1x1, WBF16, FMA, 1, 1)                                                              \
+    static void P(const float *x, const void *w, float *out, i64 M, i64 N, i64 Kp) {                   \
+        i64 KB = Kp / 8, m = 0;                                                                        \
+        size_t es = WBF16 ? 2 : 4;                                                                     \
+        for (; m + 2 <= M; m += 2) {                                                                   \
+            i64 n = 0;                                                                                 \
+            for (; n + 4 <= N; n += 4)                                                                 \
+                P##_2x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+            for (; n < N; n++)                                                                         \
+                P##_2x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+        }                                                                                              \
+        for (; m < M; m++) {                                                                           \
+            i64 n = 0;                                                                                 \
+            for (; n + 4 <= N; n += 4)                                                                 \
+                P##_1x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+            for (; n < N; n++)                                                                         \
+                P##_1x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+        }                                                                                              \
+    }
+
+LANE_FAMILY(lane_f32, 0, 0)
+LANE_FAMILY(lane_f32_fma, 0, 1)
+LANE_FAMILY(lane_bf16, 1, 0)
+LANE_FAMILY(lane_bf16_fma, 1, 1)
+
+/* nb GEMMs: x [nb][M, Kp] float32 and w [nb][N, Kp] (float32, or bfloat16 if wbf16), both
+   zero-padded to Kp, a multiple of 8, each matrix contiguous, batch strides sx and sw in elements
+   (0: one matrix for all); out [nb][M, N] float32, contiguous. exact: every product is exact
+   (bfloat16 values in both), so fused multiply-adds give the same bits. */
+void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
+                  i64 Kp, int exact) {
+    size_t es = wbf16 ? 2 : 4;
+    float *wf = NULL;  /* bfloat16 weights widened once, where enough rows share them */
+    if (wbf16 && M >= 8 && (sw == 0 || nb == 1) && (wf = malloc((size_t)(N * Kp) * sizeof(float)))) {
+        for (i64 i = 0; i < N * Kp; i++) wf[i] = bf16_f32(((const uint16_t *)w)[i]);
+        w = wf, wbf16 = 0, es = 4;
+    }
+    for (i64 b = 0; b < nb; b++) {
+        const float *xb = x + b * sx;
+        const void *wb = (const char *)w + b * sw * es;
+        float *ob = out + b * M * N;
+        if (wbf16 && exact) lane_bf16_fma(xb, wb, ob, M, N, Kp);
+        else if (wbf16) lane_bf16(xb, wb, ob, M, N, Kp);
+        else if (exact) lane_f32_fma(xb, wb, ob, M, N, Kp);
+        else lane_f32(xb, wb, ob, M, N, Kp);
+    }
+    free(wf);
+}
+
+/* The lanes with the right operand as [K, N] (N contiguous): out[b, m, n] = the lanes' sum over k of
+   x[b, m, k] w[b, k, n], lane j taking k = j, j + 8, ... in order, the tree as tree8: each output the
+   chain am_lane_gemm computes for w transposed, vectorised over n instead of over the lanes. x [nb][M, K]
+   float32, w [nb][K, N] float32 or bfloat16, batch strides sx, sw in elements; K past the last whole
+   lane counts as zero-padded. out [nb][M, N] float32. */
+void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
+                     i64 K, int exact) {
+    i64 Kp = (K + 7) / 8 * 8;
+    float *acc = malloc((size_t)(8 * N) * sizeof(float));
+    if (!acc) return;
+    for (i64 b = 0; b < nb; b++)
+        for (i64 m = 0; m < M; m++) {
+            const float *xm = x + b * sx + m * K;
+            for (i64 i = 0; i < 8 * N; i++) acc[i] = 0.0f;
+            for (i64 k = 0; k < Kp; k++) {
+                float *a = acc + (k % 8) * N;
+                if (k >= K) {
+                    for (i64 n = 0; n < N; n++) a[n] = a[n] + 0.0f * 0.0f;
+                    continue;
+                }
+                float xv = xm[k];
+                if (wbf16) {
+                    const uint16_t *wk = (const uint16_t *)w + b * sw + k * N;
+                    if (exact)
+                        for (i64 n = 0; n < N; n++) a[n] = __builtin_fmaf(xv, bf16_f32(wk[n]), a[n]);
+                    else
+                        for (i64 n = 0; n < N; n++) a[n] = a[n] + xv * bf16_f32(wk[n]);
+                } else {
+                    const float *wk = (const float *)w + b * sw + k * N;
+                    if (exact)
+                        for (i64 n = 0; n < N; n++) a[n] = __builtin_fmaf(xv, wk[n], a[n]);
+                    else
+                        for (i64 n = 0; n < N; n++) a[n] = a[n] + xv * wk[n];
+                }
+            }
+            float *o = out + (b * M + m) * N;
+            for (i64 n = 0; n < N; n++) {
+                float b0 = acc[n] + acc[4 * N + n], b1 = acc[N + n] + acc[5 * N + n];
+                float b2 = acc[2 * N + n] + acc[6 * N + n], b3 = acc[3 * N + n] + acc[7 * N + n];
+                o[n] = (b0 + b2) + (b1 + b3);
+            }
+        }
+    free(acc);
 }

@@ -37,6 +37,7 @@ import torch
 
 from .. import elementwise as ew
 from ..configs import TorchKernelConfigs
+from ..linear import lanes
 from .state import SSDState, SSMParams, Step
 
 
@@ -179,8 +180,17 @@ def tile_layout(tile: torch.Tensor, L: int, R: int, live: torch.Tensor | None = 
                                tile_ids=torch.arange(tile.shape[0], device=dev))
 
 
+def tile_gemm(a: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
+    """a [b, M, K] @ w [b, N, K]^T -> [b, M, N] float32 in the contract's GEMM form (``ops.linear``):
+    one batched BLAS GEMM at the tile's shape ("tiles") or the lanes' fixed chains ("lanes", where a
+    row's bits do not depend on the other rows of the call, so a decode step may compute its row alone)."""
+    if form == "tiles":
+        return torch.bmm(a, w.transpose(1, 2))
+    return lanes(a, w)
+
+
 def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
-                 h_in: torch.Tensor, Ct: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+                 h_in: torch.Tensor, Ct: torch.Tensor, D: torch.Tensor, gemm: str = "lanes") -> torch.Tensor:
     """The output rows of NT row tiles: the one statement of a row's arithmetic, which a prefill
     runs for every tile holding new rows and a decode step for the tile holding its token.
 
@@ -192,8 +202,9 @@ def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Te
     Columns past a row carry a zero decay, so what the chunk holds there (later tokens in a
     prefill, zeros in a decode) adds exact zeros: a row's bits depend on columns up to it only.
     The GEMMs always run at the tile's shapes, [R, N] x [N, L], [R, L] x [L, P] and [R, N] x
-    [N, Hg*P] (a GEMM row's bits depend on that row's operands, not on the other rows); the
-    elementwise work of a live row is that row's elements of the whole tile's, operation by operation.
+    [N, Hg*P], in the ``gemm`` form (``tile_gemm``; a GEMM row's bits depend on that row's operands,
+    not on the other rows); the elementwise work of a live row is that row's elements of the whole
+    tile's, operation by operation.
     """
     NT, H, L, P = x.shape
     G, N = B.shape[1], B.shape[3]
@@ -219,9 +230,9 @@ def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Te
     decay = e_row[..., :, None] * e_col[..., None, :]  # [NT, H, Q, L]
     decay.scatter_(-1, rows_in_chunk[:, None, None, :].expand(NT, H, Q, R), diag.reshape(NT, H, Q, R))
 
-    CB = torch.bmm(Ct.view(NT * G, R, N), B.view(NT * G, L, N).transpose(1, 2))  # [NT*G, R, L]
+    CB = tile_gemm(Ct.view(NT * G, R, N), B.view(NT * G, L, N), gemm)  # [NT*G, R, L]
     # C_t . h_in for all heads of a group in one GEMM: [R, N] x [N, Hg*P]
-    inter = torch.bmm(Ct.view(NT * G, R, N), h_in.reshape(NT * G, Hg * P, N).transpose(1, 2))
+    inter = tile_gemm(Ct.view(NT * G, R, N), h_in.reshape(NT * G, Hg * P, N), gemm)
     if lay.live is not None:
         ids, live = lay.tile_ids, lay.live
         CB = CB.view(NT, G, R, L)[ids, :, live]  # [NT, G, L]
@@ -229,17 +240,24 @@ def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Te
     # (C.B) * decay * dt, with a group's C.B broadcast over its heads
     scores = (CB.view(NT, G, 1, Q, L) * decay.view(NT, G, Hg, Q, L)) * dt.view(NT, G, Hg, 1, L)
     if lay.live is None:
-        intra = torch.bmm(scores.view(NT * H, R, L), x.view(NT * H, L, P)).view(NT, H, R, P)
+        intra = _intra(scores.view(NT * H, R, L), x.view(NT * H, L, P), gemm).view(NT, H, R, P)
         x_t = x.gather(2, rows_in_chunk[:, None, :, None].expand(NT, H, R, P))  # [NT, H, R, P]
     else:  # the live row in its place in a zero tile: the GEMM's shape
         tiles = scores.new_zeros(NT, H, R, L)
         tiles[ids, :, live] = scores.view(NT, H, L)
-        intra = torch.bmm(tiles.view(NT * H, R, L), x.view(NT * H, L, P)).view(NT, H, R, P)[ids, :, live][:, :, None]
+        intra = _intra(tiles.view(NT * H, R, L), x.view(NT * H, L, P), gemm).view(NT, H, R, P)[ids, :, live][:, :, None]
         x_t = x[ids, :, lay.live_pos][:, :, None]  # [NT, H, 1, P]
     inter = inter.view(NT, G, Q, Hg, P).permute(0, 1, 3, 2, 4).reshape(NT, H, Q, P) * e_in[..., None]
     Df = D.to(torch.float32)
     Df = Df[:, None] if Df.dim() == 1 else Df
     return (inter + intra) + Df[None, :, None, :] * x_t  # [NT, H, Q, P]
+
+
+def _intra(scores: torch.Tensor, x: torch.Tensor, gemm: str) -> torch.Tensor:
+    """scores [b, R, L] @ x [b, L, P] -> [b, R, P] float32 (the lanes take x transposed, [b, P, L])."""
+    if gemm == "tiles":
+        return torch.bmm(scores, x)
+    return lanes(scores, x.transpose(1, 2))
 
 
 def chunk_states(a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor,
@@ -274,6 +292,7 @@ def scan_chunks(
     rows: torch.Tensor | None = None,
     final: str = "boundary",
     row_tile: int = 16,
+    gemm: str = "lanes",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan proper. C [T, G, N] for the packed new rows; rows [T] bool (default all).
 
@@ -343,7 +362,7 @@ def scan_chunks(
     Ct = torch.zeros(NT, G, R, N, device=dev)
     Ct[rt[want], :, ch.row_pos[want] % R] = C[want].to(torch.float32)
     pick = (lambda t: t) if ident else (lambda t: t.index_select(0, tc))
-    out = tile_outputs(tile_layout(tr, L, R), pick(a), pick(ch.dt), pick(ch.x), pick(ch.B), pick(h_in), Ct, D)
+    out = tile_outputs(tile_layout(tr, L, R), pick(a), pick(ch.dt), pick(ch.x), pick(ch.B), pick(h_in), Ct, D, gemm)
     y[want] = out[rt[want], :, ch.row_pos[want] % R]
     return y, h, moved
 
@@ -359,6 +378,7 @@ def ssd_chunk(
     *,
     chunk_size: int,
     row_tile: int = 16,
+    gemm: str = "lanes",
     final: str = "end",
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,7 +397,8 @@ def ssd_chunk(
     if initial_states is None:
         initial_states = torch.zeros(S, H, P, N, device=x.device)
     ch = pack_chunks(x, dt, B, cu_seqlens, chunk_size, params.dt_bias, params.dt_limit)
-    y, h, _ = scan_chunks(ch, C, params.A, params.D, initial_states, rows=rows, final=final, row_tile=row_tile)
+    y, h, _ = scan_chunks(ch, C, params.A, params.D, initial_states, rows=rows, final=final, row_tile=row_tile,
+                          gemm=gemm)
     return y.to(x.dtype), h
 
 
@@ -411,7 +432,7 @@ def replay_chunk(
               state.buf_B.index_select(0, slots), off)
     ch = pack_chunks(x, dt, B, cu, L, params.dt_bias, params.dt_limit, prefix=prefix)
     y, h, moved = scan_chunks(ch, C, params.A, params.D, state.ssm_state.index_select(0, slots), rows=rows,
-                              final="boundary", row_tile=cfg.scan_row_tile(L))
+                              final="boundary", row_tile=cfg.scan_row_tile(L), gemm=cfg.gemm_form)
     if bool(moved.any()):
         state.ssm_state[slots[moved]] = h[moved]
     # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is

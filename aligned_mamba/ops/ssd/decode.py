@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..configs import TorchKernelConfigs
+from ..linear import lanes
 from .chunk import TileLayout, chunk_states, dt_softplus, fold_state, tile_layout, tile_outputs
 from .state import SSDState, SSMParams, Step
 
@@ -106,6 +108,24 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
 
 
+def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, x_buf: torch.Tensor, B_buf: torch.Tensor,
+                 h0: torch.Tensor, x: torch.Tensor, C: torch.Tensor, D: torch.Tensor, R: int) -> torch.Tensor:
+    """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
+    the same bits, with the elementwise work in ``ops.native``'s loops and the GEMMs reading the
+    buffers (the chunk's x [S, H, L, P] and B [S, G, L, N], model dtype) as they are. a, dtc [S, H, L]
+    float32; h0 [S, H, P, N]; x [S, H, P] and C [S, G, N] the tokens' (model dtype). Returns y [S, H, P]
+    float32."""
+    S, H, L, P = x_buf.shape
+    G, N = B_buf.shape[1], B_buf.shape[3]
+    exact = x.dtype == torch.bfloat16  # C, B and x hold bf16 values: the C.B products are exact
+    Cr = C.to(torch.float32).reshape(S * G, 1, N)
+    CB = lanes(Cr, B_buf.reshape(S * G, L, N), exact)  # [S*G, 1, L]
+    inter = lanes(Cr, h0.reshape(S * G, (H // G) * P, N))  # [S*G, 1, Hg*P]
+    scores, e_in = native.decode_scores(a, dtc, CB, p.pos, G, R)  # [S*H, 1, L]
+    intra = native.lane_gemm_kn(scores, x_buf.reshape(S * H, L, P), False)  # [S*H, 1, P]
+    return native.decode_combine(inter, intra, e_in, D, x.to(torch.float32), p.pos, G, R)
+
+
 def replay_decode(
     state: SSDState,
     step: Step,
@@ -144,25 +164,37 @@ def replay_decode(
     f32 = torch.float32
 
     # 1. the token's rows into the buffers, which then hold the chunk up to it
-    state.buf_x.index_put_(p.put_x, x)
-    state.buf_dt.index_put_(p.put_x, dt)
-    state.buf_B.index_put_(p.put_B, B)
-
-    # 2. the chunk's operands as pack_chunks builds them, then the prefill's tile arithmetic
-    xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
-    Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
-    # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
-    d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
-    dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
+    # 2. the chunk's operands as pack_chunks builds them, then the prefill's tile arithmetic. With the
+    # lanes and the native loops, only the token's rows: the GEMMs read the buffers as they are.
+    dtc = None
+    if cfg.gemm_form == "lanes":
+        dtc = native.decode_put(state.buf_x, state.buf_dt, state.buf_B, x, dt, B, p.slots, p.pos, params.dt_bias,
+                                params.dt_limit)
+    native_rows = dtc is not None
+    if not native_rows:
+        state.buf_x.index_put_(p.put_x, x)
+        state.buf_dt.index_put_(p.put_x, dt)
+        state.buf_B.index_put_(p.put_B, B)
+        # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
+        d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
+        dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
     a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
     h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
-    Ct = torch.zeros(S, G, R, N, device=dev)
-    Ct.index_put_(p.put_C, C.to(f32))
-    y = tile_outputs(p.lay, a, dtc, xc, Bc, h0, Ct, params.D)[:, :, 0]  # [S, H, P]: the live rows
+    xc = Bc = None
+    if native_rows:
+        y = _native_rows(p, a, dtc, p.take(state.buf_x), p.take(state.buf_B), h0, x, C, params.D, R)
+    else:
+        xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
+        Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
+        Ct = torch.zeros(S, G, R, N, device=dev)
+        Ct.index_put_(p.put_C, C.to(f32))
+        y = tile_outputs(p.lay, a, dtc, xc, Bc, h0, Ct, params.D, cfg.gemm_form)[:, :, 0]  # [S, H, P]: the live rows
 
     # 3. chunks the token completes: the prefill's chunk state and state pass, then empty buffers
     if p.done is not None:
         d_ = p.done
+        if xc is None:  # the completed chunks' operands, as pack_chunks builds them
+            xc, Bc = (p.take(buf).to(f32) for buf in (state.buf_x, state.buf_B))
         cs, cd = chunk_states(a[d_], dtc[d_], xc[d_], Bc[d_])
         state.ssm_state[p.done_slots] = fold_state(h0[d_], cd, cs)
         for buf in (state.buf_x, state.buf_dt, state.buf_B):
