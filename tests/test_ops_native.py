@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
 
-from aligned_mamba.ops import conv1d, native, norm, reduce
+from aligned_mamba.ops import conv1d, linear, native, norm, reduce
 from aligned_mamba.ops import elementwise as ew
 
 UNARY = {
@@ -80,20 +80,12 @@ def test_softplus_threshold_is_the_callers() -> None:
     assert _same(native.unary("softplus", x, 5.0), ew._softplus(x, 5.0))
 
 
+native_off = native.off
+
+
 def _torch_tree_sum(x: torch.Tensor) -> torch.Tensor:
     with native_off():
         return reduce.tree_sum(x)
-
-
-class native_off:
-    """Within: every op runs its torch form (the library looks absent)."""
-
-    def __enter__(self) -> None:
-        self._saved = native._lib
-        native._lib = None
-
-    def __exit__(self, *exc: object) -> None:
-        native._lib = self._saved
 
 
 @settings(max_examples=30, deadline=None)
@@ -166,6 +158,76 @@ def test_gradients_and_other_devices_take_the_torch_form() -> None:
     with torch.no_grad():
         assert native.unary("exp", x) is not None
     assert native.unary("exp", torch.randn(4, dtype=torch.float64)) is None
+
+
+# -- the lanes' GEMM --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), nb=st.sampled_from([0, 1, 3]), M=st.integers(1, 20), N=st.integers(1, 40),
+       K=st.integers(1, 300), wdtype=st.sampled_from([torch.float32, torch.bfloat16]), bf16_x=st.booleans())
+def test_lane_gemm_equals_lane_matmul(seed: int, nb: int, M: int, N: int, K: int, wdtype: torch.dtype,
+                                      bf16_x: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    batch = (nb,) if nb else ()
+    x = torch.randn(*batch, M, K, generator=g) * 3
+    if bf16_x:
+        x = x.bfloat16().float()
+    w = torch.randn(*batch, N, K, generator=g).to(wdtype)
+    exact = bf16_x and wdtype == torch.bfloat16
+    with native_off():
+        want = linear.lanes(x, w, exact)
+    got = linear.lanes(x, w, exact)
+    assert _same(got, want)
+    # the same sums with the right operand as [K, N]
+    assert _same(native.lane_gemm_kn(x, w.transpose(-1, -2), exact), want)
+    # a row alone gets the bits it gets among others, whatever M
+    assert _same(linear.lanes(x[..., M - 1:, :], w, exact), want[..., M - 1:, :])
+
+
+def test_lane_gemm_weights_for_many_rows_are_widened_with_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 264, generator=g).bfloat16().float()
+    w = torch.randn(72, 264, generator=g).bfloat16()
+    full = native.lane_gemm(x, w, True)  # M >= 8: the bf16 weights widened to fp32 once
+    assert _same(full, native.lane_gemm(x, w.float(), False))
+    assert all(_same(native.lane_gemm(x[i:i + 1], w, True), full[i:i + 1]) for i in range(40))
+
+
+def test_builds_for_other_instruction_sets_give_the_same_bits(tmp_path: Path) -> None:
+    # The library is built with -mavx2 -mfma where the CPU has them; a baseline x86-64 build computes
+    # every element with the same operations (lanes as arrays, fmaf from libm).
+    isa = native._isa_flags()
+    if not isa:
+        pytest.skip("this CPU has no AVX2 + FMA: the build is the baseline one already")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 264, generator=g).bfloat16().float()
+    w = torch.randn(33, 264, generator=g).bfloat16()
+    v = _values(9, 4000, 20.0)
+    results = []
+    for flags in (isa, ()):
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "-".join(flags or ("base",)))}
+        code = ("import sys, torch; from aligned_mamba.ops import native; "
+                "native._isa_flags = lambda: tuple(sys.argv[1:]); "
+                f"x, w, v = torch.load({str(tmp_path / 'in.pt')!r}); "
+                "out = [native.lane_gemm(x, w, True), native.lane_gemm(x, w.float(), False), native.unary('exp', v), "
+                "native.unary('softplus', v, 20.0)]; "
+                f"torch.save(out, {str(tmp_path / 'out.pt')!r} + '-'.join(sys.argv[1:]))")
+        torch.save((x, w, v), tmp_path / "in.pt")
+        run = subprocess.run([sys.executable, "-c", code, *flags], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        results.append(torch.load(str(tmp_path / "out.pt") + "-".join(flags)))
+    assert all(_same(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_contrast_a_blas_row_alone_differs() -> None:
+    # what the lanes prevent: a decode row computed by the BLAS in a call of its own
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(512, 256, generator=g)
+    full = x @ w.t()
+    assert not torch.equal(torch.cat([x[i:i + 1] @ w.t() for i in range(64)]), full)
+    lanes = linear.lanes(x, w)
+    assert torch.equal(torch.cat([linear.lanes(x[i:i + 1], w) for i in range(64)]), lanes)
 
 
 # -- the mismatches a loop that does not replay the torch forms would give --------------------------------

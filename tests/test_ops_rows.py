@@ -178,15 +178,16 @@ def test_linear_row_invariance(
         _row_calls(lambda r: linear(r, w, b), x, ref, [m, *SUB_SIZES], _gen(seed + 1))
 
 
+@pytest.mark.parametrize("form", ["lanes", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_rows_of_600_row_call_equal_small_calls(dtype: torch.dtype, threads: int) -> None:
+def test_linear_rows_of_600_row_call_equal_small_calls(dtype: torch.dtype, threads: int, form: str) -> None:
     """The design doc's shape family: K=256, N=512, rows computed in calls of 1, 2, 7, ... rows."""
     x, w, b = _linear_operands(600, 256, 512, dtype, torch.float32, True, 3)
     with num_threads(threads):
-        full = linear(x, w, b)
+        full = linear(x, w, b, form=form)
         for m in (1, 2, 7, 15, 16, 17, 100, 600):
-            got = torch.cat([linear(x[i : i + m], w, b) for i in range(0, min(600, 4 * m + 5), m)])
+            got = torch.cat([linear(x[i : i + m], w, b, form=form) for i in range(0, min(600, 4 * m + 5), m)])
             assert _same_bits(got, full[: got.shape[0]]), (dtype, threads, m)
 
 
