@@ -25,7 +25,8 @@ from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixtur
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.ops import backend as backend_mod
-from aligned_mamba.ops.backend import resolve
+from aligned_mamba.ops import native
+from aligned_mamba.ops.backend import TorchBackend, resolve
 from aligned_mamba.ops.configs import TorchKernelConfigs
 from aligned_mamba.ops.ssd import SSDState, SSMParams, recurrent_step
 from aligned_mamba.ops.ssd.decode import replay_decode
@@ -69,7 +70,9 @@ def scenario(draw):
     return dict(H=H, G=G, P=draw(st.sampled_from([8, 16, 32])), N=draw(st.sampled_from([8, 16, 32])), L=L,
                 prefix=prefix, steps=draw(st.integers(1, 24)), layout=draw(st.sampled_from(["range", "shuffled",
                 "scattered"])), dtype=draw(st.sampled_from(list(DTYPES))), D_per_channel=draw(st.booleans()),
-                limit=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                limit=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                # the GEMM form and whether ops.native's loops run (every path must give the single pass's bits)
+                path=draw(st.sampled_from(["lanes-native", "lanes-torch", "tiles"])))
 
 
 def slot_layout(sc: dict, g: torch.Generator) -> tuple[list[int], int]:
@@ -83,10 +86,21 @@ def slot_layout(sc: dict, g: torch.Generator) -> tuple[list[int], int]:
     return torch.randperm(3 * S + 2, generator=g)[:S].tolist(), 3 * S + 2
 
 
-def run(sc: dict, cfg: TorchKernelConfigs = CFG):
+def run(sc: dict, cfg: TorchKernelConfigs | None = None):
+    """``_run`` on the scenario's path: its GEMM form (unless ``cfg`` says), native loops on or off."""
+    path = sc.get("path", "lanes-native")
+    cfg = cfg or (TorchKernelConfigs(gemm_form="tiles") if path == "tiles" else CFG)
+    if path == "lanes-torch":
+        with native.off():
+            return _run(sc, cfg)
+    return _run(sc, cfg)
+
+
+def _run(sc: dict, cfg: TorchKernelConfigs):
     """Prefill each sequence to its offset, then decode all together for ``steps`` steps through
     ``replay_decode``. Returns (inputs, params, single-pass rows, single-pass state, decoded rows
     [steps, S, H, P], the decode's state, slots, sequence starts in the packed rows)."""
+    backend = TorchBackend(cfg, torch.device("cpu"))
     S, steps = len(sc["prefix"]), sc["steps"]
     dtype = DTYPES[sc["dtype"]]
     lens = [p + steps for p in sc["prefix"]]
@@ -96,7 +110,7 @@ def run(sc: dict, cfg: TorchKernelConfigs = CFG):
     starts = torch.tensor([0, *lens]).cumsum(0).tolist()
 
     ref_state = allocate(S, sc)  # the trainer: one advance from empty over the whole sequences
-    ref = ssd_advance(TORCH, ref_state, Batch.from_empty(lens), x, dt, B, C, params)
+    ref = ssd_advance(backend, ref_state, Batch.from_empty(lens), x, dt, B, C, params)
 
     g = torch.Generator().manual_seed(sc["seed"] + 7)
     slots, num_slots = slot_layout(sc, g)
@@ -104,7 +118,7 @@ def run(sc: dict, cfg: TorchKernelConfigs = CFG):
     pre = [i for i in range(S) if sc["prefix"][i] > 0]
     if pre:
         rows = torch.cat([torch.arange(starts[i], starts[i] + sc["prefix"][i]) for i in pre])
-        ssd_advance(TORCH, state, Batch.make([slots[i] for i in pre], [0] * len(pre), [sc["prefix"][i] for i in pre]),
+        ssd_advance(backend, state, Batch.make([slots[i] for i in pre], [0] * len(pre), [sc["prefix"][i] for i in pre]),
                     x[rows], dt[rows], B[rows], C[rows], params)
     got = []
     for k in range(steps):

@@ -10,7 +10,8 @@ gradient, or no library), and the caller then runs the torch form.
 
 The library is compiled on first use with the system's C compiler (``cc``, or ``$CC``) into
 ``$XDG_CACHE_HOME/aligned_mamba`` (default ``~/.cache``), keyed by the source's digest; flags:
-``-O3 -ffp-contract=off`` (no fused multiply-adds, no reordered sums). ``ALIGNED_MAMBA_NATIVE=0``
+``-O3 -ffp-contract=off`` (no fused multiply-adds, no reordered sums; ``-fno-trapping-math`` lets
+selects vectorise and changes no value), plus ``-mavx2 -mfma`` where the CPU has them. ``ALIGNED_MAMBA_NATIVE=0``
 turns it off; where it cannot be built, ``status()`` says why and the torch forms run.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("native_cpu.c")
-_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _UNARY = {"exp": 0, "log": 1, "log1p": 2, "softplus": 3, "sigmoid": 4, "silu": 5}
 
@@ -85,7 +86,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_tree_sum.argtypes = [p, p, i64, i64, p]
     lib.am_rms_norm.argtypes = [p, i, p, p, i, p, p, i, i64, i64, f, p]
     lib.am_gated_norm.argtypes = [p, p, p, p, i, i64, i64, i64, f, p]
-    lib.am_tap_sum.argtypes = [p, i, p, p, p, i64, i64, i64, i]
+    lib.am_tap_sum.argtypes = [p, i, p, p, p, i64, i64, i64, i, p]
     lib.am_decode_put.argtypes = [p] * 6 + [i, i64, i64, i64, p, p, *[i64] * 6, p, i, f, f, p]
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p]
@@ -218,8 +219,9 @@ def tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     w = weight.to(torch.float32).contiguous()
     b = None if bias is None else bias.to(torch.float32).contiguous()
     out = torch.empty(T, Cd, dtype=taps.dtype)
+    scratch = torch.empty(Cd)
     lib.am_tap_sum(taps.data_ptr(), _DTYPES[taps.dtype], w.data_ptr(), _ptr(b), out.data_ptr(), T, K, Cd,
-                   int(activation))
+                   int(activation), scratch.data_ptr())
     return out
 
 

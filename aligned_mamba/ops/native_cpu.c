@@ -207,15 +207,24 @@ void am_gated_norm(const void *y, const void *z, const void *w, void *out, int d
 
 /* conv1d._tap_sum (+ SiLU): out[t, c] = silu(0 + bias_c + w_c0 x_0 + ... + w_c(K-1) x_(K-1)), added
    in that order. taps [T, K, Cd] in dt; w [Cd, K] and bias [Cd] (optional) float32; out [T, Cd] in dt. */
+static inline __attribute__((always_inline)) void tap_row(const void *taps, int dt, const float *w,
+                                                           const float *bias, void *out, i64 t, i64 K, i64 Cd,
+                                                           int activation, float *acc) {
+    for (i64 c = 0; c < Cd; c++) acc[c] = 0.0f;
+    if (bias)
+        for (i64 c = 0; c < Cd; c++) acc[c] = acc[c] + bias[c];
+    for (i64 k = 0; k < K; k++)
+        for (i64 c = 0; c < Cd; c++) acc[c] = acc[c] + load(taps, (t * K + k) * Cd + c, dt) * w[c * K + k];
+    for (i64 c = 0; c < Cd; c++) store(out, t * Cd + c, dt, activation ? am_silu1(acc[c]) : acc[c]);
+}
+
+/* scratch: Cd floats */
 void am_tap_sum(const void *taps, int dt, const float *w, const float *bias, void *out, i64 T, i64 K, i64 Cd,
-                int activation) {
-    for (i64 t = 0; t < T; t++)
-        for (i64 c = 0; c < Cd; c++) {
-            float acc = 0.0f;
-            if (bias) acc = acc + bias[c];
-            for (i64 k = 0; k < K; k++) acc = acc + load(taps, (t * K + k) * Cd + c, dt) * w[c * K + k];
-            store(out, t * Cd + c, dt, activation ? am_silu1(acc) : acc);
-        }
+                int activation, float *scratch) {
+    for (i64 t = 0; t < T; t++) {
+        if (dt) tap_row(taps, 1, w, bias, out, t, K, Cd, activation, scratch);
+        else tap_row(taps, 0, w, bias, out, t, K, Cd, activation, scratch);
+    }
 }
 
 /* -- ssd/decode.py: the token's row tile ---------------------------------------------------------- */
@@ -226,6 +235,13 @@ void am_tap_sum(const void *taps, int dt, const float *w, const float *bias, voi
    s_x, s_dt, s_B their slot strides in elements, each slot's block contiguous), then builds dtc
    [S, H, L] float32 = dt_softplus(raw dt + dt_bias) (clamped to [lo, hi] if limit) up to the token,
    +0.0 past it. */
+static inline __attribute__((always_inline)) void decode_dt(const void *restrict bdt, int dt, i64 off, i64 n, float bias,
+                                                             int limit, float lo, float hi, float *restrict out) {
+    for (i64 s = 0; s < n; s++) out[s] = am_softplus1(load(bdt, off + s, dt) + bias, 20.0f);
+    if (limit)
+        for (i64 s = 0; s < n; s++) out[s] = clamp_hi(clamp_lo(out[s], lo), hi);
+}
+
 void am_decode_put(void *bx, void *bdt, void *bB, const void *x, const void *dtn, const void *Bn, int dt,
                    i64 s_x, i64 s_dt, i64 s_B, const i64 *slots, const i64 *pos, i64 S, i64 H, i64 G, i64 L, i64 P,
                    i64 N, const float *dt_bias, int limit, float lo, float hi, float *dtc) {
@@ -240,15 +256,12 @@ void am_decode_put(void *bx, void *bdt, void *bB, const void *x, const void *dtn
         for (i64 g = 0; g < G; g++)
             memcpy((char *)bB + ((sl * s_B) + (g * L + t) * N) * es, (const char *)Bn + (i * G + g) * N * es,
                    (size_t)(N * es));
-        for (i64 h = 0; h < H; h++)
-            for (i64 s = 0; s < L; s++) {
-                float d = 0.0f;
-                if (s <= t) {
-                    d = am_softplus1(load(bdt, sl * s_dt + h * L + s, dt) + dt_bias[h], 20.0f);
-                    if (limit) d = clamp_hi(clamp_lo(d, lo), hi);
-                }
-                dtc[(i * H + h) * L + s] = d;
-            }
+        for (i64 h = 0; h < H; h++) {
+            float *o = dtc + (i * H + h) * L;
+            if (dt) decode_dt(bdt, 1, sl * s_dt + h * L, t + 1, dt_bias[h], limit, lo, hi, o);
+            else decode_dt(bdt, 0, sl * s_dt + h * L, t + 1, dt_bias[h], limit, lo, hi, o);
+            for (i64 s = t + 1; s < L; s++) o[s] = 0.0f;
+        }
     }
 }
 
@@ -364,7 +377,7 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
 #define LANE_FAMILY(P, WBF16, FMA)                                                                     \
     LANE_BLOCK(P##_2x4, WBF16, FMA, 2, 4)                                                              \
     LANE_BLOCK(P##_2x1, WBF16, FMA, 2, 1)                                                              \
-    LANE_BLOCK(P##_1x4, WBF16, FMA, 1, 4)                                                              \
+    LANE_BLOCK(P##_1x8, WBF16, FMA, 1, 8)                                                              \
     LANE_BLOCK(P##_1x1, WBF16, FMA, 1, 1)                                                              \
     static void P(const float *x, const void *w, float *out, i64 M, i64 N, i64 Kp) {                   \
         i64 KB = Kp / 8, m = 0;                                                                        \
@@ -378,8 +391,8 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
         }                                                                                              \
         for (; m < M; m++) {                                                                           \
             i64 n = 0;                                                                                 \
-            for (; n + 4 <= N; n += 4)                                                                 \
-                P##_1x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+            for (; n + 8 <= N; n += 8)                                                                 \
+                P##_1x8(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
             for (; n < N; n++)                                                                         \
                 P##_1x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
         }                                                                                              \

@@ -1,4 +1,4 @@
-"""Exact-replay decode on the torch backend: one new token per sequence, only its row tile.
+"""Exact-replay decode on the torch backend: one new token per sequence, only its row.
 
 A decode step must give its token the bits the single pass gives the same row. By the invariant of
 ``chunk.py`` that row is a fixed function of (the chunk's fp32 boundary state, the chunk's inputs up
@@ -8,11 +8,15 @@ chunk. So a decode step
 
 1. writes the token's x, raw dt and B into row ``pos % L`` of its slot's buffers, which then hold
    the chunk so far (rows past it are zero, the buffer invariant of ``SSDState``);
-2. builds the chunk's operands as ``chunk.pack_chunks`` does (fp32 x and B, softplus'd dt, +0.0
-   past the token; the within-chunk cumsum a) and runs ``chunk.tile_outputs`` for the one tile
-   holding the token, with the token's C in its row and zeros in the others: the prefill's
-   operations, in its order, at its shapes; the S tiles of a step go through one batched GEMM each
-   (a batch item's bits do not depend on how many items share the call: tests/test_ops_rows.py,
+2. builds the chunk's operands as ``chunk.pack_chunks`` does (softplus'd dt, +0.0 past the token;
+   the within-chunk cumsum a) and runs ``chunk.tile_outputs``' arithmetic for the token's row: the
+   prefill's operations, in its order. With the contract's ``gemm_form`` "lanes" (the default) a
+   GEMM row's bits depend on that row's operands alone, so the three GEMMs compute the token's row
+   only, reading the buffers as they are, and the elementwise work runs in ``ops.native``'s loops
+   (``_native_rows``); with "tiles", or without the native library, the whole tile holding the
+   token goes through ``tile_outputs`` with the token's C in its row and zeros in the others, at the
+   prefill's GEMM shapes. The S sequences of a step are batched in each call (a batch item's bits
+   do not depend on how many items share the call: tests/test_ops_rows.py,
    tests/test_replay_decode_torch.py);
 3. where the token completes its chunk (``pos % L == L - 1``), folds the chunk into the boundary
    state with the prefill's code (``chunk.chunk_states``, ``chunk.fold_state``) and empties the
@@ -20,9 +24,9 @@ chunk. So a decode step
 
 Everything that depends only on the step's positions and slots (the tiles, masks, scatter and
 gather indices, which sequences complete) is worked out once per step on the host and shared by
-all layers (``Step.derived``); a layer's call is then a fixed sequence of torch ops with no host
-syncs. Where the step's slots, sorted, are one contiguous range, the sequences are taken in slot
-order and the state and buffers are read through views of that range, not gathered.
+all layers (``Step.derived``); a layer's call is then a fixed sequence of ops with no host syncs.
+Where the step's slots, sorted, are one contiguous range, the sequences are taken in slot order
+and the state and buffers are read through views of that range, not gathered.
 """
 
 from __future__ import annotations
