@@ -220,6 +220,41 @@ def test_builds_for_other_instruction_sets_give_the_same_bits(tmp_path: Path) ->
     assert all(_same(a, b) for a, b in zip(*results, strict=True))
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), M=st.integers(1, 20), N=st.integers(1, 70), K=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), wdtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       bias=st.booleans(), strided=st.booleans())
+def test_fused_linear_equals_torch_form(seed: int, M: int, N: int, K: int, dtype: torch.dtype, wdtype: torch.dtype,
+                                        bias: bool, strided: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K + 5 * strided, generator=g) * 2).to(dtype)[:, :K]  # a column slice: rows strided
+    w = linear.gemm_weight(torch.randn(N, K, generator=g).to(wdtype))
+    b = torch.randn(N, generator=g).to(wdtype) if bias else None
+    with native_off():
+        want = linear.linear(x, w, b)
+    got = linear.linear(x, w, b)
+    assert _same(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), S=st.integers(1, 6), K=st.integers(2, 5), Cd=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans())
+def test_conv_step_in_place_equals_torch_form(seed: int, S: int, K: int, Cd: int, dtype: torch.dtype,
+                                              bias: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    windows = torch.randn(S + 3, K - 1, Cd, generator=g).to(dtype)
+    slots = torch.randperm(S + 3, generator=g)[:S]
+    x = torch.randn(S, Cd + 7, generator=g).to(dtype)[:, 3:3 + Cd]
+    w, b = torch.randn(Cd, K, generator=g).to(dtype), (torch.randn(Cd, generator=g).to(dtype) if bias else None)
+    with native_off():
+        want_out, want_win = conv1d.causal_conv1d_step(x, windows.index_select(0, slots), w, b)
+    mine = windows.clone()
+    got = native.conv_step(mine, slots, x, w, b)
+    assert _same(got, want_out) and _same(mine[slots], want_win)
+    others = [i for i in range(S + 3) if i not in slots.tolist()]
+    assert torch.equal(mine[others], windows[others])  # the other slots' windows untouched
+
+
 def test_contrast_a_blas_row_alone_differs() -> None:
     # what the lanes prevent: a decode row computed by the BLAS in a call of its own
     g = torch.Generator().manual_seed(0)

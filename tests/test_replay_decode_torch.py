@@ -153,7 +153,7 @@ def test_decode_rows_and_state_equal_single_pass(sc):
 def test_rows_not_wanted_are_zero_and_others_unchanged(sc):
     """rows= masks outputs only: the state advances the same, wanted rows keep their bits."""
     S = len(sc["prefix"])
-    (x, dt, B, C), params, ref, _, _, _, _, starts = run({**sc, "steps": 1})
+    (x, dt, B, C), params, ref, _, _, _, _, starts = run({**sc, "steps": 1, "path": "lanes-native"})
     g = torch.Generator().manual_seed(sc["seed"])
     want = torch.rand(S, generator=g) < 0.5
     state = allocate(S, sc)

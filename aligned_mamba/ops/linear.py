@@ -135,6 +135,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     w = _padded(weight, form)
     kp = w.shape[1] - K
     if form == "lanes":
+        if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            if (fused := native.linear(x, w, bias)) is not None:  # the same bits in one call
+                return fused[:, :N]
         xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp))
         out = lanes(xp, w, exact=x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     else:

@@ -92,8 +92,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p]
     lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
     lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
-    for fn in (lib.am_lane_gemm, lib.am_unary, lib.am_tree_sum, lib.am_rms_norm, lib.am_gated_norm, lib.am_tap_sum,
-               lib.am_decode_put, lib.am_decode_scores, lib.am_decode_combine, lib.am_lane_gemm_kn):
+    lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p]
+    lib.am_conv_step.argtypes = [p, i64, p, p, i64, i, p, p, p, i64, i64, i64, i, p]
+    for fn in (lib.am_linear, lib.am_conv_step, lib.am_lane_gemm, lib.am_lane_gemm_kn, lib.am_unary, lib.am_tree_sum,
+               lib.am_rms_norm, lib.am_gated_norm, lib.am_tap_sum, lib.am_decode_put, lib.am_decode_scores,
+               lib.am_decode_combine):
         fn.restype = None
 
 
@@ -328,4 +331,47 @@ def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor 
     nb = out.numel() // max(1, M * N)
     lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, int(w.dtype == torch.bfloat16), out.data_ptr(),
                         nb, M, N, K, int(exact))
+    return out
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """A matrix's row stride where its rows are contiguous; else None."""
+    return t.stride(0) if t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) else None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``linear.linear(x, ...)`` in the lanes' form: x [M, K] (float32 or bfloat16, rows contiguous),
+    w [N, Kp] the padded weight (Kp a multiple of 8), bias [N] or None -> [M, N] in x's dtype, the
+    same bits in one call. None where it does not apply."""
+    if not _ok(x, w, bias) or (lib := library()) is None or (ldx := _row_stride(x)) is None:
+        return None
+    M, K = x.shape
+    N, Kp = w.shape
+    w = w.contiguous()
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype)
+    scratch = torch.empty(M * Kp + M * N)
+    lib.am_linear(x.data_ptr(), _DTYPES[x.dtype], ldx, w.data_ptr(), int(w.dtype == torch.bfloat16), _ptr(b),
+                  _DTYPES[b.dtype] if b is not None else 0, out.data_ptr(), M, N, K, Kp,
+                  int(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16), scratch.data_ptr())
+    return out
+
+
+def conv_step(windows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None, activation: bool = True) -> torch.Tensor | None:
+    """``conv1d.causal_conv1d_step`` with each slot's window [slots, K-1, Cd] updated in place: x [S, Cd]
+    (rows contiguous; windows' dtype), slots [S] -> out [S, Cd] in x's dtype. None where it does not
+    apply (nothing written then)."""
+    if (not _ok(windows, x, weight, bias) or x.dtype != windows.dtype or (lib := library()) is None
+            or (ldx := _row_stride(x)) is None or (sw := _slot_stride(windows)) is None):
+        return None
+    S, Cd = x.shape
+    K = windows.shape[1] + 1
+    slots = slots.to(torch.int64).contiguous()
+    w = weight.to(torch.float32).contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty(S, Cd, dtype=x.dtype)
+    scratch = torch.empty(K * Cd + Cd)
+    lib.am_conv_step(windows.data_ptr(), sw, slots.data_ptr(), x.data_ptr(), ldx, _DTYPES[x.dtype], w.data_ptr(),
+                     _ptr(b), out.data_ptr(), S, K, Cd, int(activation), scratch.data_ptr())
     return out

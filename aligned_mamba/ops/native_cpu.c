@@ -471,3 +471,40 @@ void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, f
         }
     free(acc);
 }
+
+/* linear.linear in the lanes' form, whole: x [M, K] (row stride ldx, dtype xdt) widened and
+   zero-padded to Kp, the lanes against w [N, Kp] (bfloat16 if wbf16), then + bias (dtype bdt, or
+   NULL) in float32 and one rounding to xdt: out [M, N]. exact: x and w both bfloat16. scratch:
+   M * Kp + M * N floats. */
+void am_linear(const void *x, int xdt, i64 ldx, const void *w, int wbf16, const void *bias, int bdt, void *out,
+               i64 M, i64 N, i64 K, i64 Kp, int exact, float *scratch) {
+    float *xp = scratch, *acc = scratch + M * Kp;
+    for (i64 m = 0; m < M; m++)
+        for (i64 k = 0; k < Kp; k++) xp[m * Kp + k] = k < K ? load(x, m * ldx + k, xdt) : 0.0f;
+    am_lane_gemm(xp, 0, w, 0, wbf16, acc, 1, M, N, Kp, exact);
+    for (i64 m = 0; m < M; m++)
+        for (i64 n = 0; n < N; n++) {
+            float v = acc[m * N + n];
+            if (bias) v = v + load(bias, n, bdt);
+            store(out, m * N + n, xdt, v);
+        }
+}
+
+/* conv1d.causal_conv1d_step for S sequences with their windows in place: taps = window[slot] ++ x
+   (x [S, Cd] with row stride ldx), out [S, Cd] = the tap sum + SiLU (am_tap_sum), then
+   window[slot] = taps[1:]. windows [slots, K-1, Cd] with slot stride sw, all in dtype dt; w [Cd, K]
+   and bias [Cd] float32. scratch: K * Cd + Cd floats' room. */
+void am_conv_step(void *windows, i64 sw, const i64 *slots, const void *x, i64 ldx, int dt, const float *w,
+                  const float *bias, void *out, i64 S, i64 K, i64 Cd, int activation, float *scratch) {
+    i64 es = dt ? 2 : 4;
+    char *taps = (char *)scratch;
+    float *acc = scratch + K * Cd;
+    for (i64 i = 0; i < S; i++) {
+        char *win = (char *)windows + slots[i] * sw * es;
+        memcpy(taps, win, (size_t)((K - 1) * Cd * es));
+        memcpy(taps + (K - 1) * Cd * es, (const char *)x + i * ldx * es, (size_t)(Cd * es));
+        if (dt) tap_row(taps, 1, w, bias, (char *)out + i * Cd * es, 0, K, Cd, activation, acc);
+        else tap_row(taps, 0, w, bias, (char *)out + i * Cd * es, 0, K, Cd, activation, acc);
+        memcpy(win, taps + Cd * es, (size_t)((K - 1) * Cd * es));
+    }
+}
