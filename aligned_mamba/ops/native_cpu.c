@@ -403,6 +403,7 @@ LANE_FAMILY(lane_f32_fma, 0, 1)
 LANE_FAMILY(lane_bf16, 1, 0)
 LANE_FAMILY(lane_bf16_fma, 1, 1)
 
+#define WIDEN_ROWS 8  /* rows from which widening bfloat16 weights once pays (measured: 8 to 16) */
 /* nb GEMMs: x [nb][M, Kp] float32 and w [nb][N, Kp] (float32, or bfloat16 if wbf16), both
    zero-padded to Kp, a multiple of 8, each matrix contiguous, batch strides sx and sw in elements
    (0: one matrix for all); out [nb][M, N] float32, contiguous. exact: every product is exact
@@ -411,7 +412,7 @@ void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, floa
                   i64 Kp, int exact) {
     size_t es = wbf16 ? 2 : 4;
     float *wf = NULL;  /* bfloat16 weights widened once, where enough rows share them */
-    if (wbf16 && M >= 8 && (sw == 0 || nb == 1) && (wf = malloc((size_t)(N * Kp) * sizeof(float)))) {
+    if (wbf16 && M >= WIDEN_ROWS && (sw == 0 || nb == 1) && (wf = malloc((size_t)(N * Kp) * sizeof(float)))) {
         for (i64 i = 0; i < N * Kp; i++) wf[i] = bf16_f32(((const uint16_t *)w)[i]);
         w = wf, wbf16 = 0, es = 4;
     }
