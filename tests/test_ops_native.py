@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
+from torch_threads import num_threads, single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba.ops import conv1d, linear, native, norm, reduce
 from aligned_mamba.ops import elementwise as ew
@@ -183,6 +183,23 @@ def test_lane_gemm_equals_lane_matmul(seed: int, nb: int, M: int, N: int, K: int
     assert _same(native.lane_gemm_kn(x, w.transpose(-1, -2), exact), want)
     # a row alone gets the bits it gets among others, whatever M
     assert _same(linear.lanes(x[..., M - 1:, :], w, exact), want[..., M - 1:, :])
+
+
+@pytest.mark.parametrize("shape", [(1, 2320, 512, 0), (4, 512, 512, 0), (1, 64, 256, 48), (2, 96, 512, 8)])
+def test_a_second_thread_changes_no_bit(shape: tuple[int, int, int, int]) -> None:
+    # above SPLIT_MACS (524288 multiply-adds) the GEMMs hand part of their outputs (columns, or whole
+    # matrices) to a worker thread
+    M, N, K, nb = shape
+    g = torch.Generator().manual_seed(0)
+    batch = (nb,) if nb else ()
+    x = torch.randn(*batch, M, K, generator=g).bfloat16().float()
+    w = torch.randn(*batch, N, K, generator=g).bfloat16()
+    with num_threads(1):
+        one = native.lane_gemm(x, w, True), native.lane_gemm_kn(x, w.transpose(-1, -2), False)
+    with num_threads(2):
+        for _ in range(3):
+            two = native.lane_gemm(x, w, True), native.lane_gemm_kn(x, w.transpose(-1, -2), False)
+            assert _same(one[0], two[0]) and _same(one[1], two[1])
 
 
 def test_lane_gemm_weights_for_many_rows_are_widened_with_the_same_bits() -> None:

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("native_cpu.c")
-_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11",
+          "-pthread")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _UNARY = {"exp": 0, "log": 1, "log1p": 2, "softplus": 3, "sigmoid": 4, "silu": 5}
 
@@ -90,9 +91,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_decode_put.argtypes = [p] * 6 + [i, i64, i64, i64, p, p, *[i64] * 6, p, i, f, f, p]
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p]
-    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
-    lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i]
-    lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p]
+    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
+    lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
+    lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p, i]
     lib.am_conv_step.argtypes = [p, i64, p, p, i64, i, p, p, p, i64, i64, i64, i, p]
     for fn in (lib.am_linear, lib.am_conv_step, lib.am_lane_gemm, lib.am_lane_gemm_kn, lib.am_unary, lib.am_tree_sum,
                lib.am_rms_norm, lib.am_gated_norm, lib.am_tap_sum, lib.am_decode_put, lib.am_decode_scores,
@@ -135,6 +136,11 @@ def status() -> str:
     """"on", or why the native ops are not used."""
     library()
     return _status or "on"
+
+
+def _threads() -> int:
+    """The GEMMs' threads: two where torch runs two or more (a split over outputs: the same bits)."""
+    return min(2, torch.get_num_threads())
 
 
 def _ok(*ts: torch.Tensor | None) -> bool:
@@ -312,7 +318,7 @@ def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | N
     nb = x.shape[0]
     out = torch.empty(*batch, M, N)
     lib.am_lane_gemm(x.data_ptr(), M * Kp, w.data_ptr(), N * Kp if w.dim() > 2 else 0,
-                     int(w.dtype == torch.bfloat16), out.data_ptr(), nb, M, N, Kp, int(exact))
+                     int(w.dtype == torch.bfloat16), out.data_ptr(), nb, M, N, Kp, int(exact), _threads())
     return out
 
 
@@ -330,7 +336,7 @@ def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor 
     out = torch.empty(*batch, M, N)
     nb = out.numel() // max(1, M * N)
     lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, int(w.dtype == torch.bfloat16), out.data_ptr(),
-                        nb, M, N, K, int(exact))
+                        nb, M, N, K, int(exact), _threads())
     return out
 
 
@@ -353,7 +359,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     scratch = torch.empty(M * Kp + M * N)
     lib.am_linear(x.data_ptr(), _DTYPES[x.dtype], ldx, w.data_ptr(), int(w.dtype == torch.bfloat16), _ptr(b),
                   _DTYPES[b.dtype] if b is not None else 0, out.data_ptr(), M, N, K, Kp,
-                  int(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16), scratch.data_ptr())
+                  int(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16), scratch.data_ptr(), _threads())
     return out
 
 

@@ -10,9 +10,12 @@
    Arrays are contiguous. dtype codes: 0 float32, 1 bfloat16 (stored as uint16, rounded to nearest
    even as torch rounds). */
 
+#define _GNU_SOURCE
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int64_t i64;
 
@@ -379,22 +382,22 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
     LANE_BLOCK(P##_2x1, WBF16, FMA, 2, 1)                                                              \
     LANE_BLOCK(P##_1x8, WBF16, FMA, 1, 8)                                                              \
     LANE_BLOCK(P##_1x1, WBF16, FMA, 1, 1)                                                              \
-    static void P(const float *x, const void *w, float *out, i64 M, i64 N, i64 Kp) {                   \
+    static void P(const float *x, const void *w, float *out, i64 M, i64 N, i64 Kp, i64 ldo) {          \
         i64 KB = Kp / 8, m = 0;                                                                        \
         size_t es = WBF16 ? 2 : 4;                                                                     \
         for (; m + 2 <= M; m += 2) {                                                                   \
             i64 n = 0;                                                                                 \
             for (; n + 4 <= N; n += 4)                                                                 \
-                P##_2x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+                P##_2x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
             for (; n < N; n++)                                                                         \
-                P##_2x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+                P##_2x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
         }                                                                                              \
         for (; m < M; m++) {                                                                           \
             i64 n = 0;                                                                                 \
             for (; n + 8 <= N; n += 8)                                                                 \
-                P##_1x8(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+                P##_1x8(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
             for (; n < N; n++)                                                                         \
-                P##_1x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * N + n, N, KB);    \
+                P##_1x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
         }                                                                                              \
     }
 
@@ -403,28 +406,127 @@ LANE_FAMILY(lane_f32_fma, 0, 1)
 LANE_FAMILY(lane_bf16, 1, 0)
 LANE_FAMILY(lane_bf16_fma, 1, 1)
 
-#define WIDEN_ROWS 8  /* rows from which widening bfloat16 weights once pays (measured: 8 to 16) */
+/* -- a second thread -------------------------------------------------------------------------------
+
+   The GEMMs below may hand part of their outputs to one worker thread. Each output is still one
+   thread's chain, so the split changes no bit. One worker per process (made again after a fork);
+   a call that finds it busy (another caller's) runs alone. */
+
+typedef void (*part_fn)(void *ctx, i64 lo, i64 hi);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    pthread_mutex_t busy;
+    pid_t pid;
+    int pending, finished;
+    part_fn fn;
+    void *ctx;
+    i64 lo, hi;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
+          0, 0, 0, NULL, NULL, 0, 0};
+
+static void *pool_worker(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (!pool.pending) pthread_cond_wait(&pool.go, &pool.mu);
+        part_fn fn = pool.fn;
+        void *ctx = pool.ctx;
+        i64 lo = pool.lo, hi = pool.hi;
+        pool.pending = 0;
+        pthread_mutex_unlock(&pool.mu);
+        fn(ctx, lo, hi);
+        pthread_mutex_lock(&pool.mu);
+        pool.finished = 1;
+        pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* fn(ctx, 0, split) here and fn(ctx, split, n) on the worker, or fn(ctx, 0, n) here alone. */
+static void run_split(part_fn fn, void *ctx, i64 n, i64 split, int threads) {
+    if (threads < 2 || split <= 0 || split >= n || pthread_mutex_trylock(&pool.busy) != 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (pool.pid != getpid()) {  /* first use in this process (a forked child has no worker) */
+        pthread_t th;
+        pthread_mutex_init(&pool.mu, NULL);
+        pthread_cond_init(&pool.go, NULL);
+        pthread_cond_init(&pool.done, NULL);
+        pool.pending = 0;
+        if (pthread_create(&th, NULL, pool_worker, NULL) != 0) {
+            pthread_mutex_unlock(&pool.busy);
+            fn(ctx, 0, n);
+            return;
+        }
+        pthread_detach(th);
+        pool.pid = getpid();
+    }
+    pthread_mutex_lock(&pool.mu);
+    pool.fn = fn, pool.ctx = ctx, pool.lo = split, pool.hi = n;
+    pool.finished = 0, pool.pending = 1;
+    pthread_cond_signal(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
+    fn(ctx, 0, split);
+    pthread_mutex_lock(&pool.mu);
+    while (!pool.finished) pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.busy);
+}
+
+#define SPLIT_MACS 524288  /* work below which a call runs alone (the handoff costs tens of microseconds) */
+#define WIDEN_ROWS 8      /* rows from which widening bfloat16 weights once pays (measured: 8 to 16) */
+
+typedef struct {
+    const float *x;
+    i64 sx;
+    const void *w;
+    i64 sw;
+    int wbf16, exact;
+    float *out;
+    i64 nb, M, N, Kp;
+} lane_job;
+
+static void lane_part(const float *x, const void *w, int wbf16, int exact, float *out, i64 M, i64 N, i64 Kp,
+                      i64 ldo) {
+    if (wbf16 && exact) lane_bf16_fma(x, w, out, M, N, Kp, ldo);
+    else if (wbf16) lane_bf16(x, w, out, M, N, Kp, ldo);
+    else if (exact) lane_f32_fma(x, w, out, M, N, Kp, ldo);
+    else lane_f32(x, w, out, M, N, Kp, ldo);
+}
+
+static void lane_batches(void *ctx, i64 lo, i64 hi) {  /* matrices lo .. hi-1 */
+    lane_job *j = ctx;
+    size_t es = j->wbf16 ? 2 : 4;
+    for (i64 b = lo; b < hi; b++)
+        lane_part(j->x + b * j->sx, (const char *)j->w + b * j->sw * es, j->wbf16, j->exact, j->out + b * j->M * j->N,
+                  j->M, j->N, j->Kp, j->N);
+}
+
+static void lane_columns(void *ctx, i64 lo, i64 hi) {  /* one matrix, output columns lo .. hi-1 */
+    lane_job *j = ctx;
+    size_t es = j->wbf16 ? 2 : 4;
+    lane_part(j->x, (const char *)j->w + lo * j->Kp * es, j->wbf16, j->exact, j->out + lo, j->M, hi - lo, j->Kp, j->N);
+}
+
 /* nb GEMMs: x [nb][M, Kp] float32 and w [nb][N, Kp] (float32, or bfloat16 if wbf16), both
    zero-padded to Kp, a multiple of 8, each matrix contiguous, batch strides sx and sw in elements
    (0: one matrix for all); out [nb][M, N] float32, contiguous. exact: every product is exact
-   (bfloat16 values in both), so fused multiply-adds give the same bits. */
+   (bfloat16 values in both), so fused multiply-adds give the same bits. threads: 1, or 2 to let
+   the worker take part of the outputs. */
 void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
-                  i64 Kp, int exact) {
-    size_t es = wbf16 ? 2 : 4;
+                  i64 Kp, int exact, int threads) {
     float *wf = NULL;  /* bfloat16 weights widened once, where enough rows share them */
     if (wbf16 && M >= WIDEN_ROWS && (sw == 0 || nb == 1) && (wf = malloc((size_t)(N * Kp) * sizeof(float)))) {
         for (i64 i = 0; i < N * Kp; i++) wf[i] = bf16_f32(((const uint16_t *)w)[i]);
-        w = wf, wbf16 = 0, es = 4;
+        w = wf, wbf16 = 0;
     }
-    for (i64 b = 0; b < nb; b++) {
-        const float *xb = x + b * sx;
-        const void *wb = (const char *)w + b * sw * es;
-        float *ob = out + b * M * N;
-        if (wbf16 && exact) lane_bf16_fma(xb, wb, ob, M, N, Kp);
-        else if (wbf16) lane_bf16(xb, wb, ob, M, N, Kp);
-        else if (exact) lane_f32_fma(xb, wb, ob, M, N, Kp);
-        else lane_f32(xb, wb, ob, M, N, Kp);
-    }
+    lane_job job = {x, sx, w, sw, wbf16, exact, out, nb, M, N, Kp};
+    if (nb * M * N * Kp < SPLIT_MACS) threads = 1;
+    if (nb == 1) run_split(lane_columns, &job, N, N / 16 * 8, threads);  /* a multiple of 8 columns each side */
+    else run_split(lane_batches, &job, nb, nb / 2, threads);
     free(wf);
 }
 
@@ -433,14 +535,24 @@ void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, floa
    chain am_lane_gemm computes for w transposed, vectorised over n instead of over the lanes. x [nb][M, K]
    float32, w [nb][K, N] float32 or bfloat16, batch strides sx, sw in elements; K past the last whole
    lane counts as zero-padded. out [nb][M, N] float32. */
-void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
-                     i64 K, int exact) {
-    i64 Kp = (K + 7) / 8 * 8;
+typedef struct {
+    const float *x;
+    i64 sx;
+    const void *w;
+    i64 sw;
+    int wbf16, exact;
+    float *out;
+    i64 M, N, K;
+} kn_job;
+
+static void kn_batches(void *ctx, i64 lo, i64 hi) {
+    kn_job *j = ctx;
+    i64 M = j->M, N = j->N, K = j->K, Kp = (K + 7) / 8 * 8;
     float *acc = malloc((size_t)(8 * N) * sizeof(float));
     if (!acc) return;
-    for (i64 b = 0; b < nb; b++)
+    for (i64 b = lo; b < hi; b++)
         for (i64 m = 0; m < M; m++) {
-            const float *xm = x + b * sx + m * K;
+            const float *xm = j->x + b * j->sx + m * K;
             for (i64 i = 0; i < 8 * N; i++) acc[i] = 0.0f;
             for (i64 k = 0; k < Kp; k++) {
                 float *a = acc + (k % 8) * N;
@@ -449,21 +561,21 @@ void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, f
                     continue;
                 }
                 float xv = xm[k];
-                if (wbf16) {
-                    const uint16_t *wk = (const uint16_t *)w + b * sw + k * N;
-                    if (exact)
+                if (j->wbf16) {
+                    const uint16_t *wk = (const uint16_t *)j->w + b * j->sw + k * N;
+                    if (j->exact)
                         for (i64 n = 0; n < N; n++) a[n] = __builtin_fmaf(xv, bf16_f32(wk[n]), a[n]);
                     else
                         for (i64 n = 0; n < N; n++) a[n] = a[n] + xv * bf16_f32(wk[n]);
                 } else {
-                    const float *wk = (const float *)w + b * sw + k * N;
-                    if (exact)
+                    const float *wk = (const float *)j->w + b * j->sw + k * N;
+                    if (j->exact)
                         for (i64 n = 0; n < N; n++) a[n] = __builtin_fmaf(xv, wk[n], a[n]);
                     else
                         for (i64 n = 0; n < N; n++) a[n] = a[n] + xv * wk[n];
                 }
             }
-            float *o = out + (b * M + m) * N;
+            float *o = j->out + (b * M + m) * N;
             for (i64 n = 0; n < N; n++) {
                 float b0 = acc[n] + acc[4 * N + n], b1 = acc[N + n] + acc[5 * N + n];
                 float b2 = acc[2 * N + n] + acc[6 * N + n], b3 = acc[3 * N + n] + acc[7 * N + n];
@@ -473,16 +585,22 @@ void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, f
     free(acc);
 }
 
+void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
+                     i64 K, int exact, int threads) {
+    kn_job job = {x, sx, w, sw, wbf16, exact, out, M, N, K};
+    run_split(kn_batches, &job, nb, nb / 2, nb * M * N * K < SPLIT_MACS ? 1 : threads);
+}
+
 /* linear.linear in the lanes' form, whole: x [M, K] (row stride ldx, dtype xdt) widened and
    zero-padded to Kp, the lanes against w [N, Kp] (bfloat16 if wbf16), then + bias (dtype bdt, or
    NULL) in float32 and one rounding to xdt: out [M, N]. exact: x and w both bfloat16. scratch:
    M * Kp + M * N floats. */
 void am_linear(const void *x, int xdt, i64 ldx, const void *w, int wbf16, const void *bias, int bdt, void *out,
-               i64 M, i64 N, i64 K, i64 Kp, int exact, float *scratch) {
+               i64 M, i64 N, i64 K, i64 Kp, int exact, float *scratch, int threads) {
     float *xp = scratch, *acc = scratch + M * Kp;
     for (i64 m = 0; m < M; m++)
         for (i64 k = 0; k < Kp; k++) xp[m * Kp + k] = k < K ? load(x, m * ldx + k, xdt) : 0.0f;
-    am_lane_gemm(xp, 0, w, 0, wbf16, acc, 1, M, N, Kp, exact);
+    am_lane_gemm(xp, 0, w, 0, wbf16, acc, 1, M, N, Kp, exact, threads);
     for (i64 m = 0; m < M; m++)
         for (i64 n = 0; n < N; n++) {
             float v = acc[m * N + n];
