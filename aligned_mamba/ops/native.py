@@ -88,9 +88,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_rms_norm.argtypes = [p, i, p, p, i, p, p, i, i64, i64, f, p]
     lib.am_gated_norm.argtypes = [p, p, p, p, i, i64, i64, i64, f, p]
     lib.am_tap_sum.argtypes = [p, i, p, p, p, i64, i64, i64, i, p]
-    lib.am_decode_put.argtypes = [p] * 6 + [i, i64, i64, i64, p, p, *[i64] * 6, p, i, f, f, p]
+    lib.am_decode_put.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, i64, i, i64, i64, i64, p, p, *[i64] * 6,
+                                  p, p, i, f, f, p, p, p, p]
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
-    lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p]
+    lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p, i]
     lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
     lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
     lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p, i]
@@ -240,31 +241,36 @@ def _slot_stride(buf: torch.Tensor) -> int | None:
 
 
 def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
-               B: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, dt_bias: torch.Tensor,
-               dt_limit: tuple[float, float]) -> torch.Tensor | None:
+               B: torch.Tensor, C: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, A: torch.Tensor,
+               dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> tuple[torch.Tensor, ...] | None:
     """Steps 1 and 2 of ``ssd.decode.replay_decode`` for sequences in ``slots`` [S] with tokens at
     chunk rows ``pos`` [S]: writes the tokens' x [S, H, P], raw dt [S, H] and B [S, G, N] into the
-    buffers [slots, H | G, L, ...] (all one dtype) and returns dtc [S, H, L] float32 (softplus'd dt,
-    +0.0 past the token). None, with nothing written, where it does not apply."""
-    ts = (buf_x, buf_dt, buf_B, x, dt, B)
+    buffers [slots, H | G, L, ...] (all one dtype with C [S, G, N]) and returns, float32: dtc [S, H, L]
+    (softplus'd dt, +0.0 past the token), a [S, H, L] = torch.cumsum(dtc * A, -1) (its bits), the
+    tokens' C [S, G, N] and x [S, H, P]. None, with nothing written, where it does not apply."""
+    ts = (buf_x, buf_dt, buf_B, x, dt, B, C)
     if not _ok(*ts) or len({t.dtype for t in ts}) != 1 or (lib := library()) is None:
         return None
     strides = [_slot_stride(b) for b in (buf_x, buf_dt, buf_B)]
-    if None in strides:
+    S = slots.numel()
+    rows = [t.reshape(S, -1) for t in (x, dt, B, C)]  # views where the rows are contiguous
+    lds = [_row_stride(t) for t in rows]
+    if None in strides or None in lds:
         return None
     _, H, L, P = buf_x.shape
     G, N = buf_B.shape[1], buf_B.shape[3]
-    S = slots.numel()
     slots, pos = slots.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
-    x, dt, B = x.contiguous(), dt.contiguous(), B.contiguous()
-    bias = dt_bias.to(torch.float32).contiguous()
-    dtc = torch.empty(S, H, L)
+    bias, Af = dt_bias.to(torch.float32).contiguous(), A.to(torch.float32).contiguous()
+    dtc, a, Cr, xt = torch.empty(S, H, L), torch.empty(S, H, L), torch.empty(S, G, N), torch.empty(S, H, P)
     lo, hi = (float(v) for v in dt_limit)
     limit = (lo, hi) != (0.0, float("inf"))
-    lib.am_decode_put(buf_x.data_ptr(), buf_dt.data_ptr(), buf_B.data_ptr(), x.data_ptr(), dt.data_ptr(),
-                      B.data_ptr(), _DTYPES[x.dtype], *strides, slots.data_ptr(), pos.data_ptr(), S, H, G, L, P, N,
-                      bias.data_ptr(), int(limit), lo if limit else 0.0, hi if limit else 0.0, dtc.data_ptr())
-    return dtc
+    xr, dtr, Br, Cn = rows
+    lib.am_decode_put(buf_x.data_ptr(), buf_dt.data_ptr(), buf_B.data_ptr(), xr.data_ptr(), lds[0], dtr.data_ptr(),
+                      lds[1], Br.data_ptr(), lds[2], Cn.data_ptr(), lds[3], _DTYPES[x.dtype], *strides,
+                      slots.data_ptr(), pos.data_ptr(), S, H, G, L, P, N, bias.data_ptr(), Af.data_ptr(), int(limit),
+                      lo if limit else 0.0, hi if limit else 0.0, dtc.data_ptr(), a.data_ptr(), Cr.data_ptr(),
+                      xt.data_ptr())
+    return dtc, a, Cr, xt
 
 
 def decode_scores(a: torch.Tensor, dtc: torch.Tensor, CB: torch.Tensor, pos: torch.Tensor, G: int,
@@ -286,18 +292,18 @@ def decode_scores(a: torch.Tensor, dtc: torch.Tensor, CB: torch.Tensor, pos: tor
 
 
 def decode_combine(inter: torch.Tensor, intra: torch.Tensor, e_in: torch.Tensor, D: torch.Tensor, xt: torch.Tensor,
-                   pos: torch.Tensor, G: int, R: int) -> torch.Tensor:
+                   pos: torch.Tensor, G: int, R: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tokens' rows y [S, H, P] float32 = (C.h_in * e_in + intra) + D x_t, from the GEMMs' outputs
     inter [S * G, Q, Hg * P] and intra [S * H, Q, P] (Q as in ``decode_scores``), e_in [S, H], D [H]
-    or [H, P], xt [S, H, P] the tokens' x in float32."""
+    or [H, P], xt [S, H, P] the tokens' x in float32; y rounded once to ``dtype``."""
     lib = library()
     S, H, P = xt.shape
     inter, intra, xt = inter.contiguous(), intra.contiguous(), xt.contiguous()
     Df = D.to(torch.float32).contiguous()
     pos = pos.to(torch.int64).contiguous()
-    y = torch.empty(S, H, P)
+    y = torch.empty(S, H, P, dtype=dtype)
     lib.am_decode_combine(inter.data_ptr(), intra.data_ptr(), e_in.data_ptr(), Df.data_ptr(), int(Df.dim() == 2),
-                          xt.data_ptr(), pos.data_ptr(), S, H, G, P, R, inter.shape[1], y.data_ptr())
+                          xt.data_ptr(), pos.data_ptr(), S, H, G, P, R, inter.shape[1], y.data_ptr(), _DTYPES[dtype])
     return y
 
 

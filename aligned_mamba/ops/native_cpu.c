@@ -233,11 +233,14 @@ void am_tap_sum(const void *taps, int dt, const float *w, const float *bias, voi
 /* -- ssd/decode.py: the token's row tile ---------------------------------------------------------- */
 
 /* Steps 1 and 2 of decode.replay_decode for S sequences, sequence i in slot slots[i] with its token
-   at chunk row pos[i]: writes the token's x [S, H, P], raw dt [S, H] and B [S, G, N] into row pos[i]
-   of the slot's buffers bx [slots, H, L, P], bdt [slots, H, L], bB [slots, G, L, N] (all in dtype dt;
-   s_x, s_dt, s_B their slot strides in elements, each slot's block contiguous), then builds dtc
-   [S, H, L] float32 = dt_softplus(raw dt + dt_bias) (clamped to [lo, hi] if limit) up to the token,
-   +0.0 past it. */
+   at chunk row pos[i]. The tokens' rows, each contiguous, at row strides ldx, lddt, ldB, ldC: x
+   [S, H * P], raw dt [S, H], B and C [S, G * N]. Writes x, dt and B into row pos[i] of the slot's
+   buffers bx [slots, H, L, P], bdt [slots, H, L], bB [slots, G, L, N] (all in dtype dt; s_x, s_dt,
+   s_B their slot strides in elements, each slot's block contiguous), then builds, float32:
+   dtc [S, H, L] = dt_softplus(raw dt + dt_bias) (clamped to [lo, hi] if limit) up to the token,
+   +0.0 past it; a [S, H, L] = cumsum(dtc * A) as torch.cumsum sums float32 on the CPU (each
+   product rounded to float32, the running sum in double, each prefix rounded to float32); Cr
+   [S, G, N] and xt [S, H, P], the tokens' C and x widened. */
 static inline __attribute__((always_inline)) void decode_dt(const void *restrict bdt, int dt, i64 off, i64 n, float bias,
                                                              int limit, float lo, float hi, float *restrict out) {
     for (i64 s = 0; s < n; s++) out[s] = am_softplus1(load(bdt, off + s, dt) + bias, 20.0f);
@@ -245,25 +248,33 @@ static inline __attribute__((always_inline)) void decode_dt(const void *restrict
         for (i64 s = 0; s < n; s++) out[s] = clamp_hi(clamp_lo(out[s], lo), hi);
 }
 
-void am_decode_put(void *bx, void *bdt, void *bB, const void *x, const void *dtn, const void *Bn, int dt,
-                   i64 s_x, i64 s_dt, i64 s_B, const i64 *slots, const i64 *pos, i64 S, i64 H, i64 G, i64 L, i64 P,
-                   i64 N, const float *dt_bias, int limit, float lo, float hi, float *dtc) {
+void am_decode_put(void *bx, void *bdt, void *bB, const void *x, i64 ldx, const void *dtn, i64 lddt,
+                   const void *Bn, i64 ldB, const void *Cn, i64 ldC, int dt, i64 s_x, i64 s_dt, i64 s_B,
+                   const i64 *slots, const i64 *pos, i64 S, i64 H, i64 G, i64 L, i64 P, i64 N, const float *dt_bias,
+                   const float *A, int limit, float lo, float hi, float *dtc, float *a, float *Cr, float *xt) {
     i64 es = dt ? 2 : 4;
     for (i64 i = 0; i < S; i++) {
         i64 sl = slots[i], t = pos[i];
         for (i64 h = 0; h < H; h++) {
-            memcpy((char *)bx + ((sl * s_x) + (h * L + t) * P) * es, (const char *)x + (i * H + h) * P * es,
+            memcpy((char *)bx + ((sl * s_x) + (h * L + t) * P) * es, (const char *)x + (i * ldx + h * P) * es,
                    (size_t)(P * es));
-            memcpy((char *)bdt + (sl * s_dt + h * L + t) * es, (const char *)dtn + (i * H + h) * es, (size_t)es);
+            memcpy((char *)bdt + (sl * s_dt + h * L + t) * es, (const char *)dtn + (i * lddt + h) * es, (size_t)es);
         }
         for (i64 g = 0; g < G; g++)
-            memcpy((char *)bB + ((sl * s_B) + (g * L + t) * N) * es, (const char *)Bn + (i * G + g) * N * es,
+            memcpy((char *)bB + ((sl * s_B) + (g * L + t) * N) * es, (const char *)Bn + (i * ldB + g * N) * es,
                    (size_t)(N * es));
+        for (i64 j = 0; j < G * N; j++) Cr[i * G * N + j] = load(Cn, i * ldC + j, dt);
+        for (i64 j = 0; j < H * P; j++) xt[i * H * P + j] = load(x, i * ldx + j, dt);
         for (i64 h = 0; h < H; h++) {
-            float *o = dtc + (i * H + h) * L;
+            float *o = dtc + (i * H + h) * L, *ah = a + (i * H + h) * L;
             if (dt) decode_dt(bdt, 1, sl * s_dt + h * L, t + 1, dt_bias[h], limit, lo, hi, o);
             else decode_dt(bdt, 0, sl * s_dt + h * L, t + 1, dt_bias[h], limit, lo, hi, o);
             for (i64 s = t + 1; s < L; s++) o[s] = 0.0f;
+            double acc = 0.0;
+            for (i64 s = 0; s < L; s++) {
+                acc += (double)(o[s] * A[h]);
+                ah[s] = (float)acc;
+            }
         }
     }
 }
@@ -299,9 +310,10 @@ void am_decode_scores(const float *a, const float *dtc, const float *CB, const i
 
 /* The token's output row: (C.h_in * e_in + intra) + D x_t, y [S, H, P] float32. inter [S * G, Q, Hg * P]
    and intra [S * H, Q, P]: the GEMMs' outputs (Q as in am_decode_scores), the live row taken here;
-   D [H] (d_per_p 0) or [H, P]; xt [S, H, P] the tokens' x, float32. */
+   D [H] (d_per_p 0) or [H, P]; xt [S, H, P] the tokens' x, float32; y rounded to dtype ydt. */
 void am_decode_combine(const float *inter, const float *intra, const float *e_in, const float *D, int d_per_p,
-                       const float *xt_all, const i64 *pos, i64 S, i64 H, i64 G, i64 P, i64 R, i64 Q, float *y) {
+                       const float *xt_all, const i64 *pos, i64 S, i64 H, i64 G, i64 P, i64 R, i64 Q, void *y,
+                       int ydt) {
     i64 Hg = H / G;
     for (i64 i = 0; i < S; i++) {
         i64 live = pos[i] % R, q = Q == 1 ? 0 : live;
@@ -312,7 +324,7 @@ void am_decode_combine(const float *inter, const float *intra, const float *e_in
             float e = e_in[i * H + h];
             for (i64 p = 0; p < P; p++) {
                 float d = D[d_per_p ? h * P + p : h];
-                y[(i * H + h) * P + p] = (ir[p] * e + tr[p]) + d * xt[p];
+                store(y, (i * H + h) * P + p, ydt, (ir[p] * e + tr[p]) + d * xt[p]);
             }
         }
     }

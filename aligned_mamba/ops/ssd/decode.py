@@ -113,21 +113,21 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
 
 
 def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, x_buf: torch.Tensor, B_buf: torch.Tensor,
-                 h0: torch.Tensor, x: torch.Tensor, C: torch.Tensor, D: torch.Tensor, R: int) -> torch.Tensor:
+                 h0: torch.Tensor, xt: torch.Tensor, Cr: torch.Tensor, D: torch.Tensor, R: int,
+                 dtype: torch.dtype) -> torch.Tensor:
     """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
     the same bits, with the elementwise work in ``ops.native``'s loops and the GEMMs reading the
-    buffers (the chunk's x [S, H, L, P] and B [S, G, L, N], model dtype) as they are. a, dtc [S, H, L]
-    float32; h0 [S, H, P, N]; x [S, H, P] and C [S, G, N] the tokens' (model dtype). Returns y [S, H, P]
-    float32."""
+    buffers (the chunk's x [S, H, L, P] and B [S, G, L, N], in ``dtype``, the model's) as they are.
+    a, dtc [S, H, L] float32; h0 [S, H, P, N]; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in
+    float32. Returns y [S, H, P] in ``dtype``."""
     S, H, L, P = x_buf.shape
     G, N = B_buf.shape[1], B_buf.shape[3]
-    exact = x.dtype == torch.bfloat16  # C, B and x hold bf16 values: the C.B products are exact
-    Cr = C.to(torch.float32).reshape(S * G, 1, N)
-    CB = lanes(Cr, B_buf.reshape(S * G, L, N), exact)  # [S*G, 1, L]
+    Cr = Cr.view(S * G, 1, N)
+    CB = lanes(Cr, B_buf.reshape(S * G, L, N), dtype == torch.bfloat16)  # [S*G, 1, L]; bf16 C.B products are exact
     inter = lanes(Cr, h0.reshape(S * G, (H // G) * P, N))  # [S*G, 1, Hg*P]
     scores, e_in = native.decode_scores(a, dtc, CB, p.pos, G, R)  # [S*H, 1, L]
     intra = native.lane_gemm_kn(scores, x_buf.reshape(S * H, L, P), False)  # [S*H, 1, P]
-    return native.decode_combine(inter, intra, e_in, D, x.to(torch.float32), p.pos, G, R)
+    return native.decode_combine(inter, intra, e_in, D, xt, p.pos, G, R, dtype)
 
 
 def replay_decode(
@@ -170,23 +170,25 @@ def replay_decode(
     # 1. the token's rows into the buffers, which then hold the chunk up to it
     # 2. the chunk's operands as pack_chunks builds them, then the prefill's tile arithmetic. With the
     # lanes and the native loops, only the token's rows: the GEMMs read the buffers as they are.
-    dtc = None
+    put = None
     if cfg.gemm_form == "lanes":
-        dtc = native.decode_put(state.buf_x, state.buf_dt, state.buf_B, x, dt, B, p.slots, p.pos, params.dt_bias,
-                                params.dt_limit)
-    native_rows = dtc is not None
-    if not native_rows:
+        put = native.decode_put(state.buf_x, state.buf_dt, state.buf_B, x, dt, B, C, p.slots, p.pos, params.A,
+                                params.dt_bias, params.dt_limit)
+    native_rows = put is not None
+    if native_rows:
+        dtc, a, Cr, xt = put
+    else:
         state.buf_x.index_put_(p.put_x, x)
         state.buf_dt.index_put_(p.put_x, dt)
         state.buf_B.index_put_(p.put_B, B)
         # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
         d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
         dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
-    a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
+        a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
     h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
     xc = Bc = None
     if native_rows:
-        y = _native_rows(p, a, dtc, p.take(state.buf_x), p.take(state.buf_B), h0, x, C, params.D, R)
+        y = _native_rows(p, a, dtc, p.take(state.buf_x), p.take(state.buf_B), h0, xt, Cr, params.D, R, x.dtype)
     else:
         xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
         Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
