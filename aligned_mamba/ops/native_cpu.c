@@ -491,14 +491,14 @@ static void run_split(part_fn fn, void *ctx, i64 n, i64 split, int threads) {
 #define SPLIT_MACS 524288  /* work below which a call runs alone (the handoff costs tens of microseconds) */
 #define WIDEN_ROWS 8      /* rows from which widening bfloat16 weights once pays (measured: 8 to 16) */
 
-typedef struct {
+typedef struct {  /* one call's operands, shared by the two threads (K: Kp for the lanes' [N, Kp] form) */
     const float *x;
     i64 sx;
     const void *w;
     i64 sw;
     int wbf16, exact;
     float *out;
-    i64 nb, M, N, Kp;
+    i64 M, N, K;
 } lane_job;
 
 static void lane_part(const float *x, const void *w, int wbf16, int exact, float *out, i64 M, i64 N, i64 Kp,
@@ -514,13 +514,13 @@ static void lane_batches(void *ctx, i64 lo, i64 hi) {  /* matrices lo .. hi-1 */
     size_t es = j->wbf16 ? 2 : 4;
     for (i64 b = lo; b < hi; b++)
         lane_part(j->x + b * j->sx, (const char *)j->w + b * j->sw * es, j->wbf16, j->exact, j->out + b * j->M * j->N,
-                  j->M, j->N, j->Kp, j->N);
+                  j->M, j->N, j->K, j->N);
 }
 
 static void lane_columns(void *ctx, i64 lo, i64 hi) {  /* one matrix, output columns lo .. hi-1 */
     lane_job *j = ctx;
     size_t es = j->wbf16 ? 2 : 4;
-    lane_part(j->x, (const char *)j->w + lo * j->Kp * es, j->wbf16, j->exact, j->out + lo, j->M, hi - lo, j->Kp, j->N);
+    lane_part(j->x, (const char *)j->w + lo * j->K * es, j->wbf16, j->exact, j->out + lo, j->M, hi - lo, j->K, j->N);
 }
 
 /* nb GEMMs: x [nb][M, Kp] float32 and w [nb][N, Kp] (float32, or bfloat16 if wbf16), both
@@ -535,7 +535,7 @@ void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, floa
         for (i64 i = 0; i < N * Kp; i++) wf[i] = bf16_f32(((const uint16_t *)w)[i]);
         w = wf, wbf16 = 0;
     }
-    lane_job job = {x, sx, w, sw, wbf16, exact, out, nb, M, N, Kp};
+    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, Kp};
     if (nb * M * N * Kp < SPLIT_MACS) threads = 1;
     if (nb == 1) run_split(lane_columns, &job, N, N / 16 * 8, threads);  /* a multiple of 8 columns each side */
     else run_split(lane_batches, &job, nb, nb / 2, threads);
@@ -547,18 +547,8 @@ void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, floa
    chain am_lane_gemm computes for w transposed, vectorised over n instead of over the lanes. x [nb][M, K]
    float32, w [nb][K, N] float32 or bfloat16, batch strides sx, sw in elements; K past the last whole
    lane counts as zero-padded. out [nb][M, N] float32. */
-typedef struct {
-    const float *x;
-    i64 sx;
-    const void *w;
-    i64 sw;
-    int wbf16, exact;
-    float *out;
-    i64 M, N, K;
-} kn_job;
-
 static void kn_batches(void *ctx, i64 lo, i64 hi) {
-    kn_job *j = ctx;
+    lane_job *j = ctx;
     i64 M = j->M, N = j->N, K = j->K, Kp = (K + 7) / 8 * 8;
     float *acc = malloc((size_t)(8 * N) * sizeof(float));
     if (!acc) return;
@@ -599,7 +589,7 @@ static void kn_batches(void *ctx, i64 lo, i64 hi) {
 
 void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
                      i64 K, int exact, int threads) {
-    kn_job job = {x, sx, w, sw, wbf16, exact, out, M, N, K};
+    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, K};
     run_split(kn_batches, &job, nb, nb / 2, nb * M * N * K < SPLIT_MACS ? 1 : threads);
 }
 
