@@ -11,8 +11,9 @@ gradient, or no library), and the caller then runs the torch form.
 The library is compiled on first use with the system's C compiler (``cc``, or ``$CC``) into
 ``$XDG_CACHE_HOME/aligned_mamba`` (default ``~/.cache``), keyed by the source's digest; flags:
 ``-O3 -ffp-contract=off`` (no fused multiply-adds, no reordered sums; ``-fno-trapping-math`` lets
-selects vectorise and changes no value), plus ``-mavx2 -mfma`` where the CPU has them. ``ALIGNED_MAMBA_NATIVE=0``
-turns it off; where it cannot be built, ``status()`` says why and the torch forms run.
+selects vectorise and changes no value), plus ``-mavx2 -mfma`` where the CPU has them.
+``ALIGNED_MAMBA_NATIVE=0`` turns it off; where it cannot be built, ``status()`` says why and the
+torch forms run.
 """
 
 from __future__ import annotations
