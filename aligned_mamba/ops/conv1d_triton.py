@@ -165,7 +165,7 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     g = g if g.stride(1) == 1 else g.contiguous()
     w = weight.contiguous()
     b = bias.contiguous() if bias is not None else w
-    BT, BC = cfg.conv_block_t, cfg.conv_block_c
+    BT, BC = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c
     nb = triton.cdiv(T, BT)
     dx = torch.empty(T, Cd, device=x.device, dtype=torch.float32)
     dw = torch.empty(nb, K, Cd, device=x.device, dtype=torch.float32)
@@ -174,7 +174,7 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
         _conv_bwd_kernel[(nb, triton.cdiv(Cd, BC))](
             x, cu_seqlens, window, w, b, g, dx, dw, db, T, S, Cd, x.stride(0), window.stride(0), window.stride(1),
             g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, BLOCK_T=BT, BLOCK_C=BC,
-            num_warps=4)
+            num_warps=cfg.conv_bwd_warps)
     return (dx.to(x.dtype), dw.sum(0).t().to(weight.dtype),
             None if bias is None else db.sum(0).to(bias.dtype))
 
