@@ -152,7 +152,7 @@ def main() -> int:
     targets = torch.randint(0, config.vocab_size, (S, T), device=dev, generator=g)
     seqs, tgts = list(ids), list(targets)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": args.shape,
-                    "cell": args.cell, "contract": contract.fingerprint()}
+                    "cell": args.cell, "contract": contract.fingerprint}
 
     def ours_fwd():
         return ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)[0]
