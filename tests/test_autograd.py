@@ -70,6 +70,24 @@ def test_exp_gradient_is_zero_where_clamped() -> None:
     assert torch.equal(x.grad, torch.zeros(4))
 
 
+@pytest.mark.parametrize("dt_limit", [(0.0, math.inf), (0.3, 2.5)], ids=["no-limit", "limit"])
+def test_dt_softplus_backward_is_autograds(dt_limit) -> None:
+    """``chunk.dt_softplus_backward`` (the triton backend's written-out gradient of the packing's dt)
+    equals torch autograd through ``dt_softplus``, clamped rows and rows above the threshold included;
+    a dropped clamp mask is caught."""
+    from aligned_mamba.ops.ssd.chunk import dt_softplus, dt_softplus_backward
+
+    g = torch.Generator().manual_seed(3)
+    dt = torch.cat([torch.randn(60, 4, generator=g) * 3, torch.full((2, 4), 30.0)])
+    bias, gy = torch.randn(4, generator=g) * 0.5, torch.randn(62, 4, generator=g)
+    leaves = (dt.clone().requires_grad_(), bias.clone().requires_grad_())
+    want = torch.autograd.grad((dt_softplus(*leaves, dt_limit) * gy).sum(), leaves)
+    got = dt_softplus_backward(dt, bias, dt_limit, gy)
+    assert torch.equal(got, want[0]) and torch.allclose(got.sum(0), want[1], rtol=1e-6, atol=1e-6)
+    if dt_limit != (0.0, math.inf):
+        assert not torch.equal(dt_softplus_backward(dt, bias, (0.0, math.inf), gy), want[0])
+
+
 # -- the chunked scan ----------------------------------------------------------------------------------
 
 SCAN_LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "h0")

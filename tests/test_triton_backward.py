@@ -47,6 +47,7 @@ from aligned_mamba.ops.norm_triton import (  # noqa: E402
     rms_norm_triton,
 )
 from aligned_mamba.ops.ssd import SSDState, SSMParams, ssd_chunk, ssd_naive  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
 from aligned_mamba.replay import Batch  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
@@ -197,8 +198,8 @@ def test_a_wrong_backward_is_caught(monkeypatch):
     leaves = _scan_leaves(3, lens, H, P, G, N)
     real = ta.pack_chunks
 
-    def dt_bias_dropped(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=None):
-        return real(x, dt, B, cu_seqlens, chunk_size, dt_bias * 0.0, dt_limit, prefix=prefix)
+    def dt_bias_dropped(x, dt, B, cu_seqlens, chunk_size, dt_bias, dt_limit, prefix=None, **kw):
+        return real(x, dt, B, cu_seqlens, chunk_size, dt_bias * 0.0, dt_limit, prefix=prefix, **kw)
 
     monkeypatch.setattr(ta, "pack_chunks", dt_bias_dropped)
     a = {k: v.clone().requires_grad_() for k, v in leaves.items()}
@@ -297,9 +298,10 @@ def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p):
     leaves = {k: v.clone().requires_grad_() for k, v in lv.items()}
     y = _ssd_dense(*(leaves[k] for k in ARGS), *bufs, cu, offs, rows, chunk, (0.0, math.inf), 16)
     want = torch.autograd.grad((y * wy).sum(), [leaves[k] for k in ARGS])
-    got = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, rows, chunk,
+    grid = chunk_grid(cu.cpu(), offs.cpu(), chunk, DEV)
+    got = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, grid, rows, chunk,
                           (0.0, math.inf), cfg)
-    again = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, rows, chunk,
+    again = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, grid, rows, chunk,
                             (0.0, math.inf), cfg)
     assert all(torch.equal(u, v) for u, v in zip(got, again)), "two backwards gave different bits"
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(ARGS, got, want)}

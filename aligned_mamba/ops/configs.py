@@ -140,8 +140,8 @@ class TritonKernelConfigs:
     norm_bwd_rows: int = 16
     conv_block_t: int = 8
     conv_block_c: int = 256
-    conv_bwd_block_t: int = 8
-    conv_bwd_block_c: int = 256
+    conv_bwd_block_t: int = 32
+    conv_bwd_block_c: int = 64
     conv_bwd_warps: int = 4
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16

@@ -34,7 +34,6 @@ CPU all of it is deterministic.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -53,9 +52,11 @@ from .norm_triton import (
     rms_norm_backward_triton,
     rms_norm_triton,
 )
-from .ssd.chunk import pack_chunks
+from .ssd.chunk import ChunkGrid, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
+from .ssd.plan import host_to_device
 from .ssd.state import SSDState, SSMParams, Step
 from .ssd.triton_backward import chunk_scan_backward
+from .triton_math import dt_softplus_triton
 
 Tensor = torch.Tensor
 
@@ -208,41 +209,50 @@ class _LogSoftmax(torch.autograd.Function):
 
 def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
                  buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, g: Tensor, needs: tuple[bool, ...],
-                 cu_seqlens: Tensor, off: Tensor, rows: Tensor | None, chunk_size: int, dt_limit: tuple[float, float],
-                 cfg: TritonKernelConfigs) -> tuple[Tensor | None, ...]:
+                 cu_seqlens: Tensor, off: Tensor, grid: ChunkGrid, rows: Tensor | None, chunk_size: int,
+                 dt_limit: tuple[float, float], cfg: TritonKernelConfigs) -> tuple[Tensor | None, ...]:
     """The gradient of an advance's y [T, H, P] (``chunk.replay_chunk``'s function, without the state
     writes) against g [T, H, P]: (dx, ddt, dB, dC, dA, dD, ddt_bias, dh0), None where ``needs`` (one
     flag per leaf, in that order) is False.
 
     The chunk grid is ``pack_chunks`` of the inputs (buffered rows first, from buf_* [S, ...] at the
-    step's slots, None when no slot has any), recomputed under autograd; the scan's gradient on it is
-    ``triton_backward.chunk_scan_backward``, and autograd carries it back through the packing (its
-    softplus and its index copies, which gather) to x, dt, B and dt_bias.
+    step's slots, None when no slot has any) on ``grid`` (the step's ``chunk_grid``), and the scan's
+    gradient on it is ``triton_backward.chunk_scan_backward``. The packing's own gradient is written
+    out: x's and B's rows are gathered back from the grid; dt's go through ``dt_softplus_backward``,
+    and dt_bias also gets the buffered rows' share (the buffers themselves get none). No step of it
+    waits on the GPU.
     """
     nx, ndt, nB, nC, nA, nD, nbias, nh0 = needs
-    leaf = {k: v.detach().requires_grad_() if n else v.detach()
-            for k, v, n in (("x", x, nx), ("dt", dt, ndt), ("B", B, nB), ("dt_bias", dt_bias, nbias))}
+    L = chunk_size
     prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
-    with torch.enable_grad():
-        ch = pack_chunks(leaf["x"], leaf["dt"], leaf["B"], cu_seqlens, chunk_size, leaf["dt_bias"], dt_limit,
-                         prefix=prefix)
-    NC, H, L, P = ch.x.shape
+    softplus = dt_softplus_triton if x.is_cuda else dt_softplus  # the same bits
+    ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
+    NC, H, _, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
-    at = (ch.row_chunk, slice(None), ch.row_pos)
+    at = (grid.row_chunk, slice(None), grid.row_pos)
     Cc = torch.zeros(NC, G, L, N, device=x.device)
     Cc[at] = C.to(torch.float32)
     gy = g if rows is None else g * rows.to(g.device)[:, None, None]  # the forward's y is zero in rows not wanted
     dyc = torch.zeros(NC, H, L, P, device=x.device)
     dyc[at] = gy.to(torch.float32)
-    plain = dataclasses.replace(ch, x=ch.x.detach(), dt=ch.dt.detach(), B=ch.B.detach())
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
-    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(plain, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16)
-    pairs = [(o, go) for o, go in ((ch.x, dxc), (ch.dt, ddtc), (ch.B, dBc)) if o.requires_grad]
-    wanted = [leaf[k] for k, n in (("x", nx), ("dt", ndt), ("B", nB), ("dt_bias", nbias)) if n]
-    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True)
-               if pairs and wanted else [])
-    dx, ddt, dB, dbias = (next(got) if n else None for n in (nx, ndt, nB, nbias))
-    return (dx, ddt, dB, dCc[at].to(C.dtype) if nC else None, dA if nA else None, dD if nD else None, dbias,
+    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16,
+                                                           first=grid.first, count=grid.count)
+    ddt = dbias = None
+    if ndt or nbias:
+        graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddtc[at])  # [T, H]
+        ddt = graw.to(dt.dtype) if ndt else None
+        if nbias:
+            dbias = graw.sum(0)
+            if prefix is not None and grid.fill:  # rows < off of each first chunk: buffered raw dt
+                f = grid.fill
+                gb = dt_softplus_backward(buf_dt[:, :, :f].transpose(1, 2), dt_bias, dt_limit,
+                                          ddtc[grid.first][:, :, :f].transpose(1, 2))  # [S, f, H]
+                kept = torch.arange(f, device=x.device)[None, :] < off.to(x.device)[:, None]  # [S, f]
+                dbias = dbias + torch.where(kept[:, :, None], gb, torch.zeros((), device=x.device)).sum((0, 1))
+            dbias = dbias.to(dt_bias.dtype)
+    return (dxc[at].to(x.dtype) if nx else None, ddt, dBc[at].to(B.dtype) if nB else None,
+            dCc[at].to(C.dtype) if nC else None, dA if nA else None, dD if nD else None, dbias,
             dh0.to(h0.dtype) if nh0 else None)
 
 
@@ -318,12 +328,15 @@ def ssd_advance(run: Callable[[SSDState, Step, Tensor, Tensor, Tensor, Tensor, S
     of x [T, H, P], dt [T, H], B, C [T, G, N], params.A, D, dt_bias, and of ``state.ssm_state`` at the
     step's slots when it requires grad. The buffered rows (raw inputs of earlier calls) get none."""
     L = state.chunk_size
-    slots = step.slots.to(x.device)
-    off = step.start_pos % L
+    dev = x.device
+    off = step.start_pos % L  # on the host, as the step's tables are
+    # the step's slots and chunk grid on the device, once for all its layers (no layer waits on the GPU)
+    slots = step.derived(("slots", dev), lambda: host_to_device(step.slots.numpy(), dev))
+    grid = step.derived(("chunk_grid", L, dev), lambda: chunk_grid(step.cu_seqlens, off, L, dev))
     h0 = state.ssm_state[slots]  # a copy: the advance moves the boundary states in place
     # the buffers are read only where a slot has buffered rows (a trainer's forward from empty has none)
-    bufs = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots]) if bool((off > 0).any()) else (None,) * 3
-    consts = (step.cu_seqlens, off, rows, L, tuple(params.dt_limit), cfg)
+    bufs = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots]) if grid.fill else (None,) * 3
+    consts = (step.cu_seqlens, off, grid, rows, L, tuple(params.dt_limit), cfg)
     return _SSDAdvance.apply(x, dt, B, C, params.A, params.D, params.dt_bias, h0, *bufs,
                              lambda: run(state, step, x, dt, B, C, params, rows), consts)
 

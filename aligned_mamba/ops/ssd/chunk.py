@@ -68,18 +68,84 @@ def dt_softplus(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, 
     return d
 
 
+def dt_softplus_backward(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float],
+                         g: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``dt_softplus`` against its raw dt, from g (its output's gradient, fp32, dt's
+    shape [..., H]): g sigmoid(dt + dt_bias) (g itself above softplus' threshold), zero where the
+    limit clamped. fp32; the same for dt_bias, summed over the rows."""
+    z = dt.to(torch.float32) + dt_bias.to(torch.float32)
+    d = torch.where(z > 20.0, g, g * torch.sigmoid(z))
+    if tuple(dt_limit) != (0.0, math.inf):
+        pre = ew.softplus(z)
+        d = torch.where((pre >= float(dt_limit[0])) & (pre <= float(dt_limit[1])), d, torch.zeros((), device=d.device))
+    return d
+
+
 def _prefix_dt(db: torch.Tensor, off: torch.Tensor, fill: int, dt_bias: torch.Tensor,
-               dt_limit: tuple[float, float]) -> torch.Tensor:
+               dt_limit: tuple[float, float], softplus=dt_softplus) -> torch.Tensor:
     """Buffered raw dt [S, H, L] -> fp32 [S, H, L]: ``dt_softplus`` of rows < off, +0.0 from row off on.
 
     Only the first ``fill`` (= max(off)) rows go through softplus; the rest are zero in any case.
     """
     S, H, L = db.shape
     out = torch.zeros(S, H, L, device=db.device)
-    d = dt_softplus(db[:, :, :fill].transpose(1, 2), dt_bias, dt_limit).transpose(1, 2)  # bias on the head dim
+    d = softplus(db[:, :, :fill].transpose(1, 2), dt_bias, dt_limit).transpose(1, 2)  # bias on the head dim
     filled = torch.arange(fill, device=db.device)[None, None, :] < off[:, None, None]  # [S, 1, fill]
     out[:, :, :fill] = torch.where(filled, d, torch.zeros((), device=db.device))
     return out
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """Where one call's chunks lie: a function of its sequences' lengths and buffered rows alone,
+    so a step computes it once for all its layers (``chunk_grid``).
+
+    num_chunks NC; fill: the most rows any sequence buffered (0 when none). int64 on one device:
+    seq, index, length [NC] (owning sequence, chunk number in it, valid rows); first, count [S]
+    (each sequence's first chunk and number of chunks); row_chunk, row_pos [T] (where packed row r
+    sits).
+    """
+
+    num_chunks: int
+    fill: int
+    seq: torch.Tensor
+    index: torch.Tensor
+    length: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+    row_chunk: torch.Tensor
+    row_pos: torch.Tensor
+
+
+def chunk_grid(cu_seqlens: torch.Tensor, off: torch.Tensor | None, chunk_size: int,
+               device: torch.device | str) -> ChunkGrid:
+    """The chunk grid of sequences with cu_seqlens [S+1] new rows after off [S] buffered ones (None:
+    none), computed where cu_seqlens lies and put on ``device``: from the CPU in one asynchronous
+    copy (``plan.host_to_device``), so a GPU step plans without waiting on the GPU."""
+    from .plan import host_to_device
+
+    L = chunk_size
+    cu = cu_seqlens.to(torch.int64)
+    host = cu.device
+    lens = cu[1:] - cu[:-1]
+    S, T = lens.numel(), int(cu[-1]) if cu.numel() else 0
+    off = torch.zeros_like(lens) if off is None else off.to(device=host, dtype=torch.int64)
+    slen = off + lens
+    nch = (slen + L - 1) // L
+    NC = int(nch.sum())
+    first = torch.cumsum(nch, 0) - nch
+    seq = torch.repeat_interleave(torch.arange(S, device=host), nch, output_size=NC)
+    index = torch.arange(NC, device=host) - first[seq]
+    length = torch.clamp(slen[seq] - index * L, max=L)
+    row_seq = torch.repeat_interleave(torch.arange(S, device=host), lens, output_size=T)
+    q = off[row_seq] + torch.arange(T, device=host) - cu[:-1][row_seq]  # position in the stream
+    parts = (seq, index, length, first, nch, first[row_seq] + q // L, q % L)
+    fill = int(off.max()) if S else 0
+    if torch.device(device) != host:
+        flat = torch.cat(parts)
+        flat = host_to_device(flat.numpy(), device) if host.type == "cpu" else flat.to(device)
+        parts = tuple(torch.split(flat, [t.numel() for t in parts]))
+    return ChunkGrid(NC, fill, *parts)
 
 
 def pack_chunks(
@@ -91,6 +157,9 @@ def pack_chunks(
     dt_bias: torch.Tensor,
     dt_limit: tuple[float, float],
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    grid: ChunkGrid | None = None,
+    softplus=dt_softplus,
 ) -> Chunks:
     """Cut packed rows into chunks anchored at each sequence's start.
 
@@ -101,46 +170,39 @@ def pack_chunks(
     ignored). Buffered and new dt both go through ``dt_softplus`` here, which acts element by
     element, so a buffered row's dt is the bits a fresh computation gives; the result's dt is
     exactly +0.0 on padding rows (rows >= the chunk's length).
+    grid: ``chunk_grid`` of these sequences on x's device, if the caller has it (else made here).
+    softplus: ``dt_softplus`` or a form with its bits (``triton_math.dt_softplus_triton``).
     """
     dev = x.device
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     L = chunk_size
-    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-    lens = cu[1:] - cu[:-1]
-    S = lens.numel()
-    off = prefix[3].to(device=dev, dtype=torch.int64) if prefix is not None else torch.zeros_like(lens)
-    slen = off + lens
-    nch = (slen + L - 1) // L
-    NC = int(nch.sum())
-    first = torch.cumsum(nch, 0) - nch
-    seq = torch.repeat_interleave(torch.arange(S, device=dev), nch, output_size=NC)
-    index = torch.arange(NC, device=dev) - first[seq]
-    length = torch.clamp(slen[seq] - index * L, max=L)
-    row_seq = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)
-    q = off[row_seq] + torch.arange(T, device=dev) - cu[:-1][row_seq]  # position in the stream
-    row_chunk, row_pos = first[row_seq] + q // L, q % L
+    if grid is None:
+        grid = chunk_grid(cu_seqlens, None if prefix is None else prefix[3], L, dev)
+    NC, S, first, fill = grid.num_chunks, grid.first.numel(), grid.first, grid.fill
+    at = (grid.row_chunk, slice(None), grid.row_pos)
 
     # Buffered dt is raw: softplus it here (rows < off only). When no slot buffers anything (a
     # prefill from empty, the trainer's forward) that is skipped: dt_bias gets no zero-gradient branch.
-    fill = int(off.max()) if prefix is not None and S else 0
+    if prefix is not None:
+        xb, db, bb, off = prefix
+        off = off.to(device=dev, dtype=torch.int64)
     if prefix is not None and NC == S:  # every sequence fits in its first chunk (decode): no zero fill
-        xb, db, bb, _ = prefix
         xc, Bc = xb.to(torch.float32), bb.to(torch.float32)
-        dtc = _prefix_dt(db, off, fill, dt_bias, dt_limit) if fill else torch.zeros(NC, H, L, device=dev)
+        dtc = _prefix_dt(db, off, fill, dt_bias, dt_limit, softplus) if fill else torch.zeros(NC, H, L, device=dev)
     else:
         xc = torch.zeros(NC, H, L, P, device=dev)
         dtc = torch.zeros(NC, H, L, device=dev)
         Bc = torch.zeros(NC, G, L, N, device=dev)
         if prefix is not None and S:
-            xb, db, bb, _ = prefix
             xc[first], Bc[first] = xb.to(torch.float32), bb.to(torch.float32)
             if fill:
-                dtc[first] = _prefix_dt(db, off, fill, dt_bias, dt_limit)
-    xc[row_chunk, :, row_pos] = x.to(torch.float32)
-    dtc[row_chunk, :, row_pos] = dt_softplus(dt, dt_bias, dt_limit)
-    Bc[row_chunk, :, row_pos] = B.to(torch.float32)
-    return Chunks(x=xc, dt=dtc, B=Bc, seq=seq, index=index, length=length, row_chunk=row_chunk, row_pos=row_pos)
+                dtc[first] = _prefix_dt(db, off, fill, dt_bias, dt_limit, softplus)
+    xc[at] = x.to(torch.float32)
+    dtc[at] = softplus(dt, dt_bias, dt_limit)
+    Bc[at] = B.to(torch.float32)
+    return Chunks(x=xc, dt=dtc, B=Bc, seq=grid.seq, index=grid.index, length=grid.length, row_chunk=grid.row_chunk,
+                  row_pos=grid.row_pos)
 
 
 @dataclass(frozen=True)

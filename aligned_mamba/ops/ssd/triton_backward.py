@@ -193,7 +193,7 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
 
 
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
-                        cfg: TritonKernelConfigs, *, bf16_operands: bool
+                        cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
 
@@ -202,7 +202,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     D [H] or [H, P] fp32; h0 [S, H, P, N] fp32 the state at each sequence's first chunk boundary;
     dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding).
     ``bf16_operands``: x, B, C and dy hold bf16 values (a bf16 model), so the tensor-core dots take
-    them exactly (``dot_acc``); else fp32 FMA dots.
+    them exactly (``dot_acc``); else fp32 FMA dots. first, count [S] int64: each sequence's first
+    chunk and number of chunks (``chunk.ChunkGrid``'s).
 
     Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
     shape), dh0 [S, H, P, N]), fp32 (dD in D's dtype).
@@ -220,9 +221,6 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
 
     # every chunk's boundary state: chunk states by one GEMM, passed along by the forward's kernel
-    seq = ch.seq
-    count = torch.bincount(seq, minlength=S)
-    first = torch.cumsum(count, 0) - count
     w = (a[..., -1:] - a).exp() * dt
     states = ((x * w[..., None]).view(NC, G, HG, L, P).transpose(-1, -2).reshape(NC, G, HG * P, L) @ B
               ).view(NC, H, P, N)  # [NC, H, P, N]
