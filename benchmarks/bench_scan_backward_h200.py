@@ -29,7 +29,7 @@ if "--dry-run" in sys.argv:  # before triton is imported: its kernels are built 
     os.environ["TRITON_INTERPRET"] = "1"
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.ssd.chunk import pack_chunks  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.triton_backward import chunk_scan_backward  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
@@ -91,13 +91,15 @@ def main() -> None:
         dyc = torch.zeros(NC, H, L, P, device=dev)
         dyc[ch.row_chunk, :, ch.row_pos] = gy.float()
         h0 = torch.zeros(S, H, P, N, device=dev)
+        grid = chunk_grid(cu.cpu(), None, L, dev)
         cell = {"tokens": T, "sequences": S, "ours": []}
         first = None
         for bs, bt, w in CONFIGS:
             cfg = TritonKernelConfigs(bwd_block_s=bs, bwd_block_t=bt, bwd_warps=w)
             try:
                 # the interpreter runs the fp32 dots only (bf16 tensor-core dots need the GPU)
-                run = lambda: chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=not args.dry_run)  # noqa: E731
+                run = lambda: chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=not args.dry_run,  # noqa: E731
+                                                  first=grid.first, count=grid.count)
                 got = run()
                 ms = timed(run)
                 first = first or got

@@ -27,7 +27,7 @@ from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
 from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward, triton_chunk, triton_decode  # noqa: E402
-from aligned_mamba.ops.ssd.chunk import pack_chunks  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.replay import Batch  # noqa: E402
 
@@ -101,6 +101,7 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     cu = torch.tensor([0, 300, 301], dtype=torch.int64)
     slots = torch.tensor([0, 1], dtype=torch.int64)
     ct.causal_conv1d_triton(r(301, Cd), cu, slots, r(2, W - 1, Cd), r(Cd, W), r(Cd), cfg)
+    ct.causal_conv1d_backward_triton(r(301, Cd), cu, r(2, W - 1, Cd), r(Cd, W), r(Cd), r(301, Cd), cfg)
     logits = r(4, 50280)
     lpt.log_softmax_triton(logits, cfg)
     H, P, G, N, L = 4, 64, 2, 128, 256
@@ -117,8 +118,10 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     T, cu = 300, torch.tensor([0, 280, 300])
     ch = pack_chunks(r(T, H, P), r(T, H), r(T, G, N), cu, L, params.dt_bias, (0.0, math.inf))
     NC = ch.x.shape[0]
+    grid = chunk_grid(cu, None, L, "cpu")
     triton_backward.chunk_scan_backward(ch, torch.zeros(NC, G, L, N), params.A, params.D, torch.zeros(2, H, P, N),
-                                        torch.zeros(NC, H, L, P), cfg, bf16_operands=True)
+                                        torch.zeros(NC, H, L, P), cfg, bf16_operands=True, first=grid.first,
+                                        count=grid.count)
 
 
 def _launches(cfg: TritonKernelConfigs, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:

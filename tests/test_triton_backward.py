@@ -575,10 +575,12 @@ def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
     dyc = torch.zeros(NC, H, L, P, device=DEV)
     dyc[ch.row_chunk, :, ch.row_pos] = torch.randn(sum(lens), H, P, device=DEV).to(torch.bfloat16).float()
     args = (ch, Cc, lv["A"], lv["D"], lv["h0"], dyc)
-    want = chunk_scan_backward(*args, CFG, bf16_operands=False)
+    grid = chunk_grid(cu.cpu(), None, L, DEV)
+    at = dict(first=grid.first, count=grid.count)
+    want = chunk_scan_backward(*args, CFG, bf16_operands=False, **at)
     cfg = TritonKernelConfigs(bf16_dots=mode)
-    got = chunk_scan_backward(*args, cfg, bf16_operands=True)
-    assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True)))
+    got = chunk_scan_backward(*args, cfg, bf16_operands=True, **at)
+    assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True, **at)))
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(("dx", "ddt", "dB", "dC", "dA", "dD", "dh0"), got, want)}
     assert all(e < rtol for e in errs.values()), errs
 
