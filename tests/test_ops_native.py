@@ -202,11 +202,11 @@ def test_a_second_thread_changes_no_bit(shape: tuple[int, int, int, int]) -> Non
             assert _same(one[0], two[0]) and _same(one[1], two[1])
 
 
-def test_lane_gemm_weights_for_many_rows_are_widened_with_the_same_bits() -> None:
+def test_lane_gemm_bf16_weights_for_many_rows_have_the_fp32_weights_bits() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 264, generator=g).bfloat16().float()
     w = torch.randn(72, 264, generator=g).bfloat16()
-    full = native.lane_gemm(x, w, True)  # M >= 8: the bf16 weights widened to fp32 once
+    full = native.lane_gemm(x, w, True)  # bf16 weights read as they are, with fused multiply-adds
     assert _same(full, native.lane_gemm(x, w.float(), False))
     assert all(_same(native.lane_gemm(x[i:i + 1], w, True), full[i:i + 1]) for i in range(40))
 

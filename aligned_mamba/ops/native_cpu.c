@@ -16,6 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 
@@ -349,6 +352,13 @@ static inline float tree8(v8f l) {
 }
 
 static inline v8f load8_f32(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+#ifdef __AVX2__
+/* one 256-bit zero extension (the generic form compiles to two 128-bit halves and a merge) */
+static inline v8f load8_bf16(const uint16_t *p) {
+    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8f)_mm256_castsi256_ps(u);
+}
+#else
 static inline v8f load8_bf16(const uint16_t *p) {
     v8h h;
     memcpy(&h, p, sizeof h);
@@ -357,6 +367,7 @@ static inline v8f load8_bf16(const uint16_t *p) {
     memcpy(&v, &u, sizeof v);
     return v;
 }
+#endif
 /* acc + x w with one rounding of the product and one of the sum; the fused form rounds once, which
    is the same where the product is exact */
 static inline v8f madd(v8f acc, v8f x, v8f w) { return acc + x * w; }
@@ -489,7 +500,6 @@ static void run_split(part_fn fn, void *ctx, i64 n, i64 split, int threads) {
 }
 
 #define SPLIT_MACS 524288  /* work below which a call runs alone (the handoff costs tens of microseconds) */
-#define WIDEN_ROWS 8      /* rows from which widening bfloat16 weights once pays (measured: 8 to 16) */
 
 typedef struct {  /* one call's operands, shared by the two threads (K: Kp for the lanes' [N, Kp] form) */
     const float *x;
@@ -530,16 +540,10 @@ static void lane_columns(void *ctx, i64 lo, i64 hi) {  /* one matrix, output col
    the worker take part of the outputs. */
 void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
                   i64 Kp, int exact, int threads) {
-    float *wf = NULL;  /* bfloat16 weights widened once, where enough rows share them */
-    if (wbf16 && M >= WIDEN_ROWS && (sw == 0 || nb == 1) && (wf = malloc((size_t)(N * Kp) * sizeof(float)))) {
-        for (i64 i = 0; i < N * Kp; i++) wf[i] = bf16_f32(((const uint16_t *)w)[i]);
-        w = wf, wbf16 = 0;
-    }
     lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, Kp};
     if (nb * M * N * Kp < SPLIT_MACS) threads = 1;
     if (nb == 1) run_split(lane_columns, &job, N, N / 16 * 8, threads);  /* a multiple of 8 columns each side */
     else run_split(lane_batches, &job, nb, nb / 2, threads);
-    free(wf);
 }
 
 /* The lanes with the right operand as [K, N] (N contiguous): out[b, m, n] = the lanes' sum over k of
