@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,9 @@ def dt_softplus(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, 
     return d
 
 
+Softplus = Callable[[torch.Tensor, torch.Tensor, tuple[float, float]], torch.Tensor]
+
+
 def dt_softplus_backward(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float],
                          g: torch.Tensor) -> torch.Tensor:
     """The gradient of ``dt_softplus`` against its raw dt, from g (its output's gradient, fp32, dt's
@@ -82,7 +86,7 @@ def dt_softplus_backward(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tupl
 
 
 def _prefix_dt(db: torch.Tensor, off: torch.Tensor, fill: int, dt_bias: torch.Tensor,
-               dt_limit: tuple[float, float], softplus=dt_softplus) -> torch.Tensor:
+               dt_limit: tuple[float, float], softplus: Softplus = dt_softplus) -> torch.Tensor:
     """Buffered raw dt [S, H, L] -> fp32 [S, H, L]: ``dt_softplus`` of rows < off, +0.0 from row off on.
 
     Only the first ``fill`` (= max(off)) rows go through softplus; the rest are zero in any case.
@@ -159,7 +163,7 @@ def pack_chunks(
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
     grid: ChunkGrid | None = None,
-    softplus=dt_softplus,
+    softplus: Softplus = dt_softplus,
 ) -> Chunks:
     """Cut packed rows into chunks anchored at each sequence's start.
 
