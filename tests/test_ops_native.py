@@ -202,6 +202,27 @@ def test_a_second_thread_changes_no_bit(shape: tuple[int, int, int, int]) -> Non
             assert _same(one[0], two[0]) and _same(one[1], two[1])
 
 
+def test_lane_gemm_kn_reads_slots_in_place_and_stops_where_the_terms_are_zero() -> None:
+    """The decode's intra GEMM reads each sequence's chunk buffer at its slot (strided slots, no copy)
+    and stops at the token's row: the bits of the whole chain over a gathered copy, because the terms
+    it leaves out are +0.0 times finite values. Where they are not zero, stopping changes the bits."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(12, 3, 40, 16, generator=g).bfloat16()
+    w = big[::2]  # [6 slots, H, K, N] with a doubled slot stride, as vLLM's page views have
+    index, klen = torch.tensor([4, 1, 5]), torch.tensor([7, 40, 23])
+    x = torch.randn(3, 3, 2, 40, generator=g)
+    for s in range(3):
+        x[s, :, :, int(klen[s]):] = 0.0
+        w[int(index[s]), :, int(klen[s]):] = 0.0
+    want = native.lane_gemm_kn(x, w[index].contiguous(), False)
+    assert _same(native.lane_gemm_kn(x, w, False, index=index, klen=klen), want)
+    assert _same(native.lane_gemm_kn(x, w, False, index=index), want)
+    x[0, :, :, 10] = 1.0
+    w[int(index[0]), :, 10] = 1.0
+    assert not _same(native.lane_gemm_kn(x, w, False, index=index, klen=klen),
+                     native.lane_gemm_kn(x, w[index].contiguous(), False))
+
+
 def test_lane_gemm_bf16_weights_for_many_rows_have_the_fp32_weights_bits() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 264, generator=g).bfloat16().float()

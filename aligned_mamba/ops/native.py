@@ -93,7 +93,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                   p, p, i, f, f, p, p, p, p]
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p, i]
-    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
+    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, p, i, p, i64, i64, i64, i64, p, i, i]
     lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
     lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p, i]
     lib.am_conv_step.argtypes = [p, i64, p, p, i64, i, p, p, p, i64, i64, i64, i, p]
@@ -329,21 +329,41 @@ def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | N
     return out
 
 
-def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | None:
+def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool, *, index: torch.Tensor | None = None,
+                 klen: torch.Tensor | None = None) -> torch.Tensor | None:
     """``lane_gemm(x, w^T)`` with w as [..., K, N]: x [..., M, K] float32, w [..., K, N] float32 or
     bfloat16 (batch dims equal) -> [..., M, N] float32, the same bits (each output the same chain), with
     no transposed copy of w. K need not be a multiple of 8 (the rest counts as zero-padded). None where
-    it does not apply."""
-    if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None or w.shape[:-2] != x.shape[:-2]:
+    it does not apply.
+
+    index [S] int64: x [S, H, M, K] takes w [slots, H, K, N] at slots ``index`` (any slot and head
+    strides, [K, N] contiguous), read in place. klen [S] int64: sequence s's terms stop at k = klen[s]
+    (the same bits where x[s, ..., k:] is +0.0 and w there finite: the lanes add exact zeros there).
+    """
+    if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None:
         return None
     M, K = x.shape[-2:]
     N = w.shape[-1]
+    woff = None
+    if index is not None:
+        H = x.shape[1] if x.dim() == 4 else -1
+        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (H, K, N)
+                or w.stride(3) != 1 or w.stride(2) != N):
+            return None
+        woff = (index.to(torch.int64)[:, None] * w.stride(0) + torch.arange(H) * w.stride(1)).reshape(-1)
+    elif w.shape[:-2] != x.shape[:-2]:
+        return None
+    else:
+        w = w.contiguous()
     batch = x.shape[:-2]
-    x, w = x.contiguous(), w.contiguous()
+    x = x.contiguous()
     out = torch.empty(*batch, M, N)
     nb = out.numel() // max(1, M * N)
-    lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, int(w.dtype == torch.bfloat16), out.data_ptr(),
-                        nb, M, N, K, int(exact), _threads())
+    kl = None
+    if klen is not None:
+        kl = klen.to(torch.int64).repeat_interleave(nb // max(1, klen.numel())).contiguous()
+    lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, _ptr(woff), int(w.dtype == torch.bfloat16),
+                        out.data_ptr(), nb, M, N, K, _ptr(kl), int(exact), _threads())
     return out
 
 

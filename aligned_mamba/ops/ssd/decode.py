@@ -112,22 +112,24 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
 
 
-def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, x_buf: torch.Tensor, B_buf: torch.Tensor,
+def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, buf_x: torch.Tensor, B_buf: torch.Tensor,
                  h0: torch.Tensor, xt: torch.Tensor, Cr: torch.Tensor, D: torch.Tensor, R: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
     the same bits, with the elementwise work in ``ops.native``'s loops and the GEMMs reading the
-    buffers (the chunk's x [S, H, L, P] and B [S, G, L, N], in ``dtype``, the model's) as they are.
+    buffers (buf_x [slots, H, L, P], the whole slot-indexed buffer, and the chunk's B [S, G, L, N],
+    in ``dtype``, the model's) as they are. The scores past each token are +0.0 and so are the
+    buffer rows there, so the scores' GEMM stops at the token's row (``lane_gemm_kn``'s klen).
     a, dtc [S, H, L] float32; h0 [S, H, P, N]; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in
     float32. Returns y [S, H, P] in ``dtype``."""
-    S, H, L, P = x_buf.shape
-    G, N = B_buf.shape[1], B_buf.shape[3]
+    S, G, L, N = B_buf.shape
+    H, P = buf_x.shape[1], buf_x.shape[3]
     Cr = Cr.view(S * G, 1, N)
     CB = lanes(Cr, B_buf.reshape(S * G, L, N), dtype == torch.bfloat16)  # [S*G, 1, L]; bf16 C.B products are exact
     inter = lanes(Cr, h0.reshape(S * G, (H // G) * P, N))  # [S*G, 1, Hg*P]
     scores, e_in = native.decode_scores(a, dtc, CB, p.pos, G, R)  # [S*H, 1, L]
-    intra = native.lane_gemm_kn(scores, x_buf.reshape(S * H, L, P), False)  # [S*H, 1, P]
-    return native.decode_combine(inter, intra, e_in, D, xt, p.pos, G, R, dtype)
+    intra = native.lane_gemm_kn(scores.view(S, H, 1, L), buf_x, False, index=p.slots, klen=p.pos + 1)  # [S, H, 1, P]
+    return native.decode_combine(inter, intra.view(S * H, 1, P), e_in, D, xt, p.pos, G, R, dtype)
 
 
 def replay_decode(
@@ -188,7 +190,7 @@ def replay_decode(
     h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
     xc = Bc = None
     if native_rows:
-        y = _native_rows(p, a, dtc, p.take(state.buf_x), p.take(state.buf_B), h0, xt, Cr, params.D, R, x.dtype)
+        y = _native_rows(p, a, dtc, state.buf_x, p.take(state.buf_B), h0, xt, Cr, params.D, R, x.dtype)
     else:
         xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
         Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
