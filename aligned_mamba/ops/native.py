@@ -93,7 +93,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                   p, p, i, f, f, p, p, p, p]
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p, i]
-    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, p, i, p, i64, i64, i64, i64, p, i, i]
+    lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, p, i64, i64, i, p, i64, i64, i64, i64, p, i, i]
     lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
     lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p, i]
     lib.am_conv_step.argtypes = [p, i64, p, p, i64, i, p, p, p, i64, i64, i64, i, p]
@@ -337,33 +337,35 @@ def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool, *, index: torch.
     it does not apply.
 
     index [S] int64: x [S, H, M, K] takes w [slots, H, K, N] at slots ``index`` (any slot and head
-    strides, [K, N] contiguous), read in place. klen [S] int64: sequence s's terms stop at k = klen[s]
-    (the same bits where x[s, ..., k:] is +0.0 and w there finite: the lanes add exact zeros there).
+    strides, [K, N] contiguous), read in place. klen (one per matrix, or with index one per slot):
+    the terms stop at k = klen (the same bits where x is +0.0 from there on and w finite: the lanes
+    add exact zeros there).
     """
     if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None:
         return None
     M, K = x.shape[-2:]
     N = w.shape[-1]
-    woff = None
     if index is not None:
-        H = x.shape[1] if x.dim() == 4 else -1
-        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (H, K, N)
+        hb = x.shape[1] if x.dim() == 4 else -1
+        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (hb, K, N)
                 or w.stride(3) != 1 or w.stride(2) != N):
             return None
-        woff = (index.to(torch.int64)[:, None] * w.stride(0) + torch.arange(H) * w.stride(1)).reshape(-1)
+        sw, sh = w.stride(0), w.stride(1)
+        index = index.to(torch.int64).contiguous()
     elif w.shape[:-2] != x.shape[:-2]:
         return None
     else:
-        w = w.contiguous()
+        w, hb, sw, sh = w.contiguous(), 1, K * N, 0
     batch = x.shape[:-2]
     x = x.contiguous()
     out = torch.empty(*batch, M, N)
     nb = out.numel() // max(1, M * N)
-    kl = None
     if klen is not None:
-        kl = klen.to(torch.int64).repeat_interleave(nb // max(1, klen.numel())).contiguous()
-    lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), K * N, _ptr(woff), int(w.dtype == torch.bfloat16),
-                        out.data_ptr(), nb, M, N, K, _ptr(kl), int(exact), _threads())
+        klen = klen.to(torch.int64).contiguous()
+        if klen.numel() * hb != nb:
+            return None
+    lib.am_lane_gemm_kn(x.data_ptr(), M * K, w.data_ptr(), sw, _ptr(index), hb, sh, int(w.dtype == torch.bfloat16),
+                        out.data_ptr(), nb, M, N, K, _ptr(klen), int(exact), _threads())
     return out
 
 

@@ -509,7 +509,8 @@ typedef struct {  /* one call's operands, shared by the two threads (K: Kp for t
     int wbf16, exact;
     float *out;
     i64 M, N, K;
-    const i64 *woff, *klen;  /* the kn form's per-matrix offsets and term counts, or NULL */
+    const i64 *index, *klen;  /* the kn form's: each group's slot and term count, or NULL */
+    i64 hb, sh;               /* its matrices per group and their stride in a slot */
 } lane_job;
 
 static void lane_part(const float *x, const void *w, int wbf16, int exact, float *out, i64 M, i64 N, i64 Kp,
@@ -550,11 +551,12 @@ void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, floa
 /* The lanes with the right operand as [K, N] (N contiguous): out[b, m, n] = the lanes' sum over k of
    x[b, m, k] w[b, k, n], lane j taking k = j, j + 8, ... in order, the tree as tree8: each output the
    chain am_lane_gemm computes for w transposed, vectorised over n instead of over the lanes. x [nb][M, K]
-   float32, w [nb][K, N] float32 or bfloat16, batch strides sx, sw in elements (woff: each matrix's
-   offset in elements instead, or NULL); K past the last whole lane counts as zero-padded. klen (or
-   NULL): matrix b's terms stop at k = klen[b], which is exact where x[b, :, k] is +0.0 and w[b, k]
-   finite from there on (each +0.0 or -0.0 product added to a lane leaves it as it is: a lane starts
-   at +0.0 and a sum of floats is -0.0 only where both addends are). out [nb][M, N] float32. */
+   float32, w [nb][K, N] float32 or bfloat16; K past the last whole lane counts as zero-padded. Matrix b
+   is (s, h) = (b / hb, b % hb): x at b * sx, w at row[s] * sw + h * sh elements, row[s] = index[s]
+   (or s where index is NULL). klen (or NULL): its terms stop at k = klen[s], which is exact where
+   x[b, :, k] is +0.0 and w[b, k] finite from there on (a +0.0 or -0.0 product added to a lane leaves
+   it as it is: a lane starts at +0.0, and a sum of floats is -0.0 only where both addends are).
+   out [nb][M, N] float32. */
 static void kn_batches(void *ctx, i64 lo, i64 hi) {
     lane_job *j = ctx;
     i64 M = j->M, N = j->N, K = j->K, Kp = (K + 7) / 8 * 8;
@@ -563,7 +565,8 @@ static void kn_batches(void *ctx, i64 lo, i64 hi) {
     for (i64 b = lo; b < hi; b++)
         for (i64 m = 0; m < M; m++) {
             const float *xm = j->x + b * j->sx + m * K;
-            i64 wb = j->woff ? j->woff[b] : b * j->sw, Ke = j->klen && j->klen[b] < K ? j->klen[b] : Kp;
+            i64 sq = b / j->hb, wb = (j->index ? j->index[sq] : sq) * j->sw + (b % j->hb) * j->sh;
+            i64 Ke = j->klen && j->klen[sq] < K ? j->klen[sq] : Kp;
             for (i64 i = 0; i < 8 * N; i++) acc[i] = 0.0f;
             for (i64 k = 0; k < Ke; k++) {
                 float *a = acc + (k % 8) * N;
@@ -596,9 +599,9 @@ static void kn_batches(void *ctx, i64 lo, i64 hi) {
     free(acc);
 }
 
-void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, const i64 *woff, int wbf16, float *out, i64 nb,
-                     i64 M, i64 N, i64 K, const i64 *klen, int exact, int threads) {
-    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, K, woff, klen};
+void am_lane_gemm_kn(const float *x, i64 sx, const void *w, i64 sw, const i64 *index, i64 hb, i64 sh, int wbf16,
+                     float *out, i64 nb, i64 M, i64 N, i64 K, const i64 *klen, int exact, int threads) {
+    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, K, index, klen, hb, sh};
     run_split(kn_batches, &job, nb, nb / 2, nb * M * N * K < SPLIT_MACS ? 1 : threads);
 }
 
