@@ -33,6 +33,7 @@ from . import norm as _norm
 from .configs import TorchKernelConfigs, TritonKernelConfigs
 from .ssd.chunk import replay_chunk
 from .ssd.decode import replay_decode
+from .ssd.plan import step_tables
 from .ssd.state import SSDState, SSMParams, Step
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class TritonBackend(Backend):
         if not self.compiled:
             return super().conv_advance(windows, step, x, w, b)
         dev = windows.device
-        cu, slots = step.derived(("conv", dev), lambda: conv_tables(step, dev))
+        cu, slots = step_tables(step, dev)
         if self._grad(x, w, b, windows):
             return self._ag.conv(x, cu, slots, windows, w, b, self.configs)
         return self._conv(x, cu, slots, windows, w, b, self.configs)
@@ -249,15 +250,6 @@ class TritonBackend(Backend):
             # arithmetic and touch the boundary state only when a chunk completes
             return self._decode.replay_decode_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
         return self._chunk.replay_chunk_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
-
-
-def conv_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's cu_seqlens [S+1] and slots [S] as int64 on ``device``, in one asynchronous copy."""
-    from .ssd.plan import host_to_device
-
-    n = step.slots.numel()
-    t = host_to_device(torch.cat([step.cu_seqlens, step.slots]).numpy(), device)
-    return t[:n + 1], t[n + 1:]
 
 
 _BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}

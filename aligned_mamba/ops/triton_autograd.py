@@ -53,7 +53,7 @@ from .norm_triton import (
     rms_norm_triton,
 )
 from .ssd.chunk import ChunkGrid, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
-from .ssd.plan import host_to_device
+from .ssd.plan import step_tables
 from .ssd.state import SSDState, SSMParams, Step
 from .ssd.triton_backward import chunk_scan_backward
 from .triton_math import dt_softplus_triton
@@ -331,7 +331,7 @@ def ssd_advance(run: Callable[[SSDState, Step, Tensor, Tensor, Tensor, Tensor, S
     dev = x.device
     off = step.start_pos % L  # on the host, as the step's tables are
     # the step's slots and chunk grid on the device, once for all its layers (no layer waits on the GPU)
-    slots = step.derived(("slots", dev), lambda: host_to_device(step.slots.numpy(), dev))
+    _, slots = step_tables(step, dev)
     grid = step.derived(("chunk_grid", L, dev), lambda: chunk_grid(step.cu_seqlens, off, L, dev))
     h0 = state.ssm_state[slots]  # a copy: the advance moves the boundary states in place
     # the buffers are read only where a slot has buffered rows (a trainer's forward from empty has none)

@@ -50,10 +50,11 @@ class DecodePlan:
     slot when the slots form one range (``first`` >= 0 is then the first slot and entry i is slot
     first + i), else the packed order. Per entry: ``slots`` [S], ``pos`` [S] the token's position in
     its chunk, ``row`` [S] its row in its tile, ``lay`` the tiles' ``TileLayout``, ``filled``
-    [S, 1, L] bool (chunk rows up to the token). ``put_x``/``put_B``: index tuples writing the token's
-    x [S, H, P] (and raw dt [S, H]) / B [S, G, N] rows into buffers of [slots, H | G, L, ...];
-    ``put_C`` places C [S, G, N] in the tile rows [S, G, R, N]. ``done`` [n] (None if none): entries
-    whose token completes its chunk, ``done_slots`` [n] their slots.
+    [S, 1, L] bool (chunk rows up to the token) and ``filled_len`` [S] (their number).
+    ``put_x``/``put_B``: index tuples writing the token's x [S, H, P] (and raw dt [S, H]) / B
+    [S, G, N] rows into buffers of [slots, H | G, L, ...]; ``put_C`` places C [S, G, N] in the tile
+    rows [S, G, R, N]. ``done`` [n] (None if none): entries whose token completes its chunk,
+    ``done_slots`` [n] their slots.
     """
 
     S: int
@@ -65,6 +66,7 @@ class DecodePlan:
     row: torch.Tensor
     lay: TileLayout
     filled: torch.Tensor
+    filled_len: torch.Tensor
     put_x: tuple[torch.Tensor, ...]
     put_B: tuple[torch.Tensor, ...]
     put_C: tuple[torch.Tensor, ...]
@@ -106,7 +108,7 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         S=S, first=first, order=None if perm is None else dev(perm),
         inverse=None if perm is None else dev(torch.argsort(perm)), slots=slots, pos=pos, row=row,
         lay=tile_layout(pos // R, L, R, live=row),
-        filled=(torch.arange(L, device=device)[None, :] <= pos[:, None])[:, None, :],
+        filled=(torch.arange(L, device=device)[None, :] <= pos[:, None])[:, None, :], filled_len=pos + 1,
         put_x=(slots[:, None], heads[None, :], pos[:, None]), put_B=(slots[:, None], groups[None, :], pos[:, None]),
         put_C=(seq[:, None], groups[None, :], row[:, None]),
         done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
@@ -128,7 +130,7 @@ def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, buf_x: torch
     CB = lanes(Cr, B_buf.reshape(S * G, L, N), dtype == torch.bfloat16)  # [S*G, 1, L]; bf16 C.B products are exact
     inter = lanes(Cr, h0.reshape(S * G, (H // G) * P, N))  # [S*G, 1, Hg*P]
     scores, e_in = native.decode_scores(a, dtc, CB, p.pos, G, R)  # [S*H, 1, L]
-    intra = native.lane_gemm_kn(scores.view(S, H, 1, L), buf_x, False, index=p.slots, klen=p.pos + 1)  # [S, H, 1, P]
+    intra = native.lane_gemm_kn(scores.view(S, H, 1, L), buf_x, False, index=p.slots, klen=p.filled_len)  # [S, H, 1, P]
     return native.decode_combine(inter, intra.view(S * H, 1, P), e_in, D, xt, p.pos, G, R, dtype)
 
 

@@ -34,10 +34,13 @@ Per row tile i of NT (R rows of one chunk holding at least one wanted row):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .state import Step
 
 
 @dataclass
@@ -184,6 +187,17 @@ def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def step_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's cu_seqlens [S+1] and slots [S] as int64 on ``device``, in one asynchronous copy made
+    once per step and device (``Step.derived``): every layer, forward and backward, shares it."""
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        n = step.slots.numel()
+        t = host_to_device(torch.cat([step.cu_seqlens, step.slots]).numpy(), device)
+        return t[:n + 1], t[n + 1:]
+
+    return step.derived(("step_tables", torch.device(device)), build)
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:
