@@ -459,6 +459,27 @@ def capture_graph(fn):
     return g, out
 
 
+def kernel_table(fn, n: int) -> list[dict]:
+    """GPU kernels of one call of fn(i) from torch.profiler over n calls (each from an idle GPU):
+    per kernel name, launches and microseconds per call, the largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            fn(i)
+            torch.cuda.synchronize()
+    acc: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            a = acc.setdefault(ev.name[:90], [0, 0.0])
+            a[0] += 1
+            a[1] += ev.device_time_total
+    rows = [{"kernel": k, "launches": c / n, "us": round(t / n, 2)} for k, (c, t) in acc.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def prefill_last_rows(model, cache, slots: list[int], seqs: list, max_tokens: int):
     """Advance each slot from empty over its sequence (all non-empty), in calls of at most
     ``max_tokens`` tokens; returns the logits of each sequence's last token [len(seqs), vocab]."""
@@ -592,7 +613,7 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
     pos = L * torch.randint(0, run.args.max_chunks, (batch,), generator=g) + torch.randint(0, L, (batch,), generator=g)
     slots = torch.randperm(batch, generator=g)  # scattered slots; slot `batch` is the graphs' spare
     hist = [torch.randint(0, V, (int(p),), generator=g) for p in pos]
-    n_rows = 1 + max(run.dec_warm + run.dec_n, run.eager_warm + run.eager_n)
+    n_rows = 2 + max(run.dec_warm + run.dec_n, run.eager_warm + run.eager_n)
     toks = torch.randint(0, V, (n_rows, batch), generator=g)  # row 0: the checked step; then the timed ones
     esize = config.torch_dtype.itemsize
     base = {"shape": name, "batch": batch, "pos_mean": float(pos.float().mean()), "max_chunks": run.args.max_chunks,
@@ -654,6 +675,8 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
 
             ts = run.times(gstep, run.dec_n, run.dec_warm, before=lambda i: run.sync())
             ge.update({f"ours_{k}": v for k, v in stats(ts).items()})
+            if run.args.profile:
+                ge["ours_kernels"] = kernel_table(lambda i: gstep(run.dec_warm + run.dec_n + i), 1)
             ge["ours_bytes"] = decode_bytes(config, batch, fills(1 + run.dec_warm, run.dec_n), wbytes, esize)[0]
             ge["completions"] = sum(f == L - 1 for fs in fills(1 + run.dec_warm, run.dec_n) for f in fs)
         except Exception as e:  # noqa: BLE001
@@ -739,6 +762,8 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
 
                 ts = run.times(sgraph, run.dec_n, run.dec_warm, before=lambda i: run.sync())
                 ge.update({f"stock_{k}": v for k, v in stats(ts).items()})
+                if run.args.profile:
+                    ge["stock_kernels"] = kernel_table(sgraph, 3)
                 del graph
             for e in (ge, ee):
                 e["stock_bytes"] = decode_bytes(config, batch, [[0] * batch], wbytes, esize)[1]
@@ -836,6 +861,7 @@ def main() -> int:
     ap.add_argument("--max-chunks", type=int, default=2, help="histories hold L k + U[0, L) tokens, k < this")
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also record each decode graph's kernels (torch.profiler)")
     args = ap.parse_args()
 
     if args.dry_run:

@@ -42,7 +42,8 @@ GEMM_SHAPES = [  # (name, K, N)
     ("130m.in_proj", 768, 3352), ("130m.out_proj", 1536, 768), ("130m.lm_head", 768, 50280),
     ("1.3b.in_proj", 2048, 8512), ("1.3b.out_proj", 4096, 2048), ("1.3b.lm_head", 2048, 50280),
     ("2.7b.in_proj", 2560, 10576), ("2.7b.out_proj", 5120, 2560),
-    ("8b.in_proj", 4096, 18560), ("8b.out_proj", 8192, 4096), ("lm_head_256k", 4096, 256000),
+    ("8b.in_proj", 4096, 18560), ("8b.out_proj", 8192, 4096), ("8b.lm_head", 4096, 131072),
+    ("lm_head_256k", 4096, 256000),
 ]
 TINY_SHAPES = [("tiny.in_proj", 64, 96), ("tiny.out_proj", 96, 64)]
 # --variants: config overrides tried per regime (each checked for the pinned config's bits)
@@ -54,7 +55,17 @@ VARIANTS = {
             dict(linear_mid_persistent=True),
             dict(linear_mid_persistent=True, linear_mid_block_n=64, linear_mid_stages=6),
             dict(linear_mid_persistent=True, linear_mid_block_m=128, linear_mid_warps=8, linear_mid_programs_per_sm=1),
-            dict(linear_mid_tma=False)],
+            dict(linear_mid_tma=False), dict(linear_mid_persistent=True, linear_mid_programs_per_sm=2),
+            dict(linear_mid_block_m=128, linear_mid_warps=8),
+            dict(linear_mid_block_m=128, linear_mid_warps=8, linear_mid_stages=3),
+            dict(linear_mid_block_m=128, linear_mid_block_n=256, linear_mid_warps=8, linear_mid_stages=3),
+            dict(linear_mid_block_m=128, linear_mid_block_n=256, linear_mid_warps=8, linear_mid_stages=3,
+                 linear_mid_persistent=True),
+            dict(linear_mid_block_n=256, linear_mid_stages=3),
+            dict(linear_mid_block_n=256, linear_mid_warps=8, linear_mid_stages=3),
+            dict(linear_mid_block_m=128, linear_mid_block_n=64, linear_mid_stages=4),
+            dict(linear_mid_block_m=256, linear_mid_warps=8, linear_mid_stages=3),
+            dict(linear_mid_warps=8)],
     "large": [dict(linear_fill_programs=0), dict(linear_stages=4), dict(linear_block_n=128, linear_stages=4)],
 }
 # bytes of weight copies a graph cycles through, so that small weights come from DRAM as in a model
@@ -166,13 +177,13 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
     peak = res["ceilings"]["cublas_tflops"]
     for name, K, N in shapes:
         g = torch.Generator(device=b.dev).manual_seed(K + N)
-        ms_here = list(ms_list) + ([32768] if name.endswith("in_proj") and cuda else [])
-        x = torch.randn(max(ms_here), K, device=b.dev, generator=g).to(dtype)
+        ms_here = list(ms_list) + ([32768] if name.endswith("in_proj") and cuda and 8192 in ms_list else [])
+        ref_m = 8192 if cuda else max(ms_list)
+        x = torch.randn(max(ms_here + [ref_m]), K, device=b.dev, generator=g).to(dtype)
         n_w = max(2, min(64, -(-ROTATE_BYTES // (N * K * 2)))) if cuda else 1
         ws = [(torch.randn(N, K, device=b.dev, generator=g) / K ** 0.5).to(dtype) for _ in range(n_w)]
         w = ws[0]
         # bits: rows of M-row calls against the same rows of one call of ref_m rows
-        ref_m = 8192 if cuda else max(ms_list)
         ours_full = lt.linear_triton(x[:ref_m], w, None, cfg)
         cub_full = F.linear(x[:ref_m], w)
         for M in [m for m in (1, 2, 7, 64, 256, 1000, 2048) if m < ref_m]:
@@ -418,6 +429,7 @@ def main() -> int:
     ap.add_argument("--op-variants", action="store_true", help="also time other norm/conv/logprobs configs")
     ap.add_argument("--sections", default="host,gemm,ops")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")
+    ap.add_argument("--ms", default=None, help="comma-separated GEMM row counts (default 1,16,64,128,256,2048,8192)")
     args = ap.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -450,6 +462,8 @@ def main() -> int:
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     ms_list = [1, 5, 20] if args.dry_run else [1, 16, 64, 128, 256, 2048, 8192]
+    if args.ms:
+        ms_list = [int(m) for m in args.ms.split(",")]
     for sec, fn in (("host", lambda: host_section(b, res)),
                     ("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save)),
                     ("ops", lambda: ops_section(b, res, args.variants, save, args.op_variants))):
