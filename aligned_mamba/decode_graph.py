@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .models.causal_lm import Cache, CausalLM
+from .ops.ssd.plan import decode_tables_key, step_tables_key
 from .replay import Batch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -123,8 +124,8 @@ class DecodeGraphs:
             L = getattr(getattr(state, "ssd", None), "chunk_size", None)
             if L is not None:
                 # every entry is checked for a completing chunk on the device (completes=True)
-                batch._derived[("decode", L, dev)] = (tables[0], tables[1], True)
-        batch._derived[("conv", dev)] = (cu, tables[0])
+                batch._derived[decode_tables_key(L, dev)] = (tables[0], tables[1], True)
+        batch._derived[step_tables_key(dev)] = (cu, tables[0])
         return batch
 
 

@@ -189,6 +189,18 @@ def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor
     return t.to(device, non_blocking=True)
 
 
+def decode_tables_key(chunk_size: int, device: torch.device) -> tuple:
+    """The ``Step.derived`` key of a decode step's (slots, positions, completing entries) on
+    ``device`` (a captured decode step puts its static buffers there, ``decode_graph``)."""
+    return ("decode", chunk_size, torch.device(device))
+
+
+def step_tables_key(device: torch.device) -> tuple:
+    """The ``Step.derived`` key of ``step_tables`` on ``device`` (a captured decode step puts its
+    static buffers there, ``decode_graph``)."""
+    return ("step_tables", torch.device(device))
+
+
 def step_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's cu_seqlens [S+1] and slots [S] as int64 on ``device``, in one asynchronous copy made
     once per step and device (``Step.derived``): every layer, forward and backward, shares it."""
@@ -197,7 +209,7 @@ def step_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.T
         t = host_to_device(torch.cat([step.cu_seqlens, step.slots]).numpy(), device)
         return t[:n + 1], t[n + 1:]
 
-    return step.derived(("step_tables", torch.device(device)), build)
+    return step.derived(step_tables_key(device), build)
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:

@@ -55,7 +55,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import TritonKernelConfigs
 from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
-from .plan import host_to_device
+from .plan import decode_tables_key, host_to_device
 from .state import SSDState, SSMParams, Step
 from .triton_dot import dot_acc, tensor_core_dots
 
@@ -695,5 +695,5 @@ def replay_decode_triton(
         t = host_to_device(torch.cat([step.slots, step.start_pos, done]).numpy(), dev)  # one copy
         return t[:n], t[n:2 * n], t[2 * n:] if done.numel() else False
 
-    slots_d, pos_d, done_d = step.derived(("decode", L, dev), tables)
+    slots_d, pos_d, done_d = step.derived(decode_tables_key(L, dev), tables)
     return decode_step_triton(state, slots_d, pos_d, x, dt, B, C, params, cfg=cfg, completes=done_d)
