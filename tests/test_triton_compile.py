@@ -97,3 +97,66 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
     # 12 kernel configs per dot mode (2 of the backward's); pack, buffer, row, reverse pass and zero kernels
     assert len(done) == 3 * 12 + 5, done
+
+
+_COMPLETION_DOTS = r"""
+import inspect, json, os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
+
+cfg = TritonKernelConfigs()
+i64 = "*i64"
+
+
+def dot_accumulators(fn, types, consts, fuse):
+    # what each tt.dot of the kernel's TTIR accumulates onto: a zero constant, a loop-carried value,
+    # or the result of another operation (named)
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, enable_fp_fusion=fuse))
+    ir = k.asm["ttir"].splitlines()
+    defs = {m.group(1): m.group(2) for m in (re.match(r"\s*(%[\w.]+) = ([\w.]+)", ln) for ln in ir) if m}
+    out = []
+    for ln in ir:
+        m = re.search(r"= tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", ln)
+        if m:
+            d = defs.get(m.group(3))
+            line = next((x for x in ir if re.match(rf"\s*{re.escape(m.group(3))} = ", x)), "")
+            out.append("loop" if d is None else "zero" if d == "arith.constant" and "dense<0.0" in line else d)
+    return out
+
+
+res = {}
+for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
+    fuse = not TC
+    D = dict(H=4, G=2, L=L, P=64, N=32)
+    bf = "*bf16" if TC else "*fp32"
+    rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64, chunk_ptr=i64)
+    prefill = dot_accumulators(tc._chunk_state_kernel, dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, **rows),
+                               dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_NS=td.state_block_n(32),
+                                    PRECISION=cfg.dot_precision, TC=TC), fuse)
+    decode = dot_accumulators(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64,
+                                                      seq_ptr=i64, n="i32"),
+                              dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=td.state_block_n(32),
+                                   PRECISION=cfg.dot_precision, TC=TC, LISTED=False, QB=td.COMPLETION_BLOCK,
+                                   PDL=False), fuse)
+    res[f"TC{TC} L{L}"] = [prefill, decode]
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_completion_dots_accumulate_as_the_chunk_states(tmp_path):
+    """A decode step's chunk completion (``_update_kernel``) adds the chunk state to the decayed
+    boundary state after its dots, as the prefill's state pass adds the stored chunk state. With a
+    one-block K loop (chunk size <= block_k) Triton folds ``d + dot(a, b, 0)`` into ``dot(a, b, d)``,
+    a chain seeded with d: other bits (seen on the H200 at chunk 32, fp32). Each dot of the
+    completion must accumulate onto what the prefill's chunk-state dot accumulates onto."""
+    res = run_sm90_script(_COMPLETION_DOTS, tmp_path)
+    for case, (prefill, decode) in res.items():
+        assert prefill and decode == prefill, (case, prefill, decode)

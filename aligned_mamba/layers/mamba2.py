@@ -126,14 +126,6 @@ class Mamba2Mixer:
                                  "alignment in the scan's GEMMs; refused")
         if c.num_heads % c.n_groups:
             raise ModelLoadError(f"num_heads {c.num_heads} is not divisible by n_groups {c.n_groups}")
-        if backend.name == "triton" and backend.device.type == "cuda" and dtype == torch.float32 and \
-                (c.state_size < 64 or chunk_size < 64):
-            # measured on the H200: a decode step's chunk completion can leave another boundary
-            # state than the prefill's at these sizes (tests/test_triton_decode.py, fp32 completion;
-            # state 32 and 64 at chunk 32 differ); only state and chunk sizes >= 64 measured equal
-            raise ModelLoadError(f"fp32 Mamba2 layers with state_size {c.state_size} and chunk_size {chunk_size} are "
-                                 "refused on the triton GPU backend: decode completions are bit-identical to the "
-                                 "prefill there only at state and chunk sizes >= 64")
         self.config = config
         self.backend = backend
         self.dtype = dtype

@@ -481,7 +481,10 @@ def _update_kernel(
         off = (sh * P + p[:, None]) * N + n_[None, :]
         hs = tl.load(state_ptr + off, mask=m, other=0.0)
         decay = tl.exp(tl.load(a_ptr + qa + L - 1))
-        hs = decay * hs + acc
+        # The prefill stores the chunk state and its state pass adds it. Here the add must not reach
+        # the dot: when the K loop has one block (L == BLOCK_K) Triton folds `d + dot(a, b, 0)` into
+        # `dot(a, b, d)`, a chain seeded with d, which rounds otherwise. The select keeps it apart.
+        hs = decay * hs + tl.where(m, acc, 0.0)
         tl.store(state_ptr + off, hs, mask=m)
 
 
