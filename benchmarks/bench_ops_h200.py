@@ -202,7 +202,7 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
             for _ in range(1 if variants else 2):
                 t_ours = min(t_ours, b.graph_ms([lambda w=w: lt.linear_triton(xm, w, None, cfg) for w in wl]))
                 t_cub = min(t_cub, b.graph_ms([lambda w=w: F.linear(xm, w) for w in wl]))
-            p = lt.plan(M, w, cfg)
+            p = lt.plan(M, w, cfg, sms=lt._num_sms(b.dev))
             e = dict(shape=name, K=K, N=N, M=M, ours_ms=round(t_ours, 5), cublas_ms=round(t_cub, 5),
                      ours_over_cublas=round(t_ours / t_cub, 3),
                      tiles=f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
@@ -228,7 +228,7 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
                 regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
                 for v in VARIANTS[regime]:
                     c = dataclasses.replace(cfg, **v)
-                    q = lt.plan(M, w, c)
+                    q = lt.plan(M, w, c, sms=lt._num_sms(b.dev))
                     tiles = (f"{q.block_m}x{q.block_n} w{q.num_warps} s{q.num_stages}" + (" tma" if q.tma else " ptr")
                              + (f" persistent{q.programs_per_sm}" if q.persistent else ""))
                     try:

@@ -38,7 +38,8 @@ PREREQUISITES: dict[str, dict[str, Any]] = {
     "linear_decode_persistent": {"linear_decode_tma": True},
     "linear_decode_programs_per_sm": {"linear_decode_tma": True, "linear_decode_persistent": True},
     "linear_mid_programs_per_sm": {"linear_mid_persistent": True},
-    "linear_mid_tma": {"linear_mid_persistent": False},
+    "linear_mid_persistent": {"linear_mid_programs_per_sm": 1},
+    "linear_mid_tma": {"linear_mid_persistent": False, "linear_mid_programs_per_sm": 1},
     "linear_tma": {"linear_persistent": False, "linear_epi_split": 1},
 }
 SINGLE_VALUED = {"dot_precision"}  # "ieee" is the only value the kernels implement
@@ -84,8 +85,11 @@ def _workload(cfg: TritonKernelConfigs) -> None:
         return torch.randn(*shape, generator=g).to(dtype)
 
     K = 256
-    for M, N, dtype in [(1, 16384, BF16), (12, 16384, BF16), (200, 16384, BF16), (8192, 1024, BF16),
-                        (8192, 64, BF16), (100, 1024, F32)]:
+    # mid: a persistent grid, one just above its tile threshold, the large tile (an lm_head), one just
+    # above its threshold and one below (the CPU counts 4 SMs)
+    for M, N, dtype in [(1, 16384, BF16), (12, 16384, BF16), (64, 16384, BF16), (64, 160, BF16),
+                        (200, 16384, BF16), (200, 1536, BF16), (200, 160, BF16), (8192, 1024, BF16), (8192, 64, BF16),
+                        (100, 1024, F32)]:
         x, w = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
         lt.linear_triton(x, w, None, cfg)
     D = 2048

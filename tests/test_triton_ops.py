@@ -27,7 +27,8 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 CFG = TritonKernelConfigs()
 # every regime on pointer loads (a persistent grid and split stores need TMA)
-NO_TMA = dataclasses.replace(CFG, linear_tma=False, linear_persistent=False, linear_epi_split=1, linear_mid_tma=False)
+NO_TMA = dataclasses.replace(CFG, linear_tma=False, linear_persistent=False, linear_epi_split=1, linear_mid_tma=False,
+                             linear_mid_persistent=False, linear_mid_programs_per_sm=1)
 
 
 def gpu(f):
@@ -64,28 +65,44 @@ def test_the_mid_regime_cannot_end_below_the_decode_regime():
 def test_plan_takes_the_tile_of_each_m_regime_and_one_k_block():
     w = torch.empty(50280, 8, dtype=torch.bfloat16)  # enough columns that no N tile is halved
     c = CFG
-    tiles = {M: lt.plan(M, w, c) for M in (1, c.linear_decode_max_m, c.linear_decode_max_m + 1, c.linear_mid_max_m,
-                                           c.linear_mid_max_m + 1, 8192)}
+    mid_m = c.linear_block_m - 1  # below the rows of the large tile: the mid tile whatever N
+    tiles = {M: lt.plan(M, w, c, sms=132) for M in (1, c.linear_decode_max_m, c.linear_decode_max_m + 1, mid_m,
+                                                    c.linear_mid_max_m + 1, 8192)}
     assert (tiles[1].block_m, tiles[1].block_n, tiles[1].tma) == (c.linear_decode_block_m, c.linear_decode_block_n,
                                                                   c.linear_decode_tma)
     assert tiles[c.linear_decode_max_m] == tiles[1]
-    assert (tiles[c.linear_mid_max_m].block_m, tiles[c.linear_mid_max_m].block_n) == (c.linear_mid_block_m,
-                                                                                        c.linear_mid_block_n)
+    assert (tiles[mid_m].block_m, tiles[mid_m].block_n) == (c.linear_mid_block_m, c.linear_mid_block_n)
     assert (tiles[8192].block_m, tiles[8192].block_n, tiles[8192].persistent) == (c.linear_block_m, c.linear_block_n,
                                                                                   c.linear_persistent)
     assert {t.block_k for t in tiles.values()} == {c.linear_block_k}
-    f32 = {lt.plan(M, w.float(), c) for M in (1, 100, 8192)}
+    f32 = {lt.plan(M, w.float(), c, sms=132) for M in (1, 100, 8192)}
     assert len(f32) == 1 and next(iter(f32)).block_k == c.linear_fp32_block_k
+
+
+def test_mid_calls_take_the_large_tile_and_a_persistent_grid_only_where_the_tiles_fill_the_gpu():
+    c = CFG
+    M = c.linear_mid_max_m
+    head = lt.plan(M, torch.empty(50280, 8, dtype=torch.bfloat16), c, sms=132)  # 2 x 197 large tiles
+    assert (head.block_m, head.block_n) == (c.linear_block_m, c.linear_block_n)
+    proj = lt.plan(M, torch.empty(18560, 8, dtype=torch.bfloat16), c, sms=132)  # 2 x 73 large tiles: too few
+    assert (proj.block_m, proj.block_n, proj.persistent) == (c.linear_mid_block_m, c.linear_mid_block_n, True)
+    assert proj.programs_per_sm == c.linear_mid_programs_per_sm
+    small = lt.plan(64, torch.empty(4096, 8, dtype=torch.bfloat16), c, sms=132)  # out_proj: 256 tiles after fill
+    assert not small.persistent and small.programs_per_sm == 1
+    never = dataclasses.replace(c, linear_mid_large_min_tiles_per_sm=0)
+    assert lt.plan(M, torch.empty(50280, 8, dtype=torch.bfloat16), never, sms=132).block_m == c.linear_mid_block_m
+    assert lt.plan(M, torch.empty(50280, 8, dtype=torch.bfloat16), c, sms=1024).block_m == c.linear_mid_block_m
 
 
 def test_few_output_columns_halve_the_n_tile_and_keep_the_k_block():
     c = dataclasses.replace(CFG, linear_fill_programs=132)
-    p = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), c)  # out_proj of a 2048-wide model
+    p = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), c, sms=132)  # out_proj of a 2048-wide model
     assert p.block_n < c.linear_decode_block_n and p.block_k == c.linear_block_k
     assert 2048 // p.block_n >= 128 or p.block_n == 16
-    big = lt.plan(1, torch.empty(50280, 8, dtype=torch.bfloat16), c)
+    big = lt.plan(1, torch.empty(50280, 8, dtype=torch.bfloat16), c, sms=132)
     assert big.block_n == c.linear_decode_block_n
-    off = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), dataclasses.replace(c, linear_fill_programs=0))
+    off = lt.plan(1, torch.empty(2048, 8, dtype=torch.bfloat16), dataclasses.replace(c, linear_fill_programs=0),
+                  sms=132)
     assert off.block_n == c.linear_decode_block_n
 
 

@@ -50,9 +50,9 @@ def comp(name, fn, types, consts, **opts):
 # every GEMM plan the model shapes (N of each layer) meet at decode, mid and prefill sizes, and fp32's
 plans = {}
 for N in (768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000):
-    for M in (1, cfg.linear_decode_max_m, 64, cfg.linear_mid_max_m, 8192):
+    for M in (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m, 8192):
         for dt in ("bf16", "fp32"):
-            p = lt.plan(M, torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32), cfg)
+            p = lt.plan(M, torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32), cfg, sms=132)
             plans[(dt, p)] = None
 for dt, p in plans:
     tag = f"linear:{dt}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"

@@ -77,6 +77,10 @@ class TritonKernelConfigs:
       linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
         (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
         of that many programs per SM looping over the tiles, else one program per tile).
+      linear_mid_persistent_min_tiles_per_sm: the mid grid is persistent only from this many tiles
+        per SM (a persistent program per tile runs slower than a plain grid).
+      linear_mid_large_min_tiles_per_sm: mid calls of M >= linear_block_m rows take the large tile
+        where it makes at least this many tiles per SM (0: never).
       linear_block_m, linear_block_n, linear_warps, linear_stages, linear_tma, linear_persistent,
         linear_programs_per_sm: the large tile; linear_epi_split: its output stored in 1 or 2 halves.
       linear_group_m: row tiles per group of the grouped order (x rows shared through L2).
@@ -119,8 +123,10 @@ class TritonKernelConfigs:
     linear_mid_warps: int = 4
     linear_mid_stages: int = 4
     linear_mid_tma: bool = True
-    linear_mid_persistent: bool = False
-    linear_mid_programs_per_sm: int = 1
+    linear_mid_persistent: bool = True
+    linear_mid_programs_per_sm: int = 2
+    linear_mid_persistent_min_tiles_per_sm: int = 2
+    linear_mid_large_min_tiles_per_sm: int = 2
     linear_block_m: int = 128
     linear_block_n: int = 256
     linear_warps: int = 8
@@ -179,7 +185,8 @@ class TritonKernelConfigs:
                 if getattr(self, pre + "programs_per_sm") != 1 and not getattr(self, pre + "persistent"):
                     raise ValueError(f"{pre}programs_per_sm {getattr(self, pre + 'programs_per_sm')} refused without "
                                      f"{pre}persistent: a grid of one program per tile")
-        for name in ("linear_decode_max_m", "linear_mid_max_m", "linear_fill_programs"):
+        for name in ("linear_decode_max_m", "linear_mid_max_m", "linear_fill_programs",
+                     "linear_mid_persistent_min_tiles_per_sm", "linear_mid_large_min_tiles_per_sm"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"{name} {v!r} refused: expected an int >= 0")

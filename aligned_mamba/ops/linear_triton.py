@@ -129,18 +129,35 @@ class LinearPlan:
     programs_per_sm: int = 1
 
 
-def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs) -> LinearPlan:
-    """The tiles for M rows of a layer with this weight [N, K], from ``cfg``'s linear_* fields.
+def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
+    """The tiles for M rows of a layer with this weight [N, K] on a GPU of ``sms`` multiprocessors,
+    from ``cfg``'s linear_* fields.
 
     bf16: M <= linear_decode_max_m takes the decode tile, M <= linear_mid_max_m the mid tile, larger
-    M the large tile; then the N tile is halved while the grid has fewer than linear_fill_programs
-    tiles. fp32: one tile for every M. The K block is linear_block_k (linear_fp32_block_k for fp32)
-    in every regime, so only the tile changes with M, never the K loop.
+    M the large tile. In the mid regime, M >= linear_block_m rows take the large tile where it makes
+    at least linear_mid_large_min_tiles_per_sm tiles per SM (an lm_head), and the mid grid is
+    persistent (linear_mid_persistent) only from linear_mid_persistent_min_tiles_per_sm tiles per SM.
+    Then the N tile is halved while the grid has fewer than linear_fill_programs tiles. fp32: one
+    tile for every M. The K block is linear_block_k (linear_fp32_block_k for fp32) in every regime,
+    so only the tile and the schedule change with M and N, never the K loop.
     """
     if weight.dtype == torch.float32:
         return _plan("fp32", cfg)
-    p = _plan("decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large", cfg)
-    return _fill(p, triton.cdiv(M, p.block_m), weight.shape[0], cfg.linear_fill_programs)
+    N = weight.shape[0]
+    regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
+    p = _plan(regime, cfg)
+    if regime == "mid" and cfg.linear_mid_large_min_tiles_per_sm and M >= cfg.linear_block_m:
+        big = _plan("large", cfg)
+        if _tiles(M, N, big) >= cfg.linear_mid_large_min_tiles_per_sm * sms:
+            return _fill(big, triton.cdiv(M, big.block_m), N, cfg.linear_fill_programs)
+    p = _fill(p, triton.cdiv(M, p.block_m), N, cfg.linear_fill_programs)
+    if regime == "mid" and p.persistent and _tiles(M, N, p) < cfg.linear_mid_persistent_min_tiles_per_sm * sms:
+        p = dataclasses.replace(p, persistent=False, programs_per_sm=1)
+    return p
+
+
+def _tiles(M: int, N: int, p: LinearPlan) -> int:
+    return triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,7 +227,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    p = tiles or plan(M, weight, cfg)
+    p = tiles or plan(M, weight, cfg, sms=_num_sms(x.device))
     num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
     progs = min(num_tiles, _num_sms(x.device) * p.programs_per_sm) if p.persistent else num_tiles
     has_bias = bias is not None
