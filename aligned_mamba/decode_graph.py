@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .models.causal_lm import Cache, CausalLM
@@ -60,21 +61,23 @@ class DecodeGraphs:
         """One decode step: sequence i (in ``slots[i]``, ``positions[i]`` tokens already consumed)
         takes ``token_ids[i]``. Returns its logits rows [B, vocab] in the model dtype: a view of the
         graph's static output, valid until the next step of this bucket (clone what you keep)."""
-        slots, positions, token_ids = (torch.as_tensor(t, dtype=torch.int64).reshape(-1)
-                                       for t in (slots, positions, token_ids))
-        n = slots.numel()
-        if positions.numel() != n or token_ids.numel() != n or n == 0:
-            raise ValueError(f"{n} slots, {positions.numel()} positions, {token_ids.numel()} tokens")
+        # numpy on the host: the step's host work runs before its copy and replay reach the GPU
+        slots, positions, token_ids = (_host_ints(t) for t in (slots, positions, token_ids))
+        n = slots.size
+        if positions.size != n or token_ids.size != n or n == 0:
+            raise ValueError(f"{n} slots, {positions.size} positions, {token_ids.size} tokens")
         V = self.model.shape.vocab_size
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= V:
+        if token_ids.min() < 0 or token_ids.max() >= V:
             raise ValueError(f"token ids must lie in [0, {V})")
-        if len(set(slots.tolist())) != n or self.spare in set(slots.tolist()):
+        distinct = set(slots.tolist())
+        if len(distinct) != n or self.spare in distinct:
             raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
         b = self.bucket(n)
         c = self._graphs.get(b) or self._capture(b)
         c.copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
-        c.host[0, :n], c.host[1, :n], c.host[2, :n] = slots, positions, token_ids
-        c.host[0, n:], c.host[1, n:], c.host[2, n:] = self.spare, 0, 0
+        h = c.host_np
+        h[0, :n], h[1, :n], h[2, :n] = slots, positions, token_ids
+        h[0, n:], h[1:, n:] = self.spare, 0
         c.tables.copy_(c.host, non_blocking=True)  # pinned: ordered on the stream, no wait for the device
         c.copied.record()
         c.graph.replay()
@@ -109,7 +112,7 @@ class DecodeGraphs:
         copied.record(torch.cuda.current_stream(dev))
         # the batch holds device tables made before the capture (the conv's offsets): the graph reads
         # their memory at every replay, so they live as long as the graph
-        self._graphs[b] = _Captured(graph, tables, host, logits, copied, batch)
+        self._graphs[b] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
         return self._graphs[b]
 
     def _batch(self, b: int, tables: torch.Tensor) -> Batch:
@@ -129,6 +132,13 @@ class DecodeGraphs:
         return batch
 
 
+def _host_ints(t: Sequence[int] | torch.Tensor) -> np.ndarray:
+    """t as a flat int64 array on the host."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+    return np.asarray(t, dtype=np.int64).reshape(-1)
+
+
 @dataclass
 class _Captured:
     """One bucket's graph and everything its replays read or write."""
@@ -136,6 +146,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     tables: torch.Tensor  # [3, b] int64 on the device: slots, positions, token ids
     host: torch.Tensor  # [3, b] pinned: the next step's tables
+    host_np: np.ndarray  # a numpy view of ``host``
     logits: torch.Tensor  # [b, vocab]: the graph's output
     copied: torch.cuda.Event  # after the last copy out of ``host``
     batch: Batch  # owns the device tables the graph reads

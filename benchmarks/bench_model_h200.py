@@ -677,6 +677,10 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
             ge.update({f"ours_{k}": v for k, v in stats(ts).items()})
             if run.args.profile:
                 ge["ours_kernels"] = kernel_table(lambda i: gstep(run.dec_warm + run.dec_n + i), 1)
+                # the graph alone, without the step's host work (its tables as the last step left them)
+                g = graphs._graphs[graphs.bucket(batch)].graph
+                ts = run.times(lambda i: g.replay(), run.dec_n, run.dec_warm, before=lambda i: run.sync())
+                ge["ours_replay_ms"] = stats(ts)["ms"]
             ge["ours_bytes"] = decode_bytes(config, batch, fills(1 + run.dec_warm, run.dec_n), wbytes, esize)[0]
             ge["completions"] = sum(f == L - 1 for fs in fills(1 + run.dec_warm, run.dec_n) for f in fs)
         except Exception as e:  # noqa: BLE001
@@ -764,6 +768,8 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
                 ge.update({f"stock_{k}": v for k, v in stats(ts).items()})
                 if run.args.profile:
                     ge["stock_kernels"] = kernel_table(sgraph, 3)
+                    ts = run.times(lambda i: graph.replay(), run.dec_n, run.dec_warm, before=lambda i: run.sync())
+                    ge["stock_replay_ms"] = stats(ts)["ms"]
                 del graph
             for e in (ge, ee):
                 e["stock_bytes"] = decode_bytes(config, batch, [[0] * batch], wbytes, esize)[1]
@@ -862,6 +868,8 @@ def main() -> int:
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record each decode graph's kernels (torch.profiler)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the decode kernels without programmatic dependent launch (scheduling only)")
     args = ap.parse_args()
 
     if args.dry_run:
@@ -873,6 +881,11 @@ def main() -> int:
     from aligned_mamba import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    if args.no_pdl:
+        from aligned_mamba.ops.ssd import triton_decode
+
+        triton_decode.PDL = False
 
     if not args.dry_run and not torch.cuda.is_available():
         log("no CUDA device: run with --dry-run on a CPU")
