@@ -431,7 +431,7 @@ def _next_completing(qi, done):
     return q.to(tl.int64), done & (qi != q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n, the entries listed, changes from step to step
 def _update_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr, n,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
@@ -488,7 +488,7 @@ def _update_kernel(
         tl.store(state_ptr + off, hs, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n, the entries listed, changes from step to step
 def _zero_kernel(
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, slots_ptr, pos_ptr, seq_ptr, n,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
