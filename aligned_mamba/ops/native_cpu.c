@@ -385,7 +385,11 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
         v8f acc[MR][NR];                                                                               \
         for (int m = 0; m < MR; m++)                                                                   \
             for (int n = 0; n < NR; n++) acc[m][n] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};                    \
+        /* the next block's weight rows (contiguous after these), a share per step of k */             \
+        const char *pf = (const char *)w + NR * ldw * (WBF16 ? 2 : 4);                                 \
+        i64 pstep = (NR * ldw * (WBF16 ? 2 : 4) + KB - 1) / KB;                                        \
         for (i64 kb = 0; kb < KB; kb++) {                                                              \
+            for (i64 o = 0; o < pstep; o += 64) __builtin_prefetch(pf + kb * pstep + o, 0, 0);         \
             v8f wv[NR];                                                                                \
             for (int n = 0; n < NR; n++)                                                               \
                 wv[n] = WBF16 ? load8_bf16((const uint16_t *)w + n * ldw + kb * 8)                     \
@@ -400,27 +404,52 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
             for (int n = 0; n < NR; n++) out[m * ldo + n] = tree8(acc[m][n]);                          \
     }
 
+/* One row: blocks of 8 columns. Several rows: column blocks outside, row pairs inside, so a block of
+   weight columns is read from memory once and from L1 for the other rows (the row pairs outside
+   streamed the weight once per pair). */
 #define LANE_FAMILY(P, WBF16, FMA)                                                                     \
+    LANE_BLOCK(P##_4x2, WBF16, FMA, 4, 2)                                                              \
+    LANE_BLOCK(P##_4x1, WBF16, FMA, 4, 1)                                                              \
     LANE_BLOCK(P##_2x4, WBF16, FMA, 2, 4)                                                              \
     LANE_BLOCK(P##_2x1, WBF16, FMA, 2, 1)                                                              \
     LANE_BLOCK(P##_1x8, WBF16, FMA, 1, 8)                                                              \
+    LANE_BLOCK(P##_1x4, WBF16, FMA, 1, 4)                                                              \
     LANE_BLOCK(P##_1x1, WBF16, FMA, 1, 1)                                                              \
     static void P(const float *x, const void *w, float *out, i64 M, i64 N, i64 Kp, i64 ldo) {          \
-        i64 KB = Kp / 8, m = 0;                                                                        \
+        i64 KB = Kp / 8, M2 = M / 2 * 2;                                                               \
         size_t es = WBF16 ? 2 : 4;                                                                     \
-        for (; m + 2 <= M; m += 2) {                                                                   \
+        if (M == 1) {                                                                                  \
             i64 n = 0;                                                                                 \
-            for (; n + 4 <= N; n += 4)                                                                 \
-                P##_2x4(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
-            for (; n < N; n++)                                                                         \
-                P##_2x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
+            for (; n + 8 <= N; n += 8) P##_1x8(x, Kp, (const char *)w + n * Kp * es, Kp, out + n, ldo, KB);\
+            for (; n < N; n++) P##_1x1(x, Kp, (const char *)w + n * Kp * es, Kp, out + n, ldo, KB);    \
+            return;                                                                                    \
         }                                                                                              \
-        for (; m < M; m++) {                                                                           \
-            i64 n = 0;                                                                                 \
-            for (; n + 8 <= N; n += 8)                                                                 \
-                P##_1x8(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
-            for (; n < N; n++)                                                                         \
-                P##_1x1(x + m * Kp, Kp, (const char *)w + n * Kp * es, Kp, out + m * ldo + n, ldo, KB);\
+        i64 n = 0, M4 = M / 4 * 4;                                                                     \
+        if (M4) {                                                                                      \
+            for (; n + 2 <= N; n += 2) {                                                               \
+                const char *wn = (const char *)w + n * Kp * es;                                        \
+                for (i64 m = 0; m < M4; m += 4) P##_4x2(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);\
+                for (i64 m = M4; m < M; m++) {                                                         \
+                    P##_1x1(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);                       \
+                    P##_1x1(x + m * Kp, Kp, wn + Kp * es, Kp, out + m * ldo + n + 1, ldo, KB);         \
+                }                                                                                      \
+            }                                                                                          \
+            for (; n < N; n++) {                                                                       \
+                const char *wn = (const char *)w + n * Kp * es;                                        \
+                for (i64 m = 0; m < M4; m += 4) P##_4x1(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);\
+                for (i64 m = M4; m < M; m++) P##_1x1(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);\
+            }                                                                                          \
+            return;                                                                                    \
+        }                                                                                              \
+        for (; n + 4 <= N; n += 4) {                                                                   \
+            const char *wn = (const char *)w + n * Kp * es;                                            \
+            for (i64 m = 0; m < M2; m += 2) P##_2x4(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);\
+            if (M2 < M) P##_1x4(x + M2 * Kp, Kp, wn, Kp, out + M2 * ldo + n, ldo, KB);                 \
+        }                                                                                              \
+        for (; n < N; n++) {                                                                           \
+            const char *wn = (const char *)w + n * Kp * es;                                            \
+            for (i64 m = 0; m < M2; m += 2) P##_2x1(x + m * Kp, Kp, wn, Kp, out + m * ldo + n, ldo, KB);\
+            if (M2 < M) P##_1x1(x + M2 * Kp, Kp, wn, Kp, out + M2 * ldo + n, ldo, KB);                 \
         }                                                                                              \
     }
 
@@ -521,28 +550,34 @@ static void lane_part(const float *x, const void *w, int wbf16, int exact, float
     else lane_f32(x, w, out, M, N, Kp, ldo);
 }
 
+/* matrix b's w: (s, h) = (b / hb, b % hb) at row[s] * sw + h * sh elements, row[s] = index[s] (or s) */
+static const char *lane_w(const lane_job *j, i64 b) {
+    i64 s = b / j->hb;
+    return (const char *)j->w + ((j->index ? j->index[s] : s) * j->sw + (b % j->hb) * j->sh) * (j->wbf16 ? 2 : 4);
+}
+
 static void lane_batches(void *ctx, i64 lo, i64 hi) {  /* matrices lo .. hi-1 */
     lane_job *j = ctx;
-    size_t es = j->wbf16 ? 2 : 4;
     for (i64 b = lo; b < hi; b++)
-        lane_part(j->x + b * j->sx, (const char *)j->w + b * j->sw * es, j->wbf16, j->exact, j->out + b * j->M * j->N,
-                  j->M, j->N, j->K, j->N);
+        lane_part(j->x + b * j->sx, lane_w(j, b), j->wbf16, j->exact, j->out + b * j->M * j->N, j->M, j->N, j->K, j->N);
 }
 
 static void lane_columns(void *ctx, i64 lo, i64 hi) {  /* one matrix, output columns lo .. hi-1 */
     lane_job *j = ctx;
     size_t es = j->wbf16 ? 2 : 4;
-    lane_part(j->x, (const char *)j->w + lo * j->K * es, j->wbf16, j->exact, j->out + lo, j->M, hi - lo, j->K, j->N);
+    lane_part(j->x, lane_w(j, 0) + lo * j->K * es, j->wbf16, j->exact, j->out + lo, j->M, hi - lo, j->K, j->N);
 }
 
-/* nb GEMMs: x [nb][M, Kp] float32 and w [nb][N, Kp] (float32, or bfloat16 if wbf16), both
-   zero-padded to Kp, a multiple of 8, each matrix contiguous, batch strides sx and sw in elements
-   (0: one matrix for all); out [nb][M, N] float32, contiguous. exact: every product is exact
-   (bfloat16 values in both), so fused multiply-adds give the same bits. threads: 1, or 2 to let
-   the worker take part of the outputs. */
-void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, int wbf16, float *out, i64 nb, i64 M, i64 N,
-                  i64 Kp, int exact, int threads) {
-    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, Kp};
+/* nb GEMMs: x [nb][M, Kp] float32 and w [N, Kp] matrices (float32, or bfloat16 if wbf16), both
+   zero-padded to Kp, a multiple of 8, each matrix contiguous; x's batch stride sx in elements.
+   Matrix b is (s, h) = (b / hb, b % hb), its w at row[s] * sw + h * sh elements, row[s] = index[s]
+   (or s where index is NULL; sw = sh = 0: one matrix for all), so a slot-indexed state is read in
+   place. out [nb][M, N] float32, contiguous. exact: every product is exact (bfloat16 values in
+   both), so fused multiply-adds give the same bits. threads: 1, or 2 to let the worker take part
+   of the outputs. */
+void am_lane_gemm(const float *x, i64 sx, const void *w, i64 sw, const i64 *index, i64 hb, i64 sh, int wbf16,
+                  float *out, i64 nb, i64 M, i64 N, i64 Kp, int exact, int threads) {
+    lane_job job = {x, sx, w, sw, wbf16, exact, out, M, N, Kp, index, NULL, hb, sh};
     if (nb * M * N * Kp < SPLIT_MACS) threads = 1;
     if (nb == 1) run_split(lane_columns, &job, N, N / 16 * 8, threads);  /* a multiple of 8 columns each side */
     else run_split(lane_batches, &job, nb, nb / 2, threads);
@@ -614,7 +649,7 @@ void am_linear(const void *x, int xdt, i64 ldx, const void *w, int wbf16, const 
     float *xp = scratch, *acc = scratch + M * Kp;
     for (i64 m = 0; m < M; m++)
         for (i64 k = 0; k < Kp; k++) xp[m * Kp + k] = k < K ? load(x, m * ldx + k, xdt) : 0.0f;
-    am_lane_gemm(xp, 0, w, 0, wbf16, acc, 1, M, N, Kp, exact, threads);
+    am_lane_gemm(xp, 0, w, 0, NULL, 1, 0, wbf16, acc, 1, M, N, Kp, exact, threads);
     for (i64 m = 0; m < M; m++)
         for (i64 n = 0; n < N; n++) {
             float v = acc[m * N + n];
