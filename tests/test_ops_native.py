@@ -223,6 +223,22 @@ def test_lane_gemm_kn_reads_slots_in_place_and_stops_where_the_terms_are_zero() 
                      native.lane_gemm_kn(x, w[index].contiguous(), False))
 
 
+def test_lane_gemm_reads_slots_in_place() -> None:
+    """The decode's C.h and C.B GEMMs read each sequence's state at its slot (strided slots and groups,
+    no copy): the bits of the same GEMMs over a gathered copy; another slot's state gives others."""
+    g = torch.Generator().manual_seed(1)
+    for wdtype, exact in ((torch.float32, False), (torch.bfloat16, True)):
+        big = torch.randn(10, 2, 24, 16, generator=g).to(wdtype)
+        w = big[::2]  # [5 slots, G, N, Kp] with a doubled slot stride
+        index = torch.tensor([3, 0, 4])
+        x = torch.randn(3, 2, 1, 16, generator=g)
+        if exact:
+            x = x.bfloat16().float()
+        want = native.lane_gemm(x, w[index].contiguous(), exact)
+        assert _same(native.lane_gemm(x, w, exact, index=index), want)
+        assert not _same(native.lane_gemm(x, w, exact, index=index.roll(1)), want)
+
+
 def test_lane_gemm_bf16_weights_for_many_rows_have_the_fp32_weights_bits() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 264, generator=g).bfloat16().float()

@@ -52,9 +52,19 @@ def make_inputs(seed: int, T: int, H: int, P: int, G: int, N: int, dtype: torch.
             torch.randn(T, G, N, generator=g).to(dtype), torch.randn(T, G, N, generator=g).to(dtype))
 
 
-def allocate(slots: int, sc: dict) -> SSDState:
-    return SSDState.allocate(slots, heads=sc["H"], head_dim=sc["P"], groups=sc["G"], state_size=sc["N"],
-                             chunk_size=sc["L"], dtype=DTYPES[sc["dtype"]])
+def allocate(slots: int, sc: dict, paged: bool = False) -> SSDState:
+    """The state; ``paged``: each slot's tensors inside a larger page, as vLLM lays them out (the slot
+    strides exceed the slots' blocks, which stay contiguous), read in place by the decode."""
+    st = SSDState.allocate(slots, heads=sc["H"], head_dim=sc["P"], groups=sc["G"], state_size=sc["N"],
+                           chunk_size=sc["L"], dtype=DTYPES[sc["dtype"]])
+    if not paged:
+        return st
+    out = []
+    for t in st.tensors():
+        block = t[0].numel()
+        page = torch.zeros(slots, block + 24, dtype=t.dtype)
+        out.append(page[:, 8:8 + block].view(slots, *t.shape[1:]))
+    return SSDState(*out)
 
 
 @st.composite
@@ -67,9 +77,10 @@ def scenario(draw):
     # a boundary (the first decoded token completes the chunk) or exactly on one
     prefix = [draw(st.one_of(st.integers(0, 2 * L), st.sampled_from([L - 1, L, 2 * L - 1])))
               for _ in range(S)]
-    return dict(H=H, G=G, P=draw(st.sampled_from([8, 16, 32])), N=draw(st.sampled_from([8, 16, 32])), L=L,
+    return dict(H=H, G=G, P=draw(st.sampled_from([8, 16, 32])), N=draw(st.sampled_from([8, 12, 16, 32])), L=L,
                 prefix=prefix, steps=draw(st.integers(1, 24)), layout=draw(st.sampled_from(["range", "shuffled",
-                "scattered"])), dtype=draw(st.sampled_from(list(DTYPES))), D_per_channel=draw(st.booleans()),
+                "scattered"])), paged=draw(st.booleans()), dtype=draw(st.sampled_from(list(DTYPES))),
+                D_per_channel=draw(st.booleans()),
                 limit=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
                 # the GEMM form and whether ops.native's loops run (every path must give the single pass's bits)
                 path=draw(st.sampled_from(["lanes-native", "lanes-torch", "tiles"])))
@@ -114,7 +125,7 @@ def _run(sc: dict, cfg: TorchKernelConfigs):
 
     g = torch.Generator().manual_seed(sc["seed"] + 7)
     slots, num_slots = slot_layout(sc, g)
-    state = allocate(num_slots, sc)
+    state = allocate(num_slots, sc, sc.get("paged", False))
     pre = [i for i in range(S) if sc["prefix"][i] > 0]
     if pre:
         rows = torch.cat([torch.arange(starts[i], starts[i] + sc["prefix"][i]) for i in pre])

@@ -94,7 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.am_decode_scores.argtypes = [p, p, p, p, *[i64] * 6, p, p]
     lib.am_decode_combine.argtypes = [p, p, p, p, i, p, p, *[i64] * 6, p, i]
     lib.am_lane_gemm_kn.argtypes = [p, i64, p, i64, p, i64, i64, i, p, i64, i64, i64, i64, p, i, i]
-    lib.am_lane_gemm.argtypes = [p, i64, p, i64, i, p, i64, i64, i64, i64, i, i]
+    lib.am_lane_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i, p, i64, i64, i64, i64, i, i]
     lib.am_linear.argtypes = [p, i, i64, p, i, p, i, p, i64, i64, i64, i64, i, p, i]
     lib.am_conv_step.argtypes = [p, i64, p, p, i64, i, p, p, p, i64, i64, i64, i, p]
     for fn in (lib.am_linear, lib.am_conv_step, lib.am_lane_gemm, lib.am_lane_gemm_kn, lib.am_unary, lib.am_tree_sum,
@@ -308,24 +308,34 @@ def decode_combine(inter: torch.Tensor, intra: torch.Tensor, e_in: torch.Tensor,
     return y
 
 
-def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor | None:
+def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool, *,
+              index: torch.Tensor | None = None) -> torch.Tensor | None:
     """``linear.lane_matmul``'s sums: x [..., M, Kp] float32, w [..., N, Kp] float32 or bfloat16 (both
     zero-padded to Kp, a multiple of 8; batch dims equal, or w without them) -> [..., M, N] float32.
     ``exact``: every product is exact (bfloat16 values), so fused multiply-adds give the same bits.
-    None where it does not apply."""
+    index [S] int64: x [S, G, M, Kp] takes w [slots, G, N, Kp] at slots ``index`` (any slot and G
+    strides, [N, Kp] contiguous), read in place. None where it does not apply."""
     if x.dtype != torch.float32 or not _ok(x, w) or (lib := library()) is None:
         return None
     M, Kp = x.shape[-2:]
     N = w.shape[-2]
     batch = x.shape[:-2]
-    if w.dim() > 2 and w.shape[:-2] != batch:
+    if index is not None:
+        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (x.shape[1], N, Kp)
+                or w.stride(3) != 1 or w.stride(2) != Kp):
+            return None
+        hb, sw, sh = x.shape[1], w.stride(0), w.stride(1)
+        index = index.to(torch.int64).contiguous()
+    elif w.dim() > 2 and w.shape[:-2] != batch:
         return None
+    else:
+        w = w.contiguous()
+        hb, sw, sh = 1, N * Kp if w.dim() > 2 else 0, 0
     x = x.contiguous().view(-1, M, Kp)
-    w = w.contiguous()
     nb = x.shape[0]
     out = torch.empty(*batch, M, N)
-    lib.am_lane_gemm(x.data_ptr(), M * Kp, w.data_ptr(), N * Kp if w.dim() > 2 else 0,
-                     int(w.dtype == torch.bfloat16), out.data_ptr(), nb, M, N, Kp, int(exact), _threads())
+    lib.am_lane_gemm(x.data_ptr(), M * Kp, w.data_ptr(), sw, _ptr(index), hb, sh, int(w.dtype == torch.bfloat16),
+                     out.data_ptr(), nb, M, N, Kp, int(exact), _threads())
     return out
 
 

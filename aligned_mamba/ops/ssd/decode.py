@@ -37,7 +37,7 @@ import torch
 
 from .. import native
 from ..configs import TorchKernelConfigs
-from ..linear import lanes
+from ..linear import LANES, lanes
 from .chunk import TileLayout, chunk_states, dt_softplus, fold_state, tile_layout, tile_outputs
 from .state import SSDState, SSMParams, Step
 
@@ -114,24 +114,33 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
 
 
-def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, buf_x: torch.Tensor, B_buf: torch.Tensor,
-                 h0: torch.Tensor, xt: torch.Tensor, Cr: torch.Tensor, D: torch.Tensor, R: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, state: SSDState, xt: torch.Tensor,
+                 Cr: torch.Tensor, D: torch.Tensor, R: int, dtype: torch.dtype) -> torch.Tensor:
     """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
     the same bits, with the elementwise work in ``ops.native``'s loops and the GEMMs reading the
-    buffers (buf_x [slots, H, L, P], the whole slot-indexed buffer, and the chunk's B [S, G, L, N],
-    in ``dtype``, the model's) as they are. The scores past each token are +0.0 and so are the
-    buffer rows there, so the scores' GEMM stops at the token's row (``lane_gemm_kn``'s klen).
-    a, dtc [S, H, L] float32; h0 [S, H, P, N]; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in
-    float32. Returns y [S, H, P] in ``dtype``."""
-    S, G, L, N = B_buf.shape
-    H, P = buf_x.shape[1], buf_x.shape[3]
-    Cr = Cr.view(S * G, 1, N)
-    CB = lanes(Cr, B_buf.reshape(S * G, L, N), dtype == torch.bfloat16)  # [S*G, 1, L]; bf16 C.B products are exact
-    inter = lanes(Cr, h0.reshape(S * G, (H // G) * P, N))  # [S*G, 1, Hg*P]
-    scores, e_in = native.decode_scores(a, dtc, CB, p.pos, G, R)  # [S*H, 1, L]
+    state's buffers and boundary states (slot-indexed, in ``dtype``, the model's, and float32) in
+    place at the plan's slots. The scores past each token are +0.0 and so are the buffer rows
+    there, so the scores' GEMM stops at the token's row (``lane_gemm_kn``'s klen).
+    a, dtc [S, H, L] float32; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in float32.
+    Returns y [S, H, P] in ``dtype``."""
+    buf_x, buf_B, h = state.buf_x, state.buf_B, state.ssm_state
+    S, (G, L, N), (H, P) = p.S, buf_B.shape[1:], (buf_x.shape[1], buf_x.shape[3])
+    exact = dtype == torch.bfloat16  # bf16 C.B products are exact
+    C4 = Cr.view(S, G, 1, N)
+    CB = inter = None
+    if N % LANES == 0:  # whole lanes: the GEMMs read the slots in place
+        CB = native.lane_gemm(C4, buf_B, exact, index=p.slots)  # [S, G, 1, L]
+        if h.shape[0] and h[0].is_contiguous():
+            hg = h.as_strided((h.shape[0], G, (H // G) * P, N), (h.stride(0), (H // G) * P * N, N, 1))
+            inter = native.lane_gemm(C4, hg, False, index=p.slots)  # [S, G, 1, Hg*P]
+    if CB is None:
+        CB = lanes(Cr.view(S * G, 1, N), p.take(buf_B).reshape(S * G, L, N), exact)
+    if inter is None:
+        inter = lanes(Cr.view(S * G, 1, N), p.take(h).reshape(S * G, (H // G) * P, N))
+    scores, e_in = native.decode_scores(a, dtc, CB.view(S * G, 1, L), p.pos, G, R)  # [S*H, 1, L]
     intra = native.lane_gemm_kn(scores.view(S, H, 1, L), buf_x, False, index=p.slots, klen=p.filled_len)  # [S, H, 1, P]
-    return native.decode_combine(inter, intra.view(S * H, 1, P), e_in, D, xt, p.pos, G, R, dtype)
+    return native.decode_combine(inter.view(S * G, 1, (H // G) * P), intra.view(S * H, 1, P), e_in, D, xt, p.pos,
+                                 G, R, dtype)
 
 
 def replay_decode(
@@ -189,11 +198,12 @@ def replay_decode(
         d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
         dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
         a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
-    h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
+    h0 = None  # [S, H, P, N] float32, the chunks' boundary states, where a copy is needed
     xc = Bc = None
     if native_rows:
-        y = _native_rows(p, a, dtc, state.buf_x, p.take(state.buf_B), h0, xt, Cr, params.D, R, x.dtype)
+        y = _native_rows(p, a, dtc, state, xt, Cr, params.D, R, x.dtype)
     else:
+        h0 = p.take(state.ssm_state)
         xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
         Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
         Ct = torch.zeros(S, G, R, N, device=dev)
@@ -204,9 +214,12 @@ def replay_decode(
     if p.done is not None:
         d_ = p.done
         if xc is None:  # the completed chunks' operands, as pack_chunks builds them
-            xc, Bc = (p.take(buf).to(f32) for buf in (state.buf_x, state.buf_B))
-        cs, cd = chunk_states(a[d_], dtc[d_], xc[d_], Bc[d_])
-        state.ssm_state[p.done_slots] = fold_state(h0[d_], cd, cs)
+            x_done, B_done = (buf.index_select(0, p.done_slots).to(f32) for buf in (state.buf_x, state.buf_B))
+        else:
+            x_done, B_done = xc[d_], Bc[d_]
+        cs, cd = chunk_states(a[d_], dtc[d_], x_done, B_done)
+        h_done = state.ssm_state.index_select(0, p.done_slots) if h0 is None else h0[d_]
+        state.ssm_state[p.done_slots] = fold_state(h_done, cd, cs)
         for buf in (state.buf_x, state.buf_dt, state.buf_B):
             buf.index_fill_(0, p.done_slots, 0)
     if p.inverse is not None:
