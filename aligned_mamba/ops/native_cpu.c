@@ -528,7 +528,10 @@ static void run_split(part_fn fn, void *ctx, i64 n, i64 split, int threads) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-#define SPLIT_MACS 524288  /* work below which a call runs alone (the handoff costs tens of microseconds) */
+/* Work below which a call runs alone: the handoff costs tens of microseconds, and a decode step's
+   GEMMs (a few million multiply-adds each, one after another) ran slower split than alone, in a
+   vLLM engine (whose threads share the cores) and outside it. */
+#define SPLIT_MACS 33554432
 
 typedef struct {  /* one call's operands, shared by the two threads (K: Kp for the lanes' [N, Kp] form) */
     const float *x;
