@@ -31,6 +31,7 @@ and the state and buffers are read through views of that range, not gathered.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,9 @@ class DecodePlan:
     [S, 1, L] bool (chunk rows up to the token) and ``filled_len`` [S] (their number).
     ``put_x``/``put_B``: index tuples writing the token's x [S, H, P] (and raw dt [S, H]) / B
     [S, G, N] rows into buffers of [slots, H | G, L, ...]; ``put_C`` places C [S, G, N] in the tile
-    rows [S, G, R, N]. ``done`` [n] (None if none): entries whose token completes its chunk,
-    ``done_slots`` [n] their slots.
+    rows [S, G, R, N] (lay, filled and the put_ tuples are made on first use: the torch forms').
+    ``done`` [n] (None if none): entries whose token completes its chunk, ``done_slots`` [n] their
+    slots. L, R, H, G: chunk size, row tile, heads, groups.
     """
 
     S: int
@@ -64,18 +66,41 @@ class DecodePlan:
     slots: torch.Tensor
     pos: torch.Tensor
     row: torch.Tensor
-    lay: TileLayout
-    filled: torch.Tensor
     filled_len: torch.Tensor
-    put_x: tuple[torch.Tensor, ...]
-    put_B: tuple[torch.Tensor, ...]
-    put_C: tuple[torch.Tensor, ...]
     done: torch.Tensor | None
     done_slots: torch.Tensor | None
+    L: int
+    R: int
+    H: int
+    G: int
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The plan's slots of a slot-indexed tensor, in plan order: a view when they are one range."""
         return t.narrow(0, self.first, self.S) if self.first >= 0 else t.index_select(0, self.slots)
+
+    # The torch forms' tables, made when first asked for (the native loops need none of them)
+    @functools.cached_property
+    def lay(self) -> TileLayout:
+        return tile_layout(self.pos // self.R, self.L, self.R, live=self.row)
+
+    @functools.cached_property
+    def filled(self) -> torch.Tensor:
+        return (torch.arange(self.L, device=self.pos.device)[None, :] <= self.pos[:, None])[:, None, :]
+
+    @functools.cached_property
+    def put_x(self) -> tuple[torch.Tensor, ...]:
+        heads = torch.arange(self.H, device=self.pos.device)
+        return self.slots[:, None], heads[None, :], self.pos[:, None]
+
+    @functools.cached_property
+    def put_B(self) -> tuple[torch.Tensor, ...]:
+        groups = torch.arange(self.G, device=self.pos.device)
+        return self.slots[:, None], groups[None, :], self.pos[:, None]
+
+    @functools.cached_property
+    def put_C(self) -> tuple[torch.Tensor, ...]:
+        dev = self.pos.device
+        return torch.arange(self.S, device=dev)[:, None], torch.arange(self.G, device=dev)[None, :], self.row[:, None]
 
 
 def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device) -> DecodePlan:
@@ -101,17 +126,11 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         return t.to(device)
 
     slots, pos = dev(slots_h), dev(pos_h)
-    seq = torch.arange(S, device=device)
-    heads, groups = torch.arange(H, device=device), torch.arange(G, device=device)
-    row = pos % R
     return DecodePlan(
         S=S, first=first, order=None if perm is None else dev(perm),
-        inverse=None if perm is None else dev(torch.argsort(perm)), slots=slots, pos=pos, row=row,
-        lay=tile_layout(pos // R, L, R, live=row),
-        filled=(torch.arange(L, device=device)[None, :] <= pos[:, None])[:, None, :], filled_len=pos + 1,
-        put_x=(slots[:, None], heads[None, :], pos[:, None]), put_B=(slots[:, None], groups[None, :], pos[:, None]),
-        put_C=(seq[:, None], groups[None, :], row[:, None]),
-        done=dev(done_h) if done_h.numel() else None, done_slots=dev(slots_h[done_h]) if done_h.numel() else None)
+        inverse=None if perm is None else dev(torch.argsort(perm)), slots=slots, pos=pos, row=pos % R,
+        filled_len=pos + 1, done=dev(done_h) if done_h.numel() else None,
+        done_slots=dev(slots_h[done_h]) if done_h.numel() else None, L=L, R=R, H=H, G=G)
 
 
 def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, state: SSDState, xt: torch.Tensor,
