@@ -404,9 +404,8 @@ static inline v8f fmadd(v8f acc, v8f x, v8f w) {
             for (int n = 0; n < NR; n++) out[m * ldo + n] = tree8(acc[m][n]);                          \
     }
 
-/* One row: blocks of 8 columns. Several rows: column blocks outside, row pairs inside, so a block of
-   weight columns is read from memory once and from L1 for the other rows (the row pairs outside
-   streamed the weight once per pair). */
+/* One row: blocks of 8 columns. Several rows: column blocks outside, row quads (or pairs) inside, so
+   a block of weight columns comes from memory once and from L1 for the other rows. */
 #define LANE_FAMILY(P, WBF16, FMA)                                                                     \
     LANE_BLOCK(P##_4x2, WBF16, FMA, 4, 2)                                                              \
     LANE_BLOCK(P##_4x1, WBF16, FMA, 4, 1)                                                              \
@@ -528,9 +527,9 @@ static void run_split(part_fn fn, void *ctx, i64 n, i64 split, int threads) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-/* Work below which a call runs alone: the handoff costs tens of microseconds, and a decode step's
-   GEMMs (a few million multiply-adds each, one after another) ran slower split than alone, in a
-   vLLM engine (whose threads share the cores) and outside it. */
+/* Work below which a call runs alone: waking the worker costs tens of microseconds, more than it
+   saves on a decode step's GEMMs (a few million multiply-adds each), and in a vLLM engine its
+   threads share the cores with the worker. */
 #define SPLIT_MACS 33554432
 
 typedef struct {  /* one call's operands, shared by the two threads (K: Kp for the lanes' [N, Kp] form) */
