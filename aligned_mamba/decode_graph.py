@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .models.causal_lm import Cache, CausalLM
-from .ops.ssd.plan import decode_tables_key, step_tables_key
+from .ops.ssd.plan import decode_tables_key, host_ints, step_tables_key
 from .replay import Batch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -62,7 +62,7 @@ class DecodeGraphs:
         takes ``token_ids[i]``. Returns its logits rows [B, vocab] in the model dtype: a view of the
         graph's static output, valid until the next step of this bucket (clone what you keep)."""
         # numpy on the host: the step's host work runs before its copy and replay reach the GPU
-        slots, positions, token_ids = (_host_ints(t) for t in (slots, positions, token_ids))
+        slots, positions, token_ids = (host_ints(t).reshape(-1) for t in (slots, positions, token_ids))
         n = slots.size
         if positions.size != n or token_ids.size != n or n == 0:
             raise ValueError(f"{n} slots, {positions.size} positions, {token_ids.size} tokens")
@@ -130,13 +130,6 @@ class DecodeGraphs:
                 batch._derived[decode_tables_key(L, dev)] = (tables[0], tables[1], True)
         batch._derived[step_tables_key(dev)] = (cu, tables[0])
         return batch
-
-
-def _host_ints(t: Sequence[int] | torch.Tensor) -> np.ndarray:
-    """t as a flat int64 array on the host."""
-    if isinstance(t, torch.Tensor):
-        return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
-    return np.asarray(t, dtype=np.int64).reshape(-1)
 
 
 @dataclass

@@ -91,7 +91,8 @@ class AdvancePlan:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "Any"}
 
 
-def _np(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
+def host_ints(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
+    """t as an int64 array on the host (a device tensor is copied back)."""
     if isinstance(t, torch.Tensor):
         return t.detach().to("cpu", torch.int64).numpy()
     return np.asarray(t, dtype=np.int64)
@@ -119,14 +120,14 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
     if L % R:
         raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
-    lens, off = _np(lens), _np(off)
+    lens, off = host_ints(lens), host_ints(off)
     S = lens.shape[0]
     # The kernels trust these tables (no bounds checks on the device): a bad batch fails here.
     if lens.ndim != 1 or off.shape != lens.shape:
         raise ValueError(f"lens and off must be [S] each, not {lens.shape} and {off.shape}")
     if S and (int(lens.min()) < 0 or int(off.min()) < 0 or int(off.max()) >= L):
         raise ValueError(f"every sequence needs lens >= 0 new rows and 0 <= off < chunk_size {L}")
-    slot = np.arange(S, dtype=np.int64) if slots is None else _np(slots)
+    slot = np.arange(S, dtype=np.int64) if slots is None else host_ints(slots)
     if slot.shape != lens.shape:
         raise ValueError(f"slots must be [{S}], not {tuple(slot.shape)}")
     T = int(lens.sum())
