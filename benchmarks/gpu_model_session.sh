@@ -3,7 +3,7 @@
 # against a stock engine's parts, and `aligned-mamba check --backend triton`.
 #
 #   OUT=/path bash benchmarks/gpu_model_session.sh        # from the repository root
-#   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m" ...
+#   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m 1.3b" CHECK_JOBS=2 ...
 #   STEPS="tests scanbwd train" TEST_FILES=tests/test_triton_backward.py TRAIN_ARGS="--quick --profile"  (training)
 #
 # Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the stock columns.
@@ -48,17 +48,19 @@ if [[ " $STEPS " == *" check "* ]]; then
   for m in ${CHECK:-tiny}; do
     args=()
     if [ "$m" != tiny ]; then
+      # drawn on the GPU by the benchmark's rules: models.tiny's CPU generation takes minutes at 1.3b
       python3 - "$m" "/tmp/ckpt_$m" <<'PY'
 import sys
-from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
-shapes = {"130m": dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, num_heads=24),
-          "1.3b": dict(vocab_size=50280, hidden_size=2048, num_hidden_layers=48, num_heads=64)}
-cfg, tensors = make_tiny(0, head_dim=64, state_size=128, **shapes[sys.argv[1]])
-save_checkpoint(sys.argv[2], cfg, tensors)
+import torch
+from aligned_mamba.models.mamba2 import save_checkpoint
+from benchmarks.bench_model_h200 import SHAPES, device_weights, make_config
+config = make_config(SHAPES["mamba2-" + sys.argv[1]], 256, "bfloat16")
+tensors = {name: t.cpu() for name, t in device_weights(config, torch.device("cuda"), 0).items()}
+save_checkpoint(sys.argv[2], config, tensors)
 PY
       args=(--model "/tmp/ckpt_$m" ${CHECK_ARGS:-})
     fi
-    timeout "${CHECK_S:-240}" python3 -m aligned_mamba.cli check --backend triton --jobs 1 "${args[@]}" \
+    timeout "${CHECK_S:-240}" python3 -m aligned_mamba.cli check --backend triton --jobs "${CHECK_JOBS:-1}" "${args[@]}" \
       --json "$OUT/check_$m.json" 2>&1 | tee "$OUT/check_$m.log"
     echo "== check $m exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/check_$m.log"
   done
