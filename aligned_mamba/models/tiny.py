@@ -55,9 +55,14 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator)
 
 
 def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6 (exact in float64, bounded to [-6, 6])."""
-    u = torch.rand((12, *shape), generator=gen, dtype=torch.float32).to(torch.float64)
-    return u.sum(dim=0) - 6.0
+    """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6 (exact in float64, bounded to [-6, 6]).
+
+    The twelve draws are the stream ``torch.rand((12, *shape))`` takes, one shape at a time: every
+    partial sum is exact, so this holds two tensors of the shape instead of twelve in float64."""
+    total = torch.zeros(shape, dtype=torch.float64)
+    for _ in range(12):
+        total += torch.rand(shape, generator=gen, dtype=torch.float32)
+    return total - 6.0
 
 
 def _per_head(fn: Callable[[float], float], shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
