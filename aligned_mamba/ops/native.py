@@ -236,9 +236,20 @@ def tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out
 
 
-def _slot_stride(buf: torch.Tensor) -> int | None:
+def slot_stride(buf: torch.Tensor) -> int | None:
     """A slot-major buffer's slot stride, where each slot's block is contiguous; else None."""
     return buf.stride(0) if buf.dim() and buf.shape[0] and buf[0].is_contiguous() else None
+
+
+def _slot_matrices(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, rows: int,
+                   cols: int) -> tuple[int, int, int, torch.Tensor] | None:
+    """For x [S, Hb, M, ...] whose item (s, j) takes the matrix w[index[s], j], w [slots, Hb, rows, cols]:
+    (Hb, w's slot stride, its Hb stride, index as contiguous int64), where each [rows, cols] matrix is
+    contiguous; else None."""
+    if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (x.shape[1], rows, cols)
+            or w.stride(3) != 1 or w.stride(2) != cols):
+        return None
+    return x.shape[1], w.stride(0), w.stride(1), index.to(torch.int64).contiguous()
 
 
 def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
@@ -252,7 +263,7 @@ def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x
     ts = (buf_x, buf_dt, buf_B, x, dt, B, C)
     if not _ok(*ts) or len({t.dtype for t in ts}) != 1 or (lib := library()) is None:
         return None
-    strides = [_slot_stride(b) for b in (buf_x, buf_dt, buf_B)]
+    strides = [slot_stride(b) for b in (buf_x, buf_dt, buf_B)]
     S = slots.numel()
     rows = [t.reshape(S, -1) for t in (x, dt, B, C)]  # views where the rows are contiguous
     lds = [_row_stride(t) for t in rows]
@@ -321,11 +332,9 @@ def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool, *,
     N = w.shape[-2]
     batch = x.shape[:-2]
     if index is not None:
-        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (x.shape[1], N, Kp)
-                or w.stride(3) != 1 or w.stride(2) != Kp):
+        if (slotted := _slot_matrices(x, w, index, N, Kp)) is None:
             return None
-        hb, sw, sh = x.shape[1], w.stride(0), w.stride(1)
-        index = index.to(torch.int64).contiguous()
+        hb, sw, sh, index = slotted
     elif w.dim() > 2 and w.shape[:-2] != batch:
         return None
     else:
@@ -356,12 +365,9 @@ def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool, *, index: torch.
     M, K = x.shape[-2:]
     N = w.shape[-1]
     if index is not None:
-        hb = x.shape[1] if x.dim() == 4 else -1
-        if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (hb, K, N)
-                or w.stride(3) != 1 or w.stride(2) != N):
+        if (slotted := _slot_matrices(x, w, index, K, N)) is None:
             return None
-        sw, sh = w.stride(0), w.stride(1)
-        index = index.to(torch.int64).contiguous()
+        hb, sw, sh, index = slotted
     elif w.shape[:-2] != x.shape[:-2]:
         return None
     else:
@@ -408,7 +414,7 @@ def conv_step(windows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weigh
     (rows contiguous; windows' dtype), slots [S] -> out [S, Cd] in x's dtype. None where it does not
     apply (nothing written then)."""
     if (not _ok(windows, x, weight, bias) or x.dtype != windows.dtype or (lib := library()) is None
-            or (ldx := _row_stride(x)) is None or (sw := _slot_stride(windows)) is None):
+            or (ldx := _row_stride(x)) is None or (sw := slot_stride(windows)) is None):
         return None
     S, Cd = x.shape
     K = windows.shape[1] + 1

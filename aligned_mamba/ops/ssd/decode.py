@@ -149,7 +149,7 @@ def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, state: SSDSt
     CB = inter = None
     if N % LANES == 0:  # whole lanes: the GEMMs read the slots in place
         CB = native.lane_gemm(C4, buf_B, exact, index=p.slots)  # [S, G, 1, L]
-        if h.shape[0] and h[0].is_contiguous():
+        if native.slot_stride(h) is not None:  # each slot's [H, P, N] contiguous: viewed per group
             hg = h.as_strided((h.shape[0], G, (H // G) * P, N), (h.stride(0), (H // G) * P * N, N, 1))
             inter = native.lane_gemm(C4, hg, False, index=p.slots)  # [S, G, 1, Hg*P]
     if CB is None:
