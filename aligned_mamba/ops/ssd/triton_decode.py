@@ -480,7 +480,7 @@ def _update_kernel(
         m = pm[:, None] & nm[None, :]
         off = (sh * P + p[:, None]) * N + n_[None, :]
         hs = tl.load(state_ptr + off, mask=m, other=0.0)
-        decay = tl.exp(tl.load(a_ptr + qa + L - 1))
+        decay = tl.exp(a_last)
         # The prefill stores the chunk state and its state pass adds it. Here the add must not reach
         # the dot: when the K loop has one block (L == BLOCK_K) Triton folds `d + dot(a, b, 0)` into
         # `dot(a, b, d)`, a chain seeded with d, which rounds otherwise. The select keeps it apart.
