@@ -92,6 +92,16 @@ class DecodeGraphs:
             if b not in self._graphs:
                 self._capture(b)
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The buckets whose graphs are captured, ascending."""
+        return tuple(sorted(self._graphs))
+
+    def graph(self, n: int) -> torch.cuda.CUDAGraph:
+        """The captured graph that decodes a step of ``n`` sequences (for profiling the replay alone:
+        a replay repeats the bucket's last step, writing its states again). KeyError if not captured."""
+        return self._graphs[self.bucket(n)].graph
+
     def _capture(self, b: int) -> _Captured:
         # the device as the layers' tensors name it (cuda:0): part of the keys of their derived tables
         dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)

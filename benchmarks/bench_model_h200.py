@@ -678,7 +678,7 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
             if run.args.profile:
                 ge["ours_kernels"] = kernel_table(lambda i: gstep(run.dec_warm + run.dec_n + i), 1)
                 # the graph alone, without the step's host work (its tables as the last step left them)
-                g = graphs._graphs[graphs.bucket(batch)].graph
+                g = graphs.graph(batch)
                 ts = run.times(lambda i: g.replay(), run.dec_n, run.dec_warm, before=lambda i: run.sync())
                 ge["ours_replay_ms"] = stats(ts)["ms"]
             ge["ours_bytes"] = decode_bytes(config, batch, fills(1 + run.dec_warm, run.dec_n), wbytes, esize)[0]
