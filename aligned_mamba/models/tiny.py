@@ -57,8 +57,9 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator)
 def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6 (exact in float64, bounded to [-6, 6]).
 
-    The twelve draws are the stream ``torch.rand((12, *shape))`` takes, one shape at a time: every
-    partial sum is exact, so this holds two tensors of the shape instead of twelve in float64."""
+    The twelve draws are the stream ``torch.rand((12, *shape))`` takes, one shape at a time; every
+    partial sum is exact, so the bits are those of one sum over all twelve, with two tensors of the
+    shape held instead of twelve float64 ones."""
     total = torch.zeros(shape, dtype=torch.float64)
     for _ in range(12):
         total += torch.rand(shape, generator=gen, dtype=torch.float32)
