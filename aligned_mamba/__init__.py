@@ -6,6 +6,7 @@ logits the trainer computes for it, bit for bit.
 
 Public API:
     load_model(path, contract=None) -> CausalLM   # model.forward(sequences) -> the trainer's logits
+    token_logprobs(logits, token_ids, temperature=1.0) -> float32 logprobs (the contract's log-softmax)
     verify(trainer_logits, sampler_logits) -> VerifyReport
     rows_digest(rows) -> str; hardware_class(device=None) -> HardwareClass
     Contract, check_compatible
@@ -35,6 +36,23 @@ def load_model(path: Any, contract: Contract | None = None, device: Any = None, 
 
     return _load(path, contract, device, cast=cast)
 
+
+def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contract: Contract | None = None) -> Any:
+    """The contract's logprob of ``token_ids`` under ``logits`` / ``temperature``: [..., V] logits (any
+    float dtype), [...] integer ids -> [...] float32. The function both sides run (the sampler's
+    reported logprobs, the trainer's ratio and KL): fp32 log-softmax over the whole vocabulary with
+    position-invariant arithmetic, temperature as one fp32 division before it. ``contract`` picks the
+    backend whose kernel computes it (default: triton on a CUDA tensor, torch on the CPU)."""
+    import torch
+
+    from .ops.backend import resolve
+
+    if contract is None:
+        contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
+    lp = resolve(contract, logits.device).log_softmax(logits, temperature)
+    return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -49,5 +67,6 @@ __all__ = [
     "hardware_class",
     "load_model",
     "rows_digest",
+    "token_logprobs",
     "verify",
 ]

@@ -99,9 +99,9 @@ class Backend(abc.ABC):
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The replay advance (``ops.ssd`` replay forms): y [T, H, P] in x's dtype; updates ``state``."""
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V] -> [..., V] float32 (``ops.logprobs``)."""
-        return _logprobs.log_softmax(logits)
+    def log_softmax(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """[..., V] -> [..., V] float32 logprobs of logits / temperature (``ops.logprobs``)."""
+        return _logprobs.log_softmax(logits, temperature)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.configs}, device={self.device})"
@@ -229,9 +229,11 @@ class TritonBackend(Backend):
             return self._ag.conv(x, cu, slots, windows, w, b, self.configs)
         return self._conv(x, cu, slots, windows, w, b, self.configs)
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def log_softmax(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         if not self.compiled or not logits.is_cuda:
-            return super().log_softmax(logits)
+            return super().log_softmax(logits, temperature)
+        if temperature != 1.0:
+            logits = _logprobs.scale(logits, temperature)
         if self._grad(logits):
             return self._ag.log_softmax(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(logits.shape)
         return self._logprobs.log_softmax_triton(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(
