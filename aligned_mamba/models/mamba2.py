@@ -12,26 +12,24 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..contract import Contract
-from ..errors import ModelLoadError
-from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
-from ..layers.norm import RMSNorm, RMSNormConfig
-from ..ops.backend import Backend
+from ..layers.mamba2 import Mamba2MixerConfig
 from . import checkpoint as ckpt
-from .causal_lm import Block, CausalLM, LMShape
-from .registry import Family, register
-from .tiny import init_tensor
+from . import hf_config as hf
+from .causal_lm import LMShape
+from .family import Family
+from .hf_config import SUPPORTED_DTYPES, stated_dtype
+from .registry import register
+from .tiny import check_overrides, random_weights
 
 ARCHITECTURE = "Mamba2ForCausalLM"
 MODEL_TYPE = "mamba2"
 EMBEDDING = "backbone.embeddings.weight"
 LM_HEAD = "lm_head.weight"
-SUPPORTED_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
                   "conv_kernel", "expand", "chunk_size")
@@ -41,9 +39,6 @@ _BOOLS = ("use_bias", "use_conv_bias", "residual_in_fp32", "tie_word_embeddings"
 # the absent ones when the tensors then disagree (see registry.load_checkpoint).
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
               "conv_kernel", "expand", "use_bias", "use_conv_bias", "tie_word_embeddings")
-# JSON spellings of +-inf that config.json files carry (json.dump writes Infinity, some tools write strings).
-_INF_STRINGS = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "+infinity": math.inf,
-                "-inf": -math.inf, "-infinity": -math.inf}
 
 
 @dataclass(frozen=True)
@@ -78,19 +73,9 @@ class Mamba2Config:
 
     def __post_init__(self) -> None:
         # Normalise (lists from JSON, "Infinity"/None upper limit) before validating; frozen needs object.__setattr__.
-        object.__setattr__(self, "time_step_limit", _parse_time_step_limit(self.time_step_limit))
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:  # bool is an int subclass: refuse it too
-                raise ValueError(f"{name} must be a positive int, found {value!r}")
-        for name in _BOOLS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be true or false, found {value!r}")
-        eps = self.layer_norm_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
-            raise ValueError(f"layer_norm_epsilon must be a positive finite number, found {eps!r}")
-        object.__setattr__(self, "layer_norm_epsilon", float(eps))
+        object.__setattr__(self, "time_step_limit", hf.parse_time_step_limit(self.time_step_limit))
+        hf.check_fields(self, _POSITIVE_INTS, _BOOLS)
+        object.__setattr__(self, "layer_norm_epsilon", hf.positive_float("layer_norm_epsilon", self.layer_norm_epsilon))
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -142,61 +127,13 @@ class Mamba2Config:
         replaces it with the stored one). Raises ``ModelLoadError`` (one line, prefixed with
         ``source``) for anything invalid.
         """
-        if not isinstance(d, dict):
-            raise ModelLoadError(f"{source}: expected a JSON object, found {type(d).__name__}")
-        model_type = d.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            raise ModelLoadError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "dtype" and f.name in d}
-        kwargs["dtype"] = _read_dtype(d, source)
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise ModelLoadError(f"{source}: {exc}") from None
+        hf.check_dict(d, source, MODEL_TYPE)
+        return hf.construct(cls, source, **hf.config_kwargs(cls, d, source))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict transformers accepts (``models.checkpoint.config_json_text`` writes it)."""
-        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        for f in fields(self):
-            if f.name not in ("dtype", "time_step_limit"):
-                out[f.name] = getattr(self, f.name)
-        out["time_step_limit"] = list(self.time_step_limit)
-        out["torch_dtype"] = self.dtype
-        return out
-
-
-def expected_shapes(config: Mamba2Config) -> dict[str, tuple[int, ...]]:
-    """Every parameter name of the HF layout with its shape, in a fixed order (lm_head omitted when tied)."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (c.vocab_size, c.hidden_size)}
-    mixer = c.mixer_config().weight_shapes()
-    for i in range(c.num_hidden_layers):
-        p = f"backbone.layers.{i}."
-        shapes[p + "norm.weight"] = (c.hidden_size,)
-        shapes.update({p + "mixer." + name: shape for name, shape in mixer.items()})
-    shapes["backbone.norm_f.weight"] = (c.hidden_size,)
-    if not c.tie_word_embeddings:
-        shapes[LM_HEAD] = (c.vocab_size, c.hidden_size)
-    return shapes
-
-
-def build(config: Mamba2Config, tensors: Mapping[str, torch.Tensor], contract: Contract,
-          backend: Backend) -> CausalLM:
-    """The generic causal LM over HF-named ``tensors`` (``expected_shapes``), under ``contract``."""
-    dtype = getattr(torch, contract.model_dtype)
-    dev = backend.device
-    norm = RMSNormConfig(config.hidden_size, config.layer_norm_epsilon)
-    mixer = config.mixer_config()
-    blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
-                    mixer=Mamba2Mixer(mixer, tensors, f"backbone.layers.{i}.mixer.", backend=backend, dtype=dtype,
-                                      chunk_size=contract.chunk_size))
-              for i in range(config.num_hidden_layers)]
-    embedding = tensors[EMBEDDING].to(device=dev, dtype=dtype)
-    head = tensors[LM_HEAD] if LM_HEAD in tensors else tensors[EMBEDDING]
-    return CausalLM(family=MODEL_TYPE, config=config, shape=config.lm_shape(), contract=contract, backend=backend,
-                    embedding=embedding, blocks=blocks,
-                    norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
-                    lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)))
+        return hf.hf_dict(self, ARCHITECTURE, MODEL_TYPE, time_step_limit=list(self.time_step_limit),
+                          torch_dtype=self.dtype)
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mamba2Config, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -245,71 +182,31 @@ def make_tiny(seed: int = 0, *, dtype: str = "bfloat16",
     inconsistent ones raise ``ValueError`` naming the rule. A_log, D, dt_bias are fp32; all other
     tensors are ``dtype``.
     """
-    unknown = sorted(set(overrides) - {f for f in Mamba2Config.__dataclass_fields__ if f != "dtype"})
-    if unknown:
-        raise TypeError(f"make_tiny() got unknown config fields: {', '.join(unknown)}")
+    check_overrides("make_tiny", Mamba2Config, overrides, ("dtype",))
     try:
         config = Mamba2Config(**{**_TINY_DEFAULTS, **overrides, "dtype": dtype})
     except (TypeError, ValueError) as exc:
         hint = "; override num_heads, head_dim, hidden_size and expand together" if "head_dim" in str(exc) else ""
         raise type(exc)(f"make_tiny(): {exc}{hint}") from None
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    tensors = {name: init_tensor(name, shape, config.torch_dtype, gen, conv_kernel=config.conv_kernel)
-               for name, shape in expected_shapes(config).items()}
-    return config, tensors
+    return config, random_weights(expected_shapes(config), config.torch_dtype, seed, conv_kernel=config.conv_kernel)
 
 
-def stated_dtype(d: Mapping[str, Any], source: str = "config.json") -> tuple[str, str] | None:
-    """(key, dtype name) of the storage dtype ``torch_dtype`` / ``dtype`` name (either may be
-    "torch.bfloat16"; transformers 5 writes ``dtype``, older versions ``torch_dtype``), None when
-    neither is there. ModelLoadError when the two disagree."""
-    found = {key: d[key] for key in ("torch_dtype", "dtype") if d.get(key) is not None}
-    names = {key: str(value).removeprefix("torch.") for key, value in found.items()}
-    if len(set(names.values())) > 1:
-        raise ModelLoadError(f"{source}: torch_dtype {found['torch_dtype']!r} and dtype {found['dtype']!r} disagree")
-    return next(iter(names.items()), None)
+class Mamba2Family(Family):
+    """transformers' ``Mamba2ForCausalLM`` layout: the base's stack of Mamba2 blocks, HF names."""
+
+    name = MODEL_TYPE
+    config_type = Mamba2Config
+    architectures = (ARCHITECTURE,)
+    model_types = (MODEL_TYPE,)
+    embedding = EMBEDDING
+    head = LM_HEAD
+    shape_keys = SHAPE_KEYS
+    defaults_of = "transformers' Mamba2Config"
+
+    def stated_dtype(self, d: dict) -> tuple[str, str] | None:
+        return stated_dtype(d)
 
 
-def _read_dtype(d: dict[str, Any], source: str) -> str:
-    """The storage dtype named by ``torch_dtype`` / ``dtype``, float32 (transformers' default) when
-    neither is there (models.nemotron_h reads its config with this too)."""
-    stated = stated_dtype(d, source)
-    return stated[1] if stated else "float32"
-
-
-def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
-    """{key: transformers' default} for each ``SHAPE_KEYS`` key absent from the config.json dict ``d``."""
-    defaults = {f.name: f.default for f in fields(Mamba2Config)}
-    return {key: defaults[key] for key in SHAPE_KEYS if key not in d}
-
-
-def _parse_time_step_limit(value: Any) -> tuple[float, float]:
-    """(lo, hi) as floats; ``None`` or "Infinity" for hi means +inf. Raises ValueError if not two numbers lo <= hi."""
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ValueError(f"time_step_limit must be two numbers [lo, hi], found {value!r}")
-    lo = _as_float(value[0], allow_none=False)
-    hi = _as_float(value[1], allow_none=True)
-    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi) or lo > hi:
-        raise ValueError(f"time_step_limit must be two numbers [lo, hi] with lo <= hi, found {value!r}")
-    return (lo, hi)
-
-
-def _as_float(x: Any, *, allow_none: bool) -> float | None:
-    """A JSON number, inf spelling, or (if allowed) null-as-inf as a float; None when it is none of these."""
-    if x is None:
-        return math.inf if allow_none else None
-    if isinstance(x, dict) and set(x) == {"__float__"}:  # transformers' encoding of non-finite floats
-        x = x["__float__"]
-    if isinstance(x, str):
-        return _INF_STRINGS.get(x.strip().lower())
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x)
-
-
-FAMILY = register(Family(
-    name=MODEL_TYPE, config_type=Mamba2Config, architectures=(ARCHITECTURE,), model_types=(MODEL_TYPE,),
-    read_config=lambda d, source: Mamba2Config.from_hf_dict(d, source=source), expected_shapes=expected_shapes,
-    build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: c.tie_word_embeddings,
-    config_dtype=lambda c: c.dtype, hf_dict=lambda c: c.to_hf_dict(), stated_dtype=stated_dtype,
-    defaults_taken=defaults_taken, defaults_of="transformers' Mamba2Config"))
+FAMILY = register(Mamba2Family())
+expected_shapes = FAMILY.expected_shapes
+build = FAMILY.build

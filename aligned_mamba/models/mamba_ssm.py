@@ -26,14 +26,12 @@ from typing import Any
 
 import torch
 
-from ..contract import Contract
 from ..errors import ModelLoadError
-from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
-from ..layers.norm import RMSNorm, RMSNormConfig
-from ..ops.backend import Backend
+from ..layers.mamba2 import Mamba2MixerConfig
 from . import checkpoint as ckpt
-from .causal_lm import Block, CausalLM, LMShape
-from .registry import Family, register
+from .causal_lm import LMShape
+from .family import Family
+from .registry import register
 
 EMBEDDING = "backbone.embedding.weight"
 LM_HEAD = "lm_head.weight"
@@ -169,39 +167,6 @@ class MambaSSMConfig:
                 "norm_epsilon": self.norm_epsilon}
 
 
-def expected_shapes(config: MambaSSMConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight name with its shape, in a fixed order (lm_head omitted when tied)."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (c.padded_vocab, c.d_model)}
-    mixer = c.mixer_config().weight_shapes()
-    for i in range(c.n_layer):
-        p = f"backbone.layers.{i}."
-        shapes.update({p + "mixer." + name: shape for name, shape in mixer.items()})
-        shapes[p + "norm.weight"] = (c.d_model,)
-    shapes["backbone.norm_f.weight"] = (c.d_model,)
-    if not c.tie_embeddings:
-        shapes[LM_HEAD] = (c.padded_vocab, c.d_model)
-    return shapes
-
-
-def build(config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], contract: Contract,
-          backend: Backend) -> CausalLM:
-    """The generic causal LM over mamba_ssm-named ``tensors`` under ``contract``."""
-    dtype = getattr(torch, contract.model_dtype)
-    dev = backend.device
-    norm = RMSNormConfig(config.d_model, config.norm_epsilon)
-    mixer = config.mixer_config()
-    blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
-                    mixer=Mamba2Mixer(mixer, tensors, f"backbone.layers.{i}.mixer.", backend=backend, dtype=dtype,
-                                      chunk_size=contract.chunk_size))
-              for i in range(config.n_layer)]
-    head = tensors[LM_HEAD] if LM_HEAD in tensors else tensors[EMBEDDING]
-    return CausalLM(family="mamba_ssm", config=config, shape=config.lm_shape(), contract=contract, backend=backend,
-                    embedding=tensors[EMBEDDING].to(device=dev, dtype=dtype), blocks=blocks,
-                    norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
-                    lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)))
-
-
 def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
     """{key: mamba_ssm's default} for each config.json key that decides tensor shapes and is absent
     from ``d`` (``ssm_cfg.*`` for the Mamba2 layer's kwargs); d_model, n_layer and vocab_size are
@@ -245,10 +210,42 @@ def from_hf(config: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[MambaSSMC
     return out, renamed
 
 
-FAMILY = register(Family(
-    name="mamba_ssm", config_type=MambaSSMConfig, architectures=("MambaLMHeadModel",), model_types=(),
-    read_config=lambda d, source: MambaSSMConfig.from_dict(d, source=source), expected_shapes=expected_shapes,
-    build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: c.tie_embeddings, config_dtype=lambda c: c.dtype,
-    hf_dict=lambda c: c.to_dict(), matches=lambda d: "ssm_cfg" in d and "d_model" in d and "n_layer" in d,
-    torch_bin=True, tie_flag="tie_embeddings", num_layers=lambda c: c.n_layer, defaults_taken=defaults_taken,
-    defaults_of="mamba_ssm's"))
+class MambaSSMFamily(Family):
+    """mamba_ssm's ``MambaLMHeadModel`` layout: the base's stack of Mamba2 blocks under mamba_ssm's
+    names and config keys (each block's mixer weights listed before its norm, as mamba_ssm orders them)."""
+
+    name = "mamba_ssm"
+    config_type = MambaSSMConfig
+    architectures = ("MambaLMHeadModel",)
+    embedding = EMBEDDING
+    head = LM_HEAD
+    torch_bin = True
+    tie_flag = "tie_embeddings"
+    defaults_of = "mamba_ssm's"
+
+    def matches(self, d: dict) -> bool:
+        return "ssm_cfg" in d and "d_model" in d and "n_layer" in d
+
+    def read_config(self, d: dict, source: str) -> MambaSSMConfig:
+        return MambaSSMConfig.from_dict(d, source=source)
+
+    def hf_dict(self, config: MambaSSMConfig) -> dict:
+        return config.to_dict()
+
+    def defaults_taken(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        return defaults_taken(d)
+
+    def num_layers(self, config: MambaSSMConfig) -> int:
+        return config.n_layer
+
+    def norm_eps(self, config: MambaSSMConfig) -> float:
+        return config.norm_epsilon
+
+    def block_shapes(self, config: MambaSSMConfig, kind: str) -> dict[str, tuple[int, ...]]:
+        mixer = {"mixer." + name: shape for name, shape in config.mixer_config().weight_shapes().items()}
+        return {**mixer, "norm.weight": (config.d_model,)}
+
+
+FAMILY = register(MambaSSMFamily())
+expected_shapes = FAMILY.expected_shapes
+build = FAMILY.build

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,15 +45,17 @@ from ..contract import Contract
 from ..errors import ModelLoadError
 from ..layers.attention import Attention, AttentionConfig
 from ..layers.base import Layer
-from ..layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from ..layers.mamba2 import Mamba2MixerConfig
 from ..layers.mlp import MLP, MLPConfig
 from ..layers.moe import MoE, MoEConfig
-from ..layers.norm import RMSNorm, RMSNormConfig
 from ..ops.backend import Backend
 from . import checkpoint as ckpt
-from .causal_lm import Block, CausalLM, LMShape
-from .registry import Family, register
-from .tiny import init_tensor
+from . import hf_config as hf
+from .causal_lm import LMShape
+from .family import Family
+from .hf_config import SUPPORTED_DTYPES
+from .registry import register
+from .tiny import check_overrides, random_weights
 
 ARCHITECTURE = "NemotronHForCausalLM"
 MODEL_TYPE = "nemotron_h"
@@ -73,7 +75,6 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_v
                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group",
                   "topk_group")
 _BOOLS = ("attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "tie_word_embeddings", "norm_topk_prob")
-SUPPORTED_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class NemotronHConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "time_step_limit", _time_step_limit(self.time_step_limit))
+        object.__setattr__(self, "time_step_limit", hf.parse_time_step_limit(self.time_step_limit))
         p = self.hybrid_override_pattern
         if not isinstance(p, str) or not p or set(p) - {MAMBA, ATTENTION, MLP_LAYER, MOE}:
             raise ValueError(f"hybrid_override_pattern must be a non-empty string of 'M', '*', '-', 'E'; found {p!r}")
@@ -135,13 +136,7 @@ class NemotronHConfig:
         if self.num_nextn_predict_layers != 0:
             raise ValueError(f"multi-token prediction (num_nextn_predict_layers={self.num_nextn_predict_layers!r}) "
                              "is not covered")
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:  # bool is an int subclass: refuse it too
-                raise ValueError(f"{name} must be a positive int, found {value!r}")
-        for name in _BOOLS:
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be true or false, found {getattr(self, name)!r}")
+        hf.check_fields(self, _POSITIVE_INTS, _BOOLS)
         if self.attention_bias:
             raise ValueError("attention_bias true is not covered (transformers' NemotronHAttention has no biases)")
         if self.tie_word_embeddings:
@@ -150,10 +145,7 @@ class NemotronHConfig:
             raise ValueError(f"mlp_hidden_act {self.mlp_hidden_act!r} is not covered (only 'relu2')")
         if self.mamba_hidden_act != "silu":
             raise ValueError(f"mamba_hidden_act {self.mamba_hidden_act!r} is not covered (only 'silu')")
-        eps = self.layer_norm_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
-            raise ValueError(f"layer_norm_epsilon must be a positive finite number, found {eps!r}")
-        object.__setattr__(self, "layer_norm_epsilon", float(eps))
+        object.__setattr__(self, "layer_norm_epsilon", hf.positive_float("layer_norm_epsilon", self.layer_norm_epsilon))
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported (only {', '.join(SUPPORTED_DTYPES)})")
         if self.mamba_num_heads % self.n_groups:
@@ -162,10 +154,8 @@ class NemotronHConfig:
         latent = self.moe_latent_size
         if latent is not None and (type(latent) is not int or latent <= 0):
             raise ValueError(f"moe_latent_size must be a positive int or null, found {latent!r}")
-        f = self.routed_scaling_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 < f < math.inf):
-            raise ValueError(f"routed_scaling_factor must be a positive finite number, found {f!r}")
-        object.__setattr__(self, "routed_scaling_factor", float(f))
+        object.__setattr__(self, "routed_scaling_factor",
+                           hf.positive_float("routed_scaling_factor", self.routed_scaling_factor))
         if MOE in p:
             self.moe_config()  # its own checks (groups, top-k)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -225,11 +215,7 @@ class NemotronHConfig:
         """A config from a Hugging Face ``config.json`` dict; absent keys take transformers' defaults,
         unknown keys are ignored, legacy keys (``mamba_chunk_size``, ``mamba_n_groups``, ...) are read.
         Raises ``ModelLoadError`` (one line, prefixed with ``source``)."""
-        if not isinstance(d, dict):
-            raise ModelLoadError(f"{source}: expected a JSON object, found {type(d).__name__}")
-        model_type = d.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            raise ModelLoadError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
+        hf.check_dict(d, source, MODEL_TYPE)
         d = dict(d)
         for old, new in _ALIASES.items():
             if old in d:
@@ -238,55 +224,15 @@ class NemotronHConfig:
             pattern = _read_pattern(d)
         except ValueError as exc:
             raise ModelLoadError(f"{source}: {exc}") from None
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name not in ("dtype", "hybrid_override_pattern")
-                  and f.name in d}
-        kwargs["dtype"] = _read_dtype(d, source)
-        try:
-            return cls(hybrid_override_pattern=pattern, **kwargs)
-        except (TypeError, ValueError) as exc:
-            raise ModelLoadError(f"{source}: {exc}") from None
+        kwargs = hf.config_kwargs(cls, d, source, skip=("hybrid_override_pattern",))
+        return hf.construct(cls, source, hybrid_override_pattern=pattern, **kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict transformers accepts: the pattern as ``hybrid_override_pattern`` (which
         transformers 4 and 5 both read) and ``num_hidden_layers`` its length."""
-        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        for f in fields(self):
-            if f.name not in ("dtype", "time_step_limit"):
-                out[f.name] = getattr(self, f.name)
-        out["num_hidden_layers"] = self.num_hidden_layers
-        out["time_step_limit"] = list(self.time_step_limit)
-        out["mamba_ssm_cache_dtype"] = "float32"
-        out["torch_dtype"] = self.dtype
-        return out
-
-
-def _read_dtype(d: Mapping[str, Any], source: str) -> str:
-    """The storage dtype ``torch_dtype`` / ``dtype`` names (either may be "torch.bfloat16"; float32
-    when neither is there, as transformers loads then); ModelLoadError when the two disagree."""
-    names = {str(d[k]).removeprefix("torch.") for k in ("torch_dtype", "dtype") if d.get(k) is not None}
-    if len(names) > 1:
-        raise ModelLoadError(f"{source}: torch_dtype {d['torch_dtype']!r} and dtype {d['dtype']!r} disagree")
-    return next(iter(names), "float32")
-
-
-def _time_step_limit(value: Any) -> tuple[float, float]:
-    """(lo, hi) from a JSON pair: numbers, "inf"/"Infinity" spellings, None for hi meaning +inf.
-    ValueError unless two numbers with lo <= hi."""
-    def num(x: Any, hi: bool) -> float:
-        if x is None and hi:
-            return math.inf
-        if isinstance(x, str) and x.strip().lower().lstrip("+") in ("inf", "infinity"):
-            return math.inf
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
-            raise ValueError(f"time_step_limit must be two numbers [lo, hi] with lo <= hi, found {value!r}")
-        return float(x)
-
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ValueError(f"time_step_limit must be two numbers [lo, hi], found {value!r}")
-    lo, hi = num(value[0], False), num(value[1], True)
-    if lo > hi:
-        raise ValueError(f"time_step_limit must be two numbers [lo, hi] with lo <= hi, found {value!r}")
-    return (lo, hi)
+        return hf.hf_dict(self, ARCHITECTURE, MODEL_TYPE, num_hidden_layers=self.num_hidden_layers,
+                          time_step_limit=list(self.time_step_limit), mamba_ssm_cache_dtype="float32",
+                          torch_dtype=self.dtype)
 
 
 def _read_pattern(d: dict[str, Any]) -> str:
@@ -312,46 +258,6 @@ def _read_pattern(d: dict[str, Any]) -> str:
     if n is not None and n != len(pattern):
         raise ValueError(f"num_hidden_layers is {n!r} but the layer types {pattern!r} list {len(pattern)} layers")
     return pattern
-
-
-def expected_shapes(config: NemotronHConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter name of the HF layout with its shape, in a fixed order."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {EMBEDDING: (c.vocab_size, c.hidden_size)}
-    for i, kind in enumerate(c.hybrid_override_pattern):
-        p = f"backbone.layers.{i}."
-        shapes[p + "norm.weight"] = (c.hidden_size,)
-        shapes.update({p + "mixer." + name: shape for name, shape in c.layer_shapes(kind).items()})
-    shapes["backbone.norm_f.weight"] = (c.hidden_size,)
-    shapes[LM_HEAD] = (c.vocab_size, c.hidden_size)
-    return shapes
-
-
-def build(config: NemotronHConfig, tensors: Mapping[str, torch.Tensor], contract: Contract,
-          backend: Backend) -> CausalLM:
-    """The generic causal LM over HF-named ``tensors`` (``expected_shapes``), under ``contract``."""
-    dtype = getattr(torch, contract.model_dtype)
-    dev = backend.device
-    norm = RMSNormConfig(config.hidden_size, config.layer_norm_epsilon)
-
-    def mixer(kind: str, prefix: str) -> Layer:
-        if kind == MAMBA:
-            return Mamba2Mixer(config.mixer_config(), tensors, prefix, backend=backend, dtype=dtype,
-                               chunk_size=contract.chunk_size)
-        if kind == ATTENTION:
-            return Attention(config.attention_config(), tensors, prefix, backend=backend, dtype=dtype)
-        if kind == MOE:
-            return MoE(config.moe_config(), tensors, prefix, backend=backend, dtype=dtype)
-        return MLP(config.mlp_config(), tensors, prefix, backend=backend, dtype=dtype)
-
-    blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"backbone.layers.{i}.norm.", norm, backend, dtype),
-                    mixer=mixer(kind, f"backbone.layers.{i}.mixer."))
-              for i, kind in enumerate(config.hybrid_override_pattern)]
-    return CausalLM(family=MODEL_TYPE, config=config, shape=config.lm_shape(), contract=contract, backend=backend,
-                    embedding=tensors[EMBEDDING].to(device=dev, dtype=dtype), blocks=blocks,
-                    norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
-                    lm_head=backend.linear_weight(tensors[LM_HEAD].to(device=dev, dtype=dtype)),
-                    max_len=config.max_position_embeddings)
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: NemotronHConfig, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -390,22 +296,47 @@ def make_tiny_hybrid(seed: int = 0, *, pattern: str = "M*M-", dtype: str = "bflo
     same on every machine): layers as ``pattern`` says, ``overrides`` any ``NemotronHConfig`` fields
     (e.g. ``num_attention_heads=8, num_key_value_heads=1``). A_log, D, dt_bias are fp32, every other
     tensor ``dtype``. Write it with ``save_checkpoint``."""
-    names = {f.name for f in fields(NemotronHConfig)} - {"dtype", "hybrid_override_pattern"}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise TypeError(f"make_tiny_hybrid() got unknown config fields: {', '.join(unknown)}")
+    check_overrides("make_tiny_hybrid", NemotronHConfig, overrides, ("dtype", "hybrid_override_pattern"))
     try:
         config = NemotronHConfig(hybrid_override_pattern=pattern, **{**_TINY_DEFAULTS, **overrides, "dtype": dtype})
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"make_tiny_hybrid(): {exc}") from None
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    tensors = {name: init_tensor(name, shape, config.torch_dtype, gen, conv_kernel=config.conv_kernel)
-               for name, shape in expected_shapes(config).items()}
-    return config, tensors
+    return config, random_weights(expected_shapes(config), config.torch_dtype, seed, conv_kernel=config.conv_kernel)
 
 
-FAMILY = register(Family(
-    name=MODEL_TYPE, config_type=NemotronHConfig, architectures=(ARCHITECTURE,), model_types=(MODEL_TYPE,),
-    read_config=lambda d, source: NemotronHConfig.from_hf_dict(d, source=source), expected_shapes=expected_shapes,
-    build=build, head=LM_HEAD, embedding=EMBEDDING, tied=lambda c: False, config_dtype=lambda c: c.dtype,
-    hf_dict=lambda c: c.to_hf_dict(), free_dtype=(".A_log", ".D", ".dt_bias", ".e_score_correction_bias")))
+class NemotronHFamily(Family):
+    """transformers' ``NemotronHForCausalLM`` layout: the base's stack with one layer kind per
+    pattern character, each block's mixer the layer of its kind."""
+
+    name = MODEL_TYPE
+    config_type = NemotronHConfig
+    architectures = (ARCHITECTURE,)
+    model_types = (MODEL_TYPE,)
+    embedding = EMBEDDING
+    head = LM_HEAD
+    free_dtype = (".A_log", ".D", ".dt_bias", ".e_score_correction_bias")
+
+    def layer_kinds(self, config: NemotronHConfig) -> str:
+        return config.hybrid_override_pattern
+
+    def block_shapes(self, config: NemotronHConfig, kind: str) -> dict[str, tuple[int, ...]]:
+        mixer = {"mixer." + name: shape for name, shape in config.layer_shapes(kind).items()}
+        return {"norm.weight": (config.hidden_size,), **mixer}
+
+    def mixer(self, config: NemotronHConfig, kind: str, tensors: Mapping[str, torch.Tensor], prefix: str,
+              backend: Backend, dtype: torch.dtype, contract: Contract) -> Layer:
+        if kind == MAMBA:
+            return super().mixer(config, kind, tensors, prefix, backend, dtype, contract)
+        if kind == ATTENTION:
+            return Attention(config.attention_config(), tensors, prefix, backend=backend, dtype=dtype)
+        if kind == MOE:
+            return MoE(config.moe_config(), tensors, prefix, backend=backend, dtype=dtype)
+        return MLP(config.mlp_config(), tensors, prefix, backend=backend, dtype=dtype)
+
+    def max_len(self, config: NemotronHConfig) -> int:
+        return config.max_position_embeddings
+
+
+FAMILY = register(NemotronHFamily())
+expected_shapes = FAMILY.expected_shapes
+build = FAMILY.build

@@ -1,9 +1,10 @@
 """The model families: which checkpoint layouts load onto the generic causal LM, and how.
 
-A family is one file in ``models/`` plus its entry here: how to recognise its config.json
-(``architectures`` / ``model_type``, or the keys of a layout that has neither), how to read the
-config, its weight names and shapes, and the build onto ``CausalLM``. ``load_model`` finds the
-family of a checkpoint directory, loads and validates it strictly, and builds it under a contract.
+A family is one file in ``models/``: a ``family.Family`` subclass (how to recognise its config.json
+by ``architectures`` / ``model_type`` or the keys of a layout that has neither, how to read the
+config, its weight names and shapes, the build onto ``CausalLM``) whose instance it ``register``s
+here. ``load_model`` finds the family of a checkpoint directory, loads and validates it strictly,
+and builds it under a contract.
 
 What a checkpoint directory gets (``load_checkpoint``), each refusal one line:
 
@@ -27,11 +28,9 @@ What a checkpoint directory gets (``load_checkpoint``), each refusal one line:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,65 +41,16 @@ from ..errors import ModelLoadError
 from ..ops.backend import resolve
 from . import checkpoint as ckpt
 from .causal_lm import CausalLM
+from .family import Family
 
-
-@dataclass(frozen=True)
-class Family:
-    """One checkpoint layout.
-
-    name: the family's name; config_type: its config class; architectures / model_types: the
-    config.json values it answers to;
-    matches(d): whether a config dict without those keys is this layout; read_config(d, source);
-    expected_shapes(config) -> {name: shape} (what a checkpoint must hold, lm_head omitted when tied);
-    build(config, tensors, contract, backend) -> CausalLM; head / embedding: the weight names that a
-    tied checkpoint may store twice; torch_bin: weights may come as pytorch_model.bin;
-    config_dtype(config): the storage dtype the config states; hf_dict(config): the config as a dict
-    (``Contract.from_hf_config`` reads chunk_size from it); finish(config, tensors): the config
-    completed from the stored tensors; stated_dtype(d): (key, dtype name) of the storage dtype the
-    config.json dict states, None when it states none; with_dtype(config, dtype): the config with
-    the stored dtype (``checkpoint.storage_dtype``) as its ``dtype``; free_dtype: weight-name
-    suffixes that may be stored in fp32 besides the storage dtype (the per-head SSM parameters,
-    which the model computes with in fp32); defaults_taken(d): {key: default} for the config keys
-    that decide tensor shapes and are absent from ``d`` (named when the tensors then disagree);
-    defaults_of: whose defaults those are, for messages.
-    """
-
-    name: str
-    config_type: type
-    architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    read_config: Callable[[dict, str], Any]
-    expected_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
-    build: Callable[..., CausalLM]
-    head: str
-    embedding: str
-    tied: Callable[[Any], bool]
-    config_dtype: Callable[[Any], str]
-    hf_dict: Callable[[Any], dict]
-    matches: Callable[[dict], bool] = lambda d: False
-    torch_bin: bool = False
-    tie_flag: str = "tie_word_embeddings"
-    num_layers: Callable[[Any], int] = lambda config: config.num_hidden_layers
-    finish: Callable[[Any, Mapping[str, torch.Tensor]], Any] = lambda config, tensors: config
-    stated_dtype: Callable[[dict], tuple[str, str] | None] = lambda d: None
-    with_dtype: Callable[[Any, str], Any] = lambda config, dtype: _replace_dtype(config, dtype)
-    free_dtype: tuple[str, ...] = (".A_log", ".D", ".dt_bias")
-    defaults_taken: Callable[[dict], dict[str, Any]] = lambda d: {}
-    defaults_of: str = "the family's"
-
-
-def _replace_dtype(config: Any, dtype: str) -> Any:
-    """``config`` with ``dtype`` set, for a dataclass config with a ``dtype`` field (else unchanged)."""
-    if dataclasses.is_dataclass(config) and any(f.name == "dtype" for f in dataclasses.fields(config)):
-        return dataclasses.replace(config, dtype=dtype)
-    return config
-
+__all__ = ["FAMILIES", "Family", "build_model", "contract_for", "describe", "family_for_config", "family_named",
+           "family_of", "load_checkpoint", "load_model", "register"]
 
 FAMILIES: list[Family] = []
 
 
 def register(family: Family) -> Family:
-    """Add a family (names, architectures and model types must be new)."""
+    """Add a family (an instance of a ``Family`` subclass; names and architectures must be new)."""
     for f in FAMILIES:
         clash = {f.name} & {family.name} or set(f.architectures) & set(family.architectures)
         if clash:

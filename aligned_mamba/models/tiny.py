@@ -11,7 +11,8 @@ weight order, so each tensor depends only on the seed and the config.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields
 
 import torch
 
@@ -47,6 +48,21 @@ def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torc
         raise AssertionError(f"no initialiser for {name}")
     # Round once to fp32, then to the storage dtype: a bf16 model is exactly the fp32 model cast.
     return values.to(torch.float32).to(dtype)
+
+
+def random_weights(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, seed: int, *,
+                   conv_kernel: int) -> dict[str, torch.Tensor]:
+    """``init_tensor`` of every name in ``shapes``, in its order, from one CPU generator seeded ``seed``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return {name: init_tensor(name, shape, dtype, gen, conv_kernel=conv_kernel) for name, shape in shapes.items()}
+
+
+def check_overrides(maker: str, config_type: type, overrides: Mapping[str, object], fixed: Iterable[str]) -> None:
+    """TypeError (one line) for ``overrides`` that are not fields of ``config_type`` or are ``fixed`` by ``maker``."""
+    names = {f.name for f in fields(config_type)} - set(fixed)
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"{maker}() got unknown config fields: {', '.join(unknown)}")
 
 
 def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
