@@ -251,6 +251,29 @@ def test_chunk_size_from_the_contract_and_mismatch_refused() -> None:
         hk.install(contract).apply_to_model(stock)
 
 
+def test_aligned_spec_places_the_aligned_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aligned_mamba_stack_spec``: AlignedRMSNorm in every norm slot (no torch RMSNorm left for the hook to
+    swap), the contract's chunk size, the local spec's parameter names, and the hooked local spec's logits bit
+    for bit (``test_hook_off_stock_forward_differs``: the stock forward gives others). Under another contract
+    its mixers are refused, naming both chunk sizes."""
+    config, tensors, contract = tiny("bf16_groups2")
+    seqs = sequences(config.vocab_size)
+    local = megatron_model(config, tensors, contract)
+    monkeypatch.setattr(hk, "local_mamba_stack_spec",
+                        lambda eps, **kw: hk.aligned_mamba_stack_spec(contract, eps, **kw))
+    aligned = megatron_model(config, tensors, contract)
+    assert not any(isinstance(m, torch.nn.RMSNorm) for m in aligned.modules())
+    assert all(type(layer.norm) is hk.AlignedRMSNorm and layer.mixer.chunk_size == contract.chunk_size
+               for layer in aligned.decoder.layers)
+    assert aligned.state_dict().keys() == local.state_dict().keys()
+    with torch.no_grad():
+        assert differing_rows(score(aligned, seqs), score(local, seqs)) == 0
+    hk.installed().uninstall()
+    hk.install(Contract(chunk_size=32, model_dtype="bfloat16"))
+    with pytest.raises(hk.AlignmentRefused, match=r"chunk_size=16 but the contract says chunk_size=32"):
+        mc.build_mamba_model(config, "bfloat16")
+
+
 def test_contract_mismatch_refused_before_any_comparison(tmp_path) -> None:
     from aligned_mamba.check import run_check
     from aligned_mamba.integrations import EngineSpec

@@ -1,0 +1,243 @@
+"""The aligned forwards: each a Megatron module's ``forward`` over its own parameters by the core's layer
+(``layers.mamba2``, ``layers.attention``, ``layers.mlp``, ``layers.moe``) and the contract's ops, so the
+rows are the sampler's bits. ``patch`` lists where each goes."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aligned_mamba.errors import ModelLoadError
+from aligned_mamba.layers.attention import Attention, AttentionConfig
+from aligned_mamba.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig
+from aligned_mamba.layers.mlp import MLP as CoreMLP
+from aligned_mamba.layers.mlp import MLPConfig
+from aligned_mamba.layers.moe import MoE as CoreMoE
+from aligned_mamba.layers.moe import MoEConfig
+
+from .current import hook_for
+from .norms import aligned_rms_norm
+from .refusals import AlignmentRefused
+
+if TYPE_CHECKING:
+    from .hook import AlignedMambaHook
+
+
+def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
+    """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (the core model's embedding rows)."""
+    hook = hook_for(self)
+    return torch.nn.functional.embedding(input_, self.weight).to(hook.dtype)
+
+
+def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                            runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Column/RowParallelLinear at TP=1 on the backend's row-invariant linear: [..., in] -> ([..., out], bias
+    or None)."""
+    hook = hook_for(self)
+    backend = hook.backend(input_.device)
+    w = self.weight if weight is None else weight
+    if getattr(self, "_aligned_mamba_round_weight", False):
+        w = w.to(hook.dtype)
+    bias = getattr(self, "bias", None)
+    skip = getattr(self, "skip_bias_add", False)
+    shape = input_.shape
+    out = backend.linear(input_.reshape(-1, shape[-1]), backend.linear_weight(w), None if skip else bias)
+    return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
+
+
+def torch_rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """torch.nn.RMSNorm (WrappedTorchNorm) on the backend's op, in the model dtype."""
+    hook = hook_for(self)
+    return aligned_rms_norm(hook.backend(x.device), x, self.weight, self.eps, hook.dtype)
+
+
+def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mixer:
+    """The core's Mamba2 layer over a MambaMixer's own parameters (differentiable casts, rebuilt per
+    forward: the optimizer moves the parameters)."""
+    config = Mamba2MixerConfig(hidden_size=m.d_model, num_heads=m.nheads, head_dim=m.headdim, state_size=m.d_state,
+                               n_groups=m.ngroups, conv_kernel=m.d_conv, use_bias=False,
+                               use_conv_bias=m.conv1d.bias is not None, norm_eps=m.norm.eps, dt_limit=(0.0, math.inf))
+    names = {"in_proj.weight": m.in_proj.weight, "conv1d.weight": m.conv1d.weight, "dt_bias": m.dt_bias,
+             "A_log": m.A_log, "D": m.D, "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight}
+    if m.conv1d.bias is not None:
+        names["conv1d.bias"] = m.conv1d.bias
+    return Mamba2Mixer(config, names, "", backend=hook.backend(device), dtype=hook.dtype,
+                       chunk_size=hook.contract.chunk_size)
+
+
+def _sequences(hidden_states: torch.Tensor, packed_seq_params: Any) -> tuple[list[int], torch.Tensor]:
+    """The sequences of a Megatron layer input: hidden_states [s, b, d] (each batch row one sequence) or,
+    with ``packed_seq_params``, THD [T, 1, d] cut at ``cu_seqlens_q(_padded)``. Returns (their lengths,
+    the rows [sum lens, d] packed in that order)."""
+    s, b, d = hidden_states.shape
+    if packed_seq_params is None:
+        return [s] * b, hidden_states.transpose(0, 1).reshape(b * s, d)
+    if b != 1:
+        raise AlignmentRefused(f"packed sequences (THD) need micro-batch size 1, got {b}")
+    fmt = getattr(packed_seq_params, "qkv_format", "thd")
+    if fmt != "thd":
+        raise AlignmentRefused(f"packed_seq_params.qkv_format {fmt!r}: only 'thd' is covered")
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    bounds = [int(v) for v in cu.tolist()]
+    if bounds[0] != 0 or any(a > c for a, c in zip(bounds, bounds[1:])) or bounds[-1] > s:
+        raise AlignmentRefused(f"cu_seqlens {bounds[:8]}... are not offsets into {s} packed tokens")
+    if bounds[-1] < s:  # tokens past the last offset form one more sequence (as Megatron's seq_idx does)
+        bounds.append(s)
+    return [c - a for a, c in zip(bounds, bounds[1:]) if c > a], hidden_states[:, 0]  # empty ones own no rows
+
+
+def _layer_output(y: torch.Tensor, hidden_states: torch.Tensor, packed: bool, config: Any) -> torch.Tensor:
+    """Rows [sum lens, d] (model dtype) back in the input's layout ([s, b, d], or THD [T, 1, d])."""
+    if config.fp32_residual_connection:
+        # Megatron's bias-dropout-add casts the residual to the layer output's dtype; the core adds the
+        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives the core's sum.
+        y = y.to(torch.float32)
+    if packed:
+        return y[:, None]
+    s, b, d = hidden_states.shape
+    return y.reshape(b, s, d).transpose(0, 1)
+
+
+def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
+                           inference_params: Any = None, packed_seq_params: Any = None
+                           ) -> tuple[torch.Tensor, None]:
+    """MambaMixer.forward under the hook: hidden_states [s, b, d_model] (or THD: [T, 1, d_model] with
+    ``packed_seq_params``) -> ([s, b, d_model] in the model dtype, fp32 with ``fp32_residual_connection``;
+    None), by the core's ``Mamba2Mixer.advance`` from empty per-sequence states, each sequence's chunk
+    grid anchored at its own first token."""
+    hook = hook_for(self)
+    if inference_context is not None or inference_params is not None:
+        raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
+                               "aligned engine (reference or the vLLM plugin), not in Megatron")
+    if self.chunk_size != hook.contract.chunk_size:
+        raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
+                               f"{hook.contract.chunk_size}")
+    lens, hidden = _sequences(hidden_states, packed_seq_params)
+    mixer = core_mixer(self, hook, hidden.device)
+    state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
+    y = mixer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
+    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+
+
+def core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Attention:
+    """The core's attention layer over a SelfAttention's own parameters (rebuilt per forward: the optimizer
+    moves them). linear_qkv's rows are per key/value group [q heads of the group | k | v] (Megatron's
+    layout); they are taken apart by differentiable views, so gradients reach linear_qkv itself."""
+    H, G, D = m.num_attention_heads_per_partition, m.num_query_groups_per_partition, m.hidden_size_per_attention_head
+    rep = H // G
+    w = m.linear_qkv.weight
+    per_group = w.view(G, rep + 2, D, w.shape[-1])
+    names = {"q_proj.weight": per_group[:, :rep].reshape(H * D, -1),
+             "k_proj.weight": per_group[:, rep].reshape(G * D, -1),
+             "v_proj.weight": per_group[:, rep + 1].reshape(G * D, -1), "o_proj.weight": m.linear_proj.weight}
+    config = AttentionConfig(hidden_size=w.shape[-1], num_heads=H, num_kv_heads=G, head_dim=D)
+    try:
+        return Attention(config, names, "", backend=hook.backend(device), dtype=hook.dtype)
+    except ModelLoadError as exc:  # e.g. attention on a CUDA device, not yet measured there
+        raise AlignmentRefused(str(exc)) from None
+
+
+def _refuse_uncausal_mask(mask: torch.Tensor | None, s: int) -> None:
+    """Only a causal mask (or none) is covered: True above the diagonal of [.., s, s], broadcast over batch
+    and heads. A padding or document mask would change which keys a row sees."""
+    if mask is None:
+        return
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype != torch.bool or mask.shape[-2:] != (s, s) or mask.dim() != 4 or \
+            not bool((mask == causal).all()):
+        raise AlignmentRefused(f"attention_mask {tuple(mask.shape)} {mask.dtype} is not the causal mask: padding or "
+                               "document masks are not covered (pack sequences with packed_seq_params instead)")
+
+
+def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                               key_value_states: torch.Tensor | None = None, inference_context: Any = None,
+                               rotary_pos_emb: Any = None, rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
+                               rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
+                               packed_seq_params: Any = None, sequence_len_offset: Any = None, *,
+                               inference_params: Any = None) -> tuple[torch.Tensor, None]:
+    """SelfAttention.forward under the hook: hidden_states [s, b, hidden] (normed; or THD [T, 1, hidden]
+    with ``packed_seq_params``) -> ([s, b, hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None as the bias), by the core's ``Attention.advance`` from empty
+    per-sequence key/value states: every row a fixed function of its query and the keys and values of its
+    own sequence's positions 0..t (``ops.attention.attention_blocked``), as the sampler computes it."""
+    hook = hook_for(self)
+    if inference_context is not None or inference_params is not None:
+        raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
+                               "aligned engine (reference or the vLLM plugin), not in Megatron")
+    extra = {"rotary embeddings (rotary_pos_emb)": rotary_pos_emb is not None or rotary_pos_cos is not None
+             or rotary_pos_sin is not None or rotary_pos_cos_sin is not None,
+             "an attention bias": attention_bias is not None, "cross-attention": key_value_states is not None,
+             "a sequence_len_offset (inference)": sequence_len_offset is not None}
+    given = [name for name, on in extra.items() if on]
+    if given:
+        raise AlignmentRefused(f"attention with {', '.join(given)} is not covered by --aligned-mamba")
+    _refuse_uncausal_mask(attention_mask, hidden_states.shape[0])
+    lens, hidden = _sequences(hidden_states, packed_seq_params)
+    layer = core_attention(self, hook, hidden.device)
+    state = layer.state(layer.state_spec().allocate(len(lens), hidden.device, max([1, *lens])))
+    y = layer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
+    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+
+
+def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
+                         **unused: Any) -> tuple[torch.Tensor, None]:
+    """MLP.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None as the bias), by the core's MLP layer (squared ReLU between the two
+    row-invariant linears). Rows are independent, so the layout does not matter."""
+    hook = hook_for(self)
+    if per_token_scale is not None:
+        raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
+    shape = hidden_states.shape
+    w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+    mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0]),
+                  {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
+                  dtype=hook.dtype)
+    y = mlp.advance(None, None, hidden_states.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
+    return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None
+
+
+def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
+    """The core's MoE layer over a MoELayer's own parameters (router weight and expert bias, each expert's
+    and the shared expert's linear_fc1 / linear_fc2), so gradients reach them."""
+    cfg, r = m.config, m.router
+    E, k = cfg.num_moe_experts, cfg.moe_router_topk
+    bias = r.expert_bias if r.expert_bias is not None else torch.zeros(E, device=r.weight.device)
+    tensors = {"gate.weight": r.weight, "gate.e_score_correction_bias": bias}
+    for name, mlp in [*((f"experts.{e}.", x) for e, x in enumerate(m.experts.local_experts)),
+                      ("shared_experts.", m.shared_experts)]:
+        tensors[name + "up_proj.weight"] = mlp.linear_fc1.weight
+        tensors[name + "down_proj.weight"] = mlp.linear_fc2.weight
+    config = MoEConfig(hidden_size=cfg.hidden_size, n_routed_experts=E, num_experts_per_tok=k,
+                       moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                       moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                       n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
+                       norm_topk_prob=k > 1, routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0)
+    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype)
+
+
+def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                         padding_mask: torch.Tensor | None = None, **unused: Any) -> tuple[torch.Tensor, None]:
+    """MoELayer.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32
+    with ``fp32_residual_connection``; None as the bias), by the core's MoE layer (row-invariant routing and
+    expert GEMMs). Rows are independent, so the layout does not matter. While training with the expert
+    bias enabled, each expert's token count goes into the router's ``local_tokens_per_expert``, as
+    Megatron's router counts them, for its aux-loss-free bias update."""
+    hook = hook_for(self)
+    if intermediate_tensors is not None or padding_mask is not None:
+        raise AlignmentRefused("MoE layer with intermediate tensors or a padding mask is not covered by "
+                               "--aligned-mamba")
+    shape = hidden_states.shape
+    moe = core_moe(self, hook, hidden_states.device)
+    x = hidden_states.reshape(-1, shape[-1]).to(hook.dtype)
+    experts, weights = moe.route_rows(x)
+    y = moe.experts_out(None, x, experts, weights).reshape(shape)  # MoE.advance's arithmetic, routed once
+    r = self.router
+    if self.training and torch.is_grad_enabled() and getattr(r, "enable_expert_bias", False):
+        with torch.no_grad():
+            r.local_tokens_per_expert += torch.bincount(experts.flatten(), minlength=moe.config.n_routed_experts).to(
+                r.local_tokens_per_expert.dtype)
+    return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None

@@ -1,0 +1,167 @@
+"""The hook: ``install(contract)`` patches megatron.core (``patch``) and ``apply_to_model`` checks a built
+MambaModel module by module and gives the ones it covers their aligned forwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.ops.backend import Backend, resolve
+from aligned_mamba.replay import Batch
+
+from . import current, patch
+from .norms import AlignedRMSNorm
+from .refusals import (
+    AlignmentRefused,
+    check_attention,
+    check_layer_types,
+    check_megatron_version,
+    check_mixer,
+    check_mlp,
+    check_moe,
+    check_transformer_layer,
+    config_problems,
+    refuse_problems,
+)
+
+installed = current.installed
+
+
+def install(contract: Contract) -> AlignedMambaHook:
+    """Patch megatron.core's Mamba2 path for ``contract`` (idempotent for the same contract; another
+    contract while one is installed is refused, naming both). Returns the hook (``uninstall()`` undoes it)."""
+    current_hook = current.installed()
+    if current_hook is not None:
+        if current_hook.contract != contract:
+            raise AlignmentRefused(f"the hook is installed with contract {current_hook.contract}; refused to switch "
+                                   f"to {contract} in the same process (uninstall first)")
+        return current_hook
+    check_megatron_version()
+    hook = AlignedMambaHook(contract)
+    hook._saved = patch.patch(hook)
+    current.set_installed(hook)
+    return hook
+
+
+class AlignedMambaHook:
+    """The installed patches for one contract. ``apply_to_model`` checks and aligns a built model."""
+
+    def __init__(self, contract: Contract) -> None:
+        self.contract = contract
+        self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._batch: tuple[tuple[int, ...], Batch] | None = None
+
+    def backend(self, device: torch.device) -> Backend:
+        """The contract's ops on ``device`` (the very object the core's models resolve)."""
+        return resolve(self.contract, device)
+
+    def batch_for(self, lens: list[int]) -> Batch:
+        """The ``Batch`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
+        forward sees the same lengths, so they share one (a Batch never changes once built), and the
+        Triton backend plans the step once per forward instead of once per layer (``Batch.derived``)."""
+        key = tuple(lens)
+        if self._batch is None or self._batch[0] != key:
+            self._batch = (key, Batch.from_empty(lens))
+        return self._batch[1]
+
+    def uninstall(self) -> None:
+        """Restore every patched name (models keep their aligned per-module forwards)."""
+        patch.restore(self._saved)
+        if current.installed() is self:
+            current.set_installed(None)
+
+    def __enter__(self) -> AlignedMambaHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # -- models --
+    def apply_to_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Check every module of a built MambaModel (DDP / Float16Module wrappers are unwrapped) against
+        what the hook covers, and give the embedding, the norms, the linear layers, the attention layers
+        (``SelfAttention``) and the MLPs aligned forwards. Refuses (``AlignmentRefused``, naming the module
+        path and class, or the feature) anything else. Returns ``model``."""
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm.mamba_block import MambaStack
+        from megatron.core.ssm.mamba_layer import MambaLayer
+        from megatron.core.ssm.mamba_mixer import MambaMixer
+        from megatron.core.ssm.mlp_layer import MLPLayer
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        inner = model
+        while not isinstance(inner, MambaModel) and isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module
+        if not isinstance(inner, MambaModel):
+            raise AlignmentRefused(f"{type(model).__name__} is not a Megatron MambaModel (or a wrapper of one)")
+        refuse_problems(config_problems(inner.config, self.contract))
+        if getattr(inner, "position_embedding_type", "none") != "none":
+            raise AlignmentRefused(f"position_embedding_type {inner.position_embedding_type!r}: position embeddings "
+                                   "(rotary or learned) are not covered (Mamba2 and Nemotron-H's attention have none)")
+        # modules the aligned forwards of their parents read (or that compute nothing): not visited themselves
+        covered: set[int] = set()
+        for path, m in inner.named_modules():
+            where = f"{path or '<model>'} ({type(m).__module__}.{type(m).__qualname__})"
+            kind = type(m)
+            if kind in (MambaModel, torch.nn.ModuleList, torch.nn.SiLU, torch.nn.Conv1d) or id(m) in covered:
+                continue  # containers, and modules whose weights an aligned forward reads itself
+            if kind is MambaStack:
+                check_layer_types(m, where, {"M": MambaLayer, "*": TransformerLayer, "-": MLPLayer,
+                                              "E": TransformerLayer})
+            elif kind is MambaLayer:
+                if type(m.norm) not in (AlignedRMSNorm, torch.nn.RMSNorm):
+                    raise AlignmentRefused(f"{where}: its pre-mixer norm is {type(m.norm).__name__}, not an RMSNorm "
+                                           "the hook covers (a Transformer Engine spec fuses it into in_proj; use "
+                                           "local_mamba_stack_spec)")
+            elif kind is MambaMixer:
+                check_mixer(m, where, self.contract)
+                covered.add(id(m.norm))  # the gated norm: the aligned mixer forward reads its weight and eps
+            elif kind is TransformerLayer or kind is MLPLayer:
+                moe = type(getattr(m, "mlp", None)) is MoELayer
+                covered.update(check_transformer_layer(m, where, attention=kind is TransformerLayer and not moe,
+                                                        moe=moe))
+            elif kind is MoELayer:
+                check_moe(m, where)
+                patch.swap(m, self)
+                covered.update(id(x) for x in m.modules() if x is not m)
+            elif kind is SelfAttention:
+                check_attention(m, where)
+                patch.swap(m, self)
+                covered.update(id(x) for x in m.modules() if x is not m)
+            elif kind is MLP:
+                check_mlp(m, where)
+                patch.swap(m, self)
+                covered.update(id(x) for x in m.modules() if x is not m)
+            elif kind is LanguageModelEmbedding:
+                if m.add_position_embedding or m.tokentype_embeddings is not None:
+                    raise AlignmentRefused(f"{where}: position or token-type embeddings are not part of Mamba2")
+            elif kind is VocabParallelEmbedding:
+                patch.swap(m, self)
+            elif kind is ColumnParallelLinear or kind is RowParallelLinear:
+                if kind is RowParallelLinear and not m.input_is_parallel:
+                    raise AlignmentRefused(f"{where}: input_is_parallel=False is not covered")
+                # the output layer rounds its weight to the model dtype first, as the core's lm_head
+                patch.swap(m, self)
+                m._aligned_mamba_round_weight = path == "output_layer"
+            elif kind is torch.nn.RMSNorm:
+                if m.eps is None or tuple(m.normalized_shape) != (m.weight.shape[0],):
+                    raise AlignmentRefused(f"{where}: an RMSNorm needs an explicit eps and a 1-d weight")
+                patch.swap(m, self)
+            elif kind is AlignedRMSNorm:
+                pass
+            elif kind is torch.nn.Dropout:
+                if m.p:
+                    raise AlignmentRefused(f"{where}: dropout p={m.p} gives other bits than the sampler; set it to 0")
+            else:
+                raise AlignmentRefused(f"{where} is not covered by --aligned-mamba (e.g. a Transformer Engine layer it "
+                                       "has not been taught); refused rather than train on unaligned bits")
+        inner._aligned_mamba_contract = self.contract
+        return model
