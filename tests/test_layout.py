@@ -8,7 +8,10 @@ Read from the source (every ``import`` statement, function-local ones too, excep
 - ``replay`` (the Batch and the one advance) sits on ``ops``; ``layers/`` on ``replay`` and ``ops``;
   ``models/`` on ``layers/``; the engine, trainer, check and CLI on ``models/``;
 - the core (``aligned_mamba``) never imports ``rollout``, ``trainer_hooks``, vLLM, Megatron or Ray;
-- the module-level imports of ``aligned_mamba`` form no cycle.
+- the module-level imports of ``aligned_mamba`` form no cycle;
+- the Megatron hook (``trainer_hooks/megatron/``) stands in layers: the refusals, the installed hook,
+  the aligned forwards and norms, then the patch, the hook, the flags; none imports Megatron at module
+  level (it is imported when the hook is installed).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ FORBIDDEN = {
     "layers": ("models", "engine", "baseline", "check", "cli", "train", "integrations"),
     "models": ("engine", "baseline", "check", "cli", "train", "integrations"),
     "contract": ("ops.backend", "replay", "layers", "models", "engine", "check", "cli", "train", "integrations"),
+}
+HOOK = ROOT / "trainer_hooks" / "megatron"
+# each module of the hook package, and the modules of the package it may import at module level
+HOOK_LAYERS = {
+    "refusals": set(),
+    "current": {"refusals"},
+    "norms": {"current", "refusals"},
+    "forwards": {"current", "norms", "refusals"},
+    "spec": {"norms"},
+    "patch": {"forwards", "norms", "refusals"},
+    "hook": {"current", "patch", "norms", "refusals"},
+    "arguments": {"hook", "refusals"},
 }
 
 
@@ -115,10 +130,25 @@ def test_module_level_imports_form_no_cycle() -> None:
             dfs(m)
 
 
+def test_the_megatron_hook_stands_in_layers() -> None:
+    files = {p.stem: p for p in HOOK.glob("*.py") if p.stem != "__init__"}
+    assert files.keys() == HOOK_LAYERS.keys(), sorted(files)
+    bad = {}
+    for stem, path in files.items():
+        names = _imports(path, module_level=True)
+        inner = {n.split(".")[2] for n in names if n.startswith("trainer_hooks.megatron.")}
+        hits = sorted(inner - HOOK_LAYERS[stem] - {stem}) + sorted(n for n in names if n.split(".")[0] == "megatron")
+        if hits:
+            bad[stem] = hits
+    assert not bad, bad
+
+
 def test_the_tree_has_one_place_per_thing() -> None:
     """One module per layer kind, one file per model family, the forms of the scan side by side."""
     assert {p.stem for p in (CORE / "layers").glob("*.py")} >= {"base", "mamba2", "norm"}
-    assert {p.stem for p in (CORE / "models").glob("*.py")} >= {"causal_lm", "registry", "mamba2", "mamba_ssm"}
+    assert {p.stem for p in (CORE / "models").glob("*.py")} >= {"causal_lm", "family", "hf_config", "registry",
+                                                                "mamba2", "mamba_ssm", "nemotron_h"}
+    assert not (ROOT / "trainer_hooks" / "megatron.py").exists()
     assert {p.stem for p in (CORE / "ops" / "ssd").glob("*.py")} >= {"naive", "chunk", "fused_recurrent",
                                                                       "triton_chunk", "triton_decode", "state"}
     assert not (CORE / "model").exists()
