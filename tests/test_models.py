@@ -8,6 +8,7 @@ logits bit for bit; what that layout holds and the model does not cover is refus
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ import aligned_mamba
 from aligned_mamba import Contract, ModelLoadError
 from aligned_mamba.models import FAMILIES, build_model, family_of, load_checkpoint, load_model
 from aligned_mamba.models import mamba_ssm as ms
+from aligned_mamba.models.family import Family
 from aligned_mamba.models.mamba2 import Mamba2Config, make_tiny, save_checkpoint
+from aligned_mamba.models.nemotron_h import NemotronHConfig
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, head_dim=64, n_groups=2, state_size=32,
              chunk_size=64, vocab_size=512)
@@ -96,6 +99,28 @@ def test_the_registry_finds_each_family_and_refuses_others() -> None:
     assert family_of({"d_model": 8, "n_layer": 1, "ssm_cfg": {}}).name == "mamba_ssm"
     with pytest.raises(ModelLoadError, match="no model family for architectures \\['LlamaForCausalLM'\\]"):
         family_of({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
+def test_each_family_is_a_short_subclass_of_the_base() -> None:
+    """A family states its names and overrides only what differs from ``Family``'s defaults."""
+    for family in FAMILIES:
+        assert isinstance(family, Family) and type(family) is not Family
+        own = {n for n, v in vars(type(family)).items() if callable(v) and not n.startswith("__")}
+        assert len(own) <= 8, (family.name, sorted(own))
+
+
+@pytest.mark.parametrize("limit, want", [([0.001, "Infinity"], (0.001, math.inf)), ([0.0, None], (0.0, math.inf)),
+                                         ([0.0, {"__float__": "Infinity"}], (0.0, math.inf)),
+                                         (["-inf", 0.1], (-math.inf, 0.1))])
+def test_the_hugging_face_families_read_time_step_limit_alike(limit: list, want: tuple[float, float]) -> None:
+    """One parser (``hf_config``): Nemotron-H refused transformers' ``{"__float__": ...}`` and "-inf" that
+    Mamba2 read, when each family had its own."""
+    for config_type in (Mamba2Config, NemotronHConfig):
+        assert config_type.from_hf_dict({"time_step_limit": limit}).time_step_limit == want
+    for bad in ([1.0, 0.5], [0.0], ["nan", 1.0]):
+        for config_type in (Mamba2Config, NemotronHConfig):
+            with pytest.raises(ModelLoadError, match=r"config.json: time_step_limit must be two numbers"):
+                config_type.from_hf_dict({"time_step_limit": bad})
 
 
 def test_the_public_entry_point(tmp_path: Path) -> None:

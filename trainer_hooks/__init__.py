@@ -1,8 +1,8 @@
 """Trainer-side integrations (Megatron-Core). Thin edges over ``aligned_mamba``.
 
-- ``megatron``: the ``--aligned-mamba`` hook: Megatron-Core's Mamba2 (and hybrid Nemotron-H attention / MLP)
-  forward on the core's layers and contract (``add_arguments``, ``apply_from_args``, ``apply_from_config``,
-  ``install``).
+- ``megatron``: the ``--aligned-mamba`` hook, a package: Megatron-Core's Mamba2 (and hybrid Nemotron-H
+  attention / MLP / MoE) forward on the core's layers and contract (``add_arguments``, ``apply_from_args``,
+  ``apply_from_config``, ``install``, ``aligned_mamba_stack_spec``).
 - ``megatron_weights``: Megatron-Core MambaModel state dict <-> Hugging Face Mamba2 / Nemotron-H weights (TP=1),
   exact both ways: how a trainer exports weights to rollout workers.
 - ``megatron_trainer``: the core's trainer protocol on a real MambaModel with the hook applied

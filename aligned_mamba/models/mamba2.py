@@ -197,9 +197,7 @@ class Mamba2Family(Family):
     name = MODEL_TYPE
     config_type = Mamba2Config
     architectures = (ARCHITECTURE,)
-    model_types = (MODEL_TYPE,)
-    embedding = EMBEDDING
-    head = LM_HEAD
+    model_types = (MODEL_TYPE,)  # the base's weight names (backbone.embeddings, lm_head) are this layout's
     shape_keys = SHAPE_KEYS
     defaults_of = "transformers' Mamba2Config"
 

@@ -311,9 +311,7 @@ class NemotronHFamily(Family):
     name = MODEL_TYPE
     config_type = NemotronHConfig
     architectures = (ARCHITECTURE,)
-    model_types = (MODEL_TYPE,)
-    embedding = EMBEDDING
-    head = LM_HEAD
+    model_types = (MODEL_TYPE,)  # the base's weight names (backbone.embeddings, lm_head) are this layout's
     free_dtype = (".A_log", ".D", ".dt_bias", ".e_score_correction_bias")
 
     def layer_kinds(self, config: NemotronHConfig) -> str:

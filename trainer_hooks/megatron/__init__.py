@@ -28,30 +28,12 @@ and ``AlignedMambaHook.apply_to_model``), ``patch`` (every Megatron name replace
 ``forwards`` and ``norms`` (the aligned forwards over a Megatron module's own parameters),
 ``refusals`` (what is refused, one line each), ``spec`` (the ModuleSpecs the hook covers).
 
-What ``install`` patches, in place (``uninstall`` restores it):
-
-- ``megatron.core.ssm.mamba_mixer``: ``MambaMixer.forward`` runs the core's ``Mamba2Mixer`` over
-  the layer's own parameters: in_proj and out_proj as the backend's row-invariant linear, conv1d + SiLU, the chunked
-  scan with every sequence's chunk grid anchored at its own start (THD packing through
-  ``packed_seq_params.cu_seqlens_q(_padded)``, or each row of an [s, b] batch), an fp32 SSM state,
-  and the gate in the grouped RMSNorm after the scan. ``MambaMixer.__init__`` takes its chunk size
-  from the contract (a spec passing another one is refused, naming both). ``ExtendedRMSNorm`` (the
-  gated norm) becomes ``AlignedGatedRMSNorm``; the stock kernel names (``mamba_chunk_scan_combined``,
-  ``mamba_split_conv1d_scan_combined``, ``causal_conv1d_fn``, ``causal_conv1d_update``,
-  ``selective_state_update``) become stubs that refuse: the aligned forward never calls them, and
-  a Megatron path that would (its own inference/decode) must not run unaligned bits.
-- ``megatron.core.ssm.mamba_block.TENorm`` (the final norm MambaStack hard-codes) becomes
-  ``AlignedRMSNorm``.
-- ``MambaModel.__init__`` ends with ``apply_to_model``: every module of the model is checked against
-  what the hook covers (anything else, e.g. a Transformer Engine layer or a MoE layer, is refused with
-  its path and class or the feature), and the embedding, per-layer norms and output layer get
-  forwards on the shared ops. Hybrid layers get per-instance forwards (Megatron's classes are left
-  alone, so a GPT model in the same process is untouched): each ``SelfAttention`` runs the core's
-  attention layer (``aligned_mamba.layers.attention.Attention``: q/k/v taken apart from linear_qkv's
-  per-group rows, the blocked causal attention per sequence from its own position 0, THD packing or
-  each row of an [s, b] batch), each ``MLP`` the core's ``layers.mlp.MLP`` (squared ReLU), each
-  ``MoELayer`` the core's ``layers.moe.MoE`` over its router, experts and shared expert (Megatron's
-  token dispatcher is not used; the router's token counts for its expert-bias update are kept).
+What is patched (``patch``): in place, by ``install``, the Mamba2 layer's ``MambaMixer.__init__``
+(the contract's chunk size) and ``.forward`` (the core's ``Mamba2Mixer`` over the layer's own
+parameters, each sequence's chunk grid at its own start, the gate in the norm after the scan), the
+gated and final norms, the stock kernels (stubs that refuse) and ``MambaModel.__init__`` (which ends
+with ``apply_to_model``); per module of a built model, by ``apply_to_model``, the instance forwards
+of the embedding, linears, norms, attention, MLP and MoE layers, so Megatron's classes stay stock.
 """
 
 from __future__ import annotations
