@@ -32,7 +32,7 @@ def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
 
 
 def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                            runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Column/RowParallelLinear at TP=1 on the backend's row-invariant linear: [..., in] -> ([..., out], bias
     or None)."""
     hook = hook_for(self)
@@ -103,7 +103,7 @@ def _layer_output(y: torch.Tensor, hidden_states: torch.Tensor, packed: bool, co
 
 
 def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
-                           inference_params: Any = None, packed_seq_params: Any = None
+                  inference_params: Any = None, packed_seq_params: Any = None
                            ) -> tuple[torch.Tensor, None]:
     """MambaMixer.forward under the hook: hidden_states [s, b, d_model] (or THD: [T, 1, d_model] with
     ``packed_seq_params``) -> ([s, b, d_model] in the model dtype, fp32 with ``fp32_residual_connection``;
@@ -154,11 +154,11 @@ def _refuse_uncausal_mask(mask: torch.Tensor | None, s: int) -> None:
 
 
 def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                               key_value_states: torch.Tensor | None = None, inference_context: Any = None,
-                               rotary_pos_emb: Any = None, rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
-                               rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
-                               packed_seq_params: Any = None, sequence_len_offset: Any = None, *,
-                               inference_params: Any = None) -> tuple[torch.Tensor, None]:
+                      key_value_states: torch.Tensor | None = None, inference_context: Any = None,
+                      rotary_pos_emb: Any = None, rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
+                      rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
+                      packed_seq_params: Any = None, sequence_len_offset: Any = None, *,
+                      inference_params: Any = None) -> tuple[torch.Tensor, None]:
     """SelfAttention.forward under the hook: hidden_states [s, b, hidden] (normed; or THD [T, 1, hidden]
     with ``packed_seq_params``) -> ([s, b, hidden] in the model dtype, fp32 with
     ``fp32_residual_connection``; None as the bias), by the core's ``Attention.advance`` from empty
@@ -184,7 +184,7 @@ def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: to
 
 
 def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
-                         **unused: Any) -> tuple[torch.Tensor, None]:
+                **unused: Any) -> tuple[torch.Tensor, None]:
     """MLP.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32 with
     ``fp32_residual_connection``; None as the bias), by the core's MLP layer (squared ReLU between the two
     row-invariant linears). Rows are independent, so the layout does not matter."""
@@ -220,7 +220,7 @@ def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
 
 
 def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
-                         padding_mask: torch.Tensor | None = None, **unused: Any) -> tuple[torch.Tensor, None]:
+                padding_mask: torch.Tensor | None = None, **unused: Any) -> tuple[torch.Tensor, None]:
     """MoELayer.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32
     with ``fp32_residual_connection``; None as the bias), by the core's MoE layer (row-invariant routing and
     expert GEMMs). Rows are independent, so the layout does not matter. While training with the expert

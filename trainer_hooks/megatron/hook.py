@@ -127,7 +127,7 @@ class AlignedMambaHook:
             elif kind is TransformerLayer or kind is MLPLayer:
                 moe = type(getattr(m, "mlp", None)) is MoELayer
                 covered.update(check_transformer_layer(m, where, attention=kind is TransformerLayer and not moe,
-                                                        moe=moe))
+                                                       moe=moe))
             elif kind is MoELayer:
                 check_moe(m, where)
                 patch.swap(m, self)

@@ -18,7 +18,7 @@ class AlignmentRefused(AlignedMambaError):
 
 
 def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8: Any,
-                       hidden_dropout: float) -> list[str]:
+                      hidden_dropout: float) -> list[str]:
     out = []
     for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
         if (size or 1) > 1:
@@ -34,8 +34,8 @@ def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8
 
 def config_problems(config: Any, contract: Contract) -> list[str]:
     out = parallel_problems(tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
-                             cp=config.context_parallel_size, sequence_parallel=config.sequence_parallel,
-                             fp8=config.fp8, hidden_dropout=config.hidden_dropout)
+                            cp=config.context_parallel_size, sequence_parallel=config.sequence_parallel,
+                            fp8=config.fp8, hidden_dropout=config.hidden_dropout)
     dtype = str(config.params_dtype).removeprefix("torch.")
     if dtype != contract.model_dtype:
         out.append(f"params_dtype {dtype} (contract model_dtype {contract.model_dtype})")
