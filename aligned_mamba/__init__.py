@@ -38,15 +38,25 @@ def load_model(path: Any, contract: Contract | None = None, device: Any = None, 
 
 
 def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contract: Contract | None = None) -> Any:
-    """The contract's logprob of ``token_ids`` under ``logits`` / ``temperature``: [..., V] logits (any
-    float dtype), [...] integer ids -> [...] float32. The function both sides run (the sampler's
-    reported logprobs, the trainer's ratio and KL): fp32 log-softmax over the whole vocabulary with
-    position-invariant arithmetic, temperature as one fp32 division before it. ``contract`` picks the
-    backend whose kernel computes it (default: triton on a CUDA tensor, torch on the CPU)."""
+    """The contract's logprob of ``token_ids`` under ``logits`` / ``temperature``.
+
+    logits: [..., V] floating-point tensor (any float dtype); token_ids: [...] integer tensor of the
+    logits' leading shape, each in [0, V); temperature: a finite number > 0. Returns [...] float32.
+    The function both sides run (the sampler's reported logprobs, the trainer's ratio and KL): fp32
+    log-softmax over the whole vocabulary with position-invariant arithmetic (a row's bits do not
+    depend on the batch or position it sits in), temperature as one fp32 division before it.
+    ``contract`` picks the backend whose kernel computes it (default: triton on a CUDA tensor, torch
+    on the CPU). Bad input raises TypeError / ValueError with one line.
+    """
     import torch
 
     from .ops.backend import resolve
+    from .ops.logprobs import check_temperature, check_token_inputs
 
+    check_token_inputs(logits, token_ids)
+    check_temperature(temperature)
+    if contract is not None and not isinstance(contract, Contract):
+        raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")
     if contract is None:
         contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
     lp = resolve(contract, logits.device).log_softmax(logits, temperature)
