@@ -7,7 +7,8 @@ logits the trainer computes for it, bit for bit.
 Public API:
     load_model(path, contract=None) -> CausalLM   # model.forward(sequences) -> the trainer's logits
     token_logprobs(logits, token_ids, temperature=1.0) -> float32 logprobs (the contract's log-softmax)
-    verify(trainer_logits, sampler_logits) -> VerifyReport
+    verify(trainer_logits, sampler_logits, mask=None) -> VerifyReport
+    framework_metrics(trainer_lp, sampler_lp, mask) -> verl / NeMo-RL / slime mismatch metrics by their names
     rows_digest(rows) -> str; hardware_class(device=None) -> HardwareClass
     Contract, check_compatible
     AlignmentError, ContractError, ContractMismatchError, ModelLoadError
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .contract import Contract, check_compatible
 from .errors import AlignedMambaError, AlignmentError, ContractError, ContractMismatchError, ModelLoadError
 from .hardware import hardware_class
+from .metrics import framework_metrics, nemo_rl_metrics, slime_metrics, verl_metrics
 from .verify import VerifyReport, rows_digest, verify
 
 if TYPE_CHECKING:
@@ -74,9 +76,13 @@ __all__ = [
     "ModelLoadError",
     "VerifyReport",
     "check_compatible",
+    "framework_metrics",
     "hardware_class",
     "load_model",
+    "nemo_rl_metrics",
     "rows_digest",
+    "slime_metrics",
     "token_logprobs",
     "verify",
+    "verl_metrics",
 ]

@@ -4,7 +4,9 @@ The verdict is per row: by default a row is equal iff ``torch.equal`` holds for 
 equality: -0.0 == +0.0); with ``bits=True`` iff its bit patterns are equal (-0.0 != +0.0). A row
 holding a NaN is never equal in either mode. The logprob and KL figures only say how far apart
 mismatched rows are; they never soften the verdict. ``rows_digest`` lets two processes compare
-bits without shipping the rows.
+bits without shipping the rows. ``mask`` leaves padding out of padded [B, T] logprobs, as RL
+frameworks hold them. What cannot be checked is refused, never reported as checked: a contract or
+hardware class declared for one side only, ``strict`` over nothing, meta tensors.
 """
 
 from __future__ import annotations
