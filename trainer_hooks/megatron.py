@@ -954,7 +954,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     (any float dtype); tokens: Megatron's ``labels`` [b, s] (integer, the next token at each position).
     ``sequence_first=None`` infers the layout from the shapes and refuses a square (s == b) one.
     Returns [b, s] float32 ``aligned_mamba.token_logprobs(logits / temperature)`` at the labels: the
-    bits the sampler reports for those tokens, differentiable through the logits.
+    bits the sampler reports for those tokens, differentiable through the logits. ``contract`` (default:
+    the installed hook's) picks the backend that computes it, as the sampler's contract does.
     """
     import aligned_mamba
 
@@ -968,4 +969,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                              "sequence_first=True ([s, b, V]) or False ([b, s, V])")
         sequence_first = tuple(logits.shape[:2]) == (s, b)
     rows = logits.transpose(0, 1) if sequence_first else logits
+    if contract is None and (hook := installed()) is not None:
+        contract = hook.contract
     return aligned_mamba.token_logprobs(rows, tokens, temperature, contract)
