@@ -197,3 +197,15 @@ def test_unshardable_layouts_are_refused(v: int, shards: int, index: int, match:
 def test_an_all_gather_that_returns_the_wrong_count_is_refused() -> None:
     with pytest.raises(ValueError, match="all_gather returned 1 tensors"):
         L.log_softmax_sharded(torch.zeros(4, 64), 0, 2, lambda t: [t])
+
+
+def test_the_native_loop_and_the_torch_form_sum_the_same_tree() -> None:
+    """The slices are tree_sum rows, so the C loop (ops/native_cpu.c) and the torch form agree bit for bit."""
+    from aligned_mamba.ops import native
+
+    if native.library() is None:
+        pytest.skip(f"native CPU ops {native.status()}")
+    x, _ = _rows(6, n=16)
+    with_native = L.log_softmax(x, 0.7)
+    with native.off():
+        assert torch.equal(L.log_softmax(x, 0.7), with_native)
