@@ -7,7 +7,8 @@ logits the trainer computes for it, bit for bit.
 Public API:
     load_model(path, contract=None) -> CausalLM   # model.forward(sequences) -> the trainer's logits
     token_logprobs(logits, token_ids, temperature=1.0) -> float32 logprobs (the contract's log-softmax)
-    verify(trainer_logits, sampler_logits) -> VerifyReport
+    verify(trainer_logits, sampler_logits, mask=None) -> VerifyReport
+    framework_metrics(trainer_lp, sampler_lp, mask) -> verl / NeMo-RL / slime mismatch metrics by their names
     rows_digest(rows) -> str; hardware_class(device=None) -> HardwareClass
     Contract, check_compatible
     AlignmentError, ContractError, ContractMismatchError, ModelLoadError
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .contract import Contract, check_compatible
 from .errors import AlignedMambaError, AlignmentError, ContractError, ContractMismatchError, ModelLoadError
 from .hardware import hardware_class
+from .metrics import framework_metrics, nemo_rl_metrics, slime_metrics, verl_metrics
 from .verify import VerifyReport, rows_digest, verify
 
 if TYPE_CHECKING:
@@ -38,15 +40,25 @@ def load_model(path: Any, contract: Contract | None = None, device: Any = None, 
 
 
 def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contract: Contract | None = None) -> Any:
-    """The contract's logprob of ``token_ids`` under ``logits`` / ``temperature``: [..., V] logits (any
-    float dtype), [...] integer ids -> [...] float32. The function both sides run (the sampler's
-    reported logprobs, the trainer's ratio and KL): fp32 log-softmax over the whole vocabulary with
-    position-invariant arithmetic, temperature as one fp32 division before it. ``contract`` picks the
-    backend whose kernel computes it (default: triton on a CUDA tensor, torch on the CPU)."""
+    """The contract's logprob of ``token_ids`` under ``logits`` / ``temperature``.
+
+    logits: [..., V] floating-point tensor (any float dtype); token_ids: [...] integer tensor of the
+    logits' leading shape, each in [0, V); temperature: a finite number > 0. Returns [...] float32.
+    The function both sides run (the sampler's reported logprobs, the trainer's ratio and KL): fp32
+    log-softmax over the whole vocabulary with position-invariant arithmetic (a row's bits do not
+    depend on the batch or position it sits in), temperature as one fp32 division before it.
+    ``contract`` picks the backend whose kernel computes it (default: triton on a CUDA tensor, torch
+    on the CPU). Bad input raises TypeError / ValueError with one line.
+    """
     import torch
 
     from .ops.backend import resolve
+    from .ops.logprobs import check_temperature, check_token_inputs
 
+    check_token_inputs(logits, token_ids)
+    check_temperature(temperature)
+    if contract is not None and not isinstance(contract, Contract):
+        raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")
     if contract is None:
         contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
     lp = resolve(contract, logits.device).log_softmax(logits, temperature)
@@ -64,9 +76,13 @@ __all__ = [
     "ModelLoadError",
     "VerifyReport",
     "check_compatible",
+    "framework_metrics",
     "hardware_class",
     "load_model",
+    "nemo_rl_metrics",
     "rows_digest",
+    "slime_metrics",
     "token_logprobs",
     "verify",
+    "verl_metrics",
 ]

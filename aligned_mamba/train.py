@@ -25,7 +25,7 @@ from safetensors.torch import save as save_safetensors
 from .contract import Contract
 from .errors import TrainingDiverged
 from .models import CausalLM, build_model
-from .ops.logprobs import log_softmax
+from .ops.logprobs import check_temperature, token_logprobs
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -89,10 +89,11 @@ class PolicyTrainer:
 
     score = forward
 
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits,
-        [len_i - prompt_len_i] float32 each, by the sampler's log_softmax."""
-        return generated_logprobs(self.forward(sequences), sequences, prompt_lens)
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits /
+        ``temperature``, [len_i - prompt_len_i] float32 each, by the contract's log-softmax."""
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -187,14 +188,16 @@ def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[byte
 
 
 def generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
-                       prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+                       prompt_lens: Sequence[int], temperature: float = 1.0) -> list[torch.Tensor]:
     """float32 logprob of each generated token (positions prompt_len .. len-1) under ``logits`` (list
-    of [len_i, vocab]), by the sampler's ``log_softmax``: [len_i - prompt_len_i] each."""
+    of [len_i, vocab]) / ``temperature``: [len_i - prompt_len_i] each. The contract's function
+    (``ops.logprobs.token_logprobs``, what ``aligned_mamba.token_logprobs`` runs on the CPU and the
+    sampler reports), differentiable when the logits are."""
+    check_temperature(temperature)
     out = []
     for lg, seq, p in zip(logits, sequences, prompt_lens):
         if not 1 <= p <= seq.numel():
             raise ValueError(f"prompt length {p} outside [1, {seq.numel()}]")
         # row t predicts token t + 1: generated token t (t >= p) is scored by row t - 1
-        lp = log_softmax(lg[p - 1:-1])
-        out.append(lp.gather(-1, seq[p:].to(lp.device).unsqueeze(-1)).squeeze(-1))
+        out.append(token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature))
     return out

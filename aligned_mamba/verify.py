@@ -4,7 +4,9 @@ The verdict is per row: by default a row is equal iff ``torch.equal`` holds for 
 equality: -0.0 == +0.0); with ``bits=True`` iff its bit patterns are equal (-0.0 != +0.0). A row
 holding a NaN is never equal in either mode. The logprob and KL figures only say how far apart
 mismatched rows are; they never soften the verdict. ``rows_digest`` lets two processes compare
-bits without shipping the rows.
+bits without shipping the rows. ``mask`` leaves padding out of padded [B, T] logprobs, as RL
+frameworks hold them. What cannot be checked is refused, never reported as checked: a contract or
+hardware class declared for one side only, ``strict`` over nothing, meta tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class VerifyReport:
     near-equal row a hair below 0, which must not cancel another row's divergence).
     ``bits``: the verdict compared bit patterns (``verify(bits=True)``). ``trainer_digest`` /
     ``sampler_digest``: ``rows_digest`` of each input as given. ``hardware``: the declared
-    hardware classes, {"trainer": key, "sampler": key, "same": bool}, or None if not both declared.
+    hardware classes, {"trainer": key, "sampler": key, "same": bool}, or None if neither declared.
+    ``masked_rows``: positions a ``mask`` left out (never compared; counted in ``rows``, never
+    mismatched); the verdict and the figures cover the ``rows - masked_rows`` compared ones.
     """
 
     bitwise_equal: bool
@@ -71,6 +75,7 @@ class VerifyReport:
     trainer_digest: str | None = None
     sampler_digest: str | None = None
     hardware: dict[str, Any] | None = None
+    masked_rows: int = 0
 
     def __bool__(self) -> bool:
         return self.bitwise_equal
@@ -114,11 +119,14 @@ class VerifyReport:
             hw = self.hardware
             what += (f", hardware {hw['trainer']}" if hw["same"]
                      else f", hardware trainer {hw['trainer']} vs sampler {hw['sampler']} (cross-hardware allowed)")
+        compared = self.rows - self.masked_rows
+        if self.masked_rows:
+            what += f", {self.masked_rows} masked out"
         if self.bitwise_equal:
-            return f"bitwise equal: {self.rows}/{self.rows} rows [{what}]"
+            return f"bitwise equal: {compared}/{compared} rows [{what}]"
         nans = f", {self.nan_rows} with NaN" if self.nan_rows else ""
         return (
-            f"NOT bitwise equal: {self.mismatched_rows}/{self.rows} rows differ "
+            f"NOT bitwise equal: {self.mismatched_rows}/{compared} rows differ "
             f"(first row {self.first_mismatch}{nans}); "
             f"max|d| {self.max_abs_diff:.3g}, max|d logprob| "
             f"{self.max_abs_logprob_diff:.3g}, mean|d logprob| {self.mean_abs_logprob_diff:.3g}, "
@@ -127,7 +135,17 @@ class VerifyReport:
 
 
 def _contract_fingerprint(trainer: Contract | str | None, sampler: Contract | str | None) -> str | None:
-    """Refuse differing contracts before any comparison; return the shared fingerprint."""
+    """Refuse differing contracts (or one declared for one side only) before any comparison; return
+    the shared fingerprint."""
+    for side, c in (("trainer", trainer), ("sampler", sampler)):
+        if c is not None and not isinstance(c, (Contract, str)):
+            raise TypeError(f"{side}_contract must be a Contract or its fingerprint string, got {type(c).__name__}")
+        if isinstance(c, str) and not c:
+            raise ValueError(f"{side}_contract is an empty fingerprint")
+    if (trainer is None) != (sampler is None):
+        given = "trainer" if trainer is not None else "sampler"
+        raise ValueError(f"{given}_contract given for one side only: pass both trainer_contract and "
+                         "sampler_contract, or neither (a one-sided contract checks nothing)")
     if isinstance(trainer, Contract) and isinstance(sampler, Contract):
         check_compatible(trainer, sampler)
     fps = [c.fingerprint if isinstance(c, Contract) else c for c in (trainer, sampler)]
@@ -158,6 +176,10 @@ def rows_digest(rows: torch.Tensor) -> str:
 
 def _hardware(trainer: HardwareLike | None, sampler: HardwareLike | None, allow: bool) -> dict[str, Any] | None:
     """Refuse differing declared hardware classes (unless allowed); the report's hardware entry."""
+    if (trainer is None) != (sampler is None):
+        given = "trainer" if trainer is not None else "sampler"
+        raise ValueError(f"{given}_hardware given for one side only: pass both trainer_hardware and "
+                         "sampler_hardware, or neither (a one-sided class checks nothing)")
     if trainer is None or sampler is None:
         return None
     same = check_same_hardware(trainer, sampler, allow=allow)
@@ -224,6 +246,7 @@ def verify(
     trainer_hardware: HardwareLike | None = None,
     sampler_hardware: HardwareLike | None = None,
     allow_cross_hardware: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> VerifyReport:
     """Compare trainer and sampler outputs row by row, bit for bit.
 
@@ -238,8 +261,13 @@ def verify(
     (``nan_rows`` counts them), even where both sides hold the same NaN bits: the model broke.
 
     ``token_ids`` (int, the logits' leading shape) switches the logprob figures to those tokens.
-    Contracts (``Contract`` or fingerprint string) are checked first, then hardware classes
-    (``HardwareClass``, its ``to_dict()`` or key; both or neither), which must be one class
+    ``mask`` (bool, the rows' shape: [B, T] for [B, T] logprobs or [B, T, V] logits) compares only
+    the positions where it is True (padding is False); a 2-D float input whose shape the mask has is
+    taken as [B, T] logprobs without ``kind``. ``strict`` with nothing compared (empty inputs, or
+    everything masked out) is an error: an empty comparison proves nothing.
+    Contracts (``Contract`` or fingerprint string; both or neither) are checked first, then hardware classes
+    (``HardwareClass``, its ``to_dict()`` or key; both or neither, one side alone is refused), which
+    must be one class
     unless ``allow_cross_hardware`` (raises HardwareMismatchError). ``strict`` raises
     AlignmentError carrying the report when any row differs.
     """
@@ -252,10 +280,22 @@ def verify(
         raise ValueError(f"shape mismatch: trainer {list(t.shape)} vs sampler {list(s.shape)} (refused, not compared)")
     if t.dtype != s.dtype:
         raise ValueError(f"dtype mismatch: trainer {t.dtype} vs sampler {s.dtype} (refused, not compared)")
+    if t.is_meta or s.is_meta:
+        raise ValueError("verify needs tensors with data, got a meta-device tensor (materialise it first)")
     if not t.is_floating_point():
         raise ValueError(f"expected floating-point logits or logprobs, got {t.dtype}")
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} refused: expected one of {', '.join(KINDS)}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"mask must be a bool tensor (True = compared), got {what}")
+        if mask.is_meta:
+            raise ValueError("verify needs tensors with data, got a meta-device mask")
+        if kind == "auto" and t.dim() == 2 and mask.shape == t.shape:
+            kind = "logprobs"  # [B, T] values with a [B, T] mask: per-token logprobs, padded
+        elif kind == "auto" and t.dim() in (2, 3) and mask.shape == t.shape[:-1]:
+            kind = "logits"
     if kind == "auto":
         kind = _auto_kind(t, s)
     if (kind == "logits" and t.dim() not in (2, 3)) or (kind == "logprobs" and t.dim() not in (1, 2)):
@@ -264,6 +304,12 @@ def verify(
 
     a, b = _as_rows(t.detach(), kind), _as_rows(s.detach(), kind)  # a comparison, never part of a graph
     rows, width = a.shape
+    keep = None
+    if mask is not None:
+        lead = t.shape if kind == "logprobs" else t.shape[:-1]
+        if mask.shape != lead:
+            raise ValueError(f"mask must have the {kind} rows' shape {list(lead)}, got {list(mask.shape)}")
+        keep = mask.reshape(rows).to(a.device)
     tok = None
     if token_ids is not None:
         if kind != "logits":
@@ -275,6 +321,8 @@ def verify(
                 f"{list(token_ids.shape)}"
             )
         tok = token_ids.reshape(rows).to(device=a.device, dtype=torch.int64)
+        if keep is not None:
+            tok = torch.where(keep, tok, torch.zeros_like(tok))  # padding may hold any id
         if rows and (int(tok.min()) < 0 or int(tok.max()) >= width):
             raise ValueError(f"token_ids out of range [0, {width})")
 
@@ -286,6 +334,10 @@ def verify(
         nan[lo : lo + step] = xa.isnan().any(1) | xb.isnan().any(1)
         equal[lo : lo + step] = _row_equal(xa, xb, bits)
     equal &= ~nan  # a NaN row is never equal, in either mode (in bits mode equal NaN bits would be)
+    if keep is not None:  # masked-out rows are not compared: never mismatched, never NaN rows
+        nan &= keep
+        equal |= ~keep
+    masked = 0 if keep is None else rows - int(keep.sum())
     bad_idx = (~equal).nonzero().flatten()
 
     # Equal rows contribute exactly 0 to every figure, so only mismatched rows are processed.
@@ -320,7 +372,7 @@ def verify(
         kl_sum += float(kl_rows.sum())
 
     n_nan = int(nan.sum())
-    valid_rows = rows - n_nan
+    valid_rows = rows - masked - n_nan
     per_row = width if kind == "logits" and tok is None else 1
     report = VerifyReport(
         bitwise_equal=bad_idx.numel() == 0,
@@ -342,7 +394,11 @@ def verify(
         trainer_digest=rows_digest(t),
         sampler_digest=rows_digest(s),
         hardware=hardware,
+        masked_rows=masked,
     )
+    if strict and rows - masked == 0:
+        raise AlignmentError(f"strict verify compared nothing: {rows} rows, {masked} masked out; an empty "
+                             "comparison proves no alignment", report)
     if strict and not report.bitwise_equal:
         raise AlignmentError(report.summary(), report)
     return report

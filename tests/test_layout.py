@@ -43,6 +43,7 @@ HOOK_LAYERS = {
     "patch": {"forwards", "norms", "refusals"},
     "hook": {"current", "patch", "norms", "refusals"},
     "arguments": {"hook", "refusals"},
+    "logprobs": {"current"},
 }
 
 

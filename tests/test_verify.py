@@ -162,6 +162,9 @@ def test_empty_inputs() -> None:
     for x, kind in ((torch.empty(0, 7), "logits"), (torch.empty(2, 0, 7), "logits"), (torch.empty(0), "auto")):
         r = verify(x, x.clone(), kind=kind)
         assert r.bitwise_equal and r.rows == 0 and r.mismatch_map() == "" and json.loads(r.to_json())["rows"] == 0
+        # strict promises an alignment was shown: an empty comparison shows none
+        with pytest.raises(AlignmentError, match="compared nothing"):
+            verify(x, x.clone(), kind=kind, strict=True)
 
 
 def test_mismatch_map_characters() -> None:
@@ -404,4 +407,88 @@ def test_cross_hardware_allowed_and_recorded() -> None:
     same = verify(x, x.clone(), trainer_hardware=_AVX2, sampler_hardware=_AVX2.to_dict())
     assert same.hardware == {"trainer": "cpu:avx2", "sampler": "cpu:avx2", "same": True}
     assert "hardware cpu:avx2]" in same.summary() and json.loads(same.to_json())["hardware"]["same"] is True
-    assert verify(x, x.clone(), trainer_hardware=_AVX2).hardware is None  # one side declared: nothing to compare
+    # one side declared checks nothing, so it is refused rather than shown as checked
+    for kw in ({"trainer_hardware": _AVX2}, {"sampler_hardware": _AVX2.key}):
+        with pytest.raises(ValueError, match="for one side only"):
+            verify(x, x.clone(), **kw)
+
+
+# -- mask= (padded [B, T] logprobs) and the refusals of one-sided or malformed declarations -----------------
+
+
+def _padded(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl-style [4, 30] logprobs, right-padded with 0.0 (the trainer) / garbage (the sampler), and the mask."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([30, 12, 1, 25])
+    mask = torch.arange(30)[None] < lens[:, None]
+    lp = -torch.rand(4, 30, generator=g) * 5
+    trainer = torch.where(mask, lp, torch.zeros_like(lp))
+    sampler = torch.where(mask, lp, torch.full_like(lp, -3.0))
+    return trainer, sampler, mask
+
+
+def test_mask_leaves_padding_out() -> None:
+    t, s, mask = _padded()
+    # the mismatch a mask prevents: without it the padding differs (and auto refuses a [4, 30] input)
+    assert verify(t, s, kind="logprobs").mismatched_rows == int((~mask).sum())
+    with pytest.raises(ValueError, match="kind='auto' refused"):
+        verify(t, s)
+    r = verify(t, s, mask=mask, strict=True)  # [B, T] floats with a mask: logprobs, no kind needed
+    assert r and r.kind == "logprobs" and r.rows == 120 and r.masked_rows == int((~mask).sum())
+    assert f"bitwise equal: {int(mask.sum())}/{int(mask.sum())} rows" in r.summary()
+    assert "masked out" in r.summary()
+    # NaN in the padding is not a NaN row
+    s2 = s.clone()
+    s2[2, 5] = float("nan")
+    assert verify(t, s2, mask=mask).nan_rows == 0
+
+
+def test_mask_reports_one_unmasked_difference() -> None:
+    t, s, mask = _padded()
+    s = s.clone()
+    s[1, 11] = torch.nextafter(s[1, 11], torch.tensor(0.0))  # the last real token of row 1, one ulp
+    r = verify(t, s, mask=mask)
+    assert not r and r.mismatched_rows == 1 and r.mismatched_row_indices == [30 + 11] and r.first_mismatch == 41
+    assert r.max_abs_logprob_diff > 0 and r.mean_abs_logprob_diff == pytest.approx(r.max_abs_logprob_diff / 68)
+    assert f"1/{int(mask.sum())} rows differ" in r.summary()
+    with pytest.raises(AlignmentError):
+        verify(t, s, mask=mask, strict=True)
+
+
+def test_mask_on_logits_rows_and_token_ids() -> None:
+    x = _logits(2, 6, 40)
+    y = x.clone()
+    y[1, 4:] += 1  # padding positions of sequence 1
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    tok = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, -100, -100]])  # padding ids out of range: ignored
+    r = verify(x, y, mask=mask, token_ids=tok)
+    assert r and r.kind == "logits" and r.masked_rows == 2
+    assert not verify(x, y, mask=torch.ones(2, 6, dtype=torch.bool))
+
+
+def test_mask_bad_input() -> None:
+    t, s, mask = _padded()
+    with pytest.raises(TypeError, match="bool tensor"):
+        verify(t, s, mask=mask.int())
+    with pytest.raises(ValueError, match=r"mask must have the logprobs rows' shape \[4, 30\]"):
+        verify(t, s, kind="logprobs", mask=mask[:, :5])
+    with pytest.raises(AlignmentError, match="compared nothing"):
+        verify(t, s, mask=torch.zeros_like(mask), strict=True)
+
+
+def test_one_sided_or_integer_contracts_are_refused() -> None:
+    x = _logits(4, 40)
+    for kw in ({"trainer_contract": Contract(128)}, {"sampler_contract": Contract(128).fingerprint}):
+        with pytest.raises(ValueError, match="for one side only"):
+            verify(x, x.clone(), **kw)
+    with pytest.raises(TypeError, match="trainer_contract must be a Contract or its fingerprint string, got int"):
+        verify(x, x.clone(), trainer_contract=123456789012, sampler_contract=123456789012)
+    with pytest.raises(ValueError, match="empty fingerprint"):
+        verify(x, x.clone(), trainer_contract="", sampler_contract="")
+
+
+def test_meta_tensors_are_refused_in_one_line() -> None:
+    x = torch.empty(4, 40, device="meta")
+    with pytest.raises(ValueError, match="meta-device tensor") as e:
+        verify(x, x, kind="logits")
+    assert "\n" not in str(e.value)

@@ -304,11 +304,12 @@ class MegatronTrainer:
         with torch.no_grad():
             return self._logits([s.to(torch.int64) for s in sequences])
 
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """Logprob of every generated token (positions prompt_len .. len-1) under Megatron's one-pass logits,
-        [len_i - prompt_len_i] float32 each, by the sampler's log_softmax (as ``PolicyTrainer``)."""
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every generated token (positions prompt_len .. len-1) under Megatron's one-pass logits /
+        ``temperature``, [len_i - prompt_len_i] float32 each, by the contract's log-softmax (as ``PolicyTrainer``)."""
         seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs), seqs, prompt_lens)
+        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

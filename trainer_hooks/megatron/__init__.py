@@ -26,7 +26,8 @@ contract)`` (or ``install(contract)``) before building the model, or ``hook.appl
 The pieces, one module each: ``arguments`` (the flags and ``apply_from_*``), ``hook`` (``install``
 and ``AlignedMambaHook.apply_to_model``), ``patch`` (every Megatron name replaced, and why),
 ``forwards`` and ``norms`` (the aligned forwards over a Megatron module's own parameters),
-``refusals`` (what is refused, one line each), ``spec`` (the ModuleSpecs the hook covers).
+``refusals`` (what is refused, one line each), ``spec`` (the ModuleSpecs the hook covers),
+``logprobs`` (``token_logprobs`` of the output logits, as a loss function reads them).
 
 What is patched (``patch``): in place, by ``install``, the Mamba2 layer's ``MambaMixer.__init__``
 (the contract's chunk size) and ``.forward`` (the core's ``Mamba2Mixer`` over the layer's own
@@ -40,10 +41,11 @@ from __future__ import annotations
 
 from .arguments import add_arguments, apply_from_args, apply_from_config
 from .hook import AlignedMambaHook, install, installed
+from .logprobs import token_logprobs
 from .norms import AlignedGatedRMSNorm, AlignedRMSNorm
 from .refusals import SUPPORTED_MEGATRON_CORE, AlignmentRefused
 from .spec import aligned_mamba_stack_spec, local_mamba_stack_spec
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "AlignedGatedRMSNorm", "AlignedMambaHook", "AlignedRMSNorm",
            "AlignmentRefused", "add_arguments", "aligned_mamba_stack_spec", "apply_from_args", "apply_from_config",
-           "install", "installed", "local_mamba_stack_spec"]
+           "install", "installed", "local_mamba_stack_spec", "token_logprobs"]
