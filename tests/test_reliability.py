@@ -126,3 +126,89 @@ def test_disk_full_names_the_report_keeps_the_results_and_exits_3(tmp_path, caps
     assert f"--json {out}" in last and "No space left on device" in last
     assert f"--json {out}: cannot be rewritten" in cap.err  # said once, when it happened
     assert not [p for p in tmp_path.iterdir() if p.name != "r.json"]  # no temp file left behind
+
+
+# -- 2: the native library: private directory, verified before it is loaded ------------------------------------
+
+_OP = """
+import sys, torch
+from aligned_mamba.ops import native
+x = torch.linspace(-5, 5, 1000)
+y = native.unary("exp", x)
+print(native.status(), native.library_path(), sep="|")
+torch.save(y, sys.argv[1]) if y is not None else None
+"""
+
+
+def run_op(tmp_path: Path, out: str, **env: str) -> subprocess.CompletedProcess:
+    e = env_here(XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"), **env)
+    e.pop("ALIGNED_MAMBA_NATIVE", None)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-c", _OP, str(tmp_path / out)], capture_output=True, text=True, env=e,
+                          cwd=REPO, timeout=300)
+
+
+def test_a_truncated_cached_library_is_rebuilt_not_mapped(tmp_path):
+    first = run_op(tmp_path, "a.pt")
+    assert first.returncode == 0, first.stderr
+    status, path = first.stdout.strip().split("|")
+    assert status == "on" and Path(path).parent == tmp_path / "cache" / "aligned_mamba"
+    assert stat.S_IMODE(os.stat(Path(path).parent).st_mode) == 0o700
+    so = Path(path)
+    size = so.stat().st_size
+    with open(so, "r+b") as f:  # mapping this file's missing pages would raise SIGBUS
+        f.truncate(size // 3)
+    again = run_op(tmp_path, "b.pt")
+    assert again.returncode == 0, (again.returncode, again.stderr)
+    assert again.stdout.strip() == first.stdout.strip()
+    assert so.stat().st_size == size
+    assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
+
+
+def test_a_library_without_the_expected_symbols_is_rebuilt(tmp_path):
+    first = run_op(tmp_path, "a.pt")
+    so = Path(first.stdout.strip().split("|")[1])
+    # a valid shared object with a matching record but none of the symbols
+    src = tmp_path / "empty.c"
+    src.write_text("int am_nothing(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    meta = json.loads(so.with_suffix(".json").read_text())
+    import hashlib
+
+    meta.update(size=so.stat().st_size, sha256=hashlib.sha256(so.read_bytes()).hexdigest())
+    so.with_suffix(".json").write_text(json.dumps(meta))
+    again = run_op(tmp_path, "b.pt")
+    assert again.returncode == 0, again.stderr
+    status = again.stdout.strip().split("|")[0]
+    assert status.startswith("unavailable") and "lacks am_unary" in status  # refused, then the torch forms
+    assert again.stderr.strip().count("\n") == 0 and "native CPU ops unavailable" in again.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting another user's files needs root")
+def test_a_directory_or_library_another_user_owns_is_never_used(tmp_path):
+    other = 65534  # nobody
+    first = run_op(tmp_path, "a.pt")
+    so = Path(first.stdout.strip().split("|")[1])
+    d = so.parent
+    # the cache directory now belongs to someone else and is world-writable: its library is not loaded,
+    # the private temp directory is used instead
+    os.chown(d, other, other)
+    os.chmod(d, 0o777)
+    again = run_op(tmp_path, "b.pt")
+    assert again.returncode == 0, again.stderr
+    status, path = again.stdout.strip().split("|")
+    assert status == "on" and Path(path).parent == tmp_path / "tmp" / f"aligned_mamba-{os.getuid()}"
+    # a planted library (another owner) in the temp directory: rebuilt, never loaded as it is
+    planted = Path(path)
+    os.chown(planted, other, other)
+    third = run_op(tmp_path, "c.pt")
+    assert third.returncode == 0, third.stderr
+    assert os.stat(planted).st_uid == os.getuid()  # replaced by this user's build
+    # the temp directory itself planted by another user: refused too; the torch forms run, one line
+    os.chown(planted.parent, other, other)
+    fourth = run_op(tmp_path, "d.pt")
+    assert fourth.returncode == 0
+    assert fourth.stdout.startswith("unavailable") and "owned by uid 65534" in fourth.stdout
+    assert fourth.stderr.strip().count("\n") == 0
+    for name in ("b.pt", "c.pt"):
+        assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / name))
