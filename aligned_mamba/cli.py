@@ -498,20 +498,27 @@ def setup_logging() -> None:
         log.propagate = False
 
 
+commanding = False  # main() runs: the command owns the process's signals
+
+
 def main(argv: list[str] | None = None) -> int:
-    global _terminating
+    global _terminating, commanding
     args = build_parser().parse_args(argv)
     setup_logging()
     _terminating = False
+    previous = signal.getsignal(signal.SIGTERM) if threading_main() else None
     install_sigterm()
+    commanding = True
     try:
         return args.func(args)
     except KeyboardInterrupt:
         end_children()
+        _stop_tracker()
         log.error("aligned-mamba: interrupted")
         return EXIT_INTERRUPTED
     except Terminated:
         end_children()
+        _stop_tracker()
         log.error("aligned-mamba: terminated (SIGTERM); worker processes ended")
         return EXIT_TERMINATED
     except Exception as e:  # noqa: BLE001 - every failure leaves with one line and a status that means one thing
@@ -522,8 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("aligned-mamba: %s: %s", kind, why)
         return code
     finally:
-        _stop_tracker()
+        commanding = False
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # a caller of main() (a test, a wrapper) gets its own back
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as the imported module, not as __main__: rollout.rl reads this module's state (who owns SIGTERM)
+    from aligned_mamba.cli import main as _main
+
+    sys.exit(_main())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from aligned_mamba.cli import main
-from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_NO_CONTROL, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
+from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
 from aligned_mamba.report import SCHEMA_VERSION, JsonReport
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,3 +212,81 @@ def test_a_directory_or_library_another_user_owns_is_never_used(tmp_path):
     assert fourth.stderr.strip().count("\n") == 0
     for name in ("b.pt", "c.pt"):
         assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / name))
+
+
+# -- 3: SIGTERM is handled like SIGINT: report closed, children ended, exit 143 ---------------------------------
+
+
+def descendants(pid: int) -> set[int]:
+    from aligned_mamba.cli import _children_of
+
+    return set(_children_of(pid))
+
+
+def alive(pids: set[int]) -> set[int]:
+    left = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.add(p)
+        except OSError:
+            pass
+    return left
+
+
+def terminate_when(cmd: list[str], ready: str, tmp_path: Path, settle_s: float = 2.0, timeout_s: float = 240
+                   ) -> tuple[int, str, set[int]]:
+    """Start the CLI, wait for ``ready`` on its stderr, note its descendants, SIGTERM it; return
+    (exit status, stderr, the descendants it had)."""
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "aligned_mamba.cli", *cmd], stdout=subprocess.DEVNULL,
+                                stderr=err, env=env_here(), cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready not in err_path.read_text():
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.2)
+        time.sleep(settle_s)
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return code, err_path.read_text(), kids
+
+
+def assert_all_gone(kids: set[int], within_s: float = 15.0) -> None:
+    deadline = time.monotonic() + within_s
+    while alive(kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(kids), f"still running: {alive(kids)}"
+
+
+def test_sigterm_during_check_with_worker_processes(tmp_path):
+    out = tmp_path / "r.json"
+    code, err, kids = terminate_when(["check", "--prompt-len", "500", "--gen-len", "300", "--requests", "2",
+                                      "--jobs", "2", "--json", str(out)], "sampling 5 cases", tmp_path)
+    assert code == EXIT_TERMINATED, err
+    assert err.strip().splitlines()[-1] == "aligned-mamba: terminated (SIGTERM); worker processes ended"
+    assert json.loads(out.read_text())["status"] == "terminated"
+    assert len(kids) >= 2  # the sampler workers (and the resource tracker) were running
+    assert_all_gone(kids)
+
+
+def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "rl.json"
+    code, err, kids = terminate_when(["rl", "--workers", "1", "--iterations", "200", "--prompt-len", "40",
+                                      "--gen-len", "8", "--prompts-per-worker", "2", "--json", str(out)],
+                                     "actors ready", tmp_path, settle_s=3.0)
+    assert code == EXIT_TERMINATED, err
+    assert err.strip().splitlines()[-1] == "aligned-mamba: terminated (SIGTERM); worker processes ended"
+    r = json.loads(out.read_text())
+    assert r["status"] == "terminated" and len(r["iterations"]) >= 1  # what finished is kept
+    assert len(kids) >= 3  # the local cluster's processes and the actors
+    assert_all_gone(kids, within_s=30)
