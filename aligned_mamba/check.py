@@ -214,8 +214,9 @@ def control(cases: list[dict[str, Any]], longest: int, chunk_size: int) -> dict[
         why = (f"no sequence crossed a chunk boundary (prompt-len + gen-len = {longest} <= chunk size "
                f"{chunk_size}); the baseline differed in 0 of {rows} rows")
     else:
-        why = (f"the baseline (recurrent decode) differed in 0 of {rows} rows at these sizes; raise --gen-len or "
-               "--prompt-len (the defaults, 600 + 300, are a meaningful control)")
+        why = (f"the baseline (recurrent decode) differed in 0 of {rows} rows at these sizes; raise --prompt-len "
+               "and --gen-len (the defaults, 600 + 300, are a meaningful control) or compute in --dtype float32 "
+               "(bfloat16 logits can round the baseline's differences away)")
     return {"could_fail": could_fail, "baseline_mismatched_rows": differ, "baseline_rows": rows, "why": why}
 
 

@@ -346,10 +346,15 @@ def _check_memory(config: Any, contract: Any, args: argparse.Namespace, jobs: in
                                         vocab=m["vocab"], dtype_bytes=2 if contract.model_dtype == "bfloat16" else 4)
     trainer_tokens = args.requests * (args.prompt_len + args.gen_len)
     sampler_tokens = args.requests * args.prompt_len  # a decode case prefills every prompt in one step
-    engines = max(1, jobs) if args.engine == "reference" else 0  # vLLM's own workers budget their memory
+    # run_scenarios starts one engine per distinct spec (exact replay on, off), never more than that
+    # however many --jobs: more workers would have nothing to run
+    from .check import CASES
+
+    specs = len({case.exact_replay for case in CASES})
+    engines = min(max(1, jobs), specs) if args.engine == "reference" else 0  # vLLM's workers budget their own
     need = (1 + engines) * RUNTIME_BYTES + per_token * (trainer_tokens + engines * sampler_tokens)
     check_fits(need, f"check of {args.requests} x ({args.prompt_len}+{args.gen_len}) tokens",
-               "lower --prompt-len, --gen-len or --requests (or --jobs 1)")
+               "lower --prompt-len, --gen-len or --requests" + (" (or --jobs 1)" if engines > 1 else ""))
 
 
 def seed_type(text: str) -> int:

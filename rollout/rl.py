@@ -555,6 +555,8 @@ closed, the actors and the local cluster are shut down). One line on stderr for 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``rl`` subcommand's flags."""
+    from aligned_mamba.cli import seed_type
+
     d = RLOptions()
     p.add_argument("--model", default=d.model, help="'tiny' (the embedded default) or a checkpoint directory")
     p.add_argument("--engine", default=d.engine, choices=["reference", "vllm"],
@@ -562,16 +564,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", default=d.trainer, choices=["reference", "megatron"],
                    help="trainer (megatron: registered under aligned_mamba.trainers)")
     p.add_argument("--workers", type=int, default=d.workers, help="rollout worker actors")
-    p.add_argument("--iterations", type=int, default=d.iterations)
-    p.add_argument("--prompts-per-worker", type=int, default=d.prompts_per_worker)
+    p.add_argument("--iterations", type=int, default=d.iterations,
+                   help="iterations of sample -> score -> verify -> update -> sync")
+    p.add_argument("--prompts-per-worker", type=int, default=d.prompts_per_worker,
+                   help="prompts each worker samples per iteration")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len,
                    help="longest prompt; the others are 7 tokens shorter each (3 per worker index)")
     p.add_argument("--gen-len", type=int, default=d.gen_len, help="tokens sampled per prompt")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget per engine step (prefill chunked at unaligned points, batches mix)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the REINFORCE step")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", default=d.backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--seed", type=seed_type, default=d.seed, help="seed of the prompts and of sampling (0..2**63-1)")
+    p.add_argument("--backend", default=d.backend, choices=["auto", "torch", "triton"],
+                   help="kernels: triton on a GPU, torch on the CPU; auto picks triton where CUDA is available")
     p.add_argument("--address", default=d.address,
                    help="'local' starts a private Ray cluster (default); 'auto' or HOST:PORT joins one (the package "
                         "must be installed on its nodes)")
@@ -583,7 +588,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for tests, repeatable: 'stale-weights:W' (worker W ignores weight updates), 'no-replay:W' "
                         "(worker W samples with exact replay off), 'kill:W@K' (worker W is SIGKILLed mid-sampling "
                         "in iteration K)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results as JSON to a regular file or a new path (checked first, rewritten "
+                        "atomically after each iteration, closed with a status)")
 
 
 def cmd_rl(args: argparse.Namespace) -> int:

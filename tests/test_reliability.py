@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from aligned_mamba.cli import main
-from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
+from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_NO_CONTROL, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
 from aligned_mamba.report import SCHEMA_VERSION, JsonReport
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,3 +290,144 @@ def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     assert r["status"] == "terminated" and len(r["iterations"]) >= 1  # what finished is kept
     assert len(kids) >= 3  # the local cluster's processes and the actors
     assert_all_gone(kids, within_s=30)
+
+
+# -- 8: forward and load_model say what they expect -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny") / "m"
+    cfg, tensors = make_tiny(1, num_hidden_layers=1, hidden_size=64, num_heads=4, head_dim=32, state_size=16,
+                             chunk_size=32, vocab_size=128)
+    save_checkpoint(path, cfg, tensors)
+    return path
+
+
+@pytest.mark.parametrize("seqs, words", [
+    ([torch.tensor([1.7, 2.2])], "is float32 (token ids are never rounded)"),
+    ([torch.tensor([True, False])], "is bool"),
+    ([torch.tensor([127.9])], "is float32"),
+    ([torch.tensor([1, 128])], "holds ids 1..128"),
+    ([torch.tensor([-1, 3])], "holds ids -1..3"),
+    ([torch.tensor([[1, 2], [3, 4]])], "has shape [2, 2]"),
+    ([1, 2, 3], "sequences[0] is int (a list of ints: wrap it in torch.tensor)"),
+    (torch.tensor([1, 2, 3]), "got a bare tensor of shape [3] (wrap it: [ids])"),
+    ([], "got an empty list"),
+])
+def test_forward_refuses_what_is_not_token_ids_in_one_line(tiny_dir, seqs, words):
+    import aligned_mamba
+
+    model = aligned_mamba.load_model(tiny_dir)
+    with pytest.raises(ValueError) as e:
+        model.forward(seqs)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("forward() expects a list of 1-D integer token-id tensors (values 0..127)")
+    assert words in msg
+    assert model.forward([torch.tensor([1, 127], dtype=torch.int32)])[0].shape == (2, 128)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_load_model_on_cuda_without_cuda_is_one_line(tiny_dir):
+    import aligned_mamba
+    from aligned_mamba.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"^device 'cuda' refused: .*; load on the CPU"):
+        aligned_mamba.load_model(tiny_dir, device="cuda")
+
+
+def test_load_model_takes_a_contract_by_name_or_dict_and_refuses_other_things(tiny_dir):
+    import aligned_mamba
+    from aligned_mamba.contract import Contract
+
+    want = Contract(chunk_size=128, model_dtype="float32")
+    assert aligned_mamba.load_model(tiny_dir, "chunk128", cast=True).contract == Contract.from_yaml("chunk128")
+    assert aligned_mamba.load_model(tiny_dir, want.to_dict(), cast=True).contract == want
+    with pytest.raises(aligned_mamba.ContractError, match="expected a Contract, a contract name or YAML path"):
+        aligned_mamba.load_model(tiny_dir, 128)
+
+
+# -- 6: a check whose control could not fail is not OK -----------------------------------------------------------
+
+
+def test_a_check_whose_baseline_never_differed_is_not_ok(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["check", "--prompt-len", "40", "--gen-len", "10", "--requests", "2", "--jobs", "1",
+                 "--json", str(out)])
+    cap = capsys.readouterr()
+    assert code == EXIT_NO_CONTROL
+    assert "OK" not in cap.out.splitlines()[-1]
+    assert cap.out.splitlines()[-1].startswith("NO CONTROL: every row agreed, but so did the baseline: no sequence "
+                                               "crossed a chunk boundary (prompt-len + gen-len = 50 <= chunk size 256)")
+    r = json.loads(out.read_text())
+    assert r["status"] == "no-control" and r["control"]["could_fail"] is False
+    assert r["control"]["baseline_mismatched_rows"] == 0 and r["ok"]  # no exact-replay row differed either
+
+
+# -- Low: --jobs beyond the engines a check starts, --seed out of range -----------------------------------------
+
+
+def test_many_jobs_are_estimated_as_the_engines_that_run(monkeypatch):
+    import aligned_mamba.memory as memory
+    from aligned_mamba.cli import _check_memory, build_parser
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.models import load_source
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 4 << 30)
+    config, _ = load_source("tiny")
+    args = build_parser().parse_args(["check"])
+    # two engines (exact replay on, off) run whatever --jobs says: 64 costs what 2 cost
+    _check_memory(config, Contract(chunk_size=256), args, jobs=64)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 30)
+    with pytest.raises(AlignedMambaError, match="lower --prompt-len, --gen-len or --requests$"):
+        _check_memory(config, Contract(chunk_size=256), args, jobs=1)
+
+
+@pytest.mark.parametrize("seed", [str(2**70), "-1", "x"])
+def test_a_seed_out_of_range_names_the_flag_and_range(seed, capsys, no_model):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--seed", seed])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("aligned-mamba check: error: argument --seed: --seed") and (
+        "outside 0..2**63-1" in err or "not an integer" in err)
+
+
+def test_help_shows_defaults_and_every_flag_has_help_and_a_version(capsys):
+    from aligned_mamba import __version__
+    from aligned_mamba.cli import build_parser
+
+    p = build_parser()
+    for name, sub in p._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings} has no help"
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 600)" in text and "(default: tiny)" in text
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith(f"aligned-mamba {__version__}")
+
+
+def test_state_dtype_aliases_agree_with_a_contract(capsys, no_model, monkeypatch):
+    from aligned_mamba.cli import build_contract
+    from aligned_mamba.contract import Contract
+
+    got = build_contract(None, "chunk128", "torch", None, "fp32", backend_flag="torch")
+    assert got == Contract.from_yaml("chunk128")
+    with pytest.raises(AlignedMambaError, match="--state-dtype bfloat16 contradicts"):
+        build_contract(None, "chunk128", "torch", None, "bf16", backend_flag="torch")
+
+
+def test_a_missing_extra_is_refused_with_the_install_command(monkeypatch, capsys, no_model):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["check", "--engine", "vllm"]) == EXIT_BAD_INPUT
+    line = one_line(capsys)
+    assert "--engine vllm needs the 'vllm' extra" in line and "pip install" in line
