@@ -205,6 +205,10 @@ def run_rl(opts: RLOptions, progress: Callable[[str], None] = lambda s: None,
     _validate(opts)
     faults = Faults.parse(opts.inject, opts.workers, opts.iterations)
     # before any actor starts: one line, not a dead actor
+    from aligned_mamba.cli import require_extra
+
+    require_extra("--engine", opts.engine)
+    require_extra("--trainer", opts.trainer)
     actor_options = {"engine": check_plugin("engine", opts.engine), "trainer": check_plugin("trainer", opts.trainer)}
     config, contract = _model(opts)  # a bad checkpoint is refused before Ray starts
     try:

@@ -102,3 +102,14 @@ def test_a_diverged_run_exits_3_and_says_where(tmp_path, monkeypatch, capsys):
         "kept")
     r = json.loads(out.read_text())
     assert r["status"] == "failed" and r["error"].startswith("training step 2 diverged") and len(r["iterations"]) == 1
+
+
+def test_a_missing_extra_is_refused_before_ray_starts(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "megatron.core" else real(name, *a))
+    assert main(["rl", "--trainer", "megatron"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trainer megatron needs the 'megatron' extra" in err[0] and "pip install" in err[0]
