@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from .models import CausalLM
 
 
-def load_model(path: Any, contract: Contract | None = None, device: Any = None, *, cast: bool = False
-               ) -> "CausalLM":
+def load_model(path: Any, contract: Contract | str | dict[str, Any] | None = None, device: Any = None, *,
+               cast: bool = False) -> "CausalLM":
     """A checkpoint directory of any registered model family (Hugging Face Mamba2, mamba_ssm's
     MambaLMHeadModel) as the trainer's model: ``model.forward(sequences)`` takes a list of [len_i]
     int64 token-id tensors and returns one [len_i, vocab] logits tensor per sequence. ``contract``
@@ -36,7 +36,36 @@ def load_model(path: Any, contract: Contract | None = None, device: Any = None, 
     ``ModelLoadError`` (one line) for a checkpoint it refuses."""
     from .models import load_model as _load
 
-    return _load(path, contract, device, cast=cast)
+    return _load(path, _contract_arg(contract), _device_arg(device), cast=cast)
+
+
+def _contract_arg(contract: Any) -> Contract | None:
+    """A Contract, None, a contract name or YAML path (``Contract.from_yaml``) or a dict
+    (``Contract.from_dict``); anything else is refused in one line."""
+    if contract is None or isinstance(contract, Contract):
+        return contract
+    if isinstance(contract, str):
+        return Contract.from_yaml(contract)
+    if isinstance(contract, dict):
+        return Contract.from_dict(contract)
+    raise ContractError(f"contract: expected a Contract, a contract name or YAML path, or a dict; got "
+                        f"{type(contract).__name__}")
+
+
+def _device_arg(device: Any) -> Any:
+    """Refuse (ModelLoadError, one line) a CUDA device where this torch has none."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"device {device!r}: {str(e).splitlines()[0]}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ModelLoadError(f"device {device!r} refused: {why}; load on the CPU (device=None or 'cpu')")
+    return device
 
 
 def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contract: Contract | None = None) -> Any:

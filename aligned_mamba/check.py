@@ -159,6 +159,7 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             "cases": cases,
             "timing": timing,
             "ok": all(c["mismatched_rows"] == 0 for c in cases if c["exact_replay"]),
+            "control": control(cases, prompt_len + gen_len, sampler_contract.chunk_size),
         }
 
     for case, got in zip(CASES, run_scenarios(engine, jobs_list, parallel=jobs)):
@@ -198,6 +199,25 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
     timing["accuracy_s"] = round(time.perf_counter() - t0, 3)
     timing["total_s"] = round(time.perf_counter() - t_start, 3)
     return {**result(), "accuracy": accuracy}
+
+
+def control(cases: list[dict[str, Any]], longest: int, chunk_size: int) -> dict[str, Any]:
+    """Whether the run could have failed: the baseline case (exact replay off) must show differing
+    rows, else the same comparison of the exact-replay cases proves nothing at these sizes."""
+    base = [c for c in cases if not c["exact_replay"]]
+    differ = sum(c["mismatched_rows"] for c in base)
+    rows = sum(c["rows"] for c in base)
+    could_fail = differ > 0
+    if could_fail or not base:
+        why = None if could_fail else "the baseline case did not run"
+    elif longest <= chunk_size:
+        why = (f"no sequence crossed a chunk boundary (prompt-len + gen-len = {longest} <= chunk size "
+               f"{chunk_size}); the baseline differed in 0 of {rows} rows")
+    else:
+        why = (f"the baseline (recurrent decode) differed in 0 of {rows} rows at these sizes; raise --prompt-len "
+               "and --gen-len (the defaults, 600 + 300, are a meaningful control) or compute in --dtype float32 "
+               "(bfloat16 logits can round the baseline's differences away)")
+    return {"could_fail": could_fail, "baseline_mismatched_rows": differ, "baseline_rows": rows, "why": why}
 
 
 def _with_replay(spec: EngineSpec, exact_replay: bool) -> EngineSpec:

@@ -5,11 +5,17 @@
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
                         [--seed 0] [--json PATH]
 
-Exit status (one meaning each, one line on stderr saying what and why for 2 and 3): 0 every
+Exit status (one meaning each, one line on stderr saying what and why for 2, 3 and 4): 0 every
 exact-replay case has zero differing logits rows; 1 rows differ; 2 input or settings refused;
 3 the run failed (out of memory, a dead worker process, an unreachable cluster, a diverged training
-step); 130 interrupted. ``--json PATH`` is checked before any work, rewritten after each case and
-closed with a ``status`` ("ok", "mismatch", "refused", "failed", "interrupted").
+step); 4 no row differed but the baseline did not differ either, so these sizes could not have shown
+a mismatch; 130 interrupted (SIGINT); 143 terminated (SIGTERM: the report is closed, the worker
+processes are ended). ``--json PATH`` (a regular file or a new path) is checked before any work,
+rewritten after each case and closed with a ``status`` ("ok", "mismatch", "no-control", "refused",
+"failed", "interrupted", "terminated").
+
+Diagnostics go through the ``logging`` logger "aligned_mamba" (the command prints them on stderr);
+the results table is printed on stdout.
 
 Other subcommands come from packages through the ``aligned_mamba.commands`` entry points (``rl``,
 in rollout/, needs Ray), so the core imports none of their dependencies.
@@ -18,7 +24,9 @@ in rollout/, needs Ray), so the core imports none of their dependencies.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -28,13 +36,21 @@ from .errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_MISMATCH,
+    EXIT_NO_CONTROL,
     EXIT_OK,
     EXIT_RUNTIME,
+    EXIT_TERMINATED,
     AlignedMambaError,
     RuntimeFailure,
+    Terminated,
 )
 from .integrations import COMMAND_GROUP
 from .report import JsonReport
+
+log = logging.getLogger("aligned_mamba")
+
+# the Python package each extra's engine or trainer needs, and the extra that installs it
+_EXTRA_NEEDS = {"vllm": ("vllm", "vllm"), "megatron": ("megatron.core", "megatron")}
 
 
 def build_contract(config: Any, spec: str | None, backend: str, dtype: str | None, state_dtype: str | None,
@@ -49,6 +65,11 @@ def build_contract(config: Any, spec: str | None, backend: str, dtype: str | Non
         return contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
     from_file = Contract.from_yaml(spec)
     flags = {"backend": None if backend_flag == "auto" else backend, "model_dtype": dtype, "state_dtype": state_dtype}
+    from .contract import normalize_dtype
+
+    for name in ("model_dtype", "state_dtype"):  # aliases (fp32, bf16) name the same dtype as the file's
+        if flags[name] is not None:
+            flags[name] = normalize_dtype(flags[name])
     for name, flag in flags.items():
         if flag is not None and flag != getattr(from_file, name):
             raise AlignedMambaError(f"--{name.replace('_', '-').replace('model-', '')} {flag} contradicts contract "
@@ -62,9 +83,107 @@ def build_contract(config: Any, spec: str | None, backend: str, dtype: str | Non
 
 def _progress(start: float):
     def show(msg: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+        log.info("[%6.1fs] %s", time.perf_counter() - start, msg)
 
     return show
+
+
+# -- signals: SIGTERM is handled like SIGINT, and the processes a command started are ended -----------------------
+
+
+def _children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc; [] elsewhere), zombies left out."""
+    parent: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parent[int(e)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def end_children(grace_s: float = 5.0) -> None:
+    """End every process this one started (engine worker processes and theirs, a local Ray cluster
+    that outlived its shutdown): SIGTERM, ``grace_s`` to exit, then SIGKILL. multiprocessing's
+    resource tracker, which ignores SIGTERM and exits when its pipe closes, is closed last."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    pids = [p for p in _children_of(os.getpid()) if p != tracker]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        multiprocessing.active_children()  # reaps the pool workers that exited
+        pids = [p for p in pids if p in set(_children_of(os.getpid()))]
+        if not pids:
+            break
+        time.sleep(0.05)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    multiprocessing.active_children()
+
+
+def _stop_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_pid", None) is not None and hasattr(tracker, "_stop"):
+        try:
+            tracker._stop()  # closes its pipe: it unlinks what leaked and exits
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+_terminating = False
+
+
+def install_sigterm(end_now: bool = True) -> None:
+    """SIGTERM raises ``Terminated`` in the main thread (unwound like Ctrl-C: the report closed as
+    "terminated", the exit status 143). ``end_now``: end the child processes first, so that code
+    waiting on them (a process pool's shutdown) returns; ``rl`` passes False and lets Ray shut its
+    own processes down. Ray's ``init`` installs its own handler: ``rl`` calls this again after it."""
+    if not threading_main():
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        global _terminating
+        if _terminating:
+            return
+        _terminating = True
+        if end_now:
+            end_children()
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _fmt(v: Any) -> str:
@@ -100,7 +219,12 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"accuracy vs fp64 reference (scan outputs, layers {a['layers']}, {a['tokens']} tokens, {a['dtype']}): "
           f"chunked scan {a['chunked_scan']:.3e}, recurrent update {a['recurrent_update']:.3e}, "
           f"{a['dtype']} rounding floor {a['rounding_floor']:.3e} (mean |err| / mean |ref|)")
-    verdict = "OK: every exact-replay case is bit-identical" if result["ok"] else "FAIL: exact-replay rows differ"
+    if not result["ok"]:
+        verdict = "FAIL: exact-replay rows differ"
+    elif result["control"]["could_fail"]:
+        verdict = "OK: every exact-replay case is bit-identical"
+    else:  # a check whose control agreed too proves nothing: it must not read as OK
+        verdict = f"NO CONTROL: every row agreed, but so did the baseline: {result['control']['why']}"
     print(f"{verdict} ({result['timing']['total_s']:.1f}s)")
 
 
@@ -111,10 +235,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         return _check(args, start, show, report)
     except KeyboardInterrupt:
-        report.close("interrupted")
+        report.close("interrupted", strict=False)
+        raise
+    except Terminated:
+        report.close("terminated", strict=False)
         raise
     except BaseException as e:
-        report.close(*status_of(e))
+        report.close(*status_of(e), strict=False)
         raise
 
 
@@ -136,6 +263,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     if args.jobs is not None and args.jobs < 1:
         raise AlignedMambaError("--jobs must be >= 1")
     backend = choose_backend(args.backend)
+    for flag, name in (("--engine", args.engine), ("--trainer", args.trainer)):
+        require_extra(flag, name)
     engine_factory(args.engine)  # an engine that is not installed is refused before anything runs
     show(f"loading model {args.model!r}")
     config, tensors = load_source(args.model, args.dtype)
@@ -181,10 +310,27 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
     print_table(result)
     report.update(result)
-    report.close("ok" if result["ok"] else "mismatch")
+    status = "mismatch" if not result["ok"] else "ok" if result["control"]["could_fail"] else "no-control"
+    report.close(status)
     if args.json:
         show(f"wrote {args.json}")
-    return EXIT_OK if result["ok"] else EXIT_MISMATCH
+    return {"ok": EXIT_OK, "mismatch": EXIT_MISMATCH, "no-control": EXIT_NO_CONTROL}[status]
+
+
+def require_extra(flag: str, name: str) -> None:
+    """Refuse (one line, with the install command) an engine or trainer whose extra is not installed."""
+    import importlib.util
+
+    if name not in _EXTRA_NEEDS:
+        return
+    module, extra = _EXTRA_NEEDS[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise AlignedMambaError(f"{flag} {name} needs the {extra!r} extra ({module} is not installed): "
+                                f"pip install 'aligned-mamba[{extra}]' (from a checkout: pip install -e '.[{extra}]')")
 
 
 def _check_memory(config: Any, contract: Any, args: argparse.Namespace, jobs: int) -> None:
@@ -200,39 +346,77 @@ def _check_memory(config: Any, contract: Any, args: argparse.Namespace, jobs: in
                                         vocab=m["vocab"], dtype_bytes=2 if contract.model_dtype == "bfloat16" else 4)
     trainer_tokens = args.requests * (args.prompt_len + args.gen_len)
     sampler_tokens = args.requests * args.prompt_len  # a decode case prefills every prompt in one step
-    engines = max(1, jobs) if args.engine == "reference" else 0  # vLLM's own workers budget their memory
+    # run_scenarios starts one engine per distinct spec (exact replay on, off), never more than that
+    # however many --jobs: more workers would have nothing to run
+    from .check import CASES
+
+    specs = len({case.exact_replay for case in CASES})
+    engines = min(max(1, jobs), specs) if args.engine == "reference" else 0  # vLLM's workers budget their own
     need = (1 + engines) * RUNTIME_BYTES + per_token * (trainer_tokens + engines * sampler_tokens)
     check_fits(need, f"check of {args.requests} x ({args.prompt_len}+{args.gen_len}) tokens",
-               "lower --prompt-len, --gen-len or --requests (or --jobs 1)")
+               "lower --prompt-len, --gen-len or --requests" + (" (or --jobs 1)" if engines > 1 else ""))
+
+
+def seed_type(text: str) -> int:
+    """--seed: an integer in [0, 2**63 - 1] (torch's generators take a 64-bit seed)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed {text!r}: not an integer") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"--seed {text}: outside 0..2**63-1")
+    return v
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each flag's default; a flag without a default says nothing about one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aligned-mamba", description="Bitwise train/inference alignment for Mamba2.")
+    from . import __version__
+    from .report import package_commit
+
+    p = argparse.ArgumentParser(prog="aligned-mamba", description="Bitwise train/inference alignment for Mamba2.",
+                                formatter_class=_Help)
+    commit = package_commit()
+    p.add_argument("--version", action="version",
+                   version=f"aligned-mamba {__version__}{f' (commit {commit})' if commit else ''}")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="sample, score, and compare logits rows bit for bit")
+    c = sub.add_parser("check", help="sample, score, and compare logits rows bit for bit", formatter_class=_Help)
     c.add_argument("--model", default="tiny", help="'tiny' (the embedded default) or a Hugging Face Mamba2 directory")
     c.add_argument("--engine", default="reference", choices=["reference", "vllm"],
                    help="the sampler engine (vllm: a real vLLM engine with the exact-replay plugin; extra 'vllm')")
     c.add_argument("--trainer", default="reference", choices=["reference", "megatron"],
                    help="the trainer forward (megatron: Megatron-Core's MambaModel with the hook; extra 'megatron')")
-    c.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    c.add_argument("--prompt-len", type=int, default=600)
-    c.add_argument("--gen-len", type=int, default=300)
-    c.add_argument("--requests", type=int, default=4)
+    c.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="kernels: triton on a GPU, torch on the CPU; auto picks triton where CUDA is available")
+    c.add_argument("--prompt-len", type=int, default=600,
+                   help="longest prompt; the others are 37 tokens shorter each (at least 1)")
+    c.add_argument("--gen-len", type=int, default=300, help="tokens generated per request")
+    c.add_argument("--requests", type=int, default=4, help="requests per case")
     c.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="token budget per engine step for the chunked-prefill cases (default 100)")
+                   help="token budget per engine step for the chunked-prefill cases (default: 100, or 101 where "
+                        "100 is a multiple of the chunk size)")
     c.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="model dtype (default: the checkpoint's; bfloat16 for tiny)")
-    c.add_argument("--state-dtype", default=None, help="SSM state dtype; only float32 can promise bits")
+    c.add_argument("--state-dtype", default=None,
+                   help="SSM state dtype (default float32, the only one that can promise bits; fp32 is accepted "
+                        "as its alias)")
     c.add_argument("--contract", default=None, help="contract name (configs/contracts) or YAML path, both sides")
     c.add_argument("--trainer-contract", default=None, help="contract for the trainer side only")
     c.add_argument("--sampler-contract", default=None, help="contract for the sampler side only")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=seed_type, default=0, help="seed of the prompts and of sampling (0..2**63-1)")
     c.add_argument("--jobs", type=int, default=None,
                    help="sampler worker processes (default: 2 on a multi-core CPU with the torch backend, else 1); "
                         "the trainer scores in the main process")
     c.add_argument("--json", default=None, metavar="PATH",
-                   help="write the results as JSON (checked first, rewritten after each case, with a status)")
+                   help="write the results as JSON to a regular file or a new path (checked first, rewritten "
+                        "atomically after each case, closed with a status)")
     c.add_argument("--allow-cross-hardware", action="store_true",
                    help="compare rows computed on different hardware classes (bits are not promised to agree)")
     c.set_defaults(func=cmd_check)
@@ -256,7 +440,8 @@ def add_plugin_commands(sub: Any) -> None:
             why = f"command {ep.name!r} could not be imported ({e})"
             sub.add_parser(ep.name, help=f"(unavailable: {why})").set_defaults(func=_unavailable(why))
             continue
-        c = sub.add_parser(ep.name, help=cmd.help, description=getattr(cmd, "description", None))
+        c = sub.add_parser(ep.name, help=cmd.help, description=getattr(cmd, "description", None),
+                           formatter_class=_Help)
         cmd.add_arguments(c)
         c.set_defaults(func=cmd.run)
 
@@ -296,21 +481,66 @@ def exit_status(e: BaseException) -> tuple[int, str]:
     return EXIT_RUNTIME, f"{type(e).__name__}: {_one_line(e)} (ALIGNED_MAMBA_TRACEBACK=1 shows where)"
 
 
+class _Stderr(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a test's capture, a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must not end the command
+            self.handleError(record)
+
+
+def setup_logging() -> None:
+    """The command's stderr handler for the "aligned_mamba" logger (messages as they are), unless
+    the embedding program configured one."""
+    if not log.handlers:
+        h = _Stderr()
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+commanding = False  # main() runs: the command owns the process's signals
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _terminating, commanding
     args = build_parser().parse_args(argv)
+    setup_logging()
+    _terminating = False
+    previous = signal.getsignal(signal.SIGTERM) if threading_main() else None
+    install_sigterm()
+    commanding = True
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print("aligned-mamba: interrupted", file=sys.stderr)
+        end_children()
+        _stop_tracker()
+        log.error("aligned-mamba: interrupted")
         return EXIT_INTERRUPTED
+    except Terminated:
+        end_children()
+        _stop_tracker()
+        log.error("aligned-mamba: terminated (SIGTERM); worker processes ended")
+        return EXIT_TERMINATED
     except Exception as e:  # noqa: BLE001 - every failure leaves with one line and a status that means one thing
         code, why = exit_status(e)
         if os.environ.get("ALIGNED_MAMBA_TRACEBACK"):
             traceback.print_exc()
         kind = "error" if code == EXIT_BAD_INPUT else "runtime failure"
-        print(f"aligned-mamba: {kind}: {why}", file=sys.stderr)
+        log.error("aligned-mamba: %s: %s", kind, why)
         return code
+    finally:
+        commanding = False
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # a caller of main() (a test, a wrapper) gets its own back
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as the imported module, not as __main__: rollout.rl reads this module's state (who owns SIGTERM)
+    from aligned_mamba.cli import main as _main
+
+    sys.exit(_main())

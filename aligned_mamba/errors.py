@@ -7,7 +7,14 @@ EXIT_OK = 0  # every exact-replay row (token) is bit-identical
 EXIT_MISMATCH = 1  # rows differ: the alignment is broken
 EXIT_BAD_INPUT = 2  # an input or setting refused before (or instead of) the work
 EXIT_RUNTIME = 3  # the work failed: out of memory, a dead worker, an unreachable cluster, a diverged step
+EXIT_NO_CONTROL = 4  # every row agreed, but the baseline did too: these sizes could not have shown a mismatch
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15), as shells report a process it ended
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread by the commands' handler and unwound like
+    ``KeyboardInterrupt`` (a BaseException, so no ``except Exception`` swallows it)."""
 
 
 class AlignedMambaError(Exception):

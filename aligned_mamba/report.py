@@ -3,23 +3,36 @@
 A command that takes minutes (``check`` with vLLM, an ``rl`` run) must not lose what it finished
 because the path was bad, the run failed or the user pressed Ctrl-C. ``JsonReport(path)`` refuses a
 path it cannot write (one line, before any work), writes ``{"status": "running"}`` at once, and
-``update(result)`` rewrites the whole file atomically (a temporary file in the same directory, then
-``os.replace``) so a reader never sees half a file. ``close(status, ...)`` writes the final status:
-"ok", "mismatch", "refused", "failed" (with ``error``) or "interrupted".
+``update(result)`` rewrites the whole file atomically (a temporary file in the same directory,
+fsync, then ``os.replace``) so a reader never sees half a file. ``close(status, ...)`` writes the
+final status: "ok", "mismatch", "no-control", "refused", "failed" (with ``error``), "interrupted"
+or "terminated".
+
+Only a regular file or a new path is ever written: the rename would replace whatever the name
+points at, so a device, FIFO, socket or symbolic link (dangling included) is refused, and the
+check is repeated before every rewrite. Every report carries ``schema_version``, the package's
+``version`` and, where the package runs from a git checkout, its ``commit``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
+import stat
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import AlignedMambaError
+from .errors import AlignedMambaError, RuntimeFailure
 
-STATUSES = ("running", "ok", "mismatch", "refused", "failed", "interrupted")
+log = logging.getLogger("aligned_mamba")
+
+SCHEMA_VERSION = 2  # 2: schema_version, version, commit; statuses "terminated" and "no-control"
+STATUSES = ("running", "ok", "mismatch", "no-control", "refused", "failed", "interrupted", "terminated")
 
 
 def _finite(v: Any) -> Any:
@@ -33,17 +46,65 @@ def _finite(v: Any) -> Any:
     return v
 
 
+@functools.cache
+def package_commit() -> str | None:
+    """The git commit the package's source is at (``-dirty`` when it has changes), None outside a checkout."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance() -> dict[str, Any]:
+    """``schema_version``, the package ``version`` and the git ``commit`` (None outside a checkout)."""
+    from . import __version__
+
+    return {"schema_version": SCHEMA_VERSION, "version": __version__, "commit": package_commit()}
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_target(p: Path) -> None:
+    """Refuse (one line) a path that exists and is not a regular file: it would be replaced."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise AlignedMambaError(f"--json {p}: cannot be examined ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise AlignedMambaError(f"--json {p}: is {_kind(st.st_mode)}; a report is written only to a regular file "
+                                "or a new path")
+
+
 class JsonReport:
-    """The ``--json PATH`` of a command. ``path=None``: every call is a no-op."""
+    """The ``--json PATH`` of a command. ``path=None``: every call is a no-op.
+
+    A rewrite that fails during the run (disk full) is logged once, naming the report, and the
+    run goes on (its results still reach the terminal); ``close`` then raises ``RuntimeFailure``
+    naming the report, so the command exits 3 rather than claim a report it does not have.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = None if path is None else Path(path)
         self.result: dict[str, Any] = {}
+        self.write_error: str | None = None
         if self.path is None:
             return
         p = self.path
-        if p.is_dir():
-            raise AlignedMambaError(f"--json {p}: is a directory (give a file path)")
+        check_target(p)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             self._write({"status": "running"})
@@ -54,26 +115,46 @@ class JsonReport:
         """Rewrite the report with ``result`` (JSON-ready) and ``status``."""
         self.result = dict(result)
         if self.path is not None:
-            self._write({**self.result, "status": status})
+            self._try_write({**self.result, "status": status})
 
-    def close(self, status: str, error: str | None = None, **extra: Any) -> None:
-        """The final write: the last result with ``status`` (and ``error``, one line, for failures)."""
+    def close(self, status: str, error: str | None = None, *, strict: bool = True, **extra: Any) -> None:
+        """The final write: the last result with ``status`` (and ``error``, one line, for failures).
+        Raises ``RuntimeFailure`` naming the report if it could not be written (``strict``; a
+        command already ending on another error passes False: the warning was logged)."""
         if status not in STATUSES:
             raise ValueError(f"unknown report status {status!r}")
         final = {**self.result, **extra, "status": status}
         if error is not None:
             final["error"] = error
         self.result = final
-        if self.path is not None:
-            self._write(final)
+        if self.path is None:
+            return
+        self._try_write(final)
+        if strict and self.write_error is not None:
+            raise RuntimeFailure(f"--json {self.path}: the report could not be written ({self.write_error}); "
+                                 "the results are only in the output above")
+
+    def _try_write(self, data: dict[str, Any]) -> None:
+        try:
+            self._write(data)
+        except (OSError, AlignedMambaError) as e:
+            why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+            if self.write_error is None:
+                log.warning("--json %s: cannot be rewritten (%s); the run goes on", self.path, why)
+            self.write_error = why
+        else:
+            self.write_error = None
 
     def _write(self, data: dict[str, Any]) -> None:
         assert self.path is not None
-        text = json.dumps(_finite(data), indent=2, allow_nan=False) + "\n"
+        check_target(self.path)  # it may have been replaced since the last write
+        text = json.dumps(_finite({**data, **provenance()}), indent=2, allow_nan=False) + "\n"
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

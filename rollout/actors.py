@@ -71,6 +71,39 @@ def make_trainer(spec: TrainerSpec) -> Trainer:
                          lr=spec.lr)
 
 
+def deferring_init(cls: type) -> type:
+    """``cls`` whose ``__init__`` errors are kept and raised by its first method call.
+
+    Ray reports an exception raised in an actor's ``__init__`` as an ``ActorDiedError`` holding only
+    the formatted traceback, not the exception; raised from a method instead it reaches the driver
+    as itself (``RayTaskError.cause``), so the user sees its one line and the exit status it means.
+    """
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised, unchanged, by every method
+            self._init_error = e
+        else:
+            self._init_error = None
+
+    def method(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._init_error is not None:
+                raise self._init_error
+            return fn(self, *args, **kwargs)
+
+        call.__name__, call.__qualname__, call.__doc__ = fn.__name__, f"{cls.__name__}.{fn.__name__}", fn.__doc__
+        return call
+
+    body: dict[str, Any] = {"__init__": __init__, "__doc__": cls.__doc__, "__module__": cls.__module__}
+    for name in dir(cls):
+        fn = getattr(cls, name)
+        if not name.startswith("_") and callable(fn) and not isinstance(fn, type):
+            body[name] = method(fn)
+    return type(cls.__name__, (cls,), body)
+
+
 # -- what travels between the actors -------------------------------------------------------------------------------
 
 

@@ -15,11 +15,11 @@ This module imports neither torch nor Ray at import time: the CLI loads it (entr
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,8 +27,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aligned_mamba.errors import EXIT_MISMATCH, EXIT_OK
+from aligned_mamba.errors import EXIT_MISMATCH, EXIT_OK, Terminated
 
+log = logging.getLogger("aligned_mamba")
+
+CONNECT_TIMEOUT_S = 10.0  # a cluster address must answer a TCP connect within this
 _INJECT = re.compile(r"^(stale-weights|no-replay):(\d+)$|^kill:(\d+)@(\d+)$")
 
 
@@ -123,16 +126,54 @@ def _connect(address: str) -> _Cluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         tmp = tempfile.mkdtemp(prefix="amrl-")  # short: Ray's socket paths live under it
         # address="local": never attach to someone else's `ray start` cluster on this machine by accident
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=512 << 20, _temp_dir=tmp,
-                 **quiet)
+        try:
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=512 << 20, _temp_dir=tmp,
+                     **quiet)
+        finally:
+            _own_sigterm()
         return _Cluster(True, tmp, "local")
+    _reachable(address)
     try:
         ray.init(address=address, **quiet)
     except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError or its own types
         from aligned_mamba.errors import RuntimeFailure
 
         raise RuntimeFailure(f"cannot reach the Ray cluster at {address}: {_first_line(e)}") from None
+    finally:
+        _own_sigterm()
     return _Cluster(True, None, address)
+
+
+def _own_sigterm() -> None:
+    """ray.init replaces the SIGTERM handler with one that exits 1 ("rows differ"): put the command's
+    back (in the main thread of a command; a library caller keeps what it set)."""
+    from aligned_mamba import cli
+
+    if cli.commanding:
+        cli.install_sigterm(end_now=False)  # Ray's own shutdown ends its processes, in run_rl's finally
+
+
+def _reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) address must resolve and accept a TCP connection within
+    ``timeout_s``: ray.init would otherwise retry for minutes. "auto" is left to Ray."""
+    import socket
+
+    from aligned_mamba.errors import RuntimeFailure
+
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except socket.gaierror as e:
+        raise RuntimeFailure(f"cannot reach the Ray cluster at {address}: cannot resolve {host!r} "
+                             f"({e.strerror or e})") from None
+    except TimeoutError:
+        raise RuntimeFailure(f"cannot reach the Ray cluster at {address}: no answer within {timeout_s:.0f}s") from None
+    except OSError as e:
+        raise RuntimeFailure(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def _disconnect(cluster: _Cluster) -> None:
@@ -164,6 +205,10 @@ def run_rl(opts: RLOptions, progress: Callable[[str], None] = lambda s: None,
     _validate(opts)
     faults = Faults.parse(opts.inject, opts.workers, opts.iterations)
     # before any actor starts: one line, not a dead actor
+    from aligned_mamba.cli import require_extra
+
+    require_extra("--engine", opts.engine)
+    require_extra("--trainer", opts.trainer)
     actor_options = {"engine": check_plugin("engine", opts.engine), "trainer": check_plugin("trainer", opts.trainer)}
     config, contract = _model(opts)  # a bad checkpoint is refused before Ray starts
     try:
@@ -218,12 +263,26 @@ def _one_line(e: BaseException) -> Exception:
     from aligned_mamba.errors import AlignedMambaError, RuntimeFailure
 
     cause = getattr(e, "cause", None) or e
+    if getattr(e, "actor_init_failed", False) and cause is e:
+        # Ray keeps only the text of an exception raised in an actor's __init__: its traceback's last entry
+        return RuntimeFailure(f"an actor failed to start: {_creation_error(str(e))}")
     msg = _first_line(cause)
     if isinstance(cause, RuntimeFailure):
         return type(cause)(msg)
     if isinstance(cause, AlignedMambaError | ValueError):
         return AlignedMambaError(msg)
     return RuntimeFailure(f"{type(cause).__name__}: {msg}")
+
+
+def _creation_error(text: str) -> str:
+    """The exception line at the end of a formatted traceback (``Type: message``), first line only."""
+    lines = [ln for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    last_frame = max((i for i, ln in enumerate(lines) if ln.lstrip().startswith('File "')), default=None)
+    if last_frame is None:
+        return lines[0] if lines else "unknown error"
+    rest = [ln for ln in lines[last_frame + 1:] if not ln.startswith("    ") and not set(ln.strip()) <= set("^~")]
+    line = rest[0].strip() if rest else lines[-1].strip()
+    return re.sub(r"^(?:\w+\.)+(?=\w+(?::|$))", "", line)  # aligned_mamba.errors.ContractError -> ContractError
 
 
 class _Loop:
@@ -255,7 +314,11 @@ class _Loop:
 
         from aligned_mamba.integrations import EngineSpec
 
-        from .actors import AlignmentChecker, RolloutWorker, TrainerScorer, TrainerSpec
+        from .actors import AlignmentChecker, RolloutWorker, TrainerScorer, TrainerSpec, deferring_init
+
+        # an __init__ error is raised by the actor's first method: the user sees it by cause
+        RolloutWorker, TrainerScorer, AlignmentChecker = (deferring_init(c) for c in (RolloutWorker, TrainerScorer,
+                                                                                        AlignmentChecker))
 
         o = self.opts
         contract = self.contract
@@ -489,11 +552,15 @@ def _iteration_line(r: dict[str, Any]) -> str:
 HELP = "RL loop on Ray: every sampled token's logprob must equal the trainer's, across updates and restarts"
 DESCRIPTION = """Run K iterations of sample (all workers) -> score -> verify -> update -> sync weights on a Ray
 cluster (a local one by default). Exit status: 0 iff every iteration has zero mismatched tokens and no
-refused batch; 1 otherwise; 2 for refused input (one line on stderr)."""
+refused batch; 1 otherwise; 2 for refused input; 3 the run failed (an actor that failed or did not come
+back, an unreachable --address, within 10 s); 130 interrupted; 143 terminated (SIGTERM: the report is
+closed, the actors and the local cluster are shut down). One line on stderr for 2 and 3."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``rl`` subcommand's flags."""
+    from aligned_mamba.cli import seed_type
+
     d = RLOptions()
     p.add_argument("--model", default=d.model, help="'tiny' (the embedded default) or a checkpoint directory")
     p.add_argument("--engine", default=d.engine, choices=["reference", "vllm"],
@@ -501,16 +568,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", default=d.trainer, choices=["reference", "megatron"],
                    help="trainer (megatron: registered under aligned_mamba.trainers)")
     p.add_argument("--workers", type=int, default=d.workers, help="rollout worker actors")
-    p.add_argument("--iterations", type=int, default=d.iterations)
-    p.add_argument("--prompts-per-worker", type=int, default=d.prompts_per_worker)
+    p.add_argument("--iterations", type=int, default=d.iterations,
+                   help="iterations of sample -> score -> verify -> update -> sync")
+    p.add_argument("--prompts-per-worker", type=int, default=d.prompts_per_worker,
+                   help="prompts each worker samples per iteration")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len,
                    help="longest prompt; the others are 7 tokens shorter each (3 per worker index)")
     p.add_argument("--gen-len", type=int, default=d.gen_len, help="tokens sampled per prompt")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget per engine step (prefill chunked at unaligned points, batches mix)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the REINFORCE step")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", default=d.backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--seed", type=seed_type, default=d.seed, help="seed of the prompts and of sampling (0..2**63-1)")
+    p.add_argument("--backend", default=d.backend, choices=["auto", "torch", "triton"],
+                   help="kernels: triton on a GPU, torch on the CPU; auto picks triton where CUDA is available")
     p.add_argument("--address", default=d.address,
                    help="'local' starts a private Ray cluster (default); 'auto' or HOST:PORT joins one (the package "
                         "must be installed on its nodes)")
@@ -522,7 +592,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for tests, repeatable: 'stale-weights:W' (worker W ignores weight updates), 'no-replay:W' "
                         "(worker W samples with exact replay off), 'kill:W@K' (worker W is SIGKILLed mid-sampling "
                         "in iteration K)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results as JSON to a regular file or a new path (checked first, rewritten "
+                        "atomically after each iteration, closed with a status)")
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -530,7 +602,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     def show(msg: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+        log.info("[%6.1fs] %s", time.perf_counter() - start, msg)
 
     def line(msg: str) -> None:
         print(msg, flush=True)
@@ -544,10 +616,13 @@ def cmd_rl(args: argparse.Namespace) -> int:
     try:
         result = run_rl(opts, show, line, on_iteration=report.update)
     except KeyboardInterrupt:
-        report.close("interrupted")  # the iterations that finished are in it
+        report.close("interrupted", strict=False)  # the iterations that finished are in it
+        raise
+    except Terminated:
+        report.close("terminated", strict=False)
         raise
     except BaseException as e:
-        report.close(*status_of(e))
+        report.close(*status_of(e), strict=False)
         raise
     n = len(result["iterations"])
     tokens = sum(r["tokens"] for r in result["iterations"])

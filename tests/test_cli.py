@@ -34,13 +34,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def check_args(ckpt: Path, *extra: str) -> list[str]:
+    """A small check. In bfloat16 its baseline shows no differing row (exit 4, no control); tests
+    that expect OK compute in float32, where the baseline differs."""
     jobs = [] if "--jobs" in extra else ["--jobs", "1"]
     return ["check", "--model", str(ckpt), "--prompt-len", "70", "--gen-len", "40", "--requests", "2", *jobs, *extra]
 
 
 def test_check_on_a_checkpoint_writes_the_json_schema(small_ckpt, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(check_args(small_ckpt, "--max-batch-tokens", "23", "--jobs", "2", "--json", str(out))) == 0
+    args = check_args(small_ckpt, "--dtype", "float32", "--max-batch-tokens", "23", "--jobs", "2", "--json", str(out))
+    assert main(args) == 0
     r = json.loads(out.read_text())
     assert {"contract", "cases", "accuracy", "timing"} <= set(r)
     assert r["contract"]["chunk_size"] == 32 and len(r["contract"]["fingerprint"]) == 12
@@ -159,7 +162,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path,
 
 def test_the_report_has_a_status_hardware_and_row_digests(small_ckpt, tmp_path):
     out = tmp_path / "r.json"
-    assert main(check_args(small_ckpt, "--json", str(out))) == 0
+    assert main(check_args(small_ckpt, "--dtype", "float32", "--json", str(out))) == 0
     r = json.loads(out.read_text())
     assert r["status"] == "ok" and r["hardware"]["key"] == r["trainer_hardware"]
     for c in r["cases"]:
@@ -290,7 +293,7 @@ def test_rows_from_another_hardware_class_are_refused_unless_allowed(small_ckpt,
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress lines: one line, the reason
     assert err.startswith("aligned-mamba: error:") and "--allow-cross-hardware" in err
     out = tmp_path / "r.json"
-    assert main(check_args(small_ckpt, "--allow-cross-hardware", "--json", str(out))) == 0
+    assert main(check_args(small_ckpt, "--dtype", "float32", "--allow-cross-hardware", "--json", str(out))) == 0
     r = json.loads(out.read_text())
     sampler, trainer = r["cases"][0]["sampler_hardware"], r["trainer_hardware"]
     assert sampler != trainer and sampler == elsewhere("cpu").key

@@ -367,7 +367,8 @@ def test_cli_check_trainer_megatron(tmp_path, monkeypatch, hook: str) -> None:
     from aligned_mamba.cli import main
 
     monkeypatch.setenv("ALIGNED_MAMBA_MEGATRON_HOOK", hook)
-    config, tensors = make_tiny(0, dtype="bfloat16", **dict(SMALL, n_groups=2))
+    # float32: at these sizes bf16 logits round the baseline's differences away (check exits 4, no control)
+    config, tensors = make_tiny(0, dtype="float32", **dict(SMALL, n_groups=2))
     save_checkpoint(tmp_path / "ckpt", config, tensors)
     out = tmp_path / "result.json"
     code = main(["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--backend", "torch",

@@ -411,7 +411,8 @@ def test_cli_check_trainer_megatron_on_a_hybrid(layout: str, engine: str, tmp_pa
     out = tmp_path / "result.json"
     code = main(["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--engine", engine,
                  "--backend", "torch", "--prompt-len", "45", "--gen-len", "25", "--requests", "2", "--jobs",
-                 "2" if engine == "vllm" else "1", "--json", str(out)])
+                 "2" if engine == "vllm" else "1", *(["--dtype", "float32"] if engine == "reference" else []),
+                 "--json", str(out)])  # float32: at these sizes bf16 logits round the baseline's differences away
     result = json.loads(out.read_text())
     assert result["trainer"] == "megatron" and result["engine"] == engine
     assert result["model"]["family"] == "nemotron_h"

@@ -275,3 +275,27 @@ def test_a_stock_vllm_worker_is_caught(capsys):
     assert first["iteration"] == 0 and first["worker"] == 1
     per = r["iterations"][0]["per_worker"]
     assert per["0"]["mismatched_tokens"] == 0 and per["1"]["mismatched_tokens"] > 0
+
+
+def test_an_actors_init_error_reaches_the_user_by_cause():
+    from aligned_mamba.errors import ContractError
+    from rollout.actors import deferring_init
+    from rollout.rl import _one_line
+
+    spec = EngineSpec("tiny", {"chunk_size": 48, "state_dtype": "bfloat16"})  # refused by Contract in __init__
+    # as Ray reports it without deferral: an ActorDiedError holding only text, read back to its last line
+    plain = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=0).remote(0, "reference", spec, 23)
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        ray.get(plain.info.remote())
+    text = str(_one_line(died.value))
+    assert text.startswith("an actor failed to start: ContractError: ") and "\n" not in text
+    # deferred: the exception itself, with its meaning (refused input: exit 2)
+    actor = ray.remote(deferring_init(RolloutWorker)).options(num_cpus=0, max_restarts=0).remote(0, "reference",
+                                                                                                 spec, 23)
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        ray.get(actor.info.remote())
+    assert isinstance(e.value.cause, ContractError)
+    refused = _one_line(e.value)
+    assert type(refused) is AlignedMambaError and str(refused) == str(e.value.cause).splitlines()[0]
+    assert "chunk_size 48 refused" in str(refused)
+    ray.kill(actor)

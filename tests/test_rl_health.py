@@ -28,9 +28,39 @@ def test_an_unreachable_cluster_is_a_runtime_failure_in_one_line(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(rl, "_reachable", lambda address: None)  # as if the port answered
     with pytest.raises(RuntimeFailure) as e:
         rl._connect("10.0.0.1:6379")
     assert str(e.value) == "cannot reach the Ray cluster at 10.0.0.1:6379: Could not find any running Ray instance."
+
+
+@pytest.mark.parametrize("address, words", [("127.0.0.1:1", "Connection refused"),
+                                            ("no-such-host.invalid:6379", "cannot resolve 'no-such-host.invalid'"),
+                                            ("ray://127.0.0.1:1", "Connection refused")])
+def test_an_unreachable_address_exits_3_in_one_line_within_bounded_time(address, words, capsys):
+    import time
+
+    pytest.importorskip("ray")
+    t0 = time.monotonic()
+    assert main(["rl", "--address", address, "--iterations", "1"]) == 3
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"aligned-mamba: runtime failure: cannot reach the Ray cluster at {address}: ")
+    assert words in err[-1]
+    assert not [ln for ln in err if "Ray" in ln and ln != err[-1] and "starting" not in ln]
+
+
+def test_the_exception_of_an_actors_init_is_read_from_rays_text():
+    class Died(Exception):
+        actor_init_failed = True
+
+    text = ("The actor died because of an error raised in its creation task, \x1b[36mray::RolloutWorker.__init__()"
+            "\x1b[39m (pid=1, ip=10.0.0.1)\n           ^^^^^^^^\n  File \"/x/actors.py\", line 9, in __init__\n"
+            "    self.engine = build_engine(engine, spec)\n              ^^^^^^^^^^^^^\n"
+            "RuntimeError: CPU KV cache space too small\nsecond line")
+    e = rl._one_line(Died(text))
+    assert isinstance(e, RuntimeFailure)
+    assert str(e) == "an actor failed to start: RuntimeError: CPU KV cache space too small"
 
 
 class _RayError(Exception):
@@ -72,3 +102,14 @@ def test_a_diverged_run_exits_3_and_says_where(tmp_path, monkeypatch, capsys):
         "kept")
     r = json.loads(out.read_text())
     assert r["status"] == "failed" and r["error"].startswith("training step 2 diverged") and len(r["iterations"]) == 1
+
+
+def test_a_missing_extra_is_refused_before_ray_starts(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "megatron.core" else real(name, *a))
+    assert main(["rl", "--trainer", "megatron"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trainer megatron needs the 'megatron' extra" in err[0] and "pip install" in err[0]

@@ -196,12 +196,36 @@ class CausalLM:
         """Score whole sequences in one packed varlen pass: one advance from empty slots.
 
         sequences: list of [len_i] int64 token ids. Returns a list of [len_i, vocab] logits (model dtype).
+        Anything else (float or bool ids, ids outside [0, vocab), a bare or 2-D tensor, a list of
+        ints, an empty list) is refused with a ValueError that says what it expects.
         """
+        self._check_ids(sequences)
         lens = [int(s.numel()) for s in sequences]
         cache = self.new_cache(len(sequences), max_len=max([1, *lens]))
         batch = Batch.from_empty(lens)
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
         return list(torch.split(logits, lens))
+
+    def _check_ids(self, sequences: Any) -> None:
+        vocab = self.shape.vocab_size
+        expects = f"forward() expects a list of 1-D integer token-id tensors (values 0..{vocab - 1})"
+        if isinstance(sequences, torch.Tensor):
+            raise ValueError(f"{expects}, got a bare tensor of shape {list(sequences.shape)} (wrap it: [ids])")
+        if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
+            raise ValueError(f"{expects}, got {type(sequences).__name__}")
+        if not sequences:
+            raise ValueError(f"{expects}, got an empty list")
+        for i, s in enumerate(sequences):
+            if not isinstance(s, torch.Tensor):
+                hint = " (a list of ints: wrap it in torch.tensor)" if isinstance(s, int) else ""
+                raise ValueError(f"{expects}; sequences[{i}] is {type(s).__name__}{hint}")
+            if s.dim() != 1:
+                raise ValueError(f"{expects}; sequences[{i}] has shape {list(s.shape)}")
+            if s.dtype == torch.bool or s.is_floating_point() or s.is_complex():
+                raise ValueError(f"{expects}; sequences[{i}] is {str(s.dtype).replace('torch.', '')} "
+                                 "(token ids are never rounded)")
+            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= vocab):
+                raise ValueError(f"{expects}; sequences[{i}] holds ids {int(s.min())}..{int(s.max())}")
 
     def __repr__(self) -> str:
         return (f"CausalLM({self.family}, {len(self.blocks)} layers, hidden {self.shape.hidden_size}, vocab "

@@ -8,21 +8,29 @@ the time. The torch forms stay the statement of the arithmetic: every function h
 where it does not apply (not a contiguous-able CPU tensor of float32/bfloat16, inputs that need a
 gradient, or no library), and the caller then runs the torch form.
 
-The library is compiled on first use with the system's C compiler (``cc``, or ``$CC``) into
-``$XDG_CACHE_HOME/aligned_mamba`` (default ``~/.cache``), keyed by the source's digest; flags:
-``-O3 -ffp-contract=off`` (no fused multiply-adds, no reordered sums; ``-fno-trapping-math`` lets
-selects vectorise and changes no value), plus ``-mavx2 -mfma`` where the CPU has them.
-``ALIGNED_MAMBA_NATIVE=0`` turns it off; where it cannot be built, ``status()`` says why and the
-torch forms run.
+The library is compiled on first use with the system's C compiler (``cc``, or ``$CC``) into a
+private directory, ``$XDG_CACHE_HOME/aligned_mamba`` (default ``~/.cache``), else
+``aligned_mamba-<uid>`` in the system's temp directory: created 0700, and used only while it is
+a real directory owned by this user and writable by no one else. Flags: ``-O3 -ffp-contract=off``
+(no fused multiply-adds, no reordered sums; ``-fno-trapping-math`` lets selects vectorise and
+changes no value), plus ``-mavx2 -mfma`` where the CPU has them. The build goes to a temporary
+name and is renamed into place, with a record beside it (``.json``: the digest of the C source
+and the flags, the file's size and SHA-256). Before it is loaded a cached library must be a
+regular file owned by this user, match its record (so a truncated file, which would kill the
+process with SIGBUS when mapped, is never loaded) and export every symbol used here; one that
+does not is rebuilt, and where it cannot be, the torch forms run and one line is logged.
+``ALIGNED_MAMBA_NATIVE=0`` turns it off; ``status()`` says why it is not used.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import logging
 import os
+import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +43,11 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _UNARY = {"exp": 0, "log": 1, "log1p": 2, "softplus": 3, "sigmoid": 4, "silu": 5}
 
 _lib: ctypes.CDLL | None = None
+_path: Path | None = None  # the file loaded
 _status: str | None = None  # None: not tried yet
+_SYMBOLS = ("am_unary", "am_tree_sum", "am_rms_norm", "am_gated_norm", "am_tap_sum", "am_decode_put",
+            "am_decode_scores", "am_decode_combine", "am_lane_gemm_kn", "am_lane_gemm", "am_linear", "am_conv_step")
+log = logging.getLogger("aligned_mamba")
 
 
 def _cache_dir() -> Path:
@@ -52,34 +64,126 @@ def _isa_flags() -> tuple[str, ...]:
     return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(flags) else ()
 
 
+def _private_dir(d: Path) -> None:
+    """Create ``d`` 0700 if missing; raise OSError (the reason) unless it is a directory (not a
+    link) owned by this user that no one else can write."""
+    try:
+        d.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{d} is not a directory")
+    if st.st_uid != os.getuid():
+        raise OSError(f"{d} is owned by uid {st.st_uid}, not this user")
+    if st.st_mode & 0o022:
+        raise OSError(f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _own_file(p: Path) -> os.stat_result | None:
+    """The stat of ``p`` if it is a regular file owned by this user that no one else can write."""
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return None
+    return st
+
+
+def _digest(p: Path) -> str:
+    with open(p, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _verified(so: Path, record: dict[str, object]) -> str | None:
+    """None if ``so`` is the library ``record`` describes (owner, size, digest of the file, of the
+    source and flags), else why not."""
+    st = _own_file(so)
+    if st is None:
+        return "missing, not a regular file, or not this user's"
+    meta_path = so.with_suffix(".json")
+    if _own_file(meta_path) is None:
+        return "no record beside it"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return "an unreadable record"
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in record.items()):
+        return "built from another source or flags"
+    if meta.get("size") != st.st_size:
+        return f"size {st.st_size}, recorded {meta.get('size')} (truncated?)"
+    if meta.get("sha256") != _digest(so):
+        return "its digest differs from the record"
+    return None
+
+
+def _load(so: Path) -> ctypes.CDLL:
+    """dlopen ``so`` (already verified) and check that it exports every symbol used here."""
+    lib = ctypes.CDLL(str(so))
+    missing = [name for name in _SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise OSError(f"{so.name} lacks {', '.join(missing)}")
+    return lib
+
+
+def _compile(cc: str, flags: tuple[str, ...], d: Path, so: Path, record: dict[str, object]) -> None:
+    """Build into a temporary name in ``d``, then rename the library and its record into place
+    (atomic: a concurrent build leaves complete files)."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+    os.close(fd)
+    tmp_meta = None
+    try:
+        try:
+            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            lines = exc.stderr.strip().splitlines()
+            raise OSError(f"{cc} failed: {lines[-1] if lines else exc}") from None
+        os.chmod(tmp, 0o700)
+        meta = {**record, "size": os.path.getsize(tmp), "sha256": _digest(Path(tmp))}
+        fd, tmp_meta = tempfile.mkstemp(suffix=".json", dir=d)
+        with os.fdopen(fd, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, so)
+        os.replace(tmp_meta, so.with_suffix(".json"))
+    finally:
+        for t in (tmp, tmp_meta):
+            if t is not None and os.path.exists(t):
+                os.unlink(t)
+
+
 def _build() -> ctypes.CDLL:
+    global _path
     cc = os.environ.get("CC", "cc")
     src = _SOURCE.read_bytes()
     flags = (*_FLAGS, *_isa_flags())
     key = hashlib.sha256(src + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    record: dict[str, object] = {"source_sha256": hashlib.sha256(src).hexdigest(), "cc": cc, "flags": list(flags)}
+    why: list[str] = []
     for d in (_cache_dir(), Path(tempfile.gettempdir()) / f"aligned_mamba-{os.getuid()}"):
-        so = d / f"native_cpu-{key}.so"
-        if so.exists():
-            return ctypes.CDLL(str(so))
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-            os.close(fd)
-        except OSError:
+            _private_dir(d)
+        except OSError as exc:
+            why.append(str(exc))
             continue
-        try:
-            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, text=True)
-            os.replace(tmp, so)  # atomic: a concurrent build leaves one complete file
-        except subprocess.CalledProcessError as exc:
-            os.unlink(tmp)
-            lines = exc.stderr.strip().splitlines()
-            raise OSError(f"{cc} failed: {lines[-1] if lines else exc}") from None
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return ctypes.CDLL(str(so))
-    raise OSError("no writable cache directory")
+        so = d / f"native_cpu-{key}.so"
+        bad = _verified(so, record)
+        if bad is not None:
+            if so.exists() or so.is_symlink():
+                log.info("aligned_mamba: native CPU library %s not used (%s); rebuilding", so, bad)
+            try:
+                _compile(cc, flags, d, so, record)
+            except OSError as exc:
+                why.append(str(exc))
+                continue
+            bad = _verified(so, record)
+            if bad is not None:
+                why.append(f"{so}: {bad} after the build")
+                continue
+        lib = _load(so)
+        _path = so
+        return lib
+    raise OSError("; ".join(why) or "no usable cache directory")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -114,9 +218,9 @@ def library() -> ctypes.CDLL | None:
                 lib = _build()
                 _declare(lib)
                 _lib, _status = lib, "on"
-            except OSError as exc:
+            except (OSError, AttributeError) as exc:
                 _status = f"unavailable ({exc}); the torch forms run"
-                print(f"aligned_mamba: native CPU ops {_status}", file=sys.stderr)
+                log.warning("aligned_mamba: native CPU ops %s", _status)
     return _lib
 
 
@@ -132,6 +236,12 @@ class off:
     def __exit__(self, *exc: object) -> None:
         global _lib
         _lib = self._saved
+
+
+def library_path() -> Path | None:
+    """The file the library was loaded from (None where it is not loaded)."""
+    library()
+    return _path if _lib is not None else None
 
 
 def status() -> str:
