@@ -42,7 +42,7 @@ class LLMSpec:
     """How to start one vLLM engine (picklable). ``llm_kwargs`` go to ``vllm.LLM`` last."""
 
     model_dir: str
-    exact_replay: bool
+    exact_replay: bool | None  # None: ALIGNED_MAMBA_EXACT_REPLAY unset (additional_config decides)
     max_model_len: int = 2048
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 16
@@ -66,7 +66,7 @@ def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[Scenari
     """Start the engine (in this process) and run the scenarios in order. Returns the results,
     or the one-line message of the exception that stopped the engine from starting."""
     _engine_env()
-    os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+    _set_switch(spec)
     try:
         llm = build_llm(spec)
     except Exception as e:  # the refusal (or any start failure) comes back as its message
@@ -76,6 +76,13 @@ def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[Scenari
         r = r if isinstance(r, Run) else Run(r)
         out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill))
     return out
+
+
+def _set_switch(spec: LLMSpec) -> None:
+    if spec.exact_replay is None:
+        os.environ.pop("ALIGNED_MAMBA_EXACT_REPLAY", None)
+    else:
+        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
 
 
 def _engine_env() -> None:
@@ -100,10 +107,12 @@ def build_llm(spec: LLMSpec) -> Any:
 
 
 def _set_logprobs_mode(llm: Any, mode: str) -> None:
-    """Switch raw_logits / raw_logprobs between scenarios: the two attributes LLM(logprobs_mode=...)
-    sets (the sampler's and the model config's, read for prompt logprobs), saving an engine start."""
+    """Switch logprobs_mode between scenarios: the attributes LLM(logprobs_mode=...) sets (the
+    sampler's, its top-k/top-p sampler's and the model config's, read for prompt logprobs), saving
+    an engine start."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     runner.sampler.logprobs_mode = mode
+    runner.sampler.topk_topp_sampler.logprobs_mode = mode
     runner.model_config.logprobs_mode = mode
 
 
@@ -239,7 +248,7 @@ def try_start(specs: Sequence[LLMSpec]) -> list[str | None]:
     _engine_env()
     out: list[str | None] = []
     for spec in specs:
-        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+        _set_switch(spec)
         try:
             llm = build_llm(spec)
         except Exception as e:
@@ -276,3 +285,85 @@ def run_engines(jobs: Sequence[tuple[LLMSpec, Sequence[Run | Scenario]]], parall
     finally:
         for pool, _ in running:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class LogprobJob:
+    """Requests sent together with one ``SamplingParams`` (``params``: its keyword arguments), under
+    a per-step token ``budget`` (in-process engines only) and the engine's ``logprobs_mode``."""
+
+    name: str
+    prompts: list[list[int]]
+    params: dict[str, Any]
+    budget: int | None = None
+    logprobs_mode: str | None = None
+
+
+@dataclass
+class LogprobResult:
+    """What vLLM reported for one job, per request: ``tokens`` (prompt + generated), ``prompt_len``,
+    ``sampled[j]`` ({token id: logprob} of generated token j: the sampled one and the top-k) and
+    ``prompt[p]`` (the same for prompt token p >= 1; None when not asked). ``error``: the one-line
+    message when vLLM refused the request instead."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    prompt_len: list[int] = field(default_factory=list)
+    sampled: list[list[dict[int, float]]] = field(default_factory=list)
+    prompt: list[list[dict[int, float]] | None] = field(default_factory=list)
+    error: str | None = None
+
+
+def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | None = None,
+                      multiprocess: bool = False) -> dict[str, Any] | str:
+    """Start the engine and run ``jobs`` through ``LLM.generate`` as a framework would, reading the
+    logprobs vLLM reports. ``capture``: a file that takes this process's stdout and stderr (and so
+    the engine processes' it spawns). ``multiprocess``: vLLM's EngineCore and worker in processes of
+    their own (no per-step budget, no ``logprobs_mode`` switch: the spec's). Returns {"pid",
+    "model_class" (in-process engines), "results": {job name: LogprobResult}}, or the engine's
+    one-line start failure."""
+    _engine_env()
+    _set_switch(spec)
+    if multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if capture:
+        fd = os.open(capture, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    try:
+        llm = build_llm(spec)
+    except Exception as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    from vllm import SamplingParams
+
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    out: dict[str, Any] = {"pid": os.getpid(), "results": {}}
+    if in_process:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        out["model_class"] = f"{type(runner.model).__module__}.{type(runner.model).__qualname__}"
+    for job in jobs:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler if in_process else None
+        full = scheduler.max_num_scheduled_tokens if scheduler else None
+        if scheduler and job.budget:
+            scheduler.max_num_scheduled_tokens = job.budget
+        if in_process and job.logprobs_mode:
+            _set_logprobs_mode(llm, job.logprobs_mode)
+        res = LogprobResult()
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in job.prompts], SamplingParams(**job.params),
+                                   use_tqdm=False)
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        else:
+            for p, o in zip(job.prompts, outputs):
+                c = o.outputs[0]
+                res.tokens.append(list(p) + list(c.token_ids))
+                res.prompt_len.append(len(p))
+                res.sampled.append([{i: float(lp.logprob) for i, lp in e.items()} for e in (c.logprobs or [])])
+                res.prompt.append(None if o.prompt_logprobs is None else
+                                  [None if e is None else {i: float(lp.logprob) for i, lp in e.items()}
+                                   for e in o.prompt_logprobs])
+        finally:
+            if scheduler:
+                scheduler.max_num_scheduled_tokens = full
+        out["results"][job.name] = res
+    return out
