@@ -123,7 +123,8 @@ def _row(entry: Any, vocab: int) -> torch.Tensor:
     return row
 
 
-def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False) -> ScenarioResult:
+def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False,
+          logprobs: int | None = None) -> ScenarioResult:
     """Run one scenario on a started in-process engine by stepping it.
 
     Returns the rows as vLLM hands them out (float32 copies; see ``Run`` for what they hold); the
@@ -134,7 +135,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``, and
     ``vllm_preemptions``: vLLM's own count of preemptions over the scenario's requests, its
     ``Request.num_preemptions``, which counts the scheduler's preemptions under memory pressure as
-    well as the ones ``preempt_marks`` forces).
+    well as the ones ``preempt_marks`` forces). ``logprobs``: with ``rows="none"``, ask vLLM for
+    that many logprobs per sampled token (``SamplingParams(logprobs=...)``) and return the sampled
+    tokens' reported values in ``info["sampled_values"]``.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -150,8 +153,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     rows_on = sc.rows != "none"
     prompt_rows_on = sc.rows == "all"
     torch.manual_seed(sc.seed)  # the in-process engine samples from this process's torch RNG
-    params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0, logprobs=-1 if rows_on else None,
-                            prompt_logprobs=-1 if prompt_rows_on else None, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0,
+                            logprobs=-1 if rows_on else logprobs, prompt_logprobs=-1 if prompt_rows_on else None,
+                            output_kind=RequestOutputKind.DELTA)
     n = len(sc.prompts)
     gen: list[list[int]] = [[] for _ in range(n)]
     sample_rows: list[list[Any]] = [[] for _ in range(n)]
@@ -212,6 +216,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
                             "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode,
                             "vllm_preemptions": sum(seen_preemptions.values())}
     if not rows_on:
+        if logprobs is not None:
+            info["sampled_values"] = [[float(e[t].logprob) for e, t in zip(sample_rows[i], gen[i])]
+                                      for i in range(n)]
         return ScenarioResult(sc.name, [list(p) + g for p, g in zip(sc.prompts, gen)], [], [], steps, preemptions,
                               seconds, os.getpid(), info)
     tokens, rows, sampled = [], [], []
