@@ -52,6 +52,12 @@ def _jobs(prompts: list[list[int]]) -> list[LogprobJob]:
                        "processed_logprobs") for k in KS for t in TEMPS]
     # raw_logprobs: the logprob of the raw logits whatever the temperature (vLLM's definition)
     jobs.append(LogprobJob("raw_k5_t0.7", prompts, dict(base, logprobs=5, temperature=0.7), BUDGET, "raw_logprobs"))
+    # greedy requests (T = 0): vLLM's processed logprobs are those of T = 1
+    jobs.append(LogprobJob("greedy_k5", prompts, dict(base, logprobs=5, temperature=0.0), BUDGET,
+                           "processed_logprobs"))
+    # processed_logits: the contract's fp32 logits / T
+    jobs.append(LogprobJob("plogits_k5_t0.7", prompts, dict(base, logprobs=5, temperature=0.7), BUDGET,
+                           "processed_logits"))
     # request-time refusals (the engine started under processed_logprobs)
     for name, extra in (("top_p", {"top_p": 0.9}), ("repetition_penalty", {"repetition_penalty": 1.1}),
                         ("min_p", {"min_p": 0.05})):
@@ -160,6 +166,26 @@ def test_raw_logprobs_equal_trainer(setup, ckpt):
     n, bad, _ = _compare(setup["models"][ckpt], res, 1.0, prompt=False)  # raw: the logits before / T
     print(f"\n{ckpt} raw_logprobs logprobs=5 T=0.7: {bad}/{n} differ")
     assert bad == 0 and n >= len(PROMPT_LENS) * GEN * 5
+
+
+@pytest.mark.parametrize("ckpt", CHECKPOINTS)
+def test_greedy_and_processed_logits_equal_trainer(setup, ckpt):
+    from aligned_mamba.ops.logprobs import scale
+
+    out = setup["get"](ckpt)
+    res = out["results"]["greedy_k5"]
+    n, bad, _ = _compare(setup["models"][ckpt], res, 1.0, prompt=False)
+    res = out["results"]["plogits_k5_t0.7"]
+    logits = setup["models"][ckpt].forward([torch.tensor(t) for t in res.tokens])
+    m = bad_logits = 0
+    for i, rows in enumerate(logits):
+        p = res.prompt_len[i]
+        for j, e in enumerate(res.sampled[i]):
+            want = scale(rows[p - 1 + j], 0.7)[torch.tensor(list(e))]
+            m += len(e)
+            bad_logits += int((torch.tensor(list(e.values()), dtype=torch.float32) != want).sum())
+    print(f"\n{ckpt} greedy logprobs=5: {bad}/{n} differ; processed_logits T=0.7: {bad_logits}/{m} differ")
+    assert bad == 0 and n >= len(PROMPT_LENS) * GEN * 5 and bad_logits == 0 and m >= len(PROMPT_LENS) * GEN * 5
 
 
 @pytest.mark.parametrize("ckpt", CHECKPOINTS)
