@@ -33,8 +33,9 @@ Switched off (the variable unset), ``register()`` only watches vLLM's config for
 (and sets the variable, so the engine processes vLLM spawns next switch on too); with the variable
 explicitly off (``0``) the engine is refused in one line. Neither: vLLM is untouched.
 
-Every process where exact replay is on logs one line (logger ``vllm.aligned_mamba``) with the contract
-fingerprint and the hardware class (``announce``).
+Every process that builds vLLM's config or the model with exact replay on logs one line (logger
+``vllm.aligned_mamba``) with the contract fingerprint and the hardware class (``announce``): in-process,
+the one engine process; multiprocess, the front end and the worker (EngineCore only schedules).
 
 The contract (chunk size, state dtype, backend, model dtype) is derived from the model and the
 engine; ``additional_config={"aligned_mamba": {"contract": {...} | "name" | "path.yaml"}}`` (or

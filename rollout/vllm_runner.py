@@ -129,9 +129,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
 
     Returns the rows as vLLM hands them out (float32 copies; see ``Run`` for what they hold); the
     sampled tokens' values in their rows go to ``info["sampled_values"]`` (``sampled_logprobs`` is
-    left empty: what the core calls a logprob is its own ``log_softmax`` of a logits row, which
-    ``vllm_engine`` computes). ``info`` also holds the decode throughput (``decode_tokens``,
-    ``decode_seconds``: the steps where every request was decoding) and what vLLM ran
+    left empty: ``vllm_engine`` fills it with what vLLM reports for ``logprobs=0``). ``info`` also
+    holds the decode throughput (``decode_tokens``, ``decode_seconds``: the steps where every
+    request was decoding) and what vLLM ran
     (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``, and
     ``vllm_preemptions``: vLLM's own count of preemptions over the scenario's requests, its
     ``Request.num_preemptions``, which counts the scheduler's preemptions under memory pressure as
