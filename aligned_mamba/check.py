@@ -5,6 +5,10 @@ Every case runs the requests through the sampler engine under one schedule (an
 compares the logits rows the engine produced with the trainer's rows at the same positions
 (``verify``: torch.equal per row). Exact-replay cases must show 0 differing rows; the baseline
 (exact replay off: recurrent decode, as engines run today) shows what they prevent.
+
+Besides the rows, each case compares the logprob the engine reports for every sampled token (the
+``vllm`` engine: vLLM's own number from ``SamplingParams(logprobs=0)``, as RL frameworks read it)
+with the trainer's: ``token_logprobs`` (the contract's function) of the trainer's row.
 """
 
 from __future__ import annotations
@@ -88,6 +92,29 @@ def compare(rows: list[list[tuple[int, torch.Tensor]]], trainer_logits: list[tor
     return verify(torch.stack(t_rows), torch.stack(s_rows), trainer_contract=trainer, sampler_contract=sampler)
 
 
+def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], gen_len: int
+                     ) -> dict[str, Any]:
+    """The engine's reported logprob of each sampled token (``got.sampled_logprobs``) against the
+    trainer's: ``ops.logprobs.log_softmax`` of the trainer's row at the position before the token.
+    Returns {"logprob_tokens", "mismatched_logprobs", "max_abs_reported_logprob_diff"} (JSON-ready)."""
+    from .ops.logprobs import token_logprobs
+
+    n = bad = 0
+    worst = 0.0
+    tokens = got.info.get("reported_tokens", got.tokens)
+    for seq, reported, lg in zip(tokens, got.sampled_logprobs, trainer_logits):
+        if not reported:
+            continue
+        start = len(seq) - gen_len
+        ids = torch.tensor(seq[start:start + len(reported)], dtype=torch.int64, device=lg.device)
+        want = token_logprobs(lg[start - 1:start - 1 + len(reported)], ids).cpu()
+        have = torch.tensor(reported, dtype=torch.float32)
+        n += len(reported)
+        bad += int((want != have).sum())
+        worst = max(worst, float((want - have).abs().max()))
+    return {"logprob_tokens": n, "mismatched_logprobs": bad, "max_abs_reported_logprob_diff": worst}
+
+
 def scan_accuracy(trainer: CausalLM, seq: torch.Tensor, layers: int = 3) -> dict[str, Any]:
     """The scan's error against the fp64 reference, next to the rounding floor of the model dtype.
 
@@ -158,7 +185,7 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
                        "max_batch_tokens": budget, "seed": seed, "jobs": jobs},
             "cases": cases,
             "timing": timing,
-            "ok": all(c["mismatched_rows"] == 0 for c in cases if c["exact_replay"]),
+            "ok": all(c["mismatched_rows"] == 0 and c["mismatched_logprobs"] == 0 for c in cases if c["exact_replay"]),
             "control": control(cases, prompt_len + gen_len, sampler_contract.chunk_size),
         }
 
@@ -168,8 +195,13 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             check_same_hardware(trainer_hw, sampler_hw, allow=allow_cross_hardware)
         t1 = time.perf_counter()
         trainer_logits = trainer.forward([torch.tensor(t, dtype=torch.int64) for t in got.tokens])
+        if "reported_tokens" in got.info:  # the engine's logprob pass sampled other tokens (a baseline)
+            lp_logits = trainer.forward([torch.tensor(t, dtype=torch.int64) for t in got.info["reported_tokens"]])
+        else:
+            lp_logits = trainer_logits
         t2 = time.perf_counter()
         report = compare(got.rows, trainer_logits, trainer.contract, sampler_contract)
+        logprobs = compare_logprobs(got, lp_logits, gen_len)
         if case.name == "decode":
             first_tokens = got.tokens[0]
         cases.append({
@@ -181,6 +213,7 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             "max_abs_diff": report.max_abs_diff,
             "max_abs_logprob_diff": report.max_abs_logprob_diff,
             "kl": report.kl,
+            **logprobs,
             "steps": got.steps,
             "preemptions": got.preemptions,
             "sampler_pid_differs": got.pid != os.getpid(),
@@ -190,7 +223,8 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             "sampler_hardware": hardware_key(sampler_hw) if sampler_hw is not None else None,
         })
         timing[case.name] = {"sampler_s": round(got.seconds, 3), "trainer_s": round(t2 - t1, 3)}
-        progress(f"{case.name}: {report.mismatched_rows}/{report.rows} rows differ "
+        progress(f"{case.name}: {report.mismatched_rows}/{report.rows} rows differ, "
+                 f"{logprobs['mismatched_logprobs']}/{logprobs['logprob_tokens']} reported logprobs differ "
                  f"(sampler {got.seconds:.1f}s, trainer {t2 - t1:.1f}s)")
         on_case(result())
     progress("accuracy: fp64 reference on the trainer's scan inputs")

@@ -66,8 +66,9 @@ class ScenarioResult:
 
     tokens: per request, prompt + generated ids; rows: per request, (position, logits row [vocab]
     in the model dtype) for every row returned, the row computed AT that position (predicting the
-    next token); sampled_logprobs: per request, the float32 ``log_softmax`` (``ops.logprobs``) of
-    each sampled token under the row it was sampled from; info: what the engine ran (free form).
+    next token); sampled_logprobs: per request, the float32 logprob the engine reports for each
+    sampled token (the number a framework reads: the reference engine's ``ops.logprobs`` of its
+    row, vLLM's for ``logprobs=0``), which the trainer's must equal; info: what the engine ran.
     """
 
     name: str

@@ -9,9 +9,11 @@ factory asks for a process of its own (``own_process``).
 Rows are vLLM's own output (``logprobs_mode="raw_logits"``, full-vocabulary logprobs: every
 sampled token carries the raw logits row it was sampled from; prompt logprobs the rows at prompt
 positions), cast back to the model dtype (vLLM hands out fp32 copies of model-dtype logits:
-exact; a row that is not is refused). Each sampled token's logprob is the core's ``log_softmax``
-of its row, the function the trainer scores with (vLLM's own logprob of the same row is another
-rounding). New weights go through vLLM's ``reload_weights`` (the plugin's model rebuilds its core).
+exact; a row that is not is refused). Each sampled token's logprob (``sampled_logprobs``: what the
+check and the RL loop compare with the trainer's) is the number RL frameworks read: a second pass
+of the same scenario (same seed, so the same tokens under exact replay) with
+``SamplingParams(logprobs=0)`` under ``logprobs_mode="processed_logprobs"``, as verl sets it. New
+weights go through vLLM's ``reload_weights`` (the plugin's model rebuilds its core).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import AlignedMambaError
 from aligned_mamba.integrations import EngineSpec, Scenario, ScenarioResult
-from aligned_mamba.ops.logprobs import log_softmax
 
 from .vllm_runner import LLMSpec, _engine_env, build_llm, drive
 
@@ -67,16 +69,21 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
 
     def run(self, scenario: Scenario, on_step: Callable[[int], None] | None = None) -> ScenarioResult:
-        """The scenario on the engine (no step callback: vLLM steps inside ``drive``)."""
-        res = drive(self.llm, scenario)
-        res.rows = [[(pos, self._model_dtype(res.name, row)) for pos, row in req] for req in res.rows]
-        if scenario.rows != "none":
-            for prompt_tokens, rows in zip(res.tokens, res.rows):
-                sampled = [(pos, row) for pos, row in rows if pos >= len(prompt_tokens) - scenario.gen_len - 1]
-                logits = torch.stack([row for _, row in sampled])
-                ids = torch.tensor([prompt_tokens[pos + 1] for pos, _ in sampled])
-                lp = log_softmax(logits).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-                res.sampled_logprobs.append(lp.tolist())
+        """The scenario on the engine (no step callback: vLLM steps inside ``drive``): the rows pass
+        (unless ``rows="none"``), then the pass whose reported logprobs fill ``sampled_logprobs``."""
+        rep = drive(self.llm, replace(scenario, rows="none"), logprobs_mode="processed_logprobs", logprobs=0)
+        if scenario.rows == "none":
+            res = rep
+        else:
+            res = drive(self.llm, scenario)
+            res.rows = [[(pos, self._model_dtype(res.name, row)) for pos, row in req] for req in res.rows]
+            if rep.tokens != res.tokens:
+                if self.spec.exact_replay:
+                    raise AlignedMambaError(f"{scenario.name}: the logprobs pass sampled other tokens than the rows "
+                                            "pass under the same seed")
+                res.info["reported_tokens"] = rep.tokens  # the baseline's passes may part ways
+        res.sampled_logprobs = rep.info["sampled_values"]
+        res.info["logprobs_pass_seconds"] = rep.seconds
         return res
 
     def _model_dtype(self, name: str, row: torch.Tensor) -> torch.Tensor:

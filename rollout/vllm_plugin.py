@@ -1,8 +1,8 @@
 """vLLM general plugin: exact-replay decode for Mamba2 and hybrid (Nemotron-H) models, switched on by
-``ALIGNED_MAMBA_EXACT_REPLAY=1``.
+``ALIGNED_MAMBA_EXACT_REPLAY=1`` or by ``additional_config={"aligned_mamba": {...}}``.
 
 vLLM calls ``register()`` in every process it starts (entry point group ``vllm.general_plugins``).
-Switched off, it returns at once and vLLM is untouched. Switched on, it
+Switched on, it
 
 - registers ``rollout.vllm_model:ExactReplayMamba2ForCausalLM`` as ``Mamba2ForCausalLM`` and
   ``rollout.vllm_model:ExactReplayNemotronHForCausalLM`` as ``NemotronHForCausalLM``, so the model's
@@ -10,17 +10,45 @@ Switched off, it returns at once and vLLM is untouched. Switched on, it
   Mamba cache, attention layers with their keys and values in vLLM's paged KV cache;
 - puts a config hook in front of every architecture (vLLM's ``MODELS_CONFIG_MAP``), which runs
   while vLLM builds its config, in the process that constructs ``LLM(...)`` / ``vllm serve``: it
-  refuses, with one line, every setting under which bits cannot be promised (``check_engine``).
+  refuses, with one line, every setting under which bits cannot be promised (``check_engine``);
+- makes every logprob vLLM reports the contract's (``aligned_mamba.token_logprobs``: fp32 logits / T,
+  then the position-invariant log-softmax). vLLM has no hook for its logprob function, so two
+  methods of its sampler are replaced at class level, in every process (``_patch_sampler``):
+  ``Sampler.compute_logprobs`` (the staticmethod behind ``raw_logprobs``, greedy
+  ``processed_logprobs`` and ``prompt_logprobs``) and ``Sampler.sample``, which keeps vLLM's
+  sampling and replaces only the processed logprobs / logits it returns with the contract's of
+  the raw logits at each row's temperature (vLLM's rule: T = 1 for greedy rows). The sampled tokens
+  are vLLM's own. ``raw_logits`` rows are the model's logits (already the trainer's bits);
+- checks each request where vLLM validates its parameters (``InputProcessor``'s logits-processor
+  validator, wrapped): under ``processed_logprobs`` / ``processed_logits`` a request asking for
+  logprobs with anything that changes the logits before sampling (penalties, top-k, top-p, min-p,
+  min_tokens, logit_bias, bad_words, allowed_token_ids) is refused in one line, because its
+  processed logprobs are not a function of the trainer's logits row and T; structured output with
+  logprobs is refused in every mode (its mask is applied before the raw logprobs). At start-up:
+  custom logits processors under a processed mode and vLLM's V2 model runner (its own Triton
+  logprob kernel) are refused.
+
+Switched off (the variable unset), ``register()`` only watches vLLM's config for
+``additional_config["aligned_mamba"]``: when it is there, the plugin switches on for that engine
+(and sets the variable, so the engine processes vLLM spawns next switch on too); with the variable
+explicitly off (``0``) the engine is refused in one line. Neither: vLLM is untouched.
+
+Every process that builds vLLM's config or the model with exact replay on logs one line (logger
+``vllm.aligned_mamba``) with the contract fingerprint and the hardware class (``announce``): in-process,
+the one engine process; multiprocess, the front end and the worker (EngineCore only schedules).
 
 The contract (chunk size, state dtype, backend, model dtype) is derived from the model and the
 engine; ``additional_config={"aligned_mamba": {"contract": {...} | "name" | "path.yaml"}}`` (or
-``{"chunk_size": N}``) states the trainer's, and any difference is refused at start.
+``{"chunk_size": N}``, or ``{}``) states the trainer's, and any difference is refused at start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, NoReturn
+
+import torch
 
 from aligned_mamba.contract import MODEL_DTYPES, Contract, normalize_dtype
 from aligned_mamba.errors import AlignedMambaError, ContractError
@@ -33,7 +61,14 @@ COVERED_ARCHITECTURES = tuple(MODEL_CLASSES)
 MODEL_CLASS = MODEL_CLASSES["Mamba2ForCausalLM"]
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+PROCESSED_MODES = ("processed_logprobs", "processed_logits")
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily, and its logprobs use T = 1
+# A child of vLLM's logger: its handler and format, shown at vLLM's default level (INFO).
+logger = logging.getLogger("vllm.aligned_mamba")
 _registered = False
+_watching = False
+_engine_contract: Contract | None = None
+_announced = False
 
 
 class ExactReplayRefused(AlignedMambaError):
@@ -59,18 +94,100 @@ def exact_replay_requested(environ: dict[str, str] | None = None) -> bool:
 
 
 def register() -> None:
-    """vLLM's plugin hook. Off: nothing. On: the model class and the config hook (idempotent)."""
+    """vLLM's plugin hook. On: the model classes, the config hook, the sampler's logprobs and the
+    request check (idempotent). Off: only the watch for ``additional_config["aligned_mamba"]``."""
+    if exact_replay_requested():
+        _enable()
+    else:
+        _watch_additional_config()
+
+
+def _enable() -> None:
     global _registered
-    if not exact_replay_requested() or _registered:
+    if _registered:
         return
     import vllm.model_executor.models.config as model_configs
     from vllm import ModelRegistry
 
     for arch, cls in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, cls)
-    if not isinstance(model_configs.MODELS_CONFIG_MAP, _GuardedConfigMap):
-        model_configs.MODELS_CONFIG_MAP = _GuardedConfigMap(model_configs.MODELS_CONFIG_MAP, _config_hooks())
+    current = model_configs.MODELS_CONFIG_MAP
+    if isinstance(current, _WatchedConfigMap):
+        current = current.original
+    if not isinstance(current, _GuardedConfigMap):
+        model_configs.MODELS_CONFIG_MAP = _GuardedConfigMap(current, _config_hooks())
+    _patch_sampler()
+    _patch_request_check()
     _registered = True
+
+
+def _watch_additional_config() -> None:
+    """Off by the variable: answer every config-hook lookup with a hook that first looks for
+    ``additional_config["aligned_mamba"]`` (``switch_on_from_config``), then runs vLLM's own."""
+    global _watching
+    if _watching:
+        return
+    import vllm.model_executor.models.config as model_configs
+
+    if not isinstance(model_configs.MODELS_CONFIG_MAP, (_GuardedConfigMap, _WatchedConfigMap)):
+        model_configs.MODELS_CONFIG_MAP = _WatchedConfigMap(model_configs.MODELS_CONFIG_MAP)
+    _watching = True
+
+
+def switch_on_from_config(vllm_config: Any) -> bool:
+    """Whether ``additional_config["aligned_mamba"]`` switched the plugin on (it is then on in this
+    process, and ``ALIGNED_MAMBA_EXACT_REPLAY=1`` is set for the processes vLLM spawns next).
+    Refuses (one line) when the variable explicitly switches it off."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or CONFIG_KEY not in extra:
+        return False
+    raw = os.environ.get(ENV_SWITCH, "").strip()
+    if raw and not exact_replay_requested():
+        refuse(f"additional_config[{CONFIG_KEY!r}] asks for exact replay but {ENV_SWITCH}={raw!r} switches it "
+               f"off; unset {ENV_SWITCH} (or set it to 1), or drop additional_config[{CONFIG_KEY!r}]")
+    os.environ[ENV_SWITCH] = "1"
+    _enable()
+    return True
+
+
+class _WatchedConfigMap(dict):
+    """vLLM's per-architecture config hooks with the plugin off: every lookup gets a hook that
+    switches the plugin on when the engine's additional_config asks for it (then the plugin's
+    hooks run), and otherwise runs vLLM's own hook for that architecture, if any."""
+
+    def __init__(self, original: dict) -> None:
+        super().__init__(original)
+        self.original = original
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        stock = self.original.get(key)
+        from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+        class Watched(VerifyAndUpdateConfig):
+            @staticmethod
+            def verify_and_update_model_config(model_config: Any) -> None:
+                if stock is not None:
+                    stock.verify_and_update_model_config(model_config)
+
+            @staticmethod
+            def verify_and_update_config(vllm_config: Any) -> None:
+                if switch_on_from_config(vllm_config):
+                    import vllm.model_executor.models.config as model_configs
+
+                    model_configs.MODELS_CONFIG_MAP.get(key).verify_and_update_config(vllm_config)
+                else:
+                    hook = stock
+                    if hook is None:  # vLLM's own fallback: an HF base-model name, normalised
+                        from vllm.model_executor.models import ModelRegistry
+
+                        hook = self.original.get(ModelRegistry._normalize_arch(key, vllm_config.model_config))
+                    if hook is not None:
+                        hook.verify_and_update_config(vllm_config)
+
+        return Watched
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.get(key)
 
 
 class _GuardedConfigMap(dict):
@@ -242,4 +359,148 @@ def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
         refuse("LoRA adapters are not covered by the shared ops")
     if mc.quantization is not None:
         refuse(f"quantization {mc.quantization!r} is not covered by the shared ops")
-    return engine_contract(vllm_config)
+    _check_logprobs_setup(vllm_config)
+    contract = engine_contract(vllm_config)
+    announce(contract, getattr(vllm_config.device_config, "device", None))
+    return contract
+
+
+def _check_logprobs_setup(vllm_config: Any) -> None:
+    """What decides the reported logprobs engine-wide: vLLM's V2 model runner computes them in its own
+    Triton kernel (not patched here), and custom logits processors change processed logprobs."""
+    if vllm_config.use_v2_model_runner:
+        refuse("vLLM's V2 model runner computes logprobs in its own kernel, not the contract's "
+               "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+    mc = vllm_config.model_config
+    if mc.logprobs_mode in PROCESSED_MODES and mc.logits_processors:
+        refuse(f"custom logits processors under logprobs_mode={mc.logprobs_mode!r}: the processed logprobs would "
+               "not be a function of the trainer's logits (use raw_logprobs)")
+
+
+# -- the reported logprobs: the contract's function in every engine process ------------------------
+
+def announce(contract: Contract, device: Any = None) -> None:
+    """Log once per process that exact replay is on, with the contract fingerprint and the hardware
+    class, and keep the contract for the sampler's logprobs (its backend computes them)."""
+    global _engine_contract, _announced
+    _engine_contract = contract
+    if _announced:
+        return
+    from aligned_mamba.hardware import hardware_class
+
+    try:
+        hw = str(hardware_class(device))
+    except Exception as e:  # the log line must not stop an engine that passed its checks
+        hw = f"unknown ({type(e).__name__})"
+    logger.info("aligned-mamba exact replay on (pid %d): contract %s, hardware %s", os.getpid(),
+                contract.fingerprint, hw)
+    _announced = True
+
+
+def contract_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[N, V] logits (any float dtype) -> [N, V] float32: the contract's log-softmax of logits / T,
+    on the engine contract's backend (torch on the CPU, triton on CUDA)."""
+    from aligned_mamba.ops.backend import resolve
+
+    if _engine_contract is None:
+        refuse("logprobs asked for before the engine's model announced its contract")
+    return resolve(_engine_contract, logits.device).log_softmax(logits, temperature)
+
+
+def _row_temperatures(sampling_metadata: Any, n: int) -> list[float]:
+    """Each row's temperature as vLLM applies it: 1 for greedy rows (below its epsilon), else T."""
+    temps = sampling_metadata.temperature
+    if sampling_metadata.all_greedy or temps is None:
+        return [1.0] * n
+    return [1.0 if t < _SAMPLING_EPS else t for t in temps.tolist()]
+
+
+def processed(raw: torch.Tensor, sampling_metadata: Any, mode: str) -> torch.Tensor:
+    """The processed logprobs (or logits) of ``raw`` [N, V] float32 at each row's temperature: the
+    contract's division and log-softmax, row groups of equal T at a time (both are row-invariant)."""
+    from aligned_mamba.ops.logprobs import scale
+
+    temps = _row_temperatures(sampling_metadata, raw.shape[0])
+    out = torch.empty_like(raw, dtype=torch.float32)
+    for t in sorted(set(temps)):
+        idx = torch.tensor([i for i, x in enumerate(temps) if x == t], dtype=torch.long, device=raw.device)
+        rows = raw.index_select(0, idx)
+        out[idx] = contract_log_softmax(rows, t) if mode == "processed_logprobs" else scale(rows, t)
+    return out
+
+
+def _patch_sampler() -> None:
+    """Replace vLLM's logprob function in its sampler (see the module docstring). Class level, once."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler, "_aligned_mamba_logprobs", False):
+        return
+    stock_sample = Sampler.sample
+
+    def sample(self: Any, logits: torch.Tensor, sampling_metadata: Any,
+               logprobs_mode_override: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mode = logprobs_mode_override or self.logprobs_mode
+        wanted = sampling_metadata.max_num_logprobs is not None or bool(sampling_metadata.logprob_token_ids)
+        if mode not in PROCESSED_MODES:
+            # raw modes report the raw logprobs / logits: nothing of the sampler's may replace them
+            return stock_sample(self, logits, sampling_metadata, logprobs_mode_override)[0], None
+        if not wanted:
+            return stock_sample(self, logits, sampling_metadata, logprobs_mode_override)
+        raw = logits.to(torch.float32, copy=True)  # vLLM divides its logits by T in place
+        sampled, _ = stock_sample(self, logits, sampling_metadata, logprobs_mode_override)
+        return sampled, processed(raw, sampling_metadata, mode)
+
+    Sampler.compute_logprobs = staticmethod(contract_log_softmax)
+    Sampler.sample = sample
+    Sampler._aligned_mamba_logprobs = True
+
+
+# -- request-time refusals ------------------------------------------------------------------------
+
+def check_request(params: Any, logprobs_mode: str) -> None:
+    """Refuse (one line) a request whose reported logprobs the contract's function cannot give:
+    under a processed mode, logprobs together with anything that changes the logits before
+    sampling; in every mode, logprobs with structured output (its mask precedes the raw logprobs)."""
+    if getattr(params, "logprobs", None) is None and getattr(params, "prompt_logprobs", None) is None:
+        return
+    if getattr(params, "structured_outputs", None) is not None and params.logprobs is not None:
+        refuse("structured output with logprobs: its token mask changes the logits before any logprob")
+    if logprobs_mode not in PROCESSED_MODES or params.logprobs is None:
+        return
+    changes = [name for name, on in (
+        ("repetition_penalty", params.repetition_penalty != 1.0),
+        ("presence_penalty", params.presence_penalty != 0.0),
+        ("frequency_penalty", params.frequency_penalty != 0.0),
+        ("top_k", params.top_k not in (0, -1) and params.top_k is not None),
+        ("top_p", params.top_p < 1.0),
+        ("min_p", params.min_p > 0.0),
+        ("min_tokens", params.min_tokens > 0),
+        ("logit_bias", bool(params.logit_bias)),
+        ("bad_words", bool(params.bad_words)),
+        ("allowed_token_ids", params.allowed_token_ids is not None)) if on]
+    if changes:
+        refuse(f"{', '.join(changes)} with logprobs_mode={logprobs_mode!r}: the processed logprobs would be "
+               "renormalised or shifted past the trainer's log-softmax(logits / T) (drop them, or use raw_logprobs)")
+
+
+def _patch_request_check() -> None:
+    """Wrap the validator vLLM runs on every request's SamplingParams (InputProcessor), once."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor, "_aligned_mamba_check", False):
+        return
+    stock = InputProcessor._build_logits_processors_params_validator
+
+    def build(self: Any) -> Any:
+        inner = stock(self)
+        mode = str(self.model_config.logprobs_mode)
+
+        def validate(params: Any) -> None:
+            if hasattr(params, "logprobs"):
+                check_request(params, mode)
+            inner(params)
+
+        return validate
+
+    InputProcessor._build_logits_processors_params_validator = build
+    InputProcessor._aligned_mamba_check = True

@@ -42,7 +42,7 @@ class LLMSpec:
     """How to start one vLLM engine (picklable). ``llm_kwargs`` go to ``vllm.LLM`` last."""
 
     model_dir: str
-    exact_replay: bool
+    exact_replay: bool | None  # None: ALIGNED_MAMBA_EXACT_REPLAY unset (additional_config decides)
     max_model_len: int = 2048
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 16
@@ -66,7 +66,7 @@ def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[Scenari
     """Start the engine (in this process) and run the scenarios in order. Returns the results,
     or the one-line message of the exception that stopped the engine from starting."""
     _engine_env()
-    os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+    _set_switch(spec)
     try:
         llm = build_llm(spec)
     except Exception as e:  # the refusal (or any start failure) comes back as its message
@@ -76,6 +76,13 @@ def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[Scenari
         r = r if isinstance(r, Run) else Run(r)
         out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill))
     return out
+
+
+def _set_switch(spec: LLMSpec) -> None:
+    if spec.exact_replay is None:
+        os.environ.pop("ALIGNED_MAMBA_EXACT_REPLAY", None)
+    else:
+        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
 
 
 def _engine_env() -> None:
@@ -100,10 +107,12 @@ def build_llm(spec: LLMSpec) -> Any:
 
 
 def _set_logprobs_mode(llm: Any, mode: str) -> None:
-    """Switch raw_logits / raw_logprobs between scenarios: the two attributes LLM(logprobs_mode=...)
-    sets (the sampler's and the model config's, read for prompt logprobs), saving an engine start."""
+    """Switch logprobs_mode between scenarios: the attributes LLM(logprobs_mode=...) sets (the
+    sampler's, its top-k/top-p sampler's and the model config's, read for prompt logprobs), saving
+    an engine start."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     runner.sampler.logprobs_mode = mode
+    runner.sampler.topk_topp_sampler.logprobs_mode = mode
     runner.model_config.logprobs_mode = mode
 
 
@@ -114,18 +123,21 @@ def _row(entry: Any, vocab: int) -> torch.Tensor:
     return row
 
 
-def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False) -> ScenarioResult:
+def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False,
+          logprobs: int | None = None) -> ScenarioResult:
     """Run one scenario on a started in-process engine by stepping it.
 
     Returns the rows as vLLM hands them out (float32 copies; see ``Run`` for what they hold); the
     sampled tokens' values in their rows go to ``info["sampled_values"]`` (``sampled_logprobs`` is
-    left empty: what the core calls a logprob is its own ``log_softmax`` of a logits row, which
-    ``vllm_engine`` computes). ``info`` also holds the decode throughput (``decode_tokens``,
-    ``decode_seconds``: the steps where every request was decoding) and what vLLM ran
+    left empty: ``vllm_engine`` fills it with what vLLM reports for ``logprobs=0``). ``info`` also
+    holds the decode throughput (``decode_tokens``, ``decode_seconds``: the steps where every
+    request was decoding) and what vLLM ran
     (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``, and
     ``vllm_preemptions``: vLLM's own count of preemptions over the scenario's requests, its
     ``Request.num_preemptions``, which counts the scheduler's preemptions under memory pressure as
-    well as the ones ``preempt_marks`` forces).
+    well as the ones ``preempt_marks`` forces). ``logprobs``: with ``rows="none"``, ask vLLM for
+    that many logprobs per sampled token (``SamplingParams(logprobs=...)``) and return the sampled
+    tokens' reported values in ``info["sampled_values"]``.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -141,8 +153,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     rows_on = sc.rows != "none"
     prompt_rows_on = sc.rows == "all"
     torch.manual_seed(sc.seed)  # the in-process engine samples from this process's torch RNG
-    params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0, logprobs=-1 if rows_on else None,
-                            prompt_logprobs=-1 if prompt_rows_on else None, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0,
+                            logprobs=-1 if rows_on else logprobs, prompt_logprobs=-1 if prompt_rows_on else None,
+                            output_kind=RequestOutputKind.DELTA)
     n = len(sc.prompts)
     gen: list[list[int]] = [[] for _ in range(n)]
     sample_rows: list[list[Any]] = [[] for _ in range(n)]
@@ -203,6 +216,9 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
                             "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode,
                             "vllm_preemptions": sum(seen_preemptions.values())}
     if not rows_on:
+        if logprobs is not None:
+            info["sampled_values"] = [[float(e[t].logprob) for e, t in zip(sample_rows[i], gen[i])]
+                                      for i in range(n)]
         return ScenarioResult(sc.name, [list(p) + g for p, g in zip(sc.prompts, gen)], [], [], steps, preemptions,
                               seconds, os.getpid(), info)
     tokens, rows, sampled = [], [], []
@@ -239,7 +255,7 @@ def try_start(specs: Sequence[LLMSpec]) -> list[str | None]:
     _engine_env()
     out: list[str | None] = []
     for spec in specs:
-        os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
+        _set_switch(spec)
         try:
             llm = build_llm(spec)
         except Exception as e:
@@ -276,3 +292,85 @@ def run_engines(jobs: Sequence[tuple[LLMSpec, Sequence[Run | Scenario]]], parall
     finally:
         for pool, _ in running:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class LogprobJob:
+    """Requests sent together with one ``SamplingParams`` (``params``: its keyword arguments), under
+    a per-step token ``budget`` (in-process engines only) and the engine's ``logprobs_mode``."""
+
+    name: str
+    prompts: list[list[int]]
+    params: dict[str, Any]
+    budget: int | None = None
+    logprobs_mode: str | None = None
+
+
+@dataclass
+class LogprobResult:
+    """What vLLM reported for one job, per request: ``tokens`` (prompt + generated), ``prompt_len``,
+    ``sampled[j]`` ({token id: logprob} of generated token j: the sampled one and the top-k) and
+    ``prompt[p]`` (the same for prompt token p >= 1; None when not asked). ``error``: the one-line
+    message when vLLM refused the request instead."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    prompt_len: list[int] = field(default_factory=list)
+    sampled: list[list[dict[int, float]]] = field(default_factory=list)
+    prompt: list[list[dict[int, float]] | None] = field(default_factory=list)
+    error: str | None = None
+
+
+def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | None = None,
+                      multiprocess: bool = False) -> dict[str, Any] | str:
+    """Start the engine and run ``jobs`` through ``LLM.generate`` as a framework would, reading the
+    logprobs vLLM reports. ``capture``: a file that takes this process's stdout and stderr (and so
+    the engine processes' it spawns). ``multiprocess``: vLLM's EngineCore and worker in processes of
+    their own (no per-step budget, no ``logprobs_mode`` switch: the spec's). Returns {"pid",
+    "model_class" (in-process engines), "results": {job name: LogprobResult}}, or the engine's
+    one-line start failure."""
+    _engine_env()
+    _set_switch(spec)
+    if multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if capture:
+        fd = os.open(capture, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    try:
+        llm = build_llm(spec)
+    except Exception as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    from vllm import SamplingParams
+
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    out: dict[str, Any] = {"pid": os.getpid(), "results": {}}
+    if in_process:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        out["model_class"] = f"{type(runner.model).__module__}.{type(runner.model).__qualname__}"
+    for job in jobs:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler if in_process else None
+        full = scheduler.max_num_scheduled_tokens if scheduler else None
+        if scheduler and job.budget:
+            scheduler.max_num_scheduled_tokens = job.budget
+        if in_process and job.logprobs_mode:
+            _set_logprobs_mode(llm, job.logprobs_mode)
+        res = LogprobResult()
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in job.prompts], SamplingParams(**job.params),
+                                   use_tqdm=False)
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        else:
+            for p, o in zip(job.prompts, outputs):
+                c = o.outputs[0]
+                res.tokens.append(list(p) + list(c.token_ids))
+                res.prompt_len.append(len(p))
+                res.sampled.append([{i: float(lp.logprob) for i, lp in e.items()} for e in (c.logprobs or [])])
+                res.prompt.append(None if o.prompt_logprobs is None else
+                                  [None if e is None else {i: float(lp.logprob) for i, lp in e.items()}
+                                   for e in o.prompt_logprobs])
+        finally:
+            if scheduler:
+                scheduler.max_num_scheduled_tokens = full
+        out["results"][job.name] = res
+    return out

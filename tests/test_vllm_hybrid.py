@@ -280,7 +280,8 @@ def test_refusals(setup, name):
 
 def test_cli_check_engine_vllm_on_a_hybrid(tmp_path):
     """``aligned-mamba check --engine vllm`` on a hybrid checkpoint: every exact-replay case 0 differing
-    rows (plugin on), the stock baseline differs."""
+    rows and 0 differing reported logprobs (vLLM's ``logprobs=0``, as frameworks read it; plugin on),
+    the stock baseline differs."""
     from aligned_mamba.cli import main
 
     config, tensors = make_tiny_hybrid(5, pattern="M*-M", num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -291,10 +292,12 @@ def test_cli_check_engine_vllm_on_a_hybrid(tmp_path):
     result = json.loads(out.read_text())
     exact = [case for case in result["cases"] if case["exact_replay"]]
     base = next(case for case in result["cases"] if not case["exact_replay"])
-    print("\n" + "; ".join(f"{c['name']}: {c['mismatched_rows']}/{c['rows']}" for c in result["cases"]))
+    print("\n" + "; ".join(f"{c['name']}: {c['mismatched_rows']}/{c['rows']} rows, "
+                           f"{c['mismatched_logprobs']}/{c['logprob_tokens']} logprobs" for c in result["cases"]))
     assert result["engine"] == "vllm" and len(exact) == 4 and all(case["rows"] > 0 for case in exact)
     assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
-    assert base["mismatched_rows"] > 0
+    assert all(case["logprob_tokens"] == 2 * 16 and case["mismatched_logprobs"] == 0 for case in exact)
+    assert base["mismatched_rows"] > 0 and base["mismatched_logprobs"] > 0
 
 
 def test_core_paged_attention_equals_trainer():
