@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -154,6 +155,51 @@ def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return out[:Tq]
 
 
+@dataclass(frozen=True)
+class CacheTables:
+    """One step's tables over a slot cache [slots, max_len, G, D] (shared by every attention layer
+    of the step).
+
+    write_slot, write_pos [T] int64: where each new token's key and value go. read_slot, read_pos
+    [Tk]: the keys each sequence attends to (its positions 0 .. start + n - 1), packed in batch
+    order. cu_seqlens_k [S+1] (CPU). plan: the blocked form's tables, on the device.
+    """
+
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    read_slot: torch.Tensor
+    read_pos: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    plan: BlockedPlan
+
+
+def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
+    """The tables of ``batch`` (a ``replay.Batch``: slots, start_pos, cu_seqlens on the host) for
+    H // G = ``rep`` (built on the host, moved once)."""
+    n = batch.lengths
+    end = batch.start_pos + n
+    seq_t = torch.repeat_interleave(torch.arange(n.numel()), n)
+    write_pos = batch.start_pos[seq_t] + torch.arange(batch.num_tokens) - batch.cu_seqlens[:-1][seq_t]
+    cu_k = torch.zeros(n.numel() + 1, dtype=torch.int64)
+    cu_k[1:] = torch.cumsum(end, 0)
+    seq_k = torch.repeat_interleave(torch.arange(n.numel()), end)
+    read_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq_k]
+    plan = blocked_plan(batch.cu_seqlens, cu_k, rep, kv_block=KV_BLOCK, row_tile=ROW_TILE).to(device)
+    return CacheTables(batch.slots[seq_t].to(device), write_pos.to(device), batch.slots[seq_k].to(device),
+                      read_pos.to(device), cu_k, plan)
+
+
+def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: CacheTables, cu_seqlens_q: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """One step of ``attention_blocked`` over a slot cache: writes the new keys and values k, v
+    [T, G, D] at their slots and positions, then attends the new rows q [T, H, D] over each slot's
+    keys 0 .. position (gathered into the packed layout). [T, H, D] in q's dtype."""
+    k_cache[tables.write_slot, tables.write_pos] = k
+    v_cache[tables.write_slot, tables.write_pos] = v
+    return attention_blocked(q, k_cache[tables.read_slot, tables.read_pos], v_cache[tables.read_slot, tables.read_pos],
+                             cu_seqlens_q, tables.cu_seqlens_k, scale=scale, plan=tables.plan)
+
+
 def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
     """The baseline (module docstring): per sequence, softmax(scale q k^T + mask) in fp32 over the
@@ -174,4 +220,5 @@ def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return out
 
 
-__all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "attention_blocked", "attention_stock", "blocked_plan"]
+__all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "CacheTables", "attention_blocked", "attention_cached",
+           "attention_stock", "blocked_plan", "cache_tables"]

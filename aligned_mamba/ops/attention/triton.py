@@ -171,6 +171,34 @@ def decode_tiles(slots: torch.Tensor, positions: torch.Tensor) -> AttentionTiles
     return AttentionTiles(row0, torch.ones_like(row0), positions, slots, decode=True)
 
 
+@dataclass(frozen=True)
+class StepTables:
+    """One step over a slot cache: write_slot, write_pos [T] int64 (device) where each new token's key
+    and value go, and the kernel's tiles."""
+
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    tiles: AttentionTiles
+
+
+def step_tables(slots: torch.Tensor, start_pos: torch.Tensor, cu_seqlens: torch.Tensor, rep: int,
+                cfg: TritonKernelConfigs, device: torch.device | str) -> StepTables:
+    """A prefill or chunked-prefill step's tables from its host ints: slots, start_pos [S] (tokens
+    each slot consumed before), cu_seqlens [S+1] (new tokens' packed offsets)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    sp, sl = np.asarray(start_pos, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    n = np.diff(cu)
+    seq = np.repeat(np.arange(n.size), n)
+    wpos = sp[seq] + np.arange(int(cu[-1])) - cu[:-1][seq]
+    w = torch.from_numpy(np.stack([sl[seq], wpos])).to(device)
+    return StepTables(w[0], w[1], prefill_tiles(cu, sp, sl, rep, cfg, device))
+
+
+def decode_step_tables(slots: torch.Tensor, positions: torch.Tensor) -> StepTables:
+    """A decode step's tables from its device slots and positions [S] int64 (no host work)."""
+    return StepTables(slots, positions, decode_tiles(slots, positions))
+
+
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles, *,
                      scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
     """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
@@ -243,5 +271,5 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg)
 
 
-__all__ = ["AttentionTiles", "attention_triton", "attention_triton_packed", "decode_tiles", "prefill_tiles",
-           "rep_pad", "tokens_per_tile"]
+__all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
+           "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
