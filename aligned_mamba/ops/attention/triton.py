@@ -240,7 +240,9 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), scale * LOG2E,
         REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n,
         PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
-        num_warps=warps, num_stages=stages)
+        # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
+        # masked loop's select between them cannot, and a row meets a block in either loop
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
 
