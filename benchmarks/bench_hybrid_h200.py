@@ -142,6 +142,55 @@ def attention_cells(res: dict, save, quick: bool) -> None:
             torch.cuda.empty_cache()
 
 
+def sweep_cells(res: dict, save) -> None:
+    """Launch settings that must not change a row's bits (tile rows, warps, stages): each timed and
+    its output compared with the pinned configs' (``equal_to_default``)."""
+    import dataclasses
+
+    from aligned_mamba.ops.attention.triton import attention_triton, decode_tiles, prefill_tiles
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    base = TritonKernelConfigs()
+    scale, rep = D ** -0.5, H // G
+    g = torch.Generator(device="cuda").manual_seed(2)
+    T = 16384
+    q = torch.randn(T, H, D, device="cuda", generator=g).to(BF16)
+    kc = torch.randn(64, T, G, D, device="cuda", generator=g).to(BF16)
+    vc = torch.randn(64, T, G, D, device="cuda", generator=g).to(BF16)
+    ref = None
+    for bm, w, st in ((128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 2), (256, 8, 2)):
+        cfg = dataclasses.replace(base, attn_block_m=bm, attn_warps=w, attn_stages=st)
+        try:
+            tiles = prefill_tiles([0, T], [0], [0], rep, cfg, "cuda")
+            out = attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg)
+            ref = out if ref is None else ref
+            ms = _bench(lambda: attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg))
+            res["sweep"].append(dict(phase="prefill", tokens=T, block_m=bm, warps=w, stages=st, ours_ms=ms,
+                                     equal_to_default=bool(torch.equal(out, ref))))
+        except Exception as e:
+            res["sweep"].append(dict(phase="prefill", block_m=bm, warps=w, stages=st, error=str(e)[:200]))
+        save()
+    full = ref
+    pos = torch.full((64,), T - 1, device="cuda")
+    slots = torch.arange(64, device="cuda")
+    qd = torch.randn(64, H, D, device="cuda", generator=g).to(BF16)
+    qd[0] = q[T - 1]
+    dref = None
+    for bm, w, st in ((16, 4, 3), (16, 4, 2), (16, 4, 4), (16, 2, 3), (16, 8, 3), (32, 4, 3), (64, 4, 3)):
+        cfg = dataclasses.replace(base, attn_decode_block_m=bm, attn_decode_warps=w, attn_decode_stages=st)
+        try:
+            tiles = decode_tiles(slots, pos)
+            out = attention_triton(qd, kc, vc, tiles, scale=scale, cfg=cfg)
+            dref = out if dref is None else dref
+            ms = _bench(lambda: attention_triton(qd, kc, vc, tiles, scale=scale, cfg=cfg))
+            res["sweep"].append(dict(phase="decode", batch=64, context=T, block_m=bm, warps=w, stages=st, ours_ms=ms,
+                                     equal_to_default=bool(torch.equal(out, dref)),
+                                     equal_to_prefill_row=bool(torch.equal(out[0], full[T - 1]))))
+        except Exception as e:
+            res["sweep"].append(dict(phase="decode", block_m=bm, warps=w, stages=st, error=str(e)[:200]))
+        save()
+
+
 def mlp_cells(res: dict, save) -> None:
     from aligned_mamba.ops.configs import TritonKernelConfigs
     from aligned_mamba.ops.elementwise_triton import relu2_triton
@@ -249,7 +298,7 @@ def main() -> int:
     res = dict(script="benchmarks/bench_hybrid_h200.py", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, commit=_commit(),
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               forward=[], decode=[], train=[], attention=[], mlp=[], errors=[],
+               forward=[], decode=[], train=[], attention=[], mlp=[], sweep=[], errors=[],
                train_note="no attention backward yet: training a hybrid on the GPU is refused")
     out = Path(a.out)
 
@@ -259,6 +308,7 @@ def main() -> int:
     res["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     save()
     for name, fn in (("attention", lambda: attention_cells(res, save, a.quick)), ("mlp", lambda: mlp_cells(res, save)),
+                     ("sweep", None if a.quick else lambda: sweep_cells(res, save)),
                      ("model", None if a.no_model else lambda: model_cells(res, save, a.quick))):
         if fn is None:
             continue
@@ -277,6 +327,8 @@ def main() -> int:
               extra)
     for r in res["mlp"]:
         print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms")
+    for r in res["sweep"]:
+        print("sweep", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     for r in res["forward"] + res["decode"]:
         print(f"model {r['shape']} {r.get('batch', r.get('tokens'))} ours {r['ours_ms']:.3f} ms")
     print("errors:", res["errors"])

@@ -168,7 +168,8 @@ def decode_tiles(slots: torch.Tensor, positions: torch.Tensor) -> AttentionTiles
     token's, i.e. the tokens consumed before it): one tile per sequence, nothing read back."""
     S = slots.shape[0]
     row0 = torch.arange(S, dtype=torch.int64, device=slots.device)
-    return AttentionTiles(row0, torch.ones_like(row0), positions, slots, decode=True)
+    # the kernel indexes the tables densely (an expanded view would be read past its one element)
+    return AttentionTiles(row0, torch.ones_like(row0), positions.contiguous(), slots.contiguous(), decode=True)
 
 
 @dataclass(frozen=True)
