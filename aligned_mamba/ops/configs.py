@@ -166,7 +166,7 @@ class TritonKernelConfigs:
     attn_stages: int = 3
     attn_decode_block_m: int = 16
     attn_decode_warps: int = 4
-    attn_decode_stages: int = 3
+    attn_decode_stages: int = 4
     relu2_block: int = 2048
 
     def __post_init__(self) -> None:
