@@ -2,8 +2,8 @@
 
 A decode step advances B sequences by one token each. On the triton backend every launch of the
 step reads its tables (slots, positions, the conv's offsets) from the device and none reads
-anything back, so the whole step (embedding, every layer's GEMMs, conv, scan and norms, the
-lm_head) can be captured once per bucket and replayed. Before a replay the step's tables and token
+anything back, so the whole step (embedding, every layer's GEMMs, conv, scan, attention and norms,
+the lm_head) can be captured once per bucket and replayed. Before a replay the step's tables and token
 ids are copied into the graph's static buffers (one copy from pinned memory); a bucket larger
 than the step is filled with padding entries that decode into a spare slot of the cache, which no
 sequence owns (their rows are computed and dropped: every row is a fixed function of its own
@@ -139,6 +139,11 @@ class DecodeGraphs:
                 # every entry is checked for a completing chunk on the device (completes=True)
                 batch._derived[decode_tables_key(L, dev)] = (tables[0], tables[1], True)
         batch._derived[step_tables_key(dev)] = (cu, tables[0])
+        if any(hasattr(state, "k_cache") for state in self.cache.states):
+            from .ops.attention.triton import decode_step_tables
+
+            # attention reads its slot cache at the step's slots and positions (one tile per entry)
+            batch._derived[("attention-decode", dev)] = decode_step_tables(tables[0], tables[1])
         return batch
 
 

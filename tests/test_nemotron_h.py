@@ -31,7 +31,7 @@ from aligned_mamba.check import CASES, compare, make_prompts, run_case
 from aligned_mamba.contract import Contract
 from aligned_mamba.engine import SamplerEngine
 from aligned_mamba.errors import ModelLoadError
-from aligned_mamba.layers.attention import Attention
+from aligned_mamba.layers.attention import Attention, step_tables
 from aligned_mamba.models import CausalLM, build_model, load_checkpoint, load_model
 from aligned_mamba.models.causal_lm import Block
 from aligned_mamba.models.nemotron_h import NemotronHConfig, make_tiny_hybrid, save_checkpoint
@@ -68,8 +68,15 @@ class StockAttention(Attention):
     def __init__(self, layer: Attention) -> None:  # shares the layer's weights and backend
         self.__dict__.update(layer.__dict__)
 
-    def attend(self, q, k, v, cu_seqlens_q, cu_seqlens_k, plan):
-        return attention_stock(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=self.config.scale)
+    def advance(self, state, batch, hidden, rows=None, capture=None):
+        c = self.config
+        q, k, v = self.project(hidden)
+        t = step_tables(batch, c.num_heads // c.num_kv_heads, hidden.device)
+        state.k_cache[t.write_slot, t.write_pos] = k
+        state.v_cache[t.write_slot, t.write_pos] = v
+        o = attention_stock(q, state.k_cache[t.read_slot, t.read_pos], state.v_cache[t.read_slot, t.read_pos],
+                            batch.cu_seqlens, t.cu_seqlens_k, scale=c.scale)
+        return self.output(o, rows)
 
 
 def with_stock_attention(model: CausalLM) -> CausalLM:
@@ -341,14 +348,15 @@ def test_features_not_covered_are_refused_in_one_line(tmp_path, edit, words):
     assert "\n" not in str(exc.value)
 
 
-def test_attention_on_a_gpu_is_refused_until_measured_there():
+def test_attention_on_a_gpu_needs_the_triton_backend():
     from aligned_mamba.layers.attention import AttentionConfig
     from aligned_mamba.ops.backend import TorchBackend
     from aligned_mamba.ops.configs import TorchKernelConfigs
 
     backend = TorchBackend(TorchKernelConfigs(), torch.device("cuda"))  # nothing is moved before the refusal
-    with pytest.raises(ModelLoadError, match="CUDA device are refused"):
+    with pytest.raises(ModelLoadError, match="CUDA device need the triton backend") as exc:
         Attention(AttentionConfig(64, 4, 2, 16), {}, "", backend=backend, dtype=torch.float32)
+    assert "\n" not in str(exc.value)
 
 
 def test_layer_type_lists_and_legacy_keys_are_read(tmp_path):

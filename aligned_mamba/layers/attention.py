@@ -2,17 +2,18 @@
 
 Its per-slot state is the slot's keys and values, one row per token consumed (``k_cache`` and
 ``v_cache`` [MAX_LEN, G, D] in the model dtype: exactly the k_proj / v_proj outputs, never
-rounded again). ``advance`` projects the batch's new tokens, writes their keys and values at
-their positions, and runs ``ops.attention.attention_blocked`` for the new rows over each slot's
-keys 0 .. position: every row is a fixed function of its query and the keys and values of its
-positions 0..t (keys in fixed blocks from position 0, one online-softmax order in fp32, masked
-entries exact zeros), so prefill, chunked prefill, decode, recompute and any batch give the same
-bits. The projections run on the backend's row-invariant ``linear``.
+rounded again). ``advance`` projects the batch's new tokens and hands them to the backend's
+``attention``, which writes their keys and values at their positions and attends the new rows over
+each slot's keys 0 .. position (``ops.attention``: the blocked torch form on the CPU, the Triton
+kernel on a GPU, reading the cache where it lies): every row is a fixed function of its query
+and the keys and values of its positions 0..t (keys in fixed blocks from position 0, one
+online-softmax order in fp32, masked entries exact zeros), so prefill, chunked prefill, decode,
+recompute and any batch give the same bits. The projections run on the backend's row-invariant ``linear``.
 
 An engine that owns a paged KV cache (vLLM's block manager) calls ``advance_paged`` instead: the
 same projections write the new keys and values into its pages (``paged_tables`` says where, from
 the engine's block table), the keys and values of positions 0..t are gathered back into the same
-packed layout, and the same ``attend`` and o_proj run, so the rows are the same bits.
+packed layout, and the same attention (``Backend.attention_packed``) and o_proj run, so the rows are the same bits.
 
 Weight names (under the layer's prefix), as transformers' ``NemotronHAttention``: q_proj.weight
 [H*D, hidden], k_proj.weight [G*D, hidden], v_proj.weight [G*D, hidden], o_proj.weight
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
-from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, attention_blocked, blocked_plan
+from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, blocked_plan
+from ..ops.attention.blocked import CacheTables as StepTables  # noqa: F401  (the old names)
+from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
 from ..ops.backend import Backend
 from ..replay import Batch
 from .base import MAX_LEN, StateSpec, take
@@ -72,38 +75,6 @@ def state_spec(config: AttentionConfig, dtype: torch.dtype) -> StateSpec:
     """What one sequence slot holds in an attention layer: k_cache, v_cache [MAX_LEN, G, D]."""
     shape = (MAX_LEN, config.num_kv_heads, config.head_dim)
     return StateSpec((("k_cache", shape, dtype), ("v_cache", shape, dtype)))
-
-
-@dataclass(frozen=True)
-class StepTables:
-    """One step's attention tables (shared by every attention layer of the step).
-
-    write_slot, write_pos [T] int64: where each new token's key and value go. read_slot, read_pos
-    [Tk]: the keys each sequence attends to (its positions 0 .. start + n - 1), packed in batch
-    order. cu_seqlens_k [S+1] (CPU). plan: the blocked form's tables, on the device.
-    """
-
-    write_slot: torch.Tensor
-    write_pos: torch.Tensor
-    read_slot: torch.Tensor
-    read_pos: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    plan: BlockedPlan
-
-
-def step_tables(batch: Batch, rep: int, device: torch.device) -> StepTables:
-    """The tables of ``batch`` for H // G = ``rep`` (built on the host, moved once)."""
-    n = batch.lengths
-    end = batch.start_pos + n
-    seq_t = torch.repeat_interleave(torch.arange(n.numel()), n)
-    write_pos = batch.start_pos[seq_t] + torch.arange(batch.num_tokens) - batch.cu_seqlens[:-1][seq_t]
-    cu_k = torch.zeros(n.numel() + 1, dtype=torch.int64)
-    cu_k[1:] = torch.cumsum(end, 0)
-    seq_k = torch.repeat_interleave(torch.arange(n.numel()), end)
-    read_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq_k]
-    plan = blocked_plan(batch.cu_seqlens, cu_k, rep, kv_block=KV_BLOCK, row_tile=ROW_TILE).to(device)
-    return StepTables(batch.slots[seq_t].to(device), write_pos.to(device), batch.slots[seq_k].to(device),
-                      read_pos.to(device), cu_k, plan)
 
 
 @dataclass(frozen=True)
@@ -173,11 +144,11 @@ class Attention:
     def __init__(self, config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
                  backend: Backend, dtype: torch.dtype) -> None:
         c = config
-        if backend.device.type == "cuda":
-            # the blocked form's batched GEMMs go to cuBLAS there, whose row bits across call shapes
-            # (a decode step's few items against a prefill's many) are not yet measured: fail closed
-            raise ModelLoadError("attention layers on a CUDA device are refused: their bits across schedules are "
-                                 "verified on the CPU only (no attention kernel for the GPU yet)")
+        if backend.device.type == "cuda" and backend.name != "triton":
+            # the blocked form's batched GEMMs would go to cuBLAS, whose row bits change with the call's
+            # shape (a decode step's few items against a prefill's many): fail closed
+            raise ModelLoadError("attention layers on a CUDA device need the triton backend: the torch form's "
+                                 "batched GEMMs go to cuBLAS there, whose rows change with the call's shape")
         if c.num_heads % c.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads "
                                  f"{c.num_kv_heads}")
@@ -214,13 +185,8 @@ class Attention:
         if end > state.max_len:
             raise ValueError(f"a sequence reaches {end} tokens but the attention cache holds {state.max_len} "
                              "per sequence")
-        rep = c.num_heads // c.num_kv_heads
-        t = batch.derived(("attention", rep, hidden.device), lambda: step_tables(batch, rep, hidden.device))
         q, k, v = self.project(hidden)
-        state.k_cache[t.write_slot, t.write_pos] = k
-        state.v_cache[t.write_slot, t.write_pos] = v
-        o = self.attend(q, state.k_cache[t.read_slot, t.read_pos], state.v_cache[t.read_slot, t.read_pos],
-                        batch.cu_seqlens, t.cu_seqlens_k, t.plan)
+        o = self.backend.attention(q, k, v, state.k_cache, state.v_cache, batch, scale=c.scale)
         return self.output(o, rows)
 
     def advance_paged(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: PagedTables,
@@ -236,12 +202,13 @@ class Attention:
         if key_pages.dtype != self.dtype or value_pages.dtype != self.dtype:
             raise ValueError(f"the paged KV cache holds {key_pages.dtype}, the model computes in {self.dtype}: "
                              "keys would be rounded")
+        c = self.config
         q, k, v = self.project(hidden)
         key_pages[tables.write_block, :, tables.write_off] = k
         value_pages[tables.write_block, :, tables.write_off] = v
-        o = self.attend(q, key_pages[tables.read_block, :, tables.read_off],
-                        value_pages[tables.read_block, :, tables.read_off], tables.cu_seqlens_q, tables.cu_seqlens_k,
-                        tables.plan)
+        o = self.backend.attention_packed(q, key_pages[tables.read_block, :, tables.read_off],
+                                          value_pages[tables.read_block, :, tables.read_off], tables.cu_seqlens_q,
+                                          tables.cu_seqlens_k, tables.plan, scale=c.scale)
         return self.output(o, rows)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,8 +225,3 @@ class Attention:
         if rows is not None:
             o = o[rows]
         return self.backend.linear(o, self.o_w)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-               cu_seqlens_k: torch.Tensor, plan: BlockedPlan) -> torch.Tensor:
-        """The attention op (``ops.attention`` signature): [T, H, D] in the model dtype."""
-        return attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=self.config.scale, plan=plan)

@@ -16,8 +16,11 @@ from typing import Any
 import torch
 
 from ..ops.backend import Backend
+from ..ops.mlp import relu2
 from ..replay import Batch
 from .base import Stateless, take, take_optional
+
+__all__ = ["MLP", "MLPConfig", "relu2"]
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,6 @@ class MLPConfig:
         if self.bias:
             shapes["down_proj.bias"] = (h,)
         return shapes
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 in x's dtype, squared in fp32 and rounded once (one IEEE multiply per element:
-    position-invariant). Any shape."""
-    r = torch.relu(x.to(torch.float32))
-    return (r * r).to(x.dtype)
 
 
 class MLP(Stateless):
@@ -72,4 +68,4 @@ class MLP(Stateless):
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         be = self.backend
-        return be.linear(relu2(be.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)
+        return be.linear(be.relu2(be.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,9 @@ from . import linear as _linear
 from . import logprobs as _logprobs
 from . import native as _native
 from . import norm as _norm
+from .attention import blocked as _attn
 from .configs import TorchKernelConfigs, TritonKernelConfigs
+from .mlp import relu2 as _relu2
 from .ssd.chunk import replay_chunk
 from .ssd.decode import replay_decode
 from .ssd.plan import step_tables
@@ -103,6 +105,28 @@ class Backend(abc.ABC):
         """[..., V] -> [..., V] float32 logprobs of logits / temperature (``ops.logprobs``)."""
         return _logprobs.log_softmax(logits, temperature)
 
+    def relu2(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(x)^2 in x's dtype, any shape (``ops.mlp.relu2``)."""
+        return _relu2(x)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
+        """One step of causal GQA attention over a slot cache (``ops.attention``): the new keys and
+        values k, v [T, G, D] are written at each token's slot and position in k_cache, v_cache
+        [slots, max_len, G, D] (model dtype, in place), then the new rows q [T, H, D] attend over
+        their slot's keys 0 .. position. ``batch``: the step's ``replay.Batch`` (its tables are built
+        once for every attention layer of the step). Returns [T, H, D] in q's dtype."""
+        rep = q.shape[1] // k.shape[1]
+        t = batch.derived(("attention", rep, q.device), lambda: _attn.cache_tables(batch, rep, q.device))
+        return _attn.attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)
+
+    def attention_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, plan: _attn.BlockedPlan | None, *, scale: float) -> torch.Tensor:
+        """``ops.attention``'s signature over packed keys (an engine's paged cache gathered):
+        q [Tq, H, D], k, v [Tk, G, D], cu_seqlens [S+1] host ints; ``plan`` the blocked form's tables
+        (the torch form's; others ignore it). [Tq, H, D] in q's dtype."""
+        return _attn.attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, plan=plan)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.configs}, device={self.device})"
 
@@ -170,11 +194,14 @@ class TritonBackend(Backend):
         self._torch_ops = TorchBackend(TorchKernelConfigs(), device)  # the interpreter's stand-ins
         if self.compiled:
             from . import logprobs_triton, norm_triton
+            from .attention import triton as attention_triton
             from .conv1d_triton import causal_conv1d_triton
+            from .elementwise_triton import relu2_triton
             from .linear_triton import linear_triton
 
             self._linear, self._conv = linear_triton, causal_conv1d_triton
             self._norm, self._logprobs = norm_triton, logprobs_triton
+            self._attn, self._relu2 = attention_triton, relu2_triton
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         # the tensor-core GEMM takes the model dtype's weights as they are (no fp32 copies)
@@ -238,6 +265,41 @@ class TritonBackend(Backend):
             return self._ag.log_softmax(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(logits.shape)
         return self._logprobs.log_softmax_triton(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(
             logits.shape)
+
+    def relu2(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.compiled or self._grad(x):
+            return super().relu2(x)  # the same bits (one rounding of one IEEE multiply), differentiable
+        return self._relu2(x, self.configs)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
+        if not self.compiled:
+            return super().attention(q, k, v, k_cache, v_cache, batch, scale=scale)
+        self._no_attention_grad(q, k, v)
+        dev, rep = q.device, q.shape[1] // k.shape[1]
+        if bool((batch.lengths == 1).all()):
+            # a decode step: tables straight from the step's device slots and positions (a captured
+            # step's are its static buffers, see decode_graph), one tile per sequence
+            t = batch.derived(("attention-decode", dev), lambda: self._attn.decode_step_tables(
+                batch.slots.to(dev), batch.start_pos.to(dev)))
+        else:
+            t = batch.derived(("attention-tiles", rep, dev), lambda: self._attn.step_tables(
+                batch.slots, batch.start_pos, batch.cu_seqlens, rep, self.configs, dev))
+        k_cache[t.write_slot, t.write_pos] = k
+        v_cache[t.write_slot, t.write_pos] = v
+        return self._attn.attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=self.configs)
+
+    def attention_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, plan: _attn.BlockedPlan | None, *, scale: float) -> torch.Tensor:
+        if not self.compiled:
+            return super().attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, scale=scale)
+        self._no_attention_grad(q, k, v)
+        return self._attn.attention_triton_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=self.configs)
+
+    def _no_attention_grad(self, *tensors: torch.Tensor) -> None:
+        if self._grad(*tensors):
+            raise AlignedMambaError("training attention on the GPU is refused: the Triton attention kernel has no "
+                                    "backward yet (inference only; train hybrids on the torch backend)")
 
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -97,6 +97,12 @@ class TritonKernelConfigs:
       program (fixed order over the row); logprobs_num_warps.
     The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
       bwd_block_s, bwd_block_t: the s and t row blocks of its two chunk kernels; bwd_warps.
+    Attention (ops/attention/triton.py): attn_block_n, the key positions per block (blocks at
+      absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
+      (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
+      attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
+      tile; a row's bits do not depend on the tile's rows: tests/test_attention_triton_gpu.py).
+    MLP (ops/elementwise_triton.py): relu2_block, elements per program of the squared ReLU.
     """
 
     row_tile: int = 64
@@ -154,6 +160,14 @@ class TritonKernelConfigs:
     bwd_block_s: int = 64
     bwd_block_t: int = 64
     bwd_warps: int = 8
+    attn_block_n: int = 64
+    attn_block_m: int = 128
+    attn_warps: int = 8
+    attn_stages: int = 3
+    attn_decode_block_m: int = 16
+    attn_decode_warps: int = 4
+    attn_decode_stages: int = 4
+    relu2_block: int = 2048
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
@@ -209,6 +223,14 @@ class TritonKernelConfigs:
         _pow2("bwd_block_s", self.bwd_block_s, 16, 256)
         _pow2("bwd_block_t", self.bwd_block_t, 16, 256)
         _among("bwd_warps", self.bwd_warps, (2, 4, 8, 16))
+        _pow2("attn_block_n", self.attn_block_n, 16, 256)
+        _pow2("attn_block_m", self.attn_block_m, 16, 256)
+        _pow2("attn_decode_block_m", self.attn_decode_block_m, 16, 256)
+        for name in ("attn_warps", "attn_decode_warps"):
+            _among(name, getattr(self, name), (1, 2, 4, 8))
+        for name in ("attn_stages", "attn_decode_stages"):
+            _among(name, getattr(self, name), (1, 2, 3, 4, 5))
+        _pow2("relu2_block", self.relu2_block, 128, 16384)
 
     def scan_row_tile(self, chunk_size: int) -> int:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""

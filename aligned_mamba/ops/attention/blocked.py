@@ -1,14 +1,5 @@
-"""Causal self-attention over packed sequences, its forms side by side.
+"""The torch forms of ``ops.attention`` (the package docstring gives the signature).
 
-One signature, ``(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, **options) -> out``:
-q [Tq, H, D], k and v [Tk, G, D] (G key/value heads, H a multiple of G: grouped-query attention,
-query head h reads key/value head h // (H // G)), cu_seqlens_q / cu_seqlens_k [S+1] int64 on the
-CPU. Sequence i has n_k keys (positions 0 .. n_k - 1) and its n_q queries are its LAST n_q
-positions (n_k - n_q .. n_k - 1): a prefill passes all of a sequence's tokens as queries, a decode
-step its newest one, a chunk of a prefill the chunk's tokens (with every earlier token as a key).
-Query t attends to keys 0 .. t.
-
-- ``attention_naive``: float64, one softmax per row over exactly its keys: the accuracy reference.
 - ``attention_blocked``: the contract's form (trainer and sampler both run it). Every output row is
   a fixed sequence of float32 operations on its own query and the keys/values of positions 0..t:
 
@@ -39,59 +30,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from . import elementwise as ew
-from .reduce import tree_sum
+from .. import elementwise as ew
+from ..reduce import tree_sum
+from .naive import _check, _lengths
 
 KV_BLOCK = 64
 """Key positions per block of ``attention_blocked`` (a fixed part of the bits: both sides use it)."""
 ROW_TILE = 16
 """Query rows (token x query head of one key/value head) per GEMM item of ``attention_blocked``."""
-
-
-def _lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cu_q, cu_k = cu_seqlens_q.to("cpu", torch.int64), cu_seqlens_k.to("cpu", torch.int64)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences, cu_seqlens_k {cu_k.numel() - 1}")
-    nq, nk = cu_q.diff(), cu_k.diff()
-    if bool((nq > nk).any()) or bool((nq < 0).any()):
-        raise ValueError("every sequence needs 0 <= queries <= keys (queries are its last positions)")
-    return nq, nk
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """H // G, after checking the shapes."""
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q [Tq, H, D], k and v [Tk, G, D] expected; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    return q.shape[1] // k.shape[1]
-
-
-def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """The reference: per sequence and row, softmax(scale q . k) @ v over the row's keys in float64.
-
-    Shapes as the module docstring; returns [Tq, H, D] float64.
-    """
-    rep = _check(q, k, v)
-    nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
-    f64 = torch.float64
-    out = torch.zeros(q.shape, dtype=f64, device=q.device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(nq.numel()):
-        qs = q[cq[i]:cq[i + 1]].to(f64)                                   # [n_q, H, D]
-        ks = k[ck[i]:ck[i + 1]].to(f64).repeat_interleave(rep, dim=1)     # [n_k, H, D]
-        vs = v[ck[i]:ck[i + 1]].to(f64).repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        pos = torch.arange(int(nq[i]), device=q.device) + int(nk[i] - nq[i])
-        future = torch.arange(int(nk[i]), device=q.device)[None, :] > pos[:, None]
-        weights = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
-        out[cq[i]:cq[i + 1]] = torch.einsum("hqk,khd->qhd", weights, vs)
-    return out
 
 
 @dataclass(frozen=True)
@@ -205,6 +155,51 @@ def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return out[:Tq]
 
 
+@dataclass(frozen=True)
+class CacheTables:
+    """One step's tables over a slot cache [slots, max_len, G, D] (shared by every attention layer
+    of the step).
+
+    write_slot, write_pos [T] int64: where each new token's key and value go. read_slot, read_pos
+    [Tk]: the keys each sequence attends to (its positions 0 .. start + n - 1), packed in batch
+    order. cu_seqlens_k [S+1] (CPU). plan: the blocked form's tables, on the device.
+    """
+
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    read_slot: torch.Tensor
+    read_pos: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    plan: BlockedPlan
+
+
+def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
+    """The tables of ``batch`` (a ``replay.Batch``: slots, start_pos, cu_seqlens on the host) for
+    H // G = ``rep`` (built on the host, moved once)."""
+    n = batch.lengths
+    end = batch.start_pos + n
+    seq_t = torch.repeat_interleave(torch.arange(n.numel()), n)
+    write_pos = batch.start_pos[seq_t] + torch.arange(batch.num_tokens) - batch.cu_seqlens[:-1][seq_t]
+    cu_k = torch.zeros(n.numel() + 1, dtype=torch.int64)
+    cu_k[1:] = torch.cumsum(end, 0)
+    seq_k = torch.repeat_interleave(torch.arange(n.numel()), end)
+    read_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq_k]
+    plan = blocked_plan(batch.cu_seqlens, cu_k, rep, kv_block=KV_BLOCK, row_tile=ROW_TILE).to(device)
+    return CacheTables(batch.slots[seq_t].to(device), write_pos.to(device), batch.slots[seq_k].to(device),
+                      read_pos.to(device), cu_k, plan)
+
+
+def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: CacheTables, cu_seqlens_q: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """One step of ``attention_blocked`` over a slot cache: writes the new keys and values k, v
+    [T, G, D] at their slots and positions, then attends the new rows q [T, H, D] over each slot's
+    keys 0 .. position (gathered into the packed layout). [T, H, D] in q's dtype."""
+    k_cache[tables.write_slot, tables.write_pos] = k
+    v_cache[tables.write_slot, tables.write_pos] = v
+    return attention_blocked(q, k_cache[tables.read_slot, tables.read_pos], v_cache[tables.read_slot, tables.read_pos],
+                             cu_seqlens_q, tables.cu_seqlens_k, scale=scale, plan=tables.plan)
+
+
 def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
     """The baseline (module docstring): per sequence, softmax(scale q k^T + mask) in fp32 over the
@@ -225,5 +220,5 @@ def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return out
 
 
-__all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "attention_blocked", "attention_naive", "attention_stock",
-           "blocked_plan"]
+__all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "CacheTables", "attention_blocked", "attention_cached",
+           "attention_stock", "blocked_plan", "cache_tables"]

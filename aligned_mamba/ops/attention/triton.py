@@ -1,0 +1,278 @@
+"""Row-invariant causal GQA attention in Triton (the triton backend's form of ``ops.attention``).
+
+Every output row is one fixed sequence of operations on its query and the keys/values of its
+positions 0..t, whatever else the launch holds:
+
+- keys are visited in blocks of ``attn_block_n`` at absolute positions from 0 (block j holds
+  positions j*BN .. j*BN + BN - 1), in ascending order, from where a cache holds them;
+- per block: s = dot(q, k^T) * (scale log2 e) (fp32 accumulation), masked entries -inf,
+  m' = max(m, max_c s_c) (exact in any order), alpha = exp2(m - m'), p = exp2(s - m'),
+  l' = alpha l + rowsum(p), acc' = alpha acc + dot(p, v); out = acc / l;
+- the row sum is a dot with a block of ones (p in the dot's operand dtype), not a ``tl.sum``: a
+  reduction's tree follows the register layout, which changes with the tile's row count and warps;
+  a tensor-core dot gives a row the same bits whatever the tile's row extent (the property
+  ``ops.linear_triton`` rests on, measured on the H200), and it sums the very p that meets v;
+- a block wholly after a row (the row shares a tile with later rows) has s = -inf everywhere:
+  m' = m, alpha = exp2(0) = 1, p = 0, so l and acc take + 0: a no-op on every bit; masked entries
+  of a block are loaded as zeros, so garbage past a sequence's end never meets p = 0 as a NaN.
+
+A program owns one key/value head and a tile of BLOCK_M rows: TOK tokens of one sequence times
+REP_P query heads (the group's H // G heads, padded to a power of two). A decode step runs one
+token per program with the decode tile (``attn_decode_block_m``); prefill and chunked prefill the
+prefill tile. The tables (per tile: first packed query row, tokens, first position, cache slot) are
+device tensors; a decode step's come straight from the step's slots and positions, so the launch
+reads nothing back and captures in a CUDA graph.
+
+bf16 models give both dots bf16 operands (p rounded to bf16, as flash attention does); fp32 models
+fp32 operands in IEEE precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import TritonKernelConfigs
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
+           D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """One key block j of a tile: the online-softmax update (module docstring)."""
+    kp = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    rows = (kbase + kp).to(tl.int64) * sk_r + g * sk_g
+    if MASK:
+        kin = kp <= last
+        kt = tl.load(k_ptr + rows[None, :] + d[:, None], mask=kin[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kin[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptr + rows[None, :] + d[:, None])
+        v = tl.load(v_ptr + rows[:, None] + d[None, :])
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    if MASK:
+        s = tl.where(kp[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None]).to(v.dtype)
+    lsum = lsum * alpha + tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _attention_kernel(
+    # Pointers to matrices
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    # Per-tile tables [NT] int64
+    row0_ptr, ntok_ptr, pos0_ptr, slot_ptr,
+    # Strides (elements)
+    sq_t, sq_h, sk_slot, sk_r, sk_g, so_t, so_h,
+    qk_scale,
+    # Meta-parameters
+    REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    BLOCK_M: tl.constexpr = TOK * REP_P
+    r = tl.arange(0, BLOCK_M)
+    tt = r // REP_P
+    hh = r % REP_P
+    row0 = tl.load(row0_ptr + tile)
+    ntok = tl.load(ntok_ptr + tile)
+    pos0 = tl.load(pos0_ptr + tile)
+    kbase = tl.load(slot_ptr + tile) * sk_slot  # in rows of sk_r elements
+    valid = (tt < ntok) & (hh < REP)
+    pos = pos0 + tl.where(tt < ntok, tt, 0)  # padding tokens take the first's position: no empty row
+    d = tl.arange(0, D)
+    head = g * REP + hh
+    q = tl.load(q_ptr + (row0 + tt).to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=valid[:, None], other=0.0)
+    last = pos0 + ntok - 1
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
+    # blocks before the first row's block are whole for every row: no mask (where(true, s) is s)
+    full = pos0 // BLOCK_N
+    for j in range(0, full):
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
+                           D, BLOCK_N, False, PRECISION)
+    for j in range(full, last // BLOCK_N + 1):
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
+                           D, BLOCK_N, True, PRECISION)
+    o = acc / lsum[:, None]
+    tl.store(o_ptr + (row0 + tt).to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """One launch's tiles (module docstring), device int64 tensors [NT]: row0 (packed query row of the
+    tile's first token), ntok (its tokens), pos0 (the first token's position), slot (the cache slot,
+    0 for a packed key tensor); decode: one token per tile with the decode tile."""
+
+    row0: torch.Tensor
+    ntok: torch.Tensor
+    pos0: torch.Tensor
+    slot: torch.Tensor
+    decode: bool
+
+
+def rep_pad(rep: int) -> int:
+    """H // G padded to a power of two (a tile's heads per token)."""
+    return 1 << max(0, rep - 1).bit_length()
+
+
+def tokens_per_tile(rep: int, cfg: TritonKernelConfigs, decode: bool) -> int:
+    block_m = cfg.attn_decode_block_m if decode else cfg.attn_block_m
+    if rep_pad(rep) > block_m:
+        raise ValueError(f"{rep} query heads per key/value head exceed the attention tile of {block_m} rows "
+                         f"(attn_{'decode_' if decode else ''}block_m)")
+    return block_m // rep_pad(rep)
+
+
+def prefill_tiles(cu_seqlens_q: torch.Tensor | np.ndarray, start_pos: torch.Tensor | np.ndarray,
+                  slots: torch.Tensor | np.ndarray, rep: int, cfg: TritonKernelConfigs,
+                  device: torch.device | str) -> AttentionTiles:
+    """Tiles of TOK tokens of one sequence each, built on the host from its ints and moved in one copy.
+
+    cu_seqlens_q [S+1] (new tokens' packed offsets), start_pos [S] (the position of each sequence's
+    first new token), slots [S] (its cache slot). Tiles run longest-first (bits do not depend on the
+    order; the grid's tail does).
+    """
+    tok = tokens_per_tile(rep, cfg, decode=False)
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    sp, sl = np.asarray(start_pos, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    n = np.diff(cu)
+    nt = (n + tok - 1) // tok
+    seq = np.repeat(np.arange(n.size), nt)
+    i = np.arange(int(nt.sum())) - np.repeat(np.cumsum(nt) - nt, nt)
+    row0 = cu[:-1][seq] + i * tok
+    ntok = np.minimum(tok, n[seq] - i * tok)
+    pos0 = sp[seq] + i * tok
+    order = np.argsort(-(pos0 + ntok), kind="stable")
+    t = torch.from_numpy(np.stack([row0[order], ntok[order], pos0[order], sl[seq][order]])).to(device)
+    return AttentionTiles(t[0], t[1], t[2], t[3], decode=False)
+
+
+def decode_tiles(slots: torch.Tensor, positions: torch.Tensor) -> AttentionTiles:
+    """A decode step's tiles from its device tensors slots, positions [S] int64 (position: the new
+    token's, i.e. the tokens consumed before it): one tile per sequence, nothing read back."""
+    S = slots.shape[0]
+    row0 = torch.arange(S, dtype=torch.int64, device=slots.device)
+    # the kernel indexes the tables densely (an expanded view would be read past its one element)
+    return AttentionTiles(row0, torch.ones_like(row0), positions.contiguous(), slots.contiguous(), decode=True)
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """One step over a slot cache: write_slot, write_pos [T] int64 (device) where each new token's key
+    and value go, and the kernel's tiles."""
+
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    tiles: AttentionTiles
+
+
+def step_tables(slots: torch.Tensor, start_pos: torch.Tensor, cu_seqlens: torch.Tensor, rep: int,
+                cfg: TritonKernelConfigs, device: torch.device | str) -> StepTables:
+    """A prefill or chunked-prefill step's tables from its host ints: slots, start_pos [S] (tokens
+    each slot consumed before), cu_seqlens [S+1] (new tokens' packed offsets)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    sp, sl = np.asarray(start_pos, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    n = np.diff(cu)
+    seq = np.repeat(np.arange(n.size), n)
+    wpos = sp[seq] + np.arange(int(cu[-1])) - cu[:-1][seq]
+    w = torch.from_numpy(np.stack([sl[seq], wpos])).to(device)
+    return StepTables(w[0], w[1], prefill_tiles(cu, sp, sl, rep, cfg, device))
+
+
+def decode_step_tables(slots: torch.Tensor, positions: torch.Tensor) -> StepTables:
+    """A decode step's tables from its device slots and positions [S] int64 (no host work)."""
+    return StepTables(slots, positions, decode_tiles(slots, positions))
+
+
+def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles, *,
+                     scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
+
+    q [T, H, D] (bf16 or fp32); k_cache, v_cache [slots, max_len, G, D] in q's dtype, the key of
+    position p of slot s at [s, p] (a packed key tensor [Tk, G, D] is slot 0 of [1, Tk, G, D] with
+    each tile's positions counted from its sequence's first key row: pass it that way);
+    D 64 or 128 (any power of two from 16 to 256). Returns [T, H, D] in q's dtype; rows no tile
+    covers are left unwritten. No host synchronisation.
+    """
+    T, H, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
+        raise ValueError(f"attention_triton: q {tuple(q.shape)}, caches [slots, max_len, G, D] expected; got "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"attention_triton: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}: one of bfloat16, "
+                         "float32 expected")
+    G = k_cache.shape[2]
+    if H % G:
+        raise ValueError(f"attention_triton: {H} query heads are not a multiple of {G} key/value heads")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"attention_triton: head_dim {D} refused: a power of two from 16 to 256 expected")
+    if (k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or k_cache.stride(2) != D
+            or k_cache.stride(1) != G * D or k_cache.stride(0) % k_cache.stride(1)):
+        raise ValueError("attention_triton: caches must be contiguous in (max_len, G, D) with the same strides")
+    rep = H // G
+    tok = tokens_per_tile(rep, cfg, tiles.decode)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    NT = tiles.row0.shape[0]
+    if NT == 0 or T == 0:
+        return out
+    warps = cfg.attn_decode_warps if tiles.decode else cfg.attn_warps
+    stages = cfg.attn_decode_stages if tiles.decode else cfg.attn_stages
+    _attention_kernel[(NT, G)](
+        q, k_cache, v_cache, out, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
+        q.stride(0), q.stride(1), k_cache.stride(0) // k_cache.stride(1), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), scale * LOG2E,
+        REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n,
+        PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
+        # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
+        # masked loop's select between them cannot, and a row meets a block in either loop
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    return out
+
+
+def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, *, scale: float, cfg: TritonKernelConfigs,
+                            decode: bool = False) -> torch.Tensor:
+    """The package signature over packed keys: q [Tq, H, D], k and v [Tk, G, D], cu_seqlens [S+1]
+    (host ints). Each sequence's keys are read where they lie (its queries are its last positions);
+    ``decode`` runs the decode tile (every sequence must then bring one query). For tests and
+    benchmarks: a cache-owning caller passes its cache to ``attention_triton`` instead."""
+    cq = np.asarray(torch.as_tensor(cu_seqlens_q).cpu(), dtype=np.int64)
+    ck = np.asarray(torch.as_tensor(cu_seqlens_k).cpu(), dtype=np.int64)
+    nq, nk = np.diff(cq), np.diff(ck)
+    if cq.size != ck.size or (nq > nk).any() or (nq < 0).any():
+        raise ValueError("every sequence needs 0 <= queries <= keys (queries are its last positions)")
+    start = nk - nq
+    rep = q.shape[1] // k.shape[1]
+    dev = q.device
+    if decode:
+        if (nq != 1).any():
+            raise ValueError("the decode tile takes one query per sequence")
+        tiles = decode_tiles(torch.as_tensor(ck[:-1], device=dev), torch.as_tensor(start, device=dev))
+    else:
+        tiles = prefill_tiles(cq, start, ck[:-1], rep, cfg, dev)
+    # each sequence's first key row is its "slot", at a pitch of one row
+    kc = k.as_strided((k.shape[0], 1, *k.shape[1:]), (k.stride(0), k.stride(0), k.stride(1), k.stride(2)))
+    vc = v.as_strided((v.shape[0], 1, *v.shape[1:]), (v.stride(0), v.stride(0), v.stride(1), v.stride(2)))
+    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg)
+
+
+__all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
+           "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
