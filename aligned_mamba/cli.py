@@ -194,6 +194,12 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _logprob_cell(case: dict[str, Any]) -> str:
+    """"differing/compared" reported logprobs of the sampled tokens, or "-" where none were reported."""
+    n = case.get("logprob_tokens", 0)
+    return f"{case['mismatched_logprobs']}/{n}" if n else "-"
+
+
 def print_table(result: dict[str, Any]) -> None:
     c = result["contract"]
     m = result["model"]
@@ -208,19 +214,20 @@ def print_table(result: dict[str, Any]) -> None:
               f"key-value heads x {m['attention_head_dim']}, - MLP{moe})")
     if "trainer_hardware" in result:
         print(f"hardware: {result['trainer_hardware']} (the class the bits belong to)")
-    head = f"{'case':<27} {'replay':<6} {'rows':>6} {'differ':>7} {'first':>6} {'max|d|':>9}  map (x: rows differ)"
+    head = (f"{'case':<27} {'replay':<6} {'rows':>6} {'differ':>7} {'first':>6} {'max|d|':>9} {'logprobs':>8}  "
+            "map (x: rows differ)")
     print(head)
     print("-" * len(head))
     for case in result["cases"]:
         print(f"{case['name']:<27} {'on' if case['exact_replay'] else 'off':<6} {case['rows']:>6} "
-              f"{case['mismatched_rows']:>7} {_fmt(case['first_mismatch']):>6} {_fmt(case['max_abs_diff']):>9}  "
-              f"{case['mismatch_map'][:40]}")
+              f"{case['mismatched_rows']:>7} {_fmt(case['first_mismatch']):>6} {_fmt(case['max_abs_diff']):>9} "
+              f"{_logprob_cell(case):>8}  {case['mismatch_map'][:40]}")
     a = result["accuracy"]
     print(f"accuracy vs fp64 reference (scan outputs, layers {a['layers']}, {a['tokens']} tokens, {a['dtype']}): "
           f"chunked scan {a['chunked_scan']:.3e}, recurrent update {a['recurrent_update']:.3e}, "
           f"{a['dtype']} rounding floor {a['rounding_floor']:.3e} (mean |err| / mean |ref|)")
     if not result["ok"]:
-        verdict = "FAIL: exact-replay rows differ"
+        verdict = "FAIL: exact-replay rows or reported logprobs differ"
     elif result["control"]["could_fail"]:
         verdict = "OK: every exact-replay case is bit-identical"
     else:  # a check whose control agreed too proves nothing: it must not read as OK

@@ -175,14 +175,15 @@ def _stock_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     # each chunk's end state from its own tokens (those of the sequence its last token belongs to)
     w_end = torch.exp(a[:, :, -1:] - a) * dts * (seq == seq[..., -1:])[..., None]
     st = torch.einsum("bcsH,bcsHp,bcsHn->bcHpn", w_end, xs, Bs)
-    h_in = torch.zeros(b, nc, h, p, n, device=x.device)
+    # each chunk's incoming state, kept in a list (no in-place writes, so autograd can run through it)
+    inputs = []
     state = torch.zeros(b, h, p, n, device=x.device)
     for c in range(nc):
-        if c:
-            carry = (seq[:, c, 0] == seq[:, c - 1, -1]).float()[:, None, None, None]
-            h_in[:, c] = state * carry
+        carry = (seq[:, c, 0] == seq[:, c - 1, -1]).float()[:, None, None, None] if c else torch.zeros(())
+        inputs.append(state * carry)
         whole = (seq[:, c, 0] == seq[:, c, -1]).float()[:, None, None, None]
-        state = torch.exp(a[:, c, -1])[:, :, None, None] * h_in[:, c] * whole + st[:, c]
+        state = torch.exp(a[:, c, -1])[:, :, None, None] * inputs[c] * whole + st[:, c]
+    h_in = torch.stack(inputs, dim=1)
     first = (seq == seq[..., :1])[..., None, None]
     y = y + torch.einsum("bctHn,bcHpn->bctHp", Cs, h_in) * torch.exp(a)[..., None] * first
     if D is not None:
