@@ -180,6 +180,19 @@ def install_sigterm(end_now: bool = True) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _terminated() -> int:
+    end_children()
+    _stop_tracker()
+    log.error("aligned-mamba: terminated (SIGTERM); worker processes ended")
+    return EXIT_TERMINATED
+
+
+def terminating() -> bool:
+    """Whether SIGTERM arrived. ``Terminated`` raised while C code runs a Python callback surfaces as a
+    ``SystemError`` (or another wrapper) instead; callers that catch exceptions consult this too."""
+    return _terminating
+
+
 def threading_main() -> bool:
     import threading
 
@@ -529,11 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("aligned-mamba: interrupted")
         return EXIT_INTERRUPTED
     except Terminated:
-        end_children()
-        _stop_tracker()
-        log.error("aligned-mamba: terminated (SIGTERM); worker processes ended")
-        return EXIT_TERMINATED
+        return _terminated()
     except Exception as e:  # noqa: BLE001 - every failure leaves with one line and a status that means one thing
+        if terminating():  # SIGTERM's exception, wrapped by the C code it interrupted
+            return _terminated()
         code, why = exit_status(e)
         if os.environ.get("ALIGNED_MAMBA_TRACEBACK"):
             traceback.print_exc()

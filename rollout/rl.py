@@ -607,7 +607,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     def line(msg: str) -> None:
         print(msg, flush=True)
 
-    from aligned_mamba.cli import status_of
+    from aligned_mamba.cli import status_of, terminating
     from aligned_mamba.report import JsonReport
 
     report = JsonReport(args.json)  # refused before Ray starts if it cannot be written
@@ -622,6 +622,9 @@ def cmd_rl(args: argparse.Namespace) -> int:
         report.close("terminated", strict=False)
         raise
     except BaseException as e:
+        if terminating():  # SIGTERM's exception, wrapped by the C code it interrupted
+            report.close("terminated", strict=False)
+            raise Terminated("SIGTERM") from e
         report.close(*status_of(e), strict=False)
         raise
     n = len(result["iterations"])

@@ -54,3 +54,15 @@ def test_the_installed_wheel_runs_the_main_job(installed: Path, tmp_path: Path) 
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["ok"] and all(c["mismatched_rows"] == 0 for c in r["cases"] if c["exact_replay"])
     assert "OK: every exact-replay case is bit-identical" in out.stdout
+
+
+
+def test_every_package_of_the_tree_is_listed() -> None:
+    """pyproject.toml lists the packages explicitly (the contracts' folder is mapped in); a package folder
+    the list misses would be absent from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {".".join(p.parent.relative_to(ROOT).parts) for top in ("aligned_mamba", "trainer_hooks", "rollout")
+            for p in (ROOT / top).rglob("__init__.py")}
+    assert not tree - listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(tree - listed)}"
