@@ -103,6 +103,13 @@ class TritonKernelConfigs:
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
       tile; a row's bits do not depend on the tile's rows: tests/test_attention_triton_gpu.py).
     MLP (ops/elementwise_triton.py): relu2_block, elements per program of the squared ReLU.
+    MoE experts (ops/moe/triton.py): moe_block_m, moe_block_n: the grouped GEMM's tile (rows of one
+      expert's sorted tokens x output columns; a row's bits do not depend on the tile's rows, as the
+      linear layers'), moe_block_k its K block (one K loop, ascending; equal to linear_block_k, an
+      expert row has the bits of the triton linear on that row), moe_warps, moe_stages its launch;
+      moe_wgrad_block_n, moe_wgrad_block_k, moe_wgrad_block_t: the weight gradients' tile (weight
+      rows x columns) and token block (one program per tile walks its expert's tokens in sorted
+      order), moe_wgrad_warps.
     """
 
     row_tile: int = 64
@@ -168,6 +175,15 @@ class TritonKernelConfigs:
     attn_decode_warps: int = 4
     attn_decode_stages: int = 4
     relu2_block: int = 2048
+    moe_block_m: int = 64
+    moe_block_n: int = 128
+    moe_block_k: int = 64
+    moe_warps: int = 4
+    moe_stages: int = 3
+    moe_wgrad_block_n: int = 128
+    moe_wgrad_block_k: int = 64
+    moe_wgrad_block_t: int = 64
+    moe_wgrad_warps: int = 8
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
@@ -231,6 +247,12 @@ class TritonKernelConfigs:
         for name in ("attn_stages", "attn_decode_stages"):
             _among(name, getattr(self, name), (1, 2, 3, 4, 5))
         _pow2("relu2_block", self.relu2_block, 128, 16384)
+        for name in ("moe_block_m", "moe_block_n", "moe_block_k", "moe_wgrad_block_n", "moe_wgrad_block_k",
+                     "moe_wgrad_block_t"):
+            _pow2(name, getattr(self, name), 16, 256)
+        for name in ("moe_warps", "moe_wgrad_warps"):
+            _among(name, getattr(self, name), (4, 8))
+        _among("moe_stages", self.moe_stages, (1, 2, 3, 4, 5))
 
     def scan_row_tile(self, chunk_size: int) -> int:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""

@@ -1,0 +1,87 @@
+"""The deterministic dispatch and the torch form of the routed experts (``ops.moe``'s signature).
+
+Dispatch: the T * k (token, slot) pairs are sorted by expert with a stable sort of the flat index
+t * k + j, so an expert's tokens come in ascending token order whatever the other rows; every
+table is built on the device by exact integer ops (no host synchronisation: a CUDA graph can hold
+it) and sized by T, k and E alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .naive import combine
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The sorted (token, slot) pairs of one call. R = T * k sorted rows.
+
+    token [R] int64: the token of sorted row r; perm [R] int64: its flat index t * k + j;
+    pos [T, k] int64: the sorted row of (t, j) (the inverse of perm);
+    offsets [E + 1] int64: expert e's sorted rows are offsets[e] .. offsets[e + 1] - 1;
+    tile_expert, tile_row0, tile_row1 [NT] int64: the row tiles of ``block_m`` rows of one expert
+    (rows row0 .. row1 - 1 of expert tile_expert; unused tiles have row0 = row1 = 0), NT =
+    cdiv(R, block_m) + min(E, R), an upper bound that does not depend on the routing."""
+
+    token: torch.Tensor
+    perm: torch.Tensor
+    pos: torch.Tensor
+    offsets: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    tile_row1: torch.Tensor
+    block_m: int
+
+
+def dispatch(experts: torch.Tensor, num_experts: int, block_m: int = 1) -> Dispatch:
+    """experts [T, k] int64 (each row's experts, distinct) -> the sorted tables (``Dispatch``)."""
+    T, k = experts.shape
+    dev, i64 = experts.device, torch.int64
+    flat = experts.reshape(-1).to(i64)
+    R = flat.numel()
+    perm = torch.argsort(flat, stable=True)
+    pos = torch.empty(R, dtype=i64, device=dev)
+    pos[perm] = torch.arange(R, dtype=i64, device=dev)
+    offsets = torch.searchsorted(flat[perm], torch.arange(num_experts + 1, dtype=i64, device=dev))
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    NT = -(-R // block_m) + min(num_experts, R)
+    p = torch.arange(NT, dtype=i64, device=dev)
+    te = torch.searchsorted(tile_end, p, right=True)
+    used = te < num_experts
+    e = te.clamp(max=num_experts - 1)
+    row0 = offsets[e] + (p - (tile_end[e] - tiles[e])) * block_m
+    zero = torch.zeros_like(p)
+    return Dispatch(perm // k, perm, pos.view(T, k), offsets, e, torch.where(used, row0, zero),
+                    torch.where(used, offsets[e + 1], zero), block_m)
+
+
+def experts_grouped(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Sequence[torch.Tensor],
+                    down_w: Sequence[torch.Tensor], up_b: Sequence[torch.Tensor | None] | None = None,
+                    down_b: Sequence[torch.Tensor | None] | None = None, *,
+                    linear: Callable[..., torch.Tensor], relu2: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The torch form: each expert's tokens (sorted, ``dispatch``) through ``linear`` (a backend's
+    row-invariant linear) and ``relu2``, then ``naive.combine``. up_w[e], down_w[e] in ``linear``'s
+    weight form; up_b / down_b per-expert fp32 biases or None. Shapes as ``ops.moe``."""
+    T, k = experts.shape
+    if T == 0:
+        return h.new_zeros(h.shape)
+    d = dispatch(experts, len(up_w))
+    ys = torch.zeros(T * k, h.shape[1], dtype=h.dtype, device=h.device)
+    bounds = d.offsets.tolist()
+    for e in range(len(up_w)):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        ub = up_b[e] if up_b is not None else None
+        db = down_b[e] if down_b is not None else None
+        ys[lo:hi] = linear(relu2(linear(h[d.token[lo:hi]], up_w[e], ub)), down_w[e], db)
+    return combine([ys[d.pos[:, j]] for j in range(k)], weights, h.dtype)
+
+
+__all__ = ["Dispatch", "dispatch", "experts_grouped"]
