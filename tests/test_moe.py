@@ -128,7 +128,10 @@ def test_moe_config_and_device_refusals():
     from aligned_mamba.ops.backend import TritonBackend
     from aligned_mamba.ops.configs import TritonKernelConfigs
 
-    cfg, tensors = make_tiny_hybrid(0, pattern="ME", dtype="bfloat16", **SHAPE)
+    # the grouped expert kernels have no bias term: mlp_bias MoE layers stay refused on a CUDA device
+    # (checked before any weight moves, so no GPU is needed here)
+    cfg, tensors = make_tiny_hybrid(0, pattern="ME", dtype="bfloat16", mlp_bias=True, **SHAPE)
     gpu = TritonBackend(TritonKernelConfigs(), torch.device("cuda"))
-    with pytest.raises(ModelLoadError, match="MoE layers on a CUDA device are refused"):
+    assert gpu.stacked_experts
+    with pytest.raises(ModelLoadError, match="MoE expert biases on a CUDA device are refused"):
         MoE(cfg.moe_config(), tensors, PREFIX, backend=gpu, dtype=torch.bfloat16)

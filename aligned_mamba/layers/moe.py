@@ -34,6 +34,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops import elementwise as ew
 from ..ops.backend import Backend
+from ..ops.moe import route as _route
 from ..replay import Batch
 from .base import Stateless, take, take_optional
 from .mlp import MLP, MLPConfig
@@ -96,26 +97,11 @@ class MoEConfig:
 
 def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [T, E] fp32 (sigmoid of the router logits), bias [E] fp32 -> (experts [T, k] int64 in
-    ascending order, weights [T, k] fp32 in the same order). Per row; ties to the lower index."""
+    ascending order, weights [T, k] fp32 in the same order). Per row; ties to the lower index
+    (``ops.moe.route``)."""
     c = config
-    T, E = scores.shape
-    per_group = E // c.n_group
-    choice = scores + bias
-    top2 = torch.sort(choice.view(T, c.n_group, per_group), dim=-1, descending=True, stable=True).values[..., :2]
-    group_scores = top2[..., 0] + top2[..., 1]  # [T, n_group]: the best plus the second best
-    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :c.topk_group]
-    allowed = torch.zeros(T, c.n_group, dtype=torch.bool, device=scores.device)
-    allowed.scatter_(1, groups, True)
-    masked = choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
-    experts = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :c.num_experts_per_tok]
-    experts = torch.sort(experts, dim=-1).values  # the order the outputs are summed in
-    weights = scores.gather(1, experts)
-    if c.norm_topk_prob:
-        total = weights[:, 0]
-        for j in range(1, weights.shape[1]):  # one fixed order (a torch sum's order is its own)
-            total = total + weights[:, j]
-        weights = weights / (total + 1e-20)[:, None]
-    return experts, weights * c.routed_scaling_factor
+    return _route(scores, bias, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                  norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
 
 
 class MoE(Stateless):
@@ -126,11 +112,9 @@ class MoE(Stateless):
 
     def __init__(self, config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *, backend: Backend,
                  dtype: torch.dtype) -> None:
-        if backend.device.type == "cuda":
-            # the same stance as attention's: the expert GEMMs' row bits across call shapes are
-            # verified through the torch backend only
-            raise ModelLoadError("MoE layers on a CUDA device are refused: their bits across schedules are verified "
-                                 "on the CPU only (no MoE kernel for the GPU yet)")
+        if backend.stacked_experts and config.bias:
+            raise ModelLoadError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have no "
+                                 "bias term (mlp_bias MoE checkpoints run on the torch backend)")
         self.config = config
         self.backend = backend
         self.dtype = dtype
@@ -146,8 +130,19 @@ class MoE(Stateless):
 
         self.gate_w = weight("gate.weight", f32)
         self.score_bias = take(tensors, prefix, "gate.e_score_correction_bias").to(device=dev, dtype=f32)
-        self.experts = [MLP(config.expert_config(), tensors, f"{prefix}experts.{e}.", backend=backend, dtype=dtype)
-                        for e in range(config.n_routed_experts)]
+        E = config.n_routed_experts
+        if backend.stacked_experts:
+            # one [E, f, d] / [E, d, f] tensor each for the grouped GEMM (differentiable: a trainer's
+            # parameters get their gradients through the stack)
+            self.up_w = torch.stack([weight(f"experts.{e}.up_proj.weight") for e in range(E)])
+            self.down_w = torch.stack([weight(f"experts.{e}.down_proj.weight") for e in range(E)])
+            self.up_b = self.down_b = None
+        else:
+            experts = [MLP(config.expert_config(), tensors, f"{prefix}experts.{e}.", backend=backend, dtype=dtype)
+                       for e in range(E)]
+            self.up_w, self.down_w = [m.up_w for m in experts], [m.down_w for m in experts]
+            self.up_b = [m.up_b for m in experts] if config.bias else None
+            self.down_b = [m.down_b for m in experts] if config.bias else None
         self.shared = MLP(config.shared_config(), tensors, prefix + "shared_experts.", backend=backend, dtype=dtype)
         latent = config.moe_latent_size is not None
         self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
@@ -169,19 +164,10 @@ class MoE(Stateless):
                     weights: torch.Tensor) -> torch.Tensor:
         """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
         says (experts, weights [T, k]): [T, hidden_size] in the model dtype."""
-        be, c = self.backend, self.config
-        T = x.shape[0]
+        be = self.backend
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
-        # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32
-        parts = torch.zeros(T, c.num_experts_per_tok, h.shape[1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(experts).tolist():
-            tok, slot = torch.nonzero(experts == e, as_tuple=True)
-            y = self.experts[e].advance(None, batch, h[tok])
-            parts[tok, slot] = y.to(torch.float32) * weights[tok, slot, None]
-        acc = torch.zeros(T, h.shape[1], dtype=torch.float32, device=x.device)
-        for j in range(c.num_experts_per_tok):
-            acc = acc + parts[:, j]
-        routed = acc.to(self.dtype)
+        # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32, rounded once
+        routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, self.up_b, self.down_b)
         if self.fc2 is not None:
             routed = be.linear(routed, *self.fc2)
         return routed + self.shared.advance(None, batch, x)

@@ -33,6 +33,7 @@ from . import norm as _norm
 from .attention import blocked as _attn
 from .configs import TorchKernelConfigs, TritonKernelConfigs
 from .mlp import relu2 as _relu2
+from .moe import grouped as _moe
 from .ssd.chunk import replay_chunk
 from .ssd.decode import replay_decode
 from .ssd.plan import step_tables
@@ -108,6 +109,18 @@ class Backend(abc.ABC):
     def relu2(self, x: torch.Tensor) -> torch.Tensor:
         """relu(x)^2 in x's dtype, any shape (``ops.mlp.relu2``)."""
         return _relu2(x)
+
+    #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d] / [E, d, f] tensors)
+    #: rather than one ``linear_weight`` per expert
+    stacked_experts: bool = False
+
+    def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
+                    up_b: Any = None, down_b: Any = None) -> torch.Tensor:
+        """The routed experts of a MoE layer (``ops.moe``): h [T, d] (model dtype), experts [T, k] int64
+        ascending, weights [T, k] fp32; up_w[e] [f, d], down_w[e] [d, f] in ``linear_weight``'s form
+        (stacked tensors where ``stacked_experts``), per-expert fp32 biases or None. [T, d] in h's dtype."""
+        return _moe.experts_grouped(h, experts, weights, up_w, down_w, up_b, down_b, linear=self.linear,
+                                    relu2=self.relu2)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
@@ -198,10 +211,12 @@ class TritonBackend(Backend):
             from .conv1d_triton import causal_conv1d_triton
             from .elementwise_triton import relu2_triton
             from .linear_triton import linear_triton
+            from .moe.triton import experts_triton
 
             self._linear, self._conv = linear_triton, causal_conv1d_triton
             self._norm, self._logprobs = norm_triton, logprobs_triton
             self._attn, self._relu2 = attention_triton, relu2_triton
+            self._experts, self.stacked_experts = experts_triton, True
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         # the tensor-core GEMM takes the model dtype's weights as they are (no fp32 copies)
@@ -270,6 +285,15 @@ class TritonBackend(Backend):
         if not self.compiled or self._grad(x):
             return super().relu2(x)  # the same bits (one rounding of one IEEE multiply), differentiable
         return self._relu2(x, self.configs)
+
+    def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
+                    up_b: Any = None, down_b: Any = None) -> torch.Tensor:
+        if not self.compiled:
+            return super().moe_experts(h, experts, weights, up_w, down_w, up_b, down_b)
+        if up_b is not None or down_b is not None:
+            raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
+                                    "no bias term (mlp_bias MoE checkpoints run on the torch backend)")
+        return self._experts(h, experts, weights, up_w, down_w, self.configs)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
