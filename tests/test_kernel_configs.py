@@ -28,6 +28,8 @@ from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
 from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.attention import triton as at  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
+from aligned_mamba.ops.moe import triton as mt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward, triton_chunk, triton_decode  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
@@ -119,6 +121,11 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     at.attention_triton(r(390, Hq, Dh), kc, kc, st.tiles, scale=0.1, cfg=cfg)
     dt = at.decode_step_tables(torch.tensor([0, 1]), torch.tensor([300, 5]))
     at.attention_triton(r(2, Hq, Dh), kc, kc, dt.tiles, scale=0.1, cfg=cfg)
+    # MoE: the grouped expert GEMMs (up with the squared ReLU, down) and an expert weight gradient
+    experts, weights = route(torch.rand(64, 16, generator=g), torch.zeros(16), top_k=6)
+    h = r(64, 256)
+    mt.experts_triton(h, experts, weights, r(16, 512, 256), r(16, 256, 512), cfg)
+    mt.expert_wgrad(r(64 * 6, 512), h, dispatch(experts, 16, cfg.moe_block_m), 16, cfg, gather=True)
     H, P, G, N, L = 4, 64, 2, 128, 256
     params = SSMParams(A=-torch.ones(H), D=torch.ones(H), dt_bias=torch.zeros(H))
     for dtype in (BF16, F32):

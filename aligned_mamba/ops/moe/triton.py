@@ -137,7 +137,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
         a, b, c, u if relu2 else c, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
         N, K, a.stride(0), b.stride(0), sbn, sbk, N,
         GATHER=gather, RELU2=relu2, BLOCK_M=d.block_m, BLOCK_N=cfg.moe_block_n, BLOCK_K=cfg.moe_block_k,
-        PRECISION="ieee", num_warps=cfg.moe_warps, num_stages=cfg.moe_stages)
+        PRECISION="ieee", num_warps=cfg.moe_warps, num_stages=cfg.moe_stages,
+        enable_fp_fusion=False)
     return c, u
 
 
@@ -155,7 +156,7 @@ def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int
     _expert_wgrad_kernel[grid](
         g, x, dw, d.token, d.offsets, N, K, g.stride(0), x.stride(0), N * K,
         GATHER=gather, BLOCK_N=c.moe_wgrad_block_n, BLOCK_K=c.moe_wgrad_block_k, BLOCK_T=c.moe_wgrad_block_t,
-        PRECISION="ieee", num_warps=c.moe_wgrad_warps)
+        PRECISION="ieee", num_warps=c.moe_wgrad_warps, enable_fp_fusion=False)
     return dw
 
 
