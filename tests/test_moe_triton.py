@@ -192,3 +192,21 @@ def test_bad_input_is_refused_in_one_line() -> None:
         experts_triton(h, experts[:, :1], weights, up, down, CFG)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         experts_triton(h.double(), experts, weights, up.double(), down.double(), CFG)
+
+
+def test_bench_moe_dry_run(tmp_path) -> None:
+    """benchmarks/bench_moe_h200.py's CPU dry run: every path that needs no CUDA runs; our rows alone equal
+    our rows in the batch, two backwards of the kernels agree."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "moe.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_moe_h200.py"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [c["tokens"] for c in res["layer"]] == [1, 12, 40] and all(c["bitwise"] for c in res["layer"])
+    assert res["backward"][0]["ours_grads_repeat_equal"]

@@ -28,7 +28,7 @@ ROUTINGS = {"top2": dict(num_experts_per_tok=2), "top6": dict(num_experts_per_to
 def _backend():
     from aligned_mamba.contract import Contract
     from aligned_mamba.ops.backend import resolve
-    return resolve(Contract(backend="triton", model_dtype="bfloat16"), "cuda")
+    return resolve(Contract(chunk_size=64, backend="triton", model_dtype="bfloat16"), "cuda")
 
 
 def _layer(routing: str, seed: int = 0):

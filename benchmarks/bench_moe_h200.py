@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""The MoE layer alone on one GPU: the triton backend's row-invariant MoE against stock torch.
+
+    python3 benchmarks/bench_moe_h200.py --out OUT/h200_moe.json [--quick] [--no-backward]
+    python3 benchmarks/bench_moe_h200.py --dry-run --out /tmp/moe.json   # CPU, Triton interpreter
+
+Shape: Nemotron-3-Nano-30B-A3B's MoE block (hidden 2688, 128 routed experts, top-6, expert width
+1856, squared ReLU, one shared expert of --shared-width, sigmoid router with the score correction
+bias, norm_topk_prob, routed_scaling_factor 2.5), bf16, random weights, at 1, 64, 4096 and 32768
+tokens. Each cell times the whole layer (router GEMM in fp32, routing, experts, shared expert,
+combine):
+
+- ours: ``layers.moe.MoE`` on the triton backend (``ops.moe.triton``'s grouped GEMMs, the fp32
+  router and the shared expert through ``linear_triton``);
+- stock: the same weights through torch: the router as cuBLAS fp32 ``F.linear`` + sigmoid +
+  ``torch.topk`` (transformers' router), the experts either as ``torch._grouped_mm`` over the
+  tokens sorted by expert (``stock_grouped_ms``) or as a per-expert loop of cuBLAS ``F.linear``
+  (``stock_loop_ms``), whichever is faster is ``stock_ms`` (``stock_form`` says which), the shared
+  expert cuBLAS, the combine a torch weighted sum.
+
+``bitwise``: our rows of the cell equal the same tokens' rows computed alone (the first 8 tokens,
+each its own call); ``stock_bitwise`` the same for the stock grouped form (expected false at
+large counts). With the backward (unless --no-backward): fwd+bwd of the routed experts alone
+(``ops.moe.triton.experts_triton`` against ``torch._grouped_mm`` under autograd) at 4096 and
+32768 tokens, ``ours_grads_repeat_equal``: two backwards give the same bits.
+
+CUDA-event medians (triton.testing.do_bench) after a warm-up call. The JSON is written after every
+entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+BF16, F32 = torch.bfloat16, torch.float32
+NANO = dict(hidden=2688, experts=128, top_k=6, width=1856)
+TINY = dict(hidden=48, experts=16, top_k=6, width=40)
+
+
+def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def _bench(fn, dry: bool) -> float:
+    if dry:  # the interpreter: one timed call, wall clock
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def _moe_config(shape: dict, shared: int):
+    from aligned_mamba.layers.moe import MoEConfig
+    return MoEConfig(hidden_size=shape["hidden"], n_routed_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                     moe_intermediate_size=shape["width"], moe_shared_expert_intermediate_size=shared,
+                     routed_scaling_factor=2.5)
+
+
+def _weights(config, device: str, dtype: torch.dtype) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, s in config.weight_shapes().items():
+        out[name] = (torch.randn(*s, generator=g, device=device) / s[-1] ** 0.5).to(dtype)
+    out["gate.e_score_correction_bias"] = torch.rand(config.n_routed_experts, generator=g, device=device) * 0.01
+    return out
+
+
+class Stock:
+    """The stock MoE layer on the same weights (module docstring)."""
+
+    def __init__(self, config, w: dict) -> None:
+        E = config.n_routed_experts
+        self.c = config
+        self.gate = w["gate.weight"].float()
+        self.bias = w["gate.e_score_correction_bias"].float()
+        self.up = torch.stack([w[f"experts.{e}.up_proj.weight"] for e in range(E)])      # [E, f, d]
+        self.down = torch.stack([w[f"experts.{e}.down_proj.weight"] for e in range(E)])  # [E, d, f]
+        self.shared_up, self.shared_down = w["shared_experts.up_proj.weight"], w["shared_experts.down_proj.weight"]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.gate))
+        idx = torch.topk(scores + self.bias, self.c.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.c.routed_scaling_factor
+
+    def experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat)
+        tok = order // k
+        xs = x[tok]
+        if form == "grouped":
+            offs = torch.cumsum(torch.bincount(flat, minlength=self.c.n_routed_experts), 0).to(torch.int32)
+            a = torch.square(torch.relu(torch._grouped_mm(xs, self.up.transpose(1, 2), offs=offs)))
+            y = torch._grouped_mm(a, self.down.transpose(1, 2), offs=offs)
+        else:
+            counts = torch.bincount(flat, minlength=self.c.n_routed_experts).tolist()
+            ys, lo = [], 0
+            for e, n in enumerate(counts):
+                if n:
+                    ys.append(F.linear(torch.square(torch.relu(F.linear(xs[lo:lo + n], self.up[e]))), self.down[e]))
+                lo += n
+            y = torch.cat(ys)
+        out = torch.empty_like(y)
+        out[order] = y
+        return (out.view(T, k, -1).float() * w[..., None]).sum(1).to(x.dtype)
+
+    def __call__(self, x: torch.Tensor, form: str) -> torch.Tensor:
+        idx, w = self.route(x)
+        shared = F.linear(torch.square(torch.relu(F.linear(x, self.shared_up))), self.shared_down)
+        return self.experts(x, idx, w, form) + shared
+
+
+def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dry: bool) -> None:
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.layers.moe import MoE
+    from aligned_mamba.ops.backend import resolve
+
+    dev = "cpu" if dry else "cuda"
+    dtype = F32 if dry else BF16  # the interpreter computes bf16 wrongly
+    config = _moe_config(shape, shared)
+    w = _weights(config, dev, dtype)
+    be = resolve(Contract(chunk_size=64, backend="triton", model_dtype="float32" if dry else "bfloat16"), dev)
+    layer = MoE(config, w, "", backend=be, dtype=dtype)
+    stock = Stock(config, w)
+    forms = ["loop"] if dry else ["grouped", "loop"]
+    g = torch.Generator(device=dev).manual_seed(1)
+    for T in counts:
+        x = torch.randn(T, shape["hidden"], generator=g, device=dev).to(dtype)
+        with torch.no_grad():
+            ours_ms = _bench(lambda: layer.advance(None, None, x), dry)
+            stock_ms = {f: _bench(lambda f=f: stock(x, f), dry) for f in forms}
+            best = min(stock_ms, key=stock_ms.get)
+            full, sfull = layer.advance(None, None, x), stock(x, forms[0])
+            n = min(T, 8)
+            bitwise = all(torch.equal(layer.advance(None, None, x[t:t + 1])[0], full[t]) for t in range(n))
+            sbit = all(torch.equal(stock(x[t:t + 1], forms[0])[0], sfull[t]) for t in range(n))
+            err = float((full.float() - sfull.float()).norm() / sfull.float().norm())
+        res["layer"].append(dict(tokens=T, shape=shape, shared_width=shared, ours_ms=ours_ms,
+                                 stock_ms=stock_ms[best], stock_form=best,
+                                 stock_grouped_ms=stock_ms.get("grouped"), stock_loop_ms=stock_ms["loop"],
+                                 ours_over_stock=ours_ms / stock_ms[best], bitwise=bitwise, stock_bitwise=sbit,
+                                 rel_diff_vs_stock=err))
+        save()
+        if not dry:
+            torch.cuda.empty_cache()
+
+
+def backward_cells(res: dict, save, shape: dict, counts: list[int], dry: bool) -> None:
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.moe import route
+    from aligned_mamba.ops.moe.triton import experts_triton
+
+    dev = "cpu" if dry else "cuda"
+    dtype = F32 if dry else BF16
+    cfg = TritonKernelConfigs()
+    if dry:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, moe_block_m=16, moe_block_n=32, moe_block_k=16, moe_wgrad_block_n=32,
+                                  moe_wgrad_block_k=16, moe_wgrad_block_t=16)
+    E, k, d, f = shape["experts"], shape["top_k"], shape["hidden"], shape["width"]
+    g = torch.Generator(device=dev).manual_seed(2)
+    up = (torch.randn(E, f, d, generator=g, device=dev) / d ** 0.5).to(dtype).requires_grad_()
+    down = (torch.randn(E, d, f, generator=g, device=dev) / f ** 0.5).to(dtype).requires_grad_()
+    for T in counts:
+        h = torch.randn(T, d, generator=g, device=dev).to(dtype).requires_grad_()
+        experts, weights = route(torch.sigmoid(torch.randn(T, E, generator=g, device=dev)),
+                                 torch.zeros(E, device=dev), top_k=k)
+        weights.requires_grad_()
+        grad = torch.randn(T, d, generator=g, device=dev).to(dtype)
+        leaves = (h, weights, up, down)
+
+        def ours() -> list[torch.Tensor]:
+            return list(torch.autograd.grad(experts_triton(h, experts, weights, up, down, cfg), leaves, grad))
+
+        def stock() -> list[torch.Tensor]:
+            flat = experts.reshape(-1)
+            order = torch.argsort(flat)
+            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+            a = torch.square(torch.relu(torch._grouped_mm(h[order // k], up.transpose(1, 2), offs=offs)))
+            y = torch._grouped_mm(a, down.transpose(1, 2), offs=offs)
+            out = torch.empty_like(y)
+            out[order] = y
+            o = (out.view(T, k, -1).float() * weights[..., None]).sum(1).to(dtype)
+            return list(torch.autograd.grad(o, leaves, grad))
+
+        a, b = ours(), ours()
+        cell = dict(tokens=T, ours_ms=_bench(ours, dry), ours_grads_repeat_equal=all(map(torch.equal, a, b)))
+        if not dry:
+            cell["stock_ms"] = _bench(stock, dry)
+            cell["ours_over_stock"] = cell["ours_ms"] / cell["stock_ms"]
+        res["backward"].append(cell)
+        save()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
+    ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
+    a = ap.parse_args()
+    import triton
+
+    dry = a.dry_run
+    res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], errors=[])
+    out = Path(a.out)
+
+    def save() -> None:
+        out.write_text(json.dumps(res, indent=1))
+
+    shape = TINY if dry else NANO
+    counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
+    jobs = [("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry))]
+    if not a.no_backward:
+        jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
+    for name, fn in jobs:
+        try:
+            fn()
+        except Exception as e:  # keep what was measured; say what broke
+            traceback.print_exc()
+            res["errors"].append(f"{name}: {type(e).__name__}: {e}"[:500])
+            save()
+    save()
+    print(f"{res['gpu']} torch {res['torch']} triton {res['triton']} commit {res['commit'][:10]}")
+    for r in res["layer"]:
+        print(f"moe {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r['stock_ms']:8.3f} ms "
+              f"({r['stock_form']}) x{r['ours_over_stock']:.2f} bitwise {r['bitwise']} (stock {r['stock_bitwise']})")
+    for r in res["backward"]:
+        print(f"moe fwd+bwd {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r.get('stock_ms')} ms "
+              f"repeat-equal {r['ours_grads_repeat_equal']}")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
