@@ -37,7 +37,8 @@ from aligned_mamba.layers.moe import MoE, MoEConfig  # noqa: E402
 from aligned_mamba.ops.backend import TritonBackend  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.moe import dispatch, experts_naive, route  # noqa: E402
-from aligned_mamba.ops.moe.triton import experts_triton  # noqa: E402
+from aligned_mamba.ops.moe.naive import combine  # noqa: E402
+from aligned_mamba.ops.moe.triton import combine_triton, experts_triton  # noqa: E402
 
 # small tiles: an expert's tokens span several row tiles, a weight several K blocks
 CFG = dataclasses.replace(TritonKernelConfigs(), moe_block_m=16, moe_block_n=32, moe_block_k=16,
@@ -96,6 +97,20 @@ def test_dispatch_tables_cover_each_experts_rows_once() -> None:
         covered[rows] += 1
         assert bool((flat[d.perm[rows]] == e).all())
     assert bool((covered == 1).all())
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+def test_combine_kernel_has_the_torch_combines_bits(k: int) -> None:
+    """One pass over a token's k rows: the same fp32 products and sums, in the same order, as the
+    torch form's combine (so the layer's bits do not depend on which form combined)."""
+    g = torch.Generator().manual_seed(k)
+    T, R = 9, 9 * k
+    y = torch.randn(R, 2100, generator=g)  # two column blocks, the second masked
+    pos = torch.randperm(R, generator=g).view(T, k)
+    w = torch.rand(T, k, generator=g) * 3
+    cfg = dataclasses.replace(CFG, moe_combine_block_d=2048)
+    assert torch.equal(combine_triton(y, pos, w, torch.float32, cfg), combine([y[pos[:, j]] for j in range(k)], w,
+                                                                            torch.float32))
 
 
 @settings(max_examples=10, deadline=None)

@@ -1,7 +1,7 @@
 """The MoE expert kernels compile for sm_90 (the H200) in every variant the launchers use, with the
 backend's pinned configs and no GPU (the triton wheel's ptxas): the grouped GEMM with the fused
 squared ReLU (up), plain (down, and both data gradients over transposed weights), and the expert
-weight gradient with and without a gathered operand. bf16 dots run on tensor cores, warpgroup MMA
+weight gradient with and without a gathered operand, the weighted combine. bf16 dots run on tensor cores, warpgroup MMA
 for the grouped GEMM's tile of 64 rows; nothing is contracted into an FMA."""
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ for dt in ("bf16", "fp32"):
         c = dict(GATHER=gather, BLOCK_N=cfg.moe_wgrad_block_n, BLOCK_K=cfg.moe_wgrad_block_k,
                  BLOCK_T=cfg.moe_wgrad_block_t, PRECISION="ieee")
         done[f"{dt} wgrad gather={gather}"] = comp(mt._expert_wgrad_kernel, t, c, cfg.moe_wgrad_warps, 3)
+    t = dict(y_ptr=f"*{dt}", pos_ptr=i64, w_ptr="*fp32", out_ptr=f"*{dt}")
+    for k in (2, 6):
+        done[f"{dt} combine k={k}"] = comp(mt._combine_kernel, t, dict(K=k, BLOCK_D=cfg.moe_combine_block_d), 4, 1)
 print(json.dumps(done))
 """
 
@@ -55,11 +58,11 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE, tmp_path)
-    assert len(done) == 2 * 4, sorted(done)
+    assert len(done) == 2 * 6, sorted(done)
     for name, r in done.items():
-        if name.startswith("bf16"):  # (an fp32 model's IEEE dot is FMAs by construction)
-            assert r["fma"] == 0, (name, r)
-            assert r["wgmma"] or r["mma"], (name, r)  # tensor cores
+        if name.startswith("bf16") or "combine" in name:  # (an fp32 model's IEEE dot is FMAs by construction)
+            assert r["fma"] == 0, (name, r)  # the combine's products and sums each rounded
+            assert "combine" in name or r["wgmma"] or r["mma"], (name, r)  # tensor cores
         if name.startswith("bf16 grouped"):
             assert r["wgmma"], (name, r)  # the 64-row tile runs on Hopper's warpgroup MMA
         assert r["shared"] <= 227 * 1024, (name, r)  # fits an H200 SM's shared memory

@@ -95,6 +95,19 @@ def test_expert_rows_equal_the_triton_linear(T: int) -> None:
     assert torch.equal(ours, Backend.moe_experts(be, h, experts, weights, up, down))
 
 
+def test_combine_kernel_has_the_torch_combines_bits() -> None:
+    from aligned_mamba.ops.moe.naive import combine
+    from aligned_mamba.ops.moe.triton import combine_triton
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    T, k = 4096, 6
+    y = torch.randn(T * k, D, generator=g, device="cuda").to(BF16)
+    pos = torch.randperm(T * k, generator=g, device="cuda").view(T, k)
+    w = torch.rand(T, k, generator=g, device="cuda")
+    ref = combine([y[pos[:, j]] for j in range(k)], w, BF16)
+    assert torch.equal(combine_triton(y, pos, w, BF16, _backend().configs), ref)
+
+
 @pytest.mark.parametrize("T", [64, 4096])
 def test_bf16_accuracy_is_at_the_bf16_floor(T: int) -> None:
     from aligned_mamba.ops.moe import experts_grouped

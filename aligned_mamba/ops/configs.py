@@ -109,7 +109,8 @@ class TritonKernelConfigs:
       expert row has the bits of the triton linear on that row), moe_warps, moe_stages its launch;
       moe_wgrad_block_n, moe_wgrad_block_k, moe_wgrad_block_t: the weight gradients' tile (weight
       rows x columns) and token block (one program per tile walks its expert's tokens in sorted
-      order), moe_wgrad_warps.
+      order), moe_wgrad_warps; moe_combine_block_d: the columns per program of the weighted combine
+      (elementwise per column: parallelism only).
     """
 
     row_tile: int = 64
@@ -184,6 +185,7 @@ class TritonKernelConfigs:
     moe_wgrad_block_k: int = 64
     moe_wgrad_block_t: int = 64
     moe_wgrad_warps: int = 8
+    moe_combine_block_d: int = 1024
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
@@ -253,6 +255,7 @@ class TritonKernelConfigs:
         for name in ("moe_warps", "moe_wgrad_warps"):
             _among(name, getattr(self, name), (4, 8))
         _among("moe_stages", self.moe_stages, (1, 2, 3, 4, 5))
+        _pow2("moe_combine_block_d", self.moe_combine_block_d, 128, 8192)
 
     def scan_row_tile(self, chunk_size: int) -> int:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""

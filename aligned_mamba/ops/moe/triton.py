@@ -2,8 +2,8 @@
 
 Forward (``ops.moe``'s signature): ``grouped.dispatch`` sorts the (token, slot) pairs by expert;
 ``_grouped_gemm_kernel`` computes up = h @ up_w[e]^T with the squared ReLU fused (the rounded up
-projection and its activation both stored), then y = act @ down_w[e]^T; ``naive.combine`` sums
-each token's y rows in fp32 in ascending expert order and rounds once.
+projection and its activation both stored), then y = act @ down_w[e]^T; ``_combine_kernel`` sums
+each token's y rows in fp32 in ascending expert order and rounds once (``naive.combine``'s bits).
 
 Row invariance: a program owns a tile of ``moe_block_m`` consecutive sorted rows of ONE expert and
 ``moe_block_n`` output columns; each output element is ``tl.dot``'s fp32 accumulation over K in
@@ -29,7 +29,6 @@ import triton.language as tl
 
 from ..configs import TritonKernelConfigs
 from .grouped import Dispatch, dispatch
-from .naive import combine
 
 
 @triton.jit
@@ -116,6 +115,42 @@ def _expert_wgrad_kernel(
              acc.to(dw_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 
+@triton.jit
+def _combine_kernel(
+    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d]
+    y_ptr, pos_ptr, w_ptr, out_ptr,
+    d, stride_y, stride_out,
+    # Meta-parameters
+    K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ... + y[pos[t, K-1]] w[t, K-1]) in fp32, one product
+    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(pos_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j)
+        y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc = acc + y * w
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                   cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` in one pass: y [R, d] (sorted rows),
+    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``."""
+    T, k = pos.shape
+    y, pos, weights = y.contiguous(), pos.contiguous(), weights.to(torch.float32).contiguous()
+    out = torch.empty(T, y.shape[1], dtype=dtype, device=y.device)
+    if out.numel():
+        grid = (T, triton.cdiv(y.shape[1], cfg.moe_combine_block_d))
+        _combine_kernel[grid](y, pos, weights, out, y.shape[1], y.stride(0), out.stride(0), K=k,
+                              BLOCK_D=cfg.moe_combine_block_d, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKernelConfigs, *, gather: bool,
                  transpose_b: bool = False, relu2: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sorted rows r of expert e: c[r] = a[row(r)] @ b[e]^T (b [E, N, K]), or a[row(r)] @ b[e] with
@@ -179,9 +214,7 @@ def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w
     d = dispatch(experts, up_w.shape[0], cfg.moe_block_m)
     act, u = grouped_gemm(h, up_w, d, cfg, gather=True, relu2=True)
     y, _ = grouped_gemm(act, down_w, d, cfg, gather=False)
-    k = experts.shape[1]
-    out = combine([y[d.pos[:, j]] for j in range(k)], weights, h.dtype)
-    return out, (d, u, act, y)
+    return combine_triton(y, d.pos, weights, h.dtype, cfg), (d, u, act, y)
 
 
 def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
@@ -233,4 +266,4 @@ class ExpertsFunction(torch.autograd.Function):
         return acc.to(h.dtype), None, d_weights, d_up, d_down, None
 
 
-__all__ = ["ExpertsFunction", "expert_wgrad", "experts_triton", "grouped_gemm"]
+__all__ = ["ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "grouped_gemm"]
