@@ -28,7 +28,7 @@ Semantics follow transformers with three deliberate choices, each noted where it
 
 Refused with one line: sliding-window attention, multi-token prediction, attention biases, tied
 embeddings, activations other than squared ReLU (MLP, MoE) and SiLU (Mamba2), a stack without
-Mamba2 layers, and (``layers.attention``, ``layers.moe``) attention and MoE layers on a CUDA device.
+Mamba2 layers, and on a CUDA device MoE expert biases (``mlp_bias`` with MoE layers).
 """
 
 from __future__ import annotations
