@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The MoE layer alone on one GPU: the triton backend's row-invariant MoE against stock torch.
 
-    python3 benchmarks/bench_moe_h200.py --out OUT/h200_moe.json [--quick] [--no-backward]
+    python3 benchmarks/bench_moe_h200.py --out OUT/h200_moe.json [--quick] [--no-backward] [--sweep]
     python3 benchmarks/bench_moe_h200.py --dry-run --out /tmp/moe.json   # CPU, Triton interpreter
 
 Shape: Nemotron-3-Nano-30B-A3B's MoE block (hidden 2688, 128 routed experts, top-6, expert width
@@ -22,7 +22,9 @@ combine):
 each its own call); ``stock_bitwise`` the same for the stock grouped form (expected false at
 large counts). With the backward (unless --no-backward): fwd+bwd of the routed experts alone
 (``ops.moe.triton.experts_triton`` against ``torch._grouped_mm`` under autograd) at 4096 and
-32768 tokens, ``ours_grads_repeat_equal``: two backwards give the same bits.
+32768 tokens, ``ours_grads_repeat_equal``: two backwards give the same bits. With --sweep: the
+routed experts' forward under other grouped-GEMM tiles (``SWEEP``) at 4096 and 32768 tokens, each
+with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile).
 
 CUDA-event medians (triton.testing.do_bench) after a warm-up call. The JSON is written after every
 entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -219,11 +221,47 @@ def backward_cells(res: dict, save, shape: dict, counts: list[int], dry: bool) -
         save()
 
 
+SWEEP = [dict(moe_block_m=bm, moe_block_n=bn, moe_warps=w, moe_stages=st)
+         for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3),
+                               (64, 64, 4, 4), (128, 128, 4, 4))]
+
+
+def sweep_cells(res: dict, save, shape: dict, counts: list[int]) -> None:
+    """The routed experts' forward under other grouped-GEMM tiles: time, and whether every output row
+    equals the pinned tile's (a row's bits must not depend on the tile)."""
+    import dataclasses
+
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.moe import route
+    from aligned_mamba.ops.moe.triton import experts_triton
+
+    base = TritonKernelConfigs()
+    E, k, d, f = shape["experts"], shape["top_k"], shape["hidden"], shape["width"]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    up = (torch.randn(E, f, d, generator=g, device="cuda") / d ** 0.5).to(BF16)
+    down = (torch.randn(E, d, f, generator=g, device="cuda") / f ** 0.5).to(BF16)
+    for T in counts:
+        h = torch.randn(T, d, generator=g, device="cuda").to(BF16)
+        experts, weights = route(torch.sigmoid(torch.randn(T, E, generator=g, device="cuda")),
+                                 torch.zeros(E, device="cuda"), top_k=k)
+        ref = experts_triton(h, experts, weights, up, down, base)
+        for over in SWEEP:
+            cfg = dataclasses.replace(base, **over)
+            try:
+                ms = _bench(lambda cfg=cfg: experts_triton(h, experts, weights, up, down, cfg), False)
+                same = torch.equal(experts_triton(h, experts, weights, up, down, cfg), ref)
+                res["sweep"].append(dict(tokens=T, **over, ms=ms, bitwise_equal_to_pinned=same))
+            except Exception as e:  # a tile that does not fit: say so, go on
+                res["sweep"].append(dict(tokens=T, **over, error=str(e)[:200]))
+            save()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the experts under other grouped-GEMM tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
     a = ap.parse_args()
@@ -232,7 +270,8 @@ def main() -> int:
     dry = a.dry_run
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, commit=_commit(),
-               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], errors=[])
+               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], sweep=[],
+               errors=[])
     out = Path(a.out)
 
     def save() -> None:
@@ -243,6 +282,8 @@ def main() -> int:
     jobs = [("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry))]
     if not a.no_backward:
         jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
+    if a.sweep and not dry:
+        jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
     for name, fn in jobs:
         try:
             fn()
@@ -255,6 +296,8 @@ def main() -> int:
     for r in res["layer"]:
         print(f"moe {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r['stock_ms']:8.3f} ms "
               f"({r['stock_form']}) x{r['ours_over_stock']:.2f} bitwise {r['bitwise']} (stock {r['stock_bitwise']})")
+    for r in res["sweep"]:
+        print("sweep", r)
     for r in res["backward"]:
         print(f"moe fwd+bwd {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r.get('stock_ms')} ms "
               f"repeat-equal {r['ours_grads_repeat_equal']}")
