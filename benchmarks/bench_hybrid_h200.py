@@ -364,6 +364,45 @@ def bwd_sweep_cells(res: dict, save):
     return best
 
 
+def bwd_determinism_cells(res: dict, save, runs: int = 10) -> None:
+    """Each backward config ``runs`` times on two inputs: how many runs differ from the first, per output."""
+    from aligned_mamba.ops.attention.triton import attention_triton_packed
+    from aligned_mamba.ops.attention.triton_backward import attention_backward_triton
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    base = TritonKernelConfigs()
+    g = torch.Generator(device="cuda").manual_seed(8)
+    cases = []
+    for Hq, Gk, Dh, ns in ((32, 8, 128, [16384]), (16, 1, 64, [3000, 77, 1500])):
+        T = sum(ns)
+        q, do = (torch.randn(T, Hq, Dh, device="cuda", generator=g).to(BF16) for _ in range(2))
+        k, v = (torch.randn(T, Gk, Dh, device="cuda", generator=g).to(BF16) for _ in range(2))
+        cu = torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()])
+        lse = torch.empty(T, Hq, device="cuda")
+        o = attention_triton_packed(q, k, v, cu, cu, scale=Dh ** -0.5, cfg=base, lse=lse)
+        cases.append((f"H{Hq} G{Gk} D{Dh} {'+'.join(map(str, ns))}", (q, k, v, o, lse, do, cu, cu), Dh ** -0.5))
+    for c in ((64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (64, 32, 64, 32, 4, 2), (64, 32, 64, 32, 4, 3),
+              (128, 32, 128, 32, 8, 3), (64, 64, 64, 32, 4, 2), (64, 32, 64, 64, 4, 2)):
+        cfg = _bwd_cfg(base, c)
+        for name, args, scale in cases:
+            row = dict(config=list(c), case=name, runs=runs)
+            try:
+                first = attention_backward_triton(*args, scale=scale, cfg=cfg)
+                differ = [0, 0, 0]
+                most = [0, 0, 0]
+                for _ in range(runs - 1):
+                    again = attention_backward_triton(*args, scale=scale, cfg=cfg)
+                    for i, (x, y) in enumerate(zip(first, again)):
+                        n = int((x != y).sum())
+                        differ[i] += n > 0
+                        most[i] = max(most[i], n)
+                row.update(runs_differing_dq_dk_dv=differ, most_elements_differing=most)
+            except Exception as e:
+                row["error"] = str(e)[:200]
+            res["bwd_determinism"].append(row)
+            save()
+
+
 def attention_bwd_cells(res: dict, save, quick: bool, cfg) -> None:
     for T in ([4096, 16384] if quick else [4096, 8192, 16384, 32768]):
         res["attention"].append(_attention_bwd_cell(T, cfg))
@@ -472,8 +511,7 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
     ours_p = {k: v.clone().requires_grad_() for k, v in weights.items()}
     stock_p = {k: v.clone().requires_grad_() for k, v in weights.items()}
     del weights
-    model = build_model(config, ours_p, Contract(chunk_size=256, backend="triton", model_dtype="bfloat16",
-                                                 kernel_configs=cfg), device="cuda")
+    contract = Contract(chunk_size=256, backend="triton", model_dtype="bfloat16", kernel_configs=cfg)
     try:
         ms = _import_mamba_ssm(mamba_ssm)
     except Exception as e:
@@ -490,7 +528,8 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
         ids_d = ids.cuda()
 
         def ours_step():
-            logits = torch.cat(model.forward(seqs))
+            # as a trainer does: the layers built from the parameters on each step (A = -exp(A_log) etc.)
+            logits = torch.cat(build_model(config, ours_p, contract, device="cuda").forward(seqs))
             loss = F.cross_entropy(logits.float(), tgt.reshape(-1), reduction="sum")
             return logits, torch.autograd.grad(loss, [ours_p[k] for k in names])
 
@@ -527,35 +566,47 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
         torch.cuda.empty_cache()
 
 
+# which cells each section owns (a merge keeps the others' from the earlier JSON)
+OWNED = {
+    "attention": [("attention", lambda r: r.get("phase") != "backward")],
+    "mlp": [("mlp", None)],
+    "sweep": [("sweep", None)],
+    "model": [("forward", None), ("decode", None)],
+    "bwd_sweep": [("bwd_sweep", None)],
+    "bwd_determinism": [("bwd_determinism", None)],
+    "attention_bwd": [("attention", lambda r: r.get("phase") == "backward")],
+    "train": [("train", None)],
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sections", default="attention,mlp,sweep,model,train",
-                    help="comma-separated: attention, mlp, sweep, model, train")
+    ap.add_argument("--sections", default=",".join(OWNED), help=f"comma-separated, of: {', '.join(OWNED)}")
     ap.add_argument("--merge", help="an earlier JSON whose other sections' cells are kept")
     ap.add_argument("--mamba-ssm", help="mamba_ssm's package folder (from its sdist) for the stock training step")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
+    if sections - set(OWNED):
+        ap.error(f"unknown sections {sorted(sections - set(OWNED))}; expected some of {', '.join(OWNED)}")
     import triton
 
     res = dict(script="benchmarks/bench_hybrid_h200.py", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, commit=_commit(),
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               forward=[], decode=[], train=[], attention=[], mlp=[], sweep=[], bwd_sweep=[], errors=[])
+               forward=[], decode=[], train=[], attention=[], mlp=[], sweep=[], bwd_sweep=[], bwd_determinism=[],
+               errors=[])
     stamp = dict(commit=res["commit"], date=res["date"], gpu=res["gpu"], torch=res["torch"], triton=res["triton"])
     if a.merge:
         old = json.loads(Path(a.merge).read_text())
         kept = old.get("sections") or {s: {k: old.get(k) for k in stamp} for s in ("attention", "mlp", "sweep",
                                                                                      "model")}
-        owned = dict(attention=("attention", lambda r: r.get("phase") != "backward"), mlp=("mlp", None),
-                     sweep=("sweep", None), model=("forward", None), model2=("decode", None),
-                     train=("train", None), train2=("bwd_sweep", None),
-                     train3=("attention", lambda r: r.get("phase") == "backward"))
-        for sec, (key, pick) in owned.items():
-            if sec.rstrip("23") not in sections:
-                res[key] += [r for r in old.get(key, []) if pick is None or pick(r)]
+        for sec, owned in OWNED.items():
+            if sec not in sections:
+                for key, pick in owned:
+                    res[key] += [r for r in old.get(key, []) if pick is None or pick(r)]
         for key in ("model", "copy_bandwidth_bytes_per_s", "train_note", "bwd_config"):
             if key in old and key not in res:
                 res[key] = old[key]
@@ -573,15 +624,16 @@ def main() -> int:
 
     bwd = {"cfg": TritonKernelConfigs()}
 
-    def train() -> None:
-        bwd["cfg"] = bwd_sweep_cells(res, save) if not a.quick else bwd["cfg"]
-        attention_bwd_cells(res, save, a.quick, bwd["cfg"])
-        train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm)
+    def sweep_bwd() -> None:
+        bwd["cfg"] = bwd_sweep_cells(res, save)
 
     for name, fn in (("attention", lambda: attention_cells(res, save, a.quick)), ("mlp", lambda: mlp_cells(res, save)),
                      ("sweep", None if a.quick else lambda: sweep_cells(res, save)),
                      ("model", None if a.no_model else lambda: model_cells(res, save, a.quick)),
-                     ("train", train)):
+                     ("bwd_sweep", None if a.quick else sweep_bwd),
+                     ("bwd_determinism", lambda: bwd_determinism_cells(res, save)),
+                     ("attention_bwd", lambda: attention_bwd_cells(res, save, a.quick, bwd["cfg"])),
+                     ("train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm))):
         if fn is None or name not in sections:
             continue
         try:
@@ -603,7 +655,7 @@ def main() -> int:
         print("sweep", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     for r in res["forward"] + res["decode"]:
         print(f"model {r['shape']} {r.get('batch', r.get('tokens'))} ours {r['ours_ms']:.3f} ms")
-    for r in res["bwd_sweep"] + res["train"]:
+    for r in res["bwd_sweep"] + res["bwd_determinism"] + res["train"]:
         print("train", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     print("errors:", res["errors"])
     return 0
