@@ -60,6 +60,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     (3, 1, 64, [10, 1, 20], [30, 9, 20]),     # queries the last positions (a chunk after cached keys)
     (16, 1, 32, [9, 0], [9, 4]),              # 16 query heads per key/value head; a sequence with no query
     (2, 2, 128, [21], [21]),                  # head_dim 128
+    (2, 1, 32, [70], [70]),                   # many unmasked steps in both kernels
 ])
 def test_gradients_match_the_fp64_reference(H: int, G: int, D: int, nq: list[int], nk: list[int]) -> None:
     q, k, v, w = _inputs(nq, nk, H, G, D, seed=H + D)

@@ -38,6 +38,54 @@ from .triton import LOG2E, rep_pad
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, kp, t, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow, nq, qpos0, tt, hh, head, d,
+               sq_t, sq_h, sl_t, qk_scale, REP: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """TOK query tokens from t against one key block: dK, dV += (module docstring). Without MASK every
+    token sees the whole block; rows past the sequence or the group load zeros and add exact zeros."""
+    tok = t + tt
+    valid = (tok < nq) & (hh < REP)
+    qr = (qrow + tok).to(tl.int64)
+    qo = qr[:, None] * sq_t + head[:, None] * sq_h + d[None, :]
+    q = tl.load(q_ptr + qo, mask=valid[:, None], other=0.0)
+    do = tl.load(do_ptr + qo, mask=valid[:, None], other=0.0)
+    lse = tl.load(lse_ptr + qr * sl_t + head, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + qr * sl_t + head, mask=valid, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK:
+        p = tl.where(valid[:, None] & (kp[None, :] <= (qpos0 + tok)[:, None]), p, 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, j, last, pos, valid, k_ptr, v_ptr, krow, g, d, sk_t, sk_g, qk_scale,
+             BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """One key block j against a query tile: dQ += dS K (scaled by the caller). Without MASK every row
+    sees the whole block (padding rows have dO = 0, so dS = 0)."""
+    kp = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    krows = (krow + kp).to(tl.int64) * sk_t + g * sk_g
+    if MASK:
+        kin = kp <= last
+        k = tl.load(k_ptr + krows[:, None] + d[None, :], mask=kin[:, None], other=0.0)
+        v = tl.load(v_ptr + krows[:, None] + d[None, :], mask=kin[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + krows[:, None] + d[None, :])
+        v = tl.load(v_ptr + krows[:, None] + d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK:
+        p = tl.where(valid[:, None] & (kp[None, :] <= pos[:, None]), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
 def _dkdv_kernel(
     # Pointers to matrices
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -71,24 +119,16 @@ def _dkdv_kernel(
     head = g * REP + hh
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    # queries before the block's first key see none of it
+    # queries before the block's first key see none of it; from the first step whose first token is at
+    # or after the block's last key, every token sees all of it (no mask)
     t0 = tl.maximum(j * BLOCK_N - qpos0, 0)
-    for t in range(t0, nq, TOK):
-        tok = t + tt
-        valid = (tok < nq) & (hh < REP)
-        qr = (qrow + tok).to(tl.int64)
-        qo = qr[:, None] * sq_t + head[:, None] * sq_h + d[None, :]
-        q = tl.load(q_ptr + qo, mask=valid[:, None], other=0.0)
-        do = tl.load(do_ptr + qo, mask=valid[:, None], other=0.0)
-        lse = tl.load(lse_ptr + qr * sl_t + head, mask=valid, other=0.0)
-        delta = tl.load(delta_ptr + qr * sl_t + head, mask=valid, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        see = valid[:, None] & (kp[None, :] <= (qpos0 + tok)[:, None])
-        p = tl.where(see, tl.math.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    t1 = t0 + tl.cdiv(tl.maximum(j * BLOCK_N + BLOCK_N - 1 - qpos0 - t0, 0), TOK) * TOK
+    for t in range(t0, tl.minimum(t1, nq), TOK):
+        dk, dv = _dkdv_step(dk, dv, k, v, kp, t, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow, nq, qpos0, tt, hh, head, d,
+                            sq_t, sq_h, sl_t, qk_scale, REP, True, PRECISION)
+    for t in range(t1, nq, TOK):
+        dk, dv = _dkdv_step(dk, dv, k, v, kp, t, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow, nq, qpos0, tt, hh, head, d,
+                            sq_t, sq_h, sl_t, qk_scale, REP, False, PRECISION)
     tl.store(dk_ptr + krows[:, None] + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=kin[:, None])
     tl.store(dv_ptr + krows[:, None] + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kin[:, None])
 
@@ -128,18 +168,14 @@ def _dq_kernel(
     delta = tl.load(delta_ptr + qr * sl_t + head, mask=valid, other=0.0)
     last = pos0 + ntok - 1
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    for j in range(0, last // BLOCK_N + 1):
-        kp = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        kin = kp <= last
-        krows = (krow + kp).to(tl.int64) * sk_t + g * sk_g
-        k = tl.load(k_ptr + krows[:, None] + d[None, :], mask=kin[:, None], other=0.0)
-        v = tl.load(v_ptr + krows[:, None] + d[None, :], mask=kin[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        see = valid[:, None] & (kp[None, :] <= pos[:, None])
-        p = tl.where(see, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    # blocks wholly at or before the first row's position are seen whole by every row: no mask
+    full = (pos0 + 1) // BLOCK_N
+    for j in range(0, full):
+        dq = _dq_step(dq, q, do, lse, delta, j, last, pos, valid, k_ptr, v_ptr, krow, g, d, sk_t, sk_g, qk_scale,
+                      BLOCK_N, False, PRECISION)
+    for j in range(full, last // BLOCK_N + 1):
+        dq = _dq_step(dq, q, do, lse, delta, j, last, pos, valid, k_ptr, v_ptr, krow, g, d, sk_t, sk_g, qk_scale,
+                      BLOCK_N, True, PRECISION)
     tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
