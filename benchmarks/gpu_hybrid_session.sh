@@ -4,6 +4,7 @@
 #
 #   OUT=/path bash benchmarks/gpu_hybrid_session.sh        # from the repository root
 #   STEPS="tests check bench" TEST_S=240 CHECK_S=150 BENCH_S=240 BENCH_ARGS="--quick" ...
+#   BENCH_ARGS="--sections train --merge benchmarks/results/h200_hybrid.json" MAMBA_SSM=DIR ...
 #
 # Writes under $OUT: env.log, pytest_gpu.log, check_<layout>.json/.log, hybrid.log, h200_hybrid.json.
 set -uo pipefail
@@ -43,7 +44,9 @@ PY
   done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
-  timeout "${BENCH_S:-240}" python3 benchmarks/bench_hybrid_h200.py --out "$OUT/h200_hybrid.json" ${BENCH_ARGS:-} \
+  # the stock training step needs mamba_ssm's Triton files (environment.md: the sdist's package folder)
+  MS=""; [ -d "${MAMBA_SSM:-.anchors/mamba_ssm}" ] && MS="--mamba-ssm ${MAMBA_SSM:-.anchors/mamba_ssm}"
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_hybrid_h200.py --out "$OUT/h200_hybrid.json" $MS ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/hybrid.log"
   echo "== bench exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/hybrid.log"
 fi

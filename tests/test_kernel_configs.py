@@ -27,6 +27,7 @@ from aligned_mamba.ops import linear_triton as lt  # noqa: E402
 from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
 from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.attention import triton as at  # noqa: E402
+from aligned_mamba.ops.attention import triton_backward as ab  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
 from aligned_mamba.ops.moe import triton as mt  # noqa: E402
@@ -113,6 +114,7 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     logits = r(4, 50280)
     lpt.log_softmax_triton(logits, cfg)
     et.relu2_triton(r(64, 3000), cfg)
+    et.relu2_backward_triton(r(64, 3000), r(64, 3000), cfg)
     # attention: a prefill beside a chunk continuing from the cache, then a decode step
     Hq, Gk, Dh = 8, 2, 128
     kc = torch.empty(3, 512, Gk, Dh, dtype=BF16)
@@ -126,6 +128,10 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     h = r(64, 256)
     mt.experts_triton(h, experts, weights, r(16, 512, 256), r(16, 256, 512), cfg)
     mt.expert_wgrad(r(64 * 6, 512), h, dispatch(experts, 16, cfg.moe_block_m), 16, cfg, gather=True)
+    # its backward over two packed sequences (the second's queries its last 90 positions)
+    cq, ck = torch.tensor([0, 300, 390]), torch.tensor([0, 300, 490])
+    ab.attention_backward_triton(r(390, Hq, Dh), r(490, Gk, Dh), r(490, Gk, Dh), r(390, Hq, Dh), r(390, Hq, dtype=F32),
+                                 r(390, Hq, Dh), cq, ck, scale=0.1, cfg=cfg)
     H, P, G, N, L = 4, 64, 2, 128, 256
     params = SSMParams(A=-torch.ones(H), D=torch.ones(H), dt_bias=torch.zeros(H))
     for dtype in (BF16, F32):

@@ -9,6 +9,8 @@ kernel on a GPU, reading the cache where it lies): every row is a fixed function
 and the keys and values of its positions 0..t (keys in fixed blocks from position 0, one
 online-softmax order in fp32, masked entries exact zeros), so prefill, chunked prefill, decode,
 recompute and any batch give the same bits. The projections run on the backend's row-invariant ``linear``.
+A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
+backward; the torch form's autograd on the CPU).
 
 An engine that owns a paged KV cache (vLLM's block manager) calls ``advance_paged`` instead: the
 same projections write the new keys and values into its pages (``paged_tables`` says where, from

@@ -206,16 +206,16 @@ class TritonBackend(Backend):
         self._ag, self._grad = triton_autograd, triton_autograd.grad_needed
         self._torch_ops = TorchBackend(TorchKernelConfigs(), device)  # the interpreter's stand-ins
         if self.compiled:
-            from . import logprobs_triton, norm_triton
+            from . import elementwise_triton, logprobs_triton, norm_triton
             from .attention import triton as attention_triton
+            from .attention import triton_backward as attention_backward
             from .conv1d_triton import causal_conv1d_triton
-            from .elementwise_triton import relu2_triton
             from .linear_triton import linear_triton
             from .moe.triton import experts_triton
 
             self._linear, self._conv = linear_triton, causal_conv1d_triton
             self._norm, self._logprobs = norm_triton, logprobs_triton
-            self._attn, self._relu2 = attention_triton, relu2_triton
+            self._attn, self._attn_ag, self._elementwise = attention_triton, attention_backward, elementwise_triton
             self._experts, self.stacked_experts = experts_triton, True
 
     def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -282,9 +282,11 @@ class TritonBackend(Backend):
             logits.shape)
 
     def relu2(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.compiled or self._grad(x):
+        if not self.compiled:
             return super().relu2(x)  # the same bits (one rounding of one IEEE multiply), differentiable
-        return self._relu2(x, self.configs)
+        if self._grad(x):  # the kernel, and a one-pass backward that saves only x
+            return self._elementwise.relu2(x, self.configs)
+        return self._elementwise.relu2_triton(x, self.configs)
 
     def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
                     up_b: Any = None, down_b: Any = None) -> torch.Tensor:
@@ -299,7 +301,11 @@ class TritonBackend(Backend):
                   v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
         if not self.compiled:
             return super().attention(q, k, v, k_cache, v_cache, batch, scale=scale)
-        self._no_attention_grad(q, k, v)
+        grad = self._grad(q, k, v)
+        if grad and bool((batch.start_pos != 0).any()):
+            # the keys of earlier calls sit in the cache outside the autograd graph: their gradient would be lost
+            raise AlignedMambaError("training attention over keys cached by an earlier call is refused on the GPU: "
+                                    "the backward covers one pass from empty (every start_pos 0)")
         dev, rep = q.device, q.shape[1] // k.shape[1]
         if bool((batch.lengths == 1).all()):
             # a decode step: tables straight from the step's device slots and positions (a captured
@@ -309,6 +315,9 @@ class TritonBackend(Backend):
         else:
             t = batch.derived(("attention-tiles", rep, dev), lambda: self._attn.step_tables(
                 batch.slots, batch.start_pos, batch.cu_seqlens, rep, self.configs, dev))
+        if grad:  # the same writes and launch, with the saved log-sum-exp and a Triton backward
+            return self._attn_ag.attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale,
+                                                  cfg=self.configs)
         k_cache[t.write_slot, t.write_pos] = k
         v_cache[t.write_slot, t.write_pos] = v
         return self._attn.attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=self.configs)
@@ -317,13 +326,9 @@ class TritonBackend(Backend):
                          cu_seqlens_k: torch.Tensor, plan: _attn.BlockedPlan | None, *, scale: float) -> torch.Tensor:
         if not self.compiled:
             return super().attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, scale=scale)
-        self._no_attention_grad(q, k, v)
+        if self._grad(q, k, v):
+            return self._attn_ag.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=self.configs)
         return self._attn.attention_triton_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=self.configs)
-
-    def _no_attention_grad(self, *tensors: torch.Tensor) -> None:
-        if self._grad(*tensors):
-            raise AlignedMambaError("training attention on the GPU is refused: the Triton attention kernel has no "
-                                    "backward yet (inference only; train hybrids on the torch backend)")
 
     def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -102,6 +102,10 @@ class TritonKernelConfigs:
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
       tile; a row's bits do not depend on the tile's rows: tests/test_attention_triton_gpu.py).
+      Its backward (ops/attention/triton_backward.py; gradients only, never a forward's bits):
+      attn_bwd_kv_block_n keys per dk/dv program and attn_bwd_kv_block_m query rows per step of its
+      loop; attn_bwd_q_block_m query rows per dq program and attn_bwd_q_block_n keys per step;
+      attn_bwd_warps, attn_bwd_stages both launches'.
     MLP (ops/elementwise_triton.py): relu2_block, elements per program of the squared ReLU.
     MoE experts (ops/moe/triton.py): moe_block_m, moe_block_n: the grouped GEMM's tile (rows of one
       expert's sorted tokens x output columns; a row's bits do not depend on the tile's rows, as the
@@ -175,6 +179,12 @@ class TritonKernelConfigs:
     attn_decode_block_m: int = 16
     attn_decode_warps: int = 4
     attn_decode_stages: int = 4
+    attn_bwd_kv_block_n: int = 64
+    attn_bwd_kv_block_m: int = 64
+    attn_bwd_q_block_m: int = 64
+    attn_bwd_q_block_n: int = 64
+    attn_bwd_warps: int = 4
+    attn_bwd_stages: int = 2
     relu2_block: int = 2048
     moe_block_m: int = 64
     moe_block_n: int = 128
@@ -246,8 +256,11 @@ class TritonKernelConfigs:
         _pow2("attn_decode_block_m", self.attn_decode_block_m, 16, 256)
         for name in ("attn_warps", "attn_decode_warps"):
             _among(name, getattr(self, name), (1, 2, 4, 8))
-        for name in ("attn_stages", "attn_decode_stages"):
+        for name in ("attn_stages", "attn_decode_stages", "attn_bwd_stages"):
             _among(name, getattr(self, name), (1, 2, 3, 4, 5))
+        for name in ("attn_bwd_kv_block_n", "attn_bwd_kv_block_m", "attn_bwd_q_block_m", "attn_bwd_q_block_n"):
+            _pow2(name, getattr(self, name), 16, 256)
+        _among("attn_bwd_warps", self.attn_bwd_warps, (1, 2, 4, 8))
         _pow2("relu2_block", self.relu2_block, 128, 16384)
         for name in ("moe_block_m", "moe_block_n", "moe_block_k", "moe_wgrad_block_n", "moe_wgrad_block_k",
                      "moe_wgrad_block_t"):

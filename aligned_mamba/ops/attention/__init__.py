@@ -13,6 +13,8 @@ Query t attends to keys 0 .. t.
   eager baseline.
 - ``triton.attention_triton``: the triton backend's kernel (GPU), reading keys and values where a
   cache holds them; its bits are the GPU's own (the hardware class differs from the CPU's anyway).
+- ``triton_backward``: that kernel's backward (dq, dk, dv in Triton, deterministic) and the autograd
+  Functions the triton backend trains with (the forward is the sampler's launch, unchanged).
 """
 
 from .blocked import KV_BLOCK, ROW_TILE, BlockedPlan, attention_blocked, attention_stock, blocked_plan

@@ -69,15 +69,15 @@ def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk
 @triton.jit
 def _attention_kernel(
     # Pointers to matrices
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     # Per-tile tables [NT] int64
     row0_ptr, ntok_ptr, pos0_ptr, slot_ptr,
     # Strides (elements)
-    sq_t, sq_h, sk_slot, sk_r, sk_g, so_t, so_h,
+    sq_t, sq_h, sk_slot, sk_r, sk_g, so_t, so_h, sl_t,
     qk_scale,
     # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -111,6 +111,8 @@ def _attention_kernel(
     o = acc / lsum[:, None]
     tl.store(o_ptr + (row0 + tt).to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    if STORE_LSE:  # for the backward: log2 of the row's softmax denominator, in s's units (o is untouched)
+        tl.store(lse_ptr + (row0 + tt).to(tl.int64) * sl_t + head, m + tl.log2(lsum), mask=valid)
 
 
 @dataclass(frozen=True)
@@ -201,14 +203,16 @@ def decode_step_tables(slots: torch.Tensor, positions: torch.Tensor) -> StepTabl
 
 
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles, *,
-                     scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+                     scale: float, cfg: TritonKernelConfigs, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
 
     q [T, H, D] (bf16 or fp32); k_cache, v_cache [slots, max_len, G, D] in q's dtype, the key of
     position p of slot s at [s, p] (a packed key tensor [Tk, G, D] is slot 0 of [1, Tk, G, D] with
     each tile's positions counted from its sequence's first key row: pass it that way);
     D 64 or 128 (any power of two from 16 to 256). Returns [T, H, D] in q's dtype; rows no tile
-    covers are left unwritten. No host synchronisation.
+    covers are left unwritten. No host synchronisation. ``lse`` [T, H] float32 (contiguous), when
+    given, receives each row's log2 softmax denominator in units of s = q.k * scale * log2(e) (what
+    the backward needs); the output's bits are the same either way.
     """
     T, H, D = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
@@ -230,16 +234,18 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(2) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
+    if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or lse.stride(1) != 1):
+        raise ValueError(f"attention_triton: lse [{T}, {H}] float32 with unit head stride expected")
     NT = tiles.row0.shape[0]
     if NT == 0 or T == 0:
         return out
     warps = cfg.attn_decode_warps if tiles.decode else cfg.attn_warps
     stages = cfg.attn_decode_stages if tiles.decode else cfg.attn_stages
     _attention_kernel[(NT, G)](
-        q, k_cache, v_cache, out, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
+        q, k_cache, v_cache, out, out if lse is None else lse, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
         q.stride(0), q.stride(1), k_cache.stride(0) // k_cache.stride(1), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), scale * LOG2E,
-        REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n,
+        out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), scale * LOG2E,
+        REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n, STORE_LSE=lse is not None,
         PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
         # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
         # masked loop's select between them cannot, and a row meets a block in either loop
@@ -249,7 +255,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, *, scale: float, cfg: TritonKernelConfigs,
-                            decode: bool = False) -> torch.Tensor:
+                            decode: bool = False, lse: torch.Tensor | None = None) -> torch.Tensor:
     """The package signature over packed keys: q [Tq, H, D], k and v [Tk, G, D], cu_seqlens [S+1]
     (host ints). Each sequence's keys are read where they lie (its queries are its last positions);
     ``decode`` runs the decode tile (every sequence must then bring one query). For tests and
@@ -271,7 +277,7 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # each sequence's first key row is its "slot", at a pitch of one row
     kc = k.as_strided((k.shape[0], 1, *k.shape[1:]), (k.stride(0), k.stride(0), k.stride(1), k.stride(2)))
     vc = v.as_strided((v.shape[0], 1, *v.shape[1:]), (v.stride(0), v.stride(0), v.stride(1), v.stride(2)))
-    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg)
+    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse)
 
 
 __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
