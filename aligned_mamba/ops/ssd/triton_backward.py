@@ -144,13 +144,15 @@ def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
 
 @triton.jit
 def _bwd_s_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, sD_h, sD_p,
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
+    sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx [BS, P], ddt [BS] (through M
-    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the head's dB [BS, N].
+    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term), the head's dB [BS, N] and the block's share
+    of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P).
 
     x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
     C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
@@ -195,6 +197,8 @@ def _bwd_s_kernel(
     tl.store(ddt_ptr + ch * L + s, acc_e + f)
     tl.store(f_ptr + ch * L + s, f * dt_s)
     tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
+    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
+             tl.sum(dy_s * x_s, axis=0))
 
 
 @triton.jit
@@ -300,18 +304,20 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     da_t = torch.empty_like(ddt)
     blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
+    dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
     if NC:
-        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, sD_h, sD_p, **blocks,
-                                         **opts)
+        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, dDp, sD_h, sD_p,
+                                         **blocks, **opts)
         _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dCh, da_t, **blocks, **opts)
 
     # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
     da = da_t - dt * ddt
-    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * (dh_out * h_in).sum((-2, -1))
+    hh = torch.bmm(dh_out.view(NC * H, 1, P * N), h_in.view(NC * H, P * N, 1)).view(NC, H)  # sum dh_out * h_in
+    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * hh
     dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
     ddt = ddt + Af[None, :, None] * dAdt
     dA = (dAdt * dt).sum((0, 2))
-    dD = (dy * x).sum((0, 2))  # [H, P]
+    dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
     dB = dBh.view(NC, G, HG, L, N).sum(2)
     dC = dCh.view(NC, G, HG, L, N).sum(2)
