@@ -5,10 +5,12 @@
 #   OUT=/path bash benchmarks/gpu_model_session.sh        # from the repository root
 #   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m 1.3b" CHECK_JOBS=2 ...
 #   STEPS="tests scanbwd train" TEST_FILES=tests/test_triton_backward.py TRAIN_ARGS="--quick --profile"  (training)
+#   STEPS=vsms VSMS_ARGS="--parts train --profile"   (against mamba_ssm's MambaLMHeadModel)
 #
 # Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the stock columns.
 # Writes under $OUT: env.log, pytest_gpu.log, model.log, h200_model.json, check_<model>.json/.log,
-# scan_backward.log, h200_scan_backward.json, train.log, h200_train.json.
+# scan_backward.log, h200_scan_backward.json, train.log, h200_train.json, vs_mamba_ssm.log,
+# h200_train_mamba_ssm.json, h200_model_mamba_ssm.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -43,6 +45,12 @@ if [[ " $STEPS " == *" train "* ]]; then
   timeout "${TRAIN_S:-330}" python3 benchmarks/bench_train_h200.py --shapes mamba2-1.3b --out "$OUT/h200_train.json" \
     ${TRAIN_ARGS:---quick} 2>&1 | tee "$OUT/train.log"
   echo "== train exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
+fi
+if [[ " $STEPS " == *" vsms "* ]]; then
+  # against mamba_ssm's own MambaLMHeadModel (needs the whole mamba_ssm package in .anchors/)
+  timeout "${VSMS_S:-400}" python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$OUT" ${VSMS_ARGS:-} \
+    2>&1 | tee "$OUT/vs_mamba_ssm.log"
+  echo "== vsms exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/vs_mamba_ssm.log"
 fi
 if [[ " $STEPS " == *" check "* ]]; then
   for m in ${CHECK:-tiny}; do

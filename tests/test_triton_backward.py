@@ -47,7 +47,7 @@ from aligned_mamba.ops.norm_triton import (  # noqa: E402
     rms_norm_triton,
 )
 from aligned_mamba.ops.ssd import SSDState, SSMParams, ssd_chunk, ssd_naive  # noqa: E402
-from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
 from aligned_mamba.replay import Batch  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
@@ -274,13 +274,16 @@ def test_the_dense_form_is_the_tile_forms_function(off):
         assert rel_err(h, h_ref) < 1e-6
 
 
-@pytest.mark.parametrize("off,D_per_p", [(0, False), (5, True)], ids=["from-empty", "buffered-D[H,P]"])
-def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p):
+@pytest.mark.parametrize("off,D_per_p,lens", [(0, False, [70, 5, 32]), (5, True, [70, 5, 32]), (0, False, [64, 32])],
+                         ids=["from-empty", "buffered-D[H,P]", "whole-chunks"])
+def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p, lens, monkeypatch):
     """``ta.ssd_backward`` (the Triton backward kernels) against torch autograd through ``_ssd_dense``
     at the same inputs: buffered rows, rows not wanted, several chunks per sequence, several row
-    blocks per chunk (chunk 32, blocks 16), D per head or per channel."""
+    blocks per chunk (chunk 32, blocks 16), D per head or per channel. Sequences of whole chunks from
+    empty take the packing's short cut (the grid as a view of the rows): the same bits as the general
+    packing, reached here through all-zero buffers."""
     ARGS = ("x", "dt", "B", "C", "A", "D", "dt_bias", "h0")  # the positional order
-    chunk, G, H, P, N, lens = 32, 2, 4, 16, 16, [70, 5, 32]
+    chunk, G, H, P, N = 32, 2, 4, 16, 16
     cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
     lv = _scan_leaves(21, lens, H, P, G, N)
     if D_per_p:
@@ -299,13 +302,23 @@ def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p):
     y = _ssd_dense(*(leaves[k] for k in ARGS), *bufs, cu, offs, rows, chunk, (0.0, math.inf), 16)
     want = torch.autograd.grad((y * wy).sum(), [leaves[k] for k in ARGS])
     grid = chunk_grid(cu.cpu(), offs.cpu(), chunk, DEV)
+    cu = cu.cpu()  # as a step holds it
+    packed = []
+    monkeypatch.setattr(ta, "pack_chunks", lambda *a, **k: packed.append(1) or pack_chunks(*a, **k))
     got = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, grid, rows, chunk,
                           (0.0, math.inf), cfg)
     again = ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs, grid, rows, chunk,
                             (0.0, math.inf), cfg)
+    assert len(packed) == (0 if not off and all(n % chunk == 0 for n in lens) else 2)
     assert all(torch.equal(u, v) for u, v in zip(got, again)), "two backwards gave different bits"
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(ARGS, got, want)}
     assert all(e < SCAN_RTOL[k] / 10 for k, e in errs.items()), errs
+    if not off and all(n % chunk == 0 for n in lens):
+        zero = (torch.zeros(S, H, chunk, P, device=DEV), torch.zeros(S, H, chunk, device=DEV),
+                torch.zeros(S, G, chunk, N, device=DEV))
+        general = ta.ssd_backward(*(lv[k] for k in ARGS), *zero, wy, (True,) * 8, cu, offs, grid, rows, chunk,
+                                  (0.0, math.inf), cfg)
+        assert all(torch.equal(u, v) for u, v in zip(got, general)), "the short cut changed the gradient's bits"
 
 
 # -- the other kernels' Functions (through the interpreter on a CPU) --------------------------------------

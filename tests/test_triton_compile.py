@@ -74,6 +74,9 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
                TC=TC)
     comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32"), bwd, fuse, cfg.bwd_warps)
     comp(tb._bwd_t_kernel, {}, bwd, fuse, cfg.bwd_warps)
+    for to_end in (True, False):  # the chunk states and dS
+        comp(tb._weighted_state_kernel, {}, dict(D, BLOCK_K=64, BLOCK_P=64, BLOCK_N=64, TO_END=to_end,
+                                                 PRECISION=cfg.dot_precision, TC=TC), fuse, cfg.bwd_warps)
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
                           Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
                           lo="fp32", hi="fp32"),
@@ -95,8 +98,8 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE_ALL, tmp_path)
-    # 12 kernel configs per dot mode (2 of the backward's); pack, buffer, row, reverse pass and zero kernels
-    assert len(done) == 3 * 12 + 5, done
+    # 14 kernel configs per dot mode (4 of the backward's); pack, buffer, row, reverse pass and zero kernels
+    assert len(done) == 3 * 14 + 5, done
 
 
 _COMPLETION_DOTS = r"""

@@ -97,10 +97,10 @@ for bias in (False, True):
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
-for bias in (False, True):  # the backward (fp32 gradients of bf16 inputs)
+for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-gradient partial sums)
     comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
-              dx_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32"),
+              dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
          dict(K=4, HAS_BIAS=bias, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4)
 lw = dict(num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
 comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"),

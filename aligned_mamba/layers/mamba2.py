@@ -173,11 +173,12 @@ class Mamba2Mixer:
         T = hidden.shape[0]
         H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
         zxbcdt = be.linear(hidden, self.in_proj_w, self.in_proj_b)
-        z, xBC, dt = zxbcdt[:, :d], zxbcdt[:, d:d + c.conv_dim], zxbcdt[:, d + c.conv_dim:]
+        # split, not three slices: the same views, but under autograd one concatenation of the parts'
+        # gradients instead of a zero-filled full-width gradient per slice, summed
+        z, xBC, dt = zxbcdt.split([d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim], dim=1)
         xBC = be.conv_advance(state.conv_window, batch, xBC, self.conv_w, self.conv_b)
-        x = xBC[:, :d].reshape(T, H, P)
-        B = xBC[:, d:d + G * N].reshape(T, G, N)
-        C = xBC[:, d + G * N:].reshape(T, G, N)
+        x, B, C = xBC.split([d, G * N, G * N], dim=1)
+        x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
         y = self.scan(state, batch, x, dt, B, C, rows)
         if capture is not None:
             capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, params=self.params, cu_seqlens=batch.cu_seqlens))

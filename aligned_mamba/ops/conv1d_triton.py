@@ -111,9 +111,10 @@ def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, str
 def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                      stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The gradient of conv1d + SiLU for rows [BLOCK_T] x channels [BLOCK_C]: dx of the rows (fp32
-    [T, Cd]), and this row block's partial sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks,
-    Cd], fp32), which the caller sums over blocks in a fixed order.
+    """The gradient of conv1d + SiLU for rows [BLOCK_T] x channels [BLOCK_C]: dx of the rows ([T, Cd],
+    accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
+    sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which the caller sums over
+    blocks in a fixed order.
 
     Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
     sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre): each shifted dpre is
@@ -148,7 +149,8 @@ def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr
                 v = _stream_value(x_ptr, win_ptr, r64 + (k - (K - 1)), seq, j + k, ch, m2, stride_x, stride_ws,
                                   stride_wk, K)
                 tl.store(dw_ptr + (blk * K + k) * Cd + ch, tl.sum(dpre * v, axis=0), mask=cmask)
-    tl.store(dx_ptr + r64[:, None] * Cd + ch[None, :], dx, mask=rmask[:, None] & cmask[None, :])
+    tl.store(dx_ptr + r64[:, None] * Cd + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
@@ -167,7 +169,7 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     b = bias.contiguous() if bias is not None else w
     BT, BC = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c
     nb = triton.cdiv(T, BT)
-    dx = torch.empty(T, Cd, device=x.device, dtype=torch.float32)
+    dx = torch.empty(T, Cd, device=x.device, dtype=x.dtype)  # no fp32 copy to round afterwards
     dw = torch.empty(nb, K, Cd, device=x.device, dtype=torch.float32)
     db = torch.empty(nb, Cd, device=x.device, dtype=torch.float32)
     if T:
@@ -175,7 +177,7 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
             x, cu_seqlens, window, w, b, g, dx, dw, db, T, S, Cd, x.stride(0), window.stride(0), window.stride(1),
             g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, BLOCK_T=BT, BLOCK_C=BC,
             num_warps=cfg.conv_bwd_warps)
-    return (dx.to(x.dtype), dw.sum(0).t().to(weight.dtype),
+    return (dx, dw.sum(0).t().to(weight.dtype),
             None if bias is None else db.sum(0).to(bias.dtype))
 
 

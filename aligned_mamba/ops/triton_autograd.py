@@ -52,7 +52,7 @@ from .norm_triton import (
     rms_norm_backward_triton,
     rms_norm_triton,
 )
-from .ssd.chunk import ChunkGrid, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
+from .ssd.chunk import ChunkGrid, Chunks, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
 from .ssd.plan import step_tables
 from .ssd.state import SSDState, SSMParams, Step
 from .ssd.triton_backward import chunk_scan_backward
@@ -226,21 +226,53 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
     L = chunk_size
     prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
     softplus = dt_softplus_triton if x.is_cuda else dt_softplus  # the same bits
-    ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
-    NC, H, _, P = ch.x.shape
-    G, N = ch.B.shape[1], ch.B.shape[3]
-    at = (grid.row_chunk, slice(None), grid.row_pos)
-    Cc = torch.zeros(NC, G, L, N, device=x.device)
-    Cc[at] = C.to(torch.float32)
     gy = g if rows is None else g * rows.to(g.device)[:, None, None]  # the forward's y is zero in rows not wanted
-    dyc = torch.zeros(NC, H, L, P, device=x.device)
-    dyc[at] = gy.to(torch.float32)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    # Every sequence from a chunk boundary over whole chunks (a trainer's packed sequences of multiples
+    # of L): packed row r is row r % L of chunk r // L, so the chunk grid is a transposed view of the
+    # rows and packing is one copy per tensor, not a zero fill and a scatter (nor a gather back).
+    aligned = prefix is None and cu_seqlens.device.type == "cpu" and bool((lens % L == 0).all())
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    NC = grid.num_chunks
+    f32, dev = torch.float32, x.device
+
+    def to_grid(t: Tensor) -> Tensor:  # [T, K, F] -> [NC, K, L, F] fp32 (aligned rows)
+        return torch.empty(NC, t.shape[1], L, t.shape[2], device=dev, dtype=f32).copy_(
+            t.reshape(NC, L, t.shape[1], t.shape[2]).transpose(1, 2))
+
+    def from_grid(t: Tensor, dtype: torch.dtype) -> Tensor:  # the inverse, in dtype
+        out = torch.empty(T, t.shape[1], t.shape[3], device=dev, dtype=dtype)
+        out.view(NC, L, t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
+        return out
+
+    at = (grid.row_chunk, slice(None), grid.row_pos)
+    if aligned:
+        dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
+        ch = Chunks(x=to_grid(x), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
+                    row_chunk=grid.row_chunk, row_pos=grid.row_pos)
+        Cc, dyc = to_grid(C), to_grid(gy)
+    else:
+        ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
+        Cc = torch.zeros(NC, G, L, N, device=dev)
+        Cc[at] = C.to(f32)
+        dyc = torch.zeros(NC, H, L, P, device=dev)
+        dyc[at] = gy.to(f32)
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
     dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16,
                                                            first=grid.first, count=grid.count)
+    if aligned:
+        dx = from_grid(dxc, x.dtype) if nx else None
+        dB = from_grid(dBc, B.dtype) if nB else None
+        dC = from_grid(dCc, C.dtype) if nC else None
+    else:
+        dx = dxc[at].to(x.dtype) if nx else None
+        dB = dBc[at].to(B.dtype) if nB else None
+        dC = dCc[at].to(C.dtype) if nC else None
     ddt = dbias = None
     if ndt or nbias:
-        graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddtc[at])  # [T, H]
+        ddt_rows = ddtc.transpose(1, 2).reshape(T, H) if aligned else ddtc[at]
+        graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddt_rows)  # [T, H]
         ddt = graw.to(dt.dtype) if ndt else None
         if nbias:
             dbias = graw.sum(0)
@@ -251,9 +283,7 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
                 kept = torch.arange(f, device=x.device)[None, :] < off.to(x.device)[:, None]  # [S, f]
                 dbias = dbias + torch.where(kept[:, :, None], gb, torch.zeros((), device=x.device)).sum((0, 1))
             dbias = dbias.to(dt_bias.dtype)
-    return (dxc[at].to(x.dtype) if nx else None, ddt, dBc[at].to(B.dtype) if nB else None,
-            dCc[at].to(C.dtype) if nC else None, dA if nA else None, dD if nD else None, dbias,
-            dh0.to(h0.dtype) if nh0 else None)
+    return (dx, ddt, dB, dC, dA if nA else None, dD if nD else None, dbias, dh0.to(h0.dtype) if nh0 else None)
 
 
 class _SSDAdvance(torch.autograd.Function):

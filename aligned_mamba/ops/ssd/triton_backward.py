@@ -31,13 +31,17 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
 4. ``_bwd_t_kernel`` [NC * H, L / BT]: the per-head dC and the da part summed over s, of one t block,
    looping over the s blocks at or before it.
 
+The chunk states of step 1 and what each chunk's outputs ask of its boundary state (dS, the input of
+step 2) are ``_weighted_state_kernel`` [NC * H, P/N blocks], dots of the packed rows in place (an fp32
+GEMM over transposed copies took about as long as both chunk kernels' glue together).
+
 Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
 fixed order inside a program, and what spans programs (dB and dC over a group's heads, dA and dD
 over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
 contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
 operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
-split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products, the chunk states and
-the reductions are torch fp32 ops.
+split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
+torch fp32 ops.
 """
 
 from __future__ import annotations
@@ -77,6 +81,54 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
 
 @triton.jit
+def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
+                           H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                           TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """Chunk c, head h (pid 0 = c * H + h), one (p, n) block (pid 1): out[c, h] = sum_l w_l u_l^T v_l,
+    with w_l = exp(a_L - a_l) dt_l (TO_END: the chunk's state from u = x, v = B) or exp(a_l) (what the
+    chunk's outputs ask of its boundary state, from u = dy, v = C).
+
+    u [NC, H, L, P], v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
+    """
+    ch = tl.program_id(0).to(tl.int64)
+    h = ch % H
+    cg = (ch // H) * G + h // (H // G)
+    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    p = (tl.program_id(1) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (tl.program_id(1) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    a_last = tl.load(a_ptr + ch * L + L - 1)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a_k = tl.load(a_ptr + ch * L + k)
+        if TO_END:
+            w = tl.exp(a_last - a_k) * tl.load(dt_ptr + ch * L + k)
+        else:
+            w = tl.exp(a_k)
+        uT = tl.load(u_ptr + (ch * L + k[None, :]) * P + p[:, None], mask=pm[:, None], other=0.0)
+        vk = tl.load(v_ptr + (cg * L + k[:, None]) * N + n[None, :], mask=nm[None, :], other=0.0)
+        acc = dot_acc(acc, uT * w[None, :], vk, TC, 1, PRECISION)
+    tl.store(out_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
+
+
+def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, cfg: TritonKernelConfigs,
+                     tc: int, opts: dict) -> Tensor:
+    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32."""
+    NC, H, L, P = u.shape
+    G, N = v.shape[1], v.shape[3]
+    out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
+    BP, BN = min(64, triton.next_power_of_2(P)), min(64, triton.next_power_of_2(N))
+    if NC:
+        _weighted_state_kernel[(NC * H, triton.cdiv(P, BP) * triton.cdiv(N, BN))](
+            u, v, a, dt, out, H=H, G=G, L=L, P=P, N=N, BLOCK_K=min(64, L), BLOCK_P=BP, BLOCK_N=BN, TO_END=to_end,
+            PRECISION=cfg.dot_precision, TC=tc, **opts)
+    return out
+
+
+@triton.jit
 def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the head, the chunk's
@@ -92,13 +144,15 @@ def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
 
 @triton.jit
 def _bwd_s_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, sD_h, sD_p,
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
+    sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx [BS, P], ddt [BS] (through M
-    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the head's dB [BS, N].
+    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term), the head's dB [BS, N] and the block's share
+    of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P).
 
     x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
     C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
@@ -143,6 +197,8 @@ def _bwd_s_kernel(
     tl.store(ddt_ptr + ch * L + s, acc_e + f)
     tl.store(f_ptr + ch * L + s, f * dt_s)
     tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
+    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
+             tl.sum(dy_s * x_s, axis=0))
 
 
 @triton.jit
@@ -220,10 +276,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     Af = A.to(device=dev, dtype=f32)
     a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
 
-    # every chunk's boundary state: chunk states by one GEMM, passed along by the forward's kernel
-    w = (a[..., -1:] - a).exp() * dt
-    states = ((x * w[..., None]).view(NC, G, HG, L, P).transpose(-1, -2).reshape(NC, G, HG * P, L) @ B
-              ).view(NC, H, P, N)  # [NC, H, P, N]
+    # every chunk's boundary state: chunk states by a dot kernel, passed along by the forward's kernel
+    states = _weighted_states(x, B, a, dt, True, cfg, tc, opts)
     h_in = torch.empty(NC, H, P, N, device=dev, dtype=f32)
     h_run = h0.to(f32).contiguous().clone()
     PP, NBk = min(cfg.pass_block_p, triton.next_power_of_2(P)), min(cfg.block_n, triton.next_power_of_2(N))
@@ -233,8 +287,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                                   BLOCK_N=NBk, WRITE_IN=True, RT_RANGE=not interpreting(), num_warps=cfg.num_warps)
 
     # what each chunk's outputs ask of its boundary state, then dh_out walking backwards
-    dS = ((dy * a.exp()[..., None]).view(NC, G, HG, L, P).transpose(-1, -2).reshape(NC, G, HG * P, L) @ C
-          ).view(NC, H, P, N)
+    dS = _weighted_states(dy, C, a, dt, False, cfg, tc, opts)
     dh_out = torch.empty(NC, H, P, N, device=dev, dtype=f32)
     dh0 = torch.empty(S, H, P, N, device=dev, dtype=f32)
     _dstate_pass_kernel[pass_grid](a, dS, dh_out, dh0, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP, BLOCK_N=NBk,
@@ -251,18 +304,20 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     da_t = torch.empty_like(ddt)
     blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
+    dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
     if NC:
-        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, sD_h, sD_p, **blocks,
-                                         **opts)
+        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, dDp, sD_h, sD_p,
+                                         **blocks, **opts)
         _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dCh, da_t, **blocks, **opts)
 
     # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
     da = da_t - dt * ddt
-    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * (dh_out * h_in).sum((-2, -1))
+    hh = torch.bmm(dh_out.view(NC * H, 1, P * N), h_in.view(NC * H, P * N, 1)).view(NC, H)  # sum dh_out * h_in
+    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * hh
     dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
     ddt = ddt + Af[None, :, None] * dAdt
     dA = (dAdt * dt).sum((0, 2))
-    dD = (dy * x).sum((0, 2))  # [H, P]
+    dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
     dB = dBh.view(NC, G, HG, L, N).sum(2)
     dC = dCh.view(NC, G, HG, L, N).sum(2)

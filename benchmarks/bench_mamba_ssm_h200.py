@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""The project's trainer and sampler against mamba_ssm's own ``MambaLMHeadModel``, same weights, same
+process, on one GPU.
+
+    PYTHONPATH=.:.anchors python3 benchmarks/bench_mamba_ssm_h200.py --out-dir OUT [--shapes mamba2-1.3b,...]
+        [--parts train,forward,decode,accuracy] [--profile] [--quick]
+
+Stock: mamba_ssm 2.3.2.post1's ``MambaLMHeadModel`` (the whole package from its sdist in .anchors/,
+an empty module standing in for Mamba1's ``selective_scan_cuda``), built in bf16 with its own init
+(Mamba2 layers: state 128, head dim 64, 1 group, chunk 256, ``use_mem_eff_path=False``: causal_conv1d
+is not built, so its conv is torch's conv1d and its fused in_proj-to-out_proj path is off; then its
+Triton SSD forward and backward, Triton RMSNormGated, fused add + RMSNorm; tied embeddings, vocab
+padded to a multiple of 16). Its ``save_pretrained`` directory is what ours loads
+(``load_checkpoint`` + ``build_model`` under ``Contract(chunk_size=256, backend="triton",
+model_dtype="bfloat16")``, which ``aligned_mamba.load_model(dir, contract, cast=True)`` is), so both
+compute with the same bf16 values.
+
+Parts (each cell's CUDA-event median after a first call; the JSON is written after every cell):
+- train: one step = the loss -sum of fp32 log-softmax at random targets over 4 x 2048 and 1 x 16384
+  tokens, then the gradient of every weight (``torch.autograd.grad``); peak ``max_memory_allocated``
+  over one step; ours' logits with gradients on equal its no-grad forward and two of its backwards
+  are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side.
+- forward: all logits, no gradients, the same two token counts.
+- decode: one token per sequence at batch 1 / 64 / 256, every sequence prefilled to L k + U[0, L)
+  tokens; ours ``DecodeGraphs.step``; stock mamba_ssm's ``capture_graph`` over ``InferenceParams``
+  with its default bf16 state and with an fp32 state. The three are timed in turns (``--rounds``
+  rounds of ``--steps`` steps each, every step from an idle GPU, host work included); a cell's figure
+  is the median of the rounds' medians. Ours' graph rows are checked against ``model.forward``.
+- accuracy: logits of 2 x 1024 tokens against the same weights in an fp32 mamba_ssm model (and an
+  fp32 contract of ours): relative error ||a - ref|| / ||ref|| and top-1 agreement.
+
+Writes OUT/h200_train_mamba_ssm.json (train) and OUT/h200_model_mamba_ssm.json (the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "benchmarks/bench_mamba_ssm_h200.py"
+# name -> (layers, d_model)
+SHAPES = {"mamba2-130m": (24, 768), "mamba2-1.3b": (48, 2048), "mamba2-2.7b": (64, 2560)}
+VOCAB = 50280
+CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384)]
+BATCHES = (1, 64, 256)
+L = 256
+
+
+def log(msg: str) -> None:
+    print(f"[vs_mamba_ssm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def import_mamba_ssm():
+    """mamba_ssm's model classes; Mamba1's CUDA extension is imported at package load but not used by Mamba2."""
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    from mamba_ssm.utils.generation import InferenceParams, capture_graph
+
+    return MambaConfig, MambaLMHeadModel, InferenceParams, capture_graph
+
+
+def build_stock(layers: int, d_model: int, seed: int):
+    import torch
+
+    MambaConfig, MambaLMHeadModel, _, _ = import_mamba_ssm()
+    torch.manual_seed(seed)
+    cfg = MambaConfig(d_model=d_model, n_layer=layers, vocab_size=VOCAB,
+                      ssm_cfg=dict(layer="Mamba2", d_state=128, headdim=64, ngroups=1, chunk_size=L,
+                                   use_mem_eff_path=False),
+                      rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16)
+    return MambaLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16)
+
+
+def load_ours(stock, dev):
+    """The stock model's ``save_pretrained`` directory as the project loads it: (config, tensors on dev)."""
+    from aligned_mamba.models.registry import load_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        stock.save_pretrained(d)
+        config, tensors = load_checkpoint(d)
+    return config, {k: v.to(dev) for k, v in tensors.items()}
+
+
+def cuda_ms(torch, step, n: int, warmup: int = 0, before=None) -> list[float]:
+    from benchmarks.bench_h200 import cuda_times
+
+    return cuda_times(torch, step, n, warmup, before)
+
+
+def kernel_table(torch, step, top: int = 30) -> dict:
+    """One call of step under torch.profiler (CUDA activity): kernels by GPU time, summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for ev in prof.key_averages():
+        us = float(getattr(ev, "self_device_time_total", 0.0) or 0.0)
+        if us > 0:
+            a = acc.setdefault(ev.key[:120], [0.0, 0])
+            a[0] += us
+            a[1] += ev.count
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])
+    return {"device_total_ms": sum(v[0] for _, v in rows) / 1e3,
+            "kernels": [{"name": k, "ms": v[0] / 1e3, "calls": v[1]} for k, v in rows[:top]]}
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def free(torch) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
+    t0 = time.perf_counter()
+    out = step()
+    torch.cuda.synchronize()
+    e[f"{prefix}_first_call_s"] = time.perf_counter() - t0
+    del out
+    free(torch)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = step()
+    torch.cuda.synchronize()
+    e[f"{prefix}_peak_bytes"] = torch.cuda.max_memory_allocated()
+    e[f"{prefix}_peak_above_weights_bytes"] = e[f"{prefix}_peak_bytes"] - base
+    del out
+    ts = cuda_ms(torch, lambda i: step(), n)
+    e[f"{prefix}_ms"] = statistics.median(ts)
+    e[f"{prefix}_times_ms"] = ts
+
+
+def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T, seed) -> dict:
+    from aligned_mamba.models import build_model
+    from benchmarks.bench_train_h200 import ours_loss
+
+    dev = torch.device("cuda")
+    e = {"shape": name, "label": label, "tokens": S * T, "ours_ms": None, "stock_ms": None, "ratio": None}
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (S, T), device=dev, generator=g)
+    targets = torch.randint(0, VOCAB, (S, T), device=dev, generator=g)
+    seqs, tgts = list(ids), list(targets)
+    leaves = {k: v.detach().requires_grad_() for k, v in tensors.items()}
+    names = sorted(leaves)
+    n = 2 if args.quick else 4
+
+    def ours_step():
+        loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
+        return torch.autograd.grad(loss, [leaves[k] for k in names])
+
+    params = [p for p in stock.parameters() if p.requires_grad]
+
+    def stock_step():
+        logits = stock(ids).logits
+        loss = -torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).sum()
+        return torch.autograd.grad(loss, params)
+
+    try:
+        with torch.no_grad():
+            plain = build_model(config, tensors, contract, device=dev).forward(seqs)
+        loss, logits = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
+        e["ours_grad_mode_logits_equal"] = all(torch.equal(a.detach(), b) for a, b in zip(logits, plain))
+        del plain, logits
+        first = torch.autograd.grad(loss, [leaves[k] for k in names])
+        del loss
+        again = ours_step()
+        e["ours_grads_repeat_differ"] = [k for k, u, v in zip(names, first, again) if not torch.equal(u, v)]
+        e["ours_grads_repeat_equal"] = not e["ours_grads_repeat_differ"]
+        del first, again
+        free(torch)
+        peak_and_times(torch, ours_step, n, e, "ours")
+        if args.profile:
+            e["ours_profile"] = kernel_table(torch, ours_step)
+    except Exception as exc:  # noqa: BLE001 - a failed cell is a result
+        e["ours_error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    free(torch)
+    try:
+        peak_and_times(torch, stock_step, n, e, "stock")
+        if args.profile:
+            e["stock_profile"] = kernel_table(torch, stock_step)
+    except Exception as exc:  # noqa: BLE001
+        e["stock_error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    free(torch)
+    if e["ours_ms"] and e["stock_ms"]:
+        e["ratio"] = e["ours_ms"] / e["stock_ms"]
+        e["peak_ratio"] = e["ours_peak_bytes"] / e["stock_peak_bytes"]
+    return e
+
+
+def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
+    dev = torch.device("cuda")
+    e = {"shape": name, "label": label, "tokens": S * T, "ours_ms": None, "stock_ms": None, "ratio": None}
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (S, T), device=dev, generator=g)
+    seqs = list(ids)
+    n = 3 if args.quick else 5
+    with torch.no_grad():
+        for side, fn in (("ours", lambda: model.forward(seqs)), ("stock", lambda: stock(ids).logits)):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                free(torch)
+                ts = cuda_ms(torch, lambda i, f=fn: f(), n)
+                e[f"{side}_ms"], e[f"{side}_times_ms"] = statistics.median(ts), ts
+            except Exception as exc:  # noqa: BLE001
+                e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
+                log(traceback.format_exc())
+            free(torch)
+    if e["ours_ms"] and e["stock_ms"]:
+        e["ratio"] = e["ours_ms"] / e["stock_ms"]
+    return e
+
+
+def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
+    """Ours (DecodeGraphs), mamba_ssm's capture_graph with a bf16 and an fp32 state, timed in turns."""
+    from aligned_mamba.decode_graph import DecodeGraphs
+    from benchmarks.bench_model_h200 import PREFILL_TOKENS, prefill_last_rows
+
+    _, _, InferenceParams, capture_graph = import_mamba_ssm()
+    dev = torch.device("cuda")
+    e = {"shape": name, "batch": batch, "ours_ms": None, "stock_bf16_ms": None, "stock_fp32_ms": None}
+    g = torch.Generator().manual_seed(seed)
+    pos = L * torch.randint(0, 2, (batch,), generator=g) + torch.randint(1, L, (batch,), generator=g)
+    slots = torch.randperm(batch, generator=g)
+    hist = [torch.randint(0, VOCAB, (int(p),), generator=g) for p in pos]
+    steps = args.steps
+    toks = torch.randint(0, VOCAB, (steps * args.rounds + 1, batch), generator=g)
+    max_seqlen = int(pos.max()) + toks.shape[0] + 1
+    runners: dict = {}
+    try:
+        cache = model.new_cache(batch + 1)
+        prefill_last_rows(model, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
+        graphs = DecodeGraphs(model, cache, spare_slot=batch)
+        first = graphs.step(slots, pos, toks[0]).clone()
+        k = min(4, batch)
+        fwd = torch.stack([lg[-1] for lg in model.forward([torch.cat([hist[i], toks[0, i:i + 1]]).to(dev)
+                                                            for i in range(k)])])
+        e["graph_rows_equal_forward"] = int((first[:k] == fwd).all(1).sum())
+        e["graph_rows_checked"] = k
+        del first, fwd
+        runners["ours"] = lambda i: graphs.step(slots, pos + 1 + i, toks[1 + i])
+    except Exception as exc:  # noqa: BLE001
+        e["ours_error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    for tag, dtype in (("stock_bf16", None), ("stock_fp32", torch.float32)):
+        try:
+            params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch)
+            params.key_value_memory_dict = stock.allocate_inference_cache(batch, max_seqlen, dtype=dtype)
+            params.lengths_per_sample = torch.zeros(batch, dtype=torch.int32, device=dev)
+            run = capture_graph(stock, params, batch, max_seqlen)
+            ids = toks.to(dev)
+            pos_d = pos.to(dev)
+            e[f"{tag}_state_dtype"] = str(next(iter(params.key_value_memory_dict.values()))[1].dtype)
+            runners[tag] = (lambda i, r=run, ids=ids, pos_d=pos_d:
+                            r(ids[1 + i][:, None], (pos_d + 1 + i)[:, None], int(pos.max()) + 1 + i))
+        except Exception as exc:  # noqa: BLE001
+            e[f"{tag}_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+    rounds: dict = {k: [] for k in runners}
+    for r in range(args.rounds):
+        for tag, fn in runners.items():
+            ts = cuda_ms(torch, lambda i, f=fn, r=r: f(r * steps + i), steps, 0,
+                         before=lambda i: torch.cuda.synchronize())
+            rounds[tag].append(statistics.median(ts))
+    for tag, meds in rounds.items():
+        e[f"{tag}_round_ms"] = meds
+        e[f"{tag}_ms"] = statistics.median(meds)
+    for tag in ("stock_bf16", "stock_fp32"):
+        if e["ours_ms"] and e.get(f"{tag}_ms"):
+            e[f"ratio_{tag}"] = e["ours_ms"] / e[f"{tag}_ms"]
+    runners.clear()
+    return e
+
+
+def accuracy(torch, name, config, tensors, stock, contract, seed: int) -> dict:
+    from aligned_mamba import Contract
+    from aligned_mamba.models import build_model
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 1024), device=dev, generator=g)
+    with torch.no_grad():
+        ref = copy.deepcopy(stock).float()
+        r = ref(ids).logits.float()
+        del ref
+        free(torch)
+        s = stock(ids).logits.float()
+        o = torch.stack(build_model(config, tensors, contract, device=dev).forward(list(ids))).float()
+        c32 = Contract(chunk_size=L, backend="triton", model_dtype="float32")
+        o32 = torch.stack(build_model(config, tensors, c32, device=dev).forward(list(ids))).float()
+    top = r.argmax(-1)
+    return {"shape": name, "tokens": 2048,
+            "ours_rel_err_vs_stock_fp32": rel(o, r), "stock_bf16_rel_err_vs_stock_fp32": rel(s, r),
+            "ours_fp32_rel_err_vs_stock_fp32": rel(o32, r),
+            "ours_rel_err_vs_ours_fp32": rel(o, o32), "stock_bf16_rel_err_vs_ours_fp32": rel(s, o32),
+            "ours_top1_agree": float((o.argmax(-1) == top).float().mean()),
+            "stock_bf16_top1_agree": float((s.argmax(-1) == top).float().mean())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--shapes", default="mamba2-1.3b,mamba2-2.7b")
+    ap.add_argument("--parts", default="train,forward,decode,accuracy")
+    ap.add_argument("--cells", default="4x2048,1x16384")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--profile", action="store_true", help="kernel tables of one training step of each side")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    from aligned_mamba import Contract
+    from aligned_mamba.models import build_model
+    from benchmarks.bench_h200 import git_commit
+    from benchmarks.bench_model_h200 import retune_stock
+
+    if not torch.cuda.is_available():
+        log("no CUDA device")
+        return 2
+    parts = set(args.parts.split(","))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "script": SCRIPT,
+            "argv": sys.argv[1:],
+            "stock": "mamba_ssm 2.3.2.post1 MambaLMHeadModel, bf16, use_mem_eff_path=False (causal_conv1d not built)"}
+    contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16")
+    train = dict(meta, contract=contract.to_dict(), train=[])
+    model_res = dict(meta, forward=[], decode=[], accuracy=[])
+    cells = [c for c in CELLS if c[0] in args.cells.split(",")]
+
+    def save():
+        if "train" in parts:
+            (out / "h200_train_mamba_ssm.json").write_text(json.dumps(train, indent=1))
+        if parts - {"train"}:
+            (out / "h200_model_mamba_ssm.json").write_text(json.dumps(model_res, indent=1))
+
+    gib = 2 ** 30
+    for si, name in enumerate(args.shapes.split(",")):
+        layers, d_model = SHAPES[name]
+        stock = build_stock(layers, d_model, seed=1234 + si)
+        retune_stock()  # mamba_ssm's autotuners keyed alike at every shape: tune at this one
+        config, tensors = load_ours(stock, torch.device("cuda"))
+        log(f"{name}: {sum(p.numel() for p in stock.parameters()) / 1e9:.2f} B parameters")
+        if "train" in parts:
+            for ci, (label, S, T) in enumerate(cells):
+                e = train_cell(args, torch, name, config, tensors, stock, contract, label, S, T, 17 + ci)
+                train["train"].append(e)
+                save()
+                log(f"train {name} {label}: ours {e['ours_ms']} stock {e['stock_ms']} ratio {e['ratio']} peak "
+                    f"{(e.get('ours_peak_bytes') or 0) / gib:.1f} / {(e.get('stock_peak_bytes') or 0) / gib:.1f} GiB "
+                    f"logits equal {e.get('ours_grad_mode_logits_equal')} repeat {e.get('ours_grads_repeat_equal')}")
+        stock.eval()
+        model = build_model(config, tensors, contract, device=torch.device("cuda"))
+        if "forward" in parts:
+            for ci, (label, S, T) in enumerate(cells):
+                e = forward_cell(args, torch, name, model, stock, label, S, T, 27 + ci)
+                model_res["forward"].append(e)
+                save()
+                log(f"forward {name} {label}: ours {e['ours_ms']} stock {e['stock_ms']} ratio {e['ratio']}")
+        if "accuracy" in parts:
+            try:
+                e = accuracy(torch, name, config, tensors, stock, contract, 5)
+            except Exception as exc:  # noqa: BLE001
+                e = {"shape": name, "error": f"{type(exc).__name__}: {exc}"}
+                log(traceback.format_exc())
+            model_res["accuracy"].append(e)
+            save()
+            log(f"accuracy {name}: {e}")
+            free(torch)
+        if "decode" in parts:
+            for b in map(int, args.batches.split(",")):
+                try:
+                    e = decode_cell(args, torch, name, model, stock, b, 37 + b)
+                except Exception as exc:  # noqa: BLE001
+                    e = {"shape": name, "batch": b, "error": f"{type(exc).__name__}: {exc}"}
+                    log(traceback.format_exc())
+                model_res["decode"].append(e)
+                save()
+                log(f"decode {name} b{b}: ours {e.get('ours_ms')} stock bf16 {e.get('stock_bf16_ms')} "
+                    f"fp32 {e.get('stock_fp32_ms')} rows {e.get('graph_rows_equal_forward')}"
+                    f"/{e.get('graph_rows_checked')}")
+                free(torch)
+        del stock, model, tensors
+        free(torch)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
