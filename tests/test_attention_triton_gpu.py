@@ -110,8 +110,8 @@ def test_accuracy_at_the_bf16_floor(D: int) -> None:
 
 
 def test_relu2_kernel_has_the_torch_forms_bits() -> None:
-    from aligned_mamba.ops.elementwise_triton import relu2_triton
-    from aligned_mamba.ops.mlp import relu2
+    from aligned_mamba.ops.elementwise import relu2
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
 
     x = torch.randn(333, 5000, device="cuda").to(BF16) * 4
     assert torch.equal(relu2_triton(x, _cfg()), relu2(x))
@@ -155,7 +155,7 @@ def test_hybrid_check_on_triton_backend_is_bit_identical(layout: str) -> None:
 @pytest.mark.parametrize("B", [1, 64])
 def test_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     from aligned_mamba.decode_graph import DecodeGraphs
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     model = _hybrid("two_attention_gqa8_d64")
     g = torch.Generator().manual_seed(B)
@@ -164,7 +164,7 @@ def test_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
     slots = torch.randperm(B, generator=g).tolist()
     cache = model.new_cache(B + 1, max_len=1024)
-    model.advance(cache, Batch.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
+    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
     graphs = DecodeGraphs(model, cache, spare_slot=B)
     got = []
     for k in range(steps):
@@ -184,7 +184,7 @@ def test_training_attention_on_the_gpu_is_refused_in_one_line() -> None:
     q, k, v = _qkv(8, 4, 4, 64, seed=0)
     q.requires_grad_(True)
     cache = torch.zeros(1, 16, 4, 64, dtype=BF16, device="cuda")
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
     with pytest.raises(AlignedMambaError, match="no backward") as exc:
-        be.attention(q, k, v, cache, cache.clone(), Batch.from_empty([8]), scale=0.125)
+        be.attention(q, k, v, cache, cache.clone(), Step.from_empty([8]), scale=0.125)
     assert "\n" not in str(exc.value)

@@ -174,7 +174,7 @@ class CacheTables:
 
 
 def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
-    """The tables of ``batch`` (a ``replay.Batch``: slots, start_pos, cu_seqlens on the host) for
+    """The tables of ``batch`` (an ``ops.step.Step``: slots, start_pos, cu_seqlens on the host) for
     H // G = ``rep`` (built on the host, moved once)."""
     n = batch.lengths
     end = batch.start_pos + n
@@ -222,3 +222,14 @@ def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 __all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "CacheTables", "attention_blocked", "attention_cached",
            "attention_stock", "blocked_plan", "cache_tables"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              batch: Any, *, scale: float) -> torch.Tensor:
+    """One step over a slot cache, the torch backend's form (the backend's ``attention`` signature):
+    the step's cache tables built once for every attention layer of the step, then
+    ``attention_cached``."""
+    rep = q.shape[1] // k.shape[1]
+    plan = batch.plans[q.device]
+    t = plan.once(plan.attention_cache, rep, lambda: cache_tables(batch, rep, q.device))
+    return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)

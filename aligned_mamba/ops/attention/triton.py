@@ -30,12 +30,15 @@ fp32 operands in IEEE precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ...errors import AlignedMambaError
+from ..autograd import grad_needed
 from ..configs import TritonKernelConfigs
 
 LOG2E = 1.4426950408889634
@@ -276,3 +279,38 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
            "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
+
+
+# -- the triton backend's forms (the backend's ``attention`` and ``attention_packed`` signatures) ------------
+
+
+def _no_grad(*tensors: torch.Tensor) -> None:
+    if grad_needed(*tensors):
+        raise AlignedMambaError("training attention on the GPU is refused: the Triton attention kernel has no "
+                                "backward yet (inference only; train hybrids on the torch backend)")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              batch: Any, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """One step over a slot cache: k, v written at each token's slot and position, then the kernel
+    over the step's tiles (built once for every attention layer of the step)."""
+    _no_grad(q, k, v)
+    dev, rep = q.device, q.shape[1] // k.shape[1]
+    plan = batch.plans[dev]
+    if batch.decode_only:
+        # a decode step: tables straight from the step's device slots and positions (a captured
+        # step's are its static buffers, see decode_graph), one tile per sequence, any rep
+        t = plan.once(plan.attention_tiles, 0, lambda: decode_step_tables(plan.slots, batch.start_pos.to(dev)))
+    else:
+        t = plan.once(plan.attention_tiles, rep, lambda: step_tables(
+            batch.slots, batch.start_pos, batch.cu_seqlens, rep, cfg, dev))
+    k_cache[t.write_slot, t.write_pos] = k
+    v_cache[t.write_slot, t.write_pos] = v
+    return attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=cfg)
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, plan: Any, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """Packed keys (an engine's paged cache gathered); ``plan`` (the torch form's tables) is unused."""
+    _no_grad(q, k, v)
+    return attention_triton_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=cfg)

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import TritonKernelConfigs
+from ..autograd import grad_needed
+from ..configs import TritonKernelConfigs
+from . import ieee
 
 
 @triton.jit
@@ -33,4 +35,10 @@ def relu2_triton(x: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
     return y
 
 
-__all__ = ["relu2_triton"]
+__all__ = ["relu2", "relu2_triton"]
+
+
+def relu2(x: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``ieee.relu2``): the kernel, or the torch form where a gradient is recorded
+    (the same bits: one rounding of one IEEE multiply, differentiable)."""
+    return ieee.relu2(x) if grad_needed(x) else relu2_triton(x, cfg)
