@@ -192,7 +192,7 @@ def test_autograd_cannot_see_through_a_bare_triton_launch():
     assert not y.requires_grad and y.grad_fn is None
     x, w = torch.randn(5, 16, device=DEV, requires_grad=True), torch.randn(8, 16, device=DEV, requires_grad=True)
     assert not linear_triton(x, w, None, CFG).requires_grad
-    assert linear_tr.linear(x, w, None, CFG).requires_grad
+    assert linear_tr.linear(x, w, None, cfg=CFG).requires_grad
 
 
 def test_a_wrong_backward_is_caught(monkeypatch):
@@ -366,7 +366,7 @@ def _op_cases() -> dict:
         return torch.cat(out)
 
     return {
-        "linear": (lambda x, w, b: linear_tr.linear(x, w, b, CFG), lambda x, w, b: linear_triton(x, w, b, CFG),
+        "linear": (lambda x, w, b: linear_tr.linear(x, w, b, cfg=CFG), lambda x, w, b: linear_triton(x, w, b, CFG),
                    lambda x, w, b: x @ w.t() + b, dict(x=_rand(M, d, seed=1), w=_rand(40, d, seed=2, scale=0.2),
                                                        b=_rand(40, seed=3)), ("x", "w", "b")),
         "rms_norm": (lambda x, w: norm_tr.rms_norm(x, w, EPS, F32, CFG),

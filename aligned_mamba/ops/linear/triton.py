@@ -269,7 +269,8 @@ class _Linear(torch.autograd.Function):
                 g.to(torch.float32).sum(0).to(ctx.bias_dtype) if nb else None, None)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: TritonKernelConfigs) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+           cfg: TritonKernelConfigs) -> torch.Tensor:
     """The triton backend's form: x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype, with a cuBLAS
     backward where a gradient is recorded."""
     return _Linear.apply(x, w, b, cfg) if grad_needed(x, w, b) else linear_triton(x, w, b, cfg)

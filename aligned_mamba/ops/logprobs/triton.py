@@ -117,7 +117,7 @@ class _LogSoftmax(torch.autograd.Function):
         return wanted(ctx, sliced.log_softmax_backward(out, g, ctx.logits_dtype))
 
 
-def log_softmax(logits: torch.Tensor, temperature: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, cfg: TritonKernelConfigs) -> torch.Tensor:
     """The op's signature (``sliced.log_softmax``): [..., V] -> [..., V] float32 logprobs of logits /
     temperature, by the kernel on a CUDA tensor (the torch form elsewhere)."""
     if not logits.is_cuda:

@@ -378,7 +378,7 @@ def _kernels(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: T
 
 
 def ssd_advance(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
-                params: SSMParams, rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+                params: SSMParams, rows: Tensor | None = None, *, cfg: TritonKernelConfigs) -> Tensor:
     """The triton backend's replay form (``ops.ssd``'s replay signature): y [T, H, P] in x's dtype;
     updates ``state``. Where a gradient is recorded, inside ``_SSDAdvance`` (``_advance_function``)."""
     if grad_needed(x, dt, B, C, params.A, params.D, params.dt_bias, state.ssm_state):
