@@ -9,7 +9,6 @@ so the rows it produces differ from the trainer's only by the scan's rounding an
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ import torch
 from .layers.base import StateSpec
 from .layers.mamba2 import Mamba2Mixer
 from .models.causal_lm import Block, CausalLM
-from .ops.backend import Backend
 from .ops.ssd import SSMParams, recurrent_step, ssd_chunk
 from .ops.step import Step
 
@@ -42,8 +40,7 @@ class RecurrentMamba2Mixer(Mamba2Mixer):
 
     def __init__(self, mixer: Mamba2Mixer) -> None:  # shares the mixer's weights
         self.__dict__.update(mixer.__dict__)
-        be = mixer.backend
-        self.backend = Backend(be.configs, be.device, dataclasses.replace(be.ops, ssd_advance=self._advance))
+        self.backend = mixer.backend.replace(ssd_advance=self._advance)
 
     def state_spec(self) -> StateSpec:
         c = self.config

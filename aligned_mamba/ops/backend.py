@@ -23,6 +23,7 @@ bound to the backend's configs; a form lives in its op's folder (``ops/<op>/``):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -148,8 +149,8 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
 
 
 class Backend:
-    """The ops of one contract on one device: ``ops`` (its table), each entry also an attribute
-    (``backend.linear(x, w, b)``)."""
+    """The ops of one contract on one device: ``ops``, its table, whose entries are also its
+    attributes (``backend.linear(x, w, b)``), set once here."""
 
     name: str
     configs: TorchKernelConfigs | TritonKernelConfigs
@@ -159,15 +160,13 @@ class Backend:
         self.configs = configs
         self.device = device
         self.ops = ops
+        self.__dict__.update((f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops))
 
-    def __getattr__(self, op: str) -> Any:
-        # only reached for names that are not attributes: the table's ops
-        if op == "ops":
-            raise AttributeError(op)
-        try:
-            return getattr(self.ops, op)
-        except AttributeError:
-            raise AttributeError(f"{type(self).__name__} has no op or attribute {op!r}") from None
+    def replace(self, **forms: Callable[..., Any]) -> Backend:
+        """This backend with the named ops' forms replaced (the baseline's scan, say)."""
+        new = copy.copy(self)
+        Backend.__init__(new, self.configs, self.device, dataclasses.replace(self.ops, **forms))
+        return new
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.configs}, device={self.device})"
