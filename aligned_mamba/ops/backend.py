@@ -94,7 +94,7 @@ def torch_ops(c: TorchKernelConfigs) -> Ops:
         conv_advance=conv1d.conv_advance,
         ssd_advance=functools.partial(decode.replay, cfg=c),
         log_softmax=logprobs.log_softmax, relu2=elementwise.relu2,
-        attention=attention_blocked.attention, attention_packed=attention_blocked.attention_blocked,
+        attention=attention_blocked.attention, attention_packed=attention_blocked.attention_packed,
     )
 
 

@@ -233,3 +233,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     plan = batch.plans[q.device]
     t = plan.once(plan.attention_cache, rep, lambda: cache_tables(batch, rep, q.device))
     return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, plan: BlockedPlan | None, *, scale: float) -> torch.Tensor:
+    """Packed keys (an engine's paged cache gathered), the torch backend's form: ``attention_blocked``
+    with ``plan``, the step's tables (None: made here)."""
+    return attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, plan=plan)
