@@ -120,20 +120,18 @@ def test_bad_input_is_refused() -> None:
 def test_the_backends_attention_step_writes_the_cache_and_keeps_the_rows() -> None:
     """``TritonBackend.attention`` (its GPU path, run here by the interpreter): a prefill of two
     sequences, then a decode step and a chunk, each through the step's tables; rows equal one pass."""
-    from aligned_mamba.ops.attention import triton as at
     from aligned_mamba.ops.backend import TritonBackend
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
-    be = TritonBackend(CFG, torch.device("cpu"))
-    be.compiled, be._attn = True, at  # the GPU path's logic, through the interpreter
+    be = TritonBackend(CFG, torch.device("cpu"), kernels=True)  # the GPU path's logic, through the interpreter
     H, G, D, n = 4, 2, 64, 30
     q, k, v = _qkv(2 * n, H, G, D, seed=11)
     kc, vc = torch.zeros(3, 40, G, D), torch.zeros(3, 40, G, D)
-    one = be.attention(q, k, v, kc, vc, Batch.make([2, 0], [0, 0], [n, n]), scale=0.125)
+    one = be.attention(q, k, v, kc, vc, Step.make([2, 0], [0, 0], [n, n]), scale=0.125)
     assert torch.equal(kc[2, :n], k[:n]) and torch.equal(vc[0, :n], v[n:])
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
-    a = be.attention(q[:20], k[:20], v[:20], kc2, vc2, Batch.make([2], [0], [20]), scale=0.125)
-    b = be.attention(q[20:21], k[20:21], v[20:21], kc2, vc2, Batch.make([2], [20], [1]), scale=0.125)
-    c = be.attention(q[21:n], k[21:n], v[21:n], kc2, vc2, Batch.make([2], [21], [n - 21]), scale=0.125)
+    a = be.attention(q[:20], k[:20], v[:20], kc2, vc2, Step.make([2], [0], [20]), scale=0.125)
+    b = be.attention(q[20:21], k[20:21], v[20:21], kc2, vc2, Step.make([2], [20], [1]), scale=0.125)
+    c = be.attention(q[21:n], k[21:n], v[21:n], kc2, vc2, Step.make([2], [21], [n - 21]), scale=0.125)
     assert torch.equal(torch.cat([a, b, c]), one[:n])
     assert torch.equal(kc2[2, :n], kc[2, :n])

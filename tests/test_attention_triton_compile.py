@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.attention import triton as at
 from aligned_mamba.ops.attention import triton_backward as ab
-from aligned_mamba.ops import elementwise_triton as et
+from aligned_mamba.ops.elementwise import triton as et
 
 cfg = TritonKernelConfigs()
 i64 = "*i64"

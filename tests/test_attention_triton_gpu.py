@@ -110,8 +110,8 @@ def test_accuracy_at_the_bf16_floor(D: int) -> None:
 
 
 def test_relu2_kernel_has_the_torch_forms_bits() -> None:
-    from aligned_mamba.ops.elementwise_triton import relu2_triton
-    from aligned_mamba.ops.mlp import relu2
+    from aligned_mamba.ops.elementwise import relu2
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
 
     x = torch.randn(333, 5000, device="cuda").to(BF16) * 4
     assert torch.equal(relu2_triton(x, _cfg()), relu2(x))
@@ -155,7 +155,7 @@ def test_hybrid_check_on_triton_backend_is_bit_identical(layout: str) -> None:
 @pytest.mark.parametrize("B", [1, 64])
 def test_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     from aligned_mamba.decode_graph import DecodeGraphs
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     model = _hybrid("two_attention_gqa8_d64")
     g = torch.Generator().manual_seed(B)
@@ -164,7 +164,7 @@ def test_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
     slots = torch.randperm(B, generator=g).tolist()
     cache = model.new_cache(B + 1, max_len=1024)
-    model.advance(cache, Batch.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
+    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
     graphs = DecodeGraphs(model, cache, spare_slot=B)
     got = []
     for k in range(steps):
@@ -180,7 +180,7 @@ def test_training_attention_over_cached_keys_is_refused_in_one_line() -> None:
     gradient (the cache is outside the autograd graph): refused, not silently dropped."""
     from aligned_mamba.errors import AlignedMambaError
     from aligned_mamba.ops.backend import resolve
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     model = _hybrid("attention_first_gqa1_d64")
     be = resolve(model.contract, "cuda")
@@ -188,9 +188,9 @@ def test_training_attention_over_cached_keys_is_refused_in_one_line() -> None:
     q.requires_grad_(True)
     cache = torch.zeros(1, 16, 4, 64, dtype=BF16, device="cuda")
     with pytest.raises(AlignedMambaError, match="cached by an earlier call") as exc:
-        be.attention(q, k, v, cache, cache.clone(), Batch.make([0], [4], [8]), scale=0.125)
+        be.attention(q, k, v, cache, cache.clone(), Step.make([0], [4], [8]), scale=0.125)
     assert "\n" not in str(exc.value)
-    be.attention(q, k, v, cache, cache.clone(), Batch.from_empty([8]), scale=0.125).sum().backward()
+    be.attention(q, k, v, cache, cache.clone(), Step.from_empty([8]), scale=0.125).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
@@ -238,8 +238,8 @@ def test_backward_accuracy_at_the_bf16_floor(H: int, G: int, D: int) -> None:
 
 
 def test_relu2_backward_is_the_torch_forms_gradient() -> None:
-    from aligned_mamba.ops.elementwise_triton import relu2 as relu2_fn
-    from aligned_mamba.ops.mlp import relu2
+    from aligned_mamba.ops.elementwise import relu2
+    from aligned_mamba.ops.elementwise.triton import relu2 as relu2_fn
 
     x = (torch.randn(333, 5000, device="cuda") * 4).to(BF16)
     x[0, :2] = torch.tensor([0.0, -0.0])
@@ -268,7 +268,7 @@ def test_hybrid_trains_on_the_gpu_with_the_samplers_bits() -> None:
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.nemotron_h import make_tiny_hybrid
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     over = dict(HYBRIDS["two_attention_gqa8_d64"])
     cfg, tensors = make_tiny_hybrid(11, dtype="bfloat16", pattern=over.pop("pattern"), **{**SMALL, **over})
@@ -287,9 +287,9 @@ def test_hybrid_trains_on_the_gpu_with_the_samplers_bits() -> None:
     with torch.no_grad():
         plain = model.forward(seqs)
         cache, s0 = model.new_cache(1, max_len=lens[0]), seqs[0]
-        rows = [model.advance(cache, Batch.make([0], [0], [150]), s0[:150]),
-                model.advance(cache, Batch.make([0], [150], [70]), s0[150:220])]
-        rows += [model.advance(cache, Batch.make([0], [t], [1]), s0[t:t + 1]) for t in range(220, lens[0])]
+        rows = [model.advance(cache, Step.make([0], [0], [150]), s0[:150]),
+                model.advance(cache, Step.make([0], [150], [70]), s0[150:220])]
+        rows += [model.advance(cache, Step.make([0], [t], [1]), s0[t:t + 1]) for t in range(220, lens[0])]
     logits, grads = runs[0]
     assert all(torch.equal(a.detach(), b) for a, b in zip(logits, plain)), "grad mode changed the logits' bits"
     assert torch.equal(logits[0].detach(), torch.cat(rows)), "the trainer's logits are not the sampler's rows"

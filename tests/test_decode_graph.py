@@ -16,7 +16,7 @@ from aligned_mamba import Contract
 from aligned_mamba.decode_graph import DecodeGraphs
 from aligned_mamba.models import build_model
 from aligned_mamba.models.mamba2 import make_tiny
-from aligned_mamba.replay import Batch
+from aligned_mamba.ops.step import Step
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,7 +43,7 @@ def test_graph_decode_rows_equal_eager_and_prefill(dtype: str) -> None:
     hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
     slots = [4, 0, 2, 1, 3]
     cache = model.new_cache(B + 1)
-    model.advance(cache, Batch.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
+    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
     eager = model.new_cache(B + 1)  # the same states, decoded eagerly
     for a, b in zip(cache.tensors, eager.tensors):
         for k in a:
@@ -55,7 +55,7 @@ def test_graph_decode_rows_equal_eager_and_prefill(dtype: str) -> None:
         pos = [s + k for s in starts]
         ids = torch.stack([h[p] for h, p in zip(hist, pos)])
         got_g.append(graphs.step(slots, pos, ids).clone())
-        got_e.append(model.advance(eager, Batch.make(slots, pos, [1] * B), ids))
+        got_e.append(model.advance(eager, Step.make(slots, pos, [1] * B), ids))
     assert graphs.bucket(B) == 8 and graphs.captured == (8,)
     for a, b in zip(got_g, got_e):
         assert torch.equal(a, b)

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_linear_rows_do_not_depend_on_the_call(dtype):
     from aligned_mamba.ops.configs import TritonKernelConfigs
-    from aligned_mamba.ops.linear_triton import linear_triton
+    from aligned_mamba.ops.linear.triton import linear_triton
 
     cfg = TritonKernelConfigs()
     g = torch.Generator().manual_seed(0)

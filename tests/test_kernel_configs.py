@@ -21,20 +21,20 @@ import torch
 
 pytest.importorskip("triton")
 
-from aligned_mamba.ops import conv1d_triton as ct  # noqa: E402
-from aligned_mamba.ops import elementwise_triton as et  # noqa: E402
-from aligned_mamba.ops import linear_triton as lt  # noqa: E402
-from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
-from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.attention import triton as at  # noqa: E402
 from aligned_mamba.ops.attention import triton_backward as ab  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
+from aligned_mamba.ops.elementwise import triton as et  # noqa: E402
+from aligned_mamba.ops.linear import triton as lt  # noqa: E402
+from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
 from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
 from aligned_mamba.ops.moe import triton as mt  # noqa: E402
+from aligned_mamba.ops.norm import triton as nt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward, triton_chunk, triton_decode  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
-from aligned_mamba.replay import Batch  # noqa: E402
+from aligned_mamba.ops.step import Step  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -136,7 +136,7 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     params = SSMParams(A=-torch.ones(H), D=torch.ones(H), dt_bias=torch.zeros(H))
     for dtype in (BF16, F32):
         state = SSDState.allocate(3, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
-        for step in (Batch.make([0, 2], [0, 100], [700, 90]), Batch.make([0, 1, 2], [700, 5, 190], [1, 1, 1])):
+        for step in (Step.make([0, 2], [0, 100], [700, 90]), Step.make([0, 1, 2], [700, 5, 190], [1, 1, 1])):
             T = int(step.cu_seqlens[-1])
             args = (r(T, H, P, dtype=dtype), r(T, H, dtype=dtype), r(T, G, N, dtype=dtype), r(T, G, N, dtype=dtype))
             triton_chunk.replay_chunk_triton(state, step, *args, params, cfg=cfg)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aligned_mamba
-from aligned_mamba.ops import logprobs as L
+from aligned_mamba.ops.logprobs import sliced as L
 
 V = 50280  # mamba-130m's vocabulary: rows of realistic width
 

@@ -211,7 +211,7 @@ def test_training_run_lowers_loss_and_stays_aligned() -> None:
 
 
 def test_layers_of_one_forward_share_its_batch(monkeypatch) -> None:
-    """Every mixer of a forward gets the same ``Batch`` (so the Triton backend plans the step once per
+    """Every mixer of a forward gets the same ``Step`` (so the Triton backend plans the step once per
     forward, not once per layer); a forward over the same lengths reuses it, one over other lengths
     gets its own."""
     config, tensors, contract = tiny("fp32")

@@ -49,11 +49,11 @@ def test_a_mamba_ssm_checkpoint_gives_the_hugging_face_layouts_bits(tmp_path: Pa
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
     # and the same advance through the sampler's state: one decode step from a prefill
     cache_a, cache_b = got.new_cache(1), hf.new_cache(1)
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     for cache, model in ((cache_a, got), (cache_b, hf)):
-        model.advance(cache, Batch.make([0], [0], [40]), seqs[0][:40])
-    step = Batch.make([0], [40], [1])
+        model.advance(cache, Step.make([0], [0], [40]), seqs[0][:40])
+    step = Step.make([0], [40], [1])
     assert torch.equal(got.advance(cache_a, step, seqs[0][40:41]), hf.advance(cache_b, step, seqs[0][40:41]))
 
 

@@ -18,7 +18,7 @@ _TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1
 os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
-from typing import Any  # noqa: E402
+import functools  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,6 +37,7 @@ from aligned_mamba.layers.moe import MoE, MoEConfig  # noqa: E402
 from aligned_mamba.ops.backend import TritonBackend  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.moe import dispatch, experts_naive, route  # noqa: E402
+from aligned_mamba.ops.moe import triton as moe_triton  # noqa: E402
 from aligned_mamba.ops.moe.naive import combine  # noqa: E402
 from aligned_mamba.ops.moe.triton import combine_triton, experts_triton  # noqa: E402
 
@@ -49,15 +50,11 @@ ROUTINGS = {"top2": dict(num_experts_per_tok=2), "top6": dict(num_experts_per_to
             "top6-groups": dict(num_experts_per_tok=6, n_group=4, topk_group=2)}
 
 
-class _InterpretedBackend(TritonBackend):
-    """The triton backend on the CPU with the expert kernels interpreted (its other ops run their
-    torch forms under the interpreter, as always)."""
-
-    stacked_experts = True
-
-    def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
-                    up_b: Any = None, down_b: Any = None) -> torch.Tensor:
-        return experts_triton(h, experts, weights, up_w, down_w, CFG)
+def _interpreted_backend() -> TritonBackend:
+    """The triton backend on the CPU with the expert kernels interpreted (its other ops run the CPU
+    backend's forms under the interpreter, as always)."""
+    be = TritonBackend(TritonKernelConfigs(), torch.device("cpu"))
+    return be.replace(moe_experts=functools.partial(moe_triton.moe_experts, cfg=CFG), stacked_experts=True)
 
 
 def _layer(routing: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> MoE:
@@ -66,7 +63,7 @@ def _layer(routing: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> M
     g = torch.Generator().manual_seed(seed)
     tensors = {k: torch.randn(*s, generator=g) / (s[-1] ** 0.5) for k, s in c.weight_shapes().items()}
     tensors["gate.e_score_correction_bias"] = torch.rand(E, generator=g) * 0.1
-    return MoE(c, tensors, "", backend=_InterpretedBackend(TritonKernelConfigs(), torch.device("cpu")), dtype=dtype)
+    return MoE(c, tensors, "", backend=_interpreted_backend(), dtype=dtype)
 
 
 def _rows(T: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -56,7 +56,7 @@ def _routed(T: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _stock(h, experts, weights, up, down):
     """The stock path: cuBLAS ``F.linear`` over each expert's rows, the same roundings and combine."""
-    from aligned_mamba.ops.mlp import relu2
+    from aligned_mamba.ops.elementwise import relu2
     from aligned_mamba.ops.moe import experts_grouped
     return experts_grouped(h, experts, weights, up, down, linear=lambda x, w, b=None: torch.nn.functional.linear(x, w),
                            relu2=relu2)
@@ -194,7 +194,7 @@ def test_moe_hybrid_check_on_triton_backend_is_bit_identical(layout: str) -> Non
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_moe_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     from aligned_mamba.decode_graph import DecodeGraphs
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     model = _hybrid("moe_top6_groups")
     g = torch.Generator().manual_seed(B)
@@ -203,7 +203,7 @@ def test_moe_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
     hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
     slots = torch.randperm(B, generator=g).tolist()
     cache = model.new_cache(B + 1, max_len=1024)
-    model.advance(cache, Batch.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
+    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
     graphs = DecodeGraphs(model, cache, spare_slot=B)
     got = []
     for k in range(steps):

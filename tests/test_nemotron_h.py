@@ -36,7 +36,7 @@ from aligned_mamba.models import CausalLM, build_model, load_checkpoint, load_mo
 from aligned_mamba.models.causal_lm import Block
 from aligned_mamba.models.nemotron_h import NemotronHConfig, make_tiny_hybrid, save_checkpoint
 from aligned_mamba.ops.attention import attention_blocked, attention_naive, attention_stock
-from aligned_mamba.replay import Batch
+from aligned_mamba.ops.step import Step
 
 SMALL = dict(hidden_size=64, vocab_size=256, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
              intermediate_size=128, chunk_size=32)
@@ -160,7 +160,7 @@ def test_any_schedule_of_advances_is_bit_identical(sc):
         pick = [i for i in active if torch.rand(1, generator=g).item() < 0.7] or active[:1]
         news = [1 if torch.rand(1, generator=g).item() < 0.5 else
                 int(torch.randint(1, lens[i] - pos[i] + 1, (1,), generator=g)) for i in pick]
-        batch = Batch.make([slots[i] for i in pick], [pos[i] for i in pick], news)
+        batch = Step.make([slots[i] for i in pick], [pos[i] for i in pick], news)
         ids = torch.cat([seqs[i][pos[i]:pos[i] + n] for i, n in zip(pick, news)])
         logits = model.advance(cache, batch, ids)
         k = 0
@@ -384,7 +384,7 @@ def test_per_token_state_size_and_limits():
         engine.add_request([1] * 40, 11)
     cache = model.new_cache(1, max_len=8)
     with pytest.raises(ValueError, match="reaches 9 tokens"):
-        model.advance(cache, Batch.make([0], [0], [9]), torch.zeros(9, dtype=torch.int64))
+        model.advance(cache, Step.make([0], [0], [9]), torch.zeros(9, dtype=torch.int64))
 
 
 def test_training_forward_gives_the_scoring_bits_and_gradients():

@@ -22,14 +22,20 @@ from torch_threads import num_threads, single_thread_by_default  # noqa: F401 (a
 
 from aligned_mamba.ops import conv1d, linear, native, norm, reduce
 from aligned_mamba.ops import elementwise as ew
+from aligned_mamba.ops.conv1d import cpu as conv_cpu
+from aligned_mamba.ops.conv1d import taps as conv_taps
+from aligned_mamba.ops.elementwise import cpu as ew_cpu
+from aligned_mamba.ops.elementwise import ieee
+from aligned_mamba.ops.linear import cpu as linear_cpu
+from aligned_mamba.ops.norm import cpu as norm_cpu
 
 UNARY = {
-    "exp": ew._exp,
-    "log": ew._log,
-    "log1p": ew._log1p,
-    "softplus": lambda x: ew._softplus(x, 20.0),
-    "sigmoid": ew._sigmoid,
-    "silu": ew._silu,
+    "exp": ieee._exp,
+    "log": ieee._log,
+    "log1p": ieee._log1p,
+    "softplus": lambda x: ieee._softplus(x, 20.0),
+    "sigmoid": ieee._sigmoid,
+    "silu": ieee._silu,
 }
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 1e-38, 1.17549435e-38, -1.0,
            1.0, 2.0, 0.5, 88.3762626647949, 88.38, 88.37626, -87.3365447505531, -88.0365447505531, -88.04, -103.9,
@@ -64,7 +70,7 @@ def test_unary_equals_torch_form_on_every_exponent(name: str) -> None:
     mant = torch.randint(0, 1 << 23, (64 * 512,), generator=g, dtype=torch.int32)
     sign_exp = torch.arange(512, dtype=torch.int32).repeat_interleave(64) << 23
     x = torch.cat([(sign_exp | mant).view(torch.float32), torch.tensor(SPECIAL)])
-    assert _same(native.unary(name, x, 20.0), UNARY[name](x))
+    assert _same(ew_cpu.unary(name, x, 20.0), UNARY[name](x))
 
 
 @settings(max_examples=40, deadline=None)
@@ -72,12 +78,12 @@ def test_unary_equals_torch_form_on_every_exponent(name: str) -> None:
        scale=st.sampled_from([1e-3, 1.0, 10.0, 90.0, 1e4]))
 def test_unary_equals_torch_form(name: str, seed: int, n: int, scale: float) -> None:
     x = _values(seed, n, scale)
-    assert _same(native.unary(name, x, 20.0), UNARY[name](x))
+    assert _same(ew_cpu.unary(name, x, 20.0), UNARY[name](x))
 
 
 def test_softplus_threshold_is_the_callers() -> None:
     x = _values(3, 2000, 10.0)
-    assert _same(native.unary("softplus", x, 5.0), ew._softplus(x, 5.0))
+    assert _same(ew_cpu.unary("softplus", x, 5.0), ieee._softplus(x, 5.0))
 
 
 native_off = native.off
@@ -93,7 +99,7 @@ def _torch_tree_sum(x: torch.Tensor) -> torch.Tensor:
 def test_tree_sum_equals_torch_form(seed: int, rows: int, n: int) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g) * 100
-    assert _same(native.tree_sum(x), _torch_tree_sum(x))
+    assert _same(ew_cpu.tree_sum(x), _torch_tree_sum(x))
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,7 +118,7 @@ def test_rms_norm_and_add_norm_equal_torch_form(seed: int, M: int, d: int, dtype
             res = (torch.randn(M, d, generator=g) * 5).to(torch.promote_types(residual, dtype))
             want_res = res + x
             want = norm.rms_norm(want_res.to(dtype), w, eps, dtype)
-    got, got_res = native.rms_norm(x, w, eps, dtype, residual=None if residual is None else res)
+    got, got_res = norm_cpu.rms_norm_loop(x, w, eps, dtype, residual=None if residual is None else res)
     assert _same(got, want)
     assert (got_res is None) == (want_res is None) and (got_res is None or _same(got_res, want_res))
 
@@ -126,7 +132,7 @@ def test_gated_norm_equals_torch_form(seed: int, M: int, G: int, dg: int, dtype:
     w = torch.randn(G * dg, generator=g).to(dtype)
     with native_off():
         want = norm.gated_rms_norm(y, z, w, 1e-5, G)
-    assert _same(native.gated_rms_norm(y, z, w, 1e-5, G), want)
+    assert _same(norm_cpu.gated_rms_norm_loop(y, z, w, 1e-5, G), want)
 
 
 @settings(max_examples=30, deadline=None)
@@ -139,8 +145,8 @@ def test_tap_sum_equals_torch_form(seed: int, T: int, K: int, Cd: int, dtype: to
     w = torch.randn(Cd, K, generator=g).to(dtype)
     b = torch.randn(Cd, generator=g).to(dtype) if bias else None
     with native_off():
-        want = conv1d._conv_out(taps, w, b, act)
-    assert _same(native.tap_sum(taps, w, b, act), want)
+        want = conv_taps.conv_out(taps, w, b, act)
+    assert _same(conv_cpu.tap_sum(taps, w, b, act), want)
 
 
 def test_public_ops_take_the_native_loop_and_give_the_torch_forms_bits() -> None:
@@ -154,10 +160,10 @@ def test_public_ops_take_the_native_loop_and_give_the_torch_forms_bits() -> None
 
 def test_gradients_and_other_devices_take_the_torch_form() -> None:
     x = torch.randn(10, requires_grad=True)
-    assert native.unary("exp", x) is None and ew.exp(x).requires_grad
+    assert ew_cpu.unary("exp", x) is None and ew.exp(x).requires_grad
     with torch.no_grad():
-        assert native.unary("exp", x) is not None
-    assert native.unary("exp", torch.randn(4, dtype=torch.float64)) is None
+        assert ew_cpu.unary("exp", x) is not None
+    assert ew_cpu.unary("exp", torch.randn(4, dtype=torch.float64)) is None
 
 
 # -- the lanes' GEMM --------------------------------------------------------------------------------------
@@ -180,7 +186,7 @@ def test_lane_gemm_equals_lane_matmul(seed: int, nb: int, M: int, N: int, K: int
     got = linear.lanes(x, w, exact)
     assert _same(got, want)
     # the same sums with the right operand as [K, N]
-    assert _same(native.lane_gemm_kn(x, w.transpose(-1, -2), exact), want)
+    assert _same(linear_cpu.lane_gemm_kn(x, w.transpose(-1, -2), exact), want)
     # a row alone gets the bits it gets among others, whatever M
     assert _same(linear.lanes(x[..., M - 1:, :], w, exact), want[..., M - 1:, :])
 
@@ -195,10 +201,10 @@ def test_a_second_thread_changes_no_bit(shape: tuple[int, int, int, int]) -> Non
     x = torch.randn(*batch, M, K, generator=g).bfloat16().float()
     w = torch.randn(*batch, N, K, generator=g).bfloat16()
     with num_threads(1):
-        one = native.lane_gemm(x, w, True), native.lane_gemm_kn(x, w.transpose(-1, -2), False)
+        one = linear_cpu.lane_gemm(x, w, True), linear_cpu.lane_gemm_kn(x, w.transpose(-1, -2), False)
     with num_threads(2):
         for _ in range(3):
-            two = native.lane_gemm(x, w, True), native.lane_gemm_kn(x, w.transpose(-1, -2), False)
+            two = linear_cpu.lane_gemm(x, w, True), linear_cpu.lane_gemm_kn(x, w.transpose(-1, -2), False)
             assert _same(one[0], two[0]) and _same(one[1], two[1])
 
 
@@ -214,13 +220,13 @@ def test_lane_gemm_kn_reads_slots_in_place_and_stops_where_the_terms_are_zero() 
     for s in range(3):
         x[s, :, :, int(klen[s]):] = 0.0
         w[int(index[s]), :, int(klen[s]):] = 0.0
-    want = native.lane_gemm_kn(x, w[index].contiguous(), False)
-    assert _same(native.lane_gemm_kn(x, w, False, index=index, klen=klen), want)
-    assert _same(native.lane_gemm_kn(x, w, False, index=index), want)
+    want = linear_cpu.lane_gemm_kn(x, w[index].contiguous(), False)
+    assert _same(linear_cpu.lane_gemm_kn(x, w, False, index=index, klen=klen), want)
+    assert _same(linear_cpu.lane_gemm_kn(x, w, False, index=index), want)
     x[0, :, :, 10] = 1.0
     w[int(index[0]), :, 10] = 1.0
-    assert not _same(native.lane_gemm_kn(x, w, False, index=index, klen=klen),
-                     native.lane_gemm_kn(x, w[index].contiguous(), False))
+    assert not _same(linear_cpu.lane_gemm_kn(x, w, False, index=index, klen=klen),
+                     linear_cpu.lane_gemm_kn(x, w[index].contiguous(), False))
 
 
 def test_lane_gemm_reads_slots_in_place() -> None:
@@ -234,18 +240,18 @@ def test_lane_gemm_reads_slots_in_place() -> None:
         x = torch.randn(3, 2, 1, 16, generator=g)
         if exact:
             x = x.bfloat16().float()
-        want = native.lane_gemm(x, w[index].contiguous(), exact)
-        assert _same(native.lane_gemm(x, w, exact, index=index), want)
-        assert not _same(native.lane_gemm(x, w, exact, index=index.roll(1)), want)
+        want = linear_cpu.lane_gemm(x, w[index].contiguous(), exact)
+        assert _same(linear_cpu.lane_gemm(x, w, exact, index=index), want)
+        assert not _same(linear_cpu.lane_gemm(x, w, exact, index=index.roll(1)), want)
 
 
 def test_lane_gemm_bf16_weights_for_many_rows_have_the_fp32_weights_bits() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 264, generator=g).bfloat16().float()
     w = torch.randn(72, 264, generator=g).bfloat16()
-    full = native.lane_gemm(x, w, True)  # bf16 weights read as they are, with fused multiply-adds
-    assert _same(full, native.lane_gemm(x, w.float(), False))
-    assert all(_same(native.lane_gemm(x[i:i + 1], w, True), full[i:i + 1]) for i in range(40))
+    full = linear_cpu.lane_gemm(x, w, True)  # bf16 weights read as they are, with fused multiply-adds
+    assert _same(full, linear_cpu.lane_gemm(x, w.float(), False))
+    assert all(_same(linear_cpu.lane_gemm(x[i:i + 1], w, True), full[i:i + 1]) for i in range(40))
 
 
 def test_builds_for_other_instruction_sets_give_the_same_bits(tmp_path: Path) -> None:
@@ -262,10 +268,12 @@ def test_builds_for_other_instruction_sets_give_the_same_bits(tmp_path: Path) ->
     for flags in (isa, ()):
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "-".join(flags or ("base",)))}
         code = ("import sys, torch; from aligned_mamba.ops import native; "
+                "from aligned_mamba.ops.elementwise import cpu as ew_cpu; "
+                "from aligned_mamba.ops.linear import cpu as linear_cpu; "
                 "native._isa_flags = lambda: tuple(sys.argv[1:]); "
                 f"x, w, v = torch.load({str(tmp_path / 'in.pt')!r}); "
-                "out = [native.lane_gemm(x, w, True), native.lane_gemm(x, w.float(), False), native.unary('exp', v), "
-                "native.unary('softplus', v, 20.0)]; "
+                "out = [linear_cpu.lane_gemm(x, w, True), linear_cpu.lane_gemm(x, w.float(), False), "
+                "ew_cpu.unary('exp', v), ew_cpu.unary('softplus', v, 20.0)]; "
                 f"torch.save(out, {str(tmp_path / 'out.pt')!r} + '-'.join(sys.argv[1:]))")
         torch.save((x, w, v), tmp_path / "in.pt")
         run = subprocess.run([sys.executable, "-c", code, *flags], env=env, capture_output=True, text=True, timeout=300)
@@ -286,7 +294,7 @@ def test_fused_linear_equals_torch_form(seed: int, M: int, N: int, K: int, dtype
     b = torch.randn(N, generator=g).to(wdtype) if bias else None
     with native_off():
         want = linear.linear(x, w, b)
-    got = linear.linear(x, w, b)
+    got = linear_cpu.linear(x, w, b)
     assert _same(got, want)
 
 
@@ -303,7 +311,7 @@ def test_conv_step_in_place_equals_torch_form(seed: int, S: int, K: int, Cd: int
     with native_off():
         want_out, want_win = conv1d.causal_conv1d_step(x, windows.index_select(0, slots), w, b)
     mine = windows.clone()
-    got = native.conv_step(mine, slots, x, w, b)
+    got = conv_cpu.conv_step(mine, slots, x, w, b)
     assert _same(got, want_out) and _same(mine[slots], want_win)
     others = [i for i in range(S + 3) if i not in slots.tolist()]
     assert torch.equal(mine[others], windows[others])  # the other slots' windows untouched
@@ -324,7 +332,7 @@ def test_contrast_a_blas_row_alone_differs() -> None:
 
 def test_contrast_libm_exp_and_mkl_sqrt_differ() -> None:
     x = _values(7, 20000, 10.0)
-    assert not _same(torch.exp(x), ew._exp(x))  # SLEEF / libm: other roundings
+    assert not _same(torch.exp(x), ieee._exp(x))  # SLEEF / libm: other roundings
     v = torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 10 + 0.1
     # torch.sqrt (MKL's vector math) is not correctly rounded; the norms' rsqrt is 1 / sqrt, IEEE
     assert not torch.equal(1.0 / torch.sqrt(v), torch.rsqrt(v))
@@ -338,13 +346,14 @@ def test_contrast_fused_multiply_add_differs() -> None:
     fma = torch.zeros(64, 256, dtype=torch.float64)
     for k in range(4):  # exact product + sum in float64, rounded once per step: a fused multiply-add
         fma = (fma + taps[:, k].double() * w[:, k].double()).float().double()
-    assert not torch.equal(fma.float(), native.tap_sum(taps, w, None, False))
+    assert not torch.equal(fma.float(), conv_cpu.tap_sum(taps, w, None, False))
 
 
 def test_no_compiler_falls_back_to_the_torch_forms(tmp_path: Path) -> None:
     code = ("import torch; from aligned_mamba.ops import native, elementwise as ew; "
+            "from aligned_mamba.ops.elementwise import ieee; "
             "x = torch.randn(100); y = ew.exp(x); print(native.status()); "
-            "assert torch.equal(y, ew._exp(x))")
+            "assert torch.equal(y, ieee._exp(x))")
     env = {**os.environ, "CC": "/nonexistent/cc", "XDG_CACHE_HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

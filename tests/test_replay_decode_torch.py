@@ -24,13 +24,12 @@ from hypothesis import strategies as st
 from torch_threads import single_thread_by_default  # noqa: F401 (autouse fixture)
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.ops import backend as backend_mod
 from aligned_mamba.ops import native
-from aligned_mamba.ops.backend import TorchBackend, resolve
+from aligned_mamba.ops.backend import CPUBackend, resolve
 from aligned_mamba.ops.configs import TorchKernelConfigs
-from aligned_mamba.ops.ssd import SSDState, SSMParams, recurrent_step
+from aligned_mamba.ops.ssd import SSDState, SSMParams, cpu_decode, recurrent_step
 from aligned_mamba.ops.ssd.decode import replay_decode
-from aligned_mamba.replay import Batch, ssd_advance
+from aligned_mamba.ops.step import Step
 
 TORCH = resolve(Contract(16))  # the torch backend (its replay forms take the chunk size from the state)
 CFG = TorchKernelConfigs()
@@ -111,7 +110,7 @@ def _run(sc: dict, cfg: TorchKernelConfigs):
     """Prefill each sequence to its offset, then decode all together for ``steps`` steps through
     ``replay_decode``. Returns (inputs, params, single-pass rows, single-pass state, decoded rows
     [steps, S, H, P], the decode's state, slots, sequence starts in the packed rows)."""
-    backend = TorchBackend(cfg, torch.device("cpu"))
+    backend = CPUBackend(cfg, torch.device("cpu"))
     S, steps = len(sc["prefix"]), sc["steps"]
     dtype = DTYPES[sc["dtype"]]
     lens = [p + steps for p in sc["prefix"]]
@@ -121,7 +120,7 @@ def _run(sc: dict, cfg: TorchKernelConfigs):
     starts = torch.tensor([0, *lens]).cumsum(0).tolist()
 
     ref_state = allocate(S, sc)  # the trainer: one advance from empty over the whole sequences
-    ref = ssd_advance(backend, ref_state, Batch.from_empty(lens), x, dt, B, C, params)
+    ref = backend.ssd_advance(ref_state, Step.from_empty(lens), x, dt, B, C, params)
 
     g = torch.Generator().manual_seed(sc["seed"] + 7)
     slots, num_slots = slot_layout(sc, g)
@@ -129,13 +128,13 @@ def _run(sc: dict, cfg: TorchKernelConfigs):
     pre = [i for i in range(S) if sc["prefix"][i] > 0]
     if pre:
         rows = torch.cat([torch.arange(starts[i], starts[i] + sc["prefix"][i]) for i in pre])
-        ssd_advance(backend, state, Batch.make([slots[i] for i in pre], [0] * len(pre), [sc["prefix"][i] for i in pre]),
+        backend.ssd_advance(state, Step.make([slots[i] for i in pre], [0] * len(pre), [sc["prefix"][i] for i in pre]),
                     x[rows], dt[rows], B[rows], C[rows], params)
     got = []
     for k in range(steps):
         pos = [p + k for p in sc["prefix"]]
         rows = torch.tensor([starts[i] + pos[i] for i in range(S)])
-        step = Batch.make(slots, pos, [1] * S)
+        step = Step.make(slots, pos, [1] * S)
         got.append(replay_decode(state, step, x[rows], dt[rows], B[rows], C[rows], params, cfg=cfg))
     return (x, dt, B, C), params, ref, ref_state, torch.stack(got), state, slots, starts
 
@@ -171,33 +170,33 @@ def test_rows_not_wanted_are_zero_and_others_unchanged(sc):
     pre = [i for i in range(S) if sc["prefix"][i] > 0]
     if pre:
         rows = torch.cat([torch.arange(starts[i], starts[i] + sc["prefix"][i]) for i in pre])
-        ssd_advance(TORCH, state, Batch.make(pre, [0] * len(pre), [sc["prefix"][i] for i in pre]), x[rows],
+        TORCH.ssd_advance(state, Step.make(pre, [0] * len(pre), [sc["prefix"][i] for i in pre]), x[rows],
                     dt[rows], B[rows], C[rows], params)
     rows = torch.tensor([starts[i] + sc["prefix"][i] for i in range(S)])
-    y = replay_decode(state, Batch.make(list(range(S)), sc["prefix"], [1] * S), x[rows], dt[rows], B[rows], C[rows],
+    y = replay_decode(state, Step.make(list(range(S)), sc["prefix"], [1] * S), x[rows], dt[rows], B[rows], C[rows],
                       params, rows=want, cfg=CFG)
     assert not y[~want].any()
     assert torch.equal(y[want], ref[rows][want])
 
 
 def test_backend_routes_one_token_steps_to_the_tile_path(monkeypatch):
-    """TorchBackend.ssd_advance takes the decode path for one-token steps and the chunked form
+    """The torch backend's ssd_advance takes the decode path for one-token steps and the chunked form
     otherwise."""
     calls = []
-    real = backend_mod.replay_decode
+    real = cpu_decode.replay_decode
 
     def spy(*a, **k):
         calls.append(a[1].num_tokens)
         return real(*a, **k)
 
-    monkeypatch.setattr(backend_mod, "replay_decode", spy)
+    monkeypatch.setattr(cpu_decode, "replay_decode", spy)
     sc = dict(H=2, G=1, P=8, N=8, L=16, dtype="float32")
     params = make_layer(0, 2, 8, False)
     x, dt, B, C = make_inputs(0, 8, 2, 8, 1, 8, torch.float32)
     state = allocate(3, sc)
-    ssd_advance(TORCH, state, Batch.make([0, 2], [0, 0], [3, 2]), x[:5], dt[:5], B[:5], C[:5], params)
+    TORCH.ssd_advance(state, Step.make([0, 2], [0, 0], [3, 2]), x[:5], dt[:5], B[:5], C[:5], params)
     assert calls == []
-    ssd_advance(TORCH, state, Batch.make([0, 2], [3, 2], [1, 1]), x[5:7], dt[5:7], B[5:7], C[5:7], params)
+    TORCH.ssd_advance(state, Step.make([0, 2], [3, 2], [1, 1]), x[5:7], dt[5:7], B[5:7], C[5:7], params)
     assert calls == [2]
 
 
@@ -205,7 +204,7 @@ def test_rejects_a_step_with_more_than_one_token_per_sequence():
     sc = dict(H=2, G=1, P=8, N=8, L=16, dtype="float32")
     x, dt, B, C = make_inputs(0, 3, 2, 8, 1, 8, torch.float32)
     with pytest.raises(ValueError, match="one new token per sequence"):
-        replay_decode(allocate(2, sc), Batch.make([0, 1], [0, 0], [2, 1]), x, dt, B, C, make_layer(0, 2, 8, False),
+        replay_decode(allocate(2, sc), Step.make([0, 1], [0, 0], [2, 1]), x, dt, B, C, make_layer(0, 2, 8, False),
                       cfg=CFG)
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from aligned_mamba.contract import Contract
 from aligned_mamba.ops.backend import resolve
 from aligned_mamba.ops.ssd import SSDState, SSMParams, recurrent_step, ssd_chunk, ssd_naive
-from aligned_mamba.replay import Batch, ssd_advance
+from aligned_mamba.ops.step import Step
 
 TORCH = resolve(Contract(16))  # the torch backend: its replay form takes the chunk size from the state
 
@@ -52,7 +52,7 @@ def single_pass(inputs, params, lens, L, dtype, H, P, G, N):
     """The trainer: one advance from empty slots over whole, packed sequences."""
     x, dt, B, C = inputs
     state = SSDState.allocate(len(lens), heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype)
-    return ssd_advance(TORCH, state, Batch.from_empty(lens), x, dt, B, C, params)
+    return TORCH.ssd_advance(state, Step.from_empty(lens), x, dt, B, C, params)
 
 
 @st.composite
@@ -92,9 +92,9 @@ def run_schedule(sc, inputs, params, dtype):
             r = torch.rand(1, generator=rng).item()
             n = 1 if r < 0.5 else int(torch.randint(1, lens[i] - pos[i] + 1, (1,), generator=rng))
             news.append(min(n, lens[i] - pos[i]))
-        batch = Batch.make([slots[i] for i in pick], [pos[i] for i in pick], news)
+        batch = Step.make([slots[i] for i in pick], [pos[i] for i in pick], news)
         rows = torch.cat([torch.arange(starts[i] + pos[i], starts[i] + pos[i] + n) for i, n in zip(pick, news)])
-        y = ssd_advance(TORCH, state, batch, x[rows], dt[rows], B[rows], C[rows], params)
+        y = TORCH.ssd_advance(state, batch, x[rows], dt[rows], B[rows], C[rows], params)
         k = 0
         for i, n in zip(pick, news):
             for j in range(n):
@@ -222,6 +222,6 @@ def test_rows_not_wanted_are_not_computed_and_others_unchanged():
 
 def test_batch_rejects_duplicate_slots_and_empty_sequences():
     with pytest.raises(ValueError, match="slot appears twice"):
-        Batch.make([1, 1], [0, 0], [1, 1])
+        Step.make([1, 1], [0, 0], [1, 1])
     with pytest.raises(ValueError, match=">= 1 new token"):
-        Batch.make([0], [0], [0])
+        Step.make([0], [0], [0])

@@ -19,7 +19,7 @@ from aligned_mamba.layers.mamba2 import Mamba2MixerConfig, state_spec
 from aligned_mamba.ops.backend import resolve
 from aligned_mamba.ops.ssd import SSDState, SSMParams
 from aligned_mamba.ops.ssd.chunk import pack_chunks
-from aligned_mamba.replay import Batch, ssd_advance
+from aligned_mamba.ops.step import Step
 
 TORCH = resolve(Contract(16))  # the torch backend: its replay form takes the chunk size from the state
 
@@ -76,9 +76,9 @@ def test_buffered_dt_is_the_raw_input(dtype):
     pos, r = [0, 0, 0], 0
     hist = [[] for _ in slots]  # each sequence's rows, in order
     for step in schedule:
-        batch = Batch.make(slots, pos, step)
+        batch = Step.make(slots, pos, step)
         rows = slice(r, r + sum(step))
-        ssd_advance(TORCH, state, batch, x[rows], dt[rows], B[rows], C[rows], _params())
+        TORCH.ssd_advance(state, batch, x[rows], dt[rows], B[rows], C[rows], _params())
         i = r
         for k, n in enumerate(step):
             hist[k].extend(range(i, i + n))
@@ -143,4 +143,4 @@ def test_advance_refuses_inputs_the_buffers_would_round():
     state = _allocate(1, torch.bfloat16)
     x, dt, B, C = _inputs(3, torch.bfloat16)
     with pytest.raises(ValueError, match="dt is torch.float32"):
-        ssd_advance(TORCH, state, Batch.make([0], [0], [3]), x, dt.float(), B, C, _params())
+        TORCH.ssd_advance(state, Step.make([0], [0], [3]), x, dt.float(), B, C, _params())

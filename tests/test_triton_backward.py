@@ -1,4 +1,4 @@
-"""The triton backend's backward (``ops/triton_autograd.py``): the Triton forward, the torch form's gradient.
+"""The triton backend's backward (the ops' ``triton.py`` Functions): the Triton forward, the torch form's gradient.
 
 CPU group (the Triton interpreter, fp32, tiny shapes; conftest sets TRITON_INTERPRET=1 without a GPU):
 
@@ -33,23 +33,27 @@ from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse 
 from aligned_mamba import Contract  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
-from aligned_mamba.ops import triton_autograd as ta  # noqa: E402
 from aligned_mamba.ops.backend import TritonBackend  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.conv1d_triton import causal_conv1d_triton  # noqa: E402
-from aligned_mamba.ops.linear_triton import linear_triton  # noqa: E402
+from aligned_mamba.ops.conv1d import triton as conv_tr  # noqa: E402
+from aligned_mamba.ops.conv1d.triton import causal_conv1d_triton  # noqa: E402
+from aligned_mamba.ops.linear import triton as linear_tr  # noqa: E402
+from aligned_mamba.ops.linear.triton import linear_triton  # noqa: E402
 from aligned_mamba.ops.logprobs import log_softmax  # noqa: E402
-from aligned_mamba.ops.logprobs_triton import log_softmax_triton  # noqa: E402
-from aligned_mamba.ops.norm_triton import (  # noqa: E402
+from aligned_mamba.ops.logprobs import triton as logprobs_tr  # noqa: E402
+from aligned_mamba.ops.logprobs.triton import log_softmax_triton  # noqa: E402
+from aligned_mamba.ops.norm import triton as norm_tr  # noqa: E402
+from aligned_mamba.ops.norm.triton import (  # noqa: E402
     add_rms_norm_triton,
     embed_rms_norm_triton,
     gated_rms_norm_triton,
     rms_norm_triton,
 )
 from aligned_mamba.ops.ssd import SSDState, SSMParams, ssd_chunk, ssd_naive  # noqa: E402
+from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
-from aligned_mamba.replay import Batch  # noqa: E402
+from aligned_mamba.ops.step import Step  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
 
 CFG = TritonKernelConfigs()
@@ -98,7 +102,7 @@ def _advance(be: TritonBackend, leaves: dict[str, torch.Tensor], lens: list[int]
     # a non-leaf copy, so its gradient reaches leaves["h0"] (the advance rewrites it in place)
     state.ssm_state = leaves["h0"] * 1.0
     p = SSMParams(leaves["A"], leaves["D"], leaves["dt_bias"])
-    y = be.ssd_advance(state, Batch.from_empty(lens), leaves["x"], leaves["dt"], leaves["B"], leaves["C"], p)
+    y = be.ssd_advance(state, Step.from_empty(lens), leaves["x"], leaves["dt"], leaves["B"], leaves["C"], p)
     return y, state
 
 
@@ -158,13 +162,13 @@ def test_ssd_advance_from_buffered_rows_has_the_fp64_gradient():
                               device=DEV)
     p = SSMParams(leaves["A"], leaves["D"], leaves["dt_bias"])
     with torch.no_grad():
-        be.ssd_advance(state, Batch.make([0], [0], [first]), *(leaves[k][:first] for k in ("x", "dt", "B", "C")), p)
+        be.ssd_advance(state, Step.make([0], [0], [first]), *(leaves[k][:first] for k in ("x", "dt", "B", "C")), p)
     before = (state.ssm_state.clone(), state.buf_x.clone(), state.buf_dt.clone(), state.buf_B.clone())
     new = {k: leaves[k][first:].clone().requires_grad_() for k in ("x", "dt", "B", "C")}
-    y = be.ssd_advance(state, Batch.make([0], [first], [second]), new["x"], new["dt"], new["B"], new["C"], p)
+    y = be.ssd_advance(state, Step.make([0], [first], [second]), new["x"], new["dt"], new["B"], new["C"], p)
     with torch.no_grad():  # the same call without autograd, from the same state: the same bits
         again = SSDState(*(t.clone() for t in before))
-        y_plain = be.ssd_advance(again, Batch.make([0], [first], [second]), *(leaves[k][first:] for k in new), p)
+        y_plain = be.ssd_advance(again, Step.make([0], [first], [second]), *(leaves[k][first:] for k in new), p)
     assert torch.equal(y.detach(), y_plain), "grad mode changed the forward's bits"
     assert all(torch.equal(u, v) for u, v in zip(state.tensors(), again.tensors())), "grad mode changed the state"
     wy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
@@ -183,12 +187,12 @@ def test_autograd_cannot_see_through_a_bare_triton_launch():
     a = {k: v.requires_grad_() for k, v in _scan_leaves(0, lens, H, P, G, N).items()}
     state = SSDState.allocate(1, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=chunk, dtype=torch.float32,
                               device=DEV)
-    y = replay_chunk_triton(state, Batch.from_empty(lens), a["x"], a["dt"], a["B"], a["C"],
+    y = replay_chunk_triton(state, Step.from_empty(lens), a["x"], a["dt"], a["B"], a["C"],
                             SSMParams(a["A"], a["D"], a["dt_bias"]), cfg=CFG)
     assert not y.requires_grad and y.grad_fn is None
     x, w = torch.randn(5, 16, device=DEV, requires_grad=True), torch.randn(8, 16, device=DEV, requires_grad=True)
     assert not linear_triton(x, w, None, CFG).requires_grad
-    assert ta.linear(x, w, None, CFG).requires_grad
+    assert linear_tr.linear(x, w, None, cfg=CFG).requires_grad
 
 
 def test_a_wrong_backward_is_caught(monkeypatch):
@@ -375,30 +379,32 @@ def _op_cases() -> dict:
         return torch.cat(out)
 
     return {
-        "linear": (lambda x, w, b: ta.linear(x, w, b, CFG), lambda x, w, b: linear_triton(x, w, b, CFG),
+        "linear": (lambda x, w, b: linear_tr.linear(x, w, b, cfg=CFG), lambda x, w, b: linear_triton(x, w, b, CFG),
                    lambda x, w, b: x @ w.t() + b, dict(x=_rand(M, d, seed=1), w=_rand(40, d, seed=2, scale=0.2),
                                                        b=_rand(40, seed=3)), ("x", "w", "b")),
-        "rms_norm": (lambda x, w: ta.rms_norm(x, w, EPS, F32, CFG), lambda x, w: rms_norm_triton(x, w, EPS, F32, CFG),
+        "rms_norm": (lambda x, w: norm_tr.rms_norm(x, w, EPS, F32, CFG),
+                     lambda x, w: rms_norm_triton(x, w, EPS, F32, CFG),
                      lambda x, w: _rms64(x, w, EPS), dict(x=_rand(M, d, seed=4), w=_rand(d, seed=5)), ("x", "w")),
-        "embed_norm": (lambda ids, e, w: ta.embed_norm(ids, e, w, EPS, F32, F32, CFG),
+        "embed_norm": (lambda ids, e, w: norm_tr.embed_norm(ids, e, w, EPS, F32, F32, CFG),
                        lambda ids, e, w: embed_rms_norm_triton(ids, e, w, EPS, F32, F32, CFG, norm_input_dtype=F32),
                        lambda ids, e, w: (_rms64(e[ids], w, EPS), e[ids]),
                        dict(ids=ids, e=_rand(V, d, seed=6), w=_rand(d, seed=7)), ("e", "w")),
-        "add_norm": (lambda x, r, w: ta.add_norm(x, r, w, EPS, F32, CFG),
+        "add_norm": (lambda x, r, w: norm_tr.add_norm(x, r, w, EPS, F32, CFG),
                      lambda x, r, w: add_rms_norm_triton(x, r, w, EPS, F32, CFG, norm_input_dtype=F32),
                      lambda x, r, w: (_rms64(r + x, w, EPS), r + x),
                      dict(x=_rand(M, d, seed=8), r=_rand(M, d, seed=10), w=_rand(d, seed=11)), ("x", "r", "w")),
-        "gated_rms_norm": (lambda y, z, w: ta.gated_rms_norm(y, z, w, EPS, 4, CFG),
+        "gated_rms_norm": (lambda y, z, w: norm_tr.gated_rms_norm(y, z, w, EPS, 4, CFG),
                            lambda y, z, w: gated_rms_norm_triton(y, z, w, EPS, 4, CFG),
                            lambda y, z, w: _rms64((y * F.silu(z)).view(M, 4, d // 4), 1.0, EPS).view(M, d) * w,
                            dict(y=_rand(M, d, seed=12), z=_rand(M, d, seed=13), w=_rand(d, seed=14)),
                            ("y", "z", "w")),
         # each call updates its own copy of the windows (the kernel writes them in place)
-        "conv": (lambda x, w, b: ta.conv(x, cu, slots, windows.clone(), w, b, CFG),
+        "conv": (lambda x, w, b: (lambda wc: conv_tr._Conv.apply(x, w, b, wc[slots], cu, slots, wc, CFG))(
+                     windows.clone()),
                  lambda x, w, b: causal_conv1d_triton(x, cu, slots, windows.clone(), w, b, CFG), conv64,
                  dict(x=_rand(8, Cd, seed=15), w=_rand(Cd, K, seed=16, scale=0.5), b=_rand(Cd, seed=17)),
                  ("x", "w", "b")),
-        "log_softmax": (lambda z: ta.log_softmax(z, CFG), lambda z: log_softmax_triton(z, CFG),
+        "log_softmax": (lambda z: logprobs_tr._LogSoftmax.apply(z, CFG), lambda z: log_softmax_triton(z, CFG),
                         lambda z: torch.log_softmax(z, -1), dict(z=_rand(M, 50, seed=18, scale=3.0)), ("z",)),
     }
 
@@ -416,7 +422,7 @@ def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
     37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups;
     two calls bit-identical."""
     from aligned_mamba.ops import norm
-    from aligned_mamba.ops.norm_triton import gated_rms_norm_backward_triton, rms_norm_backward_triton
+    from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton, rms_norm_backward_triton
 
     cfg = TritonKernelConfigs(norm_bwd_rows=4)
     M, d = 37, 48
@@ -439,7 +445,7 @@ def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
     row blocks of 4 that straddle sequences, an empty sequence, sequences shorter than the window,
     windows of earlier rows; two calls bit-identical."""
     from aligned_mamba.ops import conv1d as conv
-    from aligned_mamba.ops.conv1d_triton import causal_conv1d_backward_triton
+    from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton
 
     lens, Cd, K = [9, 0, 2, 1, 17], 40, 4
     T, S = sum(lens), len(lens)
@@ -496,8 +502,8 @@ def test_tiny_model_on_triton_backend_trains_with_the_samplers_bits():
                                    ).forward(seqs)
         # the sampler: a prefill of 33 tokens (two chunks and a row), then token-by-token decode
         cache, s0 = model.new_cache(1, max_len=lens[0]), seqs[0]
-        rows = [model.advance(cache, Batch.make([0], [0], [33]), s0[:33])]
-        rows += [model.advance(cache, Batch.make([0], [t], [1]), s0[t:t + 1]) for t in range(33, lens[0])]
+        rows = [model.advance(cache, Step.make([0], [0], [33]), s0[:33])]
+        rows += [model.advance(cache, Step.make([0], [t], [1]), s0[t:t + 1]) for t in range(33, lens[0])]
     assert all(torch.equal(a.detach(), b) for a, b in zip(logits, plain)), "grad mode changed the logits' bits"
     assert torch.equal(logits[0].detach(), torch.cat(rows)), "the trainer's logits are not the sampler's rows"
     assert not all(torch.equal(a, b) for a, b in zip(plain, torch_logits)), "backends agree: the check is vacuous"

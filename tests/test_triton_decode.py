@@ -34,8 +34,8 @@ from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
 from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
+from aligned_mamba.ops.step import Step  # noqa: E402
 from aligned_mamba.ops.triton_math import dt_softplus_triton  # noqa: E402
-from aligned_mamba.replay import Batch  # noqa: E402
 
 CFG = TritonKernelConfigs()  # the pinned configs, as every launch here takes them
 
@@ -139,7 +139,7 @@ def prefill(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[t
     """One advance through the prefill kernels over every slot's tokens; returns each slot's rows [n_i, H, P]."""
     lens = [t[0].shape[0] for t in toks]
     cat = [torch.cat([t[j] for t in toks]) for j in range(4)]
-    y = replay_chunk_triton(st, Batch.make(slots, start, lens), *cat, params_of(prm, dt_limit), cfg=CFG)
+    y = replay_chunk_triton(st, Step.make(slots, start, lens), *cat, params_of(prm, dt_limit), cfg=CFG)
     return list(torch.split(y, lens))
 
 
@@ -560,9 +560,9 @@ def _decode_from_prefill(H: int, P: int, G: int, N: int, L: int, start: int) -> 
     prm = params_of(make_params(H, P, seed=5, dev="cuda"))
     x, dt, B, C = make_tokens(T, H, P, G, N, seed=5, dev="cuda")
     ref = make_state(1, H, P, G, N, L, torch.float32, "cuda")
-    y_ref = replay_chunk_triton(ref, Batch.make([0], [0], [T]), x, dt, B, C, prm, cfg=CFG)
+    y_ref = replay_chunk_triton(ref, Step.make([0], [0], [T]), x, dt, B, C, prm, cfg=CFG)
     st = make_state(1, H, P, G, N, L, torch.float32, "cuda")
-    replay_chunk_triton(st, Batch.make([0], [0], [start]), x[:start], dt[:start], B[:start], C[:start], prm, cfg=CFG)
+    replay_chunk_triton(st, Step.make([0], [0], [start]), x[:start], dt[:start], B[:start], C[:start], prm, cfg=CFG)
     slot = torch.zeros(1, dtype=torch.int64, device="cuda")
     bad = []
     for p in range(start, T):

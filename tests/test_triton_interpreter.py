@@ -37,7 +37,7 @@ from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import pack_chunks, scan_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.naive import ssd_naive  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton, scan_chunks_triton  # noqa: E402
-from aligned_mamba.replay import Batch  # noqa: E402
+from aligned_mamba.ops.step import Step  # noqa: E402
 
 CFG = TritonKernelConfigs()
 
@@ -65,7 +65,7 @@ def _state(G: int, slots: int = 1) -> SSDState:
     return SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=torch.float32)
 
 
-def _advance(st_: SSDState, batch: Batch, x, dt, B, C, prm: dict, rows=None, cfg: TritonKernelConfigs = CFG):
+def _advance(st_: SSDState, batch: Step, x, dt, B, C, prm: dict, rows=None, cfg: TritonKernelConfigs = CFG):
     """The Triton replay form (the prefill kernels, as the triton backend runs them off a GPU)."""
     return replay_chunk_triton(st_, batch, x, dt, B, C, SSMParams(**prm), rows=rows, cfg=cfg)
 
@@ -81,7 +81,7 @@ def _replay(G: int, seed: int, schedule: list[int], rows_mask: torch.Tensor | No
     for n in schedule:
         sl = slice(pos, pos + n)
         rows = None if rows_mask is None else rows_mask[sl]
-        ys.append(_advance(st_, Batch.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], prm, rows=rows))
+        ys.append(_advance(st_, Step.make([0], [pos], [n]), x[sl], dt[sl], B[sl], C[sl], prm, rows=rows))
         pos += n
     return torch.cat(ys), st_
 
@@ -134,11 +134,11 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     for n in lens:
         cu.append(cu[-1] + n)
     packed = SSDState(*(t.clone() for t in vars(hist).values()))
-    y_packed = _advance(packed, Batch.make(list(range(S)), start, lens), x, dt, B, C, prm, rows=rows)
+    y_packed = _advance(packed, Step.make(list(range(S)), start, lens), x, dt, B, C, prm, rows=rows)
     for i in range(S):
         alone = SSDState(*(t[i : i + 1].clone() for t in vars(hist).values()))
         sl = slice(cu[i], cu[i + 1])
-        y_alone = _advance(alone, Batch.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl], prm,
+        y_alone = _advance(alone, Step.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl], prm,
                            rows=rows[sl])
         assert torch.equal(y_packed[sl], y_alone), i
         for name, t in vars(alone).items():
@@ -206,7 +206,7 @@ def test_unaligned_split_without_replay_changes_bits(split: int) -> None:
 
 
 def test_one_batch_shared_by_layers_of_other_shapes() -> None:
-    """An engine step hands one ``Batch`` to every layer: the plan kept on it (``Batch.derived``)
+    """An engine step hands one ``Step`` to every layer: the plan kept on it (``StepPlan.ssd_chunk``)
     is keyed by chunk size and row tile, so layers of another chunk size or row tile get their
     own plan and every layer's rows are those of a fresh batch."""
     G, lens, start = 1, [40, 9], [5, 30]
@@ -223,13 +223,13 @@ def test_one_batch_shared_by_layers_of_other_shapes() -> None:
                 buf[i, :, : p0 % chunk] = torch.rand(buf[i, :, : p0 % chunk].shape, generator=g)
         return st_
 
-    shared = Batch.make([0, 1], start, lens)
+    shared = Step.make([0, 1], start, lens)
     ys_shared, ys_fresh = [], []
     for chunk, cfg in layers:
         a, b = states(chunk), states(chunk)
         ys_shared.append(_advance(a, shared, x, dt, B, C, prm, cfg=cfg))
-        ys_fresh.append(_advance(b, Batch.make([0, 1], start, lens), x, dt, B, C, prm, cfg=cfg))
+        ys_fresh.append(_advance(b, Step.make([0, 1], start, lens), x, dt, B, C, prm, cfg=cfg))
         _assert_same_state(a, b)
-    assert len(shared._derived) == 3  # one plan per (chunk size, row tile), each built once
+    assert len(shared.plans[torch.device("cpu")].ssd_chunk) == 3  # one plan per (chunk size, row tile), each built once
     for y_s, y_f in zip(ys_shared, ys_fresh, strict=True):
         assert torch.equal(y_s, y_f)

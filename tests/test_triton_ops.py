@@ -17,11 +17,11 @@ import torch
 pytest.importorskip("triton")
 
 from aligned_mamba.ops import conv1d, logprobs, norm  # noqa: E402
-from aligned_mamba.ops import conv1d_triton as ct  # noqa: E402
-from aligned_mamba.ops import linear_triton as lt  # noqa: E402
-from aligned_mamba.ops import logprobs_triton as lpt  # noqa: E402
-from aligned_mamba.ops import norm_triton as nt  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
+from aligned_mamba.ops.linear import triton as lt  # noqa: E402
+from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
+from aligned_mamba.ops.norm import triton as nt  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -19,7 +19,10 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from aligned_mamba.ops import conv1d_triton as ct, linear_triton as lt, logprobs_triton as lpt, norm_triton as nt
+from aligned_mamba.ops.conv1d import triton as ct
+from aligned_mamba.ops.linear import triton as lt
+from aligned_mamba.ops.logprobs import triton as lpt
+from aligned_mamba.ops.norm import triton as nt
 from aligned_mamba.ops.configs import TritonKernelConfigs
 
 cfg = TritonKernelConfigs()

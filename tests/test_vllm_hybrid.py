@@ -305,7 +305,7 @@ def test_core_paged_attention_equals_trainer():
     16 tokens (as a block manager hands them out), driven through uneven chunks and decode steps,
     gives every logits row the trainer's bits."""
     from aligned_mamba.layers.attention import Attention, paged_tables
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     config, tensors = make_tiny_hybrid(4, pattern="*M-*", num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                                        dtype="float32")
@@ -324,7 +324,7 @@ def test_core_paged_attention_equals_trainer():
         step = chunks.pop(0) if chunks else [1, 1]
         live = [s for s in range(2) if done[s] < lens[s] and step[s] > 0]
         n = [min(step[s], lens[s] - done[s]) for s in live]
-        batch = Batch.make(live, [done[s] for s in live], n)
+        batch = Step.make(live, [done[s] for s in live], n)
         ids = torch.cat([seqs[s][done[s]:done[s] + k] for s, k in zip(live, n)])
         tables = paged_tables(batch.cu_seqlens, batch.start_pos + batch.lengths, block_table[live], bs, 4,
                               torch.device("cpu"))

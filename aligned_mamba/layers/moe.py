@@ -36,7 +36,7 @@ from ..errors import ModelLoadError
 from ..ops import elementwise as ew
 from ..ops.backend import Backend
 from ..ops.moe import route as _route
-from ..replay import Batch
+from ..ops.step import Step
 from .base import Stateless, take, take_optional
 from .mlp import MLP, MLPConfig
 
@@ -155,13 +155,13 @@ class MoE(Stateless):
         scores = ew.sigmoid(self.backend.linear(x.to(torch.float32), self.gate_w))
         return route(scores, self.score_bias, self.config)
 
-    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         return self.experts_out(batch, x, *self.route_rows(x))
 
-    def experts_out(self, batch: Batch | None, x: torch.Tensor, experts: torch.Tensor,
+    def experts_out(self, batch: Step | None, x: torch.Tensor, experts: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
         says (experts, weights [T, k]): [T, hidden_size] in the model dtype."""

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import elementwise as ew
-from .reduce import tree_sum
+from .. import elementwise as ew
+from ..reduce import tree_sum
 
 # The leaves of the sum's tree over the vocabulary; any power-of-two shard count dividing it (1, 2,
 # 4, 8) gives the unsharded bits. Part of the contract's arithmetic: changing it changes the bits.

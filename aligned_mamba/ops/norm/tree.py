@@ -1,4 +1,4 @@
-"""RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction.
+"""RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction: the torch form.
 
 The sum of squares is a fixed pairwise tree (``reduce.tree_sum``), 1/sqrt is two correctly
 rounded IEEE operations (``torch.rsqrt`` computes 1 / sqrt so; ``torch.sqrt`` of float32 goes to
@@ -8,11 +8,14 @@ the gate's SiLU is position-invariant, so a row's bits depend on that row only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from . import elementwise as ew
-from . import native
-from .reduce import tree_sum
+from .. import elementwise as ew
+from ..reduce import tree_sum
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]
 
 
 def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,8 +31,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     x [M, d] any float dtype; weight [d]; returns [M, d] in ``out_dtype`` (default weight's dtype).
     """
     out_dtype = out_dtype or weight.dtype
-    if (fused := native.rms_norm(x, weight, eps, out_dtype)) is not None:  # the same bits, one loop
-        return fused[0]
     y = _normalize(x.to(torch.float32), eps).to(out_dtype)
     return weight.to(out_dtype) * y
 
@@ -43,15 +44,29 @@ def gated_rms_norm(
     Face, vLLM and mamba_ssm do for Mamba2), never inside the scan.
     y, z [M, d] (model dtype); weight [d]; d divisible by n_groups. Returns [M, d] in y's dtype.
     """
-    if (fused := native.gated_rms_norm(y, z, weight, eps, n_groups)) is not None:  # the same bits, one loop
-        return fused
     M, d = y.shape
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)
     return weight.to(y.dtype) * g.to(y.dtype)
 
 
-# -- backwards (the triton backend's autograd, ``ops.triton_autograd``) --------------------------------------
+def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+               residual_dtype: torch.dtype, *, norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
+    normed = norm(residual rounded to ``dtype``) [T, d] in ``dtype``. Returns (normed, residual)."""
+    residual = embedding[token_ids].to(residual_dtype)
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype, *,
+             norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's residual add and the next norm: residual + x (in residual's dtype), normed =
+    norm(that sum rounded to ``dtype``). x, residual [M, d]. Returns (normed, residual + x)."""
+    residual = residual + x
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
+# -- backwards (the triton backend's autograd Functions, ``triton.py``) --------------------------------------
 # Gradients need accuracy, not row invariance: native torch ops, fp32.
 
 

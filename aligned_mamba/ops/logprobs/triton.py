@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import TritonKernelConfigs
-from .triton_math import exp_exact, log_exact
+from ..autograd import grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..triton_math import exp_exact, log_exact
+from . import sliced
 
 
 @triton.jit
@@ -96,3 +98,32 @@ def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: Tr
                                      BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
                                      enable_fp_fusion=False)
     return (out, lse) if return_lse else out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = ``sliced.log_softmax_backward`` from the output ----
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+        out = log_softmax_triton(logits, cfg)
+        ctx.save_for_backward(out)
+        ctx.logits_dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (out,) = ctx.saved_tensors
+        return wanted(ctx, sliced.log_softmax_backward(out, g, ctx.logits_dtype))
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``sliced.log_softmax``): [..., V] -> [..., V] float32 logprobs of logits /
+    temperature, by the kernel on a CUDA tensor (the torch form elsewhere)."""
+    if not logits.is_cuda:
+        return sliced.log_softmax(logits, temperature)
+    if temperature != 1.0:
+        logits = sliced.scale(logits, temperature)
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = _LogSoftmax.apply(rows, cfg) if grad_needed(logits) else log_softmax_triton(rows, cfg)
+    return out.reshape(logits.shape)

@@ -18,8 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import TritonKernelConfigs
-from .triton_math import silu_exact
+from ..autograd import grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..step import Step
+from ..triton_math import silu_exact
+from . import taps
 
 
 @triton.jit
@@ -221,3 +224,40 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
                                                 windows.stride(1), K=K, BLOCK_Q=triton.next_power_of_2(K - 1),
                                                 BLOCK_C=bc, num_warps=4)
     return out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = a Triton kernel (the windows' own gradient, when
+# they require one, from ``taps.causal_conv1d_backward``) ---------------------------------------------------
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window: torch.Tensor,
+                cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        # window: windows[slots] as the kernel finds them (it overwrites them in place)
+        ctx.save_for_backward(x, w, b, window)
+        ctx.consts = (cu_seqlens, cfg)
+        return causal_conv1d_triton(x, cu_seqlens, slots, windows, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, b, window = ctx.saved_tensors
+        cu_seqlens, cfg = ctx.consts
+        if ctx.needs_input_grad[3]:  # the windows' own gradient: the torch form has it
+            dx, dwindow, dw, db = taps.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
+            return wanted(ctx, dx, dw, db, dwindow)
+        dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)
+        return wanted(ctx, dx, dw, db)
+
+
+def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``taps.conv_advance``): x [T, Cd] -> [T, Cd]; windows [num_slots, K-1, Cd]
+    updated in place. Where a gradient is recorded, the backward of ``taps.causal_conv1d`` from the
+    slots' windows as they were (their own gradient included, when they require it)."""
+    plan = step.plans[windows.device]
+    cu, slots = plan.cu_seqlens, plan.slots
+    if grad_needed(x, w, b, windows):
+        return _Conv.apply(x, w, b, windows[slots], cu, slots, windows, cfg)
+    return causal_conv1d_triton(x, cu, slots, windows, w, b, cfg)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import TritonKernelConfigs
+from ..autograd import grad_needed
+from ..configs import TritonKernelConfigs
 
 
 @triton.jit
@@ -69,8 +70,9 @@ class _Relu2(torch.autograd.Function):
 
 
 def relu2(x: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """``relu2_triton`` with its gradient (``relu2_backward_triton``); x [any shape] bf16 or fp32."""
-    return _Relu2.apply(x, cfg)
+    """The op's signature (``ieee.relu2``): the kernel, with its one-pass gradient
+    (``relu2_backward_triton``, saving only x) where a gradient is recorded; x [any shape] bf16 or fp32."""
+    return _Relu2.apply(x, cfg) if grad_needed(x) else relu2_triton(x, cfg)
 
 
 __all__ = ["relu2", "relu2_backward_triton", "relu2_triton"]

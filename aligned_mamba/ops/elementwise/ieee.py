@@ -1,4 +1,4 @@
-"""Position-invariant transcendental functions.
+"""Position-invariant transcendental functions (and relu^2), the torch form.
 
 ATen computes the tail of a vectorised elementwise loop (and the tail of each thread's range)
 with the scalar libm function, the rest with SLEEF, and the two disagree in the last bit for a
@@ -16,15 +16,12 @@ the exponent bits pass none), so each public function is a ``torch.autograd.Func
 forward is the bit-exact implementation (``_exp`` etc., unchanged) and whose backward is the
 analytic derivative, computed from the forward's input and output with plain torch ops (the
 backward is not part of the bitwise contract). Without a grad-requiring input the implementation
-is called directly, so sampler calls pay nothing; on the CPU that call runs ``ops.native``'s
-loop, which gives the same bits in one pass.
+is called directly, so sampler calls pay nothing. ``cpu.py`` has the same bits in one loop.
 """
 
 from __future__ import annotations
 
 import torch
-
-from . import native
 
 _CONSTANTS: dict[tuple[float | int, torch.dtype], torch.Tensor] = {}
 
@@ -222,37 +219,38 @@ def _grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
-def _run(name: str, impl, x: torch.Tensor, *arg: float) -> torch.Tensor:
-    """impl(x, *arg), or the same bits from the native loop (``ops.native``) where it applies."""
-    y = native.unary(name, x, *arg)
-    return impl(x, *arg) if y is None else y
-
-
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32, position-invariant (see ``_exp``); d/dx = exp(x) (0 where clamped)."""
-    return _Exp.apply(x) if _grad(x) else _run("exp", _exp, x)
+    return _Exp.apply(x) if _grad(x) else _exp(x)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
     """Natural log of positive normal float32 x (see ``_log``); d/dx = 1/x."""
-    return _Log.apply(x) if _grad(x) else _run("log", _log, x)
+    return _Log.apply(x) if _grad(x) else _log(x)
 
 
 def log1p(x: torch.Tensor) -> torch.Tensor:
     """log(1 + x) for float32 x > -1 (see ``_log1p``); d/dx = 1/(1 + x)."""
-    return _Log1p.apply(x) if _grad(x) else _run("log1p", _log1p, x)
+    return _Log1p.apply(x) if _grad(x) else _log1p(x)
 
 
 def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     """log(1 + exp(x)), returning x itself above ``threshold`` (as torch's softplus does); d/dx = sigmoid(x)."""
-    return _Softplus.apply(x, threshold) if _grad(x) else _run("softplus", _softplus, x, threshold)
+    return _Softplus.apply(x, threshold) if _grad(x) else _softplus(x, threshold)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)) in float32; d/dx = s (1 - s)."""
-    return _Sigmoid.apply(x) if _grad(x) else _run("sigmoid", _sigmoid, x)
+    return _Sigmoid.apply(x) if _grad(x) else _sigmoid(x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x), written x / (1 + exp(-x)); d/dx = s (1 + x (1 - s))."""
-    return _Silu.apply(x) if _grad(x) else _run("silu", _silu, x)
+    return _Silu.apply(x) if _grad(x) else _silu(x)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 in x's dtype, squared in fp32 and rounded once (one IEEE multiply per element:
+    position-invariant; Nemotron-H's MLP activation). Any shape; differentiable."""
+    r = torch.relu(x.to(torch.float32))
+    return (r * r).to(x.dtype)

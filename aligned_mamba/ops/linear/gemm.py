@@ -1,4 +1,4 @@
-"""Row-invariant linear layer: a row's bits depend on that row alone, whatever the number of rows.
+"""Row-invariant linear layer, the torch form: a row's bits depend on that row alone, whatever the number of rows.
 
 A GEMM library picks its algorithm by shape: fp32 ``F.linear`` rows computed in a call of 1, 2
 or 7 rows differ from the same rows in a 600-row call (torch 2.13 CPU). Two forms avoid that (the
@@ -8,13 +8,13 @@ contract's ``gemm_form``, which the scan's GEMMs follow too):
   sums (lane j takes k = j, j + 8, ... in order, each step the product rounded, then the sum) and a
   fixed tree over the lanes (``lane_matmul``, the readable statement). No tile, no padding of rows:
   a decode step computes its one row, and reads the weights once in the model dtype. On the CPU
-  ``ops.native`` runs it as one loop (the same bits; for bfloat16 operands the products are exact,
-  so it may fuse each multiply and add); elsewhere the torch form runs.
+  ``cpu.py`` runs it as one loop (the same bits; for bfloat16 operands the products are exact,
+  so it may fuse each multiply and add).
 - ``"tiles"``: rows padded to whole tiles of ``linear_row_tile`` and one fixed-shape GEMM per
   tile (a batched matmul), so every row goes through the same BLAS call whatever M is.
 
 Operands are taken to float32 (exact for bf16), accumulated in float32 and rounded once to the
-input dtype. Pass weights from ``gemm_weight`` (``TorchBackend.linear_weight`` makes them) to skip a
+input dtype. Pass weights from ``gemm_weight`` (the torch backend's ``linear_weight`` makes them) to skip a
 per-call conversion and pad. Gradients (the trainer's backward) are plain float32 matmuls: they need
 accuracy, not row invariance.
 """
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-from .reduce import tree_sum
+from ..reduce import tree_sum
 
 _PADDED = "_aligned_mamba_padded"  # the attribute ``gemm_weight`` leaves on its view
 LANES = 8
@@ -60,7 +59,7 @@ def gemm_weight(weight: torch.Tensor, form: str = "lanes") -> torch.Tensor:
     return view
 
 
-def _padded(weight: torch.Tensor, form: str) -> torch.Tensor:
+def padded(weight: torch.Tensor, form: str) -> torch.Tensor:
     N, K = weight.shape
     kp, n_pad = _pads(K, N, form)
     w = getattr(weight, _PADDED, None)
@@ -85,7 +84,9 @@ def lane_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _lane_forward(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor:
-    out = native.lane_gemm(x, w, exact)
+    from .cpu import lane_gemm  # the same sums in one loop where it applies (a primitive picks its C form)
+
+    out = lane_gemm(x, w, exact)
     return lane_matmul(x, w) if out is None else out
 
 
@@ -125,19 +126,18 @@ def lanes(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 16,
            form: str = "lanes") -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 inside."""
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 inside. ``row_tile`` and
+    ``form``: the contract's ``linear_row_tile`` and ``gemm_form``; weight from ``gemm_weight``, or any
+    [N, K] tensor (padded here, per call)."""
     if form not in FORMS:
         raise ValueError(f"linear form {form!r} refused: expected one of {', '.join(FORMS)}")
     M, K = x.shape
     N = weight.shape[0]
     if M == 0:
         return x.new_zeros(0, N)
-    w = _padded(weight, form)
+    w = padded(weight, form)
     kp = w.shape[1] - K
     if form == "lanes":
-        if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-            if (fused := native.linear(x, w, bias)) is not None:  # the same bits in one call
-                return fused[:, :N]
         xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp))
         out = lanes(xp, w, exact=x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
     else:

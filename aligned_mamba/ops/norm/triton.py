@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import TritonKernelConfigs
-from .triton_math import silu_exact
+from ..autograd import deterministic, grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..triton_math import silu_exact
 
 
 @triton.jit
@@ -281,3 +282,112 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, gs, y.stride(0), z.stride(0), out.stride(0),
                                       float(eps), BLOCK_G=block, num_warps=warps, enable_fp_fusion=False)
     return out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = the torch form's gradient (Triton kernels) ------
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.consts = (eps, out_dtype, cfg)
+        return rms_norm_triton(x, w, eps, out_dtype, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        eps, out_dtype, cfg = ctx.consts
+        dx, dw = rms_norm_backward_triton(x, w, eps, out_dtype, g, cfg)
+        return wanted(ctx, dx.to(x.dtype), dw)
+
+
+class _EmbedNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
+                dtype: torch.dtype, residual_dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(token_ids, embedding, w)
+        ctx.consts = (eps, dtype, residual_dtype, cfg)
+        return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        token_ids, embedding, w = ctx.saved_tensors
+        eps, dtype, residual_dtype, cfg = ctx.consts
+        residual = embedding[token_ids].to(residual_dtype)
+        g, dw = rms_norm_backward_triton(residual.to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
+        de = None
+        if ctx.needs_input_grad[1]:
+            with deterministic():  # repeated token ids: the sorting accumulation, not atomics
+                de = torch.zeros(embedding.shape, device=g.device).index_put_((token_ids,), g, accumulate=True)
+            de = de.to(embedding.dtype)
+        return wanted(ctx, None, de, dw)
+
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, residual, w)
+        ctx.consts = (eps, dtype, cfg)
+        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, residual, w = ctx.saved_tensors
+        eps, dtype, cfg = ctx.consts
+        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype)
+        g, dw = rms_norm_backward_triton((residual + x).to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
+        return wanted(ctx, g.to(x.dtype), g.to(residual.dtype), dw)
+
+
+class _GatedRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(y, z, w)
+        ctx.consts = (eps, n_groups, cfg)
+        return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, z, w = ctx.saved_tensors
+        eps, n_groups, cfg = ctx.consts
+        return wanted(ctx, *gated_rms_norm_backward_triton(y, z, w, eps, n_groups, g, cfg))
+
+
+# -- the forms (the triton backend's table): the Function where a gradient is recorded, else the launch ----
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             cfg: TritonKernelConfigs) -> torch.Tensor:
+    """[M, d] -> [M, d] in ``out_dtype``; backward of ``tree.rms_norm``."""
+    if grad_needed(x, w):
+        return _RmsNorm.apply(x, w, eps, out_dtype, cfg)
+    return rms_norm_triton(x, w, eps, out_dtype, cfg)
+
+
+def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+               residual_dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_ids [T] -> (normed [T, d] in ``dtype``, residual [T, d] in ``residual_dtype``)."""
+    if grad_needed(embedding, w):
+        return _EmbedNorm.apply(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
+    return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+             cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [M, d] -> (normed [M, d] in ``dtype``, residual + x [M, d] in residual's dtype)."""
+    if grad_needed(x, residual, w):
+        return _AddNorm.apply(x, residual, w, eps, dtype, cfg)
+    return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
+                   cfg: TritonKernelConfigs) -> torch.Tensor:
+    """y, z [M, d] -> [M, d] in y's dtype; backward of ``tree.gated_rms_norm``."""
+    if grad_needed(y, z, w):
+        return _GatedRmsNorm.apply(y, z, w, eps, n_groups, cfg)
+    return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import TritonKernelConfigs
+from ..autograd import grad_needed
+from ..configs import TritonKernelConfigs
 
 
 @triton.jit
@@ -246,3 +247,30 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         grid = (triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n),)
         _linear_ptr_kernel[grid](x, weight, y, b, M, N, K, x.stride(0), weight.stride(0), N, **common)
     return y
+
+
+# -- autograd: forward = the kernel, unchanged; backward = two GEMMs in torch (cuBLAS on a GPU) ------------
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.bias_dtype = None if b is None else b.dtype
+        return linear_triton(x, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        nx, nw, nb, _ = ctx.needs_input_grad
+        # y = x w^T (+ b): dx = g w, dw = g^T x (cuBLAS), db = the fp32 column sums of g
+        return (g @ w if nx else None, (g.t() @ x).to(w.dtype) if nw else None,
+                g.to(torch.float32).sum(0).to(ctx.bias_dtype) if nb else None, None)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+           cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The triton backend's form: x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype, with a cuBLAS
+    backward where a gradient is recorded."""
+    return _Linear.apply(x, w, b, cfg) if grad_needed(x, w, b) else linear_triton(x, w, b, cfg)

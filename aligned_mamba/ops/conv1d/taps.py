@@ -1,4 +1,4 @@
-"""Causal depthwise conv1d over (window ++ new tokens), then SiLU.
+"""Causal depthwise conv1d over (window ++ new tokens), then SiLU: the torch form.
 
 Prefill and decode are the same call: each sequence's new tokens are convolved with the
 ``K - 1`` inputs before them (its window: zeros at the start of a sequence), so one prefilled
@@ -8,10 +8,15 @@ token and one decoded token see the same operands, accumulated in the same order
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
-from . import elementwise as ew
-from . import native
+from .. import elementwise as ew
+
+if TYPE_CHECKING:
+    from ..step import Step
 
 
 def _tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -31,6 +36,15 @@ def _tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
+def conv_out(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: bool) -> torch.Tensor:
+    """``_tap_sum`` (then SiLU) rounded to taps' dtype: [T, K, Cd] -> [T, Cd]."""
+    out = _tap_sum(taps, weight, bias)
+    return (ew.silu(out) if activation else out).to(taps.dtype)
+
+
+ConvOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+
+
 def causal_conv1d(
     x: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -39,8 +53,10 @@ def causal_conv1d(
     bias: torch.Tensor | None,
     *,
     activation: bool = True,
+    out_form: ConvOut = conv_out,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Convolve new tokens of S packed sequences.
+    """Convolve new tokens of S packed sequences (``out_form``: the taps' sum, ``conv_out`` or the same
+    bits from the CPU form's loop).
 
     x [T, Cd] (model dtype), cu_seqlens [S+1], window [S, K-1, Cd] (the inputs preceding each
     sequence's first new token), weight [Cd, K], bias [Cd] or None.
@@ -48,7 +64,7 @@ def causal_conv1d(
     """
     S, Km1, _ = window.shape
     stream, src, lens = _streams(x, cu_seqlens, window)
-    out = _conv_out(stream[src], weight, bias, activation)  # taps [T, K, Cd]
+    out = out_form(stream[src], weight, bias, activation)  # taps [T, K, Cd]
     # The new window: the last K-1 positions of each (window ++ new) stream.
     q = torch.arange(Km1, device=x.device)
     sidx = torch.arange(S, device=x.device)[:, None].expand(S, Km1)
@@ -56,14 +72,6 @@ def causal_conv1d(
                                     Km1)]
     return out, new_window
 
-
-def _conv_out(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: bool) -> torch.Tensor:
-    """``_tap_sum`` (then SiLU) rounded to taps' dtype: [T, K, Cd] -> [T, Cd] (``ops.native``'s loop
-    where it applies: the same bits)."""
-    if (out := native.tap_sum(taps, weight, bias, activation)) is not None:
-        return out
-    out = _tap_sum(taps, weight, bias)
-    return (ew.silu(out) if activation else out).to(taps.dtype)
 
 
 def _stream_row(seq_ids: torch.Tensor, p: torch.Tensor, cu: torch.Tensor, S: int, Km1: int) -> torch.Tensor:
@@ -121,6 +129,7 @@ def causal_conv1d_step(
     bias: torch.Tensor | None,
     *,
     activation: bool = True,
+    out_form: ConvOut = conv_out,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``causal_conv1d`` for one new token per sequence (a decode step), the same arithmetic.
 
@@ -128,4 +137,20 @@ def causal_conv1d_step(
     Returns (out [S, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
     """
     taps = torch.cat([window.to(x.dtype), x[:, None]], dim=1)  # [S, K, Cd]
-    return _conv_out(taps, weight, bias, activation), taps[:, 1:]
+    return out_form(taps, weight, bias, activation), taps[:, 1:]
+
+
+def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
+                 out_form: ConvOut = conv_out) -> torch.Tensor:
+    """The op's signature: causal conv1d + SiLU of the step's new rows x [T, Cd] from each slot's window
+    (windows [slots, K-1, Cd], updated in place); [T, Cd] in x's dtype. A decode step (one token per
+    sequence) takes ``causal_conv1d_step``, the same arithmetic on its one row each."""
+    if step.decode_only:
+        slots = step.plans[windows.device].slots
+        out, window = causal_conv1d_step(x, windows.index_select(0, slots), w, b, out_form=out_form)
+        windows.index_copy_(0, slots, window)
+        return out
+    slots = step.slots.to(windows.device)
+    out, window = causal_conv1d(x, step.cu_seqlens, windows[slots], w, b, out_form=out_form)
+    windows[slots] = window
+    return out
