@@ -17,7 +17,7 @@ from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 @pytest.mark.parametrize("case", ["decode", "chunked_prefill_unaligned"])
 def test_triton_backend_engine_matches_trainer(case):
     # state 16, chunk 32: the K loops of one block, where a chunk completion once rounded otherwise on
-    # the GPU (tests/test_triton_compile.py); the interpreter's fp32 arithmetic is numpy's
+    # the GPU (tests/ops/ssd/test_triton_compile.py); the interpreter's fp32 arithmetic is numpy's
     chunk = 32
     cfg, tensors = make_tiny(0, dtype="float32", num_hidden_layers=1, hidden_size=64, num_heads=2, head_dim=64,
                              state_size=16, chunk_size=chunk, vocab_size=64)

@@ -23,7 +23,7 @@ from aligned_mamba.cli import main
 from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_NO_CONTROL, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
 from aligned_mamba.report import SCHEMA_VERSION, JsonReport
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def env_here(**extra: str) -> dict[str, str]:
