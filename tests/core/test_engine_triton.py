@@ -7,6 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
 from aligned_mamba.check import CASES, compare, make_prompts, run_case  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402

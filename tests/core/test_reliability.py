@@ -267,6 +267,7 @@ def assert_all_gone(kids: set[int], within_s: float = 15.0) -> None:
     assert not alive(kids), f"still running: {alive(kids)}"
 
 
+@pytest.mark.engines  # signals sent on a timer
 def test_sigterm_during_check_with_worker_processes(tmp_path):
     out = tmp_path / "r.json"
     code, err, kids = terminate_when(["check", "--prompt-len", "500", "--gen-len", "300", "--requests", "2",
@@ -278,6 +279,7 @@ def test_sigterm_during_check_with_worker_processes(tmp_path):
     assert_all_gone(kids)
 
 
+@pytest.mark.engines
 def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "rl.json"

@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 if _TOO_LATE:
     if not torch.cuda.is_available():
         pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "

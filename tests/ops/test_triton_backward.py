@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
 from fp64_reference import GRAD_RTOL, MODEL, reference_logits_fp64, rel_err  # noqa: E402
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
 # Import every Triton module now, while the mode (compiled or interpreted) is the session's:
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
@@ -360,6 +361,7 @@ print(json.dumps({"scan_len": len(a), "scan_same": a == b[:len(a)],
 """
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_compiled_row_kernel_matches_prefill_arithmetic(tmp_path):
     """Offline sm_90 compile (no GPU needed): the decode's cumsum compiles to the prefill cumsum's
