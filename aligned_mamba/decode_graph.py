@@ -12,7 +12,7 @@ completion kernels check every entry's position on the device.
 
 The graph runs the very kernels of an eager step with the same arguments, so its rows are the
 eager step's, and by the decode kernels' contract the single-pass prefill's
-(tests/test_decode_graph.py checks both on a GPU).
+(tests/core/test_decode_graph.py checks both on a GPU).
 """
 
 from __future__ import annotations

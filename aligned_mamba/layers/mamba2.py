@@ -121,7 +121,7 @@ class Mamba2Mixer:
         c = config
         if c.state_size % 4:
             # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
-            # another alignment (torch CPU, tests/test_ops_rows.py): refused.
+            # another alignment (torch CPU, tests/ops/test_rows.py): refused.
             raise ModelLoadError(f"state_size {c.state_size} is not a multiple of 4: row bits could depend on "
                                  "alignment in the scan's GEMMs; refused")
         if c.num_heads % c.n_groups:

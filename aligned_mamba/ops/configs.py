@@ -73,7 +73,7 @@ class TritonKernelConfigs:
       linear_block_k: the K block of every bf16 regime (one K loop, ascending, whatever M).
       linear_decode_max_m, linear_mid_max_m: bf16 calls of M <= decode_max_m rows take the decode
         tile, M <= mid_max_m the mid tile, larger M the large tile (a row's bits do not depend on
-        the tile: tests/test_triton_ops.py checks M = 1..8192 at every model shape).
+        the tile: tests/ops/test_triton_ops.py checks M = 1..8192 at every model shape).
       linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
         (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
         of that many programs per SM looping over the tiles, else one program per tile).
@@ -101,7 +101,7 @@ class TritonKernelConfigs:
       absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
-      tile; a row's bits do not depend on the tile's rows: tests/test_attention_triton_gpu.py).
+      tile; a row's bits do not depend on the tile's rows: tests/ops/test_attention_gpu.py).
       Its backward (ops/attention/triton_backward.py; gradients only, never a forward's bits):
       attn_bwd_kv_block_n keys per dk/dv program and attn_bwd_kv_block_m query rows per step of its
       loop; attn_bwd_q_block_m query rows per dq program and attn_bwd_q_block_n keys per step;

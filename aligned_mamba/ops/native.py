@@ -3,7 +3,7 @@
 A torch form such as ``elementwise.ieee._exp`` is some twenty whole-tensor operations; on the small
 tensors of a decode step each costs its dispatch, not its arithmetic. ``native_cpu.c`` runs the
 same IEEE operations element by element, in the same order, in one pass, so it gives the torch
-forms' bits (tests/test_ops_native.py compares them, special values included) at a fraction of
+forms' bits (tests/ops/test_native.py compares them, special values included) at a fraction of
 the time. Each op's ``cpu.py`` wraps its loops (``norm/cpu.py``, ``linear/cpu.py``, ...); the CPU
 backend (``backend.CPUBackend``) points its table at them. A wrapper returns None where it does
 not apply (not a CPU tensor of float32/bfloat16, inputs that need a gradient, or no library) and

@@ -16,8 +16,8 @@ chunk. So a decode step
    this torch form (and the CPU form with "tiles", or without the library) runs the whole tile
    holding the token through ``tile_outputs`` with the token's C in its row and zeros in the
    others, at the prefill's GEMM shapes. The S sequences of a step are batched in each call (a batch item's bits
-   do not depend on how many items share the call: tests/test_ops_rows.py,
-   tests/test_replay_decode_torch.py);
+   do not depend on how many items share the call: tests/ops/test_rows.py,
+   tests/ops/ssd/test_decode.py);
 3. where the token completes its chunk (``pos % L == L - 1``), folds the chunk into the boundary
    state with the prefill's code (``chunk.chunk_states``, ``chunk.fold_state``) and empties the
    slot's buffers.

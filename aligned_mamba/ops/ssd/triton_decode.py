@@ -40,7 +40,7 @@ mode), small scratch, the token's inputs; SSU reads and writes the state every s
 Bits: every arithmetic step of the prefill's path for that row is repeated with the same
 operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
 numpy matmul and ``tl.fma`` as two roundings) is checked on the GPU by
-``tests/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
+``tests/ops/ssd/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
 ever differs there.
 """
 

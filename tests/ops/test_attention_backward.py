@@ -4,7 +4,7 @@ fp32 and tiny shapes. The gradients of q, k and v (packed variable-length sequen
 last positions of their sequences, GQA 1 to 16) match the fp64 reference's to fp32 rounding; two
 backwards give the same bits; saving the log-sum-exp leaves the forward's bits as they were; the
 cached step (keys written into a slot cache, the sampler's launch) has the packed form's gradient.
-The GPU's bf16 figures are tests/test_attention_triton_gpu.py's.
+The GPU's bf16 figures are tests/ops/test_attention_gpu.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 if _TOO_LATE:
     if not torch.cuda.is_available():
         pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "

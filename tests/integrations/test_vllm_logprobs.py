@@ -17,8 +17,9 @@ import re
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed "
-                                "(pip install -e '.[vllm]')")
+pytestmark = [pytest.mark.engines,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed (pip install -e '.[vllm]')")]
 
 import aligned_mamba  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402

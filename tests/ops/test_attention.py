@@ -3,7 +3,7 @@
 fp32 and tiny shapes (the interpreter runs each program in numpy). Each row must be the same bits
 whether it is computed in a prefill, a chunk continuing from cached keys, a decode step or beside
 other sequences, and match the fp64 reference to fp32 rounding. The interpreter proves the logic
-(the tables, the masks, the no-op blocks); the GPU's bits are tests/test_attention_triton_gpu.py's.
+(the tables, the masks, the no-op blocks); the GPU's bits are tests/ops/test_attention_gpu.py's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 if _TOO_LATE:
     if not torch.cuda.is_available():
         pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "

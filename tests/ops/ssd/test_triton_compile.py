@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 from sm90_offline import run_sm90_script
 
+pytestmark = pytest.mark.compile
+
 _COMPILE_ALL = r"""
 import inspect, json, os
 os.environ.pop("TRITON_INTERPRET", None)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
 # Import every Triton module now, while the mode (compiled or interpreted) is the session's:
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
@@ -48,7 +49,7 @@ NO_LIMIT = (0.0, math.inf)
 
 @pytest.fixture(autouse=True)
 def _keep_compiled_mode(monkeypatch):
-    """test_triton_interpreter.py sets TRITON_INTERPRET=1 in os.environ when it is collected; Triton
+    """tests/ops/ssd/test_triton_chunk.py sets TRITON_INTERPRET=1 in os.environ when it is collected; Triton
     reads that knob while compiling too, so the GPU tests here run without it."""
     if not INTERPRET:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -360,6 +361,7 @@ print(json.dumps({"scan_len": len(a), "scan_same": a == b[:len(a)],
 """
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_compiled_row_kernel_matches_prefill_arithmetic(tmp_path):
     """Offline sm_90 compile (no GPU needed): the decode's cumsum compiles to the prefill cumsum's
@@ -540,8 +542,9 @@ def test_gpu_second_process_same_bits(tmp_path):
     here = _second_process_rows("tile")
     out = tmp_path / "rows.pt"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(tests)
+    env["PYTHONPATH"] = os.pathsep.join([root, tests, env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, os.path.abspath(__file__), "--dump", str(out)], check=True, env=env, cwd=root,
                    timeout=300)
     there = torch.load(out)
@@ -575,7 +578,7 @@ def _decode_from_prefill(H: int, P: int, G: int, N: int, L: int, start: int) -> 
 
 # (H, P, G, N, L): the decode's chunk completions from a prefilled, nonzero boundary state, at chunk
 # sizes of one K block (32), where Triton once folded the completion's add into its dot (the
-# boundary state rounded otherwise on the H200; tests/test_triton_compile.py), and of several.
+# boundary state rounded otherwise on the H200; tests/ops/ssd/test_triton_compile.py), and of several.
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("shape", [(4, 64, 2, 32, 32), (8, 64, 2, 64, 32), (4, 64, 1, 16, 32), (8, 64, 2, 64, 64),

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from aligned_mamba.cli import main
 from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
-from test_autograd import GRAD_RTOL, MODEL, reference_logits_fp64, rel_err  # noqa: E402
+from fp64_reference import GRAD_RTOL, MODEL, reference_logits_fp64, rel_err  # noqa: E402
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)
 
 from aligned_mamba import Contract  # noqa: E402
@@ -70,7 +71,7 @@ SCAN_LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "h0")
 
 @pytest.fixture(autouse=True)
 def _keep_compiled_mode(monkeypatch):
-    """As in test_triton_decode.py: another module sets TRITON_INTERPRET=1 when collected; the GPU
+    """As in tests/ops/ssd/test_triton_decode.py: another module sets TRITON_INTERPRET=1 when collected; the GPU
     tests compile."""
     if not INTERPRET:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)

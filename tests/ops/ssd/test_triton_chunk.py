@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 if _TOO_LATE:
     # Only possible where the session runs compiled Triton (conftest turns the interpreter on for
     # the whole session on a machine without a GPU): there these tests need a process of their own.

@@ -5,7 +5,7 @@ token's MoE output (router, routed experts, shared expert) must be the same bits
 routed alone or among many tokens, in any order; the stock per-expert GEMM (``F.linear`` over an
 expert's rows, what transformers runs) changes a row's bits with the rows beside it, so the check
 can fail. The interpreter proves the logic (tables, masks, tiles, the backward's walks); the GPU's
-bits are tests/test_moe_triton_gpu.py's. Everything here is fp32: the interpreter computes bf16
+bits are tests/ops/test_moe_triton_gpu.py's. Everything here is fp32: the interpreter computes bf16
 wrongly (the bf16 floor is the GPU test's).
 """
 
@@ -26,6 +26,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 if _TOO_LATE:
     if not torch.cuda.is_available():
         pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "
@@ -213,7 +214,7 @@ def test_bench_moe_dry_run(tmp_path) -> None:
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "moe.json"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_moe_h200.py"), "--dry-run", "--out", str(out)],

@@ -14,8 +14,9 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed "
-                                "(pip install -e '.[vllm]')")
+pytestmark = [pytest.mark.engines,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed (pip install -e '.[vllm]')")]
 
 from aligned_mamba.check import compare  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402

@@ -23,7 +23,7 @@ from aligned_mamba.cli import main
 from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_NO_CONTROL, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
 from aligned_mamba.report import SCHEMA_VERSION, JsonReport
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def env_here(**extra: str) -> dict[str, str]:
@@ -268,6 +268,7 @@ def assert_all_gone(kids: set[int], within_s: float = 15.0) -> None:
     assert not alive(kids), f"still running: {alive(kids)}"
 
 
+@pytest.mark.engines  # signals sent on a timer
 def test_sigterm_during_check_with_worker_processes(tmp_path):
     out = tmp_path / "r.json"
     code, err, kids = terminate_when(["check", "--prompt-len", "500", "--gen-len", "300", "--requests", "2",
@@ -279,6 +280,7 @@ def test_sigterm_during_check_with_worker_processes(tmp_path):
     assert_all_gone(kids)
 
 
+@pytest.mark.engines
 def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "rl.json"

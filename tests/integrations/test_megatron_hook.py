@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-from test_autograd import GRAD_RTOL, reference_logits_fp64, rel_err  # noqa: E402
+from fp64_reference import GRAD_RTOL, reference_logits_fp64, rel_err  # noqa: E402
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)
 
 from aligned_mamba import Contract, ContractMismatchError  # noqa: E402
@@ -335,7 +335,7 @@ def test_settings_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(hk.AlignmentRefused, match=r"stock kernel mamba_split_conv1d_scan_combined"):
         mamba_mixer.mamba_split_conv1d_scan_combined(None)
     hook.uninstall()
-    # the triton backend trains too (tests/test_triton_backward.py); without a GPU or the interpreter
+    # the triton backend trains too (tests/ops/test_triton_backward.py); without a GPU or the interpreter
     # it is refused when the forward first needs it, in one line
     triton = Contract(chunk_size=16, model_dtype="bfloat16", backend="triton")
     model = megatron_model(config, tensors, triton)
@@ -383,6 +383,7 @@ def test_cli_check_trainer_megatron(tmp_path, monkeypatch, hook: str) -> None:
         assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("name", ["bf16_groups2", "fp32"])
 def test_cli_check_trainer_megatron_engine_vllm(tmp_path, name: str) -> None:
     """Both integrations at once: Megatron (hook on) scores, real vLLM engines sample (plugin on for

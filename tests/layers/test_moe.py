@@ -5,7 +5,7 @@ any order, any routing of theirs), equals the row computed alone, bit for bit. T
 prevents: transformers' own ``NemotronHMoE`` (its experts' ``F.linear`` over however many rows an
 expert got) gives a row other bits alone than in a batch. Routing follows transformers' router.
 Model-level checks (engine schedules against the trainer, fp32 logits against transformers in fp64)
-run over the MoE layouts of tests/test_nemotron_h.py.
+run over the MoE layouts of tests/models/test_nemotron_h.py.
 """
 
 from __future__ import annotations

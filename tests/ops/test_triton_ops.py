@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
 
 from aligned_mamba.ops import conv1d, logprobs, norm  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402

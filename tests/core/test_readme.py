@@ -16,7 +16,9 @@ import torch
 
 from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.engines  # the examples start vLLM engines
+
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
