@@ -4,7 +4,8 @@ Not part of the hook's production path. ``megatron_trainer.prepare_process`` (``
 --trainer megatron``, the tests, the H200 benchmarks) calls ``setup()``, which patches only what the
 machine lacks: on a CPU-only machine all of it; on a GPU without mamba_ssm and TE (the hooked forward
 calls neither) the two imports. ``init_single_process()`` starts a world of one rank (NCCL on a GPU,
-gloo on the CPU) and, on a GPU, seeds Megatron's CUDA RNG tracker unless the job has. A training job
+gloo on the CPU) and, on a GPU, seeds Megatron's CUDA RNG tracker unless the job has;
+``init_model_parallel(tp)`` builds Megatron's groups at TP ``tp`` over a world its ranks started. A training job
 with mamba_ssm, TE and its own distributed init needs none of this.
 
 What ``setup()`` changes, and why (megatron-core 0.16.1, ``megatron.core.ssm``):
@@ -34,8 +35,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-__all__ = ["StockGatedRMSNorm", "StockRMSNorm", "init_single_process", "setup", "stock_chunk_scan_combined",
-           "stock_split_conv1d_scan_combined"]
+__all__ = ["StockGatedRMSNorm", "StockRMSNorm", "init_model_parallel", "init_single_process", "setup",
+           "stock_chunk_scan_combined", "stock_split_conv1d_scan_combined"]
 
 _DONE = False
 
@@ -69,17 +70,34 @@ def setup() -> None:
 
 def init_single_process() -> None:
     """torch.distributed (gloo, one rank, a file rendezvous) and Megatron's model-parallel groups at size 1."""
+    init_model_parallel(1)
+
+
+def init_model_parallel(tp: int) -> None:
+    """Megatron's model-parallel groups at tensor-parallel size ``tp`` (pipeline 1) over the world.
+
+    ``tp`` 1 without a world starts one (gloo, one rank, a file rendezvous; NCCL on a GPU). ``tp`` > 1
+    needs the world its ranks run in already initialised (``aligned_mamba.parallel.launch``, torchrun),
+    ``tp`` ranks in all (one model replica). Groups already built at another size are refused."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
+        if tp != 1:
+            raise RuntimeError(f"tensor-parallel size {tp} needs torch.distributed initialised over its ranks first")
         fd, path = tempfile.mkstemp(prefix="aligned_mamba_dist_")
         os.close(fd)
         os.unlink(path)  # the file store creates it
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        if dist.get_world_size() != tp:
+            raise RuntimeError(f"tensor-parallel size {tp} over a world of {dist.get_world_size()} ranks: one model "
+                               "replica per world is covered")
+        parallel_state.initialize_model_parallel(tp, 1)
+    elif parallel_state.get_tensor_model_parallel_world_size() != tp:
+        raise RuntimeError(f"Megatron's model-parallel groups are built at tensor-parallel size "
+                           f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tp}")
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 

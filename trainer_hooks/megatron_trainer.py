@@ -53,22 +53,35 @@ from aligned_mamba.train import (
 )
 
 from . import megatron as hook_module
+from .megatron_shards import hf_to_megatron_shard
 from .megatron_weights import hf_to_megatron, megatron_names, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
-           "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process"]
+           "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process",
+           "tp_rank_logits", "tp_size"]
 
 # MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
 MEGATRON_GATED_NORM_EPS = 1e-5
 
 
-def prepare_process() -> None:
-    """One-rank torch.distributed + model-parallel groups, and the stand-ins for what this machine lacks
-    (mamba_ssm, Transformer Engine, CUDA: ``megatron_cpu.setup`` patches only what is missing)."""
+def prepare_process(tp: int = 1) -> None:
+    """Megatron's model-parallel groups at tensor-parallel size ``tp`` (1: a one-rank world started here;
+    more: over the world its ranks started, e.g. ``aligned_mamba.parallel.launch``), and the stand-ins for
+    what this machine lacks (mamba_ssm, Transformer Engine, CUDA: ``megatron_cpu.setup`` patches only what
+    is missing)."""
     from . import megatron_cpu
 
     megatron_cpu.setup()
-    megatron_cpu.init_single_process()
+    megatron_cpu.init_model_parallel(tp)
+
+
+def tp_size() -> int:
+    """Megatron's tensor-parallel size in this process (1 before its groups are built)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def _refuse_mixer_settings(config: Any) -> None:
@@ -98,12 +111,23 @@ def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: s
         raise ModelLoadError("use_bias=True: Megatron's MambaMixer has no in_proj/out_proj bias")
     _refuse_mixer_settings(config)
     return TransformerConfig(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=1,
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         mamba_state_dim=config.state_size, mamba_head_dim=config.head_dim, mamba_num_groups=config.n_groups,
         mamba_num_heads=config.num_heads, params_dtype=getattr(torch, dtype), bf16=dtype == "bfloat16",
         layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm", hidden_dropout=0.0,
         attention_dropout=0.0, fp32_residual_connection=config.residual_in_fp32,
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False,
+        **_tp_fields(config))
+
+
+def _tp_fields(config: Mamba2Config | NemotronHConfig) -> dict[str, Any]:
+    """The TransformerConfig's tensor-parallel fields at this process's TP size (``tp_size``); a pure Mamba2
+    stack has no attention, but TransformerConfig wants ``num_attention_heads`` a multiple of the TP size."""
+    tp = tp_size()
+    out: dict[str, Any] = {"tensor_model_parallel_size": tp}
+    if not isinstance(config, NemotronHConfig):
+        out["num_attention_heads"] = tp
+    return out
 
 
 def _moe_transformer_fields(config: NemotronHConfig) -> dict[str, Any]:
@@ -156,7 +180,8 @@ def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
         mamba_num_groups=config.n_groups, mamba_num_heads=config.mamba_num_heads, params_dtype=getattr(torch, dtype),
         bf16=dtype == "bfloat16", layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, fp32_residual_connection=False,
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False)
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False,
+        **_tp_fields(config))
 
 
 def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chunk_size: int | None = None) -> Any:
@@ -182,11 +207,16 @@ def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chu
 
 
 def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Load HF-named tensors into ``model`` (renamed by ``hf_to_megatron``), each parameter first switched to
+    """Load HF-named tensors (the whole checkpoint) into ``model`` (renamed by ``hf_to_megatron``; at TP > 1
+    this rank's shard, ``megatron_shards``, so every degree loads the same weights), each parameter first switched to
     the stored tensor's dtype (in place: the same Parameter objects, which MambaMixer's context-parallel
     helper also holds), so values are copied exactly, never cast into Megatron's params dtype. The forward
     casts as the core does (e.g. fp32 A_log / D / dt_bias stay fp32, as make_tiny stores them)."""
-    sd = hf_to_megatron(tensors, config)
+    from megatron.core import parallel_state
+
+    tp = tp_size()
+    sd = hf_to_megatron(tensors, config) if tp == 1 else \
+        hf_to_megatron_shard(tensors, config, parallel_state.get_tensor_model_parallel_rank(), tp)
     params = dict(model.named_parameters())
     for name, value in sd.items():
         param = params.get(name)
@@ -200,8 +230,9 @@ def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors:
 
 
 def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """One THD forward of MambaModel over the packed sequences -> [sum len_i, vocab] logits (grad follows
-    torch's grad mode; the model is left in the mode it is in)."""
+    """One THD forward of MambaModel over the packed sequences -> [sum len_i, vocab] logits, whole rows at any
+    TP size (the output layer's vocabulary shards gathered; grad follows torch's grad mode; the model is left
+    in the mode it is in)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = _model_device(model)
@@ -211,7 +242,7 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.T
     pos = torch.cat([torch.arange(n) for n in lens])[None].to(dev)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                              max_seqlen_kv=max(lens))
-    return model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
+    return model(ids, pos, attention_mask=None, packed_seq_params=params, runtime_gather_output=True)[0]
 
 
 def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -223,7 +254,7 @@ def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch
     for seq in sequences:
         n = int(seq.numel())
         mask = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)[None, None]
-        out.append(model(seq.to(torch.int64)[None].to(dev), None, attention_mask=mask)[0])
+        out.append(model(seq.to(torch.int64)[None].to(dev), None, attention_mask=mask, runtime_gather_output=True)[0])
     return torch.cat(out)
 
 
@@ -373,3 +404,22 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",
               file=sys.stderr)
     return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
+
+
+def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
+                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True) -> torch.Tensor:
+    """One rank of a TP run (``aligned_mamba.parallel.launch(tp_rank_logits, k, ...)``; ``group``: its
+    ``TPGroup``, whose size is the TP size): Megatron's groups at that size, a MambaModel with the hook
+    installed for ``contract`` (``hook=False``: Megatron's stock forward at the contract's chunk size), this
+    rank's shard of the whole checkpoint ``tensors`` loaded, one packed eval forward -> [sum len_i, vocab]
+    logits, whole rows (the vocabulary shards gathered), the same on every rank."""
+    prepare_process(group.size)
+    if hook:
+        hook_module.install(contract)
+    model = build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
+    load_hf_weights(model, config, tensors)
+    model.eval()
+    with torch.no_grad():
+        if hook or not isinstance(config, NemotronHConfig):
+            return megatron_packed_logits(model, sequences)
+        return megatron_sequence_logits(model, sequences)
