@@ -229,10 +229,10 @@ def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors:
                              f"unexpected {unexpected[:3]}")
 
 
-def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
+def megatron_packed_logits(model: Any, sequences: list[torch.Tensor], *, gather: bool = True) -> torch.Tensor:
     """One THD forward of MambaModel over the packed sequences -> [sum len_i, vocab] logits, whole rows at any
-    TP size (the output layer's vocabulary shards gathered; grad follows torch's grad mode; the model is left
-    in the mode it is in)."""
+    TP size (the output layer's vocabulary shards gathered; ``gather=False``: this rank's [sum len_i, vocab / k]
+    shard, as Megatron's loss reads it; grad follows torch's grad mode; the model is left in the mode it is in)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = _model_device(model)
@@ -242,7 +242,7 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor]) -> torch.T
     pos = torch.cat([torch.arange(n) for n in lens])[None].to(dev)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                              max_seqlen_kv=max(lens))
-    return model(ids, pos, attention_mask=None, packed_seq_params=params, runtime_gather_output=True)[0]
+    return model(ids, pos, attention_mask=None, packed_seq_params=params, runtime_gather_output=gather)[0]
 
 
 def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -407,12 +407,15 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
 
 
 def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True) -> torch.Tensor:
+                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One rank of a TP run (``aligned_mamba.parallel.launch(tp_rank_logits, k, ...)``; ``group``: its
     ``TPGroup``, whose size is the TP size): Megatron's groups at that size, a MambaModel with the hook
     installed for ``contract`` (``hook=False``: Megatron's stock forward at the contract's chunk size), this
-    rank's shard of the whole checkpoint ``tensors`` loaded, one packed eval forward -> [sum len_i, vocab]
-    logits, whole rows (the vocabulary shards gathered), the same on every rank."""
+    rank's shard of the whole checkpoint ``tensors`` loaded, one packed eval forward. Returns (the
+    [sum len_i, vocab] logits, whole rows: the vocabulary shards gathered; with the hook, the [sum len_i]
+    float32 logprobs of each position's next token in the packed stream (the first token after the last),
+    computed from this rank's vocabulary shard by ``token_logprobs(vocab_parallel=True)``, else None)."""
     prepare_process(group.size)
     if hook:
         hook_module.install(contract)
@@ -420,6 +423,12 @@ def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: 
     load_hf_weights(model, config, tensors)
     model.eval()
     with torch.no_grad():
-        if hook or not isinstance(config, NemotronHConfig):
-            return megatron_packed_logits(model, sequences)
-        return megatron_sequence_logits(model, sequences)
+        if not hook:
+            if isinstance(config, NemotronHConfig):
+                return megatron_sequence_logits(model, sequences), None
+            return megatron_packed_logits(model, sequences), None
+        local = megatron_packed_logits(model, sequences, gather=False)  # [T, V / k]
+        rows = group.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], -1) if group.size > 1 else local
+        labels = torch.cat(sequences).to(torch.int64).roll(-1).to(local.device)
+        logprobs = hook_module.token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True)
+        return rows, logprobs[0]

@@ -29,9 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
     """Install the hook when ``args.aligned_mamba`` is set (Megatron-LM's parsed args); else None.
 
-    Refuses settings the hook cannot align before anything is built: tensor/pipeline/context
-    parallel > 1, sequence parallel, fp8, fp16, dropout, the Transformer Engine implementation, and
-    a params dtype other than the contract's model dtype.
+    Refuses settings the hook cannot align before anything is built: a tensor-parallel size that is not
+    a power of two dividing the contract's ``row_parallel_slices``, pipeline or context parallel > 1,
+    sequence parallel, fp8, fp16, dropout, the Transformer Engine implementation, and a params dtype
+    other than the contract's model dtype.
     """
     if not getattr(args, "aligned_mamba", False):
         return None
@@ -39,7 +40,8 @@ def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
     problems = parallel_problems(
         tp=getattr(args, "tensor_model_parallel_size", 1), pp=getattr(args, "pipeline_model_parallel_size", 1),
         cp=getattr(args, "context_parallel_size", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
-        fp8=getattr(args, "fp8", None), hidden_dropout=getattr(args, "hidden_dropout", 0.0))
+        fp8=getattr(args, "fp8", None), hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+        slices=contract.row_parallel_slices)
     if getattr(args, "fp16", False):
         problems.append("--fp16 (fp16 is not a contract model dtype)")
     params_dtype = getattr(args, "params_dtype", None)  # Megatron-LM sets it from --bf16 / --fp16 in validation

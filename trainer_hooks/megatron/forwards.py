@@ -16,6 +16,8 @@ from aligned_mamba.layers.mlp import MLP as CoreMLP
 from aligned_mamba.layers.mlp import MLPConfig
 from aligned_mamba.layers.moe import MoE as CoreMoE
 from aligned_mamba.layers.moe import MoEConfig
+from aligned_mamba.ops.linear.sliced import row_parallel_linear
+from aligned_mamba.parallel import TPGroup
 
 from .current import hook_for
 from .norms import aligned_rms_norm
@@ -26,24 +28,59 @@ if TYPE_CHECKING:
 
 
 def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
-    """VocabParallelEmbedding at TP=1: a row gather, in the model dtype (the core model's embedding rows)."""
+    """VocabParallelEmbedding: token ids [...] -> rows [..., hidden] in the model dtype (the core model's
+    embedding rows). At TP k each rank holds rows [vocab_start_index, vocab_end_index); every rank offers
+    its row at each id, the offers are all-gathered and the owner's kept: a choice, exact (Megatron
+    all-reduces a row and zeros, which turns -0.0 into +0.0)."""
     hook = hook_for(self)
-    return torch.nn.functional.embedding(input_, self.weight).to(hook.dtype)
+    tp = hook.tp(self)
+    if tp is None:
+        return torch.nn.functional.embedding(input_, self.weight).to(hook.dtype)
+    v = self.weight.shape[0]
+    local = (input_ - self.vocab_start_index).clamp(0, v - 1)
+    offers = tp.all_gather(torch.nn.functional.embedding(local, self.weight).to(hook.dtype))  # [k, ..., hidden]
+    owner = torch.div(input_, v, rounding_mode="floor").clamp(0, tp.size - 1)
+    index = owner.unsqueeze(0).unsqueeze(-1).expand(1, *input_.shape, offers.shape[-1])
+    return offers.gather(0, index).squeeze(0)
+
+
+def _row_slices(w: torch.Tensor, slices: int, tp: TPGroup | None) -> list[torch.Tensor]:
+    """A row-parallel weight [N, K / k] cut into this rank's S / k contiguous slices of K / S columns."""
+    n = slices // (1 if tp is None else tp.size)
+    c = w.shape[1] // n
+    return [w[:, j * c:(j + 1) * c] for j in range(n)]
 
 
 def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
                    runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Column/RowParallelLinear at TP=1 on the backend's row-invariant linear: [..., in] -> ([..., out], bias
-    or None)."""
+    """Column/RowParallelLinear on the backend's row-invariant linear: [..., in] -> ([..., out], bias or None).
+
+    Tensor parallelism: a ColumnParallelLinear computes this rank's output columns (whole outputs, no
+    reduction); with ``gather_output`` / ``runtime_gather_output`` they are all-gathered into whole rows
+    (the output layer's vocabulary shards: a copy, exact). A RowParallelLinear (``input_is_parallel``)
+    is the contract's row-parallel GEMM over ``row_parallel_slices`` slices (``ops.linear.sliced``), the
+    same bits at every TP degree dividing S."""
     hook = hook_for(self)
     backend = hook.backend(input_.device)
+    tp = hook.tp(self)
     w = self.weight if weight is None else weight
     if getattr(self, "_aligned_mamba_round_weight", False):
         w = w.to(hook.dtype)
     bias = getattr(self, "bias", None)
     skip = getattr(self, "skip_bias_add", False)
     shape = input_.shape
-    out = backend.linear(input_.reshape(-1, shape[-1]), backend.linear_weight(w), None if skip else bias)
+    x = input_.reshape(-1, shape[-1])
+    row_parallel = type(self).__name__ == "RowParallelLinear"
+    if row_parallel and (tp is not None or hook.slices > 1):
+        out = row_parallel_linear(x.to(hook.dtype), [backend.linear_weight(p) for p in _row_slices(w, hook.slices, tp)],
+                                  None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
+                                  partial=backend.linear_partial)
+        return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
+    out = backend.linear(x, backend.linear_weight(w), None if skip else bias)
+    gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+    if not row_parallel and tp is not None and gather:
+        out = tp.all_gather(out).permute(1, 0, 2).reshape(out.shape[0], -1)  # [M, k * N / k], rank order
+        return out.reshape(*shape[:-1], out.shape[-1]), (bias if skip else None)
     return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
 
 
@@ -63,8 +100,10 @@ def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mi
              "A_log": m.A_log, "D": m.D, "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight}
     if m.conv1d.bias is not None:
         names["conv1d.bias"] = m.conv1d.bias
+    # config is the whole mixer's (m.nheads, m.ngroups); at TP k the parameters are this rank's heads and
+    # groups, laid out as the core's shard_weights cuts them ([z|x|B|C|dt] of its own heads and groups)
     return Mamba2Mixer(config, names, "", backend=hook.backend(device), dtype=hook.dtype,
-                       chunk_size=hook.contract.chunk_size)
+                       chunk_size=hook.contract.chunk_size, tp=hook.tp(m), slices=hook.slices)
 
 
 def _sequences(hidden_states: torch.Tensor, packed_seq_params: Any) -> tuple[list[int], torch.Tensor]:
@@ -134,9 +173,12 @@ def core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Atte
     names = {"q_proj.weight": per_group[:, :rep].reshape(H * D, -1),
              "k_proj.weight": per_group[:, rep].reshape(G * D, -1),
              "v_proj.weight": per_group[:, rep + 1].reshape(G * D, -1), "o_proj.weight": m.linear_proj.weight}
-    config = AttentionConfig(hidden_size=w.shape[-1], num_heads=H, num_kv_heads=G, head_dim=D)
+    tp = hook.tp(m)
+    k = 1 if tp is None else tp.size  # the config is the whole layer's; the weights this rank's heads
+    config = AttentionConfig(hidden_size=w.shape[-1], num_heads=H * k, num_kv_heads=G * k, head_dim=D)
     try:
-        return Attention(config, names, "", backend=hook.backend(device), dtype=hook.dtype)
+        return Attention(config, names, "", backend=hook.backend(device), dtype=hook.dtype, tp=tp,
+                         slices=hook.slices)
     except ModelLoadError as exc:  # e.g. attention on a CUDA device, not yet measured there
         raise AlignmentRefused(str(exc)) from None
 
@@ -193,9 +235,11 @@ def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.T
         raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
     shape = hidden_states.shape
     w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-    mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0]),
+    tp = hook.tp(self)
+    k = 1 if tp is None else tp.size  # the config is the whole MLP's; the weights this rank's channels
+    mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0] * k),
                   {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
-                  dtype=hook.dtype)
+                  dtype=hook.dtype, tp=tp, slices=hook.slices)
     y = mlp.advance(None, None, hidden_states.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
     return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None
 

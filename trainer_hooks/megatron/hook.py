@@ -10,6 +10,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.ops.backend import Backend, resolve
 from aligned_mamba.ops.step import Step
+from aligned_mamba.parallel import TPGroup
 
 from . import current, patch
 from .norms import AlignedRMSNorm
@@ -53,6 +54,31 @@ class AlignedMambaHook:
         self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
         self._saved: list[tuple[Any, str, Any]] = []
         self._batch: tuple[tuple[int, ...], Step] | None = None
+        self._groups: dict[int, tuple[Any, TPGroup]] = {}
+
+    @property
+    def slices(self) -> int:
+        """The contract's row-parallel slice count S (1: the plain linear layers)."""
+        return self.contract.row_parallel_slices
+
+    def tp(self, module: Any) -> TPGroup | None:
+        """The ``TPGroup`` over the Megatron module's tensor-parallel process group (its ``tp_group`` or
+        ``pg_collection.tp``, else Megatron's global one); None at TP 1. Its all-gather is the only
+        collective the aligned forwards use (never an all-reduce, whose order is the library's)."""
+        pg = getattr(module, "tp_group", None)
+        if pg is None:
+            pg = getattr(getattr(module, "pg_collection", None), "tp", None)
+        if pg is None:
+            from megatron.core import parallel_state
+
+            pg = parallel_state.get_tensor_model_parallel_group()
+        if pg.size() == 1:
+            return None
+        cached = self._groups.get(id(pg))
+        if cached is None or cached[0] is not pg:
+            cached = (pg, TPGroup.from_torch(pg))
+            self._groups[id(pg)] = cached
+        return cached[1]
 
     def backend(self, device: torch.device) -> Backend:
         """The contract's ops on ``device`` (the very object the core's models resolve)."""
@@ -129,15 +155,15 @@ class AlignedMambaHook:
                 covered.update(check_transformer_layer(m, where, attention=kind is TransformerLayer and not moe,
                                                        moe=moe))
             elif kind is MoELayer:
-                check_moe(m, where)
+                check_moe(m, where, self.contract)
                 patch.swap(m, self)
                 covered.update(id(x) for x in m.modules() if x is not m)
             elif kind is SelfAttention:
-                check_attention(m, where)
+                check_attention(m, where, self.contract)
                 patch.swap(m, self)
                 covered.update(id(x) for x in m.modules() if x is not m)
             elif kind is MLP:
-                check_mlp(m, where)
+                check_mlp(m, where, self.contract)
                 patch.swap(m, self)
                 covered.update(id(x) for x in m.modules() if x is not m)
             elif kind is LanguageModelEmbedding:

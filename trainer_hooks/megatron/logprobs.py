@@ -11,7 +11,8 @@ from .current import installed
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
-                   sequence_first: bool | None = None, contract: Any = None) -> torch.Tensor:
+                   sequence_first: bool | None = None, contract: Any = None,
+                   vocab_parallel: bool = False) -> torch.Tensor:
     """The contract's per-token logprobs of Megatron's output logits, as a loss function reads them.
 
     logits: the output layer's [s, b, V] (``sequence_first=True``) or the model's returned [b, s, V]
@@ -20,6 +21,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     Returns [b, s] float32 ``aligned_mamba.token_logprobs(logits / temperature)`` at the labels: the
     bits the sampler reports for those tokens, differentiable through the logits. ``contract`` (default:
     the installed hook's) picks the backend that computes it, as the sampler's contract does.
+
+    ``vocab_parallel=True``: ``logits`` are this rank's vocabulary shard [..., V / k] (Megatron's output
+    layer with ``parallel_output``, as its vocab-parallel cross entropy reads them) over Megatron's
+    tensor-parallel group of k ranks; the log-softmax runs over the shards by the contract's tree
+    (``ops.logprobs.token_logprobs_sharded``: the max and the slice sums all-gathered, never all-reduced),
+    the unsharded bits on every rank. Forward only (no gradient through the all-gathers) and the torch
+    backend's form; V / k a multiple of the contract's vocabulary slices' share.
     """
     import aligned_mamba
 
@@ -35,4 +43,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     rows = logits.transpose(0, 1) if sequence_first else logits
     if contract is None and (hook := installed()) is not None:
         contract = hook.contract
-    return aligned_mamba.token_logprobs(rows, tokens, temperature, contract)
+    if not vocab_parallel:
+        return aligned_mamba.token_logprobs(rows, tokens, temperature, contract)
+    from megatron.core import parallel_state
+
+    from aligned_mamba.ops.logprobs import check_temperature
+    from aligned_mamba.ops.logprobs.sliced import token_logprobs_sharded
+    from aligned_mamba.parallel import TPGroup
+
+    check_temperature(temperature)
+    if contract is not None and contract.backend != "torch":
+        raise ValueError(f"vocab_parallel token_logprobs on the {contract.backend} backend: the sharded "
+                         "log-softmax is the torch backend's form only for now")
+    pg = parallel_state.get_tensor_model_parallel_group()
+    tp = TPGroup.from_torch(pg) if pg.size() > 1 else TPGroup.single()
+    return token_logprobs_sharded(rows, tokens, tp.rank, tp.size, tp.all_gather, temperature)

@@ -17,14 +17,31 @@ class AlignmentRefused(AlignedMambaError):
     """Megatron would run something the hook cannot align (or under another contract); one line says what."""
 
 
+def tp_problems(tp: int, slices: int) -> list[str]:
+    """Why tensor-parallel size ``tp`` cannot keep the bits under a contract of ``slices`` row-parallel slices
+    (empty: it can): a power of two dividing S, so every rank computes whole subtrees of the fixed trees."""
+    tp = tp or 1
+    if tp == 1:
+        return []
+    if tp & (tp - 1):
+        return [f"tensor model parallel size {tp} (not a power of two: the fixed reduction trees split into whole "
+                "subtrees only then)"]
+    if slices % tp:
+        return [f"tensor model parallel size {tp} with the contract's row_parallel_slices {slices} (TP {tp} needs a "
+                f"contract with row_parallel_slices >= {tp}: each rank computes whole slices of the fixed tree)"]
+    return []
+
+
 def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8: Any,
-                      hidden_dropout: float) -> list[str]:
-    out = []
-    for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
-        if (size or 1) > 1:
-            out.append(f"{name} model parallel size {size} (only 1 is covered: each shard would be its own GEMM)")
+                      hidden_dropout: float, slices: int = 1) -> list[str]:
+    out = tp_problems(tp, slices)
+    if (pp or 1) > 1:
+        out.append(f"pipeline model parallel size {pp} (pipeline parallelism is not covered)")
+    if (cp or 1) > 1:
+        out.append(f"context parallel size {cp} (context parallelism splits a sequence's scan across ranks; not "
+                   "covered)")
     if sequence_parallel:
-        out.append("sequence parallel")
+        out.append("sequence parallel (not covered: the layer norms would run on sequence shards)")
     if fp8:
         out.append(f"fp8 ({fp8})")
     if hidden_dropout:
@@ -35,7 +52,8 @@ def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8
 def config_problems(config: Any, contract: Contract) -> list[str]:
     out = parallel_problems(tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
                             cp=config.context_parallel_size, sequence_parallel=config.sequence_parallel,
-                            fp8=config.fp8, hidden_dropout=config.hidden_dropout)
+                            fp8=config.fp8, hidden_dropout=config.hidden_dropout,
+                            slices=contract.row_parallel_slices)
     dtype = str(config.params_dtype).removeprefix("torch.")
     if dtype != contract.model_dtype:
         out.append(f"params_dtype {dtype} (contract model_dtype {contract.model_dtype})")
@@ -79,8 +97,16 @@ def check_mixer(m: Any, where: str, contract: Contract) -> None:
         problems.append("norm_before_gate=True")
     if m.D_has_hdim:
         problems.append("D_has_hdim=True (Mamba2 checkpoints have one D per head)")
-    if m.cp.cp_size != 1 or m.pg_collection.tp.size() != 1:
-        problems.append("tensor/context parallel > 1")
+    if m.cp.cp_size != 1:
+        problems.append("context parallel > 1")
+    problems += tp_problems(m.pg_collection.tp.size(), c.row_parallel_slices)
+    s = c.row_parallel_slices
+    if m.d_inner % s:
+        problems.append(f"d_inner {m.d_inner} is not a multiple of row_parallel_slices {s} (out_proj's K in equal "
+                        "slices)")
+    elif s > 1 and (m.d_inner // m.ngroups) % s:
+        problems.append(f"the gated norm's group width {m.d_inner // m.ngroups} is not a multiple of "
+                        f"row_parallel_slices {s} (its sum of squares in equal slices)")
     if m.d_state % 4:
         problems.append(f"d_state {m.d_state} not a multiple of 4 (row bits could depend on alignment)")
     if m.d_inner % m.d_model:
@@ -153,7 +179,7 @@ def check_transformer_layer(layer: Any, where: str, *, attention: bool, moe: boo
     return {id(x) for x in slots if isinstance(x, (IdentityOp, IdentityFuncOp))}
 
 
-def check_attention(m: Any, where: str) -> None:
+def check_attention(m: Any, where: str, contract: Contract | None = None) -> None:
     """A SelfAttention the core's attention layer computes: causal, grouped-query, no biases, no rotary,
     the default scale, none of the attention features the core lacks (each refused by name)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -183,8 +209,10 @@ def check_attention(m: Any, where: str) -> None:
         problems.append(f"attention dropout {cfg.attention_dropout}")
     if cfg.multi_latent_attention or cfg.experimental_attention_variant is not None:
         problems.append(f"attention variant {cfg.experimental_attention_variant or 'multi_latent_attention'}")
-    if m.world_size != 1:
-        problems.append("tensor parallel > 1")
+    s = 1 if contract is None else contract.row_parallel_slices
+    if (m.num_attention_heads_per_partition * m.world_size * head_dim) % s:
+        problems.append(f"o_proj's K {m.num_attention_heads_per_partition * m.world_size * head_dim} not a multiple "
+                        f"of row_parallel_slices {s}")
     if type(m.linear_qkv) is not ColumnParallelLinear or type(m.linear_proj) is not RowParallelLinear:
         problems.append(f"linear_qkv/linear_proj are {type(m.linear_qkv).__name__}/{type(m.linear_proj).__name__}, "
                         "not ColumnParallelLinear/RowParallelLinear (e.g. Transformer Engine layers)")
@@ -197,7 +225,7 @@ def check_attention(m: Any, where: str) -> None:
         raise AlignmentRefused(f"{where}: attention with " + "; ".join(problems) + " is not covered")
 
 
-def check_mlp(m: Any, where: str) -> None:
+def check_mlp(m: Any, where: str, contract: Contract | None = None) -> None:
     """An MLP the core's MLP layer computes: fc2(relu(fc1 x)^2), no gate, no biases."""
     from megatron.core.activations import squared_relu
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -216,13 +244,16 @@ def check_mlp(m: Any, where: str) -> None:
                         "not ColumnParallelLinear/RowParallelLinear (e.g. Transformer Engine layers)")
     elif m.linear_fc1.bias is not None or m.linear_fc2.bias is not None:
         problems.append("MLP biases (add_bias_linear)")
-    elif m.tp_group.size() != 1:
-        problems.append("tensor parallel > 1")
+    else:
+        s = 1 if contract is None else contract.row_parallel_slices
+        width = m.linear_fc1.weight.shape[0] * m.tp_group.size()
+        if width % s:
+            problems.append(f"MLP width {width} not a multiple of row_parallel_slices {s} (fc2's K in equal slices)")
     if problems:
         raise AlignmentRefused(f"{where}: MLP with " + "; ".join(problems) + " is not covered")
 
 
-def check_moe(m: Any, where: str) -> None:
+def check_moe(m: Any, where: str, contract: Contract | None = None) -> None:
     """A MoELayer the core's MoE layer computes (Nemotron-H's): Megatron's TopKRouter with sigmoid scores
     (its expert bias, when enabled, as the score correction bias), group-limited top-k as Nemotron-H scores
     groups, no aux or z loss, no jitter; local ``SequentialMLP`` experts and one ``SharedExpertMLP``, each
@@ -249,6 +280,9 @@ def check_moe(m: Any, where: str) -> None:
                             f"{cfg.moe_router_group_topk} (Nemotron-H scores a group by its top 2 experts)")
         if cfg.moe_router_force_load_balancing or cfg.moe_router_fusion:
             problems.append("moe_router_force_load_balancing or moe_router_fusion")
+    if cfg.tensor_model_parallel_size > 1 or cfg.expert_tensor_parallel_size not in (None, 1):
+        problems.append(f"tensor parallel size {cfg.tensor_model_parallel_size} (MoE layers at TP > 1 are not covered "
+                        "yet: expert sharding and a TP-invariant router are future work)")
     if cfg.moe_latent_size:
         problems.append(f"a latent projection (moe_latent_size={cfg.moe_latent_size})")
     if type(m.experts) is not SequentialMLP or m.num_local_experts != cfg.num_moe_experts:
@@ -259,5 +293,5 @@ def check_moe(m: Any, where: str) -> None:
     if problems:
         raise AlignmentRefused(f"{where}: MoE layer with " + "; ".join(problems) + " is not covered")
     for e, expert in enumerate(m.experts.local_experts):
-        check_mlp(expert, f"{where} expert {e}")
-    check_mlp(m.shared_experts, f"{where} shared expert")
+        check_mlp(expert, f"{where} expert {e}", contract)
+    check_mlp(m.shared_experts, f"{where} shared expert", contract)

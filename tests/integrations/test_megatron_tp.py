@@ -1,0 +1,97 @@
+"""The Megatron hook under tensor parallelism, on the CPU: one process per rank over gloo
+(``aligned_mamba.parallel.launch``), Megatron's own model-parallel groups at TP k, each rank loading its
+shard of one checkpoint (``megatron_shards``).
+
+With a contract of ``row_parallel_slices`` S, Megatron at TP 1, 2 and 4 gives the reference trainer's TP 1
+logits rows and token logprobs under the same contract bit for bit; Megatron's stock forward at TP 2 differs
+from its own TP 1 on the same weights (its row-parallel all-reduce rounds in another order), which is what
+the equality prevents. Slow: every launch starts k processes that import Megatron.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+import aligned_mamba  # noqa: E402
+from aligned_mamba import Contract  # noqa: E402
+from aligned_mamba.models import build_model  # noqa: E402
+from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
+from aligned_mamba.models.nemotron_h import make_tiny_hybrid  # noqa: E402
+from aligned_mamba.parallel import launch  # noqa: E402
+from trainer_hooks import megatron_trainer as mc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAMBA = dict(hidden_size=64, num_heads=8, head_dim=16, state_size=16, num_hidden_layers=2, vocab_size=128,
+             conv_kernel=4, chunk_size=16)
+HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+              intermediate_size=128, ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=4,
+              chunk_size=16)
+
+
+def model(name: str):
+    if name == "hybrid":
+        return make_tiny_hybrid(0, pattern="M*M-", dtype="bfloat16", **HYBRID)
+    groups = {"mamba2_g8": 8, "mamba2_g2": 2, "mamba2_g1": 1}[name]
+    return make_tiny(0, dtype="bfloat16", n_groups=groups, **MAMBA)
+
+
+def sequences(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in (37, 16, 5)]
+
+
+def reference(config, tensors, contract: Contract, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference trainer at TP 1 under ``contract``: logits rows and the packed next-token logprobs."""
+    rows = torch.cat(build_model(config, tensors, contract).forward(seqs))
+    labels = torch.cat(seqs).to(torch.int64).roll(-1)
+    return rows, aligned_mamba.token_logprobs(rows, labels, 1.0, contract)
+
+
+def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a != b).any(dim=-1).sum())
+
+
+@pytest.mark.parametrize(("name", "tp"), [("mamba2_g8", 2), ("mamba2_g2", 2), ("hybrid", 2), ("mamba2_g8", 4)])
+def test_hook_at_tp_equals_reference_trainer(name: str, tp: int) -> None:
+    config, tensors = model(name)
+    contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=4)
+    seqs = sequences(config.vocab_size)
+    want_rows, want_lp = reference(config, tensors, contract, seqs)
+    rows, lp = launch(mc.tp_rank_logits, tp, config, tensors, contract, seqs)
+    assert rows.shape == want_rows.shape and rows.dtype == want_rows.dtype
+    assert differing_rows(rows, want_rows) == 0
+    assert torch.equal(lp, want_lp)
+
+
+def test_stock_megatron_tp2_differs_from_tp1() -> None:
+    """The baseline: Megatron's stock forward on the same converted checkpoint at TP 2 and TP 1."""
+    config, tensors = model("mamba2_g2")
+    contract = Contract(chunk_size=16, model_dtype="bfloat16")
+    seqs = sequences(config.vocab_size)
+    tp1, _ = launch(mc.tp_rank_logits, 1, config, tensors, contract, seqs, False)
+    tp2, _ = launch(mc.tp_rank_logits, 2, config, tensors, contract, seqs, False)
+    assert torch.isfinite(tp1.float()).all()
+    # measured: all 58 rows differ (bf16; max |difference| a few 1e-2)
+    assert differing_rows(tp1, tp2) > tp1.shape[0] // 2
+
+
+def test_refusals() -> None:
+    """What cannot keep the bits is refused before a model is built, in one line naming it."""
+    from trainer_hooks.megatron.refusals import parallel_problems
+
+    def problems(**kw) -> list[str]:
+        args = dict(tp=1, pp=1, cp=1, sequence_parallel=False, fp8=None, hidden_dropout=0.0, slices=4)
+        return parallel_problems(**{**args, **kw})
+
+    assert problems(tp=2) == [] and problems(tp=4) == [] and problems(tp=1, slices=1) == []
+    assert "row_parallel_slices 1" in problems(tp=2, slices=1)[0]
+    assert "row_parallel_slices 4" in problems(tp=8)[0]
+    assert "not a power of two" in problems(tp=3, slices=4)[0]
+    assert "pipeline parallelism" in problems(pp=2)[0]
+    assert "context parallelism" in problems(cp=2)[0]
+    assert "sequence parallel" in problems(tp=2, sequence_parallel=True)[0]
+    assert all("\n" not in p for p in problems(tp=3, pp=2, cp=2, sequence_parallel=True))
