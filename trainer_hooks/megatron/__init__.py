@@ -6,13 +6,23 @@ the contract's backend), under the contract's chunk size, backend and kernel con
 logits equal the sampler's bit for bit.
 
 Supported: megatron-core 0.16.x (``SUPPORTED_MEGATRON_CORE``), a pure Mamba2 ``MambaModel`` or a
-hybrid one (Nemotron-H: ``hybrid_override_pattern`` of M, *, - and E layers) at tensor, pipeline,
-context and expert parallel size 1, built from Megatron's own non-Transformer-Engine modules
+hybrid one (Nemotron-H: ``hybrid_override_pattern`` of M, *, - and E layers) at pipeline, context and
+expert parallel size 1, built from Megatron's own non-Transformer-Engine modules
 (``local_mamba_stack_spec``), params dtype = the contract's model dtype, no dropout. Rotary or
 learned position embeddings, sliding-window attention, query/key norms, output gates, softmax
 offsets, other scales, gated or non-squared-ReLU MLPs, MoE routers other than Nemotron-H's (sigmoid,
 group-limited top-k, expert bias), MoE aux losses, latent projections and padding masks are refused,
 by name.
+
+Tensor parallelism (``--tensor-model-parallel-size`` k, a power of two dividing the contract's
+``row_parallel_slices`` S; MoE layers only at k = 1; no sequence parallelism): each rank runs the core's
+layers over its own shards with Megatron's TP group as an ``aligned_mamba.parallel.TPGroup``. The
+row-parallel GEMMs (out_proj, o_proj, fc2) sum S fixed K slices by one pairwise tree whichever rank
+computes them, the embedding picks the owner's row, the output layer gathers its vocabulary shards and
+``token_logprobs(vocab_parallel=True)`` runs the sharded log-softmax; the only collective is an
+all-gather. So TP 1, 2, 4 ... S give the reference trainer's bits under that contract.
+``trainer_hooks.megatron_shards`` cuts a checkpoint per rank as Megatron does. Forward only at k > 1 for
+now: gradients do not flow through the all-gathers.
 
 Use (Megatron-LM)::
 

@@ -30,9 +30,12 @@ _MISSING = object()
 
 # class name -> (the aligned forward its instances get, why)
 FORWARDS: dict[str, tuple[Callable, str]] = {
-    "VocabParallelEmbedding": (forwards.embedding_forward, "a row gather in the model dtype, as the core's embedding"),
-    "ColumnParallelLinear": (forwards.linear_forward, "the backend's row-invariant linear (TP 1)"),
-    "RowParallelLinear": (forwards.linear_forward, "the backend's row-invariant linear (TP 1)"),
+    "VocabParallelEmbedding": (forwards.embedding_forward, "a row gather in the model dtype, as the core's embedding "
+                               "(at TP > 1 the owner's row of the gathered offers)"),
+    "ColumnParallelLinear": (forwards.linear_forward, "the backend's row-invariant linear (its vocabulary or "
+                             "channel shard at TP > 1, gathered where asked)"),
+    "RowParallelLinear": (forwards.linear_forward, "the backend's row-invariant linear; with row_parallel_slices "
+                          "> 1 or TP > 1 the contract's sliced tree"),
     "RMSNorm": (forwards.torch_rms_norm_forward, "WrappedTorchNorm's torch RMSNorm on the shared op"),
     "SelfAttention": (forwards.attention_forward, "the core's attention layer over linear_qkv / linear_proj"),
     "MLP": (forwards.mlp_forward, "the core's squared-ReLU MLP over linear_fc1 / linear_fc2"),
