@@ -391,14 +391,19 @@ class MegatronTrainer:
         return export_weights(self.weights(), self.version)
 
 
-def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4
-                 ) -> MegatronTrainer:
+def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4,
+                 tp: int = 1) -> Any:
     """The ``aligned_mamba.trainers`` entry point ``megatron``. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
     Megatron's stock forward (a demonstration that its rows differ; it does not run under the contract
-    it reports)."""
+    it reports). ``tp`` > 1: ``megatron_tp.MegatronTPTrainer``, the hooked model in ``tp`` rank processes
+    (scoring only; the hook always on)."""
     if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"the Megatron trainer covers Mamba2 and Nemotron-H checkpoints (Hugging Face layouts), "
                              f"not {type(config).__name__}")
+    if tp != 1:
+        from .megatron_tp import MegatronTPTrainer
+
+        return MegatronTPTrainer(config, tensors, contract, tp)
     hook = os.environ.get("ALIGNED_MAMBA_MEGATRON_HOOK", "on") != "off"
     if not hook:
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",

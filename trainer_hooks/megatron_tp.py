@@ -1,0 +1,158 @@
+"""The Megatron trainer at tensor-parallel size k on the CPU: k rank processes over gloo, kept alive.
+
+``MegatronTPTrainer`` gives ``aligned-mamba check --trainer megatron --trainer-tp k`` the trainer protocol's
+scoring side (``forward``, ``token_logprobs``, ``export_bytes``): k spawned processes (a free localhost
+port, one gloo world, Megatron's model-parallel groups at TP k) each build the hooked MambaModel once and
+load their shard of the checkpoint (``megatron_shards``); every ``forward`` sends the sequences to all
+ranks, each runs the packed forward, and rank 0's whole logits rows (the vocabulary shards gathered) come
+back. ``step`` is refused: the all-gathers carry no gradient yet. One process per rank over NCCL on GPUs is
+the same code with another backend, left for the multi-GPU issue.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aligned_mamba.contract import Contract
+from aligned_mamba.train import export_weights, generated_logprobs
+
+from .megatron.refusals import AlignmentRefused
+
+__all__ = ["MegatronTPTrainer"]
+
+_REPLY_TIMEOUT_S = 1800.0  # a rank's forward on 2 shared cores can take minutes; never wait forever
+
+
+def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config: Any,
+               tensors: dict[str, torch.Tensor], contract: Contract, threads: int) -> None:
+    """One rank: join the world, build and load the hooked model, then answer forwards until None."""
+    import torch.distributed as dist
+
+    from . import megatron as hook_module
+    from . import megatron_trainer as mc
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        mc.prepare_process(size)
+        hook_module.install(contract)
+        model = mc.build_mamba_model(config, contract.model_dtype)
+        mc.load_hf_weights(model, config, tensors)
+        model.eval()
+        if rank == 0:
+            outbox.put(pickle.dumps(("ready", None)))
+    except Exception as exc:  # noqa: BLE001 (sent to the parent, which raises it)
+        outbox.put(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))
+        return
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        try:
+            with torch.no_grad():
+                logits = mc.megatron_packed_logits(model, pickle.loads(message))
+            if rank == 0:
+                outbox.put(pickle.dumps(("logits", logits)))
+        except Exception as exc:  # noqa: BLE001
+            outbox.put(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))
+    dist.destroy_process_group()
+
+
+class MegatronTPTrainer:
+    """The hooked Megatron MambaModel at TP ``tp`` in ``tp`` rank processes (see the module docstring).
+    ``close()`` (or the context manager) stops them."""
+
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int) -> None:
+        import torch.multiprocessing as mp
+
+        from .megatron.refusals import tp_problems
+        from .megatron_shards import tp_problems as shard_problems
+
+        problems = tp_problems(tp, contract.row_parallel_slices) + shard_problems(config, tp)
+        if problems:
+            raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp}: " + "; ".join(problems))
+        self.config, self.contract, self.tp, self.version = config, contract, tp, 0
+        self._tensors = tensors
+        ctx = mp.get_context("spawn")
+        self._inboxes = [ctx.SimpleQueue() for _ in range(tp)]
+        self._outbox = ctx.Queue()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        threads = max(1, (os.cpu_count() or 1) // tp)
+        self._procs = [ctx.Process(target=_rank_main, args=(r, tp, port, self._inboxes[r], self._outbox, config,
+                                                             tensors, contract, threads), daemon=True)
+                       for r in range(tp)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._reply("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply(self, kind: str) -> Any:
+        try:
+            got, value = pickle.loads(self._outbox.get(timeout=_REPLY_TIMEOUT_S))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            raise AlignmentRefused(f"the Megatron TP {self.tp} ranks did not answer in {_REPLY_TIMEOUT_S:.0f} s "
+                                   f"(ranks exited: {dead})") from None
+        if got == "error":
+            raise AlignmentRefused(f"Megatron at TP {self.tp} failed on {value}")
+        if got != kind:
+            raise AlignmentRefused(f"the Megatron TP ranks answered {got!r}, expected {kind!r}")
+        return value
+
+    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one packed pass at TP k: [len_i, vocab] each (whole rows)."""
+        seqs = [s.to(torch.int64).cpu() for s in sequences]
+        message = pickle.dumps(seqs)
+        for inbox in self._inboxes:
+            inbox.put(message)
+        logits = self._reply("logits")
+        return list(torch.split(logits, [int(s.numel()) for s in seqs]))
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every generated token under the TP k logits, by the contract's log-softmax."""
+        seqs = [s.to(torch.int64) for s in sequences]
+        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        raise AlignmentRefused(f"a Megatron training step at tensor parallel size {self.tp} is not covered yet: the "
+                               "all-gathers of the aligned forward carry no gradient")
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The (unchanged: no step runs) checkpoint weights as safetensors bytes and their digest."""
+        return export_weights(self._tensors, self.version)
+
+    def close(self) -> None:
+        """Stop the rank processes (idempotent)."""
+        for inbox, p in zip(self._inboxes, self._procs):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self._procs = []
+        self._inboxes = []
+
+    def __enter__(self) -> MegatronTPTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_procs", None):
+            self.close()
