@@ -303,9 +303,12 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         _check_memory(config, sampler_c, args, jobs)
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
+    if args.trainer_tp != 1 and args.trainer != "megatron":
+        raise AlignedMambaError(f"--trainer-tp {args.trainer_tp} needs --trainer megatron (the {args.trainer} trainer "
+                                "runs at TP 1 here)")
     if args.trainer != "reference":
-        show(f"building the {args.trainer} trainer")
-    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c)
+        show(f"building the {args.trainer} trainer" + (f" at TP {args.trainer_tp}" if args.trainer_tp != 1 else ""))
+    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp)
     from .models import build_model
     from .train import PolicyTrainer
 
@@ -318,7 +321,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     from .hardware import hardware_class
 
     device = "cpu" if backend == "torch" else "cuda"
-    here = {"engine": args.engine, "trainer": args.trainer, "hardware": hardware_class(device).to_dict(),
+    here = {"engine": args.engine, "trainer": args.trainer, "trainer_tp": args.trainer_tp,
+            "hardware": hardware_class(device).to_dict(),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                             "device": "cpu" if backend == "torch" else torch.cuda.get_device_name()}}
     report.update(here)
@@ -413,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the sampler engine (vllm: a real vLLM engine with the exact-replay plugin; extra 'vllm')")
     c.add_argument("--trainer", default="reference", choices=["reference", "megatron"],
                    help="the trainer forward (megatron: Megatron-Core's MambaModel with the hook; extra 'megatron')")
+    c.add_argument("--trainer-tp", type=int, default=1, metavar="K",
+                   help="the trainer's tensor-parallel size (megatron: K rank processes over gloo on the CPU; a "
+                        "power of two dividing the contract's row_parallel_slices)")
     c.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="kernels: triton on a GPU, torch on the CPU; auto picks triton where CUDA is available")
     c.add_argument("--prompt-len", type=int, default=600,

@@ -192,8 +192,11 @@ def build_engine(name: str, spec: EngineSpec) -> Engine:
 
 
 def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
-                  lr: float = 1e-4) -> Trainer:
-    return trainer_factory(name)(config=config, tensors=tensors, contract=contract, lr=lr)
+                  lr: float = 1e-4, tp: int = 1) -> Trainer:
+    """The trainer ``name`` (an ``aligned_mamba.trainers`` entry point); ``tp`` > 1 is passed to factories
+    that take it (tensor-parallel ranks), and left out at 1 so factories without it keep working."""
+    extra = {} if tp == 1 else {"tp": tp}
+    return trainer_factory(name)(config=config, tensors=tensors, contract=contract, lr=lr, **extra)
 
 
 # -- running scenarios, in worker processes where asked --------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from aligned_mamba.contract import Contract
+from aligned_mamba.models.nemotron_h import NemotronHConfig
 from aligned_mamba.train import export_weights, generated_logprobs
 
 from .megatron.refusals import AlignmentRefused
@@ -31,7 +32,7 @@ _REPLY_TIMEOUT_S = 1800.0  # a rank's forward on 2 shared cores can take minutes
 
 
 def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config: Any,
-               tensors: dict[str, torch.Tensor], contract: Contract, threads: int) -> None:
+               tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool) -> None:
     """One rank: join the world, build and load the hooked model, then answer forwards until None."""
     import torch.distributed as dist
 
@@ -42,8 +43,10 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         mc.prepare_process(size)
-        hook_module.install(contract)
-        model = mc.build_mamba_model(config, contract.model_dtype)
+        if hook:
+            hook_module.install(contract)
+        model = mc.build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
+        stock_hybrid = not hook and isinstance(config, NemotronHConfig)  # stock attention takes no packed THD
         mc.load_hf_weights(model, config, tensors)
         model.eval()
         if rank == 0:
@@ -57,7 +60,8 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
             break
         try:
             with torch.no_grad():
-                logits = mc.megatron_packed_logits(model, pickle.loads(message))
+                seqs = pickle.loads(message)
+                logits = (mc.megatron_sequence_logits if stock_hybrid else mc.megatron_packed_logits)(model, seqs)
             if rank == 0:
                 outbox.put(pickle.dumps(("logits", logits)))
         except Exception as exc:  # noqa: BLE001
@@ -67,15 +71,17 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
 
 class MegatronTPTrainer:
     """The hooked Megatron MambaModel at TP ``tp`` in ``tp`` rank processes (see the module docstring).
+    ``hook=False``: Megatron's stock forward at the contract's chunk size (the baseline whose rows differ).
     ``close()`` (or the context manager) stops them."""
 
-    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int) -> None:
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int, *,
+                 hook: bool = True) -> None:
         import torch.multiprocessing as mp
 
         from .megatron.refusals import tp_problems
         from .megatron_shards import tp_problems as shard_problems
 
-        problems = tp_problems(tp, contract.row_parallel_slices) + shard_problems(config, tp)
+        problems = (tp_problems(tp, contract.row_parallel_slices) if hook else []) + shard_problems(config, tp)
         if problems:
             raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp}: " + "; ".join(problems))
         self.config, self.contract, self.tp, self.version = config, contract, tp, 0
@@ -88,7 +94,7 @@ class MegatronTPTrainer:
             port = sock.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // tp)
         self._procs = [ctx.Process(target=_rank_main, args=(r, tp, port, self._inboxes[r], self._outbox, config,
-                                                             tensors, contract, threads), daemon=True)
+                                                             tensors, contract, threads, hook), daemon=True)
                        for r in range(tp)]
         for p in self._procs:
             p.start()

@@ -395,19 +395,19 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
                  tp: int = 1) -> Any:
     """The ``aligned_mamba.trainers`` entry point ``megatron``. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
     Megatron's stock forward (a demonstration that its rows differ; it does not run under the contract
-    it reports). ``tp`` > 1: ``megatron_tp.MegatronTPTrainer``, the hooked model in ``tp`` rank processes
-    (scoring only; the hook always on)."""
+    it reports). ``tp`` > 1: ``megatron_tp.MegatronTPTrainer``, the model in ``tp`` rank processes (scoring
+    only)."""
     if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"the Megatron trainer covers Mamba2 and Nemotron-H checkpoints (Hugging Face layouts), "
                              f"not {type(config).__name__}")
-    if tp != 1:
-        from .megatron_tp import MegatronTPTrainer
-
-        return MegatronTPTrainer(config, tensors, contract, tp)
     hook = os.environ.get("ALIGNED_MAMBA_MEGATRON_HOOK", "on") != "off"
     if not hook:
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",
               file=sys.stderr)
+    if tp != 1:
+        from .megatron_tp import MegatronTPTrainer
+
+        return MegatronTPTrainer(config, tensors, contract, tp, hook=hook)
     return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
 
 

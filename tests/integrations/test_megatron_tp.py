@@ -10,6 +10,8 @@ the equality prevents. Slow: every launch starts k processes that import Megatro
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -32,11 +34,11 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
               chunk_size=16)
 
 
-def model(name: str):
+def model(name: str, dtype: str = "bfloat16"):
     if name == "hybrid":
-        return make_tiny_hybrid(0, pattern="M*M-", dtype="bfloat16", **HYBRID)
+        return make_tiny_hybrid(0, pattern="M*M-", dtype=dtype, **HYBRID)
     groups = {"mamba2_g8": 8, "mamba2_g2": 2, "mamba2_g1": 1}[name]
-    return make_tiny(0, dtype="bfloat16", n_groups=groups, **MAMBA)
+    return make_tiny(0, dtype=dtype, n_groups=groups, **MAMBA)
 
 
 def sequences(vocab: int) -> list[torch.Tensor]:
@@ -145,3 +147,37 @@ def test_shards_are_megatrons_own_layout() -> None:
     config, tensors = model("hybrid")
     contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=2)
     assert launch(rank_layout, 2, config, tensors, contract) == []
+
+
+@pytest.mark.parametrize(("name", "tp", "hook"), [("mamba2_g8", 2, "on"), ("mamba2_g8", 2, "off"), ("hybrid", 2, "on"),
+                                                  ("mamba2_g8", 4, "on")])
+def test_cli_check_trainer_megatron_tp(tmp_path, monkeypatch, name: str, tp: int, hook: str) -> None:
+    """``aligned-mamba check --trainer megatron --trainer-tp K`` against the reference engine (TP 1) under one
+    contract of row_parallel_slices 4: every exact-replay case 0 differing rows and logprobs; Megatron's
+    stock forward at the same TP (hook off) differs. float32: at these sizes bf16 logits round the check's own
+    baseline's differences away (it exits 4, no control)."""
+    from aligned_mamba.cli import main
+    from aligned_mamba.models import nemotron_h
+    from aligned_mamba.models.mamba2 import save_checkpoint
+
+    monkeypatch.setenv("ALIGNED_MAMBA_MEGATRON_HOOK", hook)
+    config, tensors = model(name, "float32")
+    (nemotron_h.save_checkpoint if name == "hybrid" else save_checkpoint)(tmp_path / "ckpt", config, tensors)
+    (tmp_path / "s4.yaml").write_text("chunk_size: 16\nstate_dtype: float32\nbackend: torch\nmodel_dtype: float32\n"
+                                      "row_parallel_slices: 4\n")
+    out = tmp_path / "result.json"
+    args = ["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--trainer-tp", str(tp),
+            "--backend", "torch", "--prompt-len", "40", "--gen-len", "16", "--requests", "2", "--jobs", "1",
+            "--json", str(out)]
+    code = main([*args, "--contract", str(tmp_path / "s4.yaml")])
+    result = json.loads(out.read_text())
+    assert result["trainer"] == "megatron" and result["trainer_tp"] == tp
+    exact = [case for case in result["cases"] if case["exact_replay"]]
+    assert len(exact) == 4 and all(case["rows"] > 0 for case in exact)
+    if hook == "on":
+        assert code == 0 and result["ok"]
+        assert all(case["mismatched_rows"] == 0 and case["mismatched_logprobs"] == 0 for case in exact)
+    else:
+        assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
+    if hook == "on" and tp == 2 and name != "hybrid":  # the plain contract (S = 1) cannot hold TP 2: refused
+        assert main([*args, "--json", str(tmp_path / "refused.json")]) != 0
