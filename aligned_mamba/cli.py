@@ -303,6 +303,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         _check_memory(config, sampler_c, args, jobs)
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
+    if args.trainer_tp < 1:
+        raise AlignedMambaError(f"--trainer-tp must be >= 1, got {args.trainer_tp}")
     if args.trainer_tp != 1 and args.trainer != "megatron":
         raise AlignedMambaError(f"--trainer-tp {args.trainer_tp} needs --trainer megatron (the {args.trainer} trainer "
                                 "runs at TP 1 here)")

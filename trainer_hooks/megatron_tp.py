@@ -81,6 +81,8 @@ class MegatronTPTrainer:
         from .megatron.refusals import tp_problems
         from .megatron_shards import tp_problems as shard_problems
 
+        if not isinstance(tp, int) or tp < 1:
+            raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp!r}: must be an int >= 1")
         problems = (tp_problems(tp, contract.row_parallel_slices) if hook else []) + shard_problems(config, tp)
         if problems:
             raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp}: " + "; ".join(problems))

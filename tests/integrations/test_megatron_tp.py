@@ -181,3 +181,12 @@ def test_cli_check_trainer_megatron_tp(tmp_path, monkeypatch, name: str, tp: int
         assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
     if hook == "on" and tp == 2 and name != "hybrid":  # the plain contract (S = 1) cannot hold TP 2: refused
         assert main([*args, "--json", str(tmp_path / "refused.json")]) != 0
+
+
+def test_uneven_groups_refused_in_one_line() -> None:
+    """n_groups 2 at TP 4: refused by the hook before Megatron's bare assertion, naming the numbers."""
+    config, tensors = model("mamba2_g2")
+    contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=4)
+    with pytest.raises(Exception, match=r"AlignmentRefused: MambaMixer at tensor parallel size 4: 2 groups do not "
+                                        r"split evenly"):
+        launch(mc.tp_rank_logits, 4, config, tensors, contract, sequences(config.vocab_size))

@@ -109,9 +109,28 @@ def _mixer_init(hook: AlignedMambaHook, orig_init: Callable) -> Callable:
             raise AlignmentRefused(f"MambaMixer built with chunk_size={given} but the contract says chunk_size="
                                    f"{hook.contract.chunk_size}; trainer and sampler must share the chunk grid")
         bound.arguments["chunk_size"] = hook.contract.chunk_size
+        _refuse_uneven_mixer(bound.arguments)
         orig_init(*bound.args, **bound.kwargs)
 
     return mixer_init
+
+
+def _refuse_uneven_mixer(arguments: dict[str, Any]) -> None:
+    """Megatron asserts (a bare AssertionError) that the TP size divides the Mamba heads and groups; say it
+    in one line, naming the numbers, before it builds anything."""
+    config, pg = arguments.get("config"), arguments.get("pg_collection")
+    tp = getattr(pg, "tp", None)
+    if config is None or tp is None or tp.size() == 1:
+        return
+    k = tp.size()
+    heads = config.mamba_num_heads
+    if heads is None:
+        heads = int(arguments.get("expand", 2) * arguments["d_model"]) // config.mamba_head_dim
+    uneven = [f"{n} {what}" for n, what in ((heads, "Mamba heads"), (config.mamba_num_groups, "groups")) if n % k]
+    if uneven:
+        raise AlignmentRefused(f"MambaMixer at tensor parallel size {k}: {' and '.join(uneven)} do not split evenly "
+                               "across the ranks (Megatron gives each rank whole heads and groups; n_groups 1 cannot "
+                               "be sharded by Megatron)")
 
 
 def _model_init(hook: AlignedMambaHook, model_init: Callable) -> Callable:
