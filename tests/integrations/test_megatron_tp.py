@@ -72,15 +72,16 @@ def test_hook_at_tp_equals_reference_trainer(name: str, tp: int) -> None:
     assert torch.equal(lp, want_lp)
 
 
-def test_stock_megatron_tp2_differs_from_tp1() -> None:
+@pytest.mark.parametrize("name", ["mamba2_g2", "hybrid"])
+def test_stock_megatron_tp2_differs_from_tp1(name: str) -> None:
     """The baseline: Megatron's stock forward on the same converted checkpoint at TP 2 and TP 1."""
-    config, tensors = model("mamba2_g2")
+    config, tensors = model(name)
     contract = Contract(chunk_size=16, model_dtype="bfloat16")
     seqs = sequences(config.vocab_size)
     tp1, _ = launch(mc.tp_rank_logits, 1, config, tensors, contract, seqs, False)
     tp2, _ = launch(mc.tp_rank_logits, 2, config, tensors, contract, seqs, False)
     assert torch.isfinite(tp1.float()).all()
-    # measured: all 58 rows differ (bf16; max |difference| a few 1e-2)
+    # measured: all 58 rows differ (bf16; max |difference| 0.031 for Mamba2, 0.039 for the hybrid)
     assert differing_rows(tp1, tp2) > tp1.shape[0] // 2
 
 
