@@ -72,7 +72,7 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
     x = input_.reshape(-1, shape[-1])
     row_parallel = type(self).__name__ == "RowParallelLinear"
     if row_parallel and (tp is not None or hook.slices > 1):
-        out = row_parallel_linear(x.to(hook.dtype), [backend.linear_weight(p) for p in _row_slices(w, hook.slices, tp)],
+        out = row_parallel_linear(x, [backend.linear_weight(p) for p in _row_slices(w, hook.slices, tp)],
                                   None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
                                   partial=backend.linear_partial)
         return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)

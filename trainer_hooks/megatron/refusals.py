@@ -83,7 +83,8 @@ def check_megatron_version() -> None:
 
 def check_mixer(m: Any, where: str, contract: Contract) -> None:
     """A MambaMixer the core's Mamba2 layer computes under ``contract``: its chunk size, the gate in a
-    grouped RMSNorm after the scan, one D per head, TP / CP 1, Megatron's own linears without biases."""
+    grouped RMSNorm after the scan, one D per head, CP 1, a TP size the contract's row_parallel_slices hold
+    (out_proj's K and each group's width in S equal slices), Megatron's own linears without biases."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     c = contract
