@@ -1,7 +1,7 @@
 """The ``aligned-mamba`` command.
 
     aligned-mamba check [--model tiny|DIR] [--engine reference|vllm] [--trainer reference|megatron]
-                        [--backend auto|torch|triton] [--prompt-len 600] [--gen-len 300]
+                        [--trainer-tp K] [--backend auto|torch|triton] [--prompt-len 600] [--gen-len 300]
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
                         [--seed 0] [--json PATH]
 
