@@ -191,3 +191,46 @@ def test_uneven_groups_refused_in_one_line() -> None:
     with pytest.raises(Exception, match=r"AlignmentRefused: MambaMixer at tensor parallel size 4: 2 groups do not "
                                         r"split evenly"):
         launch(mc.tp_rank_logits, 4, config, tensors, contract, sequences(config.vocab_size))
+
+
+def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.Tensor], path: str) -> None:
+    """On each rank: the hooked model at TP k in train mode, loss = -(sum of the packed next-token logprobs,
+    from this rank's vocabulary shard), backward; rank 0 saves every parameter's gradient merged to the TP 1
+    layout (``merge_megatron`` of the ranks' gradients) at ``path`` (a file: launch's result pipe is too
+    small for them)."""
+    import torch.distributed as dist
+
+    from trainer_hooks import megatron as hk
+    from trainer_hooks.megatron_shards import merge_megatron
+
+    mc.prepare_process(group.size)
+    hk.install(contract)
+    m = mc.build_mamba_model(config, contract.model_dtype)
+    mc.load_hf_weights(m, config, tensors)
+    m.train()
+    local = mc.megatron_packed_logits(m, seqs, gather=False)
+    labels = torch.cat(seqs).to(torch.int64).roll(-1)
+    loss = -hk.token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True).sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    every: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size)]
+    dist.all_gather_object(every, grads)
+    if group.rank == 0:
+        torch.save(merge_megatron(every, config), path)
+
+
+@pytest.mark.parametrize("name", ["mamba2_g2", "hybrid"])
+def test_gradients_at_tp2_match_tp1(tmp_path, name: str) -> None:
+    """Training through the hook at TP 2: the all-gathers pass each rank its own slot of the gradient and
+    every replicated layer input sums the ranks' partial gradients, so the merged gradients are TP 1's
+    (to fp32 rounding: the backward's sums are not the contract's trees)."""
+    config, tensors = model(name, "float32")
+    contract = Contract(chunk_size=16, model_dtype="float32", row_parallel_slices=2)
+    seqs = sequences(config.vocab_size)
+    launch(rank_gradients, 1, config, tensors, contract, seqs, str(tmp_path / "tp1.pt"))
+    launch(rank_gradients, 2, config, tensors, contract, seqs, str(tmp_path / "tp2.pt"))
+    one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    assert sorted(one) == sorted(two) and len(one) > 10
+    for n, g in one.items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(two[n], g, rtol=1e-4, atol=1e-5, msg=n)

@@ -76,7 +76,7 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
                                   None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
                                   partial=backend.linear_partial)
         return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
-    out = backend.linear(x, backend.linear_weight(w), None if skip else bias)
+    out = backend.linear(hook.replicated_input(x, self), backend.linear_weight(w), None if skip else bias)
     gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
     if not row_parallel and tp is not None and gather:
         out = tp.all_gather(out).permute(1, 0, 2).reshape(out.shape[0], -1)  # [M, k * N / k], rank order
@@ -156,6 +156,7 @@ def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any
         raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
                                f"{hook.contract.chunk_size}")
     lens, hidden = _sequences(hidden_states, packed_seq_params)
+    hidden = hook.replicated_input(hidden, self)
     mixer = core_mixer(self, hook, hidden.device)
     state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
     y = mixer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
@@ -219,6 +220,7 @@ def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: to
         raise AlignmentRefused(f"attention with {', '.join(given)} is not covered by --aligned-mamba")
     _refuse_uncausal_mask(attention_mask, hidden_states.shape[0])
     lens, hidden = _sequences(hidden_states, packed_seq_params)
+    hidden = hook.replicated_input(hidden, self)
     layer = core_attention(self, hook, hidden.device)
     state = layer.state(layer.state_spec().allocate(len(lens), hidden.device, max([1, *lens])))
     y = layer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
@@ -240,7 +242,8 @@ def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.T
     mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0] * k),
                   {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
                   dtype=hook.dtype, tp=tp, slices=hook.slices)
-    y = mlp.advance(None, None, hidden_states.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
+    x = hook.replicated_input(hidden_states.reshape(-1, shape[-1]).to(hook.dtype), self)
+    y = mlp.advance(None, None, x).reshape(shape)
     return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None
 
 

@@ -3,6 +3,7 @@ MambaModel module by module and gives the ones it covers their aligned forwards.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,6 +29,37 @@ from .refusals import (
 )
 
 installed = current.installed
+
+
+class _AllGather(torch.autograd.Function):
+    """The group's all-gather, differentiable: every rank computes the same thing from the gathered
+    [k, ...] tensor (the same loss), so the gradient of this rank's x is its own slot of the gathered
+    gradient, here, with no communication."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.rank = group.rank
+        return group.all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[ctx.rank], None
+
+
+def _gather(group: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    return _AllGather.apply(x, group)
+
+
+def _process_group(module: Any) -> Any:
+    """A Megatron module's tensor-parallel process group (``tp_group``, ``pg_collection.tp``, else the global)."""
+    pg = getattr(module, "tp_group", None)
+    if pg is None:
+        pg = getattr(getattr(module, "pg_collection", None), "tp", None)
+    if pg is None:
+        from megatron.core import parallel_state
+
+        pg = parallel_state.get_tensor_model_parallel_group()
+    return pg
 
 
 def install(contract: Contract) -> AlignedMambaHook:
@@ -64,21 +96,28 @@ class AlignedMambaHook:
     def tp(self, module: Any) -> TPGroup | None:
         """The ``TPGroup`` over the Megatron module's tensor-parallel process group (its ``tp_group`` or
         ``pg_collection.tp``, else Megatron's global one); None at TP 1. Its all-gather is the only
-        collective the aligned forwards use (never an all-reduce, whose order is the library's)."""
-        pg = getattr(module, "tp_group", None)
-        if pg is None:
-            pg = getattr(getattr(module, "pg_collection", None), "tp", None)
-        if pg is None:
-            from megatron.core import parallel_state
-
-            pg = parallel_state.get_tensor_model_parallel_group()
+        collective the aligned forwards use (never an all-reduce, whose order is the library's); it is
+        differentiable (``_AllGather``)."""
+        pg = _process_group(module)
         if pg.size() == 1:
             return None
         cached = self._groups.get(id(pg))
         if cached is None or cached[0] is not pg:
-            cached = (pg, TPGroup.from_torch(pg))
+            plain = TPGroup.from_torch(pg)
+            cached = (pg, TPGroup(plain.rank, plain.size, functools.partial(_gather, plain)))
             self._groups[id(pg)] = cached
         return cached[1]
+
+    def replicated_input(self, x: torch.Tensor, module: Any) -> torch.Tensor:
+        """x, the same on every rank, entering a layer whose weights are this rank's shard: itself in the
+        forward; in the backward the ranks' partial gradients summed (Megatron's copy to the TP region),
+        so what comes before the layer gets the whole gradient. At TP 1 or without grad: x."""
+        pg = _process_group(module)
+        if pg.size() == 1 or not torch.is_grad_enabled():
+            return x
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        return copy_to_tensor_model_parallel_region(x, pg)
 
     def backend(self, device: torch.device) -> Backend:
         """The contract's ops on ``device`` (the very object the core's models resolve)."""

@@ -26,8 +26,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     layer with ``parallel_output``, as its vocab-parallel cross entropy reads them) over Megatron's
     tensor-parallel group of k ranks; the log-softmax runs over the shards by the contract's tree
     (``ops.logprobs.token_logprobs_sharded``: the max and the slice sums all-gathered, never all-reduced),
-    the unsharded bits on every rank. Forward only (no gradient through the all-gathers) and the torch
-    backend's form; V / k a multiple of the contract's vocabulary slices' share.
+    the unsharded bits on every rank; differentiable (the vocab-parallel cross entropy's analytic
+    backward on this rank's entries). The torch backend's form; V a multiple of the contract's
+    vocabulary slices.
     """
     import aligned_mamba
 
@@ -48,7 +49,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     from megatron.core import parallel_state
 
     from aligned_mamba.ops.logprobs import check_temperature
-    from aligned_mamba.ops.logprobs.sliced import token_logprobs_sharded
     from aligned_mamba.parallel import TPGroup
 
     check_temperature(temperature)
@@ -57,4 +57,33 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                          "log-softmax is the torch backend's form only for now")
     pg = parallel_state.get_tensor_model_parallel_group()
     tp = TPGroup.from_torch(pg) if pg.size() > 1 else TPGroup.single()
-    return token_logprobs_sharded(rows, tokens, tp.rank, tp.size, tp.all_gather, temperature)
+    return _ShardedTokenLogprobs.apply(rows, tokens, tp, float(temperature))
+
+
+class _ShardedTokenLogprobs(torch.autograd.Function):
+    """The contract's token logprobs over vocabulary shards (forward: ``token_logprobs_sharded``, the
+    unsharded bits), with the vocab-parallel cross entropy's analytic backward: d lp / d x_local =
+    (onehot(label) - softmax(x)) / temperature on this rank's entries. The loss is the same on every rank,
+    so the incoming gradient is the whole one and nothing is communicated; differentiating through the
+    gathered max would leave each rank only its own share of that (zero-sum) path."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, tokens: torch.Tensor, tp: Any, temperature: float) -> torch.Tensor:
+        from aligned_mamba.ops.logprobs.sliced import log_softmax_sharded, token_logprobs_sharded
+
+        lp = token_logprobs_sharded(local, tokens, tp.rank, tp.size, tp.all_gather, temperature)
+        ctx.save_for_backward(log_softmax_sharded(local, tp.rank, tp.size, tp.all_gather, temperature),
+                              tokens.to(device=local.device, dtype=torch.int64))
+        ctx.offset, ctx.temperature, ctx.dtype = tp.rank * local.shape[-1], temperature, local.dtype
+        return lp
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        lp_local, tokens = ctx.saved_tensors
+        v = lp_local.shape[-1]
+        g = grad.to(torch.float32)
+        out = -torch.exp(lp_local) * g.unsqueeze(-1)
+        ids = tokens - ctx.offset
+        mine = ((ids >= 0) & (ids < v)).to(torch.float32)
+        out.scatter_add_(-1, ids.clamp(0, v - 1).unsqueeze(-1), (g * mine).unsqueeze(-1))
+        return (out / ctx.temperature).to(ctx.dtype), None, None, None
