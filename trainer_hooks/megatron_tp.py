@@ -1,12 +1,13 @@
 """The Megatron trainer at tensor-parallel size k on the CPU: k rank processes over gloo, kept alive.
 
-``MegatronTPTrainer`` gives ``aligned-mamba check --trainer megatron --trainer-tp k`` the trainer protocol's
-scoring side (``forward``, ``token_logprobs``, ``export_bytes``): k spawned processes (a free localhost
-port, one gloo world, Megatron's model-parallel groups at TP k) each build the hooked MambaModel once and
-load their shard of the checkpoint (``megatron_shards``); every ``forward`` sends the sequences to all
-ranks, each runs the packed forward, and rank 0's whole logits rows (the vocabulary shards gathered) come
-back. ``step`` is refused: the all-gathers carry no gradient yet. One process per rank over NCCL on GPUs is
-the same code with another backend, left for the multi-GPU issue.
+``MegatronTPTrainer`` is the trainer protocol (``forward``, ``token_logprobs``, ``step``, ``export_bytes``)
+at TP k for ``aligned-mamba check --trainer megatron --trainer-tp k``: k spawned processes (a free localhost
+port, one gloo world, Megatron's model-parallel groups at TP k) each hold a ``MegatronTrainer`` over their
+shard of the checkpoint (``megatron_shards``). Every call is sent to all ranks, each runs it on its shard
+(the packed forward; the REINFORCE step through the hook's differentiable gathers, Adam on its own fp32
+masters), and rank 0's answer comes back: whole logits rows, the step's report, or the shards merged into
+the checkpoint's weights. One process per rank over NCCL on GPUs is the same code with another backend,
+left for the multi-GPU issue.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 import torch
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.models.nemotron_h import NemotronHConfig
-from aligned_mamba.train import export_weights, generated_logprobs
+from aligned_mamba.train import check_step_inputs, generated_logprobs
 
 from .megatron.refusals import AlignmentRefused
 
@@ -32,23 +32,17 @@ _REPLY_TIMEOUT_S = 1800.0  # a rank's forward on 2 shared cores can take minutes
 
 
 def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config: Any,
-               tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool) -> None:
-    """One rank: join the world, build and load the hooked model, then answer forwards until None."""
+               tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool, lr: float) -> None:
+    """One rank: join the world, build a ``MegatronTrainer`` at TP ``size`` (its shard loaded), then run
+    each command every rank receives (forward, step, export) until None; rank 0 answers."""
     import torch.distributed as dist
 
-    from . import megatron as hook_module
-    from . import megatron_trainer as mc
+    from .megatron_trainer import MegatronTrainer
 
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        mc.prepare_process(size)
-        if hook:
-            hook_module.install(contract)
-        model = mc.build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
-        stock_hybrid = not hook and isinstance(config, NemotronHConfig)  # stock attention takes no packed THD
-        mc.load_hf_weights(model, config, tensors)
-        model.eval()
+        trainer = MegatronTrainer(config, tensors, contract, lr=lr, hook=hook, tp=size)
         if rank == 0:
             outbox.put(pickle.dumps(("ready", None)))
     except Exception as exc:  # noqa: BLE001 (sent to the parent, which raises it)
@@ -58,14 +52,19 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
         message = inbox.get()
         if message is None:
             break
+        kind, args = pickle.loads(message)
         try:
-            with torch.no_grad():
-                seqs = pickle.loads(message)
-                logits = (mc.megatron_sequence_logits if stock_hybrid else mc.megatron_packed_logits)(model, seqs)
+            if kind == "forward":
+                value: Any = torch.cat(trainer.forward(args))
+            elif kind == "step":
+                value = trainer.step(*args)
+            else:
+                value = trainer.export_bytes()
             if rank == 0:
-                outbox.put(pickle.dumps(("logits", logits)))
-        except Exception as exc:  # noqa: BLE001
-            outbox.put(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))
+                outbox.put(pickle.dumps((kind, value)))
+        except Exception as exc:  # noqa: BLE001 (the replicated loss and norm fail alike on every rank)
+            if rank == 0:
+                outbox.put(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))
     dist.destroy_process_group()
 
 
@@ -75,7 +74,7 @@ class MegatronTPTrainer:
     ``close()`` (or the context manager) stops them."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int, *,
-                 hook: bool = True) -> None:
+                 hook: bool = True, lr: float = 1e-4) -> None:
         import torch.multiprocessing as mp
 
         from .megatron.refusals import tp_problems
@@ -87,7 +86,6 @@ class MegatronTPTrainer:
         if problems:
             raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp}: " + "; ".join(problems))
         self.config, self.contract, self.tp, self.version = config, contract, tp, 0
-        self._tensors = tensors
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.SimpleQueue() for _ in range(tp)]
         self._outbox = ctx.Queue()
@@ -96,7 +94,7 @@ class MegatronTPTrainer:
             port = sock.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // tp)
         self._procs = [ctx.Process(target=_rank_main, args=(r, tp, port, self._inboxes[r], self._outbox, config,
-                                                             tensors, contract, threads, hook), daemon=True)
+                                                             tensors, contract, threads, hook, lr), daemon=True)
                        for r in range(tp)]
         for p in self._procs:
             p.start()
@@ -119,14 +117,16 @@ class MegatronTPTrainer:
             raise AlignmentRefused(f"the Megatron TP ranks answered {got!r}, expected {kind!r}")
         return value
 
+    def _run(self, kind: str, args: Any) -> Any:
+        message = pickle.dumps((kind, args))
+        for inbox in self._inboxes:
+            inbox.put(message)
+        return self._reply(kind)
+
     def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Raw logits of whole sequences in one packed pass at TP k: [len_i, vocab] each (whole rows)."""
         seqs = [s.to(torch.int64).cpu() for s in sequences]
-        message = pickle.dumps(seqs)
-        for inbox in self._inboxes:
-            inbox.put(message)
-        logits = self._reply("logits")
-        return list(torch.split(logits, [int(s.numel()) for s in seqs]))
+        return list(torch.split(self._run("forward", seqs), [int(s.numel()) for s in seqs]))
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
@@ -136,12 +136,18 @@ class MegatronTPTrainer:
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
-        raise AlignmentRefused(f"a Megatron training step at tensor parallel size {self.tp} is not covered yet: the "
-                               "all-gathers of the aligned forward carry no gradient")
+        """One REINFORCE step on every rank (``MegatronTrainer.step`` over its shard: the gradients through the
+        hook's differentiable gathers, Adam on fp32 masters of the rank's parameters); returns rank 0's report."""
+        check_step_inputs(sequences, prompt_lens, advantages)
+        seqs = [s.to(torch.int64).cpu() for s in sequences]
+        out = self._run("step", (seqs, list(prompt_lens), list(advantages)))
+        self.version = out["weights_version"]
+        return out
 
     def export_bytes(self) -> tuple[bytes, str]:
-        """The (unchanged: no step runs) checkpoint weights as safetensors bytes and their digest."""
-        return export_weights(self._tensors, self.version)
+        """The served weights (the ranks' shards merged to the checkpoint's HF names and dtypes) as
+        safetensors bytes and their digest."""
+        return self._run("export", None)
 
     def close(self) -> None:
         """Stop the rank processes (idempotent)."""

@@ -264,11 +264,12 @@ def _model_device(model: Any) -> torch.device:
 
 
 def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                       contract: Contract) -> Any:
-    """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, CPU
-    shims without CUDA), loaded from HF-named ``tensors`` (each parameter in its tensor's dtype), left in the
+                       contract: Contract, tp: int = 1) -> Any:
+    """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, or
+    Megatron's groups at TP ``tp`` over the world its ranks started; CPU shims without CUDA), loaded from
+    HF-named ``tensors`` (this rank's shard at TP > 1; each parameter in its tensor's dtype), left in the
     mode a freshly built module is in (train)."""
-    prepare_process()
+    prepare_process(tp)
     hook_module.install(contract)
     model = build_mamba_model(config, contract.model_dtype)
     load_hf_weights(model, config, tensors)
@@ -284,17 +285,18 @@ class MegatronTrainer:
     """
 
     def __init__(self, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor], contract: Contract,
-                 *, lr: float = 1e-4, hook: bool = True) -> None:
+                 *, lr: float = 1e-4, hook: bool = True, tp: int = 1) -> None:
         check_lr(lr)
+        self.tp = tp
         self.config = config
         self.contract = contract
         self.lr = lr
         self.hooked = hook
         self.dtypes = {k: v.dtype for k, v in tensors.items()}  # the served names and dtypes, in input order
         if hook:
-            self.model = build_hooked_model(config, tensors, contract)
+            self.model = build_hooked_model(config, tensors, contract, tp)
         else:
-            prepare_process()
+            prepare_process(tp)
             self.model = build_mamba_model(config, contract.model_dtype, chunk_size=contract.chunk_size)
             load_hf_weights(self.model, config, tensors)
         self.params = dict(self.model.named_parameters())
@@ -320,7 +322,7 @@ class MegatronTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """The served weights: the model's parameters under HF names, in the checkpoint dtypes (detached;
         the same names as the checkpoint, so a tied ``lm_head.weight`` only if it had one)."""
-        hf = megatron_to_hf(self.model.state_dict(), self.config)
+        hf = megatron_to_hf(self._merged(self.model.state_dict()), self.config)
         if LM_HEAD in self.dtypes and LM_HEAD not in hf:  # tied, but the checkpoint stored the copy
             hf[LM_HEAD] = hf[EMBEDDING]
         if set(hf) != set(self.dtypes):
@@ -382,9 +384,23 @@ class MegatronTrainer:
         # buffers among the checkpoint's tensors (a MoE router's expert bias) have no gradient: zeros, skipped
         grads = {n: g if n in master and (g := master[n].grad) is not None else torch.zeros_like(v)
                  for n, v in self.model.state_dict().items() if not n.endswith("_extra_state")}
-        by_hf, source = megatron_to_hf(grads, self.config), megatron_names(self.config)
+        by_hf, source = megatron_to_hf(self._merged(grads), self.config), megatron_names(self.config)
         return total_norm(by_hf[k] if source[k] in master and master[source[k]].grad is not None else None
                           for k in self.dtypes if k in by_hf)
+
+    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict (or gradients) of this rank's shard -> the TP 1 layout (at TP > 1 every rank's
+        gathered and merged, ``megatron_shards.merge_megatron``: a collective every rank must call)."""
+        if self.tp == 1:
+            return state
+        import torch.distributed as dist
+
+        from .megatron_shards import merge_megatron
+
+        local = {k: v.detach() for k, v in state.items() if not k.endswith("_extra_state")}
+        every: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        dist.all_gather_object(every, local)
+        return merge_megatron(every, self.config)
 
     def export_bytes(self) -> tuple[bytes, str]:
         """The served weights as safetensors bytes (metadata "weights_version") and their ``weights_digest``."""
@@ -407,7 +423,7 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
     if tp != 1:
         from .megatron_tp import MegatronTPTrainer
 
-        return MegatronTPTrainer(config, tensors, contract, tp, hook=hook)
+        return MegatronTPTrainer(config, tensors, contract, tp, hook=hook, lr=lr)
     return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
 
 
