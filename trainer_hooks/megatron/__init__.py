@@ -21,8 +21,10 @@ row-parallel GEMMs (out_proj, o_proj, fc2) sum S fixed K slices by one pairwise 
 computes them, the embedding picks the owner's row, the output layer gathers its vocabulary shards and
 ``token_logprobs(vocab_parallel=True)`` runs the sharded log-softmax; the only collective is an
 all-gather. So TP 1, 2, 4 ... S give the reference trainer's bits under that contract.
-``trainer_hooks.megatron_shards`` cuts a checkpoint per rank as Megatron does. Forward only at k > 1 for
-now: gradients do not flow through the all-gathers.
+``trainer_hooks.megatron_shards`` cuts a checkpoint per rank as Megatron does. Gradients: each gather's
+backward gives a rank its own slot (every rank repeats what follows a gather), a replicated input entering
+a rank's shard sums the ranks' partial gradients (Megatron's copy to the TP region), and the vocab-parallel
+logprobs have the analytic backward; gradients are right, not bitwise across TP degrees.
 
 Use (Megatron-LM)::
 
