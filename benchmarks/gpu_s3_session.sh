@@ -5,7 +5,7 @@
 # 1.3b shapes and the training cells against mamba_ssm's own model.
 #
 #   OUT=/path bash benchmarks/gpu_s3_session.sh        # from the repository root
-#   STEPS="moetests moebench moecheck attntests bwddet mcheck vsms" DEADLINE_S=540 ...
+#   STEPS="moetests moebench moecheck attntests bwddet race mcheck vsms" DEADLINE_S=540 MOETESTS_K=stock ...
 #   MOEBENCH_ARGS="--sweep" VSMS_ARGS="--shapes mamba2-2.7b" MOECHECK="top2 top6-groups" ...
 #
 # Every step's logs and JSON go to a work folder; after each step the folder is packed into
@@ -20,7 +20,7 @@ mkdir -p "$OUT" "$W"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-STEPS="${STEPS:-moetests moebench moecheck attntests bwddet mcheck vsms}"
+STEPS="${STEPS:-moetests moebench moecheck attntests bwddet race mcheck vsms}"
 DEADLINE_S="${DEADLINE_S:-540}"
 t0=$(date +%s)
 
@@ -44,7 +44,7 @@ cat "$W/env.log" >> "$W/summary.txt"
 
 if want moetests; then
   timeout "$(left "${MOETESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \
-    tests/test_moe_triton_gpu.py 2>&1 | tee "$W/pytest_moe.log"
+    ${MOETESTS_K:+-k "$MOETESTS_K"} tests/test_moe_triton_gpu.py 2>&1 | tee "$W/pytest_moe.log"
   note "moetests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_moe.log")"; pack
 fi
 if want moebench; then
@@ -84,6 +84,22 @@ if want bwddet; then
   timeout "$(left "${BWDDET_S:-150}")" python3 benchmarks/bench_hybrid_h200.py --sections bwd_determinism \
     --merge benchmarks/results/h200_hybrid.json --out "$W/h200_hybrid.json" 2>&1 | tee "$W/bwddet.log"
   note "bwddet exit ${PIPESTATUS[0]}"; pack
+fi
+if want race; then
+  # which backward launches change dK's bits run to run, then racecheck on one such launch's dK/dV kernel
+  timeout "$(left "${RACE_S:-150}")" python3 benchmarks/attn_bwd_race_probe.py --out "$W/attn_bwd_race.json" \
+    2>&1 | tee "$W/race.log"
+  note "race exit ${PIPESTATUS[0]}"; pack
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
+  if [ -n "$CS" ]; then
+    timeout "$(left "${RACECHECK_S:-150}")" "$CS" --tool racecheck --racecheck-report all --print-limit 20 \
+      --kernel-name kns=_dkdv_kernel python3 benchmarks/attn_bwd_race_probe.py --one "${RACE_ONE:-64,32,64,32,4,2}" \
+      --tokens "${RACE_TOKENS:-512}" 2>&1 | tail -n 200 | tee "$W/racecheck.log"
+    note "racecheck exit ${PIPESTATUS[0]}: $(grep -c -i hazard "$W/racecheck.log") hazard lines"
+  else
+    note "racecheck: no compute-sanitizer"
+  fi
+  pack
 fi
 if want mcheck; then
   for m in ${MCHECK:-130m 1.3b}; do
