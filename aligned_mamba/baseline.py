@@ -17,8 +17,8 @@ import torch
 from .layers.base import StateSpec
 from .layers.mamba2 import Mamba2Mixer
 from .models.causal_lm import Block, CausalLM
-from .ops.ssd import recurrent_step, ssd_chunk
-from .replay import Batch
+from .ops.ssd import SSMParams, recurrent_step, ssd_chunk
+from .ops.step import Step
 
 
 @dataclass
@@ -28,12 +28,19 @@ class RunningState:
     ssm_state: torch.Tensor
     conv_window: torch.Tensor
 
+    @property
+    def ssd(self) -> RunningState:
+        """What the mixer hands its backend's ``ssd_advance``: this state itself."""
+        return self
+
 
 class RecurrentMamba2Mixer(Mamba2Mixer):
-    """A ``Mamba2Mixer`` (the same weights) whose scan is the baseline's."""
+    """A ``Mamba2Mixer`` (the same weights) whose scan is the baseline's: its backend's table with
+    ``ssd_advance`` replaced, every other op the model's."""
 
-    def __init__(self, mixer: Mamba2Mixer) -> None:  # shares the mixer's weights and backend
+    def __init__(self, mixer: Mamba2Mixer) -> None:  # shares the mixer's weights
         self.__dict__.update(mixer.__dict__)
+        self.backend = mixer.backend.replace(ssd_advance=self._advance)
 
     def state_spec(self) -> StateSpec:
         c = self.config
@@ -43,8 +50,8 @@ class RecurrentMamba2Mixer(Mamba2Mixer):
     def state(self, tensors: Mapping[str, torch.Tensor]) -> RunningState:
         return RunningState(tensors["ssm_state"], tensors["conv_window"])
 
-    def scan(self, state: RunningState, batch: Batch, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    def _advance(self, state: RunningState, batch: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.zeros_like(x)
         lens = batch.lengths
         seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
@@ -53,14 +60,14 @@ class RecurrentMamba2Mixer(Mamba2Mixer):
             r = one[seq]
             sl = batch.slots[one]
             s = state.ssm_state[sl].clone()
-            y[r] = recurrent_step(s, x[r], dt[r], B[r], C[r], self.params)
+            y[r] = recurrent_step(s, x[r], dt[r], B[r], C[r], params)
             state.ssm_state[sl] = s
         if (~one).any():  # prefill: a chunked scan anchored at the call's first token
             r = (~one)[seq]
             sl = batch.slots[~one]
             cu = torch.zeros(int((~one).sum()) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(lens[~one], 0)
-            yp, h = ssd_chunk(x[r], dt[r], B[r], C[r], self.params, cu, state.ssm_state[sl],
+            yp, h = ssd_chunk(x[r], dt[r], B[r], C[r], params, cu, state.ssm_state[sl],
                               chunk_size=self.chunk_size, row_tile=self.backend.configs.scan_row_tile(self.chunk_size),
                               final="end")
             y[r] = yp

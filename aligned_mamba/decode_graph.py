@@ -12,21 +12,20 @@ completion kernels check every entry's position on the device.
 
 The graph runs the very kernels of an eager step with the same arguments, so its rows are the
 eager step's, and by the decode kernels' contract the single-pass prefill's
-(tests/test_decode_graph.py checks both on a GPU).
+(tests/core/test_decode_graph.py checks both on a GPU).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from .models.causal_lm import Cache, CausalLM
-from .ops.ssd.plan import decode_tables_key, host_ints, step_tables_key
-from .replay import Batch
+from .ops.ssd.plan import host_ints
+from .ops.step import Step, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -103,7 +102,7 @@ class DecodeGraphs:
         return self._graphs[self.bucket(n)].graph
 
     def _capture(self, b: int) -> _Captured:
-        # the device as the layers' tensors name it (cuda:0): part of the keys of their derived tables
+        # the device as the layers' tensors name it (cuda:0): the key of the step's plan
         dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)
         tables = torch.empty(3, b, dtype=torch.int64, device=dev)
         host = torch.empty(3, b, dtype=torch.int64).pin_memory()
@@ -125,25 +124,24 @@ class DecodeGraphs:
         self._graphs[b] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
         return self._graphs[b]
 
-    def _batch(self, b: int, tables: torch.Tensor) -> Batch:
-        """A Batch of b one-token sequences whose device tables are the static buffers: what the
-        layers derive from a batch (``Batch.derived``) is put there first, and asking for anything
-        else raises, so nothing is ever built from the host fields (which only say: b sequences of
-        one token) inside the graph."""
-        batch = _GraphBatch.make(list(range(b)), [0] * b, [1] * b)
+    def _batch(self, b: int, tables: torch.Tensor) -> Step:
+        """A Step of b one-token sequences whose plan on the device holds the static buffers, sealed:
+        asking for any other table raises, so nothing is ever built from the host fields (which
+        only say: b sequences of one token) inside the graph."""
+        batch = Step.make(list(range(b)), [0] * b, [1] * b)
         dev = tables.device
-        cu = torch.arange(b + 1, dtype=torch.int64, device=dev)
+        plan = StepPlan(dev, torch.arange(b + 1, dtype=torch.int64, device=dev), tables[0], sealed=True)
         for state in self.cache.states:
             L = getattr(getattr(state, "ssd", None), "chunk_size", None)
             if L is not None:
                 # every entry is checked for a completing chunk on the device (completes=True)
-                batch._derived[decode_tables_key(L, dev)] = (tables[0], tables[1], True)
-        batch._derived[step_tables_key(dev)] = (cu, tables[0])
+                plan.ssd_decode_tables[L] = (tables[0], tables[1], True)
         if any(hasattr(state, "k_cache") for state in self.cache.states):
             from .ops.attention.triton import decode_step_tables
 
             # attention reads its slot cache at the step's slots and positions (one tile per entry)
-            batch._derived[("attention-decode", dev)] = decode_step_tables(tables[0], tables[1])
+            plan.attention_tiles[0] = decode_step_tables(tables[0], tables[1])
+        batch.plans[dev] = plan
         return batch
 
 
@@ -157,14 +155,4 @@ class _Captured:
     host_np: np.ndarray  # a numpy view of ``host``
     logits: torch.Tensor  # [b, vocab]: the graph's output
     copied: torch.cuda.Event  # after the last copy out of ``host``
-    batch: Batch  # owns the device tables the graph reads
-
-
-class _GraphBatch(Batch):
-    """A Batch whose derived tables are all given up front (see ``DecodeGraphs._batch``)."""
-
-    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
-        if key not in self._derived:
-            raise RuntimeError(f"a captured decode step has no device table {key[0]!r} for {key[1:]}: it would be "
-                               "built from the host's placeholder fields")
-        return self._derived[key]
+    batch: Step  # owns the device tables the graph reads

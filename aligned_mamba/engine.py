@@ -26,7 +26,7 @@ from .integrations import EngineSpec, Scenario, ScenarioResult
 from .models import build_model, load_source
 from .models.causal_lm import CausalLM
 from .ops.logprobs import log_softmax
-from .replay import Batch
+from .ops.step import Step
 
 
 @dataclass
@@ -137,7 +137,7 @@ class SamplerEngine:
                 budget -= n
         if not plan:
             return
-        batch = Batch.make([r.slot for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
+        batch = Step.make([r.slot for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
         ids, want = [], []
         for req, n in plan:
             pos = range(req.num_computed, req.num_computed + n)

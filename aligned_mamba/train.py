@@ -105,7 +105,7 @@ class PolicyTrainer:
         """
         check_step_inputs(sequences, prompt_lens, advantages)
         # every backend trains: the triton backend's kernels carry the torch forms' backward
-        # (ops/triton_autograd.py), and its forward under autograd is the same launch, the same bits
+        # (each op's triton.py), and its forward under autograd is the same launch, the same bits
         if self.master is None:
             self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self._served.items()}
             self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)

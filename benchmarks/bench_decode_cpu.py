@@ -21,7 +21,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.models.mamba2 import make_tiny
 from aligned_mamba.models.registry import build_model
-from aligned_mamba.replay import Batch
+from aligned_mamba.ops.step import Step
 
 MODELS = {"tiny": {}, "wide": {"num_hidden_layers": 8, "hidden_size": 512, "num_heads": 16, "head_dim": 64}}
 
@@ -35,12 +35,12 @@ def step_ms(name: str, batch: int, prompt_len: int, steps: int, warmup: int) -> 
     slots = list(range(batch))
     with torch.no_grad():
         prompts = torch.randint(0, config.vocab_size, (batch * prompt_len,), generator=g)
-        model.advance(cache, Batch.make(slots, [0] * batch, [prompt_len] * batch), prompts)
+        model.advance(cache, Step.make(slots, [0] * batch, [prompt_len] * batch), prompts)
         token = torch.randint(0, config.vocab_size, (batch,), generator=g)
         times = []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            model.advance(cache, Batch.make(slots, [prompt_len + i] * batch, [1] * batch), token)
+            model.advance(cache, Step.make(slots, [prompt_len + i] * batch, [1] * batch), token)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3

@@ -222,7 +222,7 @@ def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
     [0, L)), nonzero boundary states, partial chunks filled by one prefill (pinned configs)."""
     from aligned_mamba.ops.ssd.state import SSDState
     from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     P, N, L = dims["P"], dims["N"], dims["L"]
     g = torch.Generator().manual_seed(seed)
@@ -240,7 +240,7 @@ def decode_case(torch, H, G, dims, batch, dtype, dev, seed):
     boundary = clone_state(st)
     keep = fill > 0
     if T:
-        replay_chunk_triton(st, Batch.make(slots[keep].tolist(), bound[keep].tolist(), fill[keep].tolist()), *pre,
+        replay_chunk_triton(st, Step.make(slots[keep].tolist(), bound[keep].tolist(), fill[keep].tolist()), *pre,
                             prm, cfg=pinned_cfg())
     tok = tokens(torch, batch, H, P, G, N, seed + 3, dtype, dev)
     return dict(state=st, boundary=boundary, slots=slots, fill=fill, bound=bound, pre=pre, tok=tok, prm=prm,
@@ -299,7 +299,7 @@ def decode_bitwise(torch, case, mode, cfg) -> dict:
     """One decode step vs one prefill over (chunk prefix + token) from the boundary state."""
     from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton
     from aligned_mamba.ops.ssd.triton_decode import decode_step_triton
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     dev = case["tok"][0].device
     st = clone_state(case["state"])
@@ -318,7 +318,7 @@ def decode_bitwise(torch, case, mode, cfg) -> dict:
         z[is_tok] = t
         packed.append(z)
     # the prefill form itself: through a backend, a batch of one-token sequences would take the decode kernels
-    yp = replay_chunk_triton(ref, Batch.make(slots.tolist(), bound.tolist(), lens), *packed, case["prm"], cfg=cfg)
+    yp = replay_chunk_triton(ref, Step.make(slots.tolist(), bound.tolist(), lens), *packed, case["prm"], cfg=cfg)
     yl = yp[cu[1:].to(dev) - 1]
     rows_equal = int((y == yl).flatten(1).all(1).sum())
     sl = slots.to(dev)
@@ -388,14 +388,14 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
     import aligned_mamba.ops.ssd.triton_chunk as tch
     from aligned_mamba.ops.ssd.plan import plan_advance, to_device
     from aligned_mamba.ops.ssd.state import SSDState
-    from aligned_mamba.replay import Batch, ssd_advance
+    from aligned_mamba.ops.step import Step
 
     P, N, L = dims["P"], dims["N"], dims["L"]
     S, T = len(lens), sum(lens)
     prm = params(torch, H, P, seed, dev)
     x, dt, B, C = tokens(torch, T, H, P, G, N, seed + 1, dtype, dev)
     st = SSDState.allocate(S, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype, device=dev)
-    batch = Batch.make(list(range(S)), [0] * S, lens)
+    batch = Step.make(list(range(S)), [0] * S, lens)
     slots = torch.arange(S, device=dev)
     out: dict = {}
     cfg = pinned_cfg()
@@ -403,7 +403,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
     pinned_backend = triton_backend(cfg, L, dtype, dev)
 
     def ours(i=0, backend=pinned_backend):
-        return ssd_advance(backend, st, batch, x, dt, B, C, prm)
+        return backend.ssd_advance(st, batch, x, dt, B, C, prm)
 
     def reset(i=0):
         st.reset(slots)

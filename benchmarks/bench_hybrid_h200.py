@@ -210,8 +210,8 @@ def sweep_cells(res: dict, save) -> None:
 
 def mlp_cells(res: dict, save) -> None:
     from aligned_mamba.ops.configs import TritonKernelConfigs
-    from aligned_mamba.ops.elementwise_triton import relu2_triton
-    from aligned_mamba.ops.linear_triton import linear_triton
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
+    from aligned_mamba.ops.linear.triton import linear_triton
 
     cfg = TritonKernelConfigs()
     g = torch.Generator(device="cuda").manual_seed(1)

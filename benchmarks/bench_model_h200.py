@@ -485,7 +485,7 @@ def prefill_last_rows(model, cache, slots: list[int], seqs: list, max_tokens: in
     ``max_tokens`` tokens; returns the logits of each sequence's last token [len(seqs), vocab]."""
     import torch
 
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     out, group = [], []
 
@@ -493,7 +493,7 @@ def prefill_last_rows(model, cache, slots: list[int], seqs: list, max_tokens: in
         lens = [int(s.numel()) for _, s in group]
         mask = torch.zeros(sum(lens), dtype=torch.bool)
         mask[torch.tensor(lens).cumsum(0) - 1] = True
-        batch = Batch.make([sl for sl, _ in group], [0] * len(group), lens)
+        batch = Step.make([sl for sl, _ in group], [0] * len(group), lens)
         out.append(model.advance(cache, batch, torch.cat([s for _, s in group]), logit_rows=mask))
         group.clear()
 
@@ -606,7 +606,7 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
     """One (shape, batch) cell: the graph entry and the eager entry (see the module docstring)."""
     import torch
 
-    from aligned_mamba.replay import Batch
+    from aligned_mamba.ops.step import Step
 
     L, V = config.chunk_size, config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -695,10 +695,10 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
             cache = None
     if cache is not None:
         try:
-            E0 = model.advance(cache, Batch.make(sl, ps, [1] * batch), toks[0]).clone()
+            E0 = model.advance(cache, Step.make(sl, ps, [1] * batch), toks[0]).clone()
 
             def estep(i):
-                model.advance(cache, Batch.make(sl, (pos + 1 + i).tolist(), [1] * batch), toks[1 + i])
+                model.advance(cache, Step.make(sl, (pos + 1 + i).tolist(), [1] * batch), toks[1 + i])
 
             ts = run.times(estep, run.eager_n, run.eager_warm, before=lambda i: run.sync())
             ee.update({f"ours_{k}": v for k, v in stats(ts).items()})

@@ -167,8 +167,8 @@ def ceilings(b: Bench) -> dict:
 def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> None:
     torch = b.torch
     F = torch.nn.functional
-    from aligned_mamba.ops import linear_triton as lt
     from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.linear import triton as lt
 
     cfg = TritonKernelConfigs()
     cuda = b.dev.type == "cuda"
@@ -248,9 +248,9 @@ def host_section(b: Bench, res: dict) -> None:
     """Host time per launch (eager engines pay it; a CUDA graph does not)."""
     torch = b.torch
     F = torch.nn.functional
-    from aligned_mamba.ops import linear_triton as lt
-    from aligned_mamba.ops import norm_triton as nt
     from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.linear import triton as lt
+    from aligned_mamba.ops.norm import triton as nt
 
     cfg = TritonKernelConfigs()
     cuda = b.dev.type == "cuda"
@@ -286,10 +286,10 @@ def ops_section(b: Bench, res: dict, variants: bool, save, op_variants: bool = F
     torch = b.torch
     F = torch.nn.functional
     from aligned_mamba.ops import conv1d, logprobs, norm
-    from aligned_mamba.ops import conv1d_triton as ct
-    from aligned_mamba.ops import logprobs_triton as lpt
-    from aligned_mamba.ops import norm_triton as nt
     from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.conv1d import triton as ct
+    from aligned_mamba.ops.logprobs import triton as lpt
+    from aligned_mamba.ops.norm import triton as nt
 
     cfg = TritonKernelConfigs()
     cuda = b.dev.type == "cuda"

@@ -13,7 +13,7 @@ gradient of every weight (``torch.autograd.grad``), for ``mamba2-1.3b`` (and ``m
 
 Ours: ``build_model`` under ``Contract(chunk_size=256, backend="triton", model_dtype="bfloat16")``,
 built in the step (as ``PolicyTrainer`` builds it per step), its forward with gradients on (the
-Triton kernels of the sampler, recorded by ``ops.triton_autograd``), the backend's ``log_softmax``,
+Triton kernels of the sampler, recorded by each op's Function), the backend's ``log_softmax``,
 and the backward those Functions define. Stock: ``bench_model_h200.Stock`` under autograd (bf16
 ``F.linear`` on cuBLAS, torch conv1d and RMSNorms, mamba_ssm's ``mamba_chunk_scan_combined`` with its
 own Triton backward), torch's fp32 ``log_softmax``.

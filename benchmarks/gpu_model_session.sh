@@ -4,7 +4,7 @@
 #
 #   OUT=/path bash benchmarks/gpu_model_session.sh        # from the repository root
 #   STEPS="tests bench check" TEST_S=200 BENCH_S=330 BENCH_ARGS="--quick" CHECK="tiny 130m 1.3b" CHECK_JOBS=2 ...
-#   STEPS="tests scanbwd train" TEST_FILES=tests/test_triton_backward.py TRAIN_ARGS="--quick --profile"  (training)
+#   STEPS="tests scanbwd train" TEST_FILES=tests/ops/test_triton_backward.py TRAIN_ARGS="--quick --profile"  (training)
 #   STEPS=vsms VSMS_ARGS="--parts train --profile"   (against mamba_ssm's MambaLMHeadModel)
 #
 # Needs .anchors/ (mamba_ssm's Triton files, see benchmarks/README.md) for the stock columns.
@@ -27,7 +27,7 @@ t0=$(date +%s)
 
 if [[ " $STEPS " == *" tests "* ]]; then
   timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=8 \
-    ${TEST_FILES:-tests/test_decode_graph.py tests/test_triton_ops.py tests/test_gpu.py tests/test_triton_decode.py} \
+    ${TEST_FILES:-tests/core/test_decode_graph.py tests/ops/test_triton_ops.py tests/ops/test_triton_ops_gpu.py tests/ops/ssd/test_triton_decode.py} \
     2>&1 | tee "$OUT/pytest_gpu.log"
   echo "== tests exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_gpu.log"
 fi

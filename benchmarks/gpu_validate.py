@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aligned_mamba.contract import Contract  # noqa: E402
 from aligned_mamba.ops.backend import Backend, resolve  # noqa: E402
 from aligned_mamba.ops.ssd.state import SSDState, SSMParams  # noqa: E402
-from aligned_mamba.replay import Batch, ssd_advance  # noqa: E402
+from aligned_mamba.ops.step import Step  # noqa: E402
 
 SHAPES = {"h32_g1": (32, 1), "h64_g8": (64, 8), "h128_g8": (128, 8)}
 P, N, L = 64, 128, 256
@@ -85,14 +85,14 @@ def bitwise(H: int, G: int, dev: str, batch: int, T: int = 2048) -> dict:
     x, dt, B, C = inputs(T * batch, H, G, dev)
     lens = [T] * batch
     st = state(batch, H, G, dev)
-    ref = ssd_advance(be, st, Batch.make(list(range(batch)), [0] * batch, lens), x, dt, B, C, prm)
+    ref = be.ssd_advance(st, Step.make(list(range(batch)), [0] * batch, lens), x, dt, B, C, prm)
     g = torch.Generator().manual_seed(2)
     offs = [int(v) for v in torch.randint(1, T, (batch,), generator=g)]
     st = state(batch, H, G, dev)
     rows = torch.cat([torch.arange(i * T, i * T + o) for i, o in enumerate(offs)]).to(dev)
-    ssd_advance(be, st, Batch.make(list(range(batch)), [0] * batch, offs), x[rows], dt[rows], B[rows], C[rows], prm)
+    be.ssd_advance(st, Step.make(list(range(batch)), [0] * batch, offs), x[rows], dt[rows], B[rows], C[rows], prm)
     new = torch.tensor([i * T + o for i, o in enumerate(offs)], device=dev)
-    y = ssd_advance(be, st, Batch.make(list(range(batch)), offs, [1] * batch), x[new], dt[new], B[new], C[new], prm)
+    y = be.ssd_advance(st, Step.make(list(range(batch)), offs, [1] * batch), x[new], dt[new], B[new], C[new], prm)
     decode_bad = int(sum(not torch.equal(y[i], ref[int(new[i])]) for i in range(batch)))
     # unaligned chunked prefill: 100-token pieces for the first sequence
     st = state(1, H, G, dev)
@@ -100,7 +100,7 @@ def bitwise(H: int, G: int, dev: str, batch: int, T: int = 2048) -> dict:
     while pos < T:
         n = min(100, T - pos)
         piece = slice(pos, pos + n)
-        pieces.append(ssd_advance(be, st, Batch.make([0], [pos], [n]), x[piece], dt[piece], B[piece], C[piece], prm))
+        pieces.append(be.ssd_advance(st, Step.make([0], [pos], [n]), x[piece], dt[piece], B[piece], C[piece], prm))
         pos += n
     yc = torch.cat(pieces)
     bad = int(sum(not torch.equal(yc[t], ref[t]) for t in range(T)))
@@ -113,7 +113,7 @@ def timing(H: int, G: int, dev: str, reps: int, upstream) -> dict:
     out: dict = {"prefill": [], "decode": []}
     for T in (2048, 8192):
         x, dt, B, C = inputs(T, H, G, dev)
-        ours = cuda_ms(lambda: ssd_advance(be, state(1, H, G, dev), Batch.make([0], [0], [T]), x, dt, B, C, prm), reps)
+        ours = cuda_ms(lambda: be.ssd_advance(state(1, H, G, dev), Step.make([0], [0], [T]), x, dt, B, C, prm), reps)
         up = None
         if upstream:
             chunk_scan, _ = upstream
@@ -132,8 +132,8 @@ def timing(H: int, G: int, dev: str, reps: int, upstream) -> dict:
             st.buf_dt[i, :, o:] = 0
             st.buf_B[i, :, o:] = 0
         x, dt, B, C = inputs(batch, H, G, dev)
-        bt = Batch.make(list(range(batch)), offs, [1] * batch)
-        ours = cuda_ms(lambda: ssd_advance(be, st, bt, x, dt, B, C, prm), reps)
+        bt = Step.make(list(range(batch)), offs, [1] * batch)
+        ours = cuda_ms(lambda: be.ssd_advance(st, bt, x, dt, B, C, prm), reps)
         ssu = None
         if upstream:
             _, ssu_fn = upstream

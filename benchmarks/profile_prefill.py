@@ -55,7 +55,7 @@ def main() -> None:
     from aligned_mamba.contract import Contract
     from aligned_mamba.ops.backend import resolve
     from aligned_mamba.ops.ssd.state import SSDState, SSMParams
-    from aligned_mamba.replay import Batch, ssd_advance
+    from aligned_mamba.ops.step import Step
 
     sys.path.insert(0, str(ROOT / ".anchors"))
     try:
@@ -82,12 +82,12 @@ def main() -> None:
             C = torch.randn(T, G, N, device=dev, generator=g).bfloat16()
             prm = SSMParams(A=-torch.rand(H, device=dev, generator=g) - 0.5, D=torch.ones(H, device=dev),
                             dt_bias=torch.zeros(H, device=dev))
-            batch = Batch.make(list(range(S)), [0] * S, lens)
+            batch = Step.make(list(range(S)), [0] * S, lens)
             slots = torch.arange(S, device=dev)
 
             def ours() -> None:
                 st.reset(slots)
-                ssd_advance(backend, st, batch, x, dt, B, C, prm)
+                backend.ssd_advance(st, batch, x, dt, B, C, prm)
 
             entry = {"shape": name, "case": case, "ours": kernels(ours, args.calls)}
             if mamba_chunk_scan_combined is not None:

@@ -76,7 +76,7 @@ def phases(torch, fwd, params: list, n: int) -> dict:
 
 def conv_sweep(torch, T: int, Cd: int, K: int, reps: int) -> list[dict]:
     from aligned_mamba.ops.configs import TritonKernelConfigs
-    from aligned_mamba.ops.conv1d_triton import causal_conv1d_backward_triton
+    from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton
 
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(T, Cd, device="cuda", generator=g).bfloat16()

@@ -5,7 +5,7 @@ preemption, sampling, the state memory pool); every op on the path from token to
 core's. Each Mamba layer is a ``ReplayMambaLayer`` (a ``MambaBase``, as vLLM's own MambaMixer2):
 it declares the core layer's per-slot state (``layers.mamba2.state_spec``) so vLLM's memory planner
 sizes the cache for it, receives the bound views as ``kv_cache``, and in the forward runs its own
-mixer (``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Batch``
+mixer (``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Step``
 (derived once per step: the layers of one KV-cache group share the metadata object). The trainer's
 forward runs the same blocks, so its logits rows equal the ones vLLM sampled from.
 
@@ -39,12 +39,12 @@ from aligned_mamba.layers.attention import PagedTables, paged_tables
 from aligned_mamba.models import CausalLM, build_model
 from aligned_mamba.models.causal_lm import Block
 from aligned_mamba.models.registry import family_for_config
-from aligned_mamba.replay import Batch
+from aligned_mamba.ops.step import Step
 
 from .vllm_plugin import ExactReplayRefused, check_engine, core_config, engine_contract, refuse
 
 logger = init_logger(__name__)
-_BATCH_ATTR = "_aligned_mamba_batch"  # the core Batch of a metadata object, made by the first layer that reads it
+_BATCH_ATTR = "_aligned_mamba_batch"  # the core Step of a metadata object, made by the first layer that reads it
 
 
 def replay_layout(config: Any, contract: Contract) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -62,8 +62,8 @@ def replay_layout(config: Any, contract: Contract) -> list[tuple[str, tuple[int,
     return entries
 
 
-def batch_from_metadata(md: Any, positions: torch.Tensor) -> Batch:
-    """The core's ``Batch`` for one vLLM step.
+def batch_from_metadata(md: Any, positions: torch.Tensor) -> Step:
+    """The core's ``Step`` for one vLLM step.
 
     md: a ``Mamba2AttentionMetadata``: decode rows first (one token each, slot in
     ``state_indices_tensor_d[:, 0]``), then prefill rows (slots ``state_indices_tensor_p``, token
@@ -93,10 +93,10 @@ def batch_from_metadata(md: Any, positions: torch.Tensor) -> Batch:
                            f"seq_lens {seq_lens.tolist()}")
     if slots_t.unique().numel() != slots_t.numel():
         raise RuntimeError(f"aligned-mamba: a state slot appears twice in one step: {slots_t.tolist()}")
-    return Batch(slots=slots_t, start_pos=start, cu_seqlens=cu)
+    return Step(slots=slots_t, start_pos=start, cu_seqlens=cu)
 
 
-def step_batch(md: Any, positions: torch.Tensor) -> Batch:
+def step_batch(md: Any, positions: torch.Tensor) -> Step:
     """``batch_from_metadata``, once per metadata object (vLLM builds one per step and KV-cache group)."""
     batch = getattr(md, _BATCH_ATTR, None)
     if batch is None:
@@ -138,8 +138,8 @@ class ReplayMambaLayer(MambaBase, nn.Module):
         """The bound cache as the core layer's named state tensors, each [num_slots, *shape] (views)."""
         return {name: t for (name, _, _), t in zip(self.layout, self.kv_cache) if not name.startswith("_")}
 
-    def batch(self, positions: torch.Tensor) -> Batch | None:
-        """This step's core Batch from this layer's metadata (None in a profiling / dummy run)."""
+    def batch(self, positions: torch.Tensor) -> Step | None:
+        """This step's core Step from this layer's metadata (None in a profiling / dummy run)."""
         md = get_forward_context().attn_metadata
         if md is None:
             return None

@@ -3,10 +3,11 @@
 Read from the source (every ``import`` statement, function-local ones too, except those under
 ``if TYPE_CHECKING:``), so a change that reaches upwards fails here before it tangles the tree:
 
-- ``ops/`` (kernels, the backend resolver) imports nothing above it: not ``replay``, ``layers``,
-  ``models`` or the commands;
-- ``replay`` (the Batch and the one advance) sits on ``ops``; ``layers/`` on ``replay`` and ``ops``;
-  ``models/`` on ``layers/``; the engine, trainer, check and CLI on ``models/``;
+- ``ops/`` (the step, the ops' forms, the backend resolver) imports nothing above it: not ``layers``,
+  ``models`` or the commands; ``layers/`` sits on ``ops``, ``models/`` on ``layers/``; the engine,
+  trainer, check and CLI on ``models/``;
+- the C loops (``ops/native.py``) are reached only through the ops' CPU forms (``cpu.py``,
+  ``cpu_<part>.py``) and the backend that picks them, never from a torch form;
 - the core (``aligned_mamba``) never imports ``rollout``, ``trainer_hooks``, vLLM, Megatron or Ray;
 - the module-level imports of ``aligned_mamba`` form no cycle;
 - the Megatron hook (``trainer_hooks/megatron/``) stands in layers: the refusals, the installed hook,
@@ -26,11 +27,10 @@ CORE = ROOT / "aligned_mamba"
 INTEGRATIONS = ("rollout", "trainer_hooks", "vllm", "megatron", "ray")
 # each layer, and the modules it may not import (prefixes of dotted names under aligned_mamba)
 FORBIDDEN = {
-    "ops": ("replay", "layers", "models", "engine", "baseline", "check", "cli", "train", "integrations", "verify"),
-    "replay": ("layers", "models", "engine", "baseline", "check", "cli", "train", "integrations"),
+    "ops": ("layers", "models", "engine", "baseline", "check", "cli", "train", "integrations", "verify"),
     "layers": ("models", "engine", "baseline", "check", "cli", "train", "integrations"),
     "models": ("engine", "baseline", "check", "cli", "train", "integrations"),
-    "contract": ("ops.backend", "replay", "layers", "models", "engine", "check", "cli", "train", "integrations"),
+    "contract": ("ops.backend", "layers", "models", "engine", "check", "cli", "train", "integrations"),
 }
 HOOK = ROOT / "trainer_hooks" / "megatron"
 # each module of the hook package, and the modules of the package it may import at module level
@@ -109,6 +109,13 @@ def test_each_layer_imports_only_below_it(layer: str) -> None:
     assert files and not bad, bad
 
 
+def test_only_the_cpu_forms_reach_the_c_loops() -> None:
+    ops = CORE / "ops"
+    callers = {_module(p) for p in ops.rglob("*.py") if "aligned_mamba.ops.native" in _imports(p)}
+    allowed = {_module(p) for p in ops.rglob("cpu*.py")} | {"aligned_mamba.ops.backend"}
+    assert callers and callers <= allowed, sorted(callers - allowed)
+
+
 def test_module_level_imports_form_no_cycle() -> None:
     modules = {_module(p): p for p in _core_files()}
     graph = {m: {n for n in _imports(p, module_level=True) if n in modules and n != m} for m, p in modules.items()}
@@ -152,6 +159,10 @@ def test_the_tree_has_one_place_per_thing() -> None:
     assert not (ROOT / "trainer_hooks" / "megatron.py").exists()
     assert {p.stem for p in (CORE / "ops" / "ssd").glob("*.py")} >= {"naive", "chunk", "fused_recurrent",
                                                                       "triton_chunk", "triton_decode", "state"}
+    for op in ("norm", "linear", "conv1d", "logprobs", "elementwise"):  # a reference, a torch form, a Triton form
+        stems = {p.stem for p in (CORE / "ops" / op).glob("*.py")}
+        assert {"naive", "triton"} <= stems and len(stems - {"__init__", "naive", "cpu", "triton"}) == 1, (op, stems)
+    assert not [p.name for p in (CORE / "ops").glob("*.py") if "triton" in p.stem and p.stem != "triton_math"]
     assert not (CORE / "model").exists()
     for top in ("aligned_mamba", "trainer_hooks", "rollout", "configs", "tests"):
         assert (ROOT / top).is_dir(), top

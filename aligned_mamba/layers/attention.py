@@ -34,7 +34,7 @@ from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, blocked_plan
 from ..ops.attention.blocked import CacheTables as StepTables  # noqa: F401  (the old names)
 from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
 from ..ops.backend import Backend
-from ..replay import Batch
+from ..ops.step import Step
 from .base import MAX_LEN, StateSpec, take
 
 
@@ -174,7 +174,7 @@ class Attention:
         return AttentionState(tensors["k_cache"], tensors["v_cache"])
 
     # -- the one forward ---------------------------------------------------------------------------
-    def advance(self, state: AttentionState, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: AttentionState, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """Attention over the batch's new tokens from each slot's keys and values; stores the new ones.
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..replay import Batch
+from ..ops.step import Step
 
 MAX_LEN = -1
 """A per-slot shape entry standing for the maximum sequence length, resolved when the state is
@@ -71,7 +71,7 @@ class Layer(Protocol):
 
     def state(self, tensors: Mapping[str, torch.Tensor]) -> Any: ...
 
-    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor: ...
 
 

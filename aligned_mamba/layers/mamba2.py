@@ -23,7 +23,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops.backend import Backend
 from ..ops.ssd.state import SSDState, SSMParams
-from ..replay import Batch, ssd_advance
+from ..ops.step import Step
 from .base import StateSpec, take, take_optional
 
 
@@ -121,7 +121,7 @@ class Mamba2Mixer:
         c = config
         if c.state_size % 4:
             # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
-            # another alignment (torch CPU, tests/test_ops_rows.py): refused.
+            # another alignment (torch CPU, tests/ops/test_rows.py): refused.
             raise ModelLoadError(f"state_size {c.state_size} is not a multiple of 4: row bits could depend on "
                                  "alignment in the scan's GEMMs; refused")
         if c.num_heads % c.n_groups:
@@ -161,7 +161,7 @@ class Mamba2Mixer:
                            conv_window=tensors["conv_window"])
 
     # -- the one forward ---------------------------------------------------------------------------
-    def advance(self, state: Mamba2State, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Mamba2State, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """The mixer over the batch's new tokens from each slot's state; updates the state.
 
@@ -179,7 +179,7 @@ class Mamba2Mixer:
         xBC = be.conv_advance(state.conv_window, batch, xBC, self.conv_w, self.conv_b)
         x, B, C = xBC.split([d, G * N, G * N], dim=1)
         x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
-        y = self.scan(state, batch, x, dt, B, C, rows)
+        y = be.ssd_advance(state.ssd, batch, x, dt, B, C, self.params, rows)  # [T, H, P], the SSD advance
         if capture is not None:
             capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, params=self.params, cu_seqlens=batch.cu_seqlens))
         y = y.reshape(T, d)
@@ -187,8 +187,3 @@ class Mamba2Mixer:
             y, z = y[rows], z[rows]
         y = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
         return be.linear(y, self.out_proj_w, self.out_proj_b)
-
-    def scan(self, state: Mamba2State, batch: Batch, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The SSD advance from the slots' boundary states: y [T, H, P] in the model dtype."""
-        return ssd_advance(self.backend, state.ssd, batch, x, dt, B, C, self.params, rows)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..ops.backend import Backend
-from ..ops.mlp import relu2
-from ..replay import Batch
+from ..ops.elementwise import relu2
+from ..ops.step import Step
 from .base import Stateless, take, take_optional
 
 __all__ = ["MLP", "MLPConfig", "relu2"]
@@ -63,7 +63,7 @@ class MLP(Stateless):
         self.down_w = backend.linear_weight(take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype))
         self.down_b = bias("down_proj.bias")
 
-    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]

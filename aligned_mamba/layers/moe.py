@@ -14,7 +14,7 @@ row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice
 per row (ties go to the lower expert index, whatever the other rows); the routed experts are the
 backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
 on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
-share its experts (tests/test_moe.py, tests/test_moe_triton*.py).
+share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py).
 
 Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
 gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],
@@ -36,7 +36,7 @@ from ..errors import ModelLoadError
 from ..ops import elementwise as ew
 from ..ops.backend import Backend
 from ..ops.moe import route as _route
-from ..replay import Batch
+from ..ops.step import Step
 from .base import Stateless, take, take_optional
 from .mlp import MLP, MLPConfig
 
@@ -155,13 +155,13 @@ class MoE(Stateless):
         scores = ew.sigmoid(self.backend.linear(x.to(torch.float32), self.gate_w))
         return route(scores, self.score_bias, self.config)
 
-    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         return self.experts_out(batch, x, *self.route_rows(x))
 
-    def experts_out(self, batch: Batch | None, x: torch.Tensor, experts: torch.Tensor,
+    def experts_out(self, batch: Step | None, x: torch.Tensor, experts: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
         says (experts, weights [T, k]): [T, hidden_size] in the model dtype."""

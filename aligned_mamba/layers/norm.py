@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..ops.backend import Backend
-from ..replay import Batch
+from ..ops.step import Step
 from .base import StateSpec, take
 
 
@@ -52,7 +52,7 @@ class RMSNorm:
         """x [M, hidden] any float dtype -> [M, hidden] in the model dtype."""
         return self.backend.rms_norm(x.to(self.dtype), self.weight, self.config.eps, self.dtype)
 
-    def advance(self, state: Any, batch: Batch, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+    def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         out = self(hidden)
         return out if rows is None else out[rows]

@@ -20,7 +20,7 @@ from ..contract import Contract
 from ..layers.base import Layer
 from ..layers.norm import RMSNorm
 from ..ops.backend import Backend
-from ..replay import Batch
+from ..ops.step import Step
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class CausalLM:
         return sum(spec.bytes_per_slot(max_len) for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
 
     # -- the one forward ------------------------------------------------------------------------------
-    def advance(self, cache: Cache, batch: Batch, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
+    def advance(self, cache: Cache, batch: Step, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
                 capture: list | None = None, *, check: bool = True) -> torch.Tensor:
         """Advance the batch's slots by their new tokens and return logits for ``logit_rows``.
 
@@ -147,7 +147,7 @@ class CausalLM:
         """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype."""
         return self.backend.linear(hidden, self.lm_head)
 
-    def hidden_states(self, cache: Cache, batch: Batch, token_ids: torch.Tensor,
+    def hidden_states(self, cache: Cache, batch: Step, token_ids: torch.Tensor,
                       logit_rows: torch.Tensor | None = None, capture: list | None = None, *,
                       check: bool = True) -> torch.Tensor:
         """``advance`` up to the final norm: the normed hidden rows [rows wanted, hidden_size] (model
@@ -202,7 +202,7 @@ class CausalLM:
         self._check_ids(sequences)
         lens = [int(s.numel()) for s in sequences]
         cache = self.new_cache(len(sequences), max_len=max([1, *lens]))
-        batch = Batch.from_empty(lens)
+        batch = Step.from_empty(lens)
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
         return list(torch.split(logits, lens))
 

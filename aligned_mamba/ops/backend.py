@@ -1,356 +1,235 @@
-"""The one backend resolver: which implementation of every op a contract runs, with which configs.
+"""The one backend resolver: which form of every op a contract runs, with which configs.
 
 Layers call ops only through a ``Backend`` (``resolve(contract, device)``), never by testing the
 backend's name: the linear layers, the norms, the causal conv, the SSD advance and log-softmax of
 one model all come from here, launched with the contract's kernel configs. Trainer and sampler
 resolve the same contract, so they run the same kernels with the same configs.
 
-- ``TorchBackend``: torch ops (the CPU path, and the readable statement of each op's arithmetic):
-  fixed-tile GEMMs, fixed-tree reductions, IEEE-only transcendentals (``ops.elementwise``).
+A backend is one table from op to form (``Ops``), built once, each entry an op's one signature
+bound to the backend's configs; a form lives in its op's folder (``ops/<op>/``):
+
+- ``TorchBackend``: the torch forms (the readable statement of each op's arithmetic): fixed-tile
+  GEMMs, fixed-tree reductions, IEEE-only transcendentals.
+- ``CPUBackend``: the torch backend on the CPU (contract name "torch", the same bits): its table
+  points at the ops' CPU forms (``<op>/cpu.py``, the loops of ``native_cpu.c``) where the library
+  loads, chosen here once, not inside each torch form.
 - ``TritonBackend``: Triton kernels with the contract's ``TritonKernelConfigs``. On a CUDA device
   every op is a Triton kernel: the tensor-core GEMM, the fused norms (the residual add and the
   embedding gather folded in), the causal conv, the scan, log-softmax. Under the Triton
   interpreter (``TRITON_INTERPRET=1``, the CPU tests) the scan runs its Triton kernels and the
-  other ops their torch forms: the interpreter is a logic check (it runs one program in ~15 ms
-  and computes bf16 arithmetic in fp32), not the GPU's bits.
+  other ops the CPU backend's forms: the interpreter is a logic check (it runs one program in
+  ~15 ms and computes bf16 arithmetic in fp32), not the GPU's bits.
 """
 
 from __future__ import annotations
 
-import abc
+import copy
+import dataclasses
 import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import AlignedMambaError
-from . import conv1d as _conv
-from . import linear as _linear
-from . import logprobs as _logprobs
-from . import native as _native
-from . import norm as _norm
-from .attention import blocked as _attn
+from . import conv1d, elementwise, linear, logprobs, native, norm
+from .attention import blocked as attention_blocked
 from .configs import TorchKernelConfigs, TritonKernelConfigs
-from .mlp import relu2 as _relu2
-from .moe import grouped as _moe
-from .ssd.chunk import replay_chunk
-from .ssd.decode import replay_decode
-from .ssd.plan import step_tables
-from .ssd.state import SSDState, SSMParams, Step
+from .moe import grouped as moe_grouped
+from .ssd import decode
+from .step import Step
 
 if TYPE_CHECKING:
     from ..contract import Contract
 
+Tensor = torch.Tensor
 
-class Backend(abc.ABC):
-    """The ops of one contract on one device. Shapes and dtypes are those of the torch ops in
-    ``ops/`` (each method names its module); every method is row-invariant: a row's bits depend
-    on that row's inputs only, never on how many rows share the call."""
+
+@dataclass(frozen=True)
+class Ops:
+    """One backend's form of every op. Shapes and dtypes are those of the torch forms (each entry
+    names its op's folder); every form is row-invariant: a row's bits depend on that row's inputs
+    only, never on how many rows share the call."""
+
+    #: a linear layer's weight [N, K] as this backend's ``linear`` takes it (differentiable)
+    linear_weight: Callable[[Tensor], Tensor]
+    #: x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype (``linear``); w from ``linear_weight``
+    linear: Callable[..., Tensor]
+    #: (x [M, d], w, eps, out_dtype) -> [M, d] in out_dtype (``norm``)
+    rms_norm: Callable[[Tensor, Tensor, float, torch.dtype], Tensor]
+    #: (token_ids [T], embedding, w, eps, dtype, residual_dtype) -> (normed [T, d], residual [T, d]) (``norm``)
+    embed_norm: Callable[..., tuple[Tensor, Tensor]]
+    #: (x, residual [M, d], w, eps, dtype) -> (normed [M, d] in dtype, residual + x) (``norm``)
+    add_norm: Callable[..., tuple[Tensor, Tensor]]
+    #: (y, z [M, d], w, eps, n_groups) -> norm_g(y * silu(z)) * w [M, d] in y's dtype (``norm``)
+    gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float, int], Tensor]
+    #: (windows [slots, K-1, Cd], step, x [T, Cd], w, b) -> [T, Cd]; windows updated in place (``conv1d``)
+    conv_advance: Callable[[Tensor, Step, Tensor, Tensor, Tensor | None], Tensor]
+    #: (state, step, x, dt, B, C, params, rows=None) -> y [T, H, P] in x's dtype; updates state
+    #: (``ssd``'s replay forms: the advance from the slots' boundary states)
+    ssd_advance: Callable[..., Tensor]
+    #: (logits [..., V], temperature=1.0) -> [..., V] float32 logprobs of logits / temperature (``logprobs``)
+    log_softmax: Callable[..., Tensor]
+    #: relu(x)^2 in x's dtype, any shape (``elementwise``)
+    relu2: Callable[[Tensor], Tensor]
+    #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale) ->
+    #: [T, H, D] in q's dtype: the new keys and values written at each token's slot and position,
+    #: then the new rows attend over their slot's keys 0 .. position (``attention``)
+    attention: Callable[..., Tensor]
+    #: (q [Tq, H, D], k, v [Tk, G, D], cu_seqlens_q, cu_seqlens_k [S+1] host ints, plan, *, scale) ->
+    #: [Tq, H, D]: ``attention``'s signature over packed keys (an engine's paged cache gathered);
+    #: plan: the blocked form's tables (the torch form's; others ignore it)
+    attention_packed: Callable[..., Tensor]
+    #: (h [T, d], experts [T, k] int64 ascending, weights [T, k] fp32, up_w, down_w, up_b=None,
+    #: down_b=None) -> [T, d] in h's dtype: a MoE layer's routed experts (``moe``); up_w[e] [f, d],
+    #: down_w[e] [d, f] in ``linear_weight``'s form, stacked [E, f, d] / [E, d, f] tensors where
+    #: ``stacked_experts``; per-expert fp32 biases or None
+    moe_experts: Callable[..., Tensor]
+    #: whether ``moe_experts`` takes every expert's weights stacked rather than one list entry per expert
+    stacked_experts: bool = False
+
+
+def torch_ops(c: TorchKernelConfigs) -> Ops:
+    """The torch forms, bound to configs ``c``."""
+    gemm = functools.partial(linear.linear, row_tile=c.linear_row_tile, form=c.gemm_form)
+    return Ops(
+        # padded once, not per call (and fp32 for the tiles' GEMM)
+        linear_weight=functools.partial(linear.gemm_weight, form=c.gemm_form),
+        linear=gemm,
+        rms_norm=norm.rms_norm, embed_norm=norm.embed_norm, add_norm=norm.add_norm,
+        gated_rms_norm=norm.gated_rms_norm,
+        conv_advance=conv1d.conv_advance,
+        ssd_advance=functools.partial(decode.replay, cfg=c),
+        log_softmax=logprobs.log_softmax, relu2=elementwise.relu2,
+        attention=attention_blocked.attention, attention_packed=attention_blocked.attention_packed,
+        moe_experts=functools.partial(moe_grouped.experts_grouped, linear=gemm, relu2=elementwise.relu2),
+    )
+
+
+def cpu_ops(c: TorchKernelConfigs) -> Ops:
+    """The torch forms with the CPU forms (``native_cpu.c``'s loops, the same bits) where an op has one."""
+    from .conv1d import cpu as conv_cpu
+    from .linear import cpu as linear_cpu
+    from .norm import cpu as norm_cpu
+    from .ssd import cpu_decode
+
+    gemm = functools.partial(linear_cpu.linear, row_tile=c.linear_row_tile, form=c.gemm_form)
+    return dataclasses.replace(
+        torch_ops(c),
+        linear=gemm,
+        moe_experts=functools.partial(moe_grouped.experts_grouped, linear=gemm, relu2=elementwise.relu2),
+        rms_norm=norm_cpu.rms_norm, embed_norm=norm_cpu.embed_norm, add_norm=norm_cpu.add_norm,
+        gated_rms_norm=norm_cpu.gated_rms_norm,
+        conv_advance=conv_cpu.conv_advance,
+        ssd_advance=functools.partial(cpu_decode.replay, cfg=c),
+    )
+
+
+def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
+    """The Triton forms bound to configs ``c``: every op's kernel where ``kernels`` (a CUDA device),
+    else the scan's alone and the CPU backend's forms for the others (the interpreter)."""
+    from .ssd import triton_backward
+
+    ssd_advance = functools.partial(triton_backward.ssd_advance, cfg=c)
+    if not kernels:
+        cpu = cpu_ops(TorchKernelConfigs())  # the interpreter's stand-ins
+        # the stand-in GEMM takes fp32 weights (the tensor-core GEMM takes the model dtype's as they are)
+        return dataclasses.replace(cpu, linear_weight=lambda w: w.to(torch.float32), ssd_advance=ssd_advance)
+    from .attention import triton as attention_triton
+    from .conv1d import triton as conv_triton
+    from .elementwise import triton as elementwise_triton
+    from .linear import triton as linear_triton
+    from .logprobs import triton as logprobs_triton
+    from .moe import triton as moe_triton
+    from .norm import triton as norm_triton
+
+    return Ops(
+        linear_weight=lambda w: w.contiguous(),
+        linear=functools.partial(linear_triton.linear, cfg=c),
+        rms_norm=functools.partial(norm_triton.rms_norm, cfg=c),
+        embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
+        add_norm=functools.partial(norm_triton.add_norm, cfg=c),
+        gated_rms_norm=functools.partial(norm_triton.gated_rms_norm, cfg=c),
+        conv_advance=functools.partial(conv_triton.conv_advance, cfg=c),
+        ssd_advance=ssd_advance,
+        log_softmax=functools.partial(logprobs_triton.log_softmax, cfg=c),
+        relu2=functools.partial(elementwise_triton.relu2, cfg=c),
+        attention=functools.partial(attention_triton.attention, cfg=c),
+        attention_packed=functools.partial(attention_triton.attention_packed, cfg=c),
+        moe_experts=functools.partial(moe_triton.moe_experts, cfg=c), stacked_experts=True,
+    )
+
+
+class Backend:
+    """The ops of one contract on one device: ``ops``, its table, whose entries are also its
+    attributes (``backend.linear(x, w, b)``), set once here."""
 
     name: str
     configs: TorchKernelConfigs | TritonKernelConfigs
+    ops: Ops
 
-    def __init__(self, configs: TorchKernelConfigs | TritonKernelConfigs, device: torch.device) -> None:
+    def __init__(self, configs: TorchKernelConfigs | TritonKernelConfigs, device: torch.device, ops: Ops) -> None:
         self.configs = configs
         self.device = device
+        self.ops = ops
+        self.__dict__.update((f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops))
 
-    # -- weights ------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """A linear layer's weight [N, K] as this backend's ``linear`` takes it (differentiable)."""
-
-    # -- ops ----------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype (``ops.linear``); w from ``linear_weight``."""
-
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-        """[M, d] -> [M, d] in ``out_dtype`` (``ops.norm.rms_norm``)."""
-        return _norm.rms_norm(x, w, eps, out_dtype)
-
-    def embed_norm(self, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
-                   dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
-        normed = rms_norm(residual rounded to ``dtype``) [T, d] in ``dtype``. Returns (normed, residual)."""
-        residual = embedding[token_ids].to(residual_dtype)
-        return self.rms_norm(residual.to(dtype), w, eps, dtype), residual
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block's residual add and the next norm: residual += x (in residual's dtype), normed =
-        rms_norm(residual rounded to ``dtype``). x, residual [M, d]. Returns (normed, residual)."""
-        residual = residual + x
-        return self.rms_norm(residual.to(dtype), w, eps, dtype), residual
-
-    def gated_rms_norm(self, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
-                       n_groups: int) -> torch.Tensor:
-        """norm_g(y * silu(z)) * w, [M, d] -> [M, d] in y's dtype (``ops.norm.gated_rms_norm``)."""
-        return _norm.gated_rms_norm(y, z, w, eps, n_groups)
-
-    def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
-                     b: torch.Tensor | None) -> torch.Tensor:
-        """Causal conv1d + SiLU of the step's new rows x [T, Cd] from each slot's window
-        (windows [slots, K-1, Cd], updated in place); [T, Cd] in x's dtype (``ops.conv1d``)."""
-        slots = step.slots.to(windows.device)
-        out, window = _conv.causal_conv1d(x, step.cu_seqlens, windows[slots], w, b)
-        windows[slots] = window
-        return out
-
-    @abc.abstractmethod
-    def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                    C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The replay advance (``ops.ssd`` replay forms): y [T, H, P] in x's dtype; updates ``state``."""
-
-    def log_softmax(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """[..., V] -> [..., V] float32 logprobs of logits / temperature (``ops.logprobs``)."""
-        return _logprobs.log_softmax(logits, temperature)
-
-    def relu2(self, x: torch.Tensor) -> torch.Tensor:
-        """relu(x)^2 in x's dtype, any shape (``ops.mlp.relu2``)."""
-        return _relu2(x)
-
-    #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d] / [E, d, f] tensors)
-    #: rather than one ``linear_weight`` per expert
-    stacked_experts: bool = False
-
-    def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
-                    up_b: Any = None, down_b: Any = None) -> torch.Tensor:
-        """The routed experts of a MoE layer (``ops.moe``): h [T, d] (model dtype), experts [T, k] int64
-        ascending, weights [T, k] fp32; up_w[e] [f, d], down_w[e] [d, f] in ``linear_weight``'s form
-        (stacked tensors where ``stacked_experts``), per-expert fp32 biases or None. [T, d] in h's dtype."""
-        return _moe.experts_grouped(h, experts, weights, up_w, down_w, up_b, down_b, linear=self.linear,
-                                    relu2=self.relu2)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
-        """One step of causal GQA attention over a slot cache (``ops.attention``): the new keys and
-        values k, v [T, G, D] are written at each token's slot and position in k_cache, v_cache
-        [slots, max_len, G, D] (model dtype, in place), then the new rows q [T, H, D] attend over
-        their slot's keys 0 .. position. ``batch``: the step's ``replay.Batch`` (its tables are built
-        once for every attention layer of the step). Returns [T, H, D] in q's dtype."""
-        rep = q.shape[1] // k.shape[1]
-        t = batch.derived(("attention", rep, q.device), lambda: _attn.cache_tables(batch, rep, q.device))
-        return _attn.attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)
-
-    def attention_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         cu_seqlens_k: torch.Tensor, plan: _attn.BlockedPlan | None, *, scale: float) -> torch.Tensor:
-        """``ops.attention``'s signature over packed keys (an engine's paged cache gathered):
-        q [Tq, H, D], k, v [Tk, G, D], cu_seqlens [S+1] host ints; ``plan`` the blocked form's tables
-        (the torch form's; others ignore it). [Tq, H, D] in q's dtype."""
-        return _attn.attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, plan=plan)
+    def replace(self, **forms: Callable[..., Any]) -> Backend:
+        """This backend with the named ops' forms replaced (the baseline's scan, say)."""
+        new = copy.copy(self)
+        Backend.__init__(new, self.configs, self.device, dataclasses.replace(self.ops, **forms))
+        return new
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.configs}, device={self.device})"
 
 
 class TorchBackend(Backend):
+    """The torch forms (any device the torch ops run on; ``resolve`` gives the CPU the C loops)."""
+
     name = "torch"
     configs: TorchKernelConfigs
 
-    def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        # padded once, not per call (and fp32 for the tiles' GEMM)
-        return _linear.gemm_weight(w, self.configs.gemm_form)
+    def __init__(self, configs: TorchKernelConfigs, device: torch.device) -> None:
+        super().__init__(configs, device, torch_ops(configs))
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        c = self.configs
-        return _linear.linear(x, w, b, c.linear_row_tile, c.gemm_form)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # the add and the norm in one native loop where it applies: the base's bits
-        fused = _native.rms_norm(x, w, eps, dtype, residual=residual)
-        return super().add_norm(x, residual, w, eps, dtype) if fused is None else (fused[0], fused[1])
+class CPUBackend(Backend):
+    """The torch backend on the CPU with the ops' CPU forms (the same bits as ``TorchBackend``)."""
 
-    def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
-                     b: torch.Tensor | None) -> torch.Tensor:
-        if not self._decode_only(step):
-            return super().conv_advance(windows, step, x, w, b)
-        slots = step.derived(("slots", windows.device), lambda: step.slots.to(windows.device))
-        if (out := _native.conv_step(windows, slots, x, w, b)) is not None:  # the same bits, windows in place
-            return out
-        out, window = _conv.causal_conv1d_step(x, windows.index_select(0, slots), w, b)
-        windows.index_copy_(0, slots, window)
-        return out
+    name = "torch"
+    configs: TorchKernelConfigs
 
-    def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                    C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self._decode_only(step):
-            # the row tile holding each token, with the prefill's arithmetic (``ops.ssd.decode``)
-            return replay_decode(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
-        return replay_chunk(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
-
-    @staticmethod
-    def _decode_only(step: Step) -> bool:
-        """Whether every sequence of the step brings exactly one token (worked out once per step)."""
-        return step.derived(("one-token-each",), lambda: step.slots.numel() > 0 and bool((step.lengths == 1).all()))
+    def __init__(self, configs: TorchKernelConfigs, device: torch.device) -> None:
+        super().__init__(configs, device, cpu_ops(configs))
 
 
 class TritonBackend(Backend):
+    """Triton kernels with the contract's configs. ``kernels``: run every op's kernel (default: on a
+    CUDA device; the interpreter runs the scan's alone, and a test can ask for all)."""
+
     name = "triton"
     configs: TritonKernelConfigs
 
-    def __init__(self, configs: TritonKernelConfigs, device: torch.device) -> None:
-        super().__init__(configs, device)
-        self.compiled = device.type == "cuda"
-        if not self.compiled and os.environ.get("TRITON_INTERPRET") != "1":
+    def __init__(self, configs: TritonKernelConfigs, device: torch.device, *, kernels: bool | None = None) -> None:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise AlignedMambaError("backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for a slow CPU run)")
         try:
-            from . import triton_autograd
-            from .ssd import triton_chunk, triton_decode
+            import triton  # noqa: F401
         except ImportError as e:
             raise AlignedMambaError(f"backend 'triton' needs the triton package ({e}): pip install triton") from None
-        self._chunk, self._decode = triton_chunk, triton_decode
-        # under autograd the kernels run inside Functions whose backward is the torch form's (only then:
-        # the inference path calls the kernels directly)
-        self._ag, self._grad = triton_autograd, triton_autograd.grad_needed
-        self._torch_ops = TorchBackend(TorchKernelConfigs(), device)  # the interpreter's stand-ins
-        if self.compiled:
-            from . import elementwise_triton, logprobs_triton, norm_triton
-            from .attention import triton as attention_triton
-            from .attention import triton_backward as attention_backward
-            from .conv1d_triton import causal_conv1d_triton
-            from .linear_triton import linear_triton
-            from .moe.triton import experts_triton
-
-            self._linear, self._conv = linear_triton, causal_conv1d_triton
-            self._norm, self._logprobs = norm_triton, logprobs_triton
-            self._attn, self._attn_ag, self._elementwise = attention_triton, attention_backward, elementwise_triton
-            self._experts, self.stacked_experts = experts_triton, True
-
-    def linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        # the tensor-core GEMM takes the model dtype's weights as they are (no fp32 copies)
-        return w.to(torch.float32) if not self.compiled else w.contiguous()
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.compiled:
-            return self._torch_ops.linear(x, w, b)
-        if self._grad(x, w, b):
-            return self._ag.linear(x, w, b, self.configs)
-        return self._linear(x, w, b, self.configs)
-
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-        if not self.compiled:
-            return super().rms_norm(x, w, eps, out_dtype)
-        if self._grad(x, w):
-            return self._ag.rms_norm(x, w, eps, out_dtype, self.configs)
-        return self._norm.rms_norm_triton(x, w, eps, out_dtype, self.configs)
-
-    def embed_norm(self, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
-                   dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.compiled:
-            return super().embed_norm(token_ids, embedding, w, eps, dtype, residual_dtype)
-        if self._grad(embedding, w):
-            return self._ag.embed_norm(token_ids, embedding, w, eps, dtype, residual_dtype, self.configs)
-        return self._norm.embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, self.configs,
-                                                norm_input_dtype=dtype)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.compiled:
-            return super().add_norm(x, residual, w, eps, dtype)
-        if self._grad(x, residual, w):
-            return self._ag.add_norm(x, residual, w, eps, dtype, self.configs)
-        return self._norm.add_rms_norm_triton(x, residual, w, eps, dtype, self.configs, norm_input_dtype=dtype)
-
-    def gated_rms_norm(self, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
-                       n_groups: int) -> torch.Tensor:
-        if not self.compiled:
-            return super().gated_rms_norm(y, z, w, eps, n_groups)
-        if self._grad(y, z, w):
-            return self._ag.gated_rms_norm(y, z, w, eps, n_groups, self.configs)
-        return self._norm.gated_rms_norm_triton(y, z, w, eps, n_groups, self.configs)
-
-    def conv_advance(self, windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
-                     b: torch.Tensor | None) -> torch.Tensor:
-        if not self.compiled:
-            return super().conv_advance(windows, step, x, w, b)
-        dev = windows.device
-        cu, slots = step_tables(step, dev)
-        if self._grad(x, w, b, windows):
-            return self._ag.conv(x, cu, slots, windows, w, b, self.configs)
-        return self._conv(x, cu, slots, windows, w, b, self.configs)
-
-    def log_softmax(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        if not self.compiled or not logits.is_cuda:
-            return super().log_softmax(logits, temperature)
-        if temperature != 1.0:
-            logits = _logprobs.scale(logits, temperature)
-        if self._grad(logits):
-            return self._ag.log_softmax(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(logits.shape)
-        return self._logprobs.log_softmax_triton(logits.reshape(-1, logits.shape[-1]), self.configs).reshape(
-            logits.shape)
-
-    def relu2(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.compiled:
-            return super().relu2(x)  # the same bits (one rounding of one IEEE multiply), differentiable
-        if self._grad(x):  # the kernel, and a one-pass backward that saves only x
-            return self._elementwise.relu2(x, self.configs)
-        return self._elementwise.relu2_triton(x, self.configs)
-
-    def moe_experts(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Any, down_w: Any,
-                    up_b: Any = None, down_b: Any = None) -> torch.Tensor:
-        if not self.compiled:
-            return super().moe_experts(h, experts, weights, up_w, down_w, up_b, down_b)
-        if up_b is not None or down_b is not None:
-            raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
-                                    "no bias term (mlp_bias MoE checkpoints run on the torch backend)")
-        return self._experts(h, experts, weights, up_w, down_w, self.configs)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, batch: Any, *, scale: float) -> torch.Tensor:
-        if not self.compiled:
-            return super().attention(q, k, v, k_cache, v_cache, batch, scale=scale)
-        grad = self._grad(q, k, v)
-        if grad and bool((batch.start_pos != 0).any()):
-            # the keys of earlier calls sit in the cache outside the autograd graph: their gradient would be lost
-            raise AlignedMambaError("training attention over keys cached by an earlier call is refused on the GPU: "
-                                    "the backward covers one pass from empty (every start_pos 0)")
-        dev, rep = q.device, q.shape[1] // k.shape[1]
-        if bool((batch.lengths == 1).all()):
-            # a decode step: tables straight from the step's device slots and positions (a captured
-            # step's are its static buffers, see decode_graph), one tile per sequence
-            t = batch.derived(("attention-decode", dev), lambda: self._attn.decode_step_tables(
-                batch.slots.to(dev), batch.start_pos.to(dev)))
-        else:
-            t = batch.derived(("attention-tiles", rep, dev), lambda: self._attn.step_tables(
-                batch.slots, batch.start_pos, batch.cu_seqlens, rep, self.configs, dev))
-        if grad:  # the same writes and launch, with the saved log-sum-exp and a Triton backward
-            return self._attn_ag.attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale,
-                                                  cfg=self.configs)
-        k_cache[t.write_slot, t.write_pos] = k
-        v_cache[t.write_slot, t.write_pos] = v
-        return self._attn.attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=self.configs)
-
-    def attention_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         cu_seqlens_k: torch.Tensor, plan: _attn.BlockedPlan | None, *, scale: float) -> torch.Tensor:
-        if not self.compiled:
-            return super().attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, scale=scale)
-        if self._grad(q, k, v):
-            return self._attn_ag.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=self.configs)
-        return self._attn.attention_triton_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=self.configs)
-
-    def ssd_advance(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                    C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self._grad(x, dt, B, C, params.A, params.D, params.dt_bias, state.ssm_state):
-            return self._ag.ssd_advance(self._ssd_kernels, state, step, x, dt, B, C, params, rows, self.configs)
-        return self._ssd_kernels(state, step, x, dt, B, C, params, rows)
-
-    def _ssd_kernels(self, state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                     C: torch.Tensor, params: SSMParams, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self.compiled and bool((step.lengths == 1).all()):
-            # a decode-only step: the fused kernels compute just the new rows with the prefill's
-            # arithmetic and touch the boundary state only when a chunk completes
-            return self._decode.replay_decode_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
-        return self._chunk.replay_chunk_triton(state, step, x, dt, B, C, params, rows=rows, cfg=self.configs)
+        super().__init__(configs, device, triton_ops(configs, device.type == "cuda" if kernels is None else kernels))
 
 
-_BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
+_BACKENDS: dict[str, Callable[[Any, torch.device], Backend]] = {"torch": TorchBackend, "triton": TritonBackend}
 
 
 def resolve(contract: Contract, device: torch.device | str | None = None) -> Backend:
     """The backend of ``contract`` on ``device`` (default: CUDA for the triton backend when there is
-    one, else the CPU). One object per (contract, device): every model and hook shares it."""
+    one, else the CPU). One object per (contract, device): every model and hook shares it. The torch
+    backend on the CPU is the ``CPUBackend`` where the loops' library loads."""
     if device is None:
         device = "cuda" if contract.backend == "triton" and torch.cuda.is_available() else "cpu"
     return _resolve(contract, torch.device(device))
@@ -358,6 +237,8 @@ def resolve(contract: Contract, device: torch.device | str | None = None) -> Bac
 
 @functools.cache
 def _resolve(contract: Contract, device: torch.device) -> Backend:
+    if contract.backend == "torch" and device.type == "cpu" and native.library() is not None:
+        return CPUBackend(contract.kernel_configs, device)
     return _BACKENDS[contract.backend](contract.kernel_configs, device)
 
 
@@ -383,4 +264,4 @@ def _has_triton() -> bool:
     return True
 
 
-__all__ = ["Backend", "TorchBackend", "TritonBackend", "choose_backend", "resolve"]
+__all__ = ["Backend", "CPUBackend", "Ops", "TorchBackend", "TritonBackend", "choose_backend", "resolve"]

@@ -69,11 +69,11 @@ class TritonKernelConfigs:
         from fp32 accuracy).
       bf16_dots: bf16 models' tensor-core dots: "split2" (fp32 operands split into two bf16 terms,
         the bf16 rounding floor) or "round" (one bf16 term, as mamba_ssm; ~1.25x the floor).
-    Linear layers (ops/linear_triton.py; bf16 models on tensor cores, fp32 models in IEEE fp32):
+    Linear layers (ops/linear/triton.py; bf16 models on tensor cores, fp32 models in IEEE fp32):
       linear_block_k: the K block of every bf16 regime (one K loop, ascending, whatever M).
       linear_decode_max_m, linear_mid_max_m: bf16 calls of M <= decode_max_m rows take the decode
         tile, M <= mid_max_m the mid tile, larger M the large tile (a row's bits do not depend on
-        the tile: tests/test_triton_ops.py checks M = 1..8192 at every model shape).
+        the tile: tests/ops/test_triton_ops.py checks M = 1..8192 at every model shape).
       linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
         (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
         of that many programs per SM looping over the tiles, else one program per tile).
@@ -87,13 +87,13 @@ class TritonKernelConfigs:
       linear_fill_programs: a regime's N tile is halved (down to 16, stages raised to keep its
         shared memory) while the grid has fewer tiles than this (0: never).
       linear_fp32_block_m/_block_n/_block_k/_warps/_stages: fp32 models' one tile (TMA if linear_tma).
-    Norms (ops/norm_triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
+    Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
-    Conv1d (ops/conv1d_triton.py): conv_block_t, conv_block_c: tokens and channels per program;
+    Conv1d (ops/conv1d/triton.py): conv_block_t, conv_block_c: tokens and channels per program;
       conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps: its backward's (each program's row block
       also gives one weight-gradient partial sum).
-    Log-softmax (ops/logprobs_triton.py): logprobs_block_v, the vocabulary block of a row's
+    Log-softmax (ops/logprobs/triton.py): logprobs_block_v, the vocabulary block of a row's
       program (fixed order over the row); logprobs_num_warps.
     The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
       bwd_block_s, bwd_block_t: the s and t row blocks of its two chunk kernels; bwd_warps.
@@ -101,12 +101,12 @@ class TritonKernelConfigs:
       absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
-      tile; a row's bits do not depend on the tile's rows: tests/test_attention_triton_gpu.py).
+      tile; a row's bits do not depend on the tile's rows: tests/ops/test_attention_gpu.py).
       Its backward (ops/attention/triton_backward.py; gradients only, never a forward's bits):
       attn_bwd_kv_block_n keys per dk/dv program and attn_bwd_kv_block_m query rows per step of its
       loop; attn_bwd_q_block_m query rows per dq program and attn_bwd_q_block_n keys per step;
       attn_bwd_warps, attn_bwd_stages both launches'.
-    MLP (ops/elementwise_triton.py): relu2_block, elements per program of the squared ReLU.
+    MLP (ops/elementwise/triton.py): relu2_block, elements per program of the squared ReLU.
     MoE experts (ops/moe/triton.py): moe_block_m, moe_block_n: the grouped GEMM's tile (rows of one
       expert's sorted tokens x output columns; a row's bits do not depend on the tile's rows, as the
       linear layers'), moe_block_k its K block (one K loop, ascending; equal to linear_block_k, an

@@ -5,7 +5,7 @@
    float32 roundings: one pass over memory instead of one per operation. Built with
    -ffp-contract=off and without fast-math, so the compiler neither fuses a multiply and an add nor
    reorders a sum; vectorising across elements changes no element's operations. The bits equal the
-   torch forms' (tests/test_ops_native.py checks them against each other).
+   torch forms' (tests/ops/test_native.py checks them against each other).
 
    Arrays are contiguous. dtype codes: 0 float32, 1 bfloat16 (stored as uint16, rounded to nearest
    even as torch rounds). */

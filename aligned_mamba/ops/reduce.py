@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from .elementwise import cpu
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim by a fixed pairwise tree. [..., n] -> [...], same dtype."""
-    if (y := native.tree_sum(x)) is not None:  # the same tree, one loop per row
+    if (y := cpu.tree_sum(x)) is not None:  # the same tree, one loop per row (a primitive picks its C form)
         return y
     n = x.shape[-1]
     width = 1 << max(0, (n - 1).bit_length())

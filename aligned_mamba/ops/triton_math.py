@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import elementwise as ew
+from .elementwise import ieee as ew
 
 # The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
 # float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).

@@ -9,7 +9,7 @@ import torch
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.ops.backend import Backend, resolve
-from aligned_mamba.replay import Batch
+from aligned_mamba.ops.step import Step
 
 from . import current, patch
 from .norms import AlignedRMSNorm
@@ -52,19 +52,19 @@ class AlignedMambaHook:
         self.contract = contract
         self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
         self._saved: list[tuple[Any, str, Any]] = []
-        self._batch: tuple[tuple[int, ...], Batch] | None = None
+        self._batch: tuple[tuple[int, ...], Step] | None = None
 
     def backend(self, device: torch.device) -> Backend:
         """The contract's ops on ``device`` (the very object the core's models resolve)."""
         return resolve(self.contract, device)
 
-    def batch_for(self, lens: list[int]) -> Batch:
-        """The ``Batch`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
-        forward sees the same lengths, so they share one (a Batch never changes once built), and the
-        Triton backend plans the step once per forward instead of once per layer (``Batch.derived``)."""
+    def batch_for(self, lens: list[int]) -> Step:
+        """The ``Step`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
+        forward sees the same lengths, so they share one (a Step never changes once built), and the
+        Triton backend plans the step once per forward instead of once per layer (``Step.plans``)."""
         key = tuple(lens)
         if self._batch is None or self._batch[0] != key:
-            self._batch = (key, Batch.from_empty(lens))
+            self._batch = (key, Step.from_empty(lens))
         return self._batch[1]
 
     def uninstall(self) -> None:

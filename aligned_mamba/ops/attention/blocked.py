@@ -174,7 +174,7 @@ class CacheTables:
 
 
 def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
-    """The tables of ``batch`` (a ``replay.Batch``: slots, start_pos, cu_seqlens on the host) for
+    """The tables of ``batch`` (an ``ops.step.Step``: slots, start_pos, cu_seqlens on the host) for
     H // G = ``rep`` (built on the host, moved once)."""
     n = batch.lengths
     end = batch.start_pos + n
@@ -222,3 +222,21 @@ def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 __all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "CacheTables", "attention_blocked", "attention_cached",
            "attention_stock", "blocked_plan", "cache_tables"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              batch: Any, *, scale: float) -> torch.Tensor:
+    """One step over a slot cache, the torch backend's form (the backend's ``attention`` signature):
+    the step's cache tables built once for every attention layer of the step, then
+    ``attention_cached``."""
+    rep = q.shape[1] // k.shape[1]
+    plan = batch.plans[q.device]
+    t = plan.once(plan.attention_cache, rep, lambda: cache_tables(batch, rep, q.device))
+    return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, plan: BlockedPlan | None, *, scale: float) -> torch.Tensor:
+    """Packed keys (an engine's paged cache gathered), the torch backend's form: ``attention_blocked``
+    with ``plan``, the step's tables (None: made here)."""
+    return attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, plan=plan)

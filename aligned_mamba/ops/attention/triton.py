@@ -11,7 +11,7 @@ positions 0..t, whatever else the launch holds:
 - the row sum is a dot with a block of ones (p in the dot's operand dtype), not a ``tl.sum``: a
   reduction's tree follows the register layout, which changes with the tile's row count and warps;
   a tensor-core dot gives a row the same bits whatever the tile's row extent (the property
-  ``ops.linear_triton`` rests on, measured on the H200), and it sums the very p that meets v;
+  ``ops.linear.triton`` rests on, measured on the H200), and it sums the very p that meets v;
 - a block wholly after a row (the row shares a tile with later rows) has s = -inf everywhere:
   m' = m, alpha = exp2(0) = 1, p = 0, so l and acc take + 0: a no-op on every bit; masked entries
   of a block are loaded as zeros, so garbage past a sequence's end never meets p = 0 as a NaN.
@@ -30,12 +30,15 @@ fp32 operands in IEEE precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ...errors import AlignedMambaError
+from ..autograd import grad_needed
 from ..configs import TritonKernelConfigs
 
 LOG2E = 1.4426950408889634
@@ -282,3 +285,45 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
            "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
+
+
+# -- the triton backend's forms (the backend's ``attention`` and ``attention_packed`` signatures) ------------
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              batch: Any, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """One step over a slot cache: k, v written at each token's slot and position, then the kernel
+    over the step's tiles (built once for every attention layer of the step). Under autograd the
+    same writes and launch, saving each row's log-sum-exp for the Triton backward."""
+    grad = grad_needed(q, k, v)
+    if grad and bool((batch.start_pos != 0).any()):
+        # the keys of earlier calls sit in the cache outside the autograd graph: their gradient would be lost
+        raise AlignedMambaError("training attention over keys cached by an earlier call is refused on the GPU: "
+                                "the backward covers one pass from empty (every start_pos 0)")
+    dev, rep = q.device, q.shape[1] // k.shape[1]
+    plan = batch.plans[dev]
+    if batch.decode_only:
+        # a decode step: tables straight from the step's device slots and positions (a captured
+        # step's are its static buffers, see decode_graph), one tile per sequence, any rep
+        t = plan.once(plan.attention_tiles, 0, lambda: decode_step_tables(plan.slots, batch.start_pos.to(dev)))
+    else:
+        t = plan.once(plan.attention_tiles, rep, lambda: step_tables(
+            batch.slots, batch.start_pos, batch.cu_seqlens, rep, cfg, dev))
+    if grad:
+        from .triton_backward import attention_cached
+
+        return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale, cfg=cfg)
+    k_cache[t.write_slot, t.write_pos] = k
+    v_cache[t.write_slot, t.write_pos] = v
+    return attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=cfg)
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, plan: Any, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """Packed keys (an engine's paged cache gathered); ``plan`` (the torch form's tables) is unused.
+    Differentiable in q, k, v (``triton_backward``)."""
+    if grad_needed(q, k, v):
+        from . import triton_backward
+
+        return triton_backward.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=cfg)
+    return attention_triton_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, cfg=cfg)

@@ -9,7 +9,7 @@ Row invariance: a program owns a tile of ``moe_block_m`` consecutive sorted rows
 ``moe_block_n`` output columns; each output element is ``tl.dot``'s fp32 accumulation over K in
 ``moe_block_k`` steps, ascending, all inside that program (no split-K, no atomics), rounded once.
 Rows past the expert's last are masked (loaded as zeros, not stored). A row's bits therefore do
-not depend on which or how many rows share its tile (the tensor-core property ``ops.linear_triton``
+not depend on which or how many rows share its tile (the tensor-core property ``ops.linear.triton``
 rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
 equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
 
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import AlignedMambaError
 from ..configs import TritonKernelConfigs
 from .grouped import Dispatch, dispatch
 
@@ -266,4 +267,15 @@ class ExpertsFunction(torch.autograd.Function):
         return acc.to(h.dtype), None, d_weights, d_up, d_down, None
 
 
-__all__ = ["ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "grouped_gemm"]
+def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
+                down_w: torch.Tensor, up_b: object = None, down_b: object = None, *,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The backend's ``moe_experts`` signature: ``experts_triton``; expert biases are refused (the
+    grouped kernels have no bias term)."""
+    if up_b is not None or down_b is not None:
+        raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
+                                "no bias term (mlp_bias MoE checkpoints run on the torch backend)")
+    return experts_triton(h, experts, weights, up_w, down_w, cfg)
+
+
+__all__ = ["ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "grouped_gemm", "moe_experts"]

@@ -15,9 +15,13 @@ Replay forms, one signature ``(state, step, x, dt, B, C, params, *, rows=None, c
 advance of the slots of ``step`` from their boundary states and buffers (``state.SSDState``),
 what trainer and sampler both run:
 
-- ``chunk.replay_chunk`` (torch),
+- ``chunk.replay_chunk`` (torch, any step),
+- ``decode.replay_decode`` (torch, one new token per sequence; ``decode.replay`` picks between
+  the two, the torch backend's ``ssd_advance``),
+- ``cpu_decode.replay_decode`` (the same rows in ``native_cpu.c``'s loops; ``cpu_decode.replay``),
 - ``triton_chunk.replay_chunk_triton`` (Triton, any step),
-- ``triton_decode.replay_decode_triton`` (Triton, one new token per sequence).
+- ``triton_decode.replay_decode_triton`` (Triton, one new token per sequence);
+  ``triton_backward.ssd_advance`` picks between the two and records the gradient.
 
 The Triton modules import triton; import them where the triton backend is resolved.
 """

@@ -11,7 +11,7 @@ the cumulative sum of dt*A from the chunk start:
 Its rows are not row-invariant (the GEMM shapes follow the call), which is why the forward both
 sides run is ``chunk.py``'s (or the Triton kernels'); this form is the readable statement of the
 function whose gradient the triton backend's backward kernels compute (``triton_backward``): torch
-autograd through it is their reference (tests/test_triton_backward.py, which also holds both to fp64).
+autograd through it is their reference (tests/ops/test_triton_backward.py, which also holds both to fp64).
 
 Deterministic run to run without torch's deterministic mode: every index op here moves rows to or
 from distinct places (each packed row to one chunk position, each chunk's state to one slot), so

@@ -11,20 +11,20 @@ chunk. So a decode step
 2. builds the chunk's operands as ``chunk.pack_chunks`` does (softplus'd dt, +0.0 past the token;
    the within-chunk cumsum a) and runs ``chunk.tile_outputs``' arithmetic for the token's row: the
    prefill's operations, in its order. With the contract's ``gemm_form`` "lanes" (the default) a
-   GEMM row's bits depend on that row's operands alone, so the three GEMMs compute the token's row
-   only, reading the buffers as they are, and the elementwise work runs in ``ops.native``'s loops
-   (``_native_rows``); with "tiles", or without the native library, the whole tile holding the
-   token goes through ``tile_outputs`` with the token's C in its row and zeros in the others, at the
-   prefill's GEMM shapes. The S sequences of a step are batched in each call (a batch item's bits
-   do not depend on how many items share the call: tests/test_ops_rows.py,
-   tests/test_replay_decode_torch.py);
+   GEMM row's bits depend on that row's operands alone, so the CPU form (``cpu_decode.py``)
+   computes the token's row only, reading the buffers as they are, in ``native_cpu.c``'s loops;
+   this torch form (and the CPU form with "tiles", or without the library) runs the whole tile
+   holding the token through ``tile_outputs`` with the token's C in its row and zeros in the
+   others, at the prefill's GEMM shapes. The S sequences of a step are batched in each call (a batch item's bits
+   do not depend on how many items share the call: tests/ops/test_rows.py,
+   tests/ops/ssd/test_decode.py);
 3. where the token completes its chunk (``pos % L == L - 1``), folds the chunk into the boundary
    state with the prefill's code (``chunk.chunk_states``, ``chunk.fold_state``) and empties the
    slot's buffers.
 
 Everything that depends only on the step's positions and slots (the tiles, masks, scatter and
 gather indices, which sequences complete) is worked out once per step on the host and shared by
-all layers (``Step.derived``); a layer's call is then a fixed sequence of ops with no host syncs.
+all layers (``StepPlan.ssd_decode``); a layer's call is then a fixed sequence of ops with no host syncs.
 Where the step's slots, sorted, are one contiguous range, the sequences are taken in slot order
 and the state and buffers are read through views of that range, not gathered.
 """
@@ -36,10 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
 from ..configs import TorchKernelConfigs
-from ..linear import LANES, lanes
-from .chunk import TileLayout, chunk_states, dt_softplus, fold_state, tile_layout, tile_outputs
+from .chunk import TileLayout, chunk_states, dt_softplus, fold_state, replay_chunk, tile_layout, tile_outputs
 from .state import SSDState, SSMParams, Step
 
 
@@ -133,33 +131,77 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
         done_slots=dev(slots_h[done_h]) if done_h.numel() else None, L=L, R=R, H=H, G=G)
 
 
-def _native_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, state: SSDState, xt: torch.Tensor,
-                 Cr: torch.Tensor, D: torch.Tensor, R: int, dtype: torch.dtype) -> torch.Tensor:
-    """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
-    the same bits, with the elementwise work in ``ops.native``'s loops and the GEMMs reading the
-    state's buffers and boundary states (slot-indexed, in ``dtype``, the model's, and float32) in
-    place at the plan's slots. The scores past each token are +0.0 and so are the buffer rows
-    there, so the scores' GEMM stops at the token's row (``lane_gemm_kn``'s klen).
-    a, dtc [S, H, L] float32; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in float32.
-    Returns y [S, H, P] in ``dtype``."""
-    buf_x, buf_B, h = state.buf_x, state.buf_B, state.ssm_state
-    S, (G, L, N), (H, P) = p.S, buf_B.shape[1:], (buf_x.shape[1], buf_x.shape[3])
-    exact = dtype == torch.bfloat16  # bf16 C.B products are exact
-    C4 = Cr.view(S, G, 1, N)
-    CB = inter = None
-    if N % LANES == 0:  # whole lanes: the GEMMs read the slots in place
-        CB = native.lane_gemm(C4, buf_B, exact, index=p.slots)  # [S, G, 1, L]
-        if native.slot_stride(h) is not None:  # each slot's [H, P, N] contiguous: viewed per group
-            hg = h.as_strided((h.shape[0], G, (H // G) * P, N), (h.stride(0), (H // G) * P * N, N, 1))
-            inter = native.lane_gemm(C4, hg, False, index=p.slots)  # [S, G, 1, Hg*P]
-    if CB is None:
-        CB = lanes(Cr.view(S * G, 1, N), p.take(buf_B).reshape(S * G, L, N), exact)
-    if inter is None:
-        inter = lanes(Cr.view(S * G, 1, N), p.take(h).reshape(S * G, (H // G) * P, N))
-    scores, e_in = native.decode_scores(a, dtc, CB.view(S * G, 1, L), p.pos, G, R)  # [S*H, 1, L]
-    intra = native.lane_gemm_kn(scores.view(S, H, 1, L), buf_x, False, index=p.slots, klen=p.filled_len)  # [S, H, 1, P]
-    return native.decode_combine(inter.view(S * G, 1, (H // G) * P), intra.view(S * H, 1, P), e_in, D, xt, p.pos,
-                                 G, R, dtype)
+def prepare(state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+            cfg: TorchKernelConfigs) -> tuple[DecodePlan, tuple[torch.Tensor, ...]] | None:
+    """The step's ``DecodePlan`` (once per step) and the inputs in its order; None for an empty step.
+    ValueError where the inputs do not fit (see ``replay_decode``)."""
+    state.check_inputs(x, dt, B)
+    S, H, P = x.shape
+    G = B.shape[1]
+    L = state.chunk_size
+    R = cfg.scan_row_tile(L)
+    if L % R:
+        raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
+    dev = x.device
+    if S == 0:
+        return None
+    plan = step.plans[dev]
+    p = plan.once(plan.ssd_decode, (L, R, H, G), lambda: plan_decode(step, L, R, H, G, dev))
+    if S != p.S:
+        raise ValueError(f"{S} new rows for a decode step of {p.S} sequences")
+    if p.order is not None:
+        x, dt, B, C = x[p.order], dt[p.order], B[p.order], C[p.order]
+    return p, (x, dt, B, C)
+
+
+def tile_rows(p: DecodePlan, state: SSDState, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              params: SSMParams, gemm_form: str) -> tuple[torch.Tensor, ...]:
+    """Steps 1 and 2 in torch ops: the tokens' rows into the buffers, the chunk's operands as
+    ``pack_chunks`` builds them, then the whole tile holding each token through ``tile_outputs`` with
+    the token's C in its row and zeros in the others (the prefill's GEMM shapes). Inputs in plan
+    order. Returns (y [S, H, P] float32, dtc and a [S, H, L], xc [S, H, L, P], Bc [S, G, L, N], h0
+    [S, H, P, N]: the operands step 3 reuses)."""
+    dev, f32 = x.device, torch.float32
+    S, G, N = x.shape[0], B.shape[1], B.shape[2]
+    state.buf_x.index_put_(p.put_x, x)
+    state.buf_dt.index_put_(p.put_x, dt)
+    state.buf_B.index_put_(p.put_B, B)
+    # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
+    d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
+    dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
+    a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
+    h0 = p.take(state.ssm_state)  # [S, H, P, N] float32, the chunks' boundary states
+    xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
+    Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
+    Ct = torch.zeros(S, G, p.R, N, device=dev)
+    Ct.index_put_(p.put_C, C.to(f32))
+    y = tile_outputs(p.lay, a, dtc, xc, Bc, h0, Ct, params.D, gemm_form)[:, :, 0]  # [S, H, P]: the live rows
+    return y, dtc, a, xc, Bc, h0
+
+
+def finish(p: DecodePlan, state: SSDState, y: torch.Tensor, a: torch.Tensor, dtc: torch.Tensor,
+           xc: torch.Tensor | None, Bc: torch.Tensor | None, h0: torch.Tensor | None, rows: torch.Tensor | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Step 3 (chunks the tokens complete: the prefill's chunk state and state pass, then empty
+    buffers) and y [S, H, P] back in the step's order, zero in rows not wanted, in ``dtype``. xc, Bc,
+    h0: step 2's operands where it made them (None: read from the state)."""
+    dev, f32 = y.device, torch.float32
+    if p.done is not None:
+        d_ = p.done
+        if xc is None or Bc is None:  # the completed chunks' operands, as pack_chunks builds them
+            x_done, B_done = (buf.index_select(0, p.done_slots).to(f32) for buf in (state.buf_x, state.buf_B))
+        else:
+            x_done, B_done = xc[d_], Bc[d_]
+        cs, cd = chunk_states(a[d_], dtc[d_], x_done, B_done)
+        h_done = state.ssm_state.index_select(0, p.done_slots) if h0 is None else h0[d_]
+        state.ssm_state[p.done_slots] = fold_state(h_done, cd, cs)
+        for buf in (state.buf_x, state.buf_dt, state.buf_B):
+            buf.index_fill_(0, p.done_slots, 0)
+    if p.inverse is not None:
+        y = y[p.inverse]
+    if rows is not None:
+        y = torch.where(rows.to(dev)[:, None, None], y, torch.zeros((), device=dev))
+    return y.to(dtype)
 
 
 def replay_decode(
@@ -182,70 +224,20 @@ def replay_decode(
     ``chunk.replay_chunk`` does: the token's buffer rows, and for a token that completes its chunk
     the boundary state and emptied buffers. ValueError unless every sequence has one new token.
     """
-    state.check_inputs(x, dt, B)
-    S, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    L = state.chunk_size
-    R = cfg.scan_row_tile(L)
-    if L % R:
-        raise ValueError(f"chunk_size {L} is not a multiple of the row tile {R}")
-    dev = x.device
-    if S == 0:
-        return x.new_zeros(0, H, P)
-    p = step.derived(("torch-decode", L, R, H, G, dev), lambda: plan_decode(step, L, R, H, G, dev))
-    if S != p.S:
-        raise ValueError(f"{S} new rows for a decode step of {p.S} sequences")
-    if p.order is not None:
-        x, dt, B, C = x[p.order], dt[p.order], B[p.order], C[p.order]
-    f32 = torch.float32
-
-    # 1. the token's rows into the buffers, which then hold the chunk up to it
-    # 2. the chunk's operands as pack_chunks builds them, then the prefill's tile arithmetic. With the
-    # lanes and the native loops, only the token's rows: the GEMMs read the buffers as they are.
-    put = None
-    if cfg.gemm_form == "lanes":
-        put = native.decode_put(state.buf_x, state.buf_dt, state.buf_B, x, dt, B, C, p.slots, p.pos, params.A,
-                                params.dt_bias, params.dt_limit)
-    native_rows = put is not None
-    if native_rows:
-        dtc, a, Cr, xt = put
-    else:
-        state.buf_x.index_put_(p.put_x, x)
-        state.buf_dt.index_put_(p.put_x, dt)
-        state.buf_B.index_put_(p.put_B, B)
-        # softplus acts element by element: the bits pack_chunks gives the same rows in its [T, H] layout
-        d = dt_softplus(p.take(state.buf_dt).transpose(1, 2), params.dt_bias, params.dt_limit).transpose(1, 2)
-        dtc = torch.where(p.filled, d, torch.zeros((), device=dev)).contiguous()  # [S, H, L], +0.0 past the token
-        a = torch.cumsum(dtc * params.A.to(f32)[None, :, None], dim=-1)  # [S, H, L]
-    h0 = None  # [S, H, P, N] float32, the chunks' boundary states, where a copy is needed
-    xc = Bc = None
-    if native_rows:
-        y = _native_rows(p, a, dtc, state, xt, Cr, params.D, R, x.dtype)
-    else:
-        h0 = p.take(state.ssm_state)
-        xc = p.take(state.buf_x).to(f32).contiguous()  # [S, H, L, P]
-        Bc = p.take(state.buf_B).to(f32).contiguous()  # [S, G, L, N]
-        Ct = torch.zeros(S, G, R, N, device=dev)
-        Ct.index_put_(p.put_C, C.to(f32))
-        y = tile_outputs(p.lay, a, dtc, xc, Bc, h0, Ct, params.D, cfg.gemm_form)[:, :, 0]  # [S, H, P]: the live rows
-
-    # 3. chunks the token completes: the prefill's chunk state and state pass, then empty buffers
-    if p.done is not None:
-        d_ = p.done
-        if xc is None:  # the completed chunks' operands, as pack_chunks builds them
-            x_done, B_done = (buf.index_select(0, p.done_slots).to(f32) for buf in (state.buf_x, state.buf_B))
-        else:
-            x_done, B_done = xc[d_], Bc[d_]
-        cs, cd = chunk_states(a[d_], dtc[d_], x_done, B_done)
-        h_done = state.ssm_state.index_select(0, p.done_slots) if h0 is None else h0[d_]
-        state.ssm_state[p.done_slots] = fold_state(h_done, cd, cs)
-        for buf in (state.buf_x, state.buf_dt, state.buf_B):
-            buf.index_fill_(0, p.done_slots, 0)
-    if p.inverse is not None:
-        y = y[p.inverse]
-    if rows is not None:
-        y = torch.where(rows.to(dev)[:, None, None], y, torch.zeros((), device=dev))
-    return y.to(x.dtype)
+    prep = prepare(state, step, x, dt, B, C, cfg)
+    if prep is None:
+        return x.new_zeros(0, *x.shape[1:])
+    p, (x, dt, B, C) = prep
+    y, dtc, a, xc, Bc, h0 = tile_rows(p, state, x, dt, B, C, params, cfg.gemm_form)
+    return finish(p, state, y, a, dtc, xc, Bc, h0, rows, x.dtype)
 
 
-__all__ = ["DecodePlan", "plan_decode", "replay_decode"]
+def replay(state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+           params: SSMParams, rows: torch.Tensor | None = None, *, cfg: TorchKernelConfigs) -> torch.Tensor:
+    """The torch backend's advance (the backend's ``ssd_advance``): ``replay_decode`` for a step of one
+    token per sequence, ``chunk.replay_chunk`` otherwise. y [T, H, P] in x's dtype; updates ``state``."""
+    form = replay_decode if step.decode_only else replay_chunk
+    return form(state, step, x, dt, B, C, params, rows=rows, cfg=cfg)
+
+
+__all__ = ["DecodePlan", "finish", "plan_decode", "prepare", "replay", "replay_decode", "tile_rows"]

@@ -6,7 +6,7 @@ boundary, as ``chunk.pack_chunks`` does. Everything about that layout (which chu
 rows, which chunks complete, which row tiles hold wanted rows) follows from (off, n) alone, which
 an engine knows on the host. ``plan_advance`` computes it there with numpy (a few microseconds
 per table, where torch CPU ops cost tens); ``to_device`` moves every table to the device in one
-asynchronous copy. A step plans once for all its layers (``replay.Batch.derived``). The Triton
+asynchronous copy. A step plans once for all its layers (``StepPlan.ssd_chunk``). The Triton
 backend's kernels then read the tables and never ask the device how many chunks or tiles there
 are.
 
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .state import Step
+    pass
 
 
 @dataclass
@@ -188,29 +188,6 @@ def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
-
-
-def decode_tables_key(chunk_size: int, device: torch.device) -> tuple:
-    """The ``Step.derived`` key of a decode step's (slots, positions, completing entries) on
-    ``device`` (a captured decode step puts its static buffers there, ``decode_graph``)."""
-    return ("decode", chunk_size, torch.device(device))
-
-
-def step_tables_key(device: torch.device) -> tuple:
-    """The ``Step.derived`` key of ``step_tables`` on ``device`` (a captured decode step puts its
-    static buffers there, ``decode_graph``)."""
-    return ("step_tables", torch.device(device))
-
-
-def step_tables(step: Step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's cu_seqlens [S+1] and slots [S] as int64 on ``device``, in one asynchronous copy made
-    once per step and device (``Step.derived``): every layer, forward and backward, shares it."""
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
-        n = step.slots.numel()
-        t = host_to_device(torch.cat([step.cu_seqlens, step.slots]).numpy(), device)
-        return t[:n + 1], t[n + 1:]
-
-    return step.derived(step_tables_key(device), build)
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:

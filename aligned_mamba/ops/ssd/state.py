@@ -1,4 +1,5 @@
-"""What every form of the SSD scan shares: the layer's parameters, the replay state, the step.
+"""What every form of the SSD scan shares: the layer's parameters, the replay state, the step
+(``ops.step.Step``, imported here for the forms).
 
 Per sequence (a slot) and Mamba2 layer, exact replay keeps
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
+
+from ..step import Step
 
 
 @dataclass(frozen=True)
@@ -39,28 +40,6 @@ class SSMParams:
     @property
     def has_limit(self) -> bool:
         return tuple(self.dt_limit) != (0.0, math.inf)
-
-
-class Step(Protocol):
-    """One advance's sequences, as the replay forms read it (``replay.Batch`` is one).
-
-    slots [S] int64 (distinct), start_pos [S] int64 (tokens each slot consumed before), cu_seqlens
-    [S+1] int64 (the new tokens' offsets in the packed rows), all on the CPU. ``derived(key,
-    build)`` returns ``build()`` computed once per step and key: every layer of an engine step
-    shares the step's host plan and device tables.
-    """
-
-    slots: torch.Tensor
-    start_pos: torch.Tensor
-    cu_seqlens: torch.Tensor
-
-    @property
-    def lengths(self) -> torch.Tensor: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    def derived(self, key: tuple, build: Callable[[], Any]) -> Any: ...
 
 
 @dataclass
@@ -129,3 +108,6 @@ class SSDState:
             if t.dtype != buf.dtype:
                 raise ValueError(f"{name} is {t.dtype} but the replay buffers are {buf.dtype}: buffering it "
                                  "would round it, and a replayed row would not be the single pass's")
+
+
+__all__ = ["SSDState", "SSMParams", "Step"]

@@ -46,14 +46,20 @@ torch fp32 ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
+from ..autograd import grad_needed
 from ..configs import TritonKernelConfigs
-from ..triton_math import interpreting
-from .chunk import Chunks
-from .triton_chunk import _pass_block, _state_pass_kernel
+from ..step import Step
+from ..triton_math import dt_softplus_triton, interpreting
+from .chunk import ChunkGrid, Chunks, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
+from .state import SSDState, SSMParams
+from .triton_chunk import _pass_block, _state_pass_kernel, replay_chunk_triton
+from .triton_decode import replay_decode_triton
 from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
@@ -324,4 +330,146 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0
 
 
-__all__ = ["chunk_scan_backward"]
+# -- autograd: forward = the advance's kernels, unchanged; backward = the scan's gradient on the chunk grid ---
+
+
+def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+                 buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, g: Tensor, needs: tuple[bool, ...],
+                 cu_seqlens: Tensor, off: Tensor, grid: ChunkGrid, rows: Tensor | None, chunk_size: int,
+                 dt_limit: tuple[float, float], cfg: TritonKernelConfigs) -> tuple[Tensor | None, ...]:
+    """The gradient of an advance's y [T, H, P] (``chunk.replay_chunk``'s function, without the state
+    writes) against g [T, H, P]: (dx, ddt, dB, dC, dA, dD, ddt_bias, dh0), None where ``needs`` (one
+    flag per leaf, in that order) is False.
+
+    The chunk grid is ``pack_chunks`` of the inputs (buffered rows first, from buf_* [S, ...] at the
+    step's slots, None when no slot has any) on ``grid`` (the step's ``chunk_grid``), and the scan's
+    gradient on it is ``triton_backward.chunk_scan_backward``. The packing's own gradient is written
+    out: x's and B's rows are gathered back from the grid; dt's go through ``dt_softplus_backward``,
+    and dt_bias also gets the buffered rows' share (the buffers themselves get none). No step of it
+    waits on the GPU.
+    """
+    nx, ndt, nB, nC, nA, nD, nbias, nh0 = needs
+    L = chunk_size
+    prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
+    softplus = dt_softplus_triton if x.is_cuda else dt_softplus  # the same bits
+    gy = g if rows is None else g * rows.to(g.device)[:, None, None]  # the forward's y is zero in rows not wanted
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    # Every sequence from a chunk boundary over whole chunks (a trainer's packed sequences of multiples
+    # of L): packed row r is row r % L of chunk r // L, so the chunk grid is a transposed view of the
+    # rows and packing is one copy per tensor, not a zero fill and a scatter (nor a gather back).
+    aligned = prefix is None and cu_seqlens.device.type == "cpu" and bool((lens % L == 0).all())
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    NC = grid.num_chunks
+    f32, dev = torch.float32, x.device
+
+    def to_grid(t: Tensor) -> Tensor:  # [T, K, F] -> [NC, K, L, F] fp32 (aligned rows)
+        return torch.empty(NC, t.shape[1], L, t.shape[2], device=dev, dtype=f32).copy_(
+            t.reshape(NC, L, t.shape[1], t.shape[2]).transpose(1, 2))
+
+    def from_grid(t: Tensor, dtype: torch.dtype) -> Tensor:  # the inverse, in dtype
+        out = torch.empty(T, t.shape[1], t.shape[3], device=dev, dtype=dtype)
+        out.view(NC, L, t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
+        return out
+
+    at = (grid.row_chunk, slice(None), grid.row_pos)
+    if aligned:
+        dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
+        ch = Chunks(x=to_grid(x), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
+                    row_chunk=grid.row_chunk, row_pos=grid.row_pos)
+        Cc, dyc = to_grid(C), to_grid(gy)
+    else:
+        ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
+        Cc = torch.zeros(NC, G, L, N, device=dev)
+        Cc[at] = C.to(f32)
+        dyc = torch.zeros(NC, H, L, P, device=dev)
+        dyc[at] = gy.to(f32)
+    bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
+    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16,
+                                                           first=grid.first, count=grid.count)
+    if aligned:
+        dx = from_grid(dxc, x.dtype) if nx else None
+        dB = from_grid(dBc, B.dtype) if nB else None
+        dC = from_grid(dCc, C.dtype) if nC else None
+    else:
+        dx = dxc[at].to(x.dtype) if nx else None
+        dB = dBc[at].to(B.dtype) if nB else None
+        dC = dCc[at].to(C.dtype) if nC else None
+    ddt = dbias = None
+    if ndt or nbias:
+        ddt_rows = ddtc.transpose(1, 2).reshape(T, H) if aligned else ddtc[at]
+        graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddt_rows)  # [T, H]
+        ddt = graw.to(dt.dtype) if ndt else None
+        if nbias:
+            dbias = graw.sum(0)
+            if prefix is not None and grid.fill:  # rows < off of each first chunk: buffered raw dt
+                f = grid.fill
+                gb = dt_softplus_backward(buf_dt[:, :, :f].transpose(1, 2), dt_bias, dt_limit,
+                                          ddtc[grid.first][:, :, :f].transpose(1, 2))  # [S, f, H]
+                kept = torch.arange(f, device=x.device)[None, :] < off.to(x.device)[:, None]  # [S, f]
+                dbias = dbias + torch.where(kept[:, :, None], gb, torch.zeros((), device=x.device)).sum((0, 1))
+            dbias = dbias.to(dt_bias.dtype)
+    return (dx, ddt, dB, dC, dA if nA else None, dD if nD else None, dbias, dh0.to(h0.dtype) if nh0 else None)
+
+
+class _SSDAdvance(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
+                buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, run: Callable[[], Tensor],
+                consts: tuple) -> Tensor:
+        # run() is the triton backend's advance over the real state (which it updates); the tensors
+        # here are its inputs: h0 and buf_* are copies of the slots' state taken before it runs
+        ctx.save_for_backward(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B)
+        ctx.consts = consts
+        return run()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B = ctx.saved_tensors
+        grads = ssd_backward(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B, g, ctx.needs_input_grad[:8],
+                             *ctx.consts)
+        return (*grads, None, None, None, None, None)
+
+
+def _advance_function(run: Callable[..., Tensor], state: SSDState, step: Step, x: Tensor,
+                      dt: Tensor, B: Tensor, C: Tensor, params: SSMParams,
+                      rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+    """``run(state, step, x, dt, B, C, params, rows)`` (the triton backend's advance: y [T, H, P] in
+    x's dtype; updates ``state``) with the gradient of the torch backend's advance from the same state:
+    of x [T, H, P], dt [T, H], B, C [T, G, N], params.A, D, dt_bias, and of ``state.ssm_state`` at the
+    step's slots when it requires grad. The buffered rows (raw inputs of earlier calls) get none."""
+    L = state.chunk_size
+    dev = x.device
+    off = step.start_pos % L  # on the host, as the step's tables are
+    # the step's slots and chunk grid on the device, once for all its layers (no layer waits on the GPU)
+    plan = step.plans[dev]
+    slots = plan.slots
+    grid = plan.once(plan.chunk_grid, L, lambda: chunk_grid(step.cu_seqlens, off, L, dev))
+    h0 = state.ssm_state[slots]  # a copy: the advance moves the boundary states in place
+    # the buffers are read only where a slot has buffered rows (a trainer's forward from empty has none)
+    bufs = (state.buf_x[slots], state.buf_dt[slots], state.buf_B[slots]) if grid.fill else (None,) * 3
+    consts = (step.cu_seqlens, off, grid, rows, L, tuple(params.dt_limit), cfg)
+    return _SSDAdvance.apply(x, dt, B, C, params.A, params.D, params.dt_bias, h0, *bufs,
+                             lambda: run(state, step, x, dt, B, C, params, rows), consts)
+
+
+def _kernels(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
+             params: SSMParams, rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
+    if x.is_cuda and step.decode_only:
+        # a decode-only step: the fused kernels compute just the new rows with the prefill's
+        # arithmetic and touch the boundary state only when a chunk completes
+        return replay_decode_triton(state, step, x, dt, B, C, params, rows=rows, cfg=cfg)
+    return replay_chunk_triton(state, step, x, dt, B, C, params, rows=rows, cfg=cfg)
+
+
+def ssd_advance(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
+                params: SSMParams, rows: Tensor | None = None, *, cfg: TritonKernelConfigs) -> Tensor:
+    """The triton backend's replay form (``ops.ssd``'s replay signature): y [T, H, P] in x's dtype;
+    updates ``state``. Where a gradient is recorded, inside ``_SSDAdvance`` (``_advance_function``)."""
+    if grad_needed(x, dt, B, C, params.A, params.D, params.dt_bias, state.ssm_state):
+        run = lambda *a: _kernels(*a, cfg)  # noqa: E731
+        return _advance_function(run, state, step, x, dt, B, C, params, rows, cfg)
+    return _kernels(state, step, x, dt, B, C, params, rows, cfg)
+
+
+__all__ = ["chunk_scan_backward", "ssd_advance", "ssd_backward"]

@@ -656,7 +656,7 @@ def replay_chunk_triton(
     returns y [T, H, P] in x's dtype (zero in rows not wanted when ``rows`` is given).
 
     The chunk, tile and buffer layout comes from the step's lengths on the host (no device syncs),
-    once per step and device (``step.derived``: every layer of a step shares it); pack, scan, state
+    once per step and device (``StepPlan.ssd_chunk``: every layer of a step shares it); pack, scan, state
     pass and buffer rewrite are Triton kernels. A rows mask is a device tensor of its own, so a
     masked advance is planned per call.
     """
@@ -669,6 +669,10 @@ def replay_chunk_triton(
         p = plan_advance(step.lengths, step.start_pos % L, L, R, slots=step.slots, rows=rows)
         return p, to_device(p, dev)
 
-    plan, plan_d = planned() if rows is not None else step.derived(("plan", L, R, dev), planned)
+    if rows is not None:
+        plan, plan_d = planned()
+    else:
+        step_plan = step.plans[dev]
+        plan, plan_d = step_plan.once(step_plan.ssd_chunk, (L, R), planned)
     return advance_planned(state, plan, x, dt, B, C, params, zero_unwanted=rows is not None, device_plan=plan_d,
                            cfg=cfg)

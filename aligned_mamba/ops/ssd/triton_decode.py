@@ -40,7 +40,7 @@ mode), small scratch, the token's inputs; SSU reads and writes the state every s
 Bits: every arithmetic step of the prefill's path for that row is repeated with the same
 operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
 numpy matmul and ``tl.fma`` as two roundings) is checked on the GPU by
-``tests/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
+``tests/ops/ssd/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
 ever differs there.
 """
 
@@ -55,7 +55,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import TritonKernelConfigs
 from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
-from .plan import decode_tables_key, host_to_device
+from .plan import host_to_device
 from .state import SSDState, SSMParams, Step
 from .triton_dot import dot_acc, tensor_core_dots
 
@@ -73,7 +73,7 @@ PDL: bool = True
 # only, never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB), which
 # measured a few per cent faster in CUDA graphs (benchmarks/README.md).
 TILE_OPTS: dict = {"num_stages": 2}
-# Batch entries per program of the completion kernels (see _update_kernel)
+# Step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
 
 
@@ -684,7 +684,7 @@ def replay_decode_triton(
 
     Every row of a one-token step is computed (``rows`` may only say which are wanted: the
     others are computed all the same). The step's slots, positions and the indices of the tokens
-    that complete a chunk go to the device in one copy, once per step (``step.derived``).
+    that complete a chunk go to the device in one copy, once per step (``StepPlan.ssd_decode_tables``).
     """
     if not bool((step.lengths == 1).all()):
         raise ValueError("the decode kernels take one new token per sequence; use replay_chunk_triton")
@@ -698,5 +698,6 @@ def replay_decode_triton(
         t = host_to_device(torch.cat([step.slots, step.start_pos, done]).numpy(), dev)  # one copy
         return t[:n], t[n:2 * n], t[2 * n:] if done.numel() else False
 
-    slots_d, pos_d, done_d = step.derived(decode_tables_key(L, dev), tables)
+    plan = step.plans[dev]
+    slots_d, pos_d, done_d = plan.once(plan.ssd_decode_tables, L, tables)
     return decode_step_triton(state, slots_d, pos_d, x, dt, B, C, params, cfg=cfg, completes=done_d)

@@ -18,7 +18,7 @@ Kernels that run the tensor-core dots are compiled with ``enable_fp_fusion=False
 the split's ``v - hi``, next to the product that made ``v``, may be contracted into one fused
 multiply-add in one kernel and not in another, and then ``lo`` differs in its last bits. Measured
 on the H200 with contraction left on: 7-103 of 64/256 decode sequences had some bf16 output
-rounded the other way from the prefill's; with it off, every row is equal (tests/test_triton_decode).
+rounded the other way from the prefill's; with it off, every row is equal (tests/ops/ssd/test_triton_decode.py).
 
 Both are row-invariant (a row of the result depends on that row of ``a`` and on ``b`` only) at the
 tile shapes the kernels use, so a decode step that computes one live row in a small row tile gets

@@ -1,0 +1,263 @@
+"""Causal depthwise conv1d + SiLU in Triton (the GPU path of ``ops.conv1d``), slot-indexed windows.
+
+Each sequence's new rows are convolved with the ``K - 1`` inputs before them, kept in its slot's
+window (zeros at the start of a sequence). Every output element is computed the same way whether
+its row came in a prefill of thousands of rows or alone in a decode step: bias + w_0 x_{t-K+1} + ...
++ w_{K-1} x_t, each product and sum rounded once in fp32 (compiled without fp contraction), then
+``silu_exact``: the operation sequence of ``ops.conv1d``, so the bits are the torch backend's too.
+
+Two launches: the first computes the outputs from the old windows and the new rows; the second,
+after it on the same stream, writes each slot's new window (the last K - 1 rows of window ++ new
+rows) in place. No host synchronisation: a row finds its sequence by a binary search over
+cu_seqlens on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..autograd import grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..step import Step
+from ..triton_math import silu_exact
+from . import taps
+
+
+@triton.jit
+def _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T: tl.constexpr):
+    """Each row's sequence (the largest s with cu[s] <= row; cu[0] = 0 <= row < cu[S] = T) and its index
+    in that sequence, by a binary search over cu_seqlens [S+1]: (seq [BLOCK_T] int32, j [BLOCK_T] int32)."""
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    hi = tl.full((BLOCK_T,), S, dtype=tl.int32)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + mid, mask=rmask, other=0) <= rows
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo, rows - tl.load(cu_ptr + lo, mask=rmask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws, stride_wk,
+                 stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [BLOCK_T] x channels [BLOCK_C] of the output, from the old windows and x."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < T
+    cmask = ch < Cd
+    lo, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
+    slot = tl.load(slots_ptr + lo, mask=rmask, other=0).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    if HAS_BIAS:
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + tl.load(b_ptr + ch, mask=cmask, other=0.0).to(
+            tl.float32)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    m2 = rmask[:, None] & cmask[None, :]
+    for k in tl.static_range(K):
+        # position j + k of the sequence's (window ++ new rows) stream: window row j + k, or new row
+        # row + k - (K - 1)
+        p = j + k
+        in_win = (p < K - 1)[:, None]
+        wv = tl.load(win_ptr + slot[:, None] * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
+                     mask=m2 & in_win, other=0.0)
+        xv = tl.load(x_ptr + (r64 + (k - (K - 1)))[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
+        v = tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+        acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+    if SILU:
+        acc = silu_exact(acc)
+    tl.store(out_ptr + r64[:, None] * stride_out + ch[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _window_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, Cd, stride_x, stride_ws, stride_wk, K: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sequence s (program (s, c)): its slot's window := the last K - 1 rows of (window ++ new rows)."""
+    s = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < Cd
+    start = tl.load(cu_ptr + s)
+    n = tl.load(cu_ptr + s + 1) - start
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    q = tl.arange(0, BLOCK_Q)
+    qmask = q < K - 1
+    p = n + q  # stream position of the new window's row q
+    in_win = (p < K - 1)[:, None]
+    m2 = qmask[:, None] & cmask[None, :]
+    base = win_ptr + slot * stride_ws
+    wv = tl.load(base + p[:, None] * stride_wk + ch[None, :], mask=m2 & in_win, other=0.0)
+    xv = tl.load(x_ptr + (start + p - (K - 1))[:, None].to(tl.int64) * stride_x + ch[None, :], mask=m2 & ~in_win,
+                 other=0.0)
+    v = tl.where(in_win, wv, xv.to(wv.dtype))
+    # every thread's old-window reads before any thread's writes: a short sequence shifts its
+    # window down within the same rows
+    tl.debug_barrier()
+    tl.store(base + q[:, None] * stride_wk + ch[None, :], v, mask=m2)
+
+
+@triton.jit
+def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, stride_wk, K: tl.constexpr):
+    """Position p [BLOCK_T] of each row's sequence stream (its window ++ its new rows) in fp32,
+    [BLOCK_T, BLOCK_C]: window row p of sequence seq (win [S, K-1, Cd]) for p < K-1, else new row xrow
+    (the packed row at that position)."""
+    in_win = (p < K - 1)[:, None]
+    wv = tl.load(win_ptr + seq[:, None].to(tl.int64) * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
+                 mask=m2 & in_win, other=0.0)
+    xv = tl.load(x_ptr + xrow[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
+    return tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+
+
+@triton.jit
+def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
+                     stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The gradient of conv1d + SiLU for rows [BLOCK_T] x channels [BLOCK_C]: dx of the rows ([T, Cd],
+    accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
+    sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which the caller sums over
+    blocks in a fixed order.
+
+    Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
+    sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre): each shifted dpre is
+    recomputed here from the stream, so no program needs another's output."""
+    blk = tl.program_id(0)
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < T
+    cmask = ch < Cd
+    seq, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
+    n = tl.load(cu_ptr + seq + 1, mask=rmask, other=0).to(tl.int32) - (rows - j)  # the sequence's length
+    r64 = rows.to(tl.int64)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for d in tl.static_range(K):
+        m2 = (rmask & (j + d < n))[:, None] & cmask[None, :]
+        pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
+        for k in tl.static_range(K):
+            v = _stream_value(x_ptr, win_ptr, r64 + (d + k - (K - 1)), seq, j + d + k, ch, m2, stride_x, stride_ws,
+                              stride_wk, K)
+            pre += tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+        s = 1.0 / (1.0 + tl.exp(-pre))
+        g = tl.load(g_ptr + (r64 + d)[:, None] * stride_g + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        dpre = tl.where(m2, g * (s * (1.0 + pre * (1.0 - s))), 0.0)
+        dx += tl.load(w_ptr + ch * K + (K - 1 - d), mask=cmask, other=0.0).to(tl.float32)[None, :] * dpre
+        if d == 0:  # the block's own rows: their weight and bias gradients
+            tl.store(db_ptr + blk * Cd + ch, tl.sum(dpre, axis=0), mask=cmask)
+            for k in tl.static_range(K):
+                v = _stream_value(x_ptr, win_ptr, r64 + (k - (K - 1)), seq, j + k, ch, m2, stride_x, stride_ws,
+                                  stride_wk, K)
+                tl.store(dw_ptr + (blk * K + k) * Cd + ch, tl.sum(dpre * v, axis=0), mask=cmask)
+    tl.store(dx_ptr + r64[:, None] * Cd + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
+                                  weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
+                                  cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
+    windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
+    [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
+    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch."""
+    T, Cd = x.shape
+    S, K = window.shape[0], weight.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    g = g if g.stride(1) == 1 else g.contiguous()
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    BT, BC = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c
+    nb = triton.cdiv(T, BT)
+    dx = torch.empty(T, Cd, device=x.device, dtype=x.dtype)  # no fp32 copy to round afterwards
+    dw = torch.empty(nb, K, Cd, device=x.device, dtype=torch.float32)
+    db = torch.empty(nb, Cd, device=x.device, dtype=torch.float32)
+    if T:
+        _conv_bwd_kernel[(nb, triton.cdiv(Cd, BC))](
+            x, cu_seqlens, window, w, b, g, dx, dw, db, T, S, Cd, x.stride(0), window.stride(0), window.stride(1),
+            g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, BLOCK_T=BT, BLOCK_C=BC,
+            num_warps=cfg.conv_bwd_warps)
+    return (dx, dw.sum(0).t().to(weight.dtype),
+            None if bias is None else db.sum(0).to(bias.dtype))
+
+
+def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs, *,
+                         activation: bool = True) -> torch.Tensor:
+    """Conv1d (+ SiLU) of the new rows of S packed sequences; updates their windows in place.
+
+    x [T, Cd] (model dtype; rows may be strided, e.g. a column slice of in_proj's output),
+    cu_seqlens [S+1] int64 on x's device (cu[0] = 0, cu[S] = T), slots [S] int64 on the device
+    (distinct), windows [num_slots, K-1, Cd] in x's dtype (slot ``slots[s]`` holds the K-1 inputs
+    before sequence s's first new row; zeros for a fresh sequence), weight [Cd, K], bias [Cd] or
+    None. Returns out [T, Cd] in x's dtype. Afterwards ``windows[slots[s]]`` holds the last K-1 rows
+    of (old window ++ sequence s's new rows). A sequence may have no new rows.
+    """
+    T, Cd = x.shape
+    S = slots.shape[0]
+    K = weight.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
+        raise ValueError(f"windows {tuple(windows.shape)} must be [num_slots, {K - 1}, {Cd}] with unit last stride")
+    if windows.dtype != x.dtype:
+        raise ValueError(f"windows are {windows.dtype} but x is {x.dtype}: keeping x in the window would round it")
+    if cu_seqlens.shape != (S + 1,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not match {S} slots")
+    out = torch.empty(T, Cd, dtype=x.dtype, device=x.device)
+    if S == 0:
+        return out
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    bc = cfg.conv_block_c
+    if T > 0:
+        grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
+        _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
+                           windows.stride(1), out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None,
+                           SILU=activation, BLOCK_T=cfg.conv_block_t, BLOCK_C=bc, num_warps=4,
+                           enable_fp_fusion=False)
+    if K > 1:
+        _window_kernel[(S, triton.cdiv(Cd, bc))](x, cu_seqlens, slots, windows, Cd, x.stride(0), windows.stride(0),
+                                                windows.stride(1), K=K, BLOCK_Q=triton.next_power_of_2(K - 1),
+                                                BLOCK_C=bc, num_warps=4)
+    return out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = a Triton kernel (the windows' own gradient, when
+# they require one, from ``taps.causal_conv1d_backward``) ---------------------------------------------------
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window: torch.Tensor,
+                cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        # window: windows[slots] as the kernel finds them (it overwrites them in place)
+        ctx.save_for_backward(x, w, b, window)
+        ctx.consts = (cu_seqlens, cfg)
+        return causal_conv1d_triton(x, cu_seqlens, slots, windows, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, b, window = ctx.saved_tensors
+        cu_seqlens, cfg = ctx.consts
+        if ctx.needs_input_grad[3]:  # the windows' own gradient: the torch form has it
+            dx, dwindow, dw, db = taps.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
+            return wanted(ctx, dx, dw, db, dwindow)
+        dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)
+        return wanted(ctx, dx, dw, db)
+
+
+def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``taps.conv_advance``): x [T, Cd] -> [T, Cd]; windows [num_slots, K-1, Cd]
+    updated in place. Where a gradient is recorded, the backward of ``taps.causal_conv1d`` from the
+    slots' windows as they were (their own gradient included, when they require it)."""
+    plan = step.plans[windows.device]
+    cu, slots = plan.cu_seqlens, plan.slots
+    if grad_needed(x, w, b, windows):
+        return _Conv.apply(x, w, b, windows[slots], cu, slots, windows, cfg)
+    return causal_conv1d_triton(x, cu, slots, windows, w, b, cfg)

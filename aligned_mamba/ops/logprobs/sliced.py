@@ -1,0 +1,203 @@
+"""Log-softmax and per-token logprobs, row-invariant by construction, and their vocab-sharded form.
+
+log_softmax(x) = x - (m + log(sum(exp(x - m)))), m = max(x): max is exact in any order and
+exp/log are position-invariant (see ``elementwise``). The sum is ``sliced_sum``: the row,
+zero-padded to VOCAB_SLICES * c entries (c = ceil(V / VOCAB_SLICES)), is cut into VOCAB_SLICES
+contiguous slices of c; each slice is summed by ``reduce.tree_sum`` and the slice sums by a tree of
+adjacent pairs (``pair_tree``: ((s0 + s1) + (s2 + s3)) + ...). The slices are the leaves of that
+fixed binary tree and any aligned run of them is a subtree, so a vocabulary split into S
+contiguous equal shards (Megatron's vocab-parallel output layer; S a power of two dividing
+VOCAB_SLICES, V a multiple of VOCAB_SLICES) holds whole subtrees: each shard sums its own
+slices, the shards' partial sums are all-gathered and combined by the same tree's top levels,
+and the result is the unsharded bits (``log_softmax_sharded``).
+
+Temperature is one stated operation before it: x = fp32(logits) / fp32(T), IEEE division (correctly
+rounded, so position-invariant); T = 1 skips it (x / 1 == x exactly anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import elementwise as ew
+from ..reduce import tree_sum
+
+# The leaves of the sum's tree over the vocabulary; any power-of-two shard count dividing it (1, 2,
+# 4, 8) gives the unsharded bits. Part of the contract's arithmetic: changing it changes the bits.
+VOCAB_SLICES = 8
+
+AllGather = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+
+
+def scale(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The contract's temperature: [..., V] any float dtype -> [..., V] float32 logits / T."""
+    check_temperature(temperature)
+    t = float(temperature)
+    x = logits.to(torch.float32)
+    return x if t == 1.0 else x / torch.tensor(t, dtype=torch.float32, device=x.device)
+
+
+def check_temperature(temperature: object) -> None:
+    """Refuse (one line) a temperature that is not a finite real number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """The row max as the exp's shift, 0 where it is not finite (an all -inf row: no inf - inf)."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _slice_sums(e: torch.Tensor, slices: int) -> torch.Tensor:
+    """[..., n] -> [..., slices]: each of ``slices`` contiguous slices of ceil(n / slices) (the row
+    zero-padded at its end) summed by ``tree_sum``."""
+    n = e.shape[-1]
+    c = max(1, -(-n // slices))
+    if c * slices != n:
+        e = torch.nn.functional.pad(e, (0, c * slices - n))
+    return tree_sum(e.reshape(*e.shape[:-1], slices, c))
+
+
+def pair_tree(s: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by adjacent pairs: [..., n] -> [...].
+
+    Unlike ``tree_sum``'s halves (x[i] + x[i + n/2]), an aligned run of 2^k entries is a subtree
+    here, so a shard holding contiguous slices computes a node of the unsharded tree."""
+    n = s.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"pair_tree needs a power-of-two width, got {n}")
+    while s.shape[-1] > 1:
+        s = s[..., 0::2] + s[..., 1::2]
+    return s[..., 0]
+
+
+def sliced_sum(e: torch.Tensor) -> torch.Tensor:
+    """The log-softmax's sum: [..., V] float32 -> [...], a ``pair_tree`` over VOCAB_SLICES slice sums."""
+    return pair_tree(_slice_sums(e, VOCAB_SLICES))
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[..., V] logits (any float dtype) -> [..., V] float32 logprobs of logits / temperature."""
+    x = scale(logits, temperature)
+    m = _shift(x.amax(dim=-1, keepdim=True))
+    lse = m + ew.log(sliced_sum(ew.exp(x - m))).unsqueeze(-1)
+    return x - lse
+
+
+def log_softmax_backward(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of ``log_softmax`` from its output ``out`` [..., V] float32 against g: the logits'
+    gradient g - softmax * sum(g) in ``dtype`` (native torch ops: accuracy, not row invariance)."""
+    gf = g.to(torch.float32)
+    return (gf - torch.exp(out) * gf.sum(-1, keepdim=True)).to(dtype)
+
+
+def check_token_inputs(logits: object, token_ids: object) -> None:
+    """Refuse (one line each) what ``token_logprobs`` cannot score: logits not a float tensor with a
+    vocabulary dim, ids not an integer tensor of the logits' leading shape, ids outside [0, V)."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(token_ids, torch.Tensor):
+        raise TypeError(f"token_logprobs expects torch tensors, got logits {type(logits).__name__} and "
+                        f"token_ids {type(token_ids).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [..., V], got {logits.dtype}")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V >= 1, got shape {list(logits.shape)}")
+    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if token_ids.shape != logits.shape[:-1]:
+        raise ValueError(f"shape mismatch: token_ids {list(token_ids.shape)} must be logits' leading shape "
+                         f"{list(logits.shape[:-1])} (logits [..., V], token_ids [...])")
+    if token_ids.is_meta or logits.is_meta:
+        raise ValueError("token_logprobs needs tensors with data, got a meta-device tensor")
+    v = logits.shape[-1]
+    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= v):
+        raise ValueError(f"token_ids out of range [0, {v}): min {int(token_ids.min())}, max {int(token_ids.max())}")
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of ``token_ids`` under ``logits`` / temperature. [..., V], [...] int64 -> [...] float32."""
+    lp = log_softmax(logits, temperature)
+    return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The vocab-sharded form (tensor parallelism): all-gathers and the fixed tree, never an all-reduce.
+# ------------------------------------------------------------------------------------------------
+
+
+def check_shards(vocab: int, shard_index: int, shard_count: int) -> None:
+    """Refuse (one line) a shard layout whose partial sums are not whole subtrees of the tree.
+
+    vocab: the full vocabulary V (shard_count equal contiguous shards of V / shard_count)."""
+    if not (isinstance(shard_count, int) and shard_count >= 1 and shard_count & (shard_count - 1) == 0
+            and VOCAB_SLICES % shard_count == 0):
+        raise ValueError(f"shard_count {shard_count!r} refused: the vocab-sharded log-softmax needs a power of two "
+                         f"dividing the contract's {VOCAB_SLICES} vocabulary slices")
+    if not (isinstance(shard_index, int) and 0 <= shard_index < shard_count):
+        raise ValueError(f"shard_index {shard_index!r} refused: expected 0 <= shard_index < {shard_count}")
+    if shard_count > 1 and vocab % VOCAB_SLICES:
+        raise ValueError(f"vocabulary {vocab} refused for {shard_count} shards: the sharded log-softmax needs V a "
+                         f"multiple of the contract's {VOCAB_SLICES} slices (pad the vocabulary, as Megatron does)")
+
+
+def _gathered(all_gather: AllGather, t: torch.Tensor, shard_count: int) -> torch.Tensor:
+    """all_gather(t) as one tensor [shard_count, ...t.shape], checked."""
+    parts = list(all_gather(t.contiguous()))
+    if len(parts) != shard_count or any(p.shape != t.shape for p in parts):
+        raise ValueError(f"all_gather returned {len(parts)} tensors of shapes {[list(p.shape) for p in parts]}, "
+                         f"expected {shard_count} of {list(t.shape)}")
+    return torch.stack([p.to(t.device) for p in parts])
+
+
+def _sharded_lse(x: torch.Tensor, shard_index: int, shard_count: int, all_gather: AllGather) -> torch.Tensor:
+    """log(sum(exp(x))) over the whole vocabulary from this shard's fp32 x [..., V / S] -> [..., 1]."""
+    check_shards(x.shape[-1] * shard_count, shard_index, shard_count)
+    m_local = x.amax(dim=-1)
+    # the max is exact in any order: the gathered maxes' max is the unsharded max, bit for bit
+    m = _shift(_gathered(all_gather, m_local, shard_count).amax(dim=0)).unsqueeze(-1)
+    # this shard's VOCAB_SLICES / S slices are one subtree of the unsharded tree (S | VOCAB_SLICES)
+    part = pair_tree(_slice_sums(ew.exp(x - m), VOCAB_SLICES // shard_count))
+    parts = _gathered(all_gather, part, shard_count)  # [S, ...], shard order = vocabulary order
+    total = pair_tree(parts.movedim(0, -1))  # the tree's top log2(S) levels
+    return m + ew.log(total).unsqueeze(-1)
+
+
+def log_softmax_sharded(local_logits: torch.Tensor, shard_index: int, shard_count: int, all_gather: AllGather,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """The contract's log-softmax of a vocabulary split into ``shard_count`` contiguous equal shards.
+
+    local_logits: this shard's [..., V / S] logits (any float dtype), entries
+    [shard_index * V / S, (shard_index + 1) * V / S) of the vocabulary. all_gather: a callable that
+    takes this shard's tensor and returns every shard's tensor, in shard order (in a process group,
+    ``torch.distributed.all_gather`` into a list). Returns this shard's [..., V / S] float32
+    logprobs: the same bits as the unsharded ``log_softmax``'s entries there, for S = 1, 2, 4, 8
+    (a power of two dividing VOCAB_SLICES; V a multiple of VOCAB_SLICES when S > 1).
+    """
+    x = scale(local_logits, temperature)
+    return x - _sharded_lse(x, shard_index, shard_count, all_gather)
+
+
+def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int,
+                           shard_count: int, all_gather: AllGather, temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` from a vocab shard: [..., V / S] logits, [...] global token ids in [0, V) ->
+    [...] float32 on every shard, the unsharded bits. The owning shard's value is selected from the
+    all-gathered candidates (a choice, not a sum: no rounding)."""
+    x = scale(local_logits, temperature)
+    v = x.shape[-1]
+    lse = _sharded_lse(x, shard_index, shard_count, all_gather)
+    ids = token_ids.to(device=x.device, dtype=torch.int64)
+    if ids.shape != x.shape[:-1]:
+        raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
+                         f"{list(x.shape[:-1])}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
+        raise ValueError(f"token_ids out of range [0, {v * shard_count})")
+    # every shard offers its entry at the id (clamped where another shard owns it); the owner's is kept
+    local = (ids - shard_index * v).clamp(0, v - 1)
+    cand = (x.gather(-1, local.unsqueeze(-1)) - lse).squeeze(-1)
+    cands = _gathered(all_gather, cand, shard_count)  # [S, ...]
+    owner = torch.div(ids, v, rounding_mode="floor")
+    return cands.gather(0, owner.unsqueeze(0)).squeeze(0)

@@ -1,0 +1,129 @@
+"""Row-wise log_softmax and token logprobs in Triton (the GPU path of ``ops.logprobs``).
+
+One program per row walks the vocabulary in blocks of ``logprobs_block_v``, in ascending order,
+keeping a running max m and a running sum s of exp(x - m) (rescaled by exp(m_old - m_new) when the
+max grows): the same operation sequence for a row whatever the other rows are, so its bits depend on
+that row only. exp and log are ``triton_math``'s IEEE-only functions (compiled without fp
+contraction). ``log_softmax_triton`` then writes x - lse in a second walk over the row;
+``token_logprobs_triton`` reads only the token's logit, with the same subtraction, so a token's
+logprob equals its entry in ``log_softmax_triton``'s row bit for bit.
+
+As in ``ops.logprobs``: lse = m + log(sum(exp(x - m))), with m = 0 where the row's max is not finite.
+The block order of the sum differs from ``reduce.tree_sum``, so the bits can differ from the torch
+backend's by fp32 roundings; a row holding +inf gives NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..autograd import grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..triton_math import exp_exact, log_exact
+from . import sliced
+
+
+@triton.jit
+def _row_lse(x_row, V, BLOCK_V: tl.constexpr):
+    """log(sum(exp(x))) of one row of V logits (any float dtype) at ``x_row``, fp32."""
+    m = -float("inf")
+    s = 0.0
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no inf - inf while the row is all -inf
+        s = s * exp_exact(m - m_safe) + tl.sum(exp_exact(x - m_safe), axis=0)
+        m = m_new
+    # an all -inf row: s = 0 and lse = -inf, as the torch op (which shifts by 0 there)
+    return tl.where(m == -float("inf"), 0.0, m) + log_exact(s)
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lse = _row_lse(x_ptr + row * stride_x, V, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, x - lse, mask=mask)
+
+
+@triton.jit
+def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, stride_x, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lse = _row_lse(x_ptr + row * stride_x, V, BLOCK_V)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + tok).to(tl.float32)
+    tl.store(out_ptr + row, x - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def log_softmax_triton(logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """logits [M, V] (any float dtype, rows may be strided) -> [M, V] float32 logprobs."""
+    x = _rows(logits)
+    M, V = x.shape
+    out = torch.empty(M, V, dtype=torch.float32, device=x.device)
+    if M and V:
+        _log_softmax_kernel[(M,)](x, out, V, x.stride(0), out.stride(0), BLOCK_V=cfg.logprobs_block_v,
+                                  num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
+    return out
+
+
+def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: TritonKernelConfigs, *,
+                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of ``token_ids[r]`` under row r of ``logits``, without writing the whole row.
+
+    logits [M, V] (any float dtype), token_ids [M] int32/int64 on the device (in [0, V): not
+    checked). Returns [M] float32 (and the rows' logsumexp [M] float32 if ``return_lse``); each value
+    equals ``log_softmax_triton(logits, cfg)[r, token_ids[r]]`` bit for bit.
+    """
+    x = _rows(logits)
+    M, V = x.shape
+    if token_ids.shape != (M,):
+        raise ValueError(f"token_ids {tuple(token_ids.shape)} must be [{M}]")
+    out = torch.empty(M, dtype=torch.float32, device=x.device)
+    lse = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M and V:
+        _token_logprobs_kernel[(M,)](x, token_ids.contiguous(), out, lse, V, x.stride(0),
+                                     BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
+                                     enable_fp_fusion=False)
+    return (out, lse) if return_lse else out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = ``sliced.log_softmax_backward`` from the output ----
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+        out = log_softmax_triton(logits, cfg)
+        ctx.save_for_backward(out)
+        ctx.logits_dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (out,) = ctx.saved_tensors
+        return wanted(ctx, sliced.log_softmax_backward(out, g, ctx.logits_dtype))
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``sliced.log_softmax``): [..., V] -> [..., V] float32 logprobs of logits /
+    temperature, by the kernel on a CUDA tensor (the torch form elsewhere)."""
+    if not logits.is_cuda:
+        return sliced.log_softmax(logits, temperature)
+    if temperature != 1.0:
+        logits = sliced.scale(logits, temperature)
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = _LogSoftmax.apply(rows, cfg) if grad_needed(logits) else log_softmax_triton(rows, cfg)
+    return out.reshape(logits.shape)

@@ -1,0 +1,103 @@
+"""RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction: the torch form.
+
+The sum of squares is a fixed pairwise tree (``reduce.tree_sum``), 1/sqrt is two correctly
+rounded IEEE operations (``torch.rsqrt`` computes 1 / sqrt so; ``torch.sqrt`` of float32 goes to
+MKL's vector math on the CPU, which is not correctly rounded: 17% of random inputs differ), and
+the gate's SiLU is position-invariant, so a row's bits depend on that row only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import elementwise as ew
+from ..reduce import tree_sum
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]
+
+
+def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """xf [..., d] float32 -> xf / sqrt(mean(xf^2) + eps)."""
+    k = ew.operand  # the constants as 0-dim tensors: the same rounding, half the cost of a Python number
+    var = tree_sum(xf * xf) / k(float(xf.shape[-1]), xf)
+    return xf * torch.rsqrt(var + k(eps, xf))[..., None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm as in Mamba2 checkpoints: weight * (normalised x rounded to out_dtype).
+
+    x [M, d] any float dtype; weight [d]; returns [M, d] in ``out_dtype`` (default weight's dtype).
+    """
+    out_dtype = out_dtype or weight.dtype
+    y = _normalize(x.to(torch.float32), eps).to(out_dtype)
+    return weight.to(out_dtype) * y
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int
+) -> torch.Tensor:
+    """Mamba2's gated norm after the scan: norm_g(y * silu(z)) * weight, normalised per group.
+
+    The gate is applied here, after the scan and before the grouped normalisation (as Hugging
+    Face, vLLM and mamba_ssm do for Mamba2), never inside the scan.
+    y, z [M, d] (model dtype); weight [d]; d divisible by n_groups. Returns [M, d] in y's dtype.
+    """
+    M, d = y.shape
+    g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
+    g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)
+    return weight.to(y.dtype) * g.to(y.dtype)
+
+
+def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+               residual_dtype: torch.dtype, *, norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
+    normed = norm(residual rounded to ``dtype``) [T, d] in ``dtype``. Returns (normed, residual)."""
+    residual = embedding[token_ids].to(residual_dtype)
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype, *,
+             norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's residual add and the next norm: residual + x (in residual's dtype), normed =
+    norm(that sum rounded to ``dtype``). x, residual [M, d]. Returns (normed, residual + x)."""
+    residual = residual + x
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
+# -- backwards (the triton backend's autograd Functions, ``triton.py``) --------------------------------------
+# Gradients need accuracy, not row invariance: native torch ops, fp32.
+
+
+def _normalize_backward(xf: torch.Tensor, gn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gradient of ``_normalize(xf, eps)`` against gn: both [..., d] float32 -> [..., d] float32."""
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * r
+    return r * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
+                      g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``rms_norm(x, weight, eps, out_dtype)`` against g [M, d]: (dx [M, d] in x's
+    dtype, dweight [d] in weight's)."""
+    out_dtype = out_dtype or weight.dtype
+    xf, gf = x.to(torch.float32), g.to(torch.float32)
+    dx = _normalize_backward(xf, gf * weight.to(out_dtype).to(torch.float32), eps)
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(out_dtype).to(torch.float32)
+    return dx.to(x.dtype), (gf * n).sum(0).to(weight.dtype)
+
+
+def gated_rms_norm_backward(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
+                            g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``gated_rms_norm(y, z, weight, eps, n_groups)`` against g [M, d]: (dy, dz in
+    their dtypes, dweight [d] in weight's)."""
+    M, d = y.shape
+    yf, zf, gf = y.to(torch.float32), z.to(torch.float32), g.to(torch.float32)
+    s = torch.sigmoid(zf)
+    u = (yf * (zf * s)).view(M, n_groups, d // n_groups)
+    du = _normalize_backward(u, (gf * weight.to(y.dtype).to(torch.float32)).view(u.shape), eps).view(M, d)
+    n = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).view(M, d).to(y.dtype).to(torch.float32)
+    dy = du * (zf * s)
+    dz = du * yf * (s * (1.0 + zf * (1.0 - s)))
+    return dy.to(y.dtype), dz.to(z.dtype), (gf * n).sum(0).to(weight.dtype)

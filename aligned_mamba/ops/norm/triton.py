@@ -1,0 +1,393 @@
+"""Fused RMSNorms in Triton (the GPU path of ``ops.norm``), each row a fixed function of that row.
+
+One program normalises one row (one group of a row for the gated norm): it loads the row into one
+block of the next power of two of its width, reduces the sum of squares with one ``tl.sum`` over
+that block (a fixed tree for a given width and ``norm_block_per_warp``), and never looks at another row,
+so a row's bits do not depend on how many rows the call holds (the block and the warps follow from
+the width and the configs alone). The arithmetic is ``ops.norm``'s:
+normalise in fp32 (IEEE sqrt and division), round to the output dtype, multiply by the weight in the
+output dtype; the gate y * silu(z) in fp32 before a per-group normalisation. The sum's order differs
+from ``reduce.tree_sum``, so the bits can differ from the torch backend's (by an fp32 rounding).
+Kernels are compiled without fp contraction, so each operation rounds once, as in torch.
+
+``add_rms_norm_triton`` fuses the residual add (the Mamba2 block: an fp32 residual plus the mixer's
+bf16 output), ``embed_rms_norm_triton`` the embedding gather with the first layer's residual.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..autograd import deterministic, grad_needed, wanted
+from ..configs import TritonKernelConfigs
+from ..triton_math import silu_exact
+
+
+@triton.jit
+def _normalize_row(v, mask, D, eps):
+    """v [BLOCK] fp32 (zeros past D) -> v / sqrt(mean(v^2) + eps), IEEE operations."""
+    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
+    var = tl.math.div_rn(ss, D.to(tl.float32))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    return v * rstd
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, stride_x, stride_res, stride_out,
+                     stride_res_out, eps, HAS_X: tl.constexpr, HAS_IDX: tl.constexpr, WRITE_RES: tl.constexpr,
+                     ROUND_IN: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r: v = res[idx[r] or r] (+ x[r], in fp32, rounded to res_out's dtype), written to res_out
+    if WRITE_RES; out[r] = w * round(normalise(v, rounded to IN_DTYPE first if ROUND_IN))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    src = tl.load(idx_ptr + row).to(tl.int64) if HAS_IDX else row
+    v = tl.load(res_ptr + src * stride_res + cols, mask=mask, other=0.0)
+    if HAS_X:
+        v = v.to(tl.float32) + tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if WRITE_RES:
+        v = v.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, v, mask=mask)
+    if ROUND_IN:
+        v = v.to(IN_DTYPE)
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    y = _normalize_row(v.to(tl.float32), mask, D, eps).to(OUT)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT)
+    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y.to(tl.float32)).to(OUT), mask=mask)
+
+
+@triton.jit
+def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, stride_out, eps, BLOCK_G: tl.constexpr):
+    """Row r, group g (program (r, g)): out = w * round(normalise(y * silu(z)) over the group's GS columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
+    mask = tl.arange(0, BLOCK_G) < GS
+    y = tl.load(y_ptr + row * stride_y + c, mask=mask, other=0.0)
+    z = tl.load(z_ptr + row * stride_z + c, mask=mask, other=0.0).to(tl.float32)
+    g = y.to(tl.float32) * silu_exact(z)
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    n = _normalize_row(g, mask, GS, eps).to(OUT)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT)
+    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * n.to(tl.float32)).to(OUT), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# -- backwards (gradients: accuracy and determinism, not row invariance) ----------------------------------
+
+
+@triton.jit
+def _norm_backward(v, gw, mask, D, eps):
+    """The gradient of normalise(v) against gw, with normalise(v) itself: v, gw [BLOCK] fp32 (zeros past
+    D) -> (r (gw - vhat mean(gw vhat)), vhat), r = 1 / sqrt(mean(v^2) + eps), vhat = v r."""
+    r = 1.0 / tl.sqrt(tl.sum(tl.where(mask, v * v, 0.0), axis=0) / D.to(tl.float32) + eps)
+    vhat = v * r
+    return r * (gw - vhat * (tl.sum(tl.where(mask, gw * vhat, 0.0), axis=0) / D.to(tl.float32))), vhat
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dw_ptr, M, D, stride_x, stride_g, stride_add, eps,
+                         HAS_ADD: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of w * round_OUT(normalise(x)) against g: dx (fp32, plus
+    add[r] if HAS_ADD: the residual's own gradient) and this block's partial sum of dw (dw_ptr [blocks,
+    D] fp32, summed over blocks by the caller)."""
+    blk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = (blk * ROWS + i).to(tl.int64)
+        m = mask & (row < M)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        dx, xhat = _norm_backward(x, g * w, mask, D, eps)
+        if HAS_ADD:
+            dx += tl.load(add_ptr + row * stride_add + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * D + cols, dx, mask=m)
+        dw += g * xhat.to(OUT).to(tl.float32)
+    tl.store(dw_ptr + blk * D + cols, dw, mask=mask)
+
+
+@triton.jit
+def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M, d, GS, stride_y, stride_z,
+                           stride_g, eps, ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of w * round(normalise_g(y silu(z))) against
+    g: dy, dz (in y's and z's dtypes) and this block's partial sum of dw (dw_ptr [blocks, d] fp32)."""
+    blk = tl.program_id(0)
+    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
+    mask = tl.arange(0, BLOCK_G) < GS
+    OUT: tl.constexpr = y_ptr.dtype.element_ty
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT).to(tl.float32)
+    dw = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = (blk * ROWS + i).to(tl.int64)
+        m = mask & (row < M)
+        y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-z))
+        du, nhat = _norm_backward(y * (z * s), g * w, mask, GS, eps)
+        tl.store(dy_ptr + row * d + c, (du * (z * s)).to(dy_ptr.dtype.element_ty), mask=m)
+        tl.store(dz_ptr + row * d + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty), mask=m)
+        dw += g * nhat.to(OUT).to(tl.float32)
+    tl.store(dw_ptr + blk * d + c, dw, mask=mask)
+
+
+def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
+                        ) -> tuple[int, torch.Tensor]:
+    """A norm backward's row blocks of ``norm_bwd_rows`` rows: (their number, their weight-gradient
+    partial sums [blocks, d] fp32, zeros: the caller sums them over blocks)."""
+    nb = triton.cdiv(M, cfg.norm_bwd_rows)
+    return nb, torch.zeros(max(nb, 1), d, device=device, dtype=torch.float32)
+
+
+def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                             g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``rms_norm_triton(x, weight, eps, out_dtype)`` against g [M, D]: (dx [M, D] fp32,
+    plus ``add`` [M, D] when given (a residual's own gradient, summed in fp32), dweight [D] in weight's
+    dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch."""
+    x, g = _rows(x, "x"), _rows(g, "g")
+    M, D = x.shape
+    dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
+    nb, dw = _weight_grad_blocks(M, D, cfg, x.device)
+    if M:
+        a = _rows(add, "add") if add is not None else g
+        block, warps = _block_warps(D, cfg)
+        _rms_norm_bwd_kernel[(nb,)](x, weight.contiguous(), g, a, dx, dw, M, D, x.stride(0), g.stride(0), a.stride(0),
+                                    float(eps), HAS_ADD=add is not None, OUT=_TL[out_dtype], ROWS=cfg.norm_bwd_rows,
+                                    BLOCK_D=block, num_warps=warps)
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``gated_rms_norm_triton(y, z, weight, eps, n_groups)`` against g [M, d]: (dy in y's
+    dtype, dz in z's, dweight [d] in weight's). Deterministic, as ``rms_norm_backward_triton``."""
+    y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
+    M, d = y.shape
+    gs = d // n_groups
+    dy = torch.empty(M, d, device=y.device, dtype=y.dtype)
+    dz = torch.empty(M, d, device=y.device, dtype=z.dtype)
+    nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
+    if M:
+        block, warps = _block_warps(gs, cfg)
+        _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, dy, dz, dw, M, d, gs, y.stride(0),
+                                               z.stride(0), g.stride(0), float(eps), ROWS=cfg.norm_bwd_rows,
+                                               BLOCK_G=block, num_warps=warps)
+    return dy, dz, dw.sum(0).to(weight.dtype)
+
+
+
+
+def _block_warps(width: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
+    """The power-of-two block of a row (or group) of ``width`` and its program's warps."""
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(16, block // cfg.norm_block_per_warp))
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be [M, d], got {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            out_dtype: torch.dtype, res_dtype: torch.dtype | None, norm_input_dtype: torch.dtype | None,
+            cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    M = idx.shape[0] if idx is not None else res.shape[0]
+    D = res.shape[1]
+    out = torch.empty(M, D, dtype=out_dtype, device=res.device)
+    res_out = torch.empty(M, D, dtype=res_dtype, device=res.device) if res_dtype is not None else None
+    if M == 0:
+        return out, res_out
+    block, warps = _block_warps(D, cfg)
+    _rms_norm_kernel[(M,)](
+        x if x is not None else res, res, idx if idx is not None else res, weight.contiguous(), out,
+        res_out if res_out is not None else out, D, x.stride(0) if x is not None else 0, res.stride(0), out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, float(eps), HAS_X=x is not None, HAS_IDX=idx is not None,
+        WRITE_RES=res_out is not None, ROUND_IN=norm_input_dtype is not None,
+        IN_DTYPE=_TL[norm_input_dtype or torch.float32], BLOCK_D=block, num_warps=warps, enable_fp_fusion=False)
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
+                    cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``ops.norm.rms_norm``: x [M, d] (any float dtype, rows may be strided), weight [d] ->
+    [M, d] in ``out_dtype`` (default weight's dtype): weight * round(x / rms(x))."""
+    x = _rows(x, "x")
+    out, _ = _launch(None, x, None, weight, eps, out_dtype or weight.dtype, None, None, cfg)
+    return out
+
+
+def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None, cfg: TritonKernelConfigs, *,
+                        norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one pass.
+
+    x [M, d] (the block's output, any float dtype) or None (the first layer: no add), residual
+    [M, d]. new_residual = residual + x computed in fp32 and rounded to residual's dtype (exact for
+    an fp32 residual and a bf16 x), or residual itself copied when x is None; normed =
+    ``rms_norm(new_residual)``, the new residual first rounded to ``norm_input_dtype`` if given (the
+    reference model normalises ``residual.to(model dtype)``). Returns (normed [M, d] in ``out_dtype``,
+    default weight's dtype; new_residual [M, d] in residual's dtype), both new tensors.
+    """
+    residual = _rows(residual, "residual")
+    if x is not None:
+        x = _rows(x, "x")
+        if x.shape != residual.shape:
+            raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    out, res = _launch(x, residual, None, weight, eps, out_dtype or weight.dtype, residual.dtype, norm_input_dtype,
+                       cfg)
+    return out, res
+
+
+def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out_dtype: torch.dtype | None, residual_dtype: torch.dtype, cfg: TritonKernelConfigs, *,
+                          norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding gather, the first residual and the first layer's RMSNorm in one pass.
+
+    token_ids [M] (int32/int64, on the device, in range: not checked here), embedding [V, d].
+    residual = embedding[token_ids] in ``residual_dtype``; normed as ``add_rms_norm_triton(None,
+    residual, ...)``. Returns (normed [M, d] in ``out_dtype``, residual [M, d] in ``residual_dtype``).
+    """
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be [M], got {tuple(token_ids.shape)}")
+    embedding = _rows(embedding, "embedding")
+    return _launch(None, embedding, token_ids.contiguous(), weight, eps, out_dtype or weight.dtype, residual_dtype,
+                   norm_input_dtype, cfg)
+
+
+def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
+                          cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``ops.norm.gated_rms_norm``: norm_g(y * silu(z)) * weight, normalised per group.
+
+    y, z [M, d] (model dtype; rows may be strided, e.g. z a column slice of in_proj's output),
+    weight [d], d divisible by n_groups. Returns a new [M, d] tensor in y's dtype.
+    """
+    y, z = _rows(y, "y"), _rows(z, "z")
+    M, d = y.shape
+    if z.shape != y.shape or d % n_groups:
+        raise ValueError(f"gated_rms_norm_triton: y {tuple(y.shape)}, z {tuple(z.shape)}, {n_groups} groups")
+    out = torch.empty(M, d, dtype=y.dtype, device=y.device)
+    if M == 0:
+        return out
+    gs = d // n_groups
+    block, warps = _block_warps(gs, cfg)
+    _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, gs, y.stride(0), z.stride(0), out.stride(0),
+                                      float(eps), BLOCK_G=block, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+# -- autograd: forward = the kernel, unchanged; backward = the torch form's gradient (Triton kernels) ------
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.consts = (eps, out_dtype, cfg)
+        return rms_norm_triton(x, w, eps, out_dtype, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        eps, out_dtype, cfg = ctx.consts
+        dx, dw = rms_norm_backward_triton(x, w, eps, out_dtype, g, cfg)
+        return wanted(ctx, dx.to(x.dtype), dw)
+
+
+class _EmbedNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float,
+                dtype: torch.dtype, residual_dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(token_ids, embedding, w)
+        ctx.consts = (eps, dtype, residual_dtype, cfg)
+        return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        token_ids, embedding, w = ctx.saved_tensors
+        eps, dtype, residual_dtype, cfg = ctx.consts
+        residual = embedding[token_ids].to(residual_dtype)
+        g, dw = rms_norm_backward_triton(residual.to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
+        de = None
+        if ctx.needs_input_grad[1]:
+            with deterministic():  # repeated token ids: the sorting accumulation, not atomics
+                de = torch.zeros(embedding.shape, device=g.device).index_put_((token_ids,), g, accumulate=True)
+            de = de.to(embedding.dtype)
+        return wanted(ctx, None, de, dw)
+
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+                cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, residual, w)
+        ctx.consts = (eps, dtype, cfg)
+        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, residual, w = ctx.saved_tensors
+        eps, dtype, cfg = ctx.consts
+        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype)
+        g, dw = rms_norm_backward_triton((residual + x).to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
+        return wanted(ctx, g.to(x.dtype), g.to(residual.dtype), dw)
+
+
+class _GatedRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
+                cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(y, z, w)
+        ctx.consts = (eps, n_groups, cfg)
+        return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, z, w = ctx.saved_tensors
+        eps, n_groups, cfg = ctx.consts
+        return wanted(ctx, *gated_rms_norm_backward_triton(y, z, w, eps, n_groups, g, cfg))
+
+
+# -- the forms (the triton backend's table): the Function where a gradient is recorded, else the launch ----
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             cfg: TritonKernelConfigs) -> torch.Tensor:
+    """[M, d] -> [M, d] in ``out_dtype``; backward of ``tree.rms_norm``."""
+    if grad_needed(x, w):
+        return _RmsNorm.apply(x, w, eps, out_dtype, cfg)
+    return rms_norm_triton(x, w, eps, out_dtype, cfg)
+
+
+def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+               residual_dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_ids [T] -> (normed [T, d] in ``dtype``, residual [T, d] in ``residual_dtype``)."""
+    if grad_needed(embedding, w):
+        return _EmbedNorm.apply(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
+    return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+             cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [M, d] -> (normed [M, d] in ``dtype``, residual + x [M, d] in residual's dtype)."""
+    if grad_needed(x, residual, w):
+        return _AddNorm.apply(x, residual, w, eps, dtype, cfg)
+    return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
+                   cfg: TritonKernelConfigs) -> torch.Tensor:
+    """y, z [M, d] -> [M, d] in y's dtype; backward of ``tree.gated_rms_norm``."""
+    if grad_needed(y, z, w):
+        return _GatedRmsNorm.apply(y, z, w, eps, n_groups, cfg)
+    return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)

@@ -1,0 +1,167 @@
+"""Every Triton kernel compiles for sm_90 (the H200) in every configuration the backend launches.
+
+The CPU tests run the kernels through the Triton interpreter, which accepts code that the compiler
+refuses (a loop-carried variable whose shape changes, a name reused with another shape). This
+compiles each kernel offline with the ptxas shipped in the triton wheel, no GPU needed, for fp32
+models (fp32 FMA dots, "row" and "tile" decode) and bf16 models (tensor-core dots, no fp
+contraction), with the flags the launchers pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sm90_offline import run_sm90_script
+
+pytestmark = pytest.mark.compile
+
+_COMPILE_ALL = r"""
+import inspect, json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.ssd import triton_backward as tb, triton_chunk as tc, triton_decode as td
+
+cfg = TritonKernelConfigs()
+BK, BP, BN, NW = cfg.block_k, cfg.block_p, cfg.block_n, cfg.num_warps
+D = dict(H=32, G=1, L=256, P=64, N=128)
+bf, i64 = "*bf16", "*i64"
+done = []
+
+
+def comp(fn, types, consts, fuse, warps=NW):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    opts = dict(num_warps=warps, enable_fp_fusion=fuse)
+    if consts.get("TC") and fn is tc._tile_output_kernel:
+        opts.update(tc.TILE_OPTS)
+    if consts.get("TC") and fn is td._tile_kernel:
+        opts.update(td.TILE_OPTS)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    done.append(f"{fn.fn.__name__}:{consts.get('TC', 'fp32')}")
+
+
+for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
+    fuse = not TC
+    comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
+    model = dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf) if TC else {}  # x and B in the model dtype
+    rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, **model, **rows),
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
+    comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
+         dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
+    comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, **rows),
+         dict(G=1, L=256, N=128, R=cfg.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC),
+         fuse)
+    comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
+                                      tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", **rows),
+         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
+    for with_cb in (False, True):
+        comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
+                                   slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
+             dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb), False)
+    for pdl in (False, True):  # with and without programmatic dependent launch
+        comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
+                                   sD_h="i32", sD_p="i32"),
+             dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
+                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
+    comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
+         dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
+              QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
+    # the scan's backward (fp32 chunk tensors; the dots' precision as the forward's)
+    bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, PRECISION=cfg.dot_precision,
+               TC=TC)
+    comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32"), bwd, fuse, cfg.bwd_warps)
+    comp(tb._bwd_t_kernel, {}, bwd, fuse, cfg.bwd_warps)
+    for to_end in (True, False):  # the chunk states and dS
+        comp(tb._weighted_state_kernel, {}, dict(D, BLOCK_K=64, BLOCK_P=64, BLOCK_N=64, TO_END=to_end,
+                                                 PRECISION=cfg.dot_precision, TC=TC), fuse, cfg.bwd_warps)
+comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
+                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
+                          lo="fp32", hi="fp32"),
+     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
+comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
+                            keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64),
+     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
+comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
+     dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
+comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
+                                                                     BLOCK_N=BN), True)
+comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
+                          n="i32"),
+     dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    done = run_sm90_script(_COMPILE_ALL, tmp_path)
+    # 14 kernel configs per dot mode (4 of the backward's); pack, buffer, row, reverse pass and zero kernels
+    assert len(done) == 3 * 14 + 5, done
+
+
+_COMPLETION_DOTS = r"""
+import inspect, json, os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
+
+cfg = TritonKernelConfigs()
+i64 = "*i64"
+
+
+def dot_accumulators(fn, types, consts, fuse):
+    # what each tt.dot of the kernel's TTIR accumulates onto: a zero constant, a loop-carried value,
+    # or the result of another operation (named)
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, enable_fp_fusion=fuse))
+    ir = k.asm["ttir"].splitlines()
+    defs = {m.group(1): m.group(2) for m in (re.match(r"\s*(%[\w.]+) = ([\w.]+)", ln) for ln in ir) if m}
+    out = []
+    for ln in ir:
+        m = re.search(r"= tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", ln)
+        if m:
+            d = defs.get(m.group(3))
+            line = next((x for x in ir if re.match(rf"\s*{re.escape(m.group(3))} = ", x)), "")
+            out.append("loop" if d is None else "zero" if d == "arith.constant" and "dense<0.0" in line else d)
+    return out
+
+
+res = {}
+for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
+    fuse = not TC
+    D = dict(H=4, G=2, L=L, P=64, N=32)
+    bf = "*bf16" if TC else "*fp32"
+    rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64, chunk_ptr=i64)
+    prefill = dot_accumulators(tc._chunk_state_kernel, dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, **rows),
+                               dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_NS=td.state_block_n(32),
+                                    PRECISION=cfg.dot_precision, TC=TC), fuse)
+    decode = dot_accumulators(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64,
+                                                      seq_ptr=i64, n="i32"),
+                              dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=td.state_block_n(32),
+                                   PRECISION=cfg.dot_precision, TC=TC, LISTED=False, QB=td.COMPLETION_BLOCK,
+                                   PDL=False), fuse)
+    res[f"TC{TC} L{L}"] = [prefill, decode]
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_completion_dots_accumulate_as_the_chunk_states(tmp_path):
+    """A decode step's chunk completion (``_update_kernel``) adds the chunk state to the decayed
+    boundary state after its dots, as the prefill's state pass adds the stored chunk state. With a
+    one-block K loop (chunk size <= block_k) Triton folds ``d + dot(a, b, 0)`` into ``dot(a, b, d)``,
+    a chain seeded with d: other bits (seen on the H200 at chunk 32, fp32). Each dot of the
+    completion must accumulate onto what the prefill's chunk-state dot accumulates onto."""
+    res = run_sm90_script(_COMPLETION_DOTS, tmp_path)
+    for case, (prefill, decode) in res.items():
+        assert prefill and decode == prefill, (case, prefill, decode)

@@ -1,0 +1,131 @@
+"""The GEMM, norm, conv1d and log-softmax kernels compile for sm_90 (the H200) as the launchers call them.
+
+Offline, with the ptxas and cuobjdump of the triton wheel, no GPU: every GEMM regime of the pinned
+configs (bf16 decode, mid and large tiles through TMA and through pointers, the fp32 tile), each
+norm variant, the conv and window kernels, log-softmax and token logprobs. The SASS must show the
+instructions the tiles were chosen for: HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for
+16-row tiles, TMA loads where descriptors are used, and no local memory (spills) in any GEMM.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sm90_offline import run_sm90_script
+
+pytestmark = pytest.mark.compile
+
+_COMPILE_OPS = r"""
+import inspect, json, os, re, subprocess, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.conv1d import triton as ct
+from aligned_mamba.ops.linear import triton as lt
+from aligned_mamba.ops.logprobs import triton as lpt
+from aligned_mamba.ops.norm import triton as nt
+from aligned_mamba.ops.configs import TritonKernelConfigs
+
+cfg = TritonKernelConfigs()
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ALIGNED = {"K", "N", "D", "GS", "V", "Cd", "stride_x", "stride_xm", "stride_wn", "stride_ym", "stride_res",
+           "stride_out", "stride_res_out", "stride_y", "stride_z", "stride_ws", "stride_wk"}
+done = []
+
+
+def comp(name, fn, types, consts, **opts):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
+             if v.startswith("*") or n in ALIGNED}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+    ops = {o: len(re.findall(r"\b" + o + r"\b", sass)) for o in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL")}
+    done.append(dict(name=name, regs=regs, stack=stack, shared=k.metadata.shared, **ops))
+
+
+# every GEMM plan the model shapes (N of each layer) meet at decode, mid and prefill sizes, and fp32's
+plans = {}
+for N in (768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000):
+    for M in (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m, 8192):
+        for dt in ("bf16", "fp32"):
+            p = lt.plan(M, torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32), cfg, sms=132)
+            plans[(dt, p)] = None
+for dt, p in plans:
+    tag = f"linear:{dt}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
+    opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
+    c = dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision)
+    if p.tma:
+        for bias in (False, True):
+            comp(tag + f":tma:bias{int(bias)}", lt._linear_tma_kernel,
+                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                      y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
+                 dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent), **opts)
+    # the pointer kernel: the plan's own launch without TMA, and every plan's fallback
+    comp(tag + ":ptr", lt._linear_ptr_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, y_ptr="*" + dt, b_ptr="*" + dt),
+         dict(c, HAS_BIAS=True), **opts)
+
+f32, bf = "fp32", "bf16"
+for name, x, res, ro, has_x, idx, rnd in (("rms", bf, bf, bf, False, False, False),
+                                          ("add", bf, f32, f32, True, False, False),
+                                          ("add_round", bf, f32, f32, True, False, True),
+                                          ("embed", bf, bf, f32, False, True, False)):
+    comp("norm:" + name, nt._rms_norm_kernel,
+         dict(x_ptr="*" + x, res_ptr="*" + res, idx_ptr="*i64", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*" + ro,
+              eps="fp32"),
+         dict(HAS_X=has_x, HAS_IDX=idx, WRITE_RES=name != "rms", ROUND_IN=rnd, IN_DTYPE=triton.language.bfloat16,
+              BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1], enable_fp_fusion=False)
+comp("norm:gated", nt._gated_norm_kernel, dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                                               eps="fp32"), dict(BLOCK_G=1024),
+     num_warps=nt._block_warps(1024, cfg)[1], enable_fp_fusion=False)
+for add in (False, True):  # the backwards (fp32 gradients of bf16 rows)
+    comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
+         dict(x_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32", dw_ptr="*fp32",
+              eps="fp32"), dict(HAS_ADD=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows, BLOCK_D=4096),
+         num_warps=nt._block_warps(4096, cfg)[1])
+comp("norm:gated:backward", nt._gated_norm_bwd_kernel,
+     dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", dy_ptr="*bf16", dz_ptr="*bf16", dw_ptr="*fp32",
+          eps="fp32"), dict(ROWS=cfg.norm_bwd_rows, BLOCK_G=1024), num_warps=nt._block_warps(1024, cfg)[1])
+conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
+              out_ptr="*bf16")
+for bias in (False, True):
+    comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
+         enable_fp_fusion=False)
+comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
+for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-gradient partial sums)
+    comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
+         dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
+              dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
+         dict(K=4, HAS_BIAS=bias, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4)
+lw = dict(num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
+comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"),
+     dict(BLOCK_V=cfg.logprobs_block_v), **lw)
+comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="*i64", out_ptr="*fp32",
+                                                        lse_ptr="*fp32"), dict(BLOCK_V=cfg.logprobs_block_v), **lw)
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_for(tmp_path):
+    done = run_sm90_script(_COMPILE_OPS, tmp_path)
+    by = {d["name"]: d for d in done}
+    linear = [d for d in done if d["name"].startswith("linear:")]
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2, sorted(by)
+    for d in done:
+        if d["name"].startswith("linear:"):
+            assert d["LDL"] == d["STL"] == 0, d  # no spills
+            bf16, bm = d["name"].split(":")[1] == "bf16", int(d["name"].split(":")[2].split("x")[0])
+            assert d["HGMMA" if bf16 and bm >= 64 else "HMMA"] > 0 or not bf16, d
+            if ":tma:" in d["name"]:
+                assert d["UTMALDG"] > 0, d
