@@ -44,7 +44,7 @@ cat "$W/env.log" >> "$W/summary.txt"
 
 if want moetests; then
   timeout "$(left "${MOETESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \
-    ${MOETESTS_K:+-k "$MOETESTS_K"} tests/test_moe_triton_gpu.py 2>&1 | tee "$W/pytest_moe.log"
+    ${MOETESTS_K:+-k "$MOETESTS_K"} tests/ops/test_moe_triton_gpu.py 2>&1 | tee "$W/pytest_moe.log"
   note "moetests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_moe.log")"; pack
 fi
 if want moebench; then
@@ -77,7 +77,7 @@ PY
 fi
 if want attntests; then
   timeout "$(left "${ATTNTESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \
-    tests/test_attention_triton_gpu.py 2>&1 | tee "$W/pytest_attn.log"
+    tests/ops/test_attention_gpu.py 2>&1 | tee "$W/pytest_attn.log"
   note "attntests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_attn.log")"; pack
 fi
 if want bwddet; then
