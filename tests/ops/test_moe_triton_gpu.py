@@ -128,13 +128,13 @@ def test_stock_layer_rows_depend_on_the_batch_at_nanos_shape() -> None:
 def test_expert_rows_equal_the_triton_linear(T: int) -> None:
     """The grouped kernels' output equals the torch form run with the backend's linear_triton and
     relu2_triton over each expert's rows (the same K block and dot, so the same row bits)."""
-    from aligned_mamba.ops.backend import Backend
+    from aligned_mamba.ops.moe import experts_grouped
     from aligned_mamba.ops.moe.triton import experts_triton
 
     be = _backend()
     h, experts, weights, up, down = _routed(T, 6, seed=T)
     ours = experts_triton(h, experts, weights, up, down, be.configs)
-    assert torch.equal(ours, Backend.moe_experts(be, h, experts, weights, up, down))
+    assert torch.equal(ours, experts_grouped(h, experts, weights, up, down, linear=be.linear, relu2=be.relu2))
 
 
 def test_combine_kernel_has_the_torch_combines_bits() -> None:
