@@ -44,8 +44,10 @@ def _cfg(c):
     from aligned_mamba.ops.configs import TritonKernelConfigs
 
     n, m, qm, qn, w, st = c
-    return dataclasses.replace(TritonKernelConfigs(), attn_bwd_kv_block_n=n, attn_bwd_kv_block_m=m,
-                               attn_bwd_q_block_m=qm, attn_bwd_q_block_n=qn, attn_bwd_warps=w, attn_bwd_stages=st)
+    cfg = dataclasses.replace(TritonKernelConfigs(), attn_bwd_kv_block_n=n, attn_bwd_q_block_m=qm,
+                              attn_bwd_q_block_n=qn, attn_bwd_warps=w, attn_bwd_stages=st)
+    object.__setattr__(cfg, "attn_bwd_kv_block_m", m)  # past the check: the probe studies the launches it refuses
+    return cfg
 
 
 def _inputs(T: int, H: int, G: int, D: int, seed: int):
