@@ -142,6 +142,21 @@ def test_gated_norm_slices() -> None:
             assert torch.equal(torch.cat(threads(rank, size), dim=1), one), (groups, size)
 
 
+def _empty_step(group: TPGroup, config, tensors, contract) -> tuple[torch.Size, torch.Size]:
+    model = tp_reference.build(group, config, tensors, contract)
+    y = torch.zeros(0, 128, dtype=torch.bfloat16)  # this rank's 128 of 256 channels, one group
+    norm = gated_rms_norm_sliced(y, y, torch.ones(128, dtype=torch.bfloat16), 1e-5, 1, slices=4, group=group)
+    return model.logits(torch.zeros(0, config.hidden_size, dtype=torch.bfloat16)).shape, norm.shape
+
+
+def test_a_step_without_rows_at_tp2() -> None:
+    """An engine step that wants no logits row (a prefill chunk mid-prompt) still meets every rank's
+    all-gathers: the empty tensors pass through."""
+    config, tensors = _model("g1")
+    for logits, norm in threads(_empty_step, 2, config, tensors, _contract()):
+        assert logits == (0, 512) and norm == (0, 128)
+
+
 def _refused(contract: Contract, config, size: int, match: str) -> None:
     with pytest.raises(AlignedMambaError, match=match) as e:
         check_tp(contract, config, size)
