@@ -67,25 +67,17 @@ def tp_control(config: Any, tensors: dict[str, torch.Tensor], contract: Contract
 # -- kept in the ranks (``parallel.Ranks``): the model built once per rank --------------------------------
 
 
-def load(group: TPGroup, key: str, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
-         exact_replay: bool = True) -> None:
-    """Build this rank's model and keep it under ``key`` (``exact_replay=False``: the baseline's
-    recurrent decode, ``baseline.baseline_model``)."""
-    model = build(group, config, tensors, contract)
-    if not exact_replay:
-        from .baseline import baseline_model
-
-        model = baseline_model(model)
-    rank_state()[key] = model
+def load(group: TPGroup, key: str, config: Any, tensors: dict[str, torch.Tensor], contract: Contract) -> None:
+    """Build this rank's model and keep it under ``key``."""
+    rank_state()[key] = build(group, config, tensors, contract)
 
 
-def load_source_rank(group: TPGroup, key: str, source: str, dtype: str | None, contract: Contract,
-                     exact_replay: bool = True) -> None:
+def load_source_rank(group: TPGroup, key: str, source: str, dtype: str | None, contract: Contract) -> None:
     """``load`` from a model source ("tiny" or a checkpoint directory) that each rank reads itself."""
     from .models import load_source
 
     config, tensors = load_source(source, dtype)
-    load(group, key, config, tensors, contract, exact_replay)
+    load(group, key, config, tensors, contract)
 
 
 def forward_kept(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -94,14 +86,11 @@ def forward_kept(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) ->
 
 
 def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -> ScenarioResult:
-    """The reference engine's scenario over the kept model."""
+    """The reference engine's scenario over the kept model (``exact_replay=False``: the baseline's
+    recurrent decode over the same weights)."""
     from .engine import ReferenceEngine
 
-    model = rank_state()[key]
-    engine = ReferenceEngine.__new__(ReferenceEngine)  # over the kept model, wrapped already
-    engine.spec = EngineSpec(model="<memory>", contract=model.contract.to_dict(), exact_replay=exact_replay)
-    engine.contract, engine.config, engine.model = model.contract, model.config, model
-    result = engine.run(scenario)
+    result = ReferenceEngine.for_model(rank_state()[key], exact_replay=exact_replay).run(scenario)
     result.info["tp"] = group.size
     return result
 
@@ -137,13 +126,13 @@ class TPReferenceEngine:
         self.spec = spec
         self.contract = Contract.from_dict(spec.contract)
         self.ranks = Ranks(spec.tp)
-        self.ranks.call(load_source_rank, "engine", spec.model, spec.dtype, self.contract, spec.exact_replay)
+        self.ranks.call(load_source_rank, "engine", spec.model, spec.dtype, self.contract)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         from .models import load_source
 
         config, _ = load_source(self.spec.model, self.spec.dtype)
-        self.ranks.call(load, "engine", config, tensors, self.contract, self.spec.exact_replay)
+        self.ranks.call(load, "engine", config, tensors, self.contract)
 
     def run(self, scenario: Scenario, on_step: Any = None) -> ScenarioResult:
         if on_step is not None:
