@@ -63,10 +63,11 @@ def _rows_differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(int((x != y).any(dim=-1).sum()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
-def test_forward_is_the_same_bits_at_tp_1_2_4(name: str) -> None:
+@pytest.mark.parametrize("name,dtype", [("g1", "bfloat16"), ("g8", "bfloat16"), ("hybrid", "bfloat16"),
+                                        ("g8", "float32")])
+def test_forward_is_the_same_bits_at_tp_1_2_4(name: str, dtype: str) -> None:
     config, tensors = _model(name)
-    seqs, c = _seqs(), _contract()
+    seqs, c = _seqs(), _contract(dtype=dtype)
     one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
     for size in (2, 4):
         for rank, got in enumerate(threads(tp_reference.forward, size, config, tensors, c, seqs)):
@@ -101,8 +102,9 @@ def _engine_case(group: TPGroup, config, tensors, contract, case_name: str):
                                      case.exact_replay)
 
 
-@pytest.mark.parametrize("name", ["g1", "hybrid"])
-@pytest.mark.parametrize("case", ["chunked_prefill_unaligned", "preempt_recompute"])
+@pytest.mark.parametrize("name,case", [("g1", "chunked_prefill_unaligned"), ("g1", "preempt_recompute"),
+                                       ("g8", "mixed_batch"), ("hybrid", "chunked_prefill_unaligned"),
+                                       ("hybrid", "preempt_recompute")])
 def test_engine_schedules_at_tp2_give_the_trainers_tp1_rows(name: str, case: str) -> None:
     """Chunked prefill, decode, preemption and recompute at TP 2: every row the engine emits is the
     TP 1 trainer's one-pass row, and every reported logprob its logprob."""
