@@ -111,7 +111,23 @@ class TPTrainer:
         self.ranks.call(load, "trainer", config, tensors, contract)
 
     def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one pass at TP ``size``: [len_i] -> [len_i, vocab]."""
         return self.ranks.call(forward_kept, "trainer", list(sequences))
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every generated token under the one-pass logits (the full rows every rank holds),
+        [len_i - prompt_len_i] float32 each, by the contract's log-softmax."""
+        from .train import generated_logprobs
+
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        from .errors import AlignedMambaError
+
+        raise AlignedMambaError(f"training steps at tensor-parallel size {self.size} are not implemented yet "
+                                "(the reference trainer's TP path scores only)")
 
     def close(self) -> None:
         self.ranks.close()

@@ -199,3 +199,21 @@ def test_gloo_processes() -> None:
 def test_backend_has_the_sliced_forms() -> None:
     be = resolve(_contract())
     assert be.linear_partial is not None and be.gated_rms_norm_sliced is not None
+
+
+@pytest.mark.engines
+def test_tp_trainer_scores_and_refuses_steps() -> None:
+    """The CLI's trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's;
+    a training step is refused in one line (not implemented at TP > 1)."""
+    config, tensors = _model("hybrid")
+    seqs, c = _seqs(), _contract()
+    trainer = tp_reference.TPTrainer(config, tensors, c, 2)
+    try:
+        one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+        assert _equal(trainer.forward(seqs), one)
+        lps = trainer.token_logprobs(seqs, [3, 3, 3])
+        assert _equal(lps, [token_logprobs(lg[2:-1], s[3:]) for lg, s in zip(one, seqs)])
+        with pytest.raises(AlignedMambaError, match="not implemented yet"):
+            trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
+    finally:
+        trainer.close()
