@@ -8,6 +8,10 @@ group spans ranks, and the vocabulary's log-softmax (``ops.logprobs``) sum fixed
 pairwise tree over all-gathered partials. The one collective is ``TPGroup.all_gather`` (never an
 all-reduce, whose order is the library's; an all-reduce of a row and zeros would also turn -0.0
 into +0.0).
+
+Ranks run as threads of one process (``threads``: tests), or as spawned CPU processes over gloo
+(``Ranks``, kept alive between calls; ``launch``, one call): what tests and the CLI use. On GPUs a
+caller initialises NCCL itself and passes ``TPGroup.from_torch()``.
 """
 
 from __future__ import annotations
