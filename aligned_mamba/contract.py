@@ -56,6 +56,12 @@ class Contract:
     ``kernel_configs``: the backend's typed, frozen configs (``ops.configs``), what its launches
     use; given as a mapping, its fields replace the pinned defaults (unknown names and values no
     kernel implements are refused).
+
+    ``row_parallel_slices`` (S, a power of two): every row-parallel GEMM (out_proj, o_proj, the MLP's
+    down projection) reduces K in S contiguous slices summed by a fixed pairwise tree, and Mamba2's
+    gated norm sums each group's squares in S slices the same way (``aligned_mamba.parallel``), so
+    tensor-parallel degrees 1, 2, 4 ... S give the same bits. 1 is the plain linear layer (and is
+    left out of the fingerprint, so contracts written before the field keep their digests).
     """
 
     chunk_size: int
@@ -64,6 +70,7 @@ class Contract:
     model_dtype: str = "bfloat16"
     kernel_configs: KernelConfigs | Mapping[str, Any] | None = None
     version: int = CONTRACT_VERSION
+    row_parallel_slices: int = 1
 
     def __post_init__(self) -> None:
         cs = self.chunk_size
@@ -85,6 +92,13 @@ class Contract:
             raise ContractError(f"model_dtype {model!r} refused: expected one of {', '.join(MODEL_DTYPES)}")
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise ContractError(f"version {self.version!r} refused: expected a positive int")
+        s = self.row_parallel_slices
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1 or s > 1024 or s & (s - 1):
+            raise ContractError(f"row_parallel_slices {s!r} refused: must be a power of two from 1 to 1024 "
+                                "(the partial sums are joined by a pairwise tree)")
+        if s > 1 and self.backend != "torch":
+            raise ContractError(f"row_parallel_slices {s} refused on the {self.backend} backend: the sliced "
+                                "tree GEMM is implemented on the torch backend only for now")
         try:
             configs = kernel_configs(self.backend, self.kernel_configs)
         except (TypeError, ValueError) as e:
@@ -97,6 +111,8 @@ class Contract:
         """Every field as JSON-ready values (the kernel configs as a dict of their fields)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["kernel_configs"] = dataclasses.asdict(self.kernel_configs)
+        if self.row_parallel_slices == 1:  # the plain linear layer: the digests of older contracts stay
+            del out["row_parallel_slices"]
         return out
 
     @property
@@ -111,7 +127,8 @@ class Contract:
     def __str__(self) -> str:
         return (
             f"contract v{self.version} {self.backend} chunk={self.chunk_size} state={self.state_dtype} "
-            f"model={self.model_dtype} fp={self.fingerprint}"
+            f"model={self.model_dtype}{f' slices={self.row_parallel_slices}' if self.row_parallel_slices > 1 else ''} "
+            f"fp={self.fingerprint}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +231,8 @@ class Contract:
         """Differing fields as (name, self value, other value); kernel configs per key."""
         out: list[tuple[str, Any, Any]] = []
         ours, others = self._fields(), other._fields()
+        ours.setdefault("row_parallel_slices", 1)
+        others.setdefault("row_parallel_slices", 1)
         for name, mine in ours.items():
             theirs = others[name]
             if name == "kernel_configs":

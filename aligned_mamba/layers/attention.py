@@ -34,7 +34,9 @@ from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, blocked_plan
 from ..ops.attention.blocked import CacheTables as StepTables  # noqa: F401  (the old names)
 from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
 from ..ops.backend import Backend
+from ..ops.linear.sliced import row_parallel_linear
 from ..ops.step import Step
+from ..parallel import TPGroup
 from .base import MAX_LEN, StateSpec, take
 
 
@@ -134,17 +136,62 @@ def paged_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table
     return PagedTables(wb, wo, rb, ro, cu_q, cu_k, plan)
 
 
+def _kv_heads(config: AttentionConfig, group: TPGroup) -> range:
+    """The key/value heads rank ``group.rank`` holds: G / k of them, or with G < k the one its query
+    heads share (replicated over k / G ranks)."""
+    G, k, r = config.num_kv_heads, group.size, group.rank
+    if G % k == 0:
+        return range(r * G // k, (r + 1) * G // k)
+    if k % G:
+        raise ModelLoadError(f"num_key_value_heads {G} cannot be split across {k} tensor-parallel ranks")
+    g = r // (k // G)
+    return range(g, g + 1)
+
+
+def local_config(config: AttentionConfig, group: TPGroup) -> AttentionConfig:
+    """The attention one rank runs: num_heads / k query heads and its key/value heads."""
+    if config.num_heads % group.size:
+        raise ModelLoadError(f"num_attention_heads {config.num_heads} cannot be split across {group.size} "
+                             "tensor-parallel ranks")
+    return AttentionConfig(config.hidden_size, config.num_heads // group.size, len(_kv_heads(config, group)),
+                           config.head_dim)
+
+
+def shard_weights(config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
+                  group: TPGroup) -> dict[str, torch.Tensor]:
+    """Rank ``group.rank``'s weights cut from a full checkpoint's: q_proj's rows of its query heads,
+    k_proj's and v_proj's of its key/value heads (column-parallel), o_proj's columns (row-parallel)."""
+    D, H, k, r = config.head_dim, config.num_heads, group.size, group.rank
+    q = slice(r * H // k * D, (r + 1) * H // k * D)
+    kv_heads = _kv_heads(config, group)
+    kv = slice(kv_heads.start * D, kv_heads.stop * D)
+    t = {n: take(tensors, prefix, f"{n}_proj.weight") for n in "qkvo"}
+    return {prefix + "q_proj.weight": t["q"][q], prefix + "k_proj.weight": t["k"][kv],
+            prefix + "v_proj.weight": t["v"][kv], prefix + "o_proj.weight": t["o"][:, q]}
+
+
 class Attention:
     """Causal grouped-query self-attention on a backend, in a model dtype.
 
     Linear weights as ``backend.linear_weight`` makes them; every cast is differentiable, so a
     trainer can build the layer from its parameters on each forward.
+
+    Tensor parallelism: ``tp`` with ``config`` the full layer's and ``tensors`` this rank's
+    (``shard_weights``): the rank runs its query heads and their key/value heads, and o_proj as the
+    contract's row-parallel GEMM over ``slices`` slices (any TP degree dividing them: the same bits).
     """
 
     kind = "attention"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
-                 backend: Backend, dtype: torch.dtype) -> None:
+                 backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None, slices: int = 1) -> None:
+        self.tp = tp
+        self.slices = slices
+        self.sliced = slices > 1 or (tp is not None and tp.size > 1)
+        if tp is not None:
+            config = local_config(config, tp)
         c = config
         if backend.device.type == "cuda" and backend.name != "triton":
             # the blocked form's batched GEMMs would go to cuBLAS, whose row bits change with the call's
@@ -163,6 +210,14 @@ class Attention:
             return lw(take(tensors, prefix, name).to(device=backend.device, dtype=dtype))
 
         self.q_w, self.k_w, self.v_w, self.o_w = (get(f"{n}_proj.weight") for n in "qkvo")
+        if self.sliced:
+            if backend.linear_partial is None:
+                raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
+                                     "sliced tree GEMM is not implemented yet")
+            w = take(tensors, prefix, "o_proj.weight").to(device=backend.device, dtype=dtype)
+            n = slices // (1 if tp is None else tp.size)
+            cw = w.shape[1] // n
+            self.o_slices = [lw(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:
@@ -226,4 +281,7 @@ class Attention:
         o = o.reshape(o.shape[0], -1)
         if rows is not None:
             o = o[rows]
+        if self.sliced:
+            return self.row_parallel(o, self.o_slices, None, slices=self.slices, group=self.tp or TPGroup.single(),
+                                       partial=self.backend.linear_partial)
         return self.backend.linear(o, self.o_w)

@@ -14,6 +14,7 @@ norm.weight [intermediate], out_proj.weight [hidden, intermediate], out_proj.bia
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ import torch
 
 from ..errors import ModelLoadError
 from ..ops.backend import Backend
+from ..ops.linear.sliced import row_parallel_linear
 from ..ops.ssd.state import SSDState, SSMParams
 from ..ops.step import Step
+from ..parallel import TPGroup
 from .base import StateSpec, take, take_optional
 
 
@@ -106,18 +109,83 @@ def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -
     return StateSpec(tuple(fields))
 
 
+def _groups(config: Mamba2MixerConfig, group: TPGroup) -> range:
+    """The B/C groups rank ``group.rank`` holds: G / k of them, or with G < k its heads' one group
+    (replicated over k / G ranks, as vLLM splits n_groups 1 at TP 2)."""
+    G, k, r = config.n_groups, group.size, group.rank
+    if G % k == 0:
+        return range(r * G // k, (r + 1) * G // k)
+    if k % G:
+        raise ModelLoadError(f"n_groups {G} cannot be split across {k} tensor-parallel ranks")
+    g = r // (k // G)
+    return range(g, g + 1)
+
+
+def local_config(config: Mamba2MixerConfig, group: TPGroup) -> Mamba2MixerConfig:
+    """The mixer one rank runs: num_heads / k heads and its groups (``shard_weights``' shapes)."""
+    if config.num_heads % group.size:
+        raise ModelLoadError(f"num_heads {config.num_heads} cannot be split across {group.size} tensor-parallel ranks")
+    return dataclasses.replace(config, num_heads=config.num_heads // group.size, n_groups=len(_groups(config, group)))
+
+
+def shard_weights(config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
+                  group: TPGroup) -> dict[str, torch.Tensor]:
+    """Rank ``group.rank``'s weights (named as the full ones, under ``prefix``) cut from a full
+    checkpoint's: in_proj's rows [z | x | B | C | dt] of its heads and groups (column-parallel, as
+    Megatron and vLLM lay a rank's in_proj out), the conv's channels, the per-head parameters, the
+    gated norm's channels, out_proj's columns (row-parallel; its bias whole)."""
+    c = config
+    H, P, N, d, GN = c.num_heads, c.head_dim, c.state_size, c.intermediate_size, c.n_groups * c.state_size
+    heads = range(group.rank * H // group.size, (group.rank + 1) * H // group.size)
+    groups = _groups(c, group)
+    ch = torch.arange(heads.start * P, heads.stop * P)
+    bc = torch.arange(groups.start * N, groups.stop * N)
+    hd = torch.arange(heads.start, heads.stop)
+    xbc = torch.cat([ch, d + bc, d + GN + bc])
+    rows = {"in_proj": torch.cat([ch, d + xbc, d + c.conv_dim + hd]), "conv1d": xbc}
+    out: dict[str, torch.Tensor] = {}
+    for name in c.weight_shapes():
+        t = take(tensors, prefix, name)
+        layer = name.split(".")[0]
+        if layer in rows:
+            t = t[rows[layer]]
+        elif name in ("dt_bias", "A_log", "D"):
+            t = t[hd]
+        elif name == "norm.weight":
+            t = t[ch]
+        elif name == "out_proj.weight":
+            t = t[:, ch]
+        out[prefix + name] = t
+    return out
+
+
 class Mamba2Mixer:
     """A Mamba2 mixer on a backend, for a chunk size (the contract's) and a model dtype.
 
     Weights as the backend's ops take them: linear weights through ``backend.linear_weight``, A =
     -exp(A_log), D and dt_bias in fp32, the conv and the gated norm in the model dtype. Every cast
     is differentiable, so a trainer can build the mixer from its parameters on each forward.
+
+    Tensor parallelism: ``tp`` (a ``parallel.TPGroup``) with ``config`` the full mixer's and
+    ``tensors`` this rank's (``shard_weights``, or a Megatron rank's own parameters): the rank runs
+    its heads and groups (``local_config``) and out_proj as the contract's row-parallel GEMM over
+    ``slices`` (``row_parallel_slices``) slices; with slices > 1 the gated norm sums each group's
+    squares in those slices (``gated_rms_norm_sliced``), so TP 1, 2 ... slices give the same bits.
     """
 
     kind = "mamba2"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
-                 backend: Backend, dtype: torch.dtype, chunk_size: int) -> None:
+                 backend: Backend, dtype: torch.dtype, chunk_size: int, tp: TPGroup | None = None,
+                 slices: int = 1) -> None:
+        self.full_config = config
+        self.tp = tp
+        self.slices = slices
+        self.sliced = slices > 1 or (tp is not None and tp.size > 1)
+        if tp is not None:
+            config = local_config(config, tp)
         c = config
         if c.state_size % 4:
             # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
@@ -149,6 +217,14 @@ class Mamba2Mixer:
         self.norm_w = get("norm.weight")
         self.out_proj_w = lw(get("out_proj.weight"))
         self.out_proj_b = opt("out_proj.bias", f32)
+        if self.sliced:
+            if backend.linear_partial is None or backend.gated_rms_norm_sliced is None:
+                raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
+                                     "sliced tree GEMM and norm are not implemented yet")
+            k = 1 if tp is None else tp.size
+            c_out = c.intermediate_size * k // slices  # one slice's K columns
+            w = get("out_proj.weight")
+            self.out_proj_slices = [lw(w[:, j * c_out:(j + 1) * c_out]) for j in range(c.intermediate_size // c_out)]
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:
@@ -185,5 +261,11 @@ class Mamba2Mixer:
         y = y.reshape(T, d)
         if rows is not None:
             y, z = y[rows], z[rows]
-        y = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
-        return be.linear(y, self.out_proj_w, self.out_proj_b)
+        if not self.sliced:
+            y = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
+            return be.linear(y, self.out_proj_w, self.out_proj_b)
+        group = self.tp or TPGroup.single()
+        y = be.gated_rms_norm_sliced(y, z, self.norm_w, c.norm_eps, self.full_config.n_groups, slices=self.slices,
+                                     group=group)
+        return self.row_parallel(y, self.out_proj_slices, self.out_proj_b, slices=self.slices, group=group,
+                                   partial=be.linear_partial)

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
+from ..errors import ModelLoadError
 from ..ops.backend import Backend
 from ..ops.elementwise import relu2
+from ..ops.linear.sliced import row_parallel_linear
 from ..ops.step import Step
+from ..parallel import TPGroup
 from .base import Stateless, take, take_optional
 
 __all__ = ["MLP", "MLPConfig", "relu2"]
@@ -42,13 +45,38 @@ class MLPConfig:
         return shapes
 
 
+def shard_weights(config: MLPConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
+                  group: TPGroup) -> dict[str, torch.Tensor]:
+    """Rank ``group.rank``'s weights cut from a full checkpoint's: up_proj's rows (and bias) of its
+    intermediate channels (column-parallel), down_proj's columns (row-parallel; its bias whole)."""
+    i, k, r = config.intermediate_size, group.size, group.rank
+    if i % k:
+        raise ModelLoadError(f"MLP intermediate_size {i} cannot be split across {k} tensor-parallel ranks")
+    ch = slice(r * i // k, (r + 1) * i // k)
+    out = {prefix + "up_proj.weight": take(tensors, prefix, "up_proj.weight")[ch],
+           prefix + "down_proj.weight": take(tensors, prefix, "down_proj.weight")[:, ch]}
+    if config.bias:
+        out[prefix + "up_proj.bias"] = take(tensors, prefix, "up_proj.bias")[ch]
+        out[prefix + "down_proj.bias"] = take(tensors, prefix, "down_proj.bias")
+    return out
+
+
 class MLP(Stateless):
-    """The MLP on a backend, in a model dtype (linear weights from ``backend.linear_weight``; biases fp32)."""
+    """The MLP on a backend, in a model dtype (linear weights from ``backend.linear_weight``; biases fp32).
+
+    Tensor parallelism: ``tp`` with ``config`` the full layer's and ``tensors`` this rank's
+    (``shard_weights``): up_proj over its channels, down_proj as the contract's row-parallel GEMM
+    over ``slices`` slices (any TP degree dividing them: the same bits)."""
 
     kind = "mlp"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: MLPConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *, backend: Backend,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TPGroup | None = None, slices: int = 1) -> None:
+        self.tp = tp
+        self.slices = slices
+        self.sliced = slices > 1 or (tp is not None and tp.size > 1)
         self.config = config
         self.backend = backend
         self.dtype = dtype
@@ -62,10 +90,22 @@ class MLP(Stateless):
         self.up_b = bias("up_proj.bias")
         self.down_w = backend.linear_weight(take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype))
         self.down_b = bias("down_proj.bias")
+        if self.sliced:
+            if backend.linear_partial is None:
+                raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
+                                     "sliced tree GEMM is not implemented yet")
+            w = take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype)
+            n = slices // (1 if tp is None else tp.size)
+            cw = w.shape[1] // n
+            self.down_slices = [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         be = self.backend
-        return be.linear(be.relu2(be.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)
+        h = be.relu2(be.linear(x, self.up_w, self.up_b))
+        if self.sliced:
+            return self.row_parallel(h, self.down_slices, self.down_b, slices=self.slices,
+                                       group=self.tp or TPGroup.single(), partial=be.linear_partial)
+        return be.linear(h, self.down_w, self.down_b)

@@ -21,6 +21,7 @@ from ..layers.base import Layer
 from ..layers.norm import RMSNorm
 from ..ops.backend import Backend
 from ..ops.step import Step
+from ..parallel import TPGroup
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,17 @@ class CausalLM:
     ``config`` is the family's own config; ``shape`` is what the generic forward reads; ``max_len``:
     the default maximum sequence length of a sampler's cache when a layer keeps a row per token
     (attention's keys and values; the family's max_position_embeddings), unused otherwise.
+
+    ``tp``: the tensor-parallel group this rank belongs to (default: one process). Each rank holds a
+    vocabulary shard of ``embedding`` and ``lm_head`` [V / k, hidden] and its part of every layer;
+    every rank returns the same full logits rows, the same bits at every degree dividing the
+    contract's ``row_parallel_slices``.
     """
 
     def __init__(self, *, family: str, config: Any, shape: LMShape, contract: Contract, backend: Backend,
                  embedding: torch.Tensor, blocks: list[Block], norm_f: RMSNorm, lm_head: torch.Tensor,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, tp: TPGroup | None = None) -> None:
+        self.tp = tp or TPGroup.single()
         self.family = family
         self.config = config
         self.shape = shape
@@ -144,8 +151,25 @@ class CausalLM:
         return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture, check=check))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype."""
-        return self.backend.linear(hidden, self.lm_head)
+        """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype (under tensor
+        parallelism each rank's vocabulary shard, the rows all-gathered: a logit is one output of the
+        column-parallel GEMM, whichever rank computes it)."""
+        local = self.backend.linear(hidden, self.lm_head)
+        if self.tp.size == 1:
+            return local
+        return self.tp.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], local.shape[1] * self.tp.size)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of token_ids [T] -> [T, hidden] (model dtype). Under tensor parallelism
+        the owner's row of each token, picked from the all-gathered shards (a choice: exact, where an
+        all-reduce of a row and zeros would turn -0.0 into +0.0)."""
+        if self.tp.size == 1:
+            return self.embedding[token_ids]
+        v = self.embedding.shape[0]
+        local = (token_ids - self.tp.rank * v).clamp(0, v - 1)
+        rows = self.tp.all_gather(self.embedding[local])  # [k, T, hidden]
+        owner = torch.div(token_ids, v, rounding_mode="floor")
+        return rows[owner, torch.arange(token_ids.numel(), device=token_ids.device)]
 
     def hidden_states(self, cache: Cache, batch: Step, token_ids: torch.Tensor,
                       logit_rows: torch.Tensor | None = None, capture: list | None = None, *,
@@ -180,7 +204,13 @@ class CausalLM:
         be, dtype = self.backend, self.dtype
         first = self.blocks[0].norm
         res_dtype = torch.float32 if self.shape.residual_in_fp32 else dtype
-        normed, residual = be.embed_norm(token_ids, self.embedding, first.weight, first.config.eps, dtype, res_dtype)
+        if self.tp.size == 1:
+            normed, residual = be.embed_norm(token_ids, self.embedding, first.weight, first.config.eps, dtype,
+                                             res_dtype)
+        else:  # the gathered rows, then the same fused norm over them (rows[i] for token i)
+            rows = self.embed(token_ids)
+            normed, residual = be.embed_norm(torch.arange(rows.shape[0], device=rows.device), rows, first.weight,
+                                             first.config.eps, dtype, res_dtype)
         norms = [b.norm for b in self.blocks[1:]] + [self.norm_f]
         last = len(self.blocks) - 1
         for i, nxt in enumerate(norms):

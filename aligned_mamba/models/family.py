@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from ..contract import Contract
+from ..layers import mamba2 as mamba2_layer
 from ..layers.base import Layer
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norm import RMSNorm, RMSNormConfig
 from ..ops.backend import Backend
+from ..parallel import TPGroup, shard
 from . import hf_config
 from .causal_lm import Block, CausalLM
 
@@ -107,10 +109,14 @@ class Family:
         return {"norm.weight": (hidden,), **{"mixer." + name: shape for name, shape in mixer.items()}}
 
     def mixer(self, config: Any, kind: str, tensors: Mapping[str, torch.Tensor], prefix: str, backend: Backend,
-              dtype: torch.dtype, contract: Contract) -> Layer:
-        """The mixer of a layer of ``kind`` over the weights under ``prefix``."""
-        return Mamba2Mixer(config.mixer_config(), tensors, prefix, backend=backend, dtype=dtype,
-                           chunk_size=contract.chunk_size)
+              dtype: torch.dtype, contract: Contract, tp: TPGroup | None = None) -> Layer:
+        """The mixer of a layer of ``kind`` over the weights under ``prefix`` (the full checkpoint's;
+        with ``tp`` the mixer cuts its rank's part itself)."""
+        m = config.mixer_config()
+        if tp is not None and tp.size > 1:
+            tensors = mamba2_layer.shard_weights(m, tensors, prefix, tp)
+        return Mamba2Mixer(m, tensors, prefix, backend=backend, dtype=dtype, chunk_size=contract.chunk_size,
+                           tp=tp, slices=contract.row_parallel_slices)
 
     def norm_eps(self, config: Any) -> float:
         """The block norms' (and final norm's) epsilon."""
@@ -133,17 +139,29 @@ class Family:
         return shapes
 
     def build(self, config: Any, tensors: Mapping[str, torch.Tensor], contract: Contract,
-              backend: Backend) -> CausalLM:
+              backend: Backend, tp: TPGroup | None = None) -> CausalLM:
         """The generic causal LM over ``tensors`` (``expected_shapes``) under ``contract``, computing in
-        its model dtype."""
+        its model dtype. ``tp``: this process's tensor-parallel group; each rank cuts its part of the
+        full checkpoint's tensors itself (heads, groups, channels, a vocabulary shard of the embedding
+        and the output layer), so every degree loads the same weights."""
+        from ..parallel import check_tp
+
+        tp = tp or TPGroup.single()
+        check_tp(contract, config, tp.size)
         dtype = getattr(torch, contract.model_dtype)
         dev = backend.device
         norm = RMSNormConfig(config.lm_shape().hidden_size, self.norm_eps(config))
         blocks = [Block(norm=RMSNorm.from_state_dict(tensors, f"{LAYERS}{i}.norm.", norm, backend, dtype),
-                        mixer=self.mixer(config, kind, tensors, f"{LAYERS}{i}.mixer.", backend, dtype, contract))
+                        mixer=self.mixer(config, kind, tensors, f"{LAYERS}{i}.mixer.", backend, dtype, contract,
+                                         tp=tp))
                   for i, kind in enumerate(self.layer_kinds(config))]
         head = tensors[self.head] if self.head in tensors else tensors[self.embedding]
+        embedding = tensors[self.embedding]
+        if tp.size > 1:  # a vocabulary shard each: the embedding's rows gathered, the logits all-gathered
+            vocab = shard(config.lm_shape().vocab_size, tp)
+            head, embedding = head[vocab], embedding[vocab]
         return CausalLM(family=self.name, config=config, shape=config.lm_shape(), contract=contract, backend=backend,
-                        embedding=tensors[self.embedding].to(device=dev, dtype=dtype), blocks=blocks,
+                        embedding=embedding.to(device=dev, dtype=dtype), blocks=blocks,
                         norm_f=RMSNorm.from_state_dict(tensors, "backbone.norm_f.", norm, backend, dtype),
-                        lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)), max_len=self.max_len(config))
+                        lm_head=backend.linear_weight(head.to(device=dev, dtype=dtype)), max_len=self.max_len(config),
+                        tp=tp)

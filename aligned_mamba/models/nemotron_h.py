@@ -43,12 +43,15 @@ import torch
 
 from ..contract import Contract
 from ..errors import ModelLoadError
+from ..layers import attention as attention_layer
+from ..layers import mlp as mlp_layer
 from ..layers.attention import Attention, AttentionConfig
 from ..layers.base import Layer
 from ..layers.mamba2 import Mamba2MixerConfig
 from ..layers.mlp import MLP, MLPConfig
 from ..layers.moe import MoE, MoEConfig
 from ..ops.backend import Backend
+from ..parallel import TPGroup
 from . import checkpoint as ckpt
 from . import hf_config as hf
 from .causal_lm import LMShape
@@ -322,14 +325,22 @@ class NemotronHFamily(Family):
         return {"norm.weight": (config.hidden_size,), **mixer}
 
     def mixer(self, config: NemotronHConfig, kind: str, tensors: Mapping[str, torch.Tensor], prefix: str,
-              backend: Backend, dtype: torch.dtype, contract: Contract) -> Layer:
+              backend: Backend, dtype: torch.dtype, contract: Contract, tp: TPGroup | None = None) -> Layer:
         if kind == MAMBA:
-            return super().mixer(config, kind, tensors, prefix, backend, dtype, contract)
-        if kind == ATTENTION:
-            return Attention(config.attention_config(), tensors, prefix, backend=backend, dtype=dtype)
-        if kind == MOE:
+            return super().mixer(config, kind, tensors, prefix, backend, dtype, contract, tp=tp)
+        if kind == MOE:  # tensor parallelism is refused for MoE (parallel.check_tp)
             return MoE(config.moe_config(), tensors, prefix, backend=backend, dtype=dtype)
-        return MLP(config.mlp_config(), tensors, prefix, backend=backend, dtype=dtype)
+        split = tp is not None and tp.size > 1
+        slices = contract.row_parallel_slices
+        if kind == ATTENTION:
+            a = config.attention_config()
+            if split:
+                tensors = attention_layer.shard_weights(a, tensors, prefix, tp)
+            return Attention(a, tensors, prefix, backend=backend, dtype=dtype, tp=tp, slices=slices)
+        m = config.mlp_config()
+        if split:
+            tensors = mlp_layer.shard_weights(m, tensors, prefix, tp)
+        return MLP(m, tensors, prefix, backend=backend, dtype=dtype, tp=tp, slices=slices)
 
     def max_len(self, config: NemotronHConfig) -> int:
         return config.max_position_embeddings

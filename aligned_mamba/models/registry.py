@@ -39,6 +39,7 @@ import torch
 from ..contract import Contract
 from ..errors import ModelLoadError
 from ..ops.backend import resolve
+from ..parallel import TPGroup
 from . import checkpoint as ckpt
 from .causal_lm import CausalLM
 from .family import Family
@@ -187,7 +188,7 @@ def _with_defaults(exc: ModelLoadError, taken: Mapping[str, Any], family: Family
 
 
 def build_model(config: Any, tensors: Mapping[str, torch.Tensor], contract: Contract,
-                device: torch.device | str | None = None) -> CausalLM:
+                device: torch.device | str | None = None, tp: TPGroup | None = None) -> CausalLM:
     """The generic causal LM of ``config``'s family over ``tensors`` under ``contract`` (on ``device``,
     default: the contract's backend's).
 
@@ -195,9 +196,13 @@ def build_model(config: Any, tensors: Mapping[str, torch.Tensor], contract: Cont
     explicit request for that cast (bf16 to fp32 is exact; fp32 to bf16 rounds every weight), as
     the CLI's ``--dtype`` makes it. ``model.config.dtype`` keeps the stored dtype, ``model.dtype`` is
     the computed one. ``load_model`` refuses the cast unless asked.
+
+    ``tp``: this process's tensor-parallel group (``parallel.TPGroup``; default one process). Every
+    rank passes the full checkpoint's tensors and cuts its part itself; ``parallel.check_tp``
+    refuses (one line) what cannot keep the bits at that degree under ``contract``.
     """
     family = family_for_config(config)
-    return family.build(config, tensors, contract, resolve(contract, device))
+    return family.build(config, tensors, contract, resolve(contract, device), tp=tp)
 
 
 def contract_for(config: Any, *, backend: str = "torch", model_dtype: str | None = None,
@@ -210,7 +215,7 @@ def contract_for(config: Any, *, backend: str = "torch", model_dtype: str | None
 
 
 def load_model(path: str | os.PathLike[str], contract: Contract | None = None,
-               device: torch.device | str | None = None, *, cast: bool = False) -> CausalLM:
+               device: torch.device | str | None = None, *, cast: bool = False, tp: TPGroup | None = None) -> CausalLM:
     """A checkpoint directory of any registered family as a model whose ``forward(sequences)`` (a
     list of [len_i] int64 token-id tensors) returns the trainer's logits, one [len_i, vocab] tensor
     per sequence. ``contract`` defaults to the checkpoint's own (its chunk size, the torch backend,
@@ -227,4 +232,4 @@ def load_model(path: str | os.PathLike[str], contract: Contract | None = None,
         raise ModelLoadError(f"{os.fspath(path)!r} stores {stored} weights but the contract's model_dtype is "
                              f"{contract.model_dtype}; aligned_mamba.models.load_model(..., cast=True) computes in "
                              f"{contract.model_dtype} from them, or use a {stored} contract")
-    return build_model(config, tensors, contract or contract_for(config), device)
+    return build_model(config, tensors, contract or contract_for(config), device, tp=tp)

@@ -89,17 +89,26 @@ class Ops:
     moe_experts: Callable[..., Tensor]
     #: whether ``moe_experts`` takes every expert's weights stacked rather than one list entry per expert
     stacked_experts: bool = False
+    #: x [M, k] @ w [N, k]^T -> [M, N] float32, not rounded: ``linear`` before its bias and rounding, a
+    #: row-parallel layer's partial over one K slice (``linear.sliced``); w raw or from ``linear_weight``.
+    #: None where the backend has no such form yet (triton: the contract refuses row_parallel_slices > 1)
+    linear_partial: Callable[[Tensor, Tensor], Tensor] | None = None
+    #: (y, z [M, d / k], w, eps, n_groups, *, slices, group) -> [M, d / k]: ``gated_rms_norm`` with each
+    #: group's sum of squares in the contract's fixed slices, a group split across ranks joined over an
+    #: all-gather (``norm``; the same bits at every TP degree dividing the slices); None as above
+    gated_rms_norm_sliced: Callable[..., Tensor] | None = None
 
 
 def torch_ops(c: TorchKernelConfigs) -> Ops:
     """The torch forms, bound to configs ``c``."""
     gemm = functools.partial(linear.linear, row_tile=c.linear_row_tile, form=c.gemm_form)
     return Ops(
+        linear_partial=functools.partial(linear.partial, row_tile=c.linear_row_tile, form=c.gemm_form),
         # padded once, not per call (and fp32 for the tiles' GEMM)
         linear_weight=functools.partial(linear.gemm_weight, form=c.gemm_form),
         linear=gemm,
         rms_norm=norm.rms_norm, embed_norm=norm.embed_norm, add_norm=norm.add_norm,
-        gated_rms_norm=norm.gated_rms_norm,
+        gated_rms_norm=norm.gated_rms_norm, gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         conv_advance=conv1d.conv_advance,
         ssd_advance=functools.partial(decode.replay, cfg=c),
         log_softmax=logprobs.log_softmax, relu2=elementwise.relu2,

@@ -124,27 +124,34 @@ def lanes(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor
     return _lane_forward(x, w, exact)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 16,
-           form: str = "lanes") -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 inside. ``row_tile`` and
-    ``form``: the contract's ``linear_row_tile`` and ``gemm_form``; weight from ``gemm_weight``, or any
-    [N, K] tensor (padded here, per call)."""
+def partial(x: torch.Tensor, weight: torch.Tensor, row_tile: int = 16, form: str = "lanes") -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] float32, not rounded: ``linear`` before its bias and its one
+    rounding (a row-parallel layer's partial sum over one K slice, ``linear.sliced``)."""
     if form not in FORMS:
         raise ValueError(f"linear form {form!r} refused: expected one of {', '.join(FORMS)}")
     M, K = x.shape
     N = weight.shape[0]
     if M == 0:
-        return x.new_zeros(0, N)
+        return x.new_zeros(0, N, dtype=torch.float32)
     w = padded(weight, form)
     kp = w.shape[1] - K
     if form == "lanes":
         xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp))
-        out = lanes(xp, w, exact=x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
-    else:
-        tiles = (M + row_tile - 1) // row_tile
-        xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp, 0, tiles * row_tile - M))
-        xp = xp.view(tiles, row_tile, K + kp)
-        out = torch.bmm(xp, w.t().expand(tiles, *w.t().shape)).view(tiles * row_tile, w.shape[0])[:M, :N]
+        return lanes(xp, w, exact=x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
+    tiles = (M + row_tile - 1) // row_tile
+    xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp, 0, tiles * row_tile - M))
+    xp = xp.view(tiles, row_tile, K + kp)
+    return torch.bmm(xp, w.t().expand(tiles, *w.t().shape)).view(tiles * row_tile, w.shape[0])[:M, :N]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 16,
+           form: str = "lanes") -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 inside. ``row_tile`` and
+    ``form``: the contract's ``linear_row_tile`` and ``gemm_form``; weight from ``gemm_weight``, or any
+    [N, K] tensor (padded here, per call)."""
+    out = partial(x, weight, row_tile, form)
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[0])
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)

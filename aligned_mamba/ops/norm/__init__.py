@@ -18,8 +18,10 @@ from .tree import (
     embed_norm,
     gated_rms_norm,
     gated_rms_norm_backward,
+    gated_rms_norm_sliced,
     rms_norm,
     rms_norm_backward,
 )
 
-__all__ = ["add_norm", "embed_norm", "gated_rms_norm", "gated_rms_norm_backward", "rms_norm", "rms_norm_backward"]
+__all__ = ["add_norm", "embed_norm", "gated_rms_norm", "gated_rms_norm_backward", "gated_rms_norm_sliced",
+           "rms_norm", "rms_norm_backward"]

@@ -9,11 +9,16 @@ the gate's SiLU is position-invariant, so a row's bits depend on that row only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import elementwise as ew
+from ..logprobs.sliced import pair_tree
 from ..reduce import tree_sum
+
+if TYPE_CHECKING:
+    from ...parallel import TPGroup
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]
 
@@ -48,6 +53,40 @@ def gated_rms_norm(
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)
     return weight.to(y.dtype) * g.to(y.dtype)
+
+
+def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int, *,
+                          slices: int, group: TPGroup) -> torch.Tensor:
+    """``gated_rms_norm`` with each group's sum of squares in ``slices`` (S) fixed contiguous slices,
+    each summed by ``tree_sum``, joined by adjacent pairs (``pair_tree``): the contract's tree when
+    ``row_parallel_slices`` > 1, the same bits at every tensor-parallel degree k dividing S.
+
+    y, z [M, d / k] (model dtype): this rank's channels of the full width d; weight [d / k];
+    n_groups: the full model's groups G. With G >= k a rank holds G / k whole groups and sums
+    their slices itself; with G < k (B and C replicated, as vLLM does) a group spans k / G ranks,
+    each holding S / (k / G) of its slices: their subtree sums are all-gathered and the same tree's
+    top levels run on every rank. Returns [M, d / k] in y's dtype.
+    """
+    M, dl = y.shape
+    k, r = group.size, group.rank
+    width = dl * k // n_groups  # a group's channels
+    span = max(1, k // n_groups)  # ranks per group
+    local_groups = max(1, n_groups // k)
+    per_rank = slices // span  # a group's slices on one rank
+    if slices % span or width % slices:
+        raise ValueError(f"gated norm: {n_groups} groups of {width} channels cannot be cut into {slices} slices "
+                         f"per group across {k} ranks")
+    g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
+    u = g.view(M, local_groups, per_rank, width // slices)
+    ss = pair_tree(tree_sum(u * u))  # [M, local_groups]: each group's (or this rank's subtree's) sum
+    if span > 1:
+        gathered = group.all_gather(ss[:, 0])  # [k, M]; ranks r0 .. r0 + span - 1 hold one group
+        first = (r // span) * span
+        ss = pair_tree(gathered[first:first + span].movedim(0, -1)).unsqueeze(-1)
+    c = ew.operand
+    var = ss / c(float(width), ss)
+    out = (u.view(M, local_groups, dl // local_groups) * torch.rsqrt(var + c(eps, ss))[..., None]).view(M, dl)
+    return weight.to(y.dtype) * out.to(y.dtype)
 
 
 def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
