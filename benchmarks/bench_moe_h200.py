@@ -24,7 +24,9 @@ large counts). With the backward (unless --no-backward): fwd+bwd of the routed e
 (``ops.moe.triton.experts_triton`` against ``torch._grouped_mm`` under autograd) at 4096 and
 32768 tokens, ``ours_grads_repeat_equal``: two backwards give the same bits. With --sweep: the
 routed experts' forward under other grouped-GEMM tiles (``SWEEP``) at 4096 and 32768 tokens, each
-with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile).
+with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). With --stock-parts
+(instead of the layer and backward cells): which stock piece (router scores, routed experts, shared
+expert) changes a row's bits with the batch.
 
 CUDA-event medians (triton.testing.do_bench) after a warm-up call. The JSON is written after every
 entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -221,6 +223,38 @@ def backward_cells(res: dict, save, shape: dict, counts: list[int], dry: bool) -
         save()
 
 
+def stock_parts_cells(res: dict, save, shape: dict, shared: int, counts: list[int]) -> None:
+    """Which piece of the stock layer changes a row's bits with the batch: for the first 8 tokens, how
+    many give other bits alone than among ``T`` tokens in the router's fp32 scores, the routed experts
+    (grouped and loop forms, on the batch's own routing) and the shared expert."""
+    config = _moe_config(shape, shared)
+    stock = Stock(config, _weights(config, "cuda", BF16))
+    g = torch.Generator(device="cuda").manual_seed(4)
+
+    def shared_expert(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.square(torch.relu(F.linear(x, stock.shared_up))), stock.shared_down)
+
+    for T in counts:
+        x = torch.randn(T, shape["hidden"], generator=g, device="cuda").to(BF16)
+        with torch.no_grad():
+            idx, w = stock.route(x)
+            full = dict(router=torch.sigmoid(F.linear(x.float(), stock.gate)), shared=shared_expert(x),
+                        experts_grouped=stock.experts(x, idx, w, "grouped"),
+                        experts_loop=stock.experts(x, idx, w, "loop"))
+            n = min(T, 8)
+            differ = dict.fromkeys(full, 0)
+            for t in range(n):
+                one = x[t:t + 1]
+                alone = dict(router=torch.sigmoid(F.linear(one.float(), stock.gate)), shared=shared_expert(one),
+                             experts_grouped=stock.experts(one, idx[t:t + 1], w[t:t + 1], "grouped"),
+                             experts_loop=stock.experts(one, idx[t:t + 1], w[t:t + 1], "loop"))
+                for k in full:
+                    differ[k] += not torch.equal(alone[k][0], full[k][t])
+        res["stock_parts"].append(dict(tokens=T, tokens_checked=n,
+                                       **{f"{k}_rows_differ": v for k, v in differ.items()}))
+        save()
+
+
 SWEEP = [dict(moe_block_m=bm, moe_block_n=bn, moe_warps=w, moe_stages=st)
          for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3),
                                (64, 64, 4, 4), (128, 128, 4, 4))]
@@ -264,6 +298,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="the experts under other grouped-GEMM tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
+    ap.add_argument("--stock-parts", action="store_true",
+                    help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
     import triton
 
@@ -271,7 +307,7 @@ def main() -> int:
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], sweep=[],
-               errors=[])
+               stock_parts=[], errors=[])
     out = Path(a.out)
 
     def save() -> None:
@@ -279,11 +315,15 @@ def main() -> int:
 
     shape = TINY if dry else NANO
     counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
-    jobs = [("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry))]
-    if not a.no_backward:
-        jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
+    jobs = []
+    if not a.stock_parts:
+        jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry)))
+        if not a.no_backward:
+            jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
     if a.sweep and not dry:
         jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
+    if a.stock_parts and not dry:
+        jobs.append(("stock_parts", lambda: stock_parts_cells(res, save, shape, a.shared_width, [64, 4096])))
     for name, fn in jobs:
         try:
             fn()
@@ -298,6 +338,8 @@ def main() -> int:
               f"({r['stock_form']}) x{r['ours_over_stock']:.2f} bitwise {r['bitwise']} (stock {r['stock_bitwise']})")
     for r in res["sweep"]:
         print("sweep", r)
+    for r in res["stock_parts"]:
+        print("stock parts", r)
     for r in res["backward"]:
         print(f"moe fwd+bwd {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r.get('stock_ms')} ms "
               f"repeat-equal {r['ours_grads_repeat_equal']}")

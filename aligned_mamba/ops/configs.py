@@ -261,6 +261,11 @@ class TritonKernelConfigs:
         for name in ("attn_bwd_kv_block_n", "attn_bwd_kv_block_m", "attn_bwd_q_block_m", "attn_bwd_q_block_n"):
             _pow2(name, getattr(self, name), 16, 256)
         _among("attn_bwd_warps", self.attn_bwd_warps, (1, 2, 4, 8))
+        if self.attn_bwd_kv_block_m < 64 and self.attn_bwd_stages > 1:
+            # measured: dK off by up to 13% of its largest element, changing run to run
+            raise ValueError(f"attn_bwd_kv_block_m {self.attn_bwd_kv_block_m} with attn_bwd_stages "
+                             f"{self.attn_bwd_stages} refused: pipelined dK/dV steps of fewer than 64 query rows "
+                             "gave wrong dK on the H200 (use 64 rows or 1 stage)")
         _pow2("relu2_block", self.relu2_block, 128, 16384)
         for name in ("moe_block_m", "moe_block_n", "moe_block_k", "moe_wgrad_block_n", "moe_wgrad_block_k",
                      "moe_wgrad_block_t"):

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -236,17 +237,17 @@ def alive(pids: set[int]) -> set[int]:
     return left
 
 
-def terminate_when(cmd: list[str], ready: str, tmp_path: Path, settle_s: float = 2.0, timeout_s: float = 240
-                   ) -> tuple[int, str, set[int]]:
-    """Start the CLI, wait for ``ready`` on its stderr, note its descendants, SIGTERM it; return
-    (exit status, stderr, the descendants it had)."""
+def terminate_when(cmd: list[str], ready: str | Callable[[], bool], tmp_path: Path, settle_s: float = 2.0,
+                   timeout_s: float = 240) -> tuple[int, str, set[int]]:
+    """Start the CLI, wait for ``ready`` on its stderr (or for ``ready()`` to hold), note its
+    descendants, SIGTERM it; return (exit status, stderr, the descendants it had)."""
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "aligned_mamba.cli", *cmd], stdout=subprocess.DEVNULL,
                                 stderr=err, env=env_here(), cwd=tmp_path, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while ready not in err_path.read_text():
+        while not (ready() if callable(ready) else ready in err_path.read_text()):
             assert proc.poll() is None, err_path.read_text()
             assert time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.2)
@@ -280,13 +281,20 @@ def test_sigterm_during_check_with_worker_processes(tmp_path):
     assert_all_gone(kids)
 
 
+def _iterations_done(report: Path) -> int:
+    try:
+        return len(json.loads(report.read_text()).get("iterations", []))
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return 0
+
+
 @pytest.mark.engines
 def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "rl.json"
     code, err, kids = terminate_when(["rl", "--workers", "1", "--iterations", "200", "--prompt-len", "40",
                                       "--gen-len", "8", "--prompts-per-worker", "2", "--json", str(out)],
-                                     "actors ready", tmp_path, settle_s=3.0)
+                                     lambda: _iterations_done(out) >= 1, tmp_path, settle_s=0.5)
     assert code == EXIT_TERMINATED, err
     assert err.strip().splitlines()[-1] == "aligned-mamba: terminated (SIGTERM); worker processes ended"
     r = json.loads(out.read_text())

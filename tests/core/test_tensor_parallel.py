@@ -63,10 +63,11 @@ def _rows_differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(int((x != y).any(dim=-1).sum()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
-def test_forward_is_the_same_bits_at_tp_1_2_4(name: str) -> None:
+@pytest.mark.parametrize("name,dtype", [("g1", "bfloat16"), ("g8", "bfloat16"), ("hybrid", "bfloat16"),
+                                        ("g8", "float32")])
+def test_forward_is_the_same_bits_at_tp_1_2_4(name: str, dtype: str) -> None:
     config, tensors = _model(name)
-    seqs, c = _seqs(), _contract()
+    seqs, c = _seqs(), _contract(dtype=dtype)
     one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
     for size in (2, 4):
         for rank, got in enumerate(threads(tp_reference.forward, size, config, tensors, c, seqs)):
@@ -101,8 +102,9 @@ def _engine_case(group: TPGroup, config, tensors, contract, case_name: str):
                                      case.exact_replay)
 
 
-@pytest.mark.parametrize("name", ["g1", "hybrid"])
-@pytest.mark.parametrize("case", ["chunked_prefill_unaligned", "preempt_recompute"])
+@pytest.mark.parametrize("name,case", [("g1", "chunked_prefill_unaligned"), ("g1", "preempt_recompute"),
+                                       ("g8", "mixed_batch"), ("hybrid", "chunked_prefill_unaligned"),
+                                       ("hybrid", "preempt_recompute")])
 def test_engine_schedules_at_tp2_give_the_trainers_tp1_rows(name: str, case: str) -> None:
     """Chunked prefill, decode, preemption and recompute at TP 2: every row the engine emits is the
     TP 1 trainer's one-pass row, and every reported logprob its logprob."""
@@ -140,6 +142,21 @@ def test_gated_norm_slices() -> None:
                 return gated_rms_norm_sliced(y[:, ch], z[:, ch], w[ch], 1e-5, n, slices=8, group=grp)
 
             assert torch.equal(torch.cat(threads(rank, size), dim=1), one), (groups, size)
+
+
+def _empty_step(group: TPGroup, config, tensors, contract) -> tuple[torch.Size, torch.Size]:
+    model = tp_reference.build(group, config, tensors, contract)
+    y = torch.zeros(0, 128, dtype=torch.bfloat16)  # this rank's 128 of 256 channels, one group
+    norm = gated_rms_norm_sliced(y, y, torch.ones(128, dtype=torch.bfloat16), 1e-5, 1, slices=4, group=group)
+    return model.logits(torch.zeros(0, config.hidden_size, dtype=torch.bfloat16)).shape, norm.shape
+
+
+def test_a_step_without_rows_at_tp2() -> None:
+    """An engine step that wants no logits row (a prefill chunk mid-prompt) still meets every rank's
+    all-gathers: the empty tensors pass through."""
+    config, tensors = _model("g1")
+    for logits, norm in threads(_empty_step, 2, config, tensors, _contract()):
+        assert logits == (0, 512) and norm == (0, 128)
 
 
 def _refused(contract: Contract, config, size: int, match: str) -> None:
@@ -182,3 +199,21 @@ def test_gloo_processes() -> None:
 def test_backend_has_the_sliced_forms() -> None:
     be = resolve(_contract())
     assert be.linear_partial is not None and be.gated_rms_norm_sliced is not None
+
+
+@pytest.mark.engines
+def test_tp_trainer_scores_and_refuses_steps() -> None:
+    """The CLI's trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's;
+    a training step is refused in one line (not implemented at TP > 1)."""
+    config, tensors = _model("hybrid")
+    seqs, c = _seqs(), _contract()
+    trainer = tp_reference.TPTrainer(config, tensors, c, 2)
+    try:
+        one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+        assert _equal(trainer.forward(seqs), one)
+        lps = trainer.token_logprobs(seqs, [3, 3, 3])
+        assert _equal(lps, [token_logprobs(lg[2:-1], s[3:]) for lg, s in zip(one, seqs)])
+        with pytest.raises(AlignedMambaError, match="not implemented yet"):
+            trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
+    finally:
+        trainer.close()

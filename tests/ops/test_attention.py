@@ -8,25 +8,14 @@ other sequences, and match the fp64 reference to fp32 rounding. The interpreter 
 
 from __future__ import annotations
 
-import os
-import sys
+import dataclasses
 
-_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+import interpreted  # before triton: it switches the Triton interpreter on
+import pytest
+import torch
 
-import dataclasses  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("triton")
+interpreted.require()
 pytestmark = pytest.mark.interpreter
-if _TOO_LATE:
-    if not torch.cuda.is_available():
-        pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "
-                    "TRITON_INTERPRET=1 first on a machine without a GPU)", pytrace=False)
-    pytest.skip("a GPU session compiles Triton; these interpreter tests need their own process",
-                allow_module_level=True)
 
 from aligned_mamba.ops.attention import attention_naive  # noqa: E402
 from aligned_mamba.ops.attention.triton import (  # noqa: E402

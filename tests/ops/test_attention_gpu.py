@@ -141,15 +141,9 @@ def _hybrid(layout: str):
 
 @pytest.mark.parametrize("layout", sorted(HYBRIDS))
 def test_hybrid_check_on_triton_backend_is_bit_identical(layout: str) -> None:
-    from aligned_mamba.check import CASES, compare, make_prompts, run_case
+    from check_cases import assert_every_case
 
-    model = _hybrid(layout)
-    prompts = make_prompts(model.shape.vocab_size, 300, 3, seed=0)
-    for spec in CASES:
-        res = run_case(spec, model, prompts, 120, 100, seed=0)
-        report = compare(res.rows, model.forward([torch.tensor(t) for t in res.tokens]), model.contract,
-                         model.contract)
-        assert report.bitwise_equal == spec.exact_replay, (layout, spec.name, report.summary())
+    assert_every_case(_hybrid(layout))
 
 
 @pytest.mark.parametrize("B", [1, 64])

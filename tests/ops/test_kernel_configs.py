@@ -190,6 +190,13 @@ def test_every_field_reaches_a_launch(name: str, base: TritonKernelConfigs, monk
         f"{name} changed from {getattr(before, name)!r} to {getattr(after, name)!r} and no launch changed"
 
 
+def test_attention_backward_launches_that_gave_wrong_gradients_are_refused(base: TritonKernelConfigs) -> None:
+    with pytest.raises(ValueError, match="attn_bwd_kv_block_m 32 with attn_bwd_stages 2 refused") as exc:
+        dataclasses.replace(base, attn_bwd_kv_block_m=32, attn_bwd_stages=2)
+    assert "\n" not in str(exc.value)
+    dataclasses.replace(base, attn_bwd_kv_block_m=32, attn_bwd_stages=1)  # one stage: the same bits every run
+
+
 def test_a_value_no_launch_would_read_is_refused(base: TritonKernelConfigs) -> None:
     bad: list[Callable[[], Any]] = [
         lambda: dataclasses.replace(base, linear_decode_persistent=True),  # decode tiles use pointer loads

@@ -11,28 +11,19 @@ wrongly (the bf16 floor is the GPU test's).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import sys
 
-_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+import interpreted  # before triton: it switches the Triton interpreter on
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-pytest.importorskip("triton")
+interpreted.require()
 pytestmark = pytest.mark.interpreter
-if _TOO_LATE:
-    if not torch.cuda.is_available():
-        pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "
-                    "TRITON_INTERPRET=1 first on a machine without a GPU)", pytrace=False)
-    pytest.skip("a GPU session compiles Triton; these interpreter tests need their own process",
-                allow_module_level=True)
 
 from aligned_mamba.layers.moe import MoE, MoEConfig  # noqa: E402
 from aligned_mamba.ops.backend import TritonBackend  # noqa: E402

@@ -6,30 +6,14 @@ everything here is fp32 and tiny. Bit-identity is checked with torch.equal on ra
 
 from __future__ import annotations
 
-import os
-import sys
+import math
 
-# @triton.jit (Triton's own library too) picks interpreted or compiled code when it is imported, so
-# the interpreter must be on before the first import of triton in this process.
-_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+import interpreted  # before triton: it switches the Triton interpreter on
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("triton")
+interpreted.require()
 pytestmark = pytest.mark.interpreter
-if _TOO_LATE:
-    # Only possible where the session runs compiled Triton (conftest turns the interpreter on for
-    # the whole session on a machine without a GPU): there these tests need a process of their own.
-    # Without a GPU the interpreter is the only way they run, so this would hide them: fail instead.
-    if not torch.cuda.is_available():
-        pytest.fail("triton was imported before the interpreter was switched on (tests/conftest.py sets "
-                    "TRITON_INTERPRET=1 first on a machine without a GPU)", pytrace=False)
-    pytest.skip("a GPU session compiles Triton; these interpreter tests need their own process: run this file "
-                "alone with TRITON_INTERPRET=1", allow_module_level=True)
 from hypothesis import Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
