@@ -52,6 +52,7 @@ class TrainerSpec:
     contract: dict[str, Any]
     lr: float = 1e-3
     threads: int = 1
+    tp: int = 1  # the trainer's tensor-parallel degree (its own rank processes)
 
 
 def check_plugin(kind: str, name: str) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def make_trainer(spec: TrainerSpec) -> Trainer:
     """The trainer called ``spec.name`` over the model source's checkpoint."""
     config, tensors = load_source(spec.model)
     return build_trainer(spec.name, config=config, tensors=tensors, contract=Contract.from_dict(spec.contract),
-                         lr=spec.lr)
+                         lr=spec.lr, tp=spec.tp)
 
 
 def deferring_init(cls: type) -> type:

@@ -42,6 +42,8 @@ class RLOptions:
     model: str = "tiny"
     engine: str = "reference"
     trainer: str = "reference"
+    trainer_tp: int = 1
+    row_parallel_slices: int | None = None
     workers: int = 2
     iterations: int = 3
     prompts_per_worker: int = 4
@@ -230,13 +232,21 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     """The model's config (the whole checkpoint is validated) and the contract both sides run;
     ``opts.model`` becomes an absolute path, as actors may run in other directories."""
     from aligned_mamba.cli import build_contract
+    from aligned_mamba.errors import AlignedMambaError
     from aligned_mamba.models import load_source
     from aligned_mamba.ops.backend import choose_backend
+    from aligned_mamba.parallel import check_tp
 
     config = load_source(opts.model)[0]
     if opts.model != "tiny":
         opts.model = str(Path(opts.model).resolve())
-    return config, build_contract(config, None, choose_backend(opts.backend), None, None)
+    contract = build_contract(config, None, choose_backend(opts.backend), None, None,
+                              row_parallel_slices=opts.row_parallel_slices)
+    if opts.trainer_tp != 1 and opts.trainer != "megatron":
+        raise AlignedMambaError(f"--trainer-tp {opts.trainer_tp} refused: the RL loop trains at TP > 1 with the "
+                                f"megatron trainer only for now, not {opts.trainer}")
+    check_tp(contract, config, opts.trainer_tp)  # one line: what cannot keep the bits at that degree
+    return config, contract
 
 
 def _validate(opts: RLOptions) -> None:
@@ -335,7 +345,7 @@ class _Loop:
             for w in range(o.workers)]
         self.scorer = ray.remote(TrainerScorer).options(**{"num_cpus": 0, **self.actor_options["trainer"],
                                                            "max_restarts": 0}).remote(
-            TrainerSpec(o.trainer, o.model, cdict, lr=o.lr))
+            TrainerSpec(o.trainer, o.model, cdict, lr=o.lr, tp=o.trainer_tp))
         self.checker = ray.remote(AlignmentChecker).options(num_cpus=0, max_restarts=0).remote(
             contract.fingerprint, allow_cross_hardware=o.allow_cross_hardware)
         self.actors = [*self.workers, self.scorer, self.checker]
@@ -521,6 +531,7 @@ class _Loop:
             "stopped_early": stopped_early,
             "engine": o.engine,
             "trainer": o.trainer,
+            "trainer_tp": o.trainer_tp,
             "contract": self.contract.to_dict(),
             "model": {"source": o.model, **summary, "chunk_size": self.contract.chunk_size,
                       "dtype": self.contract.model_dtype},
@@ -567,6 +578,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rollout engine (vllm: registered under aligned_mamba.engines)")
     p.add_argument("--trainer", default=d.trainer, choices=["reference", "megatron"],
                    help="trainer (megatron: registered under aligned_mamba.trainers)")
+    p.add_argument("--trainer-tp", type=int, default=d.trainer_tp, metavar="K",
+                   help="the trainer's tensor-parallel degree (megatron: K rank processes over gloo; a power of two "
+                        "dividing --row-parallel-slices)")
+    p.add_argument("--row-parallel-slices", type=int, default=d.row_parallel_slices, metavar="S",
+                   help="the contract's row_parallel_slices (default 1, the plain linear layer): every TP degree "
+                        "dividing S gives the same bits")
     p.add_argument("--workers", type=int, default=d.workers, help="rollout worker actors")
     p.add_argument("--iterations", type=int, default=d.iterations,
                    help="iterations of sample -> score -> verify -> update -> sync")

@@ -16,6 +16,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +49,12 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
     except Exception as exc:  # noqa: BLE001 (sent to the parent, which raises it)
         outbox.put(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))
         return
+    parent = os.getppid()
     while True:
+        while inbox.empty():  # a parent killed outright (a Ray actor) leaves no None: stop with it
+            if os.getppid() != parent:
+                return
+            time.sleep(0.01)
         message = inbox.get()
         if message is None:
             break
