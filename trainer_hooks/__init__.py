@@ -7,6 +7,8 @@
   exact both ways: how a trainer exports weights to rollout workers.
 - ``megatron_shards``: a Megatron state dict split per tensor-parallel rank exactly as Megatron shards its
   modules, and merged back (every TP degree loads the same checkpoint).
+- ``megatron_tp``: the Megatron trainer at tensor-parallel size k in k rank processes over gloo (scores,
+  steps and exports; ``aligned-mamba check`` / ``rl`` ``--trainer-tp``).
 - ``megatron_trainer``: the core's trainer protocol on a real MambaModel with the hook applied
   (``aligned-mamba check --trainer megatron``, ``aligned-mamba rl --trainer megatron``).
 - ``megatron_cpu``: CPU-only shims (no CUDA, mamba_ssm or Transformer Engine) for the check and the tests;
