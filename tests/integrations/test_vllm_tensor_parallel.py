@@ -72,10 +72,16 @@ def setup(tmp_path_factory):
         runs = [Run(Scenario("rows", prompts[name], GEN, budget=BUDGET, rows="all")),
                 Run(Scenario("logprobs", prompts[name], GEN, budget=BUDGET, rows="none"),
                     logprobs_mode="processed_logprobs", logprobs=0)]
+        if name == "g1":  # vLLM's preemption (every running request recomputed) and requests joining late
+            runs += [Run(Scenario("preempt", prompts[name], GEN, budget=BUDGET, preempt_marks=(3, 8))),
+                     Run(Scenario("join_leave", prompts[name], GEN, budget=64, rows="all", stagger=True))]
         jobs[name] = (run_in_engine, LLMSpec(model_dir=str(root / name), exact_replay=True, **base,
                                              llm_kwargs={**TP, **stated, **extra}), runs)
-    # the baseline: stock vLLM's prompt rows at TP 1 and TP 2 (same prompts, no sampling in between)
-    stock = [Run(Scenario("stock_rows", prompts["g1"], 1, budget=BUDGET, rows="all"))]
+    # the baseline: stock vLLM's prompt rows at TP 1 and TP 2 (same prompts, no sampling in between),
+    # and its reported logprobs (same seed: the same tokens until the rows' differences change one)
+    stock = [Run(Scenario("stock_rows", prompts["g1"], 1, budget=BUDGET, rows="all")),
+             Run(Scenario("stock_logprobs", prompts["g1"], GEN, budget=BUDGET, rows="none"),
+                 logprobs_mode="processed_logprobs", logprobs=0)]
     for tp, kw in (("stock_tp1", {}), ("stock_tp2", TP)):
         jobs[tp] = (run_in_engine, LLMSpec(model_dir=str(root / "g1"), exact_replay=False, **base, llm_kwargs=kw),
                     stock)
@@ -152,6 +158,19 @@ def test_tp2_reported_logprobs_equal_tp1_reference(setup, name):
     assert n == len(PROMPT_LENS) * GEN and bad == 0
 
 
+@pytest.mark.parametrize("scenario", ["preempt", "join_leave"])
+def test_tp2_schedules_keep_their_bits(setup, scenario):
+    res = setup["get"]("g1")[scenario]
+    contract = setup["contracts"]["g1"]
+    report = compare(_rows(res), setup["refs"]["g1"]["tp1"].forward([torch.tensor(t) for t in res.tokens]),
+                     contract, contract)
+    print(f"\ng1 TP 2 {scenario} ({res.preemptions} preemptions): {report.mismatched_rows}/{report.rows} rows differ "
+          "from the TP 1 reference")
+    assert report.rows > 0 and report.mismatched_rows == 0
+    if scenario == "preempt":
+        assert res.preemptions >= len(PROMPT_LENS)
+
+
 def test_tp2_state_pages_hold_one_ranks_heads(setup):
     """vLLM sized each worker's state page for its rank's heads (half the TP 1 layout's x, dt and
     state; B and C of the one group kept whole by both ranks at n_groups 1)."""
@@ -176,8 +195,18 @@ def test_stock_tp2_differs_from_tp1(setup):
         assert [p for p, _ in ra] == [p for p, _ in rb]
         n += len(ra)
         differ += sum(not torch.equal(x, y) for (_, x), (_, y) in zip(ra, rb))
-    print(f"\nstock vLLM: {differ}/{n} logits rows differ between TP 1 and TP 2")
-    assert n == sum(PROMPT_LENS) and differ > 0
+    a, b = setup["get"]("stock_tp1")["stock_logprobs"], setup["get"]("stock_tp2")["stock_logprobs"]
+    m = lp_differ = 0
+    for ta, tb, va, vb in zip(a.tokens, b.tokens, a.info["sampled_values"], b.info["sampled_values"], strict=True):
+        p = len(ta) - len(va)
+        for j in range(len(va)):
+            if ta[p + j] != tb[p + j]:
+                break  # the sequences part ways: later rows score other contexts
+            m += 1
+            lp_differ += va[j] != vb[j]
+    print(f"\nstock vLLM: {differ}/{n} logits rows and {lp_differ}/{m} reported logprobs (logprobs=0, up to the "
+          "first differing token) differ between TP 1 and TP 2")
+    assert n == sum(PROMPT_LENS) and differ > 0 and m > 0 and lp_differ > 0
 
 
 @pytest.mark.parametrize("name", ["unsliced", "no_contract", "tp4", "moe", "pipeline"])
