@@ -282,6 +282,11 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         raise AlignedMambaError("--max-batch-tokens must be >= 1")
     if args.jobs is not None and args.jobs < 1:
         raise AlignedMambaError("--jobs must be >= 1")
+    if args.sampler_tp < 1:
+        raise AlignedMambaError(f"--sampler-tp must be >= 1, got {args.sampler_tp}")
+    if args.sampler_tp != 1 and args.engine != "vllm":
+        raise AlignedMambaError(f"--sampler-tp {args.sampler_tp} needs --engine vllm (the {args.engine} engine runs at "
+                                "TP 1)")
     backend = choose_backend(args.backend)
     for flag, name in (("--engine", args.engine), ("--trainer", args.trainer)):
         require_extra(flag, name)
@@ -314,7 +319,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     longest = args.prompt_len + args.gen_len
     spec = EngineSpec(model=args.model, contract=sampler_c.to_dict(), dtype=args.dtype,
                       max_model_len=max(longest + 16, 256), max_num_seqs=args.requests,
-                      max_batch_tokens=max(args.prompt_len * args.requests, args.max_batch_tokens or 0, 256))
+                      max_batch_tokens=max(args.prompt_len * args.requests, args.max_batch_tokens or 0, 256),
+                      tp=args.sampler_tp)
     from .hardware import hardware_class
 
     device = "cpu" if backend == "torch" else "cuda"
@@ -430,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--contract", default=None, help="contract name (configs/contracts) or YAML path, both sides")
     c.add_argument("--trainer-contract", default=None, help="contract for the trainer side only")
     c.add_argument("--sampler-contract", default=None, help="contract for the sampler side only")
+    c.add_argument("--sampler-tp", type=int, default=1, metavar="M",
+                   help="the sampler's tensor-parallel size (vllm: M worker processes over gloo on the CPU; a "
+                        "power of two dividing the contract's row_parallel_slices)")
     c.add_argument("--seed", type=seed_type, default=0, help="seed of the prompts and of sampling (0..2**63-1)")
     c.add_argument("--jobs", type=int, default=None,
                    help="sampler worker processes (default: 2 on a multi-core CPU with the torch backend, else 1); "

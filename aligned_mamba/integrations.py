@@ -89,7 +89,9 @@ class EngineSpec:
     model: "tiny" or a checkpoint directory; dtype: the embedded default's dtype; contract:
     ``Contract.to_dict()``; exact_replay: False runs the engine's stock decode (the baseline, as
     engines decode today); max_model_len / max_num_seqs / max_batch_tokens: the engine's capacity
-    (a scenario's budget may be lower); threads: torch's intra-op threads in the engine's process.
+    (a scenario's budget may be lower); threads: torch's intra-op threads in the engine's process;
+    tp: the engine's tensor-parallel size (vllm: one worker process per rank; the contract's
+    ``row_parallel_slices`` must allow it).
     """
 
     model: str
@@ -100,6 +102,7 @@ class EngineSpec:
     max_num_seqs: int = 64
     max_batch_tokens: int = 4096
     threads: int = 1
+    tp: int = 1
 
 
 class Engine(Protocol):

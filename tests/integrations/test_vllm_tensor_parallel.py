@@ -217,3 +217,37 @@ def test_refusals(setup, name):
     assert message is not None and message.startswith("ExactReplayRefused: aligned-mamba exact replay refused:")
     assert setup["refusals"][name][2] in message and "\n" not in message
 
+
+
+def test_cli_check_engine_vllm_sampler_tp2(tmp_path):
+    """``aligned-mamba check --engine vllm --sampler-tp 2`` under a contract of row_parallel_slices 2: every
+    exact-replay case 0 differing rows and 0 differing reported logprobs against the TP 1 trainer; the
+    stock engine at TP 2 (the check's baseline) differs."""
+    import json
+
+    from aligned_mamba.cli import main
+
+    config, tensors = make_tiny(2)
+    save_mamba2(tmp_path / "ckpt", config, tensors)
+    (tmp_path / "s2.yaml").write_text(f"chunk_size: {config.chunk_size}\nstate_dtype: float32\nbackend: torch\n"
+                                      f"model_dtype: bfloat16\nrow_parallel_slices: {SLICES}\n")
+    out = tmp_path / "result.json"
+    code = main(["check", "--model", str(tmp_path / "ckpt"), "--engine", "vllm", "--sampler-tp", "2", "--backend",
+                 "torch", "--contract", str(tmp_path / "s2.yaml"), "--prompt-len", "90", "--gen-len", "16",
+                 "--requests", "2", "--jobs", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    exact = [case for case in result["cases"] if case["exact_replay"]]
+    base = next(case for case in result["cases"] if not case["exact_replay"])
+    print("\n" + "; ".join(f"{c['name']}: {c['mismatched_rows']}/{c['rows']} rows, "
+                           f"{c['mismatched_logprobs']}/{c['logprob_tokens']} logprobs" for c in result["cases"]))
+    assert result["engine"] == "vllm" and len(exact) == 4 and all(case["rows"] > 0 for case in exact)
+    assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
+    assert all(case["logprob_tokens"] == 2 * 16 and case["mismatched_logprobs"] == 0 for case in exact)
+    assert base["mismatched_rows"] > 0 and base["mismatched_logprobs"] > 0
+
+
+def test_cli_sampler_tp_needs_vllm(capsys):
+    from aligned_mamba.cli import main
+
+    assert main(["check", "--sampler-tp", "2"]) != 0
+    assert "--sampler-tp 2 needs --engine vllm" in capsys.readouterr().err
