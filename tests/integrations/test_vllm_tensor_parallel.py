@@ -251,3 +251,52 @@ def test_cli_sampler_tp_needs_vllm(capsys):
 
     assert main(["check", "--sampler-tp", "2"]) != 0
     assert "--sampler-tp 2 needs --engine vllm" in capsys.readouterr().err
+
+
+def _run_reload_run(spec, tensors, scenario):
+    """In an engine process: the scenario, then new weights through vLLM's reload_weights, then again."""
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(spec)
+    try:
+        before = engine.run(scenario)
+        engine.load_weights(tensors)
+        return before, engine.run(scenario)
+    finally:
+        engine.close()
+
+
+def test_tp2_weight_update_rebuilds_every_rank(tmp_path):
+    """An RL weight push (``VLLMEngine.load_weights``: vLLM's reload_weights in every worker) at TP 2: each
+    rank cuts its shard of the new weights, and rows and reported logprobs follow the TP 1 reference of
+    the new weights (the old weights' reference, the baseline, no longer matches)."""
+    from aligned_mamba.integrations import EngineSpec
+    from rollout.vllm_runner import spawn
+
+    config, old = make_tiny(0)
+    _, new = make_tiny(4)
+    save_mamba2(tmp_path / "ckpt", config, old)
+    contract = dataclasses.replace(Contract.from_hf_config(config.to_hf_dict(), backend="torch",
+                                                           model_dtype="bfloat16"), row_parallel_slices=SLICES)
+    spec = EngineSpec(str(tmp_path / "ckpt"), contract.to_dict(), max_model_len=512, max_num_seqs=4,
+                      max_batch_tokens=1024, tp=2)
+    scenario = Scenario("push", _prompts(config.vocab_size), GEN, budget=BUDGET)
+    pool, fut = spawn(_run_reload_run, spec, new, scenario)
+    try:
+        before, after = fut.result(timeout=1200)
+    finally:
+        pool.shutdown(wait=True)
+    out = {}
+    for label, res in (("before", before), ("after", after)):
+        seqs = [torch.tensor(t) for t in res.tokens]
+        for weights, tensors in (("old", old), ("new", new)):
+            logits = build_model(config, tensors, contract).forward(seqs)
+            rows = compare(res.rows, logits, contract, contract).mismatched_rows
+            lps = sum(int((torch.tensor(v) != aligned_mamba.token_logprobs(r[len(t) - len(v) - 1:-1],
+                                                                           torch.tensor(t[len(t) - len(v):]))).sum())
+                      for t, v, r in zip(res.tokens, res.sampled_logprobs, logits))
+            out[label, weights] = (rows, lps)
+    print(f"\nTP 2 weight push: (differing rows, logprobs) of {len(PROMPT_LENS) * GEN} against the TP 1 reference: "
+          f"{out}")
+    assert out["before", "old"] == (0, 0) and out["after", "new"] == (0, 0)
+    assert out["after", "old"][0] > 0 and out["before", "new"][0] > 0
