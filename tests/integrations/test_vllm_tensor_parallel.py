@@ -5,8 +5,9 @@ Each worker builds the core model sharded over vLLM's TP group; the logits rows 
 logits, prompt and generated positions, chunked prefill under a 37-token budget, then decode) and the
 logprobs it reports for ``logprobs=0`` under ``processed_logprobs`` must equal the TP 1 reference's
 under ``torch.equal``, for Mamba2 with n_groups 1 (B and C replicated across the ranks, the gated
-norm's sum of squares joined over an all-gather) and 8, and for a hybrid. Baselines: stock vLLM at TP
-2 against stock vLLM at TP 1 on the same checkpoint, and the reference under the unsliced contract.
+norm's sum of squares joined over an all-gather) and 8, and for hybrids whose two key/value heads
+split across the ranks or whose one is kept by both. Baselines: stock vLLM at TP 2 against stock
+vLLM at TP 1 on the same checkpoint, and the reference under the unsliced contract.
 One engine per checkpoint, one at a time (each is three processes on a small machine).
 """
 
@@ -45,9 +46,13 @@ PLUGIN_CLASSES = {"mamba2": "rollout.vllm_model.ExactReplayMamba2ForCausalLM",
 def _checkpoints():
     """name: (config, tensors, save, class key, extra LLM kwargs)."""
     hybrid = make_tiny_hybrid(3, pattern="M*-M", num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    # one key/value head: both ranks keep it (replicated), each with its half of the query heads
+    kv1 = make_tiny_hybrid(6, pattern="*M-", num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    pages = {"kv_cache_memory_bytes": 128 << 20, "block_size": 32}
     return {"g1": (*make_tiny(0), save_mamba2, "mamba2", {}),
             "g8": (*make_tiny(1, n_groups=8), save_mamba2, "mamba2", {}),
-            "hybrid": (*hybrid, save_hybrid, "hybrid", {"kv_cache_memory_bytes": 128 << 20, "block_size": 32})}
+            "hybrid": (*hybrid, save_hybrid, "hybrid", pages),
+            "hybrid_kv1": (*kv1, save_hybrid, "hybrid", pages)}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -101,18 +106,14 @@ def setup(tmp_path_factory):
     }
     jobs["refusals"] = (try_start, [LLMSpec(model_dir=str(root / m), exact_replay=True, **base, llm_kwargs=kw)
                                     for kw, m, _ in refusals.values()])
-    order = ["refusals", "g1", "stock_tp1", "stock_tp2", "g8", "hybrid"]
-    started: dict = {}
     cache: dict = {}
 
     def get(key: str):
-        # one engine at a time, in order: a TP 2 engine is three processes
-        for k in order[:order.index(key) + 1]:
-            if k in cache:
-                continue
-            pool, fut = started[k] = spawn(*jobs[k])
+        # one engine at a time, started when a test first asks for it: a TP 2 engine is three processes
+        if key not in cache:
+            pool, fut = spawn(*jobs[key])
             try:
-                cache[k] = fut.result(timeout=1200)
+                cache[key] = fut.result(timeout=1200)
             finally:
                 pool.shutdown(wait=True)
         out = cache[key]
@@ -127,7 +128,7 @@ def _rows(res) -> list[list[tuple[int, torch.Tensor]]]:
     return [[(pos, row.to(torch.bfloat16)) for pos, row in req] for req in res.rows]
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1"])
 def test_tp2_rows_equal_tp1_reference(setup, name):
     res = setup["get"](name)["rows"]
     workers = res.info["workers"]
@@ -143,7 +144,7 @@ def test_tp2_rows_equal_tp1_reference(setup, name):
     assert unsliced.mismatched_rows > 0
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1"])
 def test_tp2_reported_logprobs_equal_tp1_reference(setup, name):
     res = setup["get"](name)["logprobs"]
     logits = setup["refs"][name]["tp1"].forward([torch.tensor(t) for t in res.tokens])
