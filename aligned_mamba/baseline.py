@@ -9,7 +9,8 @@ so the rows it produces differ from the trainer's only by the scan's rounding an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from .layers.mamba2 import Mamba2Mixer
 from .models.causal_lm import Block, CausalLM
 from .ops.ssd import SSMParams, recurrent_step, ssd_chunk
 from .ops.step import Step
+from .parallel import TPGroup
 
 
 @dataclass
@@ -85,4 +87,37 @@ def baseline_model(model: CausalLM) -> CausalLM:
     return out
 
 
-__all__ = ["RecurrentMamba2Mixer", "RunningState", "baseline_model"]
+def stock_row_parallel(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
+                       slices: int, group: TPGroup, partial: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                       ) -> torch.Tensor:
+    """Stock tensor parallelism's row-parallel GEMM (Megatron's RowParallelLinear, vLLM's), with
+    ``ops.linear.row_parallel_linear``'s signature: each rank's GEMM over all of its K columns rounded
+    to the model dtype, the ranks' partials summed in the model dtype as an all-reduce does (here in
+    rank order), then the bias. ``slices`` is ignored: the degree decides the sum, so TP 2 rounds
+    otherwise than TP 1."""
+    ws = w if isinstance(w, torch.Tensor) else torch.cat(list(w), dim=1)
+    parts = group.all_gather(partial(x, ws).to(x.dtype))
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out if b is None else out + b.to(out.dtype)
+
+
+def stock_tp_model(model: CausalLM) -> CausalLM:
+    """``model`` (the same weights, the same tensor-parallel group) with every row-parallel GEMM
+    summed as stock tensor parallelism sums it (``stock_row_parallel``): the baseline that shows the
+    mismatch across TP degrees the contract's slices remove."""
+    blocks = []
+    for b in model.blocks:
+        mixer = b.mixer
+        if hasattr(mixer, "row_parallel") and getattr(mixer, "sliced", False):
+            mixer = copy.copy(mixer)
+            mixer.row_parallel = stock_row_parallel
+        blocks.append(Block(norm=b.norm, mixer=mixer))
+    out = CausalLM.__new__(CausalLM)
+    out.__dict__.update(model.__dict__)
+    out.blocks = blocks
+    return out
+
+
+__all__ = ["RecurrentMamba2Mixer", "RunningState", "baseline_model", "stock_row_parallel", "stock_tp_model"]

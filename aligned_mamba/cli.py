@@ -3,7 +3,8 @@
     aligned-mamba check [--model tiny|DIR] [--engine reference|vllm] [--trainer reference|megatron]
                         [--backend auto|torch|triton] [--prompt-len 600] [--gen-len 300]
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
-                        [--seed 0] [--json PATH]
+                        [--seed 0] [--json PATH] [--trainer-tp K] [--sampler-tp M]
+                        [--row-parallel-slices S]
 
 Exit status (one meaning each, one line on stderr saying what and why for 2, 3 and 4): 0 every
 exact-replay case has zero differing logits rows; 1 rows differ; 2 input or settings refused;
@@ -54,16 +55,27 @@ _EXTRA_NEEDS = {"vllm": ("vllm", "vllm"), "megatron": ("megatron.core", "megatro
 
 
 def build_contract(config: Any, spec: str | None, backend: str, dtype: str | None, state_dtype: str | None,
-                   *, backend_flag: str = "auto") -> Any:
+                   *, backend_flag: str = "auto", row_parallel_slices: int | None = None) -> Any:
     """A named/YAML contract, else the checkpoint's. A flag given explicitly that contradicts the
     contract file is refused (one line naming both), never silently applied; the file's backend
-    is checked against what this machine can run (``backend``, resolved from ``backend_flag``)."""
+    is checked against what this machine can run (``backend``, resolved from ``backend_flag``).
+    ``row_parallel_slices``: the --row-parallel-slices flag (the checkpoint's contract takes it; a
+    file that states another is refused)."""
+    import dataclasses
+
     from .contract import Contract
     from .models import contract_for
 
     if not spec:
-        return contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
+        c = contract_for(config, backend=backend, model_dtype=dtype, state_dtype=state_dtype or "float32")
+        return c if row_parallel_slices is None else dataclasses.replace(c, row_parallel_slices=row_parallel_slices)
     from_file = Contract.from_yaml(spec)
+    if row_parallel_slices is not None and row_parallel_slices != from_file.row_parallel_slices:
+        if from_file.row_parallel_slices != 1:
+            raise AlignedMambaError(f"--row-parallel-slices {row_parallel_slices} contradicts contract {spec}'s "
+                                    f"row_parallel_slices: {from_file.row_parallel_slices} (drop the flag or edit "
+                                    "the file)")
+        from_file = dataclasses.replace(from_file, row_parallel_slices=row_parallel_slices)
     flags = {"backend": None if backend_flag == "auto" else backend, "model_dtype": dtype, "state_dtype": state_dtype}
     from .contract import normalize_dtype
 
@@ -225,6 +237,11 @@ def print_table(result: dict[str, Any]) -> None:
         moe = f", E MoE of {m['experts']} experts, {m['experts_per_token']} per token" if "experts" in m else ""
         print(f"layers: {m['pattern']} (M Mamba2, * attention of {m['attention_heads']} query / {m['kv_heads']} "
               f"key-value heads x {m['attention_head_dim']}, - MLP{moe})")
+    if "tp_control" in result:
+        tc = result["tp_control"]
+        print(f"tensor parallel: trainer TP {result.get('trainer_tp')}, sampler TP {result.get('sampler_tp')}, "
+              f"row_parallel_slices {c.get('row_parallel_slices', 1)}; stock TP {tc['degree']} (partials "
+              f"all-reduced) differs from stock TP 1 in {tc['stock_mismatched_rows']} of {tc['rows']} rows")
     if "trainer_hardware" in result:
         print(f"hardware: {result['trainer_hardware']} (the class the bits belong to)")
     head = (f"{'case':<27} {'replay':<6} {'rows':>6} {'differ':>7} {'first':>6} {'max|d|':>9} {'logprobs':>8}  "
@@ -263,6 +280,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     except BaseException as e:
         report.close(*status_of(e), strict=False)
         raise
+    finally:
+        while _TP_TRAINERS:  # the trainer's rank processes end with the command
+            _TP_TRAINERS.pop().close()
+
+
+_TP_TRAINERS: list[Any] = []  # the tensor-parallel trainer of a running check (closed when it ends)
 
 
 def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport) -> int:
@@ -282,11 +305,6 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         raise AlignedMambaError("--max-batch-tokens must be >= 1")
     if args.jobs is not None and args.jobs < 1:
         raise AlignedMambaError("--jobs must be >= 1")
-    if args.sampler_tp < 1:
-        raise AlignedMambaError(f"--sampler-tp must be >= 1, got {args.sampler_tp}")
-    if args.sampler_tp != 1 and args.engine != "vllm":
-        raise AlignedMambaError(f"--sampler-tp {args.sampler_tp} needs --engine vllm (the {args.engine} engine runs at "
-                                "TP 1)")
     backend = choose_backend(args.backend)
     for flag, name in (("--engine", args.engine), ("--trainer", args.trainer)):
         require_extra(flag, name)
@@ -294,9 +312,18 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     show(f"loading model {args.model!r}")
     config, tensors = load_source(args.model, args.dtype)
     contracts = [build_contract(config, side or args.contract, backend, args.dtype, args.state_dtype,
-                                backend_flag=args.backend) for side in (args.trainer_contract, args.sampler_contract)]
+                                backend_flag=args.backend, row_parallel_slices=args.row_parallel_slices)
+                 for side in (args.trainer_contract, args.sampler_contract)]
     trainer_c, sampler_c = contracts
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
+    from .parallel import check_tp
+
+    for flag, name, size, c in (("--trainer-tp", args.trainer, args.trainer_tp, trainer_c),
+                                ("--sampler-tp", args.engine, args.sampler_tp, sampler_c)):
+        if size != 1 and name != "reference" and (flag, name) != ("--sampler-tp", "vllm"):
+            raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the reference trainer and "
+                                    f"engine and the vllm engine for now, not {name}")
+        check_tp(c, config, size)  # one line: what cannot keep the bits at that degree, and why
     stored = getattr(config, "dtype", None)
     if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:
         # a contract file's dtype would cast the checkpoint: only an explicit --dtype asks for that
@@ -304,13 +331,22 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
                                 f"{stored}: pass --dtype {sampler_c.model_dtype} to compute in it from these weights")
     backend = sampler_c.backend
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if backend == "torch" else 1)
+    if args.sampler_tp > 1 and args.jobs is None:
+        jobs = 1  # the engine's ranks are processes already
     if backend == "torch":
         _check_memory(config, sampler_c, args, jobs)
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
     if args.trainer != "reference":
         show(f"building the {args.trainer} trainer")
-    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c)
+    if args.trainer_tp > 1:
+        from .tp_reference import TPTrainer
+
+        show(f"starting the reference trainer's {args.trainer_tp} tensor-parallel ranks")
+        trainer = TPTrainer(config, tensors, trainer_c, args.trainer_tp)
+        _TP_TRAINERS.append(trainer)
+    else:
+        trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c)
     from .models import build_model
     from .train import PolicyTrainer
 
@@ -324,7 +360,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     from .hardware import hardware_class
 
     device = "cpu" if backend == "torch" else "cuda"
-    here = {"engine": args.engine, "trainer": args.trainer, "hardware": hardware_class(device).to_dict(),
+    here = {"engine": args.engine, "trainer": args.trainer, "trainer_tp": args.trainer_tp,
+            "sampler_tp": args.sampler_tp, "hardware": hardware_class(device).to_dict(),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                             "device": "cpu" if backend == "torch" else torch.cuda.get_device_name()}}
     report.update(here)
@@ -333,10 +370,24 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
                        seed=args.seed, jobs=jobs, progress=show, on_case=lambda r: report.update({**r, **here}),
                        allow_cross_hardware=args.allow_cross_hardware)
     result.update(here)
+    could_fail = result["control"]["could_fail"]
+    if max(args.trainer_tp, args.sampler_tp) > 1:
+        from .check import make_prompts
+        from .tp_reference import tp_control
+
+        degree = max(args.trainer_tp, args.sampler_tp)
+        show(f"tensor-parallel control: stock row-parallel sums at TP {degree} against TP 1")
+        prompts = make_prompts(reference.shape.vocab_size, args.prompt_len, args.requests, args.seed)
+        result["tp_control"] = tp_control(config, tensors, trainer_c, degree,
+                                          [torch.tensor(p, dtype=torch.int64) for p in prompts])
+        could_fail = could_fail and result["tp_control"]["could_fail"]
+        tc = result["tp_control"]
+        show(f"tensor-parallel control: stock TP {degree} differed from stock TP 1 in {tc['stock_mismatched_rows']} "
+             f"of {tc['rows']} rows")
     result["timing"]["wall_s"] = round(time.perf_counter() - start, 3)
     print_table(result)
     report.update(result)
-    status = "mismatch" if not result["ok"] else "ok" if result["control"]["could_fail"] else "no-control"
+    status = "mismatch" if not result["ok"] else "ok" if could_fail else "no-control"
     report.close(status)
     if args.json:
         show(f"wrote {args.json}")
@@ -436,10 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--contract", default=None, help="contract name (configs/contracts) or YAML path, both sides")
     c.add_argument("--trainer-contract", default=None, help="contract for the trainer side only")
     c.add_argument("--sampler-contract", default=None, help="contract for the sampler side only")
-    c.add_argument("--sampler-tp", type=int, default=1, metavar="M",
-                   help="the sampler's tensor-parallel size (vllm: M worker processes over gloo on the CPU; a "
-                        "power of two dividing the contract's row_parallel_slices)")
     c.add_argument("--seed", type=seed_type, default=0, help="seed of the prompts and of sampling (0..2**63-1)")
+    c.add_argument("--trainer-tp", type=int, default=1, metavar="K",
+                   help="the trainer's tensor-parallel degree (a power of two dividing the contract's "
+                        "row_parallel_slices; ranks are gloo processes on the CPU)")
+    c.add_argument("--sampler-tp", type=int, default=1, metavar="M",
+                   help="the sampler engine's tensor-parallel degree (as --trainer-tp)")
+    c.add_argument("--row-parallel-slices", type=int, default=None, metavar="S",
+                   help="the contract's row_parallel_slices (default: the contract's, 1 for a checkpoint's): "
+                        "every TP degree dividing S gives the same bits; S = 1 is the plain linear layer")
     c.add_argument("--jobs", type=int, default=None,
                    help="sampler worker processes (default: 2 on a multi-core CPU with the torch backend, else 1); "
                         "the trainer scores in the main process")

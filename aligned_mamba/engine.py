@@ -272,7 +272,12 @@ class ReferenceEngine:
 
 
 def make_engine(spec: EngineSpec) -> ReferenceEngine:
-    """The "reference" engine's factory (``integrations.engine_factory``)."""
+    """The "reference" engine's factory (``integrations.engine_factory``); ``spec.tp`` > 1 gives its
+    tensor-parallel form (``tp_reference.TPReferenceEngine``: the ranks as gloo processes)."""
+    if spec.tp > 1:
+        from .tp_reference import TPReferenceEngine
+
+        return TPReferenceEngine(spec)  # type: ignore[return-value]
     return ReferenceEngine(spec)
 
 

@@ -90,8 +90,7 @@ class EngineSpec:
     ``Contract.to_dict()``; exact_replay: False runs the engine's stock decode (the baseline, as
     engines decode today); max_model_len / max_num_seqs / max_batch_tokens: the engine's capacity
     (a scenario's budget may be lower); threads: torch's intra-op threads in the engine's process;
-    tp: the engine's tensor-parallel size (vllm: one worker process per rank; the contract's
-    ``row_parallel_slices`` must allow it).
+    tp: the engine's tensor-parallel degree (its ranks as processes over gloo on the CPU).
     """
 
     model: str

@@ -8,6 +8,10 @@ group spans ranks, and the vocabulary's log-softmax (``ops.logprobs``) sum fixed
 pairwise tree over all-gathered partials. The one collective is ``TPGroup.all_gather`` (never an
 all-reduce, whose order is the library's; an all-reduce of a row and zeros would also turn -0.0
 into +0.0).
+
+Ranks run as threads of one process (``threads``: tests), or as spawned CPU processes over gloo
+(``Ranks``, kept alive between calls; ``launch``, one call): what tests and the CLI use. On GPUs a
+caller initialises NCCL itself and passes ``TPGroup.from_torch()``.
 """
 
 from __future__ import annotations
@@ -197,33 +201,113 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, size: int, port: int, threads: int, queue: Any, fn: Callable[..., Any],
-            args: tuple) -> None:
+_STATE: dict[str, Any] = {}
+
+
+def rank_state() -> dict[str, Any]:
+    """What a ``Ranks`` process keeps between calls (a model built once, say): one dict per process."""
+    return _STATE
+
+
+def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any) -> None:
+    """A rank's loop: run each (fn, args) it is sent as fn(group, *args); report (rank, ok, payload),
+    the payload rank 0's pickled result or a rank's one-line error."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    group = TPGroup.from_torch()
     try:
-        result = fn(TPGroup.from_torch(), *args)
-        if rank == 0:  # as plain pickled bytes: a tensor shared by file descriptor dies with this process
-            queue.put(pickle.dumps(result))
-        dist.barrier()
+        while (msg := inbox.get()) is not None:
+            try:
+                fn, args = pickle.loads(msg)
+                result = fn(group, *args)
+                # plain pickled bytes: a tensor shared by file descriptor would die with its process
+                outbox.put((rank, True, pickle.dumps(result) if rank == 0 else None))
+            except Exception as e:  # reported to the caller, who ends every rank
+                outbox.put((rank, False, f"{type(e).__name__}: {' '.join(str(e).split())}"))
     finally:
         dist.destroy_process_group()
 
 
+class Ranks:
+    """``size`` CPU processes (spawned) joined in one gloo group over a free localhost port, kept
+    alive between calls: ``call(fn, *args)`` runs ``fn(group, *args)`` on every rank at once and
+    returns rank 0's result (``rank_state()`` keeps what a rank builds once). ``fn`` and the
+    arguments must pickle (a module-level function). A rank's exception ends every rank and is
+    raised here as ``RuntimeFailure`` naming it. Use as a context manager, or ``close()``."""
+
+    def __init__(self, size: int) -> None:
+        import multiprocessing
+
+        if not _pow2(size):
+            raise AlignedMambaError(f"tensor-parallel size {size!r} refused: must be a power of two")
+        self.size = size
+        ctx = multiprocessing.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(size)]
+        threads = max(1, (os.cpu_count() or 1) // size)
+        port = _free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, size, port, threads, self._inboxes[r], self._outbox),
+                                   daemon=True) for r in range(size)]
+        for p in self._procs:
+            p.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import queue
+
+        from .errors import RuntimeFailure
+
+        if not self._procs:
+            raise RuntimeFailure("these tensor-parallel ranks are closed")
+        msg = pickle.dumps((fn, args))
+        for box in self._inboxes:
+            box.put(msg)
+        result, pending = None, set(range(self.size))
+        while pending:  # read while the ranks run: a large result must not fill the pipe unread
+            try:
+                rank, ok, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead:
+                    code = self._procs[dead[0]].exitcode
+                    self.close()
+                    raise RuntimeFailure(f"tensor-parallel rank {dead[0]} of {self.size} died (exit code {code})"
+                                         ) from None
+                continue
+            if not ok:
+                self.close()
+                raise RuntimeFailure(f"tensor-parallel rank {rank} of {self.size} failed: {payload}")
+            pending.discard(rank)
+            if rank == 0:
+                result = pickle.loads(payload)
+        return result
+
+    def close(self) -> None:
+        """End every rank (a clean stop where they are idle; killed after a few seconds otherwise)."""
+        procs, self._procs = self._procs, []
+        for box, p in zip(self._inboxes, procs):
+            if p.is_alive():
+                box.put(None)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def launch(fn: Callable[..., Any], size: int, *args: Any) -> Any:
     """Run ``fn(group, *args)`` in ``size`` CPU processes (spawned; gloo over a free localhost port)
-    and return rank 0's result. ``fn`` and the arguments must pickle (a module-level function).
-    A rank's exception is raised here (torch.multiprocessing's ProcessRaisedException, naming it)."""
-    import torch.multiprocessing as mp
-
-    if not _pow2(size):
-        raise AlignedMambaError(f"tensor-parallel size {size!r} refused: must be a power of two")
-    threads = max(1, (os.cpu_count() or 1) // size)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(size, _free_port(), threads, queue, fn, args), nprocs=size, join=True)
-    return pickle.loads(queue.get())
+    and return rank 0's result: ``Ranks`` for one call. ``fn`` and the arguments must pickle (a
+    module-level function); a rank's exception is raised here as ``RuntimeFailure`` naming it."""
+    with Ranks(size) as ranks:
+        return ranks.call(fn, *args)
 
 
-__all__ = ["TPGroup", "check_tp", "launch", "shard", "threads"]
+__all__ = ["Ranks", "TPGroup", "check_tp", "launch", "rank_state", "shard", "threads"]

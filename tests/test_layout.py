@@ -31,6 +31,9 @@ FORBIDDEN = {
     "layers": ("models", "engine", "baseline", "check", "cli", "train", "integrations"),
     "models": ("engine", "baseline", "check", "cli", "train", "integrations"),
     "contract": ("ops.backend", "layers", "models", "engine", "check", "cli", "train", "integrations"),
+    # the tensor-parallel API sits beside the contract: layers and models build on it, never the reverse at
+    # module level (check_tp reads a family's config inside the call)
+    "parallel": ("engine", "baseline", "check", "cli", "train", "integrations", "tp_reference", "verify"),
 }
 HOOK = ROOT / "trainer_hooks" / "megatron"
 # each module of the hook package, and the modules of the package it may import at module level

@@ -182,6 +182,8 @@ class Attention:
     """
 
     kind = "attention"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
                  backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None, slices: int = 1) -> None:
@@ -280,6 +282,6 @@ class Attention:
         if rows is not None:
             o = o[rows]
         if self.sliced:
-            return row_parallel_linear(o, self.o_slices, None, slices=self.slices, group=self.tp or TPGroup.single(),
+            return self.row_parallel(o, self.o_slices, None, slices=self.slices, group=self.tp or TPGroup.single(),
                                        partial=self.backend.linear_partial)
         return self.backend.linear(o, self.o_w)

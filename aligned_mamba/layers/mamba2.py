@@ -174,6 +174,8 @@ class Mamba2Mixer:
     """
 
     kind = "mamba2"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *,
                  backend: Backend, dtype: torch.dtype, chunk_size: int, tp: TPGroup | None = None,
@@ -265,5 +267,5 @@ class Mamba2Mixer:
         group = self.tp or TPGroup.single()
         y = be.gated_rms_norm_sliced(y, z, self.norm_w, c.norm_eps, self.full_config.n_groups, slices=self.slices,
                                      group=group)
-        return row_parallel_linear(y, self.out_proj_slices, self.out_proj_b, slices=self.slices, group=group,
+        return self.row_parallel(y, self.out_proj_slices, self.out_proj_b, slices=self.slices, group=group,
                                    partial=be.linear_partial)

@@ -69,6 +69,8 @@ class MLP(Stateless):
     over ``slices`` slices (any TP degree dividing them: the same bits)."""
 
     kind = "mlp"
+    #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
+    row_parallel = staticmethod(row_parallel_linear)
 
     def __init__(self, config: MLPConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *, backend: Backend,
                  dtype: torch.dtype, tp: TPGroup | None = None, slices: int = 1) -> None:
@@ -104,6 +106,6 @@ class MLP(Stateless):
         be = self.backend
         h = be.relu2(be.linear(x, self.up_w, self.up_b))
         if self.sliced:
-            return row_parallel_linear(h, self.down_slices, self.down_b, slices=self.slices,
+            return self.row_parallel(h, self.down_slices, self.down_b, slices=self.slices,
                                        group=self.tp or TPGroup.single(), partial=be.linear_partial)
         return be.linear(h, self.down_w, self.down_b)

@@ -157,7 +157,7 @@ class CausalLM:
         local = self.backend.linear(hidden, self.lm_head)
         if self.tp.size == 1:
             return local
-        return self.tp.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], -1)
+        return self.tp.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], local.shape[1] * self.tp.size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of token_ids [T] -> [T, hidden] (model dtype). Under tensor parallelism

@@ -310,3 +310,30 @@ def test_a_contract_file_does_not_silently_cast_the_checkpoint(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("the contract's model_dtype bfloat16 is not the checkpoint's stored float32: pass --dtype "
                         "bfloat16 to compute in it from these weights")
+
+
+# -- tensor parallelism (the reference trainer and engine as gloo processes) ------------------------------
+
+
+@pytest.mark.engines
+def test_check_at_trainer_tp2_sampler_tp2(small_ckpt, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = check_args(small_ckpt, "--dtype", "float32", "--trainer-tp", "2", "--sampler-tp", "2",
+                      "--row-parallel-slices", "4", "--json", str(out))
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["trainer_tp"] == 2 and r["sampler_tp"] == 2 and r["contract"]["row_parallel_slices"] == 4
+    for c in r["cases"]:
+        if c["exact_replay"]:
+            assert c["mismatched_rows"] == 0 and c["mismatched_logprobs"] == 0 and c["rows"] > 0
+    assert r["tp_control"]["could_fail"] and r["tp_control"]["stock_mismatched_rows"] > 0
+    assert "stock TP 2 (partials all-reduced) differs" in capsys.readouterr().out
+
+
+def test_tensor_parallel_refusals(capsys, small_ckpt):
+    _one_line_error(capsys, main(check_args(small_ckpt, "--trainer-tp", "2")), "row_parallel_slices >= 2")
+    _one_line_error(capsys, main(check_args(small_ckpt, "--sampler-tp", "3", "--row-parallel-slices", "4")),
+                    "power of two")
+    _one_line_error(capsys, main(check_args(small_ckpt, "--trainer-tp", "8", "--row-parallel-slices", "8")),
+                    "num_heads 4")
+    _one_line_error(capsys, main(check_args(small_ckpt, "--row-parallel-slices", "6")), "row_parallel_slices 6")

@@ -247,13 +247,6 @@ def test_cli_check_engine_vllm_sampler_tp2(tmp_path):
     assert base["mismatched_rows"] > 0 and base["mismatched_logprobs"] > 0
 
 
-def test_cli_sampler_tp_needs_vllm(capsys):
-    from aligned_mamba.cli import main
-
-    assert main(["check", "--sampler-tp", "2"]) != 0
-    assert "--sampler-tp 2 needs --engine vllm" in capsys.readouterr().err
-
-
 def _run_reload_run(spec, tensors, scenario):
     """In an engine process: the scenario, then new weights through vLLM's reload_weights, then again."""
     from rollout.vllm_engine import VLLMEngine

@@ -85,7 +85,7 @@ def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         ss = pair_tree(gathered[first:first + span].movedim(0, -1)).unsqueeze(-1)
     c = ew.operand
     var = ss / c(float(width), ss)
-    out = (u.view(M, local_groups, -1) * torch.rsqrt(var + c(eps, ss))[..., None]).view(M, dl)
+    out = (u.view(M, local_groups, dl // local_groups) * torch.rsqrt(var + c(eps, ss))[..., None]).view(M, dl)
     return weight.to(y.dtype) * out.to(y.dtype)
 
 

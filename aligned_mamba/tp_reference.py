@@ -1,0 +1,166 @@
+"""The reference trainer and engine under tensor parallelism: what each rank runs.
+
+Every rank builds the model from the full checkpoint's tensors with its ``TPGroup`` (cutting its
+part itself) and runs the same work in lock-step: the trainer's one-pass forward, or the reference
+engine's whole scenario (its schedule depends on the scenario alone, and the sampled tokens on the
+logits, which every rank holds in full, so the ranks' all-gathers line up). Every rank returns the
+same rows; ``parallel.launch`` and ``parallel.Ranks`` hand back rank 0's. The functions are module
+level so that spawned processes can unpickle them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .contract import Contract
+from .integrations import EngineSpec, Scenario, ScenarioResult
+from .models import CausalLM, build_model
+from .parallel import Ranks, TPGroup, rank_state
+
+
+def build(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, *,
+          stock: bool = False) -> CausalLM:
+    """This rank's model (``stock``: its row-parallel GEMMs summed as stock tensor parallelism does,
+    ``baseline.stock_tp_model``)."""
+    model = build_model(config, tensors, contract, tp=group)
+    if stock:
+        from .baseline import stock_tp_model
+
+        model = stock_tp_model(model)
+    return model
+
+
+def forward(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
+            sequences: Sequence[torch.Tensor], stock: bool = False) -> list[torch.Tensor]:
+    """The trainer's logits of whole sequences at this rank's degree: [len_i] -> [len_i, vocab]."""
+    return build(group, config, tensors, contract, stock=stock).forward(list(sequences))
+
+
+def run_scenario(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
+                 scenario: Scenario, exact_replay: bool = True) -> ScenarioResult:
+    """The reference engine's scenario at this rank's degree (``exact_replay=False``: the baseline's
+    recurrent decode)."""
+    from .engine import ReferenceEngine
+
+    model = build(group, config, tensors, contract)
+    return ReferenceEngine.for_model(model, exact_replay=exact_replay).run(scenario)
+
+
+def tp_control(config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int,
+               sequences: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Whether tensor parallelism could have shown a mismatch here: stock tensor parallelism (each
+    rank's row-parallel partial rounded and all-reduced, ``baseline.stock_tp_model``) at TP ``size``
+    against its TP 1, over the same weights and sequences. JSON-ready: degree, rows,
+    stock_mismatched_rows, could_fail."""
+    from .parallel import launch
+
+    one = forward(TPGroup.single(), config, tensors, contract, sequences, True)
+    many = launch(forward, size, config, tensors, contract, list(sequences), True)
+    differ = sum(int((a != b).any(dim=-1).sum()) for a, b in zip(one, many))
+    rows = sum(int(a.shape[0]) for a in one)
+    return {"degree": size, "rows": rows, "stock_mismatched_rows": differ, "could_fail": differ > 0}
+
+
+# -- kept in the ranks (``parallel.Ranks``): the model built once per rank --------------------------------
+
+
+def load(group: TPGroup, key: str, config: Any, tensors: dict[str, torch.Tensor], contract: Contract) -> None:
+    """Build this rank's model and keep it under ``key``."""
+    rank_state()[key] = build(group, config, tensors, contract)
+
+
+def load_source_rank(group: TPGroup, key: str, source: str, dtype: str | None, contract: Contract) -> None:
+    """``load`` from a model source ("tiny" or a checkpoint directory) that each rank reads itself."""
+    from .models import load_source
+
+    config, tensors = load_source(source, dtype)
+    load(group, key, config, tensors, contract)
+
+
+def forward_kept(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kept model's one-pass logits of whole sequences."""
+    return rank_state()[key].forward(list(sequences))
+
+
+def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -> ScenarioResult:
+    """The reference engine's scenario over the kept model (``exact_replay=False``: the baseline's
+    recurrent decode over the same weights)."""
+    from .engine import ReferenceEngine
+
+    result = ReferenceEngine.for_model(rank_state()[key], exact_replay=exact_replay).run(scenario)
+    result.info["tp"] = group.size
+    return result
+
+
+class TPTrainer:
+    """The reference trainer's forward at tensor-parallel degree ``size`` (``integrations.Trainer``'s
+    ``contract`` and ``forward``, what ``check`` reads): ``size`` gloo processes, each holding its
+    rank's model, every forward run by all of them. Training steps at TP > 1 are not here yet."""
+
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int) -> None:
+        from .parallel import check_tp
+
+        check_tp(contract, config, size)  # refused here, before any process starts
+        self.contract = contract
+        self.version = 0
+        self.size = size
+        self.ranks = Ranks(size)
+        self.ranks.call(load, "trainer", config, tensors, contract)
+
+    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw logits of whole sequences in one pass at TP ``size``: [len_i] -> [len_i, vocab]."""
+        return self.ranks.call(forward_kept, "trainer", list(sequences))
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every generated token under the one-pass logits (the full rows every rank holds),
+        [len_i - prompt_len_i] float32 each, by the contract's log-softmax."""
+        from .train import generated_logprobs
+
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        from .errors import AlignedMambaError
+
+        raise AlignedMambaError(f"training steps at tensor-parallel size {self.size} are not implemented yet "
+                                "(the reference trainer's TP path scores only)")
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+class TPReferenceEngine:
+    """The reference engine at tensor-parallel degree ``spec.tp`` (``integrations.Engine``): ``spec.tp``
+    gloo processes, each building its rank's model from the spec's source and running every
+    scenario in lock-step; rank 0's result is returned (every rank holds the same rows)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.contract = Contract.from_dict(spec.contract)
+        self.ranks = Ranks(spec.tp)
+        self.ranks.call(load_source_rank, "engine", spec.model, spec.dtype, self.contract)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        from .models import load_source
+
+        config, _ = load_source(self.spec.model, self.spec.dtype)
+        self.ranks.call(load, "engine", config, tensors, self.contract)
+
+    def run(self, scenario: Scenario, on_step: Any = None) -> ScenarioResult:
+        if on_step is not None:
+            raise ValueError("the tensor-parallel reference engine takes no on_step callback (its steps run in "
+                             "the rank processes)")
+        result = self.ranks.call(run_kept, "engine", scenario, self.spec.exact_replay)
+        result.pid = -1  # computed in the rank processes, not here
+        return result
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+__all__ = ["TPReferenceEngine", "TPTrainer", "build", "forward", "forward_kept", "load", "load_source_rank",
+           "run_kept", "run_scenario", "tp_control"]

@@ -1,0 +1,219 @@
+"""Tensor parallelism in the reference model: the logits rows and token logprobs at TP 1, 2 and 4 all
+torch.equal under a contract with row_parallel_slices 4 (Mamba2 with n_groups 1 and 8, a hybrid),
+through the one-pass forward and the engine's schedules; stock tensor parallelism (the row-parallel
+partials all-reduced) shown to differ; the refusals, one line each.
+
+Most tests run the ranks as threads of this process (``parallel.threads``: the same all-gathers
+without the processes' start-up); ``test_gloo_processes`` runs them as gloo processes
+(``parallel.launch``), as the CLI does."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import pytest
+import torch
+
+from aligned_mamba import tp_reference
+from aligned_mamba.check import CASES, make_prompts, scenario_for
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import AlignedMambaError
+from aligned_mamba.models.mamba2 import make_tiny
+from aligned_mamba.models.nemotron_h import make_tiny_hybrid
+from aligned_mamba.ops.backend import resolve
+from aligned_mamba.ops.logprobs import token_logprobs
+from aligned_mamba.ops.norm import gated_rms_norm, gated_rms_norm_sliced
+from aligned_mamba.parallel import TPGroup, check_tp, launch, shard, threads
+
+S = 4  # the contract's row_parallel_slices: TP 1, 2 and 4 give the same bits
+
+
+@cache
+def _model(name: str):
+    """Small checkpoints: Mamba2 with n_groups 1 (B/C replicated at TP 2 and 4) and 8 (split), a hybrid
+    (Mamba2, attention with one KV head, replicated; the MLP)."""
+    if name == "g1":
+        return make_tiny(0, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=1,
+                         num_hidden_layers=2, chunk_size=32)
+    if name == "g8":
+        return make_tiny(1, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=8,
+                         num_hidden_layers=2, chunk_size=32)
+    return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
+
+
+def _contract(slices: int = S, dtype: str = "bfloat16") -> Contract:
+    return Contract(32, model_dtype=dtype, row_parallel_slices=slices)
+
+
+def _seqs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 512, (n,), generator=g) for n in (45, 7, 70)]
+
+
+def _logprobs(logits: list[torch.Tensor], seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [token_logprobs(lg[:-1], s[1:]) for lg, s in zip(logits, seqs)]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _rows_differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    return sum(int((x != y).any(dim=-1).sum()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name,dtype", [("g1", "bfloat16"), ("g8", "bfloat16"), ("hybrid", "bfloat16"),
+                                        ("g8", "float32")])
+def test_forward_is_the_same_bits_at_tp_1_2_4(name: str, dtype: str) -> None:
+    config, tensors = _model(name)
+    seqs, c = _seqs(), _contract(dtype=dtype)
+    one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+    for size in (2, 4):
+        for rank, got in enumerate(threads(tp_reference.forward, size, config, tensors, c, seqs)):
+            assert _equal(got, one), (name, size, rank)
+            assert _equal(_logprobs(got, seqs), _logprobs(one, seqs))
+    # the baseline: stock tensor parallelism (row-parallel partials rounded and all-reduced) at TP 2
+    # against its own TP 1, the same weights: rows differ
+    stock1 = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs, True)
+    stock2 = threads(tp_reference.forward, 2, config, tensors, c, seqs, True)[0]
+    assert _rows_differing(stock1, stock2) > 0, name
+    assert not _equal(_logprobs(stock1, seqs), _logprobs(stock2, seqs))
+
+
+def test_one_slice_is_the_model_as_before() -> None:
+    """row_parallel_slices 1 (every existing contract) builds today's model: its bits are the plain
+    linear's, which S = 4 changes on some rows (the contract's new arithmetic, fingerprinted)."""
+    config, tensors = _model("g1")
+    seqs = _seqs()
+    from aligned_mamba.models import build_model
+
+    plain = build_model(config, tensors, Contract(32, model_dtype="float32")).forward(seqs)
+    s1 = tp_reference.forward(TPGroup.single(), config, tensors, _contract(1, "float32"), seqs)
+    s4 = tp_reference.forward(TPGroup.single(), config, tensors, _contract(4, "float32"), seqs)
+    assert _equal(s1, plain)
+    assert _rows_differing(s4, plain) > 0
+
+
+def _engine_case(group: TPGroup, config, tensors, contract, case_name: str):
+    case = next(c for c in CASES if c.name == case_name)
+    prompts = make_prompts(512, 70, 3, seed=3)
+    return tp_reference.run_scenario(group, config, tensors, contract, scenario_for(case, prompts, 40, 23, 3),
+                                     case.exact_replay)
+
+
+@pytest.mark.parametrize("name,case", [("g1", "chunked_prefill_unaligned"), ("g1", "preempt_recompute"),
+                                       ("g8", "mixed_batch"), ("hybrid", "chunked_prefill_unaligned"),
+                                       ("hybrid", "preempt_recompute")])
+def test_engine_schedules_at_tp2_give_the_trainers_tp1_rows(name: str, case: str) -> None:
+    """Chunked prefill, decode, preemption and recompute at TP 2: every row the engine emits is the
+    TP 1 trainer's one-pass row, and every reported logprob its logprob."""
+    config, tensors = _model(name)
+    c = _contract()
+    got = threads(_engine_case, 2, config, tensors, c, case)
+    assert all(_equal([r for _, r in sum(g.rows, [])], [r for _, r in sum(got[0].rows, [])]) for g in got)
+    res = got[0]
+    seqs = [torch.tensor(t) for t in res.tokens]
+    trainer = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+    rows = sum(len(r) for r in res.rows)
+    assert rows > 40
+    for req_rows, lg, seq, reported in zip(res.rows, trainer, seqs, res.sampled_logprobs):
+        for pos, row in req_rows:
+            assert torch.equal(row, lg[pos]), (name, case, pos)
+        start = len(seq) - 40
+        want = token_logprobs(lg[start - 1:start - 1 + len(reported)], seq[start:start + len(reported)])
+        assert torch.equal(want, torch.tensor(reported, dtype=torch.float32))
+
+
+def test_gated_norm_slices() -> None:
+    """One slice is the gated norm as before; S slices give the same bits whether a group's slices
+    sit on one rank or span 2 or 4 (n_groups 1 and 2 at TP 4: B/C replicated)."""
+    g = torch.Generator().manual_seed(0)
+    y, z = torch.randn(9, 256, generator=g).bfloat16(), torch.randn(9, 256, generator=g).bfloat16()
+    w = torch.randn(256, generator=g).bfloat16()
+    single = TPGroup.single()
+    for groups in (1, 2, 4):
+        assert torch.equal(gated_rms_norm_sliced(y, z, w, 1e-5, groups, slices=1, group=single),
+                           gated_rms_norm(y, z, w, 1e-5, groups))
+        one = gated_rms_norm_sliced(y, z, w, 1e-5, groups, slices=8, group=single)
+        for size in (2, 4, 8):
+            def rank(grp: TPGroup, n: int = groups) -> torch.Tensor:
+                ch = shard(256, grp)
+                return gated_rms_norm_sliced(y[:, ch], z[:, ch], w[ch], 1e-5, n, slices=8, group=grp)
+
+            assert torch.equal(torch.cat(threads(rank, size), dim=1), one), (groups, size)
+
+
+def _empty_step(group: TPGroup, config, tensors, contract) -> tuple[torch.Size, torch.Size]:
+    model = tp_reference.build(group, config, tensors, contract)
+    y = torch.zeros(0, 128, dtype=torch.bfloat16)  # this rank's 128 of 256 channels, one group
+    norm = gated_rms_norm_sliced(y, y, torch.ones(128, dtype=torch.bfloat16), 1e-5, 1, slices=4, group=group)
+    return model.logits(torch.zeros(0, config.hidden_size, dtype=torch.bfloat16)).shape, norm.shape
+
+
+def test_a_step_without_rows_at_tp2() -> None:
+    """An engine step that wants no logits row (a prefill chunk mid-prompt) still meets every rank's
+    all-gathers: the empty tensors pass through."""
+    config, tensors = _model("g1")
+    for logits, norm in threads(_empty_step, 2, config, tensors, _contract()):
+        assert logits == (0, 512) and norm == (0, 128)
+
+
+def _refused(contract: Contract, config, size: int, match: str) -> None:
+    with pytest.raises(AlignedMambaError, match=match) as e:
+        check_tp(contract, config, size)
+    assert "\n" not in str(e.value)
+
+
+def test_refusals_one_line() -> None:
+    g1, _ = _model("g1")
+    hybrid, _ = _model("hybrid")
+    _refused(_contract(), g1, 3, "power of two")
+    _refused(_contract(2), g1, 4, "row_parallel_slices >= 4")
+    _refused(Contract(32), g1, 2, "row_parallel_slices >= 2")
+    _refused(_contract(16), g1, 16, "vocabulary's log-softmax has 8 fixed slices")
+    _refused(_contract(8), dataclasses.replace(g1, vocab_size=500), 2, "vocab_size 500")
+    _refused(_contract(8), dataclasses.replace(g1, num_heads=4, head_dim=64), 8, "num_heads 4 refused")
+    moe, _ = make_tiny_hybrid(0, pattern="ME")
+    _refused(_contract(), moe, 2, "MoE layers")
+    _refused(_contract(256), hybrid, 1, "Mamba2 intermediate size 128 refused")
+    check_tp(_contract(), hybrid, 4)  # 1 KV head replicated over 4 ranks: allowed
+    check_tp(_contract(8), g1, 1)
+
+
+@pytest.mark.engines
+def test_gloo_processes() -> None:
+    """The ranks as gloo processes (``launch``): TP 2 on every checkpoint, TP 4 on the hybrid, all the
+    TP 1 bits; stock TP 2 (its partials all-reduced) differs."""
+    seqs, c = _seqs(), _contract()
+    for name in ("g1", "g8", "hybrid"):
+        config, tensors = _model(name)
+        one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+        assert _equal(launch(tp_reference.forward, 2, config, tensors, c, seqs), one), name
+        if name == "hybrid":
+            assert _equal(launch(tp_reference.forward, 4, config, tensors, c, seqs), one)
+            stock = launch(tp_reference.forward, 2, config, tensors, c, seqs, True)
+            assert _rows_differing(stock, tp_reference.forward(TPGroup.single(), config, tensors, c, seqs, True)) > 0
+
+
+def test_backend_has_the_sliced_forms() -> None:
+    be = resolve(_contract())
+    assert be.linear_partial is not None and be.gated_rms_norm_sliced is not None
+
+
+@pytest.mark.engines
+def test_tp_trainer_scores_and_refuses_steps() -> None:
+    """The CLI's trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's;
+    a training step is refused in one line (not implemented at TP > 1)."""
+    config, tensors = _model("hybrid")
+    seqs, c = _seqs(), _contract()
+    trainer = tp_reference.TPTrainer(config, tensors, c, 2)
+    try:
+        one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+        assert _equal(trainer.forward(seqs), one)
+        lps = trainer.token_logprobs(seqs, [3, 3, 3])
+        assert _equal(lps, [token_logprobs(lg[2:-1], s[3:]) for lg, s in zip(one, seqs)])
+        with pytest.raises(AlignedMambaError, match="not implemented yet"):
+            trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
+    finally:
+        trainer.close()
