@@ -320,9 +320,10 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
 
     for flag, name, size, c in (("--trainer-tp", args.trainer, args.trainer_tp, trainer_c),
                                 ("--sampler-tp", args.engine, args.sampler_tp, sampler_c)):
-        if size != 1 and name not in (("reference", "megatron") if flag == "--trainer-tp" else ("reference",)):
+        covered = ("reference", "megatron") if flag == "--trainer-tp" else ("reference", "vllm")
+        if size != 1 and name not in covered:
             raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the reference and megatron "
-                                    f"trainers and the reference engine for now, not {name}")
+                                    f"trainers and the reference and vllm engines for now, not {name}")
         check_tp(c, config, size)  # one line: what cannot keep the bits at that degree, and why
     stored = getattr(config, "dtype", None)
     if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:

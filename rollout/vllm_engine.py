@@ -59,6 +59,8 @@ class VLLMEngine:
         _engine_env()
         os.environ["ALIGNED_MAMBA_EXACT_REPLAY"] = "1" if spec.exact_replay else "0"
         kwargs: dict = {"dtype": self.contract.model_dtype}
+        if spec.tp > 1:  # one worker process per rank; the plugin refuses a TP the contract cannot keep
+            kwargs.update(tensor_parallel_size=spec.tp, distributed_executor_backend="mp")
         if spec.exact_replay:
             kwargs["additional_config"] = {"aligned_mamba": {"contract": self.contract.to_dict()}}
         self.llm = build_llm(LLMSpec(model_dir=path, exact_replay=spec.exact_replay,

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from aligned_mamba.contract import Contract
 from aligned_mamba.errors import ModelLoadError
+from aligned_mamba.layers import attention as attention_layer
 from aligned_mamba.layers import mamba2 as mamba2_layer
 from aligned_mamba.layers.attention import Attention as CoreAttention
 from aligned_mamba.layers.attention import PagedTables, paged_tables
@@ -40,6 +41,7 @@ from aligned_mamba.models import CausalLM, build_model
 from aligned_mamba.models.causal_lm import Block
 from aligned_mamba.models.registry import family_for_config
 from aligned_mamba.ops.step import Step
+from aligned_mamba.parallel import TPGroup
 
 from .vllm_plugin import ExactReplayRefused, check_engine, core_config, engine_contract, refuse
 
@@ -47,14 +49,26 @@ logger = init_logger(__name__)
 _BATCH_ATTR = "_aligned_mamba_batch"  # the core Step of a metadata object, made by the first layer that reads it
 
 
-def replay_layout(config: Any, contract: Contract) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def _shape_group(size: int) -> TPGroup:
+    """A group of ``size`` for shapes only (every rank's shard has the same shape): no collective."""
+    def no_gather(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("aligned-mamba: a shape-only tensor-parallel group cannot all-gather")
+
+    return TPGroup(0, size, no_gather)
+
+
+def replay_layout(config: Any, contract: Contract, tp_size: int = 1) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """One Mamba2 layer's state as vLLM state entries: (field, per-slot shape, dtype); ``config``: a
-    family config with ``mixer_config()`` (Mamba2Config, NemotronHConfig).
+    family config with ``mixer_config()`` (Mamba2Config, NemotronHConfig). ``tp_size``: the state of
+    one tensor-parallel rank (its heads and groups: ``layers.mamba2.local_config``).
 
     fp32 fields first, so every field's byte offset inside a slot's page is a multiple of its
     element size (the page is one int8 buffer that ``MambaBase.bind_kv_cache`` slices and views).
     """
-    spec = mamba2_layer.state_spec(config.mixer_config(), contract.chunk_size, getattr(torch, contract.model_dtype))
+    mixer = config.mixer_config()
+    if tp_size > 1:
+        mixer = mamba2_layer.local_config(mixer, _shape_group(tp_size))
+    spec = mamba2_layer.state_spec(mixer, contract.chunk_size, getattr(torch, contract.model_dtype))
     entries = sorted(spec.fields, key=lambda e: -e[2].itemsize)  # stable: field order within a dtype size
     total = sum(math.prod(s) * dt.itemsize for _, s, dt in entries)
     if total % 4:  # pad the page so the next slot's fp32 fields stay 4-byte aligned
@@ -211,6 +225,7 @@ class PagedAttentionLayer(nn.Module):
     """
 
     def __init__(self, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int, cache_config: Any) -> None:
+        """num_heads / num_kv_heads: this rank's (``layers.attention.local_config`` under tensor parallelism)."""
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
@@ -268,6 +283,20 @@ class StatelessLayer(nn.Module):
         return self.block.mixer.advance(None, None, normed)  # type: ignore[arg-type]  # stateless: no batch
 
 
+def tp_group(vllm_config: VllmConfig) -> TPGroup:
+    """This worker's rank of vLLM's tensor-parallel group as the core's ``TPGroup`` (its device group:
+    gloo on the CPU, where vLLM's TP workers are processes); one process at TP 1."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return TPGroup.single()
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = TPGroup.from_torch(get_tp_group().device_group)
+    if group.size != vllm_config.parallel_config.tensor_parallel_size:
+        raise RuntimeError(f"aligned-mamba: vLLM's tensor-parallel group has {group.size} ranks, the config "
+                           f"{vllm_config.parallel_config.tensor_parallel_size}")
+    return group
+
+
 class _ExactReplayLM(nn.Module):
     """What both exact-replay models share: the core model built from the checkpoint's tensors, the
     forward over vLLM's per-layer metadata, the core's logits. Subclasses build ``self.layers`` (one
@@ -283,7 +312,8 @@ class _ExactReplayLM(nn.Module):
         self.contract = engine_contract(vllm_config)
         self.config = core_config(vllm_config)
         self.family = family_for_config(self.config)
-        self.layout = replay_layout(self.config, self.contract)
+        self.tp = tp_group(vllm_config)
+        self.layout = replay_layout(self.config, self.contract, self.tp.size)
         self.core: CausalLM | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._device = vllm_config.device_config.device
@@ -296,7 +326,8 @@ class _ExactReplayLM(nn.Module):
     # -- vLLM's state declaration, from the config alone (hybrid page sizing) ---------------------
     @classmethod
     def _layout_from_config(cls, vllm_config: VllmConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return replay_layout(core_config(vllm_config), engine_contract(vllm_config))
+        return replay_layout(core_config(vllm_config), engine_contract(vllm_config),
+                             vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
@@ -344,7 +375,9 @@ class _ExactReplayLM(nn.Module):
         missing = [n for n in shapes if n not in self._tensors]
         if missing:
             raise ModelLoadError(f"aligned-mamba: {len(missing)} missing tensor(s), e.g. {missing[:3]}")
-        self.core = build_model(config, self._tensors, self.contract, device=self._device)
+        # every rank keeps the full tensors and cuts its own shard (heads, groups, channels, vocabulary)
+        self.core = build_model(config, self._tensors, self.contract, device=self._device,
+                                tp=self.tp if self.tp.size > 1 else None)
         for layer, block in zip(self.layers, self.core.blocks, strict=True):
             layer.block = block
         if tied:
@@ -356,7 +389,7 @@ class _ExactReplayLM(nn.Module):
     # -- the forward -------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.core is not None
-        return self.core.embedding[input_ids]
+        return self.core.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -380,7 +413,9 @@ class _ExactReplayLM(nn.Module):
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The core's row-invariant lm_head: [R, hidden] -> [R, vocab] (model dtype)."""
+        """The core's row-invariant lm_head: [R, hidden] -> [R, vocab] (model dtype). Under tensor
+        parallelism every rank returns the full rows (its vocabulary shard, all-gathered), so vLLM's
+        sampler and the plugin's logprobs see what a TP 1 engine sees."""
         assert self.core is not None
         return self.core.logits(hidden_states)
 
@@ -430,7 +465,10 @@ class ExactReplayNemotronHForCausalLM(_ExactReplayLM):
             if kind == MAMBA:
                 out.append(ReplayMambaLayer(prefix, self.layout))
             elif kind == ATTENTION:
-                out.append(PagedAttentionLayer(prefix, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                a = c.attention_config()
+                if self.tp.size > 1:
+                    a = attention_layer.local_config(a, self.tp)
+                out.append(PagedAttentionLayer(prefix, a.num_heads, a.num_kv_heads, a.head_dim,
                                                vllm_config.cache_config))
             else:
                 out.append(StatelessLayer())

@@ -40,10 +40,17 @@ the one engine process; multiprocess, the front end and the worker (EngineCore o
 The contract (chunk size, state dtype, backend, model dtype) is derived from the model and the
 engine; ``additional_config={"aligned_mamba": {"contract": {...} | "name" | "path.yaml"}}`` (or
 ``{"chunk_size": N}``, or ``{}``) states the trainer's, and any difference is refused at start.
+
+Tensor parallelism (``tensor_parallel_size=k``, vLLM's multiprocess executor): each worker builds the
+core model sharded over vLLM's TP group (``aligned_mamba.parallel``), and the stated contract's
+``row_parallel_slices`` S fixes every cross-rank reduction's tree, so k = 1, 2 ... S give the same bits.
+A k the contract cannot keep the bits at (S < k, heads or groups that do not split, MoE layers) is
+refused in one line; pipeline and context parallelism are refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, NoReturn
@@ -262,8 +269,9 @@ def core_config(vllm_config: Any) -> Any:
 
 def engine_contract(vllm_config: Any) -> Contract:
     """The contract this engine runs under: chunk size from the model config, fp32 state, the
-    backend of the device (torch on the CPU, triton on CUDA), the model dtype; checked against
-    the one stated in ``additional_config["aligned_mamba"]`` if any."""
+    backend of the device (torch on the CPU, triton on CUDA), the model dtype, and the stated
+    contract's ``row_parallel_slices`` (1 without one); checked against the one stated in
+    ``additional_config["aligned_mamba"]`` if any."""
     mc = vllm_config.model_config
     dtype = normalize_dtype(mc.dtype)
     if dtype not in MODEL_DTYPES:
@@ -295,6 +303,12 @@ def engine_contract(vllm_config: Any) -> Contract:
             want = Contract.from_dict(want) if isinstance(want, dict) else Contract.from_yaml(str(want))
         except ContractError as e:
             refuse(f"the stated contract: {e}")
+        # The row-parallel slices are the trainer's choice, not the engine's: taken as stated (a
+        # backend that has no sliced GEMM refuses them in the contract itself).
+        try:
+            contract = dataclasses.replace(contract, row_parallel_slices=want.row_parallel_slices)
+        except ContractError as e:
+            refuse(f"the stated contract on this engine: {e}")
         diffs = want.diff(contract)
         if diffs:
             parts = "; ".join(f"{name} contract={a!r} engine={b!r}" for name, a, b in diffs)
@@ -339,11 +353,7 @@ def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
                "(pass enable_prefix_caching=False)")
     if vllm_config.speculative_config is not None:
         refuse("speculative decoding: draft tokens would advance the replay state past rejected tokens")
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
-    if tp > 1 or pp > 1 or dcp > 1:
-        refuse(f"tensor/pipeline/context parallel sizes {tp}/{pp}/{dcp}: the shared ops run one whole model "
-               "per engine (sharded GEMMs sum in another order)")
+    _check_parallel(pc)
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
@@ -361,8 +371,35 @@ def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
         refuse(f"quantization {mc.quantization!r} is not covered by the shared ops")
     _check_logprobs_setup(vllm_config)
     contract = engine_contract(vllm_config)
+    check_tensor_parallel(vllm_config, contract)
     announce(contract, getattr(vllm_config.device_config, "device", None))
     return contract
+
+
+def _check_parallel(pc: Any) -> None:
+    """Pipeline and context parallelism: refused by name (tensor parallelism: ``check_tensor_parallel``)."""
+    pp = pc.pipeline_parallel_size
+    if pp > 1:
+        refuse(f"pipeline parallelism (pipeline_parallel_size {pp}): the core runs every layer of the model in each "
+               "tensor-parallel rank")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(pc, name, 1) or 1
+        if size > 1:
+            refuse(f"context parallelism ({name} {size}): a sequence's tokens and state are kept by one rank; "
+                   "splitting them changes the scan's and attention's reductions")
+
+
+def check_tensor_parallel(vllm_config: Any, contract: Contract) -> None:
+    """Refuse (one line) a tensor-parallel size the contract cannot keep the bits at: not a power of two,
+    not dividing the contract's ``row_parallel_slices`` (TP k needs a contract with S >= k), the heads,
+    groups, key/value heads or the vocabulary's log-softmax slices; MoE layers (``parallel.check_tp``)."""
+    from aligned_mamba.parallel import check_tp
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    try:
+        check_tp(contract, core_config(vllm_config), tp)
+    except AlignedMambaError as e:
+        refuse(str(e))
 
 
 def _check_logprobs_setup(vllm_config: Any) -> None:

@@ -55,11 +55,13 @@ class LLMSpec:
 class Run:
     """A core ``Scenario`` with the options of a vLLM run: logprobs_mode raw_logits (rows are logits)
     or raw_logprobs (rows are vLLM's logprobs); reprefill: score prompt + generated tokens in one
-    more prefill afterwards (``info["reprefill_rows"]``, vLLM's decode-vs-prefill property)."""
+    more prefill afterwards (``info["reprefill_rows"]``, vLLM's decode-vs-prefill property);
+    logprobs: with ``rows="none"``, ``SamplingParams(logprobs=...)`` (``drive``'s ``logprobs``)."""
 
     scenario: Scenario
     logprobs_mode: str = "raw_logits"
     reprefill: bool = False
+    logprobs: int | None = None
 
 
 def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[ScenarioResult] | str:
@@ -74,7 +76,7 @@ def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[Scenari
     out = []
     for r in runs:
         r = r if isinstance(r, Run) else Run(r)
-        out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill))
+        out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill, logprobs=r.logprobs))
     return out
 
 
@@ -106,14 +108,43 @@ def build_llm(spec: LLMSpec) -> Any:
     return LLM(**kwargs)
 
 
-def _set_logprobs_mode(llm: Any, mode: str) -> None:
-    """Switch logprobs_mode between scenarios: the attributes LLM(logprobs_mode=...) sets (the
-    sampler's, its top-k/top-p sampler's and the model config's, read for prompt logprobs), saving
-    an engine start."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+def _worker_logprobs_mode(worker: Any, mode: str) -> None:
+    runner = worker.model_runner
     runner.sampler.logprobs_mode = mode
     runner.sampler.topk_topp_sampler.logprobs_mode = mode
     runner.model_config.logprobs_mode = mode
+
+
+def _set_logprobs_mode(llm: Any, mode: str) -> None:
+    """Switch logprobs_mode between scenarios: the attributes LLM(logprobs_mode=...) sets (the
+    sampler's, its top-k/top-p sampler's and the model config's, read for prompt logprobs), in every
+    worker (the tensor-parallel ranks are processes of their own), saving an engine start."""
+    llm.collective_rpc(_worker_logprobs_mode, args=(mode,))
+    llm.llm_engine.model_config.logprobs_mode = mode
+
+
+def _worker_seed(worker: Any, seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _seed(llm: Any, seed: int) -> None:
+    """Seed the torch RNG the sampler draws from: this process's (the in-process TP 1 worker) and, under
+    tensor parallelism, every worker process's (each rank samples; vLLM keeps rank 0's tokens)."""
+    torch.manual_seed(seed)
+    if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+        llm.collective_rpc(_worker_seed, args=(seed,))
+
+
+def _worker_info(worker: Any) -> dict[str, Any]:
+    runner = worker.model_runner
+    spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
+            "page_size_bytes": int(spec.page_size_bytes), "num_blocks": int(runner.kv_cache_config.num_blocks)}
+
+
+def worker_info(llm: Any) -> list[dict[str, Any]]:
+    """Each worker's model class, its state page per layer and its number of pages, in rank order."""
+    return llm.collective_rpc(_worker_info)
 
 
 def _row(entry: Any, vocab: int) -> torch.Tensor:
@@ -152,7 +183,7 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     scheduler.max_num_scheduled_tokens = sc.budget or full_budget
     rows_on = sc.rows != "none"
     prompt_rows_on = sc.rows == "all"
-    torch.manual_seed(sc.seed)  # the in-process engine samples from this process's torch RNG
+    _seed(llm, sc.seed)
     params = SamplingParams(max_tokens=sc.gen_len, ignore_eos=True, temperature=1.0,
                             logprobs=-1 if rows_on else logprobs, prompt_logprobs=-1 if prompt_rows_on else None,
                             output_kind=RequestOutputKind.DELTA)
@@ -208,13 +239,10 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     finally:
         scheduler.max_num_scheduled_tokens = full_budget
     seconds = time.perf_counter() - t0
-    runner = engine.model_executor.driver_worker.worker.model_runner
-    spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    info: dict[str, Any] = {"model_class": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
-                            "page_size_bytes": int(spec.page_size_bytes),
-                            "num_blocks": int(runner.kv_cache_config.num_blocks), "decode_tokens": decode_tokens,
-                            "decode_seconds": decode_seconds, "logprobs_mode": logprobs_mode,
-                            "vllm_preemptions": sum(seen_preemptions.values())}
+    workers = worker_info(llm)
+    info: dict[str, Any] = {**workers[0], "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+                            "logprobs_mode": logprobs_mode, "vllm_preemptions": sum(seen_preemptions.values()),
+                            "workers": workers}
     if not rows_on:
         if logprobs is not None:
             info["sampled_values"] = [[float(e[t].logprob) for e, t in zip(sample_rows[i], gen[i])]
@@ -345,8 +373,7 @@ def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     out: dict[str, Any] = {"pid": os.getpid(), "results": {}}
     if in_process:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        out["model_class"] = f"{type(runner.model).__module__}.{type(runner.model).__qualname__}"
+        out["model_class"] = worker_info(llm)[0]["model_class"]
     for job in jobs:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler if in_process else None
         full = scheduler.max_num_scheduled_tokens if scheduler else None

@@ -75,8 +75,10 @@ def setup(tmp_path_factory):
         "prefix_caching": ({"enable_prefix_caching": True}, "prefix caching"),
         "speculative": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                 "prompt_lookup_max": 2}}, "speculative decoding"),
-        "tensor_parallel": ({"tensor_parallel_size": 2}, "parallel sizes 2/1/1"),
-        "pipeline_parallel": ({"pipeline_parallel_size": 2}, "parallel sizes 1/2/1"),
+        # TP 2 under a contract without row-parallel slices (tests/integrations/test_vllm_tensor_parallel.py: with them)
+        "tensor_parallel": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                            "row_parallel_slices is 1"),
+        "pipeline_parallel": ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
         "cuda_graphs": ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, "CUDA graphs"),
         "fp16": ({"dtype": "float16"}, "model dtype 'float16'"),
         "architecture": ({"model": str(mamba1)}, "architecture 'MambaForCausalLM' is not covered"),
