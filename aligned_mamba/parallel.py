@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import AlignedMambaError
+from .errors import AlignedMambaError, ModelLoadError
 
 if TYPE_CHECKING:
     from .contract import Contract
@@ -82,6 +82,19 @@ def shard(n: int, group: TPGroup) -> slice:
         raise AlignedMambaError(f"a dimension of {n} cannot be split into {group.size} equal tensor-parallel shards")
     k = n // group.size
     return slice(group.rank * k, (group.rank + 1) * k)
+
+
+def shared(n: int, group: TPGroup, what: str) -> range:
+    """The items of ``n`` shared ones (B/C groups, key/value heads) rank ``group.rank`` holds: n / k
+    of them, or with n < k the one its heads share (replicated over k / n ranks, as vLLM splits
+    n_groups 1 at TP 2). ``what`` names them in the refusal."""
+    k, r = group.size, group.rank
+    if n % k == 0:
+        return range(r * n // k, (r + 1) * n // k)
+    if k % n:
+        raise ModelLoadError(f"{what} {n} cannot be split across {k} tensor-parallel ranks")
+    g = r // (k // n)
+    return range(g, g + 1)
 
 
 def _pow2(n: int) -> bool:

@@ -36,7 +36,7 @@ from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
 from ..ops.backend import Backend
 from ..ops.linear.sliced import row_parallel_linear
 from ..ops.step import Step
-from ..parallel import TPGroup
+from ..parallel import TPGroup, shared
 from .base import MAX_LEN, StateSpec, take
 
 
@@ -137,15 +137,8 @@ def paged_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table
 
 
 def _kv_heads(config: AttentionConfig, group: TPGroup) -> range:
-    """The key/value heads rank ``group.rank`` holds: G / k of them, or with G < k the one its query
-    heads share (replicated over k / G ranks)."""
-    G, k, r = config.num_kv_heads, group.size, group.rank
-    if G % k == 0:
-        return range(r * G // k, (r + 1) * G // k)
-    if k % G:
-        raise ModelLoadError(f"num_key_value_heads {G} cannot be split across {k} tensor-parallel ranks")
-    g = r // (k // G)
-    return range(g, g + 1)
+    """The key/value heads rank ``group.rank`` holds (``parallel.shared``)."""
+    return shared(config.num_kv_heads, group, "num_key_value_heads")
 
 
 def local_config(config: AttentionConfig, group: TPGroup) -> AttentionConfig:

@@ -26,7 +26,7 @@ from ..ops.backend import Backend
 from ..ops.linear.sliced import row_parallel_linear
 from ..ops.ssd.state import SSDState, SSMParams
 from ..ops.step import Step
-from ..parallel import TPGroup
+from ..parallel import TPGroup, shared
 from .base import StateSpec, take, take_optional
 
 
@@ -110,15 +110,8 @@ def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -
 
 
 def _groups(config: Mamba2MixerConfig, group: TPGroup) -> range:
-    """The B/C groups rank ``group.rank`` holds: G / k of them, or with G < k its heads' one group
-    (replicated over k / G ranks, as vLLM splits n_groups 1 at TP 2)."""
-    G, k, r = config.n_groups, group.size, group.rank
-    if G % k == 0:
-        return range(r * G // k, (r + 1) * G // k)
-    if k % G:
-        raise ModelLoadError(f"n_groups {G} cannot be split across {k} tensor-parallel ranks")
-    g = r // (k // G)
-    return range(g, g + 1)
+    """The B/C groups rank ``group.rank`` holds (``parallel.shared``)."""
+    return shared(config.n_groups, group, "n_groups")
 
 
 def local_config(config: Mamba2MixerConfig, group: TPGroup) -> Mamba2MixerConfig:

@@ -5,7 +5,6 @@ any power-of-two shard count dividing VOCAB_SLICES gives the unsharded bits)."""
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 import aligned_mamba
 from aligned_mamba.ops.logprobs import sliced as L
+from aligned_mamba.parallel import threads
 
 V = 50280  # mamba-130m's vocabulary: rows of realistic width
 
@@ -106,39 +106,9 @@ def test_empty_leading_shape_gives_an_empty_result() -> None:
 
 
 def _ranks(fn: Callable[[int, Callable], torch.Tensor], shards: int) -> list[torch.Tensor]:
-    """Run fn(rank, all_gather) for every rank at once, each in a thread: all_gather hands every
-    rank's tensor to every rank, as torch.distributed.all_gather does between processes."""
-    barrier = threading.Barrier(shards)
-    posted: dict[tuple[int, int], torch.Tensor] = {}
-    out: list[torch.Tensor | None] = [None] * shards
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        calls = [0]
-
-        def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-            k = calls[0]
-            calls[0] += 1
-            posted[(k, rank)] = t.clone()
-            barrier.wait()
-            got = [posted[(k, r)] for r in range(shards)]
-            barrier.wait()
-            return got
-
-        try:
-            out[rank] = fn(rank, all_gather)
-        except BaseException as e:  # surfaced below, with the barrier broken so no rank waits forever
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(shards)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out  # type: ignore[return-value]
+    """Run fn(rank, all_gather) for every rank at once (``parallel.threads``): all_gather hands every
+    rank's tensor to every rank, as a list in rank order."""
+    return threads(lambda g: fn(g.rank, lambda t: list(g.all_gather(t).unbind(0))), shards)
 
 
 @pytest.mark.parametrize("v", [V, 1024, 8])
