@@ -9,7 +9,10 @@ take torch's sorting accumulation) but not row-invariant (nothing asks them to b
 ``torch.cumsum`` on CUDA, which torch does not promise deterministic (its row scans along the
 chunk measured repeatable on the H200, ``benchmarks/bench_train_h200.py``), and cuBLAS,
 deterministic run to run only for one stream and a fixed workspace
-(``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the CPU all of it is deterministic.
+(``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the CPU: bit-identical run to run with one intra-op
+thread; with several, on a loaded machine, two backwards of the interpreted triton backend have
+given different gradients for the first layer's in_proj and norm and the embedding (the torch op
+whose threading does it is not isolated yet; benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)  # the script sets it where it needs it
+    # one intra-op thread: with more, on a loaded machine, two CPU backwards have differed in the
+    # first layer's gradients (ops/autograd.py); the repeat check here is for the GPU bench's plumbing
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run", "--out", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
