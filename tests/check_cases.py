@@ -1,4 +1,4 @@
-"""The check's cases on a built model, for the GPU tests of hybrid layer kinds."""
+"""The check's cases and graph decode on a built model, for the GPU tests of hybrid layer kinds."""
 
 import torch
 
@@ -14,3 +14,26 @@ def assert_every_case(model, prompt_len: int = 300, requests: int = 3, gen_len: 
         report = compare(res.rows, model.forward([torch.tensor(t) for t in res.tokens]), model.contract,
                          model.contract)
         assert report.bitwise_equal == spec.exact_replay, (spec.name, report.summary())
+
+
+def assert_graph_decode_equals_single_pass(model, B: int, steps: int, max_start: int) -> None:
+    """B sequences (random contexts below ``max_start``, random slots) prefilled together, then
+    ``steps`` decode steps in CUDA graphs: every row equals the one-pass forward's row."""
+    from aligned_mamba.decode_graph import DecodeGraphs
+    from aligned_mamba.ops.step import Step
+
+    g = torch.Generator().manual_seed(B)
+    V = model.shape.vocab_size
+    starts = [int(s) for s in torch.randint(1, max_start, (B,), generator=g)]
+    hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
+    slots = torch.randperm(B, generator=g).tolist()
+    cache = model.new_cache(B + 1, max_len=1024)
+    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
+    graphs = DecodeGraphs(model, cache, spare_slot=B)
+    got = []
+    for k in range(steps):
+        pos = [s + k for s in starts]
+        got.append(graphs.step(slots, pos, torch.stack([h[p] for h, p in zip(hist, pos)])).clone())
+    ref = model.forward(hist)
+    for i in range(B):
+        assert torch.equal(torch.stack([r[i] for r in got]), ref[i][starts[i]:starts[i] + steps]), i

@@ -148,25 +148,9 @@ def test_hybrid_check_on_triton_backend_is_bit_identical(layout: str) -> None:
 
 @pytest.mark.parametrize("B", [1, 64])
 def test_hybrid_graph_decode_rows_equal_the_single_pass(B: int) -> None:
-    from aligned_mamba.decode_graph import DecodeGraphs
-    from aligned_mamba.ops.step import Step
+    from check_cases import assert_graph_decode_equals_single_pass
 
-    model = _hybrid("two_attention_gqa8_d64")
-    g = torch.Generator().manual_seed(B)
-    steps, V = 40, model.shape.vocab_size
-    starts = [int(s) for s in torch.randint(1, 900, (B,), generator=g)]
-    hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
-    slots = torch.randperm(B, generator=g).tolist()
-    cache = model.new_cache(B + 1, max_len=1024)
-    model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
-    graphs = DecodeGraphs(model, cache, spare_slot=B)
-    got = []
-    for k in range(steps):
-        pos = [s + k for s in starts]
-        got.append(graphs.step(slots, pos, torch.stack([h[p] for h, p in zip(hist, pos)])).clone())
-    ref = model.forward(hist)
-    for i in range(B):
-        assert torch.equal(torch.stack([r[i] for r in got]), ref[i][starts[i]:starts[i] + steps]), i
+    assert_graph_decode_equals_single_pass(_hybrid("two_attention_gqa8_d64"), B, steps=40, max_start=900)
 
 
 def test_training_attention_over_cached_keys_is_refused_in_one_line() -> None:
