@@ -37,3 +37,16 @@ def assert_graph_decode_equals_single_pass(model, B: int, steps: int, max_start:
     ref = model.forward(hist)
     for i in range(B):
         assert torch.equal(torch.stack([r[i] for r in got]), ref[i][starts[i]:starts[i] + steps]), i
+
+
+def assert_cli_report_aligned(result: dict, code: int, engine: str, logprob_tokens: int) -> None:
+    """A ``check --json`` report: exit 0 and OK, the four exact-replay cases with 0 differing rows and
+    logprobs (``logprob_tokens`` each), the baseline differing in both; prints each case's counts."""
+    exact = [case for case in result["cases"] if case["exact_replay"]]
+    base = next(case for case in result["cases"] if not case["exact_replay"])
+    print("\n" + "; ".join(f"{c['name']}: {c['mismatched_rows']}/{c['rows']} rows, "
+                           f"{c['mismatched_logprobs']}/{c['logprob_tokens']} logprobs" for c in result["cases"]))
+    assert result["engine"] == engine and len(exact) == 4 and all(case["rows"] > 0 for case in exact)
+    assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
+    assert all(case["logprob_tokens"] == logprob_tokens and case["mismatched_logprobs"] == 0 for case in exact)
+    assert base["mismatched_rows"] > 0 and base["mismatched_logprobs"] > 0

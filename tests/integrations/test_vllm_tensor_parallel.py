@@ -236,15 +236,9 @@ def test_cli_check_engine_vllm_sampler_tp2(tmp_path):
     code = main(["check", "--model", str(tmp_path / "ckpt"), "--engine", "vllm", "--sampler-tp", "2", "--backend",
                  "torch", "--contract", str(tmp_path / "s2.yaml"), "--prompt-len", "90", "--gen-len", "16",
                  "--requests", "2", "--jobs", "1", "--json", str(out)])
-    result = json.loads(out.read_text())
-    exact = [case for case in result["cases"] if case["exact_replay"]]
-    base = next(case for case in result["cases"] if not case["exact_replay"])
-    print("\n" + "; ".join(f"{c['name']}: {c['mismatched_rows']}/{c['rows']} rows, "
-                           f"{c['mismatched_logprobs']}/{c['logprob_tokens']} logprobs" for c in result["cases"]))
-    assert result["engine"] == "vllm" and len(exact) == 4 and all(case["rows"] > 0 for case in exact)
-    assert code == 0 and result["ok"] and all(case["mismatched_rows"] == 0 for case in exact)
-    assert all(case["logprob_tokens"] == 2 * 16 and case["mismatched_logprobs"] == 0 for case in exact)
-    assert base["mismatched_rows"] > 0 and base["mismatched_logprobs"] > 0
+    from check_cases import assert_cli_report_aligned
+
+    assert_cli_report_aligned(json.loads(out.read_text()), code, "vllm", logprob_tokens=2 * 16)
 
 
 def _run_reload_run(spec, tensors, scenario):
