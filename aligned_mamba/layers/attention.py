@@ -271,7 +271,7 @@ class Attention:
 
     def output(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """o_proj of the attention rows o [T, H, D] (those ``rows`` picks) -> [rows, hidden_size]."""
-        o = o.reshape(o.shape[0], -1)
+        o = o.flatten(1)  # [T, H * D], zero rows included
         if rows is not None:
             o = o[rows]
         if self.sliced:

@@ -359,6 +359,19 @@ def test_attention_on_a_gpu_needs_the_triton_backend():
     assert "\n" not in str(exc.value)
 
 
+def test_attention_output_of_zero_rows_is_empty():
+    from aligned_mamba.layers.attention import AttentionConfig
+    from aligned_mamba.ops.backend import TorchBackend
+    from aligned_mamba.ops.configs import TorchKernelConfigs
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"{n}_proj.weight": torch.randn(64, 64, generator=g) for n in "qo"}
+    tensors.update({f"{n}_proj.weight": torch.randn(32, 64, generator=g) for n in "kv"})
+    backend = TorchBackend(TorchKernelConfigs(), torch.device("cpu"))
+    layer = Attention(AttentionConfig(64, 4, 2, 16), tensors, "", backend=backend, dtype=torch.float32)
+    assert layer.output(torch.zeros(0, 4, 16), None).shape == (0, 64)
+
+
 def test_layer_type_lists_and_legacy_keys_are_read(tmp_path):
     path = _write(tmp_path, hybrid_override_pattern=None, layers_block_type=["mamba", "attention", "mlp"],
                   chunk_size=None, mamba_chunk_size=32, n_groups=None, mamba_n_groups=1)
