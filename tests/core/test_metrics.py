@@ -1,6 +1,6 @@
 """Framework-named mismatch metrics (``aligned_mamba.metrics``): values on a hand-computed case, the report
-form, and verl's own ``calculate_debug_metrics`` on the same batch when its wheel was unpacked into
-/tmp/verl (``pip install --no-deps --target /tmp/verl verl==0.9.1``; skipped otherwise)."""
+form, and verl's own ``calculate_debug_metrics`` on the same batch, from the copy of verl that
+``scripts/setup`` unpacks into .venv/verl (skipped where it is absent)."""
 
 from __future__ import annotations
 
@@ -88,13 +88,12 @@ def test_no_unmasked_token_and_bad_input() -> None:
     assert aligned_mamba.metrics.mismatched_tokens(t, s, mask.long()) == 2
 
 
-VERL_DIR = Path("/tmp/verl")
+VERL_DIR = Path(__file__).resolve().parents[2] / ".venv" / "verl"
 
 
 def _verl_debug_metrics():
     if not (VERL_DIR / "verl" / "utils" / "debug" / "metrics.py").is_file():
-        pytest.skip(f"verl's wheel is not unpacked at {VERL_DIR} (pip install --no-deps --target {VERL_DIR} "
-                    "verl==0.9.1)")
+        pytest.skip(f"verl is not unpacked at {VERL_DIR} (scripts/setup puts it there)")
     sys.path.insert(0, str(VERL_DIR))
     try:
         return importlib.import_module("verl.utils.debug.metrics"), importlib.import_module("verl.protocol")
