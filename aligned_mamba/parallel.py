@@ -230,8 +230,9 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     group = TPGroup.from_torch()
+    parent = os.getppid()
     try:
-        while (msg := inbox.get()) is not None:
+        while (msg := _next(inbox, parent)) is not None:
             try:
                 fn, args = pickle.loads(msg)
                 result = fn(group, *args)
@@ -241,6 +242,19 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
                 outbox.put((rank, False, f"{type(e).__name__}: {' '.join(str(e).split())}"))
     finally:
         dist.destroy_process_group()
+
+
+def _next(inbox: Any, parent: int) -> Any:
+    """The next message, or None once the parent is gone: a parent killed outright (a Ray actor's
+    SIGKILL) sends no None, and a rank that waited on would outlive it."""
+    import queue
+
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 class Ranks:
