@@ -249,8 +249,11 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
         raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
                                 f"reference and vllm engines only for now, not {opts.engine}")
-    for size in (opts.trainer_tp, opts.sampler_tp):
-        check_tp(contract, config, size)  # one line: what cannot keep the bits at that degree
+    for flag, size in (("--trainer-tp", opts.trainer_tp), ("--sampler-tp", opts.sampler_tp)):
+        try:
+            check_tp(contract, config, size)  # one line: what cannot keep the bits at that degree
+        except AlignedMambaError as e:
+            raise AlignedMambaError(f"{flag} {size}: {e}") from None
     return config, contract
 
 
