@@ -222,7 +222,7 @@ def rank_state() -> dict[str, Any]:
     return _STATE
 
 
-def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any, parent: int) -> None:
     """A rank's loop: run each (fn, args) it is sent as fn(group, *args); report (rank, ok, payload),
     the payload rank 0's pickled result or a rank's one-line error."""
     import torch.distributed as dist
@@ -230,7 +230,6 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     group = TPGroup.from_torch()
-    parent = os.getppid()
     try:
         while (msg := _next(inbox, parent)) is not None:
             try:
@@ -245,8 +244,9 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
 
 
 def _next(inbox: Any, parent: int) -> Any:
-    """The next message, or None once the parent is gone: a parent killed outright (a Ray actor's
-    SIGKILL) sends no None, and a rank that waited on would outlive it."""
+    """The next message, or None once the parent (its pid as the parent passed it: it may die before the
+    rank reads its own ppid) is gone: a parent killed outright (a Ray actor's SIGKILL) sends no None,
+    and a rank that waited on would outlive it."""
     import queue
 
     while True:
@@ -275,7 +275,8 @@ class Ranks:
         self._inboxes = [ctx.Queue() for _ in range(size)]
         threads = max(1, (os.cpu_count() or 1) // size)
         port = _free_port()
-        self._procs = [ctx.Process(target=_serve, args=(r, size, port, threads, self._inboxes[r], self._outbox),
+        args = (size, port, threads)
+        self._procs = [ctx.Process(target=_serve, args=(r, *args, self._inboxes[r], self._outbox, os.getpid()),
                                    daemon=True) for r in range(size)]
         for p in self._procs:
             p.start()

@@ -217,3 +217,45 @@ def test_tp_trainer_scores_and_refuses_steps() -> None:
             trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
     finally:
         trainer.close()
+
+
+@pytest.mark.engines  # a process SIGKILLed, its children waited for
+def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
+    """A parent killed outright (a Ray actor's SIGKILL), here as soon as its ranks exist, sends them no
+    stop; they notice it is gone and end (before, they waited on their inbox forever)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, signal, time\n"
+              "from aligned_mamba.cli import _children_of\n"
+              "from aligned_mamba.parallel import Ranks\n"
+              "if __name__ == '__main__':\n"
+              "    ranks = Ranks(2)\n"
+              "    while len(_children_of(os.getpid())) < 3:\n"  # two ranks and the resource tracker
+              "        time.sleep(0.1)\n"
+              "    print(*_children_of(os.getpid()), flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = tmp_path / "pids.txt"
+    with open(out, "w") as f:  # a file, not a pipe: the orphans would hold a pipe open
+        code = subprocess.run([sys.executable, "-c", script], stdout=f, stderr=subprocess.DEVNULL,
+                              timeout=120).returncode
+    assert code == -9
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) >= 2
+
+    def running(p: int) -> bool:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60  # a rank first finishes starting (torch's import, the gloo group)
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"ranks outlived their parent: {left}"
