@@ -101,7 +101,7 @@ def _pow2(n: int) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
-def check_tp(contract: Contract, config: Any, size: int) -> None:
+def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = False) -> None:
     """Refuse (AlignedMambaError, one line: what and why) a model that cannot keep its bits at
     tensor-parallel degree ``size`` under ``contract``. ``config``: a model family's config.
 
@@ -109,7 +109,9 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     gated norm's groups cut into S equal slices. At size > 1: a power of two dividing S (so a TP run
     needs S >= size), the torch backend, heads and groups (Mamba2), query and key/value heads
     (attention; fewer KV heads than ranks are replicated), the MLP's width and the vocabulary
-    (a multiple of its log-softmax slices) split evenly; MoE layers are refused for now.
+    (a multiple of its log-softmax slices) split evenly. MoE layers at size > 1 only where the
+    caller runs the core's sharded MoE layer (``sharded_moe``: the reference trainer and engine);
+    vLLM's and Megatron's are refused for now.
     """
     from .models.registry import family_for_config
     from .ops.logprobs.sliced import VOCAB_SLICES
@@ -134,7 +136,7 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     kinds = set(family.layer_kinds(config))
     shape = config.lm_shape()
     if size > 1:
-        if "E" in kinds:
+        if "E" in kinds and not sharded_moe:
             raise AlignedMambaError(f"tensor-parallel size {size} refused: MoE layers are not sharded yet (expert "
                                     "parallelism and a TP-invariant router are future work)")
         if VOCAB_SLICES % size:
@@ -162,6 +164,12 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     if "-" in kinds:
         split("MLP intermediate_size", config.mlp_config().intermediate_size, s, "the down projection's K in equal "
               "slices")
+    if "E" in kinds:
+        e = config.moe_config()
+        split("MoE moe_intermediate_size", e.moe_intermediate_size, s, "each expert's down projection's K in equal "
+              "slices")
+        split("MoE moe_shared_expert_intermediate_size", e.moe_shared_expert_intermediate_size, s,
+              "the shared expert's down projection's K in equal slices")
 
 
 def threads(fn: Callable[..., Any], size: int, *args: Any) -> list[Any]:

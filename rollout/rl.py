@@ -249,9 +249,10 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
         raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
                                 f"reference and vllm engines only for now, not {opts.engine}")
-    for flag, size in (("--trainer-tp", opts.trainer_tp), ("--sampler-tp", opts.sampler_tp)):
-        try:
-            check_tp(contract, config, size)  # one line: what cannot keep the bits at that degree
+    for flag, size, name in (("--trainer-tp", opts.trainer_tp, opts.trainer),
+                             ("--sampler-tp", opts.sampler_tp, opts.engine)):
+        try:  # one line: what cannot keep the bits at that degree (MoE: sharded by the reference only)
+            check_tp(contract, config, size, sharded_moe=name == "reference")
         except AlignedMambaError as e:
             raise AlignedMambaError(f"{flag} {size}: {e}") from None
     return config, contract
