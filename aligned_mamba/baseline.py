@@ -113,6 +113,8 @@ def stock_tp_model(model: CausalLM) -> CausalLM:
         if hasattr(mixer, "row_parallel") and getattr(mixer, "sliced", False):
             mixer = copy.copy(mixer)
             mixer.row_parallel = stock_row_parallel
+        elif hasattr(mixer, "with_row_parallel") and mixer.sliced:  # a MoE layer: its experts' down projections
+            mixer = mixer.with_row_parallel(stock_row_parallel)
         blocks.append(Block(norm=b.norm, mixer=mixer))
     out = CausalLM.__new__(CausalLM)
     out.__dict__.update(model.__dict__)

@@ -324,7 +324,8 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         if size != 1 and name not in covered:
             raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the reference and megatron "
                                     f"trainers and the reference and vllm engines for now, not {name}")
-        check_tp(c, config, size)  # one line: what cannot keep the bits at that degree, and why
+        # one line: what cannot keep the bits at that degree, and why (MoE: sharded by the reference only)
+        check_tp(c, config, size, sharded_moe=name == "reference")
     stored = getattr(config, "dtype", None)
     if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:
         # a contract file's dtype would cast the checkpoint: only an explicit --dtype asks for that

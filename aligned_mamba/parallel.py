@@ -101,7 +101,7 @@ def _pow2(n: int) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
-def check_tp(contract: Contract, config: Any, size: int) -> None:
+def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = False) -> None:
     """Refuse (AlignedMambaError, one line: what and why) a model that cannot keep its bits at
     tensor-parallel degree ``size`` under ``contract``. ``config``: a model family's config.
 
@@ -109,7 +109,9 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     gated norm's groups cut into S equal slices. At size > 1: a power of two dividing S (so a TP run
     needs S >= size), the torch backend, heads and groups (Mamba2), query and key/value heads
     (attention; fewer KV heads than ranks are replicated), the MLP's width and the vocabulary
-    (a multiple of its log-softmax slices) split evenly; MoE layers are refused for now.
+    (a multiple of its log-softmax slices) split evenly. MoE layers at size > 1 only where the
+    caller runs the core's sharded MoE layer (``sharded_moe``: the reference trainer and engine);
+    vLLM's and Megatron's are refused for now.
     """
     from .models.registry import family_for_config
     from .ops.logprobs.sliced import VOCAB_SLICES
@@ -134,7 +136,7 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     kinds = set(family.layer_kinds(config))
     shape = config.lm_shape()
     if size > 1:
-        if "E" in kinds:
+        if "E" in kinds and not sharded_moe:
             raise AlignedMambaError(f"tensor-parallel size {size} refused: MoE layers are not sharded yet (expert "
                                     "parallelism and a TP-invariant router are future work)")
         if VOCAB_SLICES % size:
@@ -162,6 +164,12 @@ def check_tp(contract: Contract, config: Any, size: int) -> None:
     if "-" in kinds:
         split("MLP intermediate_size", config.mlp_config().intermediate_size, s, "the down projection's K in equal "
               "slices")
+    if "E" in kinds:
+        e = config.moe_config()
+        split("MoE moe_intermediate_size", e.moe_intermediate_size, s, "each expert's down projection's K in equal "
+              "slices")
+        split("MoE moe_shared_expert_intermediate_size", e.moe_shared_expert_intermediate_size, s,
+              "the shared expert's down projection's K in equal slices")
 
 
 def threads(fn: Callable[..., Any], size: int, *args: Any) -> list[Any]:
@@ -222,7 +230,7 @@ def rank_state() -> dict[str, Any]:
     return _STATE
 
 
-def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any, parent: int) -> None:
     """A rank's loop: run each (fn, args) it is sent as fn(group, *args); report (rank, ok, payload),
     the payload rank 0's pickled result or a rank's one-line error."""
     import torch.distributed as dist
@@ -231,7 +239,7 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     group = TPGroup.from_torch()
     try:
-        while (msg := inbox.get()) is not None:
+        while (msg := _next(inbox, parent)) is not None:
             try:
                 fn, args = pickle.loads(msg)
                 result = fn(group, *args)
@@ -241,6 +249,20 @@ def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: An
                 outbox.put((rank, False, f"{type(e).__name__}: {' '.join(str(e).split())}"))
     finally:
         dist.destroy_process_group()
+
+
+def _next(inbox: Any, parent: int) -> Any:
+    """The next message, or None once the parent (its pid as the parent passed it: it may die before the
+    rank reads its own ppid) is gone: a parent killed outright (a Ray actor's SIGKILL) sends no None,
+    and a rank that waited on would outlive it."""
+    import queue
+
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 class Ranks:
@@ -261,7 +283,8 @@ class Ranks:
         self._inboxes = [ctx.Queue() for _ in range(size)]
         threads = max(1, (os.cpu_count() or 1) // size)
         port = _free_port()
-        self._procs = [ctx.Process(target=_serve, args=(r, size, port, threads, self._inboxes[r], self._outbox),
+        args = (size, port, threads)
+        self._procs = [ctx.Process(target=_serve, args=(r, *args, self._inboxes[r], self._outbox, os.getpid()),
                                    daemon=True) for r in range(size)]
         for p in self._procs:
             p.start()

@@ -103,7 +103,7 @@ class TPTrainer:
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int) -> None:
         from .parallel import check_tp
 
-        check_tp(contract, config, size)  # refused here, before any process starts
+        check_tp(contract, config, size, sharded_moe=True)  # refused here, before any process starts
         self.contract = contract
         self.version = 0
         self.size = size
@@ -151,9 +151,8 @@ class TPReferenceEngine:
         self.ranks.call(load, "engine", config, tensors, self.contract)
 
     def run(self, scenario: Scenario, on_step: Any = None) -> ScenarioResult:
-        if on_step is not None:
-            raise ValueError("the tensor-parallel reference engine takes no on_step callback (its steps run in "
-                             "the rank processes)")
+        """The scenario in every rank; ``on_step`` is not called (the steps run in the rank processes,
+        as a vLLM engine's run inside ``drive``)."""
         result = self.ranks.call(run_kept, "engine", scenario, self.spec.exact_replay)
         result.pid = -1  # computed in the rank processes, not here
         return result

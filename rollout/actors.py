@@ -123,6 +123,7 @@ class SampleBatch:
     pid: int
     seconds: float
     hardware: str | None = None  # the class the rows were computed on (hardware.HardwareClass.key)
+    child_pids: list[int] = field(default_factory=list)  # the worker's processes: a TP engine's ranks
 
     @property
     def tokens(self) -> int:
@@ -173,9 +174,16 @@ class RolloutWorker:
         self.started = time.time()
 
     def info(self) -> dict[str, Any]:
-        """Who this process is and what it serves (a restarted actor serves nothing until weights are pushed)."""
+        """Who this process is and what it serves (a restarted actor serves nothing until weights are pushed);
+        ``child_pids``: the processes it started (a tensor-parallel engine's ranks), which must end with it."""
         return {"worker": self.worker, "pid": os.getpid(), "weights_version": self.version,
-                "weights_digest": self.digest, "started": self.started}
+                "weights_digest": self.digest, "started": self.started, "child_pids": _child_pids()}
+
+    def close(self) -> None:
+        """Release the engine (a tensor-parallel engine ends its rank processes); the actor is killed next."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
 
     def load_weights(self, blob: bytes, version: int, digest: str) -> dict[str, Any]:
         """Load safetensors bytes after checking they are the version and digest claimed."""
@@ -212,7 +220,7 @@ class RolloutWorker:
         return SampleBatch(iteration, self.worker, self.version, self.digest, self.contract,
                            [list(t) for t in res.tokens], [len(p) for p in prompts],
                            [torch.tensor(lp, dtype=torch.float32) for lp in res.sampled_logprobs],
-                           os.getpid(), time.perf_counter() - t0, self.hardware)
+                           os.getpid(), time.perf_counter() - t0, self.hardware, _child_pids())
 
 
 @dataclass
@@ -353,6 +361,7 @@ class AlignmentChecker:
                                         "hardware": b.hardware, "logprobs_digest": r.sampler_digest,
                                         "max_abs_logprob_diff": r.max_abs_logprob_diff, "kl": r.kl,
                                         "weights_version": b.weights_version, "pid": b.pid,
+                                        "child_pids": b.child_pids,
                                         "sample_s": round(b.seconds, 3)}
             rep.tokens += r.rows
             rep.mismatched_tokens += r.mismatched_rows
@@ -381,6 +390,13 @@ class AlignmentChecker:
     def history(self) -> list[CheckReport]:
         """Every iteration's report, in order."""
         return list(self.reports)
+
+
+def _child_pids() -> list[int]:
+    """This process's live descendants (Linux; [] elsewhere)."""
+    from aligned_mamba.cli import _children_of
+
+    return sorted(_children_of(os.getpid()))
 
 
 def _hardware_key(contract: dict[str, Any]) -> str:

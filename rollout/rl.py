@@ -43,6 +43,7 @@ class RLOptions:
     engine: str = "reference"
     trainer: str = "reference"
     trainer_tp: int = 1
+    sampler_tp: int = 1
     row_parallel_slices: int | None = None
     workers: int = 2
     iterations: int = 3
@@ -245,7 +246,15 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     if opts.trainer_tp != 1 and opts.trainer != "megatron":
         raise AlignedMambaError(f"--trainer-tp {opts.trainer_tp} refused: the RL loop trains at TP > 1 with the "
                                 f"megatron trainer only for now, not {opts.trainer}")
-    check_tp(contract, config, opts.trainer_tp)  # one line: what cannot keep the bits at that degree
+    if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
+        raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
+                                f"reference and vllm engines only for now, not {opts.engine}")
+    for flag, size, name in (("--trainer-tp", opts.trainer_tp, opts.trainer),
+                             ("--sampler-tp", opts.sampler_tp, opts.engine)):
+        try:  # one line: what cannot keep the bits at that degree (MoE: sharded by the reference only)
+            check_tp(contract, config, size, sharded_moe=name == "reference")
+        except AlignedMambaError as e:
+            raise AlignedMambaError(f"{flag} {size}: {e}") from None
     return config, contract
 
 
@@ -334,13 +343,16 @@ class _Loop:
         contract = self.contract
         cdict = contract.to_dict()
         # num_cpus=0 unless the plug-in's ray_actor_options say otherwise (num_gpus, runtime_env): the
-        # actors are scheduled whatever the cluster's CPU count. max_task_retries=0: the driver re-runs an
-        # interrupted sample itself, after pushing the weights again (a restarted actor comes back with
-        # its original, empty, state).
+        # actors are scheduled whatever the cluster's CPU count. A worker at --sampler-tp M starts its
+        # engine's M rank processes itself, outside Ray's accounting; they inherit the OMP_NUM_THREADS=1
+        # Ray gives an actor without CPUs. max_task_retries=0: the driver re-runs an interrupted sample
+        # itself, after pushing the weights again (a restarted actor comes back with its original, empty,
+        # state).
         worker_cls = ray.remote(RolloutWorker).options(**{"num_cpus": 0, **self.actor_options["engine"],
                                                           "max_restarts": o.max_restarts, "max_task_retries": 0})
         self.workers = [
-            worker_cls.remote(w, o.engine, EngineSpec(o.model, cdict, exact_replay=w not in self.faults.no_replay),
+            worker_cls.remote(w, o.engine, EngineSpec(o.model, cdict, exact_replay=w not in self.faults.no_replay,
+                                                    tp=o.sampler_tp),
                               o.max_batch_tokens, stale=w in self.faults.stale)
             for w in range(o.workers)]
         self.scorer = ray.remote(TrainerScorer).options(**{"num_cpus": 0, **self.actor_options["trainer"],
@@ -457,8 +469,8 @@ class _Loop:
 
         o = self.opts
         t_start = time.perf_counter()
-        self.progress(f"starting {o.workers} rollout workers ({o.engine}), the trainer ({o.trainer}) and the checker "
-                      f"on Ray ({cluster.address})")
+        self.progress(f"starting {o.workers} rollout workers ({o.engine}{_at_tp(o.sampler_tp)}), the trainer "
+                      f"({o.trainer}{_at_tp(o.trainer_tp)}) and the checker on Ray ({cluster.address})")
         self._start()
         startup_s = time.perf_counter() - t_start
         summary = self._summary()
@@ -512,7 +524,20 @@ class _Loop:
             self.on_iteration(self._result(rows, cluster, summary, startup_s, t_start, stopped_early))
             if stop:
                 break
+        self._release()
         return self._result(rows, cluster, summary, startup_s, t_start, stopped_early)
+
+    def _release(self, timeout_s: float = 60.0) -> None:
+        """Close every worker's engine before ``close`` kills the actors: a tensor-parallel engine ends its
+        rank processes itself. (A worker killed outright, or one that does not answer in time, leaves its
+        ranks to stop on their own: vLLM's workers watch a pipe from their parent, ``parallel.Ranks``
+        its parent's pid.)"""
+        import ray
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - the run's result stands; the kill that follows ends the worker
+            log.warning("a rollout worker did not close its engine (%s); killing it", _first_line(e))
 
     def _result(self, rows: list[dict[str, Any]], cluster: _Cluster, summary: dict[str, Any], startup_s: float,
                 t_start: float, stopped_early: bool) -> dict[str, Any]:
@@ -532,6 +557,7 @@ class _Loop:
             "engine": o.engine,
             "trainer": o.trainer,
             "trainer_tp": o.trainer_tp,
+            "sampler_tp": o.sampler_tp,
             "contract": self.contract.to_dict(),
             "model": {"source": o.model, **summary, "chunk_size": self.contract.chunk_size,
                       "dtype": self.contract.model_dtype},
@@ -539,6 +565,10 @@ class _Loop:
             "cluster": {"address": cluster.address, "started_here": cluster.temp_dir is not None},
             "timing": {"startup_s": round(startup_s, 3), "total_s": round(time.perf_counter() - t_start, 3)},
         }
+
+
+def _at_tp(size: int) -> str:
+    return f" at TP {size}" if size != 1 else ""
 
 
 def describe_mismatch(m: dict[str, Any]) -> str:
@@ -581,6 +611,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-tp", type=int, default=d.trainer_tp, metavar="K",
                    help="the trainer's tensor-parallel degree (megatron: K rank processes over gloo; a power of two "
                         "dividing --row-parallel-slices)")
+    p.add_argument("--sampler-tp", type=int, default=d.sampler_tp, metavar="M",
+                   help="each rollout worker's engine at tensor-parallel degree M (reference or vllm: M rank "
+                        "processes inside the worker; as --trainer-tp)")
     p.add_argument("--row-parallel-slices", type=int, default=d.row_parallel_slices, metavar="S",
                    help="the contract's row_parallel_slices (default 1, the plain linear layer): every TP degree "
                         "dividing S gives the same bits")

@@ -96,6 +96,10 @@ class VLLMEngine:
         return cast
 
     def close(self) -> None:
+        # the executor's shutdown ends a TP engine's rank processes now, not whenever the collector runs
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
         del self.llm
         self._tmp.cleanup()
 

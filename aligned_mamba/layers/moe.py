@@ -26,7 +26,8 @@ bias too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,11 @@ import torch
 from ..errors import ModelLoadError
 from ..ops import elementwise as ew
 from ..ops.backend import Backend
+from ..ops.moe import experts_grouped
 from ..ops.moe import route as _route
 from ..ops.step import Step
+from ..parallel import TPGroup
+from . import mlp as mlp_layer
 from .base import Stateless, take, take_optional
 from .mlp import MLP, MLPConfig
 
@@ -105,17 +109,40 @@ def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[
                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
 
 
+def shard_weights(config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
+                  group: TPGroup) -> dict[str, torch.Tensor]:
+    """Rank ``group.rank``'s weights cut from a full checkpoint's: every routed expert and the shared
+    expert as an MLP (``mlp.shard_weights``: up_proj's rows of the rank's channels, down_proj's
+    columns); the router, its bias and the latent projections whole (every rank routes every row)."""
+    experts = (prefix + "experts.", prefix + "shared_experts.")
+    out = {k: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith(experts)}
+    for e in range(config.n_routed_experts):
+        out.update(mlp_layer.shard_weights(config.expert_config(), tensors, f"{prefix}experts.{e}.", group))
+    out.update(mlp_layer.shard_weights(config.shared_config(), tensors, prefix + "shared_experts.", group))
+    return out
+
+
 class MoE(Stateless):
     """The MoE layer on a backend, in a model dtype (router, expert and latent weights from
-    ``backend.linear_weight``; the router in fp32, as transformers runs it; biases fp32)."""
+    ``backend.linear_weight``; the router in fp32, as transformers runs it; biases fp32).
+
+    Tensor parallelism (and ``slices`` > 1 at TP 1): ``tp`` with ``config`` the full layer's and
+    ``tensors`` this rank's (``shard_weights``). Each routed expert and the shared expert is then an
+    ``MLP`` over the rank's channels whose down projection is the contract's row-parallel GEMM (any
+    TP degree dividing ``slices``: the same bits); the router and the latent projections run whole
+    on every rank, so every rank routes every row alike. No expert parallelism."""
 
     kind = "moe"
 
     def __init__(self, config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix: str, *, backend: Backend,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TPGroup | None = None, slices: int = 1) -> None:
         if backend.stacked_experts and config.bias:
             raise ModelLoadError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have no "
                                  "bias term (mlp_bias MoE checkpoints run on the torch backend)")
+        self.sliced = slices > 1 or (tp is not None and tp.size > 1)
+        if self.sliced and backend.stacked_experts:
+            raise ModelLoadError(f"row_parallel_slices {slices} refused for MoE layers on the {backend.name} backend: "
+                                 "its grouped expert kernels have no sliced tree GEMM")
         self.config = config
         self.backend = backend
         self.dtype = dtype
@@ -132,7 +159,13 @@ class MoE(Stateless):
         self.gate_w = weight("gate.weight", f32)
         self.score_bias = take(tensors, prefix, "gate.e_score_correction_bias").to(device=dev, dtype=f32)
         E = config.n_routed_experts
-        if backend.stacked_experts:
+        self.expert_mlps: list[MLP] = []
+        if self.sliced:
+            self.expert_mlps = [MLP(config.expert_config(), tensors, f"{prefix}experts.{e}.", backend=backend,
+                                    dtype=dtype, tp=tp, slices=slices) for e in range(E)]
+            self.up_w = self.down_w = [m.up_w for m in self.expert_mlps]  # for their count; the MLPs compute
+            self.up_b = self.down_b = None
+        elif backend.stacked_experts:
             # one [E, f, d] / [E, d, f] tensor each for the grouped GEMM (differentiable: a trainer's
             # parameters get their gradients through the stack)
             self.up_w = torch.stack([weight(f"experts.{e}.up_proj.weight") for e in range(E)])
@@ -144,7 +177,8 @@ class MoE(Stateless):
             self.up_w, self.down_w = [m.up_w for m in experts], [m.down_w for m in experts]
             self.up_b = [m.up_b for m in experts] if config.bias else None
             self.down_b = [m.down_b for m in experts] if config.bias else None
-        self.shared = MLP(config.shared_config(), tensors, prefix + "shared_experts.", backend=backend, dtype=dtype)
+        self.shared = MLP(config.shared_config(), tensors, prefix + "shared_experts.", backend=backend, dtype=dtype,
+                          tp=tp, slices=slices)
         latent = config.moe_latent_size is not None
         self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
         self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
@@ -168,7 +202,28 @@ class MoE(Stateless):
         be = self.backend
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32, rounded once
-        routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, self.up_b, self.down_b)
+        if self.sliced:
+            routed = experts_grouped(h, experts, weights, self.up_w, self.down_w, linear=be.linear, relu2=be.relu2,
+                                     expert=self._expert)
+        else:
+            routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, self.up_b, self.down_b)
         if self.fc2 is not None:
             routed = be.linear(routed, *self.fc2)
         return routed + self.shared.advance(None, batch, x)
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.expert_mlps[e].advance(None, None, x)
+
+    def with_row_parallel(self, fn: Callable[..., torch.Tensor]) -> MoE:
+        """A copy whose experts' and shared expert's down projections sum as ``fn`` does (the same
+        weights; ``baseline.stock_tp_model`` passes stock tensor parallelism's sum)."""
+        out = copy.copy(self)
+
+        def swapped(m: MLP) -> MLP:
+            m = copy.copy(m)
+            m.row_parallel = fn
+            return m
+
+        out.expert_mlps = [swapped(m) for m in self.expert_mlps]
+        out.shared = swapped(self.shared)
+        return out

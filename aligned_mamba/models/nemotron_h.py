@@ -45,6 +45,7 @@ from ..contract import Contract
 from ..errors import ModelLoadError
 from ..layers import attention as attention_layer
 from ..layers import mlp as mlp_layer
+from ..layers import moe as moe_layer
 from ..layers.attention import Attention, AttentionConfig
 from ..layers.base import Layer
 from ..layers.mamba2 import Mamba2MixerConfig
@@ -328,10 +329,13 @@ class NemotronHFamily(Family):
               backend: Backend, dtype: torch.dtype, contract: Contract, tp: TPGroup | None = None) -> Layer:
         if kind == MAMBA:
             return super().mixer(config, kind, tensors, prefix, backend, dtype, contract, tp=tp)
-        if kind == MOE:  # tensor parallelism is refused for MoE (parallel.check_tp)
-            return MoE(config.moe_config(), tensors, prefix, backend=backend, dtype=dtype)
         split = tp is not None and tp.size > 1
         slices = contract.row_parallel_slices
+        if kind == MOE:  # experts sharded by channels (no expert parallelism), the router whole on every rank
+            c = config.moe_config()
+            if split:
+                tensors = moe_layer.shard_weights(c, tensors, prefix, tp)
+            return MoE(c, tensors, prefix, backend=backend, dtype=dtype, tp=tp, slices=slices)
         if kind == ATTENTION:
             a = config.attention_config()
             if split:

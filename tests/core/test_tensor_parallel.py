@@ -32,13 +32,16 @@ S = 4  # the contract's row_parallel_slices: TP 1, 2 and 4 give the same bits
 @cache
 def _model(name: str):
     """Small checkpoints: Mamba2 with n_groups 1 (B/C replicated at TP 2 and 4) and 8 (split), a hybrid
-    (Mamba2, attention with one KV head, replicated; the MLP)."""
+    (Mamba2, attention with one KV head, replicated; the MLP), one with a MoE layer (8 experts, 2 a
+    token, a shared expert: each expert's channels split, the router whole on every rank)."""
     if name == "g1":
         return make_tiny(0, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=1,
                          num_hidden_layers=2, chunk_size=32)
     if name == "g8":
         return make_tiny(1, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=8,
                          num_hidden_layers=2, chunk_size=32)
+    if name == "moe":
+        return make_tiny_hybrid(3, pattern="M*E", chunk_size=32)
     return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
 
 
@@ -64,7 +67,7 @@ def _rows_differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 
 @pytest.mark.parametrize("name,dtype", [("g1", "bfloat16"), ("g8", "bfloat16"), ("hybrid", "bfloat16"),
-                                        ("g8", "float32")])
+                                        ("g8", "float32"), ("moe", "bfloat16")])
 def test_forward_is_the_same_bits_at_tp_1_2_4(name: str, dtype: str) -> None:
     config, tensors = _model(name)
     seqs, c = _seqs(), _contract(dtype=dtype)
@@ -104,7 +107,7 @@ def _engine_case(group: TPGroup, config, tensors, contract, case_name: str):
 
 @pytest.mark.parametrize("name,case", [("g1", "chunked_prefill_unaligned"), ("g1", "preempt_recompute"),
                                        ("g8", "mixed_batch"), ("hybrid", "chunked_prefill_unaligned"),
-                                       ("hybrid", "preempt_recompute")])
+                                       ("hybrid", "preempt_recompute"), ("moe", "chunked_prefill_unaligned")])
 def test_engine_schedules_at_tp2_give_the_trainers_tp1_rows(name: str, case: str) -> None:
     """Chunked prefill, decode, preemption and recompute at TP 2: every row the engine emits is the
     TP 1 trainer's one-pass row, and every reported logprob its logprob."""
@@ -175,7 +178,9 @@ def test_refusals_one_line() -> None:
     _refused(_contract(8), dataclasses.replace(g1, vocab_size=500), 2, "vocab_size 500")
     _refused(_contract(8), dataclasses.replace(g1, num_heads=4, head_dim=64), 8, "num_heads 4 refused")
     moe, _ = make_tiny_hybrid(0, pattern="ME")
-    _refused(_contract(), moe, 2, "MoE layers")
+    _refused(_contract(), moe, 2, "MoE layers")  # vLLM's and Megatron's MoE layers are not sharded
+    check_tp(_contract(), moe, 2, sharded_moe=True)  # the core's are
+    _refused(_contract(128), moe, 1, "MoE moe_intermediate_size 64 refused")
     _refused(_contract(256), hybrid, 1, "Mamba2 intermediate size 128 refused")
     check_tp(_contract(), hybrid, 4)  # 1 KV head replicated over 4 ranks: allowed
     check_tp(_contract(8), g1, 1)
@@ -217,3 +222,45 @@ def test_tp_trainer_scores_and_refuses_steps() -> None:
             trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
     finally:
         trainer.close()
+
+
+@pytest.mark.engines  # a process SIGKILLed, its children waited for
+def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
+    """A parent killed outright (a Ray actor's SIGKILL), here as soon as its ranks exist, sends them no
+    stop; they notice it is gone and end (before, they waited on their inbox forever)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, signal, time\n"
+              "from aligned_mamba.cli import _children_of\n"
+              "from aligned_mamba.parallel import Ranks\n"
+              "if __name__ == '__main__':\n"
+              "    ranks = Ranks(2)\n"
+              "    while len(_children_of(os.getpid())) < 3:\n"  # two ranks and the resource tracker
+              "        time.sleep(0.1)\n"
+              "    print(*_children_of(os.getpid()), flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = tmp_path / "pids.txt"
+    with open(out, "w") as f:  # a file, not a pipe: the orphans would hold a pipe open
+        code = subprocess.run([sys.executable, "-c", script], stdout=f, stderr=subprocess.DEVNULL,
+                              timeout=120).returncode
+    assert code == -9
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) >= 2
+
+    def running(p: int) -> bool:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60  # a rank first finishes starting (torch's import, the gloo group)
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"ranks outlived their parent: {left}"

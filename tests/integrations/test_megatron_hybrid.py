@@ -277,6 +277,20 @@ def test_moe_hybrid_round_trips_and_equals_the_reference_engine(dtype: str) -> N
     assert counts == [2.0 * sum(int(s.numel()) for s in seqs)] * 2
 
 
+def test_moe_hybrid_under_row_parallel_slices_equals_the_reference() -> None:
+    """Under a contract of row_parallel_slices 4 every expert's and the shared expert's down projection is
+    the sliced tree GEMM on both sides (the core's MoE layer at any TP degree dividing 4): Megatron's
+    logits equal the reference's bit for bit; the slices change the arithmetic (S = 1's rows differ)."""
+    import dataclasses
+
+    config, tensors, plain = hybrid("moe", "float32")
+    contract = dataclasses.replace(plain, row_parallel_slices=4)
+    seqs = sequences(config.vocab_size)
+    ref = build_model(config, tensors, contract).forward(seqs)
+    assert differing_rows(score(megatron_model(config, tensors, contract), seqs), ref) == 0
+    assert differing_rows(build_model(config, tensors, plain).forward(seqs), ref) > 0
+
+
 def test_moe_hybrid_without_the_aligned_moe_the_logits_differ() -> None:
     """What the hook's MoE forward prevents: transformers' NemotronHMoE (its experts' F.linear over however
     many rows each expert got) in place of it, same weights, the rest aligned, gives other bits (fp32).

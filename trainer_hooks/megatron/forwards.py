@@ -263,7 +263,8 @@ def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                        n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
                        norm_topk_prob=k > 1, routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0)
-    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype)
+    # MoE runs at TP 1 only here; its experts' down projections still take the contract's slices
+    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype, slices=hook.slices)
 
 
 def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,

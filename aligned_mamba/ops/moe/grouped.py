@@ -64,10 +64,15 @@ def dispatch(experts: torch.Tensor, num_experts: int, block_m: int = 1) -> Dispa
 def experts_grouped(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Sequence[torch.Tensor],
                     down_w: Sequence[torch.Tensor], up_b: Sequence[torch.Tensor | None] | None = None,
                     down_b: Sequence[torch.Tensor | None] | None = None, *,
-                    linear: Callable[..., torch.Tensor], relu2: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    linear: Callable[..., torch.Tensor], relu2: Callable[[torch.Tensor], torch.Tensor],
+                    expert: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """The torch form: each expert's tokens (sorted, ``dispatch``) through ``linear`` (a backend's
     row-invariant linear) and ``relu2``, then ``naive.combine``. up_w[e], down_w[e] in ``linear``'s
-    weight form; up_b / down_b per-expert fp32 biases or None. Shapes as ``ops.moe``."""
+    weight form; up_b / down_b per-expert fp32 biases or None. Shapes as ``ops.moe``.
+
+    ``expert(x, e)``, where given, runs expert e on its rows x [n, d] -> [n, d] (model dtype) in place
+    of the two linears (``layers.moe``'s sliced experts: the down projection as the row-parallel tree).
+    Experts without rows are skipped, the same ones on every tensor-parallel rank (the routing is)."""
     T, k = experts.shape
     if T == 0:
         return h.new_zeros(h.shape)
@@ -77,6 +82,9 @@ def experts_grouped(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     for e in range(len(up_w)):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
+            continue
+        if expert is not None:
+            ys[lo:hi] = expert(h[d.token[lo:hi]], e)
             continue
         ub = up_b[e] if up_b is not None else None
         db = down_b[e] if down_b is not None else None
