@@ -87,7 +87,7 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
 
 @triton.jit
-def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
+def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_l,
                            H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                            TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
@@ -95,16 +95,19 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
     with w_l = exp(a_L - a_l) dt_l (TO_END: the chunk's state from u = x, v = B) or exp(a_l) (what the
     chunk's outputs ask of its boundary state, from u = dy, v = C).
 
-    u [NC, H, L, P], v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
+    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32 (widened exactly);
+    v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
     """
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
-    cg = (ch // H) * G + h // (H // G)
+    c = ch // H
+    cg = c * G + h // (H // G)
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     p = (tl.program_id(1) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = (tl.program_id(1) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
     pm = p < P
     nm = n < N
+    u_base = u_ptr + c * su_c + h * su_h
     a_last = tl.load(a_ptr + ch * L + L - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
@@ -114,7 +117,7 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
             w = tl.exp(a_last - a_k) * tl.load(dt_ptr + ch * L + k)
         else:
             w = tl.exp(a_k)
-        uT = tl.load(u_ptr + (ch * L + k[None, :]) * P + p[:, None], mask=pm[:, None], other=0.0)
+        uT = tl.load(u_base + k[None, :] * su_l + p[:, None], mask=pm[:, None], other=0.0).to(tl.float32)
         vk = tl.load(v_ptr + (cg * L + k[:, None]) * N + n[None, :], mask=nm[None, :], other=0.0)
         acc = dot_acc(acc, uT * w[None, :], vk, TC, 1, PRECISION)
     tl.store(out_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
@@ -122,36 +125,38 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
 
 def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, cfg: TritonKernelConfigs,
                      tc: int, opts: dict) -> Tensor:
-    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32."""
+    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32 (u [NC, H, L, P] with
+    unit stride along P, any other strides)."""
     NC, H, L, P = u.shape
     G, N = v.shape[1], v.shape[3]
     out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
     BP, BN = min(64, triton.next_power_of_2(P)), min(64, triton.next_power_of_2(N))
     if NC:
         _weighted_state_kernel[(NC * H, triton.cdiv(P, BP) * triton.cdiv(N, BN))](
-            u, v, a, dt, out, H=H, G=G, L=L, P=P, N=N, BLOCK_K=min(64, L), BLOCK_P=BP, BLOCK_N=BN, TO_END=to_end,
-            PRECISION=cfg.dot_precision, TC=tc, **opts)
+            u, v, a, dt, out, *u.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=min(64, L), BLOCK_P=BP, BLOCK_N=BN,
+            TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **opts)
     return out
 
 
 @triton.jit
 def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the head, the chunk's
-    group row cg = chunk * G + group, its R rows of row block pid 1, the P and N ranges and their masks
-    ([1, BLOCK_P], [1, BLOCK_N])."""
+    """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the chunk, the head, the
+    chunk's group row cg = chunk * G + group, its R rows of row block pid 1, the P and N ranges and
+    their masks ([1, BLOCK_P], [1, BLOCK_N])."""
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
+    c = ch // H
     rows = tl.program_id(1) * R + tl.arange(0, R)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    return ch, h, (ch // H) * G + h // (H // G), rows, p, n, (p < P)[None, :], (n < N)[None, :]
+    return ch, c, h, c * G + h // (H // G), rows, p, n, (p < P)[None, :], (n < N)[None, :]
 
 
 @triton.jit
 def _bwd_s_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
-    sD_h, sD_p,
+    sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
@@ -160,13 +165,17 @@ def _bwd_s_kernel(
     and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term), the head's dB [BS, N] and the block's share
     of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P).
 
-    x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
-    C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
+    x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
+    (widened exactly), dx written in its own dtype (a view of the packed rows where the chunk grid is
+    one; no copies either way). dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s]
+    = C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
     """
-    ch, h, cg, s, p, n, pm, nm = _program(BS, H, G, P, N, BLOCK_P, BLOCK_N)
+    ch, c, h, cg, s, p, n, pm, nm = _program(BS, H, G, P, N, BLOCK_P, BLOCK_N)
+    xb = x_ptr + c * sx_c + h * sx_h
+    yb = dy_ptr + c * sy_c + h * sy_h
     a_s = tl.load(a_ptr + ch * L + s)
     dt_s = tl.load(dt_ptr + ch * L + s)
-    x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
     acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
     acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
     acc_e = tl.zeros((BS,), dtype=tl.float32)
@@ -175,7 +184,7 @@ def _bwd_s_kernel(
     while t0 < L:
         t = t0 + tl.arange(0, BT)
         a_t = tl.load(a_ptr + ch * L + t)
-        dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
+        dy_t = tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
         C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
         cbT = tl.load(cb_ptr + (cg * L + t[None, :]) * L + s[:, None])  # [BS, BT]: C_t . B_s
         causal = t[None, :] >= s[:, None]
@@ -195,11 +204,12 @@ def _bwd_s_kernel(
     decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
     w = decay_L * dt_s
     f = decay_L * tl.sum(x_s * hb, axis=1)
-    dy_s = tl.load(dy_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
     acc_dx += w[:, None] * hb + d[None, :] * dy_s
     acc_dB += w[:, None] * xh
-    tl.store(dx_ptr + (ch * L + s[:, None]) * P + p[None, :], acc_dx, mask=pm)
+    tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], acc_dx.to(dx_ptr.dtype.element_ty),
+             mask=pm)
     tl.store(ddt_ptr + ch * L + s, acc_e + f)
     tl.store(f_ptr + ch * L + s, f * dt_s)
     tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
@@ -209,22 +219,29 @@ def _bwd_s_kernel(
 
 @triton.jit
 def _bwd_t_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dC_ptr, da_ptr,
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dh_ptr, dC_ptr, da_ptr, hh_ptr,
+    sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """Chunk c, head h (pid 0 = c * H + h), rows t of t block pid 1: the head's dC [BT, N] and
-    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in).
+    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in); the first t block also writes
+    hh [NC, H] = sum(dh_out * h_in) (h_out's decay term of da at the chunk's last row).
 
-    h_in [NC, H, P, N] (each chunk's boundary state), dC [NC, H, L, N], da [NC, H, L]; the rest as
-    in ``_bwd_s_kernel``.
+    h_in [NC, H, P, N] (each chunk's boundary state), dh [NC, H, P, N] (dh_out), dC [NC, H, L, N],
+    da [NC, H, L]; the rest as in ``_bwd_s_kernel``.
     """
-    ch, h, cg, t, p, n, pm, nm = _program(BT, H, G, P, N, BLOCK_P, BLOCK_N)
+    ch, c, h, cg, t, p, n, pm, nm = _program(BT, H, G, P, N, BLOCK_P, BLOCK_N)
+    xb = x_ptr + c * sx_c + h * sx_h
     a_t = tl.load(a_ptr + ch * L + t)
-    dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    dy_t = tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
     C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    h_in = tl.load(h_in_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+    st = (ch * P + p[:, None]) * N + n[None, :]
+    sm = (p < P)[:, None] & nm
+    h_in = tl.load(h_in_ptr + st, mask=sm, other=0.0)
+    if tl.program_id(1) == 0:
+        tl.store(hh_ptr + ch, tl.sum(tl.sum(tl.load(dh_ptr + st, mask=sm, other=0.0) * h_in, axis=1), axis=0))
     ea = tl.exp(a_t)
     gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
     acc_dC = ea[:, None] * gh
@@ -235,7 +252,7 @@ def _bwd_t_kernel(
         s = s0 + tl.arange(0, BS)
         a_s = tl.load(a_ptr + ch * L + s)
         dt_s = tl.load(dt_ptr + ch * L + s)
-        x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
+        x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
         B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
         cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
         causal = s[None, :] <= t[:, None]
@@ -255,20 +272,23 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
 
 
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
-                        cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor
+                        cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor,
+                        dx_out: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
 
     ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] after softplus, B [NC, G, L, N] fp32;
     seq, index); Cc [NC, G, L, N] fp32, C at the packed rows' chunk positions (zero elsewhere); A [H],
     D [H] or [H, P] fp32; h0 [S, H, P, N] fp32 the state at each sequence's first chunk boundary;
-    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding).
+    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding). ch.x and dyc
+    may be strided views (unit stride along P) in the model dtype: the kernels read them in place.
     ``bf16_operands``: x, B, C and dy hold bf16 values (a bf16 model), so the tensor-core dots take
     them exactly (``dot_acc``); else fp32 FMA dots. first, count [S] int64: each sequence's first
-    chunk and number of chunks (``chunk.ChunkGrid``'s).
+    chunk and number of chunks (``chunk.ChunkGrid``'s). dx_out: where to write dx, [NC, H, L, P]
+    with unit stride along P, in any float dtype (rounded once from fp32), or None (a new fp32 one).
 
     Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
-    shape), dh0 [S, H, P, N]), fp32 (dD in D's dtype).
+    shape), dh0 [S, H, P, N]), fp32 (dx in dx_out's dtype, dD in D's dtype).
     """
     NC, H, L, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
@@ -278,7 +298,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
     tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bf16_dots)
     opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
-    x, dt, B, C, dy = (t.contiguous() for t in (ch.x, ch.dt, ch.B, Cc, dyc))
+    x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (ch.x, dyc))
+    dt, B, C = (t.contiguous() for t in (ch.dt, ch.B, Cc))
     Af = A.to(device=dev, dtype=f32)
     a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
 
@@ -302,7 +323,10 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     cb = C @ B.transpose(-1, -2)  # [NC, G, L, L]: cb[t, s] = C_t . B_s
     Dd = D.to(device=dev, dtype=f32)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
-    dx = torch.empty_like(x)
+    dx = torch.empty(NC, H, L, P, device=dev, dtype=f32) if dx_out is None else dx_out
+    if dx.shape != (NC, H, L, P) or dx.stride(-1) != 1:
+        raise ValueError(f"dx_out must be [{NC}, {H}, {L}, {P}] with unit stride along P, not {tuple(dx.shape)}")
+    hh = torch.empty(NC, H, device=dev, dtype=f32)
     ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
     fL = torch.empty_like(ddt)
     dBh = torch.empty(NC, H, L, N, device=dev, dtype=f32)
@@ -312,13 +336,14 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                   BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
     dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
     if NC:
+        sx, sy = x.stride()[:3], dy.stride()[:3]
         _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, dDp, sD_h, sD_p,
-                                         **blocks, **opts)
-        _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dCh, da_t, **blocks, **opts)
+                                         *sx, *sy, *dx.stride()[:3], **blocks, **opts)
+        _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dh_out, dCh, da_t, hh, *sx, *sy, **blocks,
+                                         **opts)
 
     # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
     da = da_t - dt * ddt
-    hh = torch.bmm(dh_out.view(NC * H, 1, P * N), h_in.view(NC * H, P * N, 1)).view(NC, H)  # sum dh_out * h_in
     da[..., -1] += fL.sum(-1) + a[..., -1].exp() * hh
     dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
     ddt = ddt + Af[None, :, None] * dAdt
@@ -372,12 +397,20 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         out.view(NC, L, t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
         return out
 
+    def grid_view(t: Tensor) -> Tensor:  # [T, K, F] -> [NC, K, L, F], a view (aligned rows)
+        return t.view(NC, L, t.shape[1], t.shape[2]).transpose(1, 2)
+
     at = (grid.row_chunk, slice(None), grid.row_pos)
+    dx_rows = None
     if aligned:
         dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
-        ch = Chunks(x=to_grid(x), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
+        # x and dy, the large ones, are read where they lie and dx is written there (the kernels take
+        # strides); B and C (G rows a token) are copied to fp32 grids
+        xr, gr = (t if t.is_contiguous() else t.contiguous() for t in (x, gy))
+        dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype)
+        ch = Chunks(x=grid_view(xr), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
                     row_chunk=grid.row_chunk, row_pos=grid.row_pos)
-        Cc, dyc = to_grid(C), to_grid(gy)
+        Cc, dyc = to_grid(C), grid_view(gr)
     else:
         ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
         Cc = torch.zeros(NC, G, L, N, device=dev)
@@ -385,10 +418,11 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dyc = torch.zeros(NC, H, L, P, device=dev)
         dyc[at] = gy.to(f32)
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
-    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16,
-                                                           first=grid.first, count=grid.count)
+    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(
+        ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16, first=grid.first, count=grid.count,
+        dx_out=None if dx_rows is None else grid_view(dx_rows))
     if aligned:
-        dx = from_grid(dxc, x.dtype) if nx else None
+        dx = dx_rows if nx else None
         dB = from_grid(dBc, B.dtype) if nB else None
         dC = from_grid(dCc, C.dtype) if nC else None
     else:
