@@ -64,6 +64,16 @@ from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
 
+# Launch choices of the two chunk kernels beyond the contract's configs (gradients only: the order of a
+# sum over heads, occupancy; never a forward's bits). Each program loops over BWD_HEADS_PER_PROGRAM
+# heads of a group and sums their dB and dC in order (1 where the group's heads do not split so), so
+# the per-program partials summed afterwards are that many times smaller than per-head ones.
+BWD_HEADS_PER_PROGRAM = 1
+BWD_OPTS: dict = {}
+# The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
+# and launch options (num_warps etc., over the contract's bwd_warps).
+STATE_OPTS: dict = {"BLOCK_K": 64, "BLOCK_P": 64, "BLOCK_N": 64}
+
 
 @triton.jit
 def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr,
@@ -130,27 +140,33 @@ def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, 
     NC, H, L, P = u.shape
     G, N = v.shape[1], v.shape[3]
     out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
-    BP, BN = min(64, triton.next_power_of_2(P)), min(64, triton.next_power_of_2(N))
+    so = dict(STATE_OPTS)
+    BK, BP, BN = (min(so.pop(k), d) for k, d in (("BLOCK_K", L), ("BLOCK_P", triton.next_power_of_2(P)),
+                                                  ("BLOCK_N", triton.next_power_of_2(N))))
     if NC:
         _weighted_state_kernel[(NC * H, triton.cdiv(P, BP) * triton.cdiv(N, BN))](
-            u, v, a, dt, out, *u.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=min(64, L), BLOCK_P=BP, BLOCK_N=BN,
-            TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **opts)
+            u, v, a, dt, out, *u.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
+            TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **{**opts, **so})
     return out
 
 
 @triton.jit
-def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the chunk, the head, the
-    chunk's group row cg = chunk * G + group, its R rows of row block pid 1, the P and N ranges and
-    their masks ([1, BLOCK_P], [1, BLOCK_N])."""
-    ch = tl.program_id(0).to(tl.int64)
-    h = ch % H
-    c = ch // H
+def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, P: tl.constexpr,
+             N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a chunk kernel's program works on: pid 0 = (chunk * G + group) * K + k, with K = H / G / HPP
+    programs per group, each looping over HPP heads of it; pid 1 the row block. Returns the chunk, its
+    first head h0 = group * H / G + k * HPP, the chunk's group row cg = chunk * G + group, the program's
+    row of a per-program partial (pid 0), its R rows, the P and N ranges and their masks ([1, BLOCK_P],
+    [1, BLOCK_N])."""
+    part = tl.program_id(0).to(tl.int64)
+    K: tl.constexpr = H // G // HPP
+    cg = part // K
+    c = cg // G
+    h0 = (cg % G) * (H // G) + (part % K) * HPP
     rows = tl.program_id(1) * R + tl.arange(0, R)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    return ch, c, h, c * G + h // (H // G), rows, p, n, (p < P)[None, :], (n < N)[None, :]
+    return c, h0, cg, part, rows, p, n, (p < P)[None, :], (n < N)[None, :]
 
 
 @triton.jit
@@ -158,63 +174,69 @@ def _bwd_s_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
     sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx [BS, P], ddt [BS] (through M
-    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term), the head's dB [BS, N] and the block's share
-    of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P).
+    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows s of s block pid 1: per head dx
+    [BS, P], ddt [BS] (through M and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the block's
+    share of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P); dB [BS, N] summed over the
+    program's heads in order (dB [NC * G * K, L, N]: one partial per program, K = H / G / HPP).
 
     x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
     (widened exactly), dx written in its own dtype (a view of the packed rows where the chunk grid is
     one; no copies either way). dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s]
-    = C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
+    = C_t . B_s), dh [NC, H, P, N] (dh_out): fp32, contiguous; D with strides.
     """
-    ch, c, h, cg, s, p, n, pm, nm = _program(BS, H, G, P, N, BLOCK_P, BLOCK_N)
-    xb = x_ptr + c * sx_c + h * sx_h
-    yb = dy_ptr + c * sy_c + h * sy_h
-    a_s = tl.load(a_ptr + ch * L + s)
-    dt_s = tl.load(dt_ptr + ch * L + s)
-    x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-    acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
-    acc_e = tl.zeros((BS,), dtype=tl.float32)
-    t0 = tl.program_id(1) * BS
-    t0 = t0 - t0 % BT
-    while t0 < L:
-        t = t0 + tl.arange(0, BT)
-        a_t = tl.load(a_ptr + ch * L + t)
-        dy_t = tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-        C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
-        cbT = tl.load(cb_ptr + (cg * L + t[None, :]) * L + s[:, None])  # [BS, BT]: C_t . B_s
-        causal = t[None, :] >= s[:, None]
-        decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
-        xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
-        q = cbT * decay
-        acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
-        acc_e += tl.sum(q * xdy, axis=1)
-        acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
-        t0 += BT
-
-    # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+    c, h0, cg, part, s, p, n, pm, nm = _program(BS, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
+    C_g = C_ptr + cg * L * N
+    cb_g = cb_ptr + cg * L * L
     B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
-    hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
-    xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
-    decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
-    w = decay_L * dt_s
-    f = decay_L * tl.sum(x_s * hb, axis=1)
-    dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
-    acc_dx += w[:, None] * hb + d[None, :] * dy_s
-    acc_dB += w[:, None] * xh
-    tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], acc_dx.to(dx_ptr.dtype.element_ty),
-             mask=pm)
-    tl.store(ddt_ptr + ch * L + s, acc_e + f)
-    tl.store(f_ptr + ch * L + s, f * dt_s)
-    tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
-    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
-             tl.sum(dy_s * x_s, axis=0))
+    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
+    for j in range(HPP):
+        h = h0 + j
+        ch = c * H + h
+        xb = x_ptr + c * sx_c + h * sx_h
+        yb = dy_ptr + c * sy_c + h * sy_h
+        a_s = tl.load(a_ptr + ch * L + s)
+        dt_s = tl.load(dt_ptr + ch * L + s)
+        x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+        acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
+        acc_e = tl.zeros((BS,), dtype=tl.float32)
+        t0 = tl.program_id(1) * BS
+        t0 = t0 - t0 % BT
+        while t0 < L:
+            t = t0 + tl.arange(0, BT)
+            a_t = tl.load(a_ptr + ch * L + t)
+            dy_t = tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+            C_t = tl.load(C_g + t[:, None] * N + n[None, :], mask=nm, other=0.0)
+            cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
+            causal = t[None, :] >= s[:, None]
+            decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+            xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
+            q = cbT * decay
+            acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
+            acc_e += tl.sum(q * xdy, axis=1)
+            acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
+            t0 += BT
+
+        # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+        dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+        hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
+        xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
+        decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
+        w = decay_L * dt_s
+        f = decay_L * tl.sum(x_s * hb, axis=1)
+        dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+        d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
+        acc_dx += w[:, None] * hb + d[None, :] * dy_s
+        acc_dB += w[:, None] * xh
+        tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], acc_dx.to(dx_ptr.dtype.element_ty),
+                 mask=pm)
+        tl.store(ddt_ptr + ch * L + s, acc_e + f)
+        tl.store(f_ptr + ch * L + s, f * dt_s)
+        tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
+                 tl.sum(dy_s * x_s, axis=0))
+    tl.store(dB_ptr + (part * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
 
 
 @triton.jit
@@ -222,48 +244,54 @@ def _bwd_t_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dh_ptr, dC_ptr, da_ptr, hh_ptr,
     sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h), rows t of t block pid 1: the head's dC [BT, N] and
-    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in); the first t block also writes
-    hh [NC, H] = sum(dh_out * h_in) (h_out's decay term of da at the chunk's last row).
+    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows t of t block pid 1: per head
+    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in), and from the first t block hh
+    [NC, H] = sum(dh_out * h_in) (h_out's decay term of da at the chunk's last row); dC [BT, N] summed
+    over the program's heads in order (dC [NC * G * K, L, N], one partial per program).
 
-    h_in [NC, H, P, N] (each chunk's boundary state), dh [NC, H, P, N] (dh_out), dC [NC, H, L, N],
-    da [NC, H, L]; the rest as in ``_bwd_s_kernel``.
+    h_in [NC, H, P, N] (each chunk's boundary state), dh [NC, H, P, N] (dh_out), da [NC, H, L]; the
+    rest as in ``_bwd_s_kernel``.
     """
-    ch, c, h, cg, t, p, n, pm, nm = _program(BT, H, G, P, N, BLOCK_P, BLOCK_N)
-    xb = x_ptr + c * sx_c + h * sx_h
-    a_t = tl.load(a_ptr + ch * L + t)
-    dy_t = tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+    c, h0, cg, part, t, p, n, pm, nm = _program(BT, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
     C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    st = (ch * P + p[:, None]) * N + n[None, :]
     sm = (p < P)[:, None] & nm
-    h_in = tl.load(h_in_ptr + st, mask=sm, other=0.0)
-    if tl.program_id(1) == 0:
-        tl.store(hh_ptr + ch, tl.sum(tl.sum(tl.load(dh_ptr + st, mask=sm, other=0.0) * h_in, axis=1), axis=0))
-    ea = tl.exp(a_t)
-    gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
-    acc_dC = ea[:, None] * gh
-    acc_da = ea * tl.sum(C_t * gh, axis=1)
     t_end = tl.program_id(1) * BT + BT
-    s0 = 0
-    while s0 < t_end:
-        s = s0 + tl.arange(0, BS)
-        a_s = tl.load(a_ptr + ch * L + s)
-        dt_s = tl.load(dt_ptr + ch * L + s)
-        x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-        B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-        cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
-        causal = s[None, :] <= t[:, None]
-        decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
-        dcb = (decay * xdy) * dt_s[None, :]
-        acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
-        acc_da += tl.sum(dcb * cb, axis=1)
-        s0 += BS
-    tl.store(dC_ptr + (ch * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
-    tl.store(da_ptr + ch * L + t, acc_da)
+    acc_dC = tl.zeros((BT, BLOCK_N), dtype=tl.float32)
+    for j in range(HPP):
+        h = h0 + j
+        ch = c * H + h
+        xb = x_ptr + c * sx_c + h * sx_h
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm,
+                       other=0.0).to(tl.float32)
+        st = (ch * P + p[:, None]) * N + n[None, :]
+        h_in = tl.load(h_in_ptr + st, mask=sm, other=0.0)
+        if tl.program_id(1) == 0:
+            tl.store(hh_ptr + ch, tl.sum(tl.sum(tl.load(dh_ptr + st, mask=sm, other=0.0) * h_in, axis=1), axis=0))
+        ea = tl.exp(a_t)
+        gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
+        acc_dC += ea[:, None] * gh
+        acc_da = ea * tl.sum(C_t * gh, axis=1)
+        s0 = 0
+        while s0 < t_end:
+            s = s0 + tl.arange(0, BS)
+            a_s = tl.load(a_ptr + ch * L + s)
+            dt_s = tl.load(dt_ptr + ch * L + s)
+            x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+            B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
+            cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
+            causal = s[None, :] <= t[:, None]
+            decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+            xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
+            dcb = (decay * xdy) * dt_s[None, :]
+            acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
+            acc_da += tl.sum(dcb * cb, axis=1)
+            s0 += BS
+        tl.store(da_ptr + ch * L + t, acc_da)
+    tl.store(dC_ptr + (part * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
 
 
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
@@ -329,18 +357,20 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     hh = torch.empty(NC, H, device=dev, dtype=f32)
     ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
     fL = torch.empty_like(ddt)
-    dBh = torch.empty(NC, H, L, N, device=dev, dtype=f32)
-    dCh = torch.empty_like(dBh)
+    HPP = BWD_HEADS_PER_PROGRAM if HG % BWD_HEADS_PER_PROGRAM == 0 else 1
+    K = HG // HPP  # programs per chunk and group: dB and dC partials, summed below
+    dBp = torch.empty(NC, G, K, L, N, device=dev, dtype=f32)
+    dCp = torch.empty_like(dBp)
     da_t = torch.empty_like(ddt)
     blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
-                  BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
+                  BLOCK_N=triton.next_power_of_2(N), HPP=HPP, PRECISION=cfg.dot_precision, TC=tc)
     dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
     if NC:
         sx, sy = x.stride()[:3], dy.stride()[:3]
-        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, dDp, sD_h, sD_p,
-                                         *sx, *sy, *dx.stride()[:3], **blocks, **opts)
-        _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dh_out, dCh, da_t, hh, *sx, *sy, **blocks,
-                                         **opts)
+        _bwd_s_kernel[(NC * G * K, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBp, dDp, sD_h, sD_p,
+                                             *sx, *sy, *dx.stride()[:3], **blocks, **{**opts, **BWD_OPTS})
+        _bwd_t_kernel[(NC * G * K, L // BT)](x, dt, a, B, C, cb, dy, h_in, dh_out, dCp, da_t, hh, *sx, *sy,
+                                             **blocks, **{**opts, **BWD_OPTS})
 
     # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
     da = da_t - dt * ddt
@@ -350,8 +380,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dA = (dAdt * dt).sum((0, 2))
     dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
-    dB = dBh.view(NC, G, HG, L, N).sum(2)
-    dC = dCh.view(NC, G, HG, L, N).sum(2)
+    dB, dC = (t[:, :, 0] if K == 1 else t.sum(2) for t in (dBp, dCp))
     return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0
 
 
