@@ -288,7 +288,8 @@ class _Conv(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, b, window = ctx.saved_tensors
         cu_seqlens, cfg = ctx.consts
-        if ctx.needs_input_grad[3]:  # the windows' own gradient: the torch form has it
+        # the windows' own gradient, or a width the kernel does not take: the torch form has it
+        if ctx.needs_input_grad[3] or w.shape[1] > 4:
             dx, dwindow, dw, db = taps.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
             return wanted(ctx, dx, dw, db, dwindow)
         dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)
