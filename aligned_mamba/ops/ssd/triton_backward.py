@@ -23,21 +23,28 @@ and then d(dt*A) = the reverse cumsum of da, ddt += A d(dt*A), dA = sum dt d(dt*
 Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/``bwd_block_t``):
 
 1. ``_state_pass_kernel`` of ``triton_chunk`` (the forward's, unchanged) for every chunk's h_in,
-   from chunk states computed by one batched fp32 GEMM;
+   from the chunk states;
 2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
    chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
-3. ``_bwd_s_kernel`` [NC * H, L / BS]: dx, ddt (its M and w parts) and the per-head dB of one s block,
-   looping over the t blocks at or after it;
-4. ``_bwd_t_kernel`` [NC * H, L / BT]: the per-head dC and the da part summed over s, of one t block,
-   looping over the s blocks at or before it.
+3. ``_bwd_s_kernel`` [NC * G * K, L / BS]: dx, ddt (its M and w parts) of one s block for each of
+   HPP heads of a group (K = H / G / HPP programs per group, ``BWD_HEADS_PER_PROGRAM``), looping over
+   the t blocks at or after it, and their dB summed over those heads;
+4. ``_bwd_t_kernel`` [NC * G * K, L / BT]: the da part summed over s of one t block for each of HPP
+   heads, looping over the s blocks at or before it, their dC summed over those heads, and
+   sum(dh_out * h_in) per chunk and head.
 
 The chunk states of step 1 and what each chunk's outputs ask of its boundary state (dS, the input of
 step 2) are ``_weighted_state_kernel`` [NC * H, P/N blocks], dots of the packed rows in place (an fp32
 GEMM over transposed copies took about as long as both chunk kernels' glue together).
 
+A trainer's batch of whole chunks from empty needs no packing at all: the chunk grid is a transposed
+view of the packed rows, so the kernels read x and dy and write dx where they lie, through strides
+(x and dy in the model dtype, widened exactly; dx rounded once to it), and only dt, B and C (a few
+values a token) are copied to fp32 grids.
+
 Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
-fixed order inside a program, and what spans programs (dB and dC over a group's heads, dA and dD
-over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
+fixed order inside a program, and what spans programs (dB and dC over a group's K programs, dA and
+dD over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
 contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
 operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
 split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
