@@ -53,6 +53,7 @@ torch fp32 ops.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -75,8 +76,11 @@ Tensor = torch.Tensor
 # sum over heads, occupancy; never a forward's bits). Each program loops over BWD_HEADS_PER_PROGRAM
 # heads of a group and sums their dB and dC in order (1 where the group's heads do not split so), so
 # the per-program partials summed afterwards are that many times smaller than per-head ones.
-BWD_HEADS_PER_PROGRAM = 1
-BWD_OPTS: dict = {}
+# Pinned from the H200 sweep at 7d94dca (benchmarks/README.md, results/h200_scan_backward.json): 4 heads
+# a program, 4 warps and 2 pipelining stages took ssd_backward at the 1.3b layer shape from 3.31 to
+# 2.51 ms at 4 x 2048 tokens and from 6.20 to 4.28 ms at 1 x 16384 (8 warps, 1 head: the old launch).
+BWD_HEADS_PER_PROGRAM = 4
+BWD_OPTS: dict = {"num_warps": 4, "num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps).
 STATE_OPTS: dict = {"BLOCK_K": 64, "BLOCK_P": 64, "BLOCK_N": 64}
@@ -364,7 +368,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     hh = torch.empty(NC, H, device=dev, dtype=f32)
     ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
     fL = torch.empty_like(ddt)
-    HPP = BWD_HEADS_PER_PROGRAM if HG % BWD_HEADS_PER_PROGRAM == 0 else 1
+    HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program: a divisor of the group's
     K = HG // HPP  # programs per chunk and group: dB and dC partials, summed below
     dBp = torch.empty(NC, G, K, L, N, device=dev, dtype=f32)
     dCp = torch.empty_like(dBp)

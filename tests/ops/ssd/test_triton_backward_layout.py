@@ -7,7 +7,8 @@ deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel); that gives the bits
-the general packing (fp32 chunk grids, dx rounded by torch) gives, and two backwards are equal.
+the general packing (fp32 chunk grids, dx rounded by torch) gives, but for dD's summation order
+(within fp32 rounding), and two backwards are equal.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
     cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
     lv = _leaves(3, lens, H, P, G, N, torch.float32)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(4)).to(DEV)
+    monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", 1)  # per-head partials, summed by torch
     base = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
     pinned = dict(ta.STATE_OPTS)
-    for hpp, state in ((2, {"BLOCK_K": 16, "BLOCK_P": 16, "BLOCK_N": 16}), (4, dict(ta.STATE_OPTS))):
+    for hpp, state in ((2, {"BLOCK_K": 16, "BLOCK_P": 16, "BLOCK_N": 16}), (4, dict(ta.STATE_OPTS)), (3, pinned)):
         monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", hpp)
         monkeypatch.setattr(ta, "STATE_OPTS", state)
         got = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
@@ -91,7 +93,8 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_bf16_rows_in_place_give_the_packed_grids_bits():
     """mamba2-1.3b's scan shape in bf16, whole chunks: x, dy and dx in place (the short cut) against
-    the general packing (all-zero buffers force it), bit for bit, and two backwards equal."""
+    the general packing (all-zero buffers force it), bit for bit but for dD (see below), and two
+    backwards equal."""
     H, P, G, N, chunk, lens = 64, 64, 1, 128, 256, [512, 256]
     cfg = TritonKernelConfigs()
     lv = _leaves(5, lens, H, P, G, N, torch.bfloat16)
@@ -103,6 +106,11 @@ def test_gpu_bf16_rows_in_place_give_the_packed_grids_bits():
             torch.zeros(S, H, chunk, device=DEV, dtype=torch.bfloat16),
             torch.zeros(S, G, chunk, N, device=DEV, dtype=torch.bfloat16))
     general = _backward(lv, gy, lens, chunk, cfg, zero)
-    differ = [k for k, u, v in zip(ARGS, got, general) if not torch.equal(u, v)]
+    # dD is a tl.sum over the rows of dy * x as loaded: its order follows the register layout Triton
+    # picks for the tile, which depends on the element width (bf16 rows in place, fp32 grids), so its
+    # last bits may differ between the two paths (measured on the H200: they do); exact products, so
+    # only the order. Every other gradient goes through the same dots and sums.
+    differ = [k for k, u, v in zip(ARGS, got, general) if not torch.equal(u, v) and k != "D"]
     assert not differ, differ
+    assert _rel(got[ARGS.index("D")], general[ARGS.index("D")]) < 1e-6
     assert got[0].dtype == torch.bfloat16 and float(got[0].float().abs().max()) > 0
