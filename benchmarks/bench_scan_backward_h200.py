@@ -12,7 +12,7 @@ kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
 - chunk: the two chunk kernels' choices, (bwd_block_s, bwd_block_t, warps, num_stages, heads per
   program), the chunk-state kernel as pinned;
 - state: the chunk-state kernel's (BLOCK_K, BLOCK_P, BLOCK_N, warps, num_stages), the chunk kernels
-  as the fastest of the first sweep that keeps the contract's blocks;
+  as the fastest of the first sweep at the first cell that keeps the contract's blocks;
 - round: that best with ``bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
   contract's: what its precision would buy, for the record);
 and mamba_ssm's forward + backward minus its forward. Every variant's gradients against the first's
@@ -173,9 +173,10 @@ def main() -> None:
                 tag = f"chunk bs{c[0]} bt{c[1]} w{c[2]} st{c[3]} hpp{c[4]}"
                 k = knobs(c, base_state)
                 run_variant(cell, tag, k, TritonKernelConfigs(bwd_block_s=c[0], bwd_block_t=c[1]), call)
-        same_blocks = [t for t in totals if variants[t]["bwd_block_s"] == pinned.bwd_block_s
-                       and variants[t]["bwd_block_t"] == pinned.bwd_block_t]
-        best_chunk = min(same_blocks, key=totals.get) if same_blocks else None
+        if lens is cells[0]:  # the chunk kernels' pick, from the first cell, for every cell's state sweep
+            same_blocks = [t for t in totals if t.startswith("chunk ") and variants[t]["bwd_block_s"] ==
+                           pinned.bwd_block_s and variants[t]["bwd_block_t"] == pinned.bwd_block_t]
+            best_chunk = min(same_blocks, key=totals.get) if same_blocks else None
         if "state" in sweeps:
             for s_ in state_list[1:]:
                 ck = variants[best_chunk] if best_chunk else knobs(chunk_list[0], base_state)
