@@ -41,11 +41,12 @@ from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
 
-# (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads per program)
+# (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads per program); the first is
+# the launch before the sweep at 7d94dca (8 warps, 1 head), the pinned one is (64, 64, 4, 2, 4)
 CHUNK = [(64, 64, 8, None, 1), (64, 64, 8, 2, 1), (64, 64, 4, None, 1), (64, 64, 8, None, 4), (64, 64, 8, None, 8),
          (64, 64, 8, 2, 4), (64, 64, 4, 2, 4), (64, 64, 8, 1, 4), (32, 64, 4, None, 1), (128, 64, 8, None, 1)]
-# (BLOCK_K, BLOCK_P, BLOCK_N, warps or None for bwd_warps, num_stages or None)
-STATE = [(64, 64, 64, None, None), (32, 64, 128, 4, None), (64, 64, 128, 4, None), (32, 64, 64, 4, None),
+# (BLOCK_K, BLOCK_P, BLOCK_N, warps or None for bwd_warps, num_stages or None); the first as before the sweep
+STATE = [(64, 64, 64, 8, None), (32, 64, 128, 4, None), (64, 64, 128, 4, None), (32, 64, 64, 4, None),
          (64, 64, 128, 8, None), (32, 64, 128, 4, 2)]
 
 

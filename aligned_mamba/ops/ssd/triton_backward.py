@@ -77,15 +77,16 @@ Tensor = torch.Tensor
 # heads of a group and sums their dB and dC in order (1 where the group's heads do not split so), so
 # the per-program partials summed afterwards are that many times smaller than per-head ones.
 # Pinned from the H200 sweep at 7d94dca (benchmarks/README.md, results/h200_scan_backward.json): 4 heads
-# a program, 4 warps and 2 pipelining stages took ssd_backward at the 1.3b layer shape from 3.31 to
-# 2.51 ms at 4 x 2048 tokens and from 6.20 to 4.28 ms at 1 x 16384 (8 warps, 1 head: the old launch).
+# a program, 2 pipelining stages and the contract's bwd_warps at 4 took ssd_backward at the 1.3b layer
+# shape from 3.31 to 2.51 ms at 4 x 2048 tokens and from 6.20 to 4.28 ms at 1 x 16384 (8 warps, 1 head:
+# the old launch). A num_warps here would override bwd_warps (the sweep's use, not the pinned one).
 BWD_HEADS_PER_PROGRAM = 4
-BWD_OPTS: dict = {"num_warps": 4, "num_stages": 2}
+BWD_OPTS: dict = {"num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
-# (K 32, N 128: x read once a head) with 4 warps and 2 stages: in the same sweep, ssd_backward 2.51 to
-# 2.29 ms at 4 x 2048 and 4.28 to 3.90 at 1 x 16384 (K 64, P 64, N 64 at 8 warps before).
-STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+# (K 32, N 128: x read once a head) with 2 stages, at bwd_warps (4): in the same sweep, ssd_backward 2.51
+# to 2.29 ms at 4 x 2048 and 4.28 to 3.90 at 1 x 16384 (K 64, P 64, N 64 at 8 warps before).
+STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
 
 
 @triton.jit

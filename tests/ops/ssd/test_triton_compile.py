@@ -77,7 +77,7 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
                PRECISION=cfg.dot_precision, TC=TC)
     rows_x = dict(x_ptr=bf, dy_ptr=bf) if TC else {}
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
-    bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)
+    bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
     comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})), bwd,
          fuse, bwd_warps)
     comp(tb._bwd_t_kernel, dict(strides, **rows_x), bwd, fuse, bwd_warps)
