@@ -329,6 +329,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
+                    " to run ours with instead of the committed ones")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -350,6 +352,14 @@ def main() -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "script": SCRIPT,
             "argv": sys.argv[1:],
             "stock": "mamba_ssm 2.3.2.post1 MambaLMHeadModel, bf16, use_mem_eff_path=False (causal_conv1d not built)"}
+    from aligned_mamba.ops.ssd import triton_backward as ta
+
+    if args.scan_bwd:
+        k = json.loads(Path(args.scan_bwd).read_text())
+        ta.BWD_OPTS, ta.STATE_OPTS = k["BWD_OPTS"], k["STATE_OPTS"]
+        ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
+    meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
+                              "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16")
     train = dict(meta, contract=contract.to_dict(), train=[])
     model_res = dict(meta, forward=[], decode=[], accuracy=[])

@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""The scan's backward kernels alone (``ops.ssd.triton_backward.chunk_scan_backward``) at a model's
-layer shape, per kernel config, against mamba_ssm's ``mamba_chunk_scan_combined`` backward.
+"""The scan's backward alone (``ops.ssd.triton_backward.ssd_backward``, what an advance's autograd runs)
+at a model's layer shape, per launch choice, against mamba_ssm's ``mamba_chunk_scan_combined`` backward.
 
-    PYTHONPATH=.:.anchors python3 benchmarks/bench_scan_backward_h200.py --out OUT/h200_scan_backward.json
+    PYTHONPATH=.:.anchors python3 benchmarks/bench_scan_backward_h200.py --out OUT/h200_scan_backward.json \
+        [--best OUT/scan_bwd_best.json] [--shape 64,64,1,128] [--sweep chunk,state,round] [--no-stock]
     python3 benchmarks/bench_scan_backward_h200.py --dry-run --out /tmp/s.json   (CPU: interpreter, tiny shapes)
 
-One layer of mamba2-1.3b's shape (H 64, P 64, G 1, N 128, chunk 256) at 4 x 2048 and 1 x 16384 tokens,
-bf16 inputs. CUDA-event medians of ``chunk_scan_backward`` (the chunk-grid gradient, what
-``ssd_backward`` adds around it is packing) for each (bwd_block_s, bwd_block_t, bwd_warps), and of
-mamba_ssm's forward + backward minus its forward. Gradients of each config against the first
-(relative norm), so a config that computes something else shows.
+One layer of mamba2-1.3b's scan shape (H 64, P 64, G 1, N 128, chunk 256; ``--shape H,P,G,N``) at
+4 x 2048 and 1 x 16384 tokens, bf16 inputs laid out as a trainer's packed rows (whole chunks: the
+kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
+- chunk: the two chunk kernels' choices, (bwd_block_s, bwd_block_t, warps, num_stages, heads per
+  program), the chunk-state kernel as pinned;
+- state: the chunk-state kernel's (BLOCK_K, BLOCK_P, BLOCK_N, warps, num_stages), the chunk kernels
+  as the fastest of the first sweep at the first cell that keeps the contract's blocks;
+- round: that best with ``bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
+  contract's: what its precision would buy, for the record);
+and mamba_ssm's forward + backward minus its forward. Every variant's gradients against the first's
+(relative norm: a variant that computes something else shows) and two calls of it bit for bit.
+``--best`` writes the fastest module knobs that keep the contract's block sizes (summed over both
+cells), as ``bench_mamba_ssm_h200.py --scan-bwd`` reads them.
 """
 
 from __future__ import annotations
@@ -29,90 +38,159 @@ if "--dry-run" in sys.argv:  # before triton is imported: its kernels are built 
     os.environ["TRITON_INTERPRET"] = "1"
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
-from aligned_mamba.ops.ssd.triton_backward import chunk_scan_backward  # noqa: E402
-from benchmarks.gpu_validate import cuda_ms  # noqa: E402
+from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
 
-CONFIGS = [(64, 64, 8), (64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (64, 128, 8), (32, 32, 4)]
+# (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads per program); the first is
+# the launch before the sweep at 7d94dca (8 warps, 1 head), the pinned one is (64, 64, 4, 2, 4)
+CHUNK = [(64, 64, 8, None, 1), (64, 64, 8, 2, 1), (64, 64, 4, None, 1), (64, 64, 8, None, 4), (64, 64, 8, None, 8),
+         (64, 64, 8, 2, 4), (64, 64, 4, 2, 4), (64, 64, 8, 1, 4), (32, 64, 4, None, 1), (128, 64, 8, None, 1)]
+# (BLOCK_K, BLOCK_P, BLOCK_N, warps or None for bwd_warps, num_stages or None); the first as before the sweep
+STATE = [(64, 64, 64, 8, None), (32, 64, 128, 4, None), (64, 64, 128, 4, None), (32, 64, 64, 4, None),
+         (64, 64, 128, 8, None), (32, 64, 128, 4, 2)]
 
 
 def timed(fn, reps: int = 10) -> float:
-    """Median ms of ``fn``: CUDA events (``gpu_validate.cuda_ms``), or wall clock in the dry run."""
+    """Median ms of ``fn``: CUDA events, or wall clock in the dry run."""
     if torch.cuda.is_available():
-        return cuda_ms(fn, reps)
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b))
+        return statistics.median(out)
     import time
 
-    out = []
-    for _ in range(1):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def knobs(chunk: tuple, state: tuple) -> dict:
+    bs, bt, w, st, hpp = chunk
+    k, p, n, sw, ss = state
+    so = {"BLOCK_K": k, "BLOCK_P": p, "BLOCK_N": n}
+    so.update({"num_warps": sw} if sw else {})
+    so.update({"num_stages": ss} if ss else {})
+    launch = dict({"num_warps": w}, **({"num_stages": st} if st else {}))
+    return {"bwd_block_s": bs, "bwd_block_t": bt, "BWD_OPTS": launch, "BWD_HEADS_PER_PROGRAM": hpp, "STATE_OPTS": so}
+
+
+def apply(k: dict) -> None:
+    ta.BWD_OPTS = dict(k["BWD_OPTS"])
+    ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
+    ta.STATE_OPTS = dict(k["STATE_OPTS"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--best", help="write the fastest knobs at the contract's block sizes here")
+    ap.add_argument("--shape", default="64,64,1,128", help="H,P,G,N")
+    ap.add_argument("--sweep", default="chunk,state,round")
+    ap.add_argument("--no-stock", action="store_true", help="skip mamba_ssm's scan (its autotuning takes a while)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the Triton interpreter at tiny shapes")
     args = ap.parse_args()
-    global CONFIGS
+    sweeps = set(args.sweep.split(","))
+    chunk_list, state_list = CHUNK, STATE
+    pinned = TritonKernelConfigs()
     if args.dry_run:
-        dev = torch.device("cpu")
+        dev, dtype = torch.device("cpu"), torch.float32  # the interpreter runs the fp32 dots only
         H, P, G, N, L = 4, 16, 1, 16, 32
-        cells, CONFIGS = ([64, 40],), [(16, 16, 4), (32, 16, 4)]
+        cells = ([32, 32],)
+        chunk_list = [(16, 16, 4, None, 1), (16, 16, 4, None, 2)]
+        state_list = [(16, 16, 16, None, None), (32, 16, 16, 4, None)]
+        pinned = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
     else:
-        dev = torch.device("cuda")
-        H, P, G, N, L = 64, 64, 1, 128, 256
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        H, P, G, N = map(int, args.shape.split(","))
+        L = 256
         cells = ([2048] * 4, [16384])
     res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
            "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "commit": os.environ.get("GIT_COMMIT"), "shape": dict(H=H, P=P, G=G, N=N, chunk=L), "cells": []}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    base_state = state_list[0]
+    totals: dict[str, float] = {}
+    variants: dict[str, dict] = {}
+
+    def run_variant(cell: dict, tag: str, k: dict, cfg: TritonKernelConfigs, call) -> None:
+        apply(k)
+        try:
+            got = call(cfg)
+            same = all(torch.equal(u, v) for u, v in zip(got, call(cfg)) if u is not None)
+            ms = timed(lambda: call(cfg))
+            first = cell.setdefault("_first", got)
+            err = max(rel(u, v) for u, v in zip(got, first) if u is not None)
+            cell["ours"].append({"variant": tag, "knobs": k, "bf16_dots": cfg.bf16_dots, "ms": ms,
+                                 "max_rel_vs_first": err, "repeat_equal": same})
+            if cfg.bf16_dots == pinned.bf16_dots and same:
+                totals[tag] = totals.get(tag, 0.0) + ms
+                variants[tag] = k
+            print(cell["tokens"], tag, f"{ms:.3f} ms", f"rel {err:.1e}", "repeat", same, flush=True)
+        except Exception as e:  # noqa: BLE001
+            cell["ours"].append({"variant": tag, "knobs": k, "error": repr(e)[:300]})
+            print(cell["tokens"], tag, "error", repr(e)[:300], flush=True)
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+
     for lens in cells:
         T, S = sum(lens), len(lens)
         g = torch.Generator(device=dev).manual_seed(0)
-        bf = torch.bfloat16
-        x = torch.randn(T, H, P, device=dev, generator=g).to(bf)
-        dt = (torch.rand(T, H, device=dev, generator=g) * 3 - 4).to(bf)
-        B = torch.randn(T, G, N, device=dev, generator=g).to(bf)
-        C = torch.randn(T, G, N, device=dev, generator=g).to(bf)
+        x = torch.randn(T, H, P, device=dev, generator=g).to(dtype)
+        dt = (torch.rand(T, H, device=dev, generator=g) * 3 - 4).to(dtype)
+        B = torch.randn(T, G, N, device=dev, generator=g).to(dtype)
+        C = torch.randn(T, G, N, device=dev, generator=g).to(dtype)
         A = -torch.exp(torch.rand(H, device=dev, generator=g) * 2.7)
         D = torch.randn(H, device=dev, generator=g)
         bias = torch.randn(H, device=dev, generator=g) * 0.5
-        gy = torch.randn(T, H, P, device=dev, generator=g).to(bf)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
-        ch = pack_chunks(x, dt, B, cu, L, bias, (0.0, math.inf))
-        NC = ch.x.shape[0]
-        Cc = torch.zeros(NC, G, L, N, device=dev)
-        Cc[ch.row_chunk, :, ch.row_pos] = C.float()
-        dyc = torch.zeros(NC, H, L, P, device=dev)
-        dyc[ch.row_chunk, :, ch.row_pos] = gy.float()
+        gy = torch.randn(T, H, P, device=dev, generator=g).to(dtype)
         h0 = torch.zeros(S, H, P, N, device=dev)
-        grid = chunk_grid(cu.cpu(), None, L, dev)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        off = torch.zeros(S, dtype=torch.int64)
+        grid = chunk_grid(cu, off, L, dev)
+
+        def call(cfg, x=x, dt=dt, B=B, C=C, A=A, D=D, bias=bias, h0=h0, gy=gy, cu=cu, off=off, grid=grid):
+            return ta.ssd_backward(x, dt, B, C, A, D, bias, h0, None, None, None, gy, (True,) * 8, cu, off.to(dev),
+                                   grid, None, L, (0.0, math.inf), cfg)
+
         cell = {"tokens": T, "sequences": S, "ours": []}
-        first = None
-        for bs, bt, w in CONFIGS:
-            cfg = TritonKernelConfigs(bwd_block_s=bs, bwd_block_t=bt, bwd_warps=w)
-            try:
-                # the interpreter runs the fp32 dots only (bf16 tensor-core dots need the GPU)
-                run = lambda: chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=not args.dry_run,  # noqa: E731
-                                                  first=grid.first, count=grid.count)
-                got = run()
-                ms = timed(run)
-                first = first or got
-                errs = [rel(u, v) for u, v in zip(got, first)]
-                cell["ours"].append({"bwd_block_s": bs, "bwd_block_t": bt, "bwd_warps": w, "ms": ms,
-                                     "max_rel_vs_first": max(errs)})
-                print(T, S, bs, bt, w, f"{ms:.3f} ms", f"{max(errs):.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                cell["ours"].append({"bwd_block_s": bs, "bwd_block_t": bt, "bwd_warps": w, "error": repr(e)[:300]})
-                print(T, S, bs, bt, w, "error", repr(e)[:300], flush=True)
+        if "chunk" in sweeps:
+            for c in chunk_list:
+                tag = f"chunk bs{c[0]} bt{c[1]} w{c[2]} st{c[3]} hpp{c[4]}"
+                k = knobs(c, base_state)
+                run_variant(cell, tag, k, TritonKernelConfigs(bwd_block_s=c[0], bwd_block_t=c[1]), call)
+        if lens is cells[0]:  # the chunk kernels' pick, from the first cell, for every cell's state sweep
+            same_blocks = [t for t in totals if t.startswith("chunk ") and variants[t]["bwd_block_s"] ==
+                           pinned.bwd_block_s and variants[t]["bwd_block_t"] == pinned.bwd_block_t]
+            best_chunk = min(same_blocks, key=totals.get) if same_blocks else None
+        if "state" in sweeps:
+            for s_ in state_list[1:]:
+                ck = variants[best_chunk] if best_chunk else knobs(chunk_list[0], base_state)
+                k = dict(ck, STATE_OPTS=knobs(chunk_list[0], s_)["STATE_OPTS"])
+                tag = f"state k{s_[0]} p{s_[1]} n{s_[2]} w{s_[3]} st{s_[4]} | {best_chunk}"
+                run_variant(cell, tag, k, pinned, call)
+        if "round" in sweeps and best_chunk:
+            run_variant(cell, "round | " + best_chunk, variants[best_chunk],
+                        TritonKernelConfigs(bf16_dots="round"), call)
+        cell.pop("_first", None)
         try:
-            if args.dry_run:
-                raise RuntimeError("dry run: no mamba_ssm")
+            if args.dry_run or args.no_stock:
+                raise RuntimeError("dry run or --no-stock: no mamba_ssm")
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
             Tq = T // S  # equal lengths: the batch layout the stock step uses
@@ -136,6 +214,22 @@ def main() -> None:
         res["cells"].append(cell)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+
+    # the fastest over both cells, among the variants run at both and at the contract's blocks
+    n_cells = len(cells)
+    full = {t: v for t, v in totals.items() if sum(1 for c in res["cells"] for o in c["ours"]
+                                                  if o.get("variant") == t and "ms" in o) == n_cells
+            and variants[t]["bwd_block_s"] == pinned.bwd_block_s and variants[t]["bwd_block_t"] == pinned.bwd_block_t}
+    res["totals_ms"] = totals
+    if full:
+        best = min(full, key=full.get)
+        res["best"] = {"variant": best, "knobs": variants[best], "total_ms": full[best]}
+        print("best", best, f"{full[best]:.3f} ms over the cells", flush=True)
+        if args.best:
+            with open(args.best, "w") as f:
+                json.dump(variants[best], f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

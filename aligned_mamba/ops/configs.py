@@ -171,7 +171,7 @@ class TritonKernelConfigs:
     logprobs_num_warps: int = 16
     bwd_block_s: int = 64
     bwd_block_t: int = 64
-    bwd_warps: int = 8
+    bwd_warps: int = 4
     attn_block_n: int = 64
     attn_block_m: int = 128
     attn_warps: int = 8

@@ -100,14 +100,14 @@ def _window_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, Cd, stride_x, stride_ws, s
 
 @triton.jit
 def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, stride_wk, K: tl.constexpr):
-    """Position p [BLOCK_T] of each row's sequence stream (its window ++ its new rows) in fp32,
-    [BLOCK_T, BLOCK_C]: window row p of sequence seq (win [S, K-1, Cd]) for p < K-1, else new row xrow
-    (the packed row at that position)."""
+    """Position p [BLOCK_T] of each row's sequence stream (its window ++ its new rows) in the inputs'
+    dtype, [BLOCK_T, BLOCK_C]: window row p of sequence seq (win [S, K-1, Cd]) for p < K-1, else new row
+    xrow (the packed row at that position); zero where m2 is False."""
     in_win = (p < K - 1)[:, None]
     wv = tl.load(win_ptr + seq[:, None].to(tl.int64) * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
                  mask=m2 & in_win, other=0.0)
     xv = tl.load(x_ptr + xrow[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
-    return tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+    return tl.where(in_win, wv, xv.to(wv.dtype))
 
 
 @triton.jit
@@ -121,7 +121,9 @@ def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr
 
     Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
     sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre): each shifted dpre is
-    recomputed here from the stream, so no program needs another's output."""
+    recomputed here from the stream, so no program needs another's output. The stream is read once,
+    at its 2K - 1 shifts m = d + k - (K - 1) of the rows (each pre sums the same values in the same
+    order as the forward); a shift past its sequence's end reads zero and feeds only a masked d."""
     blk = tl.program_id(0)
     rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -130,18 +132,40 @@ def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr
     seq, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
     n = tl.load(cu_ptr + seq + 1, mask=rmask, other=0).to(tl.int32) - (rows - j)  # the sequence's length
     r64 = rows.to(tl.int64)
+    pre0 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        pre0 += tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    # the stream at shifts m = -(K-1) .. K-1, one tile each (K is at most 4 in every model here; the
+    # tiles are named, not indexed, so they stay in registers)
+    vm3 = _stream_value(x_ptr, win_ptr, r64 - 3, seq, j + (K - 4), ch, (rmask & (K >= 4))[:, None] & cmask[None, :],
+                        stride_x, stride_ws, stride_wk, K)
+    vm2 = _stream_value(x_ptr, win_ptr, r64 - 2, seq, j + (K - 3), ch, (rmask & (K >= 3))[:, None] & cmask[None, :],
+                        stride_x, stride_ws, stride_wk, K)
+    vm1 = _stream_value(x_ptr, win_ptr, r64 - 1, seq, j + (K - 2), ch, (rmask & (K >= 2))[:, None] & cmask[None, :],
+                        stride_x, stride_ws, stride_wk, K)
+    v0 = _stream_value(x_ptr, win_ptr, r64, seq, j + (K - 1), ch, rmask[:, None] & cmask[None, :],
+                       stride_x, stride_ws, stride_wk, K)
+    v1 = _stream_value(x_ptr, win_ptr, r64 + 1, seq, j + K, ch, (rmask & (K >= 2) & (j + 1 < n))[:, None]
+                       & cmask[None, :], stride_x, stride_ws, stride_wk, K)
+    v2 = _stream_value(x_ptr, win_ptr, r64 + 2, seq, j + K + 1, ch, (rmask & (K >= 3) & (j + 2 < n))[:, None]
+                       & cmask[None, :], stride_x, stride_ws, stride_wk, K)
+    v3 = _stream_value(x_ptr, win_ptr, r64 + 3, seq, j + K + 2, ch, (rmask & (K >= 4) & (j + 3 < n))[:, None]
+                       & cmask[None, :], stride_x, stride_ws, stride_wk, K)
+    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)[None, :]
     dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for d in tl.static_range(K):
         m2 = (rmask & (j + d < n))[:, None] & cmask[None, :]
-        pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
-        for k in tl.static_range(K):
-            v = _stream_value(x_ptr, win_ptr, r64 + (d + k - (K - 1)), seq, j + d + k, ch, m2, stride_x, stride_ws,
-                              stride_wk, K)
-            pre += tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+        # pre_{t+d} = bias + sum_k w_k v_{d+k-(K-1)}, k ascending (the forward's order)
+        pre = pre0 + w0 * _shift(vm3, vm2, vm1, v0, v1, v2, v3, d - (K - 1)).to(tl.float32)
+        if K >= 2:
+            pre += w1 * _shift(vm3, vm2, vm1, v0, v1, v2, v3, d + 1 - (K - 1)).to(tl.float32)
+        if K >= 3:
+            pre += w2 * _shift(vm3, vm2, vm1, v0, v1, v2, v3, d + 2 - (K - 1)).to(tl.float32)
+        if K >= 4:
+            pre += w3 * _shift(vm3, vm2, vm1, v0, v1, v2, v3, d + 3 - (K - 1)).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-pre))
         g = tl.load(g_ptr + (r64 + d)[:, None] * stride_g + ch[None, :], mask=m2, other=0.0).to(tl.float32)
         dpre = tl.where(m2, g * (s * (1.0 + pre * (1.0 - s))), 0.0)
@@ -149,11 +173,29 @@ def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr
         if d == 0:  # the block's own rows: their weight and bias gradients
             tl.store(db_ptr + blk * Cd + ch, tl.sum(dpre, axis=0), mask=cmask)
             for k in tl.static_range(K):
-                v = _stream_value(x_ptr, win_ptr, r64 + (k - (K - 1)), seq, j + k, ch, m2, stride_x, stride_ws,
-                                  stride_wk, K)
+                v = _shift(vm3, vm2, vm1, v0, v1, v2, v3, k - (K - 1)).to(tl.float32)
                 tl.store(dw_ptr + (blk * K + k) * Cd + ch, tl.sum(dpre * v, axis=0), mask=cmask)
     tl.store(dx_ptr + r64[:, None] * Cd + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _shift(vm3, vm2, vm1, v0, v1, v2, v3, m: tl.constexpr):
+    """The stream tile at shift m (-3 .. 3), chosen at compile time."""
+    if m == -3:
+        return vm3
+    elif m == -2:
+        return vm2
+    elif m == -1:
+        return vm1
+    elif m == 0:
+        return v0
+    elif m == 1:
+        return v1
+    elif m == 2:
+        return v2
+    else:
+        return v3
 
 
 def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
@@ -165,6 +207,8 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch."""
     T, Cd = x.shape
     S, K = window.shape[0], weight.shape[1]
+    if not 1 <= K <= 4:
+        raise ValueError(f"the conv backward kernel takes widths 1 to 4, not {K}")
     if x.stride(1) != 1:
         x = x.contiguous()
     g = g if g.stride(1) == 1 else g.contiguous()
@@ -244,7 +288,8 @@ class _Conv(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, b, window = ctx.saved_tensors
         cu_seqlens, cfg = ctx.consts
-        if ctx.needs_input_grad[3]:  # the windows' own gradient: the torch form has it
+        # the windows' own gradient, or a width the kernel does not take: the torch form has it
+        if ctx.needs_input_grad[3] or w.shape[1] > 4:
             dx, dwindow, dw, db = taps.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
             return wanted(ctx, dx, dw, db, dwindow)
         dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)

@@ -23,21 +23,28 @@ and then d(dt*A) = the reverse cumsum of da, ddt += A d(dt*A), dA = sum dt d(dt*
 Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/``bwd_block_t``):
 
 1. ``_state_pass_kernel`` of ``triton_chunk`` (the forward's, unchanged) for every chunk's h_in,
-   from chunk states computed by one batched fp32 GEMM;
+   from the chunk states;
 2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
    chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
-3. ``_bwd_s_kernel`` [NC * H, L / BS]: dx, ddt (its M and w parts) and the per-head dB of one s block,
-   looping over the t blocks at or after it;
-4. ``_bwd_t_kernel`` [NC * H, L / BT]: the per-head dC and the da part summed over s, of one t block,
-   looping over the s blocks at or before it.
+3. ``_bwd_s_kernel`` [NC * G * K, L / BS]: dx, ddt (its M and w parts) of one s block for each of
+   HPP heads of a group (K = H / G / HPP programs per group, ``BWD_HEADS_PER_PROGRAM``), looping over
+   the t blocks at or after it, and their dB summed over those heads;
+4. ``_bwd_t_kernel`` [NC * G * K, L / BT]: the da part summed over s of one t block for each of HPP
+   heads, looping over the s blocks at or before it, their dC summed over those heads, and
+   sum(dh_out * h_in) per chunk and head.
 
 The chunk states of step 1 and what each chunk's outputs ask of its boundary state (dS, the input of
 step 2) are ``_weighted_state_kernel`` [NC * H, P/N blocks], dots of the packed rows in place (an fp32
 GEMM over transposed copies took about as long as both chunk kernels' glue together).
 
+A trainer's batch of whole chunks from empty needs no packing at all: the chunk grid is a transposed
+view of the packed rows, so the kernels read x and dy and write dx where they lie, through strides
+(x and dy in the model dtype, widened exactly; dx rounded once to it), and only dt, B and C (a few
+values a token) are copied to fp32 grids.
+
 Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
-fixed order inside a program, and what spans programs (dB and dC over a group's heads, dA and dD
-over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
+fixed order inside a program, and what spans programs (dB and dC over a group's K programs, dA and
+dD over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
 contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
 operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
 split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
@@ -46,6 +53,7 @@ torch fp32 ops.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -63,6 +71,22 @@ from .triton_decode import replay_decode_triton
 from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
+
+# Launch choices of the two chunk kernels beyond the contract's configs (gradients only: the order of a
+# sum over heads, occupancy; never a forward's bits). Each program loops over BWD_HEADS_PER_PROGRAM
+# heads of a group and sums their dB and dC in order (1 where the group's heads do not split so), so
+# the per-program partials summed afterwards are that many times smaller than per-head ones.
+# Pinned from the H200 sweep at 7d94dca (benchmarks/README.md, results/h200_scan_backward.json): 4 heads
+# a program, 2 pipelining stages and the contract's bwd_warps at 4 took ssd_backward at the 1.3b layer
+# shape from 3.31 to 2.51 ms at 4 x 2048 tokens and from 6.20 to 4.28 ms at 1 x 16384 (8 warps, 1 head:
+# the old launch). A num_warps here would override bwd_warps (the sweep's use, not the pinned one).
+BWD_HEADS_PER_PROGRAM = 4
+BWD_OPTS: dict = {"num_stages": 2}
+# The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
+# and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
+# (K 32, N 128: x read once a head) with 2 stages, at bwd_warps (4): in the same sweep, ssd_backward 2.51
+# to 2.29 ms at 4 x 2048 and 4.28 to 3.90 at 1 x 16384 (K 64, P 64, N 64 at 8 warps before).
+STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
 
 
 @triton.jit
@@ -87,7 +111,7 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
 
 @triton.jit
-def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
+def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_l,
                            H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                            TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
@@ -95,16 +119,19 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
     with w_l = exp(a_L - a_l) dt_l (TO_END: the chunk's state from u = x, v = B) or exp(a_l) (what the
     chunk's outputs ask of its boundary state, from u = dy, v = C).
 
-    u [NC, H, L, P], v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
+    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32 (widened exactly);
+    v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
     """
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
-    cg = (ch // H) * G + h // (H // G)
+    c = ch // H
+    cg = c * G + h // (H // G)
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     p = (tl.program_id(1) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = (tl.program_id(1) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
     pm = p < P
     nm = n < N
+    u_base = u_ptr + c * su_c + h * su_h
     a_last = tl.load(a_ptr + ch * L + L - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
@@ -114,7 +141,7 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
             w = tl.exp(a_last - a_k) * tl.load(dt_ptr + ch * L + k)
         else:
             w = tl.exp(a_k)
-        uT = tl.load(u_ptr + (ch * L + k[None, :]) * P + p[:, None], mask=pm[:, None], other=0.0)
+        uT = tl.load(u_base + k[None, :] * su_l + p[:, None], mask=pm[:, None], other=0.0).to(tl.float32)
         vk = tl.load(v_ptr + (cg * L + k[:, None]) * N + n[None, :], mask=nm[None, :], other=0.0)
         acc = dot_acc(acc, uT * w[None, :], vk, TC, 1, PRECISION)
     tl.store(out_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
@@ -122,131 +149,163 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr,
 
 def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, cfg: TritonKernelConfigs,
                      tc: int, opts: dict) -> Tensor:
-    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32."""
+    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32 (u [NC, H, L, P] with
+    unit stride along P, any other strides)."""
     NC, H, L, P = u.shape
     G, N = v.shape[1], v.shape[3]
     out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
-    BP, BN = min(64, triton.next_power_of_2(P)), min(64, triton.next_power_of_2(N))
+    so = dict(STATE_OPTS)
+    BK, BP, BN = (min(so.pop(k), d) for k, d in (("BLOCK_K", L), ("BLOCK_P", triton.next_power_of_2(P)),
+                                                  ("BLOCK_N", triton.next_power_of_2(N))))
     if NC:
         _weighted_state_kernel[(NC * H, triton.cdiv(P, BP) * triton.cdiv(N, BN))](
-            u, v, a, dt, out, H=H, G=G, L=L, P=P, N=N, BLOCK_K=min(64, L), BLOCK_P=BP, BLOCK_N=BN, TO_END=to_end,
-            PRECISION=cfg.dot_precision, TC=tc, **opts)
+            u, v, a, dt, out, *u.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
+            TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **{**opts, **so})
     return out
 
 
 @triton.jit
-def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a chunk kernel's program works on: ch = chunk * H + head (pid 0), the head, the chunk's
-    group row cg = chunk * G + group, its R rows of row block pid 1, the P and N ranges and their masks
-    ([1, BLOCK_P], [1, BLOCK_N])."""
-    ch = tl.program_id(0).to(tl.int64)
-    h = ch % H
+def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, P: tl.constexpr,
+             N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a chunk kernel's program works on: pid 0 = (chunk * G + group) * K + k, with K = H / G / HPP
+    programs per group, each looping over HPP heads of it; pid 1 the row block. Returns the chunk, its
+    first head h0 = group * H / G + k * HPP, the chunk's group row cg = chunk * G + group, the program's
+    row of a per-program partial (pid 0), its R rows, the P and N ranges and their masks ([1, BLOCK_P],
+    [1, BLOCK_N])."""
+    part = tl.program_id(0).to(tl.int64)
+    K: tl.constexpr = H // G // HPP
+    cg = part // K
+    c = cg // G
+    h0 = (cg % G) * (H // G) + (part % K) * HPP
     rows = tl.program_id(1) * R + tl.arange(0, R)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    return ch, h, (ch // H) * G + h // (H // G), rows, p, n, (p < P)[None, :], (n < N)[None, :]
+    return c, h0, cg, part, rows, p, n, (p < P)[None, :], (n < N)[None, :]
 
 
 @triton.jit
 def _bwd_s_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
-    sD_h, sD_p,
+    sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx [BS, P], ddt [BS] (through M
-    and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term), the head's dB [BS, N] and the block's share
-    of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P).
+    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows s of s block pid 1: per head dx
+    [BS, P], ddt [BS] (through M and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the block's
+    share of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P); dB [BS, N] summed over the
+    program's heads in order (dB [NC * G * K, L, N]: one partial per program, K = H / G / HPP).
 
-    x/dy/dx [NC, H, L, P], dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s] =
-    C_t . B_s), dh [NC, H, P, N] (dh_out), dB [NC, H, L, N]: fp32, contiguous; D with strides.
+    x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
+    (widened exactly), dx written in its own dtype (a view of the packed rows where the chunk grid is
+    one; no copies either way). dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s]
+    = C_t . B_s), dh [NC, H, P, N] (dh_out): fp32, contiguous; D with strides.
     """
-    ch, h, cg, s, p, n, pm, nm = _program(BS, H, G, P, N, BLOCK_P, BLOCK_N)
-    a_s = tl.load(a_ptr + ch * L + s)
-    dt_s = tl.load(dt_ptr + ch * L + s)
-    x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
-    acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
-    acc_e = tl.zeros((BS,), dtype=tl.float32)
-    t0 = tl.program_id(1) * BS
-    t0 = t0 - t0 % BT
-    while t0 < L:
-        t = t0 + tl.arange(0, BT)
-        a_t = tl.load(a_ptr + ch * L + t)
-        dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
-        C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
-        cbT = tl.load(cb_ptr + (cg * L + t[None, :]) * L + s[:, None])  # [BS, BT]: C_t . B_s
-        causal = t[None, :] >= s[:, None]
-        decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
-        xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
-        q = cbT * decay
-        acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
-        acc_e += tl.sum(q * xdy, axis=1)
-        acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
-        t0 += BT
-
-    # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+    c, h0, cg, part, s, p, n, pm, nm = _program(BS, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
+    C_g = C_ptr + cg * L * N
+    cb_g = cb_ptr + cg * L * L
     B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
-    hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
-    xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
-    decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
-    w = decay_L * dt_s
-    f = decay_L * tl.sum(x_s * hb, axis=1)
-    dy_s = tl.load(dy_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
-    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
-    acc_dx += w[:, None] * hb + d[None, :] * dy_s
-    acc_dB += w[:, None] * xh
-    tl.store(dx_ptr + (ch * L + s[:, None]) * P + p[None, :], acc_dx, mask=pm)
-    tl.store(ddt_ptr + ch * L + s, acc_e + f)
-    tl.store(f_ptr + ch * L + s, f * dt_s)
-    tl.store(dB_ptr + (ch * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
-    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
-             tl.sum(dy_s * x_s, axis=0))
+    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
+    for j in range(HPP):
+        h = h0 + j
+        ch = c * H + h
+        xb = x_ptr + c * sx_c + h * sx_h
+        yb = dy_ptr + c * sy_c + h * sy_h
+        a_s = tl.load(a_ptr + ch * L + s)
+        dt_s = tl.load(dt_ptr + ch * L + s)
+        x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+        acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
+        acc_e = tl.zeros((BS,), dtype=tl.float32)
+        t0 = tl.program_id(1) * BS
+        t0 = t0 - t0 % BT
+        while t0 < L:
+            t = t0 + tl.arange(0, BT)
+            a_t = tl.load(a_ptr + ch * L + t)
+            dy_t = tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+            C_t = tl.load(C_g + t[:, None] * N + n[None, :], mask=nm, other=0.0)
+            cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
+            causal = t[None, :] >= s[:, None]
+            decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+            xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
+            q = cbT * decay
+            acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
+            acc_e += tl.sum(q * xdy, axis=1)
+            acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
+            t0 += BT
+
+        # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+        dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+        hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
+        xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
+        decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
+        w = decay_L * dt_s
+        f = decay_L * tl.sum(x_s * hb, axis=1)
+        dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+        d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
+        acc_dx += w[:, None] * hb + d[None, :] * dy_s
+        acc_dB += w[:, None] * xh
+        tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], acc_dx.to(dx_ptr.dtype.element_ty),
+                 mask=pm)
+        tl.store(ddt_ptr + ch * L + s, acc_e + f)
+        tl.store(f_ptr + ch * L + s, f * dt_s)
+        tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
+                 tl.sum(dy_s * x_s, axis=0))
+    tl.store(dB_ptr + (part * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
 
 
 @triton.jit
 def _bwd_t_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dC_ptr, da_ptr,
+    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dh_ptr, dC_ptr, da_ptr, hh_ptr,
+    sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h), rows t of t block pid 1: the head's dC [BT, N] and
-    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in).
+    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows t of t block pid 1: per head
+    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in), and from the first t block hh
+    [NC, H] = sum(dh_out * h_in) (h_out's decay term of da at the chunk's last row); dC [BT, N] summed
+    over the program's heads in order (dC [NC * G * K, L, N], one partial per program).
 
-    h_in [NC, H, P, N] (each chunk's boundary state), dC [NC, H, L, N], da [NC, H, L]; the rest as
-    in ``_bwd_s_kernel``.
+    h_in [NC, H, P, N] (each chunk's boundary state), dh [NC, H, P, N] (dh_out), da [NC, H, L]; the
+    rest as in ``_bwd_s_kernel``.
     """
-    ch, h, cg, t, p, n, pm, nm = _program(BT, H, G, P, N, BLOCK_P, BLOCK_N)
-    a_t = tl.load(a_ptr + ch * L + t)
-    dy_t = tl.load(dy_ptr + (ch * L + t[:, None]) * P + p[None, :], mask=pm, other=0.0)
+    c, h0, cg, part, t, p, n, pm, nm = _program(BT, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
     C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    h_in = tl.load(h_in_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
-    ea = tl.exp(a_t)
-    gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
-    acc_dC = ea[:, None] * gh
-    acc_da = ea * tl.sum(C_t * gh, axis=1)
+    sm = (p < P)[:, None] & nm
     t_end = tl.program_id(1) * BT + BT
-    s0 = 0
-    while s0 < t_end:
-        s = s0 + tl.arange(0, BS)
-        a_s = tl.load(a_ptr + ch * L + s)
-        dt_s = tl.load(dt_ptr + ch * L + s)
-        x_s = tl.load(x_ptr + (ch * L + s[:, None]) * P + p[None, :], mask=pm, other=0.0)
-        B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-        cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
-        causal = s[None, :] <= t[:, None]
-        decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
-        dcb = (decay * xdy) * dt_s[None, :]
-        acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
-        acc_da += tl.sum(dcb * cb, axis=1)
-        s0 += BS
-    tl.store(dC_ptr + (ch * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
-    tl.store(da_ptr + ch * L + t, acc_da)
+    acc_dC = tl.zeros((BT, BLOCK_N), dtype=tl.float32)
+    for j in range(HPP):
+        h = h0 + j
+        ch = c * H + h
+        xb = x_ptr + c * sx_c + h * sx_h
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm,
+                       other=0.0).to(tl.float32)
+        st = (ch * P + p[:, None]) * N + n[None, :]
+        h_in = tl.load(h_in_ptr + st, mask=sm, other=0.0)
+        if tl.program_id(1) == 0:
+            tl.store(hh_ptr + ch, tl.sum(tl.sum(tl.load(dh_ptr + st, mask=sm, other=0.0) * h_in, axis=1), axis=0))
+        ea = tl.exp(a_t)
+        gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
+        acc_dC += ea[:, None] * gh
+        acc_da = ea * tl.sum(C_t * gh, axis=1)
+        s0 = 0
+        while s0 < t_end:
+            s = s0 + tl.arange(0, BS)
+            a_s = tl.load(a_ptr + ch * L + s)
+            dt_s = tl.load(dt_ptr + ch * L + s)
+            x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+            B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
+            cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
+            causal = s[None, :] <= t[:, None]
+            decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+            xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
+            dcb = (decay * xdy) * dt_s[None, :]
+            acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
+            acc_da += tl.sum(dcb * cb, axis=1)
+            s0 += BS
+        tl.store(da_ptr + ch * L + t, acc_da)
+    tl.store(dC_ptr + (part * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
 
 
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
@@ -255,20 +314,23 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
 
 
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
-                        cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor
+                        cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor,
+                        dx_out: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
 
     ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] after softplus, B [NC, G, L, N] fp32;
     seq, index); Cc [NC, G, L, N] fp32, C at the packed rows' chunk positions (zero elsewhere); A [H],
     D [H] or [H, P] fp32; h0 [S, H, P, N] fp32 the state at each sequence's first chunk boundary;
-    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding).
+    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding). ch.x and dyc
+    may be strided views (unit stride along P) in the model dtype: the kernels read them in place.
     ``bf16_operands``: x, B, C and dy hold bf16 values (a bf16 model), so the tensor-core dots take
     them exactly (``dot_acc``); else fp32 FMA dots. first, count [S] int64: each sequence's first
-    chunk and number of chunks (``chunk.ChunkGrid``'s).
+    chunk and number of chunks (``chunk.ChunkGrid``'s). dx_out: where to write dx, [NC, H, L, P]
+    with unit stride along P, in any float dtype (rounded once from fp32), or None (a new fp32 one).
 
     Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
-    shape), dh0 [S, H, P, N]), fp32 (dD in D's dtype).
+    shape), dh0 [S, H, P, N]), fp32 (dx in dx_out's dtype, dD in D's dtype).
     """
     NC, H, L, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
@@ -278,7 +340,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
     tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bf16_dots)
     opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
-    x, dt, B, C, dy = (t.contiguous() for t in (ch.x, ch.dt, ch.B, Cc, dyc))
+    x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (ch.x, dyc))
+    dt, B, C = (t.contiguous() for t in (ch.dt, ch.B, Cc))
     Af = A.to(device=dev, dtype=f32)
     a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
 
@@ -302,31 +365,36 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     cb = C @ B.transpose(-1, -2)  # [NC, G, L, L]: cb[t, s] = C_t . B_s
     Dd = D.to(device=dev, dtype=f32)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
-    dx = torch.empty_like(x)
+    dx = torch.empty(NC, H, L, P, device=dev, dtype=f32) if dx_out is None else dx_out
+    if dx.shape != (NC, H, L, P) or dx.stride(-1) != 1:
+        raise ValueError(f"dx_out must be [{NC}, {H}, {L}, {P}] with unit stride along P, not {tuple(dx.shape)}")
+    hh = torch.empty(NC, H, device=dev, dtype=f32)
     ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
     fL = torch.empty_like(ddt)
-    dBh = torch.empty(NC, H, L, N, device=dev, dtype=f32)
-    dCh = torch.empty_like(dBh)
+    HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program: a divisor of the group's
+    K = HG // HPP  # programs per chunk and group: dB and dC partials, summed below
+    dBp = torch.empty(NC, G, K, L, N, device=dev, dtype=f32)
+    dCp = torch.empty_like(dBp)
     da_t = torch.empty_like(ddt)
     blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
-                  BLOCK_N=triton.next_power_of_2(N), PRECISION=cfg.dot_precision, TC=tc)
+                  BLOCK_N=triton.next_power_of_2(N), HPP=HPP, PRECISION=cfg.dot_precision, TC=tc)
     dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
     if NC:
-        _bwd_s_kernel[(NC * H, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBh, dDp, sD_h, sD_p,
-                                         **blocks, **opts)
-        _bwd_t_kernel[(NC * H, L // BT)](x, dt, a, B, C, cb, dy, h_in, dCh, da_t, **blocks, **opts)
+        sx, sy = x.stride()[:3], dy.stride()[:3]
+        _bwd_s_kernel[(NC * G * K, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBp, dDp, sD_h, sD_p,
+                                             *sx, *sy, *dx.stride()[:3], **blocks, **{**opts, **BWD_OPTS})
+        _bwd_t_kernel[(NC * G * K, L // BT)](x, dt, a, B, C, cb, dy, h_in, dh_out, dCp, da_t, hh, *sx, *sy,
+                                             **blocks, **{**opts, **BWD_OPTS})
 
     # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
     da = da_t - dt * ddt
-    hh = torch.bmm(dh_out.view(NC * H, 1, P * N), h_in.view(NC * H, P * N, 1)).view(NC, H)  # sum dh_out * h_in
     da[..., -1] += fL.sum(-1) + a[..., -1].exp() * hh
     dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
     ddt = ddt + Af[None, :, None] * dAdt
     dA = (dAdt * dt).sum((0, 2))
     dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
-    dB = dBh.view(NC, G, HG, L, N).sum(2)
-    dC = dCh.view(NC, G, HG, L, N).sum(2)
+    dB, dC = (t[:, :, 0] if K == 1 else t.sum(2) for t in (dBp, dCp))
     return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0
 
 
@@ -372,12 +440,20 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         out.view(NC, L, t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
         return out
 
+    def grid_view(t: Tensor) -> Tensor:  # [T, K, F] -> [NC, K, L, F], a view (aligned rows)
+        return t.view(NC, L, t.shape[1], t.shape[2]).transpose(1, 2)
+
     at = (grid.row_chunk, slice(None), grid.row_pos)
+    dx_rows = None
     if aligned:
         dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
-        ch = Chunks(x=to_grid(x), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
+        # x and dy, the large ones, are read where they lie and dx is written there (the kernels take
+        # strides); B and C (G rows a token) are copied to fp32 grids
+        xr, gr = (t if t.is_contiguous() else t.contiguous() for t in (x, gy))
+        dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype)
+        ch = Chunks(x=grid_view(xr), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
                     row_chunk=grid.row_chunk, row_pos=grid.row_pos)
-        Cc, dyc = to_grid(C), to_grid(gy)
+        Cc, dyc = to_grid(C), grid_view(gr)
     else:
         ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
         Cc = torch.zeros(NC, G, L, N, device=dev)
@@ -385,10 +461,11 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dyc = torch.zeros(NC, H, L, P, device=dev)
         dyc[at] = gy.to(f32)
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
-    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16,
-                                                           first=grid.first, count=grid.count)
+    dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(
+        ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16, first=grid.first, count=grid.count,
+        dx_out=None if dx_rows is None else grid_view(dx_rows))
     if aligned:
-        dx = from_grid(dxc, x.dtype) if nx else None
+        dx = dx_rows if nx else None
         dB = from_grid(dBc, B.dtype) if nB else None
         dC = from_grid(dCc, C.dtype) if nC else None
     else:

@@ -71,14 +71,21 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
-    # the scan's backward (fp32 chunk tensors; the dots' precision as the forward's)
-    bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, PRECISION=cfg.dot_precision,
-               TC=TC)
-    comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32"), bwd, fuse, cfg.bwd_warps)
-    comp(tb._bwd_t_kernel, {}, bwd, fuse, cfg.bwd_warps)
+    # the scan's backward (fp32 chunk tensors but x, dy and dx: strided views of the packed rows, in the
+    # model dtype; the dots' precision as the forward's)
+    bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, HPP=tb.BWD_HEADS_PER_PROGRAM,
+               PRECISION=cfg.dot_precision, TC=TC)
+    rows_x = dict(x_ptr=bf, dy_ptr=bf) if TC else {}
+    strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
+    bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
+    comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})), bwd,
+         fuse, bwd_warps)
+    comp(tb._bwd_t_kernel, dict(strides, **rows_x), bwd, fuse, bwd_warps)
+    blocks = {k: v for k, v in tb.STATE_OPTS.items() if k.startswith("BLOCK_")}
     for to_end in (True, False):  # the chunk states and dS
-        comp(tb._weighted_state_kernel, {}, dict(D, BLOCK_K=64, BLOCK_P=64, BLOCK_N=64, TO_END=to_end,
-                                                 PRECISION=cfg.dot_precision, TC=TC), fuse, cfg.bwd_warps)
+        comp(tb._weighted_state_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
+             dict(D, **blocks, TO_END=to_end, PRECISION=cfg.dot_precision, TC=TC), fuse,
+             tb.STATE_OPTS.get("num_warps", cfg.bwd_warps))
 comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
                           Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
                           lo="fp32", hi="fp32"),

@@ -1,0 +1,116 @@
+"""The scan backward's launch layout (``ops/ssd/triton_backward.py``): what may change with it and what may not.
+
+CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several heads of a group
+(``BWD_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA, dD, dh0) bit for bit, and dB
+and dC (now summed over the program's heads in the kernel) within fp32 rounding of the per-head sums,
+deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
+
+GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
+they lie (strided views of the packed rows, dx rounded to bf16 in the kernel); that gives the bits
+the general packing (fp32 chunk grids, dx rounded by torch) gives, but for dD's summation order
+(within fp32 rounding), and two backwards are equal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERPRET
+DEV = torch.device("cuda" if CUDA else "cpu")
+ARGS = ("x", "dt", "B", "C", "A", "D", "dt_bias", "h0")
+PER_HEAD = ("x", "dt", "A", "D", "dt_bias", "h0")
+
+
+@pytest.fixture(autouse=True)
+def _keep_compiled_mode(monkeypatch):
+    """Another module sets TRITON_INTERPRET=1 when collected; the GPU test compiles."""
+    if not INTERPRET:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _leaves(seed: int, lens: list[int], H: int, P: int, G: int, N: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    T, S = sum(lens), len(lens)
+    t = dict(x=torch.randn(T, H, P, generator=g).to(dtype), dt=(torch.rand(T, H, generator=g) * 3 - 2).to(dtype),
+             B=torch.randn(T, G, N, generator=g).to(dtype), C=torch.randn(T, G, N, generator=g).to(dtype),
+             A=-torch.exp(torch.rand(H, generator=g) * 2.7), D=torch.randn(H, generator=g),
+             dt_bias=torch.randn(H, generator=g) * 0.5, h0=torch.randn(S, H, P, N, generator=g) * 0.3)
+    return {k: v.to(DEV) for k, v in t.items()}
+
+
+def _backward(lv: dict, gy: torch.Tensor, lens: list[int], chunk: int, cfg: TritonKernelConfigs, bufs=(None,) * 3):
+    S = len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    off = torch.zeros(S, dtype=torch.int64)
+    grid = chunk_grid(cu, off, chunk, DEV)
+    return ta.ssd_backward(*(lv[k] for k in ARGS), *bufs, gy, (True,) * 8, cu, off.to(DEV), grid, None, chunk,
+                           (0.0, math.inf), cfg)
+
+
+def _rel(u: torch.Tensor, v: torch.Tensor) -> float:
+    return float((u.double() - v.double()).norm() / v.double().norm())
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(CUDA, reason="the interpreter's fp32 form; the GPU test below covers the compiled one")
+def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
+    H, P, G, N, chunk, lens = 4, 16, 1, 16, 32, [64, 32]
+    cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
+    lv = _leaves(3, lens, H, P, G, N, torch.float32)
+    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(4)).to(DEV)
+    monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", 1)  # per-head partials, summed by torch
+    base = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
+    pinned = dict(ta.STATE_OPTS)
+    for hpp, state in ((2, {"BLOCK_K": 16, "BLOCK_P": 16, "BLOCK_N": 16}), (4, dict(ta.STATE_OPTS)), (3, pinned)):
+        monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", hpp)
+        monkeypatch.setattr(ta, "STATE_OPTS", state)
+        got = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
+        again = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
+        assert all(torch.equal(got[k], again[k]) for k in ARGS), "two backwards gave different bits"
+        if state == pinned:  # the same chunk states: per-head gradients are the same operations
+            assert all(torch.equal(got[k], base[k]) for k in PER_HEAD), hpp
+        errs = {k: _rel(got[k], base[k]) for k in ARGS}
+        assert all(e < 1e-5 for e in errs.values()), (hpp, errs)
+    # what the checks would see if the kernels summed a head twice or left one out
+    monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", 1)
+    half = dict(lv, x=lv["x"].clone())
+    half["x"][:, 1] = 0
+    assert _rel(dict(zip(ARGS, _backward(half, gy, lens, chunk, cfg)))["B"], base["B"]) > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_bf16_rows_in_place_give_the_packed_grids_bits():
+    """mamba2-1.3b's scan shape in bf16, whole chunks: x, dy and dx in place (the short cut) against
+    the general packing (all-zero buffers force it), bit for bit but for dD (see below), and two
+    backwards equal."""
+    H, P, G, N, chunk, lens = 64, 64, 1, 128, 256, [512, 256]
+    cfg = TritonKernelConfigs()
+    lv = _leaves(5, lens, H, P, G, N, torch.bfloat16)
+    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(6)).to(DEV, torch.bfloat16)
+    got = _backward(lv, gy, lens, chunk, cfg)
+    assert all(torch.equal(u, v) for u, v in zip(got, _backward(lv, gy, lens, chunk, cfg)))
+    S = len(lens)
+    zero = (torch.zeros(S, H, chunk, P, device=DEV, dtype=torch.bfloat16),
+            torch.zeros(S, H, chunk, device=DEV, dtype=torch.bfloat16),
+            torch.zeros(S, G, chunk, N, device=DEV, dtype=torch.bfloat16))
+    general = _backward(lv, gy, lens, chunk, cfg, zero)
+    # dD is a tl.sum over the rows of dy * x as loaded: its order follows the register layout Triton
+    # picks for the tile, which depends on the element width (bf16 rows in place, fp32 grids), so its
+    # last bits may differ between the two paths (measured on the H200: they do); exact products, so
+    # only the order. Every other gradient goes through the same dots and sums.
+    differ = [k for k, u, v in zip(ARGS, got, general) if not torch.equal(u, v) and k != "D"]
+    assert not differ, differ
+    assert _rel(got[ARGS.index("D")], general[ARGS.index("D")]) < 1e-6
+    assert got[0].dtype == torch.bfloat16 and float(got[0].float().abs().max()) > 0
