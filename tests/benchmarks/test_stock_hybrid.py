@@ -14,12 +14,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_model_h200 import ref_chunk_scan, ref_state_update  # noqa: E402
-from benchmarks.stock_hybrid import LazyWeights, StockHybrid, stock_forward, stock_weights  # noqa: E402
-
 from aligned_mamba import Contract  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.nemotron_h import NemotronHConfig  # noqa: E402
+from benchmarks.bench_model_h200 import ref_chunk_scan, ref_state_update  # noqa: E402
+from benchmarks.stock_hybrid import LazyWeights, StockHybrid, stock_forward, stock_weights  # noqa: E402
 
 
 def _ssu(state, *args, state_batch_indices=None, **kw):
