@@ -8,8 +8,9 @@
 #   STEPS="tests megatron tiny nano nanotrain h8b" DEADLINE_S=560 MEGATRON_MODELS="hybrid moe" ...
 #   WHOLE_ARGS="--quick" TEST_WORKERS=6 MAMBA_SSM=.anchors/mamba_ssm WHEELS=.whl ...
 #
-# Needs mamba_ssm's package (MAMBA_SSM, see benchmarks/README.md) for the stock model and
-# megatron-core 0.16.1's cp312 wheel in WHEELS (installed with --no-deps into /tmp/site).
+# Needs mamba_ssm's package (MAMBA_SSM, see benchmarks/README.md) for the stock model, and in WHEELS
+# megatron-core 0.16.1's cp312 wheel and this project's (`pip wheel --no-deps .`: its entry points name
+# the Megatron trainer), both installed with --no-deps into /tmp/site; the tree's own code stays first.
 # Every step's logs and JSON go to a work folder packed into $OUT/s4.tgz after each step (written
 # aside, then renamed), so a call cut at its limit keeps what finished; each step's timeout is cut
 # to what is left of DEADLINE_S (counted from the start).
@@ -62,7 +63,7 @@ if want tests; then
 fi
 if want megatron; then
   if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-      "${WHEELS:-.whl}"/megatron_core-*.whl > "$W/pip.log" 2>&1; then
+      "${WHEELS:-.whl}"/*.whl > "$W/pip.log" 2>&1; then
     for m in ${MEGATRON_MODELS:-hybrid moe}; do
       PYTHONPATH="$PYTHONPATH:/tmp/site" timeout "$(left "${MEGATRON_S:-110}")" python3 \
         benchmarks/train_megatron_h200.py --model "$m" --out "$W/h200_megatron_$m.json" 2>&1 \
