@@ -35,6 +35,19 @@ Training (section ``train``; ``attention_bwd``, ``bwd_sweep``):
   RMSNorm, and its fused add + RMSNorm (Mamba2 as mamba_ssm's ``Mamba2`` with use_mem_eff_path=False;
   mamba_ssm 2.3.2.post1 from ``--mamba-ssm DIR``, the sdist's package folder). Peak bytes are
   ``max_memory_allocated`` above the weights; ``logits_rel_diff`` says both compute the same model.
+  Section ``nano_train``: the same on Nemotron-3-Nano-30B-A3B's first 8 layers (``MEMEM*EM``: 4
+  Mamba2, 3 MoE, 1 attention), the stock experts through ``torch._grouped_mm``.
+
+Whole models (sections ``nano``, ``h8b``; ``benchmarks/stock_hybrid.py`` is the stock model): a
+Nemotron-3-Nano-30B-A3B-shaped (52 layers: 23 Mamba2 64 heads x 64, 8 groups, state 128; 23 MoE of
+128 experts top-6 + a shared expert, width 1856 / 3712; 6 attention 32 / 2 heads x 128; hidden 2688;
+vocab 131072; about 63 GB of bf16 weights) or Nemotron-H-8B-shaped model (52 layers) with random bf16
+weights, built on the triton backend, against the stock model on the same tensors (the routed experts
+shared: one copy): the trainer's forward (all logits) at 4 x 2048 / 4 x 4096 / 1 x 32768 tokens
+(Nano; 8B: 4 x 4096, 1 x 32768) with ``logits_rel_diff``, and decode steps in CUDA graphs at batch 1 /
+64 / 256 with 4k and 16k contexts (both sides one graph replay; a batch whose cache does not fit
+beside the weights runs at the largest that does, ``batch_run``). ``--quick``: the first forward
+cell and 4k contexts. Section ``tiny``: the same code on a small hybrid in seconds (a smoke run).
 
 CUDA-event medians (triton.testing.do_bench, median) after a warm-up call. The JSON is written after
 every entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -59,6 +72,16 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.stock_hybrid import (  # noqa: E402
+    H8B,
+    NANO,
+    LazyWeights,
+    StockHybrid,
+    draw,
+    stock_forward,
+    stock_weights,
+)
 
 H, G, D = 32, 8, 128
 BF16 = torch.bfloat16
@@ -235,29 +258,7 @@ def hybrid_weights(config, seed: int) -> dict:
     from aligned_mamba.models.nemotron_h import expected_shapes
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    f32, dtype = torch.float32, config.torch_dtype
-    out = {}
-    for name, shape in expected_shapes(config).items():
-        u = torch.empty(shape, dtype=f32, device="cuda")
-        if name.endswith(".A_log"):
-            t = torch.log(u.uniform_(1.0, 16.0, generator=g))
-        elif name.endswith(".dt_bias"):
-            dt = torch.exp(u.uniform_(math.log(1e-3), math.log(1e-1), generator=g))
-            t = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith(".D"):
-            t = torch.ones(shape, dtype=f32, device="cuda")
-        elif name.endswith("conv1d.weight"):
-            t = u.uniform_(-0.5, 0.5, generator=g).to(dtype)
-        elif name.endswith(".bias"):
-            t = (0.02 * u.normal_(generator=g)).to(dtype)
-        elif "norm" in name:
-            t = (1.0 + 0.05 * u.normal_(generator=g)).to(dtype)
-        elif name.endswith("embeddings.weight"):
-            t = u.normal_(generator=g).to(dtype)
-        else:
-            t = (u.normal_(generator=g) / math.sqrt(shape[-1])).to(dtype)
-        out[name] = t
-    return out
+    return {name: draw(name, shape, config.torch_dtype, g) for name, shape in expected_shapes(config).items()}
 
 
 def model_cells(res: dict, save, quick: bool) -> None:
@@ -457,63 +458,42 @@ def _import_mamba_ssm(path: str | None):
     sys.modules.setdefault("mamba_ssm", pkg)
     from mamba_ssm.ops.triton.layer_norm import rms_norm_fn
     from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
-    return mamba_chunk_scan_combined, rmsnorm_fn, rms_norm_fn
+    return mamba_chunk_scan_combined, rmsnorm_fn, rms_norm_fn, selective_state_update
 
 
-def stock_forward(c, p: dict, ids: torch.Tensor, ms) -> torch.Tensor:
-    """Nemotron-H as a stock trainer runs it on a batch ids [B, L] of equal lengths: logits [B, L, V]."""
-    scan, gated_norm, add_norm = ms
-    eps = c.layer_norm_epsilon
-    Bsz, L = ids.shape
-    x, residual = p["backbone.embeddings.weight"][ids], None
-    for i, kind in enumerate(c.hybrid_override_pattern):
-        pre = f"backbone.layers.{i}."
-        normed, residual = add_norm(x, p[pre + "norm.weight"], None, residual=residual, prenorm=True, eps=eps)
-        m = pre + "mixer."
-        if kind == "M":
-            Hm, P, Gm, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
-            di = Hm * P
-            z, xbc, dt = F.linear(normed, p[m + "in_proj.weight"]).split([di, di + 2 * Gm * N, Hm], dim=-1)
-            xbc = F.silu(F.conv1d(xbc.transpose(1, 2), p[m + "conv1d.weight"], p[m + "conv1d.bias"],
-                                  padding=c.conv_kernel - 1, groups=xbc.shape[-1])[..., :L]).transpose(1, 2)
-            xs, Bm, Cm = xbc.split([di, Gm * N, Gm * N], dim=-1)
-            y = scan(xs.reshape(Bsz, L, Hm, P), dt, -torch.exp(p[m + "A_log"].float()), Bm.reshape(Bsz, L, Gm, N),
-                     Cm.reshape(Bsz, L, Gm, N), chunk_size=c.chunk_size, D=p[m + "D"], z=None,
-                     dt_bias=p[m + "dt_bias"], dt_softplus=True)
-            y = gated_norm(y.reshape(Bsz, L, di), p[m + "norm.weight"], None, z=z, eps=eps, group_size=di // Gm,
-                           norm_before_gate=False)
-            x = F.linear(y, p[m + "out_proj.weight"])
-        elif kind == "*":
-            Hq, Gk, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            q = F.linear(normed, p[m + "q_proj.weight"]).view(Bsz, L, Hq, Dh).transpose(1, 2)
-            k = F.linear(normed, p[m + "k_proj.weight"]).view(Bsz, L, Gk, Dh).transpose(1, 2)
-            v = F.linear(normed, p[m + "v_proj.weight"]).view(Bsz, L, Gk, Dh).transpose(1, 2)
-            k, v = k.repeat_interleave(Hq // Gk, dim=1), v.repeat_interleave(Hq // Gk, dim=1)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5)
-            x = F.linear(o.transpose(1, 2).reshape(Bsz, L, Hq * Dh), p[m + "o_proj.weight"])
-        else:
-            x = F.linear(torch.square(torch.relu(F.linear(normed, p[m + "up_proj.weight"]))), p[m + "down_proj.weight"])
-    normed, _ = add_norm(x, p["backbone.norm_f.weight"], None, residual=residual, prenorm=True, eps=eps)
-    return F.linear(normed, p["lm_head.weight"])
+NANO_TRAIN_PATTERN = "MEMEM*EM"  # Nano's first 8 layers: 4 Mamba2, 3 MoE, 1 attention
 
 
-def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> None:
+def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which: str = "h8b") -> None:
+    """fwd+bwd of an 8-layer slice: Nemotron-H-8B's (``which`` "h8b") or Nemotron-3-Nano's ("nano")."""
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.nemotron_h import NemotronHConfig
 
-    config = NemotronHConfig(hybrid_override_pattern=TRAIN_PATTERN, vocab_size=131072, hidden_size=4096,
-                             num_attention_heads=H, num_key_value_heads=G, head_dim=D, intermediate_size=21504,
-                             ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, chunk_size=256,
-                             dtype="bfloat16")
+    if which == "nano":
+        config = NemotronHConfig(**dict(NANO, hybrid_override_pattern=NANO_TRAIN_PATTERN), dtype="bfloat16")
+        label, cells = "nano30b-slice8", [(4, 4096)] if quick else [(4, 4096), (1, 16384)]
+    else:
+        config = NemotronHConfig(**dict(H8B, hybrid_override_pattern=TRAIN_PATTERN), dtype="bfloat16")
+        label, cells = "nemotronh8b-slice8", [(4, 4096)] if quick else [(4, 4096), (1, 16384)]
     weights = hybrid_weights(config, 0)
-    names = sorted(weights)
+    # ours: the checkpoint's tensors as leaves (the MoE layers stack the experts on each build, as a
+    # trainer's model does); stock: each MoE layer's experts as one stacked leaf (``_grouped_mm``'s form)
     ours_p = {k: v.clone().requires_grad_() for k, v in weights.items()}
-    stock_p = {k: v.clone().requires_grad_() for k, v in weights.items()}
+    stock_p = {k: v.clone().requires_grad_() for k, v in weights.items() if ".experts." not in k}
+    for i, kind in enumerate(config.hybrid_override_pattern):
+        m = f"backbone.layers.{i}.mixer."
+        if kind == "E":
+            for part in ("up", "down"):
+                stock_p[m + f"experts_{part}"] = torch.stack(
+                    [weights[f"{m}experts.{e}.{part}_proj.weight"] for e in range(config.n_routed_experts)]
+                ).requires_grad_()
+    # the router's score correction bias only picks experts (no gradient path; a buffer in trainers)
+    ours_names, stock_names = ([k for k in sorted(d) if not k.endswith("e_score_correction_bias")]
+                               for d in (ours_p, stock_p))
     del weights
     contract = Contract(chunk_size=256, backend="triton", model_dtype="bfloat16", kernel_configs=cfg)
     try:
@@ -521,11 +501,13 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
     except Exception as e:
         ms = None
         res["errors"].append(f"train: stock step unavailable: {type(e).__name__}: {e}"[:300])
-    res["train_note"] = (f"fwd+bwd of an 8-layer Nemotron-H-8B slice ({TRAIN_PATTERN}) with embedding and lm_head; "
-                         "stock: SDPA flash, cuBLAS, mamba_ssm 2.3.2.post1's Triton scan and norms")
+    res["train_note" if which == "h8b" else "train_note_nano"] = (
+        f"fwd+bwd of an 8-layer {label} ({config.hybrid_override_pattern}) with embedding and lm_head; stock: "
+        "SDPA flash, cuBLAS, mamba_ssm 2.3.2.post1's Triton scan and norms" +
+        (", torch._grouped_mm experts" if "E" in config.hybrid_override_pattern else ""))
     g = torch.Generator().manual_seed(0)
     V = config.vocab_size
-    for Bsz, L in ([(4, 4096)] if quick else [(4, 4096), (1, 16384)]):
+    for Bsz, L in cells:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         tgt = torch.randint(0, V, (Bsz, L), generator=g).cuda()
         seqs = list(ids)
@@ -535,14 +517,14 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
             # as a trainer does: the layers built from the parameters on each step (A = -exp(A_log) etc.)
             logits = torch.cat(build_model(config, ours_p, contract, device="cuda").forward(seqs))
             loss = F.cross_entropy(logits.float(), tgt.reshape(-1), reduction="sum")
-            return logits, torch.autograd.grad(loss, [ours_p[k] for k in names])
+            return logits, torch.autograd.grad(loss, [ours_p[k] for k in ours_names])
 
         def stock_step():
             logits = stock_forward(config, stock_p, ids_d, ms).reshape(Bsz * L, V)
             loss = F.cross_entropy(logits.float(), tgt.reshape(-1), reduction="sum")
-            return logits, torch.autograd.grad(loss, [stock_p[k] for k in names])
+            return logits, torch.autograd.grad(loss, [stock_p[k] for k in stock_names])
 
-        row = dict(shape=f"nemotronh8b-slice8 {Bsz}x{L}", tokens=Bsz * L)
+        row = dict(shape=f"{label} {Bsz}x{L}", tokens=Bsz * L)
         for side, step in (("ours", ours_step), ("stock", stock_step if ms is not None else None)):
             if step is None:
                 row[f"{side}_ms"] = row[f"{side}_peak_bytes"] = None
@@ -570,16 +552,139 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None) -> Non
         torch.cuda.empty_cache()
 
 
+WHOLE = {"nano": ("nano30b-52", NANO), "h8b": ("nemotronh8b-52", H8B),
+         # a smoke run of the same code in seconds (every layer kind, MoE and MLP): not a result
+         "tiny": ("tiny-hybrid", dict(hybrid_override_pattern="MEM*E-M", vocab_size=4096, hidden_size=256,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, ssm_state_size=64,
+                                      mamba_num_heads=8, mamba_head_dim=64, n_groups=2, chunk_size=256,
+                                      intermediate_size=512, n_routed_experts=16, num_experts_per_tok=6,
+                                      moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
+                                      routed_scaling_factor=2.5))}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None) -> None:
+    """The whole model (Nemotron-3-Nano-30B-A3B- or Nemotron-H-8B-shaped, random bf16 weights) on the
+    triton backend against ``stock_hybrid``'s stock model on the same weights (one copy of the routed
+    experts, shared): the trainer's forward (all logits) and decode steps in CUDA graphs, one cell at a
+    time, the JSON after each. Decode states are random (timing only); ``bitwise`` is null here, the
+    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py)."""
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.decode_graph import DecodeGraphs
+    from aligned_mamba.models import build_model
+    from aligned_mamba.models.nemotron_h import NemotronHConfig
+    from benchmarks.bench_model_h200 import capture_graph
+
+    label, spec = WHOLE[which]
+    config = NemotronHConfig(**spec, dtype="bfloat16")
+    ms = _import_mamba_ssm(mamba_ssm)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    weights = LazyWeights(config, 0)
+    model = build_model(config, weights, Contract(chunk_size=256, backend="triton", model_dtype="bfloat16"),
+                        device="cuda")
+    p = stock_weights(config, model, weights)
+    stock = StockHybrid(config, p, ms)
+    torch.cuda.synchronize()
+    res.setdefault("whole", {})[label] = dict(
+        pattern=config.hybrid_override_pattern,
+        config={k: v for k, v in spec.items() if k != "hybrid_override_pattern"},
+        resident_bytes=torch.cuda.memory_allocated(), build_peak_bytes=torch.cuda.max_memory_allocated(),
+        note="random bf16 weights; ours: triton backend (forward = model.forward, all logits; decode = DecodeGraphs "
+             "replay); stock: stock_hybrid.py (cuBLAS, SDPA flash / SDPA over a [B, G, len, D] KV cache, mamba_ssm "
+             "2.3.2.post1 scan, selective_state_update and norms, torch._grouped_mm experts), its decode step "
+             "captured in one CUDA graph; decode states random (timing only)")
+    save()
+    g = torch.Generator().manual_seed(0)
+    V = config.vocab_size
+    if which == "tiny":
+        fwd = [(2, 512)]
+    elif which == "nano":
+        fwd = [(4, 2048)] if quick else [(4, 2048), (4, 4096), (1, 32768)]
+    else:
+        fwd = [(4, 4096)] if quick else [(4, 4096), (1, 32768)]
+    for Bsz, L in fwd:
+        ids = torch.randint(0, V, (Bsz, L), generator=g)
+        seqs, ids_d = list(ids), ids.cuda()
+        row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L)
+        try:
+            with torch.no_grad():
+                lo = torch.cat(model.forward(seqs))
+                ls = stock_forward(config, p, ids_d, ms).reshape(Bsz * L, V)
+                row["logits_rel_diff"] = _rel(lo, ls)
+                del lo, ls
+                row["ours_ms"] = _bench(lambda: model.forward(seqs))
+                row["stock_ms"] = _bench(lambda: stock_forward(config, p, ids_d, ms))
+                row["ours_over_stock"] = row["ours_ms"] / row["stock_ms"]
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"OutOfMemoryError: {e}"[:300]
+        res["forward"].append(row)
+        save()
+        torch.cuda.empty_cache()
+    for ctx in ((4096,) if quick or which == "tiny" else (4096, 16384)):
+        per_seq = model.state_bytes_per_sequence(ctx + 64)
+        for B in (1, 64, 256):
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info()[0]
+            # ours' cache (B + 1 slots: the graphs' spare) must fit with room for the graph's activations
+            run_b = min(B, int(0.85 * free / per_seq) - 1)
+            row = dict(shape=label, batch=B, context=ctx, graph=True, bitwise=None, ours_state_bytes_per_seq=per_seq)
+            if run_b < B:
+                row["batch_run"] = run_b
+                row["note"] = f"ours' cache for {B + 1} slots does not fit beside the weights; run at batch {run_b}"
+            ids = torch.randint(0, V, (run_b,), generator=g)
+            graphs = cache = None
+            try:
+                cache = model.new_cache(run_b + 1, max_len=ctx + 64)
+                for ts in cache.tensors:  # random states and keys: timing only
+                    for t in (ts or {}).values():
+                        if t.is_floating_point():
+                            t.normal_(0, 0.01)
+                        else:
+                            t.zero_()
+                graphs = DecodeGraphs(model, cache, spare_slot=run_b)
+                graphs.step(list(range(run_b)), [ctx - 100] * run_b, ids)  # mid-chunk: no chunk completes
+                row["ours_ms"] = _bench(graphs.graph(run_b).replay)
+            except Exception as e:
+                row["ours_error"] = f"{type(e).__name__}: {e}"[:300]
+            del graphs, cache
+            torch.cuda.empty_cache()
+            st = graph = None
+            try:
+                st = stock.new_state(run_b, ctx + 64, seed=B)
+                ids_d = ids.cuda()
+                with torch.no_grad():
+                    graph, _ = capture_graph(lambda: stock.step(st, ids_d, ctx - 100))
+                row["stock_ms"] = _bench(graph.replay)
+            except Exception as e:
+                row["stock_error"] = f"{type(e).__name__}: {e}"[:300]
+            st = graph = None  # freed before the next cell's
+            if row.get("ours_ms") and row.get("stock_ms"):
+                row["ours_over_stock"] = row["ours_ms"] / row["stock_ms"]
+            res["decode"].append(row)
+            save()
+            torch.cuda.empty_cache()
+
+
 # which cells each section owns (a merge keeps the others' from the earlier JSON)
 OWNED = {
     "attention": [("attention", lambda r: r.get("phase") != "backward")],
     "mlp": [("mlp", None)],
     "sweep": [("sweep", None)],
-    "model": [("forward", None), ("decode", None)],
+    "model": [("forward", lambda r: r["shape"] == "nemotronh8b-slice13"),
+              ("decode", lambda r: r["shape"] == "nemotronh8b-slice13")],
     "bwd_sweep": [("bwd_sweep", None)],
     "bwd_determinism": [("bwd_determinism", None)],
     "attention_bwd": [("attention", lambda r: r.get("phase") == "backward")],
-    "train": [("train", None)],
+    "train": [("train", lambda r: r["shape"].startswith("nemotronh8b-slice8"))],
+    "nano": [("forward", lambda r: r["shape"] == "nano30b-52"), ("decode", lambda r: r["shape"] == "nano30b-52")],
+    "nano_train": [("train", lambda r: r["shape"].startswith("nano30b-slice8"))],
+    "tiny": [("forward", lambda r: r["shape"] == "tiny-hybrid"), ("decode", lambda r: r["shape"] == "tiny-hybrid")],
+    "h8b": [("forward", lambda r: r["shape"] == "nemotronh8b-52"),
+            ("decode", lambda r: r["shape"] == "nemotronh8b-52")],
 }
 
 
@@ -588,7 +693,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sections", default=",".join(OWNED), help=f"comma-separated, of: {', '.join(OWNED)}")
+    ap.add_argument("--sections", default=",".join(s for s in OWNED if s != "tiny"),
+                    help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
     ap.add_argument("--merge", help="an earlier JSON whose other sections' cells are kept")
     ap.add_argument("--mamba-ssm", help="mamba_ssm's package folder (from its sdist) for the stock training step")
     a = ap.parse_args()
@@ -611,7 +717,7 @@ def main() -> int:
             if sec not in sections:
                 for key, pick in owned:
                     res[key] += [r for r in old.get(key, []) if pick is None or pick(r)]
-        for key in ("model", "copy_bandwidth_bytes_per_s", "train_note", "bwd_config"):
+        for key in ("model", "copy_bandwidth_bytes_per_s", "train_note", "train_note_nano", "bwd_config", "whole"):
             if key in old and key not in res:
                 res[key] = old[key]
         res["sections"] = {s: v for s, v in kept.items() if s not in sections}
@@ -637,6 +743,10 @@ def main() -> int:
                      ("bwd_sweep", None if a.quick else sweep_bwd),
                      ("attention_bwd", lambda: attention_bwd_cells(res, save, a.quick, bwd["cfg"])),
                      ("train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm)),
+                     ("tiny", lambda: whole_cells(res, save, "tiny", a.quick, a.mamba_ssm)),
+                     ("nano", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm)),
+                     ("nano_train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm, "nano")),
+                     ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm)),
                      ("bwd_determinism", lambda: bwd_determinism_cells(res, save))):
         if fn is None or name not in sections:
             continue
@@ -657,8 +767,13 @@ def main() -> int:
         print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms")
     for r in res["sweep"]:
         print("sweep", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
     for r in res["forward"] + res["decode"]:
-        print(f"model {r['shape']} {r.get('batch', r.get('tokens'))} ours {r['ours_ms']:.3f} ms")
+        cell = f"{r['batch']}x{r['length']}" if "length" in r else f"b{r.get('batch', r.get('tokens'))}"
+        print(f"model {r['shape']} {cell} ctx {r.get('context', '-')} ours {ms(r.get('ours_ms'))} ms stock "
+              f"{ms(r.get('stock_ms'))} ms", {k: v for k, v in r.items() if "error" in k or k == "batch_run"})
     for r in res["bwd_sweep"] + res["bwd_determinism"] + res["train"]:
         print("train", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     print("errors:", res["errors"])

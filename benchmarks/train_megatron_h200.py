@@ -4,8 +4,15 @@
 every sampled token's logprob and raw logits row is compared with the trainer's bit for bit.
 
     PYTHONPATH=. python3 benchmarks/train_megatron_h200.py --out OUT/h200_megatron.json [--iterations 20]
-        [--model tiny|130m|PATH] [--prompts 4] [--prompt-len 200] [--gen-len 64] [--lr 1e-3]
+        [--model tiny|130m|hybrid|moe|PATH] [--prompts 4] [--prompt-len 200] [--gen-len 64] [--lr 1e-3]
     python3 benchmarks/train_megatron_h200.py --dry-run --out /tmp/m.json   (CPU, torch backend, 2 iterations)
+
+Models: ``tiny`` the embedded default Mamba2; ``130m`` a Mamba2 of that shape; ``hybrid`` a dense
+Nemotron-H (``M*M-``: Mamba2 8 heads x 32, GQA 4 attention with head_dim 64, a squared-ReLU MLP);
+``moe`` a MoE hybrid (``MEM*E``: 16 experts top-6 in 4 groups of which the best 3 (Megatron scores a
+group by its best top-k / topk_group experts, Nemotron-H by its best 2), expert width 256,
+a shared expert of 384 in each MoE layer); Megatron builds the hybrid MambaModel for both (its
+attention, MLP and MoE layers under the hook); else a checkpoint directory.
 
 The actors are ``rollout.actors``' own classes (``aligned-mamba rl`` runs the same ones as Ray actors;
 Ray is not installed on the GPU machine, so here they are called directly, in the loop's order):
@@ -38,6 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"130m": dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64,
                        state_size=128)}
+# small Nemotron-H hybrids (bf16); head_dim 64: the GPU attention kernels take 64 or 128
+_HYBRID = dict(hidden_size=256, vocab_size=512, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=32, chunk_size=64,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+HYBRIDS = {"hybrid": dict(_HYBRID, pattern="M*M-", intermediate_size=512),
+           "moe": dict(_HYBRID, pattern="MEM*E", n_routed_experts=16, num_experts_per_tok=6, n_group=4, topk_group=3,
+                       moe_intermediate_size=256, moe_shared_expert_intermediate_size=384)}
 
 
 def log(msg: str) -> None:
@@ -46,6 +59,15 @@ def log(msg: str) -> None:
 
 def model_source(name: str, tmp: str) -> str:
     """'tiny' as is; a shape name -> a bf16 checkpoint of that shape written under ``tmp``; else a path."""
+    if name in HYBRIDS:
+        from aligned_mamba.models.nemotron_h import make_tiny_hybrid
+        from aligned_mamba.models.nemotron_h import save_checkpoint as save_hybrid
+
+        over = dict(HYBRIDS[name])
+        cfg, tensors = make_tiny_hybrid(5, dtype="bfloat16", pattern=over.pop("pattern"), **over)
+        path = os.path.join(tmp, name)
+        save_hybrid(path, cfg, tensors)
+        return path
     if name not in SHAPES:
         return name
     from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint

@@ -39,12 +39,14 @@ def test_bench_train_dry_run(tmp_path: Path) -> None:
         assert e["grads_vs_stock_rel_err_max"]["rel_err"] < 1e-4, e
 
 
-def test_train_megatron_dry_run(tmp_path: Path) -> None:
-    """The in-process RL loop on Megatron with the hook (torch backend): no token or raw row differs,
-    and each step lowers its batch's loss."""
+@pytest.mark.parametrize("model", ["tiny", "moe"])
+def test_train_megatron_dry_run(tmp_path: Path, model: str) -> None:
+    """The in-process RL loop on Megatron with the hook (torch backend), on the default Mamba2 and on
+    the MoE hybrid the GPU run trains: no token or raw row differs, and each step lowers its batch's
+    loss."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "megatron.json"
-    r = _run("train_megatron_h200.py", out, "--prompt-len", "40", "--gen-len", "12")
+    r = _run("train_megatron_h200.py", out, "--prompt-len", "40", "--gen-len", "12", "--model", model)
     assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-2000:]  # 1: the stock worker happened to agree
     s = json.loads(out.read_text())["summary"]
     assert s["iterations"] == 2 and s["rows"] == s["tokens"] > 0, s
