@@ -174,6 +174,12 @@ def _shrink(p: LinearPlan, accs: int, regs: int) -> LinearPlan:
                                epi_split=p.epi_split if bn >= 32 else 1)
 
 
+def fallback_plan(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> LinearPlan:
+    """The pointer kernel's tile where a TMA plan cannot take the operands (a slice that is not whole
+    K blocks, unaligned rows): its masked loads hold more registers, so the stack gets half the budget."""
+    return _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs // 2)
+
+
 def check_local(local: int) -> None:
     """ValueError (one line) unless ``local`` (slices one rank sums: S / TP) is a power of two this
     kernel's stack holds."""
@@ -227,6 +233,10 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         _tree_tma_kernel[(progs,)](xd, wd, yd, b, M, N, C // p.block_k, progs, EPI_SPLIT=p.epi_split,
                                    PERSISTENT=p.persistent, **common)
     else:
+        if p.tma and tiles is None:
+            p = fallback_plan(p, local, cfg)
+            common.update(BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_stages=p.num_stages)
+            num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
         _tree_ptr_kernel[(num_tiles,)](x, weight, y, b, M, N, C, triton.cdiv(C, p.block_k), x.stride(0),
                                        weight.stride(0), N, **common)
     return y
@@ -267,4 +277,5 @@ def linear_partial(x: torch.Tensor, w: torch.Tensor, *, cfg: TritonKernelConfigs
     return linear_tree(x, w, None, 1, torch.float32, cfg=cfg)
 
 
-__all__ = ["MAX_LOCAL_SLICES", "check_local", "linear_partial", "linear_tree", "linear_tree_triton", "tree_plan"]
+__all__ = ["MAX_LOCAL_SLICES", "check_local", "fallback_plan", "linear_partial", "linear_tree", "linear_tree_triton",
+           "tree_plan"]
