@@ -124,6 +124,10 @@ def test_gpu_model_rows_at_tp_2_and_4_equal_tp_1(name: str) -> None:
     one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
     assert one[0].is_cuda
     for size in (2, 4):
+        # rank 0 alone first, every gather its own tensor repeated: the kernels of this degree compile
+        # here, not in the rank threads at once
+        tp_reference.forward(TPGroup(0, size, lambda t, k=size: t.unsqueeze(0).repeat(k, *[1] * t.dim())), config,
+                             tensors, c, seqs)
         for rank_rows in threads(tp_reference.forward, size, config, tensors, c, seqs):
             assert all(torch.equal(a, b) for a, b in zip(rank_rows, one)), (name, size)
     stock_one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs, True)
