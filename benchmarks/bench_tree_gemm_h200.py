@@ -13,8 +13,9 @@ all, so weights come from DRAM as in a model; medians of 12 trials; the two form
 alternating, the faster of each kept); ``ratio`` = tree / today's.
 Bits, per cell: TP 2, 4 .. S (each rank's launch over its K columns, its fp32 subtree, the tree's top
 in torch) against TP 1, ``torch.equal``; a stock all-reduce of TP 2's rounded partials against TP 1
-(expected to differ). At M >= 2048 the tile variants (``linear_tree_acc_regs`` 192, a plain grid)
-are timed too, each checked for the pinned plan's bits. JSON: GPU, versions, commit, date, configs,
+(expected to differ). At M >= 256 the other loop form (``linear_tree_slice_loops``) and at M >= 2048
+the tile variants (``linear_tree_acc_regs`` 192, a plain grid) are timed too, each checked for the
+pinned configs' bits. JSON: GPU, versions, commit, date, configs,
 cells; written after every shape, so a cut run keeps what finished.
 """
 
@@ -118,7 +119,8 @@ def main() -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter computes bf16 wrongly
     cfg = TritonKernelConfigs()
-    variants = {"acc_regs_192": dataclasses.replace(cfg, linear_tree_acc_regs=192)}
+    variants = {"slice_loops": dataclasses.replace(cfg, linear_tree_slice_loops=not cfg.linear_tree_slice_loops),
+                "acc_regs_192": dataclasses.replace(cfg, linear_tree_acc_regs=192)}
     shapes = TINY if args.dry_run else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
@@ -189,8 +191,10 @@ def main() -> int:
                 p = tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev))
                 cell[f"s{s}_tile"] = f"{p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages} " \
                                      f"{'persistent' if p.persistent else 'grid'}"
-            if M >= 2048 and cuda:
+            if M >= 256 and cuda:
                 for vname, vcfg in variants.items():
+                    if vname == "acc_regs_192" and M < 2048:
+                        continue
                     for s in SLICES:
                         y = tt.linear_tree_triton(x, w0, None, s, dtype, vcfg)
                         t = graph_ms(torch, [lambda w=w, s=s, c=vcfg: tree(w, s, c) for w in ws], cuda)
@@ -198,7 +202,7 @@ def main() -> int:
                         cell[f"{vname}_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
                                                      same_bits=bool(torch.equal(y, ones[s])),
                                                      tile=f"{p.block_m}x{p.block_n} s{p.num_stages}")
-                    for s in SLICES:
+                    for s in SLICES if M >= 2048 else ():
                         p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
                         y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
                         t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,

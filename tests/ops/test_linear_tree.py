@@ -10,6 +10,7 @@ the bits on the GPU at the model shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import interpreted  # noqa: F401  (the interpreter on, before triton is imported)
@@ -120,13 +121,19 @@ def test_the_all_reduce_it_replaces_differs(size: int) -> None:
     assert (stock != aligned[0]).any(dim=1).sum().item() > 0, "stock TP should round otherwise on some rows"
 
 
-def test_one_slice_is_the_plain_gemm_and_a_schedule_override_keeps_the_bits() -> None:
-    x, w, b = _operands(9, 96, 24, 4, True)
+def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
+    x, w, b = _operands(9, 128, 24, 4, True)  # 32-column slices: whole K blocks, the TMA kernel
     assert torch.equal(tt.linear_tree_triton(x, w, b, 1, F32, CFG), lt.linear_triton(x, w, b, CFG))
     y = tt.linear_tree_triton(x, w, b, 4, F32, CFG)
+    # other tiles and schedules compute every tile (the interpreter's numpy dots round by the tile's
+    # shape, so the bits across tiles are the GPU test's)
     for tiles in [lt.LinearPlan(16, 16, 32, 4, 2, 1, False, False, 1, "ieee"),
                   lt.LinearPlan(32, 16, 32, 4, 2, 2, True, True, 1, "ieee")]:
-        assert torch.equal(tt.linear_tree_triton(x, w, b, 4, F32, CFG, tiles=tiles), y), tiles
+        got = tt.linear_tree_triton(x, w, b, 4, F32, CFG, tiles=tiles)
+        assert torch.allclose(got, y, rtol=1e-5, atol=1e-5), tiles
+    # one K loop per slice or one over all slices: the same dots and folds
+    loops = dataclasses.replace(CFG, linear_tree_slice_loops=not CFG.linear_tree_slice_loops)
+    assert torch.equal(tt.linear_tree_triton(x, w, b, 4, F32, loops), y)
 
 
 def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:

@@ -66,7 +66,15 @@ for dt, local, p in plans:
                  dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
                       w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
                       y_desc=f"tensordesc<{out}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
-                 dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent), **opts)
+                 dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                      SLICE_LOOPS=cfg.linear_tree_slice_loops), **opts)
+        # the other loop form (linear_tree_slice_loops), TP 1's launch
+        comp(tag + f":tma:{dt}:loops{int(not cfg.linear_tree_slice_loops)}", tt._tree_tma_kernel,
+             dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                  w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                  y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
+             dict(c, HAS_BIAS=True, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                  SLICE_LOOPS=not cfg.linear_tree_slice_loops), **opts)
     # the pointer kernel: the plan's own launch without TMA, or a TMA plan's fallback tile
     f = tt.fallback_plan(p, local, cfg) if p.tma else p
     comp(f"tree:{dt}:L{local}:{f.block_m}x{f.block_n}x{f.block_k}:w{f.num_warps}s{f.num_stages}:ptr",

@@ -41,7 +41,8 @@ MAX_LOCAL_SLICES = TRITON_MAX_SLICES
 def _fold(acc, s0, s1, s2, s3, j, LEVELS: tl.constexpr, LOCAL: tl.constexpr):
     """Slice j's sum ``acc`` joins the tree: at level l it is a right child (and is added to s_l, its
     left sibling) while bit l of j is one, and is kept in s_l as a left child at the first zero bit.
-    Returns the new stack and the running tile: the subtree's sum after the last slice, else zeros."""
+    Returns the new stack; after the last slice (every bit one) s0 holds the subtree's sum. ``acc`` is
+    only read here (the loop carries the dot's own result, so the tensor-core dots stay asynchronous)."""
     t = acc
     reach = j >= 0  # whether the node built so far climbs to this level
     if LEVELS > 0:
@@ -67,14 +68,14 @@ def _fold(acc, s0, s1, s2, s3, j, LEVELS: tl.constexpr, LOCAL: tl.constexpr):
         s3n = tl.where(reach & ~right, t, s3)
         t = tl.where(reach & right, s3 + t, t)
         s3 = s3n
-    acc = tl.where(j == LOCAL - 1, t, tl.zeros_like(t))
-    return acc, s0, s1, s2, s3
+    s0 = tl.where(j == LOCAL - 1, t, s0)
+    return s0, s1, s2, s3
 
 
 @triton.jit
 def _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr,
                    LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PRECISION: tl.constexpr, SLICE_LOOPS: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -86,13 +87,28 @@ def _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS: t
     s2 = s0
     s3 = s0
     # a slice is STEPS whole K blocks (the launcher checks), so block ki lies in slice ki // STEPS
-    for ki in range(LOCAL * STEPS):
-        a = x_desc.load([om, ki * BLOCK_K])
-        b = w_desc.load([on, ki * BLOCK_K])
-        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        if LOCAL > 1:
-            if (ki + 1) % STEPS == 0:
-                acc, s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, ki // STEPS, LEVELS, LOCAL)
+    if SLICE_LOOPS:
+        # one K loop per slice: its dots stay asynchronous, the loads refill at each slice's start
+        for j in range(LOCAL):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(STEPS):
+                a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
+                b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            if LOCAL > 1:
+                s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
+    else:
+        # one K loop: the loads stream across slices (ptxas serialises the dots around the fold)
+        for ki in range(LOCAL * STEPS):
+            a = x_desc.load([om, ki * BLOCK_K])
+            b = w_desc.load([on, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            if LOCAL > 1:
+                if (ki + 1) % STEPS == 0:  # a slice's end: fold it, the next one sums from zero
+                    s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, ki // STEPS, LEVELS, LOCAL)
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LOCAL > 1:
+        acc = s0
     c = _bias_round(acc, b_ptr, on, N, HAS_BIAS, BLOCK_N, y_desc.dtype)
     if EPI_SPLIT == 2:
         c0, c1 = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
@@ -106,7 +122,7 @@ def _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS: t
 def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, STEPS, NUM_PROGS, HAS_BIAS: tl.constexpr,
                      LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, SLICE_LOOPS: tl.constexpr):
     """Through TMA descriptors (x [M, K] blocks [BM, BK], w [N, K] blocks [BN, BK], y [M, N] blocks
     [BM, BN / EPI_SPLIT]), K = LOCAL * STEPS * BLOCK_K; one tile per program or (PERSISTENT) tiles
     p, p + NUM_PROGS, ..."""
@@ -114,10 +130,10 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, STEPS, NUM_PROGS, HAS_
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
             _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS, LOCAL, LEVELS, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION)
+                           BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION, SLICE_LOOPS)
     else:
         _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tl.program_id(0), M, N, STEPS, HAS_BIAS, LOCAL, LEVELS,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION)
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION, SLICE_LOOPS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -145,7 +161,10 @@ def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stri
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if LOCAL > 1:
             if (ki + 1) % STEPS == 0:
-                acc, s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
+                s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LOCAL > 1:
+        acc = s0
     c = _bias_round(acc, b_ptr, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -231,7 +250,7 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         wd = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k])
         yd = TensorDescriptor(y, [M, N], [N, 1], [p.block_m, p.block_n // p.epi_split])
         _tree_tma_kernel[(progs,)](xd, wd, yd, b, M, N, C // p.block_k, progs, EPI_SPLIT=p.epi_split,
-                                   PERSISTENT=p.persistent, **common)
+                                   PERSISTENT=p.persistent, SLICE_LOOPS=cfg.linear_tree_slice_loops, **common)
     else:
         if p.tma and tiles is None:
             p = fallback_plan(p, local, cfg)
