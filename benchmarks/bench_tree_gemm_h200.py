@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES = [  # (name, K, N): x [M, K] @ w [N, K]^T
-    ("1.3b.out_proj", 4096, 2048), ("2.7b.out_proj", 5120, 2560), ("8b.out_proj", 8192, 4096),
-    ("8b.o_proj", 4096, 4096), ("8b.fc2", 21504, 4096),
+    ("1.3b.out_proj", 4096, 2048), ("2.7b.out_proj", 5120, 2560), ("8b.o_proj", 4096, 4096), ("8b.fc2", 21504, 4096),
+    ("8b.out_proj", 8192, 4096),
 ]
 TINY = [("tiny.out_proj", 256, 48)]
 MS = [1, 64, 256, 2048, 8192]
@@ -95,12 +95,50 @@ def graph_ms(torch, fns, cuda: bool, trials: int = 12) -> float:
     return times[len(times) // 2]
 
 
+def _warm(job: tuple) -> None:
+    """Compile (into the shared Triton cache) the kernels of one cell: every launch the cell makes."""
+    import torch
+
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.linear import triton as lt
+    from aligned_mamba.ops.linear import triton_tree as tt
+
+    K, N, M, variants = job
+    cfg = TritonKernelConfigs()
+    x = torch.zeros(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros(N, K, device="cuda", dtype=torch.bfloat16)
+    lt.linear_triton(x, w, None, cfg)
+    for kl in (K // 2,):
+        lt.linear_triton(x[:, :kl], w[:, :kl].contiguous(), None, cfg)
+    for s in SLICES:
+        for c in [cfg, *(dataclasses.replace(cfg, **v) for v in variants)]:
+            tt.linear_tree_triton(x, w, None, s, torch.bfloat16, c)
+        size = 2
+        while size <= s:
+            kl = K // size
+            tt.linear_tree_triton(x[:, :kl], w[:, :kl].contiguous(), None, s // size, torch.float32, cfg)
+            size *= 2
+    torch.cuda.synchronize()
+
+
+def warm(shapes, ms_list, variant_fields, procs: int) -> None:
+    """Every cell's kernels compiled by ``procs`` processes at once (the timing process then finds them
+    in the cache): compiling is most of a cold run."""
+    import multiprocessing
+
+    jobs = [(K, N, M, variant_fields if M >= 256 else []) for _, K, N in shapes for M in ms_list]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.map(_warm, jobs, chunksize=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, a tiny shape")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop starting shapes after this many seconds")
     ap.add_argument("--shapes", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--warm", type=int, default=0, help="compile every kernel first in this many processes")
+    ap.add_argument("--no-tile-variants", action="store_true", help="time only the other loop form at M >= 256")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -119,8 +157,11 @@ def main() -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter computes bf16 wrongly
     cfg = TritonKernelConfigs()
-    variants = {"slice_loops": dataclasses.replace(cfg, linear_tree_slice_loops=not cfg.linear_tree_slice_loops),
-                "acc_regs_192": dataclasses.replace(cfg, linear_tree_acc_regs=192)}
+    fields = {"slice_loops": dict(linear_tree_slice_loops=not cfg.linear_tree_slice_loops),
+              "acc_regs_192": dict(linear_tree_acc_regs=192)}
+    if args.no_tile_variants:
+        del fields["acc_regs_192"]
+    variants = {k: dataclasses.replace(cfg, **v) for k, v in fields.items()}
     shapes = TINY if args.dry_run else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
@@ -139,6 +180,12 @@ def main() -> int:
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(args.out)
 
+    if cuda and args.warm > 1:
+        try:
+            warm(shapes, ms_list, list(fields.values()), args.warm)
+            log(f"compiled in {time.time() - t0:.0f} s")
+        except Exception as e:  # the timing loop compiles what is missing
+            log(f"warm-up failed ({type(e).__name__}: {e}); compiling in the run")
     for name, K, N in shapes:
         if time.time() - t0 > args.deadline_s:
             log(f"deadline: {name} and after not run")
@@ -202,7 +249,7 @@ def main() -> int:
                         cell[f"{vname}_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
                                                      same_bits=bool(torch.equal(y, ones[s])),
                                                      tile=f"{p.block_m}x{p.block_n} s{p.num_stages}")
-                    for s in SLICES if M >= 2048 else ():
+                    for s in SLICES if M >= 2048 and not args.no_tile_variants else ():
                         p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
                         y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
                         t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,
