@@ -96,6 +96,7 @@ class TritonKernelConfigs:
         the tile: a row's bits do not depend on it). linear_tree_slice_loops: its TMA kernel runs one K
         loop per slice (asynchronous dots, the loads refilled at each slice) rather than one K loop
         over all slices (loads streaming on, the dots serialised around the fold); the same bits.
+        One loop per slice measured faster in every H200 cell (benchmarks/results/h200_tree_gemm.json).
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
@@ -170,7 +171,7 @@ class TritonKernelConfigs:
     linear_fp32_warps: int = 8
     linear_fp32_stages: int = 3
     linear_tree_acc_regs: int = 128
-    linear_tree_slice_loops: bool = False
+    linear_tree_slice_loops: bool = True
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     conv_block_t: int = 8

@@ -89,6 +89,7 @@ def _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS: t
     # a slice is STEPS whole K blocks (the launcher checks), so block ki lies in slice ki // STEPS
     if SLICE_LOOPS:
         # one K loop per slice: its dots stay asynchronous, the loads refill at each slice's start
+        # (the faster form on the H200: benchmarks/results/h200_tree_gemm.json)
         for j in range(LOCAL):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(STEPS):
