@@ -88,13 +88,13 @@ def baseline_model(model: CausalLM) -> CausalLM:
 
 
 def stock_row_parallel(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
-                       slices: int, group: TPGroup, partial: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                       ) -> torch.Tensor:
+                       slices: int, group: TPGroup, partial: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       tree: object = None) -> torch.Tensor:
     """Stock tensor parallelism's row-parallel GEMM (Megatron's RowParallelLinear, vLLM's), with
     ``ops.linear.row_parallel_linear``'s signature: each rank's GEMM over all of its K columns rounded
     to the model dtype, the ranks' partials summed in the model dtype as an all-reduce does (here in
-    rank order), then the bias. ``slices`` is ignored: the degree decides the sum, so TP 2 rounds
-    otherwise than TP 1."""
+    rank order), then the bias. ``slices`` and ``tree`` are ignored: the degree decides the sum, so TP 2
+    rounds otherwise than TP 1."""
     ws = w if isinstance(w, torch.Tensor) else torch.cat(list(w), dim=1)
     parts = group.all_gather(partial(x, ws).to(x.dtype))
     out = parts[0]

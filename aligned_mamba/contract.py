@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import ContractError, ContractMismatchError
-from .ops.configs import BACKENDS, KernelConfigs, kernel_configs
+from .ops.configs import BACKENDS, TRITON_MAX_SLICES, KernelConfigs, kernel_configs
 
 CONTRACT_VERSION = 1
 # a wheel ships the contracts inside the package; a source checkout keeps them in configs/contracts
@@ -96,9 +96,9 @@ class Contract:
         if not isinstance(s, int) or isinstance(s, bool) or s < 1 or s > 1024 or s & (s - 1):
             raise ContractError(f"row_parallel_slices {s!r} refused: must be a power of two from 1 to 1024 "
                                 "(the partial sums are joined by a pairwise tree)")
-        if s > 1 and self.backend != "torch":
-            raise ContractError(f"row_parallel_slices {s} refused on the {self.backend} backend: the sliced "
-                                "tree GEMM is implemented on the torch backend only for now")
+        if s > TRITON_MAX_SLICES and self.backend == "triton":
+            raise ContractError(f"row_parallel_slices {s} refused on the triton backend: its tree GEMM sums at "
+                                f"most {TRITON_MAX_SLICES} slices in one launch (TP 1 runs them all)")
         try:
             configs = kernel_configs(self.backend, self.kernel_configs)
         except (TypeError, ValueError) as e:

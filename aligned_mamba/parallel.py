@@ -107,7 +107,7 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
 
     Checked at every size (S = ``contract.row_parallel_slices``): the row-parallel GEMMs' K and the
     gated norm's groups cut into S equal slices. At size > 1: a power of two dividing S (so a TP run
-    needs S >= size), the torch backend, heads and groups (Mamba2), query and key/value heads
+    needs S >= size), heads and groups (Mamba2), query and key/value heads
     (attention; fewer KV heads than ranks are replicated), the MLP's width and the vocabulary
     (a multiple of its log-softmax slices) split evenly. MoE layers at size > 1 only where the
     caller runs the core's sharded MoE layer (``sharded_moe``: the reference trainer and engine);
@@ -123,9 +123,6 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
     if size > 1 and s % size:
         raise AlignedMambaError(f"tensor-parallel size {size} refused: the contract's row_parallel_slices is {s}; "
                                 f"TP {size} needs a contract with row_parallel_slices >= {size} (a power of two)")
-    if size > 1 and contract.backend != "torch":
-        raise AlignedMambaError(f"tensor-parallel size {size} refused on the {contract.backend} backend: the sliced "
-                                "tree GEMM is implemented on the torch backend only for now")
 
     def split(what: str, n: int, by: int, why: str) -> None:
         if n % by:

@@ -1,6 +1,6 @@
-"""A digest of the PTX every SSD Triton kernel compiles to for sm_90, in its pinned launch config.
+"""A digest of the PTX every SSD Triton kernel and the linear GEMM compile to for sm_90, pinned configs.
 
-    python3 benchmarks/ptx_digest.py [--out digest.json] [--ptx-dir DIR]
+    python3 benchmarks/ptx_digest.py [--out digest.json] [--ptx-dir DIR] [--only linear/]
 
 No GPU needed (the triton wheel's compiler and ptxas). Run it at two commits and compare: equal
 digests mean a change left the compiled kernels as they were (a refactor that cannot move a
@@ -8,7 +8,9 @@ bit), which a GPU run would otherwise have to show. The PTX is taken without its
 information (``.loc``/``.file`` lines, labels, comments and the debug sections), which moves
 with every edit of the source file. Shapes are the 128-head, 8-group mixer of the H200 bench
 (head dim 64, state 128, chunk 256); each kernel is compiled for fp32 models (fp32 FMA dots) and
-bf16 models (tensor-core dots, programmatic dependent launch where the launcher uses it).
+bf16 models (tensor-core dots, programmatic dependent launch where the launcher uses it). The
+linear GEMM (``ops/linear/triton.py``) is compiled in every plan of the pinned configs at the model
+widths, TMA and pointer forms, bf16 and fp32 (``linear/...`` entries).
 Constexprs a kernel no longer has are dropped, and the pinned values of ones it used to have
 are passed to older sources (``LEGACY``), so that the same script can read past commits.
 """
@@ -33,6 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.linear import triton as lt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
 
@@ -55,7 +58,7 @@ def compile_ptx(fn, types: dict, consts: dict, fuse: bool, opts: dict) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=CFG.num_warps, enable_fp_fusion=fuse, **opts))
+                       options={"num_warps": CFG.num_warps, "enable_fp_fusion": fuse, **opts})
     return normalized_ptx(k.asm["ptx"])
 
 
@@ -114,13 +117,43 @@ def configs():
            dict(D, BLOCK_L=D["L"], ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True, {})
 
 
+def linear_configs():
+    """(name, kernel, types, constexprs, fp fusion, options) of every pinned linear GEMM plan at the model
+    widths (the plans of decode, mid and prefill row counts), as ``linear_triton`` launches them."""
+    import torch
+
+    plans = {}
+    for N in (768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000):
+        for M in (1, CFG.linear_decode_max_m, 64, CFG.linear_block_m, CFG.linear_mid_max_m, 8192):
+            for dt, tdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                plans[(dt, lt.plan(M, torch.empty(N, 8, dtype=tdt), CFG, sms=132))] = None
+    for dt, p in plans:
+        tag = f"linear/{dt}/{p.block_m}x{p.block_n}x{p.block_k}/w{p.num_warps}s{p.num_stages}g{p.group_m}"
+        c = dict(BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision,
+                 HAS_BIAS=True)
+        opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
+        if p.tma:
+            yield (f"{tag}/tma/p{int(p.persistent)}e{p.epi_split}", lt._linear_tma_kernel,
+                   dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                        w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                        y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
+                        M="i32", N="i32", K="i32", NUM_PROGS="i32"),
+                   dict(c, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent), True, opts)
+        yield (f"{tag}/ptr", lt._linear_ptr_kernel,
+               dict(x_ptr="*" + dt, w_ptr="*" + dt, y_ptr="*" + dt, b_ptr="*" + dt, M="i32", N="i32", K="i32",
+                    stride_xm="i32", stride_wn="i32", stride_ym="i32"), c, True, opts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the digests as JSON")
     ap.add_argument("--ptx-dir", help="also write each kernel's normalized PTX here")
+    ap.add_argument("--only", default="", help="the kernels whose names start with this (linear/, say)")
     args = ap.parse_args()
     digests = {}
-    for name, fn, types, consts, fuse, opts in configs():
+    for name, fn, types, consts, fuse, opts in (*configs(), *linear_configs()):
+        if not name.startswith(args.only):
+            continue
         ptx = compile_ptx(fn, types, consts, fuse, opts)
         digests[name] = hashlib.sha256(ptx.encode()).hexdigest()[:16]
         print(f"{digests[name]}  {name}", flush=True)

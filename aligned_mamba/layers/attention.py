@@ -207,10 +207,13 @@ class Attention:
             if backend.linear_partial is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM is not implemented yet")
-            w = take(tensors, prefix, "o_proj.weight").to(device=backend.device, dtype=dtype)
-            n = slices // (1 if tp is None else tp.size)
-            cw = w.shape[1] // n
-            self.o_slices = [lw(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
+            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
+            self.o_slices: torch.Tensor | list[torch.Tensor] = self.o_w
+            if backend.linear_tree is None:
+                w = take(tensors, prefix, "o_proj.weight").to(device=backend.device, dtype=dtype)
+                n = slices // (1 if tp is None else tp.size)
+                cw = w.shape[1] // n
+                self.o_slices = [lw(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:
@@ -276,5 +279,5 @@ class Attention:
             o = o[rows]
         if self.sliced:
             return self.row_parallel(o, self.o_slices, None, slices=self.slices, group=self.tp or TPGroup.single(),
-                                       partial=self.backend.linear_partial)
+                                     partial=self.backend.linear_partial, tree=self.backend.linear_tree)
         return self.backend.linear(o, self.o_w)

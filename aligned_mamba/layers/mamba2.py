@@ -214,10 +214,14 @@ class Mamba2Mixer:
             if backend.linear_partial is None or backend.gated_rms_norm_sliced is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM and norm are not implemented yet")
-            k = 1 if tp is None else tp.size
-            c_out = c.intermediate_size * k // slices  # one slice's K columns
-            w = get("out_proj.weight")
-            self.out_proj_slices = [lw(w[:, j * c_out:(j + 1) * c_out]) for j in range(c.intermediate_size // c_out)]
+            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
+            self.out_proj_slices: torch.Tensor | list[torch.Tensor] = self.out_proj_w
+            if backend.linear_tree is None:
+                k = 1 if tp is None else tp.size
+                c_out = c.intermediate_size * k // slices  # one slice's K columns
+                w = get("out_proj.weight")
+                self.out_proj_slices = [lw(w[:, j * c_out:(j + 1) * c_out])
+                                        for j in range(c.intermediate_size // c_out)]
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:
@@ -261,4 +265,4 @@ class Mamba2Mixer:
         y = be.gated_rms_norm_sliced(y, z, self.norm_w, c.norm_eps, self.full_config.n_groups, slices=self.slices,
                                      group=group)
         return self.row_parallel(y, self.out_proj_slices, self.out_proj_b, slices=self.slices, group=group,
-                                   partial=be.linear_partial)
+                                 partial=be.linear_partial, tree=be.linear_tree)

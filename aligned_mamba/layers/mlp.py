@@ -94,10 +94,13 @@ class MLP(Stateless):
             if backend.linear_partial is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM is not implemented yet")
-            w = take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype)
-            n = slices // (1 if tp is None else tp.size)
-            cw = w.shape[1] // n
-            self.down_slices = [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
+            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
+            self.down_slices: torch.Tensor | list[torch.Tensor] = self.down_w
+            if backend.linear_tree is None:
+                w = take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype)
+                n = slices // (1 if tp is None else tp.size)
+                cw = w.shape[1] // n
+                self.down_slices = [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
@@ -107,5 +110,6 @@ class MLP(Stateless):
         h = be.relu2(be.linear(x, self.up_w, self.up_b))
         if self.sliced:
             return self.row_parallel(h, self.down_slices, self.down_b, slices=self.slices,
-                                       group=self.tp or TPGroup.single(), partial=be.linear_partial)
+                                     group=self.tp or TPGroup.single(), partial=be.linear_partial,
+                                     tree=be.linear_tree)
         return be.linear(h, self.down_w, self.down_b)

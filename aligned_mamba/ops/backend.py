@@ -91,8 +91,13 @@ class Ops:
     stacked_experts: bool = False
     #: x [M, k] @ w [N, k]^T -> [M, N] float32, not rounded: ``linear`` before its bias and rounding, a
     #: row-parallel layer's partial over one K slice (``linear.sliced``); w raw or from ``linear_weight``.
-    #: None where the backend has no such form yet (triton: the contract refuses row_parallel_slices > 1)
+    #: None where the backend has no such form (the layers then refuse row_parallel_slices > 1)
     linear_partial: Callable[[Tensor, Tensor], Tensor] | None = None
+    #: (x [M, k], w [N, k], b [N] | None, slices, out_dtype) -> [M, N] in out_dtype: a row-parallel rank's
+    #: subtree in one call, ``slices`` contiguous K slices each summed from zero in fp32, joined by
+    #: adjacent pairs, + b in fp32, rounded once (``linear.sliced``'s ``tree``; w from ``linear_weight``,
+    #: the rank's whole K). None: the layers sum ``linear_partial``'s slices by the same tree instead
+    linear_tree: Callable[..., Tensor] | None = None
     #: (y, z [M, d / k], w, eps, n_groups, *, slices, group) -> [M, d / k]: ``gated_rms_norm`` with each
     #: group's sum of squares in the contract's fixed slices, a group split across ranks joined over an
     #: all-gather (``norm``; the same bits at every TP degree dividing the slices); None as above
@@ -150,6 +155,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
     from .conv1d import triton as conv_triton
     from .elementwise import triton as elementwise_triton
     from .linear import triton as linear_triton
+    from .linear import triton_tree
     from .logprobs import triton as logprobs_triton
     from .moe import triton as moe_triton
     from .norm import triton as norm_triton
@@ -157,6 +163,12 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
     return Ops(
         linear_weight=lambda w: w.contiguous(),
         linear=functools.partial(linear_triton.linear, cfg=c),
+        linear_partial=functools.partial(triton_tree.linear_partial, cfg=c),
+        linear_tree=functools.partial(triton_tree.linear_tree, cfg=c),
+        # the torch form on the device: elementwise ops and fixed-tree adds, each element's operations
+        # the same wherever it sits, so every TP degree dividing the slices gives the same bits
+        # (tests/ops/test_linear_tree_gpu.py); no Triton kernel of the sliced norm yet
+        gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         rms_norm=functools.partial(norm_triton.rms_norm, cfg=c),
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
         add_norm=functools.partial(norm_triton.add_norm, cfg=c),

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("torch", "triton")
+#: the most row-parallel slices one rank sums in the triton backend's tree GEMM (its stack of partial
+#: sums is one named register tile per tree level: ops/linear/triton_tree.py)
+TRITON_MAX_SLICES = 16
 
 
 def _pow2(name: str, v: Any, lo: int, hi: int) -> None:
@@ -87,6 +90,13 @@ class TritonKernelConfigs:
       linear_fill_programs: a regime's N tile is halved (down to 16, stages raised to keep its
         shared memory) while the grid has fewer tiles than this (0: never).
       linear_fp32_block_m/_block_n/_block_k/_warps/_stages: fp32 models' one tile (TMA if linear_tma).
+      linear_tree_acc_regs: the row-parallel tree GEMM (ops/linear/triton_tree.py; row_parallel_slices
+        > 1) takes the regime's tile and halves it until its log2(slices per rank) + 1 fp32 accumulator
+        tiles fit in this many registers per thread (the K block and the tree are the same whatever
+        the tile: a row's bits do not depend on it). linear_tree_slice_loops: its TMA kernel runs one K
+        loop per slice (asynchronous dots, the loads refilled at each slice) rather than one K loop
+        over all slices (loads streaming on, the dots serialised around the fold); the same bits.
+        One loop per slice measured faster in every H200 cell (benchmarks/results/h200_tree_gemm.json).
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
@@ -160,6 +170,8 @@ class TritonKernelConfigs:
     linear_fp32_block_k: int = 32
     linear_fp32_warps: int = 8
     linear_fp32_stages: int = 3
+    linear_tree_acc_regs: int = 128
+    linear_tree_slice_loops: bool = True
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     conv_block_t: int = 8
@@ -236,6 +248,8 @@ class TritonKernelConfigs:
             raise ValueError(f"linear_mid_max_m {self.linear_mid_max_m} refused: below linear_decode_max_m "
                              f"{self.linear_decode_max_m}")
         _pow2("linear_group_m", self.linear_group_m, 1, 64)
+        _among("linear_tree_acc_regs", self.linear_tree_acc_regs, (64, 96, 128, 160, 192))
+        _among("linear_tree_slice_loops", self.linear_tree_slice_loops, (True, False))
         _among("linear_epi_split", self.linear_epi_split, (1, 2))
         if self.linear_epi_split != 1 and not self.linear_tma:
             raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")

@@ -27,6 +27,7 @@ from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.elementwise import triton as et  # noqa: E402
 from aligned_mamba.ops.linear import triton as lt  # noqa: E402
+from aligned_mamba.ops.linear import triton_tree as tt  # noqa: E402
 from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
 from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
 from aligned_mamba.ops.moe import triton as mt  # noqa: E402
@@ -97,6 +98,10 @@ def _workload(cfg: TritonKernelConfigs) -> None:
                         (100, 1024, F32)]:
         x, w = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
         lt.linear_triton(x, w, None, cfg)
+    # the row-parallel tree GEMM (row_parallel_slices 8 at TP 1, and a rank's subtree at TP 2) at a large tile
+    x, w = torch.empty(8192, K, dtype=BF16), torch.empty(1024, K, dtype=BF16)
+    tt.linear_tree_triton(x, w, None, 8, BF16, cfg)
+    tt.linear_tree_triton(x, w, None, 4, F32, cfg)
     D = 2048
     x, res, wn = r(64, D), r(64, D, dtype=F32), r(D, dtype=F32)
     nt.rms_norm_triton(x, wn, 1e-5, BF16, cfg)

@@ -101,5 +101,6 @@ def test_contract_field() -> None:
     for bad in (0, 3, True, 2.0, 2048):
         with pytest.raises(ContractError, match="row_parallel_slices"):
             Contract(256, row_parallel_slices=bad)
-    with pytest.raises(ContractError, match="torch backend only"):
-        Contract(256, backend="triton", row_parallel_slices=2)
+    assert Contract(256, backend="triton", row_parallel_slices=2).row_parallel_slices == 2
+    with pytest.raises(ContractError, match="triton backend: its tree GEMM sums at most 16 slices"):
+        Contract(256, backend="triton", row_parallel_slices=32)

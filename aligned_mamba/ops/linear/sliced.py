@@ -14,6 +14,9 @@ At TP k (k | S) rank r holds K columns [r K/k, (r + 1) K/k), i.e. slices r S/k .
 a whole subtree of the pairwise tree: it sums them locally, the k subtree sums are all-gathered
 (never all-reduced) and every rank joins them by the tree's top log2(k) levels. So TP 1, 2, 4 ... S
 give the same bits, and S = 1 is the plain ``linear``.
+
+A backend with a fused form of the subtree (``Ops.linear_tree``: the triton backend's one launch,
+``triton_tree.py``) passes it as ``tree``; the arithmetic is the same, in that backend's own bits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     from ...parallel import TPGroup
 
 Partial = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: (x [M, k], w [N, k], b [N] | None, slices, out_dtype) -> [M, N]: the pairwise tree over ``slices``
+#: contiguous K slices' fp32 sums (+ b in fp32), rounded once to out_dtype (``Ops.linear_tree``)
+Tree = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.dtype], torch.Tensor]
 
 
 def check_slices(k_local: int, slices: int, size: int) -> int:
@@ -47,7 +53,8 @@ def check_slices(k_local: int, slices: int, size: int) -> int:
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
-                        slices: int, group: TPGroup, partial: Partial) -> torch.Tensor:
+                        slices: int, group: TPGroup, partial: Partial | None = None,
+                        tree: Tree | None = None) -> torch.Tensor:
     """The contract's row-parallel GEMM: x [M, K/size] @ w [N, K/size]^T (+ b [N]) -> [M, N] in x's dtype.
 
     x, w: this rank's K columns (rank ``group.rank`` of ``group.size``, contiguous, in rank order).
@@ -55,12 +62,26 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor
     ``linear_weight`` made it (prepared once: no per-call slicing and padding). b: [N] (any float
     dtype, added in float32) or None. slices: S, the contract's ``row_parallel_slices``. partial:
     the backend's float32-output GEMM over one slice (``Ops.linear_partial``: [M, k] x [N, k] ->
-    [M, N] float32, row-invariant). Every rank returns the same full [M, N].
+    [M, N] float32, row-invariant). tree: the backend's fused subtree (``Ops.linear_tree``), used
+    instead of ``partial`` where given; w is then this rank's whole [N, K/size] weight. Every rank
+    returns the same full [M, N].
     """
     size = group.size
     k_local = x.shape[1]
     local = check_slices(k_local, slices, size)
     c = k_local // local
+    if tree is not None:
+        if not isinstance(w, torch.Tensor) or w.shape[1] != k_local:
+            raise ValueError(f"row_parallel_linear: the fused tree takes this rank's whole weight of {k_local} K "
+                             "columns")
+        if size == 1:  # the whole tree, the bias and the rounding in one call
+            return tree(x, w, b, local, x.dtype)
+        total = pair_tree(group.all_gather(tree(x, w, None, local, torch.float32)).movedim(0, -1))
+        if b is not None:
+            total = total + b.to(torch.float32)
+        return total.to(x.dtype)
+    if partial is None:
+        raise ValueError("row_parallel_linear: give the backend's partial GEMM or its fused tree")
     if isinstance(w, torch.Tensor):
         if w.shape[1] != k_local:
             raise ValueError(f"row_parallel_linear: x has {k_local} K columns, w {w.shape[1]}")

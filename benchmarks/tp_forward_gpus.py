@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""The trainer's forward and the sampler's schedules at TP 1, 2 (4) over NCCL, one process per GPU.
+
+    python3 benchmarks/tp_forward_gpus.py --out OUT/h200_tp.json [--sizes 1,2,4] [--models mamba2-1.3b,hybrid-8b]
+    python3 benchmarks/tp_forward_gpus.py --dist gloo --backend torch --models tiny --out /tmp/tp.json   (CPU)
+
+Per model and TP degree k, k processes (spawned) join one process group (``--dist``: nccl, each rank
+on GPU ``rank``; gloo on the CPU), each builds its shard of the same checkpoint (``TPGroup.from_torch``,
+``tp_reference``) under a contract of ``row_parallel_slices`` S, and runs: the trainer's one-pass
+forward over a few sequences (every logits row and token logprob kept), the same forward under stock
+tensor parallelism (row-parallel partials rounded and all-gathered in rank order: the baseline), and
+the reference engine's chunked prefill + decode schedule (rows and reported logprobs). Rank 0's results
+are compared with TP 1's: rows and logprobs differing (expected 0), stock TP k against stock TP 1
+(expected > 0); times: the forward's median over repeats (CUDA events on the GPU), and the stock
+forward's at the same degree (Megatron itself is not installed on the GPU machine: the stand-in is
+the library's stock TP model on the same weights).
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1), set here before any process starts and again in each rank. Models are
+random weights in checkpoint proportions (``--layers`` of them): the 1.3b-shaped Mamba2 (hidden 2048,
+64 heads x 64, state 128, n_groups 1) and a Nemotron-H-8B-shaped hybrid (Mamba2 128 heads x 64, 8
+groups; attention 32 x 128 heads, 8 KV heads; MLP 21504), or tiny ones for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _k, _v in NO_MULTICAST.items():  # before torch and any child: spawned ranks inherit the environment
+    os.environ[_k] = _v
+
+
+def model(name: str, layers: int):
+    """(config, tensors) of a named shape."""
+    from aligned_mamba.models.mamba2 import make_tiny
+    from aligned_mamba.models.nemotron_h import make_tiny_hybrid
+
+    if name == "tiny":
+        return make_tiny(1, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=8,
+                         num_hidden_layers=2, chunk_size=32)
+    if name == "tiny-hybrid":
+        return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
+    if name == "mamba2-1.3b":
+        return make_tiny(0, hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1,
+                         num_hidden_layers=layers, chunk_size=256, vocab_size=50280, expand=2)
+    if name == "hybrid-8b":
+        pattern = ("M-M*M-" * layers)[:max(4, layers)]
+        return make_tiny_hybrid(3, pattern=pattern, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
+                                n_groups=8, ssm_state_size=128, num_attention_heads=32, num_key_value_heads=8,
+                                head_dim=128, intermediate_size=21504, vocab_size=131072, chunk_size=256)
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) -> None:
+    for k, v in NO_MULTICAST.items():
+        os.environ[k] = v
+    import torch
+    import torch.distributed as dist
+
+    from aligned_mamba import tp_reference
+    from aligned_mamba.check import CASES, scenario_for
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.ops.logprobs import token_logprobs
+    from aligned_mamba.parallel import TPGroup
+
+    try:
+        if dist_backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        group = TPGroup.from_torch() if size > 1 else TPGroup.single()
+        config, tensors = model(job["model"], job["layers"])
+        c = Contract(config.chunk_size, backend=job["backend"], row_parallel_slices=job["slices"])
+        seqs = [torch.tensor(s) for s in job["seqs"]]
+        cuda = dist_backend == "nccl"
+        out: dict = {}
+        for stock in (False, True):
+            m = tp_reference.build(group, config, tensors, c, stock=stock)
+            rows = m.forward(list(seqs))
+            times = []
+            for _ in range(job["repeats"]):
+                if cuda:
+                    torch.cuda.synchronize()
+                dist.barrier()
+                t = time.perf_counter()
+                m.forward(list(seqs))
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            times.sort()
+            key = "stock" if stock else "aligned"
+            out[key] = dict(rows=[r.cpu() for r in rows], ms=times[len(times) // 2] if times else None,
+                            logprobs=[token_logprobs(r[:-1], s[1:].to(r.device)).cpu() for r, s in zip(rows, seqs)])
+        case = next(x for x in CASES if x.name == "chunked_prefill_unaligned")
+        scen = scenario_for(case, [list(map(int, s)) for s in job["seqs"]], job["gen_len"], job["budget"], 3)
+        res = tp_reference.run_scenario(group, config, tensors, c, scen, True)
+        out["engine"] = dict(tokens=res.tokens, rows=[[(p, r.cpu()) for p, r in req] for req in res.rows],
+                             logprobs=[list(map(float, lp)) for lp in res.sampled_logprobs])
+        dist.barrier()
+        if rank == 0:  # plain pickled bytes: a tensor shared by file descriptor would die with this process
+            queue.put(("ok", pickle.dumps(out)))
+        dist.destroy_process_group()
+    except Exception as e:  # one line to the parent, which reports it
+        queue.put(("error", f"rank {rank} of {size}: {type(e).__name__}: {' '.join(str(e).split())[:500]}"))
+
+
+def run_degree(size: int, dist_backend: str, job: dict, timeout: float) -> dict:
+    import multiprocessing
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, size, port, dist_backend, job, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = queue.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return pickle.loads(payload)
+
+
+def _differing(a, b) -> int:
+
+    return sum(int((x != y).any(dim=-1).sum()) if x.shape == y.shape else int(x.shape[0]) for x, y in zip(a, b))
+
+
+def compare(one: dict, other: dict) -> dict:
+    """Rank 0's results at a degree against TP 1's."""
+    eng_rows = sum(int(not (p == q and bool((r == s).all()))) for a, b in zip(one["engine"]["rows"],
+                                                                           other["engine"]["rows"])
+                   for (p, r), (q, s) in zip(a, b))
+    eng_lp = sum(int(x != y) for a, b in zip(one["engine"]["logprobs"], other["engine"]["logprobs"])
+                 for x, y in zip(a, b))
+    # the engine's rows are those the trainer's one pass computes at the same positions (exact replay)
+    return dict(
+        rows=sum(int(r.shape[0]) for r in one["aligned"]["rows"]),
+        rows_differing=_differing(one["aligned"]["rows"], other["aligned"]["rows"]),
+        logprobs_differing=_differing([x[:, None] for x in one["aligned"]["logprobs"]],
+                                      [x[:, None] for x in other["aligned"]["logprobs"]]),
+        engine_tokens_equal=one["engine"]["tokens"] == other["engine"]["tokens"],
+        engine_rows_differing=eng_rows, engine_logprobs_differing=eng_lp,
+        stock_rows_differing_from_stock_tp1=_differing(one["stock"]["rows"], other["stock"]["rows"]),
+        aligned_ms=other["aligned"]["ms"], stock_ms=other["stock"]["ms"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dist", default="nccl", choices=("nccl", "gloo"))
+    ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
+    ap.add_argument("--models", default="mamba2-1.3b,hybrid-8b")
+    ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--slices", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-lens", default="300,77")
+    ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--timeout-s", type=float, default=540)
+    args = ap.parse_args()
+    import torch
+    import triton
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if sizes[0] != 1:
+        raise SystemExit("--sizes must start with 1 (the degree every other is compared with)")
+    res: dict = dict(dist=args.dist, backend=args.backend, slices=args.slices, layers=args.layers,
+                     torch=torch.__version__, triton=triton.__version__,
+                     gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                     commit=os.environ.get("GIT_COMMIT"), no_multicast=NO_MULTICAST,
+                     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), models={})
+    ok = True
+    for name in args.models.split(","):
+        config, _ = model(name, args.layers)
+        g = torch.Generator().manual_seed(7)
+        seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in map(int,
+                                                                                             args.seq_lens.split(","))]
+        job = dict(model=name, layers=args.layers, backend=args.backend, slices=args.slices, seqs=seqs,
+                   gen_len=args.gen_len, budget=args.budget, repeats=args.repeats)
+        runs = {k: run_degree(k, args.dist, job, args.timeout_s) for k in sizes}
+        res["models"][name] = {f"tp{k}": compare(runs[1], runs[k]) for k in sizes}
+        for k in sizes[1:]:
+            c = res["models"][name][f"tp{k}"]
+            ok &= c["rows_differing"] == 0 and c["logprobs_differing"] == 0 and c["engine_rows_differing"] == 0
+            ok &= c["stock_rows_differing_from_stock_tp1"] > 0
+        print(json.dumps({name: res["models"][name]}), flush=True)
+    res["all_equal_with_a_differing_baseline"] = bool(ok)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The triton backend's row-parallel tree GEMM (``ops/linear/triton_tree.py``) through the interpreter.
+
+fp32 only (the interpreter's bf16 arithmetic is not the GPU's), small shapes: the logic. TP k (ranks
+as threads, each launch computing its subtree, the subtree sums all-gathered and joined by the tree's
+top) gives TP 1's bits, TP 1 being one launch with the whole tree, the bias and the rounding; both
+equal the per-slice partials summed by ``pair_tree`` (the contract's tree), and the all-reduce of
+rank partials that stock tensor parallelism runs differs. tests/ops/test_linear_tree_gpu.py checks
+the bits on the GPU at the model shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import interpreted  # noqa: F401  (the interpreter on, before triton is imported)
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+interpreted.require()
+pytestmark = pytest.mark.interpreter
+
+from aligned_mamba.contract import Contract  # noqa: E402
+from aligned_mamba.errors import AlignedMambaError, ContractError  # noqa: E402
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.linear import triton as lt  # noqa: E402
+from aligned_mamba.ops.linear import triton_tree as tt  # noqa: E402
+from aligned_mamba.ops.linear.sliced import row_parallel_linear  # noqa: E402
+from aligned_mamba.ops.logprobs.sliced import pair_tree  # noqa: E402
+from aligned_mamba.parallel import TPGroup, check_tp, shard, threads  # noqa: E402
+
+CFG = TritonKernelConfigs()
+F32 = torch.float32
+
+
+_INTERPRETER = threading.Lock()  # the interpreter runs one kernel at a time (it patches triton.language)
+
+
+def _tree(x, w, b, local, out_dtype):
+    with _INTERPRETER:
+        return tt.linear_tree(x, w, b, local, out_dtype, cfg=CFG)
+
+
+def _partial(x, w):
+    return tt.linear_partial(x, w, cfg=CFG)
+
+
+def _tp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, slices: int, size: int) -> list[torch.Tensor]:
+    """Every rank's output at TP ``size``: its K columns, one launch for its subtree (ranks as threads)."""
+
+    def rank(group: TPGroup) -> torch.Tensor:
+        k = shard(x.shape[1], group)
+        return row_parallel_linear(x[:, k], w[:, k].contiguous(), b, slices=slices, group=group, tree=_tree)
+
+    return threads(rank, size)
+
+
+def _operands(m: int, k: int, n: int, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    return x, w, (torch.randn(n, generator=g) if bias else None)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 20), kc=st.sampled_from([4, 8, 12, 32, 40]), n=st.integers(1, 40),
+       log_s=st.integers(1, 3), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: int, log_s: int, bias: bool, seed: int) -> None:
+    # kc: K columns per slice; 32 and 40 reach whole BLOCK_K (TMA) and a masked last block (pointers)
+    s = 1 << log_s
+    x, w, b = _operands(m, kc * s, n, seed, bias)
+    one = row_parallel_linear(x, w, b, slices=s, group=TPGroup.single(), tree=_tree)
+    assert one.dtype == F32 and one.shape == (m, n)
+    # the contract's tree over this backend's slice partials, summed outside the kernel
+    parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(s)], -1)
+    assert torch.equal(one, pair_tree(parts) + (0 if b is None else b))
+    size = 2
+    while size <= s:
+        for got in _tp(x, w, b, s, size):
+            assert torch.equal(got, one), (size, s)
+        size *= 2
+
+
+@pytest.mark.parametrize("local", [4, 8, 16])
+def test_the_stack_folds_the_slices_by_adjacent_pairs_not_in_a_chain(local: int) -> None:
+    # 1e8-scaled slices make the order of the adds visible: a chain ((p0 + p1) + p2) + ... or halves
+    # (p_i + p_{i + n/2}) would round otherwise than adjacent pairs
+    g = torch.Generator().manual_seed(local)
+    kc = 8
+    x = torch.randn(6, kc * local, generator=g)
+    x = x * (10.0 ** torch.randint(-4, 5, (1, kc * local), generator=g))
+    w = torch.randn(10, kc * local, generator=g)
+    y = tt.linear_tree_triton(x, w, None, local, F32, CFG)
+    parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(local)], -1)
+    assert torch.equal(y, pair_tree(parts))
+    chain = parts[..., 0]
+    for j in range(1, local):
+        chain = chain + parts[..., j]
+    halves = parts
+    while halves.shape[-1] > 1:
+        h = halves.shape[-1] // 2
+        halves = halves[..., :h] + halves[..., h:]
+    assert not torch.equal(y, chain) and not torch.equal(y, halves[..., 0])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_all_reduce_it_replaces_differs(size: int) -> None:
+    x, w, _ = _operands(24, 256, 40, 3, False)
+    w = w / 16
+    aligned = [row_parallel_linear(x, w, None, slices=8, group=TPGroup.single(), tree=_tree)]
+    aligned += _tp(x, w, None, 8, size)
+    assert all(torch.equal(a, aligned[0]) for a in aligned)
+    # stock row parallelism: each rank's whole K in one GEMM, the ranks' outputs summed in rank order
+    parts = [lt.linear_triton(x[:, k].contiguous(), w[:, k].contiguous(), None, CFG)
+             for k in (shard(256, TPGroup(r, size, None)) for r in range(size))]
+    stock = parts[0]
+    for p in parts[1:]:
+        stock = stock + p
+    assert (stock != aligned[0]).any(dim=1).sum().item() > 0, "stock TP should round otherwise on some rows"
+
+
+def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
+    x, w, b = _operands(9, 128, 24, 4, True)  # 32-column slices: whole K blocks, the TMA kernel
+    assert torch.equal(tt.linear_tree_triton(x, w, b, 1, F32, CFG), lt.linear_triton(x, w, b, CFG))
+    y = tt.linear_tree_triton(x, w, b, 4, F32, CFG)
+    # other tiles and schedules compute every tile (the interpreter's numpy dots round by the tile's
+    # shape, so the bits across tiles are the GPU test's)
+    for tiles in [lt.LinearPlan(16, 16, 32, 4, 2, 1, False, False, 1, "ieee"),
+                  lt.LinearPlan(32, 16, 32, 4, 2, 2, True, True, 1, "ieee")]:
+        got = tt.linear_tree_triton(x, w, b, 4, F32, CFG, tiles=tiles)
+        assert torch.allclose(got, y, rtol=1e-5, atol=1e-5), tiles
+    # one K loop per slice or one over all slices: the same dots and folds
+    loops = dataclasses.replace(CFG, linear_tree_slice_loops=not CFG.linear_tree_slice_loops)
+    assert torch.equal(tt.linear_tree_triton(x, w, b, 4, F32, loops), y)
+
+
+def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
+    w = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    big = lt.plan(8192, w, CFG, sms=132)
+    assert tt.tree_plan(8192, w, 1, CFG, sms=132) == big
+    for local in (2, 4, 8, 16):
+        p = tt.tree_plan(8192, w, local, CFG, sms=132)
+        regs = local.bit_length() * p.block_m * p.block_n // (32 * p.num_warps)
+        assert regs <= CFG.linear_tree_acc_regs and p.block_k == big.block_k, (local, p)
+        assert p.block_m * p.block_n < big.block_m * big.block_n
+    # decode tiles already fit
+    assert tt.tree_plan(1, w, 8, CFG, sms=132) == lt.plan(1, w, CFG, sms=132)
+
+
+def test_refusals_are_one_line() -> None:
+    x, w = torch.zeros(2, 64), torch.zeros(3, 64)
+    for bad in (3, 32, 0):
+        with pytest.raises(ValueError, match="refused on the triton backend") as e:
+            tt.linear_tree_triton(x, w, None, bad, F32, CFG)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not a multiple"):
+        tt.linear_tree_triton(x[:, :60], w[:, :60], None, 8, F32, CFG)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tt.linear_tree_triton(x, w, None, 2, torch.bfloat16, CFG)
+    with pytest.raises(ValueError, match="whole weight"):
+        row_parallel_linear(x, [w[:, :32], w[:, 32:]], None, slices=2, group=TPGroup.single(), tree=_tree)
+
+
+def test_the_contract_and_check_tp_refuse_only_what_does_not_run() -> None:
+    assert Contract(256, backend="triton", row_parallel_slices=16).row_parallel_slices == 16
+    with pytest.raises(ContractError, match="at most 16 slices") as e:
+        Contract(256, backend="triton", row_parallel_slices=32)
+    assert "\n" not in str(e.value)
+    from aligned_mamba.models.mamba2 import make_tiny
+
+    config, _ = make_tiny(0, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                          num_hidden_layers=1, chunk_size=32)
+    check_tp(Contract(32, backend="triton", row_parallel_slices=4), config, 2)
+    with pytest.raises(AlignedMambaError, match="row_parallel_slices >= 4"):
+        check_tp(Contract(32, backend="triton", row_parallel_slices=2), config, 4)

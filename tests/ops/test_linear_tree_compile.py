@@ -1,0 +1,99 @@
+"""The row-parallel tree GEMM compiles for sm_90 (the H200) in every plan the row-parallel layers meet.
+
+Offline, with the triton wheel's ptxas and cuobjdump, no GPU: the tree kernel (TMA and pointer
+forms) at out_proj / o_proj / fc2 widths, decode to prefill row counts, 2 to 16 slices per rank, bf16
+and fp32 models. The SASS must show HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for 16-row
+tiles, TMA loads where descriptors are used, and no local memory: the stack of partial sums fits in
+registers (``linear_tree_acc_regs``), which the plan's tile halving promises.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sm90_offline import run_sm90_script
+
+pytestmark = pytest.mark.compile
+
+_COMPILE_TREE = r"""
+import inspect, json, os, re, subprocess, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.linear import triton_tree as tt
+
+cfg = TritonKernelConfigs()
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ALIGNED = {"N", "C", "stride_xm", "stride_wn", "stride_ym"}
+done = []
+
+
+def comp(name, fn, types, consts, **opts):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
+             if v.startswith("*") or n in ALIGNED}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+    ops = {o: len(re.findall(r"\b" + o + r"\b", sass)) for o in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL")}
+    done.append(dict(name=name, regs=regs, stack=stack, shared=k.metadata.shared, **ops))
+
+
+plans = {}
+for N in (2048, 4096):
+    for M in (1, 64, 256, 8192):
+        for local in (2, 4, 8, 16):
+            for dt in ("bf16", "fp32"):
+                w = torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32)
+                plans[(dt, local, tt.tree_plan(M, w, local, cfg, sms=132))] = None
+for dt, local, p in plans:
+    tag = f"tree:{dt}:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
+    opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
+    c = dict(LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+             GROUP_M=p.group_m, PRECISION=p.precision)
+    if p.tma:  # TP 1 (bias, the model dtype) and a rank's fp32 subtree
+        for out, bias in ((dt, True), ("fp32", False)):
+            comp(tag + f":tma:{out}", tt._tree_tma_kernel,
+                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                      y_desc=f"tensordesc<{out}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
+                 dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                      SLICE_LOOPS=cfg.linear_tree_slice_loops), **opts)
+        # the other loop form (linear_tree_slice_loops), TP 1's launch
+        comp(tag + f":tma:{dt}:loops{int(not cfg.linear_tree_slice_loops)}", tt._tree_tma_kernel,
+             dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                  w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                  y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
+             dict(c, HAS_BIAS=True, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                  SLICE_LOOPS=not cfg.linear_tree_slice_loops), **opts)
+    # the pointer kernel: the plan's own launch without TMA, or a TMA plan's fallback tile
+    f = tt.fallback_plan(p, local, cfg) if p.tma else p
+    comp(f"tree:{dt}:L{local}:{f.block_m}x{f.block_n}x{f.block_k}:w{f.num_warps}s{f.num_stages}:ptr",
+         tt._tree_ptr_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, y_ptr="*" + dt, b_ptr="*" + dt),
+         dict(c, HAS_BIAS=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n), num_warps=f.num_warps,
+         num_stages=f.num_stages)
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_the_tree_gemm_compiles_for_sm90_without_spills(tmp_path):
+    done = run_sm90_script(_COMPILE_TREE, tmp_path)
+    assert len(done) >= 20, [d["name"] for d in done]
+    for d in done:
+        assert d["LDL"] == d["STL"] == 0, d  # the stack of partial sums stays in registers
+        _, dt, _, tile = d["name"].split(":")[:4]
+        bm = int(tile.split("x")[0])
+        if dt == "bf16":
+            assert d["HGMMA" if bm >= 64 and ":tma:" in d["name"] else "HMMA"] > 0 or d["HGMMA"] > 0, d
+        if ":tma:" in d["name"]:
+            assert d["UTMALDG"] > 0, d
