@@ -141,10 +141,8 @@ def setup(engines, tmp_path_factory):
     cache: dict = {}
 
     def start(key: str) -> None:
-        if key in shared:
-            engines.get(shared[key])
-        elif key not in started:
-            started[key] = spawn(*procs[key])
+        if key not in started:
+            started[key] = engines.get(shared[key]) if key in shared else spawn(*procs[key])
 
     def result(key: str):
         if key == "refusals":
@@ -160,7 +158,7 @@ def setup(engines, tmp_path_factory):
     def get(key: str):
         if key not in cache:
             start(key)
-            ahead = [k for k in procs if k not in started and k not in shared and k != key]
+            ahead = [k for k in procs if k not in started]
             if ahead:
                 start(ahead[0])
             cache[key] = result(key)
@@ -172,9 +170,9 @@ def setup(engines, tmp_path_factory):
 
     trainers = {name: build_model(c, t, k) for name, (c, t, k, _) in models.items()}
     yield {"get": get, "trainers": trainers, "models": models, "refusals": refusals}
-    for key, (pool, _) in started.items():
-        if key not in cache:
-            pool.shutdown(wait=True, cancel_futures=True)
+    for key, proc in started.items():
+        if key not in cache and key not in shared:
+            proc[0].shutdown(wait=True, cancel_futures=True)
     shutil.rmtree(root, ignore_errors=True)
 
 
