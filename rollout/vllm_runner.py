@@ -67,17 +67,25 @@ class Run:
 def run_in_engine(spec: LLMSpec, runs: Sequence[Run | Scenario]) -> list[ScenarioResult] | str:
     """Start the engine (in this process) and run the scenarios in order. Returns the results,
     or the one-line message of the exception that stopped the engine from starting."""
-    _engine_env()
-    _set_switch(spec)
-    try:
-        llm = build_llm(spec)
-    except Exception as e:  # the refusal (or any start failure) comes back as its message
-        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    llm = start_llm(spec)
+    if isinstance(llm, str):
+        return llm
     out = []
     for r in runs:
         r = r if isinstance(r, Run) else Run(r)
         out.append(drive(llm, r.scenario, logprobs_mode=r.logprobs_mode, reprefill=r.reprefill, logprobs=r.logprobs))
     return out
+
+
+def start_llm(spec: LLMSpec) -> Any:
+    """Set this process's environment for ``spec`` and start its engine: the ``vllm.LLM``, or the
+    one-line message of the exception that stopped it from starting (a refusal, or any failure)."""
+    _engine_env()
+    _set_switch(spec)
+    try:
+        return build_llm(spec)
+    except Exception as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _set_switch(spec: LLMSpec) -> None:
@@ -368,6 +376,13 @@ def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | 
         llm = build_llm(spec)
     except Exception as e:
         return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return report_logprobs(llm, jobs)
+
+
+def report_logprobs(llm: Any, jobs: Sequence[LogprobJob]) -> dict[str, Any]:
+    """Run ``jobs`` through ``llm.generate`` on a started engine (see ``generate_logprobs``; an
+    in-process engine takes each job's budget and ``logprobs_mode``). Returns {"pid", "model_class"
+    (in-process engines), "results": {job name: LogprobResult}}."""
     from vllm import SamplingParams
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

@@ -48,11 +48,14 @@ def test_the_installed_wheel_finds_its_contracts(installed: Path, tmp_path: Path
 
 
 def test_the_installed_wheel_runs_the_main_job(installed: Path, tmp_path: Path) -> None:
-    out = _run(installed, tmp_path, "-m", "aligned_mamba.cli", "check", "--jobs", "1", "--json",
-               str(tmp_path / "r.json"))
+    """The main job from the wheel, on the embedded default at a smaller size than the README's (its
+    default run is tests/core/test_cli.py's): still past a chunk boundary, so the baseline differs."""
+    out = _run(installed, tmp_path, "-m", "aligned_mamba.cli", "check", "--jobs", "1", "--prompt-len", "200",
+               "--gen-len", "100", "--requests", "2", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["ok"] and all(c["mismatched_rows"] == 0 for c in r["cases"] if c["exact_replay"])
+    assert r["control"]["could_fail"] and r["control"]["baseline_mismatched_rows"] > 0, r["control"]
     assert "OK: every exact-replay case is bit-identical" in out.stdout
 
 

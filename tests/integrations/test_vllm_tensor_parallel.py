@@ -8,7 +8,9 @@ under ``torch.equal``, for Mamba2 with n_groups 1 (B and C replicated across the
 norm's sum of squares joined over an all-gather) and 8, and for hybrids whose two key/value heads
 split across the ranks or whose one is kept by both. Baselines: stock vLLM at TP 2 against stock
 vLLM at TP 1 on the same checkpoint, and the reference under the unsliced contract.
-One engine per checkpoint, one at a time (each is three processes on a small machine).
+One engine per checkpoint serving every case of it (rows, logprobs, preemption, late joins, the
+weight push), one at a time (each is three processes on a small machine); stock vLLM at TP 1 is
+the session's shared stock engine (tests/integrations/engines.py).
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ pytestmark = [pytest.mark.engines,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install -e '.[vllm]')")]
 
+from engines import EngineProcess  # noqa: E402
+
 import aligned_mamba  # noqa: E402
 from aligned_mamba.check import compare  # noqa: E402
 from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.integrations import Scenario  # noqa: E402
+from aligned_mamba.integrations import EngineSpec, Scenario  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.models.mamba2 import save_checkpoint as save_mamba2  # noqa: E402
 from aligned_mamba.models.nemotron_h import make_tiny_hybrid  # noqa: E402
 from aligned_mamba.models.nemotron_h import save_checkpoint as save_hybrid  # noqa: E402
-from rollout.vllm_runner import LLMSpec, Run, run_in_engine, spawn, try_start  # noqa: E402
+from rollout.vllm_runner import LLMSpec, Run  # noqa: E402
 
 PROMPT_LENS = (300, 226, 71)
 GEN = 12
@@ -61,35 +65,45 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(engines, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_tp")
     ckpts = _checkpoints()
     base = dict(max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=4)
     jobs, refs, contracts, prompts = {}, {}, {}, {}
     for name, (config, tensors, save, _, extra) in ckpts.items():
-        save(root / name, config, tensors)
+        path = engines.checkpoint("mamba2") if name == "g1" else root / name  # g1: the shared default Mamba2
+        if name != "g1":
+            save(path, config, tensors)
         unsliced = Contract.from_hf_config(config.to_hf_dict(), backend="torch", model_dtype="bfloat16")
         contract = dataclasses.replace(unsliced, row_parallel_slices=SLICES)
         contracts[name] = contract
         refs[name] = {"tp1": build_model(config, tensors, contract), "unsliced": build_model(config, tensors, unsliced)}
         prompts[name] = _prompts(config.vocab_size)
-        stated = {"additional_config": {"aligned_mamba": {"contract": contract.to_dict()}}}
         runs = [Run(Scenario("rows", prompts[name], GEN, budget=BUDGET, rows="all")),
                 Run(Scenario("logprobs", prompts[name], GEN, budget=BUDGET, rows="none"),
                     logprobs_mode="processed_logprobs", logprobs=0)]
-        if name == "g1":  # vLLM's preemption (every running request recomputed) and requests joining late
+        if name == "g1":
+            # vLLM's preemption (every running request recomputed), requests joining late, and an RL
+            # weight push (test_tp2_weight_update_rebuilds_every_rank), on the engine the RL loop builds
             runs += [Run(Scenario("preempt", prompts[name], GEN, budget=BUDGET, preempt_marks=(3, 8))),
                      Run(Scenario("join_leave", prompts[name], GEN, budget=64, rows="all", stagger=True))]
-        jobs[name] = (run_in_engine, LLMSpec(model_dir=str(root / name), exact_replay=True, **base,
-                                             llm_kwargs={**TP, **stated, **extra}), runs)
+            spec = EngineSpec(str(path), contract.to_dict(), max_model_len=base["max_model_len"],
+                              max_num_seqs=base["max_num_seqs"], max_batch_tokens=base["max_num_batched_tokens"],
+                              tp=2)
+            push = (Scenario("push", prompts[name], GEN, budget=BUDGET), make_tiny(4)[1], tensors)
+        else:
+            stated = {"additional_config": {"aligned_mamba": {"contract": contract.to_dict()}}}
+            spec = LLMSpec(model_dir=str(path), exact_replay=True, **base, llm_kwargs={**TP, **stated, **extra})
+            push = None
+        jobs[name] = (spec, runs, push)
     # the baseline: stock vLLM's prompt rows at TP 1 and TP 2 (same prompts, no sampling in between),
-    # and its reported logprobs (same seed: the same tokens until the rows' differences change one)
+    # and its reported logprobs (same seed: the same tokens until the rows' differences change one);
+    # TP 1 on the session's shared stock engine of the same checkpoint
     stock = [Run(Scenario("stock_rows", prompts["g1"], 1, budget=BUDGET, rows="all")),
              Run(Scenario("stock_logprobs", prompts["g1"], GEN, budget=BUDGET, rows="none"),
                  logprobs_mode="processed_logprobs", logprobs=0)]
-    for tp, kw in (("stock_tp1", {}), ("stock_tp2", TP)):
-        jobs[tp] = (run_in_engine, LLMSpec(model_dir=str(root / "g1"), exact_replay=False, **base, llm_kwargs=kw),
-                    stock)
+    jobs["stock_tp2"] = (LLMSpec(model_dir=str(engines.checkpoint("mamba2")), exact_replay=False, **base,
+                                 llm_kwargs=TP), stock, None)
     moe_config, moe_tensors = make_tiny_hybrid(0, pattern="M*E")
     save_hybrid(root / "moe", moe_config, moe_tensors)
     g1 = contracts["g1"]
@@ -104,22 +118,29 @@ def setup(tmp_path_factory):
             row_parallel_slices=SLICES).to_dict()}}}, "moe", "MoE layers"),
         "pipeline": ({"pipeline_parallel_size": 2}, "g1", "pipeline parallelism (pipeline_parallel_size 2)"),
     }
-    jobs["refusals"] = (try_start, [LLMSpec(model_dir=str(root / m), exact_replay=True, **base, llm_kwargs=kw)
-                                    for kw, m, _ in refusals.values()])
+    dirs = {"g1": engines.checkpoint("mamba2"), "moe": root / "moe"}
+    refusal_specs = [LLMSpec(model_dir=str(dirs[m]), exact_replay=True, **base, llm_kwargs=kw)
+                     for kw, m, _ in refusals.values()]
     cache: dict = {}
 
     def get(key: str):
-        # one engine at a time, started when a test first asks for it: a TP 2 engine is three processes
+        # one engine at a time, started when a test first asks for it and closed once it has run
+        # every case asked of it: a TP 2 engine is three processes
         if key not in cache:
-            pool, fut = spawn(*jobs[key])
-            try:
-                cache[key] = fut.result(timeout=1200)
-            finally:
-                pool.shutdown(wait=True)
-        out = cache[key]
-        if isinstance(out, str):
-            pytest.fail(f"engine {key!r} did not start: {out}")
-        return out if key == "refusals" else {r.name: r for r in out}
+            if key == "refusals":
+                cache[key] = engines.get("refusals").try_start(refusal_specs)
+            elif key == "stock_tp1":
+                cache[key] = engines.get("mamba2/stock").runs(stock)
+            else:
+                spec, runs, push = jobs[key]
+                proc = EngineProcess(key, spec)
+                try:
+                    cache[key] = proc.runs(runs)
+                    if push:
+                        cache[key]["push"] = proc.push(*push)
+                finally:
+                    proc.close()
+        return cache[key]
 
     yield {"get": get, "refs": refs, "contracts": contracts, "ckpts": ckpts, "refusals": refusals}
 
@@ -241,39 +262,15 @@ def test_cli_check_engine_vllm_sampler_tp2(tmp_path):
     assert_cli_report_aligned(json.loads(out.read_text()), code, "vllm", logprob_tokens=2 * 16)
 
 
-def _run_reload_run(spec, tensors, scenario):
-    """In an engine process: the scenario, then new weights through vLLM's reload_weights, then again."""
-    from rollout.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(spec)
-    try:
-        before = engine.run(scenario)
-        engine.load_weights(tensors)
-        return before, engine.run(scenario)
-    finally:
-        engine.close()
-
-
-def test_tp2_weight_update_rebuilds_every_rank(tmp_path):
+def test_tp2_weight_update_rebuilds_every_rank(setup):
     """An RL weight push (``VLLMEngine.load_weights``: vLLM's reload_weights in every worker) at TP 2: each
     rank cuts its shard of the new weights, and rows and reported logprobs follow the TP 1 reference of
-    the new weights (the old weights' reference, the baseline, no longer matches)."""
-    from aligned_mamba.integrations import EngineSpec
-    from rollout.vllm_runner import spawn
-
-    config, old = make_tiny(0)
+    the new weights (the old weights' reference, the baseline, no longer matches). On the g1 engine,
+    after its other cases (``VLLMEngine.run``: the rows pass, then the logprobs=0 pass)."""
+    config, old = setup["ckpts"]["g1"][:2]
     _, new = make_tiny(4)
-    save_mamba2(tmp_path / "ckpt", config, old)
-    contract = dataclasses.replace(Contract.from_hf_config(config.to_hf_dict(), backend="torch",
-                                                           model_dtype="bfloat16"), row_parallel_slices=SLICES)
-    spec = EngineSpec(str(tmp_path / "ckpt"), contract.to_dict(), max_model_len=512, max_num_seqs=4,
-                      max_batch_tokens=1024, tp=2)
-    scenario = Scenario("push", _prompts(config.vocab_size), GEN, budget=BUDGET)
-    pool, fut = spawn(_run_reload_run, spec, new, scenario)
-    try:
-        before, after = fut.result(timeout=1200)
-    finally:
-        pool.shutdown(wait=True)
+    contract = setup["contracts"]["g1"]
+    before, after = setup["get"]("g1")["push"]
     out = {}
     for label, res in (("before", before), ("after", after)):
         seqs = [torch.tensor(t) for t in res.tokens]

@@ -30,6 +30,9 @@ bf, i64 = "*bf16", "*i64"
 done = []
 
 
+TCS = %TCS%
+
+
 def comp(fn, types, consts, fuse, warps=NW):
     sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
@@ -43,7 +46,7 @@ def comp(fn, types, consts, fuse, warps=NW):
     done.append(f"{fn.fn.__name__}:{consts.get('TC', 'fp32')}")
 
 
-for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
+for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     fuse = not TC
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
     model = dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf) if TC else {}  # x and B in the model dtype
@@ -86,29 +89,32 @@ for TC in (0, 1, 2):  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(tb._weighted_state_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
              dict(D, **blocks, TO_END=to_end, PRECISION=cfg.dot_precision, TC=TC), fuse,
              tb.STATE_OPTS.get("num_warps", cfg.bwd_warps))
-comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
-                          Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
-                          lo="fp32", hi="fp32"),
-     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
-comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
-                            keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64),
-     dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
-comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
-     dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
-comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
-                                                                     BLOCK_N=BN), True)
-comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
-                          n="i32"),
-     dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
+if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
+    comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
+                              Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
+                              lo="fp32", hi="fp32"),
+         dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
+    comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
+                                keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64),
+         dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
+    comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
+         dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
+    comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
+                                                                         BLOCK_N=BN), True)
+    comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
+                              n="i32"),
+         dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
 print(json.dumps(done))
 """
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_sm90(tmp_path):
-    done = run_sm90_script(_COMPILE_ALL, tmp_path)
+@pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
+def test_every_kernel_compiles_for_sm90(tcs, tmp_path):
+    done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), tmp_path)
     # 14 kernel configs per dot mode (4 of the backward's); pack, buffer, row, reverse pass and zero kernels
-    assert len(done) == 3 * 14 + 5, done
+    assert len(done) == len(tcs) * 14 + 5 * (0 in tcs), done
+    assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
 _COMPLETION_DOTS = r"""
