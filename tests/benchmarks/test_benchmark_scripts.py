@@ -55,12 +55,14 @@ def test_train_megatron_dry_run(tmp_path: Path, model: str) -> None:
 
 
 def test_bench_scan_backward_dry_run(tmp_path: Path) -> None:
-    """The scan-backward benchmark's kernel configs through the interpreter: each config computes the
-    first one's gradients up to fp32 rounding."""
+    """The scan-backward benchmark's kernel configs through the interpreter (two chunk-kernel configs,
+    one state-kernel config, the rounded dots): each computes the first one's gradients up to fp32
+    rounding, the same bits when repeated."""
     pytest.importorskip("triton")
     out = tmp_path / "scan_backward.json"
     r = _run("bench_scan_backward_h200.py", out)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
-    assert len(cells) == 1 and all(len(c["ours"]) == 2 for c in cells)
-    assert all(e["max_rel_vs_first"] < 1e-5 for c in cells for e in c["ours"]), cells
+    assert len(cells) == 1 and [e["variant"].split()[0] for e in cells[0]["ours"]] == ["chunk", "chunk", "state",
+                                                                                         "round"], cells
+    assert all(e["max_rel_vs_first"] < 1e-5 and e["repeat_equal"] for c in cells for e in c["ours"]), cells
