@@ -1,11 +1,14 @@
-# Sourced by the gpu_*_session.sh scripts after `cd` to the repository root, with SESSION (the name of
+# Sourced by the gpu_*_session.sh scripts, with SESSION (the name of
 # the archive, $OUT/$SESSION.tgz, and of the default work folder, /tmp/${SESSION}work), STEPS and
-# DEADLINE_S set. Sets OUT, W (the work folder) and the environment, writes env.log, and defines:
+# DEADLINE_S set. Turns on strict mode (set -uo pipefail), moves to the repository root, sets OUT, W
+# (the work folder) and the environment, writes env.log, and defines:
 #   pack          the work folder packed into $OUT/$SESSION.tgz (written aside, then renamed, so a
 #                 call cut at its limit keeps what finished) and summary.txt copied beside it
 #   left SECONDS  a step's own limit cut to what DEADLINE_S (counted from here) leaves, at least 1
 #   note TEXT     a line in summary.txt with the seconds since the start
 #   want STEP     whether STEP is in STEPS
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 W="${WORK_DIR:-/tmp/${SESSION}work}"
 mkdir -p "$OUT" "$W"

@@ -12,12 +12,10 @@
 # $OUT/s3.tgz (written aside, then renamed), so a call cut at its time limit keeps what finished.
 # Each step's timeout is cut to what is left of DEADLINE_S (counted from the start).
 # Needs .anchors/ (mamba_ssm's package, see benchmarks/README.md) for the vsms step.
-set -uo pipefail
-cd "$(dirname "$0")/.."
 SESSION=s3
 STEPS="${STEPS:-moetests moebench moecheck attntests bwddet race mcheck vsms}"
 DEADLINE_S="${DEADLINE_S:-540}"
-source benchmarks/gpu_prelude.sh
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 if want moetests; then
   timeout "$(left "${MOETESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \

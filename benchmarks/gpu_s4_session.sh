@@ -14,14 +14,12 @@
 # Every step's logs and JSON go to a work folder packed into $OUT/s4.tgz after each step (written
 # aside, then renamed), so a call cut at its limit keeps what finished; each step's timeout is cut
 # to what is left of DEADLINE_S (counted from the start).
-set -uo pipefail
-cd "$(dirname "$0")/.."
 SESSION=s4
 STEPS="${STEPS:-tests megatron tiny nano nanotrain h8b}"
 DEADLINE_S="${DEADLINE_S:-560}"
 MAMBA_SSM="${MAMBA_SSM:-.anchors/mamba_ssm}"
 RESULTS="${RESULTS:-benchmarks/results/h200_hybrid.json}"
-source benchmarks/gpu_prelude.sh
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 hybrid() {  # bench_hybrid_h200.py sections, merged into the latest h200_hybrid.json
   local base="$RESULTS"

@@ -8,12 +8,10 @@
 #
 # Logs and JSON go to a work folder, packed into $OUT/scan.tgz after every step (summary.txt beside
 # it), so a call cut at its limit keeps what finished. Needs .anchors/ (mamba_ssm) for vsms.
-set -uo pipefail
-cd "$(dirname "$0")/.."
 SESSION=scan
 STEPS="${STEPS:-tests sweep vsms}"
 DEADLINE_S="${DEADLINE_S:-540}"
-source benchmarks/gpu_prelude.sh
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 if want tests; then
   timeout "$(left "${TESTS_S:-120}")" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=8 \
