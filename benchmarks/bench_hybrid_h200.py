@@ -254,6 +254,19 @@ def mlp_cells(res: dict, save) -> None:
 PATTERN = "M-M-M*-M-M-M-"  # 13 layers: Nemotron-H-8B's 24 M / 4 * / 24 - in proportion
 
 
+def noise_cache(model, slots: int, max_len: int):
+    """``model.new_cache(slots, max_len=max_len)`` with random states and keys (floating tensors N(0, 0.01),
+    the others zero): for timing only."""
+    cache = model.new_cache(slots, max_len=max_len)
+    for ts in cache.tensors:
+        for t in (ts or {}).values():
+            if t.is_floating_point():
+                t.normal_(0, 0.01)
+            else:
+                t.zero_()
+    return cache
+
+
 def hybrid_weights(config, seed: int) -> dict:
     from aligned_mamba.models.nemotron_h import expected_shapes
 
@@ -284,13 +297,7 @@ def model_cells(res: dict, save, quick: bool) -> None:
         save()
         ctx = 4096
         for B in ((1, 64) if quick else (1, 64, 256)):
-            cache = model.new_cache(B + 1, max_len=ctx + 64)
-            for ts in cache.tensors:  # random states and keys: timing only
-                for t in (ts or {}).values():
-                    if t.is_floating_point():
-                        t.normal_(0, 0.01)
-                    else:
-                        t.zero_()
+            cache = noise_cache(model, B + 1, ctx + 64)
             graphs = DecodeGraphs(model, cache, spare_slot=B)
             slots = list(range(B))
             pos = [ctx - 100] * B  # mid-chunk: no chunk completes in the timed step
@@ -638,13 +645,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
             ids = torch.randint(0, V, (run_b,), generator=g)
             graphs = cache = None
             try:
-                cache = model.new_cache(run_b + 1, max_len=ctx + 64)
-                for ts in cache.tensors:  # random states and keys: timing only
-                    for t in (ts or {}).values():
-                        if t.is_floating_point():
-                            t.normal_(0, 0.01)
-                        else:
-                            t.zero_()
+                cache = noise_cache(model, run_b + 1, ctx + 64)
                 graphs = DecodeGraphs(model, cache, spare_slot=run_b)
                 graphs.step(list(range(run_b)), [ctx - 100] * run_b, ids)  # mid-chunk: no chunk completes
                 row["ours_ms"] = _bench(graphs.graph(run_b).replay)

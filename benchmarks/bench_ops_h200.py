@@ -85,6 +85,40 @@ def git_commit() -> str | None:
         return None
 
 
+def graph_replay_ms(torch, fns, trials: int = 12, max_inner: int = 200) -> float:
+    """GPU ms per call: all of ``fns`` (closures over distinct inputs) captured in one CUDA graph,
+    replayed; median over ``trials`` of the replay time / len(fns). Each trial replays the graph
+    enough times (at most ``max_inner``) to span about 2 ms, so event resolution does not dominate."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    inner = max(1, min(max_inner, int(2e-3 / max(time.perf_counter() - t, 1e-6))))
+    times = []
+    for _ in range(trials):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        for _ in range(inner):
+            g.replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) / inner / len(fns))
+    del g
+    times.sort()
+    return times[len(times) // 2]
+
+
 class Bench:
     def __init__(self, torch, triton, dev, quick: bool, dry: bool) -> None:
         self.torch, self.triton, self.dev, self.quick, self.dry = torch, triton, dev, quick, dry
@@ -100,39 +134,10 @@ class Bench:
         return float(self.triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median"))
 
     def graph_ms(self, fns) -> float:
-        """GPU time per call: all of ``fns`` (closures over distinct inputs) captured in one CUDA graph,
-        replayed; median over trials of the replay time / len(fns). No host launch cost."""
-        torch = self.torch
+        """GPU time per call: ``fns`` replayed in one CUDA graph (``graph_replay_ms``). No host launch cost."""
         if self.dev.type != "cuda":
             return self.ms(lambda: [f() for f in fns]) / len(fns)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        inner = max(1, min(200, int(2e-3 / max(time.perf_counter() - t, 1e-6))))
-        times = []
-        for _ in range(5 if self.quick else 12):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            for _ in range(inner):
-                g.replay()
-            en.record()
-            en.synchronize()
-            times.append(st.elapsed_time(en) / inner / len(fns))
-        del g
-        times.sort()
-        return times[len(times) // 2]
+        return graph_replay_ms(self.torch, fns, trials=5 if self.quick else 12, max_inner=200)
 
     def host_us(self, fn, n: int = 200) -> float:
         """Host time per call of fn (launches only, no synchronisation inside), microseconds."""

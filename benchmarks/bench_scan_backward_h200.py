@@ -28,8 +28,8 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
+import time
 
 import torch
 
@@ -40,6 +40,7 @@ if "--dry-run" in sys.argv:  # before triton is imported: its kernels are built 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
+from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 # (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads per program); the first is
 # the launch before the sweep at 7d94dca (8 warps, 1 head), the pinned one is (64, 64, 4, 2, 4)
@@ -53,20 +54,7 @@ STATE = [(64, 64, 64, 8, None), (32, 64, 128, 4, None), (64, 64, 128, 4, None), 
 def timed(fn, reps: int = 10) -> float:
     """Median ms of ``fn``: CUDA events, or wall clock in the dry run."""
     if torch.cuda.is_available():
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        return statistics.median(out)
-    import time
-
+        return cuda_ms(fn, reps, warmup=2)
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3

@@ -26,13 +26,15 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_h200 import git_commit  # noqa: E402
+from benchmarks.bench_ops_h200 import ROTATE_BYTES, graph_replay_ms  # noqa: E402
 
 SHAPES = [  # (name, K, N): x [M, K] @ w [N, K]^T
     ("1.3b.out_proj", 4096, 2048), ("2.7b.out_proj", 5120, 2560), ("8b.o_proj", 4096, 4096), ("8b.fc2", 21504, 4096),
@@ -41,58 +43,21 @@ SHAPES = [  # (name, K, N): x [M, K] @ w [N, K]^T
 TINY = [("tiny.out_proj", 256, 48)]
 MS = [1, 64, 256, 2048, 8192]
 SLICES = [2, 4, 8]
-ROTATE_BYTES = 3 * 60 * 2 ** 20
 
 
 def log(msg: str) -> None:
     print(f"[tree {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def git_commit() -> str | None:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def graph_ms(torch, fns, cuda: bool, trials: int = 12) -> float:
-    """GPU ms per call: ``fns`` captured in one CUDA graph, replayed; median over trials."""
+    """GPU ms per call: ``fns`` captured in one CUDA graph, replayed; median over trials. On a CPU
+    (dry run) one wall-clock pass."""
     if not cuda:
         t = time.perf_counter()
         for f in fns:
             f()
         return (time.perf_counter() - t) * 1e3 / len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    inner = max(1, min(100, int(2e-3 / max(time.perf_counter() - t, 1e-6))))
-    times = []
-    for _ in range(trials):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        for _ in range(inner):
-            g.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en) / inner / len(fns))
-    del g
-    times.sort()
-    return times[len(times) // 2]
+    return graph_replay_ms(torch, fns, trials=trials, max_inner=100)
 
 
 def _warm(job: tuple) -> None:

@@ -12,35 +12,10 @@
 # $OUT/s3.tgz (written aside, then renamed), so a call cut at its time limit keeps what finished.
 # Each step's timeout is cut to what is left of DEADLINE_S (counted from the start).
 # Needs .anchors/ (mamba_ssm's package, see benchmarks/README.md) for the vsms step.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_out}"
-W="${WORK_DIR:-/tmp/s3work}"
-mkdir -p "$OUT" "$W"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+SESSION=s3
 STEPS="${STEPS:-moetests moebench moecheck attntests bwddet race mcheck vsms}"
 DEADLINE_S="${DEADLINE_S:-540}"
-t0=$(date +%s)
-
-pack() {  # everything so far, atomically, plus the summary lines as plain text
-  tar czf "$OUT/.s3.tgz" -C "$W" . && mv "$OUT/.s3.tgz" "$OUT/s3.tgz"
-  cp "$W/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
-}
-left() {  # seconds a step may take: its own limit, cut to what the deadline leaves (at least 1)
-  local l=$(( DEADLINE_S - ($(date +%s) - t0) - 5 ))
-  (( l > $1 )) && l=$1
-  (( l < 1 )) && l=1
-  echo "$l"
-}
-note() { echo "== $* after $(( $(date +%s) - t0 )) s" | tee -a "$W/summary.txt"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-  echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$W/env.log"
-cat "$W/env.log" >> "$W/summary.txt"
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 if want moetests; then
   timeout "$(left "${MOETESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \

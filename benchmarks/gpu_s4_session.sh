@@ -14,32 +14,13 @@
 # Every step's logs and JSON go to a work folder packed into $OUT/s4.tgz after each step (written
 # aside, then renamed), so a call cut at its limit keeps what finished; each step's timeout is cut
 # to what is left of DEADLINE_S (counted from the start).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_out}"
-W="${WORK_DIR:-/tmp/s4work}"
-mkdir -p "$OUT" "$W"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+SESSION=s4
 STEPS="${STEPS:-tests megatron tiny nano nanotrain h8b}"
 DEADLINE_S="${DEADLINE_S:-560}"
 MAMBA_SSM="${MAMBA_SSM:-.anchors/mamba_ssm}"
 RESULTS="${RESULTS:-benchmarks/results/h200_hybrid.json}"
-t0=$(date +%s)
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
-pack() {
-  tar czf "$OUT/.s4.tgz" -C "$W" . && mv "$OUT/.s4.tgz" "$OUT/s4.tgz"
-  cp "$W/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
-}
-left() {  # seconds a step may take: its own limit, cut to what the deadline leaves (at least 1)
-  local l=$(( DEADLINE_S - ($(date +%s) - t0) - 5 ))
-  (( l > $1 )) && l=$1
-  (( l < 1 )) && l=1
-  echo "$l"
-}
-note() { echo "== $* after $(( $(date +%s) - t0 )) s" | tee -a "$W/summary.txt"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
 hybrid() {  # bench_hybrid_h200.py sections, merged into the latest h200_hybrid.json
   local base="$RESULTS"
   [ -f "$W/h200_hybrid.json" ] && cp "$W/h200_hybrid.json" "$W/h200_hybrid_before_$1.json" && base="$W/h200_hybrid_before_$1.json"
@@ -47,11 +28,6 @@ hybrid() {  # bench_hybrid_h200.py sections, merged into the latest h200_hybrid.
     --mamba-ssm "$MAMBA_SSM" --out "$W/h200_hybrid.json" ${WHOLE_ARGS:-} 2>&1 | tee "$W/hybrid_$1.log"
   note "hybrid $1 exit ${PIPESTATUS[0]}"
 }
-
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-  echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$W/env.log"
-cat "$W/env.log" >> "$W/summary.txt"
 
 if want tests; then
   # every GPU-marked test outside the engine integrations (vLLM is not on the GPU machine)

@@ -8,26 +8,10 @@
 #
 # Logs and JSON go to a work folder, packed into $OUT/scan.tgz after every step (summary.txt beside
 # it), so a call cut at its limit keeps what finished. Needs .anchors/ (mamba_ssm) for vsms.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_out}"
-W="${WORK_DIR:-/tmp/scanwork}"
-mkdir -p "$OUT" "$W"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+SESSION=scan
 STEPS="${STEPS:-tests sweep vsms}"
 DEADLINE_S="${DEADLINE_S:-540}"
-t0=$(date +%s)
-pack() { tar czf "$OUT/.scan.tgz" -C "$W" . && mv "$OUT/.scan.tgz" "$OUT/scan.tgz"; cp "$W/summary.txt" "$OUT/"; }
-left() { local l=$(( DEADLINE_S - ($(date +%s) - t0) - 5 )); (( l > $1 )) && l=$1; (( l < 1 )) && l=1; echo "$l"; }
-note() { echo "== $* after $(( $(date +%s) - t0 )) s" | tee -a "$W/summary.txt"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-  echo "commit ${GIT_COMMIT:-unknown}"; } 2>&1 | tee "$W/env.log"
-cat "$W/env.log" >> "$W/summary.txt"
+source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 if want tests; then
   timeout "$(left "${TESTS_S:-120}")" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=8 \

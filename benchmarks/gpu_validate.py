@@ -62,8 +62,10 @@ def state(S: int, H: int, G: int, dev: str) -> SSDState:
                              device=dev)
 
 
-def cuda_ms(fn, reps: int) -> float:
-    for _ in range(3):
+def cuda_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median ms of ``fn`` over ``reps`` calls after ``warmup`` (CUDA events around each call; of an even
+    count, the upper middle)."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []

@@ -9,16 +9,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from processes import assert_all_gone, iterations_done, terminate_when
 
 from aligned_mamba.cli import main
 from aligned_mamba.errors import EXIT_BAD_INPUT, EXIT_NO_CONTROL, EXIT_RUNTIME, EXIT_TERMINATED, AlignedMambaError
@@ -219,73 +217,17 @@ def test_a_directory_or_library_another_user_owns_is_never_used(tmp_path):
 # -- 3: SIGTERM is handled like SIGINT: report closed, children ended, exit 143 ---------------------------------
 
 
-def descendants(pid: int) -> set[int]:
-    from aligned_mamba.cli import _children_of
-
-    return set(_children_of(pid))
-
-
-def alive(pids: set[int]) -> set[int]:
-    left = set()
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    left.add(p)
-        except OSError:
-            pass
-    return left
-
-
-def terminate_when(cmd: list[str], ready: str | Callable[[], bool], tmp_path: Path, settle_s: float = 2.0,
-                   timeout_s: float = 240) -> tuple[int, str, set[int]]:
-    """Start the CLI, wait for ``ready`` on its stderr (or for ``ready()`` to hold), note its
-    descendants, SIGTERM it; return (exit status, stderr, the descendants it had)."""
-    err_path = tmp_path / "stderr.txt"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "aligned_mamba.cli", *cmd], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env_here(), cwd=tmp_path, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not (ready() if callable(ready) else ready in err_path.read_text()):
-            assert proc.poll() is None, err_path.read_text()
-            assert time.monotonic() < deadline, err_path.read_text()
-            time.sleep(0.2)
-        time.sleep(settle_s)
-        kids = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return code, err_path.read_text(), kids
-
-
-def assert_all_gone(kids: set[int], within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while alive(kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(kids), f"still running: {alive(kids)}"
-
-
 @pytest.mark.engines  # signals sent on a timer
 def test_sigterm_during_check_with_worker_processes(tmp_path):
     out = tmp_path / "r.json"
     code, err, kids = terminate_when(["check", "--prompt-len", "500", "--gen-len", "300", "--requests", "2",
-                                      "--jobs", "2", "--json", str(out)], "sampling 5 cases", tmp_path)
+                                      "--jobs", "2", "--json", str(out)], "sampling 5 cases", tmp_path,
+                                     settle_s=2.0)
     assert code == EXIT_TERMINATED, err
     assert err.strip().splitlines()[-1] == "aligned-mamba: terminated (SIGTERM); worker processes ended"
     assert json.loads(out.read_text())["status"] == "terminated"
     assert len(kids) >= 2  # the sampler workers (and the resource tracker) were running
     assert_all_gone(kids)
-
-
-def _iterations_done(report: Path) -> int:
-    try:
-        return len(json.loads(report.read_text()).get("iterations", []))
-    except (OSError, ValueError):  # not written yet, or being replaced
-        return 0
 
 
 @pytest.mark.engines
@@ -294,7 +236,7 @@ def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     out = tmp_path / "rl.json"
     code, err, kids = terminate_when(["rl", "--workers", "1", "--iterations", "200", "--prompt-len", "40",
                                       "--gen-len", "8", "--prompts-per-worker", "2", "--json", str(out)],
-                                     lambda: _iterations_done(out) >= 1, tmp_path, settle_s=0.5)
+                                     lambda: iterations_done(out) >= 1, tmp_path, settle_s=0.5)
     assert code == EXIT_TERMINATED, err
     assert err.strip().splitlines()[-1] == "aligned-mamba: terminated (SIGTERM); worker processes ended"
     r = json.loads(out.read_text())

@@ -6,19 +6,11 @@ processes inside its Ray actor, rebuilt from every weight push) under a contract
 weights move; a stock vLLM worker at TP 2 in the same run differs (the baseline). The engine's rank
 processes end with the run, and with a SIGTERM'd command. Slow: each TP 2 vLLM engine is three
 processes that start in about a minute on a small machine.
-
-The process helpers (``_alive``, ``_terminate_when``) are this file's own.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +18,9 @@ import pytest
 pytest.importorskip("ray", reason="aligned-mamba rl needs Ray (pip install -e '.[ray]')")
 pytestmark = pytest.mark.engines
 
-from aligned_mamba.cli import _children_of, main  # noqa: E402
+from processes import assert_all_gone, iterations_done, terminate_when  # noqa: E402
+
+from aligned_mamba.cli import main  # noqa: E402
 from aligned_mamba.errors import EXIT_MISMATCH, EXIT_TERMINATED  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 
@@ -47,59 +41,6 @@ def _checkpoint(tmp_path: Path) -> Path:
     config, tensors = make_tiny(4, **SHAPE)
     save_checkpoint(path, config, tensors)
     return path
-
-
-def _alive(pids: set[int]) -> set[int]:
-    """The pids still running (zombies, whose parent has not reaped them, count as ended)."""
-    left = set()
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    left.add(p)
-        except OSError:
-            pass
-    return left
-
-
-def _all_gone(pids: set[int], within_s: float) -> set[int]:
-    deadline = time.monotonic() + within_s
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return _alive(pids)
-
-
-def _iterations_done(report: Path) -> int:
-    try:
-        return len(json.loads(report.read_text()).get("iterations", []))
-    except (OSError, ValueError):  # not written yet, or being replaced
-        return 0
-
-
-def _terminate_when(args: list[str], ready: Callable[[], bool], cwd: Path,
-                    timeout_s: float = 900) -> tuple[int, str, set[int]]:
-    """Start ``aligned-mamba`` with ``args``, wait for ``ready()``, note every descendant, SIGTERM it;
-    return (exit status, stderr, the descendants it had)."""
-    err_path = cwd / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "aligned_mamba.cli", *args], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env, cwd=cwd, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert proc.poll() is None, err_path.read_text()
-            assert time.monotonic() < deadline, err_path.read_text()
-            time.sleep(0.5)
-        kids = set(_children_of(proc.pid))
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return code, err_path.read_text(), kids
 
 
 def test_megatron_tp2_and_vllm_workers_at_tp2_bitwise_while_the_weights_move(tmp_path, capsys):
@@ -129,7 +70,7 @@ def test_megatron_tp2_and_vllm_workers_at_tp2_bitwise_while_the_weights_move(tmp
     assert len({x["weights_digest"] for x in rows}) == 3  # sampled under three different weights
     assert [x["next_weights_digest"] for x in rows[:-1]] == [x["weights_digest"] for x in rows[1:]]
     ranks = {p for x in rows for w in x["per_worker"].values() for p in w["child_pids"]}
-    assert not _all_gone(ranks, within_s=30), "rank processes outlived the run"
+    assert_all_gone(ranks, 30, "rank processes outlived the run")
 
 
 def test_sigterm_ends_the_vllm_workers_rank_processes(tmp_path):
@@ -137,16 +78,17 @@ def test_sigterm_ends_the_vllm_workers_rank_processes(tmp_path):
     as terminated, and every process it had (Ray's, the actor's, vLLM's two ranks) gone."""
     _need("vllm")
     out = tmp_path / "rl.json"
-    code, err, kids = _terminate_when(
+    code, err, kids = terminate_when(
         ["rl", "--model", str(_checkpoint(tmp_path)), "--engine", "vllm", "--sampler-tp", "2",
          "--row-parallel-slices", "2", "--workers", "1", "--iterations", "100", "--prompt-len", "40", "--gen-len",
-         "8", "--prompts-per-worker", "2", "--json", str(out)], lambda: _iterations_done(out) >= 1, tmp_path)
+         "8", "--prompts-per-worker", "2", "--json", str(out)], lambda: iterations_done(out) >= 1, tmp_path,
+        timeout_s=900, exit_within_s=120)
     assert code == EXIT_TERMINATED, err
     r = json.loads(out.read_text())
     assert r["status"] == "terminated" and len(r["iterations"]) >= 1
     ranks = set(r["iterations"][0]["per_worker"]["0"]["child_pids"])
     assert len(ranks) >= 2 and ranks <= kids  # the ranks were running when the signal came
-    assert not _all_gone(kids, within_s=60), "processes outlived the command"
+    assert_all_gone(kids, 60, "processes outlived the command")
 
 
 def test_reference_workers_at_tp2_and_a_killed_ones_ranks_stop_with_it(tmp_path, capsys):
@@ -166,7 +108,7 @@ def test_reference_workers_at_tp2_and_a_killed_ones_ranks_stop_with_it(tmp_path,
     before, after = (set(x["per_worker"]["1"]["child_pids"]) for x in r["iterations"])
     assert len(before) >= 2 and not before & after  # the restarted worker started ranks of its own
     ranks = {p for x in r["iterations"] for w in x["per_worker"].values() for p in w["child_pids"]}
-    assert not _all_gone(ranks, within_s=30), "rank processes outlived their worker"
+    assert_all_gone(ranks, 30, "rank processes outlived their worker")
 
 
 @pytest.mark.parametrize("args, words", [

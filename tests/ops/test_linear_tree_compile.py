@@ -10,43 +10,12 @@ registers (``linear_tree_acc_regs``), which the plan's tile halving promises.
 from __future__ import annotations
 
 import pytest
-from sm90_offline import run_sm90_script
+from sm90_offline import run_sm90_script, sass_script
 
 pytestmark = pytest.mark.compile
 
-_COMPILE_TREE = r"""
-import inspect, json, os, re, subprocess, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from aligned_mamba.ops.configs import TritonKernelConfigs
+_COMPILE_TREE = sass_script({"N", "C", "stride_xm", "stride_wn", "stride_ym"}, r"""
 from aligned_mamba.ops.linear import triton_tree as tt
-
-cfg = TritonKernelConfigs()
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ALIGNED = {"N", "C", "stride_xm", "stride_wn", "stride_ym"}
-done = []
-
-
-def comp(name, fn, types, consts, **opts):
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
-             if v.startswith("*") or n in ALIGNED}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
-    ops = {o: len(re.findall(r"\b" + o + r"\b", sass)) for o in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL")}
-    done.append(dict(name=name, regs=regs, stack=stack, shared=k.metadata.shared, **ops))
-
 
 plans = {}
 for N in (2048, 4096):
@@ -82,7 +51,7 @@ for dt, local, p in plans:
          dict(c, HAS_BIAS=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n), num_warps=f.num_warps,
          num_stages=f.num_stages)
 print(json.dumps(done))
-"""
+""")
 
 
 @pytest.mark.slow

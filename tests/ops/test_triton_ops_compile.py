@@ -10,47 +10,17 @@ instructions the tiles were chosen for: HGMMA (wgmma) for bf16 tiles of 64 rows 
 from __future__ import annotations
 
 import pytest
-from sm90_offline import run_sm90_script
+from sm90_offline import run_sm90_script, sass_script
 
 pytestmark = pytest.mark.compile
 
-_COMPILE_OPS = r"""
-import inspect, json, os, re, subprocess, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_ALIGNED = {"K", "N", "D", "GS", "V", "Cd", "stride_x", "stride_xm", "stride_wn", "stride_ym", "stride_res",
+            "stride_out", "stride_res_out", "stride_y", "stride_z", "stride_ws", "stride_wk"}
+_COMPILE_OPS = sass_script(_ALIGNED, r"""
 from aligned_mamba.ops.conv1d import triton as ct
 from aligned_mamba.ops.linear import triton as lt
 from aligned_mamba.ops.logprobs import triton as lpt
 from aligned_mamba.ops.norm import triton as nt
-from aligned_mamba.ops.configs import TritonKernelConfigs
-
-cfg = TritonKernelConfigs()
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ALIGNED = {"K", "N", "D", "GS", "V", "Cd", "stride_x", "stride_xm", "stride_wn", "stride_ym", "stride_res",
-           "stride_out", "stride_res_out", "stride_y", "stride_z", "stride_ws", "stride_wk"}
-done = []
-
-
-def comp(name, fn, types, consts, **opts):
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
-             if v.startswith("*") or n in ALIGNED}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
-    ops = {o: len(re.findall(r"\b" + o + r"\b", sass)) for o in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL")}
-    done.append(dict(name=name, regs=regs, stack=stack, shared=k.metadata.shared, **ops))
-
 
 # every GEMM plan the model shapes (N of each layer) meet at decode, mid and prefill sizes, and fp32's
 plans = {}
@@ -113,7 +83,7 @@ comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_pt
 comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="*i64", out_ptr="*fp32",
                                                         lse_ptr="*fp32"), dict(BLOCK_V=cfg.logprobs_block_v), **lw)
 print(json.dumps(done))
-"""
+""")
 
 
 @pytest.mark.slow
