@@ -198,7 +198,12 @@ class Backend:
         self.__dict__.update((f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops))
 
     def replace(self, **forms: Callable[..., Any]) -> Backend:
-        """This backend with the named ops' forms replaced (the baseline's scan, say)."""
+        """This backend with the named ops' forms replaced (the baseline's scan, say). A new ``linear``
+        reaches the experts' form too where that form was bound to the old one."""
+        experts = self.ops.moe_experts
+        if ("linear" in forms and "moe_experts" not in forms and isinstance(experts, functools.partial)
+                and experts.keywords.get("linear") is self.ops.linear):
+            forms["moe_experts"] = functools.partial(experts, linear=forms["linear"])
         new = copy.copy(self)
         Backend.__init__(new, self.configs, self.device, dataclasses.replace(self.ops, **forms))
         return new

@@ -135,3 +135,18 @@ def test_moe_config_and_device_refusals():
     assert gpu.stacked_experts
     with pytest.raises(ModelLoadError, match="MoE expert biases on a CUDA device are refused"):
         MoE(cfg.moe_config(), tensors, PREFIX, backend=gpu, dtype=torch.bfloat16)
+
+
+def test_a_replaced_linear_reaches_the_experts():
+    """``Backend.replace(linear=...)``: the experts' torch form runs the new linear, not the table's old one."""
+    layer, _, _ = _layer("float32")
+    backend, calls = layer.backend, []
+
+    def counting(x, w, *a, **k):
+        calls.append(tuple(w.shape))
+        return backend.linear(x, w, *a, **k)
+
+    layer.backend = backend.replace(linear=counting)
+    layer.advance(None, None, _rows(5, 1, torch.float32))
+    expert_shapes = {tuple(w.shape) for w in (*layer.up_w, *layer.down_w)}
+    assert expert_shapes & set(calls), f"the experts ran the table's old linear (new linear saw {calls})"
