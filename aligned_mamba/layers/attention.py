@@ -34,7 +34,7 @@ from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, blocked_plan
 from ..ops.attention.blocked import CacheTables as StepTables  # noqa: F401  (the old names)
 from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
 from ..ops.backend import Backend
-from ..ops.linear.sliced import row_parallel_linear
+from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.step import Step
 from ..parallel import TPGroup, shared
 from .base import MAX_LEN, StateSpec, take
@@ -207,13 +207,9 @@ class Attention:
             if backend.linear_partial is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM is not implemented yet")
-            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
-            self.o_slices: torch.Tensor | list[torch.Tensor] = self.o_w
-            if backend.linear_tree is None:
-                w = take(tensors, prefix, "o_proj.weight").to(device=backend.device, dtype=dtype)
-                n = slices // (1 if tp is None else tp.size)
-                cw = w.shape[1] // n
-                self.o_slices = [lw(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
+            raw = take(tensors, prefix, "o_proj.weight")
+            self.o_slices = row_parallel_weight(backend, self.o_w, lambda: raw.to(device=backend.device, dtype=dtype),
+                                                slices, 1 if tp is None else tp.size)
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..ops.backend import Backend
-from ..ops.linear.sliced import row_parallel_linear
+from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.ssd.state import SSDState, SSMParams
 from ..ops.step import Step
 from ..parallel import TPGroup, shared
@@ -214,14 +214,8 @@ class Mamba2Mixer:
             if backend.linear_partial is None or backend.gated_rms_norm_sliced is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM and norm are not implemented yet")
-            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
-            self.out_proj_slices: torch.Tensor | list[torch.Tensor] = self.out_proj_w
-            if backend.linear_tree is None:
-                k = 1 if tp is None else tp.size
-                c_out = c.intermediate_size * k // slices  # one slice's K columns
-                w = get("out_proj.weight")
-                self.out_proj_slices = [lw(w[:, j * c_out:(j + 1) * c_out])
-                                        for j in range(c.intermediate_size // c_out)]
+            self.out_proj_slices = row_parallel_weight(backend, self.out_proj_w, lambda: get("out_proj.weight"),
+                                                       slices, 1 if tp is None else tp.size)
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:

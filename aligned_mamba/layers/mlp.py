@@ -18,7 +18,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops.backend import Backend
 from ..ops.elementwise import relu2
-from ..ops.linear.sliced import row_parallel_linear
+from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.step import Step
 from ..parallel import TPGroup
 from .base import Stateless, take, take_optional
@@ -94,13 +94,9 @@ class MLP(Stateless):
             if backend.linear_partial is None:
                 raise ModelLoadError(f"row_parallel_slices {slices} refused on the {backend.name} backend: its "
                                      "sliced tree GEMM is not implemented yet")
-            # a fused tree takes the rank's whole weight; the partials' form one weight per slice
-            self.down_slices: torch.Tensor | list[torch.Tensor] = self.down_w
-            if backend.linear_tree is None:
-                w = take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype)
-                n = slices // (1 if tp is None else tp.size)
-                cw = w.shape[1] // n
-                self.down_slices = [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
+            self.down_slices = row_parallel_weight(
+                backend, self.down_w, lambda: take(tensors, prefix, "down_proj.weight").to(device=dev, dtype=dtype),
+                slices, 1 if tp is None else tp.size)
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:

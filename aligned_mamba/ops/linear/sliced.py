@@ -30,6 +30,7 @@ from ..logprobs.sliced import pair_tree
 
 if TYPE_CHECKING:
     from ...parallel import TPGroup
+    from ..backend import Backend
 
 Partial = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: (x [M, k], w [N, k], b [N] | None, slices, out_dtype) -> [M, N]: the pairwise tree over ``slices``
@@ -50,6 +51,20 @@ def check_slices(k_local: int, slices: int, size: int) -> int:
         raise ValueError(f"K {k_local * size} refused for row_parallel_slices {slices}: K must be a multiple of the "
                          "slice count (contiguous equal slices)")
     return local
+
+
+def row_parallel_weight(backend: Backend, whole: torch.Tensor, raw: Callable[[], torch.Tensor], slices: int,
+                        size: int) -> torch.Tensor | list[torch.Tensor]:
+    """The weight ``row_parallel_linear`` takes on ``backend``: ``whole`` (this rank's [N, K/size] weight,
+    already ``linear_weight``'s form) where the backend has a fused tree; otherwise one
+    ``linear_weight`` per slice of ``raw()`` (the same [N, K/size] weight before that form, read only
+    then), prepared once so no call slices or pads."""
+    if backend.linear_tree is not None:
+        return whole
+    w = raw()
+    n = slices // size
+    cw = w.shape[1] // n
+    return [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
