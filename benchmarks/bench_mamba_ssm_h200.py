@@ -7,10 +7,12 @@ process, on one GPU.
 
 Stock: mamba_ssm 2.3.2.post1's ``MambaLMHeadModel`` (the whole package from its sdist in .anchors/,
 an empty module standing in for Mamba1's ``selective_scan_cuda``), built in bf16 with its own init
-(Mamba2 layers: state 128, head dim 64, 1 group, chunk 256, ``use_mem_eff_path=False``: causal_conv1d
-is not built, so its conv is torch's conv1d and its fused in_proj-to-out_proj path is off; then its
-Triton SSD forward and backward, Triton RMSNormGated, fused add + RMSNorm; tied embeddings, vocab
-padded to a multiple of 16). Its ``save_pretrained`` directory is what ours loads
+(Mamba2 layers: state 128, head dim 64, 1 group, chunk 256, ``use_mem_eff_path=False``: its conv is
+torch's conv1d and its fused in_proj-to-out_proj path is off; then its Triton SSD forward and
+backward, Triton RMSNormGated, fused add + RMSNorm; tied embeddings, vocab padded to a multiple of
+16). ``--stock-mem-eff``: ``use_mem_eff_path=True``, the fused path with causal_conv1d's CUDA
+kernels (conv forward/backward and the decode step's conv update), which must import; the JSON's
+``stock`` says which ran. Its ``save_pretrained`` directory is what ours loads
 (``load_checkpoint`` + ``build_model`` under ``Contract(chunk_size=256, backend="triton",
 model_dtype="bfloat16")``, which ``aligned_mamba.load_model(dir, contract, cast=True)`` is), so both
 compute with the same bf16 values.
@@ -19,7 +21,8 @@ Parts (each cell's CUDA-event median after a first call; the JSON is written aft
 - train: one step = the loss -sum of fp32 log-softmax at random targets over 4 x 2048 and 1 x 16384
   tokens, then the gradient of every weight (``torch.autograd.grad``); peak ``max_memory_allocated``
   over one step; ours' logits with gradients on equal its no-grad forward and two of its backwards
-  are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side.
+  are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side
+  (and of one graph decode step of each side in the decode cells).
 - forward: all logits, no gradients, the same two token counts.
 - decode: one token per sequence at batch 1 / 64 / 256, every sequence prefilled to L k + U[0, L)
   tokens; ours ``DecodeGraphs.step``; stock mamba_ssm's ``capture_graph`` over ``InferenceParams``
@@ -72,16 +75,30 @@ def import_mamba_ssm():
     return MambaConfig, MambaLMHeadModel, InferenceParams, capture_graph
 
 
-def build_stock(layers: int, d_model: int, seed: int):
+def build_stock(layers: int, d_model: int, seed: int, mem_eff: bool = False):
+    """mamba_ssm's MambaLMHeadModel; ``mem_eff``: its fused conv + scan path (needs causal_conv1d built)."""
     import torch
 
     MambaConfig, MambaLMHeadModel, _, _ = import_mamba_ssm()
     torch.manual_seed(seed)
     cfg = MambaConfig(d_model=d_model, n_layer=layers, vocab_size=VOCAB,
                       ssm_cfg=dict(layer="Mamba2", d_state=128, headdim=64, ngroups=1, chunk_size=L,
-                                   use_mem_eff_path=False),
+                                   use_mem_eff_path=mem_eff),
                       rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16)
     return MambaLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16)
+
+
+def stock_label(mem_eff: bool) -> str:
+    """What the stock column ran: mamba_ssm's version, and whether causal_conv1d's kernels were in it."""
+    import importlib.metadata as md
+
+    import mamba_ssm
+    try:
+        cc = "causal_conv1d " + md.version("causal_conv1d")
+    except md.PackageNotFoundError:
+        cc = "causal_conv1d not installed"
+    return (f"mamba_ssm {getattr(mamba_ssm, '__version__', '?')} MambaLMHeadModel, bf16, "
+            f"use_mem_eff_path={mem_eff} ({cc})")
 
 
 def load_ours(stock, dev):
@@ -277,6 +294,12 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
         except Exception as exc:  # noqa: BLE001
             e[f"{tag}_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
+    if args.profile:  # one graph replay of each side (CUPTI lists the graph's kernels)
+        for tag, fn in runners.items():
+            try:
+                e[f"{tag}_profile"] = kernel_table(torch, lambda f=fn: f(0))
+            except Exception as exc:  # noqa: BLE001
+                e[f"{tag}_profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     rounds: dict = {k: [] for k in runners}
     for r in range(args.rounds):
         for tag, fn in runners.items():
@@ -325,7 +348,10 @@ def main() -> int:
     ap.add_argument("--parts", default="train,forward,decode,accuracy")
     ap.add_argument("--cells", default="4x2048,1x16384")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--profile", action="store_true", help="kernel tables of one training step of each side")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel tables of one training step and one graph decode step of each side")
+    ap.add_argument("--stock-mem-eff", action="store_true",
+                    help="the stock's fused use_mem_eff_path=True path (causal_conv1d must import)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -351,7 +377,7 @@ def main() -> int:
             "python": platform.python_version(), "commit": git_commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "script": SCRIPT,
             "argv": sys.argv[1:],
-            "stock": "mamba_ssm 2.3.2.post1 MambaLMHeadModel, bf16, use_mem_eff_path=False (causal_conv1d not built)"}
+            "stock": stock_label(args.stock_mem_eff)}
     from aligned_mamba.ops.ssd import triton_backward as ta
 
     if args.scan_bwd:
@@ -374,7 +400,7 @@ def main() -> int:
     gib = 2 ** 30
     for si, name in enumerate(args.shapes.split(",")):
         layers, d_model = SHAPES[name]
-        stock = build_stock(layers, d_model, seed=1234 + si)
+        stock = build_stock(layers, d_model, seed=1234 + si, mem_eff=args.stock_mem_eff)
         retune_stock()  # mamba_ssm's autotuners keyed alike at every shape: tune at this one
         config, tensors = load_ours(stock, torch.device("cuda"))
         log(f"{name}: {sum(p.numel() for p in stock.parameters()) / 1e9:.2f} B parameters")

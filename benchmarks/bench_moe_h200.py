@@ -141,7 +141,8 @@ class Stock:
         return self.experts(x, idx, w, form) + shared
 
 
-def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dry: bool) -> None:
+def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dry: bool,
+                profile: bool = False) -> None:
     from aligned_mamba.contract import Contract
     from aligned_mamba.layers.moe import MoE
     from aligned_mamba.ops.backend import resolve
@@ -171,6 +172,12 @@ def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dr
                                  stock_grouped_ms=stock_ms.get("grouped"), stock_loop_ms=stock_ms["loop"],
                                  ours_over_stock=ours_ms / stock_ms[best], bitwise=bitwise, stock_bitwise=sbit,
                                  rel_diff_vs_stock=err))
+        if profile and not dry and T <= 64:  # where launches, not FLOPs, decide: kernel tables
+            from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+            with torch.no_grad():
+                res["layer"][-1]["ours_profile"] = kernel_table(torch, lambda: layer.advance(None, None, x))
+                res["layer"][-1]["stock_profile"] = kernel_table(torch, lambda: stock(x, best))
         save()
         if not dry:
             torch.cuda.empty_cache()
@@ -298,6 +305,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="the experts under other grouped-GEMM tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1 and 64 tokens")
     ap.add_argument("--stock-parts", action="store_true",
                     help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
@@ -317,7 +325,8 @@ def main() -> int:
     counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
     jobs = []
     if not a.stock_parts:
-        jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry)))
+        jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry,
+                                                               a.profile)))
         if not a.no_backward:
             jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
     if a.sweep and not dry:
