@@ -550,6 +550,10 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which:
                 del again
             del logits, grads
             row[f"{side}_ms"] = _bench(lambda: step())
+            if PROFILE:
+                from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                row[f"{side}_profile"] = kernel_table(torch, step, top=40)
         lo, ls = row.pop("_ours_logits", None), row.pop("_stock_logits", None)
         if lo is not None and ls is not None:
             row["logits_rel_diff"] = ((lo.float() - ls.float()).norm() / ls.float().norm()).item()
@@ -670,6 +674,8 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
             torch.cuda.empty_cache()
 
 
+PROFILE = False  # --profile: kernel tables of one fwd+bwd step of each side in the train cells
+
 # which cells each section owns (a merge keeps the others' from the earlier JSON)
 OWNED = {
     "attention": [("attention", lambda r: r.get("phase") != "backward")],
@@ -698,7 +704,10 @@ def main() -> int:
                     help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
     ap.add_argument("--merge", help="an earlier JSON whose other sections' cells are kept")
     ap.add_argument("--mamba-ssm", help="mamba_ssm's package folder (from its sdist) for the stock training step")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of each side's fwd+bwd step")
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     sections = set(a.sections.split(","))
     if sections - set(OWNED):
         ap.error(f"unknown sections {sorted(sections - set(OWNED))}; expected some of {', '.join(OWNED)}")

@@ -92,6 +92,7 @@ def stock_label(mem_eff: bool) -> str:
     """What the stock column ran: mamba_ssm's version, and whether causal_conv1d's kernels were in it."""
     import importlib.metadata as md
 
+    import_mamba_ssm()  # the stand-in for Mamba1's extension first
     import mamba_ssm
     try:
         cc = "causal_conv1d " + md.version("causal_conv1d")
