@@ -50,7 +50,11 @@ TINY_SHAPES = [("tiny.in_proj", 64, 96), ("tiny.out_proj", 96, 64)]
 VARIANTS = {
     "decode": [dict(linear_fill_programs=0), dict(linear_decode_block_n=64), dict(linear_decode_stages=8),
                dict(linear_decode_tma=True),
-               dict(linear_decode_block_m=64, linear_decode_tma=True, linear_decode_stages=6)],
+               dict(linear_decode_block_m=64, linear_decode_tma=True, linear_decode_stages=6),
+               dict(linear_decode_persistent=True, linear_decode_programs_per_sm=2),
+               dict(linear_decode_warps=2), dict(linear_decode_warps=2, linear_decode_stages=8),
+               dict(linear_decode_warps=1, linear_decode_stages=8),
+               dict(linear_fill_programs=66), dict(linear_fill_programs=264)],
     "mid": [dict(linear_fill_programs=0), dict(linear_mid_block_n=64, linear_mid_stages=6),
             dict(linear_mid_persistent=True),
             dict(linear_mid_persistent=True, linear_mid_block_n=64, linear_mid_stages=6),
