@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The conv1d + SiLU backward alone (``ops.conv1d.triton.causal_conv1d_backward_triton``) at a model's
+layer shape, per launch choice, against causal_conv1d's channel-last backward where it imports.
+
+    PYTHONPATH=.:/path/to/causal_conv1d python3 benchmarks/bench_conv_backward_h200.py --out OUT/conv_bwd.json
+    python3 benchmarks/bench_conv_backward_h200.py --dry-run --out /tmp/c.json   (CPU: interpreter, tiny shapes)
+
+The input rows are a column slice of a wider in_proj output (as the layer reads them), bf16, packed
+sequences of 4 x 2048 and 1 x 16384 tokens, width 4, mamba2-1.3b's and mamba2-2.7b's conv channels.
+Each variant (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps) is timed (CUDA-event median) and
+compared with the pinned launch: dx bit for bit (a row's dx does not depend on the tile), dweight
+and dbias by relative norm (their row-block partial sums follow conv_bwd_block_t), and two calls bit
+for bit. The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--dry-run" in sys.argv:  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noqa: E402
+
+# (block_t, block_c, warps): the pinned launch first
+VARIANTS = [(32, 64, 4), (32, 64, 8), (16, 64, 4), (16, 128, 4), (16, 128, 8), (64, 64, 8), (8, 128, 4),
+            (8, 256, 4), (16, 32, 4), (32, 32, 4), (32, 128, 8), (64, 128, 8)]
+SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
+CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384)]
+
+
+def timed(fn, reps: int) -> float:
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def stock_ms(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, g: torch.Tensor, S: int, reps: int):
+    """causal_conv1d's channel-last forward + backward minus its forward, or None where it does not import."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        return None
+    L = x.shape[0] // S
+    xs = x.view(S, L, -1).transpose(1, 2).detach().requires_grad_()  # [S, Cd, L], channel-last in memory
+    gs = g.view(S, L, -1).transpose(1, 2)
+    ws, bs = w.detach().requires_grad_(), bias.detach().requires_grad_()
+
+    def fwd():
+        return causal_conv1d_fn(xs, ws, bs, activation="silu")
+
+    def both():
+        torch.autograd.grad(fwd(), [xs, ws, bs], gs)
+
+    return timed(both, reps) - timed(fwd, reps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    import triton
+
+    dry = a.dry_run
+    dev = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = {"tiny": (64, 16, 4)} if dry else SHAPES
+    cells = [("2x40", 2, 40)] if dry else CELLS
+    variants = [(8, 32, 4), (16, 32, 4)] if dry else VARIANTS
+    res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
+               torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               commit=os.environ.get("GIT_COMMIT", "unknown"),
+               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), cells=[])
+    base = TritonKernelConfigs()
+    g0 = torch.Generator(device=dev).manual_seed(0)
+    for name, (d, N, H) in shapes.items():
+        Cd = d + 2 * N
+        for label, S, L in cells:
+            T = S * L
+            wide = torch.randn(T, 2 * d + 2 * N + H, generator=g0, device=dev).to(dtype)
+            x = wide[:, d:d + Cd]  # the layer's xBC: a column slice of in_proj's output
+            g = torch.randn(T, Cd, generator=g0, device=dev).to(dtype)
+            w = (torch.randn(Cd, 4, generator=g0, device=dev) * 0.3).to(dtype)
+            bias = (torch.randn(Cd, generator=g0, device=dev) * 0.1).to(dtype)
+            cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int64)
+            win = torch.zeros(S, 3, Cd, device=dev, dtype=dtype)
+            ref = None
+            for bt, bc, nw in variants:
+                cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
+                e = dict(shape=name, cell=label, tokens=T, channels=Cd, block_t=bt, block_c=bc, warps=nw,
+                         pinned=(bt, bc, nw) == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
+                try:
+                    out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
+                    again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
+                    e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
+                    if ref is None:
+                        ref = out
+                    e["dx_equal_first"] = bool(torch.equal(out[0], ref[0]))
+                    e["dw_rel_first"], e["db_rel_first"] = rel(out[1], ref[1]), rel(out[2], ref[2])
+                    e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
+                except Exception as exc:  # noqa: BLE001
+                    e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                res["cells"].append(e)
+                print(json.dumps(e), flush=True)
+            if not dry:
+                st = stock_ms(x, w, bias, g, S, a.reps)
+                res["cells"].append(dict(shape=name, cell=label, tokens=T, channels=Cd, stock="causal_conv1d 1.7.0",
+                                         ms=st))
+                print(f"stock {name} {label}: {st}", flush=True)
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
