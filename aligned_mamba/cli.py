@@ -33,6 +33,7 @@ import time
 import traceback
 from typing import Any
 
+from . import processes
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -102,62 +103,6 @@ def _progress(start: float):
 
 # -- signals: SIGTERM is handled like SIGINT, and the processes a command started are ended -----------------------
 
-
-def _children_of(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux /proc; [] elsewhere), zombies left out."""
-    parent: dict[int, int] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            parent[int(e)] = int(fields[1])
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def end_children(grace_s: float = 5.0) -> None:
-    """End every process this one started (engine worker processes and theirs, a local Ray cluster
-    that outlived its shutdown): SIGTERM, ``grace_s`` to exit, then SIGKILL. multiprocessing's
-    resource tracker, which ignores SIGTERM and exits when its pipe closes, is closed last."""
-    import multiprocessing
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    pids = [p for p in _children_of(os.getpid()) if p != tracker]
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        multiprocessing.active_children()  # reaps the pool workers that exited
-        pids = [p for p in pids if p in set(_children_of(os.getpid()))]
-        if not pids:
-            break
-        time.sleep(0.05)
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-    multiprocessing.active_children()
-
-
 def _stop_tracker() -> None:
     from multiprocessing import resource_tracker
 
@@ -186,14 +131,14 @@ def install_sigterm(end_now: bool = True) -> None:
             return
         _terminating = True
         if end_now:
-            end_children()
+            processes.end_children()
         raise Terminated("SIGTERM")
 
     signal.signal(signal.SIGTERM, handler)
 
 
 def _terminated() -> int:
-    end_children()
+    processes.end_children()
     _stop_tracker()
     log.error("aligned-mamba: terminated (SIGTERM); worker processes ended")
     return EXIT_TERMINATED
@@ -606,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        end_children()
+        processes.end_children()
         _stop_tracker()
         log.error("aligned-mamba: interrupted")
         return EXIT_INTERRUPTED

@@ -394,9 +394,9 @@ class AlignmentChecker:
 
 def _child_pids() -> list[int]:
     """This process's live descendants (Linux; [] elsewhere)."""
-    from aligned_mamba.cli import _children_of
+    from aligned_mamba.processes import descendants
 
-    return sorted(_children_of(os.getpid()))
+    return sorted(descendants(os.getpid()))
 
 
 def _hardware_key(contract: dict[str, Any]) -> str:

@@ -50,7 +50,7 @@ def terminate_when(cmd: list[str], ready: str | Callable[[], bool], cwd: Path, s
     """Start ``python -m aligned_mamba.cli *cmd`` in ``cwd`` (this checkout first on PYTHONPATH), wait for
     ``ready`` on its stderr (or for ``ready()`` to hold) and ``settle_s`` more, note its descendants,
     SIGTERM it; return (exit status, stderr, the descendants it had)."""
-    from aligned_mamba.cli import _children_of
+    from aligned_mamba.processes import descendants
 
     err_path = cwd / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -64,7 +64,7 @@ def terminate_when(cmd: list[str], ready: str | Callable[[], bool], cwd: Path, s
             assert time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.2)
         time.sleep(settle_s)
-        kids = set(_children_of(proc.pid))
+        kids = set(descendants(proc.pid))
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=exit_within_s)
     finally:

@@ -234,13 +234,13 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
     import time
 
     script = ("import os, signal, time\n"
-              "from aligned_mamba.cli import _children_of\n"
+              "from aligned_mamba.processes import descendants\n"
               "from aligned_mamba.parallel import Ranks\n"
               "if __name__ == '__main__':\n"
               "    ranks = Ranks(2)\n"
-              "    while len(_children_of(os.getpid())) < 3:\n"  # two ranks and the resource tracker
+              "    while len(descendants(os.getpid())) < 3:\n"  # two ranks and the resource tracker
               "        time.sleep(0.1)\n"
-              "    print(*_children_of(os.getpid()), flush=True)\n"
+              "    print(*descendants(os.getpid()), flush=True)\n"
               "    os.kill(os.getpid(), signal.SIGKILL)\n")
     out = tmp_path / "pids.txt"
     with open(out, "w") as f:  # a file, not a pipe: the orphans would hold a pipe open
