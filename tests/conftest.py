@@ -42,6 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if (lane := _lane(item)) and not item.nodeid.endswith(f"@{lane}"):
                 item._id = coerce_node_id(f"{item.nodeid}@{lane}")
+        # xdist hands out the lanes first, then single tests in this order: the sm_90 compiles (the
+        # longest single tests, 45-200 s) go first so that none of them is left to run alone at the end
+        items.sort(key=lambda item: item.get_closest_marker("compile") is None)
     return result
 
 
