@@ -4,9 +4,13 @@ Triton decides at import time whether kernels run compiled or in its CPU interpr
 machine without a CUDA GPU the interpreter is switched on here, before any test imports triton.
 
 Where a test runs is a marker (registered in pyproject.toml): ``gpu`` tests are skipped here
-without a CUDA device; ``engines`` tests (vLLM engines, Ray clusters, signal timing) form one
-pytest-xdist group, so under ``-n 2 --dist loadgroup`` they run one at a time on one worker
-while the other worker takes the rest.
+without a CUDA device; ``engines`` tests (vLLM engines, Ray clusters, signal timing) form
+pytest-xdist groups ("lanes", the marker's argument; "shared" without one), so under
+``-n 2 --dist loadgroup`` each lane runs one test at a time on one worker while the other
+worker takes the rest. Lane "shared" holds the modules that share the session's vLLM engines
+(tests/integrations/engines.py: they must be one session) and the server test; lane "own" the tests
+that start their own (Ray clusters, the CLI's engines, signal-timed processes). One lane was the suite's
+critical path: it set the wall time while the other worker waited idle at the end.
 """
 
 import os
@@ -26,8 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:  # before xdist's hook reads the groups off the items
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(no_gpu)
-        if item.get_closest_marker("engines"):
-            item.add_marker(pytest.mark.xdist_group("engines"))
+        if lane := _lane(item):
+            item.add_marker(pytest.mark.xdist_group(lane))
     result = yield
     if config.getoption("loadgroup", default=False):
         # xdist (3.8) names the group in the test id by setting item._nodeid, which pytest 9 no longer
@@ -36,6 +40,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         from _pytest.nodeid import coerce_node_id
 
         for item in items:
-            if item.get_closest_marker("engines") and not item.nodeid.endswith("@engines"):
-                item._id = coerce_node_id(f"{item.nodeid}@engines")
+            if (lane := _lane(item)) and not item.nodeid.endswith(f"@{lane}"):
+                item._id = coerce_node_id(f"{item.nodeid}@{lane}")
+        # xdist hands out the lanes first, then single tests in this order: the sm_90 compiles (the
+        # longest single tests, 45-200 s) go first so that none of them is left to run alone at the end
+        items.sort(key=lambda item: item.get_closest_marker("compile") is None)
     return result
+
+
+def _lane(item: pytest.Item) -> str | None:
+    """The xdist group of an ``engines`` test ("engines-" + its lane), None for the others."""
+    mark = item.get_closest_marker("engines")
+    if mark is None:
+        return None
+    lane = mark.args[0] if mark.args else "shared"
+    if lane not in ("shared", "own"):
+        raise pytest.UsageError(f"{item.nodeid}: engines lane {lane!r}: must be 'shared' or 'own'")
+    return f"engines-{lane}"

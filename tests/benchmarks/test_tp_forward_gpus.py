@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 def test_tp_forward_over_gloo(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -315,7 +315,7 @@ def test_a_contract_file_does_not_silently_cast_the_checkpoint(tmp_path, capsys)
 # -- tensor parallelism (the reference trainer and engine as gloo processes) ------------------------------
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 def test_check_at_trainer_tp2_sampler_tp2(small_ckpt, tmp_path, capsys):
     out = tmp_path / "r.json"
     args = check_args(small_ckpt, "--dtype", "float32", "--trainer-tp", "2", "--sampler-tp", "2",

@@ -16,7 +16,7 @@ import torch
 
 from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint
 
-pytestmark = pytest.mark.engines  # the examples start vLLM engines
+pytestmark = pytest.mark.engines("own")  # the examples start vLLM engines
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -217,7 +217,7 @@ def test_a_directory_or_library_another_user_owns_is_never_used(tmp_path):
 # -- 3: SIGTERM is handled like SIGINT: report closed, children ended, exit 143 ---------------------------------
 
 
-@pytest.mark.engines  # signals sent on a timer
+@pytest.mark.engines("own")  # signals sent on a timer
 def test_sigterm_during_check_with_worker_processes(tmp_path):
     out = tmp_path / "r.json"
     code, err, kids = terminate_when(["check", "--prompt-len", "500", "--gen-len", "300", "--requests", "2",
@@ -230,7 +230,7 @@ def test_sigterm_during_check_with_worker_processes(tmp_path):
     assert_all_gone(kids)
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 def test_sigterm_during_rl_closes_the_report_and_shuts_ray_down(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "rl.json"

@@ -186,7 +186,7 @@ def test_refusals_one_line() -> None:
     check_tp(_contract(8), g1, 1)
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 def test_gloo_processes() -> None:
     """The ranks as gloo processes (``launch``): TP 2 on every checkpoint, TP 4 on the hybrid, all the
     TP 1 bits; stock TP 2 (its partials all-reduced) differs."""
@@ -206,7 +206,7 @@ def test_backend_has_the_sliced_forms() -> None:
     assert be.linear_partial is not None and be.gated_rms_norm_sliced is not None
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 def test_tp_trainer_scores_and_refuses_steps() -> None:
     """The CLI's trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's;
     a training step is refused in one line (not implemented at TP > 1)."""
@@ -224,7 +224,7 @@ def test_tp_trainer_scores_and_refuses_steps() -> None:
         trainer.close()
 
 
-@pytest.mark.engines  # a process SIGKILLed, its children waited for
+@pytest.mark.engines("own")  # a process SIGKILLed, its children waited for
 def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
     """A parent killed outright (a Ray actor's SIGKILL), here as soon as its ranks exist, sends them no
     stop; they notice it is gone and end (before, they waited on their inbox forever)."""

@@ -383,7 +383,7 @@ def test_cli_check_trainer_megatron(tmp_path, monkeypatch, hook: str) -> None:
         assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
 
 
-@pytest.mark.engines
+@pytest.mark.engines("own")
 @pytest.mark.parametrize("name", ["bf16_groups2", "fp32"])
 def test_cli_check_trainer_megatron_engine_vllm(tmp_path, name: str) -> None:
     """Both integrations at once: Megatron (hook on) scores, real vLLM engines sample (plugin on for

@@ -411,7 +411,7 @@ def test_megatron_trainer_steps_and_serves_what_it_scores(layout: str, dtype: st
         assert torch.equal(lp, torch.tensor(r.sampled_logprobs, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("layout,engine", [pytest.param("two_attention_gqa8", "vllm", marks=pytest.mark.engines),
+@pytest.mark.parametrize("layout,engine", [pytest.param("two_attention_gqa8", "vllm", marks=pytest.mark.engines("own")),
                                            ("moe", "reference")])
 def test_cli_check_trainer_megatron_on_a_hybrid(layout: str, engine: str, tmp_path) -> None:
     """``aligned-mamba check --trainer megatron`` on hybrid checkpoints: with real vLLM engines sampling

@@ -5,7 +5,8 @@ shard of one checkpoint (``megatron_shards``).
 With a contract of ``row_parallel_slices`` S, Megatron at TP 1, 2 and 4 gives the reference trainer's TP 1
 logits rows and token logprobs under the same contract bit for bit; Megatron's stock forward at TP 2 differs
 from its own TP 1 on the same weights (its row-parallel all-reduce rounds in another order), which is what
-the equality prevents. Slow: every launch starts k processes that import Megatron.
+the equality prevents. The ranks are forked from one process that imported Megatron once
+(tests/preloaded_ranks.py); the CLI's own launches still spawn theirs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
+from preloaded_ranks import launch  # noqa: E402
+
 import aligned_mamba  # noqa: E402
 from aligned_mamba import Contract  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.models.nemotron_h import make_tiny_hybrid  # noqa: E402
-from aligned_mamba.parallel import launch  # noqa: E402
 from trainer_hooks import megatron_trainer as mc  # noqa: E402
 
 pytestmark = pytest.mark.slow

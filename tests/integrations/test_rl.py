@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 ray = pytest.importorskip("ray", reason="aligned-mamba rl needs Ray (pip install -e '.[ray]')")
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.engines("own")  # Ray clusters
 
 import torch  # noqa: E402
 

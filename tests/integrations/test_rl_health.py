@@ -11,7 +11,7 @@ from aligned_mamba.cli import main
 from aligned_mamba.errors import AlignedMambaError, RuntimeFailure, TrainingDiverged
 
 rl = pytest.importorskip("rollout.rl")
-pytestmark = pytest.mark.engines  # Ray start-ups and bounded-time waits
+pytestmark = pytest.mark.engines("own")  # Ray start-ups and bounded-time waits
 
 
 @pytest.mark.parametrize("lr", ["nan", "inf", "0", "-1e-3"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray", reason="aligned-mamba rl needs Ray (pip install -e '.[ray]')")
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.engines("own")  # Ray clusters
 
 from processes import assert_all_gone, iterations_done, terminate_when  # noqa: E402
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-pytestmark = [pytest.mark.engines,
+pytestmark = [pytest.mark.engines("shared"),  # starts its own server; in this lane to even the two
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install -e '.[vllm]')")]
 
