@@ -121,7 +121,7 @@ def test_the_all_reduce_it_replaces_differs(size: int) -> None:
     assert (stock != aligned[0]).any(dim=1).sum().item() > 0, "stock TP should round otherwise on some rows"
 
 
-def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
+def test_one_slice_is_the_plain_gemm_and_other_tiles_compute_every_tile() -> None:
     x, w, b = _operands(9, 128, 24, 4, True)  # 32-column slices: whole K blocks, the TMA kernel
     assert torch.equal(tt.linear_tree_triton(x, w, b, 1, F32, CFG), lt.linear_triton(x, w, b, CFG))
     y = tt.linear_tree_triton(x, w, b, 4, F32, CFG)
@@ -131,9 +131,47 @@ def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
                   lt.LinearPlan(32, 16, 32, 4, 2, 2, True, True, 1, "ieee")]:
         got = tt.linear_tree_triton(x, w, b, 4, F32, CFG, tiles=tiles)
         assert torch.allclose(got, y, rtol=1e-5, atol=1e-5), tiles
-    # one K loop per slice or one over all slices: the same dots and folds
-    loops = dataclasses.replace(CFG, linear_tree_slice_loops=not CFG.linear_tree_slice_loops)
-    assert torch.equal(tt.linear_tree_triton(x, w, b, 4, F32, loops), y)
+
+
+@pytest.mark.parametrize("local", [2, 4, 8])
+def test_a_persistent_program_carries_no_stack_from_one_tile_into_the_next(local: int) -> None:
+    # 3 x 3 tiles on the interpreter's 4 programs: programs 0 to 1 compute 3 tiles, 2 to 3 two, each
+    # tile's slices one step of the flattened loop; the stack levels are not reset between tiles, so a
+    # level read before this tile wrote it would carry the last tile's sums in (rows scaled apart so
+    # that any carried sum shows)
+    x, w, b = _operands(40, 32 * local, 40, local, True)
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(5)[:, None])
+    grid = lt.LinearPlan(16, 16, 32, 4, 2, 1, False, True, 1, "ieee")
+    persistent = dataclasses.replace(grid, persistent=True)
+    y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=grid)
+    assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=persistent), y)
+    parts = torch.stack([_partial(x[:, j * 32:(j + 1) * 32], w[:, j * 32:(j + 1) * 32]) for j in range(local)], -1)
+    ref = pair_tree(parts) + b
+    assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("local", [2, 4, 8, 16])
+def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None:
+    # linear_tree_global_stack: where the stack does not fit the registers (here a 32 x 64 tile of one
+    # warp over 64 registers), its levels go to each program's fp32 scratch, read back by the same
+    # program; a persistent grid (programs of several tiles, the scratch reused) and a plain one
+    glob = dataclasses.replace(CFG, linear_tree_global_stack=True, linear_tree_acc_regs=64)
+    x, w, b = _operands(70, 32 * local, 136, local, True)  # rows of 16-byte multiples: TMA
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(9)[:70, None])
+    for tiles in (lt.LinearPlan(32, 64, 32, 1, 2, 1, True, True, 1, "ieee"),
+                  lt.LinearPlan(32, 64, 32, 1, 2, 2, False, True, 1, "ieee")):
+        assert tt.global_stack(tiles, local, glob) and not tt.global_stack(tiles, local, CFG)
+        y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles)
+        assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, glob, tiles=tiles), y), tiles
+        # TP 2: each half's subtree (its own global stack from 4 slices up), the top, the bias
+        if local > 2:
+            k = 16 * local
+            halves = [tt.linear_tree_triton(x[:, h * k:(h + 1) * k].contiguous(), w[:, h * k:(h + 1) * k].contiguous(),
+                                            None, local // 2, F32, glob, tiles=tiles) for h in range(2)]
+            assert torch.equal(pair_tree(torch.stack(halves, -1)) + b, y)
+    # the plan: a TMA plan keeps the regime's tile
+    wb = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    assert tt.tree_plan(8192, wb, local, glob, sms=132) == lt.plan(8192, wb, CFG, sms=132)
 
 
 def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
