@@ -213,3 +213,53 @@ def test_the_contract_and_check_tp_refuse_only_what_does_not_run() -> None:
     check_tp(Contract(32, backend="triton", row_parallel_slices=4), config, 2)
     with pytest.raises(AlignedMambaError, match="row_parallel_slices >= 4"):
         check_tp(Contract(32, backend="triton", row_parallel_slices=2), config, 4)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_megatrons_row_parallel_linear_is_one_launch_per_rank(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the hook's RowParallelLinear forward on the triton backend: a rank's subtree in one launch of the
+    # tree kernel, TP 1's bits at every size; the per-slice path it replaces launched once per slice
+    from types import SimpleNamespace
+
+    from aligned_mamba.ops.backend import TritonBackend
+    from trainer_hooks.megatron.forwards import linear_forward
+
+    be = TritonBackend(CFG, torch.device("cpu"), kernels=True)
+    launches = []
+    kernel = tt.linear_tree_triton
+
+    def counted(*args, **kwargs):
+        launches.append(args[3])  # the slices the launch sums
+        with _INTERPRETER:
+            return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tt, "linear_tree_triton", counted)
+    slices, K = 8, 256
+    x, w, b = _operands(5, K, 24, 7, True)
+    want = row_parallel_linear(x, w, b, slices=slices, group=TPGroup.single(), tree=kernel_tree(kernel))
+
+    class RowParallelLinear:  # the hook tells the layers apart by their class's name
+        def __init__(self, weight: torch.Tensor, group: TPGroup) -> None:
+            self.weight, self.bias, self.skip_bias_add = weight, b, False
+            tp = None if group.size == 1 else group
+            self._aligned_mamba_hook = SimpleNamespace(backend=lambda dev: be, tp=lambda m: tp, slices=slices)
+
+    def rank(group: TPGroup) -> torch.Tensor:
+        k = shard(K, group)
+        return linear_forward(RowParallelLinear(w[:, k].contiguous(), group), x[:, k].unsqueeze(0))[0].squeeze(0)
+
+    launches.clear()
+    outs = threads(rank, size) if size > 1 else [rank(TPGroup.single())]
+    assert all(torch.equal(o, want) for o in outs)
+    assert launches == [slices // size] * size, launches
+    # the per-slice path: rank 0's slices through the backend's partial GEMM, one launch each
+    launches.clear()
+    n, c = slices // size, K // slices
+    row_parallel_linear(x[:, :K // size], [w[:, j * c:(j + 1) * c] for j in range(n)], None, slices=slices,
+                        group=TPGroup(0, size, lambda t: t.expand(size, *t.shape)), partial=be.linear_partial)
+    assert launches == [1] * n, launches
+
+
+def kernel_tree(kernel):
+    """``Ops.linear_tree`` over ``kernel`` (the interpreter's lock held by the caller's wrapper)."""
+    return lambda x, w, b, local, out_dtype: kernel(x, w, b, local, out_dtype, CFG)
