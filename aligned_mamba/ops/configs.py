@@ -93,9 +93,10 @@ class TritonKernelConfigs:
       linear_tree_acc_regs: the row-parallel tree GEMM (ops/linear/triton_tree.py; row_parallel_slices
         > 1) takes the regime's tile and halves it until its log2(slices per rank) + 1 fp32 accumulator
         tiles fit in this many registers per thread (the K block and the tree are the same whatever
-        the tile: a row's bits do not depend on it). linear_tree_global_stack: instead of that halving,
-        a TMA tile whose stack does not fit keeps the regime's tile and holds the stack's levels in
-        each program's fp32 scratch in global memory (L2), read back by the same program.
+        the tile: a row's bits do not depend on it). linear_tree_global_stack: where that halving would
+        quarter a TMA tile or more (S / TP >= 4 at the large tile), the tile stays the regime's and
+        the stack's levels live in each program's fp32 scratch in global memory (L2), read back by
+        the same program (on the H200 faster than the quartered tile, slower than one halving).
         linear_tree_flatten: the compiler fuses the slice loop and its K loop into one software
         pipeline (loads run on across slices, the dots stay asynchronous) rather than one pipeline per
         slice, refilled at each slice's start (the global stack always runs the latter). All of them
@@ -176,7 +177,7 @@ class TritonKernelConfigs:
     linear_fp32_stages: int = 3
     linear_tree_acc_regs: int = 128
     linear_tree_flatten: bool = True
-    linear_tree_global_stack: bool = False
+    linear_tree_global_stack: bool = True
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     conv_block_t: int = 8

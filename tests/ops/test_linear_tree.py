@@ -152,16 +152,17 @@ def test_a_persistent_program_carries_no_stack_from_one_tile_into_the_next(local
 
 @pytest.mark.parametrize("local", [2, 4, 8, 16])
 def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None:
-    # linear_tree_global_stack: where the stack does not fit the registers (here a 32 x 64 tile of one
-    # warp over 64 registers), its levels go to each program's fp32 scratch, read back by the same
-    # program; a persistent grid (programs of several tiles, the scratch reused) and a plain one
+    # linear_tree_global_stack: where the registers' stack would quarter the tile (here a 128 x 64 tile
+    # of one warp over 64 registers), its levels go to each program's fp32 scratch, read back by the
+    # same program; a persistent grid (programs of two tiles, the scratch reused) and a plain one
     glob = dataclasses.replace(CFG, linear_tree_global_stack=True, linear_tree_acc_regs=64)
-    x, w, b = _operands(70, 32 * local, 136, local, True)  # rows of 16-byte multiples: TMA
-    x = x * (10.0 ** torch.arange(-3, 5).repeat(9)[:70, None])
-    for tiles in (lt.LinearPlan(32, 64, 32, 1, 2, 1, True, True, 1, "ieee"),
-                  lt.LinearPlan(32, 64, 32, 1, 2, 2, False, True, 1, "ieee")):
-        assert tt.global_stack(tiles, local, glob) and not tt.global_stack(tiles, local, CFG)
-        y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles)
+    regs = dataclasses.replace(glob, linear_tree_global_stack=False)
+    x, w, b = _operands(150, 32 * local, 136, local, True)  # rows of 16-byte multiples: TMA
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(19)[:150, None])
+    for tiles in (lt.LinearPlan(128, 64, 32, 1, 2, 1, True, True, 1, "ieee"),
+                  lt.LinearPlan(128, 64, 32, 1, 2, 2, False, True, 1, "ieee")):
+        assert tt.global_stack(tiles, local, glob) and not tt.global_stack(tiles, local, regs)
+        y = tt.linear_tree_triton(x, w, b, local, F32, regs, tiles=tiles)
         assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, glob, tiles=tiles), y), tiles
         # TP 2: each half's subtree (its own global stack from 4 slices up), the top, the bias
         if local > 2:
@@ -169,22 +170,38 @@ def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None
             halves = [tt.linear_tree_triton(x[:, h * k:(h + 1) * k].contiguous(), w[:, h * k:(h + 1) * k].contiguous(),
                                             None, local // 2, F32, glob, tiles=tiles) for h in range(2)]
             assert torch.equal(pair_tree(torch.stack(halves, -1)) + b, y)
-    # the plan: a TMA plan keeps the regime's tile
-    wb = torch.empty(2048, 4096, dtype=torch.bfloat16)
-    assert tt.tree_plan(8192, wb, local, glob, sms=132) == lt.plan(8192, wb, CFG, sms=132)
+
+
+def test_the_global_stack_takes_the_tiles_the_registers_would_quarter() -> None:
+    # measured on the H200: one halving (S = 2 at the large tile) cost less than the scratch's traffic,
+    # two (S = 4 and 8) more
+    glob = dataclasses.replace(CFG, linear_tree_global_stack=True)
+    regs = dataclasses.replace(CFG, linear_tree_global_stack=False)
+    w = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    big = lt.plan(8192, w, CFG, sms=132)
+    assert (big.block_m, big.block_n) == (128, 256)
+    assert tt.tree_plan(8192, w, 2, glob, sms=132) == tt.tree_plan(8192, w, 2, regs, sms=132) != big
+    for local in (4, 8, 16):
+        p = tt.tree_plan(8192, w, local, glob, sms=132)
+        assert p == big and tt.global_stack(p, local, glob), local
+        assert not tt.global_stack(tt.tree_plan(8192, w, local, regs, sms=132), local, glob)
+    # decode and mid tiles keep the stack in registers
+    for M in (1, 64, 256):
+        assert not tt.global_stack(tt.tree_plan(M, w, 8, glob, sms=132), 8, glob)
 
 
 def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
+    regs = dataclasses.replace(CFG, linear_tree_global_stack=False)
     w = torch.empty(2048, 4096, dtype=torch.bfloat16)
     big = lt.plan(8192, w, CFG, sms=132)
-    assert tt.tree_plan(8192, w, 1, CFG, sms=132) == big
+    assert tt.tree_plan(8192, w, 1, regs, sms=132) == big
     for local in (2, 4, 8, 16):
-        p = tt.tree_plan(8192, w, local, CFG, sms=132)
-        regs = local.bit_length() * p.block_m * p.block_n // (32 * p.num_warps)
-        assert regs <= CFG.linear_tree_acc_regs and p.block_k == big.block_k, (local, p)
+        p = tt.tree_plan(8192, w, local, regs, sms=132)
+        acc = local.bit_length() * p.block_m * p.block_n // (32 * p.num_warps)
+        assert acc <= CFG.linear_tree_acc_regs and p.block_k == big.block_k, (local, p)
         assert p.block_m * p.block_n < big.block_m * big.block_n
     # decode tiles already fit
-    assert tt.tree_plan(1, w, 8, CFG, sms=132) == lt.plan(1, w, CFG, sms=132)
+    assert tt.tree_plan(1, w, 8, regs, sms=132) == lt.plan(1, w, CFG, sms=132)
 
 
 def test_refusals_are_one_line() -> None:

@@ -4,7 +4,8 @@ Offline, with the triton wheel's ptxas and cuobjdump, no GPU: the tree kernel (T
 forms) at out_proj / o_proj / fc2 widths, decode to prefill row counts, 2 to 16 slices per rank, bf16
 and fp32 models. The SASS must show HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for 16-row
 tiles, TMA loads where descriptors are used, and no local memory: the stack of partial sums fits in
-registers (``linear_tree_acc_regs``), which the plan's tile halving promises.
+registers (``linear_tree_acc_regs``), which the plan's tile halving promises, or lives in global
+memory (``linear_tree_global_stack``) beside one accumulator, as in today's GEMM. Both stacks compile.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ for dt, local, p in plans:
     opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
     c = dict(LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
              GROUP_M=p.group_m, PRECISION=p.precision)
+    stack = tt.global_stack(p, local, cfg)
     if p.tma:  # TP 1 (bias, the model dtype) and a rank's fp32 subtree
         for out, bias in ((dt, True), ("fp32", False)):
             comp(tag + f":tma:{out}", tt._tree_tma_kernel,
@@ -56,7 +58,7 @@ for dt, local, p in plans:
                       y_desc=f"tensordesc<{out}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
                       st_ptr="*fp32"),
                  dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
-                      FLATTEN=cfg.linear_tree_flatten, GLOBAL_STACK=False), **opts)
+                      FLATTEN=cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
         # the other loop form (linear_tree_flatten), TP 1's launch
         comp(tag + f":tma:{dt}:flatten{int(not cfg.linear_tree_flatten)}", tt._tree_tma_kernel,
              dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
@@ -64,7 +66,7 @@ for dt, local, p in plans:
                   y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
                   st_ptr="*fp32"),
              dict(c, HAS_BIAS=True, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
-                  FLATTEN=not cfg.linear_tree_flatten, GLOBAL_STACK=False), **opts)
+                  FLATTEN=not cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
     # the pointer kernel: the plan's own launch without TMA, or a TMA plan's fallback tile
     f = tt.fallback_plan(p, local, cfg) if p.tma else p
     comp(f"tree:{dt}:L{local}:{f.block_m}x{f.block_n}x{f.block_k}:w{f.num_warps}s{f.num_stages}:ptr",

@@ -187,21 +187,21 @@ def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stri
 def tree_plan(M: int, weight: torch.Tensor, local: int, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
     """``triton.plan``'s tile for M rows and this weight [N, K], halved (N first, down to 32 x 64;
     stages raised to keep the shared memory) until the stack of ``local`` slices (log2(local) + 1 fp32
-    accumulators per tile) fits in ``cfg.linear_tree_acc_regs`` registers per thread. With
-    ``linear_tree_global_stack`` a TMA plan keeps the regime's tile and the stack that would not fit
-    goes to global memory (``global_stack``)."""
+    accumulators per tile) fits in ``cfg.linear_tree_acc_regs`` registers per thread, or (where
+    ``global_stack``) the regime's tile with the stack's levels in global memory."""
     p = plan(M, weight, cfg, sms=sms)
-    if p.tma and cfg.linear_tree_global_stack:  # the stack that does not fit goes to global memory
-        return p
-    return _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+    return p if global_stack(p, local, cfg) else _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
 
 
 def global_stack(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> bool:
-    """Whether the TMA kernel keeps the stack in global memory for this tile: with
-    ``linear_tree_global_stack`` on, where the registers' stack (log2(local) + 1 tiles) would be over
-    ``linear_tree_acc_regs``."""
-    return (cfg.linear_tree_global_stack and local > 1
-            and local.bit_length() * p.block_m * p.block_n > cfg.linear_tree_acc_regs * 32 * p.num_warps)
+    """Whether the TMA kernel keeps the stack in global memory at this tile: with
+    ``linear_tree_global_stack`` on, where the registers' stack (log2(local) + 1 tiles) would halve
+    the tile more than once to fit ``linear_tree_acc_regs`` (on the H200 one halving cost less than
+    the scratch's traffic, two halvings more: benchmarks/results/h200_tree_gemm.json)."""
+    if not (cfg.linear_tree_global_stack and p.tma and local > 1):
+        return False
+    r = _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+    return 4 * r.block_m * r.block_n <= p.block_m * p.block_n
 
 
 @functools.lru_cache(maxsize=1024)
