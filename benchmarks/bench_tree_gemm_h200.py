@@ -13,9 +13,10 @@ all, so weights come from DRAM as in a model; medians of 12 trials; the two form
 alternating, the faster of each kept); ``ratio`` = tree / today's.
 Bits, per cell: TP 2, 4 .. S (each rank's launch over its K columns, its fp32 subtree, the tree's top
 in torch) against TP 1, ``torch.equal``; a stock all-reduce of TP 2's rounded partials against TP 1
-(expected to differ). At M >= 256 the other loop form (``linear_tree_slice_loops``) and at M >= 2048
-the tile variants (``linear_tree_acc_regs`` 192, a plain grid) are timed too, each checked for the
-pinned configs' bits. JSON: GPU, versions, commit, date, configs,
+(expected to differ). In every cell the other loop form (``linear_tree_flatten``) and the other stack
+(``linear_tree_global_stack``: in registers, or in global memory at today's tile) are timed too, and at M >= 2048
+a plain grid for the persistent one and today's GEMM at the tree's tile (what the tile alone costs),
+each checked for the pinned configs' bits. JSON: GPU, versions, commit, date, configs,
 cells; written after every shape, so a cut run keeps what finished.
 """
 
@@ -83,6 +84,10 @@ def _warm(job: tuple) -> None:
             kl = K // size
             tt.linear_tree_triton(x[:, :kl], w[:, :kl].contiguous(), None, s // size, torch.float32, cfg)
             size *= 2
+        if M >= 2048:  # the plain grid and today's GEMM at the tree's tile
+            p = tt.tree_plan(M, w, s, cfg, sms=lt._num_sms(x.device))
+            tt.linear_tree_triton(x, w, None, s, torch.bfloat16, cfg, tiles=dataclasses.replace(p, persistent=False))
+            lt.linear_triton(x, w, None, cfg, tiles=p)
     torch.cuda.synchronize()
 
 
@@ -91,7 +96,7 @@ def warm(shapes, ms_list, variant_fields, procs: int) -> None:
     in the cache): compiling is most of a cold run."""
     import multiprocessing
 
-    jobs = [(K, N, M, variant_fields if M >= 256 else []) for _, K, N in shapes for M in ms_list]
+    jobs = [(K, N, M, variant_fields) for _, K, N in shapes for M in ms_list]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         pool.map(_warm, jobs, chunksize=1)
 
@@ -103,7 +108,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop starting shapes after this many seconds")
     ap.add_argument("--shapes", default="", help="comma-separated names (default: all)")
     ap.add_argument("--warm", type=int, default=0, help="compile every kernel first in this many processes")
-    ap.add_argument("--no-tile-variants", action="store_true", help="time only the other loop form at M >= 256")
+    ap.add_argument("--no-tile-variants", action="store_true", help="time only the other loop form")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -122,10 +127,8 @@ def main() -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter computes bf16 wrongly
     cfg = TritonKernelConfigs()
-    fields = {"slice_loops": dict(linear_tree_slice_loops=not cfg.linear_tree_slice_loops),
-              "acc_regs_192": dict(linear_tree_acc_regs=192)}
-    if args.no_tile_variants:
-        del fields["acc_regs_192"]
+    fields = {"flatten": dict(linear_tree_flatten=not cfg.linear_tree_flatten),
+              "global_stack": dict(linear_tree_global_stack=not cfg.linear_tree_global_stack)}
     variants = {k: dataclasses.replace(cfg, **v) for k, v in fields.items()}
     shapes = TINY if args.dry_run else SHAPES
     if args.shapes:
@@ -203,27 +206,33 @@ def main() -> int:
                 p = tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev))
                 cell[f"s{s}_tile"] = f"{p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages} " \
                                      f"{'persistent' if p.persistent else 'grid'}"
-            if M >= 256 and cuda:
-                for vname, vcfg in variants.items():
-                    if vname == "acc_regs_192" and M < 2048:
-                        continue
-                    for s in SLICES:
-                        y = tt.linear_tree_triton(x, w0, None, s, dtype, vcfg)
-                        t = graph_ms(torch, [lambda w=w, s=s, c=vcfg: tree(w, s, c) for w in ws], cuda)
-                        p = tt.tree_plan(M, w0, s, vcfg, sms=lt._num_sms(dev))
-                        cell[f"{vname}_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
-                                                     same_bits=bool(torch.equal(y, ones[s])),
-                                                     tile=f"{p.block_m}x{p.block_n} s{p.num_stages}")
-                    for s in SLICES if M >= 2048 and not args.no_tile_variants else ():
-                        p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
-                        y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
-                        t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,
-                                                                                          tiles=p) for w in ws], cuda)
-                        cell[f"grid_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
-                                                  same_bits=bool(torch.equal(y, ones[s])))
+            big = M >= (2048 if cuda else 40)  # the dry run passes every branch
+            for vname, vcfg in variants.items():
+                for s in SLICES:
+                    y = tt.linear_tree_triton(x, w0, None, s, dtype, vcfg)
+                    t = graph_ms(torch, [lambda w=w, s=s, c=vcfg: tree(w, s, c) for w in ws], cuda)
+                    p = tt.tree_plan(M, w0, s, vcfg, sms=lt._num_sms(dev))
+                    cell[f"{vname}_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
+                                                 same_bits=bool(torch.equal(y, ones[s])),
+                                                 tile=f"{p.block_m}x{p.block_n} s{p.num_stages}")
+                for s in SLICES if big and not args.no_tile_variants else ():
+                    p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
+                    y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
+                    t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,
+                                                                                      tiles=p) for w in ws], cuda)
+                    cell[f"grid_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
+                                              same_bits=bool(torch.equal(y, ones[s])))
+            for s in SLICES if big else ():
+                p = tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev))
+                if (p.block_m, p.block_n) != (cell["today_plan"]["block_m"], cell["today_plan"]["block_n"]):
+                    t = graph_ms(torch, [lambda w=w, p=p: lt.linear_triton(x, w, None, cfg, tiles=p) for w in ws],
+                                 cuda)
+                    cell[f"today_at_tree_tile_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4))
             res["cells"].append(cell)
             log(f"{name} M={M}: today {cell['today_ms']:.4f} ms, "
                 + ", ".join(f"S={s} {cell[f's{s}_ratio']:.3f}x" for s in SLICES)
+                + "".join(f"; {v} " + ", ".join(f"{cell[f'{v}_s{s}']['ratio']:.3f}x" for s in SLICES)
+                          for v in [*variants, "grid", "today_at_tree_tile"] if f"{v}_s2" in cell)
                 + f"; TP k == TP 1 {tp_ok}; stock TP 2 rows differing {cell['stock_tp2_rows_differing']}")
         del ws, xa
         save()
@@ -232,6 +241,20 @@ def main() -> int:
     res["max_ratio"] = {f"s{s}": max((c[f"s{s}_ratio"] for c in cells), default=None) for s in SLICES}
     res["over_1.05"] = [f"{c['shape']} M={c['M']} S={s}: {c[f's{s}_ratio']}x" for c in cells for s in SLICES
                         if c[f"s{s}_ratio"] > 1.05]
+    for v in [*variants, "grid"]:
+        got = [c[f"{v}_s{s}"] for c in cells for s in SLICES if f"{v}_s{s}" in c]
+        if got:
+            res[f"{v}_max_ratio"] = max(g["ratio"] for g in got)
+            res[f"{v}_all_same_bits"] = all(g["same_bits"] for g in got)
+    # per cell and S the fastest form measured (pinned or a variant), and whether any is within 1.05x
+    best = {}
+    for c in cells:
+        for s in SLICES:
+            forms = {"pinned": c[f"s{s}_ratio"]}
+            forms.update({v: c[f"{v}_s{s}"]["ratio"] for v in [*variants, "grid"] if f"{v}_s{s}" in c})
+            name = min(forms, key=forms.get)
+            best[f"{c['shape']} M={c['M']} S={s}"] = f"{name} {forms[name]}"
+    res["best_form"] = best
     res["elapsed_s"] = round(time.time() - t0, 1)
     save()
     log(f"max ratio {res['max_ratio']}; over 1.05x: {len(res['over_1.05'])} of {len(cells) * len(SLICES)}")

@@ -93,10 +93,15 @@ class TritonKernelConfigs:
       linear_tree_acc_regs: the row-parallel tree GEMM (ops/linear/triton_tree.py; row_parallel_slices
         > 1) takes the regime's tile and halves it until its log2(slices per rank) + 1 fp32 accumulator
         tiles fit in this many registers per thread (the K block and the tree are the same whatever
-        the tile: a row's bits do not depend on it). linear_tree_slice_loops: its TMA kernel runs one K
-        loop per slice (asynchronous dots, the loads refilled at each slice) rather than one K loop
-        over all slices (loads streaming on, the dots serialised around the fold); the same bits.
-        One loop per slice measured faster in every H200 cell (benchmarks/results/h200_tree_gemm.json).
+        the tile: a row's bits do not depend on it). linear_tree_global_stack: where that halving would
+        quarter a TMA tile or more (S / TP >= 4 at the large tile), the tile stays the regime's and
+        the stack's levels live in each program's fp32 scratch in global memory (L2), read back by
+        the same program (on the H200 faster than the quartered tile, slower than one halving).
+        linear_tree_flatten: the compiler fuses the slice loop and its K loop into one software
+        pipeline (loads run on across slices, the dots stay asynchronous) rather than one pipeline per
+        slice, refilled at each slice's start (the global stack always runs the latter). All of them
+        give the same bits (tests/ops/test_linear_tree*.py; the times:
+        benchmarks/results/h200_tree_gemm.json).
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
@@ -171,7 +176,8 @@ class TritonKernelConfigs:
     linear_fp32_warps: int = 8
     linear_fp32_stages: int = 3
     linear_tree_acc_regs: int = 128
-    linear_tree_slice_loops: bool = True
+    linear_tree_flatten: bool = True
+    linear_tree_global_stack: bool = True
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     conv_block_t: int = 8
@@ -249,7 +255,8 @@ class TritonKernelConfigs:
                              f"{self.linear_decode_max_m}")
         _pow2("linear_group_m", self.linear_group_m, 1, 64)
         _among("linear_tree_acc_regs", self.linear_tree_acc_regs, (64, 96, 128, 160, 192))
-        _among("linear_tree_slice_loops", self.linear_tree_slice_loops, (True, False))
+        _among("linear_tree_flatten", self.linear_tree_flatten, (True, False))
+        _among("linear_tree_global_stack", self.linear_tree_global_stack, (True, False))
         _among("linear_epi_split", self.linear_epi_split, (1, 2))
         if self.linear_epi_split != 1 and not self.linear_tma:
             raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")

@@ -121,7 +121,7 @@ def test_the_all_reduce_it_replaces_differs(size: int) -> None:
     assert (stock != aligned[0]).any(dim=1).sum().item() > 0, "stock TP should round otherwise on some rows"
 
 
-def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
+def test_one_slice_is_the_plain_gemm_and_other_tiles_compute_every_tile() -> None:
     x, w, b = _operands(9, 128, 24, 4, True)  # 32-column slices: whole K blocks, the TMA kernel
     assert torch.equal(tt.linear_tree_triton(x, w, b, 1, F32, CFG), lt.linear_triton(x, w, b, CFG))
     y = tt.linear_tree_triton(x, w, b, 4, F32, CFG)
@@ -131,22 +131,77 @@ def test_one_slice_is_the_plain_gemm_and_the_loop_forms_keep_the_bits() -> None:
                   lt.LinearPlan(32, 16, 32, 4, 2, 2, True, True, 1, "ieee")]:
         got = tt.linear_tree_triton(x, w, b, 4, F32, CFG, tiles=tiles)
         assert torch.allclose(got, y, rtol=1e-5, atol=1e-5), tiles
-    # one K loop per slice or one over all slices: the same dots and folds
-    loops = dataclasses.replace(CFG, linear_tree_slice_loops=not CFG.linear_tree_slice_loops)
-    assert torch.equal(tt.linear_tree_triton(x, w, b, 4, F32, loops), y)
+
+
+@pytest.mark.parametrize("local", [2, 4, 8])
+def test_a_persistent_program_carries_no_stack_from_one_tile_into_the_next(local: int) -> None:
+    # 3 x 3 tiles on the interpreter's 4 programs: programs 0 to 1 compute 3 tiles, 2 to 3 two, each
+    # tile's slices one step of the flattened loop; the stack levels are not reset between tiles, so a
+    # level read before this tile wrote it would carry the last tile's sums in (rows scaled apart so
+    # that any carried sum shows)
+    x, w, b = _operands(40, 32 * local, 40, local, True)
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(5)[:, None])
+    grid = lt.LinearPlan(16, 16, 32, 4, 2, 1, False, True, 1, "ieee")
+    persistent = dataclasses.replace(grid, persistent=True)
+    y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=grid)
+    assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=persistent), y)
+    parts = torch.stack([_partial(x[:, j * 32:(j + 1) * 32], w[:, j * 32:(j + 1) * 32]) for j in range(local)], -1)
+    ref = pair_tree(parts) + b
+    assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("local", [2, 4, 8, 16])
+def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None:
+    # linear_tree_global_stack: where the registers' stack would quarter the tile (here a 128 x 64 tile
+    # of one warp over 64 registers), its levels go to each program's fp32 scratch, read back by the
+    # same program; a persistent grid (programs of two tiles, the scratch reused) and a plain one
+    glob = dataclasses.replace(CFG, linear_tree_global_stack=True, linear_tree_acc_regs=64)
+    regs = dataclasses.replace(glob, linear_tree_global_stack=False)
+    x, w, b = _operands(150, 32 * local, 136, local, True)  # rows of 16-byte multiples: TMA
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(19)[:150, None])
+    for tiles in (lt.LinearPlan(128, 64, 32, 1, 2, 1, True, True, 1, "ieee"),
+                  lt.LinearPlan(128, 64, 32, 1, 2, 2, False, True, 1, "ieee")):
+        assert tt.global_stack(tiles, local, glob) and not tt.global_stack(tiles, local, regs)
+        y = tt.linear_tree_triton(x, w, b, local, F32, regs, tiles=tiles)
+        assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, glob, tiles=tiles), y), tiles
+        # TP 2: each half's subtree (its own global stack from 4 slices up), the top, the bias
+        if local > 2:
+            k = 16 * local
+            halves = [tt.linear_tree_triton(x[:, h * k:(h + 1) * k].contiguous(), w[:, h * k:(h + 1) * k].contiguous(),
+                                            None, local // 2, F32, glob, tiles=tiles) for h in range(2)]
+            assert torch.equal(pair_tree(torch.stack(halves, -1)) + b, y)
+
+
+def test_the_global_stack_takes_the_tiles_the_registers_would_quarter() -> None:
+    # measured on the H200: one halving (S = 2 at the large tile) cost less than the scratch's traffic,
+    # two (S = 4 and 8) more
+    glob = dataclasses.replace(CFG, linear_tree_global_stack=True)
+    regs = dataclasses.replace(CFG, linear_tree_global_stack=False)
+    w = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    big = lt.plan(8192, w, CFG, sms=132)
+    assert (big.block_m, big.block_n) == (128, 256)
+    assert tt.tree_plan(8192, w, 2, glob, sms=132) == tt.tree_plan(8192, w, 2, regs, sms=132) != big
+    for local in (4, 8, 16):
+        p = tt.tree_plan(8192, w, local, glob, sms=132)
+        assert p == big and tt.global_stack(p, local, glob), local
+        assert not tt.global_stack(tt.tree_plan(8192, w, local, regs, sms=132), local, glob)
+    # decode and mid tiles keep the stack in registers
+    for M in (1, 64, 256):
+        assert not tt.global_stack(tt.tree_plan(M, w, 8, glob, sms=132), 8, glob)
 
 
 def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
+    regs = dataclasses.replace(CFG, linear_tree_global_stack=False)
     w = torch.empty(2048, 4096, dtype=torch.bfloat16)
     big = lt.plan(8192, w, CFG, sms=132)
-    assert tt.tree_plan(8192, w, 1, CFG, sms=132) == big
+    assert tt.tree_plan(8192, w, 1, regs, sms=132) == big
     for local in (2, 4, 8, 16):
-        p = tt.tree_plan(8192, w, local, CFG, sms=132)
-        regs = local.bit_length() * p.block_m * p.block_n // (32 * p.num_warps)
-        assert regs <= CFG.linear_tree_acc_regs and p.block_k == big.block_k, (local, p)
+        p = tt.tree_plan(8192, w, local, regs, sms=132)
+        acc = local.bit_length() * p.block_m * p.block_n // (32 * p.num_warps)
+        assert acc <= CFG.linear_tree_acc_regs and p.block_k == big.block_k, (local, p)
         assert p.block_m * p.block_n < big.block_m * big.block_n
     # decode tiles already fit
-    assert tt.tree_plan(1, w, 8, CFG, sms=132) == lt.plan(1, w, CFG, sms=132)
+    assert tt.tree_plan(1, w, 8, regs, sms=132) == lt.plan(1, w, CFG, sms=132)
 
 
 def test_refusals_are_one_line() -> None:
@@ -175,3 +230,53 @@ def test_the_contract_and_check_tp_refuse_only_what_does_not_run() -> None:
     check_tp(Contract(32, backend="triton", row_parallel_slices=4), config, 2)
     with pytest.raises(AlignedMambaError, match="row_parallel_slices >= 4"):
         check_tp(Contract(32, backend="triton", row_parallel_slices=2), config, 4)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_megatrons_row_parallel_linear_is_one_launch_per_rank(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the hook's RowParallelLinear forward on the triton backend: a rank's subtree in one launch of the
+    # tree kernel, TP 1's bits at every size; the per-slice path it replaces launched once per slice
+    from types import SimpleNamespace
+
+    from aligned_mamba.ops.backend import TritonBackend
+    from trainer_hooks.megatron.forwards import linear_forward
+
+    be = TritonBackend(CFG, torch.device("cpu"), kernels=True)
+    launches = []
+    kernel = tt.linear_tree_triton
+
+    def counted(*args, **kwargs):
+        launches.append(args[3])  # the slices the launch sums
+        with _INTERPRETER:
+            return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tt, "linear_tree_triton", counted)
+    slices, K = 8, 256
+    x, w, b = _operands(5, K, 24, 7, True)
+    want = row_parallel_linear(x, w, b, slices=slices, group=TPGroup.single(), tree=kernel_tree(kernel))
+
+    class RowParallelLinear:  # the hook tells the layers apart by their class's name
+        def __init__(self, weight: torch.Tensor, group: TPGroup) -> None:
+            self.weight, self.bias, self.skip_bias_add = weight, b, False
+            tp = None if group.size == 1 else group
+            self._aligned_mamba_hook = SimpleNamespace(backend=lambda dev: be, tp=lambda m: tp, slices=slices)
+
+    def rank(group: TPGroup) -> torch.Tensor:
+        k = shard(K, group)
+        return linear_forward(RowParallelLinear(w[:, k].contiguous(), group), x[:, k].unsqueeze(0))[0].squeeze(0)
+
+    launches.clear()
+    outs = threads(rank, size) if size > 1 else [rank(TPGroup.single())]
+    assert all(torch.equal(o, want) for o in outs)
+    assert launches == [slices // size] * size, launches
+    # the per-slice path: rank 0's slices through the backend's partial GEMM, one launch each
+    launches.clear()
+    n, c = slices // size, K // slices
+    row_parallel_linear(x[:, :K // size], [w[:, j * c:(j + 1) * c] for j in range(n)], None, slices=slices,
+                        group=TPGroup(0, size, lambda t: t.expand(size, *t.shape)), partial=be.linear_partial)
+    assert launches == [1] * n, launches
+
+
+def kernel_tree(kernel):
+    """``Ops.linear_tree`` over ``kernel`` (the interpreter's lock held by the caller's wrapper)."""
+    return lambda x, w, b, local, out_dtype: kernel(x, w, b, local, out_dtype, CFG)

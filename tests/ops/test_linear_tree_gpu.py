@@ -3,8 +3,8 @@
 At the row-parallel layers' shapes (out_proj of mamba2-1.3b and 2.7b, Nemotron-H-8B's o_proj and
 fc2), bf16: TP k (each rank's launch over its K columns giving its fp32 subtree, the subtrees joined
 by the tree's top, the bias, one rounding) gives TP 1's bits (one launch: the whole tree), for 2 to
-16 slices; a row's bits do not depend on how many rows share the call; one slice is today's GEMM bit
-for bit; the stock all-reduce of the ranks' rounded GEMMs differs. Then the model: the triton
+16 slices, in both loop forms and both stacks; a row's bits do not depend on how many rows share the call; one slice
+is today's GEMM bit for bit; the stock all-reduce of the ranks' rounded GEMMs differs. Then the model: the triton
 backend's logits rows at TP 2 and 4 equal TP 1 under row_parallel_slices 4 (Mamba2 with n_groups 1
 and 8, a hybrid), and stock TP 2 differs.
 """
@@ -24,6 +24,12 @@ def _cfg():
     from aligned_mamba.ops.configs import TritonKernelConfigs
 
     return TritonKernelConfigs()
+
+
+def _other(**fields):
+    import dataclasses
+
+    return dataclasses.replace(_cfg(), **fields)
 
 
 def _operands(K: int, N: int, M: int = 2048, seed: int = 0):
@@ -55,6 +61,12 @@ def test_gpu_every_tp_degree_gives_tp1s_bits(name: str, K: int, N: int) -> None:
     for M in (1, 64, 2048):
         for s in (2, 4, 8, 16):
             one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, _cfg())
+            # the other loop form (a K loop per slice, or the loops flattened) and the other stack (in
+            # registers at a halved tile, or in global memory at the regime's tile): the same bits
+            for name, other in (("loops", _other(linear_tree_flatten=not _cfg().linear_tree_flatten)),
+                                ("stack", _other(linear_tree_global_stack=not _cfg().linear_tree_global_stack))):
+                if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, other), one):
+                    bad.append((M, s, name))
             size = 2
             while size <= s:
                 if not torch.equal(_tp(x[:M], w, b, s, size), one):

@@ -16,7 +16,7 @@ from aligned_mamba.layers.mlp import MLP as CoreMLP
 from aligned_mamba.layers.mlp import MLPConfig
 from aligned_mamba.layers.moe import MoE as CoreMoE
 from aligned_mamba.layers.moe import MoEConfig
-from aligned_mamba.ops.linear.sliced import row_parallel_linear
+from aligned_mamba.ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from aligned_mamba.parallel import TPGroup
 
 from .current import hook_for
@@ -44,13 +44,6 @@ def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
     return offers.gather(0, index).squeeze(0)
 
 
-def _row_slices(w: torch.Tensor, slices: int, tp: TPGroup | None) -> list[torch.Tensor]:
-    """A row-parallel weight [N, K / k] cut into this rank's S / k contiguous slices of K / S columns."""
-    n = slices // (1 if tp is None else tp.size)
-    c = w.shape[1] // n
-    return [w[:, j * c:(j + 1) * c] for j in range(n)]
-
-
 def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
                    runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Column/RowParallelLinear on the backend's row-invariant linear: [..., in] -> ([..., out], bias or None).
@@ -72,9 +65,13 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
     x = input_.reshape(-1, shape[-1])
     row_parallel = type(self).__name__ == "RowParallelLinear"
     if row_parallel and (tp is not None or hook.slices > 1):
-        out = row_parallel_linear(x, [backend.linear_weight(p) for p in _row_slices(w, hook.slices, tp)],
-                                  None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
-                                  partial=backend.linear_partial)
+        # the backend's fused subtree (one launch over this rank's whole weight) where it has one, else its
+        # partial GEMM over each of the rank's slices
+        fused = backend.linear_tree is not None
+        ws = row_parallel_weight(backend, backend.linear_weight(w) if fused else w, lambda: w, hook.slices,
+                                 1 if tp is None else tp.size)
+        out = row_parallel_linear(x, ws, None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
+                                  partial=backend.linear_partial, tree=backend.linear_tree)
         return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
     out = backend.linear(hook.replicated_input(x, self), backend.linear_weight(w), None if skip else bias)
     gather = self.gather_output if runtime_gather_output is None else runtime_gather_output

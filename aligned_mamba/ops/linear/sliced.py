@@ -114,4 +114,4 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor
     return total.to(x.dtype)
 
 
-__all__ = ["check_slices", "row_parallel_linear"]
+__all__ = ["check_slices", "row_parallel_linear", "row_parallel_weight"]

@@ -3,20 +3,23 @@
 The contract (``row_parallel_slices`` S) cuts K into S contiguous equal slices; each slice's GEMM is
 summed from zero in fp32, and the S partials are joined by adjacent pairs ((p0 + p1) + (p2 + p3)) + ...
 At TP k a rank holds S / k consecutive slices, a subtree. Here one launch computes a rank's subtree:
-each program walks its output tile's K in one ascending loop of ``BLOCK_K`` steps (the K loop of
-``triton.py``, restarted from zero at every slice boundary), and at each slice's end folds the slice's
-sum into a stack of completed left subtrees, one per tree level (the carry of a binary counter: slice
-j's sum climbs the levels while j's low bits are ones). After the last slice the tile holds the
-subtree's sum; at TP 1 (the whole tree) the bias is added in fp32 and the sum rounded once, at TP > 1
-it is stored in fp32 for the all-gather and the tree's top levels (``sliced.row_parallel_linear``).
+each program walks its output tile's slices in order, each slice a K loop of ``BLOCK_K`` steps from
+zero (the K loop of ``triton.py``), and at each slice's end folds the slice's sum into a stack of
+completed left subtrees, one per tree level (the carry of a binary counter: slice j's sum climbs the
+levels while j's low bits are ones). After the last slice the tile holds the subtree's sum; at TP 1
+(the whole tree) the bias is added in fp32 and the sum rounded once, at TP > 1 it is stored in fp32
+for the all-gather and the tree's top levels (``sliced.row_parallel_linear``).
 
 The adds are IEEE fp32 adds of the same values in the same tree whoever computes them, and a row's
 slice sums do not depend on the tile (the tensor-core property ``triton.py`` relies on), so TP 1 and
 TP k give the same bits on the GPU. S = 1 is not this kernel: it is ``triton.py``'s GEMM, unchanged.
 
-The stack costs registers: a tile of BM x BN over T threads keeps log2(S/k) + 1 accumulators of
-BM * BN / T fp32 each, so the plan halves the tile (N first) until they fit in
-``linear_tree_acc_regs`` registers per thread; the K block is ``triton.py``'s in every regime.
+The slice loop and its K loop are fused by the compiler into one software pipeline
+(``linear_tree_flatten``), so the loads do not stop at slice boundaries. The stack costs registers:
+a tile of BM x BN over T threads keeps log2(S/k) + 1 accumulators of BM * BN / T fp32 each, so the
+plan halves the tile (N first) until they fit in ``linear_tree_acc_regs`` registers per thread, or
+(``linear_tree_global_stack``) keeps the tile and puts the levels in a per-program fp32 scratch in
+global memory; the K block is ``triton.py``'s in every regime.
 """
 
 from __future__ import annotations
@@ -73,108 +76,132 @@ def _fold(acc, s0, s1, s2, s3, j, LEVELS: tl.constexpr, LOCAL: tl.constexpr):
 
 
 @triton.jit
-def _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr,
-                   LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PRECISION: tl.constexpr, SLICE_LOOPS: tl.constexpr):
+def _fold_global(acc, st, j, LEVELS: tl.constexpr, LEVEL_STRIDE: tl.constexpr):
+    """``_fold`` with the stack in global memory: level l of this program's fp32 scratch at ``st`` +
+    l LEVEL_STRIDE (``st``: the [BM, BN] pointers of level 0). Returns the node slice j's sum
+    completes (the subtree's sum after the last slice); only the levels it climbs are read and only
+    the one it stops at is written."""
+    t = acc
+    reach = j >= 0
+    # the layouts of the stores and loads are the compiler's: a barrier makes every thread's earlier
+    # stores visible to the whole program whichever thread reads them back
+    tl.debug_barrier()
+    for lv in tl.static_range(LEVELS):
+        right = ((j >> lv) & 1) == 1
+        if reach:
+            if right:
+                t = tl.load(st + lv * LEVEL_STRIDE) + t
+            else:
+                tl.store(st + lv * LEVEL_STRIDE, t)
+        reach = reach & right
+    return t
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PROGS, HAS_BIAS: tl.constexpr,
+                     LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+                     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, GLOBAL_STACK: tl.constexpr):
+    """Through TMA descriptors (x [M, K] blocks [BM, BK], w [N, K] blocks [BN, BK], y [M, N] blocks
+    [BM, BN / EPI_SPLIT]), K = LOCAL * STEPS * BLOCK_K; one tile per program or (PERSISTENT) tiles
+    p, p + NUM_PROGS, ... One step of the outer loop is one slice of one tile: its K loop from zero,
+    the fold, and after a tile's last slice the epilogue. FLATTEN: the compiler makes the two loops
+    one software pipeline, so the loads run on across slices and tiles and the dots stay asynchronous
+    (the fold and the store wait for them); otherwise each slice's loop refills the pipeline.
+    GLOBAL_STACK: the stack's levels in this program's scratch (st_ptr: [programs, LEVELS, BM, BN]
+    fp32, L2-resident), so the registers hold one accumulator tile, as today's GEMM (the launcher does
+    not flatten this form); else in registers."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-    om = pid_m * BLOCK_M
-    on = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        units = tl.cdiv(num_pid_m * num_pid_n - pid, NUM_PROGS) * LOCAL
+    else:
+        units = LOCAL
     s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s1 = s0
     s2 = s0
     s3 = s0
-    # a slice is STEPS whole K blocks (the launcher checks), so block ki lies in slice ki // STEPS
-    if SLICE_LOOPS:
-        # one K loop per slice: its dots stay asynchronous, the loads refill at each slice's start
-        # (the faster form on the H200: benchmarks/results/h200_tree_gemm.json)
-        for j in range(LOCAL):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(STEPS):
-                a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
-                b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-            if LOCAL > 1:
-                s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
-    else:
-        # one K loop: the loads stream across slices (ptxas serialises the dots around the fold)
-        for ki in range(LOCAL * STEPS):
-            a = x_desc.load([om, ki * BLOCK_K])
-            b = w_desc.load([on, ki * BLOCK_K])
+    if GLOBAL_STACK:
+        st = (st_ptr + pid.to(tl.int64) * (LEVELS * BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+              + tl.arange(0, BLOCK_N)[None, :])
+    # a slice is STEPS whole K blocks (the launcher checks); every stack level is written before it is
+    # read within a tile, so the stack needs no reset between tiles
+    for u in tl.range(0, units, flatten=FLATTEN):
+        j = u % LOCAL
+        tile = pid
+        if PERSISTENT:
+            tile += (u // LOCAL) * NUM_PROGS
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(STEPS):
+            a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
+            b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-            if LOCAL > 1:
-                if (ki + 1) % STEPS == 0:  # a slice's end: fold it, the next one sums from zero
-                    s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, ki // STEPS, LEVELS, LOCAL)
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LOCAL > 1:
-        acc = s0
-    c = _bias_round(acc, b_ptr, on, N, HAS_BIAS, BLOCK_N, y_desc.dtype)
-    if EPI_SPLIT == 2:
-        c0, c1 = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-        y_desc.store([om, on], c0)
-        y_desc.store([om, on + BLOCK_N // 2], c1)
-    else:
-        y_desc.store([om, on], c)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, STEPS, NUM_PROGS, HAS_BIAS: tl.constexpr,
-                     LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                     PRECISION: tl.constexpr, SLICE_LOOPS: tl.constexpr):
-    """Through TMA descriptors (x [M, K] blocks [BM, BK], w [N, K] blocks [BN, BK], y [M, N] blocks
-    [BM, BN / EPI_SPLIT]), K = LOCAL * STEPS * BLOCK_K; one tile per program or (PERSISTENT) tiles
-    p, p + NUM_PROGS, ..."""
-    if PERSISTENT:
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
-            _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, STEPS, HAS_BIAS, LOCAL, LEVELS, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION, SLICE_LOOPS)
-    else:
-        _tree_tma_tile(x_desc, w_desc, y_desc, b_ptr, tl.program_id(0), M, N, STEPS, HAS_BIAS, LOCAL, LEVELS,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SPLIT, PRECISION, SLICE_LOOPS)
+        if GLOBAL_STACK:
+            node = _fold_global(acc, st, j, LEVELS, BLOCK_M * BLOCK_N)
+        else:
+            s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
+            node = s0
+        if j == LOCAL - 1:
+            c = _bias_round(node, b_ptr, on, N, HAS_BIAS, BLOCK_N, y_desc.dtype)
+            if EPI_SPLIT == 2:
+                c0, c1 = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+                y_desc.store([om, on], c0)
+                y_desc.store([om, on + BLOCK_N // 2], c1)
+            else:
+                y_desc.store([om, on], c)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     FLATTEN: tl.constexpr):
     """The same tree through masked pointer loads, one tile per program: slice j is K columns
     [j C, (j + 1) C) in STEPS = cdiv(C, BLOCK_K) blocks, its last block zero past the slice's end."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s1 = s0
     s2 = s0
     s3 = s0
-    for ki in range(LOCAL * STEPS):
-        j = ki // STEPS
-        ck = (ki - j * STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
-        rk = j * C + ck
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
-        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                    mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if LOCAL > 1:
-            if (ki + 1) % STEPS == 0:
-                s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LOCAL > 1:
-        acc = s0
-    c = _bias_round(acc, b_ptr, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N, y_ptr.dtype.element_ty)
+    for j in tl.range(0, LOCAL, flatten=FLATTEN):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(STEPS):
+            ck = kk * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
+            rk = j * C + ck
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                        mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
+            b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                        mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
+    c = _bias_round(s0, b_ptr, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def tree_plan(M: int, weight: torch.Tensor, local: int, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
     """``triton.plan``'s tile for M rows and this weight [N, K], halved (N first, down to 32 x 64;
     stages raised to keep the shared memory) until the stack of ``local`` slices (log2(local) + 1 fp32
-    accumulators per tile) fits in ``cfg.linear_tree_acc_regs`` registers per thread."""
-    return _shrink(plan(M, weight, cfg, sms=sms), local.bit_length(), cfg.linear_tree_acc_regs)
+    accumulators per tile) fits in ``cfg.linear_tree_acc_regs`` registers per thread, or (where
+    ``global_stack``) the regime's tile with the stack's levels in global memory."""
+    p = plan(M, weight, cfg, sms=sms)
+    return p if global_stack(p, local, cfg) else _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+
+
+def global_stack(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> bool:
+    """Whether the TMA kernel keeps the stack in global memory at this tile: with
+    ``linear_tree_global_stack`` on, where the registers' stack (log2(local) + 1 tiles) would halve
+    the tile more than once to fit ``linear_tree_acc_regs`` (on the H200 one halving cost less than
+    the scratch's traffic, two halvings more: benchmarks/results/h200_tree_gemm.json)."""
+    if not (cfg.linear_tree_global_stack and p.tma and local > 1):
+        return False
+    r = _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+    return 4 * r.block_m * r.block_n <= p.block_m * p.block_n
 
 
 @functools.lru_cache(maxsize=1024)
@@ -243,15 +270,22 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     b = bias.contiguous() if has_bias else y
     common = dict(HAS_BIAS=has_bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m,
                   BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision,
-                  num_warps=p.num_warps, num_stages=p.num_stages)
+                  FLATTEN=cfg.linear_tree_flatten, num_warps=p.num_warps, num_stages=p.num_stages)
     num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
     if p.tma and C % p.block_k == 0 and _tma_ok(x, weight, y):
         progs = min(num_tiles, sms * p.programs_per_sm) if p.persistent else num_tiles
+        levels = local.bit_length() - 1
+        stack = global_stack(p, local, cfg)
+        # each program's stack levels: [programs, levels, BM, BN] fp32
+        st = torch.empty(progs * levels * p.block_m * p.block_n if stack else 1, dtype=torch.float32,
+                         device=x.device)
         xd = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k])
         wd = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k])
         yd = TensorDescriptor(y, [M, N], [N, 1], [p.block_m, p.block_n // p.epi_split])
-        _tree_tma_kernel[(progs,)](xd, wd, yd, b, M, N, C // p.block_k, progs, EPI_SPLIT=p.epi_split,
-                                   PERSISTENT=p.persistent, SLICE_LOOPS=cfg.linear_tree_slice_loops, **common)
+        # the global stack's fold branches, which the compiler's loop fusion does not take: nested loops
+        _tree_tma_kernel[(progs,)](xd, wd, yd, b, st, M, N, C // p.block_k, progs, EPI_SPLIT=p.epi_split,
+                                   PERSISTENT=p.persistent, GLOBAL_STACK=stack,
+                                   **dict(common, FLATTEN=common["FLATTEN"] and not stack))
     else:
         if p.tma and tiles is None:
             p = fallback_plan(p, local, cfg)
@@ -297,5 +331,5 @@ def linear_partial(x: torch.Tensor, w: torch.Tensor, *, cfg: TritonKernelConfigs
     return linear_tree(x, w, None, 1, torch.float32, cfg=cfg)
 
 
-__all__ = ["MAX_LOCAL_SLICES", "check_local", "fallback_plan", "linear_partial", "linear_tree", "linear_tree_triton",
-           "tree_plan"]
+__all__ = ["MAX_LOCAL_SLICES", "check_local", "fallback_plan", "global_stack", "linear_partial", "linear_tree",
+           "linear_tree_triton", "tree_plan"]
