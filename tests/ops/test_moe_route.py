@@ -1,0 +1,139 @@
+"""The MoE layer's few-token path on the CPU through the Triton interpreter: routing and dispatch in one
+kernel, the decode tile of the grouped GEMM.
+
+``route_triton`` must give ``naive.route(elementwise.sigmoid(logits))``'s experts and weights bit for
+bit (ties included: they go to the lower index) and, from the same program, ``grouped.dispatch``'s
+tables; the experts' rows through the decode tile must equal the large tile's, so a token's output
+does not depend on how many tokens share its call (which path it takes). The baseline: a few-token
+GEMM that splits K in two (as a decode GEMM does to fill a GPU) gives other bits. fp32 throughout
+(the interpreter computes bf16 wrongly); the GPU's bits are tests/ops/test_moe_triton_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import interpreted  # before triton: it switches the Triton interpreter on
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+interpreted.require()
+pytestmark = pytest.mark.interpreter
+
+from aligned_mamba.ops import elementwise as ew  # noqa: E402
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
+from aligned_mamba.ops.moe import triton as mt  # noqa: E402
+
+CFG = TritonKernelConfigs()
+TABLES = ("token", "perm", "pos", "offsets", "tile_expert", "tile_row0", "tile_row1")
+# (experts, top-k, groups, groups kept)
+ROUTINGS = [(16, 2, 1, 1), (16, 6, 1, 1), (16, 6, 4, 2), (24, 3, 3, 2), (32, 8, 8, 3), (128, 6, 1, 1),
+            (128, 6, 8, 4)]
+
+
+def _logits(T: int, E: int, seed: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) * 2
+    bias = torch.rand(E, generator=g) * 0.05
+    if ties:  # equal scores across experts and groups: the lower index must win
+        logits[:, 1::3] = logits[:, :1]
+        bias[::2] = 0.0
+    return logits, bias
+
+
+@settings(max_examples=25, deadline=None)
+@given(routing=st.sampled_from(ROUTINGS), T=st.integers(1, 90), seed=st.integers(0, 2 ** 16), ties=st.booleans(),
+       norm=st.booleans())
+def test_route_kernel_gives_the_torch_routes_bits_and_tables(routing, T: int, seed: int, ties: bool,
+                                                             norm: bool) -> None:
+    E, k, ng, tg = routing
+    logits, bias = _logits(T, E, seed, ties)
+    kw = dict(top_k=k, n_group=ng, topk_group=tg, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    experts, weights, d = mt.route_triton(logits, bias, cfg=CFG, **kw)
+    ref_e, ref_w = route(ew.sigmoid(logits), bias, **kw)
+    assert torch.equal(experts, ref_e)
+    assert torch.equal(weights, ref_w)
+    if T * k <= CFG.moe_decode_max_rows:
+        ref = dispatch(ref_e, E, d.block_m)
+        for name in TABLES:
+            assert torch.equal(getattr(d, name), getattr(ref, name)), name
+    else:
+        assert d is None
+
+
+def test_route_kernel_without_tables_and_past_one_program() -> None:
+    """Many rows (several programs) and ``with_dispatch=False``: the same experts and weights, no tables."""
+    logits, bias = _logits(300, 16, 1, True)
+    ref_e, ref_w = route(ew.sigmoid(logits), bias, top_k=6, n_group=4, topk_group=2)
+    for T, wd in ((300, True), (40, False)):
+        e, w, d = mt.route_triton(logits[:T], bias, top_k=6, n_group=4, topk_group=2, cfg=CFG, with_dispatch=wd)
+        assert d is None and torch.equal(e, ref_e[:T]) and torch.equal(w, ref_w[:T])
+
+
+def test_route_kernel_refuses_bad_input_in_one_line() -> None:
+    logits, bias = _logits(4, 16, 0, False)
+    with pytest.raises(ValueError, match="float32"):
+        mt.route_triton(logits.double(), bias, top_k=2, cfg=CFG)
+    with pytest.raises(ValueError, match="top_k"):
+        mt.route_triton(logits, bias, top_k=17, cfg=CFG)
+    with pytest.raises(ValueError, match="groups"):
+        mt.route_triton(logits, bias, top_k=2, n_group=3, cfg=CFG)
+    with pytest.raises(ValueError, match="float32"):
+        mt.router_logits_triton(logits, torch.zeros(16, 4, dtype=torch.float64), CFG)
+
+
+def test_router_kernel_is_the_fp32_gemm() -> None:
+    """The router GEMM kernel against fp64 (its bits against the triton linear's are the GPU test's: the
+    interpreter's dot is numpy's)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(21, 200, generator=g), torch.randn(40, 200, generator=g)
+    out = mt.router_logits_triton(x, w, CFG)
+    ref = x.double() @ w.double().T
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+D, F, E = 48, 40, 16
+
+
+def _experts(T: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g)
+    up = torch.randn(E, F, D, generator=g) / D ** 0.5
+    down = torch.randn(E, D, F, generator=g) / F ** 0.5
+    experts, weights = route(torch.sigmoid(torch.randn(T, E, generator=g)), torch.zeros(E), top_k=k)
+    return h, experts, weights, up, down
+
+
+@settings(max_examples=6, deadline=None)
+@given(k=st.sampled_from([1, 2, 6]), T=st.integers(1, 12), seed=st.integers(0, 2 ** 16), data=st.data())
+def test_a_tokens_rows_on_the_few_token_path_equal_the_many_token_path(k: int, T: int, seed: int, data) -> None:
+    """T tokens through the decode tile with the routing kernel's tables equal the same tokens' rows in
+    a call of 96 tokens through the large tile (its own tables), whatever tokens share the experts."""
+    big = dataclasses.replace(CFG, moe_block_m=32, moe_block_n=32, moe_block_k=16)  # k * 96 > 512 rows
+    small = dataclasses.replace(big, moe_decode_block_m=16, moe_decode_block_n=16)
+    h, experts, weights, up, down = _experts(96, k, seed)
+    full = mt.experts_triton(h, experts, weights, up, down, big)
+    rows = torch.tensor(data.draw(st.lists(st.integers(0, 95), min_size=T, max_size=T, unique=True)))
+    d = dispatch(experts[rows], E, small.moe_decode_block_m)
+    few = mt.experts_triton(h[rows], experts[rows], weights[rows], up, down, small, dispatch=d)
+    assert torch.equal(few, full[rows])
+
+
+def test_a_k_split_few_token_gemm_differs() -> None:
+    """The baseline: the up projection of a few rows with K summed in two halves (a split-K decode GEMM)
+    gives some rows other bits than the kernel's one ascending K loop; the kernel's rows are the same in
+    both paths (the test above), so that check can fail."""
+    g = torch.Generator().manual_seed(9)
+    K = 1024
+    h, w = torch.randn(64, K, generator=g), torch.randn(E, 256, K, generator=g) / K ** 0.5
+    experts = torch.arange(64).remainder(E)[:, None]
+    d = dispatch(experts, E, 16)
+    one, _ = mt.grouped_gemm(h, w, d, CFG, gather=True)
+    lo, _ = mt.grouped_gemm(h[:, :K // 2], w[..., :K // 2].contiguous(), d, CFG, gather=True)
+    hi, _ = mt.grouped_gemm(h[:, K // 2:], w[..., K // 2:].contiguous(), d, CFG, gather=True)
+    split = lo + hi  # the same kernel on each half of K, the partial sums added
+    assert not torch.equal(split, one)
+    assert torch.allclose(split, one, rtol=1e-4, atol=1e-4)
