@@ -14,7 +14,10 @@ row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice
 per row (ties go to the lower expert index, whatever the other rows); the routed experts are the
 backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
 on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
-share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py).
+share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py). On the triton backend
+without gradients (a sampler) the router GEMM and the routing are ops.moe.triton's two kernels (not
+``backend.linear`` and torch ops: a replaced linear does not reach the router there); a trainer
+recording gradients takes the torch ops; both give the same bits (tests/ops/test_moe_route_gpu.py).
 
 Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
 gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],

@@ -13,6 +13,15 @@ not depend on which or how many rows share its tile (the tensor-core property ``
 rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
 equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
 
+Few rows (a decode step): without gradients the router and the routing run as two launches,
+``router_logits_triton`` (the fp32 router GEMM on small tiles: the triton linear's dot and K block,
+so its bits) and ``route_triton`` (the elementwise sigmoid's steps, the group-limited top-k with ties
+to the lower index, the weights summed in ascending expert order: ``naive.route``'s bits), which for
+at most ``moe_decode_max_rows`` (token, expert) rows also writes ``grouped.dispatch``'s tables from
+the same program (a counting sort: an expert's rows in ascending token order). Those rows take the
+grouped GEMM's decode tile (``gemm_tile``); the K loop is the same, so a row's bits are those of the
+large tile, whichever path its call takes (tests/ops/test_moe_route*.py).
+
 Backward (``ExpertsFunction``): dy = round(g w), the data gradients by the same grouped kernel
 over the transposed weights, the squared ReLU's derivative 2 relu(u) in fp32, and each expert's
 weight gradient by ``_expert_wgrad_kernel``: one program per weight tile, walking that expert's
