@@ -232,6 +232,9 @@ class MoE(Stateless):
         if self.sliced:
             routed = experts_grouped(h, experts, weights, self.up_w, self.down_w, linear=be.linear, relu2=be.relu2,
                                      expert=self._expert)
+        elif dispatch is not None and self.fc2 is None:  # the shared expert added in the combine's pass
+            shared = self.shared.advance(None, batch, x)
+            return be.moe_experts(h, experts, weights, self.up_w, self.down_w, dispatch=dispatch, add=shared)
         elif dispatch is not None:
             routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, dispatch=dispatch)
         else:

@@ -95,6 +95,22 @@ def test_router_kernel_is_the_fp32_gemm() -> None:
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
+def test_combine_with_the_shared_rows_added_is_the_torch_add() -> None:
+    """The combine's pass adding the shared expert's rows: the bits of the combine, then torch's add."""
+    from aligned_mamba.ops.moe.naive import combine
+
+    g = torch.Generator().manual_seed(6)
+    T, k = 9, 6
+    y = torch.randn(T * k, 300, generator=g)
+    pos = torch.randperm(T * k, generator=g).view(T, k)
+    w, add = torch.rand(T, k, generator=g) * 3, torch.randn(T, 300, generator=g)
+    ref = combine([y[pos[:, j]] for j in range(k)], w, torch.float32) + add
+    cfg = dataclasses.replace(CFG, moe_combine_block_d=128)  # three column blocks, the last masked
+    assert torch.equal(mt.combine_triton(y, pos, w, torch.float32, cfg, add), ref)
+    with pytest.raises(ValueError, match="add"):
+        mt.combine_triton(y, pos, w, torch.float32, cfg, add[:, :5])
+
+
 D, F, E = 48, 40, 16
 
 

@@ -58,9 +58,10 @@ for dt in ("bf16", "fp32"):
                  BLOCK_T=cfg.moe_wgrad_block_t, PRECISION="ieee")
         done[f"{dt} wgrad gather={gather}"] = comp(mt._expert_wgrad_kernel, t, c, cfg.moe_wgrad_warps, 3,
                                                    ("N", "K", "stride_g", "stride_x", "stride_dwe"))
-    t = dict(y_ptr=f"*{dt}", pos_ptr=i64, w_ptr="*fp32", out_ptr=f"*{dt}")
-    for k in (2, 6):
-        done[f"{dt} combine k={k}"] = comp(mt._combine_kernel, t, dict(K=k, BLOCK_D=cfg.moe_combine_block_d), 4, 1)
+    t = dict(y_ptr=f"*{dt}", pos_ptr=i64, w_ptr="*fp32", out_ptr=f"*{dt}", add_ptr=f"*{dt}")
+    for k, add in ((2, False), (6, False), (6, True)):  # with the shared expert's rows added, or not
+        done[f"{dt} combine k={k} add={add}"] = comp(mt._combine_kernel, t,
+                                                     dict(K=k, BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add), 4, 1)
     # the few-row tiles: up and down through the decode tile (mma on 16 rows)
     bm, bn, warps, stages = mt.gemm_tile(1, torch.bfloat16 if dt == "bf16" else torch.float32, cfg)
     for name, gather, relu2 in (("up", True, True), ("down", False, False)):
@@ -92,7 +93,7 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90(tmp_path):
     done = run_sm90_script(_COMPILE, tmp_path)
-    assert len(done) == 2 * 10 + 4, sorted(done)
+    assert len(done) == 2 * 11 + 4, sorted(done)
     for name, r in done.items():
         if name.startswith("route") or name.endswith("router"):  # no dots on tensor cores: fp32 or none
             assert r["shared"] <= 227 * 1024, (name, r)

@@ -128,14 +128,15 @@ def _expert_wgrad_kernel(
 
 @triton.jit
 def _combine_kernel(
-    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d]
-    y_ptr, pos_ptr, w_ptr, out_ptr,
-    d, stride_y, stride_out,
+    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d], add [T, d] (HAS_ADD)
+    y_ptr, pos_ptr, w_ptr, out_ptr, add_ptr,
+    d, stride_y, stride_out, stride_add,
     # Meta-parameters
-    K: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ... + y[pos[t, K-1]] w[t, K-1]) in fp32, one product
-    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``."""
+    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``;
+    HAS_ADD: then round(that + add[t]) in fp32 (torch's add of two model-dtype tensors)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < d
@@ -145,7 +146,11 @@ def _combine_kernel(
         w = tl.load(w_ptr + t * K + j)
         y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = acc + y * w
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        a = tl.load(add_ptr + t * stride_add + cols, mask=cmask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + a).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + cols, out, mask=cmask)
 
 
 @triton.jit
@@ -306,16 +311,22 @@ def _route_kernel(
 
 
 def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                   cfg: TritonKernelConfigs) -> torch.Tensor:
+                   cfg: TritonKernelConfigs, add: torch.Tensor | None = None) -> torch.Tensor:
     """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` in one pass: y [R, d] (sorted rows),
-    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``."""
+    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``; plus ``add`` [T, d] in ``dtype``
+    where given (the bits of ``combine(...) + add``)."""
     T, k = pos.shape
     y, pos, weights = y.contiguous(), pos.contiguous(), weights.to(torch.float32).contiguous()
     out = torch.empty(T, y.shape[1], dtype=dtype, device=y.device)
+    if add is not None and (add.shape != out.shape or add.dtype != dtype or add.stride(1) != 1):
+        raise ValueError(f"combine_triton: add {tuple(add.shape)} {add.dtype} must be [{T}, {y.shape[1]}] {dtype} "
+                         "with unit column stride")
     if out.numel():
         grid = (T, triton.cdiv(y.shape[1], cfg.moe_combine_block_d))
-        _combine_kernel[grid](y, pos, weights, out, y.shape[1], y.stride(0), out.stride(0), K=k,
-                              BLOCK_D=cfg.moe_combine_block_d, num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[grid](y, pos, weights, out, out if add is None else add, y.shape[1], y.stride(0),
+                              out.stride(0), 0 if add is None else add.stride(0), K=k,
+                              BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add is not None, num_warps=4,
+                              enable_fp_fusion=False)
     return out
 
 
@@ -460,25 +471,29 @@ def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: 
 
 
 def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-             down_w: torch.Tensor, cfg: TritonKernelConfigs, d: Dispatch | None = None) -> tuple[torch.Tensor, tuple]:
+             down_w: torch.Tensor, cfg: TritonKernelConfigs, d: Dispatch | None = None,
+             add: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
     if d is None:
         d = dispatch(experts, up_w.shape[0], gemm_tile(experts.numel(), h.dtype, cfg)[0])
     act, u = grouped_gemm(h, up_w, d, cfg, gather=True, relu2=True)
     y, _ = grouped_gemm(act, down_w, d, cfg, gather=False)
-    return combine_triton(y, d.pos, weights, h.dtype, cfg), (d, u, act, y)
+    return combine_triton(y, d.pos, weights, h.dtype, cfg, add), (d, u, act, y)
 
 
 def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-                   down_w: torch.Tensor, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None) -> torch.Tensor:
+                   down_w: torch.Tensor, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ops.moe``'s signature): h [T, d], up_w [E, f, d], down_w [E, d, f] in the
     model dtype (bf16 or fp32), experts [T, k] int64 (ascending, distinct per row), weights [T, k]
     fp32 -> [T, d] in h's dtype; no host synchronisation. ``dispatch``: the experts' sorted tables
-    where the caller has them (``route_triton``'s), else built here. Differentiable in h, weights,
-    up_w, down_w (``ExpertsFunction``)."""
+    where the caller has them (``route_triton``'s), else built here; ``add`` [T, d] in h's dtype: the
+    result is ``out + add`` (the layer's shared expert, added in the combine's pass). Differentiable
+    in h, weights, up_w, down_w (``ExpertsFunction``)."""
     _check(h, experts, weights, up_w, down_w)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, up_w, down_w)):
-        return ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
-    return _forward(h, experts, weights, up_w, down_w, cfg, dispatch)[0]
+        out = ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
+        return out if add is None else out + add
+    return _forward(h, experts, weights, up_w, down_w, cfg, dispatch, add)[0]
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -520,13 +535,14 @@ class ExpertsFunction(torch.autograd.Function):
 
 def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
                 down_w: torch.Tensor, up_b: object = None, down_b: object = None, *,
-                cfg: TritonKernelConfigs, dispatch: Dispatch | None = None) -> torch.Tensor:
-    """The backend's ``moe_experts`` signature: ``experts_triton``; expert biases are refused (the
-    grouped kernels have no bias term)."""
+                cfg: TritonKernelConfigs, dispatch: Dispatch | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """The backend's ``moe_experts`` signature: ``experts_triton`` (``dispatch``, ``add`` as there);
+    expert biases are refused (the grouped kernels have no bias term)."""
     if up_b is not None or down_b is not None:
         raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
                                 "no bias term (mlp_bias MoE checkpoints run on the torch backend)")
-    return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch)
+    return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch, add=add)
 
 
 __all__ = ["ROUTE_MAX_EXPERTS", "ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "gemm_tile",
