@@ -15,9 +15,9 @@ per row (ties go to the lower expert index, whatever the other rows); the routed
 backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
 on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
 share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py). On the triton backend
-without gradients (a sampler) the router GEMM and the routing are ops.moe.triton's two kernels (not
-``backend.linear`` and torch ops: a replaced linear does not reach the router there); a trainer
-recording gradients takes the torch ops; both give the same bits (tests/ops/test_moe_route_gpu.py).
+the router GEMM is ops.moe.triton's kernel (not ``backend.linear``: a replaced linear does not reach
+it), and without gradients (a sampler) the sigmoid and the routing are its second kernel; a trainer
+recording gradients takes the torch ops there; both give the same bits (tests/ops/test_moe_route*.py).
 
 Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
 gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],
@@ -193,8 +193,13 @@ class MoE(Stateless):
         fused = self._route_kernels(x, with_dispatch=False)
         if fused is not None:
             return fused[0], fused[1]
-        scores = ew.sigmoid(self.backend.linear(x.to(torch.float32), self.gate_w))
-        return route(scores, self.score_bias, self.config)
+        if self.backend.stacked_experts:  # the triton backend's router GEMM (the kernels' bits, with gradients)
+            from ..ops.moe import triton as moe_triton
+
+            logits = moe_triton.router_logits(x, self.gate_w, self.backend.configs)
+        else:
+            logits = self.backend.linear(x.to(torch.float32), self.gate_w)
+        return route(ew.sigmoid(logits), self.score_bias, self.config)
 
     def _route_kernels(self, x: torch.Tensor, *, with_dispatch: bool) -> tuple | None:
         """``route_rows`` on the triton backend without gradients: the router GEMM and the routing (and
@@ -206,7 +211,7 @@ class MoE(Stateless):
             return None
         from ..ops.moe import triton as moe_triton
 
-        logits = moe_triton.router_logits_triton(x, self.gate_w, be.configs)
+        logits = moe_triton.router_logits(x, self.gate_w, be.configs)
         return moe_triton.route_triton(logits, self.score_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
                                        topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                                        routed_scaling_factor=c.routed_scaling_factor, cfg=be.configs,

@@ -28,6 +28,7 @@ from aligned_mamba.ops.moe import dispatch, route  # noqa: E402
 from aligned_mamba.ops.moe import triton as mt  # noqa: E402
 
 CFG = TritonKernelConfigs()
+D, F, E = 48, 40, 16
 TABLES = ("token", "perm", "pos", "offsets", "tile_expert", "tile_row0", "tile_row1")
 # (experts, top-k, groups, groups kept)
 ROUTINGS = [(16, 2, 1, 1), (16, 6, 1, 1), (16, 6, 4, 2), (24, 3, 3, 2), (32, 8, 8, 3), (128, 6, 1, 1),
@@ -111,7 +112,43 @@ def test_combine_with_the_shared_rows_added_is_the_torch_add() -> None:
         mt.combine_triton(y, pos, w, torch.float32, cfg, add[:, :5])
 
 
-D, F, E = 48, 40, 16
+def test_router_gradients_are_the_torch_gemms() -> None:
+    """``router_logits`` under autograd: the kernel's forward, the gradients of ``x.float() @ w.T``."""
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(13, 64, generator=g).requires_grad_(), torch.randn(16, 64, generator=g).requires_grad_()
+    gy = torch.randn(13, 16, generator=g)
+    out = mt.router_logits(x, w, CFG)
+    assert out.requires_grad and torch.equal(out.detach(), mt.router_logits_triton(x.detach(), w.detach(), CFG))
+    dx, dw = torch.autograd.grad(out, (x, w), gy)
+    rx, rw = torch.autograd.grad(x.float() @ w.T, (x, w), gy)
+    assert torch.equal(dx, rx) and torch.equal(dw, rw)
+
+
+@pytest.mark.parametrize("routing", [dict(num_experts_per_tok=6), dict(num_experts_per_tok=2, n_group=4, topk_group=2)])
+def test_layer_rows_equal_with_and_without_gradients(routing: dict) -> None:
+    """A sampler's call (no gradients: the routing kernel, its tables, the decode tile, the shared rows
+    added in the combine) and a trainer's (gradients: torch's sigmoid and routing ops, the torch
+    dispatch, the experts' autograd Function): the same rows at 1, 7 and 90 tokens."""
+    import functools
+
+    from aligned_mamba.layers.moe import MoE, MoEConfig
+    from aligned_mamba.ops.backend import TritonBackend
+
+    be = TritonBackend(CFG, torch.device("cpu"))
+    be = be.replace(moe_experts=functools.partial(mt.moe_experts, cfg=CFG), stacked_experts=True)
+    c = MoEConfig(hidden_size=D, n_routed_experts=E, moe_intermediate_size=F, moe_shared_expert_intermediate_size=24,
+                  routed_scaling_factor=2.5, **routing)
+    g = torch.Generator().manual_seed(3)
+    tensors = {k: torch.randn(*s, generator=g) / (s[-1] ** 0.5) for k, s in c.weight_shapes().items()}
+    tensors["gate.e_score_correction_bias"] = torch.rand(E, generator=g) * 0.1
+    layer = MoE(c, tensors, "", backend=be, dtype=torch.float32)
+    for T in (1, 7, 90):
+        x = torch.randn(T, D, generator=g)
+        with torch.no_grad():
+            sampler = layer.advance(None, None, x)
+        trainer = layer.advance(None, None, x.clone().requires_grad_())
+        assert trainer.requires_grad and torch.equal(sampler, trainer.detach()), T
+
 
 
 def _experts(T: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:

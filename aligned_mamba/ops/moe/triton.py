@@ -352,6 +352,30 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKerne
     return out
 
 
+class _Router(torch.autograd.Function):
+    """The router GEMM kernel forward; backward two fp32 GEMMs in torch (the triton linear's: dx = g w
+    rounded to x's dtype, as autograd of ``x.float()``, dw = g^T x)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(x, gate_w)
+        return router_logits_triton(x, gate_w, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        nx, nw, _ = ctx.needs_input_grad
+        return ((g @ w).to(x.dtype) if nx else None, g.t() @ x.to(torch.float32) if nw else None, None)
+
+
+def router_logits(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The layer's router GEMM on the triton backend, sampler and trainer alike (one kernel, so one set
+    of bits): ``router_logits_triton``, differentiable in x and gate_w where a gradient is recorded."""
+    if torch.is_grad_enabled() and (x.requires_grad or gate_w.requires_grad):
+        return _Router.apply(x, gate_w, cfg)
+    return router_logits_triton(x, gate_w, cfg)
+
+
 #: the most experts the routing kernel takes (one row's scores are one register tile)
 ROUTE_MAX_EXPERTS = 1024
 
@@ -546,4 +570,5 @@ def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, u
 
 
 __all__ = ["ROUTE_MAX_EXPERTS", "ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "gemm_tile",
-           "grouped_gemm", "moe_experts", "route_triton", "router_logits_triton"]
+           "grouped_gemm", "moe_experts", "route_triton", "router_logits",
+           "router_logits_triton"]
