@@ -2,12 +2,13 @@
 
 Without gradients the triton backend routes with two launches (``router_logits_triton``,
 ``route_triton``, the dispatch tables too for a few rows) and runs a few rows through the decode tile
-of the grouped GEMM. A trainer records gradients and takes the torch ops (the triton linear, the
-elementwise sigmoid, ``naive.route``) and the large tile: both must give the same bits, or a sampler's
-tokens would be scored with other routing. So: the router kernel's logits equal the triton linear's,
-the routing kernel's experts, weights and tables equal the torch ops', the layer's rows equal with and
-without gradients at 1, 64 and 4096 tokens, a decode-tile row equals its large-tile row (16-row mma
-against 128-row warpgroup MMA); the layer captures into a CUDA graph (no host synchronisation).
+of the grouped GEMM. A trainer records gradients and takes the router kernel, then torch ops (the
+elementwise sigmoid, ``naive.route``, ``dispatch``): both must give the same bits, or a sampler's
+tokens would be scored with other routing. So: the routing kernel's experts, weights and tables equal
+the torch ops', the layer's rows equal with and without gradients at 1, 64 and 4096 tokens, a
+decode-tile row equals its large-tile row (16-row mma against 128-row warpgroup MMA); the layer
+captures into a CUDA graph (no host synchronisation); the router kernel's logits equal the triton
+linear's (which ran the router before it).
 """
 
 from __future__ import annotations
@@ -45,14 +46,19 @@ def _x(T: int, hidden: int = 2688, seed: int = 1) -> torch.Tensor:
 
 
 def _torch_route(layer, x):
+    """The trainer's routing: the router kernel, then torch's sigmoid and ``naive.route``."""
     from aligned_mamba.layers.moe import route
     from aligned_mamba.ops import elementwise as ew
+    from aligned_mamba.ops.moe.triton import router_logits_triton
 
-    return route(ew.sigmoid(layer.backend.linear(x.float(), layer.gate_w)), layer.score_bias, layer.config)
+    logits = router_logits_triton(x, layer.gate_w, layer.backend.configs)
+    return route(ew.sigmoid(logits), layer.score_bias, layer.config)
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 333, 4096])
 def test_router_kernel_logits_equal_the_triton_linear(T: int) -> None:
+    """The router kernel's small fp32 tiles give the triton linear's bits (its dot, its K block): the
+    routing of a triton contract is what it was when the linear ran the router."""
     from aligned_mamba.ops.moe.triton import router_logits_triton
 
     layer = _layer("top6")
