@@ -13,6 +13,8 @@ linear's (which ran the router before it).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -29,8 +31,10 @@ def _backend():
     return resolve(Contract(chunk_size=64, backend="triton", model_dtype="bfloat16"), "cuda")
 
 
+@functools.cache
 def _layer(routing: str, hidden: int = 2688, width: int = 1856, shared: int = 3712):
-    """Nemotron-3-Nano-30B-A3B's MoE block shape by default (128 experts), random bf16 weights."""
+    """Nemotron-3-Nano-30B-A3B's MoE block shape by default (128 experts), random bf16 weights (one
+    layer per routing for the whole file: about 2.6 GB each)."""
     from aligned_mamba.layers.moe import MoE, MoEConfig
 
     c = MoEConfig(hidden_size=hidden, n_routed_experts=128, moe_intermediate_size=width,
