@@ -29,8 +29,9 @@ with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). Wit
 (instead of the layer and backward cells): which stock piece (router scores, routed experts, shared
 expert) changes a row's bits with the batch.
 
-With --decode-sweep: the whole layer in a CUDA graph at 1 and 64 tokens under other decode tiles
-(``DECODE_SWEEP``) and without the few-row path (moe_decode_max_rows 0), each with
+With --decode-sweep: the whole layer in a CUDA graph at 1, 64 and 256 tokens under other decode
+tiles (``DECODE_SWEEP``), without the few-row path (moe_decode_max_rows 0) and with it up to 2048
+rows, each with
 ``bitwise_equal_to_pinned``. Each layer cell also times both layers replayed from a CUDA graph
 (``ours_graph_ms``, ``stock_graph_ms``: the grouped form; a decode step runs so), where the
 eager times include the host's launches.
@@ -334,8 +335,8 @@ def sweep_cells(res: dict, save, shape: dict, counts: list[int]) -> None:
 
 
 DECODE_SWEEP = [dict(moe_decode_block_m=bm, moe_decode_block_n=bn, moe_decode_warps=w, moe_decode_stages=st)
-                for bm, bn, w, st in ((16, 64, 4, 4), (16, 64, 4, 6), (16, 32, 4, 6), (16, 128, 4, 4), (16, 128, 8, 4),
-                                      (16, 256, 8, 3), (32, 128, 4, 4), (64, 128, 4, 3))]
+                for bm, bn, w, st in ((16, 64, 4, 4), (64, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 6), (16, 32, 4, 6),
+                                      (16, 128, 8, 4), (16, 256, 8, 3), (32, 128, 4, 4))]
 
 
 def decode_sweep_cells(res: dict, save, shape: dict, shared: int, counts: list[int]) -> None:
@@ -356,7 +357,7 @@ def decode_sweep_cells(res: dict, save, shape: dict, shared: int, counts: list[i
     layer = MoE(config, w, "", backend=TritonBackend(base, torch.device("cuda")), dtype=BF16)
     with torch.no_grad():
         ref = {T: layer.advance(None, None, x) for T, x in xs.items()}
-    for over in [*DECODE_SWEEP, dict(moe_decode_max_rows=0)]:
+    for over in [DECODE_SWEEP[0], dict(moe_decode_max_rows=0), *DECODE_SWEEP[1:], dict(moe_decode_max_rows=2048)]:
         try:
             layer.backend = TritonBackend(dataclasses.replace(base, **over), torch.device("cuda"))
             for T, x in xs.items():
@@ -379,8 +380,8 @@ def main() -> int:
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
     ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1 and 64 tokens")
     ap.add_argument("--decode-sweep", action="store_true",
-                    help="instead of the layer cells: the layer in a CUDA graph at 1 and 64 tokens under "
-                    "other decode tiles")
+                    help="instead of the layer cells: the layer in a CUDA graph at 1, 64 and 256 tokens "
+                    "under other decode tiles")
     ap.add_argument("--stock-parts", action="store_true",
                     help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
@@ -407,7 +408,7 @@ def main() -> int:
     if a.sweep and not dry:
         jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
     if a.decode_sweep and not dry:
-        jobs.append(("decode_sweep", lambda: decode_sweep_cells(res, save, shape, a.shared_width, [1, 64])))
+        jobs.append(("decode_sweep", lambda: decode_sweep_cells(res, save, shape, a.shared_width, [1, 64, 256])))
     if a.stock_parts and not dry:
         jobs.append(("stock_parts", lambda: stock_parts_cells(res, save, shape, a.shared_width, [64, 4096])))
     for name, fn in jobs:
