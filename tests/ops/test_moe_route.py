@@ -190,3 +190,57 @@ def test_a_k_split_few_token_gemm_differs() -> None:
     split = lo + hi  # the same kernel on each half of K, the partial sums added
     assert not torch.equal(split, one)
     assert torch.allclose(split, one, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_a_decode_steps_layer_is_eight_launches(T: int) -> None:
+    """The whole layer without gradients on the triton backend (every op's kernel, interpreted): the
+    router GEMM, the routing with its tables, up and down, the shared expert's up, relu2 and down, the
+    combine with the shared rows added; no torch op besides. (It was about 86 launches: the sigmoid's
+    torch form, sorts, the dispatch's torch ops, the add.)"""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from aligned_mamba.layers.moe import MoE, MoEConfig
+    from aligned_mamba.ops.backend import TritonBackend
+
+    c = MoEConfig(hidden_size=D, n_routed_experts=E, num_experts_per_tok=6, moe_intermediate_size=F,
+                  moe_shared_expert_intermediate_size=32, routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(*s, generator=g) / s[-1] ** 0.5 for k, s in c.weight_shapes().items()}
+    layer = MoE(c, tensors, "", backend=TritonBackend(CFG, torch.device("cpu"), kernels=True), dtype=torch.float32)
+    x = torch.randn(T, D, generator=g)
+    kernels: collections.Counter = collections.Counter()
+    ops: collections.Counter = collections.Counter()
+    inside = [False]
+    free = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "reshape", "slice",
+            "select", "unsqueeze", "t", "transpose", "alias", "detach", "as_strided", "expand", "lift_fresh"}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and func.overloadpacket.__name__ not in free:
+                ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    run = type(mt._route_kernel).run
+
+    def counted(self, *a, **k):
+        kernels[self.fn.__name__] += 1
+        inside[0] = True
+        try:
+            return run(self, *a, **k)
+        finally:
+            inside[0] = False
+
+    with torch.no_grad():
+        layer.advance(None, None, x)
+        type(mt._route_kernel).run = counted
+        try:
+            with Ops():
+                layer.advance(None, None, x)
+        finally:
+            type(mt._route_kernel).run = run
+    assert not ops, ops
+    assert sum(kernels.values()) == 8, kernels
+    assert kernels["_route_kernel"] == 1 and kernels["_grouped_gemm_kernel"] == 2, kernels
