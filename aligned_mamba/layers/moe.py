@@ -215,7 +215,7 @@ class MoE(Stateless):
         return moe_triton.route_triton(logits, self.score_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
                                        topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                                        routed_scaling_factor=c.routed_scaling_factor, cfg=be.configs,
-                                       with_dispatch=with_dispatch)
+                                       with_dispatch=with_dispatch, dtype=self.dtype)
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:

@@ -131,7 +131,9 @@ class TritonKernelConfigs:
       block; a row's bits do not depend on the tile). moe_router_block_t, moe_router_block_n,
       moe_router_warps: the fp32 router GEMM's tile without gradients (K block linear_fp32_block_k:
       the triton linear's bits); moe_route_block_t, moe_route_warps: rows per block of the routing
-      kernel (sigmoid, grouped top-k, weights; per row, parallelism only).
+      kernel (sigmoid, grouped top-k, weights; per row, parallelism only). moe_dispatch_max_rows:
+      calls of more rows than moe_decode_max_rows and at most this many route in parallel, then one
+      program writes the dispatch tables (more rows: torch ops build them).
     """
 
     row_tile: int = 64
@@ -216,6 +218,7 @@ class TritonKernelConfigs:
     moe_wgrad_warps: int = 8
     moe_combine_block_d: int = 1024
     moe_decode_max_rows: int = 512
+    moe_dispatch_max_rows: int = 2048
     moe_decode_block_m: int = 16
     moe_decode_block_n: int = 64
     moe_decode_warps: int = 4
@@ -313,6 +316,9 @@ class TritonKernelConfigs:
         if not 0 <= self.moe_decode_max_rows <= 4096:
             raise ValueError(f"moe_decode_max_rows {self.moe_decode_max_rows} refused: 0 to 4096 (one program "
                              "routes and dispatches them all)")
+        if not 0 <= self.moe_dispatch_max_rows <= 16384:
+            raise ValueError(f"moe_dispatch_max_rows {self.moe_dispatch_max_rows} refused: 0 to 16384 (one "
+                             "program writes all their tables)")
         _pow2("moe_combine_block_d", self.moe_combine_block_d, 128, 8192)
 
     def scan_row_tile(self, chunk_size: int) -> int:

@@ -57,7 +57,7 @@ def test_route_kernel_gives_the_torch_routes_bits_and_tables(routing, T: int, se
     ref_e, ref_w = route(ew.sigmoid(logits), bias, **kw)
     assert torch.equal(experts, ref_e)
     assert torch.equal(weights, ref_w)
-    if T * k <= CFG.moe_decode_max_rows:
+    if T * k <= CFG.moe_dispatch_max_rows:  # in the routing program, or in a second one past decode_max_rows
         ref = dispatch(ref_e, E, d.block_m)
         for name in TABLES:
             assert torch.equal(getattr(d, name), getattr(ref, name)), name
@@ -65,13 +65,20 @@ def test_route_kernel_gives_the_torch_routes_bits_and_tables(routing, T: int, se
         assert d is None
 
 
-def test_route_kernel_without_tables_and_past_one_program() -> None:
-    """Many rows (several programs) and ``with_dispatch=False``: the same experts and weights, no tables."""
-    logits, bias = _logits(300, 16, 1, True)
+def test_route_kernel_past_one_program() -> None:
+    """Rows past moe_decode_max_rows route in several programs, then one program writes the tables (the
+    large tile's); past moe_dispatch_max_rows, and with ``with_dispatch=False``, no tables."""
+    logits, bias = _logits(400, 16, 1, True)
     ref_e, ref_w = route(ew.sigmoid(logits), bias, top_k=6, n_group=4, topk_group=2)
-    for T, wd in ((300, True), (40, False)):
+    for T, wd, tables in ((300, True, True), (400, True, False), (40, False, False)):
         e, w, d = mt.route_triton(logits[:T], bias, top_k=6, n_group=4, topk_group=2, cfg=CFG, with_dispatch=wd)
-        assert d is None and torch.equal(e, ref_e[:T]) and torch.equal(w, ref_w[:T])
+        assert torch.equal(e, ref_e[:T]) and torch.equal(w, ref_w[:T])
+        assert (d is not None) == tables
+        if tables:
+            assert d.block_m == CFG.moe_block_m
+            ref = dispatch(ref_e[:T], 16, d.block_m)
+            for name in TABLES:
+                assert torch.equal(getattr(d, name), getattr(ref, name)), name
 
 
 def test_route_kernel_refuses_bad_input_in_one_line() -> None:

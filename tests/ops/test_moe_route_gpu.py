@@ -5,7 +5,7 @@ Without gradients the triton backend routes with two launches (``router_logits_t
 of the grouped GEMM. A trainer records gradients and takes the router kernel, then torch ops (the
 elementwise sigmoid, ``naive.route``, ``dispatch``): both must give the same bits, or a sampler's
 tokens would be scored with other routing. So: the routing kernel's experts, weights and tables equal
-the torch ops', the layer's rows equal with and without gradients at 1, 64 and 4096 tokens, a
+the torch ops', the layer's rows equal with and without gradients at 1, 64, 256 and 4096 tokens, a
 decode-tile row equals its large-tile row (16-row mma against 128-row warpgroup MMA); the layer
 captures into a CUDA graph (no host synchronisation); the router kernel's logits equal the triton
 linear's (which ran the router before it).
@@ -72,7 +72,7 @@ def test_router_kernel_logits_equal_the_triton_linear(T: int) -> None:
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-@pytest.mark.parametrize("T", [1, 64, 4096])
+@pytest.mark.parametrize("T", [1, 64, 256, 4096])
 def test_routing_kernel_equals_the_torch_routing(routing: str, T: int) -> None:
     from aligned_mamba.ops.moe import dispatch
 
@@ -86,7 +86,7 @@ def test_routing_kernel_equals_the_torch_routing(routing: str, T: int) -> None:
         ref = dispatch(ref_e, 128, d.block_m)
         for name in ("token", "perm", "pos", "offsets", "tile_expert", "tile_row0", "tile_row1"):
             assert torch.equal(getattr(d, name), getattr(ref, name)), name
-    assert (d is not None) == (T * layer.config.num_experts_per_tok <= layer.backend.configs.moe_decode_max_rows)
+    assert (d is not None) == (T * layer.config.num_experts_per_tok <= layer.backend.configs.moe_dispatch_max_rows)
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
@@ -94,7 +94,7 @@ def test_layer_rows_equal_with_and_without_gradients(routing: str) -> None:
     """The sampler's path (kernels, decode tile for few rows) against the trainer's (gradients recorded:
     the torch routing ops, the large tile): the same bits at 1, 64 and 4096 tokens."""
     layer = _layer(routing)
-    for T in (1, 64, 4096):
+    for T in (1, 64, 256, 4096):
         x = _x(T, seed=T + 1)
         with torch.no_grad():
             ours = layer.advance(None, None, x)

@@ -229,16 +229,25 @@ def _route_kernel(
     T, NT, scale,
     # Meta-parameters
     E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_T: tl.constexpr, DISPATCH: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_T: tl.constexpr, ROUTE: tl.constexpr, DISPATCH: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """``naive.route`` on the sigmoid of fp32 router logits, row by row: the same choice, the same
     weights (the k chosen scores summed in ascending expert order, ``div_rn``, times ``scale``).
     One program per BLOCK_T rows; with DISPATCH one program walks every row and also writes
-    ``grouped.dispatch``'s tables (the same integers) for tiles of TILE_M rows."""
+    ``grouped.dispatch``'s tables (the same integers) for tiles of TILE_M rows; without ROUTE it
+    only writes the tables, of the experts already stored (a launch after a routing one)."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     first_block = 0 if DISPATCH else tl.program_id(0) * BLOCK_T
-    last_block = T if DISPATCH else first_block + 1
+    last_block = (T if DISPATCH else first_block + 1) if ROUTE else 0
+    if not ROUTE:  # each expert's rows, counted from the stored experts
+        for t0 in range(0, T, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            rmask = rows < T
+            cols = tl.arange(0, E_PAD)
+            for j in tl.static_range(K):
+                e = tl.load(experts_ptr + rows.to(tl.int64) * K + j, mask=rmask, other=E_PAD).to(tl.int32)
+                counts += tl.sum((cols[None, :] == e[:, None]).to(tl.int32), axis=0)
     for t0 in range(first_block, last_block, BLOCK_T):
         rows, rmask, cols, s, chosen = _route_rows(logits_ptr, bias_ptr, t0, T, E, E_PAD, N_GROUP, TOPK_GROUP, K,
                                                    BLOCK_T)
@@ -382,11 +391,13 @@ ROUTE_MAX_EXPERTS = 1024
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: int = 1,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, cfg: TritonKernelConfigs,
-                 with_dispatch: bool = True) -> tuple[torch.Tensor, torch.Tensor, Dispatch | None]:
+                 with_dispatch: bool = True, dtype: torch.dtype = torch.bfloat16,
+                 ) -> tuple[torch.Tensor, torch.Tensor, Dispatch | None]:
     """``naive.route(elementwise.sigmoid(logits), bias, ...)`` in one launch: logits [T, E] fp32 (the
     router GEMM's), bias [E] fp32 -> (experts [T, k] int64 ascending, weights [T, k] fp32, the same
-    bits), and where ``with_dispatch`` and T * k <= cfg.moe_decode_max_rows, from the same program,
-    ``grouped.dispatch(experts, E, block_m)`` for the grouped GEMM's tile (else None)."""
+    bits), and where ``with_dispatch``, ``grouped.dispatch(experts, E, block_m)`` for the grouped
+    GEMM's tile on ``dtype`` operands: from the same program where T * k <= cfg.moe_decode_max_rows,
+    from a second one-program launch up to cfg.moe_dispatch_max_rows (else None)."""
     T, E = logits.shape
     if bias.shape != (E,) or logits.dtype != torch.float32 or not 1 <= top_k <= E or E > ROUTE_MAX_EXPERTS:
         raise ValueError(f"route_triton: logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)}, "
@@ -399,10 +410,11 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     R = T * top_k
     one = with_dispatch and 0 < R <= cfg.moe_decode_max_rows
+    two = with_dispatch and not one and 0 < R <= cfg.moe_dispatch_max_rows
     E_PAD = triton.next_power_of_2(E)
     block_t = min(cfg.moe_route_block_t, max(1, 4096 // E_PAD))
-    if one:
-        bm = gemm_tile(R, torch.bfloat16, cfg)[0]
+    if one or two:
+        bm = gemm_tile(R, dtype, cfg)[0]
         NT = -(-R // bm) + min(E, R)
         token, perm = torch.empty(R, dtype=i64, device=dev), torch.empty(R, dtype=i64, device=dev)
         pos, offsets = torch.empty(T, top_k, dtype=i64, device=dev), torch.empty(E + 1, dtype=i64, device=dev)
@@ -414,11 +426,13 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
         tiles = [experts] * 3
         d = None
     if T:
+        args = (logits, bias, experts, weights, token, perm, pos, offsets, *tiles, T, NT, float(routed_scaling_factor))
+        meta = dict(E=E, E_PAD=E_PAD, N_GROUP=n_group, TOPK_GROUP=topk_group, K=top_k, NORM=norm_topk_prob,
+                    BLOCK_T=block_t, TILE_M=bm, BLOCK_P=64, num_warps=cfg.moe_route_warps, enable_fp_fusion=False)
         grid = (1,) if one else (triton.cdiv(T, block_t),)
-        _route_kernel[grid](logits, bias, experts, weights, token, perm, pos, offsets, *tiles, T, NT,
-                            float(routed_scaling_factor), E=E, E_PAD=E_PAD, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                            K=top_k, NORM=norm_topk_prob, BLOCK_T=block_t, DISPATCH=one, TILE_M=bm, BLOCK_P=64,
-                            num_warps=cfg.moe_route_warps, enable_fp_fusion=False)
+        _route_kernel[grid](*args, ROUTE=True, DISPATCH=one, **meta)
+        if two:  # the rows routed in parallel above, their tables by one program
+            _route_kernel[(1,)](*args, ROUTE=False, DISPATCH=True, **meta)
     return experts, weights, d
 
 
