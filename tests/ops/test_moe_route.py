@@ -89,6 +89,8 @@ def test_route_kernel_refuses_bad_input_in_one_line() -> None:
         mt.route_triton(logits, bias, top_k=17, cfg=CFG)
     with pytest.raises(ValueError, match="groups"):
         mt.route_triton(logits, bias, top_k=2, n_group=3, cfg=CFG)
+    with pytest.raises(ValueError, match="kept groups"):
+        mt.route_triton(logits, bias, top_k=5, n_group=4, topk_group=1, cfg=CFG)
     with pytest.raises(ValueError, match="float32"):
         mt.router_logits_triton(logits, torch.zeros(16, 4, dtype=torch.float64), CFG)
 

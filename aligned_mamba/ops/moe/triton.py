@@ -340,9 +340,10 @@ def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dt
 
 
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The router GEMM without gradients: x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E]
-    fp32, the bits of ``linear_triton(x.float(), gate_w)`` (the same fp32 dot and K block) in one
-    launch of small tiles (a decode step's row makes E / moe_router_block_n programs, not two)."""
+    """The router GEMM kernel: x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E] fp32, the
+    bits of ``linear_triton(x.float(), gate_w)`` (the same fp32 dot and K block; the GPU test holds
+    it) in one launch of small tiles (a decode step's row makes E / moe_router_block_n programs, where
+    the linear's fp32 tile made two)."""
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1] or gate_w.dtype != torch.float32:
         raise ValueError(f"router_logits_triton: x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} "
                          f"{gate_w.dtype} must be [T, d] and [E, d] float32")
@@ -402,8 +403,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
     if bias.shape != (E,) or logits.dtype != torch.float32 or not 1 <= top_k <= E or E > ROUTE_MAX_EXPERTS:
         raise ValueError(f"route_triton: logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)}, "
                          f"top_k {top_k}: expected float32 [T, E] and [E], 1 <= top_k <= E <= {ROUTE_MAX_EXPERTS}")
-    if E % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"route_triton: {E} experts in {n_group} groups, topk_group {topk_group}")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        raise ValueError(f"route_triton: {E} experts in {n_group} groups, topk_group {topk_group}, top_k {top_k}: "
+                         "the kept groups must hold top_k experts")
     dev, i64 = logits.device, torch.int64
     logits, bias = logits.contiguous(), bias.to(torch.float32).contiguous()
     experts = torch.empty(T, top_k, dtype=i64, device=dev)
