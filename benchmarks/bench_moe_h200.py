@@ -30,8 +30,8 @@ with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). Wit
 expert) changes a row's bits with the batch.
 
 With --decode-sweep: the whole layer in a CUDA graph at 1, 64 and 256 tokens under other decode
-tiles (``DECODE_SWEEP``), without the few-row path (moe_decode_max_rows 0) and with it up to 2048
-rows, each with
+tiles (``DECODE_SWEEP``), with the large tile for all (moe_decode_max_rows 0) and with the decode
+tile up to 2048 rows, each with
 ``bitwise_equal_to_pinned``. Each layer cell also times both layers replayed from a CUDA graph
 (``ours_graph_ms``, ``stock_graph_ms``: the grouped form; a decode step runs so), where the
 eager times include the host's launches.
@@ -209,7 +209,7 @@ def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dr
                 og, sg = _bench_graph(lambda: layer.advance(None, None, x)), _bench_graph(lambda: stock(x, "grouped"))
             res["layer"][-1].update(ours_graph_ms=og, stock_graph_ms=sg,
                                     ours_over_stock_graph=og / sg if og and sg else None)
-        if profile and not dry and T <= 64:  # where launches, not FLOPs, decide: kernel tables
+        if profile and not dry and T <= 4096:  # kernel tables: where launches decide, and at 4096
             from benchmarks.bench_mamba_ssm_h200 import kernel_table
 
             with torch.no_grad():
@@ -340,8 +340,8 @@ DECODE_SWEEP = [dict(moe_decode_block_m=bm, moe_decode_block_n=bn, moe_decode_wa
 
 
 def decode_sweep_cells(res: dict, save, shape: dict, shared: int, counts: list[int]) -> None:
-    """The whole layer in a CUDA graph under other decode tiles of the grouped GEMM (and the old path:
-    moe_decode_max_rows 0 takes the large tile and the torch dispatch), each with whether every row
+    """The whole layer in a CUDA graph under other decode tiles of the grouped GEMM (and the large tile
+    for every count: moe_decode_max_rows 0), each with whether every row
     equals the pinned configs' (a row's bits must not depend on the tile)."""
     import dataclasses
 
@@ -378,7 +378,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="the experts under other grouped-GEMM tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
-    ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1 and 64 tokens")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1, 64 and 4096 tokens")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="instead of the layer cells: the layer in a CUDA graph at 1, 64 and 256 tokens "
                     "under other decode tiles")

@@ -126,14 +126,14 @@ class TritonKernelConfigs:
       order), moe_wgrad_warps; moe_combine_block_d: the columns per program of the weighted combine
       (elementwise per column: parallelism only). fp32 models' grouped GEMM (FMA dots) takes at most
       64 x 128 of that tile, 4 warps and 3 stages (twice the bytes per element would not fit).
-      moe_decode_max_rows: calls of at most this many (token, expert) rows route and dispatch in
-      one program and take the decode tile moe_decode_block_m/_block_n/_warps/_stages (the same K
-      block; a row's bits do not depend on the tile). moe_router_block_t, moe_router_block_n,
-      moe_router_warps: the fp32 router GEMM's tile without gradients (K block linear_fp32_block_k:
-      the triton linear's bits); moe_route_block_t, moe_route_warps: rows per block of the routing
-      kernel (sigmoid, grouped top-k, weights; per row, parallelism only). moe_dispatch_max_rows:
-      calls of more rows than moe_decode_max_rows and at most this many route in parallel, then one
-      program writes the dispatch tables (more rows: torch ops build them).
+      moe_decode_max_rows: calls of at most this many (token, expert) rows take the decode tile
+      moe_decode_block_m/_block_n/_warps/_stages (the same K block; a row's bits do not depend on
+      the tile). moe_router_block_t, moe_router_block_n, moe_router_warps: the fp32 router GEMM's
+      tile (K block linear_fp32_block_k: the triton linear's bits); moe_route_block_t,
+      moe_route_warps: rows per block of the routing kernel (sigmoid, grouped top-k, weights; per
+      row, parallelism only). moe_dispatch_max_rows: calls of at most this many rows get their
+      dispatch tables from the routing kernel (one row block: the same program; more: a second
+      one-program launch); more rows: torch ops build them.
     """
 
     row_tile: int = 64

@@ -66,7 +66,7 @@ def test_route_kernel_gives_the_torch_routes_bits_and_tables(routing, T: int, se
 
 
 def test_route_kernel_past_one_program() -> None:
-    """Rows past moe_decode_max_rows route in several programs, then one program writes the tables (the
+    """Rows past one row block route in several programs, then one program writes the tables (here the
     large tile's); past moe_dispatch_max_rows, and with ``with_dispatch=False``, no tables."""
     logits, bias = _logits(400, 16, 1, True)
     ref_e, ref_w = route(ew.sigmoid(logits), bias, top_k=6, n_group=4, topk_group=2)
@@ -205,8 +205,9 @@ def test_a_k_split_few_token_gemm_differs() -> None:
 def test_a_decode_steps_layer_is_eight_launches(T: int) -> None:
     """The whole layer without gradients on the triton backend (every op's kernel, interpreted): the
     router GEMM, the routing with its tables, up and down, the shared expert's up, relu2 and down, the
-    combine with the shared rows added; no torch op besides. (It was about 86 launches: the sigmoid's
-    torch form, sorts, the dispatch's torch ops, the add.)"""
+    combine with the shared rows added; no torch op besides. Past one row block (64 tokens) the
+    tables are a second launch of the routing kernel. (It was about 86 launches: the sigmoid's torch
+    form, sorts, the dispatch's torch ops, the add.)"""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -251,5 +252,6 @@ def test_a_decode_steps_layer_is_eight_launches(T: int) -> None:
         finally:
             type(mt._route_kernel).run = run
     assert not ops, ops
-    assert sum(kernels.values()) == 8, kernels
-    assert kernels["_route_kernel"] == 1 and kernels["_grouped_gemm_kernel"] == 2, kernels
+    routes = 1 if T <= CFG.moe_route_block_t else 2
+    assert sum(kernels.values()) == 7 + routes, kernels
+    assert kernels["_route_kernel"] == routes and kernels["_grouped_gemm_kernel"] == 2, kernels

@@ -13,14 +13,15 @@ not depend on which or how many rows share its tile (the tensor-core property ``
 rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
 equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
 
-Few rows (a decode step): without gradients the router and the routing run as two launches,
-``router_logits_triton`` (the fp32 router GEMM on small tiles: the triton linear's dot and K block,
-so its bits) and ``route_triton`` (the elementwise sigmoid's steps, the group-limited top-k with ties
-to the lower index, the weights summed in ascending expert order: ``naive.route``'s bits), which for
-at most ``moe_decode_max_rows`` (token, expert) rows also writes ``grouped.dispatch``'s tables from
-the same program (a counting sort: an expert's rows in ascending token order). Those rows take the
-grouped GEMM's decode tile (``gemm_tile``); the K loop is the same, so a row's bits are those of the
-large tile, whichever path its call takes (tests/ops/test_moe_route*.py).
+Routing: the router GEMM is ``router_logits`` (small fp32 tiles: the triton linear's dot and K
+block, so its bits; a trainer's and a sampler's alike); without gradients the sigmoid, the
+group-limited top-k (ties to the lower index) and the weights (summed in ascending expert order) are
+``route_triton``'s one launch, ``naive.route``'s bits, which for up to ``moe_dispatch_max_rows``
+(token, expert) rows also writes ``grouped.dispatch``'s tables (a counting sort: an expert's rows in
+ascending token order; from the same program for one row block, else from a second one-program
+launch). Up to ``moe_decode_max_rows`` rows take the grouped GEMM's decode tile (``gemm_tile``); the
+K loop is the same, so a row's bits are those of the large tile, whichever path its call takes
+(tests/ops/test_moe_route*.py). A decode step's layer is eight launches.
 
 Backward (``ExpertsFunction``): dy = round(g w), the data gradients by the same grouped kernel
 over the transposed weights, the squared ReLU's derivative 2 relu(u) in fp32, and each expert's
@@ -164,18 +165,35 @@ def _router_kernel(
 ):
     """out[t, n] = sum_k float(x[t, k]) w[n, k]: the triton linear's fp32 arithmetic (``tl.dot`` in
     IEEE precision, one ascending K loop of BLOCK_K), on a tile small enough to spread a decode
-    step's few rows over many programs; x is widened to fp32 on load (exact)."""
+    step's few rows over many programs; x is widened to fp32 on load (exact). Each trip loads four
+    K blocks, then dots those that start below K in order: the same dots, their loads in flight
+    together (one block a trip made the K loop a chain of 84 dependent trips at
+    hidden 2688: 0.1 ms, the most of a decode step's MoE layer on the H200)."""
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + rt[:, None].to(tl.int64) * stride_x
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
+    tmask, nmask = rt[:, None] < T, rn[None, :] < N
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BLOCK_K)):
-        rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rk[None, :],
-                    mask=(rt[:, None] < T) & (rk[None, :] < K), other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
-                    mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    tl.store(out_ptr + rt[:, None].to(tl.int64) * N + rn[None, :], acc, mask=(rt[:, None] < T) & (rn[None, :] < N))
+    for k0 in range(0, K, BLOCK_K * 4):
+        r0 = k0 + tl.arange(0, BLOCK_K)
+        r1, r2, r3 = r0 + BLOCK_K, r0 + 2 * BLOCK_K, r0 + 3 * BLOCK_K
+        a0 = tl.load(x_rows + r0[None, :], mask=tmask & (r0[None, :] < K), other=0.0).to(tl.float32)
+        a1 = tl.load(x_rows + r1[None, :], mask=tmask & (r1[None, :] < K), other=0.0).to(tl.float32)
+        a2 = tl.load(x_rows + r2[None, :], mask=tmask & (r2[None, :] < K), other=0.0).to(tl.float32)
+        a3 = tl.load(x_rows + r3[None, :], mask=tmask & (r3[None, :] < K), other=0.0).to(tl.float32)
+        b0 = tl.load(w_cols + r0[:, None], mask=nmask & (r0[:, None] < K), other=0.0)
+        b1 = tl.load(w_cols + r1[:, None], mask=nmask & (r1[:, None] < K), other=0.0)
+        b2 = tl.load(w_cols + r2[:, None], mask=nmask & (r2[:, None] < K), other=0.0)
+        b3 = tl.load(w_cols + r3[:, None], mask=nmask & (r3[:, None] < K), other=0.0)
+        acc = tl.dot(a0, b0, acc, input_precision="ieee")
+        if k0 + BLOCK_K < K:  # the linear's cdiv(K, BLOCK_K) dots, no more
+            acc = tl.dot(a1, b1, acc, input_precision="ieee")
+        if k0 + 2 * BLOCK_K < K:
+            acc = tl.dot(a2, b2, acc, input_precision="ieee")
+        if k0 + 3 * BLOCK_K < K:
+            acc = tl.dot(a3, b3, acc, input_precision="ieee")
+    tl.store(out_ptr + rt[:, None].to(tl.int64) * N + rn[None, :], acc, mask=tmask & nmask)
 
 
 @triton.jit
@@ -397,8 +415,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
     """``naive.route(elementwise.sigmoid(logits), bias, ...)`` in one launch: logits [T, E] fp32 (the
     router GEMM's), bias [E] fp32 -> (experts [T, k] int64 ascending, weights [T, k] fp32, the same
     bits), and where ``with_dispatch``, ``grouped.dispatch(experts, E, block_m)`` for the grouped
-    GEMM's tile on ``dtype`` operands: from the same program where T * k <= cfg.moe_decode_max_rows,
-    from a second one-program launch up to cfg.moe_dispatch_max_rows (else None)."""
+    GEMM's tile on ``dtype`` operands (up to cfg.moe_dispatch_max_rows rows, else None): from the
+    same program where the rows are one block of moe_route_block_t, else from a second one-program
+    launch."""
     T, E = logits.shape
     if bias.shape != (E,) or logits.dtype != torch.float32 or not 1 <= top_k <= E or E > ROUTE_MAX_EXPERTS:
         raise ValueError(f"route_triton: logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)}, "
@@ -411,10 +430,12 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
     experts = torch.empty(T, top_k, dtype=i64, device=dev)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     R = T * top_k
-    one = with_dispatch and 0 < R <= cfg.moe_decode_max_rows
-    two = with_dispatch and not one and 0 < R <= cfg.moe_dispatch_max_rows
     E_PAD = triton.next_power_of_2(E)
     block_t = min(cfg.moe_route_block_t, max(1, 4096 // E_PAD))
+    # one row block: route and tables in one program; more rows: route them in parallel, then the tables
+    # (one program walking many row blocks measured 63 us at 64 tokens on the H200, 24 at one)
+    one = with_dispatch and 0 < T <= block_t and R <= cfg.moe_dispatch_max_rows
+    two = with_dispatch and not one and 0 < R <= cfg.moe_dispatch_max_rows
     if one or two:
         bm = gemm_tile(R, dtype, cfg)[0]
         NT = -(-R // bm) + min(E, R)
