@@ -2,6 +2,7 @@
 """The MoE layer alone on one GPU: the triton backend's row-invariant MoE against stock torch.
 
     python3 benchmarks/bench_moe_h200.py --out OUT/h200_moe.json [--quick] [--no-backward] [--sweep]
+        [--decode-sweep] [--profile]
     python3 benchmarks/bench_moe_h200.py --dry-run --out /tmp/moe.json   # CPU, Triton interpreter
 
 Shape: Nemotron-3-Nano-30B-A3B's MoE block (hidden 2688, 128 routed experts, top-6, expert width
@@ -27,6 +28,13 @@ routed experts' forward under other grouped-GEMM tiles (``SWEEP``) at 4096 and 3
 with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). With --stock-parts
 (instead of the layer and backward cells): which stock piece (router scores, routed experts, shared
 expert) changes a row's bits with the batch.
+
+With --decode-sweep: the whole layer in a CUDA graph at 1, 64 and 256 tokens under other decode
+tiles (``DECODE_SWEEP``), with the large tile for all (moe_decode_max_rows 0) and with the decode
+tile up to 2048 rows, each with
+``bitwise_equal_to_pinned``. Each layer cell also times both layers replayed from a CUDA graph
+(``ours_graph_ms``, ``stock_graph_ms``: the grouped form; a decode step runs so), where the
+eager times include the host's launches.
 
 CUDA-event medians (triton.testing.do_bench) after a warm-up call. The JSON is written after every
 entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -78,6 +86,28 @@ def _bench(fn, dry: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
+def _bench_graph(fn) -> float | None:
+    """fn's CUDA-event median replayed from one CUDA graph (a decode step's launches cost no host time
+    there), or None where fn cannot be captured (a host synchronisation)."""
+    import triton.testing
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 (a sync inside the capture, say: no graph cell)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median"))
+
+
 def _moe_config(shape: dict, shared: int):
     from aligned_mamba.layers.moe import MoEConfig
     return MoEConfig(hidden_size=shape["hidden"], n_routed_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
@@ -119,8 +149,10 @@ class Stock:
         order = torch.argsort(flat)
         tok = order // k
         xs = x[tok]
-        if form == "grouped":
-            offs = torch.cumsum(torch.bincount(flat, minlength=self.c.n_routed_experts), 0).to(torch.int32)
+        if form == "grouped":  # the counts by scatter_add (bincount syncs with the host: no CUDA graph)
+            counts = torch.zeros(self.c.n_routed_experts, dtype=torch.int64, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))
+            offs = torch.cumsum(counts, 0).to(torch.int32)
             a = torch.square(torch.relu(torch._grouped_mm(xs, self.up.transpose(1, 2), offs=offs)))
             y = torch._grouped_mm(a, self.down.transpose(1, 2), offs=offs)
         else:
@@ -172,7 +204,12 @@ def layer_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dr
                                  stock_grouped_ms=stock_ms.get("grouped"), stock_loop_ms=stock_ms["loop"],
                                  ours_over_stock=ours_ms / stock_ms[best], bitwise=bitwise, stock_bitwise=sbit,
                                  rel_diff_vs_stock=err))
-        if profile and not dry and T <= 64:  # where launches, not FLOPs, decide: kernel tables
+        if not dry:  # in a CUDA graph, as a decode step runs (stock: the grouped form, capturable)
+            with torch.no_grad():
+                og, sg = _bench_graph(lambda: layer.advance(None, None, x)), _bench_graph(lambda: stock(x, "grouped"))
+            res["layer"][-1].update(ours_graph_ms=og, stock_graph_ms=sg,
+                                    ours_over_stock_graph=og / sg if og and sg else None)
+        if profile and not dry and T <= 4096:  # kernel tables: where launches decide, and at 4096
             from benchmarks.bench_mamba_ssm_h200 import kernel_table
 
             with torch.no_grad():
@@ -297,6 +334,42 @@ def sweep_cells(res: dict, save, shape: dict, counts: list[int]) -> None:
             save()
 
 
+DECODE_SWEEP = [dict(moe_decode_block_m=bm, moe_decode_block_n=bn, moe_decode_warps=w, moe_decode_stages=st)
+                for bm, bn, w, st in ((16, 64, 4, 4), (64, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 6), (16, 32, 4, 6),
+                                      (16, 128, 8, 4), (16, 256, 8, 3), (32, 128, 4, 4))]
+
+
+def decode_sweep_cells(res: dict, save, shape: dict, shared: int, counts: list[int]) -> None:
+    """The whole layer in a CUDA graph under other decode tiles of the grouped GEMM (and the large tile
+    for every count: moe_decode_max_rows 0), each with whether every row
+    equals the pinned configs' (a row's bits must not depend on the tile)."""
+    import dataclasses
+
+    from aligned_mamba.layers.moe import MoE
+    from aligned_mamba.ops.backend import TritonBackend
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+
+    config = _moe_config(shape, shared)
+    w = _weights(config, "cuda", BF16)
+    base = TritonKernelConfigs()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xs = {T: torch.randn(T, shape["hidden"], generator=g, device="cuda").to(BF16) for T in counts}
+    layer = MoE(config, w, "", backend=TritonBackend(base, torch.device("cuda")), dtype=BF16)
+    with torch.no_grad():
+        ref = {T: layer.advance(None, None, x) for T, x in xs.items()}
+    for over in [DECODE_SWEEP[0], dict(moe_decode_max_rows=0), *DECODE_SWEEP[1:], dict(moe_decode_max_rows=2048)]:
+        try:
+            layer.backend = TritonBackend(dataclasses.replace(base, **over), torch.device("cuda"))
+            for T, x in xs.items():
+                with torch.no_grad():
+                    same = torch.equal(layer.advance(None, None, x), ref[T])
+                    ms = _bench_graph(lambda x=x: layer.advance(None, None, x))
+                res["decode_sweep"].append(dict(tokens=T, **over, graph_ms=ms, bitwise_equal_to_pinned=same))
+        except Exception as e:  # a tile that does not fit: say so, go on
+            res["decode_sweep"].append(dict(**over, error=str(e)[:200]))
+        save()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -305,7 +378,10 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="the experts under other grouped-GEMM tiles")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, fp32")
     ap.add_argument("--shared-width", type=int, default=3712, help="the shared expert's width")
-    ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1 and 64 tokens")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of both sides at 1, 64 and 4096 tokens")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="instead of the layer cells: the layer in a CUDA graph at 1, 64 and 256 tokens "
+                    "under other decode tiles")
     ap.add_argument("--stock-parts", action="store_true",
                     help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
@@ -315,7 +391,7 @@ def main() -> int:
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], sweep=[],
-               stock_parts=[], errors=[])
+               decode_sweep=[], stock_parts=[], errors=[])
     out = Path(a.out)
 
     def save() -> None:
@@ -324,13 +400,15 @@ def main() -> int:
     shape = TINY if dry else NANO
     counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
     jobs = []
-    if not a.stock_parts:
+    if not a.stock_parts and not a.decode_sweep:
         jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry,
                                                                a.profile)))
         if not a.no_backward:
             jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
     if a.sweep and not dry:
         jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
+    if a.decode_sweep and not dry:
+        jobs.append(("decode_sweep", lambda: decode_sweep_cells(res, save, shape, a.shared_width, [1, 64, 256])))
     if a.stock_parts and not dry:
         jobs.append(("stock_parts", lambda: stock_parts_cells(res, save, shape, a.shared_width, [64, 4096])))
     for name, fn in jobs:
@@ -345,7 +423,11 @@ def main() -> int:
     for r in res["layer"]:
         print(f"moe {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r['stock_ms']:8.3f} ms "
               f"({r['stock_form']}) x{r['ours_over_stock']:.2f} bitwise {r['bitwise']} (stock {r['stock_bitwise']})")
-    for r in res["sweep"]:
+    for r in res["layer"]:
+        if r.get("ours_graph_ms"):
+            print(f"moe {r['tokens']:6d} tokens in a CUDA graph: ours {r['ours_graph_ms']:8.3f} ms stock "
+                  f"{r['stock_graph_ms']} ms")
+    for r in res["sweep"] + res["decode_sweep"]:
         print("sweep", r)
     for r in res["stock_parts"]:
         print("stock parts", r)

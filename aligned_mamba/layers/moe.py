@@ -14,7 +14,10 @@ row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice
 per row (ties go to the lower expert index, whatever the other rows); the routed experts are the
 backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
 on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
-share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py).
+share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py). On the triton backend
+the router GEMM is ops.moe.triton's kernel (not ``backend.linear``: a replaced linear does not reach
+it), and without gradients (a sampler) the sigmoid and the routing are its second kernel; a trainer
+recording gradients takes the torch ops there; both give the same bits (tests/ops/test_moe_route*.py).
 
 Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
 gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],
@@ -35,6 +38,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..ops import elementwise as ew
+from ..ops.autograd import grad_needed
 from ..ops.backend import Backend
 from ..ops.moe import experts_grouped
 from ..ops.moe import route as _route
@@ -186,25 +190,58 @@ class MoE(Stateless):
     def route_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden_size] (model dtype, normed) -> ``route``'s (experts [T, k], weights [T, k]): the
         router GEMM in fp32, the sigmoid, the group-limited choice."""
-        scores = ew.sigmoid(self.backend.linear(x.to(torch.float32), self.gate_w))
-        return route(scores, self.score_bias, self.config)
+        fused = self._route_kernels(x, with_dispatch=False)
+        if fused is not None:
+            return fused[0], fused[1]
+        if self.backend.stacked_experts:  # the triton backend's router GEMM (the kernels' bits, with gradients)
+            from ..ops.moe import triton as moe_triton
+
+            logits = moe_triton.router_logits(x, self.gate_w, self.backend.configs)
+        else:
+            logits = self.backend.linear(x.to(torch.float32), self.gate_w)
+        return route(ew.sigmoid(logits), self.score_bias, self.config)
+
+    def _route_kernels(self, x: torch.Tensor, *, with_dispatch: bool) -> tuple | None:
+        """``route_rows`` on the triton backend without gradients: the router GEMM and the routing (and
+        for a few rows the experts' dispatch) in two launches, the same bits (ops.moe.triton's
+        ``router_logits_triton``, ``route_triton``); None where the torch ops run."""
+        be, c = self.backend, self.config
+        if (not be.stacked_experts or self.sliced or grad_needed(x, self.gate_w, self.score_bias)
+                or c.n_routed_experts > 1024):
+            return None
+        from ..ops.moe import triton as moe_triton
+
+        logits = moe_triton.router_logits(x, self.gate_w, be.configs)
+        return moe_triton.route_triton(logits, self.score_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
+                                       topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                                       routed_scaling_factor=c.routed_scaling_factor, cfg=be.configs,
+                                       with_dispatch=with_dispatch, dtype=self.dtype)
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
-        return self.experts_out(batch, x, *self.route_rows(x))
+        fused = self._route_kernels(x, with_dispatch=True)
+        if fused is None:
+            return self.experts_out(batch, x, *self.route_rows(x))
+        return self.experts_out(batch, x, fused[0], fused[1], dispatch=fused[2])
 
-    def experts_out(self, batch: Step | None, x: torch.Tensor, experts: torch.Tensor,
-                    weights: torch.Tensor) -> torch.Tensor:
+    def experts_out(self, batch: Step | None, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
+                    dispatch: Any = None) -> torch.Tensor:
         """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
-        says (experts, weights [T, k]): [T, hidden_size] in the model dtype."""
+        says (experts, weights [T, k]): [T, hidden_size] in the model dtype. ``dispatch``: the triton
+        backend's sorted tables of that routing, where ``route_triton`` made them."""
         be = self.backend
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32, rounded once
         if self.sliced:
             routed = experts_grouped(h, experts, weights, self.up_w, self.down_w, linear=be.linear, relu2=be.relu2,
                                      expert=self._expert)
+        elif dispatch is not None and self.fc2 is None:  # the shared expert added in the combine's pass
+            shared = self.shared.advance(None, batch, x)
+            return be.moe_experts(h, experts, weights, self.up_w, self.down_w, dispatch=dispatch, add=shared)
+        elif dispatch is not None:
+            routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, dispatch=dispatch)
         else:
             routed = be.moe_experts(h, experts, weights, self.up_w, self.down_w, self.up_b, self.down_b)
         if self.fc2 is not None:

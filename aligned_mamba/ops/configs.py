@@ -129,7 +129,16 @@ class TritonKernelConfigs:
       moe_wgrad_block_n, moe_wgrad_block_k, moe_wgrad_block_t: the weight gradients' tile (weight
       rows x columns) and token block (one program per tile walks its expert's tokens in sorted
       order), moe_wgrad_warps; moe_combine_block_d: the columns per program of the weighted combine
-      (elementwise per column: parallelism only).
+      (elementwise per column: parallelism only). fp32 models' grouped GEMM (FMA dots) takes at most
+      64 x 128 of that tile, 4 warps and 3 stages (twice the bytes per element would not fit).
+      moe_decode_max_rows: calls of at most this many (token, expert) rows take the decode tile
+      moe_decode_block_m/_block_n/_warps/_stages (the same K block; a row's bits do not depend on
+      the tile). moe_router_block_t, moe_router_block_n, moe_router_warps: the fp32 router GEMM's
+      tile (K block linear_fp32_block_k: the triton linear's bits); moe_route_block_t,
+      moe_route_warps: rows per block of the routing kernel (sigmoid, grouped top-k, weights; per
+      row, parallelism only). moe_dispatch_max_rows: calls of at most this many rows get their
+      dispatch tables from the routing kernel (one row block: the same program; more: a second
+      one-program launch); more rows: torch ops build them.
     """
 
     row_tile: int = 64
@@ -204,16 +213,27 @@ class TritonKernelConfigs:
     attn_bwd_warps: int = 4
     attn_bwd_stages: int = 2
     relu2_block: int = 2048
-    moe_block_m: int = 64
-    moe_block_n: int = 128
+    moe_block_m: int = 128
+    moe_block_n: int = 256
     moe_block_k: int = 64
-    moe_warps: int = 4
+    moe_warps: int = 8
     moe_stages: int = 3
     moe_wgrad_block_n: int = 128
     moe_wgrad_block_k: int = 64
     moe_wgrad_block_t: int = 64
     moe_wgrad_warps: int = 8
     moe_combine_block_d: int = 1024
+    moe_decode_max_rows: int = 512
+    moe_dispatch_max_rows: int = 2048
+    moe_decode_block_m: int = 16
+    moe_decode_block_n: int = 64
+    moe_decode_warps: int = 4
+    moe_decode_stages: int = 4
+    moe_router_block_t: int = 16
+    moe_router_block_n: int = 16
+    moe_router_warps: int = 4
+    moe_route_block_t: int = 16
+    moe_route_warps: int = 4
 
     def __post_init__(self) -> None:
         _pow2("row_tile", self.row_tile, 16, 1024)
@@ -291,9 +311,21 @@ class TritonKernelConfigs:
         for name in ("moe_block_m", "moe_block_n", "moe_block_k", "moe_wgrad_block_n", "moe_wgrad_block_k",
                      "moe_wgrad_block_t"):
             _pow2(name, getattr(self, name), 16, 256)
-        for name in ("moe_warps", "moe_wgrad_warps"):
+        for name in ("moe_decode_block_m", "moe_decode_block_n", "moe_router_block_t", "moe_router_block_n",
+                     "moe_route_block_t"):
+            _pow2(name, getattr(self, name), 16, 256)
+        for name in ("moe_warps", "moe_wgrad_warps", "moe_decode_warps"):
             _among(name, getattr(self, name), (4, 8))
-        _among("moe_stages", self.moe_stages, (1, 2, 3, 4, 5))
+        for name in ("moe_router_warps", "moe_route_warps"):
+            _among(name, getattr(self, name), (1, 2, 4, 8))
+        for name in ("moe_stages", "moe_decode_stages"):
+            _among(name, getattr(self, name), (1, 2, 3, 4, 5, 6))
+        if not 0 <= self.moe_decode_max_rows <= 4096:
+            raise ValueError(f"moe_decode_max_rows {self.moe_decode_max_rows} refused: 0 to 4096 (one program "
+                             "routes and dispatches them all)")
+        if not 0 <= self.moe_dispatch_max_rows <= 16384:
+            raise ValueError(f"moe_dispatch_max_rows {self.moe_dispatch_max_rows} refused: 0 to 16384 (one "
+                             "program writes all their tables)")
         _pow2("moe_combine_block_d", self.moe_combine_block_d, 128, 8192)
 
     def scan_row_tile(self, chunk_size: int) -> int:

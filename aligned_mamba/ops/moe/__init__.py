@@ -15,7 +15,9 @@ fp32 in ascending expert order from 0.
 - ``naive.experts_naive``: a loop over tokens (fp64 inputs: the accuracy reference; differentiable).
 - ``grouped.experts_grouped``: the torch form (the backends' linear and relu2 over each expert's
   tokens, sorted by ``grouped.dispatch``).
-- ``triton.experts_triton``: the triton backend's grouped GEMM kernels (GPU) and their backward.
+- ``triton.experts_triton``: the triton backend's grouped GEMM kernels (GPU) and their backward;
+  ``triton.route_triton``: the router's sigmoid, top-k and weights (and a few rows' dispatch) in one
+  kernel, ``route``'s bits.
 """
 
 from .grouped import Dispatch, dispatch, experts_grouped

@@ -13,6 +13,16 @@ not depend on which or how many rows share its tile (the tensor-core property ``
 rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
 equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
 
+Routing: the router GEMM is ``router_logits`` (small fp32 tiles: the triton linear's dot and K
+block, so its bits; a trainer's and a sampler's alike); without gradients the sigmoid, the
+group-limited top-k (ties to the lower index) and the weights (summed in ascending expert order) are
+``route_triton``'s one launch, ``naive.route``'s bits, which for up to ``moe_dispatch_max_rows``
+(token, expert) rows also writes ``grouped.dispatch``'s tables (a counting sort: an expert's rows in
+ascending token order; from the same program for one row block, else from a second one-program
+launch). Up to ``moe_decode_max_rows`` rows take the grouped GEMM's decode tile (``gemm_tile``); the
+K loop is the same, so a row's bits are those of the large tile, whichever path its call takes
+(tests/ops/test_moe_route*.py). A decode step's layer is eight launches.
+
 Backward (``ExpertsFunction``): dy = round(g w), the data gradients by the same grouped kernel
 over the transposed weights, the squared ReLU's derivative 2 relu(u) in fp32, and each expert's
 weight gradient by ``_expert_wgrad_kernel``: one program per weight tile, walking that expert's
@@ -29,6 +39,7 @@ import triton.language as tl
 
 from ...errors import AlignedMambaError
 from ..configs import TritonKernelConfigs
+from ..triton_math import exp_exact
 from .grouped import Dispatch, dispatch
 
 
@@ -118,14 +129,15 @@ def _expert_wgrad_kernel(
 
 @triton.jit
 def _combine_kernel(
-    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d]
-    y_ptr, pos_ptr, w_ptr, out_ptr,
-    d, stride_y, stride_out,
+    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d], add [T, d] (HAS_ADD)
+    y_ptr, pos_ptr, w_ptr, out_ptr, add_ptr,
+    d, stride_y, stride_out, stride_add,
     # Meta-parameters
-    K: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ... + y[pos[t, K-1]] w[t, K-1]) in fp32, one product
-    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``."""
+    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``;
+    HAS_ADD: then round(that + add[t]) in fp32 (torch's add of two model-dtype tensors)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < d
@@ -135,21 +147,330 @@ def _combine_kernel(
         w = tl.load(w_ptr + t * K + j)
         y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = acc + y * w
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        a = tl.load(add_ptr + t * stride_add + cols, mask=cmask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + a).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + cols, out, mask=cmask)
+
+
+@triton.jit
+def _router_kernel(
+    # Pointers: x [T, K] (model dtype), w [N, K] fp32, out [T, N] fp32
+    x_ptr, w_ptr, out_ptr,
+    # Sizes and strides (elements)
+    T, N, K, stride_x, stride_w,
+    # Meta-parameters
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t, n] = sum_k float(x[t, k]) w[n, k]: the triton linear's fp32 arithmetic (``tl.dot`` in
+    IEEE precision, one ascending K loop of BLOCK_K), on a tile small enough to spread a decode
+    step's few rows over many programs; x is widened to fp32 on load (exact). Each trip loads four
+    K blocks, then dots those that start below K in order: the same dots, their loads in flight
+    together (one block a trip made the K loop a chain of 84 dependent trips at
+    hidden 2688: 0.1 ms, the most of a decode step's MoE layer on the H200)."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + rt[:, None].to(tl.int64) * stride_x
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
+    tmask, nmask = rt[:, None] < T, rn[None, :] < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K * 4):
+        r0 = k0 + tl.arange(0, BLOCK_K)
+        r1, r2, r3 = r0 + BLOCK_K, r0 + 2 * BLOCK_K, r0 + 3 * BLOCK_K
+        a0 = tl.load(x_rows + r0[None, :], mask=tmask & (r0[None, :] < K), other=0.0).to(tl.float32)
+        a1 = tl.load(x_rows + r1[None, :], mask=tmask & (r1[None, :] < K), other=0.0).to(tl.float32)
+        a2 = tl.load(x_rows + r2[None, :], mask=tmask & (r2[None, :] < K), other=0.0).to(tl.float32)
+        a3 = tl.load(x_rows + r3[None, :], mask=tmask & (r3[None, :] < K), other=0.0).to(tl.float32)
+        b0 = tl.load(w_cols + r0[:, None], mask=nmask & (r0[:, None] < K), other=0.0)
+        b1 = tl.load(w_cols + r1[:, None], mask=nmask & (r1[:, None] < K), other=0.0)
+        b2 = tl.load(w_cols + r2[:, None], mask=nmask & (r2[:, None] < K), other=0.0)
+        b3 = tl.load(w_cols + r3[:, None], mask=nmask & (r3[:, None] < K), other=0.0)
+        acc = tl.dot(a0, b0, acc, input_precision="ieee")
+        if k0 + BLOCK_K < K:  # the linear's cdiv(K, BLOCK_K) dots, no more
+            acc = tl.dot(a1, b1, acc, input_precision="ieee")
+        if k0 + 2 * BLOCK_K < K:
+            acc = tl.dot(a2, b2, acc, input_precision="ieee")
+        if k0 + 3 * BLOCK_K < K:
+            acc = tl.dot(a3, b3, acc, input_precision="ieee")
+    tl.store(out_ptr + rt[:, None].to(tl.int64) * N + rn[None, :], acc, mask=tmask & nmask)
+
+
+@triton.jit
+def _route_rows(logits_ptr, bias_ptr, t0, T, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                TOPK_GROUP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rows t0 .. t0 + BLOCK_T - 1: (rows [BT], row mask, cols [E_PAD], sigmoid scores [BT, E_PAD],
+    chosen [BT, E_PAD] bool), ``naive.route``'s choice: a stable descending sort keeps the greatest
+    values, ties to the lower index; that is k times the greatest value left, its lowest index."""
+    rows = t0 + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, E_PAD)
+    cmask = cols < E
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0)
+    s = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), exp_exact(-x) + 1.0)  # elementwise.sigmoid
+    choice = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    live = cmask[None, :] & (rows[:, None] >= 0)  # [BT, E_PAD]
+    if N_GROUP > 1:
+        PER: tl.constexpr = E // N_GROUP
+        group = cols // PER
+        gs = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)  # each expert carries its group's score
+        for gi in tl.static_range(N_GROUP):
+            ing = live & (group[None, :] == gi)
+            top1 = tl.max(tl.where(ing, choice, float("-inf")), axis=1)
+            first = tl.min(tl.where(ing & (choice == top1[:, None]), cols[None, :], E_PAD), axis=1)
+            top2 = tl.max(tl.where(ing & (cols[None, :] != first[:, None]), choice, float("-inf")), axis=1)
+            gs = tl.where(ing, (top1 + top2)[:, None], gs)
+        allowed = live & (cols[None, :] < 0)
+        for _ in tl.static_range(TOPK_GROUP):  # the best group left, ties to the lower group
+            best = tl.max(tl.where(live & ~allowed, gs, float("-inf")), axis=1)
+            pick = tl.min(tl.where(live & ~allowed & (gs == best[:, None]), group[None, :], N_GROUP), axis=1)
+            allowed = allowed | (live & (group[None, :] == pick[:, None]))
+    else:
+        allowed = live
+    chosen = live & (cols[None, :] < 0)
+    for _ in tl.static_range(K):
+        left = allowed & ~chosen
+        best = tl.max(tl.where(left, choice, float("-inf")), axis=1)
+        e = tl.min(tl.where(left & (choice == best[:, None]), cols[None, :], E_PAD), axis=1)
+        chosen = chosen | (cols[None, :] == e[:, None])
+    return rows, rmask, cols, s, chosen
+
+
+@triton.jit
+def _route_kernel(
+    # Pointers: logits [T, E] fp32, bias [E] fp32 -> experts [T, K] int64, weights [T, K] fp32
+    logits_ptr, bias_ptr, experts_ptr, weights_ptr,
+    # The dispatch tables (DISPATCH, int64): token [R], perm [R], pos [T, K], offsets [E + 1], tiles [NT]
+    token_ptr, perm_ptr, pos_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
+    # Sizes
+    T, NT, scale,
+    # Meta-parameters
+    E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_T: tl.constexpr, ROUTE: tl.constexpr, DISPATCH: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """``naive.route`` on the sigmoid of fp32 router logits, row by row: the same choice, the same
+    weights (the k chosen scores summed in ascending expert order, ``div_rn``, times ``scale``).
+    One program per BLOCK_T rows; with DISPATCH one program walks every row and also writes
+    ``grouped.dispatch``'s tables (the same integers) for tiles of TILE_M rows; without ROUTE it
+    only writes the tables, of the experts already stored (a launch after a routing one)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    first_block = 0 if DISPATCH else tl.program_id(0) * BLOCK_T
+    last_block = (T if DISPATCH else first_block + 1) if ROUTE else 0
+    if not ROUTE:  # each expert's rows, counted from the stored experts
+        for t0 in range(0, T, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            rmask = rows < T
+            cols = tl.arange(0, E_PAD)
+            for j in tl.static_range(K):
+                e = tl.load(experts_ptr + rows.to(tl.int64) * K + j, mask=rmask, other=E_PAD).to(tl.int32)
+                counts += tl.sum((cols[None, :] == e[:, None]).to(tl.int32), axis=0)
+    for t0 in range(first_block, last_block, BLOCK_T):
+        rows, rmask, cols, s, chosen = _route_rows(logits_ptr, bias_ptr, t0, T, E, E_PAD, N_GROUP, TOPK_GROUP, K,
+                                                   BLOCK_T)
+        counts += tl.sum((chosen & rmask[:, None]).to(tl.int32), axis=0)
+        # w_j = the score of the j-th chosen expert in ascending order; total summed in that order
+        left = chosen
+        total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            e = tl.min(tl.where(left, cols[None, :], E_PAD), axis=1)
+            left = left & (cols[None, :] != e[:, None])
+            w = tl.max(tl.where(cols[None, :] == e[:, None], s, float("-inf")), axis=1)
+            if j == 0:
+                total = w
+            else:
+                total = total + w
+        denom = total + 1e-20
+        left = chosen
+        for j in tl.static_range(K):
+            e = tl.min(tl.where(left, cols[None, :], E_PAD), axis=1)
+            left = left & (cols[None, :] != e[:, None])
+            w = tl.max(tl.where(cols[None, :] == e[:, None], s, float("-inf")), axis=1)
+            if NORM:
+                w = tl.math.div_rn(w, denom)
+            w = w * scale
+            tl.store(experts_ptr + rows.to(tl.int64) * K + j, e.to(tl.int64), mask=rmask)
+            tl.store(weights_ptr + rows.to(tl.int64) * K + j, w, mask=rmask)
+    if DISPATCH:
+        cols = tl.arange(0, E_PAD)
+        cmask = cols < E
+        ends = tl.cumsum(counts, axis=0)
+        starts = ends - counts  # offsets[e]: expert e's first sorted row
+        tl.store(offsets_ptr + cols, starts.to(tl.int64), mask=cmask)
+        tl.store(offsets_ptr + 1 + cols, ends.to(tl.int64), mask=cols == E - 1)
+        tl.debug_barrier()  # the experts stored above, read back by other threads below
+        seen = tl.zeros((E_PAD,), dtype=tl.int32)  # rows of each expert in earlier row blocks
+        for t0 in range(0, T, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            rmask = rows < T
+            chosen = (cols[None, :] < 0) & rmask[:, None]
+            slot = tl.zeros((BLOCK_T, E_PAD), dtype=tl.int32)
+            for j in tl.static_range(K):
+                e = tl.load(experts_ptr + rows.to(tl.int64) * K + j, mask=rmask, other=E_PAD).to(tl.int32)
+                hit = cols[None, :] == e[:, None]
+                chosen = chosen | hit
+                slot = tl.where(hit, j, slot)
+            c = chosen.to(tl.int32)
+            # a stable sort of t * K + j by expert: an expert's rows in ascending token order
+            r = starts[None, :] + seen[None, :] + tl.cumsum(c, axis=0) - c
+            seen += tl.sum(c, axis=0)
+            flat = rows[:, None] * K + slot
+            tl.store(pos_ptr + flat.to(tl.int64), r.to(tl.int64), mask=chosen)
+            tl.store(token_ptr + r.to(tl.int64), (rows[:, None] + slot * 0).to(tl.int64), mask=chosen)
+            tl.store(perm_ptr + r.to(tl.int64), flat.to(tl.int64), mask=chosen)
+        tiles = (counts + TILE_M - 1) // TILE_M
+        tile_end = tl.cumsum(tiles, axis=0)
+        tile_end = tl.where(cmask, tile_end, 1 << 30)
+        tile_start = tile_end - tiles
+        for p0 in range(0, NT, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            te = tl.sum((tile_end[None, :] <= p[:, None]).to(tl.int32), axis=1)  # searchsorted(right=True)
+            used = te < E
+            e = tl.minimum(te, E - 1)
+            at = cols[None, :] == e[:, None]
+            row0 = tl.sum(tl.where(at, starts[None, :] + (p[:, None] - tile_start[None, :]) * TILE_M, 0), axis=1)
+            row1 = tl.sum(tl.where(at, ends[None, :], 0), axis=1)
+            pm = p < NT
+            tl.store(tile_expert_ptr + p, e.to(tl.int64), mask=pm)
+            tl.store(tile_row0_ptr + p, tl.where(used, row0, 0).to(tl.int64), mask=pm)
+            tl.store(tile_row1_ptr + p, tl.where(used, row1, 0).to(tl.int64), mask=pm)
 
 
 def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                   cfg: TritonKernelConfigs) -> torch.Tensor:
+                   cfg: TritonKernelConfigs, add: torch.Tensor | None = None) -> torch.Tensor:
     """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` in one pass: y [R, d] (sorted rows),
-    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``."""
+    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``; plus ``add`` [T, d] in ``dtype``
+    where given (the bits of ``combine(...) + add``)."""
     T, k = pos.shape
     y, pos, weights = y.contiguous(), pos.contiguous(), weights.to(torch.float32).contiguous()
     out = torch.empty(T, y.shape[1], dtype=dtype, device=y.device)
+    if add is not None and (add.shape != out.shape or add.dtype != dtype or add.stride(1) != 1):
+        raise ValueError(f"combine_triton: add {tuple(add.shape)} {add.dtype} must be [{T}, {y.shape[1]}] {dtype} "
+                         "with unit column stride")
     if out.numel():
         grid = (T, triton.cdiv(y.shape[1], cfg.moe_combine_block_d))
-        _combine_kernel[grid](y, pos, weights, out, y.shape[1], y.stride(0), out.stride(0), K=k,
-                              BLOCK_D=cfg.moe_combine_block_d, num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[grid](y, pos, weights, out, out if add is None else add, y.shape[1], y.stride(0),
+                              out.stride(0), 0 if add is None else add.stride(0), K=k,
+                              BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add is not None, num_warps=4,
+                              enable_fp_fusion=False)
     return out
+
+
+def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The router GEMM kernel: x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E] fp32, the
+    bits of ``linear_triton(x.float(), gate_w)`` (the same fp32 dot and K block; the GPU test holds
+    it) in one launch of small tiles (a decode step's row makes E / moe_router_block_n programs, where
+    the linear's fp32 tile made two)."""
+    if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1] or gate_w.dtype != torch.float32:
+        raise ValueError(f"router_logits_triton: x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} "
+                         f"{gate_w.dtype} must be [T, d] and [E, d] float32")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = gate_w.contiguous()
+    T, K = x.shape
+    E = w.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if out.numel():
+        grid = (triton.cdiv(T, cfg.moe_router_block_t), triton.cdiv(E, cfg.moe_router_block_n))
+        # launched as the triton linear is (its fp32 dot's FMAs are the same instructions either way)
+        _router_kernel[grid](x, w, out, T, E, K, x.stride(0), w.stride(0), BLOCK_T=cfg.moe_router_block_t,
+                             BLOCK_N=cfg.moe_router_block_n, BLOCK_K=cfg.linear_fp32_block_k,
+                             num_warps=cfg.moe_router_warps, num_stages=2)
+    return out
+
+
+class _Router(torch.autograd.Function):
+    """The router GEMM kernel forward; backward two fp32 GEMMs in torch (the triton linear's: dx = g w
+    rounded to x's dtype, as autograd of ``x.float()``, dw = g^T x)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+        ctx.save_for_backward(x, gate_w)
+        return router_logits_triton(x, gate_w, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        nx, nw, _ = ctx.needs_input_grad
+        return ((g @ w).to(x.dtype) if nx else None, g.t() @ x.to(torch.float32) if nw else None, None)
+
+
+def router_logits(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The layer's router GEMM on the triton backend, sampler and trainer alike (one kernel, so one set
+    of bits): ``router_logits_triton``, differentiable in x and gate_w where a gradient is recorded."""
+    if torch.is_grad_enabled() and (x.requires_grad or gate_w.requires_grad):
+        return _Router.apply(x, gate_w, cfg)
+    return router_logits_triton(x, gate_w, cfg)
+
+
+#: the most experts the routing kernel takes (one row's scores are one register tile)
+ROUTE_MAX_EXPERTS = 1024
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, cfg: TritonKernelConfigs,
+                 with_dispatch: bool = True, dtype: torch.dtype = torch.bfloat16,
+                 ) -> tuple[torch.Tensor, torch.Tensor, Dispatch | None]:
+    """``naive.route(elementwise.sigmoid(logits), bias, ...)`` in one launch: logits [T, E] fp32 (the
+    router GEMM's), bias [E] fp32 -> (experts [T, k] int64 ascending, weights [T, k] fp32, the same
+    bits), and where ``with_dispatch``, ``grouped.dispatch(experts, E, block_m)`` for the grouped
+    GEMM's tile on ``dtype`` operands (up to cfg.moe_dispatch_max_rows rows, else None): from the
+    same program where the rows are one block of moe_route_block_t, else from a second one-program
+    launch."""
+    T, E = logits.shape
+    if bias.shape != (E,) or logits.dtype != torch.float32 or not 1 <= top_k <= E or E > ROUTE_MAX_EXPERTS:
+        raise ValueError(f"route_triton: logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)}, "
+                         f"top_k {top_k}: expected float32 [T, E] and [E], 1 <= top_k <= E <= {ROUTE_MAX_EXPERTS}")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        raise ValueError(f"route_triton: {E} experts in {n_group} groups, topk_group {topk_group}, top_k {top_k}: "
+                         "the kept groups must hold top_k experts")
+    dev, i64 = logits.device, torch.int64
+    logits, bias = logits.contiguous(), bias.to(torch.float32).contiguous()
+    experts = torch.empty(T, top_k, dtype=i64, device=dev)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    R = T * top_k
+    E_PAD = triton.next_power_of_2(E)
+    block_t = min(cfg.moe_route_block_t, max(1, 4096 // E_PAD))
+    # one row block: route and tables in one program; more rows: route them in parallel, then the tables
+    # (one program walking many row blocks measured 63 us at 64 tokens on the H200, 24 at one)
+    one = with_dispatch and 0 < T <= block_t and R <= cfg.moe_dispatch_max_rows
+    two = with_dispatch and not one and 0 < R <= cfg.moe_dispatch_max_rows
+    if one or two:
+        bm = gemm_tile(R, dtype, cfg)[0]
+        NT = -(-R // bm) + min(E, R)
+        token, perm = torch.empty(R, dtype=i64, device=dev), torch.empty(R, dtype=i64, device=dev)
+        pos, offsets = torch.empty(T, top_k, dtype=i64, device=dev), torch.empty(E + 1, dtype=i64, device=dev)
+        tiles = [torch.empty(NT, dtype=i64, device=dev) for _ in range(3)]
+        d = Dispatch(token, perm, pos, offsets, *tiles, bm)
+    else:
+        bm, NT = 16, 0
+        token = perm = pos = offsets = experts
+        tiles = [experts] * 3
+        d = None
+    if T:
+        args = (logits, bias, experts, weights, token, perm, pos, offsets, *tiles, T, NT, float(routed_scaling_factor))
+        meta = dict(E=E, E_PAD=E_PAD, N_GROUP=n_group, TOPK_GROUP=topk_group, K=top_k, NORM=norm_topk_prob,
+                    BLOCK_T=block_t, TILE_M=bm, BLOCK_P=64, num_warps=cfg.moe_route_warps, enable_fp_fusion=False)
+        grid = (1,) if one else (triton.cdiv(T, block_t),)
+        _route_kernel[grid](*args, ROUTE=True, DISPATCH=one, **meta)
+        if two:  # the rows routed in parallel above, their tables by one program
+            _route_kernel[(1,)](*args, ROUTE=False, DISPATCH=True, **meta)
+    return experts, weights, d
+
+
+def gemm_tile(R: int, dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[int, int, int, int]:
+    """The grouped GEMM's (block_m, block_n, warps, stages) for R sorted rows of ``dtype`` operands:
+    the decode tile up to cfg.moe_decode_max_rows rows, else the large tile; fp32 operands at most
+    64 x 128, 4 warps, 3 stages. A row's bits do not depend on the tile (the K block is one)."""
+    c = cfg
+    if R <= c.moe_decode_max_rows:
+        bm, bn, warps, stages = c.moe_decode_block_m, c.moe_decode_block_n, c.moe_decode_warps, c.moe_decode_stages
+    else:
+        bm, bn, warps, stages = c.moe_block_m, c.moe_block_n, c.moe_warps, c.moe_stages
+    if dtype == torch.float32:
+        return min(bm, 64), min(bn, 128), 4, min(stages, 3)
+    return bm, bn, warps, stages
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKernelConfigs, *, gather: bool,
@@ -168,13 +489,13 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
     u = torch.empty_like(c) if relu2 else None
     if R == 0 or N == 0:
         return c, u
-    grid = (d.tile_row0.numel(), triton.cdiv(N, cfg.moe_block_n))
+    _, bn, warps, stages = gemm_tile(R, a.dtype, cfg)  # the rows of a tile are the tables' (d.block_m)
+    grid = (d.tile_row0.numel(), triton.cdiv(N, bn))
     _grouped_gemm_kernel[grid](
         a, b, c, u if relu2 else c, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
         N, K, a.stride(0), b.stride(0), sbn, sbk, N,
-        GATHER=gather, RELU2=relu2, BLOCK_M=d.block_m, BLOCK_N=cfg.moe_block_n, BLOCK_K=cfg.moe_block_k,
-        PRECISION="ieee", num_warps=cfg.moe_warps, num_stages=cfg.moe_stages,
-        enable_fp_fusion=False)
+        GATHER=gather, RELU2=relu2, BLOCK_M=d.block_m, BLOCK_N=bn, BLOCK_K=cfg.moe_block_k,
+        PRECISION="ieee", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return c, u
 
 
@@ -211,31 +532,37 @@ def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: 
 
 
 def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-             down_w: torch.Tensor, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, tuple]:
-    d = dispatch(experts, up_w.shape[0], cfg.moe_block_m)
+             down_w: torch.Tensor, cfg: TritonKernelConfigs, d: Dispatch | None = None,
+             add: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+    if d is None:
+        d = dispatch(experts, up_w.shape[0], gemm_tile(experts.numel(), h.dtype, cfg)[0])
     act, u = grouped_gemm(h, up_w, d, cfg, gather=True, relu2=True)
     y, _ = grouped_gemm(act, down_w, d, cfg, gather=False)
-    return combine_triton(y, d.pos, weights, h.dtype, cfg), (d, u, act, y)
+    return combine_triton(y, d.pos, weights, h.dtype, cfg, add), (d, u, act, y)
 
 
 def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-                   down_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+                   down_w: torch.Tensor, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ops.moe``'s signature): h [T, d], up_w [E, f, d], down_w [E, d, f] in the
     model dtype (bf16 or fp32), experts [T, k] int64 (ascending, distinct per row), weights [T, k]
-    fp32 -> [T, d] in h's dtype; no host synchronisation. Differentiable in h, weights, up_w, down_w
-    (``ExpertsFunction``)."""
+    fp32 -> [T, d] in h's dtype; no host synchronisation. ``dispatch``: the experts' sorted tables
+    where the caller has them (``route_triton``'s), else built here; ``add`` [T, d] in h's dtype: the
+    result is ``out + add`` (the layer's shared expert, added in the combine's pass). Differentiable
+    in h, weights, up_w, down_w (``ExpertsFunction``)."""
     _check(h, experts, weights, up_w, down_w)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, up_w, down_w)):
-        return ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg)
-    return _forward(h, experts, weights, up_w, down_w, cfg)[0]
+        out = ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
+        return out if add is None else out + add
+    return _forward(h, experts, weights, up_w, down_w, cfg, dispatch, add)[0]
 
 
 class ExpertsFunction(torch.autograd.Function):
     """The kernels' forward (the inference path's bits) and its deterministic backward."""
 
     @staticmethod
-    def forward(ctx, h, experts, weights, up_w, down_w, cfg):  # type: ignore[override]
-        out, (d, u, act, y) = _forward(h, experts, weights, up_w, down_w, cfg)
+    def forward(ctx, h, experts, weights, up_w, down_w, cfg, d=None):  # type: ignore[override]
+        out, (d, u, act, y) = _forward(h, experts, weights, up_w, down_w, cfg, d)
         ctx.save_for_backward(h, weights, up_w, down_w, u, act, y)
         ctx.dispatch, ctx.cfg = d, cfg
         return out
@@ -264,18 +591,21 @@ class ExpertsFunction(torch.autograd.Function):
         acc = parts[:, 0].to(f32)
         for j in range(1, k):
             acc = acc + parts[:, j].to(f32)
-        return acc.to(h.dtype), None, d_weights, d_up, d_down, None
+        return acc.to(h.dtype), None, d_weights, d_up, d_down, None, None
 
 
 def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
                 down_w: torch.Tensor, up_b: object = None, down_b: object = None, *,
-                cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The backend's ``moe_experts`` signature: ``experts_triton``; expert biases are refused (the
-    grouped kernels have no bias term)."""
+                cfg: TritonKernelConfigs, dispatch: Dispatch | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """The backend's ``moe_experts`` signature: ``experts_triton`` (``dispatch``, ``add`` as there);
+    expert biases are refused (the grouped kernels have no bias term)."""
     if up_b is not None or down_b is not None:
         raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
                                 "no bias term (mlp_bias MoE checkpoints run on the torch backend)")
-    return experts_triton(h, experts, weights, up_w, down_w, cfg)
+    return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch, add=add)
 
 
-__all__ = ["ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "grouped_gemm", "moe_experts"]
+__all__ = ["ROUTE_MAX_EXPERTS", "ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "gemm_tile",
+           "grouped_gemm", "moe_experts", "route_triton", "router_logits",
+           "router_logits_triton"]
