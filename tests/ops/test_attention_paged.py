@@ -108,3 +108,37 @@ def test_a_page_the_key_block_does_not_divide_is_refused() -> None:
         attention_triton(torch.zeros(1, 2, D), kp, kp.clone(), tiles, scale=0.25, cfg=CFG,
                          block_table=torch.zeros(1, 2, dtype=torch.int32))
     assert "\n" not in str(e.value)
+
+
+def test_the_backends_paged_step_writes_pages_and_keeps_the_rows() -> None:
+    """``TritonBackend.attention`` with a block table (its GPU path, run by the interpreter): a prefill
+    of two sequences, then a decode step and a chunk; the keys land in the table's pages and every
+    row equals the slot cache's step."""
+    from aligned_mamba.layers.attention import KVPages
+    from aligned_mamba.ops.backend import TritonBackend
+    from aligned_mamba.ops.step import Step
+
+    be = TritonBackend(CFG, torch.device("cpu"), kernels=True)
+    H, G, n = 4, 2, 30
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2 * n, m, D, generator=g) for m in (H, G, G))
+    kc, vc = torch.zeros(3, 40, G, D), torch.zeros(3, 40, G, D)
+    pages = KVPages(3, 40, 16, 9, "cpu")
+    pages.free = [4, 0, 7, 2, 8, 1, 5, 3, 6]
+    kp, vp = torch.full((9, 16, G, D), float("nan")), torch.full((9, 16, G, D), float("nan"))
+
+    def both(lo: int, hi: int, step: Step, rows: slice) -> torch.Tensor:
+        pages.ensure(step.slots.numpy(), (step.start_pos + step.lengths).numpy())
+        a = be.attention(q[rows], k[rows], v[rows], kc, vc, step, scale=0.25)
+        b = be.attention(q[rows], k[rows], v[rows], kp, vp, step, scale=0.25, block_table=pages.table)
+        assert torch.equal(a, b), (lo, hi)
+        return b
+
+    both(0, n, Step.make([2, 0], [0, 0], [20, 20]), slice(0, 40))
+    both(20, 21, Step.make([2, 0], [20, 20], [1, 1]), slice(40, 42))
+    both(21, n, Step.make([2], [21], [9]), slice(42, 51))
+    assert pages.held.tolist() == [2, 0, 2]
+    for s in (0, 2):
+        for p in range(21 if s == 0 else n):
+            page, off = pages.host[s, p // 16], p % 16
+            assert torch.equal(kp[page, off], kc[s, p]) and torch.equal(vp[page, off], vc[s, p])
