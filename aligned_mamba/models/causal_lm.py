@@ -75,7 +75,7 @@ class Cache:
             for t in (ts or {}).values():
                 t.index_fill_(0, idx.to(t.device), 0)
         if self.pages is not None:
-            self.pages.release(idx.numpy())
+            self.pages.release(idx.cpu().numpy())
 
     def bytes_per_slot(self) -> int:
         """Resident bytes one sequence holds across all layers."""
