@@ -105,3 +105,23 @@ def test_a_page_the_key_block_does_not_divide_is_refused_at_start() -> None:
         model.new_cache(2, max_len=64, page_size=48)
     assert "\n" not in str(e.value)
     assert model.new_cache(2, max_len=64, page_size=64).pages.page_size == 64
+
+
+@pytest.mark.interpreter
+def test_the_triton_backends_engine_pages_attention_by_default() -> None:
+    """The reference engine on the triton backend (the Triton interpreter here: the scan's kernels,
+    the other ops' CPU stand-ins) keeps attention in pages and gives the trainer's rows."""
+    pytest.importorskip("triton")
+    from aligned_mamba.engine import PAGE_SIZE
+
+    cfg, tensors = make_tiny_hybrid(3, dtype="float32", pattern="M*", **{**SHAPE, "chunk_size": 32})
+    model = build_model(cfg, tensors, Contract(chunk_size=32, backend="triton", model_dtype="float32"))
+    e = SamplerEngine(model, num_slots=2, max_batch_tokens=13, max_len=300)
+    assert e.cache.pages is not None and e.cache.pages.page_size == PAGE_SIZE
+    g = torch.Generator().manual_seed(2)
+    reqs = [e.add_request(torch.randint(0, 64, (n,), generator=g).tolist(), 6) for n in (260, 9)]
+    e.run()
+    ref = model.forward([torch.tensor(r.tokens[:-1]) for r in reqs])
+    for r, want in zip(reqs, ref):
+        assert torch.equal(torch.stack([x for _, x in r.rows]), want[[p for p, _ in r.rows]])
+    assert e.cache.pages.pages_free == e.cache.pages.num_pages
