@@ -9,6 +9,10 @@ kernel on a GPU, reading the cache where it lies): every row is a fixed function
 and the keys and values of its positions 0..t (keys in fixed blocks from position 0, one
 online-softmax order in fp32, masked entries exact zeros), so prefill, chunked prefill, decode,
 recompute and any batch give the same bits. The projections run on the backend's row-invariant ``linear``.
+In a paged cache (``KVPages``, ``CausalLM.new_cache(page_size=...)``) the state is pages [num_pages,
+page_size, G, D] and a block table on the device; the first attention layer of a step hands out the
+pages the step needs (host work, before its launches), and the backend finds a slot's positions
+through the table on the device, so a decode step captures in a CUDA graph.
 A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
 backward; the torch form's autograd on the CPU).
 
