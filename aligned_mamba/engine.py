@@ -107,6 +107,10 @@ class SamplerEngine:
         if limit is not None and len(prompt) + max_new_tokens > limit:
             raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens exceeds the cache's "
                              f"{limit} tokens per sequence")
+        pages = self.cache.pages
+        if pages is not None and -(-(len(prompt) + max_new_tokens) // pages.page_size) > self._pages_for_requests:
+            raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs more KV pages than the "
+                             f"cache's {self._pages_for_requests} of {pages.page_size} tokens")
         req = Request(self._next_id, list(prompt), len(prompt), max_new_tokens, emit_all_rows)
         self._next_id += 1
         self.waiting.append(req)
@@ -144,6 +148,8 @@ class SamplerEngine:
             if n > 0:
                 plan.append((req, n))
                 budget -= n
+        if self.cache.pages is not None:
+            plan = self._fit_pages(plan)
         if not plan:
             return
         batch = Step.make([r.slot for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
@@ -180,6 +186,30 @@ class SamplerEngine:
             self.running.remove(req)
             self._free(req.slot)
             req.slot = None
+
+    @property
+    def _pages_for_requests(self) -> int:
+        """The KV pages requests may hold (the graphs' spare slot keeps one)."""
+        return self.cache.pages.num_pages - (1 if self.graphs is not None else 0)
+
+    def _fit_pages(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The plan with the KV pages it needs: while the free pages fall short, the request admitted
+        last is preempted (its pages freed, recomputed later from scratch), as serving engines do
+        under KV-cache pressure. The oldest request always fits (``add_request`` checks)."""
+        pages = self.cache.pages
+        while True:
+            need = sum(max(0, -(-(r.num_computed + n) // pages.page_size) - int(pages.held[r.slot])) for r, n in plan)
+            if need <= pages.pages_free or len(self.running) <= 1:
+                return plan
+            victim = self.running[-1]
+            if victim.num_computed == 0:  # admitted, nothing computed yet: it waits again (no preemption)
+                self.running.remove(victim)
+                self._free(victim.slot)
+                victim.slot = None
+                self.waiting.appendleft(victim)
+            else:
+                self.preempt(victim)
+            plan = [(r, n) for r, n in plan if r is not victim]
 
     def _free(self, slot: int) -> None:
         """The slot goes back to the free list, its KV pages (a paged cache's) to the page pool."""

@@ -125,3 +125,20 @@ def test_the_triton_backends_engine_pages_attention_by_default() -> None:
     for r, want in zip(reqs, ref):
         assert torch.equal(torch.stack([x for _, x in r.rows]), want[[p for p, _ in r.rows]])
     assert e.cache.pages.pages_free == e.cache.pages.num_pages
+
+
+def test_the_engine_preempts_when_pages_run_short_and_keeps_the_bits() -> None:
+    """Three slots over 9 pages of 8 tokens (one request's worth at most): the engine preempts the
+    newest request whenever a step needs more pages than are free, and every request's tokens and
+    rows are those of an engine with pages to spare, and the trainer's."""
+    model = _model()
+    roomy, roomy_reqs, _ = _run(model, 8, preempt=False)
+    tight, reqs, _ = _run(model, 8, num_pages=9, preempt=False)
+    assert sum(r.preemptions for r in reqs) > 0 and sum(r.preemptions for r in roomy_reqs) == 0
+    ref = model.forward([torch.tensor(r.tokens[:-1]) for r in reqs])
+    for a, b, want in zip(roomy_reqs, reqs, ref):
+        assert a.tokens == b.tokens
+        assert torch.equal(torch.stack([x for _, x in b.rows]), want[[p for p, _ in b.rows]])
+    assert tight.cache.pages.pages_free == 9
+    with pytest.raises(ValueError, match="needs more KV pages"):
+        tight.add_request([1] * 70, 5)
