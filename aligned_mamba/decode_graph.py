@@ -8,7 +8,9 @@ ids are copied into the graph's static buffers (one copy from pinned memory); a 
 than the step is filled with padding entries that decode into a spare slot of the cache, which no
 sequence owns (their rows are computed and dropped: every row is a fixed function of its own
 inputs, so they change nothing in the others). Chunk completions run inside the graph: the
-completion kernels check every entry's position on the device.
+completion kernels check every entry's position on the device. A paged KV cache (``Cache.pages``)
+gets its pages on the host before the copy (``KVPages.ensure``: new entries of the block table go
+to the device on the same stream), and the graph reads the table from its fixed buffer.
 
 The graph runs the very kernels of an eager step with the same arguments, so its rows are the
 eager step's, and by the decode kernels' contract the single-pass prefill's
@@ -45,6 +47,11 @@ class DecodeGraphs:
         if not 0 <= spare_slot < cache.num_slots:
             raise ValueError(f"spare slot {spare_slot} outside the cache's {cache.num_slots} slots")
         self.model, self.cache, self.spare = model, cache, spare_slot
+        # a paged KV cache: pages are handed out on the host before each replay; the graph reads the
+        # block table (a fixed device buffer); the spare slot keeps one page for the padding entries
+        self.pages = cache.pages
+        if self.pages is not None:
+            self.pages.ensure([spare_slot], [1])
         self.buckets = tuple(sorted(buckets))
         self._graphs: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
@@ -71,6 +78,9 @@ class DecodeGraphs:
         distinct = set(slots.tolist())
         if len(distinct) != n or self.spare in distinct:
             raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
+        if self.pages is not None:
+            # the table's changed entries are copied on this stream, ahead of the replay that reads them
+            self.pages.ensure(slots, positions + 1)
         b = self.bucket(n)
         c = self._graphs.get(b) or self._capture(b)
         c.copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
@@ -139,7 +149,8 @@ class DecodeGraphs:
         if any(hasattr(state, "k_cache") for state in self.cache.states):
             from .ops.attention.triton import decode_step_tables
 
-            # attention reads its slot cache at the step's slots and positions (one tile per entry)
+            # attention reads its slot cache (or a paged cache's block table row) at the step's slots and
+            # positions (one tile per entry)
             plan.attention_tiles[0] = decode_step_tables(tables[0], tables[1])
         batch.plans[dev] = plan
         return batch

@@ -28,6 +28,9 @@ from .models.causal_lm import CausalLM
 from .ops.logprobs import log_softmax
 from .ops.step import Step
 
+#: the default page of a paged KV cache, in tokens (a multiple of the attention key block)
+PAGE_SIZE = 256
+
 
 @dataclass
 class Request:
@@ -65,18 +68,24 @@ class SamplerEngine:
 
     def __init__(self, model: CausalLM, *, num_slots: int, max_batch_tokens: int | None = None,
                  seed: int = 0, temperature: float = 1.0, graphs: bool | None = None,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, page_size: int | None = None, num_pages: int | None = None) -> None:
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model
+        triton_gpu = model.backend.name == "triton" and model.device.type == "cuda"
         # decode-only steps as CUDA graphs where the backend can capture them (default: the triton
-        # backend on a GPU, for models whose layers keep no per-token rows: attention's host-built
-        # tables are not captured); the cache then holds one spare slot for the graphs' padding entries
+        # backend on a GPU); the cache then holds one spare slot for the graphs' padding entries
         if graphs is None:
-            graphs = model.backend.name == "triton" and model.device.type == "cuda" and not model.per_length_state
+            graphs = triton_gpu
+        # layers that keep a row per token (attention) keep them in pages on the triton backend (handed
+        # out as sequences grow, given back when they finish; a graph reads the block table on the
+        # device); the torch backend keeps its slot cache unless ``page_size`` asks for pages
+        if page_size is None and model.per_length_state and model.backend.name == "triton":
+            page_size = max(PAGE_SIZE, model.backend.configs.attn_block_n)
         # max_len: the most tokens (prompt + generated) a request may reach, for layers that keep a
         # row per token (attention's keys and values); default the model's max_len
-        self.cache = model.new_cache(num_slots + 1 if graphs else num_slots, max_len)
+        self.cache = model.new_cache(num_slots + 1 if graphs else num_slots, max_len, page_size=page_size,
+                                     num_pages=num_pages)
         self.graphs = None
         if graphs:
             from .decode_graph import DecodeGraphs
@@ -98,6 +107,10 @@ class SamplerEngine:
         if limit is not None and len(prompt) + max_new_tokens > limit:
             raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens exceeds the cache's "
                              f"{limit} tokens per sequence")
+        pages = self.cache.pages
+        if pages is not None and -(-(len(prompt) + max_new_tokens) // pages.page_size) > self._pages_for_requests:
+            raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs more KV pages than the "
+                             f"cache's {self._pages_for_requests} of {pages.page_size} tokens")
         req = Request(self._next_id, list(prompt), len(prompt), max_new_tokens, emit_all_rows)
         self._next_id += 1
         self.waiting.append(req)
@@ -108,7 +121,7 @@ class SamplerEngine:
         if req not in self.running:
             raise ValueError(f"request {req.req_id} is not running")
         self.running.remove(req)
-        self.free_slots.append(req.slot)
+        self._free(req.slot)
         req.slot, req.num_computed = None, 0
         req.preemptions += 1
         self.waiting.appendleft(req)
@@ -135,6 +148,8 @@ class SamplerEngine:
             if n > 0:
                 plan.append((req, n))
                 budget -= n
+        if self.cache.pages is not None:
+            plan = self._fit_pages(plan)
         if not plan:
             return
         batch = Step.make([r.slot for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
@@ -169,8 +184,38 @@ class SamplerEngine:
         self.steps += 1
         for req in [r for r, _ in plan if r.finished and r.pending <= 1]:
             self.running.remove(req)
-            self.free_slots.append(req.slot)
+            self._free(req.slot)
             req.slot = None
+
+    @property
+    def _pages_for_requests(self) -> int:
+        """The KV pages requests may hold (the graphs' spare slot keeps one)."""
+        return self.cache.pages.num_pages - (1 if self.graphs is not None else 0)
+
+    def _fit_pages(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The plan with the KV pages it needs: while the free pages fall short, the request admitted
+        last is preempted (its pages freed, recomputed later from scratch), as serving engines do
+        under KV-cache pressure. The oldest request always fits (``add_request`` checks)."""
+        pages = self.cache.pages
+        while True:
+            need = sum(max(0, -(-(r.num_computed + n) // pages.page_size) - int(pages.held[r.slot])) for r, n in plan)
+            if need <= pages.pages_free or len(self.running) <= 1:
+                return plan
+            victim = self.running[-1]
+            if victim.num_computed == 0:  # admitted, nothing computed yet: it waits again (no preemption)
+                self.running.remove(victim)
+                self._free(victim.slot)
+                victim.slot = None
+                self.waiting.appendleft(victim)
+            else:
+                self.preempt(victim)
+            plan = [(r, n) for r, n in plan if r is not victim]
+
+    def _free(self, slot: int) -> None:
+        """The slot goes back to the free list, its KV pages (a paged cache's) to the page pool."""
+        self.free_slots.append(slot)
+        if self.cache.pages is not None:
+            self.cache.pages.release([slot])
 
     def _sample(self, rows: torch.Tensor, who: list[tuple[Request, int, int]]) -> None:
         """Sample the next token of each request from its row, seeded by (seed, request, position)."""

@@ -16,9 +16,11 @@ def assert_every_case(model, prompt_len: int = 300, requests: int = 3, gen_len: 
         assert report.bitwise_equal == spec.exact_replay, (spec.name, report.summary())
 
 
-def assert_graph_decode_equals_single_pass(model, B: int, steps: int, max_start: int) -> None:
+def assert_graph_decode_equals_single_pass(model, B: int, steps: int, max_start: int,
+                                           page_size: int | None = None) -> None:
     """B sequences (random contexts below ``max_start``, random slots) prefilled together, then
-    ``steps`` decode steps in CUDA graphs: every row equals the one-pass forward's row."""
+    ``steps`` decode steps in CUDA graphs: every row equals the one-pass forward's row. ``page_size``:
+    attention keeps its keys in a paged cache, pages handed out in shuffled order."""
     from aligned_mamba.decode_graph import DecodeGraphs
     from aligned_mamba.ops.step import Step
 
@@ -27,7 +29,9 @@ def assert_graph_decode_equals_single_pass(model, B: int, steps: int, max_start:
     starts = [int(s) for s in torch.randint(1, max_start, (B,), generator=g)]
     hist = [torch.randint(0, V, (s + steps,), generator=g) for s in starts]
     slots = torch.randperm(B, generator=g).tolist()
-    cache = model.new_cache(B + 1, max_len=1024)
+    cache = model.new_cache(B + 1, max_len=1024, page_size=page_size)
+    if cache.pages is not None:  # scattered pages: a slot's blocks are not adjacent, slots interleave
+        cache.pages.free = torch.randperm(cache.pages.num_pages, generator=g).tolist()
     model.advance(cache, Step.make(slots, [0] * B, starts), torch.cat([h[:s] for h, s in zip(hist, starts)]))
     graphs = DecodeGraphs(model, cache, spare_slot=B)
     got = []

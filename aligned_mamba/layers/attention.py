@@ -9,6 +9,10 @@ kernel on a GPU, reading the cache where it lies): every row is a fixed function
 and the keys and values of its positions 0..t (keys in fixed blocks from position 0, one
 online-softmax order in fp32, masked entries exact zeros), so prefill, chunked prefill, decode,
 recompute and any batch give the same bits. The projections run on the backend's row-invariant ``linear``.
+In a paged cache (``KVPages``, ``CausalLM.new_cache(page_size=...)``) the state is pages [num_pages,
+page_size, G, D] and a block table on the device; the first attention layer of a step hands out the
+pages the step needs (host work, before its launches), and the backend finds a slot's positions
+through the table on the device, so a decode step captures in a CUDA graph.
 A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
 backward; the torch form's autograd on the CPU).
 
@@ -27,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, RuntimeFailure
 from ..ops.attention import KV_BLOCK, ROW_TILE, BlockedPlan, blocked_plan
 from ..ops.attention.blocked import CacheTables as StepTables  # noqa: F401  (the old names)
 from ..ops.attention.blocked import cache_tables as step_tables  # noqa: F401
@@ -59,20 +64,94 @@ class AttentionConfig:
         return {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q)}
 
 
+class KVPages:
+    """The pages of a paged KV cache, shared by a model's attention layers: which pages each slot holds.
+
+    ``num_slots`` sequence slots of at most ``max_len`` tokens over ``num_pages`` pages of
+    ``page_size`` keys (each attention layer's k/v tensors are [num_pages, page_size, G, D]). ``table``
+    [num_slots, max_blocks] int32 on ``device``: slot s's pages in order, the key of its position p
+    in page ``table[s, p // page_size]`` at row ``p % page_size``; entries past the pages a slot
+    holds are stale and never read. Allocation is host work (a free list) done before a step's
+    launches (``ensure``); the changed entries reach ``table`` by an asynchronous copy on the current
+    stream, so kernels (and a CUDA graph's replay) enqueued after it read the new table.
+    """
+
+    def __init__(self, num_slots: int, max_len: int, page_size: int, num_pages: int,
+                 device: torch.device | str) -> None:
+        if min(num_slots, max_len, page_size, num_pages) < 1:
+            raise ValueError(f"a paged KV cache needs >= 1 slot, token, key per page and page; got {num_slots}, "
+                             f"{max_len}, {page_size}, {num_pages}")
+        self.num_slots, self.max_len, self.page_size, self.num_pages = num_slots, max_len, page_size, num_pages
+        self.device = torch.device(device)
+        self.max_blocks = -(-max_len // page_size)
+        self.host = np.zeros((num_slots, self.max_blocks), dtype=np.int32)
+        self.held = np.zeros(num_slots, dtype=np.int64)  # pages each slot holds
+        self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
+        self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.int32, device=self.device)
+        self._last: Step | None = None
+
+    def ensure(self, slots: np.ndarray | list[int], ends: np.ndarray | list[int]) -> None:
+        """Give each slot ``slots[i]`` the pages for ``ends[i]`` tokens (it keeps those it holds)."""
+        slots, ends = np.asarray(slots, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        if slots.size and int(ends.max()) > self.max_len:
+            raise ValueError(f"a sequence reaches {int(ends.max())} tokens but the paged KV cache holds "
+                             f"{self.max_len} per sequence")
+        need = -(-ends // self.page_size)
+        grow = need > self.held[slots]
+        if not grow.any():
+            return
+        if int((need - self.held[slots])[grow].sum()) > len(self.free):
+            raise RuntimeFailure(f"the paged KV cache is out of pages: {len(self.free)} of {self.num_pages} free, "
+                                 f"{int((need - self.held[slots])[grow].sum())} needed")
+        upd = []
+        for s, n in zip(slots[grow].tolist(), need[grow].tolist()):
+            for b in range(int(self.held[s]), n):
+                page = self.free.pop()
+                self.host[s, b] = page
+                upd.append((s, b, page))
+            self.held[s] = n
+        u = torch.tensor(upd, dtype=torch.int64).T
+        if self.device.type == "cuda":
+            u = u.pin_memory().to(self.device, non_blocking=True)  # the caching host allocator keeps it alive
+        self.table[u[0], u[1]] = u[2].to(torch.int32)
+
+    def ensure_step(self, batch: Step) -> None:
+        """``ensure`` for a step's slots (their positions after it), once per step however many layers
+        ask; nothing for a captured step (its host fields are placeholders: ``decode_graph`` allocates
+        before each replay)."""
+        if batch is self._last or any(plan.sealed for plan in batch.plans.values()):
+            return
+        self.ensure(batch.slots.numpy(), (batch.start_pos + batch.lengths).numpy())
+        self._last = batch
+
+    def release(self, slots: list[int] | np.ndarray) -> None:
+        """Return the slots' pages to the free list (the slots are then empty)."""
+        for s in np.asarray(slots, dtype=np.int64).reshape(-1).tolist():
+            self.free.extend(self.host[s, :self.held[s]][::-1].tolist())
+            self.held[s] = 0
+        self._last = None
+
+    @property
+    def pages_free(self) -> int:
+        return len(self.free)
+
+
 @dataclass
 class AttentionState:
     """One layer's slot-indexed keys and values: k_cache, v_cache [slots, max_len, G, D] (model dtype);
-    rows 0 .. position - 1 of a slot hold its tokens' keys and values."""
+    rows 0 .. position - 1 of a slot hold its tokens' keys and values. With ``pages`` (a paged cache)
+    k_cache, v_cache are pages [num_pages, page_size, G, D] and ``pages`` says which a slot holds."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    pages: KVPages | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"k_cache": self.k_cache, "v_cache": self.v_cache}
 
     @property
     def max_len(self) -> int:
-        return self.k_cache.shape[1]
+        return self.k_cache.shape[1] if self.pages is None else self.pages.max_len
 
 
 def state_spec(config: AttentionConfig, dtype: torch.dtype) -> StateSpec:
@@ -216,9 +295,18 @@ class Attention:
         """k_cache, v_cache [MAX_LEN, G, D] in the model dtype."""
         return state_spec(self.config, self.dtype)
 
-    def state(self, tensors: Mapping[str, torch.Tensor]) -> AttentionState:
-        """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied)."""
-        return AttentionState(tensors["k_cache"], tensors["v_cache"])
+    def state(self, tensors: Mapping[str, torch.Tensor], pages: KVPages | None = None) -> AttentionState:
+        """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied);
+        with ``pages``, over pages [num_pages, page_size, G, D] (``state_spec`` allocated for
+        ``num_pages`` slots of ``page_size`` tokens) that ``pages`` hands out."""
+        if pages is not None and tensors["k_cache"].shape[:2] != (pages.num_pages, pages.page_size):
+            raise ValueError(f"pages {tuple(tensors['k_cache'].shape[:2])} are not the paged cache's "
+                             f"[{pages.num_pages}, {pages.page_size}]")
+        block = getattr(self.backend.configs, "attn_block_n", None)  # the kernel's key block (triton)
+        if pages is not None and block is not None and pages.page_size % block:
+            raise ValueError(f"a KV page of {pages.page_size} keys refused: the attention key block (attn_block_n "
+                             f"{block}) must divide the page size")
+        return AttentionState(tensors["k_cache"], tensors["v_cache"], pages)
 
     # -- the one forward ---------------------------------------------------------------------------
     def advance(self, state: AttentionState, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
@@ -235,7 +323,11 @@ class Attention:
             raise ValueError(f"a sequence reaches {end} tokens but the attention cache holds {state.max_len} "
                              "per sequence")
         q, k, v = self.project(hidden)
-        o = self.backend.attention(q, k, v, state.k_cache, state.v_cache, batch, scale=c.scale)
+        paged = {}
+        if state.pages is not None:
+            state.pages.ensure_step(batch)  # host work, before this step's first launch that reads the table
+            paged["block_table"] = state.pages.table
+        o = self.backend.attention(q, k, v, state.k_cache, state.v_cache, batch, scale=c.scale, **paged)
         return self.output(o, rows)
 
     def advance_paged(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: PagedTables,

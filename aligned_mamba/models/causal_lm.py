@@ -53,21 +53,29 @@ class Cache:
     ``states[i]`` is what block i's mixer keeps; ``tensors[i]`` its named tensors (the
     ``StateSpec`` fields), which an engine may own (views into its memory). ``max_len``: the most
     tokens a slot can hold when a layer keeps a row per token (attention), else None (no limit).
+    ``pages``: a paged cache's page table (``layers.attention.KVPages``), shared by the layers whose
+    state holds it (their tensors are pages, not slot-indexed), else None.
     """
 
     def __init__(self, states: list[Any], tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, pages: Any = None) -> None:
         self.states = states
         self.tensors = tensors
         self.num_slots = num_slots
         self.max_len = max_len
+        self.pages = pages
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
-        """Empty ``slots`` in every layer (one fill per tensor on the device)."""
+        """Empty ``slots`` in every layer (one fill per slot-indexed tensor on the device; a paged
+        layer's slots give their pages back)."""
         idx = torch.as_tensor(slots, dtype=torch.int64)
-        for ts in self.tensors:
+        for st, ts in zip(self.states, self.tensors, strict=True):
+            if getattr(st, "pages", None) is not None:
+                continue
             for t in (ts or {}).values():
                 t.index_fill_(0, idx.to(t.device), 0)
+        if self.pages is not None:
+            self.pages.release(idx.cpu().numpy())
 
     def bytes_per_slot(self) -> int:
         """Resident bytes one sequence holds across all layers."""
@@ -115,15 +123,31 @@ class CausalLM:
         """Whether a layer keeps a row per token (its cache then needs a maximum sequence length)."""
         return any(spec.per_length for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
 
-    def new_cache(self, num_slots: int, max_len: int | None = None) -> Cache:
+    def new_cache(self, num_slots: int, max_len: int | None = None, *, page_size: int | None = None,
+                  num_pages: int | None = None) -> Cache:
         """Zeroed states for ``num_slots`` sequences on the model's device; ``max_len``: the most tokens
-        a sequence may reach, for layers that keep a row per token (default: the model's ``max_len``)."""
+        a sequence may reach, for layers that keep a row per token (default: the model's ``max_len``).
+
+        ``page_size``: those layers keep their rows in pages of ``page_size`` tokens (a paged KV cache,
+        ``layers.attention.KVPages``), ``num_pages`` of them shared by the slots (default: enough for
+        every slot at ``max_len``), handed out as sequences grow and given back by ``reset``.
+        """
         max_len = (max_len or self.max_len) if self.per_length_state else None
-        tensors = []
+        pages = None
+        if page_size is not None and self.per_length_state:
+            from ..layers.attention import KVPages
+
+            num_pages = num_pages or num_slots * -(-max_len // page_size)
+            pages = KVPages(num_slots, max_len, page_size, num_pages, self.device)
+        tensors, states = [], []
         for b in self.blocks:
             spec = b.mixer.state_spec()
-            tensors.append(None if spec is None else spec.allocate(num_slots, self.device, max_len))
-        return self.cache_over(tensors, num_slots, max_len)
+            paged = pages is not None and spec is not None and spec.per_length
+            ts = None if spec is None else (spec.allocate(num_pages, self.device, page_size) if paged
+                                            else spec.allocate(num_slots, self.device, max_len))
+            tensors.append(ts)
+            states.append(None if ts is None else b.mixer.state(ts, pages) if paged else b.mixer.state(ts))
+        return Cache(states, tensors, num_slots, max_len, pages)
 
     def cache_over(self, tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
                    max_len: int | None = None) -> Cache:

@@ -74,9 +74,10 @@ class Ops:
     log_softmax: Callable[..., Tensor]
     #: relu(x)^2 in x's dtype, any shape (``elementwise``)
     relu2: Callable[[Tensor], Tensor]
-    #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale) ->
-    #: [T, H, D] in q's dtype: the new keys and values written at each token's slot and position,
-    #: then the new rows attend over their slot's keys 0 .. position (``attention``)
+    #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale,
+    #: block_table=None) -> [T, H, D] in q's dtype: the new keys and values written at each token's slot
+    #: and position, then the new rows attend over their slot's keys 0 .. position (``attention``);
+    #: with block_table [slots, max_blocks] (device) the caches are pages [num_pages, page_size, G, D]
     attention: Callable[..., Tensor]
     #: (q [Tq, H, D], k, v [Tk, G, D], cu_seqlens_q, cu_seqlens_k [S+1] host ints, plan, *, scale) ->
     #: [Tq, H, D]: ``attention``'s signature over packed keys (an engine's paged cache gathered);

@@ -297,3 +297,116 @@ def test_hybrid_gradients_match_the_cpu_torch_backend() -> None:
     errs = {k: ((a.double() - b.double()).norm() / b.double().norm()).item()
             for k, a, b in zip(names, got["triton"], got["torch"])}
     assert all(e < 1e-4 for e in errs.values()), errs
+
+
+# -- a paged KV cache ------------------------------------------------------------------------------------
+
+
+def _scattered_pages(B: int, max_len: int, page: int, seed: int):
+    """A KVPages for B slots whose free list is shuffled, so consecutive blocks of a slot land on
+    scattered pages (and slots interleave)."""
+    from aligned_mamba.layers.attention import KVPages
+
+    pages = KVPages(B, max_len, page, B * -(-max_len // page) + 1, "cuda")
+    order = torch.randperm(pages.num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    pages.free = order
+    return pages
+
+
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_paged_decode_in_a_cuda_graph_equals_the_prefill_rows(B: int) -> None:
+    """Nemotron-H-8B's attention shape (32 heads, 8 KV heads, D 128, bf16): B sequences at random
+    contexts (up to 16k at batch 1) decode 5 steps through one captured graph that writes the new
+    keys into pages found through the block table and attends over the pages; pages are handed out
+    on the host between replays. Every row equals the single packed prefill's row over the whole
+    history (slot-cache addressing); the baseline, a key block of 128, differs."""
+    import dataclasses
+
+    from aligned_mamba.ops.attention.blocked import page_index
+    from aligned_mamba.ops.attention.triton import attention_triton, attention_triton_packed, decode_tiles
+
+    H, G, D, P, steps, scale = 32, 8, 128, 256, 5, 128 ** -0.5
+    cfg = _cfg()
+    g = torch.Generator().manual_seed(B)
+    top = 16000 if B == 1 else (4000 if B <= 64 else 1500)
+    ctx = torch.randint(1, top, (B,), generator=g)
+    n = ctx + steps
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
+    q, k, v = _qkv(int(cu[-1]), H, G, D, seed=B)
+    full = attention_triton_packed(q, k, v, cu, cu, scale=scale, cfg=cfg)
+    slots = torch.randperm(B, generator=g)
+    pages = _scattered_pages(B, int(n.max()), P, seed=B)
+    kp = torch.full((pages.num_pages, P, G, D), float("nan"), dtype=BF16, device="cuda")
+    vp = kp.clone()
+    # the contexts' keys written through the table (the prefill's writes)
+    pages.ensure(slots.numpy(), ctx.numpy())
+    seq = torch.repeat_interleave(torch.arange(B), ctx)
+    pos = torch.cat([torch.arange(int(c)) for c in ctx])
+    src = (cu[:-1][seq] + pos).cuda()
+    pg, off = page_index(pages.table, slots[seq].cuda(), pos.cuda(), P)
+    kp[pg, off], vp[pg, off] = k[src], v[src]
+    # the graph's static buffers
+    qs, ks, vs = q[:B].clone(), k[:B].clone(), v[:B].clone()
+    sl, ps = slots.cuda(), ctx.cuda().clone()
+
+    def step(c=cfg) -> torch.Tensor:
+        pg, off = page_index(pages.table, sl, ps, P)
+        kp[pg, off], vp[pg, off] = ks, vs
+        return attention_triton(qs, kp, vp, decode_tiles(sl, ps), scale=scale, cfg=c, block_table=pages.table)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile before capture (writes the first step's keys, which the replay rewrites)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    got = []
+    for t in range(steps):
+        at = cu[:-1] + ctx + t  # each sequence's packed row of this step's token
+        pages.ensure(slots.numpy(), (ctx + t + 1).numpy())
+        for buf, src in ((qs, q), (ks, k), (vs, v)):
+            buf.copy_(src[at.cuda()])
+        ps.copy_((ctx + t).cuda())
+        graph.replay()
+        got.append(out.clone())
+        assert torch.equal(got[-1], full[at.cuda()]), t
+    # the baseline: another key block (pages of 256 take it) gives the long rows other bits
+    other = step(dataclasses.replace(cfg, attn_block_n=128))
+    long_rows = (ctx + steps - 1 > 128).cuda()
+    assert bool(long_rows.any()) and not torch.equal(other[long_rows], got[-1][long_rows])
+
+
+def test_paged_prefill_chunks_equal_the_slot_caches_rows() -> None:
+    """The chunked-prefill continuation over pages (the prefill tile, host-built tiles, the device
+    table): chunks of one sequence and two sequences side by side give the slot cache's bits."""
+    from aligned_mamba.ops.attention.blocked import page_index
+    from aligned_mamba.ops.attention.triton import attention_triton, prefill_tiles
+
+    H, G, D, P, n, scale = 16, 4, 64, 128, 3000, 64 ** -0.5
+    cfg = _cfg()
+    q, k, v = _qkv(n, H, G, D, seed=17)
+    kc = torch.full((2, n, G, D), float("nan"), dtype=BF16, device="cuda")
+    vc = kc.clone()
+    kc[1], vc[1] = k, v
+    pages = _scattered_pages(2, n, P, seed=3)
+    pages.ensure([1], [n])
+    kp = torch.full((pages.num_pages, P, G, D), float("nan"), dtype=BF16, device="cuda")
+    vp = kp.clone()
+    pg, off = page_index(pages.table, torch.ones(n, dtype=torch.int64, device="cuda"),
+                         torch.arange(n, device="cuda"), P)
+    kp[pg, off], vp[pg, off] = k, v
+    cuts = [0, 700, 701, 2222, n]
+    for a, b in zip(cuts, cuts[1:]):
+        t = prefill_tiles([0, b - a], [a], [1], H // G, cfg, "cuda")
+        assert torch.equal(attention_triton(q[a:b], kp, vp, t, scale=scale, cfg=cfg, block_table=pages.table),
+                           attention_triton(q[a:b], kc, vc, t, scale=scale, cfg=cfg)), (a, b)
+
+
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_hybrid_graph_decode_over_pages_equals_the_single_pass(B: int) -> None:
+    from check_cases import assert_graph_decode_equals_single_pass
+
+    assert_graph_decode_equals_single_pass(_hybrid("two_attention_gqa8_d64"), B, steps=40, max_start=900,
+                                           page_size=64)

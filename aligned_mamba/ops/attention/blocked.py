@@ -28,6 +28,7 @@ applies them to q and k before the call.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -221,17 +222,33 @@ def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 __all__ = ["KV_BLOCK", "ROW_TILE", "BlockedPlan", "CacheTables", "attention_blocked", "attention_cached",
-           "attention_stock", "blocked_plan", "cache_tables"]
+           "attention_stock", "blocked_plan", "cache_tables", "page_index"]
+
+
+def page_index(block_table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
+               page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the key of position ``pos`` of block-table row ``slot`` lies in a paged cache: (page, row
+    in the page), int64 tensors of pos's shape, computed on block_table's device (no host read)."""
+    blk = torch.div(pos, page_size, rounding_mode="floor")
+    return block_table[slot, blk].to(torch.int64), pos - blk * page_size
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              batch: Any, *, scale: float) -> torch.Tensor:
+              batch: Any, *, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """One step over a slot cache, the torch backend's form (the backend's ``attention`` signature):
     the step's cache tables built once for every attention layer of the step, then
-    ``attention_cached``."""
+    ``attention_cached``. With ``block_table`` [slots, max_blocks] the caches are pages [num_blocks,
+    page_size, G, D] and a slot's position p lies at ``page_index``: the same keys gathered into the
+    same packed layout, so the same bits."""
     rep = q.shape[1] // k.shape[1]
     plan = batch.plans[q.device]
     t = plan.once(plan.attention_cache, rep, lambda: cache_tables(batch, rep, q.device))
+    if block_table is not None:
+        P = k_cache.shape[1]
+        bt = block_table.to(q.device)
+        ws, wp = page_index(bt, t.write_slot, t.write_pos, P)
+        rs, rp = page_index(bt, t.read_slot, t.read_pos, P)
+        t = dataclasses.replace(t, write_slot=ws, write_pos=wp, read_slot=rs, read_pos=rp)
     return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale)
 
 

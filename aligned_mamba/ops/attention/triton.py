@@ -40,17 +40,26 @@ import triton.language as tl
 from ...errors import AlignedMambaError
 from ..autograd import grad_needed
 from ..configs import TritonKernelConfigs
+from .blocked import page_index
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
-           D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """One key block j of a tile: the online-softmax update (module docstring)."""
+def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr, page,
+           D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+           PAGED: tl.constexpr):
+    """One key block j of a tile: the online-softmax update (module docstring). PAGED: the block lies
+    in one page, ``bt_ptr[j * BLOCK_N // page]`` (the tile's block-table row), at rows from
+    ``j * BLOCK_N % page``; kbase is then the page stride in elements. Only the addresses differ."""
     kp = j * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
-    rows = (kbase + kp).to(tl.int64) * sk_r + g * sk_g
+    if PAGED:
+        pg = tl.load(bt_ptr + (j * BLOCK_N) // page).to(tl.int64)
+        off = (j * BLOCK_N) % page + tl.arange(0, BLOCK_N)
+        rows = pg * kbase + off.to(tl.int64) * sk_r + g * sk_g
+    else:
+        rows = (kbase + kp).to(tl.int64) * sk_r + g * sk_g
     if MASK:
         kin = kp <= last
         kt = tl.load(k_ptr + rows[None, :] + d[:, None], mask=kin[None, :], other=0.0)
@@ -75,12 +84,14 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     # Per-tile tables [NT] int64
     row0_ptr, ntok_ptr, pos0_ptr, slot_ptr,
-    # Strides (elements)
+    # The block table [rows, max_blocks] (PAGED: a tile's slot is its row) and the page size in keys
+    bt_ptr, s_bt, page,
+    # Strides (elements); sk_slot: a slot's pitch in rows of sk_r elements (PAGED: a page's stride)
     sq_t, sq_h, sk_slot, sk_r, sk_g, so_t, so_h, sl_t,
     qk_scale,
     # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
+    PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False, PAGED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -91,7 +102,12 @@ def _attention_kernel(
     row0 = tl.load(row0_ptr + tile)
     ntok = tl.load(ntok_ptr + tile)
     pos0 = tl.load(pos0_ptr + tile)
-    kbase = tl.load(slot_ptr + tile) * sk_slot  # in rows of sk_r elements
+    slot = tl.load(slot_ptr + tile)
+    if PAGED:
+        kbase = slot * 0 + sk_slot  # the page stride (int64); the block table row picks each block's page
+        bt_ptr += slot * s_bt
+    else:
+        kbase = slot * sk_slot  # in rows of sk_r elements
     valid = (tt < ntok) & (hh < REP)
     pos = pos0 + tl.where(tt < ntok, tt, 0)  # padding tokens take the first's position: no empty row
     d = tl.arange(0, D)
@@ -106,11 +122,11 @@ def _attention_kernel(
     # blocks before the first row's block are whole for every row: no mask (where(true, s) is s)
     full = pos0 // BLOCK_N
     for j in range(0, full):
-        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
-                           D, BLOCK_N, False, PRECISION)
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
+                           page, D, BLOCK_N, False, PRECISION, PAGED)
     for j in range(full, last // BLOCK_N + 1):
-        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
-                           D, BLOCK_N, True, PRECISION)
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
+                           page, D, BLOCK_N, True, PRECISION, PAGED)
     o = acc / lsum[:, None]
     tl.store(o_ptr + (row0 + tt).to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -206,7 +222,8 @@ def decode_step_tables(slots: torch.Tensor, positions: torch.Tensor) -> StepTabl
 
 
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles, *,
-                     scale: float, cfg: TritonKernelConfigs, lse: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, cfg: TritonKernelConfigs, lse: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
 
     q [T, H, D] (bf16 or fp32); k_cache, v_cache [slots, max_len, G, D] in q's dtype, the key of
@@ -216,6 +233,13 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     covers are left unwritten. No host synchronisation. ``lse`` [T, H] float32 (contiguous), when
     given, receives each row's log2 softmax denominator in units of s = q.k * scale * log2(e) (what
     the backward needs); the output's bits are the same either way.
+
+    ``block_table`` [rows, max_blocks] int32/int64 (device): the caches are pages [num_blocks,
+    page_size, G, D] (any strides but a unit one for D), the key of position p of the sequence in
+    block-table row r at page ``block_table[r, p // page_size]``, row ``p % page_size``; a tile's
+    slot is its block-table row. The table is read on the device (a CUDA graph replays it as it is
+    then). ``attn_block_n`` must divide the page size: a key block then lies in one page, and a row
+    visits the same blocks in the same order with the same arithmetic, the slot cache's bits.
     """
     T, H, D = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
@@ -229,9 +253,21 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"attention_triton: {H} query heads are not a multiple of {G} key/value heads")
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"attention_triton: head_dim {D} refused: a power of two from 16 to 256 expected")
-    if (k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or k_cache.stride(2) != D
-            or k_cache.stride(1) != G * D or k_cache.stride(0) % k_cache.stride(1)):
-        raise ValueError("attention_triton: caches must be contiguous in (max_len, G, D) with the same strides")
+    if block_table is None:
+        if (k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or k_cache.stride(2) != D
+                or k_cache.stride(1) != G * D or k_cache.stride(0) % k_cache.stride(1)):
+            raise ValueError("attention_triton: caches must be contiguous in (max_len, G, D) with the same strides")
+        page, s_bt, pitch = 1, 0, k_cache.stride(0) // k_cache.stride(1)
+    else:
+        page = k_cache.shape[1]
+        check_page(page, cfg)
+        if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+            raise ValueError("attention_triton: key and value pages need the same strides and a unit one for D")
+        if (block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64)
+                or block_table.stride(1) != 1 or block_table.device != q.device):
+            raise ValueError("attention_triton: block_table [rows, max_blocks] int32/int64 with a unit last stride "
+                             "on q's device expected")
+        s_bt, pitch = block_table.stride(0), k_cache.stride(0)
     rep = H // G
     tok = tokens_per_tile(rep, cfg, tiles.decode)
     if q.stride(2) != 1:
@@ -246,14 +282,24 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     stages = cfg.attn_decode_stages if tiles.decode else cfg.attn_stages
     _attention_kernel[(NT, G)](
         q, k_cache, v_cache, out, out if lse is None else lse, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
-        q.stride(0), q.stride(1), k_cache.stride(0) // k_cache.stride(1), k_cache.stride(1), k_cache.stride(2),
+        tiles.slot if block_table is None else block_table, s_bt, page,
+        q.stride(0), q.stride(1), pitch, k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), scale * LOG2E,
         REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n, STORE_LSE=lse is not None,
+        PAGED=block_table is not None,
         PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
         # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
         # masked loop's select between them cannot, and a row meets a block in either loop
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
+
+
+def check_page(page_size: int, cfg: TritonKernelConfigs) -> None:
+    """Refuse (ValueError, one line) a page size that ``attn_block_n`` does not divide: a key block
+    would straddle two pages."""
+    if page_size < 1 or page_size % cfg.attn_block_n:
+        raise ValueError(f"a KV page of {page_size} keys refused: the attention key block (attn_block_n "
+                         f"{cfg.attn_block_n}) must divide the page size")
 
 
 def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -283,23 +329,30 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse)
 
 
-__all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "decode_step_tables",
-           "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
+__all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "check_page",
+           "decode_step_tables", "decode_tiles", "prefill_tiles", "rep_pad", "step_tables", "tokens_per_tile"]
 
 
 # -- the triton backend's forms (the backend's ``attention`` and ``attention_packed`` signatures) ------------
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              batch: Any, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
+              batch: Any, *, scale: float, cfg: TritonKernelConfigs,
+              block_table: torch.Tensor | None = None) -> torch.Tensor:
     """One step over a slot cache: k, v written at each token's slot and position, then the kernel
     over the step's tiles (built once for every attention layer of the step). Under autograd the
-    same writes and launch, saving each row's log-sum-exp for the Triton backward."""
+    same writes and launch, saving each row's log-sum-exp for the Triton backward. With
+    ``block_table`` [slots, max_blocks] (device) the caches are pages [num_blocks, page_size, G, D]:
+    the writes and the kernel find a slot's position through the table, on the device (a decode
+    step over pages captures in a CUDA graph as the slot cache's does)."""
     grad = grad_needed(q, k, v)
     if grad and bool((batch.start_pos != 0).any()):
         # the keys of earlier calls sit in the cache outside the autograd graph: their gradient would be lost
         raise AlignedMambaError("training attention over keys cached by an earlier call is refused on the GPU: "
                                 "the backward covers one pass from empty (every start_pos 0)")
+    if grad and block_table is not None:
+        raise AlignedMambaError("training attention over a paged KV cache is refused: the trainer's pass from "
+                                "empty runs over a slot cache")
     dev, rep = q.device, q.shape[1] // k.shape[1]
     plan = batch.plans[dev]
     if batch.decode_only:
@@ -313,9 +366,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         from .triton_backward import attention_cached
 
         return attention_cached(q, k, v, k_cache, v_cache, t, batch.cu_seqlens, scale=scale, cfg=cfg)
-    k_cache[t.write_slot, t.write_pos] = k
-    v_cache[t.write_slot, t.write_pos] = v
-    return attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=cfg)
+    if block_table is None:
+        k_cache[t.write_slot, t.write_pos] = k
+        v_cache[t.write_slot, t.write_pos] = v
+    else:
+        check_page(k_cache.shape[1], cfg)
+        # per call, not per step: a captured step's table changes between replays
+        pg, off = page_index(block_table, t.write_slot, t.write_pos, k_cache.shape[1])
+        k_cache[pg, off] = k
+        v_cache[pg, off] = v
+    return attention_triton(q, k_cache, v_cache, t.tiles, scale=scale, cfg=cfg, block_table=block_table)
 
 
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
