@@ -31,6 +31,7 @@ if "--dry-run" in sys.argv:  # before triton is imported
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noqa: E402
+from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 # (block_t, block_c, warps): the pinned launch first
 VARIANTS = [(32, 64, 4), (32, 64, 8), (16, 64, 4), (16, 128, 4), (16, 128, 8), (64, 64, 8), (8, 128, 4),
@@ -40,21 +41,12 @@ CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384)]
 
 
 def timed(fn, reps: int) -> float:
+    """Median ms of ``fn``: CUDA events, or wall clock in the dry run."""
     if not torch.cuda.is_available():
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return cuda_ms(fn, reps, warmup=1)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

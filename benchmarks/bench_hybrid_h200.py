@@ -61,8 +61,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -73,6 +71,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_h200 import git_commit  # noqa: E402
 from benchmarks.stock_hybrid import (  # noqa: E402
     H8B,
     NANO,
@@ -87,13 +86,6 @@ H, G, D = 32, 8, 128
 BF16 = torch.bfloat16
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def _bench(fn) -> float:
@@ -714,7 +706,7 @@ def main() -> int:
     import triton
 
     res = dict(script="benchmarks/bench_hybrid_h200.py", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, commit=_commit(),
+               triton=triton.__version__, commit=git_commit() or "unknown",
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                forward=[], decode=[], train=[], attention=[], mlp=[], sweep=[], bwd_sweep=[], bwd_determinism=[],
                errors=[])

@@ -46,7 +46,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -60,18 +59,13 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.bench_h200 import git_commit  # noqa: E402
+
 BF16, F32 = torch.bfloat16, torch.float32
 NANO = dict(hidden=2688, experts=128, top_k=6, width=1856)
 TINY = dict(hidden=48, experts=16, top_k=6, width=40)
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def _bench(fn, dry: bool) -> float:
@@ -91,15 +85,10 @@ def _bench_graph(fn) -> float | None:
     there), or None where fn cannot be captured (a host synchronisation)."""
     import triton.testing
 
+    from benchmarks.gpu_validate import captured
+
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = captured(fn)
     except Exception:  # noqa: BLE001 (a sync inside the capture, say: no graph cell)
         torch.cuda.synchronize()
         return None
@@ -389,7 +378,7 @@ def main() -> int:
 
     dry = a.dry_run
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+               torch=torch.__version__, triton=triton.__version__, commit=git_commit() or "unknown",
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], sweep=[],
                decode_sweep=[], stock_parts=[], errors=[])
     out = Path(a.out)

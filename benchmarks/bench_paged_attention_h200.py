@@ -15,35 +15,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_h200 import git_commit  # noqa: E402
+
 H, G, D = 32, 8, 128
 BF16 = torch.bfloat16
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def _graph_ms(fn, reps: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    from benchmarks.gpu_validate import captured
+
+    g = captured(fn)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -104,7 +94,7 @@ def main() -> None:
     import triton
 
     res = dict(script="benchmarks/bench_paged_attention_h200.py", gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+               torch=torch.__version__, triton=triton.__version__, commit=git_commit() or "unknown",
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                shape=dict(heads=H, kv_heads=G, head_dim=D, dtype="bfloat16"), decode=[])
     for ctx in args.context:

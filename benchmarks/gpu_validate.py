@@ -62,6 +62,20 @@ def state(S: int, H: int, G: int, dev: str) -> SSDState:
                              device=dev)
 
 
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in one CUDA graph after a warm-up call on a side stream (as torch's docs do it);
+    raises where fn cannot be captured (a host synchronisation inside it)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def cuda_ms(fn, reps: int, warmup: int = 3) -> float:
     """Median ms of ``fn`` over ``reps`` calls after ``warmup`` (CUDA events around each call; of an even
     count, the upper middle)."""
