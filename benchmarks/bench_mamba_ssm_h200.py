@@ -371,6 +371,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         log("no CUDA device")
         return 2
+    if args.stock_mem_eff:
+        try:
+            import causal_conv1d  # noqa: F401
+        except ImportError:
+            log("--stock-mem-eff refused: causal_conv1d does not import (build it: benchmarks/README.md, "
+                "'The fused stock')")
+            return 2
     parts = set(args.parts.split(","))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

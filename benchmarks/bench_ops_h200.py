@@ -51,15 +51,15 @@ VARIANTS = {
     "decode": [dict(linear_fill_programs=0), dict(linear_decode_block_n=64), dict(linear_decode_stages=8),
                dict(linear_decode_tma=True),
                dict(linear_decode_block_m=64, linear_decode_tma=True, linear_decode_stages=6),
-               dict(linear_decode_persistent=True, linear_decode_programs_per_sm=2),
-               dict(linear_decode_warps=2), dict(linear_decode_warps=2, linear_decode_stages=8),
-               dict(linear_decode_warps=1, linear_decode_stages=8),
+               dict(linear_decode_tma=True, linear_decode_persistent=True, linear_decode_programs_per_sm=2),
+               dict(linear_decode_warps=8), dict(linear_decode_warps=8, linear_decode_stages=8),
                dict(linear_fill_programs=66), dict(linear_fill_programs=264)],
     "mid": [dict(linear_fill_programs=0), dict(linear_mid_block_n=64, linear_mid_stages=6),
             dict(linear_mid_persistent=True),
             dict(linear_mid_persistent=True, linear_mid_block_n=64, linear_mid_stages=6),
             dict(linear_mid_persistent=True, linear_mid_block_m=128, linear_mid_warps=8, linear_mid_programs_per_sm=1),
-            dict(linear_mid_tma=False), dict(linear_mid_persistent=True, linear_mid_programs_per_sm=2),
+            dict(linear_mid_tma=False, linear_mid_persistent=False, linear_mid_programs_per_sm=1),
+            dict(linear_mid_persistent=True, linear_mid_programs_per_sm=2),
             dict(linear_mid_block_m=128, linear_mid_warps=8),
             dict(linear_mid_block_m=128, linear_mid_warps=8, linear_mid_stages=3),
             dict(linear_mid_block_m=128, linear_mid_block_n=256, linear_mid_warps=8, linear_mid_stages=3),
@@ -236,8 +236,13 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
                 pinned = lt.linear_triton(xm, w, None, cfg)
                 regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
                 for v in VARIANTS[regime]:
-                    c = dataclasses.replace(cfg, **v)
-                    q = lt.plan(M, w, c, sms=lt._num_sms(b.dev))
+                    try:  # a variant the configs refuse is recorded with its error, the sweep goes on
+                        c = dataclasses.replace(cfg, **v)
+                        q = lt.plan(M, w, c, sms=lt._num_sms(b.dev))
+                    except ValueError as exc:
+                        res["variants"].append(dict(shape=name, M=M, regime=regime, override=v,
+                                                    error=f"refused: {str(exc)[:200]}"))
+                        continue
                     tiles = (f"{q.block_m}x{q.block_n} w{q.num_warps} s{q.num_stages}" + (" tma" if q.tma else " ptr")
                              + (f" persistent{q.programs_per_sm}" if q.persistent else ""))
                     try:
