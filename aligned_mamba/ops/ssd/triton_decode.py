@@ -83,6 +83,9 @@ PDL: bool = True
 TILE_OPTS: dict = {"num_stages": 2}
 # Step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
+# bf16 models run "step" up to this many sequences a step and "tile" above (None: always "step"); the
+# two give the same bits, so this is speed only: "step" computes C.B per head, "tile" once per group
+STEP_MAX_BATCH: int | None = None
 # "step" mode's completion counters: device -> int32 zeros, one per (batch entry, group), every
 # launch leaving them zero. Grown, never shrunk or freed: a captured CUDA graph keeps the address
 # it was captured with.
@@ -748,13 +751,14 @@ def decode_step_triton(
     ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
     prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
     fma chains reproducing the fp32 dots), "tile" (the four launches) or "step" (the default for
-    bf16 models, whose dots run on tensor cores: the four in one launch, the same bits; refused
-    for fp32 models on a GPU). completes: which tokens complete their chunk
-    (pos % L == L - 1), if the caller knows (an engine knows positions on the host): False for
-    none (two launches fewer), or an int64 tensor of their indices in the batch (the completion
-    kernels then run over those only); None or True: the completion kernels run over the whole
-    batch and return at once for the others ("step" mode checks every entry and ignores it). A wrong hint is harmless only in the direction of
-    listing too many: listed sequences are still checked.
+    bf16 models up to ``STEP_MAX_BATCH`` sequences, whose dots run on tensor cores: the four in
+    one launch, the same bits; refused for fp32 models on a GPU). completes: which tokens
+    complete their chunk (pos % L == L - 1), if the caller knows (an engine knows positions on
+    the host): False for none (two launches fewer), or an int64 tensor of their indices in the
+    batch (the completion kernels then run over those only); None or True: the completion
+    kernels run over the whole batch and return at once for the others ("step" mode checks every
+    entry itself and ignores it). A wrong hint is harmless only in the direction of listing too
+    many: listed sequences are still checked.
 
     Updates ``state`` in place exactly as ``triton_chunk.replay_chunk_triton`` would for the step
     (slots, pos, one token each), and y has the bits of that call's rows. Every table is a device
@@ -762,7 +766,9 @@ def decode_step_triton(
     """
     A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
-    mode = ("step" if tc else DEFAULT_MODE) if mode is None else mode
+    if mode is None:
+        few = STEP_MAX_BATCH is None or slots.numel() <= STEP_MAX_BATCH
+        mode = ("step" if few else "tile") if tc else DEFAULT_MODE
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if tc and mode == "row":
