@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
+from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
 from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
 
 SHAPES = {"64h_1g": (64, 1), "80h_1g": (80, 1)}
@@ -98,6 +99,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--variants", default="rt,rt:ns3,ns1",
+                    help="step-mode variants timed too, at the first shape: rt (a run-time tl.range K loop), "
+                         "ns<stages>; each bit-checked against tile")
     args = ap.parse_args()
     import triton
 
@@ -105,6 +109,7 @@ def main() -> int:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     except Exception as exc:  # noqa: BLE001
         selective_state_update, ssu_err = None, f"{type(exc).__name__}: {exc}"
+    base_rt, base_opts = td.STEP_RT_RANGE, dict(td.STEP_OPTS)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cells": []}
     from benchmarks.bench_h200 import git_commit
@@ -116,15 +121,29 @@ def main() -> int:
             st, slots, pos, x, dt, B, C, prm = setup(H, G, S, seed=S)
             e = {"shape": name, "batch": S}
             outs = {}
-            for mode in ("tile", "step"):
+            variants = ["tile", "step"]
+            if name == args.shapes.split(",")[0] and args.variants:
+                variants += [f"step:{v}" for v in args.variants.split(",")]
+            for var in variants:
+                mode, *opts = var.split(":")
+                td.STEP_RT_RANGE = "rt" in opts
+                td.STEP_OPTS = dict(base_opts)
+                for o in opts:
+                    if o.startswith("ns"):
+                        td.STEP_OPTS["num_stages"] = int(o[2:])
                 s2 = clone(st)
                 y = decode_step_triton(s2, slots, pos, x, dt, B, C, prm, cfg=CFG, mode=mode)
-                outs[mode] = (y, s2)
+                outs[var] = (y, s2)
                 s3 = clone(st)
                 step = (lambda s=s3, m=mode: decode_step_triton(s, slots, pos, x, dt, B, C, prm, cfg=CFG, mode=m))
-                e[f"{mode}_kernels"] = kernels(step)
-                e[f"{mode}_us"] = round(1e3 * graph_ms(step), 2)
+                if not opts:
+                    e[f"{mode}_kernels"] = kernels(step)
+                e[f"{var}_us"] = round(1e3 * graph_ms(step), 2)
                 del s3, step
+            td.STEP_RT_RANGE, td.STEP_OPTS = base_rt, base_opts
+            for var in variants[2:]:
+                e[f"{var}_same_bits"] = bool(torch.equal(outs[var][0], outs["tile"][0])) and all(
+                    torch.equal(a, b) for a, b in zip(outs[var][1].tensors(), outs["tile"][1].tensors()))
             (yt, st_t), (ys, st_s) = outs["tile"], outs["step"]
             e["rows_equal"] = bool(torch.equal(yt, ys))
             e["states_equal"] = all(torch.equal(a, b) for a, b in zip(st_t.tensors(), st_s.tensors()))
@@ -140,6 +159,7 @@ def main() -> int:
             else:
                 e["ssu_error"] = ssu_err
             e["step_over_tile"] = round(e["step_us"] / e["tile_us"], 3)
+            res["step_defaults"] = {"STEP_RT_RANGE": base_rt, "STEP_OPTS": base_opts}
             res["cells"].append(e)
             print(name, S, {k: v for k, v in e.items() if not k.endswith("_kernels")},
                   len(e["tile_kernels"]), len(e["step_kernels"]), flush=True)

@@ -86,6 +86,10 @@ COMPLETION_BLOCK = 16
 # bf16 models run "step" up to this many sequences a step and "tile" above (None: always "step"); the
 # two give the same bits, so this is speed only: "step" computes C.B per head, "tile" once per group
 STEP_MAX_BATCH: int | None = None
+# "step" mode's compile options beyond the contract's configs (occupancy and pipelining only, never
+# the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
+STEP_OPTS: dict = {"num_stages": 2}
+STEP_RT_RANGE: bool = False
 # "step" mode's completion counters: device -> int32 zeros, one per (batch entry, group), every
 # launch leaving them zero. Grown, never shrunk or freed: a captured CUDA graph keeps the address
 # it was captured with.
@@ -547,13 +551,44 @@ def _zero_kernel(
 
 
 @triton.jit
+def _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr, B_ptr, C_ptr,
+                      dts, a_row, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """intra + the K block at k0 of the step kernel's output tile: ``_prep_kernel``'s C.B columns
+    (the token's row; columns past r zero, column r from the token's B), then ``_tile_intra_block``."""
+    R: tl.constexpr = t.shape[0]
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ksm = ks < L
+    cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + nn
+        nm = n < N
+        Cn = tl.load(C_ptr + qg * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        BT = tl.load(buf_B_ptr + (sg * L + ks[None, :]) * N + n[:, None], mask=nm[:, None] & (ks < r)[None, :],
+                     other=0.0)
+        Bnew = tl.load(B_ptr + qg * N + n, mask=nm, other=0.0)
+        BT = tl.where((ks == r)[None, :], Bnew[:, None], BT).to(tl.float32)
+        cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
+    a_s = tl.load(a_row + ks, mask=ksm, other=0.0)
+    dt_s = tl.load(dts + ks, mask=ksm, other=0.0)
+    decay = tl.where(ks[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+    scores = (cb * decay) * dt_s[None, :]
+    xs = tl.load(buf_x_ptr + (sh * L + ks[:, None]) * P + p[None, :], mask=(ks < r)[:, None] & pm[None, :], other=0.0)
+    xs = tl.where((ks == r)[:, None], x_tok[None, :], xs)
+    if not TC:
+        xs = xs.to(tl.float32)
+    return dot_acc(intra, scores, xs, TC, 1, PRECISION)
+
+
+@triton.jit
 def _step_kernel(
     x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, A_ptr, D_ptr, slots_ptr, pos_ptr,
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, y_ptr, scr_ptr, cnt_ptr, lo, hi, sD_h, sD_p,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr,
     BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    PB: tl.constexpr, ZB: tl.constexpr,
+    PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
     """Program (q, h, p block): the four launches of a step for one head and P block, in one.
 
@@ -613,34 +648,16 @@ def _step_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = inter
-    k0 = 0
-    while k0 < t0 + R:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ksm = ks < L
-        # _prep_kernel's C.B: the token's row of the tile, columns past r zero, row r the token's B
-        cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            n = n0 + nn
-            nm = n < N
-            Cn = tl.load(C_ptr + qg * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
-                         other=0.0).to(tl.float32)
-            BT = tl.load(buf_B_ptr + (sg * L + ks[None, :]) * N + n[:, None], mask=nm[:, None] & (ks < r)[None, :],
-                         other=0.0)
-            Bnew = tl.load(B_ptr + qg * N + n, mask=nm, other=0.0)
-            BT = tl.where((ks == r)[None, :], Bnew[:, None], BT).to(tl.float32)
-            cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
-        # _tile_intra_block
-        a_s = tl.load(a_row + ks, mask=ksm, other=0.0)
-        dt_s = tl.load(dts + ks, mask=ksm, other=0.0)
-        decay = tl.where(ks[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-        scores = (cb * decay) * dt_s[None, :]
-        xs = tl.load(buf_x_ptr + (sh * L + ks[:, None]) * P + p[None, :], mask=(ks < r)[:, None] & pm[None, :],
-                     other=0.0)
-        xs = tl.where((ks == r)[:, None], x_tok[None, :], xs)
-        if not TC:
-            xs = xs.to(tl.float32)
-        intra = dot_acc(intra, scores, xs, TC, 1, PRECISION)
-        k0 += BLOCK_K
+    if RT_RANGE:  # compiled: a run-time range, which the compiler may pipeline (the same dots in order)
+        for kr in tl.range(0, t0 + R, BLOCK_K):
+            intra = _step_intra_block(intra, kr, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
+                                      B_ptr, C_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    else:  # the interpreter: a while loop (triton_chunk's note on loops)
+        k0 = 0
+        while k0 < t0 + R:
+            intra = _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
+                                      B_ptr, C_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            k0 += BLOCK_K
 
     x_t = x_tok.to(tl.float32)
     dd = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
@@ -889,7 +906,8 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
         state.ssm_state, y, scratch, _counters(dev, S * G), lo, hi, sD_h, sD_p, H=H, G=G, L=L, P=P, N=N, R=R,
         BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
         BLOCK_L=triton.next_power_of_2(L), PRECISION=cfg.dot_precision, TC=tc, HAS_LIMIT=has_limit(params.dt_limit),
-        PB=PB, ZB=1024, num_warps=cfg.num_warps, enable_fp_fusion=False, **(TILE_OPTS if tc else {}),
+        PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,
+        enable_fp_fusion=False, **(STEP_OPTS if tc else {}),
     )
     return y
 
