@@ -551,7 +551,7 @@ def _zero_kernel(
 
 
 @triton.jit
-def _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr, B_ptr, C_ptr,
+def _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
                       dts, a_row, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + the K block at k0 of the step kernel's output tile: ``_prep_kernel``'s C.B columns
@@ -563,11 +563,11 @@ def _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, 
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
-        Cn = tl.load(C_ptr + qg * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+        Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         BT = tl.load(buf_B_ptr + (sg * L + ks[None, :]) * N + n[:, None], mask=nm[:, None] & (ks < r)[None, :],
                      other=0.0)
-        Bnew = tl.load(B_ptr + qg * N + n, mask=nm, other=0.0)
+        Bnew = tl.load(bq + n, mask=nm, other=0.0)
         BT = tl.where((ks == r)[None, :], Bnew[:, None], BT).to(tl.float32)
         cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
     a_s = tl.load(a_row + ks, mask=ksm, other=0.0)
@@ -585,6 +585,7 @@ def _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, 
 def _step_kernel(
     x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, A_ptr, D_ptr, slots_ptr, pos_ptr,
     buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, y_ptr, scr_ptr, cnt_ptr, lo, hi, sD_h, sD_p,
+    sx_q, sdt_q, sB_q, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr,
     BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -615,27 +616,29 @@ def _step_kernel(
     qh = q * H + h
     sg = slot * G + g
     qg = q * G + g
+    bq = B_ptr + q * sB_q + g * N  # the token's B and C rows (row strides: views of the conv's output)
+    cq = C_ptr + q * sC_q + g * N
     dts = scr_ptr + (qh * PB + pb) * (2 * L)
     a_row = dts + L
     t0 = r - r % R
     t = t0 + tl.arange(0, R)
     live = t == r
     nn = tl.arange(0, BLOCK_N)
-    x_tok = tl.load(x_ptr + qh * P + p, mask=pm, other=0.0)
+    x_tok = tl.load(x_ptr + q * sx_q + h * P + p, mask=pm, other=0.0)
 
     # _tile_kernel's inter-chunk dots (the boundary state and C only)
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
-        Cn = tl.load(C_ptr + qg * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+        Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
 
     # _prep_kernel's dt row: the buffered raw rows, the token's at r, zero past it
     s = tl.arange(0, BLOCK_L)
-    raw = tl.load(dt_ptr + qh)
+    raw = tl.load(dt_ptr + q * sdt_q + h)
     raws = tl.load(buf_dt_ptr + sh * L + s, mask=s < r, other=0.0)
     raws = tl.where(s == r, raw, raws)
     d = dt_softplus_exact(raws, tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
@@ -650,13 +653,13 @@ def _step_kernel(
     intra = inter
     if RT_RANGE:  # compiled: a run-time range, which the compiler may pipeline (the same dots in order)
         for kr in tl.range(0, t0 + R, BLOCK_K):
-            intra = _step_intra_block(intra, kr, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
-                                      B_ptr, C_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            intra = _step_intra_block(intra, kr, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr,
+                                      buf_B_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
     else:  # the interpreter: a while loop (triton_chunk's note on loops)
         k0 = 0
         while k0 < t0 + R:
-            intra = _step_intra_block(intra, k0, r, t, a_t, live, qg, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
-                                      B_ptr, C_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            intra = _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr,
+                                      buf_B_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
             k0 += BLOCK_K
 
     x_t = x_tok.to(tl.float32)
@@ -670,7 +673,7 @@ def _step_kernel(
         a_last = tl.load(a_row + L - 1)
         ns = tl.arange(0, BLOCK_NS)
         nsm = ns < N
-        Btok = tl.load(B_ptr + qg * N + ns, mask=nsm, other=0.0)
+        Btok = tl.load(bq + ns, mask=nsm, other=0.0)
         acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
         for k0 in range(0, L, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -721,7 +724,7 @@ def _step_kernel(
             if h % HG == 0:
                 ns = tl.arange(0, BLOCK_NS)
                 nsm = ns < N
-                tl.store(buf_B_ptr + (sg * L + r) * N + ns, tl.load(B_ptr + qg * N + ns, mask=nsm, other=0.0),
+                tl.store(buf_B_ptr + (sg * L + r) * N + ns, tl.load(bq + ns, mask=nsm, other=0.0),
                          mask=nsm)
 
 
@@ -900,10 +903,15 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
     lo, hi = limits(params.dt_limit)
     PB = triton.cdiv(P, cfg.block_p)
     scratch = torch.empty(S * H * PB * 2 * L, dtype=torch.float32, device=dev)
+    # The token rows are read where they lie: in a model they are row-strided views of the conv's
+    # and in_proj's outputs (a copy each would be four launches more at batch > 1)
+    x, B, C = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (x, B, C))
+    dt = dt if dt.stride(1) == 1 else dt.contiguous()
     _step_kernel[(S, H, PB)](
-        *(t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C)), bias, _as(params.A, dev, torch.float32),
-        Dd, _as(slots, dev, torch.int64), _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B,
-        state.ssm_state, y, scratch, _counters(dev, S * G), lo, hi, sD_h, sD_p, H=H, G=G, L=L, P=P, N=N, R=R,
+        x, dt, B, C, bias, _as(params.A, dev, torch.float32), Dd, _as(slots, dev, torch.int64),
+        _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,
+        _counters(dev, S * G), lo, hi, sD_h, sD_p, x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
+        H=H, G=G, L=L, P=P, N=N, R=R,
         BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
         BLOCK_L=triton.next_power_of_2(L), PRECISION=cfg.dot_precision, TC=tc, HAS_LIMIT=has_limit(params.dt_limit),
         PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,

@@ -32,7 +32,8 @@ done = []
 
 TCS = %TCS%
 STEP_TYPES = dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, y_ptr=bf,
-                  slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32", sD_p="i32")
+                  slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32", sD_p="i32",
+                  sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32")
 STEP_CONSTS = dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_NS=128, BLOCK_L=256,
                    PRECISION=cfg.dot_precision, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE)
 
@@ -176,7 +177,8 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
         step = dot_accumulators(td._step_kernel, dict(x_ptr=bfs, dt_ptr=bfs, B_ptr=bfs, C_ptr=bfs, buf_x_ptr=bfs,
                                                       buf_dt_ptr=bfs, buf_B_ptr=bfs, y_ptr=bfs, slots_ptr=i64,
                                                       pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32",
-                                                      sD_h="i32", sD_p="i32"),
+                                                      sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32",
+                                                      sB_q="i32", sC_q="i32"),
                                 dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
                                      BLOCK_NS=td.state_block_n(32), BLOCK_L=L, PRECISION=cfg.dot_precision, TC=TC,
                                      HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE), False)
@@ -222,7 +224,8 @@ out = {}
 for TC, rt in ((1, False), (2, False), (1, True)):
     code = ptx(td._step_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf,
                                      buf_B_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32",
-                                     hi="fp32", sD_h="i32", sD_p="i32"),
+                                     hi="fp32", sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32",
+                                     sC_q="i32"),
                dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=128,
                     BLOCK_L=256, PRECISION=cfg.dot_precision, TC=TC, HAS_LIMIT=True, PB=1, ZB=1024, RT_RANGE=rt),
                enable_fp_fusion=False, **td.STEP_OPTS)

@@ -353,6 +353,32 @@ def test_step_property_catches_another_order():
 
 
 @interp
+def test_step_mode_reads_row_strided_inputs():
+    """In a model x, B, C (the conv's output) and dt (in_proj's) are row-strided views; step mode reads
+    them where they lie and gives the bits of contiguous copies."""
+    G, S = 2, 3
+    prm = make_params(H, P, seed=21)
+    offsets, slots = [5, L - 1, 40], [2, 0, 1]
+    st = make_state(3, H, P, G, N, L, torch.float32, "cpu", seed=21)
+    pre = [make_tokens(o % L, H, P, G, N, seed=50 + i) for i, o in enumerate(offsets)]
+    prefill(st, slots, [o - o % L for o in offsets], pre, prm)
+    x, dt, B, C = make_tokens(S, H, P, G, N, seed=60)
+    wide = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), dt, torch.zeros(S, 3)], dim=1)
+    d, gn = H * P, G * N
+    views = (wide[:, :d].view(S, H, P), wide[:, d + 2 * gn:d + 2 * gn + H], wide[:, d:d + gn].view(S, G, N),
+             wide[:, d + gn:d + 2 * gn].view(S, G, N))
+    assert not any(v.is_contiguous() for v in views)
+    sl = torch.tensor(slots)
+    pos = torch.tensor(offsets)
+    ref = clone_state(st)
+    kw = dict(cfg=CFG, mode="step", row_tile=CFG.scan_row_tile(L))
+    y = decode_step_triton(st, sl, pos, *views, params_of(prm), **kw)
+    y_ref = decode_step_triton(ref, sl, pos, x, dt, B, C, params_of(prm), **kw)
+    assert torch.equal(y, y_ref)
+    assert_same_state(st, ref)
+
+
+@interp
 def test_step_mode_is_one_launch_per_layer():
     """A decode step of one layer: four launches in "tile" mode (prep, tile, and the two completion
     kernels, which a captured step always runs), one in "step" mode."""
