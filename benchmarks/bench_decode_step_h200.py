@@ -154,8 +154,11 @@ def main() -> int:
                 A_ = prm.A[:, None, None].expand(H, P, N)
                 D_ = prm.D[:, None].expand(H, P)
                 bias = prm.dt_bias[:, None].expand(H, P)
-                e["ssu_bf16_us"] = round(1e3 * graph_ms(lambda: selective_state_update(
-                    state, xs, dts, A_, B, C, D_, dt_bias=bias, dt_softplus=True)), 2)
+                try:
+                    e["ssu_bf16_us"] = round(1e3 * graph_ms(lambda: selective_state_update(
+                        state, xs, dts, A_, B, C, D_, dt_bias=bias, dt_softplus=True)), 2)
+                except Exception as exc:  # noqa: BLE001
+                    e["ssu_error"] = f"{type(exc).__name__}: {exc}"
             else:
                 e["ssu_error"] = ssu_err
             e["step_over_tile"] = round(e["step_us"] / e["tile_us"], 3)
