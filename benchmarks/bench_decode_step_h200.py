@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as conv_triton  # noqa: E402
-from aligned_mamba.ops.conv1d import triton_step as conv_triton_step  # noqa: E402
 from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
 from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
@@ -174,12 +173,12 @@ def main() -> int:
             cu = torch.arange(S + 1, device="cuda")
             w1, w2 = win.clone(), win.clone()
             o2 = conv_triton.causal_conv1d_triton(xw, cu, slots, w2, cw, cb, CFG)
-            o1 = conv_triton_step.conv_step_triton(xw, slots, w1, cw, cb, CFG)
+            o1 = conv_triton.conv_step_triton(xw, slots, w1, cw, cb, CFG)
             e["conv_same_bits"] = bool(torch.equal(o1, o2) and torch.equal(w1, w2))
             e["conv_two_us"] = round(1e3 * graph_ms(
                 lambda: conv_triton.causal_conv1d_triton(xw, cu, slots, w2, cw, cb, CFG)), 2)
             e["conv_one_us"] = round(1e3 * graph_ms(
-                lambda: conv_triton_step.conv_step_triton(xw, slots, w1, cw, cb, CFG)), 2)
+                lambda: conv_triton.conv_step_triton(xw, slots, w1, cw, cb, CFG)), 2)
             res["step_defaults"] = {"STEP_RT_RANGE": base_rt, "STEP_OPTS": base_opts}
             res["cells"].append(e)
             print(name, S, {k: v for k, v in e.items() if not k.endswith("_kernels")},

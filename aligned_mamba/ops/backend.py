@@ -153,7 +153,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         # the stand-in GEMM takes fp32 weights (the tensor-core GEMM takes the model dtype's as they are)
         return dataclasses.replace(cpu, linear_weight=lambda w: w.to(torch.float32), ssd_advance=ssd_advance)
     from .attention import triton as attention_triton
-    from .conv1d import triton_step as conv_triton_step
+    from .conv1d import triton as conv_triton
     from .elementwise import triton as elementwise_triton
     from .linear import triton as linear_triton
     from .linear import triton_tree
@@ -174,8 +174,8 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
         add_norm=functools.partial(norm_triton.add_norm, cfg=c),
         gated_rms_norm=functools.partial(norm_triton.gated_rms_norm, cfg=c),
-        # a decode step's conv in one launch (conv1d/triton_step.py), any other step's in two
-        conv_advance=functools.partial(conv_triton_step.conv_advance, cfg=c),
+        # a decode step's conv in one launch (conv_step_triton), any other step's in two
+        conv_advance=functools.partial(conv_triton.conv_advance_decode, cfg=c),
         ssd_advance=ssd_advance,
         log_softmax=functools.partial(logprobs_triton.log_softmax, cfg=c),
         relu2=functools.partial(elementwise_triton.relu2, cfg=c),

@@ -264,7 +264,6 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     outputs and windows are ``causal_conv1d_triton``'s bit for bit, in one launch instead of two."""
     from triton.runtime import KernelInterface
 
-    from aligned_mamba.ops.conv1d import triton_step as cs
 
     S, Cd = 5, 300  # two channel blocks, the second partial
     _, x, w, b, win = _conv_case([1] * S, Cd=Cd, K=K, slots=9, seed=60)
@@ -274,7 +273,7 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     slots = torch.tensor([5, 0, 8, 3, 6], device=DEV)
     cu = torch.arange(S + 1, device=DEV)
     launched = []
-    kernels = [k for m in (ct, cs) for k in vars(m).values() if isinstance(k, KernelInterface)]
+    kernels = [k for k in vars(ct).values() if isinstance(k, KernelInterface)]
     hooks = [(k, lambda *a, _n=k.__name__, **kw: launched.append(_n)) for k in kernels]
     for k, h in hooks:
         k.add_pre_run_hook(h)
@@ -284,7 +283,7 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
         two = list(launched)
         launched.clear()
         got_win = win.clone()
-        got = cs.conv_step_triton(wide, slots, got_win, w, b, CFG)
+        got = ct.conv_step_triton(wide, slots, got_win, w, b, CFG)
     finally:
         for k, h in hooks:
             k.pre_run_hooks.remove(h)
@@ -469,7 +468,6 @@ def test_gpu_conv_decode_rows_equal_prefill_rows():
 def test_gpu_conv_decode_step_in_one_launch_equals_two():
     # the 1.3b mixer's conv width, bf16, 64 sequences in scattered slots with random windows, x a
     # row-strided view as in the model: outputs and windows equal to the two-launch form's
-    from aligned_mamba.ops.conv1d import triton_step as cs
 
     Cd, K, S = 4352, 4, 64
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -482,7 +480,7 @@ def test_gpu_conv_decode_step_in_one_launch_equals_two():
     cu = torch.arange(S + 1, device="cuda")
     ref_win, got_win = win.clone(), win.clone()
     ref = ct.causal_conv1d_triton(x.contiguous(), cu, slots, ref_win, w, b, CFG)
-    got = cs.conv_step_triton(x, slots, got_win, w, b, CFG)
+    got = ct.conv_step_triton(x, slots, got_win, w, b, CFG)
     assert torch.equal(got, ref) and torch.equal(got_win, ref_win)
 
 

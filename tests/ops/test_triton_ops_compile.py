@@ -18,7 +18,6 @@ _ALIGNED = {"K", "N", "D", "GS", "V", "Cd", "stride_x", "stride_xm", "stride_wn"
             "stride_out", "stride_res_out", "stride_y", "stride_z", "stride_ws", "stride_wk"}
 _COMPILE_OPS = sass_script(_ALIGNED, r"""
 from aligned_mamba.ops.conv1d import triton as ct
-from aligned_mamba.ops.conv1d import triton_step as cs
 from aligned_mamba.ops.linear import triton as lt
 from aligned_mamba.ops.logprobs import triton as lpt
 from aligned_mamba.ops.norm import triton as nt
@@ -74,7 +73,7 @@ for bias in (False, True):
          enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
 for bias in (False, True):  # a decode step's conv and window in one launch
-    comp(f"conv:step:bias{int(bias)}", cs._conv_step_kernel, conv_t,
+    comp(f"conv:step:bias{int(bias)}", ct._conv_step_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
 for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-gradient partial sums)
