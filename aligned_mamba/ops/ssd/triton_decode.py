@@ -28,7 +28,7 @@ buffer, and only the token's own row:
    ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
 4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
 
-bf16 models run all four in one launch, ``_step_kernel`` [S, H, PB] ("step" mode, the default
+bf16 models run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, the default
 there): each program computes its head's dt row and the token's C.B row itself (per head rather
 than once per group), reads the token's own x, dt and B from the inputs rather than the buffers,
 and completes the chunk for its P block; the last program of a group to finish reading empties
@@ -591,7 +591,7 @@ def _step_kernel(
     BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
     PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
-    """Program (q, h, p block): the four launches of a step for one head and P block, in one.
+    """Program (h, q, p block): the four launches of a step for one head and P block, in one.
 
     The same operations in the same order as ``_prep_kernel`` (the head's dt row; the token's row of
     the C.B tile, here per head and K block), ``_tile_kernel`` (the output row) and, when the token
@@ -601,10 +601,11 @@ def _step_kernel(
     completion: the group's dt and B buffers, read by every program of the group, are emptied by
     the last of them to finish reading (a counter per sequence and group, ``cnt``, zero between
     launches: that program puts it back). The buffer's x rows of the program's P block are its own.
-    Scratch per program: the chunk's dt row, then its cumsum a (2 L fp32).
+    Scratch per program: the chunk's dt row, then its cumsum a (2 L fp32). Heads run fastest over
+    the grid, so the programs of one sequence, which read the same B rows, run together (L2 hits).
     """
-    q = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
+    q = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
     HG: tl.constexpr = H // G
     g = h // HG
@@ -907,7 +908,7 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
     # and in_proj's outputs (a copy each would be four launches more at batch > 1)
     x, B, C = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (x, B, C))
     dt = dt if dt.stride(1) == 1 else dt.contiguous()
-    _step_kernel[(S, H, PB)](
+    _step_kernel[(H, S, PB)](
         x, dt, B, C, bias, _as(params.A, dev, torch.float32), Dd, _as(slots, dev, torch.int64),
         _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,
         _counters(dev, S * G), lo, hi, sD_h, sD_p, x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
