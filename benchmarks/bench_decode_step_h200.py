@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--variants", default="rt,rt:ns3,ns1",
                     help="step-mode variants timed too, at the first shape: rt (a run-time tl.range K loop), "
-                         "ns<stages>; each bit-checked against tile")
+                         "ns<stages>, bp<P block> (not the contract's); each bit-checked against tile")
     args = ap.parse_args()
     import triton
 
@@ -128,6 +128,7 @@ def main() -> int:
             for var in variants:
                 mode, *opts = var.split(":")
                 td.STEP_RT_RANGE = "rt" in opts
+                td.STEP_BLOCK_P = next((int(o[2:]) for o in opts if o.startswith("bp")), None)
                 td.STEP_OPTS = dict(base_opts)
                 for o in opts:
                     if o.startswith("ns"):
@@ -141,7 +142,7 @@ def main() -> int:
                     e[f"{mode}_kernels"] = kernels(step)
                 e[f"{var}_us"] = round(1e3 * graph_ms(step), 2)
                 del s3, step
-            td.STEP_RT_RANGE, td.STEP_OPTS = base_rt, base_opts
+            td.STEP_RT_RANGE, td.STEP_OPTS, td.STEP_BLOCK_P = base_rt, base_opts, None
             for var in variants[2:]:
                 e[f"{var}_same_bits"] = bool(torch.equal(outs[var][0], outs["tile"][0])) and all(
                     torch.equal(a, b) for a, b in zip(outs[var][1].tensors(), outs["tile"][1].tensors()))

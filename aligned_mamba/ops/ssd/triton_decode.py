@@ -90,6 +90,10 @@ STEP_MAX_BATCH: int | None = None
 # the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
 STEP_OPTS: dict = {"num_stages": 2}
 STEP_RT_RANGE: bool = False
+# Measurement only (bench_decode_step_h200's "bp" variants): the step kernel's P block in place of the
+# contract's block_p. None, the contract's, is what runs; another value is a tile shape the contract
+# does not pin (rows and columns are tile-invariant as measured, not promised).
+STEP_BLOCK_P: int | None = None
 # "step" mode's completion counters: device -> int32 zeros, one per (batch entry, group), every
 # launch leaving them zero. Grown, never shrunk or freed: a captured CUDA graph keeps the address
 # it was captured with.
@@ -902,7 +906,8 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
     bias = params.dt_bias
     bias = bias if bias.is_contiguous() and bias.device == dev else bias.to(dev).contiguous()
     lo, hi = limits(params.dt_limit)
-    PB = triton.cdiv(P, cfg.block_p)
+    BP = cfg.block_p if STEP_BLOCK_P is None else STEP_BLOCK_P
+    PB = triton.cdiv(P, BP)
     scratch = torch.empty(S * H * PB * 2 * L, dtype=torch.float32, device=dev)
     # The token rows are read where they lie: in a model they are row-strided views of the conv's
     # and in_proj's outputs (a copy each would be four launches more at batch > 1)
@@ -913,7 +918,7 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
         _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,
         _counters(dev, S * G), lo, hi, sD_h, sD_p, x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
         H=H, G=G, L=L, P=P, N=N, R=R,
-        BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
+        BLOCK_K=cfg.block_k, BLOCK_P=BP, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
         BLOCK_L=triton.next_power_of_2(L), PRECISION=cfg.dot_precision, TC=tc, HAS_LIMIT=has_limit(params.dt_limit),
         PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,
         enable_fp_fusion=False, **(STEP_OPTS if tc else {}),
