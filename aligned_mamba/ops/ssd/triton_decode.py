@@ -28,9 +28,10 @@ buffer, and only the token's own row:
    ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
 4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
 
-bf16 models run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, the default
-there): each program computes its head's dt row and the token's C.B row itself (per head rather
-than once per group), reads the token's own x, dt and B from the inputs rather than the buffers,
+bf16 models can run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, chosen up
+to ``STEP_MAX_BATCH`` sequences, by default never: slower on the H200 as it stands): each
+program computes its head's dt row and the token's C.B row itself (per head rather than once
+per group), reads the token's own x, dt and B from the inputs rather than the buffers,
 and completes the chunk for its P block; the last program of a group to finish reading empties
 the group's dt and B buffers (a counter). Same operations, same order, compiled without FMA
 contraction as the tensor-core kernels are; fp32 models' tile kernels contract, so they keep
@@ -68,7 +69,7 @@ from .state import SSDState, SSMParams, Step
 from .triton_dot import dot_acc, tensor_core_dots
 
 MODES = ("row", "tile", "step")
-DEFAULT_MODE = "row"  # fp32 models; bf16 models run "step" (tensor-core dots: see triton_dot)
+DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
 # The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
 
@@ -83,9 +84,11 @@ PDL: bool = True
 TILE_OPTS: dict = {"num_stages": 2}
 # Step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
-# bf16 models run "step" up to this many sequences a step and "tile" above (None: always "step"); the
-# two give the same bits, so this is speed only: "step" computes C.B per head, "tile" once per group
-STEP_MAX_BATCH: int | None = None
+# bf16 models run "step" up to this many sequences a step and "tile" above (0: never "step"); the two
+# give the same bits, so this is speed only. Measured on the H200 (benchmarks/README.md, "The decode
+# step in one launch"): one step kernel was slower than the four launches at batch 1, 64 and 256
+# (146 registers against the tile kernel's 80, and C.B once per head rather than once per group)
+STEP_MAX_BATCH: int = 0
 # "step" mode's compile options beyond the contract's configs (occupancy and pipelining only, never
 # the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
 STEP_OPTS: dict = {"num_stages": 2}
@@ -775,11 +778,11 @@ def decode_step_triton(
     A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
     ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
     prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
-    fma chains reproducing the fp32 dots), "tile" (the four launches) or "step" (the default for
-    bf16 models up to ``STEP_MAX_BATCH`` sequences, whose dots run on tensor cores: the four in
-    one launch, the same bits; refused for fp32 models on a GPU). completes: which tokens
-    complete their chunk (pos % L == L - 1), if the caller knows (an engine knows positions on
-    the host): False for none (two launches fewer), or an int64 tensor of their indices in the
+    fma chains reproducing the fp32 dots), "tile" (the four launches; the default for bf16 models,
+    whose dots run on tensor cores) or "step" (bf16 models: the four in one launch, the same bits;
+    the default up to ``STEP_MAX_BATCH`` sequences; refused for fp32 models on a GPU). completes:
+    which tokens complete their chunk (pos % L == L - 1), if the caller knows (an engine knows
+    positions on the host): False for none (two launches fewer), or an int64 tensor of their indices in the
     batch (the completion kernels then run over those only); None or True: the completion
     kernels run over the whole batch and return at once for the others ("step" mode checks every
     entry itself and ignores it). A wrong hint is harmless only in the direction of listing too
@@ -792,8 +795,7 @@ def decode_step_triton(
     A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
     if mode is None:
-        few = STEP_MAX_BATCH is None or slots.numel() <= STEP_MAX_BATCH
-        mode = ("step" if few else "tile") if tc else DEFAULT_MODE
+        mode = ("step" if slots.numel() <= STEP_MAX_BATCH else "tile") if tc else DEFAULT_MODE
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if tc and mode == "row":
