@@ -96,6 +96,15 @@ def configs():
                         sD_p="i32"),
                    dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=D["L"], PRECISION=prec,
                         TC=TC, PDL=pdl), fuse, td.TILE_OPTS)
+            if hasattr(td, "_step_kernel"):  # the one-launch step (bf16 models)
+                yield (f"decode_step/{model}", td._step_kernel,
+                       dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF,
+                            y_ptr=BF, slots_ptr=I64, pos_ptr=I64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32",
+                            sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32"),
+                       dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
+                            BLOCK_NS=td.state_block_n(D["N"]), BLOCK_L=D["L"], PRECISION=prec, TC=TC,
+                            HAS_LIMIT=False, PB=triton.cdiv(D["P"], BP), ZB=1024, RT_RANGE=td.STEP_RT_RANGE),
+                       False, td.STEP_OPTS)
         else:
             yield (f"decode_row/{model}", td._row_kernel,
                    dict(buf_x_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32", sD_p="i32"),

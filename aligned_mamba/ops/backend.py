@@ -174,7 +174,8 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
         add_norm=functools.partial(norm_triton.add_norm, cfg=c),
         gated_rms_norm=functools.partial(norm_triton.gated_rms_norm, cfg=c),
-        conv_advance=functools.partial(conv_triton.conv_advance, cfg=c),
+        # a decode step's conv in one launch (conv_step_triton), any other step's in two
+        conv_advance=functools.partial(conv_triton.conv_advance_decode, cfg=c),
         ssd_advance=ssd_advance,
         log_softmax=functools.partial(logprobs_triton.log_softmax, cfg=c),
         relu2=functools.partial(elementwise_triton.relu2, cfg=c),

@@ -258,6 +258,47 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
     assert not torch.equal(torch.nn.functional.silu(rev), one[:11])
 
 
+@pytest.mark.parametrize("K,with_bias", [(4, True), (4, False), (2, True)])
+def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
+    """A decode step (one row per sequence, scattered slots, row-strided x): ``conv_step_triton``'s
+    outputs and windows are ``causal_conv1d_triton``'s bit for bit, in one launch instead of two."""
+    from triton.runtime import KernelInterface
+
+
+    S, Cd = 5, 300  # two channel blocks, the second partial
+    _, x, w, b, win = _conv_case([1] * S, Cd=Cd, K=K, slots=9, seed=60)
+    b = b if with_bias else None
+    wide = torch.cat([x[:, :7], x, x], dim=1)[:, 7:7 + Cd]  # x at a row stride of 2 Cd + 7, as xBC in in_proj's output
+    assert torch.equal(wide, x) and wide.stride(0) != Cd
+    slots = torch.tensor([5, 0, 8, 3, 6], device=DEV)
+    cu = torch.arange(S + 1, device=DEV)
+    launched = []
+    kernels = [k for k in vars(ct).values() if isinstance(k, KernelInterface)]
+    hooks = [(k, lambda *a, _n=k.__name__, **kw: launched.append(_n)) for k in kernels]
+    for k, h in hooks:
+        k.add_pre_run_hook(h)
+    try:
+        ref_win = win.clone()
+        ref = ct.causal_conv1d_triton(x, cu, slots, ref_win, w, b, CFG)
+        two = list(launched)
+        launched.clear()
+        got_win = win.clone()
+        got = ct.conv_step_triton(wide, slots, got_win, w, b, CFG)
+    finally:
+        for k, h in hooks:
+            k.pre_run_hooks.remove(h)
+    assert two == ["_conv_kernel", "_window_kernel"] and launched == ["_conv_step_kernel"]
+    assert torch.equal(got, ref)
+    assert torch.equal(got_win, ref_win)
+    assert not torch.equal(got_win[slots], win[slots])
+    # the comparison can fail: the taps summed in another order give other bits for some element
+    stream = torch.cat([win[slots], x[:, None]], dim=1).float()  # [S, K, Cd]
+    rev = (b.float() if b is not None else torch.zeros(Cd, device=DEV)).expand(S, Cd).clone()
+    for k in reversed(range(K)):
+        rev = rev + w.float()[:, k] * stream[:, k]
+    assert not torch.equal(torch.nn.functional.silu(rev).to(x.dtype), ref)
+
+
 def test_conv_takes_strided_rows_and_refuses_a_window_of_another_dtype():
     cu, x, w, b, win = _conv_case([3, 2], Cd=16)
     wide = torch.cat([x, x], dim=1)[:, 16:]
@@ -421,6 +462,26 @@ def test_gpu_conv_decode_rows_equal_prefill_rows():
         got[rows] = ct.causal_conv1d_triton(x[rows], cu_d, slots[live], win, w, b, CFG)
         pos[live] += 1
     assert torch.equal(got, one)
+
+
+@gpu
+def test_gpu_conv_decode_step_in_one_launch_equals_two():
+    # the 1.3b mixer's conv width, bf16, 64 sequences in scattered slots with random windows, x a
+    # row-strided view as in the model: outputs and windows equal to the two-launch form's
+
+    Cd, K, S = 4352, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(3)
+    wide = torch.randn(S, 2 * Cd + 64, device="cuda", generator=g).to(torch.bfloat16)
+    x = wide[:, 32:32 + Cd]
+    w = torch.randn(Cd, K, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(Cd, device="cuda", generator=g).to(torch.bfloat16)
+    win = torch.randn(S + 8, K - 1, Cd, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.randperm(S + 8, generator=g, device="cuda")[:S]
+    cu = torch.arange(S + 1, device="cuda")
+    ref_win, got_win = win.clone(), win.clone()
+    ref = ct.causal_conv1d_triton(x.contiguous(), cu, slots, ref_win, w, b, CFG)
+    got = ct.conv_step_triton(x, slots, got_win, w, b, CFG)
+    assert torch.equal(got, ref) and torch.equal(got_win, ref_win)
 
 
 @gpu

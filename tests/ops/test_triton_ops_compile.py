@@ -72,6 +72,10 @@ for bias in (False, True):
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
+for bias in (False, True):  # a decode step's conv and window in one launch
+    comp(f"conv:step:bias{int(bias)}", ct._conv_step_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4,
+         enable_fp_fusion=False)
 for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-gradient partial sums)
     comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
@@ -91,7 +95,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2 + 2, sorted(by)
     for d in done:
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills

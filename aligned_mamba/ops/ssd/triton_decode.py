@@ -28,6 +28,15 @@ buffer, and only the token's own row:
    ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
 4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
 
+bf16 models can run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, chosen up
+to ``STEP_MAX_BATCH`` sequences, by default never: slower on the H200 as it stands): each
+program computes its head's dt row and the token's C.B row itself (per head rather than once
+per group), reads the token's own x, dt and B from the inputs rather than the buffers,
+and completes the chunk for its P block; the last program of a group to finish reading empties
+the group's dt and B buffers (a counter). Same operations, same order, compiled without FMA
+contraction as the tensor-core kernels are; fp32 models' tile kernels contract, so they keep
+the separate launches.
+
 Launches 3 and 4 run over the batch's entries (or, when the caller knows which sequences complete,
 as an engine knows positions on the host, over ``completes=tensor`` of their indices; none with
 ``completes=False``), COMPLETION_BLOCK entries per program, each program looping over the ones
@@ -59,7 +68,7 @@ from .plan import host_to_device
 from .state import SSDState, SSMParams, Step
 from .triton_dot import dot_acc, tensor_core_dots
 
-MODES = ("row", "tile")
+MODES = ("row", "tile", "step")
 DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
 # The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
@@ -75,6 +84,31 @@ PDL: bool = True
 TILE_OPTS: dict = {"num_stages": 2}
 # Step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
+# bf16 models run "step" up to this many sequences a step and "tile" above (0: never "step"); the two
+# give the same bits, so this is speed only. Measured on the H200 (benchmarks/README.md, "The decode
+# step in one launch"): one step kernel was slower than the four launches at batch 1, 64 and 256
+# (146 registers against the tile kernel's 80, and C.B once per head rather than once per group)
+STEP_MAX_BATCH: int = 0
+# "step" mode's compile options beyond the contract's configs (occupancy and pipelining only, never
+# the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
+STEP_OPTS: dict = {"num_stages": 2}
+STEP_RT_RANGE: bool = False
+# Measurement only (bench_decode_step_h200's "bp" variants): the step kernel's P block in place of the
+# contract's block_p. None, the contract's, is what runs; another value is a tile shape the contract
+# does not pin (rows and columns are tile-invariant as measured, not promised).
+STEP_BLOCK_P: int | None = None
+# "step" mode's completion counters: device -> int32 zeros, one per (batch entry, group), every
+# launch leaving them zero. Grown, never shrunk or freed: a captured CUDA graph keeps the address
+# it was captured with.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros on ``dev`` that the step kernel counts in (and leaves zero)."""
+    held = _COUNTERS.setdefault(dev, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 256), dtype=torch.int32, device=dev))
+    return held[-1]
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -519,6 +553,190 @@ def _zero_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# the whole step in one launch ("step" mode, tensor-core dots)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
+                      dts, a_row, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
+    """intra + the K block at k0 of the step kernel's output tile: ``_prep_kernel``'s C.B columns
+    (the token's row; columns past r zero, column r from the token's B), then ``_tile_intra_block``."""
+    R: tl.constexpr = t.shape[0]
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ksm = ks < L
+    cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + nn
+        nm = n < N
+        Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        BT = tl.load(buf_B_ptr + (sg * L + ks[None, :]) * N + n[:, None], mask=nm[:, None] & (ks < r)[None, :],
+                     other=0.0)
+        Bnew = tl.load(bq + n, mask=nm, other=0.0)
+        BT = tl.where((ks == r)[None, :], Bnew[:, None], BT).to(tl.float32)
+        cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
+    a_s = tl.load(a_row + ks, mask=ksm, other=0.0)
+    dt_s = tl.load(dts + ks, mask=ksm, other=0.0)
+    decay = tl.where(ks[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+    scores = (cb * decay) * dt_s[None, :]
+    xs = tl.load(buf_x_ptr + (sh * L + ks[:, None]) * P + p[None, :], mask=(ks < r)[:, None] & pm[None, :], other=0.0)
+    xs = tl.where((ks == r)[:, None], x_tok[None, :], xs)
+    if not TC:
+        xs = xs.to(tl.float32)
+    return dot_acc(intra, scores, xs, TC, 1, PRECISION)
+
+
+@triton.jit
+def _step_kernel(
+    x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, A_ptr, D_ptr, slots_ptr, pos_ptr,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, y_ptr, scr_ptr, cnt_ptr, lo, hi, sD_h, sD_p,
+    sx_q, sdt_q, sB_q, sC_q,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr,
+    BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr,
+):
+    """Program (h, q, p block): the four launches of a step for one head and P block, in one.
+
+    The same operations in the same order as ``_prep_kernel`` (the head's dt row; the token's row of
+    the C.B tile, here per head and K block), ``_tile_kernel`` (the output row) and, when the token
+    completes the chunk, ``_update_kernel`` (the new boundary state of the program's P block, all
+    of N) and ``_zero_kernel``. Every read of the token's own row (x, raw dt, B) takes the input
+    rather than the buffer, so no program reads what another writes in this launch, except on a
+    completion: the group's dt and B buffers, read by every program of the group, are emptied by
+    the last of them to finish reading (a counter per sequence and group, ``cnt``, zero between
+    launches: that program puts it back). The buffer's x rows of the program's P block are its own.
+    Scratch per program: the chunk's dt row, then its cumsum a (2 L fp32). Heads run fastest over
+    the grid, so the programs of one sequence, which read the same B rows, run together (L2 hits).
+    """
+    h = tl.program_id(0)
+    q = tl.program_id(1).to(tl.int64)
+    pb = tl.program_id(2)
+    HG: tl.constexpr = H // G
+    g = h // HG
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    pm = p < P
+    slot = tl.load(slots_ptr + q)
+    r = tl.load(pos_ptr + q) % L
+    sh = slot * H + h
+    qh = q * H + h
+    sg = slot * G + g
+    qg = q * G + g
+    bq = B_ptr + q * sB_q + g * N  # the token's B and C rows (row strides: views of the conv's output)
+    cq = C_ptr + q * sC_q + g * N
+    dts = scr_ptr + (qh * PB + pb) * (2 * L)
+    a_row = dts + L
+    t0 = r - r % R
+    t = t0 + tl.arange(0, R)
+    live = t == r
+    nn = tl.arange(0, BLOCK_N)
+    x_tok = tl.load(x_ptr + q * sx_q + h * P + p, mask=pm, other=0.0)
+
+    # _tile_kernel's inter-chunk dots (the boundary state and C only)
+    inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + nn
+        nm = n < N
+        Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                     other=0.0).to(tl.float32)
+        hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
+
+    # _prep_kernel's dt row: the buffered raw rows, the token's at r, zero past it
+    s = tl.arange(0, BLOCK_L)
+    raw = tl.load(dt_ptr + q * sdt_q + h)
+    raws = tl.load(buf_dt_ptr + sh * L + s, mask=s < r, other=0.0)
+    raws = tl.where(s == r, raw, raws)
+    d = dt_softplus_exact(raws, tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
+    d = tl.where(s <= r, d, 0.0)
+    tl.store(dts + s, d, mask=s < L)
+    tl.debug_barrier()
+    _mirror_cumsum(dts, A_ptr, a_row, 0, 0, h, L, BLOCK_L)
+    tl.debug_barrier()
+    a_t = tl.load(a_row + t)
+    inter = inter * tl.exp(a_t)[:, None]
+
+    intra = inter
+    if RT_RANGE:  # compiled: a run-time range, which the compiler may pipeline (the same dots in order)
+        for kr in tl.range(0, t0 + R, BLOCK_K):
+            intra = _step_intra_block(intra, kr, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr,
+                                      buf_B_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    else:  # the interpreter: a while loop (triton_chunk's note on loops)
+        k0 = 0
+        while k0 < t0 + R:
+            intra = _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr,
+                                      buf_B_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            k0 += BLOCK_K
+
+    x_t = x_tok.to(tl.float32)
+    dd = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
+    out = intra + dd[None, :] * x_t[None, :]
+    tl.store(y_ptr + qh * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
+             mask=live[:, None] & pm[None, :])
+
+    if r == L - 1:
+        # _update_kernel for this head and P block: every row of the chunk, the last the token's
+        a_last = tl.load(a_row + L - 1)
+        ns = tl.arange(0, BLOCK_NS)
+        nsm = ns < N
+        Btok = tl.load(bq + ns, mask=nsm, other=0.0)
+        acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ksm = ks < L
+            a_s = tl.load(a_row + ks, mask=ksm, other=0.0)
+            dt_s = tl.load(dts + ks, mask=ksm, other=0.0)
+            w = tl.exp(a_last - a_s) * dt_s
+            xT = tl.load(buf_x_ptr + (sh * L + ks[None, :]) * P + p[:, None], mask=pm[:, None] & (ks < r)[None, :],
+                         other=0.0)
+            xT = tl.where((ks == r)[None, :], x_tok[:, None], xT).to(tl.float32)
+            Bs = tl.load(buf_B_ptr + (sg * L + ks[:, None]) * N + ns[None, :], mask=(ks < r)[:, None] & nsm[None, :],
+                         other=0.0)
+            Bs = tl.where((ks == r)[:, None], Btok[None, :], Bs).to(tl.float32)
+            acc = dot_acc(acc, xT * w[None, :], Bs, TC, 1, PRECISION)
+        m = pm[:, None] & nsm[None, :]
+        off = (sh * P + p[:, None]) * N + ns[None, :]
+        hs = tl.load(state_ptr + off, mask=m, other=0.0)
+        decay_l = tl.exp(a_last)
+        hs = decay_l * hs + tl.where(m, acc, 0.0)  # the select keeps the add out of the dot (_update_kernel)
+        tl.store(state_ptr + off, hs, mask=m)
+        # _zero_kernel. The x rows of this P block: this program's alone, once all its threads read them.
+        tl.debug_barrier()
+        i = tl.arange(0, ZB)
+        zx = tl.zeros((ZB,), tl.float32).to(buf_x_ptr.dtype.element_ty)
+        for k1 in range(0, L * BLOCK_P, ZB):
+            e = k1 + i
+            pe = pb * BLOCK_P + e % BLOCK_P
+            tl.store(buf_x_ptr + (sh * L + e // BLOCK_P) * P + pe, zx, mask=(e < L * BLOCK_P) & (pe < P))
+        # The group's dt and B rows: by the last of its HG x PB programs (acq_rel: the others' reads
+        # happen before its stores)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + qg, 1, sem="acq_rel")
+        if done == HG * PB - 1:
+            zd = tl.zeros((ZB,), tl.float32).to(buf_dt_ptr.dtype.element_ty)
+            for k1 in range(0, HG * L, ZB):
+                e = k1 + i
+                tl.store(buf_dt_ptr + (slot * H + g * HG) * L + e, zd, mask=e < HG * L)
+            zb = tl.zeros((ZB,), tl.float32).to(buf_B_ptr.dtype.element_ty)
+            for k1 in range(0, L * N, ZB):
+                e = k1 + i
+                tl.store(buf_B_ptr + sg * (L * N) + e, zb, mask=e < L * N)
+            tl.atomic_xchg(cnt_ptr + qg, 0, sem="relaxed")
+    else:
+        # the token's rows into the buffers (the x row by each P block, dt by the head, B by the group)
+        tl.store(buf_x_ptr + (sh * L + r) * P + p, x_tok, mask=pm)
+        if pb == 0:
+            tl.store(buf_dt_ptr + sh * L + r, raw)
+            if h % HG == 0:
+                ns = tl.arange(0, BLOCK_NS)
+                nsm = ns < N
+                tl.store(buf_B_ptr + (sg * L + r) * N + ns, tl.load(bq + ns, mask=nsm, other=0.0),
+                         mask=nsm)
+
+
+# --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
 
@@ -560,13 +778,15 @@ def decode_step_triton(
     A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
     ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
     prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
-    fma chains reproducing the fp32 dots) or "tile" (the default, and the only mode, for bf16
-    models, whose dots run on tensor cores). completes: which tokens complete their chunk
-    (pos % L == L - 1), if the caller knows (an engine knows positions on the host): False for
-    none (two launches fewer), or an int64 tensor of their indices in the batch (the completion
-    kernels then run over those only); None or True: the completion kernels run over the whole
-    batch and return at once for the others. A wrong hint is harmless only in the direction of
-    listing too many: listed sequences are still checked.
+    fma chains reproducing the fp32 dots), "tile" (the four launches; the default for bf16 models,
+    whose dots run on tensor cores) or "step" (bf16 models: the four in one launch, the same bits;
+    the default up to ``STEP_MAX_BATCH`` sequences; refused for fp32 models on a GPU). completes:
+    which tokens complete their chunk (pos % L == L - 1), if the caller knows (an engine knows
+    positions on the host): False for none (two launches fewer), or an int64 tensor of their indices in the
+    batch (the completion kernels then run over those only); None or True: the completion
+    kernels run over the whole batch and return at once for the others ("step" mode checks every
+    entry itself and ignores it). A wrong hint is harmless only in the direction of listing too
+    many: listed sequences are still checked.
 
     Updates ``state`` in place exactly as ``triton_chunk.replay_chunk_triton`` would for the step
     (slots, pos, one token each), and y has the bits of that call's rows. Every table is a device
@@ -574,12 +794,18 @@ def decode_step_triton(
     """
     A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
-    mode = ("tile" if tc else DEFAULT_MODE) if mode is None else mode
+    if mode is None:
+        mode = ("step" if slots.numel() <= STEP_MAX_BATCH else "tile") if tc else DEFAULT_MODE
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if tc and mode == "row":
         raise ValueError("row mode reproduces the fp32 (ieee) dots; a bf16 model's dots run on tensor cores: "
                          "use mode='tile'")
+    if mode == "step" and not tc and not interpreting():
+        # one compile for the whole step: without FMA contraction (the softplus needs it off), which
+        # the fp32 tile kernels' epilogues use
+        raise ValueError("step mode runs bf16 models (tensor-core dots, no FMA contraction); an fp32 model's "
+                         "kernels contract: use mode='row' or 'tile'")
     S = int(slots.numel())
     SS, H, L, P = state.buf_x.shape
     G, N = state.buf_B.shape[1], state.buf_B.shape[3]
@@ -606,6 +832,8 @@ def decode_step_triton(
     y = torch.empty(S, H, P, dtype=x.dtype, device=dev)
     if S == 0:
         return y
+    if mode == "step":
+        return _step(state, slots, pos, x, dt, B, C, params, y, cfg, tc, R)
     # Cheap on the host: convert only what is not already as the kernels want it.
     slots_d = _as(slots, dev, torch.int64)
     pos_d = _as(pos, dev, torch.int64)
@@ -664,6 +892,39 @@ def decode_step_triton(
             state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L, ZB=1024,
             LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, **launch,
         )
+    return y
+
+
+def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+          B: torch.Tensor, C: torch.Tensor, params: SSMParams, y: torch.Tensor, cfg: TritonKernelConfigs, tc: int,
+          R: int) -> torch.Tensor:
+    """``decode_step_triton`` in one launch (``_step_kernel``); the arguments as checked there."""
+    S = int(slots.numel())
+    SS, H, L, P = state.buf_x.shape
+    G, N = state.buf_B.shape[1], state.buf_B.shape[3]
+    dev = x.device
+    Dd = params.D if params.D.device == dev else params.D.to(dev)
+    sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
+    bias = params.dt_bias
+    bias = bias if bias.is_contiguous() and bias.device == dev else bias.to(dev).contiguous()
+    lo, hi = limits(params.dt_limit)
+    BP = cfg.block_p if STEP_BLOCK_P is None else STEP_BLOCK_P
+    PB = triton.cdiv(P, BP)
+    scratch = torch.empty(S * H * PB * 2 * L, dtype=torch.float32, device=dev)
+    # The token rows are read where they lie: in a model they are row-strided views of the conv's
+    # and in_proj's outputs (a copy each would be four launches more at batch > 1)
+    x, B, C = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (x, B, C))
+    dt = dt if dt.stride(1) == 1 else dt.contiguous()
+    _step_kernel[(H, S, PB)](
+        x, dt, B, C, bias, _as(params.A, dev, torch.float32), Dd, _as(slots, dev, torch.int64),
+        _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,
+        _counters(dev, S * G), lo, hi, sD_h, sD_p, x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
+        H=H, G=G, L=L, P=P, N=N, R=R,
+        BLOCK_K=cfg.block_k, BLOCK_P=BP, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
+        BLOCK_L=triton.next_power_of_2(L), PRECISION=cfg.dot_precision, TC=tc, HAS_LIMIT=has_limit(params.dt_limit),
+        PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,
+        enable_fp_fusion=False, **(STEP_OPTS if tc else {}),
+    )
     return y
 
 

@@ -31,6 +31,11 @@ done = []
 
 
 TCS = %TCS%
+STEP_TYPES = dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, y_ptr=bf,
+                  slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32", sD_p="i32",
+                  sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32")
+STEP_CONSTS = dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_NS=128, BLOCK_L=256,
+                   PRECISION=cfg.dot_precision, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE)
 
 
 def comp(fn, types, consts, fuse, warps=NW):
@@ -74,6 +79,8 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
+    if TC:  # the one-launch step: bf16 models only
+        comp(td._step_kernel, STEP_TYPES, dict(STEP_CONSTS, TC=TC, HAS_LIMIT=TC == 1), False)
     # the scan's backward (fp32 chunk tensors but x, dy and dx: strided views of the packed rows, in the
     # model dtype; the dots' precision as the forward's)
     bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, HPP=tb.BWD_HEADS_PER_PROGRAM,
@@ -112,8 +119,9 @@ print(json.dumps(done))
 @pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
 def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
     done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
-    # 14 kernel configs per dot mode (4 of the backward's); pack, buffer, row, reverse pass and zero kernels
-    assert len(done) == len(tcs) * 14 + 5 * (0 in tcs), done
+    # 14 kernel configs per dot mode (4 of the backward's), the step kernel per tensor-core mode; pack,
+    # buffer, row, reverse pass and zero kernels
+    assert len(done) == len(tcs) * 14 + sum(1 for t in tcs if t) + 5 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
@@ -163,6 +171,17 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
                                    PRECISION=cfg.dot_precision, TC=TC, LISTED=False, QB=td.COMPLETION_BLOCK,
                                    PDL=False), fuse)
     res[f"TC{TC} L{L}"] = [prefill, decode]
+    if TC:  # the one-launch step's completion: its last dots, after the output's
+        bfs = "*bf16"
+        step = dot_accumulators(td._step_kernel, dict(x_ptr=bfs, dt_ptr=bfs, B_ptr=bfs, C_ptr=bfs, buf_x_ptr=bfs,
+                                                      buf_dt_ptr=bfs, buf_B_ptr=bfs, y_ptr=bfs, slots_ptr=i64,
+                                                      pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32",
+                                                      sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32",
+                                                      sB_q="i32", sC_q="i32"),
+                                dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
+                                     BLOCK_NS=td.state_block_n(32), BLOCK_L=L, PRECISION=cfg.dot_precision, TC=TC,
+                                     HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE), False)
+        res[f"step TC{TC} L{L}"] = [prefill, step[len(step) - len(prefill):]]
 print(json.dumps(res))
 """
 
@@ -177,3 +196,49 @@ def test_completion_dots_accumulate_as_the_chunk_states(sm90_cache):
     res = run_sm90_script(_COMPLETION_DOTS, sm90_cache)
     for case, (prefill, decode) in res.items():
         assert prefill and decode == prefill, (case, prefill, decode)
+
+
+_STEP_FMA = r"""
+import inspect, json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.ssd import triton_decode as td
+
+cfg = TritonKernelConfigs()
+bf, i64 = "*bf16", "*i64"
+D = dict(H=32, G=1, L=256, P=64, N=128)
+
+
+def ptx(fn, types, consts, **opts):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, **opts)).asm["ptx"]
+
+
+out = {}
+for TC, rt in ((1, False), (2, False), (1, True)):
+    code = ptx(td._step_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf,
+                                     buf_B_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32",
+                                     hi="fp32", sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32",
+                                     sC_q="i32"),
+               dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=128,
+                    BLOCK_L=256, PRECISION=cfg.dot_precision, TC=TC, HAS_LIMIT=True, PB=1, ZB=1024, RT_RANGE=rt),
+               enable_fp_fusion=False, **td.STEP_OPTS)
+    out[f"TC{TC} rt {rt}"] = dict(fma=code.count("fma.rn.f32"), mma="wgmma" in code or "mma.sync" in code,
+                   atom="atom.global.gpu.acq_rel.add" in code)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_step_kernel_has_no_contracted_fma(sm90_cache):
+    """The one-launch decode step keeps the four launches' float operations: compiled without FMA
+    contraction (the split dots' ``v - hi`` and the softplus must not fuse), its dots on tensor
+    cores, and its completion counter an acquire-release atomic (the last reader empties the buffers)."""
+    res = run_sm90_script(_STEP_FMA, sm90_cache)
+    for tc, r in res.items():
+        assert r == dict(fma=0, mma=True, atom=True), (tc, r)

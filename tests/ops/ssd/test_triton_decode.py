@@ -22,6 +22,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as hst
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.interpreter
@@ -170,15 +172,16 @@ def test_dt_softplus_bits(dt_limit):
 
 
 @interp
+@pytest.mark.parametrize("mode", ["tile", "step"])
 @pytest.mark.parametrize("G", [1, 2])
-def test_tile_mode_token_by_token_equals_prefill(G):
+def test_tile_mode_token_by_token_equals_prefill(G, mode):
     """Decode 40 tokens one by one from a boundary (crossing the next one) == one prefill over them."""
     T, start = 40, L  # start at the second chunk's boundary, with a nonzero boundary state
     prm = make_params(H, P, seed=G)
     toks = make_tokens(T, H, P, G, N, seed=G)
     st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=G)
     ref = clone_state(st)
-    ys = decode_steps(st, [0], [start], [toks], prm, T, "tile")
+    ys = decode_steps(st, [0], [start], [toks], prm, T, mode)
     yp = prefill(ref, [0], [start], [toks], prm)[0]
     assert torch.equal(torch.cat(ys), yp)
     assert_same_state(st, ref)
@@ -200,7 +203,7 @@ def test_row_mode_token_by_token_close_to_prefill():
 
 
 @interp
-@pytest.mark.parametrize("mode", ["tile", "row"])
+@pytest.mark.parametrize("mode", ["tile", "row", "step"])
 def test_batch_at_mixed_offsets_equals_each_alone(mode):
     """3 sequences at offsets 5, 31 (completes its chunk) and 40 in one batch, in scattered slots,
     two steps: rows, states and buffers equal to each sequence decoded alone (and, in tile mode,
@@ -233,7 +236,7 @@ def test_batch_at_mixed_offsets_equals_each_alone(mode):
 
 
 @interp
-@pytest.mark.parametrize("hint", [False, True])
+@pytest.mark.parametrize("hint", [False, True, "step"])
 def test_several_completions_in_one_step(hint, monkeypatch):
     """Four sequences, three of them completing their chunk in the same step, with two batch entries
     per program of the completion kernels (a program meets two completions; the batch spans two
@@ -250,7 +253,8 @@ def test_several_completions_in_one_step(hint, monkeypatch):
     new = [make_tokens(1, H, P, G, N, seed=40 + i) for i in range(4)]
     alone = clone_state(st)
     before = clone_state(st)
-    y = decode_steps(st, slots, offsets, new, prm, 1, "tile", hint=hint)[0]
+    mode = "step" if hint == "step" else "tile"  # step mode: one launch, the hint unused
+    y = decode_steps(st, slots, offsets, new, prm, 1, mode, hint=hint is True)[0]
     for i in range(4):
         ya = decode_steps(alone, [slots[i]], [offsets[i]], [new[i]], prm, 1, "tile")[0]
         assert torch.equal(y[i], ya[0]), i
@@ -298,6 +302,109 @@ def test_dt_limit_and_per_head_D():
     yp = prefill(ref, [0], [3], [toks], prm, dt_limit=lim)[0]
     assert torch.equal(torch.cat(ys), yp)
     assert_same_state(st, ref)
+
+
+def _step_against_general(mode: str, H_: int, G: int, P_: int, N_: int, L_: int, offsets: list[int],
+                          seed: int) -> int:
+    """One decode step (every sequence one token, at ``offsets``, with nonzero boundary states and
+    partial chunks from a prefill) by ``decode_step_triton(mode=mode)`` and by the general path
+    (``replay_chunk_triton``, the mixed and chunked prefill's kernels, over the same one-token step).
+    Returns how many output elements differ; asserts the states (boundary and buffers) are equal."""
+    S = len(offsets)
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(S + 2, generator=g)[:S].tolist()
+    prm = make_params(H_, P_, seed)
+    st = make_state(S + 2, H_, P_, G, N_, L_, torch.float32, "cpu", seed=seed)
+    pre = [make_tokens(o % L_, H_, P_, G, N_, seed=seed * 10 + i) for i, o in enumerate(offsets)]
+    idx = [i for i, o in enumerate(offsets) if o % L_]
+    if idx:
+        prefill(st, [slots[i] for i in idx], [offsets[i] - offsets[i] % L_ for i in idx], [pre[i] for i in idx], prm)
+    new = [make_tokens(1, H_, P_, G, N_, seed=seed * 10 + 5 + i) for i in range(S)]
+    ref = clone_state(st)
+    y = decode_steps(st, slots, offsets, new, prm, 1, mode, hint=False, row_tile=CFG.scan_row_tile(L_))[0]
+    yg = torch.stack([r[0] for r in prefill(ref, slots, offsets, new, prm)])
+    assert_same_state(st, ref)
+    return int((y != yg).sum())
+
+
+@interp
+@settings(max_examples=8, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
+@given(data=hst.data())
+def test_step_mode_equals_general_path_property(data):
+    """The one-launch decode step ("step") gives the general path's rows, boundary states and buffers
+    bit for bit, over batch mixes (offsets anywhere in the first three chunks, completions
+    included), heads, groups, head dims, state sizes and chunk sizes."""
+    G = data.draw(hst.sampled_from([1, 2]), label="G")
+    H_ = G * data.draw(hst.sampled_from([1, 2]), label="heads per group")
+    P_ = data.draw(hst.sampled_from([8, 16]), label="P")
+    N_ = data.draw(hst.sampled_from([8, 16]), label="N")
+    L_ = data.draw(hst.sampled_from([16, 32]), label="L")
+    offsets = data.draw(hst.lists(hst.integers(0, 3 * L_ - 1) | hst.sampled_from([L_ - 1, 2 * L_ - 1]),
+                                  min_size=1, max_size=4), label="offsets")
+    assert _step_against_general("step", H_, G, P_, N_, L_, offsets, seed=len(offsets) + G) == 0
+
+
+@interp
+def test_step_property_catches_another_order():
+    """The property's baseline: the "row" form (the same step, its dots as sequential fma chains,
+    which the interpreter rounds twice) gives the same states but other rows, and the check sees it."""
+    assert _step_against_general("row", 2, 1, 16, 16, 32, [5, 31, 40], seed=3) > 0
+    assert _step_against_general("step", 2, 1, 16, 16, 32, [5, 31, 40], seed=3) == 0
+
+
+@interp
+def test_step_mode_reads_row_strided_inputs():
+    """In a model x, B, C (the conv's output) and dt (in_proj's) are row-strided views; step mode reads
+    them where they lie and gives the bits of contiguous copies."""
+    G, S = 2, 3
+    prm = make_params(H, P, seed=21)
+    offsets, slots = [5, L - 1, 40], [2, 0, 1]
+    st = make_state(3, H, P, G, N, L, torch.float32, "cpu", seed=21)
+    pre = [make_tokens(o % L, H, P, G, N, seed=50 + i) for i, o in enumerate(offsets)]
+    prefill(st, slots, [o - o % L for o in offsets], pre, prm)
+    x, dt, B, C = make_tokens(S, H, P, G, N, seed=60)
+    wide = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), dt, torch.zeros(S, 3)], dim=1)
+    d, gn = H * P, G * N
+    views = (wide[:, :d].view(S, H, P), wide[:, d + 2 * gn:d + 2 * gn + H], wide[:, d:d + gn].view(S, G, N),
+             wide[:, d + gn:d + 2 * gn].view(S, G, N))
+    assert not any(v.is_contiguous() for v in views)
+    sl = torch.tensor(slots)
+    pos = torch.tensor(offsets)
+    ref = clone_state(st)
+    kw = dict(cfg=CFG, mode="step", row_tile=CFG.scan_row_tile(L))
+    y = decode_step_triton(st, sl, pos, *views, params_of(prm), **kw)
+    y_ref = decode_step_triton(ref, sl, pos, x, dt, B, C, params_of(prm), **kw)
+    assert torch.equal(y, y_ref)
+    assert_same_state(st, ref)
+
+
+@interp
+def test_step_mode_is_one_launch_per_layer():
+    """A decode step of one layer: four launches in "tile" mode (prep, tile, and the two completion
+    kernels, which a captured step always runs), one in "step" mode."""
+    from triton.runtime import KernelInterface
+
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    kernels = [k for k in vars(td).values() if isinstance(k, KernelInterface)]
+    launched: list[str] = []
+    hooks = []
+    for k in kernels:
+        def hook(*args, _name=k.__name__, **kwargs):
+            launched.append(_name)
+        k.add_pre_run_hook(hook)
+        hooks.append((k, hook))
+    try:
+        counts = {}
+        for mode in ("tile", "step"):
+            launched.clear()
+            _step_against_general(mode, 2, 1, 16, 16, 32, [5, 40], seed=1)
+            counts[mode] = list(launched)
+    finally:
+        for k, hook in hooks:
+            k.pre_run_hooks.remove(hook)
+    assert counts == {"tile": ["_prep_kernel", "_tile_kernel", "_update_kernel", "_zero_kernel"],
+                      "step": ["_step_kernel"]}
 
 
 _PTX_PROBE = r"""
@@ -449,8 +556,8 @@ def test_gpu_dt_softplus_bits():
 
 
 # (model dtype, decode mode): bf16 runs tensor-core dots and "tile" only; fp32 runs fp32 dots, both modes
-GPU_MODES = {"bf16-tile": (torch.bfloat16, "tile"), "fp32-row": (torch.float32, "row"),
-             "fp32-tile": (torch.float32, "tile")}
+GPU_MODES = {"bf16-tile": (torch.bfloat16, "tile"), "bf16-step": (torch.bfloat16, "step"),
+             "fp32-row": (torch.float32, "row"), "fp32-tile": (torch.float32, "tile")}
 
 
 @pytest.mark.gpu
@@ -526,6 +633,18 @@ def test_gpu_bf16_row_mode_refused():
     with pytest.raises(ValueError, match="tensor cores"):
         decode_step_triton(st, one, one, x, dt, B, C, params_of(make_params(heads, GP, 0, "cuda")), cfg=CFG,
                            mode="row")
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_fp32_step_mode_refused():
+    heads, groups = SHAPES["32h_1g"]
+    st = make_state(1, heads, GP, groups, GN, GL, torch.float32, "cuda")
+    x, dt, B, C = make_tokens(1, heads, GP, groups, GN, seed=0, dtype=torch.float32, dev="cuda")
+    one = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="step mode runs bf16"):
+        decode_step_triton(st, one, one, x, dt, B, C, params_of(make_params(heads, GP, 0, "cuda")), cfg=CFG,
+                           mode="step")
 
 
 def _second_process_rows(mode: str) -> torch.Tensor:
