@@ -62,6 +62,7 @@ import datetime
 import json
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -569,12 +570,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None) -> None:
+def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None, long: bool = False) -> None:
     """The whole model (Nemotron-3-Nano-30B-A3B- or Nemotron-H-8B-shaped, random bf16 weights) on the
     triton backend against ``stock_hybrid``'s stock model on the same weights (one copy of the routed
     experts, shared): the trainer's forward (all logits) and decode steps in CUDA graphs, one cell at a
     time, the JSON after each. Decode states are random (timing only); ``bitwise`` is null here, the
-    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py)."""
+    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py). ``long``: only the
+    cells ``quick`` leaves out (the later forward cells, 16k contexts)."""
     from aligned_mamba.contract import Contract
     from aligned_mamba.decode_graph import DecodeGraphs
     from aligned_mamba.models import build_model
@@ -586,6 +588,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
     ms = _import_mamba_ssm(mamba_ssm)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
     weights = LazyWeights(config, 0)
     model = build_model(config, weights, Contract(chunk_size=256, backend="triton", model_dtype="bfloat16"),
                         device="cuda")
@@ -609,10 +612,15 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         fwd = [(4, 2048)] if quick else [(4, 2048), (4, 4096), (1, 32768)]
     else:
         fwd = [(4, 4096)] if quick else [(4, 4096), (1, 32768)]
+    if long:
+        fwd = fwd[1:]
+    build_s = time.perf_counter() - t_build
+    res["whole"][label]["build_s"] = build_s
+    print(f"{label}: both models built in {build_s:.1f} s", flush=True)
     for Bsz, L in fwd:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         seqs, ids_d = list(ids), ids.cuda()
-        row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L)
+        row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L, **({"commit": res["commit"]} if long else {}))
         try:
             with torch.no_grad():
                 lo = torch.cat(model.forward(seqs))
@@ -627,14 +635,15 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         res["forward"].append(row)
         save()
         torch.cuda.empty_cache()
-    for ctx in ((4096,) if quick or which == "tiny" else (4096, 16384)):
+    for ctx in ((4096,) if quick or which == "tiny" else (16384,) if long else (4096, 16384)):
         per_seq = model.state_bytes_per_sequence(ctx + 64)
         for B in (1, 64, 256):
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0]
             # ours' cache (B + 1 slots: the graphs' spare) must fit with room for the graph's activations
             run_b = min(B, int(0.85 * free / per_seq) - 1)
-            row = dict(shape=label, batch=B, context=ctx, graph=True, bitwise=None, ours_state_bytes_per_seq=per_seq)
+            row = dict(shape=label, batch=B, context=ctx, graph=True, bitwise=None, ours_state_bytes_per_seq=per_seq,
+                       **({"commit": res["commit"]} if long else {}))
             if run_b < B:
                 row["batch_run"] = run_b
                 row["note"] = f"ours' cache for {B + 1} slots does not fit beside the weights; run at batch {run_b}"
@@ -691,6 +700,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--long", action="store_true", help="whole models: only the cells --quick leaves out (with "
+                    "--merge, the section's earlier cells are kept)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--sections", default=",".join(s for s in OWNED if s != "tiny"),
                     help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
@@ -716,7 +727,7 @@ def main() -> int:
         kept = old.get("sections") or {s: {k: old.get(k) for k in stamp} for s in ("attention", "mlp", "sweep",
                                                                                      "model")}
         for sec, owned in OWNED.items():
-            if sec not in sections:
+            if sec not in sections or (a.long and sec in WHOLE):
                 for key, pick in owned:
                     res[key] += [r for r in old.get(key, []) if pick is None or pick(r)]
         for key in ("model", "copy_bandwidth_bytes_per_s", "train_note", "train_note_nano", "bwd_config", "whole"):
@@ -748,7 +759,7 @@ def main() -> int:
                      ("tiny", lambda: whole_cells(res, save, "tiny", a.quick, a.mamba_ssm)),
                      ("nano", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm)),
                      ("nano_train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm, "nano")),
-                     ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm)),
+                     ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm, a.long)),
                      ("bwd_determinism", lambda: bwd_determinism_cells(res, save))):
         if fn is None or name not in sections:
             continue
