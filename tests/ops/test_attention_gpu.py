@@ -128,15 +128,19 @@ SMALL = dict(hidden_size=256, vocab_size=512, mamba_num_heads=8, mamba_head_dim=
              intermediate_size=512, chunk_size=64)
 
 
-def _hybrid(layout: str):
+def _hybrid(layout: str, **configs):
+    """The layout's bf16 hybrid on the triton backend; ``configs`` replace kernel config fields."""
+    import dataclasses
+
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.nemotron_h import make_tiny_hybrid
 
     over = dict(HYBRIDS[layout])
     cfg, tensors = make_tiny_hybrid(11, dtype="bfloat16", pattern=over.pop("pattern"), **{**SMALL, **over})
-    return build_model(cfg, tensors, Contract(chunk_size=cfg.chunk_size, backend="triton", model_dtype="bfloat16"),
-                       device="cuda")
+    contract = Contract(chunk_size=cfg.chunk_size, backend="triton", model_dtype="bfloat16",
+                        kernel_configs=dataclasses.replace(_cfg(), **configs))
+    return build_model(cfg, tensors, contract, device="cuda")
 
 
 @pytest.mark.parametrize("layout", sorted(HYBRIDS))
@@ -410,3 +414,40 @@ def test_hybrid_graph_decode_over_pages_equals_the_single_pass(B: int) -> None:
 
     assert_graph_decode_equals_single_pass(_hybrid("two_attention_gqa8_d64"), B, steps=40, max_start=900,
                                            page_size=64)
+
+
+def test_the_engine_preempts_when_pages_run_short_and_keeps_the_bits() -> None:
+    """The reference engine on the GPU (triton backend, a paged KV cache, decode steps in CUDA graphs)
+    with 3 slots over 8 pages of 64 keys, fewer than its requests need together: it preempts the newest
+    request whenever a step needs more pages than are free and recomputes it later, and every request's
+    tokens and rows are those of an engine with pages to spare and the trainer's single pass. The
+    baseline, the single pass of the same weights with a key block of 128, differs on the long rows."""
+    from aligned_mamba.engine import SamplerEngine
+
+    model = _hybrid("two_attention_gqa8_d64")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, SMALL["vocab_size"], (n,), generator=g).tolist() for n in (70, 300, 150, 20)]
+
+    def run(num_pages: int | None):
+        e = SamplerEngine(model, num_slots=3, max_batch_tokens=96, max_len=384, page_size=64, num_pages=num_pages)
+        assert e.graphs is not None
+        reqs = [e.add_request(p, 40) for p in prompts]
+        e.run()
+        assert e.cache.pages.pages_free == e.cache.pages.num_pages
+        return reqs
+
+    roomy, tight = run(None), run(8)
+    assert sum(r.preemptions for r in tight) > 0 and sum(r.preemptions for r in roomy) == 0
+    with torch.no_grad():
+        ref = model.forward([torch.tensor(r.tokens[:-1]) for r in tight])
+        other = _hybrid("two_attention_gqa8_d64", attn_block_n=128).forward([torch.tensor(r.tokens[:-1])
+                                                                             for r in tight])
+    differ = 0
+    for a, b, want, base in zip(roomy, tight, ref, other):
+        assert a.tokens == b.tokens
+        pos = [p for p, _ in b.rows]
+        got = torch.stack([x for _, x in b.rows])
+        assert torch.equal(got, want[pos]), b.req_id
+        assert torch.equal(torch.stack([x for _, x in a.rows]), want[[p for p, _ in a.rows]]), a.req_id
+        differ += int((got != base[pos]).any(-1)[torch.tensor(pos, device=got.device) >= 128].sum())
+    assert differ > 0, "a key block of 128 gave the long rows the same bits: the check cannot fail"
