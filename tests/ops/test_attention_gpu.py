@@ -234,6 +234,66 @@ def test_relu2_backward_is_the_torch_forms_gradient() -> None:
     assert not torch.equal(ga, (2 * x.float() * g.float()).clamp_min(0).to(BF16)), "the check is vacuous"
 
 
+@pytest.mark.parametrize("hidden,inter,bias", [(4096, 21504, False), (256, 512, True)])
+def test_fused_mlp_has_the_composed_ops_bits(hidden: int, inter: int, bias: bool) -> None:
+    """The MLP with relu2 in the up GEMM's epilogue gives every row the bits of linear, relu2, linear
+    (each row of a call of M rows, M across the decode, mid and large tiles); relu2 of the unrounded
+    accumulator (one rounding fewer) differs, so the comparison can fail."""
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
+    from aligned_mamba.ops.linear.triton import linear_triton
+    from aligned_mamba.ops.linear.triton_relu2 import linear_relu2_triton, mlp_relu2
+
+    cfg = _cfg()
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    up = (torch.randn(inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(BF16)
+    down = (torch.randn(hidden, inter, device="cuda", generator=g) / inter ** 0.5).to(BF16)
+    ub, db = ((0.1 * torch.randn(n, device="cuda", generator=g)) if bias else None for n in (inter, hidden))
+    x = torch.randn(4096, hidden, device="cuda", generator=g).to(BF16)
+    for M in (1, 5, 16, 17, 64, 200, 256, 1000, 4096):
+        u = linear_triton(x[:M], up, ub, cfg)
+        h = relu2_triton(u, cfg)
+        fh, fu = linear_relu2_triton(x[:M], up, ub, cfg, keep_pre=True)
+        assert torch.equal(fu, u) and torch.equal(fh, h), M
+        assert torch.equal(linear_relu2_triton(x[:M], up, ub, cfg)[0], h), M
+        assert torch.equal(mlp_relu2(x[:M], up, ub, down, db, cfg=cfg), linear_triton(h, down, db, cfg)), M
+    acc = x[:256].float() @ up.float().T + (0 if ub is None else ub)
+    assert not torch.equal(torch.relu(acc).square().to(BF16), linear_relu2_triton(x[:256], up, ub, cfg)[0])
+
+
+def test_fused_mlp_gradients_are_deterministic_and_at_the_bf16_floor() -> None:
+    """The fused backward (relu2's gradient in the epilogue of g @ down, cuBLAS for the rest): two runs
+    give the same bits; against fp64 every gradient is within 1.5x of the composed ops' (cuBLAS dgrad,
+    then relu2's backward) error."""
+    from aligned_mamba.ops.elementwise.triton import relu2 as relu2_fn
+    from aligned_mamba.ops.linear.triton import linear
+    from aligned_mamba.ops.linear.triton_relu2 import mlp_relu2
+
+    cfg = _cfg()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hidden, inter, M = 1024, 3072, 2000
+    base = [(torch.randn(*s, device="cuda", generator=g) / s[-1] ** 0.5).to(BF16)
+            for s in ((M, hidden), (inter, hidden), (hidden, inter))]
+    base[0] = base[0] * hidden ** 0.5
+    base += [0.1 * torch.randn(n, device="cuda", generator=g) for n in (inter, hidden)]
+    gy = torch.randn(M, hidden, device="cuda", generator=g).to(BF16)
+
+    def grads(fn, dtype=None):
+        leaves = [t.clone().to(dtype or t.dtype).requires_grad_() for t in base]
+        return torch.autograd.grad(fn(*leaves), leaves, gy.to(dtype or gy.dtype))
+
+    fused = grads(lambda x, uw, ub, dw, db: mlp_relu2(x, uw, ub, dw, db, cfg=cfg))
+    assert all(torch.equal(a, b) for a, b in zip(fused, grads(
+        lambda x, uw, ub, dw, db: mlp_relu2(x, uw, ub, dw, db, cfg=cfg))))
+    composed = grads(lambda x, uw, ub, dw, db: linear(relu2_fn(linear(x, uw, ub, cfg=cfg), cfg), dw, db, cfg=cfg))
+    ref = grads(lambda x, uw, ub, dw, db: torch.relu(x @ uw.T + ub).square() @ dw.T + db, torch.float64)
+
+    def err(a: torch.Tensor, r: torch.Tensor) -> float:
+        return ((a.double() - r).norm() / r.norm()).item()
+
+    for name, a, b, r in zip(("x", "up", "up_b", "down", "down_b"), fused, composed, ref):
+        assert math.isfinite(err(a, r)) and err(a, r) <= 1.5 * err(b, r) + 1e-4, (name, err(a, r), err(b, r))
+
+
 def _leaves(tensors: dict, device: str) -> dict:
     return {k: v.to(device).clone().requires_grad_() for k, v in tensors.items()}
 
