@@ -13,8 +13,10 @@ Attention alone (32 query heads, 8 key/value heads, head_dim 128, bf16, as Nemot
   (q [B, G, H/G, D] over k, v [B, G, ctx, D], views of the same cache); bytes/s count the K and V
   read once, against the measured copy bandwidth. ``bitwise``: our decode rows equal our prefill's
   rows of the same positions; ``stock_bitwise`` the same for SDPA (expected false).
-MLP alone: up_proj 4096 -> 21504, relu2, down_proj, ours (row-invariant Triton GEMMs + one relu2
-pass) against cuBLAS ``F.linear`` and torch's relu + square, at 4096 and 64 rows.
+MLP alone: up_proj 4096 -> 21504, relu2, down_proj, ours (row-invariant Triton GEMMs, relu2 in the up
+GEMM's epilogue; ``unfused_ms``: the GEMMs and one relu2 pass) against cuBLAS ``F.linear`` and torch's
+relu + square, at 4096 and 64 rows; and fwd+bwd at 16384 rows (ours: relu2's gradient in the epilogue
+of the dgrad GEMM; unfused: each op's own backward).
 Model (unless --no-model): a 13-layer slice of Nemotron-H-8B in its proportions (6 Mamba2 with 128
 heads x 64, 8 groups, state 128; 1 attention; 6 MLPs 21504 wide; hidden 4096; vocab 131072) on the
 triton backend: trainer forward at 4 x 4096 tokens and decode steps in CUDA graphs at batch 1 / 64 /
@@ -227,8 +229,9 @@ def sweep_cells(res: dict, save) -> None:
 
 def mlp_cells(res: dict, save) -> None:
     from aligned_mamba.ops.configs import TritonKernelConfigs
-    from aligned_mamba.ops.elementwise.triton import relu2_triton
-    from aligned_mamba.ops.linear.triton import linear_triton
+    from aligned_mamba.ops.elementwise.triton import relu2, relu2_triton
+    from aligned_mamba.ops.linear.triton import linear, linear_triton
+    from aligned_mamba.ops.linear.triton_relu2 import mlp_relu2
 
     cfg = TritonKernelConfigs()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -240,9 +243,27 @@ def mlp_cells(res: dict, save) -> None:
         stock = _bench(lambda: F.linear(torch.square(torch.relu(F.linear(x, up))), down))
         relu_ms = _bench(lambda: relu2_triton(linear_triton(x, up, None, cfg), cfg)) - _bench(
             lambda: linear_triton(x, up, None, cfg))
-        res["mlp"].append(dict(shape=f"{M}x4096->21504", tokens=M, ours_ms=ours, stock_ms=stock,
-                               relu2_ms_approx=relu_ms))
+        fused = _bench(lambda: mlp_relu2(x, up, None, down, None, cfg=cfg))
+        res["mlp"].append(dict(shape=f"{M}x4096->21504", tokens=M, ours_ms=fused, stock_ms=stock,
+                               unfused_ms=ours, relu2_ms_approx=relu_ms))
         save()
+    # fwd+bwd (gradients of x and both weights): the fused MLP (relu2 in the GEMMs' epilogues), the three
+    # ops each with its own backward (cuBLAS dgrad, then relu2's), and cuBLAS + torch's relu and square
+    M = 16384
+    x = torch.randn(M, 4096, device="cuda", generator=g).to(BF16)
+    gy = torch.randn(M, 4096, device="cuda", generator=g).to(BF16)
+    leaves = [t.clone().requires_grad_() for t in (x, up, down)]
+    forms = {"ours": lambda a, b, c: mlp_relu2(a, b, None, c, None, cfg=cfg),
+             "unfused": lambda a, b, c: linear(relu2(linear(a, b, cfg=cfg), cfg), c, cfg=cfg),
+             "stock": lambda a, b, c: F.linear(torch.square(torch.relu(F.linear(a, b))), c)}
+    row = dict(shape=f"fwd+bwd {M}x4096->21504", tokens=M)
+    for name, fn in forms.items():
+        row[f"{name}_ms"] = _bench(lambda: torch.autograd.grad(fn(*leaves), leaves, gy))
+        save()
+    first, again = (torch.autograd.grad(forms["ours"](*leaves), leaves, gy) for _ in range(2))
+    row["deterministic"] = all(torch.equal(a, b) for a, b in zip(first, again))
+    res["mlp"].append(row)
+    save()
 
 
 PATTERN = "M-M-M*-M-M-M-"  # 13 layers: Nemotron-H-8B's 24 M / 4 * / 24 - in proportion
@@ -782,7 +803,8 @@ def main() -> int:
         print(f"attn {r['phase']:7s} {r['shape']:24s} ours {r['ours_ms']:8.3f} ms stock {r['stock_ms']:8.3f} ms",
               extra)
     for r in res["mlp"]:
-        print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms")
+        print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms unfused",
+              r.get("unfused_ms"))
     for r in res["sweep"]:
         print("sweep", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     def ms(v) -> str:
