@@ -260,40 +260,6 @@ def test_fused_mlp_has_the_composed_ops_bits(hidden: int, inter: int, bias: bool
     assert not torch.equal(torch.relu(acc).square().to(BF16), linear_relu2_triton(x[:256], up, ub, cfg)[0])
 
 
-def test_fused_mlp_gradients_are_deterministic_and_at_the_bf16_floor() -> None:
-    """The fused backward (relu2's gradient in the epilogue of g @ down, cuBLAS for the rest): two runs
-    give the same bits; against fp64 every gradient is within 1.5x of the composed ops' (cuBLAS dgrad,
-    then relu2's backward) error."""
-    from aligned_mamba.ops.elementwise.triton import relu2 as relu2_fn
-    from aligned_mamba.ops.linear.triton import linear
-    from aligned_mamba.ops.linear.triton_relu2 import mlp_relu2
-
-    cfg = _cfg()
-    g = torch.Generator(device="cuda").manual_seed(3)
-    hidden, inter, M = 1024, 3072, 2000
-    base = [(torch.randn(*s, device="cuda", generator=g) / s[-1] ** 0.5).to(BF16)
-            for s in ((M, hidden), (inter, hidden), (hidden, inter))]
-    base[0] = base[0] * hidden ** 0.5
-    base += [0.1 * torch.randn(n, device="cuda", generator=g) for n in (inter, hidden)]
-    gy = torch.randn(M, hidden, device="cuda", generator=g).to(BF16)
-
-    def grads(fn, dtype=None):
-        leaves = [t.clone().to(dtype or t.dtype).requires_grad_() for t in base]
-        return torch.autograd.grad(fn(*leaves), leaves, gy.to(dtype or gy.dtype))
-
-    fused = grads(lambda x, uw, ub, dw, db: mlp_relu2(x, uw, ub, dw, db, cfg=cfg))
-    assert all(torch.equal(a, b) for a, b in zip(fused, grads(
-        lambda x, uw, ub, dw, db: mlp_relu2(x, uw, ub, dw, db, cfg=cfg))))
-    composed = grads(lambda x, uw, ub, dw, db: linear(relu2_fn(linear(x, uw, ub, cfg=cfg), cfg), dw, db, cfg=cfg))
-    ref = grads(lambda x, uw, ub, dw, db: torch.relu(x @ uw.T + ub).square() @ dw.T + db, torch.float64)
-
-    def err(a: torch.Tensor, r: torch.Tensor) -> float:
-        return ((a.double() - r).norm() / r.norm()).item()
-
-    for name, a, b, r in zip(("x", "up", "up_b", "down", "down_b"), fused, composed, ref):
-        assert math.isfinite(err(a, r)) and err(a, r) <= 1.5 * err(b, r) + 1e-4, (name, err(a, r), err(b, r))
-
-
 def _leaves(tensors: dict, device: str) -> dict:
     return {k: v.to(device).clone().requires_grad_() for k, v in tensors.items()}
 
