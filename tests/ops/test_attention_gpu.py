@@ -459,7 +459,7 @@ def test_the_engine_preempts_when_pages_run_short_and_keeps_the_bits() -> None:
         assert e.graphs is not None
         reqs = [e.add_request(p, 40) for p in prompts]
         e.run()
-        assert e.cache.pages.pages_free == e.cache.pages.num_pages
+        assert e.cache.pages.pages_free == e.cache.pages.num_pages - 1  # the graphs' spare slot keeps one
         return reqs
 
     roomy, tight = run(None), run(8)
