@@ -13,8 +13,9 @@ Attention alone (32 query heads, 8 key/value heads, head_dim 128, bf16, as Nemot
   (q [B, G, H/G, D] over k, v [B, G, ctx, D], views of the same cache); bytes/s count the K and V
   read once, against the measured copy bandwidth. ``bitwise``: our decode rows equal our prefill's
   rows of the same positions; ``stock_bitwise`` the same for SDPA (expected false).
-MLP alone: up_proj 4096 -> 21504, relu2, down_proj, ours (row-invariant Triton GEMMs + one relu2
-pass) against cuBLAS ``F.linear`` and torch's relu + square, at 4096 and 64 rows.
+MLP alone: up_proj 4096 -> 21504, relu2, down_proj, ours (``mlp_relu2``: row-invariant Triton GEMMs,
+relu2 in the up GEMM's epilogue at decode sizes; ``unfused_ms``: the GEMMs and one relu2 pass) against
+cuBLAS ``F.linear`` and torch's relu + square, at 4096 and 64 rows; and fwd+bwd at 16384 rows.
 Model (unless --no-model): a 13-layer slice of Nemotron-H-8B in its proportions (6 Mamba2 with 128
 heads x 64, 8 groups, state 128; 1 attention; 6 MLPs 21504 wide; hidden 4096; vocab 131072) on the
 triton backend: trainer forward at 4 x 4096 tokens and decode steps in CUDA graphs at batch 1 / 64 /
@@ -62,6 +63,7 @@ import datetime
 import json
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -88,12 +90,13 @@ BF16 = torch.bfloat16
 
 
 
-def _bench(fn) -> float:
+def _bench(fn, rep: int = 100) -> float:
+    """Median ms of ``fn`` over about ``rep`` ms of calls (at least one) after a warm-up."""
     import triton.testing
 
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
 def copy_bandwidth() -> float:
@@ -227,6 +230,7 @@ def mlp_cells(res: dict, save) -> None:
     from aligned_mamba.ops.configs import TritonKernelConfigs
     from aligned_mamba.ops.elementwise.triton import relu2_triton
     from aligned_mamba.ops.linear.triton import linear_triton
+    from aligned_mamba.ops.linear.triton_relu2 import mlp_relu2
 
     cfg = TritonKernelConfigs()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -238,9 +242,26 @@ def mlp_cells(res: dict, save) -> None:
         stock = _bench(lambda: F.linear(torch.square(torch.relu(F.linear(x, up))), down))
         relu_ms = _bench(lambda: relu2_triton(linear_triton(x, up, None, cfg), cfg)) - _bench(
             lambda: linear_triton(x, up, None, cfg))
-        res["mlp"].append(dict(shape=f"{M}x4096->21504", tokens=M, ours_ms=ours, stock_ms=stock,
-                               relu2_ms_approx=relu_ms))
+        fused = _bench(lambda: mlp_relu2(x, up, None, down, None, cfg=cfg))
+        res["mlp"].append(dict(shape=f"{M}x4096->21504", tokens=M, ours_ms=fused, stock_ms=stock,
+                               unfused_ms=ours, relu2_ms_approx=relu_ms))
         save()
+    # fwd+bwd (gradients of x and both weights): ours (each op's own backward: cuBLAS GEMMs, one relu2
+    # pass) and cuBLAS + torch's relu and square
+    M = 16384
+    x = torch.randn(M, 4096, device="cuda", generator=g).to(BF16)
+    gy = torch.randn(M, 4096, device="cuda", generator=g).to(BF16)
+    leaves = [t.clone().requires_grad_() for t in (x, up, down)]
+    forms = {"ours": lambda a, b, c: mlp_relu2(a, b, None, c, None, cfg=cfg),
+             "stock": lambda a, b, c: F.linear(torch.square(torch.relu(F.linear(a, b))), c)}
+    row = dict(shape=f"fwd+bwd {M}x4096->21504", tokens=M)
+    for name, fn in forms.items():
+        row[f"{name}_ms"] = _bench(lambda: torch.autograd.grad(fn(*leaves), leaves, gy))
+        save()
+    first, again = (torch.autograd.grad(forms["ours"](*leaves), leaves, gy) for _ in range(2))
+    row["deterministic"] = all(torch.equal(a, b) for a, b in zip(first, again))
+    res["mlp"].append(row)
+    save()
 
 
 PATTERN = "M-M-M*-M-M-M-"  # 13 layers: Nemotron-H-8B's 24 M / 4 * / 24 - in proportion
@@ -471,6 +492,7 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which:
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.nemotron_h import NemotronHConfig
+    from aligned_mamba.ops.step import Step
 
     if which == "nano":
         config = NemotronHConfig(**dict(NANO, hybrid_override_pattern=NANO_TRAIN_PATTERN), dtype="bfloat16")
@@ -509,12 +531,14 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which:
     for Bsz, L in cells:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         tgt = torch.randint(0, V, (Bsz, L), generator=g).cuda()
-        seqs = list(ids)
         ids_d = ids.cuda()
 
         def ours_step():
-            # as a trainer does: the layers built from the parameters on each step (A = -exp(A_log) etc.)
-            logits = torch.cat(build_model(config, ours_p, contract, device="cuda").forward(seqs))
+            # as a trainer does: the layers built from the parameters on each step (A = -exp(A_log) etc.),
+            # the packed pass a trainer takes (``forward`` splits it per sequence; a cat back copied the
+            # 4 GB of logits, and its backward the gradient again)
+            model = build_model(config, ours_p, contract, device="cuda")
+            logits = model.advance(model.new_cache(Bsz, max_len=L), Step.from_empty([L] * Bsz), ids.reshape(-1))
             loss = F.cross_entropy(logits.float(), tgt.reshape(-1), reduction="sum")
             return logits, torch.autograd.grad(loss, [ours_p[k] for k in ours_names])
 
@@ -524,6 +548,8 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which:
             return logits, torch.autograd.grad(loss, [stock_p[k] for k in stock_names])
 
         row = dict(shape=f"{label} {Bsz}x{L}", tokens=Bsz * L)
+        res["train"].append(row)  # saved after each side: a call cut short keeps what was measured
+        kept = {}
         for side, step in (("ours", ours_step), ("stock", stock_step if ms is not None else None)):
             if step is None:
                 row[f"{side}_ms"] = row[f"{side}_peak_bytes"] = None
@@ -532,25 +558,30 @@ def train_cells(res: dict, save, quick: bool, cfg, mamba_ssm: str | None, which:
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
             logits, grads = step()
             torch.cuda.synchronize()
+            row[f"{side}_first_step_s"] = time.perf_counter() - t0  # the kernels' compiles included
             row[f"{side}_peak_bytes"] = torch.cuda.max_memory_allocated() - base
-            row[f"_{side}_logits"] = logits.detach()
+            kept[side] = logits.detach()
             if side == "ours":
                 again = step()[1]
                 row["ours_deterministic"] = all(torch.equal(a, b) for a, b in zip(grads, again))
                 del again
             del logits, grads
-            row[f"{side}_ms"] = _bench(lambda: step())
+            # a step is ~0.3-0.4 s: a few timed steps, not one
+            row[f"{side}_ms"] = _bench(lambda: step(), rep=1200)
+            save()
             if PROFILE:
                 from benchmarks.bench_mamba_ssm_h200 import kernel_table
 
                 row[f"{side}_profile"] = kernel_table(torch, step, top=40)
-        lo, ls = row.pop("_ours_logits", None), row.pop("_stock_logits", None)
-        if lo is not None and ls is not None:
-            row["logits_rel_diff"] = ((lo.float() - ls.float()).norm() / ls.float().norm()).item()
-        del lo, ls
-        res["train"].append(row)
+                save()
+        if len(kept) == 2:
+            lo, ls = kept["ours"].float(), kept["stock"].float()
+            row["logits_rel_diff"] = ((lo - ls).norm() / ls.norm()).item()
+            del lo, ls
+        del kept
         save()
         torch.cuda.empty_cache()
 
@@ -569,12 +600,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None) -> None:
+def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None, long: bool = False) -> None:
     """The whole model (Nemotron-3-Nano-30B-A3B- or Nemotron-H-8B-shaped, random bf16 weights) on the
     triton backend against ``stock_hybrid``'s stock model on the same weights (one copy of the routed
     experts, shared): the trainer's forward (all logits) and decode steps in CUDA graphs, one cell at a
     time, the JSON after each. Decode states are random (timing only); ``bitwise`` is null here, the
-    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py)."""
+    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py). ``long``: only the
+    cells ``quick`` leaves out (the later forward cells, 16k contexts)."""
     from aligned_mamba.contract import Contract
     from aligned_mamba.decode_graph import DecodeGraphs
     from aligned_mamba.models import build_model
@@ -586,6 +618,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
     ms = _import_mamba_ssm(mamba_ssm)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
     weights = LazyWeights(config, 0)
     model = build_model(config, weights, Contract(chunk_size=256, backend="triton", model_dtype="bfloat16"),
                         device="cuda")
@@ -609,10 +642,15 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         fwd = [(4, 2048)] if quick else [(4, 2048), (4, 4096), (1, 32768)]
     else:
         fwd = [(4, 4096)] if quick else [(4, 4096), (1, 32768)]
+    if long:
+        fwd = fwd[1:]
+    build_s = time.perf_counter() - t_build
+    res["whole"][label]["build_s"] = build_s
+    print(f"{label}: both models built in {build_s:.1f} s", flush=True)
     for Bsz, L in fwd:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         seqs, ids_d = list(ids), ids.cuda()
-        row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L)
+        row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L, **({"commit": res["commit"]} if long else {}))
         try:
             with torch.no_grad():
                 lo = torch.cat(model.forward(seqs))
@@ -627,14 +665,15 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         res["forward"].append(row)
         save()
         torch.cuda.empty_cache()
-    for ctx in ((4096,) if quick or which == "tiny" else (4096, 16384)):
+    for ctx in ((4096,) if quick or which == "tiny" else (16384,) if long else (4096, 16384)):
         per_seq = model.state_bytes_per_sequence(ctx + 64)
         for B in (1, 64, 256):
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0]
             # ours' cache (B + 1 slots: the graphs' spare) must fit with room for the graph's activations
             run_b = min(B, int(0.85 * free / per_seq) - 1)
-            row = dict(shape=label, batch=B, context=ctx, graph=True, bitwise=None, ours_state_bytes_per_seq=per_seq)
+            row = dict(shape=label, batch=B, context=ctx, graph=True, bitwise=None, ours_state_bytes_per_seq=per_seq,
+                       **({"commit": res["commit"]} if long else {}))
             if run_b < B:
                 row["batch_run"] = run_b
                 row["note"] = f"ours' cache for {B + 1} slots does not fit beside the weights; run at batch {run_b}"
@@ -691,6 +730,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--long", action="store_true", help="whole models: only the cells --quick leaves out (with "
+                    "--merge, the section's earlier cells are kept)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--sections", default=",".join(s for s in OWNED if s != "tiny"),
                     help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
@@ -716,7 +757,7 @@ def main() -> int:
         kept = old.get("sections") or {s: {k: old.get(k) for k in stamp} for s in ("attention", "mlp", "sweep",
                                                                                      "model")}
         for sec, owned in OWNED.items():
-            if sec not in sections:
+            if sec not in sections or (a.long and sec in WHOLE):
                 for key, pick in owned:
                     res[key] += [r for r in old.get(key, []) if pick is None or pick(r)]
         for key in ("model", "copy_bandwidth_bytes_per_s", "train_note", "train_note_nano", "bwd_config", "whole"):
@@ -748,7 +789,7 @@ def main() -> int:
                      ("tiny", lambda: whole_cells(res, save, "tiny", a.quick, a.mamba_ssm)),
                      ("nano", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm)),
                      ("nano_train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm, "nano")),
-                     ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm)),
+                     ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm, a.long)),
                      ("bwd_determinism", lambda: bwd_determinism_cells(res, save))):
         if fn is None or name not in sections:
             continue
@@ -766,7 +807,8 @@ def main() -> int:
         print(f"attn {r['phase']:7s} {r['shape']:24s} ours {r['ours_ms']:8.3f} ms stock {r['stock_ms']:8.3f} ms",
               extra)
     for r in res["mlp"]:
-        print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms")
+        print(f"mlp {r['shape']:20s} ours {r['ours_ms']:.3f} ms stock {r['stock_ms']:.3f} ms unfused",
+              r.get("unfused_ms"))
     for r in res["sweep"]:
         print("sweep", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     def ms(v) -> str:

@@ -103,6 +103,8 @@ class MLP(Stateless):
         """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size] (model dtype)."""
         x = hidden if rows is None else hidden[rows]
         be = self.backend
+        if be.mlp_relu2 is not None and not self.sliced:  # the same bits, relu2 in the GEMMs' epilogues
+            return be.mlp_relu2(x, self.up_w, self.up_b, self.down_w, self.down_b)
         h = be.relu2(be.linear(x, self.up_w, self.up_b))
         if self.sliced:
             return self.row_parallel(h, self.down_slices, self.down_b, slices=self.slices,

@@ -90,6 +90,10 @@ class Ops:
     moe_experts: Callable[..., Tensor]
     #: whether ``moe_experts`` takes every expert's weights stacked rather than one list entry per expert
     stacked_experts: bool = False
+    #: (x [M, d], up_w [f, d], up_b, down_w [d, f], down_b) -> [M, d]: the squared-ReLU MLP with the bits of
+    #: ``linear(relu2(linear(x, up_w, up_b)), down_w, down_b)`` in fewer passes (``linear.triton_relu2``).
+    #: None: the MLP composes those three ops itself
+    mlp_relu2: Callable[..., Tensor] | None = None
     #: x [M, k] @ w [N, k]^T -> [M, N] float32, not rounded: ``linear`` before its bias and rounding, a
     #: row-parallel layer's partial over one K slice (``linear.sliced``); w raw or from ``linear_weight``.
     #: None where the backend has no such form (the layers then refuse row_parallel_slices > 1)
@@ -156,6 +160,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
     from .conv1d import triton as conv_triton
     from .elementwise import triton as elementwise_triton
     from .linear import triton as linear_triton
+    from .linear import triton_relu2 as linear_relu2
     from .linear import triton_tree
     from .logprobs import triton as logprobs_triton
     from .moe import triton as moe_triton
@@ -182,6 +187,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         attention=functools.partial(attention_triton.attention, cfg=c),
         attention_packed=functools.partial(attention_triton.attention_packed, cfg=c),
         moe_experts=functools.partial(moe_triton.moe_experts, cfg=c), stacked_experts=True,
+        mlp_relu2=functools.partial(linear_relu2.mlp_relu2, cfg=c),
     )
 
 
@@ -201,11 +207,14 @@ class Backend:
 
     def replace(self, **forms: Callable[..., Any]) -> Backend:
         """This backend with the named ops' forms replaced (the baseline's scan, say). A new ``linear``
-        reaches the experts' form too where that form was bound to the old one."""
+        reaches the experts' form too where that form was bound to the old one, and a new ``linear`` or
+        ``relu2`` the MLP (its fused form is dropped)."""
         experts = self.ops.moe_experts
         if ("linear" in forms and "moe_experts" not in forms and isinstance(experts, functools.partial)
                 and experts.keywords.get("linear") is self.ops.linear):
             forms["moe_experts"] = functools.partial(experts, linear=forms["linear"])
+        if ("linear" in forms or "relu2" in forms) and "mlp_relu2" not in forms:
+            forms["mlp_relu2"] = None  # the fused MLP would bypass the new form: the MLP composes them
         new = copy.copy(self)
         Backend.__init__(new, self.configs, self.device, dataclasses.replace(self.ops, **forms))
         return new

@@ -84,6 +84,8 @@ elif PART == "forward":
 else:
     done["bf16 relu2 bwd"] = comp(et._relu2_bwd_kernel, dict(x_ptr="*bf16", g_ptr="*bf16", dx_ptr="*bf16"),
                                   dict(BLOCK=cfg.relu2_block), 4, 1)
+    done["bf16 D128 bwd delta"] = comp(ab._delta_kernel, dict(o_ptr="*bf16", do_ptr="*bf16", delta_ptr="*fp32"),
+                                       dict(D=128, BLOCK_R=64), 4, 1)
 if PART != "paged":
     for r in done.values():
         r.pop("arith")
@@ -95,11 +97,11 @@ print(json.dumps(done))
 @pytest.mark.parametrize("part", ["forward", "backward"])  # two processes: each within the script's time limit
 def test_attention_kernels_compile_for_sm90(part, sm90_cache):
     done = run_sm90_script(_COMPILE.replace("%PART%", part), sm90_cache)
-    assert len(done) == (2 * 2 * 4 * 3 if part == "forward" else (2 * 3 + 1) * 2) + 1, sorted(done)
+    assert len(done) == (2 * 2 * 4 * 3 + 1 if part == "forward" else (2 * 3 + 1) * 2 + 2), sorted(done)
     for name, r in done.items():
         if name.startswith("bf16") and "bwd" not in name:  # (an fp32 model's IEEE dot is FMAs by construction)
             assert r["fma"] == 0, (name, r)  # no contraction around the dots (the launcher's why)
-        if name.startswith("bf16") and ("prefill" in name or "bwd d" in name):
+        if name.startswith("bf16") and ("prefill" in name or "bwd dkdv" in name or "bwd dq" in name):
             assert r["wgmma"], (name, r)  # the prefill tile and the backward run on Hopper's warpgroup MMA
 
 

@@ -128,15 +128,19 @@ SMALL = dict(hidden_size=256, vocab_size=512, mamba_num_heads=8, mamba_head_dim=
              intermediate_size=512, chunk_size=64)
 
 
-def _hybrid(layout: str):
+def _hybrid(layout: str, **configs):
+    """The layout's bf16 hybrid on the triton backend; ``configs`` replace kernel config fields."""
+    import dataclasses
+
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.nemotron_h import make_tiny_hybrid
 
     over = dict(HYBRIDS[layout])
     cfg, tensors = make_tiny_hybrid(11, dtype="bfloat16", pattern=over.pop("pattern"), **{**SMALL, **over})
-    return build_model(cfg, tensors, Contract(chunk_size=cfg.chunk_size, backend="triton", model_dtype="bfloat16"),
-                       device="cuda")
+    contract = Contract(chunk_size=cfg.chunk_size, backend="triton", model_dtype="bfloat16",
+                        kernel_configs=dataclasses.replace(_cfg(), **configs))
+    return build_model(cfg, tensors, contract, device="cuda")
 
 
 @pytest.mark.parametrize("layout", sorted(HYBRIDS))
@@ -228,6 +232,32 @@ def test_relu2_backward_is_the_torch_forms_gradient() -> None:
     (ga,), (gb,) = torch.autograd.grad(ya, a, g), torch.autograd.grad(yb, b, g)
     assert torch.equal(ga, gb)
     assert not torch.equal(ga, (2 * x.float() * g.float()).clamp_min(0).to(BF16)), "the check is vacuous"
+
+
+@pytest.mark.parametrize("hidden,inter,bias", [(4096, 21504, False), (256, 512, True)])
+def test_fused_mlp_has_the_composed_ops_bits(hidden: int, inter: int, bias: bool) -> None:
+    """The MLP with relu2 in the up GEMM's epilogue gives every row the bits of linear, relu2, linear
+    (each row of a call of M rows, M across the decode, mid and large tiles); relu2 of the unrounded
+    accumulator (one rounding fewer) differs, so the comparison can fail."""
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
+    from aligned_mamba.ops.linear.triton import linear_triton
+    from aligned_mamba.ops.linear.triton_relu2 import linear_relu2_triton, mlp_relu2
+
+    cfg = _cfg()
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    up = (torch.randn(inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(BF16)
+    down = (torch.randn(hidden, inter, device="cuda", generator=g) / inter ** 0.5).to(BF16)
+    ub, db = ((0.1 * torch.randn(n, device="cuda", generator=g)) if bias else None for n in (inter, hidden))
+    x = torch.randn(4096, hidden, device="cuda", generator=g).to(BF16)
+    for M in (1, 5, 16, 17, 64, 200, 256, 1000, 4096):
+        u = linear_triton(x[:M], up, ub, cfg)
+        h = relu2_triton(u, cfg)
+        fh, fu = linear_relu2_triton(x[:M], up, ub, cfg, keep_pre=True)
+        assert torch.equal(fu, u) and torch.equal(fh, h), M
+        assert torch.equal(linear_relu2_triton(x[:M], up, ub, cfg)[0], h), M
+        assert torch.equal(mlp_relu2(x[:M], up, ub, down, db, cfg=cfg), linear_triton(h, down, db, cfg)), M
+    acc = x[:256].float() @ up.float().T + (0 if ub is None else ub)
+    assert not torch.equal(torch.relu(acc).square().to(BF16), linear_relu2_triton(x[:256], up, ub, cfg)[0])
 
 
 def _leaves(tensors: dict, device: str) -> dict:
@@ -410,3 +440,40 @@ def test_hybrid_graph_decode_over_pages_equals_the_single_pass(B: int) -> None:
 
     assert_graph_decode_equals_single_pass(_hybrid("two_attention_gqa8_d64"), B, steps=40, max_start=900,
                                            page_size=64)
+
+
+def test_the_engine_preempts_when_pages_run_short_and_keeps_the_bits() -> None:
+    """The reference engine on the GPU (triton backend, a paged KV cache, decode steps in CUDA graphs)
+    with 3 slots over 8 pages of 64 keys, fewer than its requests need together: it preempts the newest
+    request whenever a step needs more pages than are free and recomputes it later, and every request's
+    tokens and rows are those of an engine with pages to spare and the trainer's single pass. The
+    baseline, the single pass of the same weights with a key block of 128, differs on the long rows."""
+    from aligned_mamba.engine import SamplerEngine
+
+    model = _hybrid("two_attention_gqa8_d64")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, SMALL["vocab_size"], (n,), generator=g).tolist() for n in (70, 300, 150, 20)]
+
+    def run(num_pages: int | None):
+        e = SamplerEngine(model, num_slots=3, max_batch_tokens=96, max_len=384, page_size=64, num_pages=num_pages)
+        assert e.graphs is not None
+        reqs = [e.add_request(p, 40) for p in prompts]
+        e.run()
+        assert e.cache.pages.pages_free == e.cache.pages.num_pages - 1  # the graphs' spare slot keeps one
+        return reqs
+
+    roomy, tight = run(None), run(8)
+    assert sum(r.preemptions for r in tight) > 0 and sum(r.preemptions for r in roomy) == 0
+    with torch.no_grad():
+        ref = model.forward([torch.tensor(r.tokens[:-1]) for r in tight])
+        other = _hybrid("two_attention_gqa8_d64", attn_block_n=128).forward([torch.tensor(r.tokens[:-1])
+                                                                             for r in tight])
+    differ = 0
+    for a, b, want, base in zip(roomy, tight, ref, other):
+        assert a.tokens == b.tokens
+        pos = [p for p, _ in b.rows]
+        got = torch.stack([x for _, x in b.rows])
+        assert torch.equal(got, want[pos]), b.req_id
+        assert torch.equal(torch.stack([x for _, x in a.rows]), want[[p for p, _ in a.rows]]), a.req_id
+        differ += int((got != base[pos]).any(-1)[torch.tensor(pos, device=got.device) >= 128].sum())
+    assert differ > 0, "a key block of 128 gave the long rows the same bits: the check cannot fail"

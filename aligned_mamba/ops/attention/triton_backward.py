@@ -179,6 +179,30 @@ def _dq_kernel(
     tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta[r] = sum_d o[r, d] dO[r, d] in fp32 for BLOCK_R of the R = Tq * H rows (o, dO contiguous)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, D)
+    inside = r < R
+    offs = r[:, None] * D + d[None, :]
+    o = tl.load(o_ptr + offs, mask=inside[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + offs, mask=inside[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + r, tl.sum(o * do, 1), mask=inside)
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """[Tq, H] fp32 rowsums of o * dO ([Tq, H, D] each): one pass, one fixed reduction per row (the
+    same bits run to run); torch's cast, product and sum made three fp32 copies of o's size."""
+    Tq, H, D = o.shape
+    o = o.contiguous()
+    delta = torch.empty(Tq, H, dtype=torch.float32, device=o.device)
+    if delta.numel():
+        block = max(1, 8192 // D)
+        _delta_kernel[(triton.cdiv(Tq * H, block),)](o, do, delta, Tq * H, D=D, BLOCK_R=block, num_warps=4)
+    return delta
+
+
 def _tables(cq: np.ndarray, ck: np.ndarray, rep: int, cfg: TritonKernelConfigs,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The two launches' tables from the host offsets: ([5, NB] dk/dv rows, [4, NT] dq rows, the
@@ -223,8 +247,7 @@ def attention_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cq = np.asarray(torch.as_tensor(cu_seqlens_q).cpu(), dtype=np.int64)
     ck = np.asarray(torch.as_tensor(cu_seqlens_k).cpu(), dtype=np.int64)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
-    # delta: the rows' dO . o in fp32 (a fixed reduction: the same bits run to run)
-    delta = (do.to(torch.float32) * o.to(torch.float32)).sum(-1).contiguous()
+    delta = _delta(o, do)  # the rows' dO . o in fp32
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if Tq == 0 or k.shape[0] == 0:
         return dq.zero_(), dk, dv
