@@ -56,6 +56,12 @@ class _Rebuilt(NamedTuple):
     offset: int
 
 
+class _Outer(NamedTuple):
+    """A saved tensor as an enclosing block's hooks packed it."""
+
+    packed: object
+
+
 @contextlib.contextmanager
 def recomputed_in_backward(out: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Tensors that autograd saves inside the block and that live in ``out``'s storage (``out`` and its
@@ -71,13 +77,19 @@ def recomputed_in_backward(out: torch.Tensor, recompute: Callable[[], torch.Tens
     live: list[torch.Tensor] = []
     views = [0, 0]  # views packed; views unpacked in this backward
 
-    def pack(t: torch.Tensor) -> torch.Tensor | _Rebuilt:
+    # hooks of an enclosing block (activation offloading, say) still get every other saved tensor
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)(False)
+    outer_pack, outer_unpack = top if top is not None else (None, None)
+
+    def pack(t: torch.Tensor) -> object:
         if t.device != device or t.untyped_storage().data_ptr() != storage:
-            return t
+            return t if outer_pack is None else _Outer(outer_pack(t))
         views[0] += 1
         return _Rebuilt(tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
-    def unpack(p: torch.Tensor | _Rebuilt) -> torch.Tensor:
+    def unpack(p: object) -> torch.Tensor:
+        if isinstance(p, _Outer):
+            return outer_unpack(p.packed)
         if not isinstance(p, _Rebuilt):
             return p
         if not live:

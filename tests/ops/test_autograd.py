@@ -206,3 +206,27 @@ def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(monkeypatc
     monkeypatch.setattr(Mamba2Mixer, "recompute", False)
     held = grads()
     assert all(torch.equal(u, v) for u, v in zip(again, held))
+
+
+def test_recomputed_output_leaves_enclosing_hooks_the_other_saved_tensors() -> None:
+    """Inside an enclosing ``saved_tensors_hooks`` block (activation offloading, say), the tensors that
+    are not views of the recomputed output still go through the enclosing hooks."""
+    from aligned_mamba.ops.autograd import recomputed_in_backward
+
+    a = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    b = torch.randn(8, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(tuple(t.shape))
+        return t.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = a.sin()
+        with recomputed_in_backward(out, lambda: a.detach().sin()):
+            y = (out[:, :3] * b).sum()
+    assert seen == [(8, 4), (8, 3)]  # sin's input a, then b (out's view is the recomputed one)
+    ga, gb = torch.autograd.grad(y, (a, b))
+    plain = a.sin()
+    want = torch.autograd.grad((plain[:, :3] * b).sum(), (a, b))
+    assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
