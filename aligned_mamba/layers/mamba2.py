@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
-from ..ops.autograd import grad_needed, recomputed_in_backward
+from ..ops.autograd import grad_needed, recomputed_in_backward, saved_tensors_hooked
 from ..ops.backend import Backend
 from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.ssd.state import SSDState, SSMParams
@@ -177,7 +177,9 @@ class Mamba2Mixer:
 
     kind = "mamba2"
     #: under autograd, run the conv and the gated norm again in the backward rather than hold their
-    #: outputs (saved by the scan and by out_proj) from the forward to it: the same bits, less memory
+    #: outputs (saved by the scan and by out_proj) from the forward to it: the same bits, less memory.
+    #: Not inside a saved_tensors_hooks block (checkpointing, offloading): the recompute holds its
+    #: inputs, which that block may mean to release
     recompute = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
@@ -256,7 +258,8 @@ class Mamba2Mixer:
         # gradients instead of a zero-filled full-width gradient per slice, summed
         z, xBC_in, dt = zxbcdt.split([d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim], dim=1)
         recompute = None
-        if self.recompute and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
+        recompute_ok = self.recompute and not saved_tensors_hooked()
+        if recompute_ok and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
             # the scan saves its x, B, C (the conv's output) for its backward; the backward runs the
             # conv again instead (one more forward launch, the same bits), so that they are not held
             # from the forward to the backward (as mamba_ssm's fused path does); xBC_in is held anyway
@@ -275,7 +278,7 @@ class Mamba2Mixer:
             y, z = y[rows], z[rows]
         if not self.sliced:
             yn = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
-            if not (self.recompute and grad_needed(yn)):
+            if not (recompute_ok and grad_needed(yn)):
                 return be.linear(yn, self.out_proj_w, self.out_proj_b)
             # out_proj saves its input (the norm's output) for its weight's gradient: the backward runs
             # the norm again from y and z (which the norm saves anyway) rather than hold it

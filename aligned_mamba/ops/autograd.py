@@ -48,6 +48,12 @@ def wanted(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor | None
     return (*(gr if n else None for gr, n in zip(grads, needs)), *([None] * (len(needs) - len(grads))))
 
 
+def saved_tensors_hooked() -> bool:
+    """Whether a ``saved_tensors_hooks`` block (activation checkpointing or offloading) is active."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 class _Rebuilt(NamedTuple):
     """A saved view of a recomputed tensor: its geometry in that tensor's storage."""
 

@@ -230,3 +230,29 @@ def test_recomputed_output_leaves_enclosing_hooks_the_other_saved_tensors() -> N
     plain = a.sin()
     want = torch.autograd.grad((plain[:, :3] * b).sum(), (a, b))
     assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
+
+
+def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> None:
+    """Inside a ``saved_tensors_hooks`` block (checkpointing, offloading) the mixer does not recompute
+    (its recompute would hold inputs the block may release): no ``recomputed_in_backward`` there, two a
+    layer outside (the baseline)."""
+    from aligned_mamba.layers import mamba2 as m2
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(13)) for n in (9, 4)]
+    calls = []
+    real = m2.recomputed_in_backward
+
+    def spy(out, recompute):
+        calls.append(tuple(out.shape))
+        return real(out, recompute)
+
+    monkeypatch.setattr(m2, "recomputed_in_backward", spy)
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
+    build_model(config, leaves, contract).forward(seqs)
+    assert len(calls) == 2 * config.num_hidden_layers
+    calls.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        build_model(config, leaves, contract).forward(seqs)
+    assert not calls
