@@ -10,9 +10,7 @@ sequences of 4 x 2048 and 1 x 16384 tokens, width 4, mamba2-1.3b's and mamba2-2.
 Each variant (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps) is timed (CUDA-event median) and
 compared with the pinned launch: dx bit for bit (a row's dx does not depend on the tile), dweight
 and dbias by relative norm (their row-block partial sums follow conv_bwd_block_t), and two calls bit
-for bit. Beside them, where ``aligned_mamba/ops/conv1d/triton_before.py`` holds a copy of the module
-before the walk (the tile kernel of a738e93), that kernel at its pinned launch. The stock:
-causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
+for bit. The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import os
 import sys
@@ -37,10 +34,8 @@ from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noq
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 # (block_t, block_c, warps): the pinned launch first
-VARIANTS = [(64, 128, 1), (32, 128, 1), (128, 128, 1), (256, 128, 1), (16, 128, 1), (64, 64, 1), (128, 64, 1),
-            (64, 256, 1), (64, 256, 2), (128, 256, 2), (32, 256, 2), (128, 512, 4)]
-# the kernel before the walk (a738e93's tile kernel), timed beside it where a copy of that module is importable
-BEFORE = ("aligned_mamba.ops.conv1d.triton_before", (32, 64, 4))
+VARIANTS = [(32, 64, 4), (32, 64, 8), (16, 64, 4), (16, 128, 4), (16, 128, 8), (64, 64, 8), (8, 128, 4),
+            (8, 256, 4), (16, 32, 4), (32, 32, 4), (32, 128, 8), (64, 128, 8)]
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
 CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384)]
 
@@ -91,7 +86,7 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     shapes = {"tiny": (64, 16, 4)} if dry else SHAPES
     cells = [("2x40", 2, 40)] if dry else CELLS
-    variants = [(8, 32, 1), (16, 32, 2)] if dry else VARIANTS
+    variants = [(8, 32, 4), (16, 32, 4)] if dry else VARIANTS
     res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                commit=os.environ.get("GIT_COMMIT", "unknown"),
@@ -125,20 +120,6 @@ def main() -> int:
                     e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
                 except Exception as exc:  # noqa: BLE001
                     e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                res["cells"].append(e)
-                print(json.dumps(e), flush=True)
-            try:
-                mod = importlib.import_module(BEFORE[0])
-            except ImportError:
-                mod = None
-            if mod is not None:
-                bt, bc, nw = BEFORE[1]
-                cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
-                out = mod.causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
-                e = dict(shape=name, cell=label, tokens=T, channels=Cd, before="tile kernel (a738e93)", block_t=bt,
-                         block_c=bc, warps=nw, dx_equal_first=bool(torch.equal(out[0], ref[0])),
-                         dw_rel_first=rel(out[1], ref[1]), db_rel_first=rel(out[2], ref[2]),
-                         ms=timed(lambda c=cfg: mod.causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps))
                 res["cells"].append(e)
                 print(json.dumps(e), flush=True)
             if not dry:

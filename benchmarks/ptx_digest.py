@@ -10,7 +10,7 @@ with every edit of the source file. Shapes are the 128-head, 8-group mixer of th
 (head dim 64, state 128, chunk 256); each kernel is compiled for fp32 models (fp32 FMA dots) and
 bf16 models (tensor-core dots, programmatic dependent launch where the launcher uses it). The
 linear GEMM (``ops/linear/triton.py``) is compiled in every plan of the pinned configs at the model
-widths, TMA and pointer forms, bf16 and fp32 (``linear/...`` entries); the conv1d kernels (``conv/...``).
+widths, TMA and pointer forms, bf16 and fp32 (``linear/...`` entries).
 Constexprs a kernel no longer has are dropped, and the pinned values of ones it used to have
 are passed to older sources (``LEGACY``), so that the same script can read past commits.
 """
@@ -35,7 +35,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.linear import triton as lt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
@@ -118,28 +117,6 @@ def configs():
            dict(D, BLOCK_L=D["L"], ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True, {})
 
 
-def conv_configs():
-    """(name, kernel, types, constexprs, fp fusion, options) of the conv1d kernels at width 4, as their
-    launchers run them: the forward and window update (the contract's bits) and the backward (gradients
-    only), whose row block was BLOCK_T before the walk and is ROWS since."""
-    t = dict(x_ptr=BF, cu_ptr=I64, slots_ptr=I64, win_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, g_ptr=BF, dx_ptr=BF,
-             **{n: "i32" for n in ("T", "S", "Cd", "NB", "SEARCH_STEPS", "stride_x", "stride_ws", "stride_wk",
-                                   "stride_out", "stride_g")})
-    for bias in (0, 1):
-        yield (f"conv/forward/bias{bias}", ct._conv_kernel, t,
-               dict(K=4, HAS_BIAS=bool(bias), SILU=True, BLOCK_T=CFG.conv_block_t, BLOCK_C=CFG.conv_block_c), False,
-               dict(num_warps=4))
-    yield ("conv/window", ct._window_kernel, t, dict(K=4, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c), True,
-           dict(num_warps=4))
-    for bias in (0, 1):
-        yield (f"conv/backward/bias{bias}", ct._conv_bwd_kernel, t,
-               dict(K=4, HAS_BIAS=bool(bias), BLOCK_T=CFG.conv_bwd_block_t, ROWS=CFG.conv_bwd_block_t,
-                    BLOCK_C=CFG.conv_bwd_block_c), True, dict(num_warps=CFG.conv_bwd_warps))
-    if hasattr(ct, "_partials_kernel"):
-        yield ("conv/backward/partials", ct._partials_kernel, dict(dwo_ptr=BF, dbo_ptr=BF, NB="i32", Cd="i32"),
-               dict(K=4, HAS_BIAS=True, BLOCK_B=16, BLOCK_C=128), True, dict(num_warps=4))
-
-
 def linear_configs():
     """(name, kernel, types, constexprs, fp fusion, options) of every pinned linear GEMM plan at the model
     widths (the plans of decode, mid and prefill row counts), as ``linear_triton`` launches them."""
@@ -174,7 +151,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="the kernels whose names start with this (linear/, say)")
     args = ap.parse_args()
     digests = {}
-    for name, fn, types, consts, fuse, opts in (*configs(), *conv_configs(), *linear_configs()):
+    for name, fn, types, consts, fuse, opts in (*configs(), *linear_configs()):
         if not name.startswith(args.only):
             continue
         ptx = compile_ptx(fn, types, consts, fuse, opts)
