@@ -14,7 +14,9 @@ norm.weight [intermediate], out_proj.weight [hidden, intermediate], out_proj.bia
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
+from ..ops.autograd import grad_needed, recomputed_in_backward, saved_tensors_hooked
 from ..ops.backend import Backend
 from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.ssd.state import SSDState, SSMParams
@@ -109,6 +112,12 @@ def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -
     return StateSpec(tuple(fields))
 
 
+def _conv_again(be: Backend, windows: torch.Tensor, batch: Step, x: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None) -> torch.Tensor:
+    """The conv's output [T, conv_dim] once more, from a copy of the windows as they were before it."""
+    return be.conv_advance(windows.clone(), batch, x, w, b)
+
+
 def _groups(config: Mamba2MixerConfig, group: TPGroup) -> range:
     """The B/C groups rank ``group.rank`` holds (``parallel.shared``)."""
     return shared(config.n_groups, group, "n_groups")
@@ -167,6 +176,11 @@ class Mamba2Mixer:
     """
 
     kind = "mamba2"
+    #: under autograd, run the conv and the gated norm again in the backward rather than hold their
+    #: outputs (saved by the scan and by out_proj) from the forward to it: the same bits, less memory.
+    #: Not inside a saved_tensors_hooks block (checkpointing, offloading): the recompute holds its
+    #: inputs, which that block may mean to release
+    recompute = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
 
@@ -242,19 +256,35 @@ class Mamba2Mixer:
         zxbcdt = be.linear(hidden, self.in_proj_w, self.in_proj_b)
         # split, not three slices: the same views, but under autograd one concatenation of the parts'
         # gradients instead of a zero-filled full-width gradient per slice, summed
-        z, xBC, dt = zxbcdt.split([d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim], dim=1)
-        xBC = be.conv_advance(state.conv_window, batch, xBC, self.conv_w, self.conv_b)
+        z, xBC_in, dt = zxbcdt.split([d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim], dim=1)
+        recompute = None
+        recompute_ok = self.recompute and not saved_tensors_hooked()
+        if recompute_ok and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
+            # the scan saves its x, B, C (the conv's output) for its backward; the backward runs the
+            # conv again instead (one more forward launch, the same bits), so that they are not held
+            # from the forward to the backward (as mamba_ssm's fused path does); xBC_in is held anyway
+            # (a view of in_proj's output, which z and dt keep)
+            recompute = functools.partial(_conv_again, be, state.conv_window.clone(), batch, xBC_in.detach(),
+                                          self.conv_w.detach(), None if self.conv_b is None else self.conv_b.detach())
+        xBC = be.conv_advance(state.conv_window, batch, xBC_in, self.conv_w, self.conv_b)
         x, B, C = xBC.split([d, G * N, G * N], dim=1)
         x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
-        y = be.ssd_advance(state.ssd, batch, x, dt, B, C, self.params, rows)  # [T, H, P], the SSD advance
+        with recomputed_in_backward(xBC, recompute) if recompute is not None else contextlib.nullcontext():
+            y = be.ssd_advance(state.ssd, batch, x, dt, B, C, self.params, rows)  # [T, H, P], the SSD advance
         if capture is not None:
             capture.append(dict(x=x, dt=dt, B=B, C=C, y=y, params=self.params, cu_seqlens=batch.cu_seqlens))
         y = y.reshape(T, d)
         if rows is not None:
             y, z = y[rows], z[rows]
         if not self.sliced:
-            y = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
-            return be.linear(y, self.out_proj_w, self.out_proj_b)
+            yn = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
+            if not (recompute_ok and grad_needed(yn)):
+                return be.linear(yn, self.out_proj_w, self.out_proj_b)
+            # out_proj saves its input (the norm's output) for its weight's gradient: the backward runs
+            # the norm again from y and z (which the norm saves anyway) rather than hold it
+            again = functools.partial(be.gated_rms_norm, y.detach(), z.detach(), self.norm_w.detach(), c.norm_eps, G)
+            with recomputed_in_backward(yn, again):
+                return be.linear(yn, self.out_proj_w, self.out_proj_b)
         group = self.tp or TPGroup.single()
         y = be.gated_rms_norm_sliced(y, z, self.norm_w, c.norm_eps, self.full_config.n_groups, slices=self.slices,
                                      group=group)

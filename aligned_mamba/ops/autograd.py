@@ -18,7 +18,8 @@ whose threading does it is not isolated yet; benchmarks/README.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -45,3 +46,71 @@ def wanted(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor | None
     None for the rest (configs and other non-tensor arguments)."""
     needs = ctx.needs_input_grad
     return (*(gr if n else None for gr, n in zip(grads, needs)), *([None] * (len(needs) - len(grads))))
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether a ``saved_tensors_hooks`` block (activation checkpointing or offloading) is active."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+class _Rebuilt(NamedTuple):
+    """A saved view of a recomputed tensor: its geometry in that tensor's storage."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Outer(NamedTuple):
+    """A saved tensor as an enclosing block's hooks packed it."""
+
+    packed: object
+
+
+@contextlib.contextmanager
+def recomputed_in_backward(out: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """Tensors that autograd saves inside the block and that live in ``out``'s storage (``out`` and its
+    views) are kept as their geometry only, and rebuilt in the backward from ``recompute()``, which must
+    return ``out``'s values in ``out``'s layout (the same kernel on the same inputs: the same bits).
+    So ``out`` is freed when the forward drops it rather than held to the backward, for one more run
+    of its op in the backward (once per backward, shared by every view it rebuilds; run without grad;
+    held from the first view's rebuilding to the last's)."""
+    # nothing here may hold out itself (the closures outlive the block)
+    storage, device = out.untyped_storage().data_ptr(), out.device
+    layout = (tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, device)
+    # the recomputed tensor, held from the first view's unpacking to the last of this backward
+    live: list[torch.Tensor] = []
+    views = [0, 0]  # views packed; views unpacked in this backward
+
+    # hooks of an enclosing block (activation offloading, say) still get every other saved tensor
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)(False)
+    outer_pack, outer_unpack = top if top is not None else (None, None)
+
+    def pack(t: torch.Tensor) -> object:
+        if t.device != device or t.untyped_storage().data_ptr() != storage:
+            return t if outer_pack is None else _Outer(outer_pack(t))
+        views[0] += 1
+        return _Rebuilt(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def unpack(p: object) -> torch.Tensor:
+        if isinstance(p, _Outer):
+            return outer_unpack(p.packed)
+        if not isinstance(p, _Rebuilt):
+            return p
+        if not live:
+            with torch.no_grad():
+                full = recompute()
+            got = (tuple(full.shape), tuple(full.stride()), full.storage_offset(), full.dtype, full.device)
+            if got != layout:
+                raise RuntimeError(f"recomputed tensor {got} does not have the saved one's layout {layout}")
+            live.append(full)
+        view = live[0].as_strided(p.shape, p.stride, p.offset)
+        views[1] += 1
+        if views[1] == views[0]:  # every view of this backward rebuilt: a second backward recomputes
+            live.clear()
+            views[1] = 0
+        return view
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -9,6 +9,7 @@ gradients on changes no forward bit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -145,3 +146,113 @@ def test_tiny_model_gradients_match_fp64_reference() -> None:
     assert math.isclose(float(loss.detach()), float(ref_loss.detach()), rel_tol=1e-5)
     errs = {k: rel_err(leaves[k].grad, ref[k].grad) for k in tensors}
     assert all(e < GRAD_RTOL for e in errs.values()), {k: e for k, e in errs.items() if e >= GRAD_RTOL}
+
+
+# -- an output recomputed in the backward instead of saved -----------------------------------------------
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["recomputed", "saved (baseline)"])
+def test_recomputed_output_is_freed_after_the_forward_and_gives_the_same_gradient(hooked: bool) -> None:
+    """A consumer saves two views of an op's output (as the scan saves x, B, C of the conv's): under
+    ``recomputed_in_backward`` the output is freed once the forward drops it, and the backward, from the
+    recomputed output (twice, with retain_graph), gives the saved path's gradient bit for bit; without
+    it (the baseline) the saved views hold the output to the backward."""
+    import weakref
+
+    from aligned_mamba.ops.autograd import recomputed_in_backward
+
+    a = torch.randn(64, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    calls = []
+
+    def again() -> torch.Tensor:
+        calls.append(1)
+        return a.detach().sin()
+
+    def loss() -> tuple[torch.Tensor, weakref.ref]:
+        out = a.sin()  # sin saves its input, not its output
+        with recomputed_in_backward(out, again) if hooked else contextlib.nullcontext():
+            y = (out[:, :3] * out[:, 2:5]).sum()
+        return y, weakref.ref(out)
+
+    y, ref = loss()
+    assert (ref() is None) == hooked
+    g1 = torch.autograd.grad(y, a, retain_graph=True)[0]
+    g2 = torch.autograd.grad(y, a)[0]
+    plain = a.sin()
+    want = torch.autograd.grad((plain[:, :3] * plain[:, 2:5]).sum(), a)[0]
+    assert torch.equal(g1, want) and torch.equal(g2, want)
+    assert len(calls) == (2 if hooked else 0)  # one recompute per backward, shared by both views
+
+
+def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(monkeypatch) -> None:
+    """The mixer's backward runs the conv and the gated norm again (``Mamba2Mixer.recompute``) rather
+    than hold their outputs: every gradient has the bits of the run that holds them."""
+    from aligned_mamba.layers.mamba2 import Mamba2Mixer
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 9)]
+    targets = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 9)]
+
+    def grads() -> list[torch.Tensor]:
+        leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+        contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
+        logits = build_model(config, leaves, contract).forward(seqs)
+        loss = -sum(log_softmax(lg).gather(-1, t[:, None]).sum() for lg, t in zip(logits, targets))
+        return list(torch.autograd.grad(loss, [leaves[k] for k in sorted(leaves)]))
+
+    assert Mamba2Mixer.recompute
+    again = grads()
+    monkeypatch.setattr(Mamba2Mixer, "recompute", False)
+    held = grads()
+    assert all(torch.equal(u, v) for u, v in zip(again, held))
+
+
+def test_recomputed_output_leaves_enclosing_hooks_the_other_saved_tensors() -> None:
+    """Inside an enclosing ``saved_tensors_hooks`` block (activation offloading, say), the tensors that
+    are not views of the recomputed output still go through the enclosing hooks."""
+    from aligned_mamba.ops.autograd import recomputed_in_backward
+
+    a = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    b = torch.randn(8, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(tuple(t.shape))
+        return t.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = a.sin()
+        with recomputed_in_backward(out, lambda: a.detach().sin()):
+            y = (out[:, :3] * b).sum()
+    assert seen == [(8, 4), (8, 3)]  # sin's input a, then b (out's view is the recomputed one)
+    ga, gb = torch.autograd.grad(y, (a, b))
+    plain = a.sin()
+    want = torch.autograd.grad((plain[:, :3] * b).sum(), (a, b))
+    assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
+
+
+def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> None:
+    """Inside a ``saved_tensors_hooks`` block (checkpointing, offloading) the mixer does not recompute
+    (its recompute would hold inputs the block may release): no ``recomputed_in_backward`` there, two a
+    layer outside (the baseline)."""
+    from aligned_mamba.layers import mamba2 as m2
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(13)) for n in (9, 4)]
+    calls = []
+    real = m2.recomputed_in_backward
+
+    def spy(out, recompute):
+        calls.append(tuple(out.shape))
+        return real(out, recompute)
+
+    monkeypatch.setattr(m2, "recomputed_in_backward", spy)
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
+    build_model(config, leaves, contract).forward(seqs)
+    assert len(calls) == 2 * config.num_hidden_layers
+    calls.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        build_model(config, leaves, contract).forward(seqs)
+    assert not calls

@@ -449,7 +449,8 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
         # x and dy, the large ones, are read where they lie and dx is written there (the kernels take
         # strides); B and C (G rows a token) are copied to fp32 grids
-        xr, gr = (t if t.is_contiguous() else t.contiguous() for t in (x, gy))
+        # (any row stride: the layer's x is a column slice of the conv's output, read in place)
+        xr, gr = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (x, gy))
         dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype)
         ch = Chunks(x=grid_view(xr), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
                     row_chunk=grid.row_chunk, row_pos=grid.row_pos)

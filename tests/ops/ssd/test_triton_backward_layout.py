@@ -6,7 +6,8 @@ and dC (now summed over the program's heads in the kernel) within fp32 rounding 
 deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
-they lie (strided views of the packed rows, dx rounded to bf16 in the kernel); that gives the bits
+they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
+slice of a wider tensor, as the layer passes it, with the bits of a contiguous x); that gives the bits
 the general packing (fp32 chunk grids, dx rounded by torch) gives, but for dD's summation order
 (within fp32 rounding), and two backwards are equal.
 """
@@ -101,6 +102,12 @@ def test_gpu_bf16_rows_in_place_give_the_packed_grids_bits():
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(6)).to(DEV, torch.bfloat16)
     got = _backward(lv, gy, lens, chunk, cfg)
     assert all(torch.equal(u, v) for u, v in zip(got, _backward(lv, gy, lens, chunk, cfg)))
+    # x as the layer passes it: a column slice of the conv's output (row stride H P + 2 G N), read in place
+    wide = torch.zeros(sum(lens), H * P + 2 * G * N, device=DEV, dtype=torch.bfloat16)
+    wide[:, :H * P] = lv["x"].reshape(sum(lens), H * P)
+    sliced = dict(lv, x=wide[:, :H * P].view(sum(lens), H, P))
+    assert not sliced["x"].is_contiguous()
+    assert all(torch.equal(u, v) for u, v in zip(got, _backward(sliced, gy, lens, chunk, cfg)))
     S = len(lens)
     zero = (torch.zeros(S, H, chunk, P, device=DEV, dtype=torch.bfloat16),
             torch.zeros(S, H, chunk, device=DEV, dtype=torch.bfloat16),
