@@ -14,7 +14,7 @@ _COMPILE = r"""
 import inspect, json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
 from triton.compiler import ASTSource
-from sm90_offline import compile_until
+from sm90_offline import compile_until, launch_constexprs
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.attention import triton as at
 from aligned_mamba.ops.attention import triton_backward as ab
@@ -26,6 +26,7 @@ done = {}
 
 
 def comp(fn, types, consts, warps, stages):
+    consts = launch_constexprs(fn, consts)  # as a launch binds them (STORE_LSE, PAGED): no runtime branches
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -108,8 +109,8 @@ def test_attention_kernels_compile_for_sm90(part, sm90_cache):
 @pytest.mark.slow
 def test_the_paged_kernel_compiles_for_sm90_with_the_slot_caches_arithmetic(sm90_cache):
     """The launch over a paged cache (``PAGED``: the block table read on the device) for sm_90: no FMA
-    contraction, bf16 prefill on warpgroup MMA, and the same float operations (bf16: in the same order)
-    as the slot cache's launch of the same shape (only the addresses differ: the bits rest on that)."""
+    contraction, bf16 prefill on warpgroup MMA, and the same float operations, each as often, as the slot
+    cache's launch of the same shape (only the addresses differ: the bits rest on that)."""
     done = run_sm90_script(_COMPILE.replace("%PART%", "paged"), sm90_cache)
     assert len(done) == 2 * (2 * 4 * 2 + 2), sorted(done)
     for name, r in done.items():
@@ -118,8 +119,7 @@ def test_the_paged_kernel_compiles_for_sm90_with_the_slot_caches_arithmetic(sm90
             assert r["wgmma"] or "decode" in name, name
         if name.endswith(" paged"):
             slot = done[name[: -len(" paged")]]
-            # bf16: the same sequence; fp32 (dots as FMA chains, interleaved by the scheduler with
-            # independent ops): the same operations
+            # the same operations, each as often (the scheduler interleaves independent ones with the
+            # paged address arithmetic, so the PTX text order differs; the GPU tests check the bits)
             a, b = r["arith"], slot["arith"]
-            same = a == b if name.startswith("bf16") else sorted(a) == sorted(b)
-            assert same and len(r["arith"]) > 10, (name, len(r["arith"]), len(slot["arith"]))
+            assert sorted(a) == sorted(b) and len(a) > 10, (name, len(a), len(b))
