@@ -47,7 +47,9 @@ shared: one copy): the trainer's forward (all logits) at 4 x 2048 / 4 x 4096 / 1
 (Nano; 8B: 4 x 4096, 1 x 32768) with ``logits_rel_diff``, and decode steps in CUDA graphs at batch 1 /
 64 / 256 with 4k and 16k contexts (both sides one graph replay; a batch whose cache does not fit
 beside the weights runs at the largest that does, ``batch_run``). ``--quick``: the first forward
-cell and 4k contexts. Section ``tiny``: the same code on a small hybrid in seconds (a smoke run).
+cell and 4k contexts. Section ``nano_decode``: Nano's decode cells alone (with --profile, a kernel
+table of one batch-1 replay of each side). Section ``tiny``: the same code on a small hybrid in
+seconds (a smoke run).
 
 CUDA-event medians (triton.testing.do_bench, median) after a warm-up call. The JSON is written after
 every entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -569,12 +571,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None) -> None:
+def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None, forward: bool = True) -> None:
     """The whole model (Nemotron-3-Nano-30B-A3B- or Nemotron-H-8B-shaped, random bf16 weights) on the
     triton backend against ``stock_hybrid``'s stock model on the same weights (one copy of the routed
     experts, shared): the trainer's forward (all logits) and decode steps in CUDA graphs, one cell at a
     time, the JSON after each. Decode states are random (timing only); ``bitwise`` is null here, the
-    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py)."""
+    graph rows = prefill rows check being the GPU tests' (tests/check_cases.py). ``forward`` False: the
+    decode cells only (section ``nano_decode``); with --profile, each side's kernel table of one batch-1
+    replay (``ours_profile``, ``stock_profile``)."""
+    import time
+
     from aligned_mamba.contract import Contract
     from aligned_mamba.decode_graph import DecodeGraphs
     from aligned_mamba.models import build_model
@@ -586,6 +592,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
     ms = _import_mamba_ssm(mamba_ssm)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
     weights = LazyWeights(config, 0)
     model = build_model(config, weights, Contract(chunk_size=256, backend="triton", model_dtype="bfloat16"),
                         device="cuda")
@@ -596,6 +603,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         pattern=config.hybrid_override_pattern,
         config={k: v for k, v in spec.items() if k != "hybrid_override_pattern"},
         resident_bytes=torch.cuda.memory_allocated(), build_peak_bytes=torch.cuda.max_memory_allocated(),
+        build_s=time.perf_counter() - t_build,
         note="random bf16 weights; ours: triton backend (forward = model.forward, all logits; decode = DecodeGraphs "
              "replay); stock: stock_hybrid.py (cuBLAS, SDPA flash / SDPA over a [B, G, len, D] KV cache, mamba_ssm "
              "2.3.2.post1 scan, selective_state_update and norms, torch._grouped_mm experts), its decode step "
@@ -609,7 +617,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
         fwd = [(4, 2048)] if quick else [(4, 2048), (4, 4096), (1, 32768)]
     else:
         fwd = [(4, 4096)] if quick else [(4, 4096), (1, 32768)]
-    for Bsz, L in fwd:
+    for Bsz, L in fwd if forward else []:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         seqs, ids_d = list(ids), ids.cuda()
         row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L)
@@ -645,6 +653,10 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
                 graphs = DecodeGraphs(model, cache, spare_slot=run_b)
                 graphs.step(list(range(run_b)), [ctx - 100] * run_b, ids)  # mid-chunk: no chunk completes
                 row["ours_ms"] = _bench(graphs.graph(run_b).replay)
+                if PROFILE and B == 1:
+                    from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                    row["ours_profile"] = kernel_table(torch, graphs.graph(run_b).replay, top=25)
             except Exception as e:
                 row["ours_error"] = f"{type(e).__name__}: {e}"[:300]
             del graphs, cache
@@ -656,6 +668,10 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
                 with torch.no_grad():
                     graph, _ = capture_graph(lambda: stock.step(st, ids_d, ctx - 100))
                 row["stock_ms"] = _bench(graph.replay)
+                if PROFILE and B == 1:
+                    from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                    row["stock_profile"] = kernel_table(torch, graph.replay, top=25)
             except Exception as e:
                 row["stock_error"] = f"{type(e).__name__}: {e}"[:300]
             st = graph = None  # freed before the next cell's
@@ -666,7 +682,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None)
             torch.cuda.empty_cache()
 
 
-PROFILE = False  # --profile: kernel tables of one fwd+bwd step of each side in the train cells
+PROFILE = False  # --profile: kernel tables of one fwd+bwd step of each side (train), one b1 replay (nano_decode)
 
 # which cells each section owns (a merge keeps the others' from the earlier JSON)
 OWNED = {
@@ -680,6 +696,7 @@ OWNED = {
     "attention_bwd": [("attention", lambda r: r.get("phase") == "backward")],
     "train": [("train", lambda r: r["shape"].startswith("nemotronh8b-slice8"))],
     "nano": [("forward", lambda r: r["shape"] == "nano30b-52"), ("decode", lambda r: r["shape"] == "nano30b-52")],
+    "nano_decode": [("decode", lambda r: r["shape"] == "nano30b-52")],
     "nano_train": [("train", lambda r: r["shape"].startswith("nano30b-slice8"))],
     "tiny": [("forward", lambda r: r["shape"] == "tiny-hybrid"), ("decode", lambda r: r["shape"] == "tiny-hybrid")],
     "h8b": [("forward", lambda r: r["shape"] == "nemotronh8b-52"),
@@ -692,11 +709,13 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sections", default=",".join(s for s in OWNED if s != "tiny"),
-                    help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
+    ap.add_argument("--sections", default=",".join(s for s in OWNED if s not in ("tiny", "nano_decode")),
+                    help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run, and "
+                    "nano_decode, nano's decode cells alone)")
     ap.add_argument("--merge", help="an earlier JSON whose other sections' cells are kept")
     ap.add_argument("--mamba-ssm", help="mamba_ssm's package folder (from its sdist) for the stock training step")
-    ap.add_argument("--profile", action="store_true", help="kernel tables of each side's fwd+bwd step")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel tables of each side's fwd+bwd step (train sections) or b1 decode replay (nano_decode)")
     a = ap.parse_args()
     global PROFILE
     PROFILE = a.profile
@@ -747,6 +766,7 @@ def main() -> int:
                      ("train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm)),
                      ("tiny", lambda: whole_cells(res, save, "tiny", a.quick, a.mamba_ssm)),
                      ("nano", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm)),
+                     ("nano_decode", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm, forward=False)),
                      ("nano_train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm, "nano")),
                      ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm)),
                      ("bwd_determinism", lambda: bwd_determinism_cells(res, save))):
