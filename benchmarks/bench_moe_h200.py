@@ -29,7 +29,8 @@ with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). Wit
 (instead of the layer and backward cells): which stock piece (router scores, routed experts, shared
 expert) changes a row's bits with the batch. With --layer-backward (instead of the layer and backward
 cells): the whole layer's fwd+bwd as a trainer runs it (``layer_backward_cells``) at 4096 and 16384
-tokens (an 8-layer slice's 4 x 4096), with --profile each side's kernel table.
+tokens (an 8-layer slice's 4 x 4096), with --profile each side's kernel table. With --bwd-sweep: the
+routed experts' fwd+bwd at 16384 tokens under other weight-gradient tiles (``BWD_SWEEP``).
 
 With --decode-sweep: the whole layer in a CUDA graph at 1, 64 and 256 tokens under other decode
 tiles (``DECODE_SWEEP``), with the large tile for all (moe_decode_max_rows 0) and with the decode
@@ -258,6 +259,51 @@ def backward_cells(res: dict, save, shape: dict, counts: list[int], dry: bool) -
         save()
 
 
+BWD_SWEEP = [dict(moe_wgrad_block_n=n, moe_wgrad_block_k=k, moe_wgrad_block_t=t, moe_wgrad_warps=w)
+             for n, k, t, w in ((128, 64, 64, 8), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8),
+                                (128, 128, 32, 4), (64, 128, 64, 4), (128, 128, 128, 8))]
+
+
+def bwd_sweep_cells(res: dict, save, shape: dict, counts: list[int]) -> None:
+    """The routed experts' fwd+bwd under other weight-gradient tiles: time, two backwards' bits equal,
+    and whether the weight gradients equal the pinned tile's (a K-order change would move them)."""
+    import dataclasses
+
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.moe import route
+    from aligned_mamba.ops.moe.triton import experts_triton
+
+    base = TritonKernelConfigs()
+    E, k, d, f = shape["experts"], shape["top_k"], shape["hidden"], shape["width"]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    up = (torch.randn(E, f, d, generator=g, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
+    down = (torch.randn(E, d, f, generator=g, device="cuda") / f ** 0.5).to(BF16).requires_grad_()
+    for T in counts:
+        h = torch.randn(T, d, generator=g, device="cuda").to(BF16).requires_grad_()
+        experts, weights = route(torch.sigmoid(torch.randn(T, E, generator=g, device="cuda")),
+                                 torch.zeros(E, device="cuda"), top_k=k)
+        weights.requires_grad_()
+        grad = torch.randn(T, d, generator=g, device="cuda").to(BF16)
+
+        def step(cfg) -> tuple:
+            return torch.autograd.grad(experts_triton(h, experts, weights, up, down, cfg), (h, weights, up, down),
+                                       grad)
+
+        ref = step(base)
+        for over in BWD_SWEEP:
+            cfg = dataclasses.replace(base, **over)
+            try:
+                a, b = step(cfg), step(cfg)
+                ms = _bench(lambda cfg=cfg: step(cfg), False)
+                res["bwd_sweep"].append(dict(tokens=T, **over, fwd_bwd_ms=ms, repeat_equal=all(map(torch.equal, a, b)),
+                                             wgrads_equal_to_pinned=torch.equal(a[2], ref[2])
+                                             and torch.equal(a[3], ref[3])))
+                del a, b
+            except Exception as e:  # a tile that does not fit: say so, go on
+                res["bwd_sweep"].append(dict(tokens=T, **over, error=str(e)[:200]))
+            save()
+
+
 def layer_backward_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dry: bool,
                          profile: bool = False) -> None:
     """fwd+bwd of the whole layer as a trainer runs it: ours ``layers.moe.MoE`` built from leaf weights
@@ -426,6 +472,8 @@ def main() -> int:
     ap.add_argument("--layer-backward", action="store_true",
                     help="instead of the layer and backward cells: the whole layer's fwd+bwd at 4096 and 16384 "
                     "tokens against stock's (kernel tables with --profile)")
+    ap.add_argument("--bwd-sweep", action="store_true",
+                    help="the routed experts' fwd+bwd at 16384 tokens under other weight-gradient tiles")
     ap.add_argument("--stock-parts", action="store_true",
                     help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
@@ -435,7 +483,7 @@ def main() -> int:
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, commit=git_commit() or "unknown",
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[],
-               layer_backward=[], sweep=[],
+               layer_backward=[], bwd_sweep=[], sweep=[],
                decode_sweep=[], stock_parts=[], errors=[])
     out = Path(a.out)
 
@@ -448,11 +496,13 @@ def main() -> int:
     if a.layer_backward:
         jobs.append(("layer_backward", lambda: layer_backward_cells(
             res, save, shape, 24 if dry else a.shared_width, [40] if dry else [4096, 16384], dry, a.profile)))
-    elif not a.stock_parts and not a.decode_sweep:
+    elif not a.stock_parts and not a.decode_sweep and not a.bwd_sweep:
         jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry,
                                                                a.profile)))
         if not a.no_backward:
             jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
+    if a.bwd_sweep and not dry:
+        jobs.append(("bwd_sweep", lambda: bwd_sweep_cells(res, save, shape, [16384])))
     if a.sweep and not dry:
         jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
     if a.decode_sweep and not dry:
@@ -475,7 +525,7 @@ def main() -> int:
         if r.get("ours_graph_ms"):
             print(f"moe {r['tokens']:6d} tokens in a CUDA graph: ours {r['ours_graph_ms']:8.3f} ms stock "
                   f"{r['stock_graph_ms']} ms")
-    for r in res["sweep"] + res["decode_sweep"]:
+    for r in res["sweep"] + res["decode_sweep"] + res["bwd_sweep"]:
         print("sweep", r)
     for r in res["stock_parts"]:
         print("stock parts", r)
