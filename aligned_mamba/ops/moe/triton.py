@@ -58,12 +58,16 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr, RELU2: tl.constexpr, DRELU2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] for the sorted rows r of tile program_id(0) (expert e)
-    and columns n of block program_id(1); arow(r) = arow_ptr[r] if GATHER else r. RELU2: u = the
-    rounded product (stored), c = relu(u)^2 in fp32 rounded once. DRELU2 (the backward through the
+    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] for the sorted rows r of tile program_id(0) // nb
+    (expert e) and columns n of block program_id(0) % nb (nb = cdiv(N, BLOCK_N)); arow(r) =
+    arow_ptr[r] if GATHER else r. RELU2: u = the rounded product (stored), c = relu(u)^2 in fp32
+    rounded once. DRELU2 (the backward through the
     squared ReLU): u read, p = the rounded product, c = round(q + q) with q = p relu(u) in fp32 (the
     bits of torch's ``(d * relu(u) * 2)`` in that order of fp32 ops; the launch turns FMA fusion off)."""
-    tile = tl.program_id(0)
+    # the column blocks of one row tile are consecutive programs: resident together, they share the
+    # tile's A rows and (a few tiles of one expert) its weight blocks in L2
+    nb = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // nb
     row0 = tl.load(tile_row0_ptr + tile)
     row1 = tl.load(tile_row1_ptr + tile)
     if row0 >= row1:
@@ -75,7 +79,7 @@ def _grouped_gemm_kernel(
         ar = tl.load(arow_ptr + rm, mask=rmask, other=0)
     else:
         ar = rm
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_rows = a_ptr + ar[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + e.to(tl.int64) * stride_be + rn[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -114,10 +118,14 @@ def _expert_wgrad_kernel(
     PRECISION: tl.constexpr,
 ):
     """dw[e, n, k] = sum_r g[r, n] x[xrow(r), k] over expert e's sorted rows r, ascending in blocks of
-    BLOCK_T, one program per (e, n block, k block); xrow(r) = xrow_ptr[r] if GATHER else r."""
-    e = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    BLOCK_T, one program per (n block, k block) = program_id(0) (n blocks outer) and expert e =
+    program_id(1); xrow(r) = xrow_ptr[r] if GATHER else r. Programs launch in that order, so those
+    resident together walk one expert's rows, which stay in L2 (experts outermost, every program
+    read its rows from memory: ~23 GB a weight at Nano's shape and 16384 tokens)."""
+    e = tl.program_id(1)
+    nk = tl.cdiv(K, BLOCK_K)
+    rn = (tl.program_id(0) // nk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tl.program_id(0) % nk) * BLOCK_K + tl.arange(0, BLOCK_K)
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -549,7 +557,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
     if R == 0 or N == 0:
         return c, u
     _, bn, warps, stages = gemm_tile(R, a.dtype, cfg)  # the rows of a tile are the tables' (d.block_m)
-    grid = (d.tile_row0.numel(), triton.cdiv(N, bn))
+    grid = (d.tile_row0.numel() * triton.cdiv(N, bn),)
     _grouped_gemm_kernel[grid](
         a, b, c, c if u is None else u, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
         N, K, a.stride(0), b.stride(0), sbn, sbk, N,
@@ -586,7 +594,7 @@ def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int
     if dw.numel() == 0:
         return dw
     c = cfg
-    grid = (num_experts, triton.cdiv(N, c.moe_wgrad_block_n), triton.cdiv(K, c.moe_wgrad_block_k))
+    grid = (triton.cdiv(N, c.moe_wgrad_block_n) * triton.cdiv(K, c.moe_wgrad_block_k), num_experts)
     _expert_wgrad_kernel[grid](
         g, x, dw, d.token, d.offsets, N, K, g.stride(0), x.stride(0), N * K,
         GATHER=gather, BLOCK_N=c.moe_wgrad_block_n, BLOCK_K=c.moe_wgrad_block_k, BLOCK_T=c.moe_wgrad_block_t,
