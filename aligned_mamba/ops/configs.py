@@ -221,7 +221,7 @@ class TritonKernelConfigs:
     moe_warps: int = 8
     moe_stages: int = 3
     moe_wgrad_block_n: int = 128
-    moe_wgrad_block_k: int = 64
+    moe_wgrad_block_k: int = 128
     moe_wgrad_block_t: int = 64
     moe_wgrad_warps: int = 8
     moe_combine_block_d: int = 1024
