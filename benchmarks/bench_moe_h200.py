@@ -472,6 +472,8 @@ def main() -> int:
     ap.add_argument("--layer-backward", action="store_true",
                     help="instead of the layer and backward cells: the whole layer's fwd+bwd at 4096 and 16384 "
                     "tokens against stock's (kernel tables with --profile)")
+    ap.add_argument("--tokens", help="comma-separated token counts of the layer cells (default 1,64,4096,32768; "
+                    "--quick 1,64,4096)")
     ap.add_argument("--bwd-sweep", action="store_true",
                     help="the routed experts' fwd+bwd at 16384 tokens under other weight-gradient tiles")
     ap.add_argument("--stock-parts", action="store_true",
@@ -492,6 +494,8 @@ def main() -> int:
 
     shape = TINY if dry else NANO
     counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
+    if a.tokens and not dry:
+        counts = [int(t) for t in a.tokens.split(",")]
     jobs = []
     if a.layer_backward:
         jobs.append(("layer_backward", lambda: layer_backward_cells(
