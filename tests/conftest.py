@@ -15,6 +15,7 @@ critical path: it set the wall time while the other worker waited idle at the en
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # longest single tests, 45-200 s) go first so that none of them is left to run alone at the end
         items.sort(key=lambda item: item.get_closest_marker("compile") is None)
     return result
+
+
+@pytest.fixture(scope="session")
+def sm90_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Triton cache of the session's sm_90 compile scripts (tests/sm90_offline.py), one for both
+    xdist workers (their base folders' parent): a kernel that several tests compile alike is compiled
+    once. Triton writes each entry to a temporary file and renames it, so two workers may share it."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "triton-sm90"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def _lane(item: pytest.Item) -> str | None:

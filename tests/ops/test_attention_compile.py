@@ -1,6 +1,6 @@
 """The Triton attention and relu2 kernels (forward, and the backwards) compile for sm_90 (the H200) in
-the configurations the backend launches (no GPU needed: the triton wheel's ptxas), and the compiled
-attention keeps the arithmetic the bits rest on: no FMA contraction, dots on tensor cores for bf16
+the configurations the backend launches, to PTX (no GPU needed; ptxas is left to the GPU tests), and the
+compiled attention keeps the arithmetic the bits rest on: no FMA contraction, dots on tensor cores for bf16
 models, also when the forward saves its log-sum-exp for the backward."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ pytestmark = pytest.mark.compile
 _COMPILE = r"""
 import inspect, json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from sm90_offline import compile_until
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.attention import triton as at
 from aligned_mamba.ops.attention import triton_backward as ab
@@ -30,8 +29,8 @@ def comp(fn, types, consts, warps, stages):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
+    # the checks read the PTX: no ptxas
+    k = compile_until(src, dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False), until="ptx")
     ptx = k.asm["ptx"]
     # the float arithmetic (per op, in the order the PTX issues it): a paged launch must have the slot one's
     arith = [ln.split()[0] for ln in ptx.splitlines() if ln.strip() and re.match(
@@ -94,8 +93,8 @@ print(json.dumps(done))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["forward", "backward"])  # two processes: each within the script's time limit
-def test_attention_kernels_compile_for_sm90(part, tmp_path):
-    done = run_sm90_script(_COMPILE.replace("%PART%", part), tmp_path)
+def test_attention_kernels_compile_for_sm90(part, sm90_cache):
+    done = run_sm90_script(_COMPILE.replace("%PART%", part), sm90_cache)
     assert len(done) == (2 * 2 * 4 * 3 if part == "forward" else (2 * 3 + 1) * 2) + 1, sorted(done)
     for name, r in done.items():
         if name.startswith("bf16") and "bwd" not in name:  # (an fp32 model's IEEE dot is FMAs by construction)
@@ -105,11 +104,11 @@ def test_attention_kernels_compile_for_sm90(part, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_paged_kernel_compiles_for_sm90_with_the_slot_caches_arithmetic(tmp_path):
+def test_the_paged_kernel_compiles_for_sm90_with_the_slot_caches_arithmetic(sm90_cache):
     """The launch over a paged cache (``PAGED``: the block table read on the device) for sm_90: no FMA
     contraction, bf16 prefill on warpgroup MMA, and the same float operations (bf16: in the same order)
     as the slot cache's launch of the same shape (only the addresses differ: the bits rest on that)."""
-    done = run_sm90_script(_COMPILE.replace("%PART%", "paged"), tmp_path)
+    done = run_sm90_script(_COMPILE.replace("%PART%", "paged"), sm90_cache)
     assert len(done) == 2 * (2 * 4 * 2 + 2), sorted(done)
     for name, r in done.items():
         if name.startswith("bf16"):

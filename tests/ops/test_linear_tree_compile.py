@@ -79,8 +79,8 @@ print(json.dumps(done))
 
 
 @pytest.mark.slow
-def test_the_tree_gemm_compiles_for_sm90_without_spills(tmp_path):
-    done = run_sm90_script(_COMPILE_TREE, tmp_path)
+def test_the_tree_gemm_compiles_for_sm90_without_spills(sm90_cache):
+    done = run_sm90_script(_COMPILE_TREE, sm90_cache)
     assert len(done) >= 20, [d["name"] for d in done]
     for d in done:
         assert d["LDL"] == d["STL"] == 0, d  # the stack of partial sums stays in registers

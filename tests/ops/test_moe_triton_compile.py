@@ -1,10 +1,10 @@
 """The MoE expert kernels compile for sm_90 (the H200) in every variant the launchers use, with the
-backend's pinned configs and no GPU (the triton wheel's ptxas): the grouped GEMM with the fused
-squared ReLU (up), plain (down, and both data gradients over transposed weights, the first with the
-squared ReLU's derivative), and the expert weight gradient with and without a gathered operand, the
-weighted combine and the plain sum, the combine's backward, the few-row path (the decode tile, the
-fp32 router GEMM on its small and large tiles, the routing kernel with and without its dispatch tables, and the tables
-alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's large tile; nothing is
+backend's pinned configs, no GPU, to PTX (ptxas is left to the GPU tests): the grouped GEMM with the
+fused squared ReLU (up), plain (down, and both data gradients over transposed weights, the first with
+the squared ReLU's derivative), and the expert weight gradient with and without a gathered operand,
+the weighted combine and the plain sum, the combine's backward, the few-row path (the decode tile,
+the fp32 router GEMM on its small and large tiles, the routing kernel with and without its dispatch
+tables, and the tables alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's large tile; nothing is
 contracted into an FMA."""
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ _COMPILE = r"""
 import inspect, json, os
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from sm90_offline import compile_until
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.moe import triton as mt
 
@@ -36,8 +35,8 @@ def comp(fn, types, consts, warps, stages, div16=(), fusion=False):
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
              if v.startswith("*") or n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=fusion))
+    # the checks read the PTX and the shared memory (known before the PTX): no ptxas
+    k = compile_until(src, dict(num_warps=warps, num_stages=stages, enable_fp_fusion=fusion), until="ptx")
     ptx = k.asm["ptx"]
     return dict(fma=ptx.count("fma.rn.f32"), wgmma="wgmma" in ptx, mma="mma.sync" in ptx,
                 shared=k.metadata.shared, cp_async=ptx.count("cp.async"))
@@ -102,8 +101,8 @@ print(json.dumps(done))
 
 
 @pytest.mark.slow
-def test_moe_kernels_compile_for_sm90(tmp_path):
-    done = run_sm90_script(_COMPILE, tmp_path)
+def test_moe_kernels_compile_for_sm90(sm90_cache):
+    done = run_sm90_script(_COMPILE, sm90_cache)
     assert len(done) == 2 * 15 + 5, sorted(done)
     for name, r in done.items():
         if name.startswith("route") or name.endswith("router"):  # no dots on tensor cores: fp32 or none

@@ -87,8 +87,8 @@ print(json.dumps(done))
 
 
 @pytest.mark.slow
-def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_for(tmp_path):
-    done = run_sm90_script(_COMPILE_OPS, tmp_path)
+def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_for(sm90_cache):
+    done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
     assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2, sorted(by)

@@ -110,8 +110,8 @@ print(json.dumps(done))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
-def test_every_kernel_compiles_for_sm90(tcs, tmp_path):
-    done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), tmp_path)
+def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
+    done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
     # 14 kernel configs per dot mode (4 of the backward's); pack, buffer, row, reverse pass and zero kernels
     assert len(done) == len(tcs) * 14 + 5 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
@@ -120,9 +120,8 @@ def test_every_kernel_compiles_for_sm90(tcs, tmp_path):
 _COMPLETION_DOTS = r"""
 import inspect, json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from sm90_offline import compile_until
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
 
@@ -135,8 +134,8 @@ def dot_accumulators(fn, types, consts, fuse):
     # or the result of another operation (named)
     sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, enable_fp_fusion=fuse))
+    k = compile_until(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                      dict(num_warps=cfg.num_warps, enable_fp_fusion=fuse), until="ttir")  # reads the TTIR
     ir = k.asm["ttir"].splitlines()
     defs = {m.group(1): m.group(2) for m in (re.match(r"\s*(%[\w.]+) = ([\w.]+)", ln) for ln in ir) if m}
     out = []
@@ -169,12 +168,12 @@ print(json.dumps(res))
 
 
 @pytest.mark.slow
-def test_completion_dots_accumulate_as_the_chunk_states(tmp_path):
+def test_completion_dots_accumulate_as_the_chunk_states(sm90_cache):
     """A decode step's chunk completion (``_update_kernel``) adds the chunk state to the decayed
     boundary state after its dots, as the prefill's state pass adds the stored chunk state. With a
     one-block K loop (chunk size <= block_k) Triton folds ``d + dot(a, b, 0)`` into ``dot(a, b, d)``,
     a chain seeded with d: other bits (seen on the H200 at chunk 32, fp32). Each dot of the
     completion must accumulate onto what the prefill's chunk-state dot accumulates onto."""
-    res = run_sm90_script(_COMPLETION_DOTS, tmp_path)
+    res = run_sm90_script(_COMPLETION_DOTS, sm90_cache)
     for case, (prefill, decode) in res.items():
         assert prefill and decode == prefill, (case, prefill, decode)
