@@ -48,7 +48,9 @@ shared: one copy): the trainer's forward (all logits) at 4 x 2048 / 4 x 4096 / 1
 (Nano; 8B: 4 x 4096, 1 x 32768) with ``logits_rel_diff``, and decode steps in CUDA graphs at batch 1 /
 64 / 256 with 4k and 16k contexts (both sides one graph replay; a batch whose cache does not fit
 beside the weights runs at the largest that does, ``batch_run``). ``--quick``: the first forward
-cell and 4k contexts. Section ``tiny``: the same code on a small hybrid in seconds (a smoke run).
+cell and 4k contexts. Section ``nano_decode``: Nano's decode cells alone (with --profile, a kernel
+table of one batch-1 replay of each side). Section ``tiny``: the same code on a small hybrid in
+seconds (a smoke run).
 
 CUDA-event medians (triton.testing.do_bench, median) after a warm-up call. The JSON is written after
 every entry; it names the GPU, torch, triton, the commit (GIT_COMMIT, else git's HEAD) and the date.
@@ -600,13 +602,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None, long: bool = False) -> None:
+def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None, long: bool = False,
+                forward: bool = True) -> None:
     """The whole model (Nemotron-3-Nano-30B-A3B- or Nemotron-H-8B-shaped, random bf16 weights) on the
     triton backend against ``stock_hybrid``'s stock model on the same weights (one copy of the routed
     experts, shared): the trainer's forward (all logits) and decode steps in CUDA graphs, one cell at a
     time, the JSON after each. Decode states are random (timing only); ``bitwise`` is null here, the
     graph rows = prefill rows check being the GPU tests' (tests/check_cases.py). ``long``: only the
-    cells ``quick`` leaves out (the later forward cells, 16k contexts)."""
+    cells ``quick`` leaves out (the later forward cells, 16k contexts). ``forward`` False: the decode
+    cells only (section ``nano_decode``); with --profile, each side's kernel table of one batch-1 replay
+    (``ours_profile``, ``stock_profile``)."""
     from aligned_mamba.contract import Contract
     from aligned_mamba.decode_graph import DecodeGraphs
     from aligned_mamba.models import build_model
@@ -629,6 +634,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None,
         pattern=config.hybrid_override_pattern,
         config={k: v for k, v in spec.items() if k != "hybrid_override_pattern"},
         resident_bytes=torch.cuda.memory_allocated(), build_peak_bytes=torch.cuda.max_memory_allocated(),
+        build_s=time.perf_counter() - t_build,
         note="random bf16 weights; ours: triton backend (forward = model.forward, all logits; decode = DecodeGraphs "
              "replay); stock: stock_hybrid.py (cuBLAS, SDPA flash / SDPA over a [B, G, len, D] KV cache, mamba_ssm "
              "2.3.2.post1 scan, selective_state_update and norms, torch._grouped_mm experts), its decode step "
@@ -645,9 +651,8 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None,
     if long:
         fwd = fwd[1:]
     build_s = time.perf_counter() - t_build
-    res["whole"][label]["build_s"] = build_s
     print(f"{label}: both models built in {build_s:.1f} s", flush=True)
-    for Bsz, L in fwd:
+    for Bsz, L in fwd if forward else []:
         ids = torch.randint(0, V, (Bsz, L), generator=g)
         seqs, ids_d = list(ids), ids.cuda()
         row = dict(shape=label, batch=Bsz, length=L, tokens=Bsz * L, **({"commit": res["commit"]} if long else {}))
@@ -684,6 +689,10 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None,
                 graphs = DecodeGraphs(model, cache, spare_slot=run_b)
                 graphs.step(list(range(run_b)), [ctx - 100] * run_b, ids)  # mid-chunk: no chunk completes
                 row["ours_ms"] = _bench(graphs.graph(run_b).replay)
+                if PROFILE and B == 1:
+                    from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                    row["ours_profile"] = kernel_table(torch, graphs.graph(run_b).replay, top=25)
             except Exception as e:
                 row["ours_error"] = f"{type(e).__name__}: {e}"[:300]
             del graphs, cache
@@ -695,6 +704,10 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None,
                 with torch.no_grad():
                     graph, _ = capture_graph(lambda: stock.step(st, ids_d, ctx - 100))
                 row["stock_ms"] = _bench(graph.replay)
+                if PROFILE and B == 1:
+                    from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                    row["stock_profile"] = kernel_table(torch, graph.replay, top=25)
             except Exception as e:
                 row["stock_error"] = f"{type(e).__name__}: {e}"[:300]
             st = graph = None  # freed before the next cell's
@@ -705,7 +718,7 @@ def whole_cells(res: dict, save, which: str, quick: bool, mamba_ssm: str | None,
             torch.cuda.empty_cache()
 
 
-PROFILE = False  # --profile: kernel tables of one fwd+bwd step of each side in the train cells
+PROFILE = False  # --profile: kernel tables of one fwd+bwd step of each side (train), one b1 replay (nano_decode)
 
 # which cells each section owns (a merge keeps the others' from the earlier JSON)
 OWNED = {
@@ -719,6 +732,7 @@ OWNED = {
     "attention_bwd": [("attention", lambda r: r.get("phase") == "backward")],
     "train": [("train", lambda r: r["shape"].startswith("nemotronh8b-slice8"))],
     "nano": [("forward", lambda r: r["shape"] == "nano30b-52"), ("decode", lambda r: r["shape"] == "nano30b-52")],
+    "nano_decode": [("decode", lambda r: r["shape"] == "nano30b-52")],
     "nano_train": [("train", lambda r: r["shape"].startswith("nano30b-slice8"))],
     "tiny": [("forward", lambda r: r["shape"] == "tiny-hybrid"), ("decode", lambda r: r["shape"] == "tiny-hybrid")],
     "h8b": [("forward", lambda r: r["shape"] == "nemotronh8b-52"),
@@ -733,11 +747,13 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="whole models: only the cells --quick leaves out (with "
                     "--merge, the section's earlier cells are kept)")
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--sections", default=",".join(s for s in OWNED if s != "tiny"),
-                    help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run)")
+    ap.add_argument("--sections", default=",".join(s for s in OWNED if s not in ("tiny", "nano_decode")),
+                    help=f"comma-separated, of: {', '.join(OWNED)} (default: all but tiny, a smoke run, and "
+                    "nano_decode, nano's decode cells alone)")
     ap.add_argument("--merge", help="an earlier JSON whose other sections' cells are kept")
     ap.add_argument("--mamba-ssm", help="mamba_ssm's package folder (from its sdist) for the stock training step")
-    ap.add_argument("--profile", action="store_true", help="kernel tables of each side's fwd+bwd step")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel tables of each side's fwd+bwd step (train sections) or b1 decode replay (nano_decode)")
     a = ap.parse_args()
     global PROFILE
     PROFILE = a.profile
@@ -788,6 +804,7 @@ def main() -> int:
                      ("train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm)),
                      ("tiny", lambda: whole_cells(res, save, "tiny", a.quick, a.mamba_ssm)),
                      ("nano", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm)),
+                     ("nano_decode", lambda: whole_cells(res, save, "nano", a.quick, a.mamba_ssm, forward=False)),
                      ("nano_train", lambda: train_cells(res, save, a.quick, bwd["cfg"], a.mamba_ssm, "nano")),
                      ("h8b", lambda: whole_cells(res, save, "h8b", a.quick, a.mamba_ssm, a.long)),
                      ("bwd_determinism", lambda: bwd_determinism_cells(res, save))):

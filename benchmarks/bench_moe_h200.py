@@ -2,7 +2,7 @@
 """The MoE layer alone on one GPU: the triton backend's row-invariant MoE against stock torch.
 
     python3 benchmarks/bench_moe_h200.py --out OUT/h200_moe.json [--quick] [--no-backward] [--sweep]
-        [--decode-sweep] [--profile]
+        [--decode-sweep] [--layer-backward] [--profile]
     python3 benchmarks/bench_moe_h200.py --dry-run --out /tmp/moe.json   # CPU, Triton interpreter
 
 Shape: Nemotron-3-Nano-30B-A3B's MoE block (hidden 2688, 128 routed experts, top-6, expert width
@@ -27,7 +27,10 @@ large counts). With the backward (unless --no-backward): fwd+bwd of the routed e
 routed experts' forward under other grouped-GEMM tiles (``SWEEP``) at 4096 and 32768 tokens, each
 with ``bitwise_equal_to_pinned`` (a row's bits must not depend on the tile). With --stock-parts
 (instead of the layer and backward cells): which stock piece (router scores, routed experts, shared
-expert) changes a row's bits with the batch.
+expert) changes a row's bits with the batch. With --layer-backward (instead of the layer and backward
+cells): the whole layer's fwd+bwd as a trainer runs it (``layer_backward_cells``) at 4096 and 16384
+tokens (an 8-layer slice's 4 x 4096), with --profile each side's kernel table. With --bwd-sweep: the
+routed experts' fwd+bwd at 16384 tokens under other weight-gradient tiles (``BWD_SWEEP``).
 
 With --decode-sweep: the whole layer in a CUDA graph at 1, 64 and 256 tokens under other decode
 tiles (``DECODE_SWEEP``), with the large tile for all (moe_decode_max_rows 0) and with the decode
@@ -256,6 +259,101 @@ def backward_cells(res: dict, save, shape: dict, counts: list[int], dry: bool) -
         save()
 
 
+BWD_SWEEP = [dict(moe_wgrad_block_n=n, moe_wgrad_block_k=k, moe_wgrad_block_t=t, moe_wgrad_warps=w)
+             for n, k, t, w in ((128, 64, 64, 8), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8),
+                                (128, 128, 32, 4), (64, 128, 64, 4), (128, 128, 128, 8))]
+
+
+def bwd_sweep_cells(res: dict, save, shape: dict, counts: list[int]) -> None:
+    """The routed experts' fwd+bwd under other weight-gradient tiles: time, two backwards' bits equal,
+    and whether the weight gradients equal the pinned tile's (a K-order change would move them)."""
+    import dataclasses
+
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.moe import route
+    from aligned_mamba.ops.moe.triton import experts_triton
+
+    base = TritonKernelConfigs()
+    E, k, d, f = shape["experts"], shape["top_k"], shape["hidden"], shape["width"]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    up = (torch.randn(E, f, d, generator=g, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
+    down = (torch.randn(E, d, f, generator=g, device="cuda") / f ** 0.5).to(BF16).requires_grad_()
+    for T in counts:
+        h = torch.randn(T, d, generator=g, device="cuda").to(BF16).requires_grad_()
+        experts, weights = route(torch.sigmoid(torch.randn(T, E, generator=g, device="cuda")),
+                                 torch.zeros(E, device="cuda"), top_k=k)
+        weights.requires_grad_()
+        grad = torch.randn(T, d, generator=g, device="cuda").to(BF16)
+
+        def step(cfg) -> tuple:
+            return torch.autograd.grad(experts_triton(h, experts, weights, up, down, cfg), (h, weights, up, down),
+                                       grad)
+
+        ref = step(base)
+        for over in BWD_SWEEP:
+            cfg = dataclasses.replace(base, **over)
+            try:
+                a, b = step(cfg), step(cfg)
+                ms = _bench(lambda cfg=cfg: step(cfg), False)
+                res["bwd_sweep"].append(dict(tokens=T, **over, fwd_bwd_ms=ms, repeat_equal=all(map(torch.equal, a, b)),
+                                             wgrads_equal_to_pinned=torch.equal(a[2], ref[2])
+                                             and torch.equal(a[3], ref[3])))
+                del a, b
+            except Exception as e:  # a tile that does not fit: say so, go on
+                res["bwd_sweep"].append(dict(tokens=T, **over, error=str(e)[:200]))
+            save()
+
+
+def layer_backward_cells(res: dict, save, shape: dict, shared: int, counts: list[int], dry: bool,
+                         profile: bool = False) -> None:
+    """fwd+bwd of the whole layer as a trainer runs it: ours ``layers.moe.MoE`` built from leaf weights
+    on each step (the experts stacked in the step, as a trainer's model is built), the gradients of x
+    and of every weight but the score correction bias; stock ``Stock`` (the ``_grouped_mm`` form) on
+    stacked leaves. ``ours_grads_repeat_equal``: two of our steps give the same bits."""
+    from aligned_mamba.contract import Contract
+    from aligned_mamba.layers.moe import MoE
+    from aligned_mamba.ops.backend import resolve
+
+    dev = "cpu" if dry else "cuda"
+    dtype = F32 if dry else BF16
+    config = _moe_config(shape, shared)
+    w = _weights(config, dev, dtype)
+    be = resolve(Contract(chunk_size=64, backend="triton", model_dtype="float32" if dry else "bfloat16"), dev)
+    leaves = {k: v.clone().requires_grad_(not k.endswith("e_score_correction_bias")) for k, v in w.items()}
+    names = [k for k in sorted(leaves) if leaves[k].requires_grad]
+    stock = Stock(config, w)
+    for t in ("gate", "up", "down", "shared_up", "shared_down"):
+        setattr(stock, t, getattr(stock, t).detach().clone().requires_grad_())
+    stock_leaves = [stock.gate, stock.up, stock.down, stock.shared_up, stock.shared_down]
+    g = torch.Generator(device=dev).manual_seed(6)
+    for T in counts:
+        x = torch.randn(T, shape["hidden"], generator=g, device=dev).to(dtype).requires_grad_()
+        grad = torch.randn(T, shape["hidden"], generator=g, device=dev).to(dtype)
+
+        def ours() -> tuple:
+            out = MoE(config, leaves, "", backend=be, dtype=dtype).advance(None, None, x)
+            return torch.autograd.grad(out, [x] + [leaves[k] for k in names], grad)
+
+        def stock_step() -> tuple:
+            return torch.autograd.grad(stock(x, "grouped"), [x] + stock_leaves, grad)
+
+        a, b = ours(), ours()
+        cell = dict(tokens=T, ours_ms=_bench(ours, dry), ours_grads_repeat_equal=all(map(torch.equal, a, b)))
+        del a, b
+        if not dry:
+            cell["stock_ms"] = _bench(stock_step, dry)
+            cell["ours_over_stock"] = cell["ours_ms"] / cell["stock_ms"]
+            if profile:
+                from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+                cell["ours_profile"] = kernel_table(torch, ours, top=30)
+                cell["stock_profile"] = kernel_table(torch, stock_step, top=30)
+        res["layer_backward"].append(cell)
+        save()
+        if not dry:
+            torch.cuda.empty_cache()
+
+
 def stock_parts_cells(res: dict, save, shape: dict, shared: int, counts: list[int]) -> None:
     """Which piece of the stock layer changes a row's bits with the batch: for the first 8 tokens, how
     many give other bits alone than among ``T`` tokens in the router's fp32 scores, the routed experts
@@ -371,6 +469,13 @@ def main() -> int:
     ap.add_argument("--decode-sweep", action="store_true",
                     help="instead of the layer cells: the layer in a CUDA graph at 1, 64 and 256 tokens "
                     "under other decode tiles")
+    ap.add_argument("--layer-backward", action="store_true",
+                    help="instead of the layer and backward cells: the whole layer's fwd+bwd at 4096 and 16384 "
+                    "tokens against stock's (kernel tables with --profile)")
+    ap.add_argument("--tokens", help="comma-separated token counts of the layer cells (default 1,64,4096,32768; "
+                    "--quick 1,64,4096)")
+    ap.add_argument("--bwd-sweep", action="store_true",
+                    help="the routed experts' fwd+bwd at 16384 tokens under other weight-gradient tiles")
     ap.add_argument("--stock-parts", action="store_true",
                     help="instead of the layer and backward cells: which stock piece changes a row's bits")
     a = ap.parse_args()
@@ -379,7 +484,8 @@ def main() -> int:
     dry = a.dry_run
     res = dict(script="benchmarks/bench_moe_h200.py", gpu="cpu (dry run)" if dry else torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, commit=git_commit() or "unknown",
-               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[], sweep=[],
+               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), layer=[], backward=[],
+               layer_backward=[], bwd_sweep=[], sweep=[],
                decode_sweep=[], stock_parts=[], errors=[])
     out = Path(a.out)
 
@@ -388,12 +494,19 @@ def main() -> int:
 
     shape = TINY if dry else NANO
     counts = [1, 12, 40] if dry else [1, 64, 4096] if a.quick else [1, 64, 4096, 32768]
+    if a.tokens and not dry:
+        counts = [int(t) for t in a.tokens.split(",")]
     jobs = []
-    if not a.stock_parts and not a.decode_sweep:
+    if a.layer_backward:
+        jobs.append(("layer_backward", lambda: layer_backward_cells(
+            res, save, shape, 24 if dry else a.shared_width, [40] if dry else [4096, 16384], dry, a.profile)))
+    elif not a.stock_parts and not a.decode_sweep and not a.bwd_sweep:
         jobs.append(("layer", lambda: layer_cells(res, save, shape, 24 if dry else a.shared_width, counts, dry,
                                                                a.profile)))
         if not a.no_backward:
             jobs.append(("backward", lambda: backward_cells(res, save, shape, [40] if dry else [4096, 32768], dry)))
+    if a.bwd_sweep and not dry:
+        jobs.append(("bwd_sweep", lambda: bwd_sweep_cells(res, save, shape, [16384])))
     if a.sweep and not dry:
         jobs.append(("sweep", lambda: sweep_cells(res, save, shape, [4096, 32768])))
     if a.decode_sweep and not dry:
@@ -416,10 +529,13 @@ def main() -> int:
         if r.get("ours_graph_ms"):
             print(f"moe {r['tokens']:6d} tokens in a CUDA graph: ours {r['ours_graph_ms']:8.3f} ms stock "
                   f"{r['stock_graph_ms']} ms")
-    for r in res["sweep"] + res["decode_sweep"]:
+    for r in res["sweep"] + res["decode_sweep"] + res["bwd_sweep"]:
         print("sweep", r)
     for r in res["stock_parts"]:
         print("stock parts", r)
+    for r in res["layer_backward"]:
+        print(f"moe layer fwd+bwd {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r.get('stock_ms')} ms "
+              f"repeat-equal {r['ours_grads_repeat_equal']}")
     for r in res["backward"]:
         print(f"moe fwd+bwd {r['tokens']:6d} tokens ours {r['ours_ms']:8.3f} ms stock {r.get('stock_ms')} ms "
               f"repeat-equal {r['ours_grads_repeat_equal']}")

@@ -134,7 +134,9 @@ class TritonKernelConfigs:
       moe_decode_max_rows: calls of at most this many (token, expert) rows take the decode tile
       moe_decode_block_m/_block_n/_warps/_stages (the same K block; a row's bits do not depend on
       the tile). moe_router_block_t, moe_router_block_n, moe_router_warps: the fp32 router GEMM's
-      tile (K block linear_fp32_block_k: the triton linear's bits); moe_route_block_t,
+      tile (K block linear_fp32_block_k: the triton linear's bits); calls of at least
+      moe_router_large_rows rows (0: none) take moe_router_large_block_t/_block_n/_warps instead (a
+      logit is one FMA chain over K whatever the tile: the same bits); moe_route_block_t,
       moe_route_warps: rows per block of the routing kernel (sigmoid, grouped top-k, weights; per
       row, parallelism only). moe_dispatch_max_rows: calls of at most this many rows get their
       dispatch tables from the routing kernel (one row block: the same program; more: a second
@@ -219,7 +221,7 @@ class TritonKernelConfigs:
     moe_warps: int = 8
     moe_stages: int = 3
     moe_wgrad_block_n: int = 128
-    moe_wgrad_block_k: int = 64
+    moe_wgrad_block_k: int = 128
     moe_wgrad_block_t: int = 64
     moe_wgrad_warps: int = 8
     moe_combine_block_d: int = 1024
@@ -232,6 +234,10 @@ class TritonKernelConfigs:
     moe_router_block_t: int = 16
     moe_router_block_n: int = 16
     moe_router_warps: int = 4
+    moe_router_large_rows: int = 512
+    moe_router_large_block_t: int = 64
+    moe_router_large_block_n: int = 64
+    moe_router_large_warps: int = 8
     moe_route_block_t: int = 16
     moe_route_warps: int = 4
 
@@ -312,14 +318,16 @@ class TritonKernelConfigs:
                      "moe_wgrad_block_t"):
             _pow2(name, getattr(self, name), 16, 256)
         for name in ("moe_decode_block_m", "moe_decode_block_n", "moe_router_block_t", "moe_router_block_n",
-                     "moe_route_block_t"):
+                     "moe_route_block_t", "moe_router_large_block_t", "moe_router_large_block_n"):
             _pow2(name, getattr(self, name), 16, 256)
         for name in ("moe_warps", "moe_wgrad_warps", "moe_decode_warps"):
             _among(name, getattr(self, name), (4, 8))
-        for name in ("moe_router_warps", "moe_route_warps"):
+        for name in ("moe_router_warps", "moe_route_warps", "moe_router_large_warps"):
             _among(name, getattr(self, name), (1, 2, 4, 8))
         for name in ("moe_stages", "moe_decode_stages"):
             _among(name, getattr(self, name), (1, 2, 3, 4, 5, 6))
+        if self.moe_router_large_rows < 0:
+            raise ValueError(f"moe_router_large_rows {self.moe_router_large_rows} refused: 0 (never) or more")
         if not 0 <= self.moe_decode_max_rows <= 4096:
             raise ValueError(f"moe_decode_max_rows {self.moe_decode_max_rows} refused: 0 to 4096 (one program "
                              "routes and dispatches them all)")

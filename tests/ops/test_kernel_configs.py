@@ -130,14 +130,16 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     at.attention_triton(r(2, Hq, Dh), kc, kc, dt.tiles, scale=0.1, cfg=cfg)
     # MoE: the router GEMM and the routing kernel (with its tables for a few rows, without for many), the
     # grouped expert GEMMs (up with the squared ReLU, down) through the decode and the large tile, an
-    # expert weight gradient
-    mt.router_logits_triton(r(64, 256), r(16, 256, dtype=F32), cfg)
+    # expert weight gradient, the combine's backward
+    for T in (64, 600):  # the router's small tile; its large tile
+        mt.router_logits_triton(r(T, 256), r(16, 256, dtype=F32), cfg)
     for T in (64, 100, 400):  # one program; routing then one tables program; past that, torch's tables
         mt.route_triton(r(T, 16, dtype=F32), torch.zeros(16), top_k=6, cfg=cfg)
         experts, weights = route(torch.rand(T, 16, generator=g), torch.zeros(16), top_k=6)
         h = r(T, 256)
         mt.experts_triton(h, experts, weights, r(16, 512, 256), r(16, 256, 512), cfg)
     mt.expert_wgrad(r(100 * 6, 512), h, dispatch(experts, 16, cfg.moe_block_m), 16, cfg, gather=True)
+    mt.combine_backward(h, r(400 * 6, 256), weights, dispatch(experts, 16, cfg.moe_block_m), cfg)
     # its backward over two packed sequences (the second's queries its last 90 positions)
     cq, ck = torch.tensor([0, 300, 390]), torch.tensor([0, 300, 490])
     ab.attention_backward_triton(r(390, Hq, Dh), r(490, Gk, Dh), r(490, Gk, Dh), r(390, Hq, Dh), r(390, Hq, dtype=F32),

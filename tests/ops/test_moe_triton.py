@@ -170,6 +170,21 @@ def test_gradients_match_autograd_of_the_reference(k: int) -> None:
         assert not ours[2][e].any() and not ours[3][e].any()
 
 
+def test_fused_backward_has_the_unfused_ops_bits() -> None:
+    """The backward's kernels (the combine's backward, the squared ReLU's derivative in the data GEMM's
+    epilogue, the input gradient's slot-order sum) give the torch ops' bits for d h, d up_w, d down_w
+    (d weights: a reduction of another order, equal to rounding)."""
+    from moe_unfused import unfused_backward
+
+    h, experts, weights, up, down = _routed(40, 6, seed=11)
+    g = torch.randn(40, D, generator=torch.Generator().manual_seed(12))
+    ours = _grads(h, experts, weights, up, down, lambda *a: experts_triton(*a, CFG), g)
+    ref = unfused_backward(h, experts, weights, up, down, g, CFG)
+    for name, a, b in zip(("h", "up_w", "down_w"), (ours[0], ours[2], ours[3]), ref):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(ours[1], ref[3], rtol=1e-5, atol=1e-6)
+
+
 def test_backward_is_deterministic_and_reaches_the_router() -> None:
     """Two backwards through the whole layer give the same bits; the router's weight gets a gradient
     (through the routing weights) and so does every chosen expert."""

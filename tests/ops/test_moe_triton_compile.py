@@ -1,9 +1,10 @@
 """The MoE expert kernels compile for sm_90 (the H200) in every variant the launchers use, with the
-backend's pinned configs, no GPU, to PTX (ptxas is left to the GPU tests): the grouped GEMM with the fused
-squared ReLU (up), plain (down, and both data gradients over transposed weights), and the expert
-weight gradient with and without a gathered operand, the weighted combine, the few-row path (the decode
-tile, the fp32 router GEMM, the routing kernel with and without its dispatch tables, and the tables
-alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's large tile; nothing is
+backend's pinned configs, no GPU, to PTX (ptxas is left to the GPU tests): the grouped GEMM with the
+fused squared ReLU (up), plain (down, and both data gradients over transposed weights, the first with
+the squared ReLU's derivative), and the expert weight gradient with and without a gathered operand,
+the weighted combine and the plain sum, the combine's backward, the few-row path (the decode tile,
+the fp32 router GEMM on its small and large tiles, the routing kernel with and without its dispatch
+tables, and the tables alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's large tile; nothing is
 contracted into an FMA."""
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def comp(fn, types, consts, warps, stages, div16=(), fusion=False):
 
 for dt in ("bf16", "fp32"):
     # up (gathered rows, the squared ReLU), down, and the data gradients (weights read transposed)
-    for name, gather, relu2, unit in (("up", True, True, "stride_bk"), ("down", False, False, "stride_bk"),
-                                      ("data-grad", False, False, "stride_bn")):
+    # (the first data gradient with the squared ReLU's derivative in its epilogue)
+    for name, gather, relu2, drelu2, unit in (("up", True, True, False, "stride_bk"),
+                                              ("down", False, False, False, "stride_bk"),
+                                              ("data-grad", False, False, False, "stride_bn"),
+                                              ("data-grad drelu2", False, False, True, "stride_bn")):
         t = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "c_ptr", "u_ptr")}
         t.update(arow_ptr=i64, tile_expert_ptr=i64, tile_row0_ptr=i64, tile_row1_ptr=i64)
-        c = dict(GATHER=gather, RELU2=relu2, BLOCK_M=cfg.moe_block_m, BLOCK_N=cfg.moe_block_n,
+        c = dict(GATHER=gather, RELU2=relu2, DRELU2=drelu2, BLOCK_M=cfg.moe_block_m, BLOCK_N=cfg.moe_block_n,
                  BLOCK_K=cfg.moe_block_k, PRECISION="ieee", **{unit: 1})
         div = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bk", "stride_cm"} - {unit}
         done[f"{dt} grouped {name}"] = comp(mt._grouped_gemm_kernel, t, c, cfg.moe_warps, cfg.moe_stages, div)
@@ -59,23 +63,29 @@ for dt in ("bf16", "fp32"):
         done[f"{dt} wgrad gather={gather}"] = comp(mt._expert_wgrad_kernel, t, c, cfg.moe_wgrad_warps, 3,
                                                    ("N", "K", "stride_g", "stride_x", "stride_dwe"))
     t = dict(y_ptr=f"*{dt}", pos_ptr=i64, w_ptr="*fp32", out_ptr=f"*{dt}", add_ptr=f"*{dt}")
-    for k, add in ((2, False), (6, False), (6, True)):  # with the shared expert's rows added, or not
-        done[f"{dt} combine k={k} add={add}"] = comp(mt._combine_kernel, t,
-                                                     dict(K=k, BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add), 4, 1)
+    # with the shared expert's rows added, or not; unweighted (the input gradient's sum)
+    for k, add, wtd in ((2, False, True), (6, False, True), (6, True, True), (6, False, False)):
+        done[f"{dt} combine k={k} add={add} weighted={wtd}"] = comp(
+            mt._combine_kernel, t, dict(K=k, BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add, WEIGHTED=wtd), 4, 1)
+    t = dict(g_ptr=f"*{dt}", y_ptr=f"*{dt}", token_ptr=i64, perm_ptr=i64, w_ptr="*fp32", dy_ptr=f"*{dt}",
+             dw_ptr="*fp32")
+    done[f"{dt} combine-bwd"] = comp(mt._combine_bwd_kernel, t, dict(BLOCK_D=cfg.moe_combine_block_d), 4, 1)
     # the few-row tiles: up and down through the decode tile (mma on 16 rows)
     bm, bn, warps, stages = mt.gemm_tile(1, torch.bfloat16 if dt == "bf16" else torch.float32, cfg)
     for name, gather, relu2 in (("up", True, True), ("down", False, False)):
         t = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "c_ptr", "u_ptr")}
         t.update(arow_ptr=i64, tile_expert_ptr=i64, tile_row0_ptr=i64, tile_row1_ptr=i64)
-        c = dict(GATHER=gather, RELU2=relu2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.moe_block_k, PRECISION="ieee",
-                 stride_bk=1)
+        c = dict(GATHER=gather, RELU2=relu2, DRELU2=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.moe_block_k,
+                 PRECISION="ieee", stride_bk=1)
         done[f"{dt} decode {name}"] = comp(mt._grouped_gemm_kernel, t, c, warps, stages,
                                           {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm"})
     # the router GEMM (fp32 weights, x in the model dtype), launched as the triton linear is (fusion on)
     t = dict(x_ptr=f"*{dt}", w_ptr="*fp32", out_ptr="*fp32")
-    c = dict(BLOCK_T=cfg.moe_router_block_t, BLOCK_N=cfg.moe_router_block_n, BLOCK_K=cfg.linear_fp32_block_k)
-    done[f"{dt} router"] = comp(mt._router_kernel, t, c, cfg.moe_router_warps, 2, ("K", "stride_x", "stride_w"),
-                                fusion=True)
+    for name, bt, bn, warps in (("router", cfg.moe_router_block_t, cfg.moe_router_block_n, cfg.moe_router_warps),
+                                ("large router", cfg.moe_router_large_block_t, cfg.moe_router_large_block_n,
+                                 cfg.moe_router_large_warps)):
+        c = dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=cfg.linear_fp32_block_k)
+        done[f"{dt} {name}"] = comp(mt._router_kernel, t, c, warps, 2, ("K", "stride_x", "stride_w"), fusion=True)
 # the routing kernel: Nemotron-3-Nano's 128 experts top-6 (with and without groups), with the tables or not
 t = dict(logits_ptr="*fp32", bias_ptr="*fp32", scale="fp32")
 t.update({n: i64 for n in ("experts_ptr", "token_ptr", "perm_ptr", "pos_ptr", "offsets_ptr", "tile_expert_ptr",
@@ -93,7 +103,7 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90(sm90_cache):
     done = run_sm90_script(_COMPILE, sm90_cache)
-    assert len(done) == 2 * 11 + 5, sorted(done)
+    assert len(done) == 2 * 15 + 5, sorted(done)
     for name, r in done.items():
         if name.startswith("route") or name.endswith("router"):  # no dots on tensor cores: fp32 or none
             assert r["shared"] <= 227 * 1024, (name, r)

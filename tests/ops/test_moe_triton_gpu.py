@@ -200,6 +200,27 @@ def test_backward_at_4096_tokens_is_deterministic() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("T", [64, 4096])
+def test_fused_backward_has_the_unfused_ops_bits(T: int) -> None:
+    """In bf16, where every rounding shows: the backward's kernels (the combine's backward, the squared
+    ReLU's derivative in the data GEMM's epilogue, the input gradient's slot-order sum) give the bits
+    of those steps as torch ops for d h, d up_w, d down_w; d weights (another reduction order) within
+    fp32 rounding. The derivative of the product unrounded (fp32) gives other d h bits."""
+    from moe_unfused import unfused_backward
+
+    from aligned_mamba.ops.moe.triton import experts_triton
+
+    cfg = _backend().configs
+    h, experts, weights, up, down = _routed(T, 6, seed=10)
+    g = torch.randn(T, D, generator=torch.Generator(device="cuda").manual_seed(10), device="cuda").to(BF16)
+    ours = _grads(lambda *a: experts_triton(*a, cfg), h, experts, weights, up, down, g)
+    ref = unfused_backward(h, experts, weights, up, down, g, cfg)
+    for name, a, b in zip(("h", "up_w", "down_w"), (ours[0], ours[2], ours[3]), ref):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(ours[1], ref[3], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(unfused_backward(h, experts, weights, up, down, g, cfg, unrounded=True)[0], ref[0])
+
+
 HYBRIDS = {
     "moe_top2": dict(pattern="MEM*E", num_experts_per_tok=2),
     "moe_top6_groups": dict(pattern="M*EME", n_routed_experts=16, num_experts_per_tok=6, n_group=4, topk_group=2),

@@ -13,9 +13,10 @@ not depend on which or how many rows share its tile (the tensor-core property ``
 rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
 equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
 
-Routing: the router GEMM is ``router_logits`` (small fp32 tiles: the triton linear's dot and K
-block, so its bits; a trainer's and a sampler's alike); without gradients the sigmoid, the
-group-limited top-k (ties to the lower index) and the weights (summed in ascending expert order) are
+Routing: the router GEMM is ``router_logits`` (small fp32 tiles, a larger one from
+``moe_router_large_rows`` rows: the triton linear's dot and K block, so its bits; a trainer's and a
+sampler's alike); without gradients the sigmoid, the group-limited top-k (ties to the lower index)
+and the weights (summed in ascending expert order) are
 ``route_triton``'s one launch, ``naive.route``'s bits, which for up to ``moe_dispatch_max_rows``
 (token, expert) rows also writes ``grouped.dispatch``'s tables (a counting sort: an expert's rows in
 ascending token order; from the same program for one row block, else from a second one-program
@@ -23,11 +24,13 @@ launch). Up to ``moe_decode_max_rows`` rows take the grouped GEMM's decode tile 
 K loop is the same, so a row's bits are those of the large tile, whichever path its call takes
 (tests/ops/test_moe_route*.py). A decode step's layer is eight launches.
 
-Backward (``ExpertsFunction``): dy = round(g w), the data gradients by the same grouped kernel
-over the transposed weights, the squared ReLU's derivative 2 relu(u) in fp32, and each expert's
-weight gradient by ``_expert_wgrad_kernel``: one program per weight tile, walking that expert's
-sorted rows in blocks of ``moe_wgrad_block_t`` in ascending order. The routing weights' gradient
-and the sum of a token's k input gradients are fixed-order torch ops. No atomics anywhere: two
+Backward (``ExpertsFunction``): one pass over the sorted rows gives dy = round(g w) and the routing
+weights' gradient <g, y> (``_combine_bwd_kernel``); the data gradients by the same grouped kernel over
+the transposed weights, the first with the squared ReLU's derivative round(2 relu(u) round(dy @ down))
+in its epilogue; each expert's weight gradient by ``_expert_wgrad_kernel``: one program per weight
+tile, walking that expert's sorted rows in blocks of ``moe_wgrad_block_t`` in ascending order; a
+token's k input gradients summed in slot order by the combine kernel unweighted. d h, d up_w and
+d down_w have the bits of those steps as torch ops (tests/moe_unfused.py). No atomics anywhere: two
 backwards give the same bits.
 """
 
@@ -52,13 +55,19 @@ def _grouped_gemm_kernel(
     # Sizes and strides (elements)
     N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     # Meta-parameters
-    GATHER: tl.constexpr, RELU2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    GATHER: tl.constexpr, RELU2: tl.constexpr, DRELU2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] for the sorted rows r of tile program_id(0) (expert e)
-    and columns n of block program_id(1); arow(r) = arow_ptr[r] if GATHER else r. RELU2: u = the
-    rounded product, c = relu(u)^2 in fp32 rounded once."""
-    tile = tl.program_id(0)
+    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] for the sorted rows r of tile program_id(0) // nb
+    (expert e) and columns n of block program_id(0) % nb (nb = cdiv(N, BLOCK_N)); arow(r) =
+    arow_ptr[r] if GATHER else r. RELU2: u = the rounded product (stored), c = relu(u)^2 in fp32
+    rounded once. DRELU2 (the backward through the
+    squared ReLU): u read, p = the rounded product, c = round(q + q) with q = p relu(u) in fp32 (the
+    bits of torch's ``(d * relu(u) * 2)`` in that order of fp32 ops; the launch turns FMA fusion off)."""
+    # the column blocks of one row tile are consecutive programs: resident together, they share the
+    # tile's A rows and (a few tiles of one expert) its weight blocks in L2
+    nb = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // nb
     row0 = tl.load(tile_row0_ptr + tile)
     row1 = tl.load(tile_row1_ptr + tile)
     if row0 >= row1:
@@ -70,7 +79,7 @@ def _grouped_gemm_kernel(
         ar = tl.load(arow_ptr + rm, mask=rmask, other=0)
     else:
         ar = rm
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_rows = a_ptr + ar[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + e.to(tl.int64) * stride_be + rn[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -88,6 +97,11 @@ def _grouped_gemm_kernel(
         r = c.to(tl.float32)
         r = tl.where(r < 0.0, 0.0, r)  # nan stays nan, as torch.relu
         c = (r * r).to(c_ptr.dtype.element_ty)
+    if DRELU2:
+        r = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.where(r < 0.0, 0.0, r)
+        q = c.to(tl.float32) * r
+        c = (q + q).to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + offs, c, mask=mask)
 
 
@@ -104,10 +118,14 @@ def _expert_wgrad_kernel(
     PRECISION: tl.constexpr,
 ):
     """dw[e, n, k] = sum_r g[r, n] x[xrow(r), k] over expert e's sorted rows r, ascending in blocks of
-    BLOCK_T, one program per (e, n block, k block); xrow(r) = xrow_ptr[r] if GATHER else r."""
-    e = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    BLOCK_T, one program per (n block, k block) = program_id(0) (n blocks outer) and expert e =
+    program_id(1); xrow(r) = xrow_ptr[r] if GATHER else r. Programs launch in that order, so those
+    resident together walk one expert's rows, which stay in L2 (experts outermost, every program
+    read its rows from memory: ~23 GB a weight at Nano's shape and 16384 tokens)."""
+    e = tl.program_id(1)
+    nk = tl.cdiv(K, BLOCK_K)
+    rn = (tl.program_id(0) // nk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tl.program_id(0) % nk) * BLOCK_K + tl.arange(0, BLOCK_K)
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -133,25 +151,60 @@ def _combine_kernel(
     y_ptr, pos_ptr, w_ptr, out_ptr, add_ptr,
     d, stride_y, stride_out, stride_add,
     # Meta-parameters
-    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, WEIGHTED: tl.constexpr = True,
 ):
     """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ... + y[pos[t, K-1]] w[t, K-1]) in fp32, one product
     and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``;
-    HAS_ADD: then round(that + add[t]) in fp32 (torch's add of two model-dtype tensors)."""
+    HAS_ADD: then round(that + add[t]) in fp32 (torch's add of two model-dtype tensors). Not WEIGHTED
+    (the backward's input gradient): out[t] = round(y[pos[t, 0]] + ... + y[pos[t, K-1]]) in fp32 from
+    the first term (w unread)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < d
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(pos_ptr + t * K + j)
-        w = tl.load(w_ptr + t * K + j)
         y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
-        acc = acc + y * w
+        if WEIGHTED:
+            w = tl.load(w_ptr + t * K + j)
+            acc = acc + y * w
+        elif j == 0:
+            acc = y
+        else:
+            acc = acc + y
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_ADD:
         a = tl.load(add_ptr + t * stride_add + cols, mask=cmask, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + a).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_out + cols, out, mask=cmask)
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    # Pointers: g [T, d] (model dtype), y [R, d] (sorted rows), token [R], perm [R] int64, w [T * k] fp32
+    # -> dy [R, d] (model dtype), dw [T * k] fp32
+    g_ptr, y_ptr, token_ptr, perm_ptr, w_ptr, dy_ptr, dw_ptr,
+    d, stride_g, stride_y, stride_dy,
+    # Meta-parameters
+    BLOCK_D: tl.constexpr,
+):
+    """The combine's backward for sorted row r = program_id(0), (token t, flat slot f = perm[r]):
+    dy[r] = round(g[t] w[f]) in fp32 (one product: torch's ``g.float() * w`` rounded), and
+    dw[f] = sum_n g[t, n] y[r, n] in fp32: the products summed per column lane over ascending column
+    blocks of BLOCK_D, then ``tl.sum`` over the lanes (a fixed order for a fixed BLOCK_D)."""
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.load(token_ptr + r)
+    f = tl.load(perm_ptr + r)
+    w = tl.load(w_ptr + f)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for c0 in range(0, d, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        cmask = cols < d
+        gv = tl.load(g_ptr + t * stride_g + cols, mask=cmask, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + r * stride_dy + cols, (gv * w).to(dy_ptr.dtype.element_ty), mask=cmask)
+        acc = acc + gv * yv
+    tl.store(dw_ptr + f, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -337,23 +390,25 @@ def _route_kernel(
             tl.store(tile_row1_ptr + p, tl.where(used, row1, 0).to(tl.int64), mask=pm)
 
 
-def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype,
                    cfg: TritonKernelConfigs, add: torch.Tensor | None = None) -> torch.Tensor:
     """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` in one pass: y [R, d] (sorted rows),
     pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``; plus ``add`` [T, d] in ``dtype``
-    where given (the bits of ``combine(...) + add``)."""
+    where given (the bits of ``combine(...) + add``). weights None: the plain sum of a token's k rows
+    in fp32 from the first, in slot order, rounded once (the backward's input gradient)."""
     T, k = pos.shape
-    y, pos, weights = y.contiguous(), pos.contiguous(), weights.to(torch.float32).contiguous()
+    y, pos = y.contiguous(), pos.contiguous()
+    w = pos if weights is None else weights.to(torch.float32).contiguous()
     out = torch.empty(T, y.shape[1], dtype=dtype, device=y.device)
     if add is not None and (add.shape != out.shape or add.dtype != dtype or add.stride(1) != 1):
         raise ValueError(f"combine_triton: add {tuple(add.shape)} {add.dtype} must be [{T}, {y.shape[1]}] {dtype} "
                          "with unit column stride")
     if out.numel():
         grid = (T, triton.cdiv(y.shape[1], cfg.moe_combine_block_d))
-        _combine_kernel[grid](y, pos, weights, out, out if add is None else add, y.shape[1], y.stride(0),
+        _combine_kernel[grid](y, pos, w, out, out if add is None else add, y.shape[1], y.stride(0),
                               out.stride(0), 0 if add is None else add.stride(0), K=k,
-                              BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add is not None, num_warps=4,
-                              enable_fp_fusion=False)
+                              BLOCK_D=cfg.moe_combine_block_d, HAS_ADD=add is not None,
+                              WEIGHTED=weights is not None, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -361,7 +416,7 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKerne
     """The router GEMM kernel: x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E] fp32, the
     bits of ``linear_triton(x.float(), gate_w)`` (the same fp32 dot and K block; the GPU test holds
     it) in one launch of small tiles (a decode step's row makes E / moe_router_block_n programs, where
-    the linear's fp32 tile made two)."""
+    the linear's fp32 tile made two); from cfg.moe_router_large_rows rows on, the large tile."""
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1] or gate_w.dtype != torch.float32:
         raise ValueError(f"router_logits_triton: x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} "
                          f"{gate_w.dtype} must be [T, d] and [E, d] float32")
@@ -372,11 +427,16 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKerne
     E = w.shape[0]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if out.numel():
-        grid = (triton.cdiv(T, cfg.moe_router_block_t), triton.cdiv(E, cfg.moe_router_block_n))
+        c = cfg
+        # the tile by size: a row's bits are the K loop's (each logit one FMA chain over k ascending,
+        # whatever the tile holds beside it), so many rows may take a tile that reuses its loads more
+        large = c.moe_router_large_rows and T >= c.moe_router_large_rows
+        bt, bn, warps = ((c.moe_router_large_block_t, c.moe_router_large_block_n, c.moe_router_large_warps) if large
+                         else (c.moe_router_block_t, c.moe_router_block_n, c.moe_router_warps))
+        grid = (triton.cdiv(T, bt), triton.cdiv(E, bn))
         # launched as the triton linear is (its fp32 dot's FMAs are the same instructions either way)
-        _router_kernel[grid](x, w, out, T, E, K, x.stride(0), w.stride(0), BLOCK_T=cfg.moe_router_block_t,
-                             BLOCK_N=cfg.moe_router_block_n, BLOCK_K=cfg.linear_fp32_block_k,
-                             num_warps=cfg.moe_router_warps, num_stages=2)
+        _router_kernel[grid](x, w, out, T, E, K, x.stride(0), w.stride(0), BLOCK_T=bt, BLOCK_N=bn,
+                             BLOCK_K=c.linear_fp32_block_k, num_warps=warps, num_stages=2)
     return out
 
 
@@ -474,11 +534,13 @@ def gemm_tile(R: int, dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[int
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKernelConfigs, *, gather: bool,
-                 transpose_b: bool = False, relu2: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 transpose_b: bool = False, relu2: bool = False,
+                 drelu2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sorted rows r of expert e: c[r] = a[row(r)] @ b[e]^T (b [E, N, K]), or a[row(r)] @ b[e] with
     ``transpose_b`` (b [E, K, N]); row(r) = d.token[r] if ``gather`` else r. a [*, K] and b in one
     dtype (bf16 or fp32), a's rows may be strided. Returns (c [R, N], u [R, N] or None) in a's dtype;
-    with ``relu2``, u is the product and c relu(u)^2."""
+    with ``relu2``, u is the product and c relu(u)^2; with ``drelu2`` = u [R, N] (the forward's
+    product), c = round(2 p relu(u)) for the product p (the gradient through relu(u)^2)."""
     if a.stride(1) != 1:
         a = a.contiguous()
     b = b.contiguous()
@@ -487,16 +549,39 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
     R = d.token.numel()
     c = torch.empty(R, N, dtype=a.dtype, device=a.device)
     u = torch.empty_like(c) if relu2 else None
+    if drelu2 is not None:
+        if relu2 or drelu2.shape != c.shape or drelu2.dtype != c.dtype:
+            raise ValueError(f"grouped_gemm: drelu2 {tuple(drelu2.shape)} {drelu2.dtype} must be [{R}, {N}] "
+                             f"{c.dtype}, without relu2")
+        u = drelu2.contiguous()
     if R == 0 or N == 0:
         return c, u
     _, bn, warps, stages = gemm_tile(R, a.dtype, cfg)  # the rows of a tile are the tables' (d.block_m)
-    grid = (d.tile_row0.numel(), triton.cdiv(N, bn))
+    grid = (d.tile_row0.numel() * triton.cdiv(N, bn),)
     _grouped_gemm_kernel[grid](
-        a, b, c, u if relu2 else c, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
+        a, b, c, c if u is None else u, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
         N, K, a.stride(0), b.stride(0), sbn, sbk, N,
-        GATHER=gather, RELU2=relu2, BLOCK_M=d.block_m, BLOCK_N=bn, BLOCK_K=cfg.moe_block_k,
-        PRECISION="ieee", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        GATHER=gather, RELU2=relu2, DRELU2=drelu2 is not None, BLOCK_M=d.block_m, BLOCK_N=bn,
+        BLOCK_K=cfg.moe_block_k, PRECISION="ieee", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return c, u
+
+
+def combine_backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, d: Dispatch,
+                     cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted combine's backward in one pass over the sorted rows: g [T, d] (model dtype), y
+    [R, d] the experts' sorted outputs, weights [T, k] fp32 -> (dy [R, d] in y's dtype: row r of
+    (t, j) is round(g[t] w[t, j]); d_weights [T, k] fp32: d_weights[t, j] = <g[t], y[pos[t, j]]> in
+    fp32, in a fixed order)."""
+    T, k = weights.shape
+    R, D = y.shape
+    g, y = g.contiguous(), y.contiguous()
+    dy = torch.empty(R, D, dtype=y.dtype, device=g.device)
+    dw = torch.empty(T, k, dtype=torch.float32, device=g.device)
+    if R:
+        _combine_bwd_kernel[(R,)](g, y, d.token, d.perm, weights.to(torch.float32).contiguous(), dy, dw, D,
+                                  g.stride(0), y.stride(0), dy.stride(0), BLOCK_D=cfg.moe_combine_block_d,
+                                  num_warps=4, enable_fp_fusion=False)
+    return dy, dw
 
 
 def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int, cfg: TritonKernelConfigs, *,
@@ -509,7 +594,7 @@ def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int
     if dw.numel() == 0:
         return dw
     c = cfg
-    grid = (num_experts, triton.cdiv(N, c.moe_wgrad_block_n), triton.cdiv(K, c.moe_wgrad_block_k))
+    grid = (triton.cdiv(N, c.moe_wgrad_block_n) * triton.cdiv(K, c.moe_wgrad_block_k), num_experts)
     _expert_wgrad_kernel[grid](
         g, x, dw, d.token, d.offsets, N, K, g.stride(0), x.stride(0), N * K,
         GATHER=gather, BLOCK_N=c.moe_wgrad_block_n, BLOCK_K=c.moe_wgrad_block_k, BLOCK_T=c.moe_wgrad_block_t,
@@ -571,27 +656,17 @@ class ExpertsFunction(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         h, weights, up_w, down_w, u, act, y = ctx.saved_tensors
         d, cfg = ctx.dispatch, ctx.cfg
-        T, k = weights.shape
         E = up_w.shape[0]
-        f32 = torch.float32
-        g32 = g.to(f32)
         # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j) (the combine's own gradient)
-        yk = y[d.pos.reshape(-1)].view(T, k, -1).to(f32)
-        d_weights = (g32[:, None, :] * yk).sum(-1)
-        w_sorted = weights.reshape(-1)[d.perm]
-        dy = (g32[d.token] * w_sorted[:, None]).to(h.dtype)
-        d_act, _ = grouped_gemm(dy, down_w, d, cfg, gather=False, transpose_b=True)
+        dy, d_weights = combine_backward(g, y, weights, d, cfg)
+        # d u = round(2 relu(u) round(dy @ down)) in the data GEMM's epilogue (d relu(u)^2 = 2 relu(u) du)
+        d_u, _ = grouped_gemm(dy, down_w, d, cfg, gather=False, transpose_b=True, drelu2=u)
         d_down = expert_wgrad(dy, act, d, E, cfg, gather=False)
-        r = torch.relu(u.to(f32))
-        gr = d_act.to(f32) * r
-        d_u = (gr + gr).to(h.dtype)  # d relu(u)^2 = 2 relu(u) du
         d_h_sorted, _ = grouped_gemm(d_u, up_w, d, cfg, gather=False, transpose_b=True)
         d_up = expert_wgrad(d_u, h, d, E, cfg, gather=True)
-        parts = d_h_sorted[d.pos]  # [T, k, d]: token t's k input gradients, summed in slot order
-        acc = parts[:, 0].to(f32)
-        for j in range(1, k):
-            acc = acc + parts[:, j].to(f32)
-        return acc.to(h.dtype), None, d_weights, d_up, d_down, None, None
+        # token t's k input gradients summed in slot order in fp32, rounded once
+        d_h = combine_triton(d_h_sorted, d.pos, None, h.dtype, cfg)
+        return d_h, None, d_weights, d_up, d_down, None, None
 
 
 def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
