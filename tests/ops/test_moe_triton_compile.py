@@ -4,8 +4,8 @@ fused squared ReLU (up), plain (down, and both data gradients over transposed we
 the squared ReLU's derivative), and the expert weight gradient with and without a gathered operand,
 the weighted combine and the plain sum, the combine's backward, the few-row path (the decode tile,
 the fp32 router GEMM on its small and large tiles, the routing kernel with and without its dispatch
-tables, and the tables alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's large tile; nothing is
-contracted into an FMA."""
+tables, and the tables alone). bf16 dots run on tensor cores, warpgroup MMA for the grouped GEMM's
+large tile; nothing is contracted into an FMA."""
 
 from __future__ import annotations
 
