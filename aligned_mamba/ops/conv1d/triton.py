@@ -228,6 +228,14 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
             None if bias is None else db.sum(0).to(bias.dtype))
 
 
+def _check_windows(windows: torch.Tensor, x: torch.Tensor, K: int) -> None:
+    Cd = x.shape[1]
+    if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
+        raise ValueError(f"windows {tuple(windows.shape)} must be [num_slots, {K - 1}, {Cd}] with unit last stride")
+    if windows.dtype != x.dtype:
+        raise ValueError(f"windows are {windows.dtype} but x is {x.dtype}: keeping x in the window would round it")
+
+
 def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs, *,
                          activation: bool = True) -> torch.Tensor:
@@ -245,10 +253,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
     K = weight.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
-        raise ValueError(f"windows {tuple(windows.shape)} must be [num_slots, {K - 1}, {Cd}] with unit last stride")
-    if windows.dtype != x.dtype:
-        raise ValueError(f"windows are {windows.dtype} but x is {x.dtype}: keeping x in the window would round it")
+    _check_windows(windows, x, K)
     if cu_seqlens.shape != (S + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not match {S} slots")
     out = torch.empty(T, Cd, dtype=x.dtype, device=x.device)
@@ -363,10 +368,7 @@ def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
     K = weight.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
-        raise ValueError(f"windows {tuple(windows.shape)} must be [num_slots, {K - 1}, {Cd}] with unit last stride")
-    if windows.dtype != x.dtype:
-        raise ValueError(f"windows are {windows.dtype} but x is {x.dtype}: keeping x in the window would round it")
+    _check_windows(windows, x, K)
     if slots.shape != (S,):
         raise ValueError(f"slots {tuple(slots.shape)} do not match {S} rows")
     out = torch.empty(S, Cd, dtype=x.dtype, device=x.device)
