@@ -29,7 +29,7 @@ buffer, and only the token's own row:
 4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
 
 bf16 models can run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, chosen up
-to ``STEP_MAX_BATCH`` sequences, by default never: slower on the H200 as it stands): each
+to ``STEP_MAX_BATCH`` sequences, by default never): each
 program computes its head's dt row and the token's C.B row itself (per head rather than once
 per group), reads the token's own x, dt and B from the inputs rather than the buffers,
 and completes the chunk for its P block; the last program of a group to finish reading empties
@@ -85,9 +85,7 @@ TILE_OPTS: dict = {"num_stages": 2}
 # Step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
 # bf16 models run "step" up to this many sequences a step and "tile" above (0: never "step"); the two
-# give the same bits, so this is speed only. Measured on the H200 (benchmarks/README.md, "The decode
-# step in one launch"): one step kernel was slower than the four launches at batch 1, 64 and 256
-# (146 registers against the tile kernel's 80, and C.B once per head rather than once per group)
+# give the same bits, so this is speed only (benchmarks/README.md, "The decode step in one launch")
 STEP_MAX_BATCH: int = 0
 # "step" mode's compile options beyond the contract's configs (occupancy and pipelining only, never
 # the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
