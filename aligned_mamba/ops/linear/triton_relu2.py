@@ -154,7 +154,7 @@ def mlp_relu2(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor | None, do
 
     The fused up GEMM for calls of at most ``linear_mid_max_m`` rows without a gradient (decode steps:
     one launch and one [M, inter] pass fewer); larger calls and the trainer's compose the ops, which
-    are faster there (benchmarks/README.md, the fused MLP)."""
+    are faster there (benchmarks/README.md, "Hybrids: attention and MLP")."""
     if x.shape[0] <= cfg.linear_mid_max_m and not grad_needed(x, up_w, up_b, down_w, down_b):
         return linear_triton(linear_relu2_triton(x, up_w, up_b, cfg)[0], down_w, down_b, cfg)
     return linear(relu2(linear(x, up_w, up_b, cfg=cfg), cfg), down_w, down_b, cfg=cfg)
