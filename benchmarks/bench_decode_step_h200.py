@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from aligned_mamba.ops.conv1d import triton as conv_triton  # noqa: E402
 from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
 from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
+from benchmarks.gpu_validate import captured, cuda_ms  # noqa: E402
 
 SHAPES = {"64h_1g": (64, 1), "80h_1g": (80, 1)}
 P, N, L = 64, 128, 256
@@ -65,24 +65,9 @@ def clone(st: SSDState) -> SSDState:
 
 
 def graph_ms(fn, reps: int = 200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    ts = []
-    for _ in range(reps // 10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 10)
-    return statistics.median(ts)
+    """Median ms of one ``fn`` call: ten calls captured in one graph, replayed ``reps`` / 10 times."""
+    graph = captured(lambda: [fn() for _ in range(10)])
+    return cuda_ms(graph.replay, reps // 10, warmup=0) / 10
 
 
 def kernels(fn) -> list[str]:
