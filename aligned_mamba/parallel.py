@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -213,10 +214,11 @@ def threads(fn: Callable[..., Any], size: int, *args: Any) -> list[Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous() -> str:
+    """A fresh file store for one group's start. A free TCP port found here could be taken by another
+    process before rank 0 listens on it (EADDRINUSE under a parallel test run); a file in a fresh
+    private folder cannot."""
+    return os.path.join(tempfile.mkdtemp(prefix="aligned-mamba-tp-"), "store")
 
 
 _STATE: dict[str, Any] = {}
@@ -227,13 +229,13 @@ def rank_state() -> dict[str, Any]:
     return _STATE
 
 
-def _serve(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any, parent: int) -> None:
+def _serve(rank: int, size: int, store: str, threads: int, inbox: Any, outbox: Any, parent: int) -> None:
     """A rank's loop: run each (fn, args) it is sent as fn(group, *args); report (rank, ok, payload),
     the payload rank 0's pickled result or a rank's one-line error."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     group = TPGroup.from_torch()
     try:
         while (msg := _next(inbox, parent)) is not None:
@@ -263,7 +265,7 @@ def _next(inbox: Any, parent: int) -> Any:
 
 
 class Ranks:
-    """``size`` CPU processes (spawned) joined in one gloo group over a free localhost port, kept
+    """``size`` CPU processes (spawned) joined in one gloo group (a file store's rendezvous), kept
     alive between calls: ``call(fn, *args)`` runs ``fn(group, *args)`` on every rank at once and
     returns rank 0's result (``rank_state()`` keeps what a rank builds once). ``fn`` and the
     arguments must pickle (a module-level function). A rank's exception ends every rank and is
@@ -279,8 +281,8 @@ class Ranks:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(size)]
         threads = max(1, (os.cpu_count() or 1) // size)
-        port = _free_port()
-        args = (size, port, threads)
+        self._store = _rendezvous()
+        args = (size, self._store, threads)
         self._procs = [ctx.Process(target=_serve, args=(r, *args, self._inboxes[r], self._outbox, os.getpid()),
                                    daemon=True) for r in range(size)]
         for p in self._procs:
@@ -327,6 +329,8 @@ class Ranks:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if procs:
+            shutil.rmtree(os.path.dirname(self._store), ignore_errors=True)
 
     def __enter__(self) -> Ranks:
         return self
@@ -336,7 +340,7 @@ class Ranks:
 
 
 def launch(fn: Callable[..., Any], size: int, *args: Any) -> Any:
-    """Run ``fn(group, *args)`` in ``size`` CPU processes (spawned; gloo over a free localhost port)
+    """Run ``fn(group, *args)`` in ``size`` CPU processes (spawned; one gloo group)
     and return rank 0's result: ``Ranks`` for one call. ``fn`` and the arguments must pickle (a
     module-level function); a rank's exception is raised here as ``RuntimeFailure`` naming it."""
     with Ranks(size) as ranks:

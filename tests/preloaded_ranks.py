@@ -34,9 +34,9 @@ def _context() -> Any:
     return _CTX[0]
 
 
-def _serve_forked(rank: int, size: int, port: int, threads: int, inbox: Any, outbox: Any) -> None:
+def _serve_forked(rank: int, size: int, store: str, threads: int, inbox: Any, outbox: Any) -> None:
     # a forked rank's parent is the server, which lives as long as the test process
-    parallel._serve(rank, size, port, threads, inbox, outbox, os.getppid())
+    parallel._serve(rank, size, store, threads, inbox, outbox, os.getppid())
 
 
 class PreloadedRanks(parallel.Ranks):
@@ -49,7 +49,8 @@ class PreloadedRanks(parallel.Ranks):
         self.size = size
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(size)]
-        args = (size, parallel._free_port(), max(1, (os.cpu_count() or 1) // size))
+        self._store = parallel._rendezvous()
+        args = (size, self._store, max(1, (os.cpu_count() or 1) // size))
         self._procs = [ctx.Process(target=_serve_forked, args=(r, *args, self._inboxes[r], self._outbox),
                                    daemon=True) for r in range(size)]
         for p in self._procs:
