@@ -503,7 +503,8 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # each sequence's first key row is its "slot", at a pitch of one row
     kc = k.as_strided((k.shape[0], 1, *k.shape[1:]), (k.stride(0), k.stride(0), k.stride(1), k.stride(2)))
     vc = v.as_strided((v.shape[0], 1, *v.shape[1:]), (v.stride(0), v.stride(0), v.stride(1), v.stride(2)))
-    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse)
+    # a split decode's grid: the longest sequence's keys (the packed view's max_len of 1 says nothing)
+    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse, max_context=max(1, int(nk.max(initial=0))))
 
 
 __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "check_page",
