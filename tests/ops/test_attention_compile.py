@@ -150,7 +150,9 @@ def comp(fn, types, consts, warps, stages):
                      if not ln.strip().startswith((".loc", ".file", "$L__", "//")))
     # the flavours of the merge's and the output's special ops (approximate or rounded, flush or not)
     ops = sorted(set(re.findall(r"\b((?:ex2|lg2|div|rcp)\.[a-z0-9.]*f32)", ptx)))
-    return dict(fma=ptx.count("fma.rn.f32"), wgmma="wgmma" in ptx, ops=ops,
+    arith = [ln.split()[0] for ln in ptx.splitlines() if ln.strip() and re.match(
+        r"\s*(ex2|mul|add|sub|max|div|rcp|fma|wgmma.mma_async|mma.sync)[.a-z0-9]*\.(f32|bf16|f16)", ln)]
+    return dict(fma=ptx.count("fma.rn.f32"), wgmma="wgmma" in ptx, ops=ops, arith=sorted(arith),
                 digest=hashlib.sha256(bare.encode()).hexdigest()[:16])
 
 
@@ -195,8 +197,9 @@ _TODAY = {"triton": "3.6.0", "bf16 D128 rep4 prefill S0": "26e7c8c09b16731e",
 def test_the_split_kernels_compile_for_sm90_and_leave_todays_ptx(sm90_cache):
     """The split launches (``attn_split_n`` > 0: the prefill's fold, the decode's partial and combine
     kernels) for sm_90: no FMA contraction anywhere in bf16 (nor in the combine at all: a contracted
-    merge there would not be the prefill's merge in registers), bf16 prefill on warpgroup MMA, and
-    the combine's exp2, division and log2 the same instructions as the prefill's fold. With
+    merge there would not be the prefill's merge in registers), bf16 prefill on warpgroup MMA, the
+    paged launches the slot cache's float operations, and the combine's exp2, division and log2 the
+    same instructions as the prefill's fold. With
     attn_split_n 0 the kernel's PTX is the one before the split existed (its code compiles out)."""
     import triton
 
@@ -207,6 +210,9 @@ def test_the_split_kernels_compile_for_sm90_and_leave_todays_ptx(sm90_cache):
             assert r["fma"] == 0, (name, r)
         if name.startswith("bf16") and "prefill" in name:
             assert r["wgmma"], (name, r)
+        if " paged" in name:  # the same float operations, each as often, as the slot cache's launch
+            slot = done[name.replace(" paged", "")]
+            assert r["arith"] == slot["arith"] and len(r["arith"]) > 10, (name, len(r["arith"]), len(slot["arith"]))
         if "combine" in name:
             # the merge's exp2 and the output's division (and lse's log2) are the prefill fold's instructions
             fold = name.split(" combine")[0] + (" prefill lse split" if name.endswith("lse") else " prefill split")
