@@ -190,7 +190,6 @@ def _attention_kernel(
         tl.store(lse_ptr + (row0 + tt).to(tl.int64) * sl_t + head, m + tl.log2(lsum), mask=valid)
 
 
-
 @triton.jit
 def _attention_partial_kernel(
     # Pointers to matrices; the partials [T, NS, H] (m, l) and [T, NS, H, D] (acc), fp32
