@@ -122,18 +122,20 @@ def test_rows_equal_across_prefill_chunks_and_decode_under_a_split(
 
 def test_decode_steps_at_every_position_equal_the_prefill() -> None:
     """One sequence of 70 tokens under S = 32: a decode step at each position (0 .. 69: every split's
-    first, inner and last keys) equals its row of the prefill, and a chunk boundary at each split
-    edge (31/32/33) too."""
+    first, inner and last keys) equals its row (and log-sum-exp) of the prefill, and a chunk boundary
+    at each split edge (31/32/33) too."""
     H, G, D, n = 4, 2, 64, 70
     cfg = _cfg(32)
     g = torch.Generator().manual_seed(5)
     kc, vc = _cache([n], G, D, g)
     q = torch.randn(n, H, D, generator=g)
-    full = _prefill(q, kc, vc, [n], [0], H // G, cfg)
+    lse, lse_d = torch.empty(n, H), torch.empty(n, H)
+    full = _prefill(q, kc, vc, [n], [0], H // G, cfg, lse=lse)
     pos = torch.arange(n)
     steps = attention_triton(q, kc, vc, decode_tiles(torch.zeros(n, dtype=torch.int64), pos), scale=D ** -0.5,
-                             cfg=cfg)
+                             cfg=cfg, lse=lse_d)
     assert torch.equal(steps, full)
+    assert torch.equal(lse_d, lse)  # the combine's log-sum-exp is the fold's too
     for a, b in ((0, 31), (31, 33), (33, n)):
         assert torch.equal(_prefill(q[a:b], kc, vc, [b], [a], H // G, cfg), full[a:b])
 
