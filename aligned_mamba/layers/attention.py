@@ -16,6 +16,14 @@ through the table on the device, so a decode step captures in a CUDA graph.
 A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
 backward; the torch form's autograd on the CPU).
 
+Split keys (the triton backend's ``attn_split_n`` S > 0, a contract field; 0 by default): on the
+GPU every row's keys are split at absolute positions s*S and the splits' partial softmaxes folded
+in ascending order, in the prefill program for prefill, chunks and the trainer's pass, by a
+program per split and a combine launch for a decode step (its scratch sized from the cache's
+max_len, or the block table's pages, and held in a captured graph's pool), so decode spreads a long
+context over the GPU and keeps the prefill's bits. The torch backend (CPU) has no such field, and
+the triton backend's CPU stand-ins ignore it: attention's bits are the GPU's own.
+
 An engine that owns a paged KV cache (vLLM's block manager) calls ``advance_paged`` instead: the
 same projections write the new keys and values into its pages (``paged_tables`` says where, from
 the engine's block table), the keys and values of positions 0..t are gathered back into the same

@@ -117,6 +117,13 @@ class TritonKernelConfigs:
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
       tile; a row's bits do not depend on the tile's rows: tests/ops/test_attention_gpu.py).
+      attn_split_n: key positions per split (0: no split, the default): a row's keys are split at
+      absolute positions s * attn_split_n, each split's online softmax folded into the row's in
+      ascending order (ops/attention/triton.py, "Split keys"); decode steps then run one program
+      per split and a combine, prefill folds in its program: a part of every row's bits on the
+      triton backend's GPU kernels. A positive value is a multiple of attn_block_n. The torch
+      backend and the triton backend's CPU stand-ins have no split (their attention bits are not
+      the GPU's anyway).
       Its backward (ops/attention/triton_backward.py; gradients only, never a forward's bits):
       attn_bwd_kv_block_n keys per dk/dv program and attn_bwd_kv_block_m query rows per step of its
       loop; attn_bwd_q_block_m query rows per dq program and attn_bwd_q_block_n keys per step;
@@ -208,6 +215,7 @@ class TritonKernelConfigs:
     attn_decode_block_m: int = 16
     attn_decode_warps: int = 4
     attn_decode_stages: int = 4
+    attn_split_n: int = 0
     attn_bwd_kv_block_n: int = 64
     attn_bwd_kv_block_m: int = 64
     attn_bwd_q_block_m: int = 64
@@ -301,6 +309,10 @@ class TritonKernelConfigs:
         _pow2("attn_block_n", self.attn_block_n, 16, 256)
         _pow2("attn_block_m", self.attn_block_m, 16, 256)
         _pow2("attn_decode_block_m", self.attn_decode_block_m, 16, 256)
+        if (not isinstance(self.attn_split_n, int) or isinstance(self.attn_split_n, bool) or self.attn_split_n < 0
+                or self.attn_split_n % self.attn_block_n):
+            raise ValueError(f"attn_split_n {self.attn_split_n!r} refused: 0 (no split) or a positive multiple of "
+                             f"attn_block_n {self.attn_block_n} expected")
         for name in ("attn_warps", "attn_decode_warps"):
             _among(name, getattr(self, name), (1, 2, 4, 8))
         for name in ("attn_stages", "attn_decode_stages", "attn_bwd_stages"):

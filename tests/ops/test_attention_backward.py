@@ -53,10 +53,26 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     (2, 1, 32, [70], [70]),                   # many unmasked steps in both kernels
 ])
 def test_gradients_match_the_fp64_reference(H: int, G: int, D: int, nq: list[int], nk: list[int]) -> None:
+    _check_gradients(H, G, D, nq, nk, CFG)
+
+
+@pytest.mark.parametrize("split", [16, 32])
+@pytest.mark.parametrize("H,G,D,nq,nk", [
+    (4, 2, 64, [37, 5, 20], [37, 5, 20]),     # prefill, three sequences
+    (3, 1, 64, [10, 1, 20], [40, 9, 20]),     # a chunk after cached keys (the split at an earlier position)
+])
+def test_gradients_under_a_split_match_the_fp64_reference(H: int, G: int, D: int, nq: list[int], nk: list[int],
+                                                          split: int) -> None:
+    """Split keys (``attn_split_n``): the forward's lse is the folded state's, and the backward that
+    reads it still gives the fp64 gradients."""
+    _check_gradients(H, G, D, nq, nk, dataclasses.replace(CFG, attn_split_n=split))
+
+
+def _check_gradients(H: int, G: int, D: int, nq: list[int], nk: list[int], cfg: TritonKernelConfigs) -> None:
     q, k, v, w = _inputs(nq, nk, H, G, D, seed=H + D)
     cq, ck = _cu(nq), _cu(nk)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = tb.attention_packed(*leaves, cq, ck, scale=D ** -0.5, cfg=CFG)
+    out = tb.attention_packed(*leaves, cq, ck, scale=D ** -0.5, cfg=cfg)
     got = torch.autograd.grad(out, leaves, w, retain_graph=True)
     again = torch.autograd.grad(out, leaves, w)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "two backwards gave different bits"

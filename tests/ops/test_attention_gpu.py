@@ -84,8 +84,11 @@ def test_the_eager_baseline_rows_change_with_the_schedule() -> None:
     assert differ > 0
 
 
+@pytest.mark.parametrize("split", [0, 512])
 @pytest.mark.parametrize("D", [64, 128])
-def test_accuracy_at_the_bf16_floor(D: int) -> None:
+def test_accuracy_at_the_bf16_floor(D: int, split: int) -> None:
+    import dataclasses
+
     import torch.nn.functional as F
 
     from aligned_mamba.ops.attention import attention_naive
@@ -94,7 +97,8 @@ def test_accuracy_at_the_bf16_floor(D: int) -> None:
     H, G, ns = 16, 4, [1500, 37, 700]
     q, k, v = _qkv(sum(ns), H, G, D, seed=D)
     cu = torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()])
-    ours = attention_triton_packed(q, k, v, cu, cu, scale=D ** -0.5, cfg=_cfg())
+    cfg = dataclasses.replace(_cfg(), attn_split_n=split)  # split keys (attn_split_n): the same floor
+    ours = attention_triton_packed(q, k, v, cu, cu, scale=D ** -0.5, cfg=cfg)
     ref = attention_naive(q.double(), k.double(), v.double(), cu, cu, scale=D ** -0.5)
     stock = torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)),
                                                       is_causal=True, enable_gqa=True)[0].transpose(0, 1)
@@ -105,7 +109,7 @@ def test_accuracy_at_the_bf16_floor(D: int) -> None:
 
     assert math.isfinite(err(ours)) and err(ours) <= 1.5 * err(stock) + 1e-4, (err(ours), err(stock))
     decode = attention_triton_packed(q[cu[1:] - 1], k, v, torch.arange(len(ns) + 1), cu, scale=D ** -0.5,
-                                     cfg=_cfg(), decode=True)
+                                     cfg=cfg, decode=True)
     assert torch.equal(decode, ours[cu[1:] - 1])
 
 
@@ -477,3 +481,93 @@ def test_the_engine_preempts_when_pages_run_short_and_keeps_the_bits() -> None:
         assert torch.equal(torch.stack([x for _, x in a.rows]), want[[p for p, _ in a.rows]]), a.req_id
         differ += int((got != base[pos]).any(-1)[torch.tensor(pos, device=got.device) >= 128].sum())
     assert differ > 0, "a key block of 128 gave the long rows the same bits: the check cannot fail"
+
+
+# -- split keys (attn_split_n) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("split", [1024, 2048])
+def test_split_decode_in_cuda_graphs_equals_the_prefill_rows(split: int, B: int) -> None:
+    """Nemotron-H-8B's attention shape (32 heads, 8 KV heads, D 128, bf16) under ``attn_split_n``: B
+    sequences at contexts up to 16k (the first ones just before a split boundary, so their 5 steps
+    end on a split's last key and then on the next one's first; the rest random) decode 5 steps
+    through captured graphs, over a slot cache and over shuffled pages: every row equals the single
+    packed prefill's row (the fold in the prefill program). The baseline, decode rows without a
+    split, differs on rows past the first split."""
+    import dataclasses
+
+    from aligned_mamba.ops.attention.blocked import page_index
+    from aligned_mamba.ops.attention.triton import attention_triton, attention_triton_packed, decode_tiles
+
+    H, G, D, P, steps, scale = 32, 8, 128, 256, 5, 128 ** -0.5
+    cfg = dataclasses.replace(_cfg(), attn_split_n=split)
+    g = torch.Generator().manual_seed(B + split)
+    ctx = torch.randint(1, 16384, (B,), generator=g)
+    edge = torch.tensor([16384, 8 * split, split, 2 * split])[:B] - 2  # positions k*S - 2 .. k*S + 2
+    ctx[:edge.numel()] = edge
+    n = ctx + steps
+    max_len = int(n.max())
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
+    q, k, v = _qkv(int(cu[-1]), H, G, D, seed=B)
+    full = attention_triton_packed(q, k, v, cu, cu, scale=scale, cfg=cfg)
+    slots = torch.randperm(B, generator=g)
+    kc = torch.full((B, max_len, G, D), float("nan"), dtype=BF16, device="cuda")
+    vc = kc.clone()
+    pages = _scattered_pages(B, max_len, P, seed=B)
+    kp = torch.full((pages.num_pages, P, G, D), float("nan"), dtype=BF16, device="cuda")
+    vp = kp.clone()
+    pages.ensure(slots.numpy(), ctx.numpy())
+    seq = torch.repeat_interleave(torch.arange(B), ctx)
+    pos = torch.cat([torch.arange(int(c)) for c in ctx])
+    src = (cu[:-1][seq] + pos).cuda()
+    kc[slots[seq].cuda(), pos.cuda()], vc[slots[seq].cuda(), pos.cuda()] = k[src], v[src]
+    pg, off = page_index(pages.table, slots[seq].cuda(), pos.cuda(), P)
+    kp[pg, off], vp[pg, off] = k[src], v[src]
+    qs, ks, vs = q[:B].clone(), k[:B].clone(), v[:B].clone()
+    sl, ps = slots.cuda(), ctx.cuda().clone()
+
+    def slot_step(c=cfg) -> torch.Tensor:
+        kc[sl, ps], vc[sl, ps] = ks, vs
+        return attention_triton(qs, kc, vc, decode_tiles(sl, ps), scale=scale, cfg=c)
+
+    def paged_step(c=cfg) -> torch.Tensor:
+        pg, off = page_index(pages.table, sl, ps, P)
+        kp[pg, off], vp[pg, off] = ks, vs
+        return attention_triton(qs, kp, vp, decode_tiles(sl, ps), scale=scale, cfg=c, block_table=pages.table)
+
+    graphs, outs = [], []
+    for fn in (slot_step, paged_step):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()  # compile before capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(fn())
+        graphs.append(graph)
+    for t in range(steps):
+        at = (cu[:-1] + ctx + t).cuda()
+        pages.ensure(slots.numpy(), (ctx + t + 1).numpy())
+        for buf, x in ((qs, q), (ks, k), (vs, v)):
+            buf.copy_(x[at])
+        ps.copy_((ctx + t).cuda())
+        for graph, out, name in zip(graphs, outs, ("slot", "paged")):
+            graph.replay()
+            assert torch.equal(out, full[at]), (name, t)
+    plain = slot_step(_cfg())
+    late = (ctx + steps - 1 >= split).cuda()
+    assert bool(late.any()) and not torch.equal(plain[late], outs[0][late])
+    assert torch.equal(plain[~late], outs[0][~late])  # one split: its partial alone, the same bits
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("B", [1, 64])
+def test_hybrid_graph_decode_under_a_split_equals_the_single_pass(B: int, page_size: int | None) -> None:
+    """A hybrid whose contract splits keys every 256 positions (contexts up to 940 cross up to three
+    boundaries): ``DecodeGraphs``'s rows, slot cache or pages, equal the trainer's single pass."""
+    from check_cases import assert_graph_decode_equals_single_pass
+
+    assert_graph_decode_equals_single_pass(_hybrid("two_attention_gqa8_d64", attn_split_n=256), B, steps=40,
+                                           max_start=900, page_size=page_size)

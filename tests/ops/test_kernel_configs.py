@@ -62,6 +62,8 @@ def _alternative(cfg: TritonKernelConfigs, name: str) -> Any:
         cands = [v // 2]
     elif name == "linear_fill_programs":
         cands = [0]
+    elif name == "attn_split_n":  # 0 (no split) doubles to itself
+        cands = [4 * cfg.attn_block_n]
     else:
         cands = [v * 2, v // 2, v + 1, v - 1]
     for c in cands:

@@ -23,6 +23,18 @@ prefill tile. The tables (per tile: first packed query row, tokens, first positi
 device tensors; a decode step's come straight from the step's slots and positions, so the launch
 reads nothing back and captures in a CUDA graph.
 
+Split keys (``attn_split_n`` S > 0; 0, the default, compiles all of this out): row t's keys are
+split at absolute positions s*S, s = 0 .. t // S; each split's partial (m_s, l_s, acc_s) is the online
+softmax above over its keys [s*S, min((s+1)*S, t+1)), visited in the same blocks from s*S from a
+fresh state (m = -inf, l = 0, acc = 0), and the row's state is the left fold, from that fresh state,
+of merge(a, b): m = max(m_a, m_b), l = l_a exp2(m_a - m) + l_b exp2(m_b - m), acc likewise, in
+ascending s; out = acc / l. A prefill or chunk program folds at each split's end in registers (a
+row of the tile before the split's first key keeps its state: a select, not arithmetic); a decode
+step writes the partials of (tile, key/value head, split) programs to fp32 scratch and a second
+launch folds them in the same order with the same ``_merge``, so decode parallelises over a long
+context and its rows keep the prefill's bits. Every op of the merge is elementwise (no FMA: the
+launches turn contraction off), so a row's bits do not depend on the tile's shape.
+
 bf16 models give both dots bf16 operands (p rounded to bf16, as flash attention does); fp32 models
 fp32 operands in IEEE precision.
 """
@@ -79,6 +91,35 @@ def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk
 
 
 @triton.jit
+def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    """Fold partial b (the next split's) into a: the online softmax's own rescaling, in its exp2 and
+    units (module docstring). Elementwise, so a row's bits do not depend on the tile it sits in."""
+    m = tl.maximum(m_a, m_b)
+    ca = tl.math.exp2(m_a - m)
+    cb = tl.math.exp2(m_b - m)
+    return m, l_a * ca + l_b * cb, acc_a * ca[:, None] + acc_b * cb[:, None]
+
+
+@triton.jit
+def _split(q, k_ptr, v_ptr, kbase, lo, hi, full, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr, page,
+           BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+           PAGED: tl.constexpr):
+    """The partial (m, l, acc) of key blocks [lo, hi) from a fresh state, ``_block`` by ``_block``
+    (blocks before ``full`` whole for every row of the tile). A row before block lo's first key
+    gets NaN (every s -inf): the caller never uses it."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for j in range(lo, tl.minimum(hi, full)):
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
+                              page, D, BLOCK_N, False, PRECISION, PAGED)
+    for j in range(tl.maximum(lo, full), hi):
+        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
+                              page, D, BLOCK_N, True, PRECISION, PAGED)
+    return m, lsum, acc
+
+
+@triton.jit
 def _attention_kernel(
     # Pointers to matrices
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
@@ -92,6 +133,7 @@ def _attention_kernel(
     # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False, PAGED: tl.constexpr = False,
+    SPLIT_N: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -121,17 +163,121 @@ def _attention_kernel(
     ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
     # blocks before the first row's block are whole for every row: no mask (where(true, s) is s)
     full = pos0 // BLOCK_N
-    for j in range(0, full):
-        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
-                           page, D, BLOCK_N, False, PRECISION, PAGED)
-    for j in range(full, last // BLOCK_N + 1):
-        m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr,
-                           page, D, BLOCK_N, True, PRECISION, PAGED)
+    if SPLIT_N > 0:
+        # keys split at absolute positions s * SPLIT_N: each split's partial from a fresh state, folded
+        # into the row's state in ascending s at the split's end (the decode step's combine, in registers)
+        NB: tl.constexpr = SPLIT_N // BLOCK_N
+        nblk = last // BLOCK_N + 1
+        for s in range(0, last // SPLIT_N + 1):
+            mp, lp, ap = _split(q, k_ptr, v_ptr, kbase, s * NB, tl.minimum(s * NB + NB, nblk), full, last, pos, g,
+                                sk_r, sk_g, qk_scale, ones, bt_ptr, page, BLOCK_M, D, BLOCK_N, PRECISION, PAGED)
+            mm, lm, am = _merge(m, lsum, acc, mp, lp, ap)
+            inside = pos >= s * SPLIT_N  # a row before the split's first key has no partial there
+            m = tl.where(inside, mm, m)
+            lsum = tl.where(inside, lm, lsum)
+            acc = tl.where(inside[:, None], am, acc)
+    else:
+        for j in range(0, full):
+            m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
+                                  bt_ptr, page, D, BLOCK_N, False, PRECISION, PAGED)
+        for j in range(full, last // BLOCK_N + 1):
+            m, lsum, acc = _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones,
+                                  bt_ptr, page, D, BLOCK_N, True, PRECISION, PAGED)
     o = acc / lsum[:, None]
     tl.store(o_ptr + (row0 + tt).to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
     if STORE_LSE:  # for the backward: log2 of the row's softmax denominator, in s's units (o is untouched)
         tl.store(lse_ptr + (row0 + tt).to(tl.int64) * sl_t + head, m + tl.log2(lsum), mask=valid)
+
+
+@triton.jit
+def _attention_partial_kernel(
+    # Pointers to matrices; the partials [T, NS, H] (m, l) and [T, NS, H, D] (acc), fp32
+    q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, pa_ptr,
+    # Per-tile tables [NT] int64, the block table and page size, as ``_attention_kernel``'s
+    row0_ptr, ntok_ptr, pos0_ptr, slot_ptr, bt_ptr, s_bt, page,
+    # Strides (elements); sp_t, sp_s: the partials' per row and per split (in rows of one head)
+    sq_t, sq_h, sk_slot, sk_r, sk_g, sp_t, sp_s,
+    qk_scale,
+    # Meta-parameters
+    REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr = False,
+):
+    """A split decode's first half: program (tile, key/value head, split s) writes its rows' partial
+    over the keys [s * SPLIT_N, min((s + 1) * SPLIT_N, t + 1)), ``_attention_kernel``'s per-split
+    arithmetic. The grid covers the longest context the caller allows; a split past the tile's
+    last key exits at once (the lengths are read here, on the device)."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    row0 = tl.load(row0_ptr + tile)
+    ntok = tl.load(ntok_ptr + tile)
+    pos0 = tl.load(pos0_ptr + tile)
+    last = pos0 + ntok - 1
+    if s * SPLIT_N > last:
+        return
+    slot = tl.load(slot_ptr + tile)
+    if PAGED:
+        kbase = slot * 0 + sk_slot
+        bt_ptr += slot * s_bt
+    else:
+        kbase = slot * sk_slot
+    BLOCK_M: tl.constexpr = TOK * REP_P
+    NB: tl.constexpr = SPLIT_N // BLOCK_N
+    r = tl.arange(0, BLOCK_M)
+    tt = r // REP_P
+    hh = r % REP_P
+    valid = (tt < ntok) & (hh < REP)
+    pos = pos0 + tl.where(tt < ntok, tt, 0)
+    d = tl.arange(0, D)
+    head = g * REP + hh
+    q = tl.load(q_ptr + (row0 + tt).to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=valid[:, None], other=0.0)
+    ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
+    m, lsum, acc = _split(q, k_ptr, v_ptr, kbase, s * NB, tl.minimum(s * NB + NB, last // BLOCK_N + 1),
+                          pos0 // BLOCK_N, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr, page, BLOCK_M, D,
+                          BLOCK_N, PRECISION, PAGED)
+    # a row before this split's first key (a later token of a multi-token tile) stores its unused NaN
+    at = (row0 + tt).to(tl.int64) * sp_t + s * sp_s + head
+    tl.store(pm_ptr + at, m, mask=valid)
+    tl.store(pl_ptr + at, lsum, mask=valid)
+    tl.store(pa_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
+
+
+@triton.jit
+def _attention_combine_kernel(
+    pm_ptr, pl_ptr, pa_ptr, o_ptr, lse_ptr,
+    # Per-tile tables [NT] int64 (one token per tile)
+    row0_ptr, pos0_ptr,
+    so_t, so_h, sp_t, sp_s, sl_t,
+    REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_N: tl.constexpr,
+    STORE_LSE: tl.constexpr = False,
+):
+    """A split decode's second half: program (tile, key/value head) folds its token's partials of
+    splits 0 .. t // SPLIT_N in ascending order with ``_merge`` from the empty state, as the prefill
+    program does in registers, then out = acc / l (and the lse)."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    row = tl.load(row0_ptr + tile).to(tl.int64)
+    t = tl.load(pos0_ptr + tile)
+    hh = tl.arange(0, REP_P)
+    valid = hh < REP
+    head = g * REP + hh
+    d = tl.arange(0, D)
+    m = tl.full([REP_P], float("-inf"), tl.float32)
+    lsum = tl.zeros([REP_P], tl.float32)
+    acc = tl.zeros([REP_P, D], tl.float32)
+    for s in range(0, t // SPLIT_N + 1):
+        at = row * sp_t + s * sp_s + head
+        # padding heads read m = 0, l = 1, acc = 0: finite, never stored
+        mp = tl.load(pm_ptr + at, mask=valid, other=0.0)
+        lp = tl.load(pl_ptr + at, mask=valid, other=1.0)
+        ap = tl.load(pa_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        m, lsum, acc = _merge(m, lsum, acc, mp, lp, ap)
+    o = acc / lsum[:, None]
+    tl.store(o_ptr + row * so_t + head[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    if STORE_LSE:
+        tl.store(lse_ptr + row * sl_t + head, m + tl.log2(lsum), mask=valid)
 
 
 @dataclass(frozen=True)
@@ -223,7 +369,7 @@ def decode_step_tables(slots: torch.Tensor, positions: torch.Tensor) -> StepTabl
 
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles, *,
                      scale: float, cfg: TritonKernelConfigs, lse: torch.Tensor | None = None,
-                     block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor | None = None, max_context: int | None = None) -> torch.Tensor:
     """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
 
     q [T, H, D] (bf16 or fp32); k_cache, v_cache [slots, max_len, G, D] in q's dtype, the key of
@@ -240,6 +386,12 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     slot is its block-table row. The table is read on the device (a CUDA graph replays it as it is
     then). ``attn_block_n`` must divide the page size: a key block then lies in one page, and a row
     visits the same blocks in the same order with the same arithmetic, the slot cache's bits.
+
+    ``cfg.attn_split_n`` S > 0 (module docstring, "Split keys"): a prefill tile folds its splits in
+    its own program; decode tiles run one program per (tile, key/value head, split) into fp32
+    scratch (m, l [T, NS, H], acc [T, NS, H, D]) and a combine launch, with NS = ceil(``max_context`` / S) splits in the
+    grid (default: the slot cache's max_len, or the block table's pages times the page size); no
+    decode row may lie at a position >= ``max_context``.
     """
     T, H, D = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
@@ -280,13 +432,37 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     warps = cfg.attn_decode_warps if tiles.decode else cfg.attn_warps
     stages = cfg.attn_decode_stages if tiles.decode else cfg.attn_stages
+    S = cfg.attn_split_n
+    if S and tiles.decode:
+        if max_context is None:
+            max_context = block_table.shape[1] * page if block_table is not None else k_cache.shape[1]
+        if max_context < 1:
+            raise ValueError(f"attention_triton: max_context {max_context} refused: at least 1 key expected")
+        ns = -(-max_context // S)
+        # the partials of every split the grid covers: fp32, [T, NS, H] (m, l) and [T, NS, H, D]
+        # (a CUDA graph keeps them in its pool; its replays reuse them)
+        pm = torch.empty(T, ns, H, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pa = torch.empty(T, ns, H, D, dtype=torch.float32, device=q.device)
+        _attention_partial_kernel[(NT, G, ns)](
+            q, k_cache, v_cache, pm, pl, pa, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
+            tiles.slot if block_table is None else block_table, s_bt, page,
+            q.stride(0), q.stride(1), pitch, k_cache.stride(1), k_cache.stride(2), ns * H, H, scale * LOG2E,
+            REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n, SPLIT_N=S,
+            PAGED=block_table is not None, PRECISION="ieee", num_warps=warps, num_stages=stages,
+            enable_fp_fusion=False)
+        _attention_combine_kernel[(NT, G)](
+            pm, pl, pa, out, pm if lse is None else lse, tiles.row0, tiles.pos0, out.stride(0), out.stride(1),
+            ns * H, H, 0 if lse is None else lse.stride(0), REP=rep, REP_P=rep_pad(rep), D=D, SPLIT_N=S,
+            STORE_LSE=lse is not None, num_warps=1, enable_fp_fusion=False)
+        return out
     _attention_kernel[(NT, G)](
         q, k_cache, v_cache, out, out if lse is None else lse, tiles.row0, tiles.ntok, tiles.pos0, tiles.slot,
         tiles.slot if block_table is None else block_table, s_bt, page,
         q.stride(0), q.stride(1), pitch, k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), scale * LOG2E,
         REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n, STORE_LSE=lse is not None,
-        PAGED=block_table is not None,
+        PAGED=block_table is not None, SPLIT_N=cfg.attn_split_n,
         PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
         # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
         # masked loop's select between them cannot, and a row meets a block in either loop
@@ -326,7 +502,8 @@ def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # each sequence's first key row is its "slot", at a pitch of one row
     kc = k.as_strided((k.shape[0], 1, *k.shape[1:]), (k.stride(0), k.stride(0), k.stride(1), k.stride(2)))
     vc = v.as_strided((v.shape[0], 1, *v.shape[1:]), (v.stride(0), v.stride(0), v.stride(1), v.stride(2)))
-    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse)
+    # a split decode's grid: the longest sequence's keys (the packed view's max_len of 1 says nothing)
+    return attention_triton(q, kc, vc, tiles, scale=scale, cfg=cfg, lse=lse, max_context=max(1, int(nk.max(initial=0))))
 
 
 __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton_packed", "check_page",

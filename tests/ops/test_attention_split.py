@@ -1,0 +1,227 @@
+"""Split keys (``attn_split_n``) in the Triton attention, on the CPU through the Triton interpreter.
+
+fp32, tiny blocks (16 keys, splits of 16 to 48) so that a few dozen tokens cross several splits.
+Under a split S every row must be the same bits in a prefill (the fold in the program), a chunk
+continuing from cached keys, a decode step (a program per split and the combine) over a slot cache
+or pages, and beside other sequences of other lengths; contexts end inside a split, on its last key
+and on the next split's first. The baseline that shows the checks can fail: decode rows under S
+against prefill rows without a split (or with another S) differ. Accuracy against fp64 is today's.
+The GPU's bits: tests/ops/test_attention_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import interpreted  # before triton: it switches the Triton interpreter on
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+interpreted.require()
+pytestmark = pytest.mark.interpreter
+
+from aligned_mamba.ops.attention import attention_naive  # noqa: E402
+from aligned_mamba.ops.attention.blocked import page_index  # noqa: E402
+from aligned_mamba.ops.attention.triton import (  # noqa: E402
+    attention_triton,
+    attention_triton_packed,
+    decode_tiles,
+    prefill_tiles,
+)
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+
+CFG = dataclasses.replace(TritonKernelConfigs(), attn_block_n=16, attn_block_m=32, attn_decode_block_m=16)
+MAX_LEN = 80
+
+
+def _cfg(split: int) -> TritonKernelConfigs:
+    return dataclasses.replace(CFG, attn_split_n=split)
+
+
+def _cache(lens: list[int], G: int, D: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot caches [S, MAX_LEN, G, D] holding lens[s] random keys in slot s; the rest NaN (garbage)."""
+    kc = torch.full((len(lens), MAX_LEN, G, D), float("nan"))
+    vc = kc.clone()
+    for s, n in enumerate(lens):
+        kc[s, :n], vc[s, :n] = torch.randn(n, G, D, generator=g), torch.randn(n, G, D, generator=g)
+    return kc, vc
+
+
+def _pages(kc: torch.Tensor, vc: torch.Tensor, lens: list[int], page: int, g: torch.Generator):
+    """The slot caches' keys copied into shuffled pages of ``page`` keys (the rest NaN) and the block
+    table [slots, max_blocks] int32 that finds them (entries past a slot's pages out of range)."""
+    S, _, G, D = kc.shape
+    need = [-(-n // page) for n in lens]
+    nb = sum(need) + 2
+    ids = torch.randperm(nb, generator=g)
+    kp = torch.full((nb, page, G, D), float("nan"))
+    vp = kp.clone()
+    bt = torch.full((S, MAX_LEN // page + 1), nb + 7, dtype=torch.int32)
+    i = 0
+    for s, n in enumerate(lens):
+        bt[s, :need[s]] = ids[i:i + need[s]].to(torch.int32)
+        i += need[s]
+        pos = torch.arange(n)
+        pg, off = page_index(bt, torch.full_like(pos, s), pos, page)
+        kp[pg, off], vp[pg, off] = kc[s, :n], vc[s, :n]
+    return kp, vp, bt
+
+
+def _prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], start: list[int], rep: int,
+             cfg: TritonKernelConfigs, **kw) -> torch.Tensor:
+    """Each slot's tokens start[s] .. lens[s] - 1 in one packed launch (q packed alike)."""
+    cu = [0, *torch.tensor([n - a for n, a in zip(lens, start)]).cumsum(0).tolist()]
+    tiles = prefill_tiles(cu, start, list(range(len(lens))), rep, cfg, "cpu")
+    return attention_triton(q, kc, vc, tiles, scale=q.shape[2] ** -0.5, cfg=cfg, **kw)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(split_blocks=st.sampled_from([1, 2, 3]), gqa=st.sampled_from([(2, 2), (4, 1), (8, 1)]),
+       D=st.sampled_from([64, 128]), ends=st.lists(st.sampled_from(["inside", "on", "after"]), min_size=1, max_size=3),
+       splits=st.lists(st.integers(0, 3), min_size=3, max_size=3), cut=st.integers(1, 60),
+       page_mult=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_rows_equal_across_prefill_chunks_and_decode_under_a_split(
+        split_blocks: int, gqa: tuple[int, int], D: int, ends: list[str], splits: list[int], cut: int, page_mult: int,
+        seed: int) -> None:
+    """Several sequences whose contexts end inside a split, on a split's last key or on the next
+    split's first: their decode rows (slot cache and pages, one launch beside each other) equal their
+    rows of one packed prefill and of a prefill chunked at ``cut``."""
+    H, G = gqa
+    S = 16 * split_blocks
+    cfg = _cfg(S)
+    # a context of k whole splits and 0, 1 or S/2 + 1 keys: the last token on a split's last key, on
+    # the next split's first, or inside it
+    extra = {"on": 0, "after": 1, "inside": S // 2 + 1}
+    kmax = (MAX_LEN - extra["inside"]) // S
+    lens = [k % (kmax + 1) * S + extra[e] or S for k, e in zip(splits, ends)]
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = _cache(lens, G, D, g)
+    T = sum(lens)
+    q = torch.randn(T, H, D, generator=g)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    full = _prefill(q, kc, vc, lens, [0] * len(lens), H // G, cfg)
+    assert torch.isfinite(full).all()
+    # chunked: every sequence's tokens from min(cut, n - 1) on, over the cached earlier ones
+    start = [min(cut, n - 1) for n in lens]
+    rows = torch.cat([torch.arange(cu[s] + start[s], cu[s + 1]) for s in range(len(lens))])
+    assert torch.equal(_prefill(q[rows], kc, vc, lens, start, H // G, cfg), full[rows])
+    # decode: each sequence's last token, all in one launch, slot cache and pages
+    last = torch.tensor(cu[1:]) - 1
+    tiles = decode_tiles(torch.arange(len(lens)), torch.tensor(lens) - 1)
+    dec = attention_triton(q[last], kc, vc, tiles, scale=D ** -0.5, cfg=cfg)
+    assert torch.equal(dec, full[last])
+    kp, vp, bt = _pages(kc, vc, lens, CFG.attn_block_n * page_mult, g)
+    assert torch.equal(attention_triton(q[last], kp, vp, tiles, scale=D ** -0.5, cfg=cfg, block_table=bt), dec)
+    # one sequence alone: a row's bits do not depend on the others
+    alone = attention_triton(q[last[:1]], kc, vc, decode_tiles(torch.tensor([0]), torch.tensor([lens[0] - 1])),
+                             scale=D ** -0.5, cfg=cfg)
+    assert torch.equal(alone[0], dec[0])
+
+
+def test_decode_steps_at_every_position_equal_the_prefill() -> None:
+    """One sequence of 70 tokens under S = 32: a decode step at each position (0 .. 69: every split's
+    first, inner and last keys) equals its row (and log-sum-exp) of the prefill, and a chunk boundary
+    at each split edge (31/32/33) too."""
+    H, G, D, n = 4, 2, 64, 70
+    cfg = _cfg(32)
+    g = torch.Generator().manual_seed(5)
+    kc, vc = _cache([n], G, D, g)
+    q = torch.randn(n, H, D, generator=g)
+    lse, lse_d = torch.empty(n, H), torch.empty(n, H)
+    full = _prefill(q, kc, vc, [n], [0], H // G, cfg, lse=lse)
+    pos = torch.arange(n)
+    steps = attention_triton(q, kc, vc, decode_tiles(torch.zeros(n, dtype=torch.int64), pos), scale=D ** -0.5,
+                             cfg=cfg, lse=lse_d)
+    assert torch.equal(steps, full)
+    assert torch.equal(lse_d, lse)  # the combine's log-sum-exp is the fold's too
+    for a, b in ((0, 31), (31, 33), (33, n)):
+        assert torch.equal(_prefill(q[a:b], kc, vc, [b], [a], H // G, cfg), full[a:b])
+
+
+def test_the_split_is_part_of_the_bits() -> None:
+    """The mismatch the contract field prevents: decode rows under S = 32 against prefill rows without
+    a split, or with S = 16, differ (rows of the first split alone agree: one partial, folded into the
+    empty state, is that partial); each is as accurate as the unsplit kernel against fp64."""
+    H, G, D, n = 4, 1, 64, 75
+    g = torch.Generator().manual_seed(2)
+    kc, vc = _cache([n], G, D, g)
+    q = torch.randn(n, H, D, generator=g)
+    pos = torch.arange(n)
+    tiles = decode_tiles(torch.zeros(n, dtype=torch.int64), pos)
+    dec = attention_triton(q, kc, vc, tiles, scale=D ** -0.5, cfg=_cfg(32))
+    none = _prefill(q, kc, vc, [n], [0], H // G, _cfg(0))
+    other = _prefill(q, kc, vc, [n], [0], H // G, _cfg(16))
+    assert torch.equal(dec[:32], none[:32])
+    assert not torch.equal(dec[32:], none[32:])
+    assert not torch.equal(dec[16:], other[16:])
+    cu = torch.tensor([0, n])
+    ref = attention_naive(q, kc[0, :n], vc[0, :n], cu, cu, scale=D ** -0.5)
+    for out in (dec, none, other):
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("H,G,D", [(2, 2, 64), (8, 1, 128), (3, 1, 64)])
+def test_split_rows_match_the_fp64_reference(H: int, G: int, D: int) -> None:
+    """Packed prefill and packed decode (the package signature) under S = 32, at today's tolerance."""
+    ns = [70, 5, 40]
+    g = torch.Generator().manual_seed(H + D)
+    q, k, v = (torch.randn(sum(ns), m, D, generator=g) for m in (H, G, G))
+    cu = torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()])
+    out = attention_triton_packed(q, k, v, cu, cu, scale=D ** -0.5, cfg=_cfg(32))
+    ref = attention_naive(q, k, v, cu, cu, scale=D ** -0.5)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    last = cu[1:] - 1
+    dec = attention_triton_packed(q[last], k, v, torch.arange(4), cu, scale=D ** -0.5, cfg=_cfg(32), decode=True)
+    assert torch.equal(dec, out[last])
+
+
+def test_a_bad_split_is_refused_in_one_line() -> None:
+    for bad, why in ((24, "multiple of attn_block_n 16"), (-16, "multiple"), (8, "multiple"), (1.5, "multiple")):
+        with pytest.raises(ValueError, match="attn_split_n") as e:
+            _cfg(bad)
+        assert why in str(e.value) and "\n" not in str(e.value)
+    # a larger key block must still divide the split
+    with pytest.raises(ValueError, match="attn_split_n 32 refused"):
+        dataclasses.replace(CFG, attn_block_n=64, attn_split_n=32)
+    assert _cfg(0).attn_split_n == 0 and TritonKernelConfigs().attn_split_n == 0
+    q = torch.zeros(1, 2, 16)
+    kc = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="max_context 0 refused"):
+        attention_triton(q, kc, kc.clone(), decode_tiles(torch.tensor([0]), torch.tensor([0])), scale=0.25,
+                         cfg=_cfg(16), max_context=0)
+
+
+def test_the_backends_steps_keep_the_rows_under_a_split() -> None:
+    """``TritonBackend.attention`` (its GPU path, run by the interpreter) under S = 16: a prefill of two
+    sequences; then a chunk, decode steps and a chunk, over a slot cache and over pages; every row
+    equals the single pass's, and the decode rows differ from the unsplit backend's."""
+    from aligned_mamba.layers.attention import KVPages
+    from aligned_mamba.ops.backend import TritonBackend
+    from aligned_mamba.ops.step import Step
+
+    cfg = _cfg(16)
+    be = TritonBackend(cfg, torch.device("cpu"), kernels=True)
+    H, G, D, n = 4, 2, 16, 40
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2 * n, m, D, generator=g) for m in (H, G, G))
+    kc, vc = torch.zeros(3, 48, G, D), torch.zeros(3, 48, G, D)
+    one = be.attention(q, k, v, kc, vc, Step.make([2, 0], [0, 0], [n, n]), scale=0.25)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    pages = KVPages(3, 48, 16, 9, "cpu")
+    pages.free = [4, 0, 7, 2, 8, 1, 5, 3, 6]
+    kp, vp = torch.full((9, 16, G, D), float("nan")), torch.full((9, 16, G, D), float("nan"))
+    got, got_p = [], []
+    for lo, hi in ((0, 15), (15, 16), (16, 17), (17, 31), (31, 32), (32, 33), (33, n)):
+        rows = slice(lo, hi)
+        step = Step.make([2], [lo], [hi - lo])
+        got.append(be.attention(q[rows], k[rows], v[rows], kc2, vc2, step, scale=0.25))
+        pages.ensure([2], [hi])
+        got_p.append(be.attention(q[rows], k[rows], v[rows], kp, vp, step, scale=0.25, block_table=pages.table))
+    assert torch.equal(torch.cat(got), one[:n])
+    assert torch.equal(torch.cat(got_p), one[:n])
+    plain = TritonBackend(CFG, torch.device("cpu"), kernels=True)
+    step = Step.make([2], [32], [1])
+    assert not torch.equal(plain.attention(q[32:33], k[32:33], v[32:33], kc2, vc2, step, scale=0.25), one[32:33])
