@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,9 +34,18 @@ KV_BYTES = 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999), which the kernel never hands to the
+    sockets other processes open meanwhile (gloo, Ray, vLLM's own): the server binds it only after
+    its start-up, tens of seconds later."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _server(ckpt: str, port: int, *extra: str) -> subprocess.Popen:
@@ -69,9 +79,17 @@ def server(model) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
+        retries = 2
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}): {proc.stdout.read()[-3000:]}")
+                out = proc.stdout.read()
+                if "Address already in use" in out and retries:  # taken by another process meanwhile
+                    retries -= 1
+                    port = _free_port()
+                    proc = _server(model[0], port, "--no-enable-prefix-caching")
+                    base = f"http://127.0.0.1:{port}"
+                    continue
+                pytest.fail(f"the server exited ({proc.returncode}): {out[-3000:]}")
             try:
                 _get(base + "/health", timeout=5)
                 break
