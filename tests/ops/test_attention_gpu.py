@@ -347,6 +347,21 @@ def _scattered_pages(B: int, max_len: int, page: int, seed: int):
     return pages
 
 
+def _write_context(pages, kp: torch.Tensor, vp: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
+                   cu: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int):
+    """The contexts' keys and values (packed rows ``cu[i] ..`` of k, v) written into pages through the
+    block table, as the prefill writes them; returns each written key's (sequence, position, packed row)."""
+    from aligned_mamba.ops.attention.blocked import page_index
+
+    pages.ensure(slots.numpy(), ctx.numpy())
+    seq = torch.repeat_interleave(torch.arange(len(ctx)), ctx)
+    pos = torch.cat([torch.arange(int(c)) for c in ctx])
+    src = (cu[:-1][seq] + pos).cuda()
+    pg, off = page_index(pages.table, slots[seq].cuda(), pos.cuda(), P)
+    kp[pg, off], vp[pg, off] = k[src], v[src]
+    return seq, pos, src
+
+
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_paged_decode_in_a_cuda_graph_equals_the_prefill_rows(B: int) -> None:
     """Nemotron-H-8B's attention shape (32 heads, 8 KV heads, D 128, bf16): B sequences at random
@@ -372,13 +387,7 @@ def test_paged_decode_in_a_cuda_graph_equals_the_prefill_rows(B: int) -> None:
     pages = _scattered_pages(B, int(n.max()), P, seed=B)
     kp = torch.full((pages.num_pages, P, G, D), float("nan"), dtype=BF16, device="cuda")
     vp = kp.clone()
-    # the contexts' keys written through the table (the prefill's writes)
-    pages.ensure(slots.numpy(), ctx.numpy())
-    seq = torch.repeat_interleave(torch.arange(B), ctx)
-    pos = torch.cat([torch.arange(int(c)) for c in ctx])
-    src = (cu[:-1][seq] + pos).cuda()
-    pg, off = page_index(pages.table, slots[seq].cuda(), pos.cuda(), P)
-    kp[pg, off], vp[pg, off] = k[src], v[src]
+    _write_context(pages, kp, vp, slots, ctx, cu, k, v, P)
     # the graph's static buffers
     qs, ks, vs = q[:B].clone(), k[:B].clone(), v[:B].clone()
     sl, ps = slots.cuda(), ctx.cuda().clone()
@@ -517,13 +526,8 @@ def test_split_decode_in_cuda_graphs_equals_the_prefill_rows(split: int, B: int)
     pages = _scattered_pages(B, max_len, P, seed=B)
     kp = torch.full((pages.num_pages, P, G, D), float("nan"), dtype=BF16, device="cuda")
     vp = kp.clone()
-    pages.ensure(slots.numpy(), ctx.numpy())
-    seq = torch.repeat_interleave(torch.arange(B), ctx)
-    pos = torch.cat([torch.arange(int(c)) for c in ctx])
-    src = (cu[:-1][seq] + pos).cuda()
+    seq, pos, src = _write_context(pages, kp, vp, slots, ctx, cu, k, v, P)
     kc[slots[seq].cuda(), pos.cuda()], vc[slots[seq].cuda(), pos.cuda()] = k[src], v[src]
-    pg, off = page_index(pages.table, slots[seq].cuda(), pos.cuda(), P)
-    kp[pg, off], vp[pg, off] = k[src], v[src]
     qs, ks, vs = q[:B].clone(), k[:B].clone(), v[:B].clone()
     sl, ps = slots.cuda(), ctx.cuda().clone()
 
