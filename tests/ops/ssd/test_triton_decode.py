@@ -359,8 +359,9 @@ def layer_views(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Ten
     S, H_, P_ = x.shape
     G, N_ = B.shape[1:]
     d, gn = H_ * P_, G * N_
-    xbc = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), torch.zeros(S, pad, dtype=x.dtype)], 1)
-    zxbcdt = torch.cat([torch.zeros(S, d + 1, dtype=x.dtype), xbc, dt], 1)
+    kw = dict(dtype=x.dtype, device=x.device)
+    xbc = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), torch.zeros(S, pad, **kw)], 1)
+    zxbcdt = torch.cat([torch.zeros(S, d + 1, **kw), xbc, dt], 1)
     views = (xbc[:, :d].view(S, H_, P_), zxbcdt[:, -H_:], xbc[:, d:d + gn].view(S, G, N_),
              xbc[:, d + gn:d + 2 * gn].view(S, G, N_))
     assert S == 1 or not any(v.is_contiguous() for v in views)
@@ -368,7 +369,7 @@ def layer_views(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Ten
 
 
 def _strided_against_contiguous(mode: str, S: int, H_: int, G: int, P_: int, N_: int, L_: int, seed: int,
-                                baseline: bool = False) -> None:
+                                baseline: bool = False, dev: str = "cpu", dt_: torch.dtype = torch.float32) -> None:
     """One decode step of S sequences (offsets anywhere in the first three chunks, completions
     included, partial chunks from a prefill) from layer_views inputs and from contiguous copies of
     them: rows, boundary states and buffers torch.equal. baseline: and (S > 1) the views read as if
@@ -377,15 +378,16 @@ def _strided_against_contiguous(mode: str, S: int, H_: int, G: int, P_: int, N_:
     offsets = torch.randint(0, 3 * L_, (S,), generator=g)
     offsets[: min(S, 2)] = torch.tensor([L_ - 1, 2 * L_ - 1][: min(S, 2)])  # completions
     slots = torch.randperm(S + 2, generator=g)[:S]
-    prm = make_params(H_, P_, seed)
-    st = make_state(S + 2, H_, P_, G, N_, L_, torch.float32, "cpu", seed=seed)
+    prm = make_params(H_, P_, seed, dev, realistic=dev != "cpu")
+    st = make_state(S + 2, H_, P_, G, N_, L_, dt_, dev, seed=seed, scale=1.0 if dev == "cpu" else 0.3)
     idx = [i for i in range(S) if int(offsets[i]) % L_]
     if idx:
-        pre = [make_tokens(int(offsets[i]) % L_, H_, P_, G, N_, seed=seed * 100 + i) for i in idx]
+        pre = [make_tokens(int(offsets[i]) % L_, H_, P_, G, N_, seed * 100 + i, dt_, dev) for i in idx]
         prefill(st, [int(slots[i]) for i in idx], [int(offsets[i]) - int(offsets[i]) % L_ for i in idx], pre, prm)
-    x, dt, B, C = make_tokens(S, H_, P_, G, N_, seed=seed + 7)
+    x, dt, B, C = make_tokens(S, H_, P_, G, N_, seed + 7, dt_, dev)
+    slots, offsets = slots.to(dev), offsets.to(dev)
     ref = clone_state(st)
-    kw = dict(cfg=CFG, mode=mode, row_tile=CFG.scan_row_tile(L_))
+    kw = dict(cfg=CFG, mode=mode, row_tile=CFG.scan_row_tile(L_) if dev == "cpu" else None)
     views = layer_views(x, dt, B, C)
     before = clone_state(st)
     y = decode_step_triton(st, slots, offsets, *views, params_of(prm), **kw)
@@ -646,6 +648,17 @@ def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, s
     assert not bad, f"{len(bad)}/{batch} sequences differ (offsets {[int(offs[i]) for i in bad[:8]]})"
     assert_same_state(st, ref)
     return st, ys
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["tile", "step"])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_gpu_row_strided_inputs_give_the_bits_of_copies(mode, batch):
+    """mamba2-1.3b's heads in bf16: the layer's column slices read in place give the rows, boundary states
+    and buffers of contiguous copies, and (batch > 1) the slices read as packed rows give other rows."""
+    _strided_against_contiguous(mode, batch, 64, 1, GP, GN, GL, seed=batch, baseline=True, dev="cuda",
+                                dt_=torch.bfloat16)
 
 
 @pytest.mark.gpu
