@@ -10,7 +10,11 @@ sequences of 4 x 2048 and 1 x 16384 tokens, width 4, mamba2-1.3b's and mamba2-2.
 Each variant (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps) is timed (CUDA-event median) and
 compared with the pinned launch: dx bit for bit (a row's dx does not depend on the tile), dweight
 and dbias by relative norm (their row-block partial sums follow conv_bwd_block_t), and two calls bit
-for bit. The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
+for bit. The walk (``walk=True``, off by default) at each ``--walk`` launch (rows, channels, warps) is
+timed beside them and compared with the pinned tile launch the same way. The stock: causal_conv1d's
+``causal_conv1d_fn`` forward + backward minus its forward.
+
+    --shapes mamba2-1.3b --cells 2x2048 --tile pinned --walk 64x128x1,32x128x1   (a short run)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if "--dry-run" in sys.argv:  # before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
@@ -37,7 +42,8 @@ from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 VARIANTS = [(32, 64, 4), (32, 64, 8), (16, 64, 4), (16, 128, 4), (16, 128, 8), (64, 64, 8), (8, 128, 4),
             (8, 256, 4), (16, 32, 4), (32, 32, 4), (32, 128, 8), (64, 128, 8)]
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
-CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384)]
+CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384), ("2x2048", 2, 2048)]
+WALKS = [(64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 256, 2), (64, 64, 1)]  # the walk's launches
 
 
 def timed(fn, reps: int) -> float:
@@ -78,15 +84,23 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--cells", default="4x2048,1x16384", help="of " + ",".join(c[0] for c in CELLS))
+    ap.add_argument("--tile", default="all", help="tile-kernel launches: all (VARIANTS) or pinned")
+    ap.add_argument("--walk", default=",".join("x".join(map(str, w)) for w in WALKS),
+                    help="the walk's launches, rows x channels x warps (empty: none)")
     a = ap.parse_args()
     import triton
 
     dry = a.dry_run
     dev = "cpu" if dry else "cuda"
     dtype = torch.float32 if dry else torch.bfloat16
-    shapes = {"tiny": (64, 16, 4)} if dry else SHAPES
-    cells = [("2x40", 2, 40)] if dry else CELLS
-    variants = [(8, 32, 4), (16, 32, 4)] if dry else VARIANTS
+    shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
+    cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
+    variants = [(8, 32, 4), (16, 32, 4)] if dry else VARIANTS[:1] if a.tile == "pinned" else VARIANTS
+    walks = [tuple(int(v) for v in w.split("x")) for w in a.walk.split(",") if w]
+    if dry:
+        walks = [(8, 32, 1)] if walks else []
     res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                commit=os.environ.get("GIT_COMMIT", "unknown"),
@@ -120,6 +134,27 @@ def main() -> int:
                     e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
                 except Exception as exc:  # noqa: BLE001
                     e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                res["cells"].append(e)
+                print(json.dumps(e), flush=True)
+            for launch in walks:
+                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch),
+                         pinned_walk=launch == ct.WALK_LAUNCH)
+                saved = ct.WALK_LAUNCH
+                ct.WALK_LAUNCH = launch
+                try:
+                    out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True)
+                    again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True)
+                    e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
+                    e["dx_equal_tile"] = bool(torch.equal(out[0], ref[0]))
+                    e["dx_rows_differing_tile"] = int((out[0] != ref[0]).any(1).sum())
+                    e["dx_rel_tile"] = rel(out[0], ref[0])
+                    e["dw_rel_tile"], e["db_rel_tile"] = rel(out[1], ref[1]), rel(out[2], ref[2])
+                    e["ms"] = timed(lambda: causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True),
+                                    a.reps)
+                except Exception as exc:  # noqa: BLE001
+                    e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                finally:
+                    ct.WALK_LAUNCH = saved
                 res["cells"].append(e)
                 print(json.dumps(e), flush=True)
             if not dry:

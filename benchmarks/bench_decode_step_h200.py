@@ -7,7 +7,8 @@ batch (1, 64, 256; offsets uniform in the chunk, one entry at L - 1 so a complet
 median CUDA-event time of a graph replay of one step per mode, the kernels one eager step launches
 (torch.profiler), and whether the two modes give the same rows, boundary states and buffers (one
 step from the same state). mamba_ssm's ``selective_state_update`` (bf16 state, one launch) is timed
-beside them where it imports.
+beside them where it imports. --views: x, dt, B and C are column slices of the conv's and in_proj's
+output rows, as a layer passes them (the kernel lists then show whether they are copied first).
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def setup(H: int, G: int, S: int, seed: int):
     return st, slots, pos.to(dev), x, dt, B, C, prm
 
 
+def layer_views(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> tuple:
+    """x, dt, B, C as column slices of xBC [S, H P + 2 G N] and zxbcdt [S, 2 H P + 2 G N + H], the layer's rows."""
+    S, H, P_ = x.shape
+    G, N_ = B.shape[1:]
+    d, gn = H * P_, G * N_
+    xbc = torch.cat([x.reshape(S, d), B.reshape(S, gn), C.reshape(S, gn)], 1)
+    zxbcdt = torch.cat([torch.zeros_like(xbc[:, :d]), xbc, dt], 1)
+    return (xbc[:, :d].view(S, H, P_), zxbcdt[:, -H:], xbc[:, d:d + gn].view(S, G, N_),
+            xbc[:, d + gn:].view(S, G, N_))
+
+
 def clone(st: SSDState) -> SSDState:
     return SSDState(*(t.clone() for t in st.tensors()))
 
@@ -88,6 +100,7 @@ def main() -> int:
     ap.add_argument("--variants", default="rt,rt:ns3,ns1",
                     help="step-mode variants timed too, at the first shape: rt (a run-time tl.range K loop), "
                          "ns<stages>, bp<P block> (not the contract's); each bit-checked against tile")
+    ap.add_argument("--views", action="store_true", help="the inputs as the layer's column slices")
     args = ap.parse_args()
     import triton
 
@@ -105,7 +118,9 @@ def main() -> int:
         H, G = SHAPES[name]
         for S in map(int, args.batches.split(",")):
             st, slots, pos, x, dt, B, C, prm = setup(H, G, S, seed=S)
-            e = {"shape": name, "batch": S}
+            if args.views:
+                x, dt, B, C = layer_views(x, dt, B, C)
+            e = {"shape": name, "batch": S, "inputs": "views" if args.views else "packed"}
             outs = {}
             variants = ["tile", "step"]
             if name == args.shapes.split(",")[0] and args.variants:

@@ -81,6 +81,14 @@ for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
          dict(K=4, HAS_BIAS=bias, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4)
+for bias in (False, True):  # the backward's walk (a launch choice, off by default) and its block sums
+    comp(f"conv:backward:walk:bias{int(bias)}", ct._conv_bwd_walk_kernel,
+         dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
+              dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
+         dict(K=4, HAS_BIAS=bias, ROWS=ct.WALK_LAUNCH[0], BLOCK_C=ct.WALK_LAUNCH[1]), num_warps=ct.WALK_LAUNCH[2])
+comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr="*fp32", dwo_ptr="*bf16",
+                                                         dbo_ptr="*bf16"),
+     dict(K=4, HAS_BIAS=True, BLOCK_B=16, BLOCK_C=128), num_warps=4)
 lw = dict(num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
 comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"),
      dict(BLOCK_V=cfg.logprobs_block_v), **lw)
@@ -95,8 +103,10 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2 + 2, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2 + 2 + 3, sorted(by)
     for d in done:
+        if d["name"].startswith("conv:backward:walk"):
+            assert d["LDL"] == d["STL"] == 0, d  # its carried rows stay in registers
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills
             bf16, bm = d["name"].split(":")[1] == "bf16", int(d["name"].split(":")[2].split("x")[0])

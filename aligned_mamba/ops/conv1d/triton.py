@@ -198,13 +198,209 @@ def _shift(vm3, vm2, vm1, v0, v1, v2, v3, m: tl.constexpr):
         return v3
 
 
+# -- the backward as one walk per row block (a launch choice, off by default) ------------------------------
+
+
+@triton.jit
+def _zeros(BLOCK_C: tl.constexpr):
+    """fp32 zeros [BLOCK_C], a new IR value per call (see the walk kernel's loop-carried rows)."""
+    return tl.zeros((BLOCK_C,), dtype=tl.float32)
+
+
+@triton.jit
+def _find_sequence(cu_ptr, row, S, SEARCH_STEPS):
+    """The sequence of one row (the largest s with cu[s] <= row), a scalar binary search over cu_seqlens."""
+    lo = row * 0
+    hi = lo + S
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + mid).to(tl.int32) <= row
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _stream_row(x_ptr, win_ptr, row, seq, p, ch, cmask, stride_x, stride_ws, stride_wk, K: tl.constexpr):
+    """Position p (a scalar) of sequence seq's stream (its window ++ its new rows) as fp32 [BLOCK_C]:
+    window row p for p < K-1, else the packed row ``row``."""
+    in_win = p < K - 1
+    wv = tl.load(win_ptr + seq.to(tl.int64) * stride_ws + p.to(tl.int64) * stride_wk + ch, mask=cmask & in_win,
+                 other=0.0)
+    xv = tl.load(x_ptr + row.to(tl.int64) * stride_x + ch, mask=cmask & (p >= K - 1), other=0.0)
+    return tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+
+
+@triton.jit
+def _ahead(ptr, row, lo, stride, ch, cmask):
+    """Row ``row`` of ptr ([BLOCK_C] in its dtype), zeros where row < max(lo, 0)."""
+    return tl.load(ptr + row.to(tl.int64) * stride + ch, mask=cmask & (row >= lo) & (row >= 0), other=0.0)
+
+
+@triton.jit
+def _tap(w0, w1, w2, w3, k: tl.constexpr):
+    """Tap k (0 .. 3) of the weights, chosen at compile time."""
+    if k == 0:
+        return w0
+    elif k == 1:
+        return w1
+    elif k == 2:
+        return w2
+    else:
+        return w3
+
+
+@triton.jit
+def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
+                          stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The gradient of conv1d + SiLU for rows [ROWS] x channels [BLOCK_C]: dx of the rows ([T, Cd],
+    accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
+    sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which ``_partials_kernel``
+    sums over blocks in a fixed order.
+
+    Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
+    sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre). The program walks its
+    rows from the last to the first, starting K-1 rows past its block (their dpre only), and carries
+    the last K-1 dpre rows and stream rows in registers: each row reads x and g once, and its pre
+    (the same values summed in the same order as the forward) and sigmoid are computed once."""
+    blk = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < Cd
+    r0 = blk * ROWS
+    r1 = tl.minimum(r0 + ROWS, T)
+    top = tl.minimum(r1 + (K - 1), T)
+    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        bias = _zeros(BLOCK_C)
+    # stream positions j+1 .. j+3 of the current row (c1 .. c3), dpre of rows t+1 .. t+3 (e1 .. e3).
+    # Each starts from its own zeros: the compiler carries a name through the loop only if one pass
+    # of the body leaves it another IR value than it entered with, and `e2 = e1` (then e3 = e2) from
+    # one shared zero tensor left e2 and e3 as they were, so they stayed zero in every iteration
+    # (the interpreter, running Python, carried them): dx lost the taps of rows t+2 and t+3.
+    c1, c2, c3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
+    e1, e2, e3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
+    dw0, dw1, dw2, dw3, db = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
+    seq = _find_sequence(cu_ptr, top - 1, S, SEARCH_STEPS)
+    start = tl.load(cu_ptr + seq).to(tl.int32)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+    # x row t-(K-1) and g row t of the next two rows walked, loaded two rows ahead of their use (the
+    # loop is not pipelined by the compiler; these loads' addresses do not depend on the walk)
+    xa = _ahead(x_ptr, top - 1 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+    ga = _ahead(g_ptr, top - 1, r0, stride_g, ch, cmask)
+    xb = _ahead(x_ptr, top - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+    gb = _ahead(g_ptr, top - 2, r0, stride_g, ch, cmask)
+    for i in range(top - r0):
+        t = top - 1 - i
+        x_t, g_t = xa, ga
+        xa, ga = xb, gb
+        xb = _ahead(x_ptr, t - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+        gb = _ahead(g_ptr, t - 2, r0, stride_g, ch, cmask)
+        if t < start:  # the row before this sequence: a new one (empty ones skipped by the search)
+            seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
+            start = tl.load(cu_ptr + seq).to(tl.int32)
+            end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        j = t - start
+        if (t == end - 1) | (i == 0):  # nothing carried from this sequence yet
+            if K >= 2:
+                c1 = _stream_row(x_ptr, win_ptr, t - (K - 2), seq, j + 1, ch, cmask, stride_x, stride_ws,
+                                 stride_wk, K)
+            if K >= 3:
+                c2 = _stream_row(x_ptr, win_ptr, t - (K - 3), seq, j + 2, ch, cmask, stride_x, stride_ws,
+                                 stride_wk, K)
+            if K >= 4:
+                c3 = _stream_row(x_ptr, win_ptr, t, seq, j + 3, ch, cmask, stride_x, stride_ws, stride_wk, K)
+        c0 = x_t.to(tl.float32)
+        if j < K - 1:  # the row's first tap is in its sequence's window
+            c0 = tl.load(win_ptr + seq.to(tl.int64) * stride_ws + j.to(tl.int64) * stride_wk + ch, mask=cmask,
+                         other=0.0).to(tl.float32)
+        # pre_t = bias + sum_k w_k stream[j + k], k ascending (the forward's order)
+        pre = bias + w0 * c0
+        if K >= 2:
+            pre += w1 * c1
+        if K >= 3:
+            pre += w2 * c2
+        if K >= 4:
+            pre += w3 * c3
+        s = 1.0 / (1.0 + tl.exp(-pre))
+        dpre = g_t.to(tl.float32) * (s * (1.0 + pre * (1.0 - s)))
+        dx = _tap(w0, w1, w2, w3, K - 1) * dpre
+        if K >= 2:
+            dx += _tap(w0, w1, w2, w3, K - 2) * tl.where(t + 1 < end, e1, 0.0)
+        if K >= 3:
+            dx += _tap(w0, w1, w2, w3, K - 3) * tl.where(t + 2 < end, e2, 0.0)
+        if K >= 4:
+            dx += _tap(w0, w1, w2, w3, K - 4) * tl.where(t + 3 < end, e3, 0.0)
+        own = t < r1  # the K-1 rows past the block give their dpre only
+        tl.store(dx_ptr + t.to(tl.int64) * Cd + ch, dx.to(dx_ptr.dtype.element_ty), mask=cmask & own)
+        d_own = tl.where(own, dpre, 0.0)
+        db += d_own
+        dw0 += d_own * c0
+        dw1 += d_own * c1
+        dw2 += d_own * c2
+        dw3 += d_own * c3
+        e3, e2, e1 = e2, e1, dpre
+        c3, c2, c1 = c2, c1, c0
+    base = dw_ptr + blk.to(tl.int64) * K * Cd + ch
+    tl.store(base, dw0, mask=cmask)
+    if K >= 2:
+        tl.store(base + Cd, dw1, mask=cmask)
+    if K >= 3:
+        tl.store(base + 2 * Cd, dw2, mask=cmask)
+    if K >= 4:
+        tl.store(base + 3 * Cd, dw3, mask=cmask)
+    if HAS_BIAS:
+        tl.store(db_ptr + blk.to(tl.int64) * Cd + ch, db, mask=cmask)
+
+
+@triton.jit
+def _sum_blocks(ptr, NB, stride_b, ch, cmask, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """sum over b < NB of ptr[b * stride_b + ch] (fp32 [BLOCK_C]): BLOCK_B rows at a time, in order."""
+    b = tl.arange(0, BLOCK_B)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for b0 in range(0, NB, BLOCK_B):
+        m = ((b0 + b) < NB)[:, None] & cmask[None, :]
+        acc += tl.sum(tl.load(ptr + (b0 + b)[:, None].to(tl.int64) * stride_b + ch[None, :], mask=m, other=0.0),
+                      axis=0)
+    return acc
+
+
+@triton.jit
+def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dweight [Cd, K] (dwo_ptr's dtype) and dbias [Cd] (dbo_ptr's) from the row blocks' partial sums
+    (dw_ptr [NB, K, Cd], db_ptr [NB, Cd], fp32), each summed in block order."""
+    ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < Cd
+    for k in tl.static_range(K):
+        acc = _sum_blocks(dw_ptr + k * Cd, NB, K * Cd, ch, cmask, BLOCK_B, BLOCK_C)
+        tl.store(dwo_ptr + ch * K + k, acc.to(dwo_ptr.dtype.element_ty), mask=cmask)
+    if HAS_BIAS:
+        acc = _sum_blocks(db_ptr, NB, Cd, ch, cmask, BLOCK_B, BLOCK_C)
+        tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
+
+
+# The backward's form: the tile kernel (False, the default) or the walk (True); the same dx bits in the
+# interpreter, dweight and dbias summed in another order. The walk's launch: rows and channels per
+# program, warps (what the H200 measurements ran; a row's dx does not depend on them).
+BWD_WALK: bool = False
+WALK_LAUNCH: tuple[int, int, int] = (64, 128, 1)
+
+
 def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
                                   weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
-                                  cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                                  cfg: TritonKernelConfigs, walk: bool | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
     windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
     [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
-    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch."""
+    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch
+    (the tile kernel) or in block order by a second launch (walk; None: ``BWD_WALK``)."""
     T, Cd = x.shape
     S, K = window.shape[0], weight.shape[1]
     if not 1 <= K <= 4:
@@ -214,6 +410,9 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     g = g if g.stride(1) == 1 else g.contiguous()
     w = weight.contiguous()
     b = bias.contiguous() if bias is not None else w
+    if BWD_WALK if walk is None else walk:
+        return _backward_walk(x, cu_seqlens, window, w, b if bias is not None else None, g, weight.dtype,
+                              None if bias is None else bias.dtype)
     BT, BC = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c
     nb = triton.cdiv(T, BT)
     dx = torch.empty(T, Cd, device=x.device, dtype=x.dtype)  # no fp32 copy to round afterwards
@@ -226,6 +425,33 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
             num_warps=cfg.conv_bwd_warps)
     return (dx, dw.sum(0).t().to(weight.dtype),
             None if bias is None else db.sum(0).to(bias.dtype))
+
+
+def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None, g: torch.Tensor, w_dtype: torch.dtype, b_dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``causal_conv1d_backward_triton`` by ``_conv_bwd_walk_kernel`` and ``_partials_kernel`` (x and g
+    with unit channel stride, w [Cd, K] contiguous)."""
+    T, Cd = x.shape
+    S, K = window.shape[0], w.shape[1]
+    rows, block_c, warps = WALK_LAUNCH
+    nb = triton.cdiv(T, rows)
+    dev = x.device
+    dx = torch.empty(T, Cd, device=dev, dtype=x.dtype)
+    dw = torch.empty(Cd, K, device=dev, dtype=w_dtype)
+    db = torch.empty(Cd, device=dev, dtype=b_dtype) if b is not None else None
+    if T == 0:
+        dw.zero_()
+        return dx, dw, None if db is None else db.zero_()
+    dwp = torch.empty(nb, K, Cd, device=dev, dtype=torch.float32)
+    dbp = torch.empty(nb, Cd, device=dev, dtype=torch.float32) if b is not None else dwp
+    _conv_bwd_walk_kernel[(nb, triton.cdiv(Cd, block_c))](
+        x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
+        window.stride(0), window.stride(1), g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=b is not None,
+        ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+    _partials_kernel[(triton.cdiv(Cd, 128),)](dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K,
+                                              HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128, num_warps=4)
+    return dx, dw, db
 
 
 def _check_windows(windows: torch.Tensor, x: torch.Tensor, K: int) -> None:

@@ -161,7 +161,7 @@ def _cols4(blk):
 @triton.jit
 def _prep_kernel(
     x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, slots_ptr, pos_ptr,
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, dts_ptr, cb_ptr, lo, hi,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, dts_ptr, cb_ptr, lo, hi, sx_q, sdt_q, sB_q, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -193,16 +193,16 @@ def _prep_kernel(
     j = tl.arange(0, BLOCK_HG)
     hm = j < HG
     hh = g * HG + j
-    raw = tl.load(dt_ptr + q * H + hh, mask=hm, other=0.0)
+    raw = tl.load(dt_ptr + q * sdt_q + hh, mask=hm, other=0.0)
     if kb == 0:
         tl.store(buf_dt_ptr + (slot * H + hh) * L + r, raw.to(buf_dt_ptr.dtype.element_ty), mask=hm)
         pf = tl.arange(0, BLOCK_PF)
         m2 = hm[:, None] & (pf < P)[None, :]
-        xv = tl.load(x_ptr + (q * H + hh[:, None]) * P + pf[None, :], mask=m2, other=0.0)
+        xv = tl.load(x_ptr + q * sx_q + hh[:, None] * P + pf[None, :], mask=m2, other=0.0)
         tl.store(buf_x_ptr + ((slot * H + hh[:, None]) * L + r) * P + pf[None, :], xv, mask=m2)
         nf = tl.arange(0, BLOCK_NF)
         nfm = nf < N
-        bv = tl.load(B_ptr + (q * G + g) * N + nf, mask=nfm, other=0.0)
+        bv = tl.load(B_ptr + q * sB_q + g * N + nf, mask=nfm, other=0.0)
         tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
@@ -227,11 +227,11 @@ def _prep_kernel(
             for n0 in range(0, N, BLOCK_N):
                 nc = n0 + nn
                 ncm = nc < N
-                Cn = tl.load(C_ptr + (q * G + g) * N + nc[None, :] + rr[:, None] * 0,
+                Cn = tl.load(C_ptr + q * sC_q + g * N + nc[None, :] + rr[:, None] * 0,
                              mask=live[:, None] & ncm[None, :], other=0.0).to(tl.float32)
                 BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + nc[:, None],
                              mask=ncm[:, None] & (s < r)[None, :], other=0.0)
-                Bnew = tl.load(B_ptr + (q * G + g) * N + nc, mask=ncm, other=0.0)
+                Bnew = tl.load(B_ptr + q * sB_q + g * N + nc, mask=ncm, other=0.0)
                 BT = tl.where((s == r)[None, :], Bnew[:, None], BT).to(tl.float32)
                 cbt = dot_acc(cbt, Cn, BT, TC, 0, "ieee")
             tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
@@ -241,8 +241,8 @@ def _prep_kernel(
         # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
         if kb * KB <= r:
             jj = tl.arange(0, 4)
-            cq = C_ptr + (q * G + g) * N
-            bq = B_ptr + (q * G + g) * N
+            cq = C_ptr + q * sC_q + g * N
+            bq = B_ptr + q * sB_q + g * N
             bb = buf_B_ptr + (slot * G + g) * L * N
             old = s < r
             is_new = s == r
@@ -267,7 +267,7 @@ def _prep_kernel(
 @triton.jit
 def _row_kernel(
     buf_x_ptr, dts_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
-    sD_h, sD_p,
+    sD_h, sD_p, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr,
 ):
@@ -304,7 +304,7 @@ def _row_kernel(
     # Inter-chunk term. The state row of (head, p) is contiguous in n: 16-byte loads of 4 n.
     jj = tl.arange(0, 4)
     hrow = state_ptr + (sh * P + p) * N
-    cq = C_ptr + (q * G + g) * N
+    cq = C_ptr + q * sC_q + g * N
     inter = tl.zeros((ROWS,), dtype=tl.float32)
     for n0 in tl.static_range(0, N, 4):
         hb = tl.load(hrow[:, None] + n0 + jj[None, :], mask=pm[:, None], other=0.0)
@@ -342,7 +342,7 @@ def _row_kernel(
 
 
 @triton.jit
-def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, C_ptr,
+def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr, buf_B_ptr, cq,
                       a_ptr, cb_ptr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
     """intra + the K block at k0 of ``_tile_output_kernel``'s intra-chunk term, for the decode tile."""
@@ -357,8 +357,8 @@ def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn,
         for n0 in range(0, N, BLOCK_N):
             n = n0 + nn
             nm = n < N
-            Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0,
-                         mask=live[:, None] & nm[None, :], other=0.0).to(tl.float32)
+            Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+                         other=0.0).to(tl.float32)
             BT = tl.load(buf_B_ptr + ((slot * G + g) * L + s[None, :]) * N + n[:, None],
                          mask=nm[:, None] & sm[None, :], other=0.0).to(tl.float32)
             cb = dot_acc(cb, Cn, BT, TC, 0, PRECISION)
@@ -378,7 +378,7 @@ def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn,
 @triton.jit
 def _tile_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
-    sD_h, sD_p,
+    sD_h, sD_p, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
@@ -406,12 +406,13 @@ def _tile_kernel(
     t = t0 + tl.arange(0, R)
     live = t == r
     nn = tl.arange(0, BLOCK_N)
+    cq = C_ptr + q * sC_q + g * N  # the token's C row (a row stride: a view of the conv's output)
 
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
-        Cn = tl.load(C_ptr + (q * G + g) * N + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
+        Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
@@ -427,7 +428,7 @@ def _tile_kernel(
     k0 = 0
     while k0 < t0 + R:  # the prefill tile's K blocks (see the module docstring of triton_chunk on loops)
         intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                  buf_B_ptr, C_ptr, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+                                  buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
         k0 += BLOCK_K
 
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
@@ -739,6 +740,18 @@ def _step_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [S, ...] as the decode kernels read it: any row stride, each row's elements packed. In a model
+    the step's x, dt, B and C are column slices of one row (the conv's or in_proj's output), which
+    qualify, so they are read in place; anything else is copied."""
+    packed = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != packed:
+            return t.contiguous()
+        packed *= size
+    return t
+
+
 def _as(t: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if t.device == dev and t.dtype == dtype and t.is_contiguous():
         return t
@@ -772,7 +785,9 @@ def decode_step_triton(
 
     state: an ``SSDState`` (contiguous tensors; buf_x/buf_dt/buf_B in the model dtype,
     ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
-    this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype.
+    this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype, each
+    with any row stride (a row's own elements packed: the column slices of the conv's and in_proj's
+    outputs a layer passes are read where they lie; other layouts are copied).
     A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
     ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
     prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
@@ -835,7 +850,8 @@ def decode_step_triton(
     # Cheap on the host: convert only what is not already as the kernels want it.
     slots_d = _as(slots, dev, torch.int64)
     pos_d = _as(pos, dev, torch.int64)
-    x_c, dt_c, B_c, C_c = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B, C))
+    x_c, dt_c, B_c, C_c = (_rows(t) for t in (x, dt, B, C))  # row-strided views are read in place
+    strides = dict(sx_q=x_c.stride(0), sdt_q=dt_c.stride(0), sB_q=B_c.stride(0), sC_q=C_c.stride(0))
     Af = _as(A, dev, torch.float32)
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
     Dd = D if D.device == dev else D.to(dev)
@@ -858,7 +874,7 @@ def decode_step_triton(
     launch = {"launch_pdl": True} if pdl else {}
     _prep_kernel[(S, G, L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
-        hi, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
+        hi, **strides, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=with_limit, WITH_CB=with_cb, TC=tc, R=R,
         BLOCK_N=cfg.block_n, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
@@ -866,12 +882,12 @@ def decode_step_triton(
         hpp, rb_p = _row_layout(H, G, P)
         _row_kernel[(S, H // hpp, triton.cdiv(P, rb_p))](
             state.buf_x, dt_scr, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr, sD_h, sD_p,
-            **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=cfg.num_warps,
+            C_c.stride(0), **dims, HPP=hpp, RB_P=rb_p, BLOCK_L=BLOCK_L, SB=16, num_warps=cfg.num_warps,
         )
     else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
+            sD_h, sD_p, C_c.stride(0), **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
             BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
@@ -909,10 +925,7 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
     BP = cfg.block_p if STEP_BLOCK_P is None else STEP_BLOCK_P
     PB = triton.cdiv(P, BP)
     scratch = torch.empty(S * H * PB * 2 * L, dtype=torch.float32, device=dev)
-    # The token rows are read where they lie: in a model they are row-strided views of the conv's
-    # and in_proj's outputs (a copy each would be four launches more at batch > 1)
-    x, B, C = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (x, B, C))
-    dt = dt if dt.stride(1) == 1 else dt.contiguous()
+    x, dt, B, C = (_rows(t) for t in (x, dt, B, C))  # row-strided views read in place (see _rows)
     _step_kernel[(H, S, PB)](
         x, dt, B, C, bias, _as(params.A, dev, torch.float32), Dd, _as(slots, dev, torch.int64),
         _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,

@@ -31,9 +31,10 @@ done = []
 
 
 TCS = %TCS%
+ROW_STRIDES = dict(sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32")  # the token rows' (views of the layer's rows)
 STEP_TYPES = dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, y_ptr=bf,
                   slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32", sD_p="i32",
-                  sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32")
+                  **ROW_STRIDES)
 STEP_CONSTS = dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_NS=128, BLOCK_L=256,
                    PRECISION=cfg.dot_precision, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE)
 
@@ -68,12 +69,12 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
          dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
-                                   slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32"),
+                                   slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", **ROW_STRIDES),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
                   R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb), False)
     for pdl in (False, True):  # with and without programmatic dependent launch
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                                   sD_h="i32", sD_p="i32"),
+                                   sD_h="i32", sD_p="i32", sC_q="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
                   PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
@@ -104,7 +105,8 @@ if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
     comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                                 keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64),
          dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
-    comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32"),
+    comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32",
+                              sC_q="i32"),
          dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
     comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
                                                                          BLOCK_N=BN), True)

@@ -36,7 +36,7 @@ from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
-from aligned_mamba.ops.ssd.triton_decode import decode_step_triton  # noqa: E402
+from aligned_mamba.ops.ssd.triton_decode import _rows, decode_step_triton  # noqa: E402
 from aligned_mamba.ops.step import Step  # noqa: E402
 from aligned_mamba.ops.triton_math import dt_softplus_triton  # noqa: E402
 
@@ -352,30 +352,140 @@ def test_step_property_catches_another_order():
     assert _step_against_general("step", 2, 1, 16, 16, 32, [5, 31, 40], seed=3) == 0
 
 
-@interp
-def test_step_mode_reads_row_strided_inputs():
-    """In a model x, B, C (the conv's output) and dt (in_proj's) are row-strided views; step mode reads
-    them where they lie and gives the bits of contiguous copies."""
-    G, S = 2, 3
-    prm = make_params(H, P, seed=21)
-    offsets, slots = [5, L - 1, 40], [2, 0, 1]
-    st = make_state(3, H, P, G, N, L, torch.float32, "cpu", seed=21)
-    pre = [make_tokens(o % L, H, P, G, N, seed=50 + i) for i, o in enumerate(offsets)]
-    prefill(st, slots, [o - o % L for o in offsets], pre, prm)
-    x, dt, B, C = make_tokens(S, H, P, G, N, seed=60)
-    wide = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), dt, torch.zeros(S, 3)], dim=1)
-    d, gn = H * P, G * N
-    views = (wide[:, :d].view(S, H, P), wide[:, d + 2 * gn:d + 2 * gn + H], wide[:, d:d + gn].view(S, G, N),
-             wide[:, d + gn:d + 2 * gn].view(S, G, N))
-    assert not any(v.is_contiguous() for v in views)
-    sl = torch.tensor(slots)
-    pos = torch.tensor(offsets)
+def layer_views(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, pad: int = 3) -> tuple:
+    """x, dt, B, C as a Mamba2 layer passes them: x, B, C column slices of the conv's output [S, d + 2GN]
+    (here with ``pad`` more columns), dt a slice of in_proj's [S, z | xBC | dt]: row-strided views, the
+    two buffers with different row strides."""
+    S, H_, P_ = x.shape
+    G, N_ = B.shape[1:]
+    d, gn = H_ * P_, G * N_
+    kw = dict(dtype=x.dtype, device=x.device)
+    xbc = torch.cat([x.reshape(S, -1), B.reshape(S, -1), C.reshape(S, -1), torch.zeros(S, pad, **kw)], 1)
+    zxbcdt = torch.cat([torch.zeros(S, d + 1, **kw), xbc, dt], 1)
+    views = (xbc[:, :d].view(S, H_, P_), zxbcdt[:, -H_:], xbc[:, d:d + gn].view(S, G, N_),
+             xbc[:, d + gn:d + 2 * gn].view(S, G, N_))
+    assert S == 1 or not any(v.is_contiguous() for v in views)
+    return views
+
+
+def _strided_against_contiguous(mode: str, S: int, H_: int, G: int, P_: int, N_: int, L_: int, seed: int,
+                                baseline: bool = False, dev: str = "cpu", dt_: torch.dtype = torch.float32) -> None:
+    """One decode step of S sequences (offsets anywhere in the first three chunks, completions
+    included, partial chunks from a prefill) from layer_views inputs and from contiguous copies of
+    them: rows, boundary states and buffers torch.equal. baseline: and (S > 1) the views read as if
+    their rows were packed give other rows."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.randint(0, 3 * L_, (S,), generator=g)
+    offsets[: min(S, 2)] = torch.tensor([L_ - 1, 2 * L_ - 1][: min(S, 2)])  # completions
+    slots = torch.randperm(S + 2, generator=g)[:S]
+    prm = make_params(H_, P_, seed, dev, realistic=dev != "cpu")
+    st = make_state(S + 2, H_, P_, G, N_, L_, dt_, dev, seed=seed, scale=1.0 if dev == "cpu" else 0.3)
+    idx = [i for i in range(S) if int(offsets[i]) % L_]
+    if idx:
+        pre = [make_tokens(int(offsets[i]) % L_, H_, P_, G, N_, seed * 100 + i, dt_, dev) for i in idx]
+        prefill(st, [int(slots[i]) for i in idx], [int(offsets[i]) - int(offsets[i]) % L_ for i in idx], pre, prm)
+    x, dt, B, C = make_tokens(S, H_, P_, G, N_, seed + 7, dt_, dev)
+    slots, offsets = slots.to(dev), offsets.to(dev)
     ref = clone_state(st)
-    kw = dict(cfg=CFG, mode="step", row_tile=CFG.scan_row_tile(L))
-    y = decode_step_triton(st, sl, pos, *views, params_of(prm), **kw)
-    y_ref = decode_step_triton(ref, sl, pos, x, dt, B, C, params_of(prm), **kw)
+    kw = dict(cfg=CFG, mode=mode, row_tile=CFG.scan_row_tile(L_) if dev == "cpu" else None)
+    views = layer_views(x, dt, B, C)
+    before = clone_state(st)
+    y = decode_step_triton(st, slots, offsets, *views, params_of(prm), **kw)
+    y_ref = decode_step_triton(ref, slots, offsets, x, dt, B, C, params_of(prm), **kw)
     assert torch.equal(y, y_ref)
     assert_same_state(st, ref)
+    if baseline and S > 1:  # the views' memory read as packed rows (a kernel that ignores the row stride)
+        flat = [v.as_strided(v.shape, torch.empty(v.shape).stride()) for v in views]
+        y_bad = decode_step_triton(before, slots, offsets, *flat, params_of(prm), **kw)
+        assert not torch.equal(y_bad, y_ref)
+
+
+@interp
+@pytest.mark.parametrize("mode", ["tile", "row", "step"])
+@pytest.mark.parametrize("S", [1, 3, 64])
+def test_row_strided_inputs_give_the_bits_of_copies(mode, S):
+    """In a model x, B, C (the conv's output) and dt (in_proj's) are row-strided views; every mode
+    reads them where they lie and gives the rows, states and buffers of contiguous copies."""
+    _strided_against_contiguous(mode, S, 2, 2, P, N, L, seed=21 + S, baseline=True)
+
+
+@interp
+@settings(max_examples=6, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
+@given(data=hst.data())
+def test_row_strided_inputs_property(data):
+    """The same over batch sizes, heads, groups, head dims, state sizes and chunk sizes."""
+    G = data.draw(hst.sampled_from([1, 2]), label="G")
+    _strided_against_contiguous(data.draw(hst.sampled_from(["tile", "row", "step"]), label="mode"),
+                                data.draw(hst.integers(1, 5), label="S"),
+                                G * data.draw(hst.sampled_from([1, 2]), label="heads per group"), G,
+                                data.draw(hst.sampled_from([8, 16]), label="P"),
+                                data.draw(hst.sampled_from([8, 16]), label="N"),
+                                data.draw(hst.sampled_from([16, 32]), label="L"), seed=data.draw(hst.integers(0, 99)))
+
+
+def _input_copies(monkeypatch, mode: str, views: bool, old: bool = False) -> int:
+    """ATen copies (clone, copy_, _to_copy) made by one decode step of 3 sequences. views: the inputs
+    as layer_views gives them; old: the launcher copies every input first (``_rows`` as before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    if old:
+        monkeypatch.setattr(td, "_rows", lambda t: t.contiguous())
+    G, S = 1, 3
+    prm = make_params(H, P, seed=4)
+    st = make_state(S, H, P, G, N, L, torch.float32, "cpu", seed=4)
+    toks = make_tokens(S, H, P, G, N, seed=4)
+    if views:
+        toks = layer_views(*toks)
+    sl, pos = torch.arange(S), torch.tensor([3, 9, 40])
+    params = params_of(prm)
+    copies, inside = [0], [False]
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            copies[0] += not inside[0] and func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy")
+            return func(*args, **(kwargs or {}))
+
+    run = type(td._prep_kernel).run
+
+    def launch(self, *a, **k):  # the interpreter's own copies (to and from the host) are not the launcher's
+        inside[0] = True
+        try:
+            return run(self, *a, **k)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(type(td._prep_kernel), "run", launch)
+    with Copies():
+        decode_step_triton(st, sl, pos, *toks, params, cfg=CFG, mode=mode, completes=False)
+    return copies[0]
+
+
+@interp
+@pytest.mark.parametrize("mode", ["tile", "row", "step"])
+def test_row_strided_inputs_are_not_copied(mode, monkeypatch):
+    """No copy of the layer's views at batch > 1; the launcher as it was (every input made contiguous,
+    the baseline) made four a layer, one per input."""
+    assert _input_copies(monkeypatch, mode, views=True) == 0
+    assert _input_copies(monkeypatch, mode, views=False) == 0
+    assert _input_copies(monkeypatch, mode, views=True, old=True) == 4
+
+
+@interp
+def test_rows_copies_only_unpacked_rows():
+    """_rows keeps a view whose rows are packed (any row stride, size-1 dims with any stride) and
+    copies one whose rows are not."""
+    wide = torch.randn(4, 40)
+    v = wide[:, 3:35].view(4, 2, 16)
+    assert _rows(v) is v
+    dt = wide[:, 36:38]
+    assert _rows(dt) is dt
+    odd = wide[:, 3:35].view(4, 16, 2).transpose(1, 2)  # [4, 2, 16], elements 2 apart
+    out = _rows(odd)
+    assert out.is_contiguous() and torch.equal(out, odd)
+    one = wide.as_strided((4, 1, 16), (40, 999, 1))  # a size-1 dim's stride is unused
+    assert _rows(one) is one
 
 
 @interp
@@ -455,7 +565,7 @@ tile_sig = {k: ints.get(k, f32) for k in inspect.signature(tc._tile_output_kerne
 tile = ptx(tc._tile_output_kernel, tile_sig, tile_consts)
 row_sig = {"buf_x_ptr": "*bf16", "dts_ptr": f32, "state_ptr": f32, "slots_ptr": "*i64", "pos_ptr": "*i64",
            "C_ptr": "*bf16", "A_ptr": f32, "D_ptr": f32, "y_ptr": "*bf16", "a_ptr": f32, "cb_ptr": f32,
-           "sD_h": "i32", "sD_p": "i32"}
+           "sD_h": "i32", "sD_p": "i32", "sC_q": "i32"}
 row = ptx(td._row_kernel, row_sig, dict(D, HPP=2, RB_P=64, BLOCK_L=L, SB=16))
 a = ops(pre, "triton_chunk.py", line_of(tc, "a = tl.cumsum("))
 b = ops(row, "triton_decode.py", line_of(td, "a = tl.cumsum("))
@@ -538,6 +648,17 @@ def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, s
     assert not bad, f"{len(bad)}/{batch} sequences differ (offsets {[int(offs[i]) for i in bad[:8]]})"
     assert_same_state(st, ref)
     return st, ys
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["tile", "step"])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_gpu_row_strided_inputs_give_the_bits_of_copies(mode, batch):
+    """mamba2-1.3b's heads in bf16: the layer's column slices read in place give the rows, boundary states
+    and buffers of contiguous copies, and (batch > 1) the slices read as packed rows give other rows."""
+    _strided_against_contiguous(mode, batch, 64, 1, GP, GN, GL, seed=batch, baseline=True, dev="cuda",
+                                dt_=torch.bfloat16)
 
 
 @pytest.mark.gpu
