@@ -115,9 +115,9 @@ def test_walk_weight_gradient_bits_follow_the_reduction_order(monkeypatch):
 @interp
 def test_walk_at_the_gpu_launch_in_bf16_gives_the_tile_kernels_dx(monkeypatch):
     """What the H200 ran, through the interpreter: bf16 x a column slice of a wider buffer, the pinned walk
-    launch (64 rows, 128 channels: 32 row blocks, a sequence start inside one), no window: dx has the tile
-    kernel's bits in every row (the interpreter carried every row; the compiled loop did not)."""
-    x, cu, window, w, b, g = _inputs([1000, 1048], 256, 4, True, seed=7, dtype=torch.bfloat16, window=False,
+    launch (64 rows, 128 channels: 7 row blocks, the second sequence starting inside one), no window: dx
+    has the tile kernel's bits in every row (the interpreter carried every row; the compiled loop did not)."""
+    x, cu, window, w, b, g = _inputs([200, 248], 256, 4, True, seed=7, dtype=torch.bfloat16, window=False,
                                      cols=(40, 336))
     assert not x.is_contiguous()
     tile = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
