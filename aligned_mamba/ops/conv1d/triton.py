@@ -405,11 +405,8 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     S, K = window.shape[0], weight.shape[1]
     if not 1 <= K <= 4:
         raise ValueError(f"the conv backward kernel takes widths 1 to 4, not {K}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, w, b = _operands(x, weight, bias)
     g = g if g.stride(1) == 1 else g.contiguous()
-    w = weight.contiguous()
-    b = bias.contiguous() if bias is not None else w
     if BWD_WALK if walk is None else walk:
         return _backward_walk(x, cu_seqlens, window, w, b if bias is not None else None, g, weight.dtype,
                               None if bias is None else bias.dtype)
@@ -454,6 +451,16 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     return dx, dw, db
 
 
+def _operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x with unit channel stride (any row stride: a column slice is read in place), weight and bias
+    contiguous as the kernels index them; the bias pointer is the weight's when there is none (unread)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = weight.contiguous()
+    return x, w, bias.contiguous() if bias is not None else w
+
+
 def _check_windows(windows: torch.Tensor, x: torch.Tensor, K: int) -> None:
     Cd = x.shape[1]
     if windows.dim() != 3 or windows.shape[1:] != (K - 1, Cd) or windows.stride(2) != 1:
@@ -477,16 +484,13 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
     T, Cd = x.shape
     S = slots.shape[0]
     K = weight.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, w, b = _operands(x, weight, bias)
     _check_windows(windows, x, K)
     if cu_seqlens.shape != (S + 1,):
         raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} does not match {S} slots")
     out = torch.empty(T, Cd, dtype=x.dtype, device=x.device)
     if S == 0:
         return out
-    w = weight.contiguous()
-    b = bias.contiguous() if bias is not None else w
     bc = cfg.conv_block_c
     if T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
@@ -592,16 +596,13 @@ def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
     moved on by the row, in place."""
     S, Cd = x.shape
     K = weight.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, w, b = _operands(x, weight, bias)
     _check_windows(windows, x, K)
     if slots.shape != (S,):
         raise ValueError(f"slots {tuple(slots.shape)} do not match {S} rows")
     out = torch.empty(S, Cd, dtype=x.dtype, device=x.device)
     if S == 0:
         return out
-    w = weight.contiguous()
-    b = bias.contiguous() if bias is not None else w
     bc = cfg.conv_block_c
     _conv_step_kernel[(S, triton.cdiv(Cd, bc))](
         x, slots, windows, w, b, out, Cd, x.stride(0), windows.stride(0), windows.stride(1), out.stride(0), K=K,
