@@ -605,6 +605,18 @@ def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
     assert all(e < rtol for e in errs.values()), errs
 
 
+def _layer_1_3b(seed: int, lens: tuple[int, ...]):
+    """One mamba2-1.3b-shaped layer's config and bf16 tensors (d_model 2048, 64 heads of 64, state 128,
+    1 group, chunk 256), token sequences of ``lens`` and their targets on the GPU, drawn from ``seed``."""
+    shape = dict(hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1, num_hidden_layers=1,
+                 vocab_size=1024, chunk_size=256)
+    config, tensors = make_tiny(0, dtype="bfloat16", **shape)
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lens]
+    targets = [torch.randint(0, config.vocab_size, (n,), generator=g).to(DEV) for n in lens]
+    return config, tensors, seqs, targets
+
+
 @gpu
 @gpu_only
 def test_gpu_1_3b_layer_model_trains_with_the_samplers_bits():
@@ -612,13 +624,7 @@ def test_gpu_1_3b_layer_model_trains_with_the_samplers_bits():
     bf16 on the compiled triton backend: logits with gradients on equal the no-grad logits bit for bit,
     two backwards are bit-identical, every parameter gets a gradient, and the gradients are the torch
     backend's (on the same GPU) up to bf16 rounding of the forwards."""
-    shape = dict(hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1, num_hidden_layers=1,
-                 vocab_size=1024, chunk_size=256)
-    config, tensors = make_tiny(0, dtype="bfloat16", **shape)
-    g = torch.Generator().manual_seed(3)
-    lens = (700, 300)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lens]
-    targets = [torch.randint(0, config.vocab_size, (n,), generator=g).to(DEV) for n in lens]
+    config, tensors, seqs, targets = _layer_1_3b(3, (700, 300))
     names = sorted(tensors)
 
     def grads(backend: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -652,13 +658,8 @@ def test_gpu_1_3b_layer_backward_recomputes_rather_than_holds(monkeypatch):
     the gated norm's outputs) than without it (the baseline), and the gradients have the same bits."""
     from aligned_mamba.layers.mamba2 import Mamba2Mixer
 
-    shape = dict(hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1, num_hidden_layers=1,
-                 vocab_size=1024, chunk_size=256)
-    config, tensors = make_tiny(0, dtype="bfloat16", **shape)
-    g = torch.Generator().manual_seed(4)
     lens = (2048, 2048)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lens]
-    targets = [torch.randint(0, config.vocab_size, (n,), generator=g).to(DEV) for n in lens]
+    config, tensors, seqs, targets = _layer_1_3b(4, lens)
     contract = Contract(chunk_size=256, backend="triton", model_dtype="bfloat16")
     leaves = {k: v.to(DEV).requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
     names = sorted(leaves)
