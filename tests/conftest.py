@@ -23,6 +23,37 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_dot_per_element() -> None:
+    """``tl.dot`` in the Triton interpreter as one fixed-order sum over K per output element.
+
+    The interpreter computes a dot with ``np.matmul``, i.e. BLAS, whose blocking can make an element's
+    bits depend on the tile's shape: on OpenBLAS's AVX2 kernels rows of an M = 1, 2 or 9 product differ
+    from the same rows of an M = 32 one. On the GPU an MMA element does not depend on the tile's other
+    rows or columns, and the kernels' row-invariance tests check the kernels' logic on that premise.
+    numpy's einsum (no BLAS) sums each element's K products in an order set by K alone."""
+    import numpy as np
+
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:
+        return
+    plain = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        dt = d.data.dtype
+        bt = np.ascontiguousarray(np.swapaxes(b.data.astype(dt), -1, -2))
+        out = np.einsum("...mk,...nk->...mn", np.ascontiguousarray(a.data.astype(dt)), bt)
+        return TensorHandle(out + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_dot_per_element()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
     import torch
