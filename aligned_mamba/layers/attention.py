@@ -16,7 +16,7 @@ through the table on the device, so a decode step captures in a CUDA graph.
 A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
 backward; the torch form's autograd on the CPU).
 
-Split keys (the triton backend's ``attn_split_n`` S > 0, a contract field; 0 by default): on the
+Split keys (the triton backend's ``attn_split_n`` S > 0, a contract field; 1024 by default): on the
 GPU every row's keys are split at absolute positions s*S and the splits' partial softmaxes folded
 in ascending order, in the prefill program for prefill, chunks and the trainer's pass, by a
 program per split and a combine launch for a decode step (its scratch sized from the cache's

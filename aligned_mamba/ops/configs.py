@@ -117,7 +117,7 @@ class TritonKernelConfigs:
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
       tile; a row's bits do not depend on the tile's rows: tests/ops/test_attention_gpu.py).
-      attn_split_n: key positions per split (0: no split, the default): a row's keys are split at
+      attn_split_n: key positions per split (1024 by default; 0: no split): a row's keys are split at
       absolute positions s * attn_split_n, each split's online softmax folded into the row's in
       ascending order (ops/attention/triton.py, "Split keys"); decode steps then run one program
       per split and a combine, prefill folds in its program: a part of every row's bits on the
@@ -215,7 +215,7 @@ class TritonKernelConfigs:
     attn_decode_block_m: int = 16
     attn_decode_warps: int = 4
     attn_decode_stages: int = 4
-    attn_split_n: int = 0
+    attn_split_n: int = 1024
     attn_bwd_kv_block_n: int = 64
     attn_bwd_kv_block_m: int = 64
     attn_bwd_q_block_m: int = 64

@@ -186,7 +186,7 @@ def test_a_bad_split_is_refused_in_one_line() -> None:
     # a larger key block must still divide the split
     with pytest.raises(ValueError, match="attn_split_n 32 refused"):
         dataclasses.replace(CFG, attn_block_n=64, attn_split_n=32)
-    assert _cfg(0).attn_split_n == 0 and TritonKernelConfigs().attn_split_n == 0
+    assert _cfg(0).attn_split_n == 0 and TritonKernelConfigs().attn_split_n == 1024
     q = torch.zeros(1, 2, 16)
     kc = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="max_context 0 refused"):
