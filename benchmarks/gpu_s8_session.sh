@@ -30,7 +30,7 @@ hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into 
 }
 
 if want tests; then
-  timeout "$(left "${TESTS_S:-200}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=20 \
+  timeout "$(left "${TESTS_S:-200}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=20 ${PYTEST_ARGS:-} \
     -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py} 2>&1 | tee "$W/pytest_gpu.log"
   note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_gpu.log")"; pack
 fi
