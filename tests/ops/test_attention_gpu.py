@@ -503,7 +503,7 @@ def test_split_decode_in_cuda_graphs_equals_the_prefill_rows(split: int, B: int)
     end on a split's last key and then on the next one's first; the rest random) decode 5 steps
     through captured graphs, over a slot cache and over shuffled pages: every row equals the single
     packed prefill's row (the fold in the prefill program). The baseline, decode rows without a
-    split, differs on rows past the first split."""
+    split (``attn_split_n`` 0), differs on rows past the first split."""
     import dataclasses
 
     from aligned_mamba.ops.attention.blocked import page_index
@@ -560,7 +560,7 @@ def test_split_decode_in_cuda_graphs_equals_the_prefill_rows(split: int, B: int)
         for graph, out, name in zip(graphs, outs, ("slot", "paged")):
             graph.replay()
             assert torch.equal(out, full[at]), (name, t)
-    plain = slot_step(_cfg())
+    plain = slot_step(dataclasses.replace(_cfg(), attn_split_n=0))  # no split, whatever the default
     late = (ctx + steps - 1 >= split).cuda()
     assert bool(late.any()) and not torch.equal(plain[late], outs[0][late])
     assert torch.equal(plain[~late], outs[0][~late])  # one split: its partial alone, the same bits
