@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
 """The conv1d + SiLU backward alone (``ops.conv1d.triton.causal_conv1d_backward_triton``) at a model's
-layer shape, per launch choice, against causal_conv1d's channel-last backward where it imports.
+layer shape, per walk launch, against the tile kernel and causal_conv1d's channel-last backward.
 
     PYTHONPATH=.:/path/to/causal_conv1d python3 benchmarks/bench_conv_backward_h200.py --out OUT/conv_bwd.json
     python3 benchmarks/bench_conv_backward_h200.py --dry-run --out /tmp/c.json   (CPU: interpreter, tiny shapes)
 
 The input rows are a column slice of a wider in_proj output (as the layer reads them), bf16, packed
 sequences of 4 x 2048 and 1 x 16384 tokens, width 4, mamba2-1.3b's and mamba2-2.7b's conv channels.
-Each variant (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps) is timed (CUDA-event median) and
-compared with the pinned launch: dx bit for bit (a row's dx does not depend on the tile), dweight
-and dbias by relative norm (their row-block partial sums follow conv_bwd_block_t), and two calls bit
-for bit. The walk (``walk=True``, off by default) at each ``--walk`` launch (rows, channels, warps) is
-timed beside them and compared with the pinned tile launch the same way. The stock: causal_conv1d's
-``causal_conv1d_fn`` forward + backward minus its forward.
+The backward (the walk, the default form) at each ``--walk`` launch (conv_bwd_block_t rows,
+conv_bwd_block_c channels, conv_bwd_warps; the pinned configs' launch first) is timed (CUDA-event
+median) and compared with the tile kernel (``walk=False``, at ``TILE_LAUNCH``, timed once as the
+reference): dx bit for bit (a row's dx does not depend on the form or the launch), dweight and dbias
+by relative norm (their row-block partial sums follow the launch's rows), and two calls bit for bit.
+The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
 
-    --shapes mamba2-1.3b --cells 2x2048 --tile pinned --walk 64x128x1,32x128x1   (a short run)
+    --shapes mamba2-1.3b --cells 2x2048 --walk 64x128x1,32x128x1   (a short run)
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
-# (block_t, block_c, warps): the pinned launch first
-VARIANTS = [(32, 64, 4), (32, 64, 8), (16, 64, 4), (16, 128, 4), (16, 128, 8), (64, 64, 8), (8, 128, 4),
-            (8, 256, 4), (16, 32, 4), (32, 32, 4), (32, 128, 8), (64, 128, 8)]
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
 CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384), ("2x2048", 2, 2048)]
-WALKS = [(64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 256, 2), (64, 64, 1)]  # the walk's launches
+# the walk's launches (rows, channels, warps): the pinned configs' first
+WALKS = [(64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 256, 2), (64, 64, 1)]
 
 
 def timed(fn, reps: int) -> float:
@@ -86,9 +84,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cells", default="4x2048,1x16384", help="of " + ",".join(c[0] for c in CELLS))
-    ap.add_argument("--tile", default="all", help="tile-kernel launches: all (VARIANTS) or pinned")
     ap.add_argument("--walk", default=",".join("x".join(map(str, w)) for w in WALKS),
-                    help="the walk's launches, rows x channels x warps (empty: none)")
+                    help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
     a = ap.parse_args()
     import triton
 
@@ -97,10 +94,9 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
-    variants = [(8, 32, 4), (16, 32, 4)] if dry else VARIANTS[:1] if a.tile == "pinned" else VARIANTS
     walks = [tuple(int(v) for v in w.split("x")) for w in a.walk.split(",") if w]
     if dry:
-        walks = [(8, 32, 1)] if walks else []
+        walks = [(8, 32, 1), (16, 16, 2)] if walks else []
     res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                commit=os.environ.get("GIT_COMMIT", "unknown"),
@@ -118,43 +114,35 @@ def main() -> int:
             bias = (torch.randn(Cd, generator=g0, device=dev) * 0.1).to(dtype)
             cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int64)
             win = torch.zeros(S, 3, Cd, device=dev, dtype=dtype)
+            e = dict(shape=name, cell=label, tokens=T, channels=Cd, tile=list(ct.TILE_LAUNCH))
             ref = None
-            for bt, bc, nw in variants:
+            try:
+                ref = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=False)
+                again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=False)
+                e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(ref, again))
+                e["ms"] = timed(lambda: causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=False),
+                                a.reps)
+            except Exception as exc:  # noqa: BLE001
+                e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            res["cells"].append(e)
+            print(json.dumps(e), flush=True)
+            for launch in walks:
+                bt, bc, nw = launch
                 cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
-                e = dict(shape=name, cell=label, tokens=T, channels=Cd, block_t=bt, block_c=bc, warps=nw,
-                         pinned=(bt, bc, nw) == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
+                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch),
+                         pinned_walk=launch == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
                 try:
                     out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
                     again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
                     e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
-                    if ref is None:
-                        ref = out
-                    e["dx_equal_first"] = bool(torch.equal(out[0], ref[0]))
-                    e["dw_rel_first"], e["db_rel_first"] = rel(out[1], ref[1]), rel(out[2], ref[2])
+                    if ref is not None:
+                        e["dx_equal_tile"] = bool(torch.equal(out[0], ref[0]))
+                        e["dx_rows_differing_tile"] = int((out[0] != ref[0]).any(1).sum())
+                        e["dx_rel_tile"] = rel(out[0], ref[0])
+                        e["dw_rel_tile"], e["db_rel_tile"] = rel(out[1], ref[1]), rel(out[2], ref[2])
                     e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
                 except Exception as exc:  # noqa: BLE001
                     e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                res["cells"].append(e)
-                print(json.dumps(e), flush=True)
-            for launch in walks:
-                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch),
-                         pinned_walk=launch == ct.WALK_LAUNCH)
-                saved = ct.WALK_LAUNCH
-                ct.WALK_LAUNCH = launch
-                try:
-                    out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True)
-                    again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True)
-                    e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
-                    e["dx_equal_tile"] = bool(torch.equal(out[0], ref[0]))
-                    e["dx_rows_differing_tile"] = int((out[0] != ref[0]).any(1).sum())
-                    e["dx_rel_tile"] = rel(out[0], ref[0])
-                    e["dw_rel_tile"], e["db_rel_tile"] = rel(out[1], ref[1]), rel(out[2], ref[2])
-                    e["ms"] = timed(lambda: causal_conv1d_backward_triton(x, cu, win, w, bias, g, base, walk=True),
-                                    a.reps)
-                except Exception as exc:  # noqa: BLE001
-                    e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                finally:
-                    ct.WALK_LAUNCH = saved
                 res["cells"].append(e)
                 print(json.dumps(e), flush=True)
             if not dry:

@@ -1,4 +1,4 @@
-"""A digest of the PTX every SSD Triton kernel and the linear GEMM compile to for sm_90, pinned configs.
+"""A digest of the PTX every SSD Triton kernel, the linear GEMM and the conv1d kernels compile to for sm_90.
 
     python3 benchmarks/ptx_digest.py [--out digest.json] [--ptx-dir DIR] [--only linear/]
 
@@ -10,7 +10,9 @@ with every edit of the source file. Shapes are the 128-head, 8-group mixer of th
 (head dim 64, state 128, chunk 256); each kernel is compiled for fp32 models (fp32 FMA dots) and
 bf16 models (tensor-core dots, programmatic dependent launch where the launcher uses it). The
 linear GEMM (``ops/linear/triton.py``) is compiled in every plan of the pinned configs at the model
-widths, TMA and pointer forms, bf16 and fp32 (``linear/...`` entries).
+widths, TMA and pointer forms, bf16 and fp32 (``linear/...`` entries). The conv1d kernels
+(``ops/conv1d/triton.py``, ``conv/...`` entries) at their launches, fp32 and bf16 rows, width 4, with
+and without bias; each backward form's entry names its launch (rows x channels, warps).
 Constexprs a kernel no longer has are dropped, and the pinned values of ones it used to have
 are passed to older sources (``LEGACY``), so that the same script can read past commits.
 """
@@ -35,6 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.linear import triton as lt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
@@ -154,6 +157,47 @@ def linear_configs():
                     stride_xm="i32", stride_wn="i32", stride_ym="i32"), c, True, opts)
 
 
+def conv_launches() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The conv backward's two forms' launches (rows, channels, warps): (tile kernel, walk). Sources
+    before the walk was the default launched the tile kernel from the configs, the walk from
+    ``WALK_LAUNCH``."""
+    pinned = (CFG.conv_bwd_block_t, CFG.conv_bwd_block_c, CFG.conv_bwd_warps)
+    if hasattr(ct, "WALK_LAUNCH"):
+        return pinned, tuple(ct.WALK_LAUNCH)
+    return tuple(ct.TILE_LAUNCH), pinned
+
+
+def conv_configs():
+    """(name, kernel, types, constexprs, fp fusion, options) of the conv1d kernels as their launchers
+    launch them: the forward, its window update and decode step (configs' blocks, 4 warps, no fp
+    contraction in the outputs' kernels), the backward's tile kernel and walk and the walk's block sums."""
+    tile, walk = conv_launches()
+
+    def entry(name, fn, ptrs, consts, fuse, warps):  # the launchers' int arguments (sizes, strides): i32
+        types = {n: ptrs.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in inspect.signature(fn.fn).parameters}
+        return name, fn, types, consts, fuse, dict(num_warps=warps)
+
+    for dt in ("fp32", "bf16"):
+        p = "*" + dt
+        fwd = dict(x_ptr=p, cu_ptr=I64, slots_ptr=I64, win_ptr=p, w_ptr=p, b_ptr=p, out_ptr=p)
+        bwd = dict(x_ptr=p, cu_ptr=I64, win_ptr=p, w_ptr=p, b_ptr=p, g_ptr=p, dx_ptr=p)
+        yield entry(f"conv/window/{dt}", ct._window_kernel, fwd, dict(K=4, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c),
+                    True, 4)
+        for bias in (False, True):
+            tag = f"{dt}/bias{int(bias)}"
+            yield entry(f"conv/forward/{tag}", ct._conv_kernel, fwd,
+                        dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=CFG.conv_block_t, BLOCK_C=CFG.conv_block_c),
+                        False, 4)
+            yield entry(f"conv/step/{tag}", ct._conv_step_kernel, fwd,
+                        dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c), False, 4)
+            yield entry(f"conv/backward_tile/{tile[0]}x{tile[1]}w{tile[2]}/{tag}", ct._conv_bwd_kernel, bwd,
+                        dict(K=4, HAS_BIAS=bias, BLOCK_T=tile[0], BLOCK_C=tile[1]), True, tile[2])
+            yield entry(f"conv/backward_walk/{walk[0]}x{walk[1]}w{walk[2]}/{tag}", ct._conv_bwd_walk_kernel, bwd,
+                        dict(K=4, HAS_BIAS=bias, ROWS=walk[0], BLOCK_C=walk[1]), True, walk[2])
+            yield entry(f"conv/backward_partials/{tag}", ct._partials_kernel, dict(dwo_ptr=p, dbo_ptr=p),
+                        dict(K=4, HAS_BIAS=bias, BLOCK_B=16, BLOCK_C=128), True, 4)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the digests as JSON")
@@ -161,7 +205,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="the kernels whose names start with this (linear/, say)")
     args = ap.parse_args()
     digests = {}
-    for name, fn, types, consts, fuse, opts in (*configs(), *linear_configs()):
+    for name, fn, types, consts, fuse, opts in (*configs(), *linear_configs(), *conv_configs()):
         if not name.startswith(args.only):
             continue
         ptx = compile_ptx(fn, types, consts, fuse, opts)

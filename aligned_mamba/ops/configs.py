@@ -106,8 +106,9 @@ class TritonKernelConfigs:
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
     Conv1d (ops/conv1d/triton.py): conv_block_t, conv_block_c: tokens and channels per program;
-      conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps: its backward's (each program's row block
-      also gives one weight-gradient partial sum).
+      its backward (the walk): conv_bwd_block_t rows per program, each program walking its row block
+      from last to first and giving one weight-gradient partial sum (summed in block order);
+      conv_bwd_block_c channels per program; conv_bwd_warps (a row's dx does not depend on them).
     Log-softmax (ops/logprobs/triton.py): logprobs_block_v, the vocabulary block of a row's
       program (fixed order over the row); logprobs_num_warps.
     The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
@@ -200,9 +201,9 @@ class TritonKernelConfigs:
     norm_bwd_rows: int = 16
     conv_block_t: int = 8
     conv_block_c: int = 256
-    conv_bwd_block_t: int = 32
-    conv_bwd_block_c: int = 64
-    conv_bwd_warps: int = 4
+    conv_bwd_block_t: int = 64
+    conv_bwd_block_c: int = 128
+    conv_bwd_warps: int = 1
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16
     bwd_block_s: int = 64

@@ -1,9 +1,10 @@
-"""The conv1d + SiLU backward as one walk per row block (``ops.conv1d.triton``, ``walk=True``; off by default).
+"""The conv1d + SiLU backward as one walk per row block (``ops.conv1d.triton``, the default form).
 
 CPU (the Triton interpreter, fp32 and bf16 loads): hypothesis over the sequences (empty ones, ones
 shorter than the window, ones that straddle row blocks), channels, width 1 to 4, bias, and the walk's
-launch: dx, dweight and dbias against the fp64 gradient; two calls bit-identical; dx the same bits
-whatever the launch and the tile kernel's. The baseline: dweight summed over other row blocks has other
+launch (the configs' conv_bwd_block_t, _block_c, _warps): dx, dweight and dbias against the fp64
+gradient; two calls bit-identical; dx the same bits whatever the launch and the tile kernel's
+(``walk=False``, the reference form). The baseline: dweight summed over other row blocks has other
 bits, so its repeatability comes from the walk's fixed reduction order.
 
 Offline sm_90 compile: the walk's loop carries every row it rotates (the defect that gave dx 0.71 off
@@ -16,6 +17,7 @@ GPU (marked gpu): mamba2-1.3b's layer in bf16 (x a column slice of in_proj's out
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -71,26 +73,29 @@ def _fp64_grads(x, cu, window, w, b, g):
     return x64.grad, w64.grad, None if b64 is None else b64.grad
 
 
-def _walk(monkeypatch, launch: tuple[int, int, int], *args):
-    monkeypatch.setattr(ct, "WALK_LAUNCH", launch)
-    return ct.causal_conv1d_backward_triton(*args, CFG, walk=True)
+def _walk(launch: tuple[int, int, int], *args):
+    rows, bc, w = launch
+    cfg = dataclasses.replace(CFG, conv_bwd_block_t=rows, conv_bwd_block_c=bc, conv_bwd_warps=w)
+    return ct.causal_conv1d_backward_triton(*args, cfg)
+
+
+def _tile(*args):
+    return ct.causal_conv1d_backward_triton(*args, CFG, walk=False)
 
 
 @interp
-@settings(max_examples=10, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(0, 13), min_size=1, max_size=4).filter(lambda v: sum(v) > 0),
        Cd=st.integers(1, 40), K=st.integers(1, 4), bias=st.booleans(),
        launches=st.lists(st.tuples(st.sampled_from([1, 2, 4, 8, 32]), st.sampled_from([16, 32])), min_size=2,
                          max_size=2), strided=st.booleans(), seed=st.integers(0, 2**16))
-def test_walk_against_fp64_repeatable_and_dx_the_tile_kernels(monkeypatch, lens, Cd, K, bias, launches, strided,
-                                                               seed):
+def test_walk_against_fp64_repeatable_and_dx_the_tile_kernels(lens, Cd, K, bias, launches, strided, seed):
     x, cu, window, w, b, g = _inputs(lens, Cd, K, bias, seed, cols=(3, Cd + 5) if strided else None)
     ref = _fp64_grads(x, cu, window, w, b, g)
-    tile = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
+    tile = _tile(x, cu, window, w, b, g)
     for rows, bc in launches:
-        got = _walk(monkeypatch, (rows, bc, 1), x, cu, window, w, b, g)
-        again = _walk(monkeypatch, (rows, bc, 1), x, cu, window, w, b, g)
+        got = _walk((rows, bc, 1), x, cu, window, w, b, g)
+        again = _walk((rows, bc, 1), x, cu, window, w, b, g)
         assert all(u is None and v is None or torch.equal(u, v) for u, v in zip(got, again)), "not repeatable"
         for name, ours, want in zip(("dx", "dw", "db"), got, ref):
             assert (ours is None) == (want is None), name
@@ -100,12 +105,12 @@ def test_walk_against_fp64_repeatable_and_dx_the_tile_kernels(monkeypatch, lens,
 
 
 @interp
-def test_walk_weight_gradient_bits_follow_the_reduction_order(monkeypatch):
+def test_walk_weight_gradient_bits_follow_the_reduction_order():
     """The baseline: the same gradient reduced over row blocks of 2 and of 64 rows differs in its bits
     (dx does not), so the bit-identical repeat above holds because the walk's order is fixed."""
     x, cu, window, w, b, g = _inputs([150, 50], 16, 4, True, seed=3)
-    small = _walk(monkeypatch, (2, 16, 1), x, cu, window, w, b, g)
-    large = _walk(monkeypatch, (64, 16, 1), x, cu, window, w, b, g)
+    small = _walk((2, 16, 1), x, cu, window, w, b, g)
+    large = _walk((64, 16, 1), x, cu, window, w, b, g)
     assert torch.equal(small[0], large[0])
     assert not torch.equal(small[1], large[1]) and not torch.equal(small[2], large[2])
     ref = _fp64_grads(x, cu, window, w, b, g)
@@ -113,22 +118,33 @@ def test_walk_weight_gradient_bits_follow_the_reduction_order(monkeypatch):
 
 
 @interp
-def test_walk_at_the_gpu_launch_in_bf16_gives_the_tile_kernels_dx(monkeypatch):
-    """What the H200 ran, through the interpreter: bf16 x a column slice of a wider buffer, the pinned walk
-    launch (64 rows, 128 channels: 7 row blocks, the second sequence starting inside one), no window: dx
-    has the tile kernel's bits in every row (the interpreter carried every row; the compiled loop did not)."""
+def test_walk_at_the_gpu_launch_in_bf16_gives_the_tile_kernels_dx():
+    """What the H200 ran, through the interpreter: bf16 x a column slice of a wider buffer, the default
+    call (the configs' walk launch, 64 rows, 128 channels: 7 row blocks, the second sequence starting
+    inside one), no window: dx has the tile kernel's bits in every row (the interpreter carried every
+    row; the compiled loop did not)."""
     x, cu, window, w, b, g = _inputs([200, 248], 256, 4, True, seed=7, dtype=torch.bfloat16, window=False,
                                      cols=(40, 336))
     assert not x.is_contiguous()
-    tile = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
-    got = _walk(monkeypatch, ct.WALK_LAUNCH, x, cu, window, w, b, g)
+    tile = _tile(x, cu, window, w, b, g)
+    got = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
     assert torch.equal(got[0], tile[0])
     ref = _fp64_grads(x, cu, window, w, b, g)
     assert rel_err(got[1], ref[1]) < RTOL and rel_err(got[2], ref[2]) < RTOL
 
 
-def test_walk_is_off_by_default():
-    assert ct.BWD_WALK is False
+@interp
+def test_the_default_backward_is_the_walk_at_the_configs_launch():
+    """The default call is the walk at the pinned (64, 128, 1): its dweight and dbias bits are the walk's
+    (the baseline: the tile kernel's, summed over other row blocks, differ), and the configs' launch
+    reaches it (the walk at another launch differs there too)."""
+    assert (CFG.conv_bwd_block_t, CFG.conv_bwd_block_c, CFG.conv_bwd_warps) == (64, 128, 1)
+    x, cu, window, w, b, g = _inputs([150, 50], 16, 4, True, seed=3)
+    default = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
+    walk = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG, walk=True)
+    tile, other = _tile(x, cu, window, w, b, g), _walk((2, 16, 1), x, cu, window, w, b, g)
+    assert all(torch.equal(u, v) for u, v in zip(default, walk))
+    assert not torch.equal(default[1], tile[1]) and not torch.equal(default[1], other[1])
 
 
 _CARRIES = r"""
@@ -136,8 +152,10 @@ import importlib.util, inspect, json, os, re, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 from triton.compiler import ASTSource
 from sm90_offline import compile_until
+from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.conv1d import triton as ct
 
+cfg = TritonKernelConfigs()
 # the rotation as the walk first had it (triton.jit reads its source from a file)
 TOY = '''
 import triton
@@ -160,10 +178,10 @@ toy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(toy)
 
 
-def carried(fn, sig, consts):
+def carried(fn, sig, consts, warps=1):
     sig = {n: ("constexpr" if n in consts else sig.get(n, "i32")) for n in inspect.signature(fn.fn).parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
-    ttir = compile_until(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), dict(num_warps=1),
+    ttir = compile_until(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), dict(num_warps=warps),
                          until="ttir").asm["ttir"]
     loops = [ln for ln in ttir.splitlines() if "scf.for" in ln and "iter_args" in ln]
     return sorted({m for ln in loops for m in re.findall(r"%([a-z]\w*?)(?:_\d+)? = ", ln.split("iter_args")[1])})
@@ -172,7 +190,8 @@ def carried(fn, sig, consts):
 walk = carried(ct._conv_bwd_walk_kernel,
                dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*fp32", b_ptr="*fp32", g_ptr="*bf16",
                     dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-               dict(K=4, HAS_BIAS=True, ROWS=ct.WALK_LAUNCH[0], BLOCK_C=ct.WALK_LAUNCH[1]))
+               dict(K=4, HAS_BIAS=True, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
+               cfg.conv_bwd_warps)
 aliased = carried(toy.aliased, dict(out_ptr="*fp32"), dict(BLOCK=16))
 print(json.dumps({"walk": walk, "aliased": aliased}))
 """
@@ -199,9 +218,9 @@ def test_gpu_walk_at_the_layer_shape_bf16(lens):
     x, cu, window, w, b, g = _inputs(lens, 4352, 4, True, seed=7, dev="cuda", dtype=torch.bfloat16, window=False,
                                      cols=(4096, 8512))
     ref = _fp64_grads(x, cu, window, w, b, g)
-    tile = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
-    got = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG, walk=True)
-    again = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG, walk=True)
+    tile = _tile(x, cu, window, w, b, g)
+    got = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
+    again = ct.causal_conv1d_backward_triton(x, cu, window, w, b, g, CFG)
     assert all(torch.equal(u, v) for u, v in zip(got, again))
     assert rel_err(got[0], ref[0]) < 4e-3, rel_err(got[0], ref[0])  # one bf16 rounding
     assert rel_err(got[0], tile[0].double()) < 4e-3

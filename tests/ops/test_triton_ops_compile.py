@@ -76,16 +76,17 @@ for bias in (False, True):  # a decode step's conv and window in one launch
     comp(f"conv:step:bias{int(bias)}", ct._conv_step_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
-for bias in (False, True):  # the backward (dx in the inputs' bf16, fp32 weight-gradient partial sums)
+for bias in (False, True):  # the backward's tile form (dx in the inputs' bf16, fp32 weight-gradient partial sums)
     comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-         dict(K=4, HAS_BIAS=bias, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4)
-for bias in (False, True):  # the backward's walk (a launch choice, off by default) and its block sums
+         dict(K=4, HAS_BIAS=bias, BLOCK_T=ct.TILE_LAUNCH[0], BLOCK_C=ct.TILE_LAUNCH[1]), num_warps=ct.TILE_LAUNCH[2])
+for bias in (False, True):  # the backward's walk (the default form) and its block sums
     comp(f"conv:backward:walk:bias{int(bias)}", ct._conv_bwd_walk_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-         dict(K=4, HAS_BIAS=bias, ROWS=ct.WALK_LAUNCH[0], BLOCK_C=ct.WALK_LAUNCH[1]), num_warps=ct.WALK_LAUNCH[2])
+         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
+         num_warps=cfg.conv_bwd_warps)
 comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr="*fp32", dwo_ptr="*bf16",
                                                          dbo_ptr="*bf16"),
      dict(K=4, HAS_BIAS=True, BLOCK_B=16, BLOCK_C=128), num_warps=4)

@@ -198,7 +198,7 @@ def _shift(vm3, vm2, vm1, v0, v1, v2, v3, m: tl.constexpr):
         return v3
 
 
-# -- the backward as one walk per row block (a launch choice, off by default) ------------------------------
+# -- the backward as one walk per row block (the default form) --------------------------------------------
 
 
 @triton.jit
@@ -385,32 +385,31 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
         tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
 
 
-# The backward's form: the tile kernel (False, the default) or the walk (True); the same dx bits in the
-# interpreter, dweight and dbias summed in another order. The walk's launch: rows and channels per
-# program, warps (what the H200 measurements ran; a row's dx does not depend on them).
-BWD_WALK: bool = False
-WALK_LAUNCH: tuple[int, int, int] = (64, 128, 1)
+# The tile kernel's launch (rows, channels, warps): the reference form the walk's dx is tested against,
+# not a contract launch.
+TILE_LAUNCH: tuple[int, int, int] = (32, 64, 4)
 
 
 def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
                                   weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
-                                  cfg: TritonKernelConfigs, walk: bool | None = None
+                                  cfg: TritonKernelConfigs, walk: bool = True
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
     windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
     [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
-    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed by torch
-    (the tile kernel) or in block order by a second launch (walk; None: ``BWD_WALK``)."""
+    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed in
+    block order by a second launch (the walk, launched with cfg.conv_bwd_block_t, _block_c, _warps),
+    or by torch (walk=False: the tile kernel at ``TILE_LAUNCH``, the same dx bits)."""
     T, Cd = x.shape
     S, K = window.shape[0], weight.shape[1]
     if not 1 <= K <= 4:
         raise ValueError(f"the conv backward kernel takes widths 1 to 4, not {K}")
     x, w, b = _operands(x, weight, bias)
     g = g if g.stride(1) == 1 else g.contiguous()
-    if BWD_WALK if walk is None else walk:
+    if walk:
         return _backward_walk(x, cu_seqlens, window, w, b if bias is not None else None, g, weight.dtype,
-                              None if bias is None else bias.dtype)
-    BT, BC = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c
+                              None if bias is None else bias.dtype, cfg)
+    BT, BC, warps = TILE_LAUNCH
     nb = triton.cdiv(T, BT)
     dx = torch.empty(T, Cd, device=x.device, dtype=x.dtype)  # no fp32 copy to round afterwards
     dw = torch.empty(nb, K, Cd, device=x.device, dtype=torch.float32)
@@ -419,19 +418,19 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
         _conv_bwd_kernel[(nb, triton.cdiv(Cd, BC))](
             x, cu_seqlens, window, w, b, g, dx, dw, db, T, S, Cd, x.stride(0), window.stride(0), window.stride(1),
             g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, BLOCK_T=BT, BLOCK_C=BC,
-            num_warps=cfg.conv_bwd_warps)
+            num_warps=warps)
     return (dx, dw.sum(0).t().to(weight.dtype),
             None if bias is None else db.sum(0).to(bias.dtype))
 
 
 def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
-                   b: torch.Tensor | None, g: torch.Tensor, w_dtype: torch.dtype, b_dtype: torch.dtype | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   b: torch.Tensor | None, g: torch.Tensor, w_dtype: torch.dtype, b_dtype: torch.dtype | None,
+                   cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``causal_conv1d_backward_triton`` by ``_conv_bwd_walk_kernel`` and ``_partials_kernel`` (x and g
     with unit channel stride, w [Cd, K] contiguous)."""
     T, Cd = x.shape
     S, K = window.shape[0], w.shape[1]
-    rows, block_c, warps = WALK_LAUNCH
+    rows, block_c, warps = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c, cfg.conv_bwd_warps
     nb = triton.cdiv(T, rows)
     dev = x.device
     dx = torch.empty(T, Cd, device=dev, dtype=x.dtype)
