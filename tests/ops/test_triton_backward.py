@@ -453,7 +453,7 @@ def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
     x, g, window = _rand(T, Cd, seed=31), _rand(T, Cd, seed=32), _rand(S, K - 1, Cd, seed=33)
     w, b = _rand(Cd, K, seed=34, scale=0.5), _rand(Cd, seed=35) if bias else None
-    cfg = TritonKernelConfigs(conv_block_t=4, conv_block_c=16)
+    cfg = TritonKernelConfigs(conv_bwd_block_t=4, conv_bwd_block_c=16)  # the walk at 4 rows a program
     got = causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)
     assert all(u is None or torch.equal(u, v) for u, v in
                zip(got, causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)))
