@@ -8,6 +8,7 @@
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
 #   STEPS="tests split walk train nanotrain h8blong nanolong views vsms" DEADLINE_S=560 ...
 #   TEST_FILES="tests/ops/test_attention_gpu.py ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
+#   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
 # Needs mamba_ssm's package (MAMBA_SSM, see benchmarks/README.md) for the stock models. Every step's
 # logs and JSON go to a work folder packed into $OUT/s8.tgz after each step, so a call cut at its limit
@@ -30,7 +31,7 @@ hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into 
 }
 
 if want tests; then
-  timeout "$(left "${TESTS_S:-200}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=20 ${PYTEST_ARGS:-} \
+  timeout "$(left "${TESTS_S:-200}")" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 ${PYTEST_ARGS:-} \
     -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py} 2>&1 | tee "$W/pytest_gpu.log"
   note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_gpu.log")"; pack
 fi
