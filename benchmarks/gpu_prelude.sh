@@ -7,6 +7,8 @@
 #   left SECONDS  a step's own limit cut to what DEADLINE_S (counted from here) leaves, at least 1
 #   note TEXT     a line in summary.txt with the seconds since the start
 #   want STEP     whether STEP is in STEPS
+#   step NAME LIMIT CMD...  CMD under a timeout cut to what DEADLINE_S leaves, its output in
+#                 $W/NAME.log, its exit status noted, then the work folder packed
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -29,6 +31,13 @@ left() {
 }
 note() { echo "== $* after $(( $(date +%s) - t0 )) s" | tee -a "$W/summary.txt"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+step() {
+  local name="$1" limit="$2"
+  shift 2
+  timeout "$(left "$limit")" "$@" 2>&1 | tee -a "$W/$name.log"
+  note "$name exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/$name.log")"
+  pack
+}
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"

@@ -17,48 +17,30 @@ SESSION=s8
 STEPS="${STEPS:-tests split walk train nanotrain}"
 DEADLINE_S="${DEADLINE_S:-560}"
 MAMBA_SSM="${MAMBA_SSM:-.anchors/mamba_ssm}"
-RESULTS="${RESULTS:-benchmarks/results/h200_hybrid.json}"
 source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT, W, pack/left/note/want
 
 hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into the latest h200_hybrid.json
-  local section="$1" limit="$2" base="$RESULTS"
+  local section="$1" limit="$2" base="${RESULTS:-benchmarks/results/h200_hybrid.json}"
   shift 2
   [ -f "$W/h200_hybrid.json" ] && cp "$W/h200_hybrid.json" "$W/h200_hybrid_before_$section.json" \
     && base="$W/h200_hybrid_before_$section.json"
-  timeout "$(left "$limit")" python3 benchmarks/bench_hybrid_h200.py --sections "$section" --merge "$base" \
-    --mamba-ssm "$MAMBA_SSM" --out "$W/h200_hybrid.json" "$@" 2>&1 | tee -a "$W/hybrid_$section.log"
-  note "hybrid $section $* exit ${PIPESTATUS[0]}"
+  step "hybrid_$section" "$limit" python3 benchmarks/bench_hybrid_h200.py --sections "$section" --merge "$base" \
+    --mamba-ssm "$MAMBA_SSM" --out "$W/h200_hybrid.json" "$@"
 }
 
-if want tests; then
-  timeout "$(left "${TESTS_S:-200}")" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 ${PYTEST_ARGS:-} \
-    -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py} 2>&1 | tee "$W/pytest_gpu.log"
-  note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_gpu.log")"; pack
-fi
-if want split; then
-  timeout "$(left "${SPLIT_S:-80}")" python3 benchmarks/bench_paged_attention_h200.py --out "$W/h200_paged_attention.json" \
-    ${SPLIT_ARGS:-} 2>&1 | tee "$W/split.log"
-  note "split exit ${PIPESTATUS[0]}"; pack
-fi
-if want walk; then
-  timeout "$(left "${WALK_S:-50}")" python3 benchmarks/bench_conv_backward_h200.py --out "$W/h200_conv_backward.json" \
-    --tile pinned --reps 10 ${WALK_ARGS:-} 2>&1 | tee "$W/walk.log"
-  note "walk exit ${PIPESTATUS[0]}"; pack
-fi
-if want train; then hybrid train "${TRAIN_S:-100}" --quick; pack; fi
-if want nanotrain; then hybrid nano_train "${NANOTRAIN_S:-130}" --quick; pack; fi
-if want h8blong; then hybrid h8b "${H8B_S:-150}" --long; pack; fi
-if want nanolong; then hybrid nano "${NANO_S:-150}" --long; pack; fi
-if want views; then
-  timeout "$(left "${VIEWS_S:-60}")" python3 benchmarks/bench_decode_step_h200.py --out "$W/h200_decode_step_views.json" \
-    --views --variants rt 2>&1 | tee "$W/views.log"
-  note "views exit ${PIPESTATUS[0]}"; pack
-fi
-if want vsms; then
-  PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" timeout "$(left "${VSMS_S:-200}")" python3 \
-    benchmarks/bench_mamba_ssm_h200.py --out-dir "$W" ${VSMS_ARGS:---shapes mamba2-1.3b --parts train --quick} \
-    2>&1 | tee "$W/vsms.log"
-  note "vsms exit ${PIPESTATUS[0]}"; pack
-fi
+want tests && step pytest_gpu "${TESTS_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 \
+  ${PYTEST_ARGS:-} -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py}
+want split && step split "${SPLIT_S:-80}" python3 benchmarks/bench_paged_attention_h200.py \
+  --out "$W/h200_paged_attention.json" ${SPLIT_ARGS:-}
+want walk && step walk "${WALK_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \
+  --out "$W/h200_conv_backward.json" --reps 10 ${WALK_ARGS:-}
+want train && hybrid train "${TRAIN_S:-100}" --quick
+want nanotrain && hybrid nano_train "${NANOTRAIN_S:-130}" --quick
+want h8blong && hybrid h8b "${H8B_S:-150}" --long
+want nanolong && hybrid nano "${NANO_S:-150}" --long
+want views && step views "${VIEWS_S:-60}" python3 benchmarks/bench_decode_step_h200.py \
+  --out "$W/h200_decode_step_views.json" --views --variants rt
+want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_S:-200}" python3 \
+  benchmarks/bench_mamba_ssm_h200.py --out-dir "$W" ${VSMS_ARGS:---shapes mamba2-1.3b --parts train --quick}
 note "done"
 pack
