@@ -15,6 +15,11 @@ by relative norm (their row-block partial sums follow the launch's rows), and tw
 The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
 
     --shapes mamba2-1.3b --cells 2x2048 --walk 64x128x1,32x128x1   (a short run)
+    --forward 8x256,32x256 --walk ''   (the forward's tiles instead: conv_block_t x conv_block_c)
+
+``--forward`` times the forward (``causal_conv1d_triton``, the trainer's call: fresh windows) at each
+tile, the pinned one first, each output against the pinned tile's bit for bit (an output element is
+one fixed chain over its taps whatever the tile), and causal_conv1d's forward.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ if "--dry-run" in sys.argv:  # before triton is imported
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
-from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton  # noqa: E402
+from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton, causal_conv1d_triton  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
@@ -77,6 +82,47 @@ def stock_ms(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, g: torch.Tens
     return timed(both, reps) - timed(fwd, reps)
 
 
+def stock_fwd_ms(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, S: int, reps: int):
+    """causal_conv1d's channel-last forward + SiLU, or None where it does not import."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        return None
+    xs = x.reshape(S, x.shape[0] // S, -1).transpose(1, 2)
+    return timed(lambda: causal_conv1d_fn(xs, w, bias, activation="silu"), reps)
+
+
+def forward_tiles(a, res: dict, base: TritonKernelConfigs, tiles: list[tuple[int, int]], name: str, label: str,
+                  x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, cu: torch.Tensor, S: int) -> None:
+    """The forward at each tile (conv_block_t, conv_block_c), the pinned tile first, against its output."""
+    slots = torch.arange(S, device=x.device)
+    pinned = (base.conv_block_t, base.conv_block_c)
+    ref = None
+    for bt, bc in [pinned] + [t for t in tiles if t != pinned]:
+        cfg = dataclasses.replace(base, conv_block_t=bt, conv_block_c=bc)
+
+        def run(c=cfg):
+            return causal_conv1d_triton(x, cu, slots, torch.zeros(S, 3, x.shape[1], device=x.device, dtype=x.dtype),
+                                        w, bias, c)
+
+        e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=[bt, bc],
+                 pinned=(bt, bc) == pinned)
+        try:
+            out = run()
+            ref = out if ref is None else ref
+            e["equal_pinned"] = bool(torch.equal(out, ref))
+            e["repeat_equal"] = bool(torch.equal(out, run()))
+            e["ms"] = timed(run, a.reps)
+        except Exception as exc:  # noqa: BLE001
+            e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        res["cells"].append(e)
+        print(json.dumps(e), flush=True)
+    if x.is_cuda:
+        res["cells"].append(dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward="stock",
+                                 stock="causal_conv1d 1.7.0", ms=stock_fwd_ms(x, w, bias, S, a.reps)))
+        print(json.dumps(res["cells"][-1]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -86,6 +132,7 @@ def main() -> int:
     ap.add_argument("--cells", default="4x2048,1x16384", help="of " + ",".join(c[0] for c in CELLS))
     ap.add_argument("--walk", default=",".join("x".join(map(str, w)) for w in WALKS),
                     help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
+    ap.add_argument("--forward", default="", help="the forward's tiles, rows x channels (instead of the backward)")
     a = ap.parse_args()
     import triton
 
@@ -95,7 +142,9 @@ def main() -> int:
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
     walks = [tuple(int(v) for v in w.split("x")) for w in a.walk.split(",") if w]
+    tiles = [tuple(int(v) for v in t.split("x")) for t in a.forward.split(",") if t]
     if dry:
+        tiles = [(8, 16), (16, 32)] if tiles else []
         walks = [(8, 32, 1), (16, 16, 2)] if walks else []
     res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -114,6 +163,11 @@ def main() -> int:
             bias = (torch.randn(Cd, generator=g0, device=dev) * 0.1).to(dtype)
             cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int64)
             win = torch.zeros(S, 3, Cd, device=dev, dtype=dtype)
+            if tiles:
+                forward_tiles(a, res, base, tiles, name, label, x, w, bias, cu, S)
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=1)
+                continue
             e = dict(shape=name, cell=label, tokens=T, channels=Cd, tile=list(ct.TILE_LAUNCH))
             ref = None
             try:

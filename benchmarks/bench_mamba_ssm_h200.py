@@ -354,6 +354,8 @@ def main() -> int:
     ap.add_argument("--stock-mem-eff", action="store_true",
                     help="the stock's fused use_mem_eff_path=True path (causal_conv1d must import)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--configs", help="JSON of the triton contract's kernel configs for ours, "
+                    'e.g. \'{"bwd_bf16_dots":"round"}\'')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
@@ -394,7 +396,8 @@ def main() -> int:
         ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
-    contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16")
+    contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
+                        kernel_configs=json.loads(args.configs) if args.configs else None)
     train = dict(meta, contract=contract.to_dict(), train=[])
     model_res = dict(meta, forward=[], decode=[], accuracy=[])
     cells = [c for c in CELLS if c[0] in args.cells.split(",")]

@@ -13,8 +13,11 @@ kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
   program), the chunk-state kernel as pinned;
 - state: the chunk-state kernel's (BLOCK_K, BLOCK_P, BLOCK_N, warps, num_stages), the chunk kernels
   as the fastest of the first sweep at the first cell that keeps the contract's blocks;
-- round: that best with ``bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
+- round: that best with ``bwd_bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
   contract's: what its precision would buy, for the record);
+- accuracy: each gradient's relative error (norm) at the pinned launch with "split2" and with "round",
+  and mamba_ssm's, against the same backward with fp32 operands and fp32 FMA dots (the same bf16
+  input values; that reference is within ~1e-6 of fp64), with the two modes' times;
 and mamba_ssm's forward + backward minus its forward. Every variant's gradients against the first's
 (relative norm: a variant that computes something else shows) and two calls of it bit for bit.
 ``--best`` writes the fastest module knobs that keep the contract's block sizes (summed over both
@@ -24,6 +27,7 @@ cells), as ``bench_mamba_ssm_h200.py --scan-bwd`` reads them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -80,6 +84,37 @@ def apply(k: dict) -> None:
     ta.STATE_OPTS = dict(k["STATE_OPTS"])
 
 
+GRADS = ("dx", "ddt", "dB", "dC", "dA", "dD", "ddt_bias")
+
+
+def accuracy(call, pinned: TritonKernelConfigs, inputs: tuple, S: int, L: int, no_stock: bool) -> dict:
+    """Each gradient's relative error against fp32 operands and FMA dots, per bf16 dot mode and for
+    mamba_ssm; with each mode's ms."""
+    x, dt, B, C, A, D, bias, gy = inputs
+    ref = call(pinned, x=x.float(), dt=dt.float(), B=B.float(), C=C.float(), gy=gy.float())
+    out: dict = {}
+    for mode in ("split2", "round"):
+        cfg = dataclasses.replace(pinned, bwd_bf16_dots=mode)
+        got = call(cfg)
+        out[mode] = {n: rel(u, r) for n, u, r in zip(GRADS, got, ref)}
+        out[mode]["ms"] = timed(lambda c=cfg: call(c))
+    if not no_stock:
+        try:
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+            Tq = x.shape[0] // S
+            leaves = [t.view(S, Tq, *t.shape[1:]).clone().requires_grad_() for t in (x, dt, B, C)]
+            leaves += [t.clone().requires_grad_() for t in (A, D, bias)]
+            y = mamba_chunk_scan_combined(leaves[0], leaves[1], leaves[4], leaves[2], leaves[3], L, D=leaves[5],
+                                          dt_bias=leaves[6], dt_softplus=True)
+            y = y[0] if isinstance(y, tuple) else y
+            grads = torch.autograd.grad(y, [leaves[i] for i in (0, 1, 2, 3, 4, 5, 6)], gy.view(y.shape))
+            out["mamba_ssm"] = {n: rel(u.reshape(r.shape), r) for n, u, r in zip(GRADS, grads, ref)}
+        except Exception as e:  # noqa: BLE001
+            out["mamba_ssm_error"] = repr(e)[:300]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -125,9 +160,9 @@ def main() -> None:
             ms = timed(lambda: call(cfg))
             first = cell.setdefault("_first", got)
             err = max(rel(u, v) for u, v in zip(got, first) if u is not None)
-            cell["ours"].append({"variant": tag, "knobs": k, "bf16_dots": cfg.bf16_dots, "ms": ms,
+            cell["ours"].append({"variant": tag, "knobs": k, "bwd_bf16_dots": cfg.bwd_bf16_dots, "ms": ms,
                                  "max_rel_vs_first": err, "repeat_equal": same})
-            if cfg.bf16_dots == pinned.bf16_dots and same:
+            if cfg.bwd_bf16_dots == pinned.bwd_bf16_dots and same:
                 totals[tag] = totals.get(tag, 0.0) + ms
                 variants[tag] = k
             print(cell["tokens"], tag, f"{ms:.3f} ms", f"rel {err:.1e}", "repeat", same, flush=True)
@@ -157,6 +192,10 @@ def main() -> None:
                                    grid, None, L, (0.0, math.inf), cfg)
 
         cell = {"tokens": T, "sequences": S, "ours": []}
+        if "accuracy" in sweeps:
+            inputs = (x, dt, B, C, A, D, bias, gy)
+            cell["accuracy"] = accuracy(call, pinned, inputs, S, L, args.no_stock or args.dry_run)
+            print(T, "accuracy", json.dumps(cell["accuracy"]), flush=True)
         if "chunk" in sweeps:
             for c in chunk_list:
                 tag = f"chunk bs{c[0]} bt{c[1]} w{c[2]} st{c[3]} hpp{c[4]}"
@@ -174,7 +213,7 @@ def main() -> None:
                 run_variant(cell, tag, k, pinned, call)
         if "round" in sweeps and best_chunk:
             run_variant(cell, "round | " + best_chunk, variants[best_chunk],
-                        TritonKernelConfigs(bf16_dots="round"), call)
+                        TritonKernelConfigs(bwd_bf16_dots="round"), call)
         cell.pop("_first", None)
         try:
             if args.dry_run or args.no_stock:

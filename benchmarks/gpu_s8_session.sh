@@ -6,7 +6,7 @@
 # in place (`--views`); training against mamba_ssm's own model.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests split walk train nanotrain h8blong nanolong views vsms" DEADLINE_S=560 ...
+#   STEPS="tests split walk train nanotrain h8blong nanolong views scanacc vsms vsms2" DEADLINE_S=560 ...
 #   TEST_FILES="tests/ops/test_attention_gpu.py ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
@@ -40,7 +40,12 @@ want h8blong && hybrid h8b "${H8B_S:-150}" --long
 want nanolong && hybrid nano "${NANO_S:-150}" --long
 want views && step views "${VIEWS_S:-60}" python3 benchmarks/bench_decode_step_h200.py \
   --out "$W/h200_decode_step_views.json" --views --variants rt
+want scanacc && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step scanacc "${SCANACC_S:-90}" python3 \
+  benchmarks/bench_scan_backward_h200.py --out "$W/h200_scan_backward_accuracy.json" --sweep accuracy
 want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_S:-200}" python3 \
   benchmarks/bench_mamba_ssm_h200.py --out-dir "$W" ${VSMS_ARGS:---shapes mamba2-1.3b --parts train --quick}
+# a second run (another variant of ours, its own stock), its JSON files in a folder of their own
+want vsms2 && mkdir -p "$W/vsms2" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms2 "${VSMS2_S:-150}" \
+  python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/vsms2" ${VSMS2_ARGS:---shapes mamba2-1.3b --parts train --quick}
 note "done"
 pack

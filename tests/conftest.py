@@ -50,8 +50,42 @@ def _interpreter_dot_per_element() -> None:
     InterpreterBuilder.create_dot = create_dot
 
 
+def _interpreter_bf16_rounds_to_nearest_even() -> None:
+    """fp32 -> bf16 ``.to()`` in the Triton interpreter rounded to nearest even, as the GPU's conversion
+    (and torch's) rounds it. The interpreter drops the low 16 bits when no rounding mode is given (its
+    "rtne" does not break ties to even), so a kernel that rounds an fp32 value to bf16 in registers and
+    computes on would show other bits there than on the GPU."""
+    import numpy as np
+    import torch
+
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:
+        return
+    plain_cast, plain_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
+
+    def to_bf16(src):
+        bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+        return TensorHandle(bits.view(np.uint16), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        return plain_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        return plain_fp(self, src, dst_type, rounding_mode)
+
+    InterpreterBuilder.cast_impl = cast_impl  # create_fp_trunc calls it
+    InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_dot_per_element()
+    _interpreter_bf16_rounds_to_nearest_even()
 
 
 @pytest.hookimpl(wrapper=True)

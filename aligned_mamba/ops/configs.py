@@ -113,6 +113,8 @@ class TritonKernelConfigs:
       program (fixed order over the row); logprobs_num_warps.
     The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
       bwd_block_s, bwd_block_t: the s and t row blocks of its two chunk kernels; bwd_warps.
+      bwd_bf16_dots: its tensor-core dots for bf16 models, "split2" or "round" as bf16_dots (the
+        gradients' precision; the forward's bits keep bf16_dots).
     Attention (ops/attention/triton.py): attn_block_n, the key positions per block (blocks at
       absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
@@ -209,6 +211,7 @@ class TritonKernelConfigs:
     bwd_block_s: int = 64
     bwd_block_t: int = 64
     bwd_warps: int = 4
+    bwd_bf16_dots: str = "split2"
     attn_block_n: int = 64
     attn_block_m: int = 128
     attn_warps: int = 8
@@ -307,6 +310,7 @@ class TritonKernelConfigs:
         _pow2("bwd_block_s", self.bwd_block_s, 16, 256)
         _pow2("bwd_block_t", self.bwd_block_t, 16, 256)
         _among("bwd_warps", self.bwd_warps, (2, 4, 8, 16))
+        _among("bwd_bf16_dots", self.bwd_bf16_dots, ("split2", "round"))
         _pow2("attn_block_n", self.attn_block_n, 16, 256)
         _pow2("attn_block_m", self.attn_block_m, 16, 256)
         _pow2("attn_decode_block_m", self.attn_decode_block_m, 16, 256)

@@ -81,3 +81,15 @@ def test_bench_conv_backward_dry_run(tmp_path: Path) -> None:
     assert all(e["repeat_equal"] and "error" not in e for e in cells), cells
     walks = cells[1:]
     assert all(e["dx_equal_tile"] and e["dw_rel_tile"] < 1e-5 and e["db_rel_tile"] < 1e-5 for e in walks), cells
+
+
+def test_bench_conv_forward_tiles_dry_run(tmp_path: Path) -> None:
+    """``--forward``: the conv forward at the pinned tile and two others through the interpreter, every
+    output the pinned tile's bit for bit and repeatable."""
+    pytest.importorskip("triton")
+    out = tmp_path / "conv_forward.json"
+    r = _run("bench_conv_backward_h200.py", out, "--forward", "8x16,16x32", "--walk", "")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert [e["pinned"] for e in cells] == [True, False, False], cells
+    assert all(e["equal_pinned"] and e["repeat_equal"] and "error" not in e for e in cells), cells

@@ -440,6 +440,26 @@ def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
     assert all(rel_err(u, v.double()) < tol for u, v in zip(got, want))
 
 
+@pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=["fp32-residual", "bf16-residual"])
+def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
+    """The add-norm's backward forms the norm's input (residual + x, rounded to the residual's dtype,
+    then to the model's) in the kernel and rounds dx to x's dtype there: the same bits as forming both
+    in torch around the plain kernel. The baseline (the input left unrounded to the model dtype)
+    differs, so the comparison can fail."""
+    from aligned_mamba.ops.norm.triton import rms_norm_backward_triton
+
+    cfg = TritonKernelConfigs(norm_bwd_rows=4)
+    M, d, bf = 37, 48, torch.bfloat16
+    x, g = (_rand(M, d, seed=s).to(bf) for s in (61, 62))
+    residual, add = (_rand(M, d, seed=s).to(res_dtype) for s in (63, 64))
+    w = _rand(d, seed=65).to(bf)
+    dx, dx2, dw = rms_norm_backward_triton(x, w, EPS, bf, g, cfg, add=add, residual=residual, dx_dtype=bf)
+    want_dx, want_dw = rms_norm_backward_triton((residual + x).to(bf), w, EPS, bf, g, cfg, add=add)
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw) and torch.equal(dx2, want_dx.to(bf))
+    base_dx, _ = rms_norm_backward_triton((residual.float() + x.float()), w, EPS, bf, g, cfg, add=add)
+    assert not torch.equal(dx, base_dx)
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
     """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:
@@ -598,7 +618,7 @@ def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
     grid = chunk_grid(cu.cpu(), None, L, DEV)
     at = dict(first=grid.first, count=grid.count)
     want = chunk_scan_backward(*args, CFG, bf16_operands=False, **at)
-    cfg = TritonKernelConfigs(bf16_dots=mode)
+    cfg = TritonKernelConfigs(bwd_bf16_dots=mode)
     got = chunk_scan_backward(*args, cfg, bf16_operands=True, **at)
     assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True, **at)))
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(("dx", "ddt", "dB", "dC", "dA", "dD", "dh0"), got, want)}

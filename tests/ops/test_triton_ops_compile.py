@@ -57,11 +57,12 @@ for name, x, res, ro, has_x, idx, rnd in (("rms", bf, bf, bf, False, False, Fals
 comp("norm:gated", nt._gated_norm_kernel, dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                                                eps="fp32"), dict(BLOCK_G=1024),
      num_warps=nt._block_warps(1024, cfg)[1], enable_fp_fusion=False)
-for add in (False, True):  # the backwards (fp32 gradients of bf16 rows)
+for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add-norm's from its two inputs)
     comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
-         dict(x_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32", dw_ptr="*fp32",
-              eps="fp32"), dict(HAS_ADD=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows, BLOCK_D=4096),
-         num_warps=nt._block_warps(4096, cfg)[1])
+         dict(x_ptr="*bf16", res_ptr="*fp32", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32",
+              dx2_ptr="*bf16", dw_ptr="*fp32", eps="fp32"),
+         dict(HAS_RES=add, HAS_ADD=add, HAS_DX2=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows,
+              BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1])
 comp("norm:gated:backward", nt._gated_norm_bwd_kernel,
      dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", dy_ptr="*bf16", dz_ptr="*bf16", dw_ptr="*fp32",
           eps="fp32"), dict(ROWS=cfg.norm_bwd_rows, BLOCK_G=1024), num_warps=nt._block_warps(1024, cfg)[1])

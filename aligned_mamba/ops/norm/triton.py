@@ -89,11 +89,13 @@ def _norm_backward(v, gw, mask, D, eps):
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dw_ptr, M, D, stride_x, stride_g, stride_add, eps,
-                         HAS_ADD: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1 of the gradient of w * round_OUT(normalise(x)) against g: dx (fp32, plus
-    add[r] if HAS_ADD: the residual's own gradient) and this block's partial sum of dw (dw_ptr [blocks,
-    D] fp32, summed over blocks by the caller)."""
+def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, M, D, stride_x, stride_res,
+                         stride_g, stride_add, eps, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr,
+                         HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of w * round_OUT(normalise(v)) against g, where v = x, or
+    with HAS_RES v = round_OUT(round_RES(res + x)) (the add-norm's input as its forward rounds it, the sum
+    in fp32): dx (fp32, plus add[r] if HAS_ADD: the residual's own gradient; with HAS_DX2 also rounded
+    to dx2's dtype) and this block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -103,11 +105,16 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dw_ptr, M, D, str
         row = (blk * ROWS + i).to(tl.int64)
         m = mask & (row < M)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_res + cols, mask=m, other=0.0)
+            x = (r.to(tl.float32) + x).to(res_ptr.dtype.element_ty).to(OUT).to(tl.float32)
         g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
         dx, xhat = _norm_backward(x, g * w, mask, D, eps)
         if HAS_ADD:
             dx += tl.load(add_ptr + row * stride_add + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row * D + cols, dx, mask=m)
+        if HAS_DX2:
+            tl.store(dx2_ptr + row * D + cols, dx.to(dx2_ptr.dtype.element_ty), mask=m)
         dw += g * xhat.to(OUT).to(tl.float32)
     tl.store(dw_ptr + blk * D + cols, dw, mask=mask)
 
@@ -146,22 +153,32 @@ def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.
 
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
-                             g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None, *,
+                             residual: torch.Tensor | None = None, dx_dtype: torch.dtype | None = None
+                             ) -> tuple[torch.Tensor, ...]:
     """The gradient of ``rms_norm_triton(x, weight, eps, out_dtype)`` against g [M, D]: (dx [M, D] fp32,
     plus ``add`` [M, D] when given (a residual's own gradient, summed in fp32), dweight [D] in weight's
-    dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch."""
+    dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch.
+
+    With ``residual`` [M, D] the normalised input is the add-norm's, ``(residual + x).to(residual.dtype)
+    .to(out_dtype)`` (rounded as torch rounds it), formed in the kernel rather than in memory. With
+    ``dx_dtype`` the result is (dx, dx rounded to dx_dtype, dweight): both of the add-norm's gradients
+    from one pass."""
     x, g = _rows(x, "x"), _rows(g, "g")
     M, D = x.shape
     dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
+    dx2 = None if dx_dtype is None else torch.empty(M, D, device=x.device, dtype=dx_dtype)
     nb, dw = _weight_grad_blocks(M, D, cfg, x.device)
     if M:
         a = _rows(add, "add") if add is not None else g
+        r = _rows(residual, "residual") if residual is not None else x
         block, warps = _block_warps(D, cfg)
-        _rms_norm_bwd_kernel[(nb,)](x, weight.contiguous(), g, a, dx, dw, M, D, x.stride(0), g.stride(0), a.stride(0),
-                                    float(eps), HAS_ADD=add is not None, OUT=_TL[out_dtype], ROWS=cfg.norm_bwd_rows,
-                                    BLOCK_D=block, num_warps=warps)
-    return dx, dw.sum(0).to(weight.dtype)
+        _rms_norm_bwd_kernel[(nb,)](x, r, weight.contiguous(), g, a, dx, dx if dx2 is None else dx2, dw, M, D,
+                                    x.stride(0), r.stride(0), g.stride(0), a.stride(0), float(eps),
+                                    HAS_RES=residual is not None, HAS_ADD=add is not None, HAS_DX2=dx2 is not None,
+                                    OUT=_TL[out_dtype], ROWS=cfg.norm_bwd_rows, BLOCK_D=block, num_warps=warps)
+    dw = dw.sum(0).to(weight.dtype)
+    return (dx, dw) if dx2 is None else (dx, dx2, dw)
 
 
 def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -338,9 +355,11 @@ class _AddNorm(torch.autograd.Function):
     def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, residual, w = ctx.saved_tensors
         eps, dtype, cfg = ctx.consts
-        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype)
-        g, dw = rms_norm_backward_triton((residual + x).to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
-        return wanted(ctx, g.to(x.dtype), g.to(residual.dtype), dw)
+        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype),
+        # formed in the kernel; both inputs' gradients from its one pass
+        g, gx, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual,
+                                             dx_dtype=x.dtype)
+        return wanted(ctx, gx, g.to(residual.dtype), dw)
 
 
 class _GatedRmsNorm(torch.autograd.Function):

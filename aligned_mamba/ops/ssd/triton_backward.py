@@ -47,7 +47,7 @@ fixed order inside a program, and what spans programs (dB and dC over a group's 
 dD over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
 contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
 operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
-split in two (``bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
+split in two (``bwd_bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
 torch fp32 ops.
 """
 
@@ -338,7 +338,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     BS, BT = _blocks(L, cfg)
     if L % BS or L % BT or BS < 16 or BT < 16:
         raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
-    tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bf16_dots)
+    tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bwd_bf16_dots)
     opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (ch.x, dyc))
     dt, B, C = (t.contiguous() for t in (ch.dt, ch.B, Cc))
