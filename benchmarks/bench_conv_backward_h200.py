@@ -15,11 +15,12 @@ by relative norm (their row-block partial sums follow the launch's rows), and tw
 The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
 
     --shapes mamba2-1.3b --cells 2x2048 --walk 64x128x1,32x128x1   (a short run)
-    --forward 8x256,32x256 --walk ''   (the forward's tiles instead: conv_block_t x conv_block_c)
+    --forward 64x128x1,32x128x1 --walk=   (the forward's walk launches instead: rows x channels x warps)
 
-``--forward`` times the forward (``causal_conv1d_triton``, the trainer's call: fresh windows) at each
-tile, the pinned one first, each output against the pinned tile's bit for bit (an output element is
-one fixed chain over its taps whatever the tile), and causal_conv1d's forward.
+``--forward`` times the forward (``causal_conv1d_triton``, the trainer's call: fresh windows): the tile
+kernel at the configs' conv_block_t x conv_block_c (``conv_walk=False``), then the walk at each launch
+(rows x channels x warps), each output against the tile kernel's bit for bit (an output element is one
+fixed chain over its taps whatever the form or launch), and causal_conv1d's forward.
 """
 
 from __future__ import annotations
@@ -92,25 +93,27 @@ def stock_fwd_ms(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, S: int, r
     return timed(lambda: causal_conv1d_fn(xs, w, bias, activation="silu"), reps)
 
 
-def forward_tiles(a, res: dict, base: TritonKernelConfigs, tiles: list[tuple[int, int]], name: str, label: str,
+def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[int, ...]], name: str, label: str,
                   x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, cu: torch.Tensor, S: int) -> None:
-    """The forward at each tile (conv_block_t, conv_block_c), the pinned tile first, against its output."""
+    """The forward's tile kernel, then its walk at each launch (rows, channels, warps), against the tile's output."""
     slots = torch.arange(S, device=x.device)
-    pinned = (base.conv_block_t, base.conv_block_c)
+    pinned = (base.conv_walk_block_t, base.conv_walk_block_c, base.conv_walk_warps)
     ref = None
-    for bt, bc in [pinned] + [t for t in tiles if t != pinned]:
-        cfg = dataclasses.replace(base, conv_block_t=bt, conv_block_c=bc)
-
+    tile = dataclasses.replace(base, conv_walk=False)
+    forms = [("tile", tile)] + [(list(t), dataclasses.replace(base, conv_walk=True, conv_walk_block_t=t[0],
+                                                               conv_walk_block_c=t[1], conv_walk_warps=t[2]))
+                                for t in [pinned] + [t for t in launches if t != pinned]]
+    for form, cfg in forms:
         def run(c=cfg):
             return causal_conv1d_triton(x, cu, slots, torch.zeros(S, 3, x.shape[1], device=x.device, dtype=x.dtype),
                                         w, bias, c)
 
-        e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=[bt, bc],
-                 pinned=(bt, bc) == pinned)
+        e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=form,
+                 pinned=form != "tile" and tuple(form) == pinned)
         try:
             out = run()
             ref = out if ref is None else ref
-            e["equal_pinned"] = bool(torch.equal(out, ref))
+            e["equal_tile"] = bool(torch.equal(out, ref))
             e["repeat_equal"] = bool(torch.equal(out, run()))
             e["ms"] = timed(run, a.reps)
         except Exception as exc:  # noqa: BLE001
@@ -132,7 +135,8 @@ def main() -> int:
     ap.add_argument("--cells", default="4x2048,1x16384", help="of " + ",".join(c[0] for c in CELLS))
     ap.add_argument("--walk", default=",".join("x".join(map(str, w)) for w in WALKS),
                     help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
-    ap.add_argument("--forward", default="", help="the forward's tiles, rows x channels (instead of the backward)")
+    ap.add_argument("--forward", default="", help="the forward walk's launches, rows x channels x warps (instead of "
+                    "the backward)")
     a = ap.parse_args()
     import triton
 
@@ -144,7 +148,7 @@ def main() -> int:
     walks = [tuple(int(v) for v in w.split("x")) for w in a.walk.split(",") if w]
     tiles = [tuple(int(v) for v in t.split("x")) for t in a.forward.split(",") if t]
     if dry:
-        tiles = [(8, 16), (16, 32)] if tiles else []
+        tiles = [(8, 16, 1), (16, 32, 2)] if tiles else []
         walks = [(8, 32, 1), (16, 16, 2)] if walks else []
     res = dict(script="benchmarks/bench_conv_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

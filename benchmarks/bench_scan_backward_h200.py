@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import torch
 
@@ -100,6 +101,8 @@ def accuracy(call, pinned: TritonKernelConfigs, inputs: tuple, S: int, L: int, n
         out[mode]["ms"] = timed(lambda c=cfg: call(c))
     if not no_stock:
         try:
+            # mamba_ssm's package imports Mamba1's CUDA extension, unbuilt here and unused by the SSD scan
+            sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
             Tq = x.shape[0] // S
@@ -122,6 +125,7 @@ def main() -> None:
     ap.add_argument("--shape", default="64,64,1,128", help="H,P,G,N")
     ap.add_argument("--sweep", default="chunk,state,round")
     ap.add_argument("--no-stock", action="store_true", help="skip mamba_ssm's scan (its autotuning takes a while)")
+    ap.add_argument("--cells", default="4x2048,1x16384", help="sequences x length, of 4x2048 and 1x16384")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the Triton interpreter at tiny shapes")
     args = ap.parse_args()
     sweeps = set(args.sweep.split(","))
@@ -138,7 +142,8 @@ def main() -> None:
         dev, dtype = torch.device("cuda"), torch.bfloat16
         H, P, G, N = map(int, args.shape.split(","))
         L = 256
-        cells = ([2048] * 4, [16384])
+        cells = tuple(lens for key, lens in (("4x2048", [2048] * 4), ("1x16384", [16384]))
+                      if key in args.cells.split(","))
     res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
            "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "commit": os.environ.get("GIT_COMMIT"), "shape": dict(H=H, P=P, G=G, N=N, chunk=L), "cells": []}
@@ -218,6 +223,7 @@ def main() -> None:
         try:
             if args.dry_run or args.no_stock:
                 raise RuntimeError("dry run or --no-stock: no mamba_ssm")
+            sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
             Tq = T // S  # equal lengths: the batch layout the stock step uses

@@ -41,7 +41,7 @@ want nanolong && hybrid nano "${NANO_S:-150}" --long
 want views && step views "${VIEWS_S:-60}" python3 benchmarks/bench_decode_step_h200.py \
   --out "$W/h200_decode_step_views.json" --views --variants rt
 want scanacc && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step scanacc "${SCANACC_S:-90}" python3 \
-  benchmarks/bench_scan_backward_h200.py --out "$W/h200_scan_backward_accuracy.json" --sweep accuracy
+  benchmarks/bench_scan_backward_h200.py --out "$W/h200_scan_backward_accuracy.json" --sweep accuracy ${SCANACC_ARGS:-}
 want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_S:-200}" python3 \
   benchmarks/bench_mamba_ssm_h200.py --out-dir "$W" ${VSMS_ARGS:---shapes mamba2-1.3b --parts train --quick}
 # a second run (another variant of ours, its own stock), its JSON files in a folder of their own

@@ -188,6 +188,9 @@ def conv_configs():
             yield entry(f"conv/forward/{tag}", ct._conv_kernel, fwd,
                         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=CFG.conv_block_t, BLOCK_C=CFG.conv_block_c),
                         False, 4)
+            yield entry(f"conv/forward_walk/{tag}", ct._conv_walk_kernel, fwd,
+                        dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=CFG.conv_walk_block_t, BLOCK_C=CFG.conv_walk_block_c),
+                        False, CFG.conv_walk_warps)
             yield entry(f"conv/step/{tag}", ct._conv_step_kernel, fwd,
                         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c), False, 4)
             yield entry(f"conv/backward_tile/{tile[0]}x{tile[1]}w{tile[2]}/{tag}", ct._conv_bwd_kernel, bwd,

@@ -105,7 +105,10 @@ class TritonKernelConfigs:
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
-    Conv1d (ops/conv1d/triton.py): conv_block_t, conv_block_c: tokens and channels per program;
+    Conv1d (ops/conv1d/triton.py): conv_walk: the forward walks row blocks (each input row read once;
+      widths up to 4) of conv_walk_block_t rows x conv_walk_block_c channels, conv_walk_warps;
+      otherwise, and for wider convs, the tile kernel's conv_block_t x conv_block_c (the same bits);
+      conv_block_c is also the window and decode-step kernels' channel block;
       its backward (the walk): conv_bwd_block_t rows per program, each program walking its row block
       from last to first and giving one weight-gradient partial sum (summed in block order);
       conv_bwd_block_c channels per program; conv_bwd_warps (a row's dx does not depend on them).
@@ -203,6 +206,10 @@ class TritonKernelConfigs:
     norm_bwd_rows: int = 16
     conv_block_t: int = 8
     conv_block_c: int = 256
+    conv_walk: bool = True
+    conv_walk_block_t: int = 64
+    conv_walk_block_c: int = 128
+    conv_walk_warps: int = 1
     conv_bwd_block_t: int = 64
     conv_bwd_block_c: int = 128
     conv_bwd_warps: int = 1
@@ -302,6 +309,10 @@ class TritonKernelConfigs:
         _pow2("norm_bwd_rows", self.norm_bwd_rows, 1, 256)
         _pow2("conv_block_t", self.conv_block_t, 1, 256)
         _pow2("conv_block_c", self.conv_block_c, 16, 1024)
+        _pow2("conv_walk_block_t", self.conv_walk_block_t, 1, 1024)
+        _pow2("conv_walk_block_c", self.conv_walk_block_c, 16, 1024)
+        _among("conv_walk", self.conv_walk, (True, False))
+        _among("conv_walk_warps", self.conv_walk_warps, (1, 2, 4, 8))
         _pow2("conv_bwd_block_t", self.conv_bwd_block_t, 1, 256)
         _pow2("conv_bwd_block_c", self.conv_bwd_block_c, 16, 1024)
         _among("conv_bwd_warps", self.conv_bwd_warps, (1, 2, 4, 8))

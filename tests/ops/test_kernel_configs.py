@@ -47,6 +47,7 @@ PREREQUISITES: dict[str, dict[str, Any]] = {
     "linear_mid_persistent": {"linear_mid_programs_per_sm": 1},
     "linear_mid_tma": {"linear_mid_persistent": False, "linear_mid_programs_per_sm": 1},
     "linear_tma": {"linear_persistent": False, "linear_epi_split": 1},
+    "conv_block_t": {"conv_walk": False},  # the tile kernel's rows (widths above 4, or the walk off)
 }
 SINGLE_VALUED = {"dot_precision"}  # "ieee" is the only value the kernels implement
 

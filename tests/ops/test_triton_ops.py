@@ -258,6 +258,32 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
     assert not torch.equal(torch.nn.functional.silu(rev), one[:11])
 
 
+@pytest.mark.parametrize("K", [4, 3, 2, 1])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
+    """The forward's walk (each input row read once, the last K - 1 carried) against the tile kernel
+    (``conv_walk=False``): the same outputs and windows bit for bit for sequences of every length
+    (empty ones, ones shorter than the window, ones crossing row blocks of 1, 4 and 16 rows), with and
+    without a bias, at a row stride and over two channel blocks. The same sum in reverse tap order
+    differs, so the comparison can fail."""
+    lens = [5, 1, 0, 9, 2, 0, 17, 3]
+    Cd = 40
+    cu, x, w, b, win = _conv_case(lens, Cd=Cd, K=K, slots=11, seed=70 + K)
+    wide = torch.cat([x, x[:, :5]], dim=1)[:, :Cd]
+    slots = torch.tensor([5, 0, 2, 3, 6, 10, 1, 8], device=DEV)
+    walk = dataclasses.replace(CFG, conv_walk=True, conv_walk_block_t=rows, conv_walk_block_c=32)
+    tile = dataclasses.replace(CFG, conv_walk=False, conv_block_t=8, conv_block_c=32)
+    for bias in (b, None):
+        got_win, ref_win = win.clone(), win.clone()
+        got = ct.causal_conv1d_triton(wide, cu, slots, got_win, w, bias, walk)
+        ref = ct.causal_conv1d_triton(x, cu, slots, ref_win, w, bias, tile)
+        assert torch.equal(got, ref) and torch.equal(got_win, ref_win)
+    stream = [torch.cat([win[s], x[int(cu[i]):int(cu[i + 1])]]) for i, s in enumerate(slots.tolist())]
+    rev = torch.cat([sum((w[:, k] * st[k:k + len(st) - K + 1] for k in reversed(range(K))),
+                         torch.zeros(len(st) - K + 1, Cd, device=DEV)) for st in stream])
+    assert not torch.equal(torch.nn.functional.silu(rev), got)
+
+
 @pytest.mark.parametrize("K,with_bias", [(4, True), (4, False), (2, True)])
 def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     """A decode step (one row per sequence, scattered slots, row-strided x): ``conv_step_triton``'s
@@ -287,7 +313,7 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     finally:
         for k, h in hooks:
             k.pre_run_hooks.remove(h)
-    assert two == ["_conv_kernel", "_window_kernel"] and launched == ["_conv_step_kernel"]
+    assert two == ["_conv_walk_kernel", "_window_kernel"] and launched == ["_conv_step_kernel"]
     assert torch.equal(got, ref)
     assert torch.equal(got_win, ref_win)
     assert not torch.equal(got_win[slots], win[slots])

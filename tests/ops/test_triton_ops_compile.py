@@ -72,6 +72,10 @@ for bias in (False, True):
     comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
+for bias in (False, True):  # the forward's walk (the default form)
+    comp(f"conv:walk:bias{int(bias)}", ct._conv_walk_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c),
+         num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
 for bias in (False, True):  # a decode step's conv and window in one launch
     comp(f"conv:step:bias{int(bias)}", ct._conv_step_kernel, conv_t,
@@ -105,10 +109,10 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 5 + 2 + 2 + 3, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 7 + 2 + 2 + 3, sorted(by)
     for d in done:
-        if d["name"].startswith("conv:backward:walk"):
-            assert d["LDL"] == d["STL"] == 0, d  # its carried rows stay in registers
+        if d["name"].startswith(("conv:backward:walk", "conv:walk")):
+            assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills
             bf16, bm = d["name"].split(":")[1] == "bf16", int(d["name"].split(":")[2].split("x")[0])

@@ -491,7 +491,13 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
     if S == 0:
         return out
     bc = cfg.conv_block_c
-    if T > 0:
+    if T > 0 and cfg.conv_walk and K <= 4:
+        rows, wc = cfg.conv_walk_block_t, cfg.conv_walk_block_c
+        _conv_walk_kernel[(triton.cdiv(T, rows), triton.cdiv(Cd, wc))](
+            x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
+            out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation, ROWS=rows,
+            BLOCK_C=wc, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+    elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
                            windows.stride(1), out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None,
@@ -502,6 +508,79 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
                                                 windows.stride(1), K=K, BLOCK_Q=triton.next_power_of_2(K - 1),
                                                 BLOCK_C=bc, num_warps=4)
     return out
+
+
+# -- the forward as one walk per row block (prefill and chunked prefill) ----------------------------------
+
+
+@triton.jit
+def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws,
+                      stride_wk, stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order and
+    carrying the last K - 1 stream rows in registers, so each input row is read once (the tile kernel
+    reads it K times). The same operations on the same values: acc = 0 + bias, then acc + w_k v_k for
+    k ascending (compiled without fp contraction), ``silu_exact``."""
+    blk = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < Cd
+    r0 = blk * ROWS
+    r1 = tl.minimum(r0 + ROWS, T)
+    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b0 = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        b0 = _zeros(BLOCK_C)
+    # stream positions j - 3 .. j - 1 of the current row (c3, c2, c1), each from its own zeros (see the
+    # backward walk: a name is carried through the loop only if the body gives it a new IR value)
+    c1, c2, c3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
+    seq = _find_sequence(cu_ptr, r0, S, SEARCH_STEPS)
+    start = tl.load(cu_ptr + seq).to(tl.int32)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+    # the next two rows' x, loaded ahead of their use (addresses independent of the walk)
+    xa = tl.load(x_ptr + r0.to(tl.int64) * stride_x + ch, mask=cmask & (r0 < r1), other=0.0)
+    xb = tl.load(x_ptr + (r0 + 1).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 1 < r1), other=0.0)
+    for i in range(r1 - r0):
+        t = r0 + i
+        x_t = xa
+        xa = xb
+        xb = tl.load(x_ptr + (t + 2).to(tl.int64) * stride_x + ch, mask=cmask & (t + 2 < r1), other=0.0)
+        if t >= end:  # the first row of a later sequence (empty ones skipped by the search)
+            seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
+            start = tl.load(cu_ptr + seq).to(tl.int32)
+            end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        j = t - start + (K - 1)  # the row's position in its stream (window ++ new rows)
+        if (t == start) | (i == 0):  # nothing carried from this sequence yet
+            slot = tl.load(slots_ptr + seq).to(tl.int64)
+            if K >= 4:
+                c3 = _stream_row(x_ptr, win_ptr, t - 3, slot, j - 3, ch, cmask, stride_x, stride_ws, stride_wk, K)
+            if K >= 3:
+                c2 = _stream_row(x_ptr, win_ptr, t - 2, slot, j - 2, ch, cmask, stride_x, stride_ws, stride_wk, K)
+            if K >= 2:
+                c1 = _stream_row(x_ptr, win_ptr, t - 1, slot, j - 1, ch, cmask, stride_x, stride_ws, stride_wk, K)
+        c0 = x_t.to(tl.float32)
+        acc = _zeros(BLOCK_C) + b0
+        if K == 4:
+            acc = acc + w0 * c3
+            acc = acc + w1 * c2
+            acc = acc + w2 * c1
+            acc = acc + w3 * c0
+        elif K == 3:
+            acc = acc + w0 * c2
+            acc = acc + w1 * c1
+            acc = acc + w2 * c0
+        elif K == 2:
+            acc = acc + w0 * c1
+            acc = acc + w1 * c0
+        else:
+            acc = acc + w0 * c0
+        if SILU:
+            acc = silu_exact(acc)
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + ch, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        c3, c2, c1 = c2, c1, c0
 
 
 # -- autograd: forward = the kernel, unchanged; backward = a Triton kernel (the windows' own gradient, when
