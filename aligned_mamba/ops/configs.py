@@ -207,7 +207,7 @@ class TritonKernelConfigs:
     conv_block_t: int = 8
     conv_block_c: int = 256
     conv_walk: bool = True
-    conv_walk_block_t: int = 64
+    conv_walk_block_t: int = 32
     conv_walk_block_c: int = 128
     conv_walk_warps: int = 1
     conv_bwd_block_t: int = 64
