@@ -251,6 +251,21 @@ def _tap(w0, w1, w2, w3, k: tl.constexpr):
 
 
 @triton.jit
+def _taps_and_bias(w_ptr, b_ptr, ch, cmask, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The K (<= 4) taps of the block's channels (w_ptr [Cd, K]) and their bias (zeros without one), fp32
+    [BLOCK_C] each; taps past K are zeros."""
+    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        bias = _zeros(BLOCK_C)
+    return w0, w1, w2, w3, bias
+
+
+@triton.jit
 def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                           stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -270,14 +285,7 @@ def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, d
     r0 = blk * ROWS
     r1 = tl.minimum(r0 + ROWS, T)
     top = tl.minimum(r1 + (K - 1), T)
-    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        bias = _zeros(BLOCK_C)
+    w0, w1, w2, w3, bias = _taps_and_bias(w_ptr, b_ptr, ch, cmask, K, HAS_BIAS, BLOCK_C)
     # stream positions j+1 .. j+3 of the current row (c1 .. c3), dpre of rows t+1 .. t+3 (e1 .. e3).
     # Each starts from its own zeros: the compiler carries a name through the loop only if one pass
     # of the body leaves it another IR value than it entered with, and `e2 = e1` (then e3 = e2) from
@@ -526,14 +534,7 @@ def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, 
     cmask = ch < Cd
     r0 = blk * ROWS
     r1 = tl.minimum(r0 + ROWS, T)
-    w0 = tl.load(w_ptr + ch * K, mask=cmask, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + ch * K + 1, mask=cmask & (K >= 2), other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + ch * K + 2, mask=cmask & (K >= 3), other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + ch * K + 3, mask=cmask & (K >= 4), other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b0 = tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        b0 = _zeros(BLOCK_C)
+    w0, w1, w2, w3, b0 = _taps_and_bias(w_ptr, b_ptr, ch, cmask, K, HAS_BIAS, BLOCK_C)
     # stream positions j - 3 .. j - 1 of the current row (c3, c2, c1), each from its own zeros (see the
     # backward walk: a name is carried through the loop only if the body gives it a new IR value)
     c1, c2, c3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
