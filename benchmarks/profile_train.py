@@ -13,6 +13,9 @@ Parts, each written to OUT/profile_train.json (text tables next to it):
   their own time (cprofile.txt).
 - torch: one of ours' steps under torch.profiler with CPU activity: host ops by self time
   (torch_cpu.txt) and the counts of the CUDA runtime's synchronising calls.
+- glue: one of ours' steps under torch.profiler with Python stacks: the device time of the torch ops
+  that are not our kernels (copies, concatenations, casts, reductions, elementwise ops) by op and by
+  the project's code that called them (glue.txt, and the top rows in the JSON).
 - conv: the conv1d + SiLU backward kernel at the shape's conv width and the cell's tokens over
   (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps), against the pinned configs' gradients
   (dx equal, dw/db within rounding, two calls equal), with torch's cuDNN conv1d + SiLU backward
@@ -121,6 +124,33 @@ def conv_sweep(torch, T: int, Cd: int, K: int, reps: int) -> list[dict]:
     return rows
 
 
+GLUE_OPS = ("aten::copy_", "aten::cat", "aten::sum", "aten::add", "aten::add_", "aten::mul", "aten::sub",
+            "aten::clone", "aten::contiguous", "aten::fill_", "aten::zero_", "aten::index", "aten::cumsum",
+            "aten::flip", "aten::exp", "aten::mm", "aten::bmm", "aten::where", "aten::zeros")
+
+
+def glue(torch, profile, activity, step, path: Path) -> list[dict]:
+    """One ``step()`` under torch.profiler with stacks: the torch ops of ``GLUE_OPS`` by (op, the
+    innermost frames of the project's code), their device time summed, largest first."""
+    # verbose: recent torch records Python frames only with it
+    cfg = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(activities=[activity.CPU, activity.CUDA], with_stack=True, experimental_config=cfg) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows: dict[tuple, dict] = {}
+    for e in prof.key_averages(group_by_stack_n=12):  # the stacks live on the averages, not the events
+        if e.key not in GLUE_OPS or not e.self_device_time_total:
+            continue
+        frames = [f for f in (e.stack or []) if "aligned_mamba/" in f or "benchmarks/" in f][:3]
+        where = " <- ".join(f.split("aligned_mamba/")[-1] for f in frames) or "(no project frame: autograd's own)"
+        r = rows.setdefault((e.key, where), {"op": e.key, "where": where, "calls": 0, "device_ms": 0.0})
+        r["calls"] += e.count
+        r["device_ms"] += e.self_device_time_total / 1e3
+    table = sorted(rows.values(), key=lambda r: -r["device_ms"])
+    path.write_text("\n".join(f"{r['device_ms']:9.3f} ms {r['calls']:5d}  {r['op']:18s} {r['where']}" for r in table))
+    return table[:40]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -199,6 +229,10 @@ def main() -> int:
         result["runtime_calls"] = {e.key: {"count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
                                    for e in ka if e.key.startswith(("cuda", "cu")) and "Kernel" not in e.key[:4]}
         log(f"runtime calls {result['runtime_calls']}")
+        save()
+    if "glue" in parts:
+        result["glue"] = glue(torch, profile, ProfilerActivity, ours_step, out / "glue.txt")
+        log(f"glue {result['glue'][:8]}")
         save()
     if "conv" in parts:
         cd = config.intermediate_size + 2 * config.n_groups * config.state_size
