@@ -356,9 +356,13 @@ class _AddNorm(torch.autograd.Function):
         x, residual, w = ctx.saved_tensors
         eps, dtype, cfg = ctx.consts
         # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype),
-        # formed in the kernel; both inputs' gradients from its one pass
-        g, gx, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual,
-                                             dx_dtype=x.dtype)
+        # formed in the kernel; x's gradient rounded to its dtype in the same pass (an fp32 x takes dx itself)
+        if x.dtype == torch.float32:
+            g, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual)
+            gx = g
+        else:
+            g, gx, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual,
+                                                 residual=residual, dx_dtype=x.dtype)
         return wanted(ctx, gx, g.to(residual.dtype), dw)
 
 
