@@ -72,15 +72,15 @@ PACK_ROWS = 32
 @triton.jit
 def _pack_kernel(
     x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr,
-    row0_ptr, part_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi,
+    row0_ptr, part_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi, sx,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """Rows s of chunk c (ROWS of them), head h: dtc[c, h, s] = dt_softplus(raw dt) in fp32, and for
     a chunk with buffered rows (k = part[c] >= 0) xc[k, h, s] (and Bc[k, h, s] for h < G) in the
-    model dtype: from the buffer for s < pre, from packed row row0 + s for pre <= s < length, zero
-    past length (dt exactly +0.0). The other chunks' x and B are read where they lie. Compile
-    without fp contraction (``dt_softplus_exact``)."""
+    model dtype: from the buffer for s < pre, from packed row row0 + s for pre <= s < length (x's
+    rows sx elements apart), zero past length (dt exactly +0.0). The other chunks' x and B are read
+    where they lie. Compile without fp contraction (``dt_softplus_exact``)."""
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     h = tl.program_id(2)
@@ -102,7 +102,7 @@ def _pack_kernel(
         pm = (pf < P)[None, :]
         xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm,
                      other=0.0)
-        xn = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
+        xn = tl.load(x_ptr + row[:, None] * sx + h * P + pf[None, :], mask=new[:, None] & pm, other=0.0)
         tl.store(xc_ptr + ((k * H + h) * L + s[:, None]) * P + pf[None, :], tl.where(old[:, None], xo, xn), mask=pm)
         if h < G:
             nf = tl.arange(0, BLOCK_NF)
@@ -115,21 +115,21 @@ def _pack_kernel(
 
 
 @triton.jit
-def _rows_at(raw_ptr, parts_ptr, part, row0, j, J: tl.constexpr, L: tl.constexpr, F: tl.constexpr):
+def _rows_at(raw_ptr, parts_ptr, part, row0, j, rs, J: tl.constexpr, L: tl.constexpr, F: tl.constexpr):
     """Where a chunk's rows of feature block j of J lie (a head of x: J = H, F = P; a group of B:
     J = G, F = N): (pointer to the chunk's position 0, row stride in elements). part >= 0: the
     chunk's copy in parts [*, J, L, F] (zero past its length); else the packed new rows raw
-    [T, J, F] from row row0 (readers mask positions >= the chunk's length: other sequences' rows).
-    The stride is F times a run-time factor, so loads along F stay vectorised."""
+    [T, J, F] (row stride rs, blocks of F adjacent: a column slice of a wider tensor is read in
+    place) from row row0 (readers mask positions >= the chunk's length: other sequences' rows)."""
     whole = part >= 0
-    base = tl.where(whole, parts_ptr + (part * J + j) * L * F, raw_ptr + (row0 * J + j) * F)
-    return base, F * tl.where(whole, 1, J).to(tl.int64)
+    base = tl.where(whole, parts_ptr + (part * J + j) * L * F, raw_ptr + row0 * rs + j * F)
+    return base, tl.where(whole, F, rs).to(tl.int64)
 
 
 @triton.jit
 def _buffer_kernel(
     x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, slot_ptr, keep_lo_ptr, keep_hi_ptr, keep_row0_ptr,
-    clear_hi_ptr,
+    clear_hi_ptr, sx,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
 ):
@@ -154,7 +154,7 @@ def _buffer_kernel(
         put = (s >= klo) & (s < end)
         src = (s < khi) & put
         row = r0 + s
-        xv = tl.load(x_ptr + (row[:, None] * H + h) * P + pf[None, :], mask=src[:, None] & pm, other=0.0)
+        xv = tl.load(x_ptr + row[:, None] * sx + h * P + pf[None, :], mask=src[:, None] & pm, other=0.0)
         tl.store(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], xv, mask=put[:, None] & pm)
         dv = tl.load(dt_ptr + row * H + h, mask=src, other=0.0)
         tl.store(buf_dt_ptr + (slot * H + h) * L + s, dv, mask=put)
@@ -179,7 +179,7 @@ def _cumsum_kernel(dt_ptr, A_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, BLOCK
 
 @triton.jit
 def _chunk_state_kernel(
-    x_ptr, xp_ptr, B_ptr, Bp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, state_ptr, chunk_ptr,
+    x_ptr, xp_ptr, B_ptr, Bp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, state_ptr, chunk_ptr, sx,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
@@ -189,8 +189,8 @@ def _chunk_state_kernel(
 
     x [T, H, P] / B [T, G, N] the packed new rows and xp [*, H, L, P] / Bp [*, G, L, N] the chunks
     with buffered rows, in the model dtype (widened to fp32 exactly), as ``_rows_at`` reads them
-    (part, row0, length: the plan's tables); dt/a [NC, H, L] fp32, state [NC, H, P, N] fp32;
-    contiguous.
+    (part, row0, length: the plan's tables; x's rows sx elements apart); dt/a [NC, H, L] fp32, state
+    [NC, H, P, N] fp32; the rest contiguous.
     """
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
@@ -206,8 +206,8 @@ def _chunk_state_kernel(
     part = tl.load(part_ptr + c)
     row0 = tl.load(row0_ptr + c)
     length = tl.load(length_ptr + c)
-    xb, xs = _rows_at(x_ptr, xp_ptr, part, row0, h, H, L, P)
-    bb, bs = _rows_at(B_ptr, Bp_ptr, part, row0, g, G, L, N)
+    xb, xs = _rows_at(x_ptr, xp_ptr, part, row0, h, sx, H, L, P)
+    bb, bs = _rows_at(B_ptr, Bp_ptr, part, row0, g, G * N, G, L, N)
     a_last = tl.load(a_ptr + ch * L + L - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):  # L is constexpr: the same blocks for every chunk
@@ -305,7 +305,7 @@ def _cb_kernel(
         new = (t >= tl.load(pre_ptr + c)) & (t < length)
         row0 = tl.load(row0_ptr + c)
         row = row0 + t
-        bb, bs = _rows_at(B_ptr, Bp_ptr, tl.load(part_ptr + c), row0, g, G, L, N)
+        bb, bs = _rows_at(B_ptr, Bp_ptr, tl.load(part_ptr + c), row0, g, G * N, G, L, N)
         nn = tl.arange(0, BLOCK_N)
         cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
@@ -321,7 +321,7 @@ def _cb_kernel(
 @triton.jit
 def _tile_output_kernel(
     x_ptr, xp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr,
-    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p,
+    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p, sx,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
@@ -332,7 +332,8 @@ def _tile_output_kernel(
     intra-chunk dots accumulate onto the decayed inter-chunk term ("accumulate": "seeded").
     tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
     the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
-    x [T, H, P] the packed new rows and xp the chunks with buffered rows (``_rows_at``); C [T, G, N]
+    x [T, H, P] the packed new rows (rows sx elements apart) and xp the chunks with buffered rows
+    (``_rows_at``); C [T, G, N]
     (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its dtype), D with
     strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest
     as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's heads run together and
@@ -368,7 +369,7 @@ def _tile_output_kernel(
     # depends on the tile's position only, so a decode step runs exactly the blocks a prefill runs
     # for this tile.
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
-    xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, H, L, P)
+    xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, sx, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
     k0 = 0
     while k0 < t0 + R:
@@ -405,6 +406,14 @@ def _intra_block(acc, k0, kend, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
+
+
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, P] as the kernels read it: any row stride (the mixer's x is a column slice of the conv's
+    output, read where it lies), heads and features adjacent; otherwise a contiguous copy."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def _check_shapes(H: int, G: int, L: int, R: int) -> None:
@@ -452,8 +461,8 @@ def scan_planned(
     f32 = torch.float32
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
     fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
-    x, dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous()
-                                     for t in (x, dt, B, C, x_parts, B_parts))
+    dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous() for t in (dt, B, C, x_parts, B_parts))
+    x = rows_in_place(x)
     Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
     Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
@@ -480,7 +489,7 @@ def scan_planned(
         if plan.num_tiles:
             _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
-                plan.tile_pos, plan.tile_rows, sD_h, sD_p, G=G, **dims, R=R, BLOCK_K=cfg.block_k,
+                plan.tile_pos, plan.tile_rows, sD_h, sD_p, x.stride(0), G=G, **dims, R=R, BLOCK_K=cfg.block_k,
                 BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
                 num_warps=cfg.tile_num_warps, enable_fp_fusion=fuse,
                 **(TILE_OPTS if tc else {}),
@@ -495,7 +504,8 @@ def scan_planned(
     if n_need:
         NBS = state_block_n(N)
         _chunk_state_kernel[(n_need, H, PB * triton.cdiv(N, NBS))](
-            x, x_parts, B, B_parts, plan.part, plan.row0, plan.length, dt, a, chunk_state, plan.state_chunks, G=G,
+            x, x_parts, B, B_parts, plan.part, plan.row0, plan.length, dt, a, chunk_state, plan.state_chunks,
+            x.stride(0), G=G,
             **dims, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
             BLOCK_NS=NBS, PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps, enable_fp_fusion=fuse,
         )
@@ -543,7 +553,8 @@ def advance_planned(
             raise ValueError(f"state.{name} must be contiguous")
     pd = to_device(plan, dev) if device_plan is None else device_plan
     NC = plan.num_chunks
-    x, dt, B = (t if t.is_contiguous() else t.contiguous() for t in (x, dt, B))
+    dt, B = (t if t.is_contiguous() else t.contiguous() for t in (dt, B))
+    x = rows_in_place(x)
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
     NP = plan.num_parts  # chunks with buffered rows: copied whole; the others are read in place
     xc = torch.empty(NP, H, L, P, device=dev, dtype=x.dtype)
@@ -556,7 +567,8 @@ def advance_planned(
     if NC:
         _pack_kernel[(NC, triton.cdiv(L, rows), H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
-            pd.part, xc, dtc, Bc, lo, hi, **dims, ROWS=rows, **blocks, HAS_LIMIT=has_limit(dt_limit), num_warps=4,
+            pd.part, xc, dtc, Bc, lo, hi, x.stride(0), **dims, ROWS=rows, **blocks, HAS_LIMIT=has_limit(dt_limit),
+            num_warps=4,
             enable_fp_fusion=False,
         )
     y = scan_planned(pd, x, dtc, B, C, params.A, params.D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T,
@@ -564,7 +576,7 @@ def advance_planned(
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
-            pd.clear_hi, **dims, ROWS=rows, **blocks, num_warps=4,
+            pd.clear_hi, x.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
         )
     return y
 

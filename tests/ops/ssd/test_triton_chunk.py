@@ -131,6 +131,35 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     assert torch.all(y_packed[~rows] == 0)
 
 
+def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
+    """x as the mixer passes it (a column slice of the conv's output: rows xBC-wide apart, heads and
+    features adjacent) is read where it lies by the pack, buffer, chunk-state and row-tile kernels:
+    the same outputs, states and buffers as a contiguous copy, for slots with a history (buffered rows,
+    read and rewritten), whole chunks and a partial one. The slice's other columns are NaN, so a
+    kernel reading x as contiguous rows would take them and differ."""
+    from aligned_mamba.ops.ssd.triton_chunk import rows_in_place
+
+    G, lens, start = 2, [70, 5, 33], [7, 0, 40]
+    x, dt, B, C = _tokens(sum(lens), G, 11)
+    prm = _params(11)
+    wide = torch.full((x.shape[0], 3 * H * P + 5), math.nan)
+    wide[:, H * P + 3:2 * H * P + 3] = x.reshape(-1, H * P)
+    xs = wide[:, H * P + 3:2 * H * P + 3].view(-1, H, P)
+    assert not xs.is_contiguous() and rows_in_place(xs).data_ptr() == xs.data_ptr()
+    g = torch.Generator().manual_seed(5)
+    hist = _state(G, 3)
+    hist.ssm_state.copy_(torch.randn(hist.ssm_state.shape, generator=g))
+    for i, p0 in enumerate(start):
+        for buf in (hist.buf_x, hist.buf_dt, hist.buf_B):
+            buf[i, :, : p0 % L] = torch.rand(buf[i, :, : p0 % L].shape, generator=g)
+    step = Step.make([0, 1, 2], start, lens)
+    a, b = (SSDState(*(t.clone() for t in vars(hist).values())) for _ in range(2))
+    y_slice = _advance(a, step, xs, dt, B, C, prm)
+    y_copy = _advance(b, step, x.clone(), dt, B, C, prm)
+    assert torch.equal(y_slice, y_copy) and not y_copy.isnan().any()
+    _assert_same_state(a, b)
+
+
 @pytest.mark.parametrize("G,d_per_channel", [(1, False), (2, True)])
 def test_accuracy_against_fp64_reference(G: int, d_per_channel: bool) -> None:
     lens = [45, 80]
