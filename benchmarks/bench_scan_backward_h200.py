@@ -9,8 +9,8 @@ at a model's layer shape, per launch choice, against mamba_ssm's ``mamba_chunk_s
 One layer of mamba2-1.3b's scan shape (H 64, P 64, G 1, N 128, chunk 256; ``--shape H,P,G,N``) at
 4 x 2048 and 1 x 16384 tokens, bf16 inputs laid out as a trainer's packed rows (whole chunks: the
 kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
-- chunk: the two chunk kernels' choices, (bwd_block_s, bwd_block_t, warps, num_stages, heads per
-  program), the chunk-state kernel as pinned;
+- chunk: the chunk kernels' choices (dx, dcb, the states' rows), (bwd_block_s, bwd_block_t, warps,
+  num_stages, heads a dcb / rows program sums), the chunk-state kernel as pinned;
 - state: the chunk-state kernel's (BLOCK_K, BLOCK_P, BLOCK_N, warps, num_stages), the chunk kernels
   as the fastest of the first sweep at the first cell that keeps the contract's blocks;
 - round: that best with ``bwd_bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
@@ -47,10 +47,11 @@ from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
-# (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads per program); the first is
-# the launch before the sweep at 7d94dca (8 warps, 1 head), the pinned one is (64, 64, 4, 2, 4)
-CHUNK = [(64, 64, 8, None, 1), (64, 64, 8, 2, 1), (64, 64, 4, None, 1), (64, 64, 8, None, 4), (64, 64, 8, None, 8),
-         (64, 64, 8, 2, 4), (64, 64, 4, 2, 4), (64, 64, 8, 1, 4), (32, 64, 4, None, 1), (128, 64, 8, None, 1)]
+# (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads a dcb / state-rows program
+# sums); the first is the pinned launch
+CHUNK = [(64, 64, 4, 2, 16), (64, 64, 8, 2, 16), (64, 64, 4, None, 16), (64, 64, 8, None, 16), (64, 64, 8, 1, 16),
+         (64, 64, 4, 2, 64), (64, 64, 8, 2, 64), (64, 64, 4, 2, 4), (64, 64, 8, 2, 4), (32, 64, 8, 2, 16),
+         (64, 32, 8, 2, 16), (128, 64, 8, 2, 16), (64, 128, 8, 2, 16)]
 # (BLOCK_K, BLOCK_P, BLOCK_N, warps or None for bwd_warps, num_stages or None); the first as before the sweep
 STATE = [(64, 64, 64, 8, None), (32, 64, 128, 4, None), (64, 64, 128, 4, None), (32, 64, 64, 4, None),
          (64, 64, 128, 8, None), (32, 64, 128, 4, 2)]

@@ -26,12 +26,17 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
    from the chunk states;
 2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
    chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
-3. ``_bwd_s_kernel`` [NC * G * K, L / BS]: dx, ddt (its M and w parts) of one s block for each of
-   HPP heads of a group (K = H / G / HPP programs per group, ``BWD_HEADS_PER_PROGRAM``), looping over
-   the t blocks at or after it, and their dB summed over those heads;
-4. ``_bwd_t_kernel`` [NC * G * K, L / BT]: the da part summed over s of one t block for each of HPP
-   heads, looping over the s blocks at or before it, their dC summed over those heads, and
-   sum(dh_out * h_in) per chunk and head.
+3. ``_bwd_dx_kernel`` [NC * H, L / BS]: dx of one s block of one head, looping over the t blocks at
+   or after it (one dot each: the scores times dy), with the w term (dh_out B_s) and f (ddt's);
+4. ``_bwd_dcb_kernel`` [NC * G * K, (L / BT) * (L / BS)]: one (t, s) tile of dcb, the gradient of
+   cb[t, s] = C_t . B_s, summed over HPP heads of a group (K = H / G / HPP programs per group,
+   ``BWD_HEADS_PER_PROGRAM``), one dot a head (dy_t . x_s); per head the tile's shares of da's and
+   ddt's s sums;
+5. ``_bwd_rows_kernel`` [NC * G * K, L / BS]: the boundary states' shares of dB (x dh_out) and, a
+   second launch, of dC and da (dy h_in), summed over HPP heads.
+
+dB = dcb^T C and dC = dcb B (+ the states' shares) are then two fp32 GEMMs a chunk and group: C and B
+do not depend on the head, so the per-head work is three dots a tile pair in all.
 
 The chunk states of step 1 and what each chunk's outputs ask of its boundary state (dS, the input of
 step 2) are ``_weighted_state_kernel`` [NC * H, P/N blocks], dots of the packed rows in place (an fp32
@@ -72,15 +77,11 @@ from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
 
-# Launch choices of the two chunk kernels beyond the contract's configs (gradients only: the order of a
-# sum over heads, occupancy; never a forward's bits). Each program loops over BWD_HEADS_PER_PROGRAM
-# heads of a group and sums their dB and dC in order (1 where the group's heads do not split so), so
-# the per-program partials summed afterwards are that many times smaller than per-head ones.
-# Pinned from the H200 sweep at 7d94dca (benchmarks/README.md, results/h200_scan_backward.json): 4 heads
-# a program, 2 pipelining stages and the contract's bwd_warps at 4 took ssd_backward at the 1.3b layer
-# shape from 3.31 to 2.51 ms at 4 x 2048 tokens and from 6.20 to 4.28 ms at 1 x 16384 (8 warps, 1 head:
-# the old launch). A num_warps here would override bwd_warps (the sweep's use, not the pinned one).
-BWD_HEADS_PER_PROGRAM = 4
+# Launch choices of the chunk kernels beyond the contract's configs (gradients only: the order of a
+# sum over heads, occupancy; never a forward's bits). A dcb or state-rows program sums
+# BWD_HEADS_PER_PROGRAM heads of a group in order (fewer where the group's heads do not split so); the
+# per-program partials are summed afterwards by torch. A num_warps here overrides bwd_warps.
+BWD_HEADS_PER_PROGRAM = 16
 BWD_OPTS: dict = {"num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
@@ -165,147 +166,169 @@ def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, 
 
 
 @triton.jit
-def _program(R: tl.constexpr, H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, P: tl.constexpr,
-             N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What a chunk kernel's program works on: pid 0 = (chunk * G + group) * K + k, with K = H / G / HPP
-    programs per group, each looping over HPP heads of it; pid 1 the row block. Returns the chunk, its
-    first head h0 = group * H / G + k * HPP, the chunk's group row cg = chunk * G + group, the program's
-    row of a per-program partial (pid 0), its R rows, the P and N ranges and their masks ([1, BLOCK_P],
-    [1, BLOCK_N])."""
+def _operand(v, TC: tl.constexpr):
+    """A dot operand that holds exact inputs (x, dy, B, C) as the dots take it: bf16 for the tensor-core
+    modes (exact: the values are bf16), fp32 for the FMA dots; narrow in registers across the loops."""
+    return v.to(tl.bfloat16 if TC else tl.float32)
+
+
+@triton.jit
+def _bwd_dx_kernel(
+    x_ptr, dt_ptr, a_ptr, B_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, f_ptr, dDp_ptr,
+    sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr,
+):
+    """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx_s = dt_s sum_{t>=s} (C_t . B_s)
+    exp(a_t - a_s) dy_t (one dot a t block) + w_s dh_out B_s + D dy_s; f [BS] = exp(a_L - a_s) x_s .
+    (dh_out B_s), ddt's part through w; and the block's share of dD, sum_s dy_s x_s (dDp [NC, H, L / BS,
+    BLOCK_P]).
+
+    x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
+    (widened exactly), dx written in its own dtype. dt/a/f [NC, H, L], B [NC, G, L, N], cb [NC, G, L, L]
+    (cb[t, s] = C_t . B_s), dh [NC, H, P, N] (dh_out): fp32, contiguous; D with strides.
+    """
+    ch = tl.program_id(0).to(tl.int64)
+    c = ch // H
+    h = ch % H
+    cg = c * G + h // (H // G)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = (p < P)[None, :]
+    nm = (n < N)[None, :]
+    yb = dy_ptr + c * sy_c + h * sy_h
+    cb_g = cb_ptr + cg * L * L
+    a_s = tl.load(a_ptr + ch * L + s)
+    dt_s = tl.load(dt_ptr + ch * L + s)
+    acc = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
+    t0 = tl.program_id(1) * BS
+    t0 = t0 - t0 % BT
+    while t0 < L:
+        t = t0 + tl.arange(0, BT)
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = _operand(tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0), TC)
+        cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
+        decay = tl.where(t[None, :] >= s[:, None], tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+        acc = dot_acc(acc, cbT * decay, dy_t, TC, 1, PRECISION)
+        t0 += BT
+
+    # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
+    x_s = tl.load(x_ptr + c * sx_c + h * sx_h + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
+    B_s = _operand(tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0), TC)
+    hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
+    decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
+    f = decay_L * tl.sum(x_s * hb, axis=1)
+    dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
+    d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
+    dx = dt_s[:, None] * acc + (decay_L * dt_s)[:, None] * hb + d[None, :] * dy_s
+    tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], dx.to(dx_ptr.dtype.element_ty), mask=pm)
+    tl.store(f_ptr + ch * L + s, f)
+    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + p, tl.sum(dy_s * x_s, axis=0))
+
+
+@triton.jit
+def _group_part(H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr):
+    """pid 0 = (chunk * G + group) * K + k, K = H / G / HPP programs per group, each summing HPP heads
+    of it: the chunk, its first head, the chunk's group row and the program's partial row (pid 0)."""
     part = tl.program_id(0).to(tl.int64)
     K: tl.constexpr = H // G // HPP
     cg = part // K
-    c = cg // G
-    h0 = (cg % G) * (H // G) + (part % K) * HPP
-    rows = tl.program_id(1) * R + tl.arange(0, R)
-    p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    return c, h0, cg, part, rows, p, n, (p < P)[None, :], (n < N)[None, :]
+    return cg // G, (cg % G) * (H // G) + (part % K) * HPP, cg, part
 
 
 @triton.jit
-def _bwd_s_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, ddt_ptr, f_ptr, dB_ptr, dDp_ptr,
-    sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
+def _bwd_dcb_kernel(
+    x_ptr, dt_ptr, a_ptr, cb_ptr, dy_ptr, dcb_ptr, dap_ptr, dep_ptr, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows s of s block pid 1: per head dx
-    [BS, P], ddt [BS] (through M and w), f [BS] = w_s x_s . (dh_out B_s) (the a_L term) and the block's
-    share of dD, sum_s dy_s x_s (dDp [NC, H, L / BS, BLOCK_P], zero past P); dB [BS, N] summed over the
-    program's heads in order (dB [NC * G * K, L, N]: one partial per program, K = H / G / HPP).
+    """Chunk c, HPP heads of one group (pid 0, ``_group_part``), the tile of t block i and s block j
+    (pid 1 = i * L / BS + j): W[t, s] = exp(a_t - a_s) dt_s (dy_t . x_s) for s <= t (zero above), the
+    gradient of cb[t, s] = C_t . B_s through one head; dcb [BT, BS] = its sum over the program's heads
+    in order (dcb [NC * G * K, L, L], one partial per program); per head the tile's share of da's s
+    part, sum_s W[t, s] cb[t, s] (dap [NC, H, L / BS, L]), and of ddt's, sum_t e[s, t] = sum_t W[t, s]
+    cb[t, s] / dt_s (dep [NC, H, L / BT, L]); tiles above the diagonal write no share.
 
-    x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
-    (widened exactly), dx written in its own dtype (a view of the packed rows where the chunk grid is
-    one; no copies either way). dt/a/ddt/f [NC, H, L], B/C [NC, G, L, N], cb [NC, G, L, L] (cb[t, s]
-    = C_t . B_s), dh [NC, H, P, N] (dh_out): fp32, contiguous; D with strides.
+    x, dy [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1), in the model dtype or fp32; dt/a [NC, H, L],
+    cb [NC, G, L, L]: fp32, contiguous.
     """
-    c, h0, cg, part, s, p, n, pm, nm = _program(BS, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
-    C_g = C_ptr + cg * L * N
-    cb_g = cb_ptr + cg * L * L
-    B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-    acc_dB = tl.zeros((BS, BLOCK_N), dtype=tl.float32)
-    for j in range(HPP):
-        h = h0 + j
+    c, h0, cg, part = _group_part(H, G, HPP)
+    NS: tl.constexpr = L // BS
+    i = tl.program_id(1) // NS
+    j = tl.program_id(1) % NS
+    t = i * BT + tl.arange(0, BT)
+    s = j * BS + tl.arange(0, BS)
+    p = tl.arange(0, BLOCK_P)
+    pm = (p < P)[None, :]
+    causal = s[None, :] <= t[:, None]
+    cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
+    acc = tl.zeros((BT, BS), dtype=tl.float32)
+    heads = tl.where(j * BS < i * BT + BT, HPP, 0)  # a tile above the diagonal is all zero
+    for k in range(heads):
+        h = h0 + k
         ch = c * H + h
-        xb = x_ptr + c * sx_c + h * sx_h
-        yb = dy_ptr + c * sy_c + h * sy_h
+        a_t = tl.load(a_ptr + ch * L + t)
         a_s = tl.load(a_ptr + ch * L + s)
         dt_s = tl.load(dt_ptr + ch * L + s)
-        x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-        acc_dx = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-        acc_e = tl.zeros((BS,), dtype=tl.float32)
-        t0 = tl.program_id(1) * BS
-        t0 = t0 - t0 % BT
-        while t0 < L:
-            t = t0 + tl.arange(0, BT)
-            a_t = tl.load(a_ptr + ch * L + t)
-            dy_t = tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-            C_t = tl.load(C_g + t[:, None] * N + n[None, :], mask=nm, other=0.0)
-            cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
-            causal = t[None, :] >= s[:, None]
-            decay = tl.where(causal, tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
-            xdy = dot_acc(tl.zeros((BS, BT), dtype=tl.float32), x_s, tl.trans(dy_t), TC, 0, PRECISION)
-            q = cbT * decay
-            acc_dx = dot_acc(acc_dx, q * dt_s[:, None], dy_t, TC, 1, PRECISION)
-            acc_e += tl.sum(q * xdy, axis=1)
-            acc_dB = dot_acc(acc_dB, (decay * xdy) * dt_s[:, None], C_t, TC, 1, PRECISION)
-            t0 += BT
-
-        # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
-        dh = tl.load(dh_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=(p < P)[:, None] & nm, other=0.0)
-        hb = dot_acc(tl.zeros((BS, BLOCK_P), dtype=tl.float32), B_s, tl.trans(dh), TC, 2, PRECISION)  # B_s dh^T
-        xh = dot_acc(tl.zeros((BS, BLOCK_N), dtype=tl.float32), x_s, dh, TC, 2, PRECISION)  # x_s dh
-        decay_L = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_s)
-        w = decay_L * dt_s
-        f = decay_L * tl.sum(x_s * hb, axis=1)
-        dy_s = tl.load(yb + s[:, None] * sy_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-        d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=p < P, other=0.0)
-        acc_dx += w[:, None] * hb + d[None, :] * dy_s
-        acc_dB += w[:, None] * xh
-        tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], acc_dx.to(dx_ptr.dtype.element_ty),
-                 mask=pm)
-        tl.store(ddt_ptr + ch * L + s, acc_e + f)
-        tl.store(f_ptr + ch * L + s, f * dt_s)
-        tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + tl.arange(0, BLOCK_P),
-                 tl.sum(dy_s * x_s, axis=0))
-    tl.store(dB_ptr + (part * L + s[:, None]) * N + n[None, :], acc_dB, mask=nm)
+        dy_t = _operand(tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0),
+                        TC)
+        x_s = _operand(tl.load(x_ptr + c * sx_c + h * sx_h + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0),
+                       TC)
+        xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
+        decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
+        e = decay * xdy
+        w = e * dt_s[None, :]
+        acc += w
+        tl.store(dap_ptr + (ch * NS + j) * L + t, tl.sum(w * cb, axis=1))
+        tl.store(dep_ptr + (ch * (L // BT) + i) * L + s, tl.sum(e * cb, axis=0))
+    tl.store(dcb_ptr + (part * L + t[:, None]) * L + s[None, :], acc)
 
 
 @triton.jit
-def _bwd_t_kernel(
-    x_ptr, dt_ptr, a_ptr, B_ptr, C_ptr, cb_ptr, dy_ptr, h_in_ptr, dh_ptr, dC_ptr, da_ptr, hh_ptr,
-    sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
+def _bwd_rows_kernel(
+    u_ptr, v_ptr, a_ptr, dt_ptr, C_ptr, out_ptr, das_ptr, su_c, su_h, su_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr,
+    BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
+    TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, HPP heads of one group (pid 0, ``_program``), rows t of t block pid 1: per head
-    da [BT] = sum_{s<=t} dt_s e[s, t] + exp(a_t) C_t . (dy_t h_in), and from the first t block hh
-    [NC, H] = sum(dh_out * h_in) (h_out's decay term of da at the chunk's last row); dC [BT, N] summed
-    over the program's heads in order (dC [NC * G * K, L, N], one partial per program).
+    """Chunk c, HPP heads of one group (pid 0, ``_group_part``), rows l of row block pid 1: out [BR, N] =
+    sum over the program's heads, in order, of w_l (u_l v), v [P, N] the head's state; the boundary
+    states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l) dt_l) or of dC (u = dy, v =
+    h_in, w_l = exp(a_l)), and then also per head da's state part das [BR] = w_l C_l . (u_l v).
 
-    h_in [NC, H, P, N] (each chunk's boundary state), dh [NC, H, P, N] (dh_out), da [NC, H, L]; the
-    rest as in ``_bwd_s_kernel``.
+    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32; v [NC, H, P, N],
+    a/dt/das [NC, H, L], C [NC, G, L, N]: fp32, contiguous; out [NC * G * K, L, N] fp32, one partial a
+    program.
     """
-    c, h0, cg, part, t, p, n, pm, nm = _program(BT, H, G, HPP, P, N, BLOCK_P, BLOCK_N)
-    C_t = tl.load(C_ptr + (cg * L + t[:, None]) * N + n[None, :], mask=nm, other=0.0)
+    c, h0, cg, part = _group_part(H, G, HPP)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = (p < P)[None, :]
+    nm = (n < N)[None, :]
     sm = (p < P)[:, None] & nm
-    t_end = tl.program_id(1) * BT + BT
-    acc_dC = tl.zeros((BT, BLOCK_N), dtype=tl.float32)
-    for j in range(HPP):
-        h = h0 + j
+    if not TO_END:
+        C_l = tl.load(C_ptr + (cg * L + rows[:, None]) * N + n[None, :], mask=nm, other=0.0)
+    acc = tl.zeros((BR, BLOCK_N), dtype=tl.float32)
+    for k in range(HPP):
+        h = h0 + k
         ch = c * H + h
-        xb = x_ptr + c * sx_c + h * sx_h
-        a_t = tl.load(a_ptr + ch * L + t)
-        dy_t = tl.load(dy_ptr + c * sy_c + h * sy_h + t[:, None] * sy_l + p[None, :], mask=pm,
-                       other=0.0).to(tl.float32)
-        st = (ch * P + p[:, None]) * N + n[None, :]
-        h_in = tl.load(h_in_ptr + st, mask=sm, other=0.0)
-        if tl.program_id(1) == 0:
-            tl.store(hh_ptr + ch, tl.sum(tl.sum(tl.load(dh_ptr + st, mask=sm, other=0.0) * h_in, axis=1), axis=0))
-        ea = tl.exp(a_t)
-        gh = dot_acc(tl.zeros((BT, BLOCK_N), dtype=tl.float32), dy_t, h_in, TC, 2, PRECISION)  # dy_t h_in
-        acc_dC += ea[:, None] * gh
-        acc_da = ea * tl.sum(C_t * gh, axis=1)
-        s0 = 0
-        while s0 < t_end:
-            s = s0 + tl.arange(0, BS)
-            a_s = tl.load(a_ptr + ch * L + s)
-            dt_s = tl.load(dt_ptr + ch * L + s)
-            x_s = tl.load(xb + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
-            B_s = tl.load(B_ptr + (cg * L + s[:, None]) * N + n[None, :], mask=nm, other=0.0)
-            cb = tl.load(cb_ptr + (cg * L + t[:, None]) * L + s[None, :])  # [BT, BS]
-            causal = s[None, :] <= t[:, None]
-            decay = tl.where(causal, tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
-            xdy = dot_acc(tl.zeros((BT, BS), dtype=tl.float32), dy_t, tl.trans(x_s), TC, 0, PRECISION)
-            dcb = (decay * xdy) * dt_s[None, :]
-            acc_dC = dot_acc(acc_dC, dcb, B_s, TC, 1, PRECISION)
-            acc_da += tl.sum(dcb * cb, axis=1)
-            s0 += BS
-        tl.store(da_ptr + ch * L + t, acc_da)
-    tl.store(dC_ptr + (part * L + t[:, None]) * N + n[None, :], acc_dC, mask=nm)
+        u = _operand(tl.load(u_ptr + c * su_c + h * su_h + rows[:, None] * su_l + p[None, :], mask=pm, other=0.0),
+                     TC)
+        v = tl.load(v_ptr + (ch * P + p[:, None]) * N + n[None, :], mask=sm, other=0.0)
+        uv = dot_acc(tl.zeros((BR, BLOCK_N), dtype=tl.float32), u, v, TC, 2, PRECISION)
+        a_l = tl.load(a_ptr + ch * L + rows)
+        if TO_END:
+            w = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_l) * tl.load(dt_ptr + ch * L + rows)
+        else:
+            w = tl.exp(a_l)
+            tl.store(das_ptr + ch * L + rows, w * tl.sum(C_l * uv, axis=1))
+        acc += w[:, None] * uv
+    tl.store(out_ptr + (part * L + rows[:, None]) * N + n[None, :], acc, mask=nm)
 
 
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
@@ -368,33 +391,46 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dx = torch.empty(NC, H, L, P, device=dev, dtype=f32) if dx_out is None else dx_out
     if dx.shape != (NC, H, L, P) or dx.stride(-1) != 1:
         raise ValueError(f"dx_out must be [{NC}, {H}, {L}, {P}] with unit stride along P, not {tuple(dx.shape)}")
-    hh = torch.empty(NC, H, device=dev, dtype=f32)
-    ddt = torch.empty(NC, H, L, device=dev, dtype=f32)
-    fL = torch.empty_like(ddt)
-    HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program: a divisor of the group's
-    K = HG // HPP  # programs per chunk and group: dB and dC partials, summed below
-    dBp = torch.empty(NC, G, K, L, N, device=dev, dtype=f32)
-    dCp = torch.empty_like(dBp)
-    da_t = torch.empty_like(ddt)
-    blocks = dict(H=H, G=G, L=L, P=P, N=N, BS=BS, BT=BT, BLOCK_P=triton.next_power_of_2(P),
-                  BLOCK_N=triton.next_power_of_2(N), HPP=HPP, PRECISION=cfg.dot_precision, TC=tc)
-    dDp = torch.empty(NC, H, L // BS, blocks["BLOCK_P"], device=dev, dtype=f32)
+    f = torch.empty(NC, H, L, device=dev, dtype=f32)
+    das = torch.empty_like(f)
+    HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program sums: a divisor of the group's
+    K = HG // HPP  # programs per chunk and group: the partials of dcb and the state rows, summed below
+    NS = L // BS
+    dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)
+    # the s and t blocks' shares of da and of ddt (tiles above the diagonal write none)
+    dap = torch.zeros(NC, H, NS, L, device=dev, dtype=f32)
+    dep = torch.zeros(NC, H, L // BT, L, device=dev, dtype=f32)
+    dBs, dCs = (torch.empty(NC, G, K, L, N, device=dev, dtype=f32) for _ in range(2))
+    BP, BN = triton.next_power_of_2(P), triton.next_power_of_2(N)
+    dDp = torch.empty(NC, H, NS, BP, device=dev, dtype=f32)
+    launch = {**opts, **BWD_OPTS}
     if NC:
         sx, sy = x.stride()[:3], dy.stride()[:3]
-        _bwd_s_kernel[(NC * G * K, L // BS)](x, dt, a, B, C, cb, dy, dh_out, Dd, dx, ddt, fL, dBp, dDp, sD_h, sD_p,
-                                             *sx, *sy, *dx.stride()[:3], **blocks, **{**opts, **BWD_OPTS})
-        _bwd_t_kernel[(NC * G * K, L // BT)](x, dt, a, B, C, cb, dy, h_in, dh_out, dCp, da_t, hh, *sx, *sy,
-                                             **blocks, **{**opts, **BWD_OPTS})
+        dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc)
+        _bwd_dx_kernel[(NC * H, NS)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
+                                    *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
+        _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
+                                                      **dims, **launch)
+        for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
+            _bwd_rows_kernel[(NC * G * K, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
+                                                    BLOCK_N=BN, HPP=HPP, TO_END=to_end, **dims, **launch)
 
-    # da: the t and s parts, and the a_L terms (h_out's decay and every w_s), then through the cumsum
-    da = da_t - dt * ddt
-    da[..., -1] += fL.sum(-1) + a[..., -1].exp() * hh
+    # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
+    dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]
+    dBs, dCs = (t[:, :, 0] if K == 1 else t.sum(2) for t in (dBs, dCs))
+    dB = dBs + dcb.transpose(-1, -2) @ C
+    dC = dCs + dcb @ B
+    # da: the s part (per s block), the state part, and the a_L terms (h_out's decay and every w_s),
+    # then through the cumsum
+    hh = (dh_out * h_in).sum((-2, -1))  # [NC, H]
+    ddt = dep.sum(2) + f
+    da = dap.sum(2) + das - dt * ddt
+    da[..., -1] += (f * dt).sum(-1) + a[..., -1].exp() * hh
     dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
     ddt = ddt + Af[None, :, None] * dAdt
     dA = (dAdt * dt).sum((0, 2))
     dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
-    dB, dC = (t[:, :, 0] if K == 1 else t.sum(2) for t in (dBp, dCp))
     return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0
 
 

@@ -85,14 +85,17 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(td._step_kernel, STEP_TYPES, dict(STEP_CONSTS, TC=TC, HAS_LIMIT=TC == 1), False)
     # the scan's backward (fp32 chunk tensors but x, dy and dx: strided views of the packed rows, in the
     # model dtype; the dots' precision as the forward's)
-    bwd = dict(D, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_P=64, BLOCK_N=128, HPP=tb.BWD_HEADS_PER_PROGRAM,
-               PRECISION=cfg.dot_precision, TC=TC)
+    dims = dict(H=32, G=1, L=256, P=64, BLOCK_P=64, PRECISION=cfg.dot_precision, TC=TC)
+    BS, BT, HPP = cfg.bwd_block_s, cfg.bwd_block_t, tb.BWD_HEADS_PER_PROGRAM
     rows_x = dict(x_ptr=bf, dy_ptr=bf) if TC else {}
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
     bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
-    comp(tb._bwd_s_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})), bwd,
-         fuse, bwd_warps)
-    comp(tb._bwd_t_kernel, dict(strides, **rows_x), bwd, fuse, bwd_warps)
+    comp(tb._bwd_dx_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})),
+         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128), fuse, bwd_warps)
+    comp(tb._bwd_dcb_kernel, dict(strides, **rows_x), dict(dims, BS=BS, BT=BT, HPP=HPP), fuse, bwd_warps)
+    for to_end, rb in ((True, BS), (False, BT)):  # the states' shares of dB and of dC (and da)
+        comp(tb._bwd_rows_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
+             dict(dims, N=128, BR=rb, BLOCK_N=128, HPP=HPP, TO_END=to_end), fuse, bwd_warps)
     blocks = {k: v for k, v in tb.STATE_OPTS.items() if k.startswith("BLOCK_")}
     for to_end in (True, False):  # the chunk states and dS
         comp(tb._weighted_state_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
@@ -122,9 +125,9 @@ print(json.dumps(done))
 @pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
 def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
     done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
-    # 14 kernel configs per dot mode (4 of the backward's), the step kernel per tensor-core mode; pack,
+    # 16 kernel configs per dot mode (6 of the backward's), the step kernel per tensor-core mode; pack,
     # buffer, row, reverse pass and zero kernels
-    assert len(done) == len(tcs) * 14 + sum(1 for t in tcs if t) + 5 * (0 in tcs), done
+    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 5 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
