@@ -81,7 +81,7 @@ Tensor = torch.Tensor
 # sum over heads, occupancy; never a forward's bits). A dcb or state-rows program sums
 # BWD_HEADS_PER_PROGRAM heads of a group in order (fewer where the group's heads do not split so); the
 # per-program partials are summed afterwards by torch. A num_warps here overrides bwd_warps.
-BWD_HEADS_PER_PROGRAM = 16
+BWD_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
