@@ -21,7 +21,8 @@ import torch
 from .errors import ContractError, ContractMismatchError
 from .ops.configs import BACKENDS, TRITON_MAX_SLICES, KernelConfigs, kernel_configs
 
-CONTRACT_VERSION = 1
+# 2: the norms round once (weight times the fp32 normalised value); 1 rounded the normalised value first
+CONTRACT_VERSION = 2
 # a wheel ships the contracts inside the package; a source checkout keeps them in configs/contracts
 _PACKAGED = Path(__file__).resolve().parent / "contracts"
 CONTRACTS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "configs" / "contracts"
@@ -92,6 +93,9 @@ class Contract:
             raise ContractError(f"model_dtype {model!r} refused: expected one of {', '.join(MODEL_DTYPES)}")
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise ContractError(f"version {self.version!r} refused: expected a positive int")
+        if self.version != CONTRACT_VERSION:
+            raise ContractError(f"version {self.version} refused: this release computes version {CONTRACT_VERSION}'s "
+                                "bits (version 2's norms round once; both sides must run one version)")
         s = self.row_parallel_slices
         if not isinstance(s, int) or isinstance(s, bool) or s < 1 or s > 1024 or s & (s - 1):
             raise ContractError(f"row_parallel_slices {s!r} refused: must be a power of two from 1 to 1024 "

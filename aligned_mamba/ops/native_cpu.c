@@ -165,7 +165,7 @@ static inline void normalize(float *v, i64 d, float eps, float *scratch) {
     for (i64 i = 0; i < d; i++) v[i] = v[i] * inv;
 }
 
-/* weight * (normalised x rounded to the output dtype) (norm.rms_norm), rows of d.
+/* weight * normalised x, rounded once to the output dtype (norm.rms_norm), rows of d.
    x [M, d] in dtype xdt; residual (optional, [M, d] in rdt): the fused residual add first
    (backend.add_norm: res_out = residual + x in rdt, then the norm of res_out rounded to odt);
    w [d] already in odt; out [M, d] in odt. scratch: 2 * pow2_at_least(d) floats. */
@@ -184,10 +184,7 @@ void am_rms_norm(const void *x, int xdt, const void *residual, void *res_out, in
             v[i] = xi;
         }
         normalize(v, d, eps, sq);
-        for (i64 i = 0; i < d; i++) {
-            float y = odt ? bf16_f32(f32_bf16(v[i])) : v[i];
-            store(out, r * d + i, odt, load(w, i, odt) * y);
-        }
+        for (i64 i = 0; i < d; i++) store(out, r * d + i, odt, load(w, i, odt) * v[i]);
     }
 }
 
@@ -202,10 +199,7 @@ void am_gated_norm(const void *y, const void *z, const void *w, void *out, int d
             i64 o = r * d + g * dg;
             for (i64 i = 0; i < dg; i++) v[i] = load(y, o + i, dt) * am_silu1(load(z, o + i, dt));
             normalize(v, dg, eps, sq);
-            for (i64 i = 0; i < dg; i++) {
-                float gi = dt ? bf16_f32(f32_bf16(v[i])) : v[i];
-                store(out, o + i, dt, load(w, g * dg + i, dt) * gi);
-            }
+            for (i64 i = 0; i < dg; i++) store(out, o + i, dt, load(w, g * dg + i, dt) * v[i]);
         }
 }
 

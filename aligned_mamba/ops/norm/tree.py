@@ -1,5 +1,10 @@
 """RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction: the torch form.
 
+Each output is rounded once: weight (in the output dtype) times the fp32 normalised value, in fp32,
+then rounded, as mamba_ssm's and Megatron's norms do (Hugging Face's and vLLM's torch forms round
+the normalised value first and then the product: about 12% more logits error over a bf16 model's
+layers, docs/design.md).
+
 The sum of squares is a fixed pairwise tree (``reduce.tree_sum``), 1/sqrt is two correctly
 rounded IEEE operations (``torch.rsqrt`` computes 1 / sqrt so; ``torch.sqrt`` of float32 goes to
 MKL's vector math on the CPU, which is not correctly rounded: 17% of random inputs differ), and
@@ -31,13 +36,17 @@ def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm as in Mamba2 checkpoints: weight * (normalised x rounded to out_dtype).
+    """RMSNorm: weight * normalised x, rounded once to out_dtype.
 
     x [M, d] any float dtype; weight [d]; returns [M, d] in ``out_dtype`` (default weight's dtype).
     """
     out_dtype = out_dtype or weight.dtype
-    y = _normalize(x.to(torch.float32), eps).to(out_dtype)
-    return weight.to(out_dtype) * y
+    return _weighted(_normalize(x.to(torch.float32), eps), weight, out_dtype)
+
+
+def _weighted(n: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """weight (rounded to out_dtype, as every form holds it) times n [..., d] fp32, rounded once."""
+    return (weight.to(out_dtype).to(torch.float32) * n).to(out_dtype)
 
 
 def gated_rms_norm(
@@ -51,8 +60,7 @@ def gated_rms_norm(
     """
     M, d = y.shape
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
-    g = _normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d)
-    return weight.to(y.dtype) * g.to(y.dtype)
+    return _weighted(_normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d), weight, y.dtype)
 
 
 def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int, *,
@@ -86,7 +94,7 @@ def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     c = ew.operand
     var = ss / c(float(width), ss)
     out = (u.view(M, local_groups, dl // local_groups) * torch.rsqrt(var + c(eps, ss))[..., None]).view(M, dl)
-    return weight.to(y.dtype) * out.to(y.dtype)
+    return _weighted(out, weight, y.dtype)
 
 
 def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
@@ -123,7 +131,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dty
     out_dtype = out_dtype or weight.dtype
     xf, gf = x.to(torch.float32), g.to(torch.float32)
     dx = _normalize_backward(xf, gf * weight.to(out_dtype).to(torch.float32), eps)
-    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(out_dtype).to(torch.float32)
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return dx.to(x.dtype), (gf * n).sum(0).to(weight.dtype)
 
 
@@ -136,7 +144,7 @@ def gated_rms_norm_backward(y: torch.Tensor, z: torch.Tensor, weight: torch.Tens
     s = torch.sigmoid(zf)
     u = (yf * (zf * s)).view(M, n_groups, d // n_groups)
     du = _normalize_backward(u, (gf * weight.to(y.dtype).to(torch.float32)).view(u.shape), eps).view(M, d)
-    n = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).view(M, d).to(y.dtype).to(torch.float32)
+    n = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).view(M, d)
     dy = du * (zf * s)
     dz = du * yf * (s * (1.0 + zf * (1.0 - s)))
     return dy.to(y.dtype), dz.to(z.dtype), (gf * n).sum(0).to(weight.dtype)

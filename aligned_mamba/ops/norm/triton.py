@@ -39,7 +39,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
                      stride_res_out, eps, HAS_X: tl.constexpr, HAS_IDX: tl.constexpr, WRITE_RES: tl.constexpr,
                      ROUND_IN: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row r: v = res[idx[r] or r] (+ x[r], in fp32, rounded to res_out's dtype), written to res_out
-    if WRITE_RES; out[r] = w * round(normalise(v, rounded to IN_DTYPE first if ROUND_IN))."""
+    if WRITE_RES; out[r] = round(w * normalise(v, rounded to IN_DTYPE first if ROUND_IN)), in fp32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -53,14 +53,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
     if ROUND_IN:
         v = v.to(IN_DTYPE)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    y = _normalize_row(v.to(tl.float32), mask, D, eps).to(OUT)
+    y = _normalize_row(v.to(tl.float32), mask, D, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT)
-    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y.to(tl.float32)).to(OUT), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * y).to(OUT), mask=mask)
 
 
 @triton.jit
 def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, stride_out, eps, BLOCK_G: tl.constexpr):
-    """Row r, group g (program (r, g)): out = w * round(normalise(y * silu(z)) over the group's GS columns)."""
+    """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
     mask = tl.arange(0, BLOCK_G) < GS
@@ -68,9 +68,9 @@ def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, str
     z = tl.load(z_ptr + row * stride_z + c, mask=mask, other=0.0).to(tl.float32)
     g = y.to(tl.float32) * silu_exact(z)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    n = _normalize_row(g, mask, GS, eps).to(OUT)
+    n = _normalize_row(g, mask, GS, eps)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT)
-    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * n.to(tl.float32)).to(OUT), mask=mask)
+    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * n).to(OUT), mask=mask)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -92,7 +92,7 @@ def _norm_backward(v, gw, mask, D, eps):
 def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, M, D, stride_x, stride_res,
                          stride_g, stride_add, eps, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr,
                          HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1 of the gradient of w * round_OUT(normalise(v)) against g, where v = x, or
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(v)) against g, where v = x, or
     with HAS_RES v = round_OUT(round_RES(res + x)) (the add-norm's input as its forward rounds it, the sum
     in fp32): dx (fp32, plus add[r] if HAS_ADD: the residual's own gradient; with HAS_DX2 also rounded
     to dx2's dtype) and this block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
@@ -115,14 +115,14 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
         tl.store(dx_ptr + row * D + cols, dx, mask=m)
         if HAS_DX2:
             tl.store(dx2_ptr + row * D + cols, dx.to(dx2_ptr.dtype.element_ty), mask=m)
-        dw += g * xhat.to(OUT).to(tl.float32)
+        dw += g * xhat
     tl.store(dw_ptr + blk * D + cols, dw, mask=mask)
 
 
 @triton.jit
 def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M, d, GS, stride_y, stride_z,
                            stride_g, eps, ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of w * round(normalise_g(y silu(z))) against
+    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of round(w * normalise_g(y silu(z))) against
     g: dy, dz (in y's and z's dtypes) and this block's partial sum of dw (dw_ptr [blocks, d] fp32)."""
     blk = tl.program_id(0)
     c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
@@ -140,7 +140,7 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M
         du, nhat = _norm_backward(y * (z * s), g * w, mask, GS, eps)
         tl.store(dy_ptr + row * d + c, (du * (z * s)).to(dy_ptr.dtype.element_ty), mask=m)
         tl.store(dz_ptr + row * d + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty), mask=m)
-        dw += g * nhat.to(OUT).to(tl.float32)
+        dw += g * nhat
     tl.store(dw_ptr + blk * d + c, dw, mask=mask)
 
 
