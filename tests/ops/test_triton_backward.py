@@ -418,6 +418,25 @@ def test_kernel_functions_forward_bits_and_gradients(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
+    """The logits' gradient in one pass a row (``log_softmax_backward_triton``, the Function's backward)
+    against the torch form from the same output: equal but for the row sum's order (within fp32
+    rounding before the cast to ``dtype``), for a dense g and for a broadcast one (stride 0), and the
+    same bits twice. A backward that dropped the softmax term would be off by its whole size."""
+    from aligned_mamba.ops.logprobs import sliced
+
+    cfg = TritonKernelConfigs(logprobs_block_v=128)  # several blocks a row
+    out = torch.log_softmax(_rand(5, 300, seed=31, scale=3.0), -1).to(DEV)
+    for g in (_rand(5, 300, seed=32).to(DEV), torch.ones((), device=DEV).expand(5, 300)):
+        got = logprobs_tr.log_softmax_backward_triton(out, g, dtype, cfg)
+        want = sliced.log_softmax_backward(out, g, dtype)
+        assert got.dtype == dtype and torch.equal(got, logprobs_tr.log_softmax_backward_triton(out, g, dtype, cfg))
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        assert rel_err(got, want.double()) < tol, rel_err(got, want.double())
+        assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
     """The norms' Triton backwards against their torch forms (``ops.norm.*_backward``, native torch):
     37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups;

@@ -2,7 +2,7 @@
 
 Offline, with the ptxas and cuobjdump of the triton wheel, no GPU: every GEMM regime of the pinned
 configs (bf16 decode, mid and large tiles through TMA and through pointers, the fp32 tile), each
-norm variant, the conv and window kernels, log-softmax and token logprobs. The SASS must show the
+norm variant, the conv and window kernels, log-softmax (and its backward) and token logprobs. The SASS must show the
 instructions the tiles were chosen for: HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for
 16-row tiles, TMA loads where descriptors are used, and no local memory (spills) in any GEMM.
 """
@@ -100,6 +100,8 @@ comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_pt
      dict(BLOCK_V=cfg.logprobs_block_v), **lw)
 comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="*i64", out_ptr="*fp32",
                                                         lse_ptr="*fp32"), dict(BLOCK_V=cfg.logprobs_block_v), **lw)
+comp("logprobs:backward", lpt._log_softmax_bwd_kernel, dict(out_ptr="*fp32", g_ptr="*fp32", dx_ptr="*bf16"),
+     dict(BLOCK_V=cfg.logprobs_block_v), num_warps=cfg.logprobs_num_warps)
 print(json.dumps(done))
 """)
 
@@ -109,7 +111,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 7 + 2 + 2 + 3, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 8 + 7 + 2 + 2 + 4, sorted(by)
     for d in done:
         if d["name"].startswith(("conv:backward:walk", "conv:walk")):
             assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers

@@ -62,6 +62,37 @@ def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, stride_x, BLOCK_
     tl.store(lse_ptr + row, lse)
 
 
+@triton.jit
+def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, stride_dx, BLOCK_V: tl.constexpr):
+    """Row r of the logits' gradient from log_softmax's output: dx = g - exp(out) * sum(g), fp32 (the
+    sum over the row's blocks in order), rounded to dx's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    s = 0.0
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        s += tl.sum(tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32), axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(out_ptr + row * stride_out + cols, mask=mask, other=0.0)
+        tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(o) * s).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+                                cfg: TritonKernelConfigs) -> torch.Tensor:
+    """``sliced.log_softmax_backward`` in one pass a row: out [M, V] float32 (log_softmax's output),
+    g [M, V] -> the logits' gradient [M, V] in ``dtype``, with no fp32 temporaries the size of the
+    logits (deterministic; the row sum's order differs from torch's)."""
+    g = _rows(g)
+    M, V = out.shape
+    dx = torch.empty(M, V, dtype=dtype, device=out.device)
+    if M and V:
+        _log_softmax_bwd_kernel[(M,)](out, g, dx, V, out.stride(0), g.stride(0), dx.stride(0),
+                                      BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps)
+    return dx
+
+
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
@@ -100,7 +131,7 @@ def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: Tr
     return (out, lse) if return_lse else out
 
 
-# -- autograd: forward = the kernel, unchanged; backward = ``sliced.log_softmax_backward`` from the output ----
+# -- autograd: forward = the kernel, unchanged; backward = ``log_softmax_backward_triton`` from the output ----
 
 
 class _LogSoftmax(torch.autograd.Function):
@@ -108,13 +139,13 @@ class _LogSoftmax(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
         out = log_softmax_triton(logits, cfg)
         ctx.save_for_backward(out)
-        ctx.logits_dtype = logits.dtype
+        ctx.logits_dtype, ctx.cfg = logits.dtype, cfg
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (out,) = ctx.saved_tensors
-        return wanted(ctx, sliced.log_softmax_backward(out, g, ctx.logits_dtype))
+        return wanted(ctx, log_softmax_backward_triton(out, g, ctx.logits_dtype, ctx.cfg))
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, cfg: TritonKernelConfigs) -> torch.Tensor:
