@@ -115,7 +115,8 @@ class TritonKernelConfigs:
     Log-softmax (ops/logprobs/triton.py): logprobs_block_v, the vocabulary block of a row's
       program (fixed order over the row); logprobs_num_warps.
     The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
-      bwd_block_s, bwd_block_t: the s and t row blocks of its two chunk kernels; bwd_warps.
+      bwd_block_s, bwd_block_t: the s and t row blocks of its chunk kernels (dx, dcb, the states'
+      rows); bwd_warps.
       bwd_bf16_dots: its tensor-core dots for bf16 models, "split2" or "round" as bf16_dots (the
         gradients' precision; the forward's bits keep bf16_dots).
     Attention (ops/attention/triton.py): attn_block_n, the key positions per block (blocks at

@@ -94,3 +94,13 @@ def test_bench_conv_forward_tiles_dry_run(tmp_path: Path) -> None:
     assert [e["forward"] for e in cells] == ["tile", [32, 128, 1], [8, 16, 1], [16, 32, 2]], cells
     assert [e["pinned"] for e in cells] == [False, True, False, False], cells
     assert all(e["equal_tile"] and e["repeat_equal"] and "error" not in e for e in cells), cells
+
+
+def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
+    """The norms' rounding study: four variants, each a different model (a variant whose forms did not
+    reach the layers would repeat the contract's error exactly)."""
+    out = tmp_path / "norms.json"
+    r = _run("norm_rounding_cpu.py", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    errs = [c["rel_err"] for c in json.loads(out.read_text())["cells"]]
+    assert len(errs) == 4 and len(set(errs)) == 4 and all(0 < e < 0.1 for e in errs), errs
