@@ -168,7 +168,7 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
     D = dict(H=4, G=2, L=L, P=64, N=32)
     bf = "*bf16" if TC else "*fp32"
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64, chunk_ptr=i64)
-    prefill = dot_accumulators(tc._chunk_state_kernel, dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, **rows),
+    prefill = dot_accumulators(tc._chunk_state_kernel, dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, sx="i32", **rows),
                                dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_NS=td.state_block_n(32),
                                     PRECISION=cfg.dot_precision, TC=TC), fuse)
     decode = dot_accumulators(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64,
