@@ -32,8 +32,8 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
    cb[t, s] = C_t . B_s, summed over HPP heads of a group (K = H / G / HPP programs per group,
    ``BWD_HEADS_PER_PROGRAM``), one dot a head (dy_t . x_s); per head the tile's shares of da's and
    ddt's s sums;
-5. ``_bwd_rows_kernel`` [NC * G * K, L / BS]: the boundary states' shares of dB (x dh_out) and, a
-   second launch, of dC and da (dy h_in), summed over HPP heads.
+5. ``_bwd_rows_kernel`` [NC * G * K, L / BS or L / BT]: the boundary states' shares of dB (x dh_out)
+   and, a second launch, of dC and da (dy h_in), summed over HPP heads.
 
 dB = dcb^T C and dC = dcb B (+ the states' shares) are then two fp32 GEMMs a chunk and group: C and B
 do not depend on the head, so the per-head work is three dots a tile pair in all.
