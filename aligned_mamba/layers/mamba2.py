@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
-from ..ops.autograd import grad_needed, recomputed_in_backward, saved_tensors_hooked
+from ..ops.autograd import grad_needed, recomputed_in_backward, saved_tensors_hooked, split_columns
 from ..ops.backend import Backend
 from ..ops.linear.sliced import row_parallel_linear, row_parallel_weight
 from ..ops.ssd.state import SSDState, SSMParams
@@ -267,7 +267,7 @@ class Mamba2Mixer:
             recompute = functools.partial(_conv_again, be, state.conv_window.clone(), batch, xBC_in.detach(),
                                           self.conv_w.detach(), None if self.conv_b is None else self.conv_b.detach())
         xBC = be.conv_advance(state.conv_window, batch, xBC_in, self.conv_w, self.conv_b)
-        x, B, C = xBC.split([d, G * N, G * N], dim=1)
+        x, B, C = split_columns(xBC, (d, G * N, G * N))  # their gradients: one buffer, as the scan writes them
         x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
         with recomputed_in_backward(xBC, recompute) if recompute is not None else contextlib.nullcontext():
             y = be.ssd_advance(state.ssd, batch, x, dt, B, C, self.params, rows)  # [T, H, P], the SSD advance

@@ -114,3 +114,47 @@ def recomputed_in_backward(out: torch.Tensor, recompute: Callable[[], torch.Tens
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def column_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The [rows, width] tensor whose adjacent column blocks, in order, are ``parts`` (each [rows, ...]
+    with rows of that width, one dtype, one storage, no gaps), as a view of it; else None."""
+    first = parts[0]
+    rows, width = first.shape[0], first.stride(0)
+    at = first.data_ptr()
+    for p in parts:
+        cols = p[0].numel() if rows else 0
+        if (p.dtype != first.dtype or p.shape[0] != rows or p.stride(0) != width or p.data_ptr() != at
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or (rows and not p[0].is_contiguous())):
+            return None
+        at += cols * p.element_size()
+    if rows == 0 or at - first.data_ptr() != width * first.element_size():
+        return None
+    return first.as_strided((rows, width), (width, 1))
+
+
+class _Columns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        ctx.sizes, ctx.shape, ctx.dtype = sizes, t.shape, t.dtype
+        return t.split(sizes, dim=1)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        if all(g is not None for g in grads) and (whole := column_blocks(grads)) is not None \
+                and whole.dtype == ctx.dtype and whole.shape == ctx.shape:
+            return whole, None
+        rows = ctx.shape[0]
+        parts = [g if g is not None else torch.zeros(rows, s, dtype=ctx.dtype, device=grads[0].device)
+                 for g, s in zip(grads, ctx.sizes)] if any(g is not None for g in grads) else None
+        return (torch.cat(parts, 1) if parts is not None else None), None
+
+
+def split_columns(t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``t.split(sizes, dim=1)`` for t [rows, sum(sizes)]: the same views. Under autograd, where the
+    parts' gradients arrive as the adjacent column blocks of one buffer (a backward that wrote them so,
+    as the scan's does for x, B and C), that buffer is t's gradient as it is: no concatenation."""
+    if not grad_needed(t):
+        return t.split(sizes, dim=1)
+    return _Columns.apply(t, tuple(sizes))

@@ -521,6 +521,59 @@ def _model_loss(logits, targets):
     return -sum(log_softmax(lg).gather(-1, t[:, None]).sum() for lg, t in zip(logits, targets))
 
 
+def test_the_scan_writes_x_b_c_gradients_as_the_conv_outputs_columns(monkeypatch):
+    """Sequences of whole chunks from empty: the scan's backward writes dx, dB and dC into one buffer laid
+    out as the conv's output, and the split's backward passes that buffer on as it is (no concatenation);
+    every gradient equals the plain split's (which concatenates) bit for bit."""
+    from aligned_mamba.layers import mamba2 as mixer
+    from aligned_mamba.ops import autograd
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    g = torch.Generator().manual_seed(12)
+    L = config.chunk_size
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (2 * L, L)]
+    targets = [torch.randint(0, config.vocab_size, (len(s),), generator=g) for s in seqs]
+    contract = Contract(chunk_size=L, backend="triton", model_dtype="float32")
+    names = sorted(tensors)
+
+    def grads():
+        leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+        loss = _model_loss(build_model(config, leaves, contract).forward(seqs), targets)
+        return torch.autograd.grad(loss, [leaves[k] for k in names])
+
+    whole = []
+    spy = autograd.column_blocks
+    monkeypatch.setattr(autograd, "column_blocks", lambda parts: whole.append(spy(parts)) or whole[-1])
+    got = grads()
+    assert whole and all(w is not None for w in whole), "the split's backward concatenated"
+    monkeypatch.setattr(mixer, "split_columns", lambda t, sizes: t.split(sizes, dim=1))
+    plain = grads()
+    assert all(torch.equal(u, v) for u, v in zip(got, plain))
+    assert all(float(u.abs().max()) > 0 for u in got), "a parameter got no gradient"
+
+
+def test_split_columns_concatenates_what_is_not_one_buffer():
+    """The split's backward takes a buffer only when the gradients are its adjacent column blocks in
+    order; otherwise (separate tensors, blocks out of order, a missing one) it concatenates, zeros for
+    a missing gradient."""
+    from aligned_mamba.ops.autograd import split_columns
+
+    t = torch.randn(5, 9, requires_grad=True)
+    buf = torch.randn(5, 9)
+    parts = split_columns(t, (4, 3, 2))
+    assert [p.shape[1] for p in parts] == [4, 3, 2]
+    g, = torch.autograd.grad(parts, t, buf.split((4, 3, 2), dim=1), retain_graph=True)
+    assert g.data_ptr() == buf.data_ptr() and torch.equal(g, buf)
+    sep = [b.clone() for b in buf.split((4, 3, 2), dim=1)]
+    g, = torch.autograd.grad(parts, t, sep, retain_graph=True)
+    assert g.data_ptr() != buf.data_ptr() and torch.equal(g, buf)
+    swapped = torch.cat([buf[:, 5:], buf[:, :5]], 1)  # C's block first: not the layout
+    g, = torch.autograd.grad(parts, t, (swapped[:, 2:6], swapped[:, 6:], swapped[:, :2]), retain_graph=True)
+    assert torch.equal(g, torch.cat([swapped[:, 2:6], swapped[:, 6:], swapped[:, :2]], 1))
+    g, = torch.autograd.grad(parts[:2], t, buf.split((4, 3, 2), dim=1)[:2])
+    assert torch.equal(g, torch.cat([buf[:, :7], torch.zeros(5, 2)], 1))
+
+
 def test_tiny_model_on_triton_backend_trains_with_the_samplers_bits():
     """fp32 tiny Mamba2 (2 layers, chunk 16, 2 groups). With gradients on, the triton backend's logits
     equal its no-grad logits and the sampler's decode rows bit for bit (and differ from the torch

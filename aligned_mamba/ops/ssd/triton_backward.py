@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autograd import grad_needed
+from ..autograd import column_blocks, grad_needed
 from ..configs import TritonKernelConfigs
 from ..step import Step
 from ..triton_math import dt_softplus_triton, interpreting
@@ -471,8 +471,8 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         return torch.empty(NC, t.shape[1], L, t.shape[2], device=dev, dtype=f32).copy_(
             t.reshape(NC, L, t.shape[1], t.shape[2]).transpose(1, 2))
 
-    def from_grid(t: Tensor, dtype: torch.dtype) -> Tensor:  # the inverse, in dtype
-        out = torch.empty(T, t.shape[1], t.shape[3], device=dev, dtype=dtype)
+    def from_grid(t: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:  # the inverse, in dtype
+        out = torch.empty(T, t.shape[1], t.shape[3], device=dev, dtype=dtype) if out is None else out
         out.view(NC, L, t.shape[1], t.shape[3]).copy_(t.transpose(1, 2))
         return out
 
@@ -487,7 +487,11 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         # strides); B and C (G rows a token) are copied to fp32 grids
         # (any row stride: the layer's x is a column slice of the conv's output, read in place)
         xr, gr = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (x, gy))
-        dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype)
+        # x, B and C as adjacent column blocks of one tensor (the conv's output): their gradients are
+        # written the same way into one buffer, which the split's backward then passes on as it is
+        whole = column_blocks((x.flatten(1), B.flatten(1), C.flatten(1))) if nx and nB and nC else None
+        grads = None if whole is None else torch.empty_like(whole).split((H * P, G * N, G * N), dim=1)
+        dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype) if grads is None else grads[0].view(T, H, P)
         ch = Chunks(x=grid_view(xr), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
                     row_chunk=grid.row_chunk, row_pos=grid.row_pos)
         Cc, dyc = to_grid(C), grid_view(gr)
@@ -503,8 +507,8 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dx_out=None if dx_rows is None else grid_view(dx_rows))
     if aligned:
         dx = dx_rows if nx else None
-        dB = from_grid(dBc, B.dtype) if nB else None
-        dC = from_grid(dCc, C.dtype) if nC else None
+        dB = from_grid(dBc, B.dtype, None if grads is None else grads[1].view(T, G, N)) if nB else None
+        dC = from_grid(dCc, C.dtype, None if grads is None else grads[2].view(T, G, N)) if nC else None
     else:
         dx = dxc[at].to(x.dtype) if nx else None
         dB = dBc[at].to(B.dtype) if nB else None
