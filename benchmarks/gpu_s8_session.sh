@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One H200 session, steps in priority order: every GPU-marked test; split keys against one program per
+# One H200 session, steps in priority order: every GPU-marked test; the gated norm's backward at its
+# launches against mamba_ssm's (`bench_norm_backward_h200.py`); split keys against one program per
 # KV head (`bench_paged_attention_h200.py`); the conv backward's walk against its tile kernel; the
 # 8-layer fwd+bwd slices of the dense and the MoE hybrid against the stock model; the whole models'
 # cells `--quick` leaves out (forward 1 x 32768, decode at 16k contexts); the decode step's inputs read
 # in place (`--views`); training against mamba_ssm's own model.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests split walk train nanotrain h8blong nanolong views scanacc vsms vsms2" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk train nanotrain h8blong nanolong views scanacc vsms vsms2" DEADLINE_S=560 ...
 #   TEST_FILES="tests/ops/test_attention_gpu.py ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
@@ -30,6 +31,8 @@ hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into 
 
 want tests && step pytest_gpu "${TESTS_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 \
   ${PYTEST_ARGS:-} -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py}
+want norms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step norms "${NORMS_S:-60}" python3 \
+  benchmarks/bench_norm_backward_h200.py --out "$W/h200_norm_backward.json" ${NORMS_ARGS:-}
 want split && step split "${SPLIT_S:-80}" python3 benchmarks/bench_paged_attention_h200.py \
   --out "$W/h200_paged_attention.json" ${SPLIT_ARGS:-}
 want walk && step walk "${WALK_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \

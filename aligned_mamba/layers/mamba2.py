@@ -179,7 +179,7 @@ class Mamba2Mixer:
     #: under autograd, run the conv and the gated norm again in the backward rather than hold their
     #: outputs (saved by the scan and by out_proj) from the forward to it: the same bits, less memory.
     #: Not inside a saved_tensors_hooks block (checkpointing, offloading): the recompute holds its
-    #: inputs, which that block may mean to release
+    #: inputs, which that block may mean to release (a backend's ``gated_norm_linear`` holds nothing more)
     recompute = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
@@ -277,6 +277,10 @@ class Mamba2Mixer:
         if rows is not None:
             y, z = y[rows], z[rows]
         if not self.sliced:
+            if self.recompute and be.gated_norm_linear is not None:
+                # the norm's backward pass forms its output again for out_proj's weight gradient; it
+                # holds only what the norm holds anyway, so any saved_tensors_hooks block may take it
+                return be.gated_norm_linear(y, z, self.norm_w, c.norm_eps, G, self.out_proj_w, self.out_proj_b)
             yn = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
             if not (recompute_ok and grad_needed(yn)):
                 return be.linear(yn, self.out_proj_w, self.out_proj_b)

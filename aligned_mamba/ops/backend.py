@@ -94,6 +94,10 @@ class Ops:
     #: ``linear(relu2(linear(x, up_w, up_b)), down_w, down_b)`` in fewer passes (``linear.triton_relu2``).
     #: None: the MLP composes those three ops itself
     mlp_relu2: Callable[..., Tensor] | None = None
+    #: (y, z [M, d], norm_w, eps, n_groups, w [N, d], b) -> [M, N]: ``linear(gated_rms_norm(y, z, norm_w, eps,
+    #: n_groups), w, b)`` with those ops' bits, whose backward forms the norm's output again in the norm's
+    #: backward pass rather than hold it (``norm.triton``). None: the mixer composes the two ops
+    gated_norm_linear: Callable[..., Tensor] | None = None
     #: x [M, k] @ w [N, k]^T -> [M, N] float32, not rounded: ``linear`` before its bias and rounding, a
     #: row-parallel layer's partial over one K slice (``linear.sliced``); w raw or from ``linear_weight``.
     #: None where the backend has no such form (the layers then refuse row_parallel_slices > 1)
@@ -188,6 +192,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         attention_packed=functools.partial(attention_triton.attention_packed, cfg=c),
         moe_experts=functools.partial(moe_triton.moe_experts, cfg=c), stacked_experts=True,
         mlp_relu2=functools.partial(linear_relu2.mlp_relu2, cfg=c),
+        gated_norm_linear=functools.partial(norm_triton.gated_norm_linear, cfg=c),
     )
 
 
@@ -215,6 +220,8 @@ class Backend:
             forms["moe_experts"] = functools.partial(experts, linear=forms["linear"])
         if ("linear" in forms or "relu2" in forms) and "mlp_relu2" not in forms:
             forms["mlp_relu2"] = None  # the fused MLP would bypass the new form: the MLP composes them
+        if ("linear" in forms or "gated_rms_norm" in forms) and "gated_norm_linear" not in forms:
+            forms["gated_norm_linear"] = None  # likewise the mixer's norm and out_proj
         new = copy.copy(self)
         Backend.__init__(new, self.configs, self.device, dataclasses.replace(self.ops, **forms))
         return new

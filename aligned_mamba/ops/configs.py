@@ -104,7 +104,9 @@ class TritonKernelConfigs:
         benchmarks/results/h200_tree_gemm.json).
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
-      norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum).
+      norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum);
+      norm_bwd_block_per_warp: the gated norm's backward's block over warps, as above (the output it
+      forms again keeps the forward's bits whatever it is: it takes the forward's saved rstd).
     Conv1d (ops/conv1d/triton.py): conv_walk: the forward walks row blocks (each input row read once;
       widths up to 4) of conv_walk_block_t rows x conv_walk_block_c channels, conv_walk_warps;
       otherwise, and for wider convs, the tile kernel's conv_block_t x conv_block_c (the same bits);
@@ -205,6 +207,7 @@ class TritonKernelConfigs:
     linear_tree_global_stack: bool = True
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
+    norm_bwd_block_per_warp: int = 256
     conv_block_t: int = 8
     conv_block_c: int = 256
     conv_walk: bool = True
@@ -308,6 +311,7 @@ class TritonKernelConfigs:
             raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")
         _pow2("norm_block_per_warp", self.norm_block_per_warp, 32, 8192)
         _pow2("norm_bwd_rows", self.norm_bwd_rows, 1, 256)
+        _pow2("norm_bwd_block_per_warp", self.norm_bwd_block_per_warp, 32, 8192)
         _pow2("conv_block_t", self.conv_block_t, 1, 256)
         _pow2("conv_block_c", self.conv_block_c, 16, 1024)
         _pow2("conv_walk_block_t", self.conv_walk_block_t, 1, 1024)

@@ -399,6 +399,12 @@ def _op_cases() -> dict:
                            lambda y, z, w: _rms64((y * F.silu(z)).view(M, 4, d // 4), 1.0, EPS).view(M, d) * w,
                            dict(y=_rand(M, d, seed=12), z=_rand(M, d, seed=13), w=_rand(d, seed=14)),
                            ("y", "z", "w")),
+        "gated_norm_linear": (
+            lambda y, z, nw, w, b: norm_tr.gated_norm_linear(y, z, nw, EPS, 4, w, b, CFG),
+            lambda y, z, nw, w, b: linear_triton(gated_rms_norm_triton(y, z, nw, EPS, 4, CFG), w, b, CFG),
+            lambda y, z, nw, w, b: (_rms64((y * F.silu(z)).view(M, 4, d // 4), 1.0, EPS).view(M, d) * nw) @ w.t() + b,
+            dict(y=_rand(M, d, seed=12), z=_rand(M, d, seed=13), nw=_rand(d, seed=14),
+                 w=_rand(40, d, seed=2, scale=0.2), b=_rand(40, seed=3)), ("y", "z", "nw", "w", "b")),
         # each call updates its own copy of the windows (the kernel writes them in place)
         "conv": (lambda x, w, b: (lambda wc: conv_tr._Conv.apply(x, w, b, wc[slots], cu, slots, wc, CFG))(
                      windows.clone()),
@@ -457,6 +463,27 @@ def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
     assert all(torch.equal(u, v) for u, v in zip(got, gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg)))
     want = norm.gated_rms_norm_backward(y, z, w, EPS, 3, g)
     assert all(rel_err(u, v.double()) < tol for u, v in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_norm_backward_forms_the_forwards_output(dtype):
+    """With ``write_out`` the gated norm's backward writes the norm's output again, from the forward's
+    saved rstd: the forward kernel's bits, and the gradients those of the call without it. The
+    baseline (an rstd one ulp off, as a second reduction in another order could give) differs, so
+    the comparison can fail."""
+    from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton
+
+    cfg = TritonKernelConfigs(norm_bwd_rows=4)
+    M, d = 37, 48
+    y, z, g = (_rand(M, d, seed=s).to(dtype) for s in (61, 62, 63))
+    w = _rand(d, seed=64).to(dtype)
+    out, rstd = gated_rms_norm_triton(y, z, w, EPS, 3, cfg, with_rstd=True)
+    assert torch.equal(out, gated_rms_norm_triton(y, z, w, EPS, 3, cfg))
+    *grads, again = gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, rstd, write_out=True)
+    assert torch.equal(again, out)
+    assert all(torch.equal(u, v) for u, v in zip(grads, gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, rstd)))
+    off = rstd * (1 + 2 ** -12)
+    assert not torch.equal(gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, off, write_out=True)[3], out)
 
 
 @pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=["fp32-residual", "bf16-residual"])

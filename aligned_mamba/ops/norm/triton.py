@@ -22,16 +22,22 @@ import triton.language as tl
 
 from ..autograd import deterministic, grad_needed, wanted
 from ..configs import TritonKernelConfigs
+from ..linear.triton import linear_triton
 from ..triton_math import silu_exact
+
+
+@triton.jit
+def _rstd(v, mask, D, eps):
+    """v [BLOCK] fp32 (zeros past D) -> 1 / sqrt(mean(v^2) + eps), IEEE operations."""
+    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
+    var = tl.math.div_rn(ss, D.to(tl.float32))
+    return tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
 
 
 @triton.jit
 def _normalize_row(v, mask, D, eps):
     """v [BLOCK] fp32 (zeros past D) -> v / sqrt(mean(v^2) + eps), IEEE operations."""
-    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
-    var = tl.math.div_rn(ss, D.to(tl.float32))
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    return v * rstd
+    return v * _rstd(v, mask, D, eps)
 
 
 @triton.jit
@@ -59,8 +65,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
 
 
 @triton.jit
-def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, stride_out, eps, BLOCK_G: tl.constexpr):
-    """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns)."""
+def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rstd_ptr, GS, stride_y, stride_z, stride_out, eps,
+                       WRITE_RSTD: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns);
+    with WRITE_RSTD the group's 1 / sqrt(mean square + eps) to rstd [M, G] fp32 (for the backward)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
     mask = tl.arange(0, BLOCK_G) < GS
@@ -68,9 +76,11 @@ def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, GS, stride_y, stride_z, str
     z = tl.load(z_ptr + row * stride_z + c, mask=mask, other=0.0).to(tl.float32)
     g = y.to(tl.float32) * silu_exact(z)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    n = _normalize_row(g, mask, GS, eps)
+    rstd = _rstd(g, mask, GS, eps)
+    if WRITE_RSTD:
+        tl.store(rstd_ptr + row * tl.num_programs(1) + tl.program_id(1), rstd)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT)
-    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * n).to(OUT), mask=mask)
+    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * (g * rstd)).to(OUT), mask=mask)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -120,12 +130,16 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
 
 
 @triton.jit
-def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M, d, GS, stride_y, stride_z,
-                           stride_g, eps, ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of round(w * normalise_g(y silu(z))) against
-    g: dy, dz (in y's and z's dtypes) and this block's partial sum of dw (dw_ptr [blocks, d] fp32)."""
+def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr, dw_ptr, out_ptr, M, d, GS,
+                           stride_y, stride_z, stride_g, stride_out, eps, WRITE_OUT: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of out = round(w * normalise_g(y silu(z)))
+    against g, from the forward's rstd [M, G] fp32: dy, dz (in y's and z's dtypes) and this block's
+    partial sum of dw (dw_ptr [blocks, d] fp32); with WRITE_OUT also out itself, the forward kernel's
+    operations on the same values (the same bits; compiled without fp fusion, as the forward)."""
     blk = tl.program_id(0)
-    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
+    grp = tl.program_id(1)
+    c = grp * GS + tl.arange(0, BLOCK_G)
     mask = tl.arange(0, BLOCK_G) < GS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT).to(tl.float32)
@@ -136,11 +150,17 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, dy_ptr, dz_ptr, dw_ptr, M
         y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row * tl.num_programs(1) + grp, mask=row < M, other=0.0)
+        sz = silu_exact(z)
+        vhat = (y * sz) * rstd
+        if WRITE_OUT:
+            tl.store(out_ptr + row * stride_out + c, (w * vhat).to(OUT), mask=m)
+        gw = g * w
+        du = rstd * (gw - vhat * (tl.sum(tl.where(m, gw * vhat, 0.0), axis=0) / GS.to(tl.float32)))
         s = 1.0 / (1.0 + tl.exp(-z))
-        du, nhat = _norm_backward(y * (z * s), g * w, mask, GS, eps)
-        tl.store(dy_ptr + row * d + c, (du * (z * s)).to(dy_ptr.dtype.element_ty), mask=m)
+        tl.store(dy_ptr + row * d + c, (du * sz).to(dy_ptr.dtype.element_ty), mask=m)
         tl.store(dz_ptr + row * d + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty), mask=m)
-        dw += g * nhat
+        dw += g * vhat
     tl.store(dw_ptr + blk * d + c, dw, mask=mask)
 
 
@@ -182,24 +202,34 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
 
 
 def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                                   n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                   n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs,
+                                   rstd: torch.Tensor | None = None, *, write_out: bool = False
+                                   ) -> tuple[torch.Tensor, ...]:
     """The gradient of ``gated_rms_norm_triton(y, z, weight, eps, n_groups)`` against g [M, d]: (dy in y's
-    dtype, dz in z's, dweight [d] in weight's). Deterministic, as ``rms_norm_backward_triton``."""
+    dtype, dz in z's, dweight [d] in weight's), from the forward's ``rstd`` [M, n_groups] fp32 (None: one
+    more forward pass forms it). With ``write_out`` the norm's output [M, d] as a fourth, with the
+    forward's bits (for a GEMM's weight gradient, so the forward need not hold it). Deterministic, as
+    ``rms_norm_backward_triton``."""
     y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
     M, d = y.shape
     gs = d // n_groups
+    if rstd is None:
+        rstd = gated_rms_norm_triton(y, z, weight, eps, n_groups, cfg, with_rstd=True)[1]
+    if rstd.shape != (M, n_groups) or rstd.dtype != torch.float32 or not rstd.is_contiguous():
+        raise ValueError(f"rstd must be contiguous [{M}, {n_groups}] float32, got {tuple(rstd.shape)} {rstd.dtype}")
     dy = torch.empty(M, d, device=y.device, dtype=y.dtype)
     dz = torch.empty(M, d, device=y.device, dtype=z.dtype)
+    out = torch.empty(M, d, device=y.device, dtype=y.dtype) if write_out else dy
     nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
     if M:
-        block, warps = _block_warps(gs, cfg)
-        _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, dy, dz, dw, M, d, gs, y.stride(0),
-                                               z.stride(0), g.stride(0), float(eps), ROWS=cfg.norm_bwd_rows,
-                                               BLOCK_G=block, num_warps=warps)
-    return dy, dz, dw.sum(0).to(weight.dtype)
-
-
+        block = triton.next_power_of_2(gs)
+        warps = max(1, min(16, block // cfg.norm_bwd_block_per_warp))
+        _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
+                                               y.stride(0), z.stride(0), g.stride(0), out.stride(0), float(eps),
+                                               WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows, BLOCK_G=block,
+                                               num_warps=warps, enable_fp_fusion=False)
+    dw = dw.sum(0).to(weight.dtype)
+    return (dy, dz, dw, out) if write_out else (dy, dz, dw)
 
 
 def _block_warps(width: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
@@ -281,24 +311,27 @@ def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weig
 
 
 def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
-                          cfg: TritonKernelConfigs) -> torch.Tensor:
+                          cfg: TritonKernelConfigs, *, with_rstd: bool = False
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``ops.norm.gated_rms_norm``: norm_g(y * silu(z)) * weight, normalised per group.
 
     y, z [M, d] (model dtype; rows may be strided, e.g. z a column slice of in_proj's output),
-    weight [d], d divisible by n_groups. Returns a new [M, d] tensor in y's dtype.
+    weight [d], d divisible by n_groups. Returns a new [M, d] tensor in y's dtype; ``with_rstd``: and
+    each group's 1 / sqrt(mean square + eps) [M, n_groups] fp32 (the backward's).
     """
     y, z = _rows(y, "y"), _rows(z, "z")
     M, d = y.shape
     if z.shape != y.shape or d % n_groups:
         raise ValueError(f"gated_rms_norm_triton: y {tuple(y.shape)}, z {tuple(z.shape)}, {n_groups} groups")
     out = torch.empty(M, d, dtype=y.dtype, device=y.device)
-    if M == 0:
-        return out
-    gs = d // n_groups
-    block, warps = _block_warps(gs, cfg)
-    _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, gs, y.stride(0), z.stride(0), out.stride(0),
-                                      float(eps), BLOCK_G=block, num_warps=warps, enable_fp_fusion=False)
-    return out
+    rstd = torch.empty(M, n_groups, dtype=torch.float32, device=y.device) if with_rstd else out
+    if M:
+        gs = d // n_groups
+        block, warps = _block_warps(gs, cfg)
+        _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, rstd, gs, y.stride(0), z.stride(0),
+                                          out.stride(0), float(eps), WRITE_RSTD=with_rstd, BLOCK_G=block,
+                                          num_warps=warps, enable_fp_fusion=False)
+    return (out, rstd) if with_rstd else out
 
 
 # -- autograd: forward = the kernel, unchanged; backward = the torch form's gradient (Triton kernels) ------
@@ -370,15 +403,46 @@ class _GatedRmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
                 cfg: TritonKernelConfigs) -> torch.Tensor:
-        ctx.save_for_backward(y, z, w)
+        out, rstd = gated_rms_norm_triton(y, z, w, eps, n_groups, cfg, with_rstd=True)
+        ctx.save_for_backward(y, z, w, rstd)
         ctx.consts = (eps, n_groups, cfg)
-        return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
+        return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, z, w = ctx.saved_tensors
+        y, z, w, rstd = ctx.saved_tensors
         eps, n_groups, cfg = ctx.consts
-        return wanted(ctx, *gated_rms_norm_backward_triton(y, z, w, eps, n_groups, g, cfg))
+        return wanted(ctx, *gated_rms_norm_backward_triton(y, z, w, eps, n_groups, g, cfg, rstd))
+
+
+class _GatedNormLinear(torch.autograd.Function):
+    """``linear(gated_rms_norm(y, z, nw), w, b)``: the two forward launches; the backward forms the norm's
+    output again inside the norm's backward kernel (the linear's weight gradient needs it), so nothing
+    of the forward's [M, d] output is held, and no forward pass is run again."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, z: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                eps: float, n_groups: int, cfg: TritonKernelConfigs) -> torch.Tensor:
+        yn, rstd = gated_rms_norm_triton(y, z, nw, eps, n_groups, cfg, with_rstd=True)
+        ctx.save_for_backward(y, z, nw, w, rstd)
+        ctx.consts = (eps, n_groups, cfg, None if b is None else b.dtype)
+        return linear_triton(yn, w, b, cfg)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, z, nw, w, rstd = ctx.saved_tensors
+        eps, n_groups, cfg, bias_dtype = ctx.consts
+        need_norm, need_w, need_b = any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dy = dz = dnw = dw = None
+        if need_norm or need_w:
+            # the input gradient as ``linear``'s backward forms it (cuBLAS), then the norm's in one pass
+            # that writes the norm's output too
+            dy, dz, dnw, yn = gated_rms_norm_backward_triton(y, z, nw, eps, n_groups, g @ w, cfg, rstd,
+                                                             write_out=True)
+            if need_w:
+                dw = (g.t() @ yn).to(w.dtype)
+        db = g.to(torch.float32).sum(0).to(bias_dtype) if need_b else None
+        return wanted(ctx, dy, dz, dnw, dw, db)
 
 
 # -- the forms (the triton backend's table): the Function where a gradient is recorded, else the launch ----
@@ -414,3 +478,12 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     if grad_needed(y, z, w):
         return _GatedRmsNorm.apply(y, z, w, eps, n_groups, cfg)
     return gated_rms_norm_triton(y, z, w, eps, n_groups, cfg)
+
+
+def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, nw: torch.Tensor, eps: float, n_groups: int,
+                      w: torch.Tensor, b: torch.Tensor | None, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """y, z [M, d] -> ``linear(gated_rms_norm(y, z, nw, eps, n_groups), w, b)`` [M, N] with those two
+    ops' bits; under autograd the norm's output is not held for the backward (``_GatedNormLinear``)."""
+    if grad_needed(y, z, nw, w, b):
+        return _GatedNormLinear.apply(y, z, nw, w, b, eps, n_groups, cfg)
+    return linear_triton(gated_rms_norm_triton(y, z, nw, eps, n_groups, cfg), w, b, cfg)
