@@ -394,7 +394,9 @@ def main() -> int:
         k = json.loads(Path(args.scan_bwd).read_text())
         ta.BWD_OPTS, ta.STATE_OPTS = k["BWD_OPTS"], k["STATE_OPTS"]
         ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
+        ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
+                              "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
                         kernel_configs=json.loads(args.configs) if args.configs else None)

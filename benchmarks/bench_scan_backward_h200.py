@@ -48,7 +48,7 @@ from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 # (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads a dcb / state-rows program
-# sums); the first is the pinned launch
+# sums[, heads a state-rows program sums]); --chunks replaces the list ("64/64/4/2/64/16,..."; 0 for None)
 CHUNK = [(64, 64, 4, 2, 16), (64, 64, 8, 2, 16), (64, 64, 4, None, 16), (64, 64, 8, None, 16), (64, 64, 8, 1, 16),
          (64, 64, 4, 2, 64), (64, 64, 8, 2, 64), (64, 64, 4, 2, 4), (64, 64, 8, 2, 4), (32, 64, 8, 2, 16),
          (64, 32, 8, 2, 16), (128, 64, 8, 2, 16), (64, 128, 8, 2, 16)]
@@ -72,18 +72,20 @@ def rel(a, b) -> float:
 
 
 def knobs(chunk: tuple, state: tuple) -> dict:
-    bs, bt, w, st, hpp = chunk
+    bs, bt, w, st, hpp, *rows = chunk
     k, p, n, sw, ss = state
     so = {"BLOCK_K": k, "BLOCK_P": p, "BLOCK_N": n}
     so.update({"num_warps": sw} if sw else {})
     so.update({"num_stages": ss} if ss else {})
     launch = dict({"num_warps": w}, **({"num_stages": st} if st else {}))
-    return {"bwd_block_s": bs, "bwd_block_t": bt, "BWD_OPTS": launch, "BWD_HEADS_PER_PROGRAM": hpp, "STATE_OPTS": so}
+    return {"bwd_block_s": bs, "bwd_block_t": bt, "BWD_OPTS": launch, "BWD_HEADS_PER_PROGRAM": hpp,
+            "BWD_ROWS_HEADS_PER_PROGRAM": rows[0] if rows else hpp, "STATE_OPTS": so}
 
 
 def apply(k: dict) -> None:
     ta.BWD_OPTS = dict(k["BWD_OPTS"])
     ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
+    ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
     ta.STATE_OPTS = dict(k["STATE_OPTS"])
 
 
@@ -127,11 +129,15 @@ def main() -> None:
     ap.add_argument("--shape", default="64,64,1,128", help="H,P,G,N")
     ap.add_argument("--sweep", default="chunk,state,round")
     ap.add_argument("--no-stock", action="store_true", help="skip mamba_ssm's scan (its autotuning takes a while)")
+    ap.add_argument("--chunks", help="the chunk sweep's launches, bs/bt/warps/stages/hpp[/rpp],... (0 stages: "
+                    "Triton's default)")
     ap.add_argument("--cells", default="4x2048,1x16384", help="sequences x length, of 4x2048 and 1x16384")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the Triton interpreter at tiny shapes")
     args = ap.parse_args()
     sweeps = set(args.sweep.split(","))
     chunk_list, state_list = CHUNK, STATE
+    if args.chunks:
+        chunk_list = [tuple(int(v) or None for v in c.split("/")) for c in args.chunks.split(",")]
     pinned = TritonKernelConfigs()
     if args.dry_run:
         dev, dtype = torch.device("cpu"), torch.float32  # the interpreter runs the fp32 dots only
@@ -206,7 +212,7 @@ def main() -> None:
             print(T, "accuracy", json.dumps(cell["accuracy"]), flush=True)
         if "chunk" in sweeps:
             for c in chunk_list:
-                tag = f"chunk bs{c[0]} bt{c[1]} w{c[2]} st{c[3]} hpp{c[4]}"
+                tag = f"chunk bs{c[0]} bt{c[1]} w{c[2]} st{c[3]} hpp{c[4]}" + (f" rpp{c[5]}" if len(c) > 5 else "")
                 k = knobs(c, base_state)
                 run_variant(cell, tag, k, TritonKernelConfigs(bwd_block_s=c[0], bwd_block_t=c[1]), call)
         if lens is cells[0]:  # the chunk kernels' pick, from the first cell, for every cell's state sweep

@@ -32,8 +32,9 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
    cb[t, s] = C_t . B_s, summed over HPP heads of a group (K = H / G / HPP programs per group,
    ``BWD_HEADS_PER_PROGRAM``), one dot a head (dy_t . x_s); per head the tile's shares of da's and
    ddt's s sums;
-5. ``_bwd_rows_kernel`` [NC * G * K, L / BS or L / BT]: the boundary states' shares of dB (x dh_out)
-   and, a second launch, of dC and da (dy h_in), summed over HPP heads.
+5. ``_bwd_rows_kernel`` [NC * G * KR, L / BS or L / BT]: the boundary states' shares of dB (x dh_out)
+   and, a second launch, of dC and da (dy h_in), summed over a program's heads
+   (``BWD_ROWS_HEADS_PER_PROGRAM``, KR programs per group).
 
 dB = dcb^T C and dC = dcb B (+ the states' shares) are then two fp32 GEMMs a chunk and group: C and B
 do not depend on the head, so the per-head work is three dots a tile pair in all.
@@ -81,7 +82,10 @@ Tensor = torch.Tensor
 # sum over heads, occupancy; never a forward's bits). A dcb or state-rows program sums
 # BWD_HEADS_PER_PROGRAM heads of a group in order (fewer where the group's heads do not split so); the
 # per-program partials are summed afterwards by torch. A num_warps here overrides bwd_warps.
+# BWD_ROWS_HEADS_PER_PROGRAM: the same for the state-rows launches (dB's and dC's state shares), whose
+# programs otherwise number chunks x row blocks (128 at 4 x 2048), one wave walking all the heads.
 BWD_HEADS_PER_PROGRAM = 64
+BWD_ROWS_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
@@ -301,7 +305,7 @@ def _bwd_rows_kernel(
     h_in, w_l = exp(a_l)), and then also per head da's state part das [BR] = w_l C_l . (u_l v).
 
     u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32; v [NC, H, P, N],
-    a/dt/das [NC, H, L], C [NC, G, L, N]: fp32, contiguous; out [NC * G * K, L, N] fp32, one partial a
+    a/dt/das [NC, H, L], C [NC, G, L, N]: fp32, contiguous; out [NC * G * KR, L, N] fp32, one partial a
     program.
     """
     c, h0, cg, part = _group_part(H, G, HPP)
@@ -394,13 +398,15 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     f = torch.empty(NC, H, L, device=dev, dtype=f32)
     das = torch.empty_like(f)
     HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program sums: a divisor of the group's
-    K = HG // HPP  # programs per chunk and group: the partials of dcb and the state rows, summed below
+    K = HG // HPP  # programs per chunk and group: the partials of dcb, summed below
+    RPP = math.gcd(BWD_ROWS_HEADS_PER_PROGRAM, HG)
+    KR = HG // RPP  # the same for the state rows' partials
     NS = L // BS
     dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)
     # the s and t blocks' shares of da and of ddt (tiles above the diagonal write none)
     dap = torch.zeros(NC, H, NS, L, device=dev, dtype=f32)
     dep = torch.zeros(NC, H, L // BT, L, device=dev, dtype=f32)
-    dBs, dCs = (torch.empty(NC, G, K, L, N, device=dev, dtype=f32) for _ in range(2))
+    dBs, dCs = (torch.empty(NC, G, KR, L, N, device=dev, dtype=f32) for _ in range(2))
     BP, BN = triton.next_power_of_2(P), triton.next_power_of_2(N)
     dDp = torch.empty(NC, H, NS, BP, device=dev, dtype=f32)
     launch = {**opts, **BWD_OPTS}
@@ -412,12 +418,12 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
                                                       **dims, **launch)
         for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
-            _bwd_rows_kernel[(NC * G * K, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
-                                                    BLOCK_N=BN, HPP=HPP, TO_END=to_end, **dims, **launch)
+            _bwd_rows_kernel[(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
+                                                     BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]
-    dBs, dCs = (t[:, :, 0] if K == 1 else t.sum(2) for t in (dBs, dCs))
+    dBs, dCs = (t[:, :, 0] if KR == 1 else t.sum(2) for t in (dBs, dCs))
     dB = dBs + dcb.transpose(-1, -2) @ C
     dC = dCs + dcb @ B
     # da: the s part (per s block), the state part, and the a_L terms (h_out's decay and every w_s),

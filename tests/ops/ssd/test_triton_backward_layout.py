@@ -1,9 +1,9 @@
 """The scan backward's launch layout (``ops/ssd/triton_backward.py``): what may change with it and what may not.
 
 CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several heads of a group
-(``BWD_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA, dD, dh0) bit for bit, and dB
-and dC (now summed over the program's heads in the kernel) within fp32 rounding of the per-head sums,
-deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
+(``BWD_HEADS_PER_PROGRAM``, ``BWD_ROWS_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA,
+dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
+rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -71,10 +71,13 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
     lv = _leaves(3, lens, H, P, G, N, torch.float32)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(4)).to(DEV)
     monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", 1)  # per-head partials, summed by torch
+    monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 1)
     base = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
     pinned = dict(ta.STATE_OPTS)
-    for hpp, state in ((2, {"BLOCK_K": 16, "BLOCK_P": 16, "BLOCK_N": 16}), (4, dict(ta.STATE_OPTS)), (3, pinned)):
+    for hpp, rpp, state in ((2, 4, {"BLOCK_K": 16, "BLOCK_P": 16, "BLOCK_N": 16}), (4, 2, dict(ta.STATE_OPTS)),
+                            (3, 3, pinned)):
         monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", hpp)
+        monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", rpp)
         monkeypatch.setattr(ta, "STATE_OPTS", state)
         got = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
         again = dict(zip(ARGS, _backward(lv, gy, lens, chunk, cfg)))
@@ -85,6 +88,7 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
         assert all(e < 1e-5 for e in errs.values()), (hpp, errs)
     # what the checks would see if the kernels summed a head twice or left one out
     monkeypatch.setattr(ta, "BWD_HEADS_PER_PROGRAM", 1)
+    monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 1)
     half = dict(lv, x=lv["x"].clone())
     half["x"][:, 1] = 0
     assert _rel(dict(zip(ARGS, _backward(half, gy, lens, chunk, cfg)))["B"], base["B"]) > 1e-2
