@@ -167,9 +167,11 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
 def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
                         ) -> tuple[int, torch.Tensor]:
     """A norm backward's row blocks of ``norm_bwd_rows`` rows: (their number, their weight-gradient
-    partial sums [blocks, d] fp32, zeros: the caller sums them over blocks)."""
+    partial sums [blocks, d] fp32, each written by its block's program; one row of zeros for no rows:
+    the caller sums them over blocks)."""
     nb = triton.cdiv(M, cfg.norm_bwd_rows)
-    return nb, torch.zeros(max(nb, 1), d, device=device, dtype=torch.float32)
+    return nb, (torch.empty(nb, d, device=device, dtype=torch.float32) if nb else
+                torch.zeros(1, d, device=device, dtype=torch.float32))
 
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,

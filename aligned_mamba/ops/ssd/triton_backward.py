@@ -428,7 +428,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dC = dCs + dcb @ B
     # da: the s part (per s block), the state part, and the a_L terms (h_out's decay and every w_s),
     # then through the cumsum
-    hh = (dh_out * h_in).sum((-2, -1))  # [NC, H]
+    # [NC, H]: each chunk and head's dh_out . h_in, as one batched dot (no [NC, H, P, N] product in memory)
+    hh = (dh_out.view(NC * H, 1, P * N) @ h_in.view(NC * H, P * N, 1)).view(NC, H)
     ddt = dep.sum(2) + f
     da = dap.sum(2) + das - dt * ddt
     da[..., -1] += (f * dt).sum(-1) + a[..., -1].exp() * hh
