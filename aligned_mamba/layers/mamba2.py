@@ -254,9 +254,10 @@ class Mamba2Mixer:
         T = hidden.shape[0]
         H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
         zxbcdt = be.linear(hidden, self.in_proj_w, self.in_proj_b)
-        # split, not three slices: the same views, but under autograd one concatenation of the parts'
-        # gradients instead of a zero-filled full-width gradient per slice, summed
-        z, xBC_in, dt = zxbcdt.split([d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim], dim=1)
+        # split, not three slices: the same views, but under autograd one gradient buffer that the gated
+        # norm's and the conv's backwards write their blocks into (the rest copied in), not a zero-filled
+        # full-width gradient per slice, summed
+        z, xBC_in, dt = split_columns(zxbcdt, (d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim), one_grad=True)
         recompute = None
         recompute_ok = self.recompute and not saved_tensors_hooked()
         if recompute_ok and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):

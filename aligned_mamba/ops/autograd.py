@@ -134,27 +134,88 @@ def column_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     return first.as_strided((rows, width), (width, 1))
 
 
+class ColumnGrad:
+    """One gradient buffer [rows, width] for the column blocks of ``split_columns(t, sizes, one_grad=True)``.
+
+    A Function whose input is one of those blocks may take that block's slice of the buffer
+    (``GradBlock.take``, in its backward) and write the input's gradient there: the split's backward
+    then returns the buffer as t's gradient, copying in only the blocks that came from elsewhere, so
+    the blocks' gradients are never concatenated. Allocated at the first take of a backward, released
+    by the split's backward; each block is handed out once a backward (a second taker, say a block
+    feeding two Functions whose gradients autograd sums, writes its own tensor)."""
+
+    def __init__(self, t: torch.Tensor, sizes: tuple[int, ...]) -> None:
+        self.rows, self.dtype, self.device = t.shape[0], t.dtype, t.device
+        self.sizes = sizes
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.buffer: torch.Tensor | None = None
+        self.taken = [False] * len(sizes)
+
+    def block(self, i: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.rows, sum(self.sizes), dtype=self.dtype, device=self.device)
+        return self.buffer[:, self.starts[i]:self.starts[i] + self.sizes[i]]
+
+    def release(self) -> torch.Tensor | None:
+        buf, self.buffer, self.taken = self.buffer, None, [False] * len(self.sizes)
+        return buf
+
+
+class GradBlock(NamedTuple):
+    """A split block's place in its ``ColumnGrad`` (see there)."""
+
+    grad: ColumnGrad
+    index: int
+
+    def take(self) -> torch.Tensor | None:
+        """The block's slice of the gradient buffer [rows, size] (strided), or None once taken."""
+        if self.grad.taken[self.index]:
+            return None
+        self.grad.taken[self.index] = True
+        return self.grad.block(self.index)
+
+
+def grad_block(t: torch.Tensor) -> GradBlock | None:
+    """Where ``t``'s gradient may be written, if t is a block of ``split_columns(..., one_grad=True)``."""
+    return getattr(t, "_aligned_grad_block", None)
+
+
 class _Columns(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        ctx.sizes, ctx.shape, ctx.dtype = sizes, t.shape, t.dtype
+    def forward(ctx, t: torch.Tensor, sizes: tuple[int, ...], grad: ColumnGrad | None) -> tuple[torch.Tensor, ...]:
+        ctx.sizes, ctx.shape, ctx.dtype, ctx.grad = sizes, t.shape, t.dtype, grad
         return t.split(sizes, dim=1)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
+        buf = ctx.grad.release() if ctx.grad is not None else None
+        if buf is not None:
+            for i, g in enumerate(grads):
+                blk = buf[:, ctx.grad.starts[i]:ctx.grad.starts[i] + ctx.sizes[i]]
+                if g is None:
+                    blk.zero_()
+                elif not (g.data_ptr() == blk.data_ptr() and g.stride() == blk.stride() and g.shape == blk.shape):
+                    blk.copy_(g)
+            return buf, None, None
         if all(g is not None for g in grads) and (whole := column_blocks(grads)) is not None \
                 and whole.dtype == ctx.dtype and whole.shape == ctx.shape:
-            return whole, None
+            return whole, None, None
         rows = ctx.shape[0]
         parts = [g if g is not None else torch.zeros(rows, s, dtype=ctx.dtype, device=grads[0].device)
                  for g, s in zip(grads, ctx.sizes)] if any(g is not None for g in grads) else None
-        return (torch.cat(parts, 1) if parts is not None else None), None
+        return (torch.cat(parts, 1) if parts is not None else None), None, None
 
 
-def split_columns(t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def split_columns(t: torch.Tensor, sizes: tuple[int, ...], *, one_grad: bool = False) -> tuple[torch.Tensor, ...]:
     """``t.split(sizes, dim=1)`` for t [rows, sum(sizes)]: the same views. Under autograd, where the
     parts' gradients arrive as the adjacent column blocks of one buffer (a backward that wrote them so,
-    as the scan's does for x, B and C), that buffer is t's gradient as it is: no concatenation."""
+    as the scan's does for x, B and C), that buffer is t's gradient as it is: no concatenation. With
+    ``one_grad`` the blocks' producers may write into one such buffer themselves (``ColumnGrad``)."""
     if not grad_needed(t):
         return t.split(sizes, dim=1)
-    return _Columns.apply(t, tuple(sizes))
+    grad = ColumnGrad(t, tuple(sizes)) if one_grad else None
+    parts = _Columns.apply(t, tuple(sizes), grad)
+    if grad is not None:
+        for i, p in enumerate(parts):
+            p._aligned_grad_block = GradBlock(grad, i)
+    return parts

@@ -506,6 +506,41 @@ def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
     assert not torch.equal(dx, base_dx)
 
 
+def test_in_proj_gradient_is_written_in_place_by_the_blocks_backwards(monkeypatch):
+    """in_proj's output split as the mixer splits it (``split_columns(..., one_grad=True)``): the gated
+    norm + out_proj's and the conv's backwards write their blocks of one gradient buffer, the dt block
+    is copied in, and nothing is concatenated; the gradient has the bits of the plain split's (whose
+    backward concatenates). The baseline, a buffer handed to a block's second consumer too (whose
+    gradient autograd then sums with itself), differs, so the comparison can fail."""
+    from aligned_mamba.ops import autograd as ag
+
+    M, d, Cd, H, K = 6, 48, 24, 4, 4
+    slots, cu = torch.tensor([1, 0], device=DEV), torch.tensor([0, 5, 6], device=DEV)
+    wide = _rand(M, d + Cd + H, seed=71)
+    y, nw, ow, ob = _rand(M, d, seed=72), _rand(d, seed=73), _rand(40, d, seed=74, scale=0.2), _rand(40, seed=75)
+    cw, cb, windows = _rand(Cd, K, seed=76, scale=0.5), _rand(Cd, seed=77), _rand(2, K - 1, Cd, seed=78)
+    ws = [_rand(M, 40, seed=79), _rand(M, Cd, seed=80), _rand(M, H, seed=81)]
+
+    def grad(one: bool, twice: bool = False) -> torch.Tensor:
+        t = wide.clone().requires_grad_()
+        z, xc, dt = ag.split_columns(t, (d, Cd, H), one_grad=True) if one else t.split((d, Cd, H), dim=1)
+        wc = windows.clone()
+        conv = conv_tr._Conv.apply(xc, cw, cb, wc[slots], cu, slots, wc, CFG)
+        outs = [norm_tr.gated_norm_linear(y, z, nw, EPS, 4, ow, ob, CFG), conv, dt * 2.0]
+        if twice:  # the conv's input feeding a second conv
+            outs[1] = outs[1] + conv_tr._Conv.apply(xc, cw, cb, wc[slots], cu, slots, wc, CFG)
+        return torch.autograd.grad(outs, [t], ws)[0]
+
+    want = grad(False)
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: pytest.fail("concatenated"))
+    assert torch.equal(grad(True), want)
+    monkeypatch.setattr(torch, "cat", cat)
+    assert torch.equal(grad(True, twice=True), grad(False, twice=True))
+    monkeypatch.setattr(ag.GradBlock, "take", lambda self: self.grad.block(self.index))  # no once-only rule
+    assert not torch.equal(grad(True, twice=True), grad(False, twice=True))
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
     """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:
@@ -570,10 +605,18 @@ def test_the_scan_writes_x_b_c_gradients_as_the_conv_outputs_columns(monkeypatch
 
     whole = []
     spy = autograd.column_blocks
-    monkeypatch.setattr(autograd, "column_blocks", lambda parts: whole.append(spy(parts)) or whole[-1])
+    d, GN = config.intermediate_size, config.n_groups * config.state_size
+
+    def seen(parts):
+        got = spy(parts)
+        if [p.shape[1] for p in parts] == [d, GN, GN]:  # the conv output's split (not in_proj's)
+            whole.append(got)
+        return got
+
+    monkeypatch.setattr(autograd, "column_blocks", seen)
     got = grads()
     assert whole and all(w is not None for w in whole), "the split's backward concatenated"
-    monkeypatch.setattr(mixer, "split_columns", lambda t, sizes: t.split(sizes, dim=1))
+    monkeypatch.setattr(mixer, "split_columns", lambda t, sizes, one_grad=False: t.split(sizes, dim=1))
     plain = grads()
     assert all(torch.equal(u, v) for u, v in zip(got, plain))
     assert all(float(u.abs().max()) > 0 for u in got), "a parameter got no gradient"

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autograd import grad_needed, wanted
+from ..autograd import grad_block, grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..step import Step
 from ..triton_math import silu_exact
@@ -267,8 +267,8 @@ def _taps_and_bias(w_ptr, b_ptr, ch, cmask, K: tl.constexpr, HAS_BIAS: tl.conste
 
 @triton.jit
 def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
-                          stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                          stride_ws, stride_wk, stride_g, stride_dx, SEARCH_STEPS, K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """The gradient of conv1d + SiLU for rows [ROWS] x channels [BLOCK_C]: dx of the rows ([T, Cd],
     accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
     sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which ``_partials_kernel``
@@ -345,7 +345,7 @@ def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, d
         if K >= 4:
             dx += _tap(w0, w1, w2, w3, K - 4) * tl.where(t + 3 < end, e3, 0.0)
         own = t < r1  # the K-1 rows past the block give their dpre only
-        tl.store(dx_ptr + t.to(tl.int64) * Cd + ch, dx.to(dx_ptr.dtype.element_ty), mask=cmask & own)
+        tl.store(dx_ptr + t.to(tl.int64) * stride_dx + ch, dx.to(dx_ptr.dtype.element_ty), mask=cmask & own)
         d_own = tl.where(own, dpre, 0.0)
         db += d_own
         dw0 += d_own * c0
@@ -400,14 +400,15 @@ TILE_LAUNCH: tuple[int, int, int] = (32, 64, 4)
 
 def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor,
                                   weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
-                                  cfg: TritonKernelConfigs, walk: bool = True
+                                  cfg: TritonKernelConfigs, walk: bool = True, dx_out: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
     windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
     [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
     ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed in
     block order by a second launch (the walk, launched with cfg.conv_bwd_block_t, _block_c, _warps),
-    or by torch (walk=False: the tile kernel at ``TILE_LAUNCH``, the same dx bits)."""
+    or by torch (walk=False: the tile kernel at ``TILE_LAUNCH``, the same dx bits). dx_out: where the
+    walk writes dx ([T, Cd] in x's dtype, unit column stride; a block of a wider gradient, say)."""
     T, Cd = x.shape
     S, K = window.shape[0], weight.shape[1]
     if not 1 <= K <= 4:
@@ -416,7 +417,7 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
     g = g if g.stride(1) == 1 else g.contiguous()
     if walk:
         return _backward_walk(x, cu_seqlens, window, w, b if bias is not None else None, g, weight.dtype,
-                              None if bias is None else bias.dtype, cfg)
+                              None if bias is None else bias.dtype, cfg, dx_out)
     BT, BC, warps = TILE_LAUNCH
     nb = triton.cdiv(T, BT)
     dx = torch.empty(T, Cd, device=x.device, dtype=x.dtype)  # no fp32 copy to round afterwards
@@ -433,7 +434,8 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
 
 def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor, w: torch.Tensor,
                    b: torch.Tensor | None, g: torch.Tensor, w_dtype: torch.dtype, b_dtype: torch.dtype | None,
-                   cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   cfg: TritonKernelConfigs, dx_out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``causal_conv1d_backward_triton`` by ``_conv_bwd_walk_kernel`` and ``_partials_kernel`` (x and g
     with unit channel stride, w [Cd, K] contiguous)."""
     T, Cd = x.shape
@@ -441,7 +443,10 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     rows, block_c, warps = cfg.conv_bwd_block_t, cfg.conv_bwd_block_c, cfg.conv_bwd_warps
     nb = triton.cdiv(T, rows)
     dev = x.device
-    dx = torch.empty(T, Cd, device=dev, dtype=x.dtype)
+    dx = torch.empty(T, Cd, device=dev, dtype=x.dtype) if dx_out is None else dx_out
+    if dx.shape != (T, Cd) or dx.dtype != x.dtype or (T and dx.stride(1) != 1):
+        raise ValueError(f"dx_out must be [{T}, {Cd}] {x.dtype} with unit column stride, got {tuple(dx.shape)} "
+                         f"{dx.dtype}")
     dw = torch.empty(Cd, K, device=dev, dtype=w_dtype)
     db = torch.empty(Cd, device=dev, dtype=b_dtype) if b is not None else None
     if T == 0:
@@ -451,8 +456,8 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     dbp = torch.empty(nb, Cd, device=dev, dtype=torch.float32) if b is not None else dwp
     _conv_bwd_walk_kernel[(nb, triton.cdiv(Cd, block_c))](
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
-        window.stride(0), window.stride(1), g.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=b is not None,
-        ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+        window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
+        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
     _partials_kernel[(triton.cdiv(Cd, 128),)](dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K,
                                               HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128, num_warps=4)
     return dx, dw, db
@@ -596,6 +601,7 @@ class _Conv(torch.autograd.Function):
         # window: windows[slots] as the kernel finds them (it overwrites them in place)
         ctx.save_for_backward(x, w, b, window)
         ctx.consts = (cu_seqlens, cfg)
+        ctx.x_block = grad_block(x)  # x a block of in_proj's output: dx written into its one gradient
         return causal_conv1d_triton(x, cu_seqlens, slots, windows, w, b, cfg)
 
     @staticmethod
@@ -606,7 +612,8 @@ class _Conv(torch.autograd.Function):
         if ctx.needs_input_grad[3] or w.shape[1] > 4:
             dx, dwindow, dw, db = taps.causal_conv1d_backward(x, cu_seqlens, window, w, b, g)
             return wanted(ctx, dx, dw, db, dwindow)
-        dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg)
+        dx_out = ctx.x_block.take() if ctx.x_block is not None and ctx.needs_input_grad[0] else None
+        dx, dw, db = causal_conv1d_backward_triton(x, cu_seqlens, window, w, b, g, cfg, dx_out=dx_out)
         return wanted(ctx, dx, dw, db)
 
 

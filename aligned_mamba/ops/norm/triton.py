@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autograd import deterministic, grad_needed, wanted
+from ..autograd import deterministic, grad_block, grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..linear.triton import linear_triton
 from ..triton_math import silu_exact
@@ -131,7 +131,7 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
 
 @triton.jit
 def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr, dw_ptr, out_ptr, M, d, GS,
-                           stride_y, stride_z, stride_g, stride_out, eps, WRITE_OUT: tl.constexpr,
+                           stride_y, stride_z, stride_g, stride_dz, stride_out, eps, WRITE_OUT: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
     """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of out = round(w * normalise_g(y silu(z)))
     against g, from the forward's rstd [M, G] fp32: dy, dz (in y's and z's dtypes) and this block's
@@ -159,7 +159,8 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
         du = rstd * (gw - vhat * (tl.sum(tl.where(m, gw * vhat, 0.0), axis=0) / GS.to(tl.float32)))
         s = 1.0 / (1.0 + tl.exp(-z))
         tl.store(dy_ptr + row * d + c, (du * sz).to(dy_ptr.dtype.element_ty), mask=m)
-        tl.store(dz_ptr + row * d + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty), mask=m)
+        tl.store(dz_ptr + row * stride_dz + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty),
+                 mask=m)
         dw += g * vhat
     tl.store(dw_ptr + blk * d + c, dw, mask=mask)
 
@@ -205,13 +206,14 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
 
 def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                                    n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs,
-                                   rstd: torch.Tensor | None = None, *, write_out: bool = False
-                                   ) -> tuple[torch.Tensor, ...]:
+                                   rstd: torch.Tensor | None = None, *, write_out: bool = False,
+                                   dz_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The gradient of ``gated_rms_norm_triton(y, z, weight, eps, n_groups)`` against g [M, d]: (dy in y's
     dtype, dz in z's, dweight [d] in weight's), from the forward's ``rstd`` [M, n_groups] fp32 (None: one
     more forward pass forms it). With ``write_out`` the norm's output [M, d] as a fourth, with the
-    forward's bits (for a GEMM's weight gradient, so the forward need not hold it). Deterministic, as
-    ``rms_norm_backward_triton``."""
+    forward's bits (for a GEMM's weight gradient, so the forward need not hold it). dz_out: where to
+    write dz ([M, d] in z's dtype, unit column stride; a block of a wider gradient, say). Deterministic,
+    as ``rms_norm_backward_triton``."""
     y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
     M, d = y.shape
     gs = d // n_groups
@@ -220,14 +222,18 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
     if rstd.shape != (M, n_groups) or rstd.dtype != torch.float32 or not rstd.is_contiguous():
         raise ValueError(f"rstd must be contiguous [{M}, {n_groups}] float32, got {tuple(rstd.shape)} {rstd.dtype}")
     dy = torch.empty(M, d, device=y.device, dtype=y.dtype)
-    dz = torch.empty(M, d, device=y.device, dtype=z.dtype)
+    dz = torch.empty(M, d, device=y.device, dtype=z.dtype) if dz_out is None else dz_out
+    if dz.shape != (M, d) or dz.dtype != z.dtype or (M and dz.stride(1) != 1):
+        raise ValueError(f"dz_out must be [{M}, {d}] {z.dtype} with unit column stride, got {tuple(dz.shape)} "
+                         f"{dz.dtype}")
     out = torch.empty(M, d, device=y.device, dtype=y.dtype) if write_out else dy
     nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
     if M:
         block = triton.next_power_of_2(gs)
         warps = max(1, min(16, block // cfg.norm_bwd_block_per_warp))
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
-                                               y.stride(0), z.stride(0), g.stride(0), out.stride(0), float(eps),
+                                               y.stride(0), z.stride(0), g.stride(0), dz.stride(0), out.stride(0),
+                                               float(eps),
                                                WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows, BLOCK_G=block,
                                                num_warps=warps, enable_fp_fusion=False)
     dw = dw.sum(0).to(weight.dtype)
@@ -428,6 +434,7 @@ class _GatedNormLinear(torch.autograd.Function):
         yn, rstd = gated_rms_norm_triton(y, z, nw, eps, n_groups, cfg, with_rstd=True)
         ctx.save_for_backward(y, z, nw, w, rstd)
         ctx.consts = (eps, n_groups, cfg, None if b is None else b.dtype)
+        ctx.z_block = grad_block(z)  # z a block of in_proj's output: dz written into its one gradient
         return linear_triton(yn, w, b, cfg)
 
     @staticmethod
@@ -439,8 +446,9 @@ class _GatedNormLinear(torch.autograd.Function):
         if need_norm or need_w:
             # the input gradient as ``linear``'s backward forms it (cuBLAS), then the norm's in one pass
             # that writes the norm's output too
+            dz_out = ctx.z_block.take() if ctx.z_block is not None and ctx.needs_input_grad[1] else None
             dy, dz, dnw, yn = gated_rms_norm_backward_triton(y, z, nw, eps, n_groups, g @ w, cfg, rstd,
-                                                             write_out=True)
+                                                             write_out=True, dz_out=dz_out)
             if need_w:
                 dw = (g.t() @ yn).to(w.dtype)
         db = g.to(torch.float32).sum(0).to(bias_dtype) if need_b else None
