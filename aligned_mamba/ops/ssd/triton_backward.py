@@ -24,8 +24,8 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
 
 1. ``_state_pass_kernel`` of ``triton_chunk`` (the forward's, unchanged) for every chunk's h_in,
    from the chunk states;
-2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out (and dh_out . h_in) of every chunk, walking each
-   sequence's chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
+2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
+   chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
 3. ``_bwd_dx_kernel`` [NC * H, L / BS]: dx of one s block of one head, looping over the t blocks at
    or after it (one dot each: the scores times dy), with the w term (dh_out B_s) and f (ddt's);
 4. ``_bwd_dcb_kernel`` [NC * G * K, (L / BT) * (L / BS)]: one (t, s) tile of dcb, the gradient of
@@ -95,25 +95,21 @@ STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 
 
 
 @triton.jit
-def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, h_in_ptr, hh_ptr, first_ptr, count_ptr,
+def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr,
                         H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Sequence q, head h, one (p, n) block: walking q's chunks last to first, dh_out[c] = g and the
-    block's share of dh_out[c] . h_in[c] to hh [NC, H, blocks], then g = exp(a_L[c]) g + dS[c] (g = 0
-    past the last chunk); dh0[q] = g at the end (dh_in of the first).
+    """Sequence q, head h, one (p, n) block: walking q's chunks last to first, dh_out[c] = g, then
+    g = exp(a_L[c]) g + dS[c] (g = 0 past the last chunk); dh0[q] = g at the end (dh_in of the first).
 
-    a [NC, H, L], dS/dh_out/h_in [NC, H, P, N], dh0 [S, H, P, N], hh: fp32; first/count [S] int64.
+    a [NC, H, L], dS/dh_out [NC, H, P, N], dh0 [S, H, P, N]: fp32; first/count [S] int64.
     """
     q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
-    blocks = tl.num_programs(2)
     c0 = tl.load(first_ptr + q)
     c = c0 + tl.load(count_ptr + q) - 1
     g = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     while c >= c0:
         off = (c * H + h) * P * N + pn
         tl.store(dh_out_ptr + off, g, mask=m)
-        hin = tl.load(h_in_ptr + off, mask=m, other=0.0)
-        tl.store(hh_ptr + (c * H + h) * blocks + tl.program_id(2), tl.sum(tl.sum(g * hin, axis=1), axis=0))
         g = tl.exp(tl.load(a_ptr + (c * H + h) * L + L - 1)) * g + tl.load(dS_ptr + off, mask=m, other=0.0)
         c -= 1
     tl.store(dh0_ptr + (q * H + h) * P * N + pn, g, mask=m)
@@ -390,9 +386,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dS = _weighted_states(dy, C, a, dt, False, cfg, tc, opts)
     dh_out = torch.empty(NC, H, P, N, device=dev, dtype=f32)
     dh0 = torch.empty(S, H, P, N, device=dev, dtype=f32)
-    hhp = torch.empty(NC, H, pass_grid[2], device=dev, dtype=f32)  # dh_out . h_in, a share per block
-    _dstate_pass_kernel[pass_grid](a, dS, dh_out, dh0, h_in, hhp, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP,
-                                   BLOCK_N=NBk, num_warps=cfg.num_warps)
+    _dstate_pass_kernel[pass_grid](a, dS, dh_out, dh0, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP, BLOCK_N=NBk,
+                                   num_warps=cfg.num_warps)
 
     cb = C @ B.transpose(-1, -2)  # [NC, G, L, L]: cb[t, s] = C_t . B_s
     Dd = D.to(device=dev, dtype=f32)
@@ -433,7 +428,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dC = dCs + dcb @ B
     # da: the s part (per s block), the state part, and the a_L terms (h_out's decay and every w_s),
     # then through the cumsum
-    hh = hhp.sum(-1)  # [NC, H]
+    hh = (dh_out * h_in).sum((-2, -1))  # [NC, H]
     ddt = dep.sum(2) + f
     da = dap.sum(2) + das - dt * ddt
     da[..., -1] += (f * dt).sum(-1) + a[..., -1].exp() * hh
