@@ -96,11 +96,23 @@ def test_bench_conv_forward_tiles_dry_run(tmp_path: Path) -> None:
     assert all(e["equal_tile"] and e["repeat_equal"] and "error" not in e for e in cells), cells
 
 
+def test_bench_norm_backward_dry_run(tmp_path: Path) -> None:
+    """The gated norm's backward benchmark through the interpreter: at every launch the output it writes
+    again is the forward's bit for bit, and two calls give the same bits."""
+    pytest.importorskip("triton")
+    out = tmp_path / "norm_backward.json"
+    r = _run("bench_norm_backward_h200.py", out, "--launches", "256x16,512x4")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 1 and [(e["block_per_warp"], e["rows"]) for e in cells[0]["launches"]] == [(256, 16), (512, 4)]
+    assert all(e["out_equal_forward"] and e["repeat_equal"] for e in cells[0]["launches"]), cells
+
+
 def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
-    """The norms' rounding study: four variants, each a different model (a variant whose forms did not
+    """The norms' rounding study: five variants, each a different model (a variant whose forms did not
     reach the layers would repeat the contract's error exactly)."""
     out = tmp_path / "norms.json"
     r = _run("norm_rounding_cpu.py", out)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = [c["rel_err"] for c in json.loads(out.read_text())["cells"]]
-    assert len(errs) == 4 and len(set(errs)) == 4 and all(0 < e < 0.1 for e in errs), errs
+    assert len(errs) == 5 and len(set(errs)) == 5 and all(0 < e < 0.1 for e in errs), errs

@@ -63,18 +63,21 @@ def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, stride_x, BLOCK_
 
 
 @triton.jit
-def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, stride_dx, BLOCK_V: tl.constexpr):
+def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, stride_gv, stride_dx,
+                            BLOCK_V: tl.constexpr):
     """Row r of the logits' gradient from log_softmax's output: dx = g - exp(out) * sum(g), fp32 (the
-    sum over the row's blocks in order), rounded to dx's dtype."""
+    sum over the row's blocks in order), rounded to dx's dtype. g at strides (stride_g, stride_gv): a
+    broadcast g (a loss of ``logprobs.sum()``) is read where it lies."""
     row = tl.program_id(0).to(tl.int64)
     s = 0.0
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        s += tl.sum(tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32), axis=0)
+        s += tl.sum(tl.load(g_ptr + row * stride_g + cols * stride_gv, mask=cols < V, other=0.0).to(tl.float32),
+                    axis=0)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = cols < V
-        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols * stride_gv, mask=mask, other=0.0).to(tl.float32)
         o = tl.load(out_ptr + row * stride_out + cols, mask=mask, other=0.0)
         tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(o) * s).to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -84,11 +87,12 @@ def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch
     """``sliced.log_softmax_backward`` in one pass a row: out [M, V] float32 (log_softmax's output),
     g [M, V] -> the logits' gradient [M, V] in ``dtype``, with no fp32 temporaries the size of the
     logits (deterministic; the row sum's order differs from torch's)."""
-    g = _rows(g)
     M, V = out.shape
+    if g.shape != (M, V):
+        raise ValueError(f"g must be [{M}, {V}] like log_softmax's output, got {tuple(g.shape)}")
     dx = torch.empty(M, V, dtype=dtype, device=out.device)
     if M and V:
-        _log_softmax_bwd_kernel[(M,)](out, g, dx, V, out.stride(0), g.stride(0), dx.stride(0),
+        _log_softmax_bwd_kernel[(M,)](out, g, dx, V, out.stride(0), g.stride(0), g.stride(1), dx.stride(0),
                                       BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps)
     return dx
 
