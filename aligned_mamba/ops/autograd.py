@@ -147,14 +147,13 @@ class ColumnGrad:
     def __init__(self, t: torch.Tensor, sizes: tuple[int, ...]) -> None:
         self.rows, self.dtype, self.device = t.shape[0], t.dtype, t.device
         self.sizes = sizes
-        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.buffer: torch.Tensor | None = None
         self.taken = [False] * len(sizes)
 
     def block(self, i: int) -> torch.Tensor:
         if self.buffer is None:
             self.buffer = torch.empty(self.rows, sum(self.sizes), dtype=self.dtype, device=self.device)
-        return self.buffer[:, self.starts[i]:self.starts[i] + self.sizes[i]]
+        return self.buffer.split(self.sizes, dim=1)[i]
 
     def release(self) -> torch.Tensor | None:
         buf, self.buffer, self.taken = self.buffer, None, [False] * len(self.sizes)
@@ -190,8 +189,7 @@ class _Columns(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
         buf = ctx.grad.release() if ctx.grad is not None else None
         if buf is not None:
-            for i, g in enumerate(grads):
-                blk = buf[:, ctx.grad.starts[i]:ctx.grad.starts[i] + ctx.sizes[i]]
+            for g, blk in zip(grads, buf.split(ctx.sizes, dim=1)):
                 if g is None:
                     blk.zero_()
                 elif not (g.data_ptr() == blk.data_ptr() and g.stride() == blk.stride() and g.shape == blk.shape):
