@@ -16,6 +16,12 @@ Parts, each written to OUT/profile_train.json (text tables next to it):
 - glue: one of ours' steps under torch.profiler with Python stacks: the device time of the torch ops
   that are not our kernels (copies, concatenations, casts, reductions, elementwise ops) by op and by
   the project's code that called them (glue.txt, and the top rows in the JSON).
+- host: the host's own cost of ours' forward with gradients and of its backward, each enqueued behind
+  a 2 s GPU sleep (so no launch waits for the GPU: the host time is the host's work alone, unless
+  something synchronises, which the sleep then shows), and every synchronising call of one step
+  (``torch.cuda.set_sync_debug_mode``) with the project's frames that made it (host.txt); the host
+  ops by self CPU time grouped by the project's frames, each half behind a GPU sleep
+  (host_ops_forward.txt, host_ops_backward.txt).
 - conv: the conv1d + SiLU backward kernel at the shape's conv width and the cell's tokens over
   (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps), against the pinned configs' gradients
   (dx equal, dw/db within rounding, two calls equal), with torch's cuDNN conv1d + SiLU backward
@@ -151,6 +157,72 @@ def glue(torch, profile, activity, step, path: Path) -> list[dict]:
     return table[:40]
 
 
+def host_cost(torch, fwd, params: list, path: Path) -> dict:
+    """The host's work of fwd() (with gradients) and of its backward, each enqueued behind a GPU
+    sleep, in ms; and the synchronising calls of one step with their project frames."""
+    import traceback
+    import warnings
+
+    def behind_sleep(fn) -> float:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # about 2 s of one SM's clock: the queue stays busy
+        t0 = time.perf_counter()
+        r = fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        return ms, r
+
+    out: dict = {}
+    fw, bw = [], []
+    for _ in range(3):
+        ms, loss = behind_sleep(fwd)
+        fw.append(ms)
+        ms, _ = behind_sleep(lambda lo=loss: torch.autograd.grad(lo, params))
+        bw.append(ms)
+        del loss
+    out["forward_grad_host_ms"], out["backward_host_ms"] = statistics.median(fw), statistics.median(bw)
+    syncs: list[str] = []
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "aligned_mamba/" in f.filename
+                  or "benchmarks/" in f.filename][-4:]
+        syncs.append(f"{str(message)[:80]} @ " + " <- ".join(
+            f"{f.filename.split('/')[-1]}:{f.lineno}" for f in reversed(frames)))
+
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.autograd.grad(fwd(), params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    out["syncs"] = syncs
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def host_ops(torch, profile, activity, step, path: Path) -> None:
+    """One ``step()`` under torch.profiler with stacks, enqueued behind a GPU sleep: host ops by self
+    CPU time and call site (an op that waits on the GPU shows the sleep)."""
+    cfg = torch._C._profiler._ExperimentalConfig(verbose=True)
+    torch.cuda.synchronize()
+    with profile(activities=[activity.CPU], with_stack=True, experimental_config=cfg) as prof:
+        torch.cuda._sleep(4_000_000_000)  # behind a busy queue, an op that waits on the GPU takes ~2 s
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=8):
+        frames = [f for f in (e.stack or []) if "aligned_mamba/" in f or "benchmarks/" in f][:3]
+        rows.append((e.self_cpu_time_total / 1e3, e.count, e.key,
+                     " <- ".join(f.split("aligned_mamba/")[-1] for f in frames)))
+    rows.sort(key=lambda r: -r[0])
+    path.write_text("\n".join(f"{ms:9.3f} ms {n:5d}  {k[:40]:40s} {w}" for ms, n, k, w in rows[:80]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -233,6 +305,16 @@ def main() -> int:
     if "glue" in parts:
         result["glue"] = glue(torch, profile, ProfilerActivity, ours_step, out / "glue.txt")
         log(f"glue {result['glue'][:8]}")
+        save()
+    if "host" in parts:
+        result["host"] = host_cost(torch, ours_fwd, list(leaves.values()), out / "host.txt")
+        log(f"host {result['host']['forward_grad_host_ms']:.1f} / {result['host']['backward_host_ms']:.1f} ms, "
+            f"{len(result['host']['syncs'])} syncs")
+        host_ops(torch, profile, ProfilerActivity, ours_fwd, out / "host_ops_forward.txt")
+        loss = ours_fwd()
+        host_ops(torch, profile, ProfilerActivity, lambda: torch.autograd.grad(loss, list(leaves.values())),
+                 out / "host_ops_backward.txt")
+        del loss
         save()
     if "conv" in parts:
         cd = config.intermediate_size + 2 * config.n_groups * config.state_size

@@ -34,7 +34,9 @@ Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/
    ddt's s sums;
 5. ``_bwd_rows_kernel`` [NC * G * KR, L / BS or L / BT]: the boundary states' shares of dB (x dh_out)
    and, a second launch, of dC and da (dy h_in), summed over a program's heads
-   (``BWD_ROWS_HEADS_PER_PROGRAM``, KR programs per group).
+   (``BWD_ROWS_HEADS_PER_PROGRAM``, KR programs per group);
+6. ``_bwd_epilogue_kernel`` [NC * H]: the per-head sums that close it: ddt and da from the dcb
+   tiles' shares, the reverse cumsum into d(dt*A), ddt += A d(dt*A), the chunk's share of dA.
 
 dB = dcb^T C and dC = dcb B (+ the states' shares) are then two fp32 GEMMs a chunk and group: C and B
 do not depend on the head, so the per-head work is three dots a tile pair in all.
@@ -50,7 +52,8 @@ values a token) are copied to fp32 grids.
 
 Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
 fixed order inside a program, and what spans programs (dB and dC over a group's K programs, dA and
-dD over chunks) is summed by torch reductions, which are deterministic. The dots are ``dot_acc`` in the
+dD over chunks) is summed by torch reductions, which are deterministic; the tiles above the
+diagonal write no share, and the epilogue reads only the others (no zero fill). The dots are ``dot_acc`` in the
 contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
 operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
 split in two (``bwd_bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
@@ -335,6 +338,51 @@ def _bwd_rows_kernel(
     tl.store(out_ptr + (part * L + rows[:, None]) * N + n[None, :], acc, mask=nm)
 
 
+@triton.jit
+def _bwd_epilogue_kernel(
+    dap_ptr, dep_ptr, f_ptr, das_ptr, dt_ptr, a_ptr, dh_ptr, hin_ptr, A_ptr, ddt_ptr, dAp_ptr,
+    H: tl.constexpr, L: tl.constexpr, PN: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+    BLOCK_PN: tl.constexpr,
+):
+    """Chunk c, head h (pid 0 = c * H + h): the per-head sums that close the backward, for the chunk's
+    L rows at once: ddt and d(dt*A) from the dcb tiles' shares (dep over the t blocks, dap over the s
+    blocks, only those at or below the diagonal: the kernels leave the others unwritten), f, das and
+    the a_L terms (hh = dh_out . h_in); then ddt += A d(dt*A) and this chunk's share of dA, sum_s
+    dt_s d(dt*A)_s (dAp [NC * H]).
+
+    dap [NC, H, L / BS, L], dep [NC, H, L / BT, L], f/das/dt/a/ddt [NC, H, L], dh/hin [NC, H, P, N] (PN =
+    P * N): fp32, contiguous; A [H] fp32.
+    """
+    ch = tl.program_id(0).to(tl.int64)
+    h = ch % H
+    r = tl.arange(0, L)
+    acc = tl.zeros((BLOCK_PN,), dtype=tl.float32)
+    for k in range(0, PN, BLOCK_PN):
+        q = k + tl.arange(0, BLOCK_PN)
+        acc += tl.load(dh_ptr + ch * PN + q, mask=q < PN, other=0.0) * tl.load(hin_ptr + ch * PN + q, mask=q < PN,
+                                                                              other=0.0)
+    hh = tl.sum(acc, axis=0)
+    NS: tl.constexpr = L // BS
+    NT: tl.constexpr = L // BT
+    e = tl.zeros((L,), dtype=tl.float32)
+    for i in range(NT):  # t block i wrote the s blocks j with j * BS < (i + 1) * BT
+        ok = (r // BS) * BS < (i + 1) * BT
+        e += tl.load(dep_ptr + (ch * NT + i) * L + r, mask=ok, other=0.0)
+    d = tl.zeros((L,), dtype=tl.float32)
+    for j in range(NS):  # s block j wrote the t blocks i with j * BS < (i + 1) * BT
+        ok = j * BS < (r // BT + 1) * BT
+        d += tl.load(dap_ptr + (ch * NS + j) * L + r, mask=ok, other=0.0)
+    f = tl.load(f_ptr + ch * L + r)
+    dt = tl.load(dt_ptr + ch * L + r)
+    ddt = e + f
+    da = d + tl.load(das_ptr + ch * L + r) - dt * ddt
+    last = tl.sum(f * dt, axis=0) + tl.exp(tl.load(a_ptr + ch * L + L - 1)) * hh
+    da = tl.where(r == L - 1, da + last, da)
+    dAdt = tl.cumsum(da, axis=0, reverse=True)  # d(dt * A)_s = sum_{t >= s} da_t
+    tl.store(ddt_ptr + ch * L + r, ddt + tl.load(A_ptr + h) * dAdt)
+    tl.store(dAp_ptr + ch, tl.sum(dAdt * dt, axis=0))
+
+
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
     """The s and t row blocks at chunk size L (a chunk shorter than a block is one block)."""
     return min(cfg.bwd_block_s, L), min(cfg.bwd_block_t, L)
@@ -404,8 +452,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     NS = L // BS
     dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)
     # the s and t blocks' shares of da and of ddt (tiles above the diagonal write none)
-    dap = torch.zeros(NC, H, NS, L, device=dev, dtype=f32)
-    dep = torch.zeros(NC, H, L // BT, L, device=dev, dtype=f32)
+    dap = torch.empty(NC, H, NS, L, device=dev, dtype=f32)
+    dep = torch.empty(NC, H, L // BT, L, device=dev, dtype=f32)
     dBs, dCs = (torch.empty(NC, G, KR, L, N, device=dev, dtype=f32) for _ in range(2))
     BP, BN = triton.next_power_of_2(P), triton.next_power_of_2(N)
     dDp = torch.empty(NC, H, NS, BP, device=dev, dtype=f32)
@@ -424,17 +472,18 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]
     dBs, dCs = (t[:, :, 0] if KR == 1 else t.sum(2) for t in (dBs, dCs))
-    dB = dBs + dcb.transpose(-1, -2) @ C
-    dC = dCs + dcb @ B
-    # da: the s part (per s block), the state part, and the a_L terms (h_out's decay and every w_s),
-    # then through the cumsum
-    hh = (dh_out * h_in).sum((-2, -1))  # [NC, H]
-    ddt = dep.sum(2) + f
-    da = dap.sum(2) + das - dt * ddt
-    da[..., -1] += (f * dt).sum(-1) + a[..., -1].exp() * hh
-    dAdt = torch.flip(torch.cumsum(torch.flip(da, (-1,)), -1), (-1,))  # d(dt * A) = sum_{t >= s} da_t
-    ddt = ddt + Af[None, :, None] * dAdt
-    dA = (dAdt * dt).sum((0, 2))
+    dB = torch.baddbmm(dBs.reshape(-1, L, N), dcb.reshape(-1, L, L).transpose(1, 2), C.reshape(-1, L, N)).view(
+        NC, G, L, N)
+    dC = torch.baddbmm(dCs.reshape(-1, L, N), dcb.reshape(-1, L, L), B.reshape(-1, L, N)).view(NC, G, L, N)
+    # da (the s part per s block, the state part, the a_L terms: h_out's decay and every w_s) through
+    # the cumsum, into ddt and dA's per-chunk shares
+    ddt = torch.empty_like(f)
+    dAp = torch.empty(NC, H, device=dev, dtype=f32)
+    if NC:
+        _bwd_epilogue_kernel[(NC * H,)](dap, dep, f, das, dt, a, dh_out, h_in, Af, ddt, dAp, H=H, L=L, PN=P * N,
+                                        BS=BS, BT=BT, BLOCK_PN=min(2048, triton.next_power_of_2(P * N)),
+                                        num_warps=cfg.bwd_warps)
+    dA = dAp.sum(0)
     dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
     return dx, ddt, dB, dC, dA.to(A.dtype), dD, dh0

@@ -114,6 +114,8 @@ if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
          dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
     comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
                                                                          BLOCK_N=BN), True)
+    comp(tb._bwd_epilogue_kernel, {}, dict(H=32, L=256, PN=64 * 128, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t,
+                                           BLOCK_PN=2048), True, cfg.bwd_warps)
     comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
                               n="i32"),
          dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
@@ -126,8 +128,8 @@ print(json.dumps(done))
 def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
     done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
     # 16 kernel configs per dot mode (6 of the backward's), the step kernel per tensor-core mode; pack,
-    # buffer, row, reverse pass and zero kernels
-    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 5 * (0 in tcs), done
+    # buffer, row, reverse pass, the backward's epilogue and zero kernels
+    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 6 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
