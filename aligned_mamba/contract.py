@@ -21,8 +21,9 @@ import torch
 from .errors import ContractError, ContractMismatchError
 from .ops.configs import BACKENDS, TRITON_MAX_SLICES, KernelConfigs, kernel_configs
 
-# 2: the norms round once (weight times the fp32 normalised value); 1 rounded the normalised value first
-CONTRACT_VERSION = 2
+# 3: the RMSNorms normalise the residual as it is kept (fp32 unrounded); 2 rounded it to the model dtype
+# first; 2 and 3: the norms round once (weight times the fp32 normalised value), 1 rounded twice
+CONTRACT_VERSION = 3
 # a wheel ships the contracts inside the package; a source checkout keeps them in configs/contracts
 _PACKAGED = Path(__file__).resolve().parent / "contracts"
 CONTRACTS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "configs" / "contracts"
@@ -95,7 +96,8 @@ class Contract:
             raise ContractError(f"version {self.version!r} refused: expected a positive int")
         if self.version != CONTRACT_VERSION:
             raise ContractError(f"version {self.version} refused: this release computes version {CONTRACT_VERSION}'s "
-                                "bits (version 2's norms round once; both sides must run one version)")
+                                "bits (version 3's norms take the fp32 residual unrounded; both sides must run one "
+                                "version)")
         s = self.row_parallel_slices
         if not isinstance(s, int) or isinstance(s, bool) or s < 1 or s > 1024 or s & (s - 1):
             raise ContractError(f"row_parallel_slices {s!r} refused: must be a power of two from 1 to 1024 "

@@ -25,8 +25,8 @@ class RMSNormConfig:
 
 
 class RMSNorm:
-    """weight * (x / sqrt(mean(x^2) + eps)), x rounded to the model dtype first and the normalised
-    row rounded to it before the weight (Hugging Face's Mamba2 and mamba_ssm's RMSNorm)."""
+    """weight * (x / sqrt(mean(x^2) + eps)) rounded once to the model dtype, x as it comes (an fp32
+    residual unrounded, as mamba_ssm's fused add-norm takes it)."""
 
     kind = "rms_norm"
 
@@ -50,7 +50,7 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, hidden] any float dtype -> [M, hidden] in the model dtype."""
-        return self.backend.rms_norm(x.to(self.dtype), self.weight, self.config.eps, self.dtype)
+        return self.backend.rms_norm(x, self.weight, self.config.eps, self.dtype)
 
     def advance(self, state: Any, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:

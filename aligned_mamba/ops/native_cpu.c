@@ -167,7 +167,7 @@ static inline void normalize(float *v, i64 d, float eps, float *scratch) {
 
 /* weight * normalised x, rounded once to the output dtype (norm.rms_norm), rows of d.
    x [M, d] in dtype xdt; residual (optional, [M, d] in rdt): the fused residual add first
-   (backend.add_norm: res_out = residual + x in rdt, then the norm of res_out rounded to odt);
+   (backend.add_norm: res_out = residual + x in rdt, then the norm of res_out as stored);
    w [d] already in odt; out [M, d] in odt. scratch: 2 * pow2_at_least(d) floats. */
 void am_rms_norm(const void *x, int xdt, const void *residual, void *res_out, int rdt, const void *w,
                  void *out, int odt, i64 M, i64 d, float eps, float *scratch) {
@@ -179,7 +179,6 @@ void am_rms_norm(const void *x, int xdt, const void *residual, void *res_out, in
                 float s = load(residual, r * d + i, rdt) + xi;
                 store(res_out, r * d + i, rdt, s);
                 xi = load(res_out, r * d + i, rdt);
-                if (odt) xi = bf16_f32(f32_bf16(xi));  /* residual.to(dtype) */
             }
             v[i] = xi;
         }

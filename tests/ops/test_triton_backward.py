@@ -488,10 +488,10 @@ def test_gated_norm_backward_forms_the_forwards_output(dtype):
 
 @pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=["fp32-residual", "bf16-residual"])
 def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
-    """The add-norm's backward forms the norm's input (residual + x, rounded to the residual's dtype,
-    then to the model's) in the kernel and rounds dx to x's dtype there: the same bits as forming both
-    in torch around the plain kernel. The baseline (the input left unrounded to the model dtype)
-    differs, so the comparison can fail."""
+    """The add-norm's backward forms the norm's input (residual + x, rounded to the residual's dtype and
+    no further) in the kernel and rounds dx to x's dtype there: the same bits as forming both in torch
+    around the plain kernel. The baseline (an fp32 sum rounded to the model dtype, as contract version 2
+    normalised it; a bf16 residual's sum left unrounded) differs, so the comparison can fail."""
     from aligned_mamba.ops.norm.triton import rms_norm_backward_triton
 
     cfg = TritonKernelConfigs(norm_bwd_rows=4)
@@ -500,9 +500,10 @@ def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
     residual, add = (_rand(M, d, seed=s).to(res_dtype) for s in (63, 64))
     w = _rand(d, seed=65).to(bf)
     dx, dx2, dw = rms_norm_backward_triton(x, w, EPS, bf, g, cfg, add=add, residual=residual, dx_dtype=bf)
-    want_dx, want_dw = rms_norm_backward_triton((residual + x).to(bf), w, EPS, bf, g, cfg, add=add)
+    want_dx, want_dw = rms_norm_backward_triton(residual + x, w, EPS, bf, g, cfg, add=add)
     assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw) and torch.equal(dx2, want_dx.to(bf))
-    base_dx, _ = rms_norm_backward_triton((residual.float() + x.float()), w, EPS, bf, g, cfg, add=add)
+    base_in = (residual + x).to(bf) if res_dtype == torch.float32 else residual.float() + x.float()
+    base_dx, _ = rms_norm_backward_triton(base_in, w, EPS, bf, g, cfg, add=add)
     assert not torch.equal(dx, base_dx)
 
 

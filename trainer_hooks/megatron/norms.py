@@ -36,9 +36,10 @@ class AlignedRMSNorm(torch.nn.Module):
 
 def aligned_rms_norm(backend: Backend, x: torch.Tensor, weight: torch.Tensor, eps: float,
                      dtype: torch.dtype) -> torch.Tensor:
-    """x [..., hidden] rounded to ``dtype``, normalised by the backend's row-invariant RMSNorm -> ``dtype``."""
+    """x [..., hidden] as it comes (an fp32 residual unrounded), normalised by the backend's row-invariant
+    RMSNorm -> ``dtype``."""
     shape = x.shape
-    return backend.rms_norm(x.reshape(-1, shape[-1]).to(dtype), weight, eps, dtype).reshape(shape)
+    return backend.rms_norm(x.reshape(-1, shape[-1]), weight, eps, dtype).reshape(shape)
 
 
 class AlignedGatedRMSNorm(torch.nn.Module):

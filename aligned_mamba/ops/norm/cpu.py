@@ -14,7 +14,7 @@ def rms_norm_loop(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``tree.rms_norm(x, weight, eps, out_dtype)`` for x [M, d]; with ``residual`` [M, d] the fused
     add of ``tree.add_norm`` first (returns (normed, residual + x), the sum in residual's dtype,
-    normed from it rounded to out_dtype). None where it does not apply."""
+    normed from it as stored). None where it does not apply."""
     if out_dtype not in DTYPES or not ok(x, weight, residual) or (lib := library()) is None:
         return None
     M, d = x.shape

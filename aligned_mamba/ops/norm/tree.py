@@ -100,17 +100,18 @@ def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
 def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
                residual_dtype: torch.dtype, *, norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
     """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
-    normed = norm(residual rounded to ``dtype``) [T, d] in ``dtype``. Returns (normed, residual)."""
+    normed = norm(residual as it is kept, fp32 included) [T, d] in ``dtype``. Returns (normed, residual)."""
     residual = embedding[token_ids].to(residual_dtype)
-    return norm(residual.to(dtype), w, eps, dtype), residual
+    return norm(residual, w, eps, dtype), residual
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype, *,
              norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's residual add and the next norm: residual + x (in residual's dtype), normed =
-    norm(that sum rounded to ``dtype``). x, residual [M, d]. Returns (normed, residual + x)."""
+    norm(that sum as it is kept: an fp32 residual is normalised unrounded) in ``dtype``. x, residual
+    [M, d]. Returns (normed, residual + x)."""
     residual = residual + x
-    return norm(residual.to(dtype), w, eps, dtype), residual
+    return norm(residual, w, eps, dtype), residual
 
 
 # -- backwards (the triton backend's autograd Functions, ``triton.py``) --------------------------------------

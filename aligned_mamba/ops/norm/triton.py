@@ -103,7 +103,7 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
                          stride_g, stride_add, eps, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr,
                          HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(v)) against g, where v = x, or
-    with HAS_RES v = round_OUT(round_RES(res + x)) (the add-norm's input as its forward rounds it, the sum
+    with HAS_RES v = round_RES(res + x) (the add-norm's input as its forward forms it, the sum
     in fp32): dx (fp32, plus add[r] if HAS_ADD: the residual's own gradient; with HAS_DX2 also rounded
     to dx2's dtype) and this block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
     blk = tl.program_id(0)
@@ -117,7 +117,7 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(res_ptr + row * stride_res + cols, mask=m, other=0.0)
-            x = (r.to(tl.float32) + x).to(res_ptr.dtype.element_ty).to(OUT).to(tl.float32)
+            x = (r.to(tl.float32) + x).to(res_ptr.dtype.element_ty).to(tl.float32)
         g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
         dx, xhat = _norm_backward(x, g * w, mask, D, eps)
         if HAS_ADD:
@@ -183,8 +183,8 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     plus ``add`` [M, D] when given (a residual's own gradient, summed in fp32), dweight [D] in weight's
     dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch.
 
-    With ``residual`` [M, D] the normalised input is the add-norm's, ``(residual + x).to(residual.dtype)
-    .to(out_dtype)`` (rounded as torch rounds it), formed in the kernel rather than in memory. With
+    With ``residual`` [M, D] the normalised input is the add-norm's, ``(residual + x).to(residual.dtype)``
+    (rounded as torch rounds it), formed in the kernel rather than in memory. With
     ``dx_dtype`` the result is (dx, dx rounded to dx_dtype, dweight): both of the add-norm's gradients
     from one pass."""
     x, g = _rows(x, "x"), _rows(g, "g")
@@ -288,8 +288,8 @@ def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     x [M, d] (the block's output, any float dtype) or None (the first layer: no add), residual
     [M, d]. new_residual = residual + x computed in fp32 and rounded to residual's dtype (exact for
     an fp32 residual and a bf16 x), or residual itself copied when x is None; normed =
-    ``rms_norm(new_residual)``, the new residual first rounded to ``norm_input_dtype`` if given (the
-    reference model normalises ``residual.to(model dtype)``). Returns (normed [M, d] in ``out_dtype``,
+    ``rms_norm(new_residual)`` as it is kept (the contract's), or first rounded to ``norm_input_dtype``
+    if given (Hugging Face's Mamba2 normalises ``residual.to(model dtype)``). Returns (normed [M, d] in ``out_dtype``,
     default weight's dtype; new_residual [M, d] in residual's dtype), both new tensors.
     """
     residual = _rows(residual, "residual")
@@ -368,14 +368,14 @@ class _EmbedNorm(torch.autograd.Function):
                 cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(token_ids, embedding, w)
         ctx.consts = (eps, dtype, residual_dtype, cfg)
-        return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+        return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
 
     @staticmethod
     def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         token_ids, embedding, w = ctx.saved_tensors
         eps, dtype, residual_dtype, cfg = ctx.consts
         residual = embedding[token_ids].to(residual_dtype)
-        g, dw = rms_norm_backward_triton(residual.to(dtype), w, eps, dtype, g_normed, cfg, add=g_residual)
+        g, dw = rms_norm_backward_triton(residual, w, eps, dtype, g_normed, cfg, add=g_residual)
         de = None
         if ctx.needs_input_grad[1]:
             with deterministic():  # repeated token ids: the sorting accumulation, not atomics
@@ -390,13 +390,13 @@ class _AddNorm(torch.autograd.Function):
                 cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x, residual, w)
         ctx.consts = (eps, dtype, cfg)
-        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg)
 
     @staticmethod
     def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, residual, w = ctx.saved_tensors
         eps, dtype, cfg = ctx.consts
-        # the norm's input as the forward rounds it (the residual sum in its dtype, then the model dtype),
+        # the norm's input as the forward forms it (the residual sum in its dtype),
         # formed in the kernel; x's gradient rounded to its dtype in the same pass (an fp32 x takes dx itself)
         if x.dtype == torch.float32:
             g, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual)
@@ -471,7 +471,7 @@ def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor
     """token_ids [T] -> (normed [T, d] in ``dtype``, residual [T, d] in ``residual_dtype``)."""
     if grad_needed(embedding, w):
         return _EmbedNorm.apply(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
-    return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg, norm_input_dtype=dtype)
+    return embed_rms_norm_triton(token_ids, embedding, w, eps, dtype, residual_dtype, cfg)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
@@ -479,7 +479,7 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: floa
     """x, residual [M, d] -> (normed [M, d] in ``dtype``, residual + x [M, d] in residual's dtype)."""
     if grad_needed(x, residual, w):
         return _AddNorm.apply(x, residual, w, eps, dtype, cfg)
-    return add_rms_norm_triton(x, residual, w, eps, dtype, cfg, norm_input_dtype=dtype)
+    return add_rms_norm_triton(x, residual, w, eps, dtype, cfg)
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, n_groups: int,
