@@ -87,6 +87,20 @@ def torch_rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return aligned_rms_norm(hook.backend(x.device), x, self.weight, self.eps, hook.dtype)
 
 
+def mamba_layer_forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
+                        inference_context: Any = None, rotary_pos_emb: Any = None, *, inference_params: Any = None,
+                        packed_seq_params: Any = None) -> torch.Tensor:
+    """MambaLayer.forward as the core computes it: the pre-mixer norm takes the residual stream as it is
+    kept (fp32 with residual_in_fp32), not rounded to params_dtype first, then the mixer and the
+    residual add. hidden_states [s, b, h] -> [s, b, h]."""
+    context = inference_context if inference_context is not None else inference_params
+    residual = hidden_states.to(torch.float32) if self.residual_in_fp32 else hidden_states
+    out = self.mixer(self.norm(hidden_states), inference_context=context, packed_seq_params=packed_seq_params)
+    with self.bias_dropout_add_exec_handler():
+        return self.mamba_bda(training=self.training, fused=self.config.bias_dropout_fusion)(out, residual,
+                                                                                           self.hidden_dropout)
+
+
 def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mixer:
     """The core's Mamba2 layer over a MambaMixer's own parameters (differentiable casts, rebuilt per
     forward: the optimizer moves the parameters)."""

@@ -186,6 +186,7 @@ class AlignedMambaHook:
                     raise AlignmentRefused(f"{where}: its pre-mixer norm is {type(m.norm).__name__}, not an RMSNorm "
                                            "the hook covers (a Transformer Engine spec fuses it into in_proj; use "
                                            "local_mamba_stack_spec)")
+                patch.swap(m, self)
             elif kind is MambaMixer:
                 check_mixer(m, where, self.contract)
                 covered.add(id(m.norm))  # the gated norm: the aligned mixer forward reads its weight and eps
