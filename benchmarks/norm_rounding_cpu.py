@@ -6,9 +6,11 @@
 A random Mamba2 (d_model 512, 16 heads of 64, state 128, 1 group, vocab 4096, chunk 128; ``make_tiny``
 weights, seed 3) in bf16 on the torch backend, its logits against the fp64 reference model
 (tests/fp64_reference.py) as ||got - ref|| / ||ref||, with top-1 agreement, for the contract's norms
-(each output rounded once: weight times the fp32 normalised value) and for the Hugging Face / vLLM
-torch form (the normalised value rounded to bf16, then the product rounded again) in the RMSNorms,
-in the gated norm, or in both. Nothing else changes between the rows.
+(v3: each output rounded once, weight times the fp32 normalised value, and the fp32 residual
+normalised unrounded), for v2 (the residual rounded to bf16 before the RMSNorms), for the Hugging
+Face / vLLM torch form's second rounding (the normalised value rounded to bf16, then the product
+rounded again) in the RMSNorms or in the gated norm, and for Hugging Face's Mamba2 (v1: the residual
+rounded first and both norms rounding twice). Nothing else changes between the rows.
 """
 
 from __future__ import annotations
@@ -48,10 +50,26 @@ def gated_twice(y, z, weight, eps, n_groups):
     return weight.to(y.dtype) * g.to(y.dtype)
 
 
+def embed_norm_rounded(token_ids, embedding, w, eps, dtype, residual_dtype, *, norm=tree.rms_norm):
+    """Contract v2's first norm: the residual rounded to the model dtype before it is normalised."""
+    residual = embedding[token_ids].to(residual_dtype)
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
+def add_norm_rounded(x, residual, w, eps, dtype, *, norm=tree.rms_norm):
+    """Contract v2's add-norm: the sum rounded to the model dtype before it is normalised."""
+    residual = residual + x
+    return norm(residual.to(dtype), w, eps, dtype), residual
+
+
 RMS_TWICE = dict(rms_norm=rms_twice, embed_norm=functools.partial(tree.embed_norm, norm=rms_twice),
                  add_norm=functools.partial(tree.add_norm, norm=rms_twice))
-VARIANTS = {"contract (once)": {}, "RMSNorms twice": RMS_TWICE, "gated norm twice": dict(gated_rms_norm=gated_twice),
-            "both twice (HF)": dict(RMS_TWICE, gated_rms_norm=gated_twice)}
+VARIANTS = {"contract (v3)": {}, "input rounded (v2)": dict(add_norm=add_norm_rounded, embed_norm=embed_norm_rounded),
+            "RMSNorms twice": RMS_TWICE, "gated norm twice": dict(gated_rms_norm=gated_twice),
+            "input rounded, both twice (v1, HF)": dict(
+                rms_norm=rms_twice, gated_rms_norm=gated_twice,
+                add_norm=functools.partial(add_norm_rounded, norm=rms_twice),
+                embed_norm=functools.partial(embed_norm_rounded, norm=rms_twice))}
 
 
 def main() -> None:

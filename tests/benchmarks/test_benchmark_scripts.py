@@ -109,10 +109,10 @@ def test_bench_norm_backward_dry_run(tmp_path: Path) -> None:
 
 
 def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
-    """The norms' rounding study: four variants, each a different model (a variant whose forms did not
+    """The norms' rounding study: five variants, each a different model (a variant whose forms did not
     reach the layers would repeat the contract's error exactly)."""
     out = tmp_path / "norms.json"
     r = _run("norm_rounding_cpu.py", out)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = [c["rel_err"] for c in json.loads(out.read_text())["cells"]]
-    assert len(errs) == 4 and len(set(errs)) == 4 and all(0 < e < 0.1 for e in errs), errs
+    assert len(errs) == 5 and len(set(errs)) == 5 and all(0 < e < 0.1 for e in errs), errs

@@ -15,7 +15,7 @@ from aligned_mamba.ops.configs import TorchKernelConfigs, TritonKernelConfigs, k
 
 def test_defaults_and_fingerprint_stable() -> None:
     c = Contract(256)
-    assert (c.state_dtype, c.backend, c.model_dtype, c.version) == ("float32", "torch", "bfloat16", 2)
+    assert (c.state_dtype, c.backend, c.model_dtype, c.version) == ("float32", "torch", "bfloat16", 3)
     assert c.kernel_configs == TorchKernelConfigs() and c.to_dict()["kernel_configs"] == pinned_configs("torch")
     assert len(c.fingerprint) == 12 and int(c.fingerprint, 16) >= 0
     assert c.fingerprint == Contract(256).fingerprint
@@ -39,10 +39,11 @@ def test_fingerprint_changes_with_each_field(change: dict) -> None:
     assert Contract(**{**base, **change}).fingerprint != Contract(**base).fingerprint
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_another_version_is_refused_in_one_line(version: int) -> None:
-    """Version 1's norms rounded twice: a contract of another version promises bits this release
-    does not compute, so it is refused rather than silently run with other bits."""
+    """Version 1's norms rounded twice, version 2's rounded the fp32 residual first: a contract of
+    another version promises bits this release does not compute, so it is refused rather than
+    silently run with other bits."""
     with pytest.raises(ContractError) as e:
         Contract(256, version=version)
     assert "\n" not in str(e.value) and str(e.value).startswith(f"version {version} refused")
