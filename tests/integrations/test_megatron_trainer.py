@@ -27,6 +27,7 @@ from aligned_mamba.train import PolicyTrainer, weights_digest, weights_from_byte
 from trainer_hooks import megatron as hk  # noqa: E402
 from trainer_hooks import megatron_trainer as mc  # noqa: E402
 from trainer_hooks.megatron_trainer import MegatronTrainer, make_trainer  # noqa: E402
+from trainer_hooks.megatron_weights import megatron_to_hf  # noqa: E402
 
 TINY = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, vocab_size=256, chunk_size=32)
 
@@ -115,7 +116,8 @@ def test_agrees_with_the_reference_trainer_bit_for_bit(tied: bool, setup) -> Non
     """Scores are bit-identical by construction (the hook's forward is the core's layer). Steps agree bitwise too
     (measured on torch 2.13 CPU, tied and untied): the backward runs the same ops on the same checkpoint-dtype
     tensors, so the fp32 master gradients, the Adam updates, the served weights and the reported loss /
-    grad norm are equal, step after step."""
+    grad norm are equal, step after step. Under contract v3 the fp32 residual stream gets its next norm's
+    gradient terms and its add's one by one, in an order the hook must keep (``mamba_layer_forward``)."""
     config, tensors, contract = tiny(tie_word_embeddings=True) if tied else setup
     tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
     ref = PolicyTrainer(config, tensors, contract, lr=1e-3)
@@ -128,6 +130,12 @@ def test_agrees_with_the_reference_trainer_bit_for_bit(tied: bool, setup) -> Non
         assert torch.equal(lp, want)
     for advantages in ([1.0, -1.0, 0.5], [0.25, 1.0, -2.0]):
         assert tr.step(seqs, pl, advantages) == ref.step(seqs, pl, advantages)
+        # the gradients themselves: Adam's first step moves each weight by about lr whatever its gradient's
+        # last bits, so equal weights after it do not show equal gradients
+        grads = megatron_to_hf({n: m.grad for n, m in tr.master.items()}, config)
+        assert grads.keys() <= ref.master.keys()
+        for name, g in grads.items():
+            assert torch.equal(g, ref.master[name].grad), name
         # (the bytes themselves may differ: safetensors writes the metadata map in no fixed order)
         assert tr.export_bytes()[1] == ref.export_bytes()[1]
         for lp, want in zip(tr.token_logprobs(seqs, pl), ref.token_logprobs(seqs, pl)):

@@ -92,13 +92,23 @@ def mamba_layer_forward(self: Any, hidden_states: torch.Tensor, attention_mask: 
                         packed_seq_params: Any = None) -> torch.Tensor:
     """MambaLayer.forward as the core computes it: the pre-mixer norm takes the residual stream as it is
     kept (fp32 with residual_in_fp32), not rounded to params_dtype first, then the mixer and the
-    residual add. hidden_states [s, b, h] -> [s, b, h]."""
+    residual add. hidden_states [s, b, h] -> [s, b, h].
+
+    The norm and the add read one [s * b, h] view of the stream, as the core's add-norm reads its sum:
+    the torch form's norm sends an fp32 input three gradient terms (x * x's two, x * rstd's), and
+    autograd adds them one at a time to the add's term, in the core's order. Behind a view of its own
+    (its [M, h] reshape) the norm's three were summed first: gradients an ulp or so off, which Adam's
+    first step hides and its second does not."""
     context = inference_context if inference_context is not None else inference_params
-    residual = hidden_states.to(torch.float32) if self.residual_in_fp32 else hidden_states
-    out = self.mixer(self.norm(hidden_states), inference_context=context, packed_seq_params=packed_seq_params)
+    s, b, h = hidden_states.shape
+    stream = hidden_states.reshape(s * b, h)
+    residual = stream.to(torch.float32) if self.residual_in_fp32 else stream
+    out, bias = self.mixer(self.norm(stream).view(s, b, h), inference_context=context,
+                           packed_seq_params=packed_seq_params)
     with self.bias_dropout_add_exec_handler():
-        return self.mamba_bda(training=self.training, fused=self.config.bias_dropout_fusion)(out, residual,
-                                                                                           self.hidden_dropout)
+        y = self.mamba_bda(training=self.training, fused=self.config.bias_dropout_fusion)(
+            (out.reshape(s * b, h), bias), residual, self.hidden_dropout)
+    return y.view(s, b, h)
 
 
 def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mixer:

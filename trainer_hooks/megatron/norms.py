@@ -37,7 +37,10 @@ class AlignedRMSNorm(torch.nn.Module):
 def aligned_rms_norm(backend: Backend, x: torch.Tensor, weight: torch.Tensor, eps: float,
                      dtype: torch.dtype) -> torch.Tensor:
     """x [..., hidden] as it comes (an fp32 residual unrounded), normalised by the backend's row-invariant
-    RMSNorm -> ``dtype``."""
+    RMSNorm -> ``dtype``. An [M, hidden] x goes to the op itself, not through a view: its gradient terms
+    then reach x as the core's norm gives them (``forwards.mamba_layer_forward``)."""
+    if x.dim() == 2:
+        return backend.rms_norm(x, weight, eps, dtype)
     shape = x.shape
     return backend.rms_norm(x.reshape(-1, shape[-1]), weight, eps, dtype).reshape(shape)
 

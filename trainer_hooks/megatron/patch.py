@@ -38,7 +38,8 @@ FORWARDS: dict[str, tuple[Callable, str]] = {
                           "> 1 or TP > 1 the contract's sliced tree"),
     "RMSNorm": (forwards.torch_rms_norm_forward, "WrappedTorchNorm's torch RMSNorm on the shared op"),
     "MambaLayer": (forwards.mamba_layer_forward, "the core's layer, its norm given the fp32 residual as kept "
-                   "(contract v3); Megatron's rounds it to params_dtype first"),
+                   "(contract v3; Megatron's rounds it to params_dtype first), the norm and the add reading one "
+                   "view of it, so its gradient terms add up in the core's order"),
     "SelfAttention": (forwards.attention_forward, "the core's attention layer over linear_qkv / linear_proj"),
     "MLP": (forwards.mlp_forward, "the core's squared-ReLU MLP over linear_fc1 / linear_fc2"),
     "MoELayer": (forwards.moe_forward, "the core's MoE layer over the router, experts and shared expert"),
