@@ -107,7 +107,8 @@ class ChunkGrid:
     num_chunks NC; fill: the most rows any sequence buffered (0 when none). int64 on one device:
     seq, index, length [NC] (owning sequence, chunk number in it, valid rows); first, count [S]
     (each sequence's first chunk and number of chunks); row_chunk, row_pos [T] (where packed row r
-    sits).
+    sits); row0, row_lo, row_hi [NC] (the packed row at the chunk's position 0, which may lie before
+    its sequence's rows when rows are buffered, and the sequence's rows [row_lo, row_hi)).
     """
 
     num_chunks: int
@@ -119,6 +120,9 @@ class ChunkGrid:
     count: torch.Tensor
     row_chunk: torch.Tensor
     row_pos: torch.Tensor
+    row0: torch.Tensor
+    row_lo: torch.Tensor
+    row_hi: torch.Tensor
 
 
 def chunk_grid(cu_seqlens: torch.Tensor, off: torch.Tensor | None, chunk_size: int,
@@ -143,7 +147,8 @@ def chunk_grid(cu_seqlens: torch.Tensor, off: torch.Tensor | None, chunk_size: i
     length = torch.clamp(slen[seq] - index * L, max=L)
     row_seq = torch.repeat_interleave(torch.arange(S, device=host), lens, output_size=T)
     q = off[row_seq] + torch.arange(T, device=host) - cu[:-1][row_seq]  # position in the stream
-    parts = (seq, index, length, first, nch, first[row_seq] + q // L, q % L)
+    parts = (seq, index, length, first, nch, first[row_seq] + q // L, q % L, cu[:-1][seq] + index * L - off[seq],
+             cu[:-1][seq], cu[1:][seq])
     fill = int(off.max()) if S else 0
     if torch.device(device) != host:
         flat = torch.cat(parts)

@@ -72,7 +72,7 @@ import triton.language as tl
 from ..autograd import column_blocks, grad_needed
 from ..configs import TritonKernelConfigs
 from ..step import Step
-from ..triton_math import dt_softplus_triton, interpreting
+from ..triton_math import dt_softplus_triton, has_limit, interpreting, limits, softplus_exact
 from .chunk import ChunkGrid, Chunks, chunk_grid, dt_softplus, dt_softplus_backward, pack_chunks
 from .state import SSDState, SSMParams
 from .triton_chunk import _pass_block, _state_pass_kernel, replay_chunk_triton
@@ -341,17 +341,22 @@ def _bwd_rows_kernel(
 @triton.jit
 def _bwd_epilogue_kernel(
     dap_ptr, dep_ptr, f_ptr, das_ptr, dt_ptr, a_ptr, dh_ptr, hin_ptr, A_ptr, ddt_ptr, dAp_ptr,
+    raw_ptr, bias_ptr, graw_ptr, dbp_ptr, row0_ptr, row_lo_ptr, row_hi_ptr, s_raw, lo, hi,
     H: tl.constexpr, L: tl.constexpr, PN: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
-    BLOCK_PN: tl.constexpr,
+    BLOCK_PN: tl.constexpr, DT_ROWS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """Chunk c, head h (pid 0 = c * H + h): the per-head sums that close the backward, for the chunk's
     L rows at once: ddt and d(dt*A) from the dcb tiles' shares (dep over the t blocks, dap over the s
     blocks, only those at or below the diagonal: the kernels leave the others unwritten), f, das and
     the a_L terms (hh = dh_out . h_in); then ddt += A d(dt*A) and this chunk's share of dA, sum_s
-    dt_s d(dt*A)_s (dAp [NC * H]).
+    dt_s d(dt*A)_s (dAp [NC * H]). DT_ROWS: also softplus's backward to the raw dt of the chunk's packed
+    rows (position r is row row0[c] + r, one of its sequence's rows [row_lo[c], row_hi[c]) or none),
+    graw = ddt sigmoid(raw + bias) (ddt above softplus' threshold 20, zero where the limit clamped),
+    written as rows [T, H] in graw's dtype, and the chunk's share of dt_bias's gradient (dbp [NC * H]).
 
     dap [NC, H, L / BS, L], dep [NC, H, L / BT, L], f/das/dt/a/ddt [NC, H, L], dh/hin [NC, H, P, N] (PN =
-    P * N): fp32, contiguous; A [H] fp32.
+    P * N): fp32, contiguous; A [H] fp32; raw [T, H] at row stride s_raw (unit stride along H), bias [H];
+    row0/row_lo/row_hi [NC] int64 (``chunk.ChunkGrid``'s).
     """
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
@@ -379,8 +384,22 @@ def _bwd_epilogue_kernel(
     last = tl.sum(f * dt, axis=0) + tl.exp(tl.load(a_ptr + ch * L + L - 1)) * hh
     da = tl.where(r == L - 1, da + last, da)
     dAdt = tl.cumsum(da, axis=0, reverse=True)  # d(dt * A)_s = sum_{t >= s} da_t
-    tl.store(ddt_ptr + ch * L + r, ddt + tl.load(A_ptr + h) * dAdt)
+    ddt = ddt + tl.load(A_ptr + h) * dAdt
+    tl.store(ddt_ptr + ch * L + r, ddt)
     tl.store(dAp_ptr + ch, tl.sum(dAdt * dt, axis=0))
+    if DT_ROWS:  # as chunk.dt_softplus_backward; the limit's mask from the forward's exact softplus
+        c = ch // H
+        row = tl.load(row0_ptr + c) + r
+        ok = (row >= tl.load(row_lo_ptr + c)) & (row < tl.load(row_hi_ptr + c))
+        z = tl.load(raw_ptr + row * s_raw + h, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + h).to(
+            tl.float32)
+        g = tl.where(z > 20.0, ddt, ddt * tl.sigmoid(z))
+        if HAS_LIMIT:
+            pre = softplus_exact(z)
+            g = tl.where((pre >= lo) & (pre <= hi), g, 0.0)
+        g = tl.where(ok, g, 0.0)
+        tl.store(graw_ptr + row * H + h, g.to(graw_ptr.dtype.element_ty), mask=ok)
+        tl.store(dbp_ptr + ch, tl.sum(g, axis=0))
 
 
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
@@ -390,7 +409,8 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
 
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
                         cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor,
-                        dx_out: Tensor | None = None
+                        dx_out: Tensor | None = None, dt_rows: tuple | None = None,
+                        grid: ChunkGrid | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
 
@@ -403,6 +423,10 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     them exactly (``dot_acc``); else fp32 FMA dots. first, count [S] int64: each sequence's first
     chunk and number of chunks (``chunk.ChunkGrid``'s). dx_out: where to write dx, [NC, H, L, P]
     with unit stride along P, in any float dtype (rounded once from fp32), or None (a new fp32 one).
+    dt_rows: (raw dt [T, H] with unit stride along H, dt_bias [H], dt_limit, graw [T, H], dbias_parts
+    [NC, H] fp32), with ``grid`` (the ``chunk_grid`` these chunks were packed on): the packed rows'
+    gradient of raw dt (``chunk.dt_softplus_backward`` of ddt) is written into graw, in graw's
+    dtype, and each chunk's share of dt_bias's (its packed rows only) into dbias_parts; or None.
 
     Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
     shape), dh0 [S, H, P, N]), fp32 (dx in dx_out's dtype, dD in D's dtype).
@@ -479,10 +503,17 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     # the cumsum, into ddt and dA's per-chunk shares
     ddt = torch.empty_like(f)
     dAp = torch.empty(NC, H, device=dev, dtype=f32)
+    raw, bias, dt_limit, graw, dbp = (f, f, (0.0, math.inf), f, f) if dt_rows is None else dt_rows
+    rows = (first,) * 3 if dt_rows is None else (grid.row0, grid.row_lo, grid.row_hi)
+    if dt_rows is not None and (raw.stride(1) != 1 or graw.shape != raw.shape or dbp.shape != (NC, H)):
+        raise ValueError("dt_rows: raw dt and graw [T, H] with unit stride along H, dbias_parts [NC, H]")
     if NC:
-        _bwd_epilogue_kernel[(NC * H,)](dap, dep, f, das, dt, a, dh_out, h_in, Af, ddt, dAp, H=H, L=L, PN=P * N,
-                                        BS=BS, BT=BT, BLOCK_PN=min(2048, triton.next_power_of_2(P * N)),
-                                        num_warps=cfg.bwd_warps)
+        # without fp contraction: the limit's mask needs the forward's softplus bits
+        _bwd_epilogue_kernel[(NC * H,)](dap, dep, f, das, dt, a, dh_out, h_in, Af, ddt, dAp, raw, bias, graw, dbp,
+                                        *rows, raw.stride(0), *limits(dt_limit), H=H, L=L, PN=P * N, BS=BS, BT=BT,
+                                        BLOCK_PN=min(2048, triton.next_power_of_2(P * N)),
+                                        DT_ROWS=dt_rows is not None, HAS_LIMIT=has_limit(dt_limit),
+                                        num_warps=cfg.bwd_warps, enable_fp_fusion=False)
     dA = dAp.sum(0)
     dD = dDp[..., :P].sum((0, 2))  # [H, P]
     dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
@@ -557,9 +588,14 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dyc = torch.zeros(NC, H, L, P, device=dev)
         dyc[at] = gy.to(f32)
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
+    # softplus's backward to the raw dt rows runs in the scan backward's last kernel
+    dt_rows = None
+    if (ndt or nbias) and dt.stride(1) == 1:
+        dt_rows = (dt, dt_bias, dt_limit, torch.empty(T, H, device=dev, dtype=dt.dtype),
+                   torch.empty(NC, H, device=dev, dtype=f32))
     dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(
         ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16, first=grid.first, count=grid.count,
-        dx_out=None if dx_rows is None else grid_view(dx_rows))
+        dx_out=None if dx_rows is None else grid_view(dx_rows), dt_rows=dt_rows, grid=grid)
     if aligned:
         dx = dx_rows if nx else None
         dB = from_grid(dBc, B.dtype, None if grads is None else grads[1].view(T, G, N)) if nB else None
@@ -569,19 +605,22 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dB = dBc[at].to(B.dtype) if nB else None
         dC = dCc[at].to(C.dtype) if nC else None
     ddt = dbias = None
-    if ndt or nbias:
+    if dt_rows is not None:
+        ddt = dt_rows[3] if ndt else None
+        dbias = dt_rows[4].sum(0) if nbias else None
+    elif ndt or nbias:
         ddt_rows = ddtc.transpose(1, 2).reshape(T, H) if aligned else ddtc[at]
         graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddt_rows)  # [T, H]
         ddt = graw.to(dt.dtype) if ndt else None
-        if nbias:
-            dbias = graw.sum(0)
-            if prefix is not None and grid.fill:  # rows < off of each first chunk: buffered raw dt
-                f = grid.fill
-                gb = dt_softplus_backward(buf_dt[:, :, :f].transpose(1, 2), dt_bias, dt_limit,
-                                          ddtc[grid.first][:, :, :f].transpose(1, 2))  # [S, f, H]
-                kept = torch.arange(f, device=x.device)[None, :] < off.to(x.device)[:, None]  # [S, f]
-                dbias = dbias + torch.where(kept[:, :, None], gb, torch.zeros((), device=x.device)).sum((0, 1))
-            dbias = dbias.to(dt_bias.dtype)
+        dbias = graw.sum(0) if nbias else None
+    if nbias:
+        if prefix is not None and grid.fill:  # rows < off of each first chunk: buffered raw dt
+            f = grid.fill
+            gb = dt_softplus_backward(buf_dt[:, :, :f].transpose(1, 2), dt_bias, dt_limit,
+                                      ddtc[grid.first][:, :, :f].transpose(1, 2))  # [S, f, H]
+            kept = torch.arange(f, device=x.device)[None, :] < off.to(x.device)[:, None]  # [S, f]
+            dbias = dbias + torch.where(kept[:, :, None], gb, torch.zeros((), device=x.device)).sum((0, 1))
+        dbias = dbias.to(dt_bias.dtype)
     return (dx, ddt, dB, dC, dA if nA else None, dD if nD else None, dbias, dh0.to(h0.dtype) if nh0 else None)
 
 

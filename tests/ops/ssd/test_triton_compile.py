@@ -114,8 +114,10 @@ if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
          dict(D, HPP=2, RB_P=64, BLOCK_L=256, SB=16), True)
     comp(tb._dstate_pass_kernel, dict(first_ptr=i64, count_ptr=i64), dict(H=32, L=256, P=64, N=128, BLOCK_P=64,
                                                                          BLOCK_N=BN), True)
-    comp(tb._bwd_epilogue_kernel, {}, dict(H=32, L=256, PN=64 * 128, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t,
-                                           BLOCK_PN=2048), True, cfg.bwd_warps)
+    comp(tb._bwd_epilogue_kernel, dict(raw_ptr=bf, graw_ptr=bf, row0_ptr=i64, row_lo_ptr=i64, row_hi_ptr=i64,
+                                       s_raw="i32", lo="fp32", hi="fp32"),
+         dict(H=32, L=256, PN=64 * 128, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t, BLOCK_PN=2048, DT_ROWS=True,
+              HAS_LIMIT=True), False, cfg.bwd_warps)
     comp(td._zero_kernel, dict(buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64,
                               n="i32"),
          dict(D, BLOCK_L=256, ZB=1024, LISTED=True, QB=td.COMPLETION_BLOCK, PDL=True), True)
