@@ -16,11 +16,11 @@ Parts, each written to OUT/profile_train.json (text tables next to it):
 - glue: one of ours' steps under torch.profiler with Python stacks: the device time of the torch ops
   that are not our kernels (copies, concatenations, casts, reductions, elementwise ops) by op and by
   the project's code that called them (glue.txt, and the top rows in the JSON).
-- host: the host's own cost of ours' forward with gradients and of its backward, each enqueued behind
-  a 2 s GPU sleep (so no launch waits for the GPU: the host time is the host's work alone, unless
-  something synchronises, which the sleep then shows), and every synchronising call of one step
-  (``torch.cuda.set_sync_debug_mode``) with the project's frames that made it (host.txt); the host
-  ops by self CPU time grouped by the project's frames, each half behind a GPU sleep
+- host: ours' forward with gradients and its backward, each enqueued behind a 2 s GPU sleep: a host
+  time near 2 s means a wait on the GPU, a synchronising call or a full launch queue (about a
+  thousand launches deep); every synchronising call of one step (``torch.cuda.set_sync_debug_mode``)
+  with the project's frames that made it (host.txt); the host ops by self CPU time grouped by the
+  project's frames, each half behind a GPU sleep, so the op that waited shows the sleep
   (host_ops_forward.txt, host_ops_backward.txt).
 - conv: the conv1d + SiLU backward kernel at the shape's conv width and the cell's tokens over
   (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps), against the pinned configs' gradients
