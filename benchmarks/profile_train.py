@@ -163,7 +163,7 @@ def host_cost(torch, fwd, params: list, path: Path) -> dict:
     import traceback
     import warnings
 
-    def behind_sleep(fn) -> float:
+    def behind_sleep(fn) -> tuple[float, object]:
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)  # about 2 s of one SM's clock: the queue stays busy
         t0 = time.perf_counter()
@@ -182,24 +182,20 @@ def host_cost(torch, fwd, params: list, path: Path) -> dict:
         del loss
     out["forward_grad_host_ms"], out["backward_host_ms"] = statistics.median(fw), statistics.median(bw)
     syncs: list[str] = []
-    old = warnings.showwarning
-
     def show(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "aligned_mamba/" in f.filename
                   or "benchmarks/" in f.filename][-4:]
         syncs.append(f"{str(message)[:80]} @ " + " <- ".join(
             f"{f.filename.split('/')[-1]}:{f.lineno}" for f in reversed(frames)))
 
-    warnings.showwarning = show
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on the way out
             warnings.simplefilter("always")
             warnings.showwarning = show
             torch.autograd.grad(fwd(), params)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = old
     out["syncs"] = syncs
     path.write_text(json.dumps(out, indent=1))
     return out

@@ -52,7 +52,7 @@ from aligned_mamba.ops.norm.triton import (  # noqa: E402
 )
 from aligned_mamba.ops.ssd import SSDState, SSMParams, ssd_chunk, ssd_naive  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
-from aligned_mamba.ops.ssd.chunk import chunk_grid, pack_chunks  # noqa: E402
+from aligned_mamba.ops.ssd.chunk import chunk_grid, dt_softplus_backward, pack_chunks  # noqa: E402
 from aligned_mamba.ops.ssd.triton_chunk import replay_chunk_triton  # noqa: E402
 from aligned_mamba.ops.step import Step  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
@@ -329,41 +329,45 @@ def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p, lens, mo
 
 @pytest.mark.parametrize("off,lens", [(0, [64, 32]), (5, [70, 5])], ids=["whole-chunks", "buffered"])
 def test_scan_backward_softplus_rows_are_the_torch_forms(off, lens):
-    """The last kernel's softplus backward to the raw dt rows (dt with unit stride along H) against
-    ``chunk.dt_softplus_backward`` in torch (the same dt laid out otherwise), under a dt_limit that
-    clamps some rows: the same zeros where the limit clamped, ddt and dt_bias within fp32 rounding;
-    and the gradient without the limit's mask differs."""
-    ARGS = ("x", "dt", "B", "C", "A", "D", "dt_bias", "h0")
+    """The last kernel's softplus backward to the raw dt rows (``chunk_scan_backward``'s dt_rows) against
+    ``chunk.dt_softplus_backward`` of the same call's ddt, under a dt_limit that clamps some rows
+    (packed rows after buffered ones too): the same zeros where the limit clamped, the rows' gradient
+    and dt_bias's within fp32 rounding; and the gradient without the limit's mask differs."""
     chunk, G, H, P, N = 32, 1, 4, 16, 16
     cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
     lv = _scan_leaves(31, lens, H, P, G, N)
-    S, g = len(lens), torch.Generator().manual_seed(7)
+    S, T, g = len(lens), sum(lens), torch.Generator().manual_seed(7)
     offs = torch.full((S,), off, dtype=torch.int64)
-    bufs = (None,) * 3
+    prefix = None
     if off:
-        bufs = tuple(t.to(DEV) for t in (torch.randn(S, H, chunk, P, generator=g),
-                                          torch.randn(S, H, chunk, generator=g),
-                                          torch.randn(S, G, chunk, N, generator=g)))
+        prefix = (*(t.to(DEV) for t in (torch.randn(S, H, chunk, P, generator=g), torch.randn(S, H, chunk, generator=g),
+                                        torch.randn(S, G, chunk, N, generator=g))), offs.to(DEV))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     grid = chunk_grid(cu, offs, chunk, DEV)
-    wy = torch.randn(sum(lens), H, P, generator=g).to(DEV)
+    NC, at = grid.num_chunks, (grid.row_chunk, slice(None), grid.row_pos)
+    wy = torch.randn(T, H, P, generator=g).to(DEV)
     limit = (0.3, 1.2)  # softplus(dt + bias) spans about 0.05 .. 2: both ends clamp
 
-    def run(dt, dt_limit=limit):
-        args = dict(lv, dt=dt)
-        return ta.ssd_backward(*(args[k] for k in ARGS), *bufs, wy, (True,) * 8, cu, offs.to(DEV), grid, None, chunk,
-                               dt_limit, cfg)
+    def run(dt_limit):
+        ch = pack_chunks(lv["x"], lv["dt"], lv["B"], cu, chunk, lv["dt_bias"], dt_limit, prefix=prefix, grid=grid)
+        Cc = torch.zeros(NC, G, chunk, N, device=DEV)
+        Cc[at] = lv["C"]
+        dyc = torch.zeros(NC, H, chunk, P, device=DEV)
+        dyc[at] = wy
+        graw, dbp = torch.empty(T, H, device=DEV), torch.empty(NC, H, device=DEV)
+        out = ta.chunk_scan_backward(ch, Cc, lv["A"], lv["D"], lv["h0"], dyc, cfg, bf16_operands=False,
+                                     first=grid.first, count=grid.count, grid=grid,
+                                     dt_rows=(lv["dt"], lv["dt_bias"], dt_limit, graw, dbp))
+        return out[1], graw, dbp
 
-    fused = run(lv["dt"])
-    torch_form = run(lv["dt"].t().contiguous().t())  # stride along H not 1: the torch form's path
-    clamped = fused[1] == 0
+    ddtc, graw, dbp = run(limit)
+    want = dt_softplus_backward(lv["dt"], lv["dt_bias"], limit, ddtc[at])
+    clamped = graw == 0
     assert 0 < int(clamped.sum()) < clamped.numel()
-    assert torch.equal(clamped, torch_form[1] == 0)
-    for i in (1, 6):  # ddt, ddt_bias
-        assert rel_err(fused[i], torch_form[i]) < 1e-6, (i, rel_err(fused[i], torch_form[i]))
-    for i in (0, 2, 3, 4, 5, 7):
-        assert torch.equal(fused[i], torch_form[i]), i
-    assert rel_err(run(lv["dt"], (0.0, math.inf))[1], torch_form[1]) > 1e-2
+    assert torch.equal(clamped, want == 0)
+    assert rel_err(graw, want) < 1e-6, rel_err(graw, want)
+    assert rel_err(dbp.sum(0), want.sum(0)) < 1e-6
+    assert rel_err(run((0.0, math.inf))[1], want) > 1e-2
 
 
 # -- the other kernels' Functions (through the interpreter on a CPU) --------------------------------------

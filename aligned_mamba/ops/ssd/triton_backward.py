@@ -505,8 +505,10 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dAp = torch.empty(NC, H, device=dev, dtype=f32)
     raw, bias, dt_limit, graw, dbp = (f, f, (0.0, math.inf), f, f) if dt_rows is None else dt_rows
     rows = (first,) * 3 if dt_rows is None else (grid.row0, grid.row_lo, grid.row_hi)
-    if dt_rows is not None and (raw.stride(1) != 1 or graw.shape != raw.shape or dbp.shape != (NC, H)):
-        raise ValueError("dt_rows: raw dt and graw [T, H] with unit stride along H, dbias_parts [NC, H]")
+    if dt_rows is not None and (grid is None or raw.stride(1) != 1 or graw.shape != raw.shape
+                                or dbp.shape != (NC, H)):
+        raise ValueError("dt_rows: raw dt and graw [T, H] with unit stride along H, dbias_parts [NC, H], and the "
+                         "chunk grid they were packed on")
     if NC:
         # without fp contraction: the limit's mask needs the forward's softplus bits
         _bwd_epilogue_kernel[(NC * H,)](dap, dep, f, das, dt, a, dh_out, h_in, Af, ddt, dAp, raw, bias, graw, dbp,
@@ -590,9 +592,9 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
     bf16 = all(t.dtype == torch.bfloat16 for t in (x, B, C, g))
     # softplus's backward to the raw dt rows runs in the scan backward's last kernel
     dt_rows = None
-    if (ndt or nbias) and dt.stride(1) == 1:
-        dt_rows = (dt, dt_bias, dt_limit, torch.empty(T, H, device=dev, dtype=dt.dtype),
-                   torch.empty(NC, H, device=dev, dtype=f32))
+    if ndt or nbias:
+        dt_rows = (dt if dt.stride(1) == 1 else dt.contiguous(), dt_bias, dt_limit,
+                   torch.empty(T, H, device=dev, dtype=dt.dtype), torch.empty(NC, H, device=dev, dtype=f32))
     dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(
         ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16, first=grid.first, count=grid.count,
         dx_out=None if dx_rows is None else grid_view(dx_rows), dt_rows=dt_rows, grid=grid)
@@ -604,15 +606,8 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         dx = dxc[at].to(x.dtype) if nx else None
         dB = dBc[at].to(B.dtype) if nB else None
         dC = dCc[at].to(C.dtype) if nC else None
-    ddt = dbias = None
-    if dt_rows is not None:
-        ddt = dt_rows[3] if ndt else None
-        dbias = dt_rows[4].sum(0) if nbias else None
-    elif ndt or nbias:
-        ddt_rows = ddtc.transpose(1, 2).reshape(T, H) if aligned else ddtc[at]
-        graw = dt_softplus_backward(dt, dt_bias, dt_limit, ddt_rows)  # [T, H]
-        ddt = graw.to(dt.dtype) if ndt else None
-        dbias = graw.sum(0) if nbias else None
+    ddt = dt_rows[3] if ndt else None
+    dbias = dt_rows[4].sum(0) if nbias else None
     if nbias:
         if prefix is not None and grid.fill:  # rows < off of each first chunk: buffered raw dt
             f = grid.fill
