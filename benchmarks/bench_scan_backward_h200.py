@@ -13,6 +13,8 @@ kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
   num_stages, heads a dcb / rows program sums), the chunk-state kernel as pinned;
 - state: the chunk-state kernel's (BLOCK_K, BLOCK_P, BLOCK_N, warps, num_stages), the chunk kernels
   as the fastest of the first sweep at the first cell that keeps the contract's blocks;
+- vgrid: the pinned launch with the chunk-state dots reading B and C from fp32 chunk grids (copies)
+  against reading the packed rows in place, the same bits;
 - round: that best with ``bwd_bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
   contract's: what its precision would buy, for the record);
 - accuracy: each gradient's relative error (norm) at the pinned launch with "split2" and with "round",
@@ -131,6 +133,8 @@ def main() -> None:
     ap.add_argument("--no-stock", action="store_true", help="skip mamba_ssm's scan (its autotuning takes a while)")
     ap.add_argument("--chunks", help="the chunk sweep's launches, bs/bt/warps/stages/hpp[/rpp],... (0 stages: "
                     "Triton's default)")
+    ap.add_argument("--states", help="the state sweep's launches, k/p/n/warps/stages,... (0: the default), after "
+                    "the pinned one")
     ap.add_argument("--cells", default="4x2048,1x16384", help="sequences x length, of 4x2048 and 1x16384")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the Triton interpreter at tiny shapes")
     args = ap.parse_args()
@@ -138,6 +142,10 @@ def main() -> None:
     chunk_list, state_list = CHUNK, STATE
     if args.chunks:
         chunk_list = [tuple(int(v) or None for v in c.split("/")) for c in args.chunks.split(",")]
+    if args.states:
+        so = ta.STATE_OPTS
+        pinned_state = (so["BLOCK_K"], so["BLOCK_P"], so["BLOCK_N"], so.get("num_warps"), so.get("num_stages"))
+        state_list = [pinned_state] + [tuple(int(v) or None for v in c.split("/")) for c in args.states.split(",")]
     pinned = TritonKernelConfigs()
     if args.dry_run:
         dev, dtype = torch.device("cpu"), torch.float32  # the interpreter runs the fp32 dots only
@@ -219,6 +227,14 @@ def main() -> None:
             same_blocks = [t for t in totals if t.startswith("chunk ") and variants[t]["bwd_block_s"] ==
                            pinned.bwd_block_s and variants[t]["bwd_block_t"] == pinned.bwd_block_t]
             best_chunk = min(same_blocks, key=totals.get) if same_blocks else None
+        if "vgrid" in sweeps:  # the chunk-state dots reading B and C from fp32 grids, as before they read the rows
+            weighted = ta._weighted_states
+            ta._weighted_states = lambda u, v, *a: weighted(u, v.float().contiguous(), *a)
+            try:
+                run_variant(cell, "v fp32 grid | pinned", knobs(chunk_list[0], base_state), pinned, call)
+            finally:
+                ta._weighted_states = weighted
+            run_variant(cell, "v rows | pinned", knobs(chunk_list[0], base_state), pinned, call)
         if "state" in sweeps:
             for s_ in state_list[1:]:
                 ck = variants[best_chunk] if best_chunk else knobs(chunk_list[0], base_state)

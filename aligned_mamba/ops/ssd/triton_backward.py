@@ -119,7 +119,7 @@ def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr
 
 
 @triton.jit
-def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_l,
+def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_l, sv_c, sv_g, sv_l,
                            H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                            TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
@@ -127,13 +127,13 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_
     with w_l = exp(a_L - a_l) dt_l (TO_END: the chunk's state from u = x, v = B) or exp(a_l) (what the
     chunk's outputs ask of its boundary state, from u = dy, v = C).
 
-    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32 (widened exactly);
-    v [NC, G, L, N], a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
+    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1) and v [NC, G, L, N] at strides (sv_c, sv_g, sv_l, 1),
+    in the model dtype or fp32 (widened exactly); a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
     """
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
     c = ch // H
-    cg = c * G + h // (H // G)
+    v_base = v_ptr + c * sv_c + (h // (H // G)) * sv_g
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     p = (tl.program_id(1) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = (tl.program_id(1) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,15 +150,15 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_
         else:
             w = tl.exp(a_k)
         uT = tl.load(u_base + k[None, :] * su_l + p[:, None], mask=pm[:, None], other=0.0).to(tl.float32)
-        vk = tl.load(v_ptr + (cg * L + k[:, None]) * N + n[None, :], mask=nm[None, :], other=0.0)
+        vk = _operand(tl.load(v_base + k[:, None] * sv_l + n[None, :], mask=nm[None, :], other=0.0), TC)
         acc = dot_acc(acc, uT * w[None, :], vk, TC, 1, PRECISION)
     tl.store(out_ptr + (ch * P + p[:, None]) * N + n[None, :], acc, mask=pm[:, None] & nm[None, :])
 
 
 def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, cfg: TritonKernelConfigs,
                      tc: int, opts: dict) -> Tensor:
-    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32 (u [NC, H, L, P] with
-    unit stride along P, any other strides)."""
+    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32 (u [NC, H, L, P] and
+    v [NC, G, L, N] with unit stride along P and N, any other strides)."""
     NC, H, L, P = u.shape
     G, N = v.shape[1], v.shape[3]
     out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
@@ -167,8 +167,8 @@ def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, 
                                                   ("BLOCK_N", triton.next_power_of_2(N))))
     if NC:
         _weighted_state_kernel[(NC * H, triton.cdiv(P, BP) * triton.cdiv(N, BN))](
-            u, v, a, dt, out, *u.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
-            TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **{**opts, **so})
+            u, v, a, dt, out, *u.stride()[:3], *v.stride()[:3], H=H, G=G, L=L, P=P, N=N, BLOCK_K=BK, BLOCK_P=BP,
+            BLOCK_N=BN, TO_END=to_end, PRECISION=cfg.dot_precision, TC=tc, **{**opts, **so})
     return out
 
 
@@ -410,7 +410,7 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
                         cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor,
                         dx_out: Tensor | None = None, dt_rows: tuple | None = None,
-                        grid: ChunkGrid | None = None
+                        grid: ChunkGrid | None = None, bc_rows: tuple[Tensor, Tensor] | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
 
@@ -427,6 +427,9 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     [NC, H] fp32), with ``grid`` (the ``chunk_grid`` these chunks were packed on): the packed rows'
     gradient of raw dt (``chunk.dt_softplus_backward`` of ddt) is written into graw, in graw's
     dtype, and each chunk's share of dt_bias's (its packed rows only) into dbias_parts; or None.
+    bc_rows: (B, C) [NC, G, L, N] with unit stride along N, any dtype holding ch.B's and Cc's values
+    (a trainer's packed rows in the model dtype, viewed in place): what the chunk-state dots read
+    instead of the fp32 grids (fewer bytes, the same bits); or None.
 
     Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
     shape), dh0 [S, H, P, N]), fp32 (dx in dx_out's dtype, dD in D's dtype).
@@ -445,7 +448,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     a = torch.cumsum(dt * Af[None, :, None], dim=-1)  # [NC, H, L]
 
     # every chunk's boundary state: chunk states by a dot kernel, passed along by the forward's kernel
-    states = _weighted_states(x, B, a, dt, True, cfg, tc, opts)
+    Bv, Cv = (B, C) if bc_rows is None else bc_rows
+    states = _weighted_states(x, Bv, a, dt, True, cfg, tc, opts)
     h_in = torch.empty(NC, H, P, N, device=dev, dtype=f32)
     h_run = h0.to(f32).contiguous().clone()
     PP, NBk = min(cfg.pass_block_p, triton.next_power_of_2(P)), min(cfg.block_n, triton.next_power_of_2(N))
@@ -455,7 +459,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                                   BLOCK_N=NBk, WRITE_IN=True, RT_RANGE=not interpreting(), num_warps=cfg.num_warps)
 
     # what each chunk's outputs ask of its boundary state, then dh_out walking backwards
-    dS = _weighted_states(dy, C, a, dt, False, cfg, tc, opts)
+    dS = _weighted_states(dy, Cv, a, dt, False, cfg, tc, opts)
     dh_out = torch.empty(NC, H, P, N, device=dev, dtype=f32)
     dh0 = torch.empty(S, H, P, N, device=dev, dtype=f32)
     _dstate_pass_kernel[pass_grid](a, dS, dh_out, dh0, first, count, H=H, L=L, P=P, N=N, BLOCK_P=PP, BLOCK_N=NBk,
@@ -583,7 +587,9 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
         ch = Chunks(x=grid_view(xr), dt=dtc, B=to_grid(B), seq=grid.seq, index=grid.index, length=grid.length,
                     row_chunk=grid.row_chunk, row_pos=grid.row_pos)
         Cc, dyc = to_grid(C), grid_view(gr)
+        bc_rows = tuple(grid_view(t) for t in (B, C)) if B.stride(-1) == 1 and C.stride(-1) == 1 else None
     else:
+        bc_rows = None
         ch = pack_chunks(x, dt, B, cu_seqlens, L, dt_bias, dt_limit, prefix=prefix, grid=grid, softplus=softplus)
         Cc = torch.zeros(NC, G, L, N, device=dev)
         Cc[at] = C.to(f32)
@@ -597,7 +603,7 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
                    torch.empty(T, H, device=dev, dtype=dt.dtype), torch.empty(NC, H, device=dev, dtype=f32))
     dxc, ddtc, dBc, dCc, dA, dD, dh0 = chunk_scan_backward(
         ch, Cc, A, D, h0, dyc, cfg, bf16_operands=bf16, first=grid.first, count=grid.count,
-        dx_out=None if dx_rows is None else grid_view(dx_rows), dt_rows=dt_rows, grid=grid)
+        dx_out=None if dx_rows is None else grid_view(dx_rows), dt_rows=dt_rows, grid=grid, bc_rows=bc_rows)
     if aligned:
         dx = dx_rows if nx else None
         dB = from_grid(dBc, B.dtype, None if grads is None else grads[1].view(T, G, N)) if nB else None

@@ -98,7 +98,8 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
              dict(dims, N=128, BR=rb, BLOCK_N=128, HPP=HPP, TO_END=to_end), fuse, bwd_warps)
     blocks = {k: v for k, v in tb.STATE_OPTS.items() if k.startswith("BLOCK_")}
     for to_end in (True, False):  # the chunk states and dS
-        comp(tb._weighted_state_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
+        comp(tb._weighted_state_kernel, dict({f"s{t}_{d}": "i32" for t in "uv" for d in ("c", "h", "g", "l")},
+                                             **(dict(u_ptr=bf, v_ptr=bf) if TC else {})),
              dict(D, **blocks, TO_END=to_end, PRECISION=cfg.dot_precision, TC=TC), fuse,
              tb.STATE_OPTS.get("num_warps", cfg.bwd_warps))
 if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
