@@ -22,6 +22,9 @@ Parts, each written to OUT/profile_train.json (text tables next to it):
   with the project's frames that made it (host.txt); the host ops by self CPU time grouped by the
   project's frames, each half behind a GPU sleep, so the op that waited shows the sleep
   (host_ops_forward.txt, host_ops_backward.txt).
+- fwdgrad: ours' forward without and with gradients under torch.profiler, kernels summed by name,
+  and by how much each name's time and calls differ (what recording the gradient adds to the forward;
+  fwdgrad.txt).
 - conv: the conv1d + SiLU backward kernel at the shape's conv width and the cell's tokens over
   (conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps), against the pinned configs' gradients
   (dx equal, dw/db within rounding, two calls equal), with torch's cuDNN conv1d + SiLU backward
@@ -311,6 +314,26 @@ def main() -> int:
         host_ops(torch, profile, ProfilerActivity, lambda: torch.autograd.grad(loss, list(leaves.values())),
                  out / "host_ops_backward.txt")
         del loss
+        save()
+    if "fwdgrad" in parts:
+        from benchmarks.bench_mamba_ssm_h200 import kernel_table
+
+        with torch.no_grad():
+            plain = kernel_table(torch, ours_fwd, top=400)
+        graded = kernel_table(torch, ours_fwd, top=400)
+        a = {k["name"]: (k["ms"], k["calls"]) for k in plain["kernels"]}
+        b = {k["name"]: (k["ms"], k["calls"]) for k in graded["kernels"]}
+        diff = sorted(({"name": n, "nograd_ms": a.get(n, (0.0, 0))[0], "grad_ms": b.get(n, (0.0, 0))[0],
+                        "nograd_calls": a.get(n, (0.0, 0))[1], "grad_calls": b.get(n, (0.0, 0))[1]}
+                       for n in set(a) | set(b)), key=lambda r: r["nograd_ms"] - r["grad_ms"])
+        result["fwdgrad"] = {"nograd_total_ms": plain["device_total_ms"], "grad_total_ms": graded["device_total_ms"],
+                             "by_kernel": diff}
+        lines = [f"forward kernels: {plain['device_total_ms']:.1f} ms without gradients, "
+                 f"{graded['device_total_ms']:.1f} ms with", f"{'grad - nograd ms':>16} {'calls':>11}  kernel"]
+        lines += [f"{r['grad_ms'] - r['nograd_ms']:16.2f} {r['nograd_calls']:5d}/{r['grad_calls']:<5d}  {r['name']}"
+                  for r in diff]
+        (out / "fwdgrad.txt").write_text("\n".join(lines) + "\n")
+        log("\n".join(lines[:25]))
         save()
     if "conv" in parts:
         cd = config.intermediate_size + 2 * config.n_groups * config.state_size
