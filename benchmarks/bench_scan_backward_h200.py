@@ -47,10 +47,12 @@ if "--dry-run" in sys.argv:  # before triton is imported: its kernels are built 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import triton_backward as ta  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import chunk_grid  # noqa: E402
+from benchmarks.bench_mamba_ssm_h200 import kernel_table  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms  # noqa: E402
 
 # (bwd_block_s, bwd_block_t, warps, num_stages or None for Triton's default, heads a dcb / state-rows program
-# sums[, heads a state-rows program sums]); --chunks replaces the list ("64/64/4/2/64/16,..."; 0 for None)
+# sums[, heads a state-rows program sums[, the state-rows row block]]); --chunks replaces the list
+# ("64/64/4/2/64/16,..."; 0 for None)
 CHUNK = [(64, 64, 4, 2, 16), (64, 64, 8, 2, 16), (64, 64, 4, None, 16), (64, 64, 8, None, 16), (64, 64, 8, 1, 16),
          (64, 64, 4, 2, 64), (64, 64, 8, 2, 64), (64, 64, 4, 2, 4), (64, 64, 8, 2, 4), (32, 64, 8, 2, 16),
          (64, 32, 8, 2, 16), (128, 64, 8, 2, 16), (64, 128, 8, 2, 16)]
@@ -81,7 +83,8 @@ def knobs(chunk: tuple, state: tuple) -> dict:
     so.update({"num_stages": ss} if ss else {})
     launch = dict({"num_warps": w}, **({"num_stages": st} if st else {}))
     return {"bwd_block_s": bs, "bwd_block_t": bt, "BWD_OPTS": launch, "BWD_HEADS_PER_PROGRAM": hpp,
-            "BWD_ROWS_HEADS_PER_PROGRAM": rows[0] if rows else hpp, "STATE_OPTS": so}
+            "BWD_ROWS_HEADS_PER_PROGRAM": rows[0] if rows else hpp,
+            "BWD_ROWS_BLOCK": rows[1] if len(rows) > 1 else None, "STATE_OPTS": so}
 
 
 def apply(k: dict) -> None:
@@ -89,6 +92,7 @@ def apply(k: dict) -> None:
     ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
     ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
     ta.STATE_OPTS = dict(k["STATE_OPTS"])
+    ta.BWD_ROWS_BLOCK = k.get("BWD_ROWS_BLOCK")
 
 
 GRADS = ("dx", "ddt", "dB", "dC", "dA", "dD", "ddt_bias")
@@ -180,14 +184,19 @@ def main() -> None:
             got = call(cfg)
             same = all(torch.equal(u, v) for u, v in zip(got, call(cfg)) if u is not None)
             ms = timed(lambda: call(cfg))
+            # the kernels' own time (one call under torch.profiler): at 4 x 2048 the call is near the host's
+            kernels = kernel_table(torch, lambda: call(cfg), top=40) if dev.type == "cuda" else None
             first = cell.setdefault("_first", got)
             err = max(rel(u, v) for u, v in zip(got, first) if u is not None)
+            kms = kernels["device_total_ms"] if kernels else None
             cell["ours"].append({"variant": tag, "knobs": k, "bwd_bf16_dots": cfg.bwd_bf16_dots, "ms": ms,
+                                 "kernels_ms": kms, "kernels": kernels and kernels["kernels"],
                                  "max_rel_vs_first": err, "repeat_equal": same})
             if cfg.bwd_bf16_dots == pinned.bwd_bf16_dots and same:
                 totals[tag] = totals.get(tag, 0.0) + ms
                 variants[tag] = k
-            print(cell["tokens"], tag, f"{ms:.3f} ms", f"rel {err:.1e}", "repeat", same, flush=True)
+            print(cell["tokens"], tag, f"{ms:.3f} ms", f"kernels {kms or 0:.3f} ms", f"rel {err:.1e}", "repeat", same,
+                  flush=True)
         except Exception as e:  # noqa: BLE001
             cell["ours"].append({"variant": tag, "knobs": k, "error": repr(e)[:300]})
             print(cell["tokens"], tag, "error", repr(e)[:300], flush=True)
