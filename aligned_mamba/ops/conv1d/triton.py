@@ -382,13 +382,15 @@ def _sum_blocks(ptr, NB, stride_b, ch, cmask, BLOCK_B: tl.constexpr, BLOCK_C: tl
 def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     """dweight [Cd, K] (dwo_ptr's dtype) and dbias [Cd] (dbo_ptr's) from the row blocks' partial sums
-    (dw_ptr [NB, K, Cd], db_ptr [NB, Cd], fp32), each summed in block order."""
+    (dw_ptr [NB, K, Cd], db_ptr [NB, Cd], fp32), each summed in block order. Program (channel block,
+    k): tap k's column of dweight, or dbias for k = K (grid [Cd / BLOCK_C, K + HAS_BIAS])."""
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
-    for k in tl.static_range(K):
+    k = tl.program_id(1)
+    if k < K:
         acc = _sum_blocks(dw_ptr + k * Cd, NB, K * Cd, ch, cmask, BLOCK_B, BLOCK_C)
         tl.store(dwo_ptr + ch * K + k, acc.to(dwo_ptr.dtype.element_ty), mask=cmask)
-    if HAS_BIAS:
+    elif HAS_BIAS:
         acc = _sum_blocks(db_ptr, NB, Cd, ch, cmask, BLOCK_B, BLOCK_C)
         tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
 
@@ -458,8 +460,11 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
         window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
         HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
-    _partials_kernel[(triton.cdiv(Cd, 128),)](dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K,
-                                              HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128, num_warps=4)
+    # a program per tap (and the bias) and 128 channels: the sums are independent, and a program per
+    # 128 channels alone is too few programs to fill the GPU
+    _partials_kernel[(triton.cdiv(Cd, 128), K + (b is not None))](
+        dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K, HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128,
+        num_warps=4)
     return dx, dw, db
 
 
