@@ -89,14 +89,12 @@ Tensor = torch.Tensor
 # programs otherwise number chunks x row blocks (128 at 4 x 2048), one wave walking all the heads.
 BWD_HEADS_PER_PROGRAM = 64
 BWD_ROWS_HEADS_PER_PROGRAM = 64
-# The state-rows launches' row block (None: the s or t block): more programs for a short batch; like the
-# heads a program sums, it may move dB's and dC's last bits, never their determinism.
-BWD_ROWS_BLOCK: int | None = None
 BWD_OPTS: dict = {"num_stages": 2}
 # The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
 # and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
 # (K 32, N 128: x read once a head) with 2 stages, at bwd_warps (4): in the same sweep, ssd_backward 2.51
 # to 2.29 ms at 4 x 2048 and 4.28 to 3.90 at 1 x 16384 (K 64, P 64, N 64 at 8 warps before).
+# At most 2 stages: with 3 or 4 (B and C read as bf16 rows) it gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
 
 
@@ -497,7 +495,6 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
                                                       **dims, **launch)
         for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
-            rb = min(BWD_ROWS_BLOCK, L) if BWD_ROWS_BLOCK else rb
             _bwd_rows_kernel[(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
                                                      BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **launch)
 
