@@ -486,16 +486,17 @@ def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
         assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
 
 
+@pytest.mark.parametrize("d", [48, 60, 84], ids=["groups16", "groups20", "groups28"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
+def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype, d):
     """The norms' Triton backwards against their torch forms (``ops.norm.*_backward``, native torch):
-    37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups;
-    two calls bit-identical."""
+    37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups of
+    16 columns (one block), 20 (16 + 4) or 28 (16 + a partial 16); two calls bit-identical."""
     from aligned_mamba.ops import norm
     from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton, rms_norm_backward_triton
 
     cfg = TritonKernelConfigs(norm_bwd_rows=4)
-    M, d = 37, 48
+    M = 37
     x, y, z, g, add = (_rand(M, d, seed=s).to(dtype) for s in (51, 52, 53, 54, 55))
     w = _rand(d, seed=56).to(dtype)
     tol = OP_RTOL if dtype == torch.float32 else 1e-2  # bf16: the outputs' own rounding
@@ -509,16 +510,17 @@ def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype):
     assert all(rel_err(u, v.double()) < tol for u, v in zip(got, want))
 
 
+@pytest.mark.parametrize("d", [48, 60], ids=["groups16", "groups20"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gated_norm_backward_forms_the_forwards_output(dtype):
+def test_gated_norm_backward_forms_the_forwards_output(dtype, d):
     """With ``write_out`` the gated norm's backward writes the norm's output again, from the forward's
-    saved rstd: the forward kernel's bits, and the gradients those of the call without it. The
-    baseline (an rstd one ulp off, as a second reduction in another order could give) differs, so
-    the comparison can fail."""
+    saved rstd: the forward kernel's bits (groups of one block, and of two: 16 + 4 columns), and the
+    gradients those of the call without it. The baseline (an rstd one ulp off, as a second reduction
+    in another order could give) differs, so the comparison can fail."""
     from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton
 
     cfg = TritonKernelConfigs(norm_bwd_rows=4)
-    M, d = 37, 48
+    M = 37
     y, z, g = (_rand(M, d, seed=s).to(dtype) for s in (61, 62, 63))
     w = _rand(d, seed=64).to(dtype)
     out, rstd = gated_rms_norm_triton(y, z, w, EPS, 3, cfg, with_rstd=True)

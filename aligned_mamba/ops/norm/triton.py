@@ -130,39 +130,83 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
 
 
 @triton.jit
+def _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, c, m, stride_y, stride_z, stride_g, w, rstd):
+    """One part of a row's group, fp32 (zeros where not m): (silu(z), vhat = y silu(z) rstd, g w,
+    ys = y s (1 + z (1 - s)) with s = sigmoid(z), g vhat). ys is dz / du, formed here so that y, z and g
+    need not stay live across the group's sum (a 5120-wide group's two blocks then fit in registers)."""
+    y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+    sz = silu_exact(z)
+    vhat = (y * sz) * rstd
+    s = 1.0 / (1.0 + tl.exp(-z))
+    return sz, vhat, g * w, y * (s * (1.0 + z * (1.0 - s))), g * vhat
+
+
+@triton.jit
+def _gated_bwd_out(sz, vhat, gw, ys, mean, rstd, w, row, c, m, dy_ptr, dz_ptr, out_ptr, d, stride_dz, stride_out,
+                   WRITE_OUT: tl.constexpr, OUT: tl.constexpr):
+    """One part's dy, dz (and with WRITE_OUT the norm's output), from mean = mean(g w vhat) over the group."""
+    if WRITE_OUT:
+        tl.store(out_ptr + row * stride_out + c, (w * vhat).to(OUT), mask=m)
+    du = rstd * (gw - vhat * mean)
+    tl.store(dy_ptr + row * d + c, (du * sz).to(dy_ptr.dtype.element_ty), mask=m)
+    tl.store(dz_ptr + row * stride_dz + c, (du * ys).to(dz_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr, dw_ptr, out_ptr, M, d, GS,
                            stride_y, stride_z, stride_g, stride_dz, stride_out, eps, WRITE_OUT: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_G: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of out = round(w * normalise_g(y silu(z)))
     against g, from the forward's rstd [M, G] fp32: dy, dz (in y's and z's dtypes) and this block's
     partial sum of dw (dw_ptr [blocks, d] fp32); with WRITE_OUT also out itself, the forward kernel's
-    operations on the same values (the same bits; compiled without fp fusion, as the forward)."""
+    operations on the same values (the same bits; compiled without fp fusion, as the forward).
+
+    A group's GS columns are two power-of-two blocks, the first BLOCK_A and the rest in BLOCK_B (0:
+    none), so a width such as 5120 runs 4096 + 1024 lanes, not 8192 (the backward's sum needs no
+    particular order, only the same one each call)."""
     blk = tl.program_id(0)
     grp = tl.program_id(1)
-    c = grp * GS + tl.arange(0, BLOCK_G)
-    mask = tl.arange(0, BLOCK_G) < GS
+    ca = grp * GS + tl.arange(0, BLOCK_A)
+    ma = tl.arange(0, BLOCK_A) < GS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT).to(tl.float32)
-    dw = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    wa = tl.load(w_ptr + ca, mask=ma, other=0.0).to(OUT).to(tl.float32)
+    dwa = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    if BLOCK_B > 0:
+        cb = grp * GS + BLOCK_A + tl.arange(0, BLOCK_B)
+        mb = tl.arange(0, BLOCK_B) < GS - BLOCK_A
+        wb = tl.load(w_ptr + cb, mask=mb, other=0.0).to(OUT).to(tl.float32)
+        dwb = tl.zeros((BLOCK_B,), dtype=tl.float32)
     for i in range(ROWS):
         row = (blk * ROWS + i).to(tl.int64)
-        m = mask & (row < M)
-        y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row * tl.num_programs(1) + grp, mask=row < M, other=0.0)
-        sz = silu_exact(z)
-        vhat = (y * sz) * rstd
-        if WRITE_OUT:
-            tl.store(out_ptr + row * stride_out + c, (w * vhat).to(OUT), mask=m)
-        gw = g * w
-        du = rstd * (gw - vhat * (tl.sum(tl.where(m, gw * vhat, 0.0), axis=0) / GS.to(tl.float32)))
-        s = 1.0 / (1.0 + tl.exp(-z))
-        tl.store(dy_ptr + row * d + c, (du * sz).to(dy_ptr.dtype.element_ty), mask=m)
-        tl.store(dz_ptr + row * stride_dz + c, (du * y * (s * (1.0 + z * (1.0 - s)))).to(dz_ptr.dtype.element_ty),
-                 mask=m)
-        dw += g * vhat
-    tl.store(dw_ptr + blk * d + c, dw, mask=mask)
+        m = ma & (row < M)
+        sz, vhat, gw, ys, gv = _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, ca, m, stride_y, stride_z, stride_g, wa, rstd)
+        dwa += gv
+        total = tl.sum(tl.where(m, gw * vhat, 0.0), axis=0)
+        if BLOCK_B > 0:
+            n = mb & (row < M)
+            sz2, vhat2, gw2, ys2, gv2 = _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, cb, n, stride_y, stride_z, stride_g,
+                                                      wb, rstd)
+            dwb += gv2
+            total += tl.sum(tl.where(n, gw2 * vhat2, 0.0), axis=0)
+        mean = total / GS.to(tl.float32)
+        _gated_bwd_out(sz, vhat, gw, ys, mean, rstd, wa, row, ca, m, dy_ptr, dz_ptr, out_ptr, d, stride_dz,
+                       stride_out, WRITE_OUT, OUT)
+        if BLOCK_B > 0:
+            _gated_bwd_out(sz2, vhat2, gw2, ys2, mean, rstd, wb, row, cb, n, dy_ptr, dz_ptr, out_ptr, d, stride_dz,
+                           stride_out, WRITE_OUT, OUT)
+    tl.store(dw_ptr + blk * d + ca, dwa, mask=ma)
+    if BLOCK_B > 0:
+        tl.store(dw_ptr + blk * d + cb, dwb, mask=mb)
+
+
+def _two_blocks(width: int) -> tuple[int, int]:
+    """A group of ``width`` columns as two power-of-two blocks (first, rest; rest 0 when one fits):
+    the largest power of two within the width, then the rest's next power of two."""
+    first = 1 << (width.bit_length() - 1)
+    return first, (triton.next_power_of_2(width - first) if width > first else 0)
 
 
 def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
@@ -229,13 +273,13 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
     out = torch.empty(M, d, device=y.device, dtype=y.dtype) if write_out else dy
     nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
     if M:
-        block = triton.next_power_of_2(gs)
-        warps = max(1, min(16, block // cfg.norm_bwd_block_per_warp))
+        block_a, block_b = _two_blocks(gs)
+        warps = max(1, min(16, triton.next_power_of_2(gs) // cfg.norm_bwd_block_per_warp))
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
                                                y.stride(0), z.stride(0), g.stride(0), dz.stride(0), out.stride(0),
-                                               float(eps),
-                                               WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows, BLOCK_G=block,
-                                               num_warps=warps, enable_fp_fusion=False)
+                                               float(eps), WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows,
+                                               BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+                                               enable_fp_fusion=False)
     dw = dw.sum(0).to(weight.dtype)
     return (dy, dz, dw, out) if write_out else (dy, dz, dw)
 
