@@ -108,9 +108,8 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     D = 2048
     x, res, wn = r(64, D), r(64, D, dtype=F32), r(D, dtype=F32)
     nt.rms_norm_triton(x, wn, 1e-5, BF16, cfg)
-    nt.add_rms_norm_triton(x, res, wn, 1e-5, BF16, cfg, norm_input_dtype=BF16)
-    nt.embed_rms_norm_triton(torch.zeros(64, dtype=torch.int64), r(100, D), wn, 1e-5, BF16, F32, cfg,
-                             norm_input_dtype=BF16)
+    nt.add_rms_norm_triton(x, res, wn, 1e-5, BF16, cfg)
+    nt.embed_rms_norm_triton(torch.zeros(64, dtype=torch.int64), r(100, D), wn, 1e-5, BF16, F32, cfg)
     nt.gated_rms_norm_triton(x, r(64, D), wn, 1e-5, 4, cfg)
     nt.rms_norm_backward_triton(x, wn, 1e-5, BF16, x, cfg)
     nt.gated_rms_norm_backward_triton(x, r(64, D), wn, 1e-5, 4, x, cfg)

@@ -43,9 +43,9 @@ def _normalize_row(v, mask, D, eps):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, stride_x, stride_res, stride_out,
                      stride_res_out, eps, HAS_X: tl.constexpr, HAS_IDX: tl.constexpr, WRITE_RES: tl.constexpr,
-                     ROUND_IN: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr):
     """Row r: v = res[idx[r] or r] (+ x[r], in fp32, rounded to res_out's dtype), written to res_out
-    if WRITE_RES; out[r] = round(w * normalise(v, rounded to IN_DTYPE first if ROUND_IN)), in fp32."""
+    if WRITE_RES; out[r] = round(w * normalise(v)), in fp32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -56,8 +56,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
     if WRITE_RES:
         v = v.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + cols, v, mask=mask)
-    if ROUND_IN:
-        v = v.to(IN_DTYPE)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     y = _normalize_row(v.to(tl.float32), mask, D, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(OUT)
@@ -297,8 +295,8 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out_dtype: torch.dtype, res_dtype: torch.dtype | None, norm_input_dtype: torch.dtype | None,
-            cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out_dtype: torch.dtype, res_dtype: torch.dtype | None, cfg: TritonKernelConfigs
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M = idx.shape[0] if idx is not None else res.shape[0]
     D = res.shape[1]
     out = torch.empty(M, D, dtype=out_dtype, device=res.device)
@@ -310,8 +308,7 @@ def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None,
         x if x is not None else res, res, idx if idx is not None else res, weight.contiguous(), out,
         res_out if res_out is not None else out, D, x.stride(0) if x is not None else 0, res.stride(0), out.stride(0),
         res_out.stride(0) if res_out is not None else 0, float(eps), HAS_X=x is not None, HAS_IDX=idx is not None,
-        WRITE_RES=res_out is not None, ROUND_IN=norm_input_dtype is not None,
-        IN_DTYPE=_TL[norm_input_dtype or torch.float32], BLOCK_D=block, num_warps=warps, enable_fp_fusion=False)
+        WRITE_RES=res_out is not None, BLOCK_D=block, num_warps=warps, enable_fp_fusion=False)
     return out, res_out
 
 
@@ -320,20 +317,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype
     """``ops.norm.rms_norm``: x [M, d] (any float dtype, rows may be strided), weight [d] ->
     [M, d] in ``out_dtype`` (default weight's dtype): weight * round(x / rms(x))."""
     x = _rows(x, "x")
-    out, _ = _launch(None, x, None, weight, eps, out_dtype or weight.dtype, None, None, cfg)
+    out, _ = _launch(None, x, None, weight, eps, out_dtype or weight.dtype, None, cfg)
     return out
 
 
 def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        out_dtype: torch.dtype | None, cfg: TritonKernelConfigs, *,
-                        norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_dtype: torch.dtype | None, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next RMSNorm in one pass.
 
     x [M, d] (the block's output, any float dtype) or None (the first layer: no add), residual
     [M, d]. new_residual = residual + x computed in fp32 and rounded to residual's dtype (exact for
     an fp32 residual and a bf16 x), or residual itself copied when x is None; normed =
-    ``rms_norm(new_residual)`` as it is kept (the contract's), or first rounded to ``norm_input_dtype``
-    if given (Hugging Face's Mamba2 normalises ``residual.to(model dtype)``). Returns (normed [M, d] in ``out_dtype``,
+    ``rms_norm(new_residual)`` as it is kept (the contract's). Returns (normed [M, d] in ``out_dtype``,
     default weight's dtype; new_residual [M, d] in residual's dtype), both new tensors.
     """
     residual = _rows(residual, "residual")
@@ -341,14 +336,13 @@ def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: 
         x = _rows(x, "x")
         if x.shape != residual.shape:
             raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
-    out, res = _launch(x, residual, None, weight, eps, out_dtype or weight.dtype, residual.dtype, norm_input_dtype,
-                       cfg)
+    out, res = _launch(x, residual, None, weight, eps, out_dtype or weight.dtype, residual.dtype, cfg)
     return out, res
 
 
 def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weight: torch.Tensor, eps: float,
-                          out_dtype: torch.dtype | None, residual_dtype: torch.dtype, cfg: TritonKernelConfigs, *,
-                          norm_input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          out_dtype: torch.dtype | None, residual_dtype: torch.dtype, cfg: TritonKernelConfigs
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The embedding gather, the first residual and the first layer's RMSNorm in one pass.
 
     token_ids [M] (int32/int64, on the device, in range: not checked here), embedding [V, d].
@@ -359,7 +353,7 @@ def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weig
         raise ValueError(f"token_ids must be [M], got {tuple(token_ids.shape)}")
     embedding = _rows(embedding, "embedding")
     return _launch(None, embedding, token_ids.contiguous(), weight, eps, out_dtype or weight.dtype, residual_dtype,
-                   norm_input_dtype, cfg)
+                   cfg)
 
 
 def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
