@@ -63,12 +63,11 @@ for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add
          dict(HAS_RES=add, HAS_ADD=add, HAS_DX2=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows,
               BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1])
 for out, width in ((False, 4096), (True, 4096), (True, 5120)):  # with out: the norm's output written again
-    a, b = nt._two_blocks(width)  # for out_proj's weight gradient; 5120 (2.7b's group) in two blocks
+    a, b, warps = nt.gated_bwd_launch(width, cfg)  # for out_proj's weight gradient; 5120 (2.7b's group): two blocks
     comp(f"norm:gated:backward:out{int(out)}:{width}", nt._gated_norm_bwd_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", rstd_ptr="*fp32", dy_ptr="*bf16",
               dz_ptr="*bf16", dw_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
-         dict(WRITE_OUT=out, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b),
-         num_warps=min(16, triton.next_power_of_2(width) // cfg.norm_bwd_block_per_warp), enable_fp_fusion=False)
+         dict(WRITE_OUT=out, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
 conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
               out_ptr="*bf16")
 for bias in (False, True):

@@ -200,11 +200,13 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
         tl.store(dw_ptr + blk * d + cb, dwb, mask=mb)
 
 
-def _two_blocks(width: int) -> tuple[int, int]:
-    """A group of ``width`` columns as two power-of-two blocks (first, rest; rest 0 when one fits):
-    the largest power of two within the width, then the rest's next power of two."""
+def gated_bwd_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, int]:
+    """``_gated_norm_bwd_kernel``'s launch for groups of ``width`` columns: (BLOCK_A, BLOCK_B, warps). The
+    group as two power-of-two blocks (the largest power of two within the width, then the rest's next
+    power of two; 0 when one fits); the warps as for one block of the width's next power of two."""
     first = 1 << (width.bit_length() - 1)
-    return first, (triton.next_power_of_2(width - first) if width > first else 0)
+    rest = triton.next_power_of_2(width - first) if width > first else 0
+    return first, rest, max(1, min(16, triton.next_power_of_2(width) // cfg.norm_bwd_block_per_warp))
 
 
 def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
@@ -271,8 +273,7 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
     out = torch.empty(M, d, device=y.device, dtype=y.dtype) if write_out else dy
     nb, dw = _weight_grad_blocks(M, d, cfg, y.device)
     if M:
-        block_a, block_b = _two_blocks(gs)
-        warps = max(1, min(16, triton.next_power_of_2(gs) // cfg.norm_bwd_block_per_warp))
+        block_a, block_b, warps = gated_bwd_launch(gs, cfg)
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
                                                y.stride(0), z.stride(0), g.stride(0), dz.stride(0), out.stride(0),
                                                float(eps), WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows,
