@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import elementwise as ew
@@ -128,33 +129,21 @@ class ChunkGrid:
 def chunk_grid(cu_seqlens: torch.Tensor, off: torch.Tensor | None, chunk_size: int,
                device: torch.device | str) -> ChunkGrid:
     """The chunk grid of sequences with cu_seqlens [S+1] new rows after off [S] buffered ones (None:
-    none), computed where cu_seqlens lies and put on ``device``: from the CPU in one asynchronous
-    copy (``plan.host_to_device``), so a GPU step plans without waiting on the GPU."""
-    from .plan import host_to_device
+    none), worked out on the host (``plan.chunk_layout``: a device cu_seqlens is read back once) and put
+    on ``device`` in one asynchronous copy (``plan.host_to_device``), so a GPU step plans without waiting
+    on the GPU."""
+    from .plan import chunk_layout, host_ints, host_to_device
 
-    L = chunk_size
-    cu = cu_seqlens.to(torch.int64)
-    host = cu.device
+    cu = host_ints(cu_seqlens)
     lens = cu[1:] - cu[:-1]
-    S, T = lens.numel(), int(cu[-1]) if cu.numel() else 0
-    off = torch.zeros_like(lens) if off is None else off.to(device=host, dtype=torch.int64)
-    slen = off + lens
-    nch = (slen + L - 1) // L
-    NC = int(nch.sum())
-    first = torch.cumsum(nch, 0) - nch
-    seq = torch.repeat_interleave(torch.arange(S, device=host), nch, output_size=NC)
-    index = torch.arange(NC, device=host) - first[seq]
-    length = torch.clamp(slen[seq] - index * L, max=L)
-    row_seq = torch.repeat_interleave(torch.arange(S, device=host), lens, output_size=T)
-    q = off[row_seq] + torch.arange(T, device=host) - cu[:-1][row_seq]  # position in the stream
-    parts = (seq, index, length, first, nch, first[row_seq] + q // L, q % L, cu[:-1][seq] + index * L - off[seq],
-             cu[:-1][seq], cu[1:][seq])
-    fill = int(off.max()) if S else 0
-    if torch.device(device) != host:
-        flat = torch.cat(parts)
-        flat = host_to_device(flat.numpy(), device) if host.type == "cpu" else flat.to(device)
-        parts = tuple(torch.split(flat, [t.numel() for t in parts]))
-    return ChunkGrid(NC, fill, *parts)
+    off = np.zeros_like(lens) if off is None else host_ints(off)
+    lay = chunk_layout(lens, off, chunk_size)
+    row_chunk, row_pos = lay.rows()
+    parts = (lay.seq, lay.index, lay.length, lay.first, lay.count, row_chunk, row_pos, lay.row0, cu[:-1][lay.seq],
+             cu[1:][lay.seq])
+    flat = host_to_device(np.concatenate(parts), device)
+    tables = torch.split(flat, [t.shape[0] for t in parts])
+    return ChunkGrid(int(lay.seq.shape[0]), int(off.max()) if lens.shape[0] else 0, *tables)
 
 
 def pack_chunks(

@@ -105,6 +105,47 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return starts[owner] + np.arange(owner.shape[0]) - begin[owner], owner
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the chunks of S sequences lie, each sequence's stream (its ``off`` buffered rows, then its
+    ``lens`` new ones) cut at multiples of L from its boundary: int64 host arrays. cu [S+1] the new rows'
+    packed offsets; slen [S] stream lengths; count, first [S] each sequence's chunks; seq, index, length,
+    row0 [NC] each chunk's sequence, number in it, valid rows and the packed row at its position 0 (before
+    the sequence's new rows when rows are buffered). The one source of these tables for ``plan_advance``
+    and ``chunk.chunk_grid``."""
+
+    L: int
+    off: np.ndarray
+    lens: np.ndarray
+    cu: np.ndarray
+    slen: np.ndarray
+    count: np.ndarray
+    first: np.ndarray
+    seq: np.ndarray
+    index: np.ndarray
+    length: np.ndarray
+    row0: np.ndarray
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """row_chunk, row_pos [T]: the chunk that holds each packed new row and its position there."""
+        q, row_seq = _ranges(self.off, self.lens)  # each row's position in its stream
+        return self.first[row_seq] + q // self.L, q % self.L
+
+
+def chunk_layout(lens: np.ndarray, off: np.ndarray, L: int) -> ChunkLayout:
+    """``ChunkLayout`` of sequences with lens [S] new rows after off [S] buffered ones (int64 arrays)."""
+    S = lens.shape[0]
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    slen = off + lens
+    count = (slen + L - 1) // L
+    first = np.cumsum(count) - count
+    index, seq = _ranges(np.zeros(S, dtype=np.int64), count)
+    length = np.minimum(slen[seq] - index * L, L)
+    row0 = cu[:-1][seq] + index * L - off[seq]
+    return ChunkLayout(L, off, lens, cu, slen, count, first, seq, index, length, row0)
+
+
 def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray, L: int, R: int, *,
                  slots: torch.Tensor | np.ndarray | None = None, rows: torch.Tensor | None = None,
                  final: str = "boundary") -> AdvancePlan:
@@ -131,16 +172,11 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     if slot.shape != lens.shape:
         raise ValueError(f"slots must be [{S}], not {tuple(slot.shape)}")
     T = int(lens.sum())
-    cu = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    slen = off + lens
-    count = (slen + L - 1) // L
-    first = np.cumsum(count) - count
-    index, seq = _ranges(np.zeros(S, dtype=np.int64), count)
+    lay = chunk_layout(lens, off, L)
+    cu, slen, count, first, seq, index, length, row0 = (lay.cu, lay.slen, lay.count, lay.first, lay.seq, lay.index,
+                                                        lay.length, lay.row0)
     NC = seq.shape[0]
-    length = np.minimum(slen[seq] - index * L, L)
     pre = np.where(index == 0, off[seq], 0)
-    row0 = cu[:-1][seq] + index * L - off[seq]
     has_pre = pre > 0
     part = np.where(has_pre, np.cumsum(has_pre) - 1, -1)
     need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
@@ -162,9 +198,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
         want = rows.detach().to("cpu", torch.bool).numpy()
         if want.shape != (T,):
             raise ValueError(f"rows must be a [{T}] bool mask, not {tuple(want.shape)}")
-        q, row_seq = _ranges(off, lens)  # each row's position in its stream
-        rc = first[row_seq] + q // L
-        key = np.unique(rc[want] * (L // R) + (q[want] % L) // R)  # sorted: chunk-major, then tile
+        rc, rp = lay.rows()
+        key = np.unique(rc[want] * (L // R) + rp[want] // R)  # sorted: chunk-major, then tile
         tc, tj = key // (L // R), key % (L // R)
     tile_pos = tj * R
     pos = tile_pos[:, None] + np.arange(R)[None, :]  # [NT, R] positions
