@@ -14,10 +14,12 @@ alternating, the faster of each kept); ``ratio`` = tree / today's.
 Bits, per cell: TP 2, 4 .. S (each rank's launch over its K columns, its fp32 subtree, the tree's top
 in torch) against TP 1, ``torch.equal``; a stock all-reduce of TP 2's rounded partials against TP 1
 (expected to differ). In every cell the other loop form (``linear_tree_flatten``) and the other stack
-(``linear_tree_global_stack``: in registers, or in global memory at today's tile) are timed too, and at M >= 2048
-a plain grid for the persistent one and today's GEMM at the tree's tile (what the tile alone costs),
-each checked for the pinned configs' bits. JSON: GPU, versions, commit, date, configs,
-cells; written after every shape, so a cut run keeps what finished.
+(``linear_tree_global_stack``: in registers, or in global memory at today's tile) are timed too, at
+M <= 256 the split-slices grid (``linear_tree_split_grid_max_m``: a program per tile and slice, the
+last to finish joining the partials), and at M >= 2048 a plain grid for the persistent one and
+today's GEMM at the tree's tile (what the tile alone costs), each checked for the pinned configs'
+bits. JSON: GPU, versions, commit, date, configs, cells; written after every shape, so a cut run
+keeps what finished.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ SHAPES = [  # (name, K, N): x [M, K] @ w [N, K]^T
 TINY = [("tiny.out_proj", 256, 48)]
 MS = [1, 64, 256, 2048, 8192]
 SLICES = [2, 4, 8]
+SPLIT_MAX_M = 256  # the split grid's variant: decode and mid batches
 
 
 def log(msg: str) -> None:
@@ -84,6 +87,8 @@ def _warm(job: tuple) -> None:
             kl = K // size
             tt.linear_tree_triton(x[:, :kl], w[:, :kl].contiguous(), None, s // size, torch.float32, cfg)
             size *= 2
+        if M <= SPLIT_MAX_M:
+            tt.linear_tree_triton(x, w, None, s, torch.bfloat16, cfg, split=True)
         if M >= 2048:  # the plain grid and today's GEMM at the tree's tile
             p = tt.tree_plan(M, w, s, cfg, sms=lt._num_sms(x.device))
             tt.linear_tree_triton(x, w, None, s, torch.bfloat16, cfg, tiles=dataclasses.replace(p, persistent=False))
@@ -148,6 +153,11 @@ def main() -> int:
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(args.out)
 
+    if cuda:
+        # the split grid's tile counters for the graphs' capture stream, allocated (zeroed) before any
+        # capture: a capture that finds none captures a memset with each call, which would be timed
+        with torch.cuda.stream(torch.cuda.graph(torch.cuda.CUDAGraph()).capture_stream):
+            tt.tile_counters(dev, 1 << 16)
     if cuda and args.warm > 1:
         try:
             warm(shapes, ms_list, list(fields.values()), args.warm)
@@ -222,6 +232,15 @@ def main() -> int:
                                                                                       tiles=p) for w in ws], cuda)
                     cell[f"grid_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
                                               same_bits=bool(torch.equal(y, ones[s])))
+            for s in SLICES if M <= SPLIT_MAX_M else ():
+                y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, split=True)
+                t = graph_ms(torch, [lambda w=w, s=s: tt.linear_tree_triton(x, w, None, s, dtype, cfg, split=True)
+                                     for w in ws], cuda)
+                p = lt.plan(M, w0, cfg, sms=lt._num_sms(dev))
+                cell[f"split_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
+                                           same_bits=bool(torch.equal(y, ones[s])),
+                                           tile=f"{p.block_m}x{p.block_n} s{p.num_stages} x {s} slices, "
+                                                f"join {tt.join_block_n(p, s, cfg)} columns")
             for s in SLICES if big else ():
                 p = tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev))
                 if (p.block_m, p.block_n) != (cell["today_plan"]["block_m"], cell["today_plan"]["block_n"]):
@@ -232,7 +251,7 @@ def main() -> int:
             log(f"{name} M={M}: today {cell['today_ms']:.4f} ms, "
                 + ", ".join(f"S={s} {cell[f's{s}_ratio']:.3f}x" for s in SLICES)
                 + "".join(f"; {v} " + ", ".join(f"{cell[f'{v}_s{s}']['ratio']:.3f}x" for s in SLICES)
-                          for v in [*variants, "grid", "today_at_tree_tile"] if f"{v}_s2" in cell)
+                          for v in [*variants, "split", "grid", "today_at_tree_tile"] if f"{v}_s2" in cell)
                 + f"; TP k == TP 1 {tp_ok}; stock TP 2 rows differing {cell['stock_tp2_rows_differing']}")
         del ws, xa
         save()
@@ -241,7 +260,7 @@ def main() -> int:
     res["max_ratio"] = {f"s{s}": max((c[f"s{s}_ratio"] for c in cells), default=None) for s in SLICES}
     res["over_1.05"] = [f"{c['shape']} M={c['M']} S={s}: {c[f's{s}_ratio']}x" for c in cells for s in SLICES
                         if c[f"s{s}_ratio"] > 1.05]
-    for v in [*variants, "grid"]:
+    for v in [*variants, "split", "grid"]:
         got = [c[f"{v}_s{s}"] for c in cells for s in SLICES if f"{v}_s{s}" in c]
         if got:
             res[f"{v}_max_ratio"] = max(g["ratio"] for g in got)
@@ -251,7 +270,7 @@ def main() -> int:
     for c in cells:
         for s in SLICES:
             forms = {"pinned": c[f"s{s}_ratio"]}
-            forms.update({v: c[f"{v}_s{s}"]["ratio"] for v in [*variants, "grid"] if f"{v}_s{s}" in c})
+            forms.update({v: c[f"{v}_s{s}"]["ratio"] for v in [*variants, "split", "grid"] if f"{v}_s{s}" in c})
             name = min(forms, key=forms.get)
             best[f"{c['shape']} M={c['M']} S={s}"] = f"{name} {forms[name]}"
     res["best_form"] = best

@@ -102,6 +102,10 @@ class TritonKernelConfigs:
         slice, refilled at each slice's start (the global stack always runs the latter). All of them
         give the same bits (tests/ops/test_linear_tree*.py; the times:
         benchmarks/results/h200_tree_gemm.json).
+        linear_tree_split_grid_max_m: calls of M <= this many rows (0: none) run the tree on a grid of
+        one program per (tile, slice) at the regime's tile, each slice's fp32 partial stored to a
+        scratch and the tile's last program to finish joining them by the same tree; for decode and
+        mid batches, whose grids of one program per tile leave SMs idle. The same bits.
     Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
       warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
       norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum);
@@ -205,6 +209,7 @@ class TritonKernelConfigs:
     linear_tree_acc_regs: int = 128
     linear_tree_flatten: bool = True
     linear_tree_global_stack: bool = True
+    linear_tree_split_grid_max_m: int = 0
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     norm_bwd_block_per_warp: int = 256
@@ -306,6 +311,7 @@ class TritonKernelConfigs:
         _among("linear_tree_acc_regs", self.linear_tree_acc_regs, (64, 96, 128, 160, 192))
         _among("linear_tree_flatten", self.linear_tree_flatten, (True, False))
         _among("linear_tree_global_stack", self.linear_tree_global_stack, (True, False))
+        _among("linear_tree_split_grid_max_m", self.linear_tree_split_grid_max_m, (0, 16, 64, 256))
         _among("linear_epi_split", self.linear_epi_split, (1, 2))
         if self.linear_epi_split != 1 and not self.linear_tma:
             raise ValueError("linear_epi_split 2 refused without linear_tma: the pointer kernel stores whole tiles")

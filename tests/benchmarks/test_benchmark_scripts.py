@@ -108,6 +108,21 @@ def test_bench_norm_backward_dry_run(tmp_path: Path) -> None:
     assert all(e["out_equal_forward"] and e["repeat_equal"] for e in cells[0]["launches"]), cells
 
 
+def test_bench_tree_gemm_dry_run(tmp_path: Path) -> None:
+    """The row-parallel tree GEMM benchmark through the interpreter: TP k gives TP 1's bits in every
+    cell, and every variant (the other loop form, the other stack, the split-slices grid at each M, the
+    plain grid) the pinned form's."""
+    pytest.importorskip("triton")
+    out = tmp_path / "tree.json"
+    r = _run("bench_tree_gemm_h200.py", out)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [c["M"] for c in res["cells"]] == [1, 16, 40] and res["all_tp_k_equal_tp1"], res["cells"]
+    assert all(f"split_s{s}" in c for c in res["cells"] for s in (2, 4, 8)), res["cells"]
+    for v in ("flatten", "global_stack", "split", "grid"):
+        assert res[f"{v}_all_same_bits"], v
+
+
 def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
     """The norms' rounding study: five variants, each a different model (a variant whose forms did not
     reach the layers would repeat the contract's error exactly)."""

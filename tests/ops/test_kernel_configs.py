@@ -60,7 +60,7 @@ def _alternative(cfg: TritonKernelConfigs, name: str) -> Any:
     elif isinstance(v, str):
         cands = ["round" if v == "split2" else "split2"]
     elif name.endswith("_max_m"):
-        cands = [v // 2]
+        cands = [v // 2] if v else [64]  # 0 (off) halves to itself
     elif name == "linear_fill_programs":
         cands = [0]
     elif name == "attn_split_n":  # 0 (no split) doubles to itself
@@ -105,6 +105,7 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     x, w = torch.empty(8192, K, dtype=BF16), torch.empty(1024, K, dtype=BF16)
     tt.linear_tree_triton(x, w, None, 8, BF16, cfg)
     tt.linear_tree_triton(x, w, None, 4, F32, cfg)
+    tt.linear_tree_triton(x[:12], w, None, 8, BF16, cfg)  # a decode batch (the split grid's rows)
     D = 2048
     x, res, wn = r(64, D), r(64, D, dtype=F32), r(D, dtype=F32)
     nt.rms_norm_triton(x, wn, 1e-5, BF16, cfg)

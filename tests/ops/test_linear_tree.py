@@ -4,7 +4,8 @@ fp32 only (the interpreter's bf16 arithmetic is not the GPU's), small shapes: th
 as threads, each launch computing its subtree, the subtree sums all-gathered and joined by the tree's
 top) gives TP 1's bits, TP 1 being one launch with the whole tree, the bias and the rounding; both
 equal the per-slice partials summed by ``pair_tree`` (the contract's tree), and the all-reduce of
-rank partials that stock tensor parallelism runs differs. tests/ops/test_linear_tree_gpu.py checks
+rank partials that stock tensor parallelism runs differs. The split-slices grid (a program per tile
+and slice, the last to finish joining) gives the same bits. tests/ops/test_linear_tree_gpu.py checks
 the bits on the GPU at the model shapes.
 """
 
@@ -32,7 +33,8 @@ from aligned_mamba.ops.logprobs.sliced import pair_tree  # noqa: E402
 from aligned_mamba.parallel import TPGroup, check_tp, shard, threads  # noqa: E402
 
 CFG = TritonKernelConfigs()
-F32 = torch.float32
+SPLIT = dataclasses.replace(CFG, linear_tree_split_grid_max_m=256)  # the split grid at every M tested here
+F32, BF16 = torch.float32, torch.bfloat16
 
 
 _INTERPRETER = threading.Lock()  # the interpreter runs one kernel at a time (it patches triton.language)
@@ -43,16 +45,22 @@ def _tree(x, w, b, local, out_dtype):
         return tt.linear_tree(x, w, b, local, out_dtype, cfg=CFG)
 
 
+def _split_tree(x, w, b, local, out_dtype):
+    with _INTERPRETER:
+        return tt.linear_tree(x, w, b, local, out_dtype, cfg=SPLIT)
+
+
 def _partial(x, w):
     return tt.linear_partial(x, w, cfg=CFG)
 
 
-def _tp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, slices: int, size: int) -> list[torch.Tensor]:
+def _tp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, slices: int, size: int,
+        tree=_tree) -> list[torch.Tensor]:
     """Every rank's output at TP ``size``: its K columns, one launch for its subtree (ranks as threads)."""
 
     def rank(group: TPGroup) -> torch.Tensor:
         k = shard(x.shape[1], group)
-        return row_parallel_linear(x[:, k], w[:, k].contiguous(), b, slices=slices, group=group, tree=_tree)
+        return row_parallel_linear(x[:, k], w[:, k].contiguous(), b, slices=slices, group=group, tree=tree)
 
     return threads(rank, size)
 
@@ -202,6 +210,128 @@ def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
         assert p.block_m * p.block_n < big.block_m * big.block_n
     # decode tiles already fit
     assert tt.tree_plan(1, w, 8, regs, sms=132) == lt.plan(1, w, CFG, sms=132)
+
+
+class _SplitLaunches:
+    """``tt._tree_split_kernel`` that records each launch's grid."""
+
+    def __init__(self) -> None:
+        self.kernel, self.grids = tt._tree_split_kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("local", [2, 4, 8])
+def test_the_split_grid_gives_the_pinned_forms_bits(local: int, dtype: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # TP 1 (bias, x's dtype), a rank's fp32 subtree (no bias) and the other two pairs, at decode and mid
+    # row counts, slices of whole K blocks and of a masked last block; the pinned form and the contract's
+    # tree over the backend's slice partials (``sliced.row_parallel_linear``) give the same bits. bf16:
+    # the interpreter's bf16 dot is not the GPU's (it multiplies the raw bits), so bf16 checks the
+    # plumbing (the bias's load, the rounding) with the same arithmetic on both sides
+    spy = _SplitLaunches()
+    monkeypatch.setattr(tt, "_tree_split_kernel", spy)
+    for i, m in enumerate((1, 5, 33)):
+        kc = (32, 24)[i % 2] * 8 // local  # K columns per slice; K = 256 or 192
+        x, w, b = _operands(m, kc * local, 40 + i, 100 * local + i, True)
+        x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+        parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(local)],
+                            -1)
+        for bias, out in ((True, dtype), (False, F32), (False, dtype), (True, F32)):
+            bb = b if bias else None
+            got = tt.linear_tree_triton(x, w, bb, local, out, CFG, split=True)
+            assert got.dtype == out and got.shape == (m, 40 + i)
+            assert torch.equal(got, tt.linear_tree_triton(x, w, bb, local, out, CFG)), (m, bias, out)
+            assert torch.equal(got, (pair_tree(parts) + (b.to(F32) if bias else 0)).to(out)), (m, bias, out)
+        want = row_parallel_linear(x, w, b, slices=local, group=TPGroup.single(), partial=_partial)
+        assert torch.equal(tt.linear_tree_triton(x, w, b, local, dtype, CFG, split=True), want)
+    assert len(spy.grids) == 15 and all(g[1] == local for g in spy.grids)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 40), kc=st.sampled_from([8, 12, 32]), n=st.integers(1, 48), log_s=st.integers(1, 3),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_split_grid_at_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: int, log_s: int, bias: bool,
+                                                           seed: int) -> None:
+    # linear_tree_split_grid_max_m on: every rank's subtree on the split grid, joined by the tree's top,
+    # equals TP 1 on the split grid and the pinned form's TP 1
+    s = 1 << log_s
+    x, w, b = _operands(m, kc * s, n, seed, bias)
+    one = row_parallel_linear(x, w, b, slices=s, group=TPGroup.single(), tree=_split_tree)
+    assert torch.equal(one, row_parallel_linear(x, w, b, slices=s, group=TPGroup.single(), tree=_tree))
+    size = 2
+    while size <= s:
+        for got in _tp(x, w, b, s, size, tree=_split_tree):
+            assert torch.equal(got, one), (size, s)
+        size *= 2
+
+
+@pytest.mark.parametrize("local", [4, 8])
+def test_the_split_grids_finisher_joins_by_adjacent_pairs_not_in_a_chain(local: int) -> None:
+    # as the stack's test: 1e8-scaled slices make the order of the finisher's adds visible
+    g = torch.Generator().manual_seed(local)
+    kc = 8
+    x = torch.randn(6, kc * local, generator=g)
+    x = x * (10.0 ** torch.randint(-4, 5, (1, kc * local), generator=g))
+    w = torch.randn(10, kc * local, generator=g)
+    y = tt.linear_tree_triton(x, w, None, local, F32, CFG, split=True)
+    parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(local)], -1)
+    assert torch.equal(y, pair_tree(parts))
+    chain = parts[..., 0]
+    for j in range(1, local):
+        chain = chain + parts[..., j]
+    assert not torch.equal(y, chain)
+
+
+@pytest.mark.parametrize("local", [2, 8])
+def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int) -> None:
+    # 3 x 3 tiles of 16 x 16: each tile's programs start from another slice, so in the interpreter's
+    # program order every slice is the last arrival (the finisher) of some tile; rows scaled apart so
+    # that a partial read from another slice or tile shows. The counters are back at zero after the
+    # call, and a second call through the same counters gives the same bits
+    x, w, b = _operands(40, 16 * local, 40, local, True)
+    x = x * (10.0 ** torch.arange(-3, 5).repeat(5)[:, None])
+    tiles = lt.LinearPlan(16, 16, 32, 4, 2, 1, False, False, 1, "ieee")
+    y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=True)
+    counters = tt.tile_counters(x.device, 9)
+    assert counters.dtype == torch.int32 and not counters.any()
+    assert torch.equal(y, tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles))
+    again = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=True)
+    assert torch.equal(again, y) and tt.tile_counters(x.device, 9).data_ptr() == counters.data_ptr()
+    assert not tt.tile_counters(x.device, 9).any()
+
+
+def test_the_split_grid_is_opt_in_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # off in the pinned configs (not yet timed on the GPU); on, it takes M <= linear_tree_split_grid_max_m
+    # rows and more than one slice, at the regime's tile (one accumulator per program)
+    assert CFG.linear_tree_split_grid_max_m == 0
+    assert not any(tt.split_grid(m, 8, CFG) for m in (1, 16, 64, 256, 8192))
+    on = dataclasses.replace(CFG, linear_tree_split_grid_max_m=64)
+    assert tt.split_grid(1, 2, on) and tt.split_grid(64, 16, on)
+    assert not tt.split_grid(65, 2, on) and not tt.split_grid(1, 1, on)
+    with pytest.raises(ValueError, match="linear_tree_split_grid_max_m 32 refused") as e:
+        dataclasses.replace(CFG, linear_tree_split_grid_max_m=32)
+    assert "\n" not in str(e.value)
+    spy = _SplitLaunches()
+    monkeypatch.setattr(tt, "_tree_split_kernel", spy)
+    x, w, b = _operands(70, 64, 24, 1, True)
+    for m, want in ((64, 1), (65, 1), (1, 2)):
+        tt.linear_tree_triton(x[:m], w, b, 4, F32, on)
+        tt.linear_tree_triton(x[:m], w, b, 1, F32, on)  # one slice: today's GEMM
+        assert len(spy.grids) == want, m
+    p = lt.plan(1, w, on, sms=lt._num_sms(x.device))  # the regime's tile: one row tile, N / BN column tiles
+    assert spy.grids[-1] == (-(-24 // p.block_n), 4)
+    # the finisher's fold fits the registers' stack budget, N halved as the stack's tile would be
+    w16 = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    for m in (1, 64, 256):
+        p = lt.plan(m, w16, on, sms=132)
+        for local in (2, 4, 8, 16):
+            jn = tt.join_block_n(p, local, on)
+            assert p.block_n % jn == 0 and 16 <= jn <= p.block_n
+            assert local.bit_length() * p.block_m * jn <= on.linear_tree_acc_regs * 32 * p.num_warps or jn == 16
 
 
 def test_refusals_are_one_line() -> None:

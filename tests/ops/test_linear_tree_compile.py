@@ -5,7 +5,9 @@ forms) at out_proj / o_proj / fc2 widths, decode to prefill row counts, 2 to 16 
 and fp32 models. The SASS must show HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for 16-row
 tiles, TMA loads where descriptors are used, and no local memory: the stack of partial sums fits in
 registers (``linear_tree_acc_regs``), which the plan's tile halving promises, or lives in global
-memory (``linear_tree_global_stack``) beside one accumulator, as in today's GEMM. Both stacks compile.
+memory (``linear_tree_global_stack``) beside one accumulator, as in today's GEMM. Both stacks compile,
+and so does the split-slices grid at the decode and mid tiles (its tile counter an acquire-release
+atomic at GPU scope).
 """
 
 from __future__ import annotations
@@ -90,3 +92,48 @@ def test_the_tree_gemm_compiles_for_sm90_without_spills(sm90_cache):
             assert d["HGMMA" if bm >= 64 and ":tma:" in d["name"] else "HMMA"] > 0 or d["HGMMA"] > 0, d
         if ":tma:" in d["name"]:
             assert d["UTMALDG"] > 0, d
+
+
+_COMPILE_SPLIT = sass_script({"N", "C", "stride_xm", "stride_wn", "stride_ym"}, r"""
+from aligned_mamba.ops.linear import triton as lt
+from aligned_mamba.ops.linear import triton_tree as tt
+
+compile_ = triton.compile
+ptx = []
+
+
+def keep_ptx(src, target=None, options=None):
+    k = compile_(src, target=target, options=options)
+    ptx.append(k.asm["ptx"])
+    return k
+
+
+triton.compile = keep_ptx
+w = torch.empty(2048, 8, dtype=torch.bfloat16)
+for M in (1, 64):
+    p = lt.plan(M, w, cfg, sms=132)
+    # TP 1 (bias, bf16) at every local; a rank's fp32 subtree once
+    for local, out, bias in ((2, "bf16", True), (4, "bf16", True), (8, "bf16", True), (4, "fp32", False)):
+        if out == "fp32" and M == 1:
+            continue
+        jn = tt.join_block_n(p, local, cfg)
+        comp(f"split:bf16:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}j{jn}:{out}",
+             tt._tree_split_kernel,
+             dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*" + out, b_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+             dict(HAS_BIAS=bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+                  BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision, JOIN_N=jn),
+             num_warps=p.num_warps, num_stages=p.num_stages)
+        done[-1]["acq_rel_adds"] = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx[-1]))
+print(json.dumps(done))
+""")
+
+
+@pytest.mark.slow
+def test_the_split_grid_compiles_for_sm90_without_spills(sm90_cache):
+    done = run_sm90_script(_COMPILE_SPLIT, sm90_cache)
+    assert len(done) == 7, [d["name"] for d in done]
+    for d in done:
+        assert d["LDL"] == d["STL"] == 0, d  # one accumulator, then the fold of JOIN_N columns
+        bm = int(d["name"].split(":")[3].split("x")[0])
+        assert d["HGMMA" if bm >= 64 else "HMMA"] > 0, d
+        assert d["acq_rel_adds"] == 1, d  # the tile's counter: release the partials, acquire the others'

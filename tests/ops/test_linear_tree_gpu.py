@@ -4,7 +4,8 @@ At the row-parallel layers' shapes (out_proj of mamba2-1.3b and 2.7b, Nemotron-H
 fc2), bf16: TP k (each rank's launch over its K columns giving its fp32 subtree, the subtrees joined
 by the tree's top, the bias, one rounding) gives TP 1's bits (one launch: the whole tree), for 2 to
 16 slices, in both loop forms and both stacks; a row's bits do not depend on how many rows share the call; one slice
-is today's GEMM bit for bit; the stock all-reduce of the ranks' rounded GEMMs differs. Then the model: the triton
+is today's GEMM bit for bit; the split-slices grid gives the pinned form's bits, eager and in CUDA-graph
+replays; the stock all-reduce of the ranks' rounded GEMMs differs. Then the model: the triton
 backend's logits rows at TP 2 and 4 equal TP 1 under row_parallel_slices 4 (Mamba2 with n_groups 1
 and 8, a hybrid), and stock TP 2 differs.
 """
@@ -77,6 +78,53 @@ def test_gpu_every_tp_degree_gives_tp1s_bits(name: str, K: int, N: int) -> None:
                            lt.linear_triton(x[:M], w, b, _cfg())):
             bad.append((M, 1, 1))
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name,K,N", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gpu_the_split_grid_gives_the_pinned_forms_bits(name: str, K: int, N: int) -> None:
+    from aligned_mamba.ops.linear import triton_tree as tt
+
+    x, w, b = _operands(K, N, M=256)
+    on = _other(linear_tree_split_grid_max_m=256)
+    bad = []
+    for M in (1, 17, 64, 256):
+        for s in (2, 4, 8, 16):
+            one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, _cfg())
+            # forced, and chosen by the configs; then a rank's fp32 subtree at TP 2
+            if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, _cfg(), split=True), one):
+                bad.append((M, s, "forced"))
+            if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, on), one):
+                bad.append((M, s, "configs"))
+            kl = K // 2
+            xs, ws = x[:M, :kl], w[:, :kl].contiguous()
+            sub = tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, _cfg())
+            if not torch.equal(tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, _cfg(), split=s > 2), sub):
+                bad.append((M, s, "subtree"))
+    assert not bad, bad
+
+
+def test_gpu_the_split_grids_counters_survive_cuda_graph_replays() -> None:
+    # the finisher resets its tile's counter: replay after replay (and an eager call between them, on
+    # the capture's stream and on the default one) gives the pinned form's bits
+    from aligned_mamba.ops.linear import triton_tree as tt
+
+    K, N = SHAPES[0][1:]
+    x, w, b = _operands(K, N, M=64)
+    want = {s: tt.linear_tree_triton(x, w, b, s, torch.bfloat16, _cfg()) for s in (4, 8)}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in (4, 8):  # compiled, and the stream's counters allocated, before the capture
+            tt.linear_tree_triton(x, w, b, s, torch.bfloat16, _cfg(), split=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = {s: tt.linear_tree_triton(x, w, b, s, torch.bfloat16, _cfg(), split=True) for s in (4, 8)}
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(outs[s], want[s]) for s in (4, 8)), i
+        assert torch.equal(tt.linear_tree_triton(x, w, b, 8, torch.bfloat16, _cfg(), split=True), want[8]), i
 
 
 @pytest.mark.parametrize("name,K,N", SHAPES[:3], ids=[s[0] for s in SHAPES[:3]])

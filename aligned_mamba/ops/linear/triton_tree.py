@@ -20,6 +20,12 @@ a tile of BM x BN over T threads keeps log2(S/k) + 1 accumulators of BM * BN / T
 plan halves the tile (N first) until they fit in ``linear_tree_acc_regs`` registers per thread, or
 (``linear_tree_global_stack``) keeps the tile and puts the levels in a per-program fp32 scratch in
 global memory; the K block is ``triton.py``'s in every regime.
+
+The split-slices grid (``linear_tree_split_grid_max_m``, opt-in) gives each (tile, slice) its own
+program, for small M where one program per tile leaves the GPU idle: program (t, j) sums slice j of
+tile t from zero by the same K loop (the same fp32 partial), stores it to an fp32 scratch and counts
+itself in on the tile's counter; the last of the tile's programs to arrive, whichever slice it
+summed, reads the ``local`` partials back and joins them by the same fold in slice order. Same bits.
 """
 
 from __future__ import annotations
@@ -184,6 +190,65 @@ def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stri
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _tree_split_kernel(x_ptr, w_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, M, N, C, STEPS, stride_xm, stride_wn,
+                       stride_ym, HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr, LEVELS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       PRECISION: tl.constexpr, JOIN_N: tl.constexpr):
+    """The tree on a (tiles, LOCAL) grid: program (t, q) sums slice j = (q + t) mod LOCAL of tile t,
+    as ``_tree_ptr_kernel``'s K loop does (slice j: K columns [j C, (j + 1) C) in STEPS masked blocks),
+    into part_ptr [tiles, LOCAL, BM, BN] fp32 at [t, j], then adds one to the tile's int32 counter
+    (cnt_ptr [tiles], zero at the launch). The program that counts LOCAL - 1 folds the tile's
+    partials in slice order (``_fold``), JOIN_N columns at a time (the fold is elementwise: the stack
+    costs (LEVELS + 1) BM x JOIN_N tiles, not BM x BN ones), adds the bias, rounds, stores y [M, N],
+    and sets the counter back to zero for the next launch. Every partial is read back from the
+    scratch, the finisher's own too, so the sum does not depend on which slice finished last."""
+    tile = tl.program_id(0)
+    # the tile's slices start from a different one per tile: programs run in grid order in the
+    # interpreter, so every slice is some tile's last arrival there and the tests see every finisher
+    j = (tl.program_id(1) + tile) % LOCAL
+    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(STEPS):
+        ck = kk * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
+        rk = j * C + ck
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                    mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    part = part_ptr + tile.to(tl.int64) * (LOCAL * BLOCK_M * BLOCK_N)
+    tl.store(part + j * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
+             acc)
+    # release: every thread's partial stored (the barrier, CTA scope) before the counter's add
+    # publishes them at GPU scope; acquire: the finisher's reads below come after it saw every add
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if arrived == LOCAL - 1:
+        # the add is one thread's: the barrier orders the other threads' reads after its acquire
+        tl.debug_barrier()
+        for c in tl.static_range(BLOCK_N // JOIN_N):
+            cols = c * JOIN_N + tl.arange(0, JOIN_N)
+            at = part + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols[None, :]
+            s0 = tl.zeros((BLOCK_M, JOIN_N), dtype=tl.float32)
+            s1 = s0
+            s2 = s0
+            s3 = s0
+            for i in tl.range(0, LOCAL):
+                # .cg: from L2, where the other programs' stores are; read once, not kept in L1
+                p = tl.load(at + i * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+                s0, s1, s2, s3 = _fold(p, s0, s1, s2, s3, i, LEVELS, LOCAL)
+            on = pid_n * BLOCK_N + c * JOIN_N
+            out = _bias_round(s0, b_ptr, on, N, HAS_BIAS, JOIN_N, y_ptr.dtype.element_ty)
+            rc = on + tl.arange(0, JOIN_N)
+            tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rc[None, :], out,
+                     mask=(rm[:, None] < M) & (rc[None, :] < N))
+        # every program of this tile has added: nothing reads the counter again in this launch
+        tl.store(cnt_ptr + tile, 0)
+
+
 def tree_plan(M: int, weight: torch.Tensor, local: int, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
     """``triton.plan``'s tile for M rows and this weight [N, K], halved (N first, down to 32 x 64;
     stages raised to keep the shared memory) until the stack of ``local`` slices (log2(local) + 1 fp32
@@ -227,6 +292,46 @@ def fallback_plan(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> Linear
     return _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs // 2)
 
 
+def split_grid(M: int, local: int, cfg: TritonKernelConfigs) -> bool:
+    """Whether M rows take the split-slices grid: ``linear_tree_split_grid_max_m`` on (not 0), M at
+    most that, and more than one slice (one slice is today's GEMM)."""
+    return local > 1 and 0 < M <= cfg.linear_tree_split_grid_max_m
+
+
+def join_block_n(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> int:
+    """The columns the split grid's finisher folds at a time: the tile's N block halved (down to 16)
+    until the fold's log2(local) + 1 fp32 tiles of BM x that fit ``linear_tree_acc_regs`` registers
+    per thread, the budget of the registers' stack."""
+    jn = p.block_n
+    while local.bit_length() * p.block_m * jn > cfg.linear_tree_acc_regs * 32 * p.num_warps and jn > 16:
+        jn //= 2
+    return jn
+
+
+#: per (device, stream): the split grid's int32 tile counters, each buffer larger than the last
+_COUNTERS: dict[tuple[torch.device, int | None], list[torch.Tensor]] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 [tiles] zeros on ``device`` for a split-grid launch on the current stream.
+
+    Cached rather than a ``torch.zeros`` per call (a memset launch beside a decode GEMM of ~10 us):
+    every launch leaves its counters at zero (the finisher resets them), so the buffer is zero for the
+    next launch on the same stream, eager or a CUDA-graph replay. One buffer per stream, as two
+    streams' launches may run at once. A buffer is never freed (a larger one is added beside it): a
+    captured graph keeps its pointer. Under graph capture without a large enough buffer, a fresh
+    ``torch.zeros`` is captured with the launch (its memset replays too) and not cached."""
+    cuda = device.type == "cuda"
+    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else None)
+    bufs = _COUNTERS.setdefault(key, [])
+    if bufs and bufs[-1].numel() >= tiles:
+        return bufs[-1][:tiles]
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    bufs.append(torch.zeros(max(tiles, 2 * bufs[-1].numel() if bufs else 1024), dtype=torch.int32, device=device))
+    return bufs[-1][:tiles]
+
+
 def check_local(local: int) -> None:
     """ValueError (one line) unless ``local`` (slices one rank sums: S / TP) is a power of two this
     kernel's stack holds."""
@@ -237,13 +342,14 @@ def check_local(local: int) -> None:
 
 def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, local: int,
                        out_dtype: torch.dtype, cfg: TritonKernelConfigs, *,
-                       tiles: LinearPlan | None = None) -> torch.Tensor:
+                       tiles: LinearPlan | None = None, split: bool | None = None) -> torch.Tensor:
     """One rank's subtree of the row-parallel GEMM: x [M, K] @ weight [N, K]^T cut into ``local``
     contiguous K slices of K / local columns, each summed from zero in fp32, joined by adjacent pairs
     (+ bias [N] in fp32), rounded once to ``out_dtype`` (x's dtype: the whole tree at TP 1; float32:
     a subtree for the all-gather). x, weight: the model dtype (bf16 or fp32); x's rows may be
     strided. Returns a new contiguous [M, N] tensor on x's device; one launch, no host sync.
-    ``tiles`` overrides ``tree_plan`` (benchmarks and tests only)."""
+    ``tiles`` overrides ``tree_plan`` (the split grid: ``plan``), ``split`` the configs' choice of
+    the split-slices grid (``split_grid``; both for benchmarks and tests only)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_tree_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
@@ -265,9 +371,21 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return y.zero_() if bias is None else y.copy_(bias.to(torch.float32).expand(M, N))
     C = K // local
     sms = _num_sms(x.device)
-    p = tiles or tree_plan(M, weight, local, cfg, sms=sms)
     has_bias = bias is not None
     b = bias.contiguous() if has_bias else y
+    use_split = split_grid(M, local, cfg) if split is None else split and local > 1
+    if use_split:
+        # one accumulator per program, as today's GEMM: the regime's tile, not the stack's
+        p = tiles or plan(M, weight, cfg, sms=sms)
+        num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
+        part = torch.empty(num_tiles * local * p.block_m * p.block_n, dtype=torch.float32, device=x.device)
+        _tree_split_kernel[(num_tiles, local)](
+            x, weight, y, b, part, tile_counters(x.device, num_tiles), M, N, C, triton.cdiv(C, p.block_k),
+            x.stride(0), weight.stride(0), N, HAS_BIAS=has_bias, LOCAL=local, LEVELS=local.bit_length() - 1,
+            BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision,
+            JOIN_N=join_block_n(p, local, cfg), num_warps=p.num_warps, num_stages=p.num_stages)
+        return y
+    p = tiles or tree_plan(M, weight, local, cfg, sms=sms)
     common = dict(HAS_BIAS=has_bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m,
                   BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision,
                   FLATTEN=cfg.linear_tree_flatten, num_warps=p.num_warps, num_stages=p.num_stages)
@@ -331,5 +449,5 @@ def linear_partial(x: torch.Tensor, w: torch.Tensor, *, cfg: TritonKernelConfigs
     return linear_tree(x, w, None, 1, torch.float32, cfg=cfg)
 
 
-__all__ = ["MAX_LOCAL_SLICES", "check_local", "fallback_plan", "global_stack", "linear_partial", "linear_tree",
-           "linear_tree_triton", "tree_plan"]
+__all__ = ["MAX_LOCAL_SLICES", "check_local", "fallback_plan", "global_stack", "join_block_n", "linear_partial",
+           "linear_tree", "linear_tree_triton", "split_grid", "tile_counters", "tree_plan"]
