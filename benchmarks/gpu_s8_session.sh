@@ -4,10 +4,11 @@
 # KV head (`bench_paged_attention_h200.py`); the conv backward's walk against its tile kernel; the
 # 8-layer fwd+bwd slices of the dense and the MoE hybrid against the stock model; the whole models'
 # cells `--quick` leaves out (forward 1 x 32768, decode at 16k contexts); the decode step's inputs read
-# in place (`--views`); training against mamba_ssm's own model.
+# in place (`--views`); training against mamba_ssm's own model; the row-parallel tree GEMM and its
+# variants, the split-slices grid among them (`bench_tree_gemm_h200.py`).
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk train nanotrain h8blong nanolong views scanacc vsms vsms2" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk train nanotrain h8blong nanolong views scanacc vsms vsms2 tree" DEADLINE_S=560 ...
 #   TEST_FILES="tests/ops/test_attention_gpu.py ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
@@ -50,5 +51,7 @@ want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_
 # a second run (another variant of ours, its own stock), its JSON files in a folder of their own
 want vsms2 && mkdir -p "$W/vsms2" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms2 "${VSMS2_S:-150}" \
   python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/vsms2" ${VSMS2_ARGS:---shapes mamba2-1.3b --parts train --quick}
+want tree && step tree "${TREE_S:-150}" python3 benchmarks/bench_tree_gemm_h200.py --out "$W/h200_tree_gemm.json" \
+  --warm 15 --deadline-s "$(( $(left "${TREE_S:-150}") - 30 ))" ${TREE_ARGS:-}
 note "done"
 pack
