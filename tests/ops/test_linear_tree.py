@@ -91,16 +91,18 @@ def test_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: int, log_s: int, bi
         size *= 2
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["stack", "split_grid"])
 @pytest.mark.parametrize("local", [4, 8, 16])
-def test_the_stack_folds_the_slices_by_adjacent_pairs_not_in_a_chain(local: int) -> None:
+def test_the_tree_folds_the_slices_by_adjacent_pairs_not_in_a_chain(local: int, split: bool) -> None:
     # 1e8-scaled slices make the order of the adds visible: a chain ((p0 + p1) + p2) + ... or halves
-    # (p_i + p_{i + n/2}) would round otherwise than adjacent pairs
+    # (p_i + p_{i + n/2}) would round otherwise than adjacent pairs; in the stack and in the split
+    # grid's finisher alike
     g = torch.Generator().manual_seed(local)
     kc = 8
     x = torch.randn(6, kc * local, generator=g)
     x = x * (10.0 ** torch.randint(-4, 5, (1, kc * local), generator=g))
     w = torch.randn(10, kc * local, generator=g)
-    y = tt.linear_tree_triton(x, w, None, local, F32, CFG)
+    y = tt.linear_tree_triton(x, w, None, local, F32, CFG, split=split)
     parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(local)], -1)
     assert torch.equal(y, pair_tree(parts))
     chain = parts[..., 0]
@@ -267,23 +269,6 @@ def test_the_split_grid_at_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: i
         for got in _tp(x, w, b, s, size, tree=_split_tree):
             assert torch.equal(got, one), (size, s)
         size *= 2
-
-
-@pytest.mark.parametrize("local", [4, 8])
-def test_the_split_grids_finisher_joins_by_adjacent_pairs_not_in_a_chain(local: int) -> None:
-    # as the stack's test: 1e8-scaled slices make the order of the finisher's adds visible
-    g = torch.Generator().manual_seed(local)
-    kc = 8
-    x = torch.randn(6, kc * local, generator=g)
-    x = x * (10.0 ** torch.randint(-4, 5, (1, kc * local), generator=g))
-    w = torch.randn(10, kc * local, generator=g)
-    y = tt.linear_tree_triton(x, w, None, local, F32, CFG, split=True)
-    parts = torch.stack([_partial(x[:, j * kc:(j + 1) * kc], w[:, j * kc:(j + 1) * kc]) for j in range(local)], -1)
-    assert torch.equal(y, pair_tree(parts))
-    chain = parts[..., 0]
-    for j in range(1, local):
-        chain = chain + parts[..., j]
-    assert not torch.equal(y, chain)
 
 
 @pytest.mark.parametrize("local", [2, 8])

@@ -161,6 +161,24 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PRO
                 y_desc.store([om, on], c)
 
 
+@triton.jit
+def _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Slice j's sum for rows rm [BM] and columns rn [BN] from zero, fp32 [BM, BN]: K columns
+    [j C, (j + 1) C) in STEPS masked blocks of BLOCK_K, each a ``tl.dot`` onto the sum (the pointer
+    kernels' one K loop)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(STEPS):
+        ck = kk * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
+        rk = j * C + ck
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                    mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -176,15 +194,8 @@ def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stri
     s2 = s0
     s3 = s0
     for j in tl.range(0, LOCAL, flatten=FLATTEN):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(STEPS):
-            ck = kk * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
-            rk = j * C + ck
-            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                        mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
-            b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                        mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                         PRECISION)
         s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
     c = _bias_round(s0, b_ptr, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -210,15 +221,8 @@ def _tree_split_kernel(x_ptr, w_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, M, N, C, S
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(STEPS):
-        ck = kk * BLOCK_K + tl.arange(0, BLOCK_K)  # columns inside slice j
-        rk = j * C + ck
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & (ck[None, :] < C), other=0.0)
-        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                    mask=(rn[None, :] < N) & (ck[:, None] < C), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                     PRECISION)
     part = part_ptr + tile.to(tl.int64) * (LOCAL * BLOCK_M * BLOCK_N)
     tl.store(part + j * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
              acc)
