@@ -22,7 +22,8 @@ t0=$(date +%s)
 
 if [[ " $STEPS " == *" tests "* ]]; then
   timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=8 -x \
-    ${TEST_FILES:-tests/ops/test_attention_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log"
+    ${TEST_FILES:-tests/ops/attention tests/ops/linear/test_linear_relu2.py \
+    tests/ops/elementwise/test_elementwise.py} 2>&1 | tee "$OUT/pytest_gpu.log"
   echo "== tests exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_gpu.log"
 fi
 if [[ " $STEPS " == *" check "* ]]; then

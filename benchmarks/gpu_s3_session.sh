@@ -19,7 +19,7 @@ source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT
 
 if want moetests; then
   timeout "$(left "${MOETESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \
-    ${MOETESTS_K:+-k "$MOETESTS_K"} tests/ops/test_moe_triton_gpu.py 2>&1 | tee "$W/pytest_moe.log"
+    ${MOETESTS_K:+-k "$MOETESTS_K"} tests/ops/moe/test_moe_experts.py 2>&1 | tee "$W/pytest_moe.log"
   note "moetests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_moe.log")"; pack
 fi
 if want moebench; then
@@ -52,7 +52,8 @@ PY
 fi
 if want attntests; then
   timeout "$(left "${ATTNTESTS_S:-240}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=10 \
-    tests/ops/test_attention_gpu.py 2>&1 | tee "$W/pytest_attn.log"
+    tests/ops/attention tests/ops/linear/test_linear_relu2.py tests/ops/elementwise/test_elementwise.py \
+    2>&1 | tee "$W/pytest_attn.log"
   note "attntests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_attn.log")"; pack
 fi
 if want bwddet; then

@@ -32,7 +32,8 @@ hybrid() {  # bench_hybrid_h200.py sections, merged into the latest h200_hybrid.
 if want tests; then
   # every GPU-marked test outside the engine integrations (vLLM is not on the GPU machine)
   timeout "$(left "${TESTS_S:-170}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=15 \
-    -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests/ops/test_moe_triton_gpu.py tests/ops/test_attention_gpu.py \
+    -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests/ops/moe/test_moe_experts.py tests/ops/attention \
+    tests/ops/linear/test_linear_relu2.py tests/ops/elementwise/test_elementwise.py \
     tests/ops/test_triton_ops_gpu.py tests/ops/test_triton_ops.py tests/ops/test_triton_backward.py \
     tests/ops/ssd/test_triton_decode.py tests/core/test_decode_graph.py} 2>&1 | tee "$W/pytest_gpu.log"
   note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_gpu.log")"; pack

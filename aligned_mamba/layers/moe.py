@@ -14,10 +14,10 @@ row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice
 per row (ties go to the lower expert index, whatever the other rows); the routed experts are the
 backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
 on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
-share its experts (tests/layers/test_moe.py, tests/ops/test_moe_triton*.py). On the triton backend
+share its experts (tests/layers/test_moe.py, tests/ops/moe/test_moe_experts.py). On the triton backend
 the router GEMM is ops.moe.triton's kernel (not ``backend.linear``: a replaced linear does not reach
 it), and without gradients (a sampler) the sigmoid and the routing are its second kernel; a trainer
-recording gradients takes the torch ops there; both give the same bits (tests/ops/test_moe_route*.py).
+recording gradients takes the torch ops there; both give the same bits (tests/ops/moe/test_moe_route.py).
 
 Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
 gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],

@@ -177,7 +177,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         linear_tree=functools.partial(triton_tree.linear_tree, cfg=c),
         # the torch form on the device: elementwise ops and fixed-tree adds, each element's operations
         # the same wherever it sits, so every TP degree dividing the slices gives the same bits
-        # (tests/ops/test_linear_tree_gpu.py); no Triton kernel of the sliced norm yet
+        # (tests/ops/linear/test_linear_tree.py, its gpu tests); no Triton kernel of the sliced norm yet
         gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         rms_norm=functools.partial(norm_triton.rms_norm, cfg=c),
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),

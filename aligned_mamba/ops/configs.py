@@ -100,7 +100,7 @@ class TritonKernelConfigs:
         linear_tree_flatten: the compiler fuses the slice loop and its K loop into one software
         pipeline (loads run on across slices, the dots stay asynchronous) rather than one pipeline per
         slice, refilled at each slice's start (the global stack always runs the latter). All of them
-        give the same bits (tests/ops/test_linear_tree*.py; the times:
+        give the same bits (tests/ops/linear/test_linear_tree.py; the times:
         benchmarks/results/h200_tree_gemm.json).
         linear_tree_split_grid_max_m: calls of M <= this many rows (0: none) run the tree on a grid of
         one program per (tile, slice) at the regime's tile, each slice's fp32 partial stored to a
@@ -129,7 +129,7 @@ class TritonKernelConfigs:
       absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
       (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
       attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
-      tile; a row's bits do not depend on the tile's rows: tests/ops/test_attention_gpu.py).
+      tile; a row's bits do not depend on the tile's rows: tests/ops/attention/test_attention_forward.py).
       attn_split_n: key positions per split (1024 by default; 0: no split): a row's keys are split at
       absolute positions s * attn_split_n, each split's online softmax folded into the row's in
       ascending order (ops/attention/triton.py, "Split keys"); decode steps then run one program

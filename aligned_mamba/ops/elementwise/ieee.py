@@ -9,7 +9,7 @@ operations (+, -, *, /, floor and integer bit manipulation), each a separate ker
 multiply-add), so every element is a fixed function of its own input, whatever the shape.
 
 All functions take and return float32 tensors (any shape); accuracy is within 4 ulp of a float64
-reference for normal inputs (tests/ops/test_elementwise.py measures it); nan propagates.
+reference for normal inputs (tests/ops/elementwise/test_elementwise.py measures it); nan propagates.
 
 Gradients: autograd through the bit tricks would be wrong (the rounding step passes a gradient,
 the exponent bits pass none), so each public function is a ``torch.autograd.Function`` whose

@@ -22,7 +22,7 @@ and the weights (summed in ascending expert order) are
 ascending token order; from the same program for one row block, else from a second one-program
 launch). Up to ``moe_decode_max_rows`` rows take the grouped GEMM's decode tile (``gemm_tile``); the
 K loop is the same, so a row's bits are those of the large tile, whichever path its call takes
-(tests/ops/test_moe_route*.py). A decode step's layer is seven launches (the shared expert's relu2
+(tests/ops/moe/test_moe_route.py). A decode step's layer is seven launches (the shared expert's relu2
 in its up GEMM's epilogue).
 
 Backward (``ExpertsFunction``): one pass over the sorted rows gives dy = round(g w) and the routing

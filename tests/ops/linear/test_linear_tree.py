@@ -1,12 +1,30 @@
-"""The triton backend's row-parallel tree GEMM (``ops/linear/triton_tree.py``) through the interpreter.
+"""The triton backend's row-parallel tree GEMM (``ops/linear/triton_tree.py``).
 
-fp32 only (the interpreter's bf16 arithmetic is not the GPU's), small shapes: the logic. TP k (ranks
-as threads, each launch computing its subtree, the subtree sums all-gathered and joined by the tree's
-top) gives TP 1's bits, TP 1 being one launch with the whole tree, the bias and the rounding; both
-equal the per-slice partials summed by ``pair_tree`` (the contract's tree), and the all-reduce of
-rank partials that stock tensor parallelism runs differs. The split-slices grid (a program per tile
-and slice, the last to finish joining) gives the same bits. tests/ops/test_linear_tree_gpu.py checks
-the bits on the GPU at the model shapes.
+- interpreter (the Triton interpreter, CPU): fp32 only (the interpreter's bf16 arithmetic is not the
+  GPU's), small shapes: the logic. TP k (ranks as threads, each launch computing its subtree, the
+  subtree sums all-gathered and joined by the tree's top) gives TP 1's bits, TP 1 being one launch
+  with the whole tree, the bias and the rounding; both equal the per-slice partials summed by
+  ``pair_tree`` (the contract's tree), and the all-reduce of rank partials that stock tensor
+  parallelism runs differs. The split-slices grid (a program per tile and slice, the last to finish
+  joining) gives the same bits.
+- gpu (skipped without CUDA; run on the H200): at the row-parallel layers' shapes (out_proj of
+  mamba2-1.3b and 2.7b, Nemotron-H-8B's o_proj and fc2), bf16: TP k (each rank's launch over its K
+  columns giving its fp32 subtree, the subtrees joined by the tree's top, the bias, one rounding)
+  gives TP 1's bits (one launch: the whole tree), for 2 to 16 slices, in both loop forms and both
+  stacks; a row's bits do not depend on how many rows share the call; one slice is today's GEMM bit
+  for bit; the split-slices grid gives the pinned form's bits, eager and in CUDA-graph replays; the
+  stock all-reduce of the ranks' rounded GEMMs differs. Then the model: the triton backend's logits
+  rows at TP 2 and 4 equal TP 1 under row_parallel_slices 4 (Mamba2 with n_groups 1 and 8, a
+  hybrid), and stock TP 2 differs.
+- compile (sm_90, the H200, offline with the triton wheel's ptxas and cuobjdump, no GPU): the tree
+  kernel (TMA and pointer forms) in every plan the row-parallel layers meet, at out_proj / o_proj /
+  fc2 widths, decode to prefill row counts, 2 to 16 slices per rank, bf16 and fp32 models. The SASS
+  must show HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for 16-row tiles, TMA loads where
+  descriptors are used, and no local memory: the stack of partial sums fits in registers
+  (``linear_tree_acc_regs``), which the plan's tile halving promises, or lives in global memory
+  (``linear_tree_global_stack``) beside one accumulator, as in today's GEMM. Both stacks compile,
+  and so does the split-slices grid at the decode and mid tiles (its tile counter an acquire-release
+  atomic at GPU scope).
 """
 
 from __future__ import annotations
@@ -14,23 +32,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import interpreted  # noqa: F401  (the interpreter on, before triton is imported)
+import interpreted  # noqa: F401  (the interpreter on, before triton is imported; tests/ops/conftest.py)
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sm90_offline import run_sm90_script, sass_script
 
-interpreted.require()
-pytestmark = pytest.mark.interpreter
-
-from aligned_mamba.contract import Contract  # noqa: E402
-from aligned_mamba.errors import AlignedMambaError, ContractError  # noqa: E402
-from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
-from aligned_mamba.ops.linear import triton as lt  # noqa: E402
-from aligned_mamba.ops.linear import triton_tree as tt  # noqa: E402
-from aligned_mamba.ops.linear.sliced import row_parallel_linear  # noqa: E402
-from aligned_mamba.ops.logprobs.sliced import pair_tree  # noqa: E402
-from aligned_mamba.parallel import TPGroup, check_tp, shard, threads  # noqa: E402
+from aligned_mamba.contract import Contract
+from aligned_mamba.errors import AlignedMambaError, ContractError
+from aligned_mamba.ops.configs import TritonKernelConfigs
+from aligned_mamba.ops.linear import triton as lt
+from aligned_mamba.ops.linear import triton_tree as tt
+from aligned_mamba.ops.linear.sliced import row_parallel_linear
+from aligned_mamba.ops.logprobs.sliced import pair_tree
+from aligned_mamba.parallel import TPGroup, check_tp, shard, threads
 
 CFG = TritonKernelConfigs()
 SPLIT = dataclasses.replace(CFG, linear_tree_split_grid_max_m=256)  # the split grid at every M tested here
@@ -72,6 +88,7 @@ def _operands(m: int, k: int, n: int, seed: int, bias: bool):
     return x, w, (torch.randn(n, generator=g) if bias else None)
 
 
+@pytest.mark.interpreter
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 20), kc=st.sampled_from([4, 8, 12, 32, 40]), n=st.integers(1, 40),
        log_s=st.integers(1, 3), bias=st.booleans(), seed=st.integers(0, 2**16))
@@ -91,6 +108,7 @@ def test_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: int, log_s: int, bi
         size *= 2
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("split", [False, True], ids=["stack", "split_grid"])
 @pytest.mark.parametrize("local", [4, 8, 16])
 def test_the_tree_folds_the_slices_by_adjacent_pairs_not_in_a_chain(local: int, split: bool) -> None:
@@ -115,6 +133,7 @@ def test_the_tree_folds_the_slices_by_adjacent_pairs_not_in_a_chain(local: int, 
     assert not torch.equal(y, chain) and not torch.equal(y, halves[..., 0])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_all_reduce_it_replaces_differs(size: int) -> None:
     x, w, _ = _operands(24, 256, 40, 3, False)
@@ -131,6 +150,7 @@ def test_the_all_reduce_it_replaces_differs(size: int) -> None:
     assert (stock != aligned[0]).any(dim=1).sum().item() > 0, "stock TP should round otherwise on some rows"
 
 
+@pytest.mark.interpreter
 def test_one_slice_is_the_plain_gemm_and_other_tiles_compute_every_tile() -> None:
     x, w, b = _operands(9, 128, 24, 4, True)  # 32-column slices: whole K blocks, the TMA kernel
     assert torch.equal(tt.linear_tree_triton(x, w, b, 1, F32, CFG), lt.linear_triton(x, w, b, CFG))
@@ -143,6 +163,7 @@ def test_one_slice_is_the_plain_gemm_and_other_tiles_compute_every_tile() -> Non
         assert torch.allclose(got, y, rtol=1e-5, atol=1e-5), tiles
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("local", [2, 4, 8])
 def test_a_persistent_program_carries_no_stack_from_one_tile_into_the_next(local: int) -> None:
     # 3 x 3 tiles on the interpreter's 4 programs: programs 0 to 1 compute 3 tiles, 2 to 3 two, each
@@ -160,6 +181,7 @@ def test_a_persistent_program_carries_no_stack_from_one_tile_into_the_next(local
     assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True)).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("local", [2, 4, 8, 16])
 def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None:
     # linear_tree_global_stack: where the registers' stack would quarter the tile (here a 128 x 64 tile
@@ -182,6 +204,7 @@ def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None
             assert torch.equal(pair_tree(torch.stack(halves, -1)) + b, y)
 
 
+@pytest.mark.interpreter
 def test_the_global_stack_takes_the_tiles_the_registers_would_quarter() -> None:
     # measured on the H200: one halving (S = 2 at the large tile) cost less than the scratch's traffic,
     # two (S = 4 and 8) more
@@ -200,6 +223,7 @@ def test_the_global_stack_takes_the_tiles_the_registers_would_quarter() -> None:
         assert not tt.global_stack(tt.tree_plan(M, w, 8, glob, sms=132), 8, glob)
 
 
+@pytest.mark.interpreter
 def test_the_plan_halves_the_tile_until_the_stack_fits() -> None:
     regs = dataclasses.replace(CFG, linear_tree_global_stack=False)
     w = torch.empty(2048, 4096, dtype=torch.bfloat16)
@@ -225,6 +249,7 @@ class _SplitLaunches:
         return self.kernel[grid]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("local", [2, 4, 8])
 def test_the_split_grid_gives_the_pinned_forms_bits(local: int, dtype: torch.dtype,
@@ -253,6 +278,7 @@ def test_the_split_grid_gives_the_pinned_forms_bits(local: int, dtype: torch.dty
     assert len(spy.grids) == 15 and all(g[1] == local for g in spy.grids)
 
 
+@pytest.mark.interpreter
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 40), kc=st.sampled_from([8, 12, 32]), n=st.integers(1, 48), log_s=st.integers(1, 3),
        bias=st.booleans(), seed=st.integers(0, 2**16))
@@ -271,6 +297,7 @@ def test_the_split_grid_at_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: i
         size *= 2
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("local", [2, 8])
 def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int) -> None:
     # 3 x 3 tiles of 16 x 16: each tile's programs start from another slice, so in the interpreter's
@@ -289,6 +316,7 @@ def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int) 
     assert not tt.tile_counters(x.device, 9).any()
 
 
+@pytest.mark.interpreter
 def test_the_split_grid_is_opt_in_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # off in the pinned configs (not yet timed on the GPU); on, it takes M <= linear_tree_split_grid_max_m
     # rows and more than one slice, at the regime's tile (one accumulator per program)
@@ -319,6 +347,7 @@ def test_the_split_grid_is_opt_in_by_rows(monkeypatch: pytest.MonkeyPatch) -> No
             assert local.bit_length() * p.block_m * jn <= on.linear_tree_acc_regs * 32 * p.num_warps or jn == 16
 
 
+@pytest.mark.interpreter
 def test_refusals_are_one_line() -> None:
     x, w = torch.zeros(2, 64), torch.zeros(3, 64)
     for bad in (3, 32, 0):
@@ -333,6 +362,7 @@ def test_refusals_are_one_line() -> None:
         row_parallel_linear(x, [w[:, :32], w[:, 32:]], None, slices=2, group=TPGroup.single(), tree=_tree)
 
 
+@pytest.mark.interpreter
 def test_the_contract_and_check_tp_refuse_only_what_does_not_run() -> None:
     assert Contract(256, backend="triton", row_parallel_slices=16).row_parallel_slices == 16
     with pytest.raises(ContractError, match="at most 16 slices") as e:
@@ -347,6 +377,7 @@ def test_the_contract_and_check_tp_refuse_only_what_does_not_run() -> None:
         check_tp(Contract(32, backend="triton", row_parallel_slices=2), config, 4)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("size", [1, 2])
 def test_megatrons_row_parallel_linear_is_one_launch_per_rank(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the hook's RowParallelLinear forward on the triton backend: a rank's subtree in one launch of the
@@ -395,3 +426,290 @@ def test_megatrons_row_parallel_linear_is_one_launch_per_rank(size: int, monkeyp
 def kernel_tree(kernel):
     """``Ops.linear_tree`` over ``kernel`` (the interpreter's lock held by the caller's wrapper)."""
     return lambda x, w, b, local, out_dtype: kernel(x, w, b, local, out_dtype, CFG)
+
+
+# -- gpu ----------------------------------------------------------------------------------------
+
+
+SHAPES = [("mamba2-1.3b out_proj", 4096, 2048), ("mamba2-2.7b out_proj", 5120, 2560),
+          ("nemotron-h-8b o_proj", 4096, 4096), ("nemotron-h-8b fc2", 21504, 4096)]
+
+
+def _gpu_operands(K: int, N: int, M: int = 2048, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
+    b = (torch.randn(N, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    return x, w, b
+
+
+def _gpu_tp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, slices: int, size: int) -> torch.Tensor:
+    """TP ``size``: every rank's subtree launch, all-gathered (stacked in rank order), the top, bias, rounding."""
+    kl = x.shape[1] // size
+    subs = [tt.linear_tree_triton(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl].contiguous(), None,
+                                  slices // size, torch.float32, CFG) for r in range(size)]
+    return (pair_tree(torch.stack(subs, -1)) + b.to(torch.float32)).to(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,K,N", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gpu_every_tp_degree_gives_tp1s_bits(name: str, K: int, N: int) -> None:
+    x, w, b = _gpu_operands(K, N)
+    bad = []
+    for M in (1, 64, 2048):
+        for s in (2, 4, 8, 16):
+            one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG)
+            # the other loop form (a K loop per slice, or the loops flattened) and the other stack (in
+            # registers at a halved tile, or in global memory at the regime's tile): the same bits
+            flip = {"loops": "linear_tree_flatten", "stack": "linear_tree_global_stack"}
+            for name, field in flip.items():
+                other = dataclasses.replace(CFG, **{field: not getattr(CFG, field)})
+                if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, other), one):
+                    bad.append((M, s, name))
+            size = 2
+            while size <= s:
+                if not torch.equal(_gpu_tp(x[:M], w, b, s, size), one):
+                    bad.append((M, s, size))
+                size *= 2
+        # one slice: today's GEMM, the same bits
+        if not torch.equal(tt.linear_tree_triton(x[:M], w, b, 1, torch.bfloat16, CFG),
+                           lt.linear_triton(x[:M], w, b, CFG)):
+            bad.append((M, 1, 1))
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,K,N", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gpu_the_split_grid_gives_the_pinned_forms_bits(name: str, K: int, N: int) -> None:
+    x, w, b = _gpu_operands(K, N, M=256)
+    on = dataclasses.replace(CFG, linear_tree_split_grid_max_m=256)
+    bad = []
+    for M in (1, 17, 64, 256):
+        for s in (2, 4, 8, 16):
+            one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG)
+            # forced, and chosen by the configs; then a rank's fp32 subtree at TP 2
+            if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG, split=True), one):
+                bad.append((M, s, "forced"))
+            if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, on), one):
+                bad.append((M, s, "configs"))
+            kl = K // 2
+            xs, ws = x[:M, :kl], w[:, :kl].contiguous()
+            sub = tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, CFG)
+            if not torch.equal(tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, CFG, split=s > 2), sub):
+                bad.append((M, s, "subtree"))
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_gpu_the_split_grids_counters_survive_cuda_graph_replays() -> None:
+    # the finisher resets its tile's counter: replay after replay (and an eager call between them, on
+    # the capture's stream and on the default one) gives the pinned form's bits
+
+    K, N = SHAPES[0][1:]
+    x, w, b = _gpu_operands(K, N, M=64)
+    want = {s: tt.linear_tree_triton(x, w, b, s, torch.bfloat16, CFG) for s in (4, 8)}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in (4, 8):  # compiled, and the stream's counters allocated, before the capture
+            tt.linear_tree_triton(x, w, b, s, torch.bfloat16, CFG, split=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = {s: tt.linear_tree_triton(x, w, b, s, torch.bfloat16, CFG, split=True) for s in (4, 8)}
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(outs[s], want[s]) for s in (4, 8)), i
+        assert torch.equal(tt.linear_tree_triton(x, w, b, 8, torch.bfloat16, CFG, split=True), want[8]), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,K,N", SHAPES[:3], ids=[s[0] for s in SHAPES[:3]])
+def test_gpu_tree_rows_do_not_depend_on_m_and_sit_at_the_bf16_floor(name: str, K: int, N: int) -> None:
+    x, w, b = _gpu_operands(K, N, M=8192)
+    for s in (2, 8):
+        full = tt.linear_tree_triton(x, w, b, s, torch.bfloat16, CFG)
+        bad = []
+        for i, M in enumerate((1, 3, 17, 64, 255, 1000, 4097)):
+            start = [0, (8192 - M) // 2, 8192 - M][i % 3]
+            part = tt.linear_tree_triton(x[start:start + M], w, b, s, torch.bfloat16, CFG)
+            bad.append((M, int((part != full[start:start + M]).any(dim=1).sum())))
+        assert all(n == 0 for _, n in bad), (s, bad)
+        ref = x[:512].double() @ w.double().T + b.double()
+        floor = ((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm()).item()
+        err = ((full[:512].double() - ref).norm() / ref.norm()).item()
+        assert err <= 1.02 * floor, (s, err, floor)
+
+
+@pytest.mark.gpu
+def test_gpu_the_all_reduce_it_replaces_differs() -> None:
+    x, w, b = _gpu_operands(4096, 2048, M=256)
+    one = tt.linear_tree_triton(x, w, b, 8, torch.bfloat16, CFG)
+    for size in (2, 4):
+        kl = 4096 // size
+        parts = [lt.linear_triton(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl].contiguous(), None, CFG)
+                 for r in range(size)]
+        stock = parts[0]
+        for p in parts[1:]:
+            stock = stock + p
+        stock = stock + b
+        assert torch.equal(_gpu_tp(x, w, b, 8, size), one)
+        assert int((stock != one).any(dim=1).sum()) > 0, size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
+def test_gpu_model_rows_at_tp_2_and_4_equal_tp_1(name: str) -> None:
+    from aligned_mamba import tp_reference
+    from aligned_mamba.models.mamba2 import make_tiny
+    from aligned_mamba.models.nemotron_h import make_tiny_hybrid
+
+    if name == "hybrid":
+        config, tensors = make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
+    else:
+        config, tensors = make_tiny(0 if name == "g1" else 1, hidden_size=128, num_heads=8, head_dim=32,
+                                    state_size=32, n_groups=1 if name == "g1" else 8, num_hidden_layers=2,
+                                    chunk_size=32)
+    c = Contract(32, backend="triton", row_parallel_slices=4)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 512, (n,), generator=g) for n in (45, 7, 70)]
+    one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+    assert one[0].is_cuda
+    for size in (2, 4):
+        # rank 0 alone first, every gather its own tensor repeated: the kernels of this degree compile
+        # here, not in the rank threads at once
+        tp_reference.forward(TPGroup(0, size, lambda t, k=size: t.unsqueeze(0).repeat(k, *[1] * t.dim())), config,
+                             tensors, c, seqs)
+        for rank_rows in threads(tp_reference.forward, size, config, tensors, c, seqs):
+            assert all(torch.equal(a, b) for a, b in zip(rank_rows, one)), (name, size)
+    stock_one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs, True)
+    stock_two = threads(tp_reference.forward, 2, config, tensors, c, seqs, True)[0]
+    assert sum(int((a != b).any(dim=-1).sum()) for a, b in zip(stock_one, stock_two)) > 0
+
+
+# -- compile ------------------------------------------------------------------------------------
+
+
+_COMPILE_TREE = sass_script({"N", "C", "stride_xm", "stride_wn", "stride_ym"}, r"""
+from aligned_mamba.ops.linear import triton_tree as tt
+
+import dataclasses
+
+glob = dataclasses.replace(cfg, linear_tree_global_stack=not cfg.linear_tree_global_stack)
+plans, seen = {}, set()
+for N in (2048, 4096):
+    for M in (1, 64, 256, 8192):
+        for local in (2, 4, 8, 16):
+            for dt in ("bf16", "fp32"):
+                w = torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32)
+                plans[(dt, local, tt.tree_plan(M, w, local, cfg, sms=132))] = None
+                # the other stack (linear_tree_global_stack): a global stack keeps the regime's tile
+                gp = tt.tree_plan(M, w, local, glob, sms=132)
+                if gp.tma and (dt, local, gp) not in seen:
+                    seen.add((dt, local, gp))
+                    tag = f"tree:{dt}:L{local}:{gp.block_m}x{gp.block_n}x{gp.block_k}:w{gp.num_warps}s{gp.num_stages}"
+                    stack = tt.global_stack(gp, local, glob)
+                    comp(tag + f":tma:{dt}:global{int(glob.linear_tree_global_stack)}", tt._tree_tma_kernel,
+                         dict(x_desc=f"tensordesc<{dt}[{gp.block_m}, {gp.block_k}]>",
+                              w_desc=f"tensordesc<{dt}[{gp.block_n}, {gp.block_k}]>",
+                              y_desc=f"tensordesc<{dt}[{gp.block_m}, {gp.block_n // gp.epi_split}]>",
+                              b_ptr="*" + dt, st_ptr="*fp32"),
+                         dict(HAS_BIAS=True, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=gp.block_m,
+                              BLOCK_N=gp.block_n, BLOCK_K=gp.block_k, GROUP_M=gp.group_m, PRECISION=gp.precision,
+                              EPI_SPLIT=gp.epi_split, PERSISTENT=gp.persistent, GLOBAL_STACK=stack,
+                              FLATTEN=glob.linear_tree_flatten and not stack),
+                         num_warps=gp.num_warps, num_stages=gp.num_stages)
+for dt, local, p in plans:
+    tag = f"tree:{dt}:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
+    opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
+    c = dict(LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+             GROUP_M=p.group_m, PRECISION=p.precision)
+    stack = tt.global_stack(p, local, cfg)
+    if p.tma:  # TP 1 (bias, the model dtype) and a rank's fp32 subtree
+        for out, bias in ((dt, True), ("fp32", False)):
+            comp(tag + f":tma:{out}", tt._tree_tma_kernel,
+                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                      y_desc=f"tensordesc<{out}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
+                      st_ptr="*fp32"),
+                 dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                      FLATTEN=cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
+        # the other loop form (linear_tree_flatten), TP 1's launch
+        comp(tag + f":tma:{dt}:flatten{int(not cfg.linear_tree_flatten)}", tt._tree_tma_kernel,
+             dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+                  w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+                  y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
+                  st_ptr="*fp32"),
+             dict(c, HAS_BIAS=True, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
+                  FLATTEN=not cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
+    # the pointer kernel: the plan's own launch without TMA, or a TMA plan's fallback tile
+    f = tt.fallback_plan(p, local, cfg) if p.tma else p
+    comp(f"tree:{dt}:L{local}:{f.block_m}x{f.block_n}x{f.block_k}:w{f.num_warps}s{f.num_stages}:ptr",
+         tt._tree_ptr_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, y_ptr="*" + dt, b_ptr="*" + dt),
+         dict(c, HAS_BIAS=True, BLOCK_M=f.block_m, BLOCK_N=f.block_n, FLATTEN=cfg.linear_tree_flatten),
+         num_warps=f.num_warps,
+         num_stages=f.num_stages)
+print(json.dumps(done))
+""")
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_the_tree_gemm_compiles_for_sm90_without_spills(sm90_cache):
+    done = run_sm90_script(_COMPILE_TREE, sm90_cache)
+    assert len(done) >= 20, [d["name"] for d in done]
+    for d in done:
+        assert d["LDL"] == d["STL"] == 0, d  # the stack of partial sums stays in registers
+        _, dt, _, tile = d["name"].split(":")[:4]
+        bm = int(tile.split("x")[0])
+        if dt == "bf16":
+            assert d["HGMMA" if bm >= 64 and ":tma:" in d["name"] else "HMMA"] > 0 or d["HGMMA"] > 0, d
+        if ":tma:" in d["name"]:
+            assert d["UTMALDG"] > 0, d
+
+
+_COMPILE_SPLIT = sass_script({"N", "C", "stride_xm", "stride_wn", "stride_ym"}, r"""
+from aligned_mamba.ops.linear import triton as lt
+from aligned_mamba.ops.linear import triton_tree as tt
+
+compile_ = triton.compile
+ptx = []
+
+
+def keep_ptx(src, target=None, options=None):
+    k = compile_(src, target=target, options=options)
+    ptx.append(k.asm["ptx"])
+    return k
+
+
+triton.compile = keep_ptx
+w = torch.empty(2048, 8, dtype=torch.bfloat16)
+for M in (1, 64):
+    p = lt.plan(M, w, cfg, sms=132)
+    # TP 1 (bias, bf16) at every local; a rank's fp32 subtree once
+    for local, out, bias in ((2, "bf16", True), (4, "bf16", True), (8, "bf16", True), (4, "fp32", False)):
+        if out == "fp32" and M == 1:
+            continue
+        jn = tt.join_block_n(p, local, cfg)
+        comp(f"split:bf16:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}j{jn}:{out}",
+             tt._tree_split_kernel,
+             dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*" + out, b_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+             dict(HAS_BIAS=bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+                  BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision, JOIN_N=jn),
+             num_warps=p.num_warps, num_stages=p.num_stages)
+        done[-1]["acq_rel_adds"] = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx[-1]))
+print(json.dumps(done))
+""")
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_the_split_grid_compiles_for_sm90_without_spills(sm90_cache):
+    done = run_sm90_script(_COMPILE_SPLIT, sm90_cache)
+    assert len(done) == 7, [d["name"] for d in done]
+    for d in done:
+        assert d["LDL"] == d["STL"] == 0, d  # one accumulator, then the fold of JOIN_N columns
+        bm = int(d["name"].split(":")[3].split("x")[0])
+        assert d["HGMMA" if bm >= 64 else "HMMA"] > 0, d
+        assert d["acq_rel_adds"] == 1, d  # the tile's counter: release the partials, acquire the others'

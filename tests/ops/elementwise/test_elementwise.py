@@ -4,6 +4,9 @@ Position invariance: an element's bits are the same whether it is computed alone
 tensor) or anywhere inside a tensor of any size, at any storage offset, with 1 or 2 threads.
 The contrast test shows that torch's own sigmoid / softplus do NOT have this property on this
 CPU (vectorised SLEEF body vs scalar libm tail), which is the mismatch the module prevents.
+
+On a GPU (marked gpu, skipped without CUDA): the Triton relu2 (``ops.elementwise.triton``) and its
+backward have the torch form's bits.
 """
 
 from __future__ import annotations
@@ -266,3 +269,34 @@ def test_torch_sigmoid_softplus_are_not_position_invariant_but_ours_are() -> Non
 def test_log_of_nan_is_nan() -> None:
     """Regression: log() reads nan's exponent bits (255) as a number: log(nan) = 89.1283."""
     assert torch.isnan(ew.log(_t(math.nan))).all()
+
+
+# -- gpu: the Triton relu2 ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_relu2_kernel_has_the_torch_forms_bits() -> None:
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.elementwise import relu2
+    from aligned_mamba.ops.elementwise.triton import relu2_triton
+
+    x = torch.randn(333, 5000, device="cuda").to(torch.bfloat16) * 4
+    assert torch.equal(relu2_triton(x, TritonKernelConfigs()), relu2(x))
+    assert torch.equal(relu2_triton(x[100:101], TritonKernelConfigs()), relu2(x)[100:101])
+
+
+@pytest.mark.gpu
+def test_relu2_backward_is_the_torch_forms_gradient() -> None:
+    from aligned_mamba.ops.configs import TritonKernelConfigs
+    from aligned_mamba.ops.elementwise import relu2
+    from aligned_mamba.ops.elementwise.triton import relu2 as relu2_fn
+
+    x = (torch.randn(333, 5000, device="cuda") * 4).to(torch.bfloat16)
+    x[0, :2] = torch.tensor([0.0, -0.0])
+    g = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = relu2_fn(a, TritonKernelConfigs()), relu2(b)
+    assert torch.equal(ya, yb)
+    (ga,), (gb,) = torch.autograd.grad(ya, a, g), torch.autograd.grad(yb, b, g)
+    assert torch.equal(ga, gb)
+    assert not torch.equal(ga, (2 * x.float() * g.float()).clamp_min(0).to(torch.bfloat16)), "the check is vacuous"
