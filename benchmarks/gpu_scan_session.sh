@@ -16,6 +16,7 @@ source "$(dirname "$0")/gpu_prelude.sh"  # strict mode, the repository root, OUT
 if want tests; then
   timeout "$(left "${TESTS_S:-120}")" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=8 \
     tests/ops/ssd/test_triton_backward_layout.py tests/ops/test_triton_backward.py \
+    tests/ops/conv1d/test_conv1d_backward_walk.py \
     -k "gpu_bf16_rows or gpu_bf16_scan_backward_dots or gpu_ssd_prefill_gradients or gpu_1_3b_layer_model or conv_backward_kernel or (kernel_functions and conv)" \
     2>&1 | tee "$W/pytest.log"
   note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest.log")"; pack

@@ -76,7 +76,7 @@ class TritonKernelConfigs:
       linear_block_k: the K block of every bf16 regime (one K loop, ascending, whatever M).
       linear_decode_max_m, linear_mid_max_m: bf16 calls of M <= decode_max_m rows take the decode
         tile, M <= mid_max_m the mid tile, larger M the large tile (a row's bits do not depend on
-        the tile: tests/ops/test_triton_ops.py checks M = 1..8192 at every model shape).
+        the tile: tests/ops/linear/test_linear_gemm.py checks M = 1..8192 at every model shape).
       linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
         (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
         of that many programs per SM looping over the tiles, else one program per tile).

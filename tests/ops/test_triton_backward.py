@@ -8,7 +8,9 @@ CPU group (the Triton interpreter, fp32, tiny shapes; conftest sets TRITON_INTER
   gradients, and the forward's bits and state updates unchanged by autograd;
 - that autograd cannot see through a bare Triton launch, and that a wrong backward is caught;
 - the other kernels' Functions (linear, the norms, conv, log_softmax) run through the interpreter
-  directly (on a CPU the backend runs their torch forms), against fp64;
+  directly (on a CPU the backend runs their torch forms), against fp64 (each kernel's own backward
+  against its torch form: tests/ops/norm/test_norm_backward.py, tests/ops/conv1d/test_conv1d_backward_walk.py,
+  tests/ops/logprobs/test_logprobs_triton.py);
 - a tiny fp32 model on the triton backend: logits with gradients on equal the no-grad logits and the
   sampler's decode rows, parameter gradients against the torch backend's and the fp64 reference, and
   ``PolicyTrainer`` steps on it.
@@ -29,6 +31,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.interpreter
 
 from fp64_reference import GRAD_RTOL, MODEL, reference_logits_fp64, rel_err  # noqa: E402
+from kernel_cases import EPS, OP_RTOL  # noqa: E402
 from torch_threads import single_thread_by_default  # noqa: E402, F401 (autouse fixture)
 
 from aligned_mamba import Contract  # noqa: E402
@@ -64,8 +67,6 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 gpu = pytest.mark.gpu
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
-# The ops' Functions against fp64 in fp32: measured 5e-8 .. 1.2e-7 (relative norm); 1e-5 leaves room.
-OP_RTOL = 1e-5
 SCAN_LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "h0")
 
 
@@ -403,7 +404,6 @@ def _check_op(fn, kernel, ref64, inputs: dict[str, torch.Tensor], grad_keys: tup
     return {k: rel_err(u, v) for k, u, v in zip(grad_keys, got, ref)}
 
 
-EPS = 1e-5
 F32 = torch.float32
 
 
@@ -467,92 +467,6 @@ def test_kernel_functions_forward_bits_and_gradients(name):
     assert all(e < OP_RTOL for e in errs.values()), errs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
-    """The logits' gradient in one pass a row (``log_softmax_backward_triton``, the Function's backward)
-    against the torch form from the same output: equal but for the row sum's order (within fp32
-    rounding before the cast to ``dtype``), for a dense g and for a broadcast one (stride 0), and the
-    same bits twice. A backward that dropped the softmax term would be off by its whole size."""
-    from aligned_mamba.ops.logprobs import sliced
-
-    cfg = TritonKernelConfigs(logprobs_block_v=128)  # several blocks a row
-    out = torch.log_softmax(_rand(5, 300, seed=31, scale=3.0), -1).to(DEV)
-    for g in (_rand(5, 300, seed=32).to(DEV), torch.ones((), device=DEV).expand(5, 300)):
-        got = logprobs_tr.log_softmax_backward_triton(out, g, dtype, cfg)
-        want = sliced.log_softmax_backward(out, g, dtype)
-        assert got.dtype == dtype and torch.equal(got, logprobs_tr.log_softmax_backward_triton(out, g, dtype, cfg))
-        tol = 1e-6 if dtype == torch.float32 else 8e-3
-        assert rel_err(got, want.double()) < tol, rel_err(got, want.double())
-        assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
-
-
-@pytest.mark.parametrize("d", [48, 60, 84], ids=["groups16", "groups20", "groups28"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_norm_backward_kernels_are_the_torch_forms_gradients(dtype, d):
-    """The norms' Triton backwards against their torch forms (``ops.norm.*_backward``, native torch):
-    37 rows in blocks of 4 (a partial last block), a width that is not a power of two, 3 groups of
-    16 columns (one block), 20 (16 + 4) or 28 (16 + a partial 16); two calls bit-identical."""
-    from aligned_mamba.ops import norm
-    from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton, rms_norm_backward_triton
-
-    cfg = TritonKernelConfigs(norm_bwd_rows=4)
-    M = 37
-    x, y, z, g, add = (_rand(M, d, seed=s).to(dtype) for s in (51, 52, 53, 54, 55))
-    w = _rand(d, seed=56).to(dtype)
-    tol = OP_RTOL if dtype == torch.float32 else 1e-2  # bf16: the outputs' own rounding
-    got = rms_norm_backward_triton(x, w, EPS, dtype, g, cfg, add=add)
-    assert all(torch.equal(u, v) for u, v in zip(got, rms_norm_backward_triton(x, w, EPS, dtype, g, cfg, add=add)))
-    dx, dw = norm.rms_norm_backward(x, w, EPS, dtype, g)
-    assert rel_err(got[0], (dx.float() + add.float()).double()) < tol and rel_err(got[1], dw.double()) < tol
-    got = gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg)
-    assert all(torch.equal(u, v) for u, v in zip(got, gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg)))
-    want = norm.gated_rms_norm_backward(y, z, w, EPS, 3, g)
-    assert all(rel_err(u, v.double()) < tol for u, v in zip(got, want))
-
-
-@pytest.mark.parametrize("d", [48, 60], ids=["groups16", "groups20"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gated_norm_backward_forms_the_forwards_output(dtype, d):
-    """With ``write_out`` the gated norm's backward writes the norm's output again, from the forward's
-    saved rstd: the forward kernel's bits (groups of one block, and of two: 16 + 4 columns), and the
-    gradients those of the call without it. The baseline (an rstd one ulp off, as a second reduction
-    in another order could give) differs, so the comparison can fail."""
-    from aligned_mamba.ops.norm.triton import gated_rms_norm_backward_triton
-
-    cfg = TritonKernelConfigs(norm_bwd_rows=4)
-    M = 37
-    y, z, g = (_rand(M, d, seed=s).to(dtype) for s in (61, 62, 63))
-    w = _rand(d, seed=64).to(dtype)
-    out, rstd = gated_rms_norm_triton(y, z, w, EPS, 3, cfg, with_rstd=True)
-    assert torch.equal(out, gated_rms_norm_triton(y, z, w, EPS, 3, cfg))
-    *grads, again = gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, rstd, write_out=True)
-    assert torch.equal(again, out)
-    assert all(torch.equal(u, v) for u, v in zip(grads, gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, rstd)))
-    off = rstd * (1 + 2 ** -12)
-    assert not torch.equal(gated_rms_norm_backward_triton(y, z, w, EPS, 3, g, cfg, off, write_out=True)[3], out)
-
-
-@pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=["fp32-residual", "bf16-residual"])
-def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
-    """The add-norm's backward forms the norm's input (residual + x, rounded to the residual's dtype and
-    no further) in the kernel and rounds dx to x's dtype there: the same bits as forming both in torch
-    around the plain kernel. The baseline (an fp32 sum rounded to the model dtype, as contract version 2
-    normalised it; a bf16 residual's sum left unrounded) differs, so the comparison can fail."""
-    from aligned_mamba.ops.norm.triton import rms_norm_backward_triton
-
-    cfg = TritonKernelConfigs(norm_bwd_rows=4)
-    M, d, bf = 37, 48, torch.bfloat16
-    x, g = (_rand(M, d, seed=s).to(bf) for s in (61, 62))
-    residual, add = (_rand(M, d, seed=s).to(res_dtype) for s in (63, 64))
-    w = _rand(d, seed=65).to(bf)
-    dx, dx2, dw = rms_norm_backward_triton(x, w, EPS, bf, g, cfg, add=add, residual=residual, dx_dtype=bf)
-    want_dx, want_dw = rms_norm_backward_triton(residual + x, w, EPS, bf, g, cfg, add=add)
-    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw) and torch.equal(dx2, want_dx.to(bf))
-    base_in = (residual + x).to(bf) if res_dtype == torch.float32 else residual.float() + x.float()
-    base_dx, _ = rms_norm_backward_triton(base_in, w, EPS, bf, g, cfg, add=add)
-    assert not torch.equal(dx, base_dx)
-
-
 def test_in_proj_gradient_is_written_in_place_by_the_blocks_backwards(monkeypatch):
     """in_proj's output split as the mixer splits it (``split_columns(..., one_grad=True)``): the gated
     norm + out_proj's and the conv's backwards write their blocks of one gradient buffer, the dt block
@@ -586,41 +500,6 @@ def test_in_proj_gradient_is_written_in_place_by_the_blocks_backwards(monkeypatc
     assert torch.equal(grad(True, twice=True), grad(False, twice=True))
     monkeypatch.setattr(ag.GradBlock, "take", lambda self: self.grad.block(self.index))  # no once-only rule
     assert not torch.equal(grad(True, twice=True), grad(False, twice=True))
-
-
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
-    """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:
-    row blocks of 4 that straddle sequences, an empty sequence, sequences shorter than the window,
-    windows of earlier rows; two calls bit-identical."""
-    from aligned_mamba.ops import conv1d as conv
-    from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton
-
-    lens, Cd, K = [9, 0, 2, 1, 17], 40, 4
-    T, S = sum(lens), len(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
-    x, g, window = _rand(T, Cd, seed=31), _rand(T, Cd, seed=32), _rand(S, K - 1, Cd, seed=33)
-    w, b = _rand(Cd, K, seed=34, scale=0.5), _rand(Cd, seed=35) if bias else None
-    cfg = TritonKernelConfigs(conv_bwd_block_t=4, conv_bwd_block_c=16)  # the walk at 4 rows a program
-    got = causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)
-    assert all(u is None or torch.equal(u, v) for u, v in
-               zip(got, causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)))
-    dx, _, dw, db = conv.causal_conv1d_backward(x, cu, window, w, b, g)
-    x64 = x.double().requires_grad_()
-    w64 = w.double().requires_grad_()
-    b64 = None if b is None else b.double().requires_grad_()
-    outs = []
-    for q in range(S):  # fp64: each sequence's (window ++ rows) stream, the K taps summed
-        stream, n = torch.cat([window[q].double(), x64[cu[q]:cu[q + 1]]]), lens[q]
-        acc = sum(w64[:, k] * stream[k:k + n] for k in range(K)) + (0.0 if b64 is None else b64)
-        outs.append(torch.nn.functional.silu(acc))
-    torch.autograd.backward(torch.cat(outs), g.double())
-    for name, ours, torch_form, ref in (("dx", got[0], dx, x64.grad), ("dw", got[1], dw, w64.grad),
-                                        ("db", got[2], db, None if b64 is None else b64.grad)):
-        if ref is None:
-            assert ours is None and torch_form is None
-            continue
-        assert rel_err(ours, ref) < OP_RTOL and rel_err(torch_form, ref) < OP_RTOL, name
 
 
 # -- a tiny model ----------------------------------------------------------------------------------------

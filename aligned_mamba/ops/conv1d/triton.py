@@ -639,7 +639,7 @@ def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Te
 # owns its channels of the window: it reads the K - 1 window rows and the new row, computes the output as
 # ``_conv_kernel`` does (bias, then + w_k v_k for k ascending, each product and sum rounded once in fp32,
 # no fp contraction; ``silu_exact``), and, once every thread has read, shifts the window in place: the
-# same operations on the same values, the bits of the two-launch form (tests/ops/test_triton_ops.py).
+# same operations on the same values, the bits of the two-launch form (tests/ops/conv1d/test_conv1d_forward.py).
 
 
 @triton.jit

@@ -11,7 +11,7 @@ it fp32 operands in IEEE precision (FMA).
 The output tile and the schedule are picked by the number of rows M (small tiles for decode, a
 persistent grouped grid of large tiles for prefill), from the configs passed in. That is safe only
 because a tensor-core dot gives an output row the same bits whatever the tile's row and column
-extent: tests/ops/test_triton_ops.py proves it at every model shape for M from 1 to 8192, and the
+extent: tests/ops/linear/test_linear_gemm.py proves it at every model shape for M from 1 to 8192, and the
 offline compile test that every config compiles. The K block is one and the same in every regime.
 """
 

@@ -1,6 +1,7 @@
 """The contract's logprob function: ``aligned_mamba.token_logprobs`` (input checks, position invariance,
 the contrast with stock ``torch.log_softmax``) and its vocab-sharded form (``ops.logprobs.log_softmax_sharded``:
-any power-of-two shard count dividing VOCAB_SLICES gives the unsharded bits)."""
+any power-of-two shard count dividing VOCAB_SLICES gives the unsharded bits). The Triton kernels:
+tests/ops/logprobs/test_logprobs_triton.py."""
 
 from __future__ import annotations
 

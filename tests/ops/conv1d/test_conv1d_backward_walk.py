@@ -1,18 +1,23 @@
 """The conv1d + SiLU backward as one walk per row block (``ops.conv1d.triton``, the default form).
 
-CPU (the Triton interpreter, fp32 and bf16 loads): hypothesis over the sequences (empty ones, ones
-shorter than the window, ones that straddle row blocks), channels, width 1 to 4, bias, and the walk's
-launch (the configs' conv_bwd_block_t, _block_c, _warps): dx, dweight and dbias against the fp64
-gradient; two calls bit-identical; dx the same bits whatever the launch and the tile kernel's
-(``walk=False``, the reference form). The baseline: dweight summed over other row blocks has other
-bits, so its repeatability comes from the walk's fixed reduction order.
+- CPU (the Triton interpreter, fp32 and bf16 loads; unmarked, skipped unless TRITON_INTERPRET=1):
+  hypothesis over the sequences (empty ones, ones shorter than the window, ones that straddle row
+  blocks), channels, width 1 to 4, bias, and the walk's launch (the configs' conv_bwd_block_t,
+  _block_c, _warps): dx, dweight and dbias against the fp64 gradient; two calls bit-identical; dx the
+  same bits whatever the launch and the tile kernel's (``walk=False``, the reference form). The
+  baseline: dweight summed over other row blocks has other bits, so its repeatability comes from the
+  walk's fixed reduction order.
+- interpreter (marked; through the interpreter on a CPU, compiled where a GPU runs it): the backward
+  at 4 rows a program against the torch form (``ops.conv1d.causal_conv1d_backward``) and fp64, row
+  blocks that straddle sequences, an empty sequence, ones shorter than the window; two calls
+  bit-identical.
+- compile (offline sm_90): the walk's loop carries every row it rotates (the defect that gave dx 0.71
+  off on the H200: two rotated rows that the compiler did not carry), with the baseline that the
+  rotation from one shared zero tensor is not carried.
+- gpu (marked gpu): mamba2-1.3b's layer in bf16 (x a column slice of in_proj's output, two sequences
+  of 2048 and a start inside a row block), against fp64 and the tile kernel.
 
-Offline sm_90 compile: the walk's loop carries every row it rotates (the defect that gave dx 0.71 off
-on the H200: two rotated rows that the compiler did not carry), with the baseline that the rotation from
-one shared zero tensor is not carried.
-
-GPU (marked gpu): mamba2-1.3b's layer in bf16 (x a column slice of in_proj's output, two sequences of
-2048 and a start inside a row block), against fp64 and the tile kernel.
+The forward: tests/ops/conv1d/test_conv1d_forward.py.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from fp64_reference import rel_err  # noqa: E402
+from kernel_cases import DEV, rand  # noqa: E402
 from sm90_offline import run_sm90_script  # noqa: E402
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
@@ -145,6 +151,42 @@ def test_the_default_backward_is_the_walk_at_the_configs_launch():
     tile, other = _tile(x, cu, window, w, b, g), _walk((2, 16, 1), x, cu, window, w, b, g)
     assert all(torch.equal(u, v) for u, v in zip(default, walk))
     assert not torch.equal(default[1], tile[1]) and not torch.equal(default[1], other[1])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_conv_backward_kernel_is_the_torch_forms_gradient(bias):
+    """The conv's Triton backward against ``ops.conv1d.causal_conv1d_backward`` (native torch) and fp64:
+    row blocks of 4 that straddle sequences, an empty sequence, sequences shorter than the window,
+    windows of earlier rows; two calls bit-identical."""
+    from aligned_mamba.ops import conv1d as conv
+    from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton
+
+    lens, Cd, K = [9, 0, 2, 1, 17], 40, 4
+    T, S = sum(lens), len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    x, g, window = rand(T, Cd, seed=31), rand(T, Cd, seed=32), rand(S, K - 1, Cd, seed=33)
+    w, b = rand(Cd, K, seed=34, scale=0.5), rand(Cd, seed=35) if bias else None
+    cfg = TritonKernelConfigs(conv_bwd_block_t=4, conv_bwd_block_c=16)  # the walk at 4 rows a program
+    got = causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)
+    assert all(u is None or torch.equal(u, v) for u, v in
+               zip(got, causal_conv1d_backward_triton(x, cu, window, w, b, g, cfg)))
+    dx, _, dw, db = conv.causal_conv1d_backward(x, cu, window, w, b, g)
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = None if b is None else b.double().requires_grad_()
+    outs = []
+    for q in range(S):  # fp64: each sequence's (window ++ rows) stream, the K taps summed
+        stream, n = torch.cat([window[q].double(), x64[cu[q]:cu[q + 1]]]), lens[q]
+        acc = sum(w64[:, k] * stream[k:k + n] for k in range(K)) + (0.0 if b64 is None else b64)
+        outs.append(torch.nn.functional.silu(acc))
+    torch.autograd.backward(torch.cat(outs), g.double())
+    for name, ours, torch_form, ref in (("dx", got[0], dx, x64.grad), ("dw", got[1], dw, w64.grad),
+                                        ("db", got[2], db, None if b64 is None else b64.grad)):
+        if ref is None:
+            assert ours is None and torch_form is None
+            continue
+        assert rel_err(ours, ref) < RTOL and rel_err(torch_form, ref) < RTOL, name
 
 
 _CARRIES = r"""

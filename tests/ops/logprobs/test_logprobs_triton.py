@@ -1,0 +1,82 @@
+"""The Triton log-softmax and token logprobs (``ops/logprobs/triton.py``), forward and backward.
+
+- interpreter (the Triton interpreter on a CPU; compiled where a GPU runs them): fp32, tiny shapes,
+  the logic against the torch ops: log-softmax over ragged vocabulary blocks with -inf entries and an
+  all -inf row, token logprobs as its entries, a row alone giving the same bits; the backward in one
+  pass a row against the torch form from the same output (dense and broadcast gradients), the same
+  bits twice.
+- gpu (skipped without CUDA; run on the H200): a 256k vocabulary in bf16: a row's bits do not depend
+  on the other rows of the call, token logprobs are log-softmax's entries, close to fp64.
+
+The contract's function and its vocab-sharded form (torch, no Triton): tests/ops/logprobs/test_logprobs.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.interpreter
+
+from fp64_reference import rel_err  # noqa: E402
+from kernel_cases import CFG, DEV, gpu, rand, rows_invariant  # noqa: E402
+
+from aligned_mamba.ops import logprobs  # noqa: E402
+from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
+from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
+
+
+def test_log_softmax_matches_the_torch_op_and_token_logprobs_are_its_entries():
+    cfg = dataclasses.replace(CFG, logprobs_block_v=128)  # 300 logits: three blocks, the last ragged
+    x = rand(4, 300, seed=50, scale=5.0)
+    x[1, 7] = -float("inf")
+    x[3] = -float("inf")
+    lp = lpt.log_softmax_triton(x, cfg)
+    ref = logprobs.log_softmax(x)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(lp)) and torch.equal(torch.isnan(lp), torch.isnan(ref))
+    torch.testing.assert_close(lp[fin], ref[fin], rtol=1e-6, atol=2e-6)
+    tok = torch.tensor([1, 7, 299, 0], device=DEV)
+    tp, lse = lpt.token_logprobs_triton(x, tok, cfg, return_lse=True)
+    assert torch.equal(tp[:3], lp[torch.arange(3), tok[:3]])
+    assert torch.isnan(tp[3]) and lse[3] == -float("inf")
+    # a row alone gives the same bits
+    assert torch.equal(lpt.log_softmax_triton(x[2:3], cfg), lp[2:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
+    """The logits' gradient in one pass a row (``log_softmax_backward_triton``, the Function's backward)
+    against the torch form from the same output: equal but for the row sum's order (within fp32
+    rounding before the cast to ``dtype``), for a dense g and for a broadcast one (stride 0), and the
+    same bits twice. A backward that dropped the softmax term would be off by its whole size."""
+    from aligned_mamba.ops.logprobs import sliced
+
+    cfg = TritonKernelConfigs(logprobs_block_v=128)  # several blocks a row
+    out = torch.log_softmax(rand(5, 300, seed=31, scale=3.0), -1).to(DEV)
+    for g in (rand(5, 300, seed=32).to(DEV), torch.ones((), device=DEV).expand(5, 300)):
+        got = lpt.log_softmax_backward_triton(out, g, dtype, cfg)
+        want = sliced.log_softmax_backward(out, g, dtype)
+        assert got.dtype == dtype and torch.equal(got, lpt.log_softmax_backward_triton(out, g, dtype, cfg))
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        assert rel_err(got, want.double()) < tol, rel_err(got, want.double())
+        assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
+
+
+# -- gpu ------------------------------------------------------------------------------------------------
+
+
+@gpu
+def test_gpu_logprob_rows_do_not_depend_on_m():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(300, 256000, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    ms = [1, 7, 64]
+    assert all(n == 0 for _, n in rows_invariant(lambda t: lpt.log_softmax_triton(t, CFG), x, ms))
+    tok = torch.randint(0, 256000, (300,), generator=g, device="cuda")
+    lp = lpt.log_softmax_triton(x, CFG)
+    assert torch.equal(lpt.token_logprobs_triton(x, tok, CFG), lp.gather(1, tok[:, None]).squeeze(1))
+    ref = torch.log_softmax(x.double(), dim=-1)
+    assert (lp.double() - ref).abs().max().item() < 1e-4
