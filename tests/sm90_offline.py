@@ -148,6 +148,28 @@ def comp(name, fn, types, consts, **opts):
     done.append(dict(name=name, shared=k.metadata.shared, **read[k.hash]))
 
 
+def gemm_plans(Ns, Ms):
+    """{(dtype name, plan): None}: every tile ``ops.linear.triton.plan`` gives weights of N rows at M rows
+    (decode to prefill), bf16 and fp32 models, in order, each once."""
+    from aligned_mamba.ops.linear import triton as lt
+
+    plans = {}
+    for N in Ns:
+        for M in Ms:
+            for dt in ("bf16", "fp32"):
+                w = torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32)
+                plans[(dt, lt.plan(M, w, cfg, sms=132))] = None
+    return plans
+
+
+def tma_descs(dt, p, out=None, y="y_desc"):
+    """The TMA descriptor types of a GEMM tile ``p``: x [BM, BK] and w [BN, BK] in ``dt``, the output
+    (argument ``y``) [BM, BN / epi_split] in ``out`` (default ``dt``)."""
+    return {"x_desc": f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
+            "w_desc": f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
+            y: f"tensordesc<{out or dt}[{p.block_m}, {p.block_n // p.epi_split}]>"}
+
+
 def sass_counts(cubin):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -167,5 +189,7 @@ def sass_script(aligned: set[str], body: str) -> str:
     (compiled, not interpreted), sets ``cfg`` (the pinned ``TritonKernelConfigs``) and defines
     ``comp(name, kernel, types, constexprs, **options)``, which compiles one kernel for sm_90 and
     appends its registers, stack, shared memory and SASS counts (HGMMA, HMMA, UTMALDG, LDL, STL) to
-    ``done``. Integer arguments named in ``aligned`` are declared divisible by 16, as pointers are."""
+    ``done``; ``gemm_plans(Ns, Ms)`` (the GEMM plans of those widths and row counts) and
+    ``tma_descs(dt, plan)`` (a GEMM tile's descriptor types). Integer arguments named in ``aligned``
+    are declared divisible by 16, as pointers are."""
     return _SASS_PRELUDE % {"aligned": sorted(aligned)} + body

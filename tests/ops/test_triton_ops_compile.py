@@ -23,12 +23,8 @@ from aligned_mamba.ops.logprobs import triton as lpt
 from aligned_mamba.ops.norm import triton as nt
 
 # every GEMM plan the model shapes (N of each layer) meet at decode, mid and prefill sizes, and fp32's
-plans = {}
-for N in (768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000):
-    for M in (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m, 8192):
-        for dt in ("bf16", "fp32"):
-            p = lt.plan(M, torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32), cfg, sms=132)
-            plans[(dt, p)] = None
+plans = gemm_plans((768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000),
+                   (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m, 8192))
 for dt, p in plans:
     tag = f"linear:{dt}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
     opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
@@ -36,9 +32,7 @@ for dt, p in plans:
     if p.tma:
         for bias in (False, True):
             comp(tag + f":tma:bias{int(bias)}", lt._linear_tma_kernel,
-                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
-                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
-                      y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt),
+                 dict(tma_descs(dt, p), b_ptr="*" + dt),
                  dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent), **opts)
     # the pointer kernel: the plan's own launch without TMA, and every plan's fallback
     comp(tag + ":ptr", lt._linear_ptr_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, y_ptr="*" + dt, b_ptr="*" + dt),

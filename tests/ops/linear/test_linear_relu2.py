@@ -18,15 +18,11 @@ BF16 = torch.bfloat16
 
 _ALIGNED = {"K", "N", "stride_xm", "stride_wn"}
 _COMPILE = sass_script(_ALIGNED, r"""
-from aligned_mamba.ops.linear import triton as lt
 from aligned_mamba.ops.linear import triton_relu2 as rt
 
-plans = {}
-for N in (512, 7168, 21504):  # intermediate sizes: a small model's, a TP shard's, Nemotron-H-8B's
-    for M in (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m, 16384):
-        for dt in ("bf16", "fp32"):
-            p = lt.plan(M, torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32), cfg, sms=132)
-            plans[(dt, p)] = None
+# intermediate sizes: a small model's, a TP shard's, Nemotron-H-8B's
+plans = gemm_plans((512, 7168, 21504), (1, cfg.linear_decode_max_m, 64, cfg.linear_block_m, cfg.linear_mid_max_m,
+                                        16384))
 for dt, p in plans:
     tag = f"up:{dt}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
     opts = dict(num_warps=p.num_warps, num_stages=p.num_stages)
@@ -35,10 +31,7 @@ for dt, p in plans:
     for keep in (False, True):
         if p.tma:
             comp(tag + f":tma:keep{int(keep)}", rt._up_tma_kernel,
-                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
-                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
-                      h_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", u_ptr="*" + dt,
-                      b_ptr="*" + dt),
+                 dict(tma_descs(dt, p, y="h_desc"), u_ptr="*" + dt, b_ptr="*" + dt),
                  dict(c, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent, KEEP_PRE=keep), **opts)
         comp(tag + f":ptr:keep{int(keep)}", rt._up_ptr_kernel,
              dict(x_ptr="*" + dt, w_ptr="*" + dt, h_ptr="*" + dt, u_ptr="*" + dt, b_ptr="*" + dt),

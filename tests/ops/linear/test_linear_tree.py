@@ -611,10 +611,7 @@ for N in (2048, 4096):
                     tag = f"tree:{dt}:L{local}:{gp.block_m}x{gp.block_n}x{gp.block_k}:w{gp.num_warps}s{gp.num_stages}"
                     stack = tt.global_stack(gp, local, glob)
                     comp(tag + f":tma:{dt}:global{int(glob.linear_tree_global_stack)}", tt._tree_tma_kernel,
-                         dict(x_desc=f"tensordesc<{dt}[{gp.block_m}, {gp.block_k}]>",
-                              w_desc=f"tensordesc<{dt}[{gp.block_n}, {gp.block_k}]>",
-                              y_desc=f"tensordesc<{dt}[{gp.block_m}, {gp.block_n // gp.epi_split}]>",
-                              b_ptr="*" + dt, st_ptr="*fp32"),
+                         dict(tma_descs(dt, gp), b_ptr="*" + dt, st_ptr="*fp32"),
                          dict(HAS_BIAS=True, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=gp.block_m,
                               BLOCK_N=gp.block_n, BLOCK_K=gp.block_k, GROUP_M=gp.group_m, PRECISION=gp.precision,
                               EPI_SPLIT=gp.epi_split, PERSISTENT=gp.persistent, GLOBAL_STACK=stack,
@@ -629,18 +626,12 @@ for dt, local, p in plans:
     if p.tma:  # TP 1 (bias, the model dtype) and a rank's fp32 subtree
         for out, bias in ((dt, True), ("fp32", False)):
             comp(tag + f":tma:{out}", tt._tree_tma_kernel,
-                 dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
-                      w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
-                      y_desc=f"tensordesc<{out}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
-                      st_ptr="*fp32"),
+                 dict(tma_descs(dt, p, out), b_ptr="*" + dt, st_ptr="*fp32"),
                  dict(c, HAS_BIAS=bias, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
                       FLATTEN=cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
         # the other loop form (linear_tree_flatten), TP 1's launch
         comp(tag + f":tma:{dt}:flatten{int(not cfg.linear_tree_flatten)}", tt._tree_tma_kernel,
-             dict(x_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_k}]>",
-                  w_desc=f"tensordesc<{dt}[{p.block_n}, {p.block_k}]>",
-                  y_desc=f"tensordesc<{dt}[{p.block_m}, {p.block_n // p.epi_split}]>", b_ptr="*" + dt,
-                  st_ptr="*fp32"),
+             dict(tma_descs(dt, p), b_ptr="*" + dt, st_ptr="*fp32"),
              dict(c, HAS_BIAS=True, EPI_SPLIT=p.epi_split, PERSISTENT=p.persistent,
                   FLATTEN=not cfg.linear_tree_flatten and not stack, GLOBAL_STACK=stack), **opts)
     # the pointer kernel: the plan's own launch without TMA, or a TMA plan's fallback tile
