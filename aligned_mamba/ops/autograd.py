@@ -1,18 +1,6 @@
 """What the ops' autograd Functions share (each op's ``triton.py`` holds its own Function).
 
-The triton backend runs each op with its kernel inside a ``torch.autograd.Function`` whose forward
-is the kernel unchanged (the sampler's bits) and whose backward is the gradient of the op's torch
-form at the saved inputs. Without one, autograd cannot see through a Triton launch: its outputs are
-fresh tensors written by raw pointers, with no ``grad_fn``, so every parameter upstream of one
-silently gets no gradient. Gradients are deterministic (no atomics; the embedding's repeated ids
-take torch's sorting accumulation) but not row-invariant (nothing asks them to be). Not covered:
-``torch.cumsum`` on CUDA, which torch does not promise deterministic (its row scans along the
-chunk measured repeatable on the H200, ``benchmarks/bench_train_h200.py``), and cuBLAS,
-deterministic run to run only for one stream and a fixed workspace
-(``CUBLAS_WORKSPACE_CONFIG=:4096:8``). On the CPU: bit-identical run to run with one intra-op
-thread; with several, on a loaded machine, two backwards of the interpreted triton backend have
-given different gradients for the first layer's in_proj and norm and the embedding (the torch op
-whose threading does it is not isolated yet; benchmarks/README.md).
+Why each kernel runs in a Function, and the limits of the gradients' determinism: docs/design.md, "Backends".
 """
 
 from __future__ import annotations
@@ -70,16 +58,13 @@ class _Outer(NamedTuple):
 
 @contextlib.contextmanager
 def recomputed_in_backward(out: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
-    """Tensors that autograd saves inside the block and that live in ``out``'s storage (``out`` and its
-    views) are kept as their geometry only, and rebuilt in the backward from ``recompute()``, which must
-    return ``out``'s values in ``out``'s layout (the same kernel on the same inputs: the same bits).
-    So ``out`` is freed when the forward drops it rather than held to the backward, for one more run
-    of its op in the backward (once per backward, shared by every view it rebuilds; run without grad;
-    held from the first view's rebuilding to the last's)."""
+    """Saved tensors in ``out``'s storage are kept as geometry only and rebuilt in the backward from ``recompute()``
+    (``out``'s values in its layout: the same kernel on the same inputs, the same bits), run once per backward
+    without grad: ``out`` is freed with the forward, for one more run of its op."""
     # nothing here may hold out itself (the closures outlive the block)
     storage, device = out.untyped_storage().data_ptr(), out.device
     layout = (tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, device)
-    # the recomputed tensor, held from the first view's unpacking to the last of this backward
+    # held from the first view's unpacking to the last of this backward
     live: list[torch.Tensor] = []
     views = [0, 0]  # views packed; views unpacked in this backward
 
@@ -137,12 +122,8 @@ def column_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
 class ColumnGrad:
     """One gradient buffer [rows, width] for the column blocks of ``split_columns(t, sizes, one_grad=True)``.
 
-    A Function whose input is one of those blocks may take that block's slice of the buffer
-    (``GradBlock.take``, in its backward) and write the input's gradient there: the split's backward
-    then returns the buffer as t's gradient, copying in only the blocks that came from elsewhere, so
-    the blocks' gradients are never concatenated. Allocated at the first take of a backward, released
-    by the split's backward; each block is handed out once a backward (a second taker, say a block
-    feeding two Functions whose gradients autograd sums, writes its own tensor)."""
+    A Function's backward may write its input block's gradient into the block's slice (``GradBlock.take``); the
+    split's backward returns the buffer as t's gradient, no concatenation. A slice is handed out once a backward."""
 
     def __init__(self, t: torch.Tensor, sizes: tuple[int, ...]) -> None:
         self.rows, self.dtype, self.device = t.shape[0], t.dtype, t.device
@@ -205,10 +186,8 @@ class _Columns(torch.autograd.Function):
 
 
 def split_columns(t: torch.Tensor, sizes: tuple[int, ...], *, one_grad: bool = False) -> tuple[torch.Tensor, ...]:
-    """``t.split(sizes, dim=1)`` for t [rows, sum(sizes)]: the same views. Under autograd, where the
-    parts' gradients arrive as the adjacent column blocks of one buffer (a backward that wrote them so,
-    as the scan's does for x, B and C), that buffer is t's gradient as it is: no concatenation. With
-    ``one_grad`` the blocks' producers may write into one such buffer themselves (``ColumnGrad``)."""
+    """``t.split(sizes, dim=1)`` for t [rows, sum(sizes)]; gradients arriving as adjacent column blocks of one buffer
+    (the scan's x, B, C) are t's gradient as they lie. ``one_grad``: producers may write one (``ColumnGrad``)."""
     if not grad_needed(t):
         return t.split(sizes, dim=1)
     grad = ColumnGrad(t, tuple(sizes)) if one_grad else None

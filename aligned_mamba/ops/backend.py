@@ -1,24 +1,7 @@
 """The one backend resolver: which form of every op a contract runs, with which configs.
 
-Layers call ops only through a ``Backend`` (``resolve(contract, device)``), never by testing the
-backend's name: the linear layers, the norms, the causal conv, the SSD advance and log-softmax of
-one model all come from here, launched with the contract's kernel configs. Trainer and sampler
-resolve the same contract, so they run the same kernels with the same configs.
-
-A backend is one table from op to form (``Ops``), built once, each entry an op's one signature
-bound to the backend's configs; a form lives in its op's folder (``ops/<op>/``):
-
-- ``TorchBackend``: the torch forms (the readable statement of each op's arithmetic): fixed-tile
-  GEMMs, fixed-tree reductions, IEEE-only transcendentals.
-- ``CPUBackend``: the torch backend on the CPU (contract name "torch", the same bits): its table
-  points at the ops' CPU forms (``<op>/cpu.py``, the loops of ``native_cpu.c``) where the library
-  loads, chosen here once, not inside each torch form.
-- ``TritonBackend``: Triton kernels with the contract's ``TritonKernelConfigs``. On a CUDA device
-  every op is a Triton kernel: the tensor-core GEMM, the fused norms (the residual add and the
-  embedding gather folded in), the causal conv, the scan, log-softmax. Under the Triton
-  interpreter (``TRITON_INTERPRET=1``, the CPU tests) the scan runs its Triton kernels and the
-  other ops the CPU backend's forms: the interpreter is a logic check (it runs one program in
-  ~15 ms and computes bf16 arithmetic in fp32), not the GPU's bits.
+Layers call ops only through a ``Backend`` (``resolve``): one table (``Ops``) from op to form, bound to the
+contract's kernel configs. The three backends: docs/design.md, "Backends".
 """
 
 from __future__ import annotations
@@ -49,11 +32,10 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Ops:
-    """One backend's form of every op. Shapes and dtypes are those of the torch forms (each entry
-    names its op's folder); every form is row-invariant: a row's bits depend on that row's inputs
-    only, never on how many rows share the call."""
+    """One backend's form of every op, each row-invariant; shapes and dtypes as the torch forms' (the
+    op's folder in parentheses)."""
 
-    #: a linear layer's weight [N, K] as this backend's ``linear`` takes it (differentiable)
+    #: w [N, K] -> the weight as this backend's ``linear`` takes it (differentiable)
     linear_weight: Callable[[Tensor], Tensor]
     #: x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype (``linear``); w from ``linear_weight``
     linear: Callable[..., Tensor]
@@ -67,49 +49,33 @@ class Ops:
     gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float, int], Tensor]
     #: (windows [slots, K-1, Cd], step, x [T, Cd], w, b) -> [T, Cd]; windows updated in place (``conv1d``)
     conv_advance: Callable[[Tensor, Step, Tensor, Tensor, Tensor | None], Tensor]
-    #: (state, step, x, dt, B, C, params, rows=None) -> y [T, H, P] in x's dtype; updates state
-    #: (``ssd``'s replay forms: the advance from the slots' boundary states)
+    #: (state, step, x, dt, B, C, params, rows=None) -> y [T, H, P] in x's dtype; advances state (``ssd``)
     ssd_advance: Callable[..., Tensor]
     #: (logits [..., V], temperature=1.0) -> [..., V] float32 logprobs of logits / temperature (``logprobs``)
     log_softmax: Callable[..., Tensor]
     #: relu(x)^2 in x's dtype, any shape (``elementwise``)
     relu2: Callable[[Tensor], Tensor]
-    #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale,
-    #: block_table=None) -> [T, H, D] in q's dtype: the new keys and values written at each token's slot
-    #: and position, then the new rows attend over their slot's keys 0 .. position (``attention``);
-    #: with block_table [slots, max_blocks] (device) the caches are pages [num_pages, page_size, G, D]
+    #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale, block_table=None)
+    #: -> [T, H, D]: stores k, v, then attends over the slot's keys 0..t (``attention``; paged with block_table)
     attention: Callable[..., Tensor]
-    #: (q [Tq, H, D], k, v [Tk, G, D], cu_seqlens_q, cu_seqlens_k [S+1] host ints, plan, *, scale) ->
-    #: [Tq, H, D]: ``attention``'s signature over packed keys (an engine's paged cache gathered);
-    #: plan: the blocked form's tables (the torch form's; others ignore it)
+    #: (q [Tq, H, D], k, v [Tk, G, D], cu_seqlens_q, cu_seqlens_k [S+1] host ints, plan, *, scale) -> [Tq, H, D]:
+    #: ``attention`` over packed keys (an engine's pages gathered); plan: the torch form's tables (others ignore it)
     attention_packed: Callable[..., Tensor]
-    #: (h [T, d], experts [T, k] int64 ascending, weights [T, k] fp32, up_w, down_w, up_b=None,
-    #: down_b=None) -> [T, d] in h's dtype: a MoE layer's routed experts (``moe``); up_w[e] [f, d],
-    #: down_w[e] [d, f] in ``linear_weight``'s form, stacked [E, f, d] / [E, d, f] tensors where
-    #: ``stacked_experts``; per-expert fp32 biases or None
+    #: (h [T, d], experts [T, k] int64 ascending, weights [T, k] fp32, up_w, down_w, up_b=None, down_b=None) ->
+    #: [T, d] in h's dtype (``moe``); up_w[e] [f, d], down_w[e] [d, f] as ``linear_weight`` gives, fp32 biases
     moe_experts: Callable[..., Tensor]
-    #: whether ``moe_experts`` takes every expert's weights stacked rather than one list entry per expert
+    #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d], [E, d, f]) rather than a list
     stacked_experts: bool = False
-    #: (x [M, d], up_w [f, d], up_b, down_w [d, f], down_b) -> [M, d]: the squared-ReLU MLP with the bits of
-    #: ``linear(relu2(linear(x, up_w, up_b)), down_w, down_b)`` in fewer passes (``linear.triton_relu2``).
-    #: None: the MLP composes those three ops itself
+    #: (x [M, d], up_w [f, d], up_b, down_w [d, f], down_b) -> [M, d]: the composed MLP's bits, fused; or None
     mlp_relu2: Callable[..., Tensor] | None = None
-    #: (y, z [M, d], norm_w, eps, n_groups, w [N, d], b) -> [M, N]: ``linear(gated_rms_norm(y, z, norm_w, eps,
-    #: n_groups), w, b)`` with those ops' bits, whose backward forms the norm's output again in the norm's
-    #: backward pass rather than hold it (``norm.triton``). None: the mixer composes the two ops
+    #: (y, z [M, d], norm_w, eps, n_groups, w [N, d], b) -> [M, N]: linear(gated_rms_norm(...))'s bits; or None
     gated_norm_linear: Callable[..., Tensor] | None = None
-    #: x [M, k] @ w [N, k]^T -> [M, N] float32, not rounded: ``linear`` before its bias and rounding, a
-    #: row-parallel layer's partial over one K slice (``linear.sliced``); w raw or from ``linear_weight``.
-    #: None where the backend has no such form (the layers then refuse row_parallel_slices > 1)
+    #: x [M, k] @ w [N, k]^T -> [M, N] fp32, unrounded, no bias: a row-parallel slice; None: TP slices refused
     linear_partial: Callable[[Tensor, Tensor], Tensor] | None = None
-    #: (x [M, k], w [N, k], b [N] | None, slices, out_dtype) -> [M, N] in out_dtype: a row-parallel rank's
-    #: subtree in one call, ``slices`` contiguous K slices each summed from zero in fp32, joined by
-    #: adjacent pairs, + b in fp32, rounded once (``linear.sliced``'s ``tree``; w from ``linear_weight``,
-    #: the rank's whole K). None: the layers sum ``linear_partial``'s slices by the same tree instead
+    #: (x [M, k], w [N, k], b [N] | None, slices, out_dtype) -> [M, N]: a rank's subtree in one call, ``slices``
+    #: K slices in fp32 joined by adjacent pairs, + b, rounded once (``linear.sliced.tree``); None: the layers do it
     linear_tree: Callable[..., Tensor] | None = None
-    #: (y, z [M, d / k], w, eps, n_groups, *, slices, group) -> [M, d / k]: ``gated_rms_norm`` with each
-    #: group's sum of squares in the contract's fixed slices, a group split across ranks joined over an
-    #: all-gather (``norm``; the same bits at every TP degree dividing the slices); None as above
+    #: (y, z [M, d / k], w, eps, n_groups, *, slices, group) -> [M, d / k]: ``gated_rms_norm`` over TP slices
     gated_rms_norm_sliced: Callable[..., Tensor] | None = None
 
 
@@ -175,9 +141,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         linear=functools.partial(linear_triton.linear, cfg=c),
         linear_partial=functools.partial(triton_tree.linear_partial, cfg=c),
         linear_tree=functools.partial(triton_tree.linear_tree, cfg=c),
-        # the torch form on the device: elementwise ops and fixed-tree adds, each element's operations
-        # the same wherever it sits, so every TP degree dividing the slices gives the same bits
-        # (tests/ops/linear/test_linear_tree.py, its gpu tests); no Triton kernel of the sliced norm yet
+        # the torch form (elementwise ops, fixed-tree adds) on the device; no Triton kernel of it yet
         gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         rms_norm=functools.partial(norm_triton.rms_norm, cfg=c),
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
@@ -197,8 +161,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
 
 
 class Backend:
-    """The ops of one contract on one device: ``ops``, its table, whose entries are also its
-    attributes (``backend.linear(x, w, b)``), set once here."""
+    """The ops of one contract on one device: the table ``ops``, its entries also attributes (``backend.linear``)."""
 
     name: str
     configs: TorchKernelConfigs | TritonKernelConfigs
@@ -211,9 +174,8 @@ class Backend:
         self.__dict__.update((f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops))
 
     def replace(self, **forms: Callable[..., Any]) -> Backend:
-        """This backend with the named ops' forms replaced (the baseline's scan, say). A new ``linear``
-        reaches the experts' form too where that form was bound to the old one, and a new ``linear`` or
-        ``relu2`` the MLP (its fused form is dropped)."""
+        """This backend with the named ops' forms replaced (the baseline's scan, say); a new ``linear`` reaches
+        the experts' form, and a fused form that would bypass a new one is dropped."""
         experts = self.ops.moe_experts
         if ("linear" in forms and "moe_experts" not in forms and isinstance(experts, functools.partial)
                 and experts.keywords.get("linear") is self.ops.linear):
@@ -251,8 +213,7 @@ class CPUBackend(Backend):
 
 
 class TritonBackend(Backend):
-    """Triton kernels with the contract's configs. ``kernels``: run every op's kernel (default: on a
-    CUDA device; the interpreter runs the scan's alone, and a test can ask for all)."""
+    """Triton kernels with the contract's configs; ``kernels``: every op's (default: on CUDA, else the scan's)."""
 
     name = "triton"
     configs: TritonKernelConfigs
@@ -271,9 +232,8 @@ _BACKENDS: dict[str, Callable[[Any, torch.device], Backend]] = {"torch": TorchBa
 
 
 def resolve(contract: Contract, device: torch.device | str | None = None) -> Backend:
-    """The backend of ``contract`` on ``device`` (default: CUDA for the triton backend when there is
-    one, else the CPU). One object per (contract, device): every model and hook shares it. The torch
-    backend on the CPU is the ``CPUBackend`` where the loops' library loads."""
+    """The backend of ``contract`` on ``device`` (default: CUDA for triton where there is one, else the CPU),
+    one object per (contract, device); the torch backend on the CPU is ``CPUBackend`` where the loops load."""
     if device is None:
         device = "cuda" if contract.backend == "triton" and torch.cuda.is_available() else "cpu"
     return _resolve(contract, torch.device(device))

@@ -1,11 +1,7 @@
 """Kernel configurations: one typed, frozen set per backend, part of the contract.
 
-No run-time autotuning: every process that runs a backend launches its kernels with exactly the
-configs of its contract, so a row's bits never depend on which config an autotuner happened to
-pick. The defaults are the pinned values; a contract may state others, and each value is checked
-here against what the kernels implement (anything else is refused with one line). Every field is
-read by the launches (``Contract.kernel_configs`` is passed to each one), so the fingerprint covers
-exactly what runs.
+No autotuning: every launch reads its contract's configs, so the fingerprint covers exactly what runs;
+a value the kernels do not implement is refused with one line. Why: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("torch", "triton")
-#: the most row-parallel slices one rank sums in the triton backend's tree GEMM (its stack of partial
-#: sums is one named register tile per tree level: ops/linear/triton_tree.py)
+#: the most row-parallel slices a rank sums in one tree GEMM (one register tile per tree level)
 TRITON_MAX_SLICES = 16
 
 
@@ -35,12 +30,9 @@ def _among(name: str, v: Any, allowed: tuple) -> None:
 class TorchKernelConfigs:
     """The torch backend (CPU). A row's operations never depend on how many rows share a call.
 
-    row_tile: output rows per tile of the chunked scan (a chunk shorter than it is one tile); the
-      tile fixes the scan's decay arithmetic (``ssd.chunk.tile_outputs``).
-    gemm_form: how the linear layers' and the scan's GEMMs compute a row (``ops.linear``): "lanes",
-      each output one fixed chain (eight sequential partial sums and a fixed tree), so a decode
-      step computes its one row; or "tiles", rows padded to whole tiles (``linear_row_tile`` for
-      the linear layers, ``row_tile`` for the scan) and one batched BLAS GEMM per tile shape.
+    row_tile: output rows per tile of the chunked scan (a shorter chunk is one tile); it fixes the decay arithmetic.
+    gemm_form: the GEMMs of the linear layers and the scan: "lanes" (each output one fixed chain) or "tiles"
+      (rows padded to whole tiles of ``linear_row_tile`` or ``row_tile``, one batched BLAS GEMM per tile shape).
     linear_row_tile: rows per tile of the linear layers' "tiles" form.
     """
 
@@ -60,107 +52,58 @@ class TorchKernelConfigs:
 
 @dataclass(frozen=True)
 class TritonKernelConfigs:
-    """The triton backend (GPU). Tile shapes and dot precision of every kernel.
+    """The triton backend (GPU): tile shapes and dot precision of every kernel.
 
-    SSD scan (ops/ssd/triton_chunk.py, triton_decode.py):
-      row_tile: output rows per prefill program (columns a row does not use carry a zero decay and
-        add exact zeros, so a row's bits do not depend on it; a shorter chunk is one tile).
-      block_p, block_n, block_k: the P, N and column (K) blocks of the scan's dots.
-      num_warps: warps of the scan kernels; tile_num_warps: of the prefill's row-tile kernel.
-      pass_block_p: the state pass's P block (elementwise: parallelism only).
-      dot_precision: fp32 models' dots; "ieee" (TF32 keeps a 10-bit mantissa: other bits, and far
-        from fp32 accuracy).
-      bf16_dots: bf16 models' tensor-core dots: "split2" (fp32 operands split into two bf16 terms,
-        the bf16 rounding floor) or "round" (one bf16 term, as mamba_ssm; ~1.25x the floor).
-    Linear layers (ops/linear/triton.py; bf16 models on tensor cores, fp32 models in IEEE fp32):
-      linear_block_k: the K block of every bf16 regime (one K loop, ascending, whatever M).
-      linear_decode_max_m, linear_mid_max_m: bf16 calls of M <= decode_max_m rows take the decode
-        tile, M <= mid_max_m the mid tile, larger M the large tile (a row's bits do not depend on
-        the tile: tests/ops/linear/test_linear_gemm.py checks M = 1..8192 at every model shape).
-      linear_decode_block_m/_block_n/_warps/_stages/_tma, linear_mid_*: those tiles and launches
-        (_tma: TMA descriptors, else pointer loads; _persistent, _programs_per_sm: a persistent grid
-        of that many programs per SM looping over the tiles, else one program per tile).
-      linear_mid_persistent_min_tiles_per_sm: the mid grid is persistent only from this many tiles
-        per SM (a persistent program per tile runs slower than a plain grid).
-      linear_mid_large_min_tiles_per_sm: mid calls of M >= linear_block_m rows take the large tile
-        where it makes at least this many tiles per SM (0: never).
-      linear_block_m, linear_block_n, linear_warps, linear_stages, linear_tma, linear_persistent,
-        linear_programs_per_sm: the large tile; linear_epi_split: its output stored in 1 or 2 halves.
+    SSD scan (ssd/triton_chunk.py, triton_decode.py):
+      row_tile: output rows per prefill program (unused columns add exact zeros: not in a row's bits).
+      block_p, block_n, block_k: the scan dots' P, N and K blocks; pass_block_p: the state pass's (parallelism).
+      num_warps: the scan kernels'; tile_num_warps: the prefill row-tile kernel's.
+      dot_precision: fp32 models' dots, "ieee" (TF32 keeps a 10-bit mantissa: other bits, far from fp32).
+      bf16_dots: bf16 models' dots, "split2" (two bf16 terms: the bf16 floor) or "round" (one, as mamba_ssm).
+    Linear layers (linear/triton.py; bf16 on tensor cores, fp32 in IEEE fp32; no tile changes a row's bits):
+      linear_block_k: the K block of every bf16 regime (one ascending K loop, whatever M).
+      linear_decode_max_m, linear_mid_max_m: bf16 calls up to these M take the decode, the mid tile; more the large.
+      linear_decode_*, linear_mid_*: those tiles (_block_m, _block_n, _warps, _stages) and launches (_tma: TMA
+        descriptors, else pointer loads; _persistent: a grid of _programs_per_sm programs per SM over the tiles).
+      linear_mid_persistent_min_tiles_per_sm: the mid grid is persistent only from this many tiles per SM.
+      linear_mid_large_min_tiles_per_sm: mid calls of M >= linear_block_m take the large tile from this many (0: never).
+      linear_block_m ... linear_programs_per_sm: the large tile; linear_epi_split: its store in 1 or 2 halves.
       linear_group_m: row tiles per group of the grouped order (x rows shared through L2).
-      linear_fill_programs: a regime's N tile is halved (down to 16, stages raised to keep its
-        shared memory) while the grid has fewer tiles than this (0: never).
+      linear_fill_programs: a regime's N tile is halved (to 16 at least, stages raised) while the grid has fewer tiles.
       linear_fp32_block_m/_block_n/_block_k/_warps/_stages: fp32 models' one tile (TMA if linear_tma).
-      linear_tree_acc_regs: the row-parallel tree GEMM (ops/linear/triton_tree.py; row_parallel_slices
-        > 1) takes the regime's tile and halves it until its log2(slices per rank) + 1 fp32 accumulator
-        tiles fit in this many registers per thread (the K block and the tree are the same whatever
-        the tile: a row's bits do not depend on it). linear_tree_global_stack: where that halving would
-        quarter a TMA tile or more (S / TP >= 4 at the large tile), the tile stays the regime's and
-        the stack's levels live in each program's fp32 scratch in global memory (L2), read back by
-        the same program (on the H200 faster than the quartered tile, slower than one halving).
-        linear_tree_flatten: the compiler fuses the slice loop and its K loop into one software
-        pipeline (loads run on across slices, the dots stay asynchronous) rather than one pipeline per
-        slice, refilled at each slice's start (the global stack always runs the latter). All of them
-        give the same bits (tests/ops/linear/test_linear_tree.py; the times:
-        benchmarks/results/h200_tree_gemm.json).
-        linear_tree_split_grid_max_m: calls of M <= this many rows (0: none) run the tree on a grid of
-        one program per (tile, slice) at the regime's tile, each slice's fp32 partial stored to a
-        scratch and the tile's last program to finish joining them by the same tree; for decode and
-        mid batches, whose grids of one program per tile leave SMs idle. The same bits.
-    Norms (ops/norm/triton.py): norm_block_per_warp, a row's (or group's) power-of-two block over
-      warps: block / norm_block_per_warp warps (1 to 16); one program and one reduction per row.
-      norm_bwd_rows: rows per program of their backwards (each program's weight-gradient partial sum);
-      norm_bwd_block_per_warp: the gated norm's backward's block over warps, as above (the output it
-      forms again keeps the forward's bits whatever it is: it takes the forward's saved rstd).
-    Conv1d (ops/conv1d/triton.py): conv_walk: the forward walks row blocks (each input row read once;
-      widths up to 4) of conv_walk_block_t rows x conv_walk_block_c channels, conv_walk_warps;
-      otherwise, and for wider convs, the tile kernel's conv_block_t x conv_block_c (the same bits);
-      conv_block_c is also the window and decode-step kernels' channel block;
-      its backward (the walk): conv_bwd_block_t rows per program, each program walking its row block
-      from last to first and giving one weight-gradient partial sum (summed in block order);
-      conv_bwd_block_c channels per program; conv_bwd_warps (a row's dx does not depend on them).
-    Log-softmax (ops/logprobs/triton.py): logprobs_block_v, the vocabulary block of a row's
-      program (fixed order over the row); logprobs_num_warps.
-    The scan's backward (ops/ssd/triton_backward.py; gradients only, never a forward's bits):
-      bwd_block_s, bwd_block_t: the s and t row blocks of its chunk kernels (dx, dcb, the states'
-      rows); bwd_warps.
-      bwd_bf16_dots: its tensor-core dots for bf16 models, "split2" or "round" as bf16_dots (the
-        gradients' precision; the forward's bits keep bf16_dots).
-    Attention (ops/attention/triton.py): attn_block_n, the key positions per block (blocks at
-      absolute positions from 0: a part of every row's bits); attn_block_m, the prefill tile's rows
-      (tokens x padded query heads of one key/value head), attn_warps, attn_stages its launch;
-      attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (one token per
-      tile; a row's bits do not depend on the tile's rows: tests/ops/attention/test_attention_forward.py).
-      attn_split_n: key positions per split (1024 by default; 0: no split): a row's keys are split at
-      absolute positions s * attn_split_n, each split's online softmax folded into the row's in
-      ascending order (ops/attention/triton.py, "Split keys"); decode steps then run one program
-      per split and a combine, prefill folds in its program: a part of every row's bits on the
-      triton backend's GPU kernels. A positive value is a multiple of attn_block_n. The torch
-      backend and the triton backend's CPU stand-ins have no split (their attention bits are not
-      the GPU's anyway).
-      Its backward (ops/attention/triton_backward.py; gradients only, never a forward's bits):
-      attn_bwd_kv_block_n keys per dk/dv program and attn_bwd_kv_block_m query rows per step of its
-      loop; attn_bwd_q_block_m query rows per dq program and attn_bwd_q_block_n keys per step;
-      attn_bwd_warps, attn_bwd_stages both launches'.
-    MLP (ops/elementwise/triton.py): relu2_block, elements per program of the squared ReLU.
-    MoE experts (ops/moe/triton.py): moe_block_m, moe_block_n: the grouped GEMM's tile (rows of one
-      expert's sorted tokens x output columns; a row's bits do not depend on the tile's rows, as the
-      linear layers'), moe_block_k its K block (one K loop, ascending; equal to linear_block_k, an
-      expert row has the bits of the triton linear on that row), moe_warps, moe_stages its launch;
-      moe_wgrad_block_n, moe_wgrad_block_k, moe_wgrad_block_t: the weight gradients' tile (weight
-      rows x columns) and token block (one program per tile walks its expert's tokens in sorted
-      order), moe_wgrad_warps; moe_combine_block_d: the columns per program of the weighted combine
-      (elementwise per column: parallelism only). fp32 models' grouped GEMM (FMA dots) takes at most
-      64 x 128 of that tile, 4 warps and 3 stages (twice the bytes per element would not fit).
-      moe_decode_max_rows: calls of at most this many (token, expert) rows take the decode tile
-      moe_decode_block_m/_block_n/_warps/_stages (the same K block; a row's bits do not depend on
-      the tile). moe_router_block_t, moe_router_block_n, moe_router_warps: the fp32 router GEMM's
-      tile (K block linear_fp32_block_k: the triton linear's bits); calls of at least
-      moe_router_large_rows rows (0: none) take moe_router_large_block_t/_block_n/_warps instead (a
-      logit is one FMA chain over K whatever the tile: the same bits); moe_route_block_t,
-      moe_route_warps: rows per block of the routing kernel (sigmoid, grouped top-k, weights; per
-      row, parallelism only). moe_dispatch_max_rows: calls of at most this many rows get their
-      dispatch tables from the routing kernel (one row block: the same program; more: a second
-      one-program launch); more rows: torch ops build them.
+      linear_tree_*: the tree GEMM (linear/triton_tree.py; the same bits whatever they are, times in
+        benchmarks/results/h200_tree_gemm.json). _acc_regs: its tile is halved until log2(slices per rank) + 1 fp32
+        accumulator tiles fit in this many registers per thread; _global_stack: where that would quarter a TMA tile,
+        the stack lives in fp32 global scratch instead; _flatten: one software pipeline over the slices and their K
+        loops, not one per slice; _split_grid_max_m: calls up to this M (0: none) run a program per (tile, slice).
+    Norms (norm/triton.py): norm_block_per_warp: a row's (group's) block / this = its warps (1 to 16); one program
+      and one reduction per row. norm_bwd_rows: rows per backward program (one weight-gradient partial each);
+      norm_bwd_block_per_warp: the gated norm backward's, as above (it takes the forward's rstd: the same bits).
+    Conv1d (conv1d/triton.py): conv_walk: the forward walks conv_walk_block_t x conv_walk_block_c blocks,
+      conv_walk_warps (widths up to 4); else the tile kernel's conv_block_t x conv_block_c (the same bits);
+      conv_block_c is also the window and decode kernels' channel block. conv_bwd_block_t, conv_bwd_block_c,
+      conv_bwd_warps: the backward walk (last row to first; one weight-gradient partial per program, summed in order).
+    Log-softmax (logprobs/triton.py): logprobs_block_v: a row's vocabulary block (its order); logprobs_num_warps.
+    Scan backward (ssd/triton_backward.py; gradients only): bwd_block_s, bwd_block_t: its row blocks; bwd_warps;
+      bwd_bf16_dots: its dots, as bf16_dots (the gradients' precision).
+    Attention (attention/triton.py):
+      attn_block_n: keys per block, blocks at absolute positions from 0 (a part of every row's bits).
+      attn_block_m, attn_warps, attn_stages: the prefill tile (tokens x padded query heads of one KV head), launch.
+      attn_decode_block_m, attn_decode_warps, attn_decode_stages: the decode step's (not in a row's bits).
+      attn_split_n: keys per split (0: none; a multiple of attn_block_n), a part of the GPU's bits: docs/design.md.
+      attn_bwd_kv_block_n, attn_bwd_kv_block_m: keys per dk/dv program, query rows per step of its loop;
+      attn_bwd_q_block_m, attn_bwd_q_block_n: the dq program's; attn_bwd_warps, attn_bwd_stages: both launches'.
+    MLP (elementwise/triton.py): relu2_block, elements per program of the squared ReLU.
+    MoE experts (moe/triton.py; no tile changes a row's bits):
+      moe_block_m, moe_block_n, moe_warps, moe_stages: the grouped GEMM's tile (an expert's rows x columns), launch;
+        moe_block_k: its K block (equal to linear_block_k: the triton linear's bits). fp32 models take at most
+        64 x 128, 4 warps and 3 stages of it (shared memory).
+      moe_decode_max_rows: calls of up to this many (token, expert) rows take moe_decode_block_m/_block_n/_warps/
+        _stages. moe_wgrad_block_n/_block_k/_block_t, moe_wgrad_warps: the weight gradients' tile and token block.
+      moe_router_block_t/_block_n/_warps: the fp32 router GEMM's tile (K block linear_fp32_block_k); calls of
+        moe_router_large_rows rows or more (0: none) take moe_router_large_block_t/_block_n/_warps.
+      moe_route_block_t, moe_route_warps: the routing kernel's row block; moe_combine_block_d: the combine's columns.
+      moe_dispatch_max_rows: up to this many rows the routing kernel builds the dispatch tables; more, torch ops.
     """
 
     row_tile: int = 64
@@ -292,8 +235,7 @@ class TritonKernelConfigs:
                 _among(pre + "tma", getattr(self, pre + "tma"), (True, False))
                 _among(pre + "persistent", getattr(self, pre + "persistent"), (True, False))
                 _among(pre + "programs_per_sm", getattr(self, pre + "programs_per_sm"), (1, 2, 3, 4))
-                # the pointer kernel runs one tile per program: a persistent grid needs TMA, and
-                # programs per SM a persistent grid (a value no launch reads is refused)
+                # a value no launch reads is refused: the pointer kernel is one tile per program
                 if getattr(self, pre + "persistent") and not getattr(self, pre + "tma"):
                     raise ValueError(f"{pre}persistent refused without {pre}tma: the pointer kernel is not persistent")
                 if getattr(self, pre + "programs_per_sm") != 1 and not getattr(self, pre + "persistent"):
@@ -348,7 +290,7 @@ class TritonKernelConfigs:
             _pow2(name, getattr(self, name), 16, 256)
         _among("attn_bwd_warps", self.attn_bwd_warps, (1, 2, 4, 8))
         if self.attn_bwd_kv_block_m < 64 and self.attn_bwd_stages > 1:
-            # measured: dK off by up to 13% of its largest element, changing run to run
+            # a hardware trap: dK off by up to 13% of its largest element, changing run to run
             raise ValueError(f"attn_bwd_kv_block_m {self.attn_bwd_kv_block_m} with attn_bwd_stages "
                              f"{self.attn_bwd_stages} refused: pipelined dK/dV steps of fewer than 64 query rows "
                              "gave wrong dK on the H200 (use 64 rows or 1 stage)")
@@ -385,9 +327,8 @@ CONFIG_TYPES: dict[str, type] = {"torch": TorchKernelConfigs, "triton": TritonKe
 
 
 def kernel_configs(backend: str, values: Mapping[str, Any] | KernelConfigs | None = None) -> KernelConfigs:
-    """The configs of ``backend``: the pinned defaults, with ``values`` (a mapping of field names, or
-    a configs object of that backend) in their place. ValueError (one line) for an unknown backend,
-    an unknown field or a value no kernel implements."""
+    """The configs of ``backend``: the pinned defaults with ``values`` (field names, or a configs object)
+    in their place. ValueError (one line) for an unknown backend or field, or a value no kernel implements."""
     if backend not in CONFIG_TYPES:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     cls = CONFIG_TYPES[backend]

@@ -1,26 +1,9 @@
 """The loader of the ops' CPU forms: ``native_cpu.c`` built, verified and loaded on first use.
 
-A torch form such as ``elementwise.ieee._exp`` is some twenty whole-tensor operations; on the small
-tensors of a decode step each costs its dispatch, not its arithmetic. ``native_cpu.c`` runs the
-same IEEE operations element by element, in the same order, in one pass, so it gives the torch
-forms' bits (tests/ops/test_native.py compares them, special values included) at a fraction of
-the time. Each op's ``cpu.py`` wraps its loops (``norm/cpu.py``, ``linear/cpu.py``, ...); the CPU
-backend (``backend.CPUBackend``) points its table at them. A wrapper returns None where it does
-not apply (not a CPU tensor of float32/bfloat16, inputs that need a gradient, or no library) and
-the caller then runs the torch form.
-
-The library is compiled on first use with the system's C compiler (``cc``, or ``$CC``) into a
-private directory, ``$XDG_CACHE_HOME/aligned_mamba`` (default ``~/.cache``), else
-``aligned_mamba-<uid>`` in the system's temp directory: created 0700, and used only while it is
-a real directory owned by this user and writable by no one else. Flags: ``-O3 -ffp-contract=off``
-(no fused multiply-adds, no reordered sums; ``-fno-trapping-math`` lets selects vectorise and
-changes no value), plus ``-mavx2 -mfma`` where the CPU has them. The build goes to a temporary
-name and is renamed into place, with a record beside it (``.json``: the digest of the C source
-and the flags, the file's size and SHA-256). Before it is loaded a cached library must be a
-regular file owned by this user, match its record (so a truncated file, which would kill the
-process with SIGBUS when mapped, is never loaded) and export every symbol used here; one that
-does not is rebuilt, and where it cannot be, the torch forms run and one line is logged.
-``ALIGNED_MAMBA_NATIVE=0`` turns it off; ``status()`` says why it is not used.
+The loops give the torch forms' bits in one pass (tests/ops/test_native.py). A ``cpu.py`` wrapper returns None where
+they do not apply (not a CPU float32/bfloat16 tensor, a gradient recorded, no library): the torch form then runs.
+Built with ``$CC`` (default ``cc``) into a private cache directory; ``ALIGNED_MAMBA_NATIVE=0`` turns it off,
+``status()`` says why it is not used. The build's flags and checks: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations

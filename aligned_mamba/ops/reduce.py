@@ -1,9 +1,4 @@
-"""Fixed-order reductions.
-
-A row's sum is a pairwise tree over the row (zero-padded to a power of two) built from
-elementwise adds, so its bits depend on the row alone: not on how many rows share the call,
-on the thread count, or on ATen's choice of reduction loop for that shape.
-"""
+"""Fixed-order reductions: a row's bits depend on the row alone, not on the call's rows, threads or ATen's loop."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from .elementwise import cpu
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree. [..., n] -> [...], same dtype."""
+    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two): [..., n] -> [...], same dtype."""
     if (y := cpu.tree_sum(x)) is not None:  # the same tree, one loop per row (a primitive picks its C form)
         return y
     n = x.shape[-1]

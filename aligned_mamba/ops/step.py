@@ -1,11 +1,4 @@
-"""One engine step (``Step``) and what the ops derive from it, once (``StepPlan``).
-
-Every layer of a step advances the same slots by the same tokens, so the tables the forms need
-(device copies of the slots and offsets, the scan's chunk and tile plan, the decode's positions,
-the attention's tiles) depend on the step alone, given the model's constants. They are built once
-per step and device, by the first layer that needs each, and read by every later layer: vLLM builds
-its ``Mamba2Metadata`` once per step the same way.
-"""
+"""One engine step (``Step``) and its tables per device (``StepPlan``): built once a step, read by every layer."""
 
 from __future__ import annotations
 
@@ -29,33 +22,25 @@ V = TypeVar("V")
 
 @dataclass(eq=False)
 class StepPlan:
-    """A step's tables on one device. ``cu_seqlens`` and ``slots`` come with the plan; each other
-    field maps the constants its tables depend on (chunk size L, row tile R, heads H, groups G,
-    query heads per key/value head rep) to the tables, filled by the first form that needs them
-    (``once``). The layers of one model share their constants, so each is built once per step.
-    """
+    """A step's tables on one device: cu_seqlens [S+1] and slots [S] int64, then per form a map from the constants
+    its tables depend on (chunk size L, row tile R, heads H, groups G, query heads per KV head rep), via ``once``."""
 
     device: torch.device
-    #: [S+1] int64: the new tokens' offsets in the packed rows (one copy with ``slots``)
     cu_seqlens: torch.Tensor
-    #: [S] int64: each sequence's slot in the layers' states
     slots: torch.Tensor
     #: (L, R, H, G) -> the torch decode form's layout (``ssd/decode.py``)
     ssd_decode: dict[tuple[int, int, int, int], DecodePlan] = field(default_factory=dict)
-    #: (L, R) -> the Triton scan's chunk and tile plan, on the host and on the device (``ssd/triton_chunk.py``)
+    #: (L, R) -> the Triton scan's plan, on the host and on the device (``ssd/triton_chunk.py``)
     ssd_chunk: dict[tuple[int, int], tuple[AdvancePlan, AdvancePlan]] = field(default_factory=dict)
-    #: L -> the Triton decode's slots, chunk positions and whether any entry may complete a chunk
-    #: (``ssd/triton_decode.py``)
+    #: L -> the Triton decode's slots, chunk positions, whether a chunk may complete (``ssd/triton_decode.py``)
     ssd_decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=dict)
     #: L -> the chunk grid of the scan's gradient (``ssd/triton_backward.py``)
     chunk_grid: dict[int, ChunkGrid] = field(default_factory=dict)
     #: rep -> the torch attention form's cache tables (``attention/blocked.py``)
     attention_cache: dict[int, CacheTables] = field(default_factory=dict)
-    #: rep -> the Triton attention's write positions and tiles (``attention/triton.py``); a decode
-    #: step's (one tile per sequence) under rep 0, the same for every rep
+    #: rep -> the Triton attention's write positions and tiles (``attention/triton.py``); a decode step's at 0
     attention_tiles: dict[int, StepTables] = field(default_factory=dict)
-    #: True for a plan whose tables are all given up front (a captured CUDA-graph step: its host
-    #: fields are placeholders, so building a missing table from them is refused)
+    #: tables all given up front (a captured decode step): building one from placeholder fields is refused
     sealed: bool = False
 
     def once(self, table: dict[K, V], key: K, build: Callable[[], V]) -> V:
@@ -70,25 +55,18 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Step:
-    """One advance: S sequences, each with n_i new tokens packed in order.
+    """One advance: S sequences, each with n_i new tokens packed in order; immutable, shared by every layer.
 
-    slots [S] int64 (distinct), start_pos [S] int64 (tokens already consumed by each slot),
-    cu_seqlens [S+1] int64 (new tokens' offsets in the packed rows), all on the CPU. A step is
-    shared by every layer of an engine step and must not change once built: its tables on a device
-    are ``plans[device]``.
+    slots [S] int64 (distinct), start_pos [S] int64 (tokens consumed), cu_seqlens [S+1] int64; all on the CPU.
+    Derived: lengths [S], num_tokens T, decode_only (one token each), plans (device -> ``StepPlan``, made on use).
     """
 
     slots: torch.Tensor
     start_pos: torch.Tensor
     cu_seqlens: torch.Tensor
-    #: [S] int64: each sequence's new tokens
     lengths: torch.Tensor = field(init=False, repr=False, compare=False)
-    #: the number of new tokens, T
     num_tokens: int = field(init=False, repr=False, compare=False)
-    #: whether every sequence brings exactly one token (and there is one at least)
     decode_only: bool = field(init=False, repr=False, compare=False)
-    #: device -> the step's tables there (``StepPlan``), made on first use (a captured decode step's
-    #: are given up front, sealed: ``decode_graph``)
     plans: dict[torch.device, StepPlan] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -119,8 +97,7 @@ class Step:
 
 
 class _Plans(dict):
-    """A step's plans by device: a missing one is made on first use (cu_seqlens and slots in one
-    asynchronous copy; on the CPU the step's own tensors)."""
+    """A step's plans by device, a missing one made on first use (cu_seqlens and slots in one copy)."""
 
     def __init__(self, step: Step) -> None:
         super().__init__()

@@ -1,14 +1,7 @@
-"""Position-invariant transcendentals in Triton, with the bits of ``ops.elementwise``.
+"""Position-invariant transcendentals in Triton, operation by operation those of ``ops.elementwise``.
 
-``elementwise`` computes exp, log and softplus from IEEE basic operations only (each rounded once),
-so that an element's bits never depend on where it sits in a tensor. These are the same functions,
-operation by operation, as ``@triton.jit`` helpers for the Triton kernels: a kernel that calls them
-gets the torch backend's bits for the same inputs, provided it is compiled with
-``enable_fp_fusion=False`` (a fused multiply-add rounds a product and a sum once). Division is
-``div_rn`` (IEEE), never Triton's approximate ``/``.
-
-``dt_softplus_exact`` is ``ops.ssd.chunk.dt_softplus`` for one element (softplus(raw + bias), clamped to
-dt_limit); ``dt_softplus_triton`` applies it to a whole tensor in one launch.
+A kernel gets the torch forms' bits from them only when compiled with ``enable_fp_fusion=False`` (an FMA rounds
+once); division is ``div_rn`` (IEEE), never Triton's approximate ``/``. Why: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ import triton.language as tl
 
 from .elementwise import ieee as ew
 
-# The constants of elementwise.exp / log / softplus, as the same Python doubles (Triton rounds a
-# float constant to fp32 the way torch rounds a Python scalar for an fp32 tensor: nearest-even).
+# elementwise's constants as the same doubles: Triton rounds them to fp32 as torch does (nearest-even)
 _LOG2E = tl.constexpr(ew._LOG2E)
 _LN2_HI = tl.constexpr(ew._LN2_HI)
 _LN2_LO = tl.constexpr(ew._LN2_LO)
@@ -99,11 +91,7 @@ def log_exact(x):
 
 @triton.jit
 def softplus_exact(x):
-    """softplus of fp32 ``x`` with the bits of ``elementwise.softplus`` (threshold 20).
-
-    Only IEEE basic operations, each rounded once: call it from kernels compiled with
-    ``enable_fp_fusion=False`` (a fused multiply-add would round a product and a sum once).
-    """
+    """softplus of fp32 ``x`` with the bits of ``elementwise.softplus`` (threshold 20)."""
     xm = tl.where(x > _SOFTPLUS_THRESHOLD, _SOFTPLUS_THRESHOLD, x)
     w0 = exp_exact(xm)
     # log1p(w0) as elementwise.log1p: log(w) * (x / (w - 1)), w = 1 + x
@@ -152,11 +140,7 @@ def limits(dt_limit: tuple[float, float]) -> tuple[float, float]:
 
 def dt_softplus_triton(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float] = (0.0, math.inf)
                        ) -> torch.Tensor:
-    """``chunk.dt_softplus`` in one launch: dt [..., H] raw (any float dtype), dt_bias [H] -> fp32.
-
-    Same bits as the torch version (tested on the CPU through the interpreter and on the GPU), so
-    the Triton backend's ``pack_chunks`` can take its dt from here: one launch instead of ~40.
-    """
+    """``chunk.dt_softplus`` in one launch, the same bits: dt [..., H] raw (any float dtype), dt_bias [H] -> fp32."""
     H = dt.shape[-1]
     src = dt.contiguous()
     out = torch.empty(dt.shape, dtype=torch.float32, device=dt.device)

@@ -1,29 +1,6 @@
-"""The torch forms of ``ops.attention`` (the package docstring gives the signature).
-
-- ``attention_blocked``: the contract's form (trainer and sampler both run it). Every output row is
-  a fixed sequence of float32 operations on its own query and the keys/values of positions 0..t:
-
-  * keys are cut into blocks of ``kv_block`` positions from position 0 of each sequence, so a key
-    always sits at the same block and offset whatever the call holds;
-  * a row visits blocks 0, 1, 2, ... in order with an online softmax (running max m, running sum l,
-    running weighted sum acc, all fp32): m' = max(m, max_c s_c), alpha = exp(m - m'),
-    p_c = exp(s_c - m'), l' = alpha l + tree_sum(p), acc' = alpha acc + p @ V_block;
-  * masked entries (keys after the row, a block's padding) have s = -inf, so p = 0 exactly: they add
-    exact zeros to the sum and to p @ V. A block wholly after the row (which a row visits when it
-    shares a tile with a later row) has m' = m, alpha = exp(0) = 1 and p = 0: a no-op on every bit;
-  * the dots run as fixed-shape batched GEMMs, one item per (query tile, key/value head, block): a
-    tile holds ``max(1, row_tile // (H // G))`` tokens' query heads of one key/value head, padded
-    with zero rows, so a decode step's one row runs the prefill's item shape;
-  * exp comes from ``ops.elementwise`` (position-invariant), sums are fixed trees (``reduce``).
-
-  So prefill, chunked prefill, decode, recompute and any batch give every row the same bits.
-- ``attention_stock``: the baseline, as eager engines compute it (transformers' eager path): per
-  sequence, scores as a model-dtype matmul over exactly the row's keys, one softmax over the whole
-  row, a model-dtype matmul with V. Its shapes follow the call (a decode row is a 1 x n_k matmul, a
-  prefill row part of an n_q x n_k one), so its bits depend on the schedule.
-
-Rotary embeddings are not applied here (Nemotron-H's attention has none); a layer that needs them
-applies them to q and k before the call.
+"""The torch forms of ``ops.attention``: ``attention_blocked`` (the contract's: key blocks from each
+sequence's position 0, one fp32 online softmax, fixed-shape GEMM items; docs/design.md, "How the bits
+are kept") and ``attention_stock`` (the eager baseline). Rotary embeddings are the caller's.
 """
 
 from __future__ import annotations
@@ -47,15 +24,11 @@ ROW_TILE = 16
 
 @dataclass(frozen=True)
 class BlockedPlan:
-    """The index tables of one ``attention_blocked`` call (built on the host from cu_seqlens only, so
-    a step builds them once for all its layers).
-
-    key_index [NB, kv_block] int64: the packed key row at each block position (Tk: a zero row).
-    tile_rows [NT, tile_tokens] int64: the packed query row of each tile entry (Tq: a zero row).
-    tile_pos [NT, tile_tokens] int64: each entry's position in its sequence (padding entries: the
-    tile's first entry's). tile_block0 [NT]: the tile's sequence's first block in key_index.
-    Tiles are sorted by how many blocks they read, most first, so the tiles that read block j are
-    the first ``active[j]``.
+    """One ``attention_blocked`` call's index tables, from cu_seqlens alone (one per step, all layers).
+    key_index [NB, kv_block] int64: each block position's packed key row (Tk: a zero row); tile_rows,
+    tile_pos [NT, tile_tokens] int64: each entry's packed query row (Tq: a zero row) and position
+    (padding: the tile's first entry's); tile_block0 [NT]: the sequence's first block. Tiles are sorted
+    by blocks read, most first: the first ``active[j]`` tiles read block j.
     """
 
     key_index: torch.Tensor
@@ -107,11 +80,8 @@ def blocked_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, rep: in
 def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, *, scale: float, kv_block: int = KV_BLOCK,
                       row_tile: int = ROW_TILE, plan: BlockedPlan | None = None) -> torch.Tensor:
-    """The contract's attention (module docstring): [Tq, H, D] in q's dtype, fp32 inside.
-
-    q, k, v in the model dtype (bf16 or fp32; taken to fp32 exactly). ``plan``: the call's
-    ``blocked_plan`` (on q's device), to share one across the layers of a step.
-    """
+    """The contract's attention: q, k, v bf16 or fp32 -> [Tq, H, D] in q's dtype, fp32 inside.
+    ``plan``: the call's ``blocked_plan`` on q's device (one shared by a step's layers)."""
     rep = _check(q, k, v)
     if plan is None:
         plan = blocked_plan(cu_seqlens_q, cu_seqlens_k, rep, kv_block=kv_block, row_tile=row_tile).to(q.device)
@@ -122,8 +92,7 @@ def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if Tq == 0:
         return q.new_zeros(q.shape)
     f32 = torch.float32
-    # D padded to a multiple of 16 with exact zeros: the GEMMs' inner dimension never takes another
-    # path at another alignment (see ops/linear.py); a zero row at the end stands for padding.
+    # D zero-padded to a multiple of 16 (one GEMM path whatever D); an extra zero row is the padding row
     dp = -D % 16
 
     def padded(x: torch.Tensor) -> torch.Tensor:
@@ -158,13 +127,9 @@ def attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 @dataclass(frozen=True)
 class CacheTables:
-    """One step's tables over a slot cache [slots, max_len, G, D] (shared by every attention layer
-    of the step).
-
-    write_slot, write_pos [T] int64: where each new token's key and value go. read_slot, read_pos
-    [Tk]: the keys each sequence attends to (its positions 0 .. start + n - 1), packed in batch
-    order. cu_seqlens_k [S+1] (CPU). plan: the blocked form's tables, on the device.
-    """
+    """One step's tables over a slot cache [slots, max_len, G, D], shared by its attention layers:
+    write_slot, write_pos [T] int64 (where new keys and values go); read_slot, read_pos [Tk] (each
+    sequence's keys 0 .. start + n - 1, packed in batch order); cu_seqlens_k [S+1] (CPU); plan (device)."""
 
     write_slot: torch.Tensor
     write_pos: torch.Tensor
@@ -175,8 +140,7 @@ class CacheTables:
 
 
 def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
-    """The tables of ``batch`` (an ``ops.step.Step``: slots, start_pos, cu_seqlens on the host) for
-    H // G = ``rep`` (built on the host, moved once)."""
+    """The tables of ``batch`` (an ``ops.step.Step``) for H // G = ``rep``, built on the host."""
     n = batch.lengths
     end = batch.start_pos + n
     seq_t = torch.repeat_interleave(torch.arange(n.numel()), n)
@@ -192,9 +156,8 @@ def cache_tables(batch: Any, rep: int, device: torch.device) -> CacheTables:
 
 def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: CacheTables, cu_seqlens_q: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """One step of ``attention_blocked`` over a slot cache: writes the new keys and values k, v
-    [T, G, D] at their slots and positions, then attends the new rows q [T, H, D] over each slot's
-    keys 0 .. position (gathered into the packed layout). [T, H, D] in q's dtype."""
+    """``attention_blocked`` over a slot cache: writes k, v [T, G, D] at their slots and positions,
+    then attends q [T, H, D] over each slot's keys 0 .. position. [T, H, D] in q's dtype."""
     k_cache[tables.write_slot, tables.write_pos] = k
     v_cache[tables.write_slot, tables.write_pos] = v
     return attention_blocked(q, k_cache[tables.read_slot, tables.read_pos], v_cache[tables.read_slot, tables.read_pos],
@@ -203,8 +166,7 @@ def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """The baseline (module docstring): per sequence, softmax(scale q k^T + mask) in fp32 over the
-    row's keys as one torch.softmax, the matmuls in the model dtype. [Tq, H, D] in q's dtype."""
+    """The eager baseline: per sequence one fp32 torch.softmax over the row's keys, model-dtype matmuls."""
     rep = _check(q, k, v)
     nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
     out = torch.zeros_like(q)
@@ -235,11 +197,8 @@ def page_index(block_table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               batch: Any, *, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """One step over a slot cache, the torch backend's form (the backend's ``attention`` signature):
-    the step's cache tables built once for every attention layer of the step, then
-    ``attention_cached``. With ``block_table`` [slots, max_blocks] the caches are pages [num_blocks,
-    page_size, G, D] and a slot's position p lies at ``page_index``: the same keys gathered into the
-    same packed layout, so the same bits."""
+    """The torch backend's ``attention``: the step's tables (built once per step), ``attention_cached``.
+    ``block_table`` [slots, max_blocks]: the caches are pages [num_blocks, page_size, G, D]."""
     rep = q.shape[1] // k.shape[1]
     plan = batch.plans[q.device]
     t = plan.once(plan.attention_cache, rep, lambda: cache_tables(batch, rep, q.device))
@@ -254,6 +213,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, plan: BlockedPlan | None, *, scale: float) -> torch.Tensor:
-    """Packed keys (an engine's paged cache gathered), the torch backend's form: ``attention_blocked``
-    with ``plan``, the step's tables (None: made here)."""
+    """Packed keys (an engine's pages gathered): ``attention_blocked`` with the step's ``plan`` (None: made here)."""
     return attention_blocked(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, plan=plan)

@@ -1,7 +1,4 @@
-"""The accuracy reference of ``ops.attention``: float64, one softmax per row over exactly its keys.
-
-Shapes and conventions as the package docstring; the shape checks every form shares live here.
-"""
+"""The float64 reference of ``ops.attention`` (shapes: the package docstring), and the shared shape checks."""
 
 from __future__ import annotations
 
@@ -32,10 +29,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
 
 def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """The reference: per sequence and row, softmax(scale q . k) @ v over the row's keys in float64.
-
-    Shapes as the module docstring; returns [Tq, H, D] float64.
-    """
+    """softmax(scale q . k) @ v per row over exactly its keys, in float64: [Tq, H, D] float64."""
     rep = _check(q, k, v)
     nq, nk = _lengths(cu_seqlens_q, cu_seqlens_k)
     f64 = torch.float64

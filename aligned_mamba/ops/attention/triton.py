@@ -1,42 +1,11 @@
-"""Row-invariant causal GQA attention in Triton (the triton backend's form of ``ops.attention``).
+"""Row-invariant causal GQA attention in Triton: the triton backend's form of ``ops.attention``.
 
-Every output row is one fixed sequence of operations on its query and the keys/values of its
-positions 0..t, whatever else the launch holds:
-
-- keys are visited in blocks of ``attn_block_n`` at absolute positions from 0 (block j holds
-  positions j*BN .. j*BN + BN - 1), in ascending order, from where a cache holds them;
-- per block: s = dot(q, k^T) * (scale log2 e) (fp32 accumulation), masked entries -inf,
-  m' = max(m, max_c s_c) (exact in any order), alpha = exp2(m - m'), p = exp2(s - m'),
-  l' = alpha l + rowsum(p), acc' = alpha acc + dot(p, v); out = acc / l;
-- the row sum is a dot with a block of ones (p in the dot's operand dtype), not a ``tl.sum``: a
-  reduction's tree follows the register layout, which changes with the tile's row count and warps;
-  a tensor-core dot gives a row the same bits whatever the tile's row extent (the property
-  ``ops.linear.triton`` rests on, measured on the H200), and it sums the very p that meets v;
-- a block wholly after a row (the row shares a tile with later rows) has s = -inf everywhere:
-  m' = m, alpha = exp2(0) = 1, p = 0, so l and acc take + 0: a no-op on every bit; masked entries
-  of a block are loaded as zeros, so garbage past a sequence's end never meets p = 0 as a NaN.
-
-A program owns one key/value head and a tile of BLOCK_M rows: TOK tokens of one sequence times
-REP_P query heads (the group's H // G heads, padded to a power of two). A decode step runs one
-token per program with the decode tile (``attn_decode_block_m``); prefill and chunked prefill the
-prefill tile. The tables (per tile: first packed query row, tokens, first position, cache slot) are
-device tensors; a decode step's come straight from the step's slots and positions, so the launch
-reads nothing back and captures in a CUDA graph.
-
-Split keys (``attn_split_n`` S > 0; 0, the default, compiles all of this out): row t's keys are
-split at absolute positions s*S, s = 0 .. t // S; each split's partial (m_s, l_s, acc_s) is the online
-softmax above over its keys [s*S, min((s+1)*S, t+1)), visited in the same blocks from s*S from a
-fresh state (m = -inf, l = 0, acc = 0), and the row's state is the left fold, from that fresh state,
-of merge(a, b): m = max(m_a, m_b), l = l_a exp2(m_a - m) + l_b exp2(m_b - m), acc likewise, in
-ascending s; out = acc / l. A prefill or chunk program folds at each split's end in registers (a
-row of the tile before the split's first key keeps its state: a select, not arithmetic); a decode
-step writes the partials of (tile, key/value head, split) programs to fp32 scratch and a second
-launch folds them in the same order with the same ``_merge``, so decode parallelises over a long
-context and its rows keep the prefill's bits. Every op of the merge is elementwise (no FMA: the
-launches turn contraction off), so a row's bits do not depend on the tile's shape.
-
-bf16 models give both dots bf16 operands (p rounded to bf16, as flash attention does); fp32 models
-fp32 operands in IEEE precision.
+A program owns one key/value head and a tile of TOK tokens of one sequence x REP_P query heads (the
+group's, padded to a power of two); a row visits key blocks of ``attn_block_n`` from position 0 in
+ascending order with one fp32 online softmax in exp2 units, its row sum a dot with ones (a ``tl.sum``
+tree follows the register layout). Masked keys load as zeros, so data past a sequence's end never
+makes a NaN of p = 0. bf16 models round p to bf16 for the dots (as flash attention), fp32 models use
+IEEE precision. Split keys, pages, decode tiles: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -61,9 +30,8 @@ LOG2E = 1.4426950408889634
 def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr, page,
            D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
            PAGED: tl.constexpr):
-    """One key block j of a tile: the online-softmax update (module docstring). PAGED: the block lies
-    in one page, ``bt_ptr[j * BLOCK_N // page]`` (the tile's block-table row), at rows from
-    ``j * BLOCK_N % page``; kbase is then the page stride in elements. Only the addresses differ."""
+    """One key block j of a tile: the online-softmax update. PAGED: the block lies in one page,
+    ``bt_ptr[j * BLOCK_N // page]``, from row ``j * BLOCK_N % page``; kbase is the page stride."""
     kp = j * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     if PAGED:
@@ -92,8 +60,7 @@ def _block(q, m, lsum, acc, k_ptr, v_ptr, kbase, j, last, pos, g, sk_r, sk_g, qk
 
 @triton.jit
 def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
-    """Fold partial b (the next split's) into a: the online softmax's own rescaling, in its exp2 and
-    units (module docstring). Elementwise, so a row's bits do not depend on the tile it sits in."""
+    """Fold the next split's partial b into a (the online softmax's rescaling), elementwise."""
     m = tl.maximum(m_a, m_b)
     ca = tl.math.exp2(m_a - m)
     cb = tl.math.exp2(m_b - m)
@@ -104,9 +71,8 @@ def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
 def _split(q, k_ptr, v_ptr, kbase, lo, hi, full, last, pos, g, sk_r, sk_g, qk_scale, ones, bt_ptr, page,
            BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
            PAGED: tl.constexpr):
-    """The partial (m, l, acc) of key blocks [lo, hi) from a fresh state, ``_block`` by ``_block``
-    (blocks before ``full`` whole for every row of the tile). A row before block lo's first key
-    gets NaN (every s -inf): the caller never uses it."""
+    """The partial (m, l, acc) of key blocks [lo, hi) from a fresh state (blocks before ``full``
+    unmasked). A row before block lo's first key gets NaN (every s -inf); the caller never uses it."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -121,7 +87,6 @@ def _split(q, k_ptr, v_ptr, kbase, lo, hi, full, last, pos, g, sk_r, sk_g, qk_sc
 
 @triton.jit
 def _attention_kernel(
-    # Pointers to matrices
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     # Per-tile tables [NT] int64
     row0_ptr, ntok_ptr, pos0_ptr, slot_ptr,
@@ -130,7 +95,6 @@ def _attention_kernel(
     # Strides (elements); sk_slot: a slot's pitch in rows of sk_r elements (PAGED: a page's stride)
     sq_t, sq_h, sk_slot, sk_r, sk_g, so_t, so_h, sl_t,
     qk_scale,
-    # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False, PAGED: tl.constexpr = False,
     SPLIT_N: tl.constexpr = 0,
@@ -164,8 +128,7 @@ def _attention_kernel(
     # blocks before the first row's block are whole for every row: no mask (where(true, s) is s)
     full = pos0 // BLOCK_N
     if SPLIT_N > 0:
-        # keys split at absolute positions s * SPLIT_N: each split's partial from a fresh state, folded
-        # into the row's state in ascending s at the split's end (the decode step's combine, in registers)
+        # each split's partial folded in ascending s at the split's end (the decode combine, in registers)
         NB: tl.constexpr = SPLIT_N // BLOCK_N
         nblk = last // BLOCK_N + 1
         for s in range(0, last // SPLIT_N + 1):
@@ -192,21 +155,18 @@ def _attention_kernel(
 
 @triton.jit
 def _attention_partial_kernel(
-    # Pointers to matrices; the partials [T, NS, H] (m, l) and [T, NS, H, D] (acc), fp32
+    # the partials: [T, NS, H] (m, l) and [T, NS, H, D] (acc), fp32
     q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, pa_ptr,
     # Per-tile tables [NT] int64, the block table and page size, as ``_attention_kernel``'s
     row0_ptr, ntok_ptr, pos0_ptr, slot_ptr, bt_ptr, s_bt, page,
     # Strides (elements); sp_t, sp_s: the partials' per row and per split (in rows of one head)
     sq_t, sq_h, sk_slot, sk_r, sk_g, sp_t, sp_s,
     qk_scale,
-    # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr = False,
 ):
-    """A split decode's first half: program (tile, key/value head, split s) writes its rows' partial
-    over the keys [s * SPLIT_N, min((s + 1) * SPLIT_N, t + 1)), ``_attention_kernel``'s per-split
-    arithmetic. The grid covers the longest context the caller allows; a split past the tile's
-    last key exits at once (the lengths are read here, on the device)."""
+    """Split decode, first half: program (tile, KV head, split s) writes its rows' partial over keys
+    [s * SPLIT_N, min((s + 1) * SPLIT_N, t + 1)); a split past the tile's last key exits at once."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -253,9 +213,8 @@ def _attention_combine_kernel(
     REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_N: tl.constexpr,
     STORE_LSE: tl.constexpr = False,
 ):
-    """A split decode's second half: program (tile, key/value head) folds its token's partials of
-    splits 0 .. t // SPLIT_N in ascending order with ``_merge`` from the empty state, as the prefill
-    program does in registers, then out = acc / l (and the lse)."""
+    """Split decode, second half: folds a token's partials of splits 0 .. t // SPLIT_N in ascending
+    order with ``_merge`` from the empty state, as the prefill program does; out = acc / l (and lse)."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     row = tl.load(row0_ptr + tile).to(tl.int64)
@@ -309,12 +268,8 @@ def tokens_per_tile(rep: int, cfg: TritonKernelConfigs, decode: bool) -> int:
 def prefill_tiles(cu_seqlens_q: torch.Tensor | np.ndarray, start_pos: torch.Tensor | np.ndarray,
                   slots: torch.Tensor | np.ndarray, rep: int, cfg: TritonKernelConfigs,
                   device: torch.device | str) -> AttentionTiles:
-    """Tiles of TOK tokens of one sequence each, built on the host from its ints and moved in one copy.
-
-    cu_seqlens_q [S+1] (new tokens' packed offsets), start_pos [S] (the position of each sequence's
-    first new token), slots [S] (its cache slot). Tiles run longest-first (bits do not depend on the
-    order; the grid's tail does).
-    """
+    """Tiles of TOK tokens of one sequence, built on the host and moved in one copy: cu_seqlens_q [S+1],
+    start_pos [S] (each sequence's first new position), slots [S]. Longest first (for the grid's tail)."""
     tok = tokens_per_tile(rep, cfg, decode=False)
     cu = np.asarray(cu_seqlens_q, dtype=np.int64)
     sp, sl = np.asarray(start_pos, dtype=np.int64), np.asarray(slots, dtype=np.int64)
@@ -372,26 +327,16 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_table: torch.Tensor | None = None, max_context: int | None = None) -> torch.Tensor:
     """Causal GQA attention of the tiles' query rows over keys where a cache holds them.
 
-    q [T, H, D] (bf16 or fp32); k_cache, v_cache [slots, max_len, G, D] in q's dtype, the key of
-    position p of slot s at [s, p] (a packed key tensor [Tk, G, D] is slot 0 of [1, Tk, G, D] with
-    each tile's positions counted from its sequence's first key row: pass it that way);
-    D 64 or 128 (any power of two from 16 to 256). Returns [T, H, D] in q's dtype; rows no tile
-    covers are left unwritten. No host synchronisation. ``lse`` [T, H] float32 (contiguous), when
-    given, receives each row's log2 softmax denominator in units of s = q.k * scale * log2(e) (what
-    the backward needs); the output's bits are the same either way.
-
-    ``block_table`` [rows, max_blocks] int32/int64 (device): the caches are pages [num_blocks,
-    page_size, G, D] (any strides but a unit one for D), the key of position p of the sequence in
-    block-table row r at page ``block_table[r, p // page_size]``, row ``p % page_size``; a tile's
-    slot is its block-table row. The table is read on the device (a CUDA graph replays it as it is
-    then). ``attn_block_n`` must divide the page size: a key block then lies in one page, and a row
-    visits the same blocks in the same order with the same arithmetic, the slot cache's bits.
-
-    ``cfg.attn_split_n`` S > 0 (module docstring, "Split keys"): a prefill tile folds its splits in
-    its own program; decode tiles run one program per (tile, key/value head, split) into fp32
-    scratch (m, l [T, NS, H], acc [T, NS, H, D]) and a combine launch, with NS = ceil(``max_context`` / S) splits in the
-    grid (default: the slot cache's max_len, or the block table's pages times the page size); no
-    decode row may lie at a position >= ``max_context``.
+    q [T, H, D] bf16 or fp32, D a power of two from 16 to 256; k_cache, v_cache [slots, max_len, G, D]
+    in q's dtype, key p of slot s at [s, p] (packed keys [Tk, G, D]: slot 0 of [1, Tk, G, D], positions
+    counted from each sequence's first key row). Returns [T, H, D] in q's dtype (rows no tile covers
+    unwritten); no host synchronisation. ``lse`` [T, H] fp32 contiguous: receives each row's log2
+    softmax denominator in units of q.k * scale * log2(e), for the backward (the output's bits unchanged).
+    ``block_table`` [rows, max_blocks] int32/int64 on the device: the caches are pages [num_blocks,
+    page_size, G, D] (unit stride for D), key p of row r at page ``block_table[r, p // page_size]``;
+    ``attn_block_n`` must divide page_size. ``cfg.attn_split_n`` S > 0: a decode launch's grid has
+    ceil(``max_context`` / S) splits (default: the cache's max_len, or pages x page_size); no decode
+    row may lie at a position >= ``max_context``.
     """
     T, H, D = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
@@ -439,8 +384,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if max_context < 1:
             raise ValueError(f"attention_triton: max_context {max_context} refused: at least 1 key expected")
         ns = -(-max_context // S)
-        # the partials of every split the grid covers: fp32, [T, NS, H] (m, l) and [T, NS, H, D]
-        # (a CUDA graph keeps them in its pool; its replays reuse them)
+        # the partials of every split of the grid (a CUDA graph keeps them in its pool across replays)
         pm = torch.empty(T, ns, H, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
         pa = torch.empty(T, ns, H, D, dtype=torch.float32, device=q.device)
@@ -464,15 +408,13 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         REP=rep, REP_P=rep_pad(rep), TOK=tok, D=D, BLOCK_N=cfg.attn_block_n, STORE_LSE=lse is not None,
         PAGED=block_table is not None, SPLIT_N=cfg.attn_split_n,
         PRECISION="ieee",  # fp32 operands: FMA, never TF32; bf16 operands: tensor cores either way
-        # no fused multiply-adds: the unmasked loop's s * c - m would contract into one FMA where the
-        # masked loop's select between them cannot, and a row meets a block in either loop
+        # no FMA: a row meets a block in either loop, and only the unmasked loop's s * c - m would contract
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
 
 def check_page(page_size: int, cfg: TritonKernelConfigs) -> None:
-    """Refuse (ValueError, one line) a page size that ``attn_block_n`` does not divide: a key block
-    would straddle two pages."""
+    """Refuse (ValueError) a page size that ``attn_block_n`` does not divide: a block would straddle pages."""
     if page_size < 1 or page_size % cfg.attn_block_n:
         raise ValueError(f"a KV page of {page_size} keys refused: the attention key block (attn_block_n "
                          f"{cfg.attn_block_n}) must divide the page size")
@@ -481,10 +423,8 @@ def check_page(page_size: int, cfg: TritonKernelConfigs) -> None:
 def attention_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, *, scale: float, cfg: TritonKernelConfigs,
                             decode: bool = False, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The package signature over packed keys: q [Tq, H, D], k and v [Tk, G, D], cu_seqlens [S+1]
-    (host ints). Each sequence's keys are read where they lie (its queries are its last positions);
-    ``decode`` runs the decode tile (every sequence must then bring one query). For tests and
-    benchmarks: a cache-owning caller passes its cache to ``attention_triton`` instead."""
+    """The package signature over packed keys (q [Tq, H, D], k, v [Tk, G, D], cu_seqlens [S+1] host
+    ints), for tests and benchmarks; ``decode``: the decode tile (one query per sequence)."""
     cq = np.asarray(torch.as_tensor(cu_seqlens_q).cpu(), dtype=np.int64)
     ck = np.asarray(torch.as_tensor(cu_seqlens_k).cpu(), dtype=np.int64)
     nq, nk = np.diff(cq), np.diff(ck)
@@ -516,12 +456,9 @@ __all__ = ["AttentionTiles", "StepTables", "attention_triton", "attention_triton
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               batch: Any, *, scale: float, cfg: TritonKernelConfigs,
               block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """One step over a slot cache: k, v written at each token's slot and position, then the kernel
-    over the step's tiles (built once for every attention layer of the step). Under autograd the
-    same writes and launch, saving each row's log-sum-exp for the Triton backward. With
-    ``block_table`` [slots, max_blocks] (device) the caches are pages [num_blocks, page_size, G, D]:
-    the writes and the kernel find a slot's position through the table, on the device (a decode
-    step over pages captures in a CUDA graph as the slot cache's does)."""
+    """One step over a slot cache (pages with ``block_table`` [slots, max_blocks], on the device): k, v
+    written at each token's position, then the kernel over the step's tiles (built once per step).
+    Under autograd the same, saving each row's lse for the Triton backward."""
     grad = grad_needed(q, k, v)
     if grad and bool((batch.start_pos != 0).any()):
         # the keys of earlier calls sit in the cache outside the autograd graph: their gradient would be lost
@@ -533,8 +470,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     dev, rep = q.device, q.shape[1] // k.shape[1]
     plan = batch.plans[dev]
     if batch.decode_only:
-        # a decode step: tables straight from the step's device slots and positions (a captured
-        # step's are its static buffers, see decode_graph), one tile per sequence, any rep
+        # a decode step: tables from its device slots and positions (a captured step's static buffers)
         t = plan.once(plan.attention_tiles, 0, lambda: decode_step_tables(plan.slots, batch.start_pos.to(dev)))
     else:
         t = plan.once(plan.attention_tiles, rep, lambda: step_tables(

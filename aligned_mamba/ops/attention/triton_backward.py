@@ -1,27 +1,11 @@
-"""The backward of the Triton attention (``triton.attention_triton``), and its autograd Function.
+"""The backward of ``triton.attention_triton`` (packed causal GQA, the package's shapes), its Function.
 
-Packed causal GQA as the package signature has it: q [Tq, H, D], k, v [Tk, G, D], sequence i's
-queries its last positions. With s = q.k * scale, P = softmax(s) per row, o = P v and the
-upstream gradient dO:
-
-    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * o)),   dQ = scale dS K,   dK = scale dS^T Q
-
-P is recomputed from the forward's saved log-sum-exp (``attention_triton(..., lse=)``, in the
-forward's own units: p = exp2(q.k * scale log2 e - lse)), so nothing of size Tq x Tk is stored.
-
-Two kernels, neither with atomics, so two backwards give the same bits:
-
-- dK, dV: one program per (key block of ``attn_bwd_kv_block_n`` positions of one sequence, key/value
-  head); it walks the sequence's query rows that can see the block, ``attn_bwd_kv_block_m`` rows
-  (tokens x the group's query heads) at a time, in ascending order, and accumulates in fp32
-  registers. The group's H // G query heads are rows of the same dots, so their sum has the fixed
-  order of the dot's reduction; each key row is written once.
-- dQ: one program per (tile of ``attn_bwd_q_block_m`` query rows, key/value head); it walks key
-  blocks of ``attn_bwd_q_block_n`` from position 0 in ascending order.
-
-bf16 models give the dots bf16 operands (P and dS rounded to bf16, as flash attention's backward
-does); fp32 models fp32 operands in IEEE precision. Gradients are not row-invariant (nothing asks
-them to be); the forward is the sampler's launch, unchanged.
+With s = q.k * scale, P = softmax(s), o = P v: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * o)),
+dQ = scale dS K, dK = scale dS^T Q; P is recomputed from the forward's saved lse (in its exp2 units),
+so nothing of size Tq x Tk is stored. No atomics, so two backwards give the same bits: dK, dV by one
+program per (key block, KV head) walking the query rows that see the block in ascending order (the
+group's query heads rows of the same dots); dQ by one per (query tile, KV head) walking key blocks from
+0. bf16 models round P and dS to bf16 for the dots (as flash attention), fp32 models use IEEE precision.
 """
 
 from __future__ import annotations
@@ -87,14 +71,12 @@ def _dq_step(dq, q, do, lse, delta, j, last, pos, valid, k_ptr, v_ptr, krow, g, 
 
 @triton.jit
 def _dkdv_kernel(
-    # Pointers to matrices
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     # Per-program tables [NB] int64: key block, its sequence's first key row, keys, first query row, queries
     blk_ptr, krow_ptr, nk_ptr, qrow_ptr, nq_ptr,
     # Strides (elements); q, dO share theirs, k, v, dk, dv theirs, lse and delta [Tq, H] theirs
     sq_t, sq_h, sk_t, sk_g, sl_t,
     qk_scale, scale,
-    # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -119,8 +101,7 @@ def _dkdv_kernel(
     head = g * REP + hh
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    # queries before the block's first key see none of it; from the first step whose first token is at
-    # or after the block's last key, every token sees all of it (no mask)
+    # rows before the block's first key see none of it; from step t1 on, every token sees all of it (no mask)
     t0 = tl.maximum(j * BLOCK_N - qpos0, 0)
     t1 = t0 + tl.cdiv(tl.maximum(j * BLOCK_N + BLOCK_N - 1 - qpos0 - t0, 0), TOK) * TOK
     for t in range(t0, tl.minimum(t1, nq), TOK):
@@ -135,14 +116,12 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    # Pointers to matrices
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     # Per-tile tables [NT] int64: first query row, tokens, first position, the sequence's first key row
     row0_ptr, ntok_ptr, pos0_ptr, krow_ptr,
     # Strides (elements), as _dkdv_kernel's
     sq_t, sq_h, sk_t, sk_g, sl_t,
     qk_scale, scale,
-    # Meta-parameters
     REP: tl.constexpr, REP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -192,8 +171,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, R, D: tl.constexpr, BLOCK_R: tl.cons
 
 
 def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """[Tq, H] fp32 rowsums of o * dO ([Tq, H, D] each): one pass, one fixed reduction per row (the
-    same bits run to run); torch's cast, product and sum made three fp32 copies of o's size."""
+    """[Tq, H] fp32 rowsums of o * dO ([Tq, H, D] each), in one pass with one fixed reduction per row."""
     Tq, H, D = o.shape
     o = o.contiguous()
     delta = torch.empty(Tq, H, dtype=torch.float32, device=o.device)
@@ -235,12 +213,9 @@ def attention_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               do: torch.Tensor, cu_seqlens_q: torch.Tensor | np.ndarray,
                               cu_seqlens_k: torch.Tensor | np.ndarray, *, scale: float,
                               cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq [Tq, H, D], dk, dv [Tk, G, D] (in q's and k's dtypes) of packed causal GQA attention.
-
-    q, o, do [Tq, H, D]; k, v [Tk, G, D]; lse [Tq, H] float32 from the forward (``attention_triton``'s
-    ``lse``); cu_seqlens_q / cu_seqlens_k [S+1] host ints (a sequence's queries are its last positions).
-    Keys that no query sees get zeros.
-    """
+    """dq [Tq, H, D], dk, dv [Tk, G, D] (q's and k's dtypes) of packed causal GQA attention: q, o, do
+    [Tq, H, D], k, v [Tk, G, D], lse [Tq, H] fp32 (the forward's), cu_seqlens [S+1] host ints.
+    Keys that no query sees get zeros."""
     Tq, H, D = q.shape
     G = k.shape[1]
     rep = H // G
@@ -297,10 +272,9 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables, cu_seqlens: torch.Tensor, *, scale: float, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The triton backend's cached step with gradients, for a pass from empty (every sequence's
-    first new token at position 0): writes k, v [T, G, D] into the caches at ``tables``
-    (``triton.StepTables``), attends q [T, H, D] over them with the sampler's launch, and
-    differentiates q, k, v as packed attention with cu_seqlens [S+1] (host) for queries and keys."""
+    """The triton backend's cached step with gradients, for a pass from empty (every start_pos 0):
+    writes k, v [T, G, D] at ``tables`` (``triton.StepTables``), attends q [T, H, D] with the sampler's
+    launch, and differentiates as packed attention over cu_seqlens [S+1] (host)."""
     from .triton import attention_triton
 
     def run(lse: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,4 @@
-"""The CPU form of the causal conv: ``native_cpu.c``'s loops with the bits of ``taps.py`` in one pass,
-falling back to ``taps.py`` where the loops do not apply.
-"""
+"""The causal conv's CPU form: ``native_cpu.c``'s loops with ``taps.py``'s bits, else ``taps.py``."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from . import taps
 
 def tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             activation: bool) -> torch.Tensor | None:
-    """``conv1d._tap_sum`` (then SiLU if ``activation``) rounded to taps' dtype: taps [T, K, Cd],
-    weight [Cd, K], bias [Cd] or None -> [T, Cd], or None."""
+    """``taps.conv_out``: taps [T, K, Cd], weight [Cd, K], bias [Cd] or None -> [T, Cd], or None."""
     if not ok(taps, weight, bias) or (lib := library()) is None:
         return None
     T, K, Cd = taps.shape
@@ -30,9 +27,8 @@ def tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def conv_step(windows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None, activation: bool = True) -> torch.Tensor | None:
-    """``taps.causal_conv1d_step`` with each slot's window [slots, K-1, Cd] updated in place: x [S, Cd]
-    (rows contiguous; windows' dtype), slots [S] -> out [S, Cd] in x's dtype. None where it does not
-    apply (nothing written then)."""
+    """``taps.causal_conv1d_step``, windows [slots, K-1, Cd] updated in place: x [S, Cd] (windows' dtype),
+    slots [S] -> [S, Cd] in x's dtype; None (nothing written) where it does not apply."""
     if (not ok(windows, x, weight, bias) or x.dtype != windows.dtype or (lib := library()) is None
             or (ldx := row_stride(x)) is None or (sw := slot_stride(windows)) is None):
         return None
@@ -56,8 +52,7 @@ def conv_out(taps_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
                  b: torch.Tensor | None) -> torch.Tensor:
-    """``taps.conv_advance``: a decode step's rows and windows in one loop (windows updated in place),
-    other steps with the taps summed in one loop."""
+    """``taps.conv_advance``: a decode step in one loop (windows in place), others with ``conv_out``."""
     if step.decode_only:
         slots = step.plans[windows.device].slots
         if (out := conv_step(windows, slots, x, w, b)) is not None:  # the same bits, windows in place

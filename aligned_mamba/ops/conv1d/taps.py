@@ -1,10 +1,6 @@
-"""Causal depthwise conv1d over (window ++ new tokens), then SiLU: the torch form.
-
-Prefill and decode are the same call: each sequence's new tokens are convolved with the
-``K - 1`` inputs before them (its window: zeros at the start of a sequence), so one prefilled
-token and one decoded token see the same operands, accumulated in the same order
-(bias + w_0 x_{t-K+1} + ... + w_{K-1} x_t, in float32), and give the same bits.
-"""
+"""Causal depthwise conv1d over (window ++ new tokens), then SiLU: the torch form. A prefilled and a
+decoded token see the same operands, added in the same order (bias + w_0 x_{t-K+1} + ... + w_{K-1} x_t
+in float32), so they get the same bits."""
 
 from __future__ import annotations
 
@@ -20,12 +16,8 @@ if TYPE_CHECKING:
 
 
 def _tap_sum(taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bias + w_0 x_0 + ... + w_{K-1} x_{K-1} per row, in float32, added in that order.
-
-    taps [T, K, Cd] (each row's K inputs, oldest first), weight [Cd, K], bias [Cd] or None ->
-    [T, Cd] float32. The K products come from one multiply (each a single rounding, as K separate
-    ones would give), the sum from K adds in order.
-    """
+    """bias + w_0 x_0 + ... + w_{K-1} x_{K-1} per row in float32, added in that order: taps [T, K, Cd]
+    (each row's K inputs, oldest first), weight [Cd, K], bias [Cd] or None -> [T, Cd] float32."""
     T, K, Cd = taps.shape
     prods = taps.to(torch.float32) * weight.to(torch.float32).t()  # [T, K, Cd]
     out = torch.zeros(T, Cd, dtype=torch.float32, device=taps.device)
@@ -55,17 +47,12 @@ def causal_conv1d(
     activation: bool = True,
     out_form: ConvOut = conv_out,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Convolve new tokens of S packed sequences (``out_form``: the taps' sum, ``conv_out`` or the same
-    bits from the CPU form's loop).
-
-    x [T, Cd] (model dtype), cu_seqlens [S+1], window [S, K-1, Cd] (the inputs preceding each
-    sequence's first new token), weight [Cd, K], bias [Cd] or None.
-    Returns (out [T, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
-    """
+    """Convolve the new tokens of S packed sequences: x [T, Cd] (model dtype), cu_seqlens [S+1], window
+    [S, K-1, Cd] (the inputs before each sequence's first new token), weight [Cd, K], bias [Cd] or None
+    -> (out [T, Cd], new_window [S, K-1, Cd]) in x's dtype. ``out_form``: ``conv_out`` or its bits."""
     S, Km1, _ = window.shape
     stream, src, lens = _streams(x, cu_seqlens, window)
     out = out_form(stream[src], weight, bias, activation)  # taps [T, K, Cd]
-    # The new window: the last K-1 positions of each (window ++ new) stream.
     q = torch.arange(Km1, device=x.device)
     sidx = torch.arange(S, device=x.device)[:, None].expand(S, Km1)
     new_window = stream[_stream_row(sidx, lens[:, None] + q[None, :], cu_seqlens.to(torch.int64).to(x.device), S,
@@ -98,12 +85,9 @@ def _streams(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor
 def causal_conv1d_backward(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
                            bias: torch.Tensor | None, g: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The gradient of ``causal_conv1d(...)[0]`` (with SiLU) against g [T, Cd]: (dx [T, Cd], dwindow
-    [S, K-1, Cd], dweight [Cd, K], dbias [Cd] or None, each in its input's dtype).
-
-    Native torch ops in fp32 (accuracy, not row invariance). Deterministic: tap k of distinct rows
-    reads distinct stream rows, so each tap's scatter adds one value per row, tap after tap.
-    """
+    """The gradient of ``causal_conv1d(...)[0]`` (with SiLU) against g [T, Cd]: (dx, dwindow, dweight,
+    dbias or None), each in its input's dtype; native torch ops in fp32. Deterministic: a tap's scatter
+    adds at most one value per stream row (distinct rows' tap k reads distinct stream rows)."""
     S, Km1, Cd = window.shape
     stream, src, _ = _streams(x, cu_seqlens, window)
     taps = stream[src].to(torch.float32)  # [T, K, Cd]
@@ -131,20 +115,15 @@ def causal_conv1d_step(
     activation: bool = True,
     out_form: ConvOut = conv_out,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv1d`` for one new token per sequence (a decode step), the same arithmetic.
-
-    x [S, Cd] (model dtype), window [S, K-1, Cd], weight [Cd, K], bias [Cd] or None.
-    Returns (out [S, Cd] in x's dtype, new_window [S, K-1, Cd] in x's dtype).
-    """
+    """``causal_conv1d`` for one new token per sequence (a decode step), the same arithmetic: x [S, Cd],
+    window [S, K-1, Cd] -> (out [S, Cd], new_window [S, K-1, Cd]) in x's dtype."""
     taps = torch.cat([window.to(x.dtype), x[:, None]], dim=1)  # [S, K, Cd]
     return out_form(taps, weight, bias, activation), taps[:, 1:]
 
 
 def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
                  out_form: ConvOut = conv_out) -> torch.Tensor:
-    """The op's signature: causal conv1d + SiLU of the step's new rows x [T, Cd] from each slot's window
-    (windows [slots, K-1, Cd], updated in place); [T, Cd] in x's dtype. A decode step (one token per
-    sequence) takes ``causal_conv1d_step``, the same arithmetic on its one row each."""
+    """The op's signature (the package docstring); a decode step takes ``causal_conv1d_step``."""
     if step.decode_only:
         slots = step.plans[windows.device].slots
         out, window = causal_conv1d_step(x, windows.index_select(0, slots), w, b, out_form=out_form)

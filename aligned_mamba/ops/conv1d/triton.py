@@ -1,15 +1,9 @@
 """Causal depthwise conv1d + SiLU in Triton (the GPU path of ``ops.conv1d``), slot-indexed windows.
 
-Each sequence's new rows are convolved with the ``K - 1`` inputs before them, kept in its slot's
-window (zeros at the start of a sequence). Every output element is computed the same way whether
-its row came in a prefill of thousands of rows or alone in a decode step: bias + w_0 x_{t-K+1} + ...
-+ w_{K-1} x_t, each product and sum rounded once in fp32 (compiled without fp contraction), then
-``silu_exact``: the operation sequence of ``ops.conv1d``, so the bits are the torch backend's too.
-
-Two launches: the first computes the outputs from the old windows and the new rows; the second,
-after it on the same stream, writes each slot's new window (the last K - 1 rows of window ++ new
-rows) in place. No host synchronisation: a row finds its sequence by a binary search over
-cu_seqlens on the device.
+Each output is bias + w_0 x_{t-K+1} + ... + w_{K-1} x_t, each operation rounded once in fp32 (no fp
+contraction), then ``silu_exact``: ``ops.conv1d``'s operations, so the torch backend's bits, in a
+prefill or a decode step. Two launches: the outputs from the old windows, then each slot's new window
+in place; a row finds its sequence by a binary search over cu_seqlens on the device (no host sync).
 """
 
 from __future__ import annotations
@@ -58,8 +52,7 @@ def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S,
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     m2 = rmask[:, None] & cmask[None, :]
     for k in tl.static_range(K):
-        # position j + k of the sequence's (window ++ new rows) stream: window row j + k, or new row
-        # row + k - (K - 1)
+        # stream position j + k: window row j + k, or new row row + k - (K - 1)
         p = j + k
         in_win = (p < K - 1)[:, None]
         wv = tl.load(win_ptr + slot[:, None] * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
@@ -92,17 +85,15 @@ def _window_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, Cd, stride_x, stride_ws, s
     xv = tl.load(x_ptr + (start + p - (K - 1))[:, None].to(tl.int64) * stride_x + ch[None, :], mask=m2 & ~in_win,
                  other=0.0)
     v = tl.where(in_win, wv, xv.to(wv.dtype))
-    # every thread's old-window reads before any thread's writes: a short sequence shifts its
-    # window down within the same rows
+    # all old-window reads before any write: a short sequence shifts its window within the same rows
     tl.debug_barrier()
     tl.store(base + q[:, None] * stride_wk + ch[None, :], v, mask=m2)
 
 
 @triton.jit
 def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, stride_wk, K: tl.constexpr):
-    """Position p [BLOCK_T] of each row's sequence stream (its window ++ its new rows) in the inputs'
-    dtype, [BLOCK_T, BLOCK_C]: window row p of sequence seq (win [S, K-1, Cd]) for p < K-1, else new row
-    xrow (the packed row at that position); zero where m2 is False."""
+    """Position p [BLOCK_T] of each row's stream (window ++ new rows), [BLOCK_T, BLOCK_C] in the inputs'
+    dtype: window row p of sequence seq for p < K-1, else packed row xrow; zero where m2 is False."""
     in_win = (p < K - 1)[:, None]
     wv = tl.load(win_ptr + seq[:, None].to(tl.int64) * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
                  mask=m2 & in_win, other=0.0)
@@ -114,16 +105,10 @@ def _stream_value(x_ptr, win_ptr, xrow, seq, p, ch, m2, stride_x, stride_ws, str
 def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                      stride_ws, stride_wk, stride_g, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The gradient of conv1d + SiLU for rows [BLOCK_T] x channels [BLOCK_C]: dx of the rows ([T, Cd],
-    accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
-    sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which the caller sums over
-    blocks in a fixed order.
-
-    Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
-    sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre): each shifted dpre is
-    recomputed here from the stream, so no program needs another's output. The stream is read once,
-    at its 2K - 1 shifts m = d + k - (K - 1) of the rows (each pre sums the same values in the same
-    order as the forward); a shift past its sequence's end reads zero and feeds only a masked d."""
+    """The tile form of the gradient of conv1d + SiLU, rows [BLOCK_T] x channels [BLOCK_C]: dx (fp32,
+    rounded once to x's dtype) and this block's partial sums of dw, db (dw_ptr [blocks, K, Cd], db_ptr
+    [blocks, Cd], fp32). dx_t = sum_d w_{K-1-d} dpre_{t+d}, dpre = g silu'(pre), each shifted pre
+    recomputed from the stream in the forward's order, so no program needs another's output."""
     blk = tl.program_id(0)
     rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -135,8 +120,7 @@ def _conv_bwd_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr
     pre0 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     if HAS_BIAS:
         pre0 += tl.load(b_ptr + ch, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    # the stream at shifts m = -(K-1) .. K-1, one tile each (K is at most 4 in every model here; the
-    # tiles are named, not indexed, so they stay in registers)
+    # the stream at shifts -(K-1) .. K-1 (K <= 4), tiles named rather than indexed, to stay in registers
     vm3 = _stream_value(x_ptr, win_ptr, r64 - 3, seq, j + (K - 4), ch, (rmask & (K >= 4))[:, None] & cmask[None, :],
                         stride_x, stride_ws, stride_wk, K)
     vm2 = _stream_value(x_ptr, win_ptr, r64 - 2, seq, j + (K - 3), ch, (rmask & (K >= 3))[:, None] & cmask[None, :],
@@ -269,16 +253,10 @@ def _taps_and_bias(w_ptr, b_ptr, ch, cmask, K: tl.constexpr, HAS_BIAS: tl.conste
 def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                           stride_ws, stride_wk, stride_g, stride_dx, SEARCH_STEPS, K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The gradient of conv1d + SiLU for rows [ROWS] x channels [BLOCK_C]: dx of the rows ([T, Cd],
-    accumulated in fp32 and rounded once to dx_ptr's dtype, the input's), and this row block's partial
-    sums of dw and db (dw_ptr [blocks, K, Cd], db_ptr [blocks, Cd], fp32), which ``_partials_kernel``
-    sums over blocks in a fixed order.
-
-    Row t (index j of its sequence) feeds tap K-1-d of row t+d (d = 0 .. K-1, while j + d is in the
-    sequence), so dx_t = sum_d w_{K-1-d} dpre_{t+d}, with dpre = g silu'(pre). The program walks its
-    rows from the last to the first, starting K-1 rows past its block (their dpre only), and carries
-    the last K-1 dpre rows and stream rows in registers: each row reads x and g once, and its pre
-    (the same values summed in the same order as the forward) and sigmoid are computed once."""
+    """The walk form of ``_conv_bwd_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C] (the dw, db
+    partials summed by ``_partials_kernel``). It walks the rows last to first, from K-1 rows past its
+    block (their dpre only), carrying the last K-1 dpre and stream rows in registers: each row reads x
+    and g once and computes its pre (the forward's order) and sigmoid once."""
     blk = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
@@ -286,19 +264,15 @@ def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, d
     r1 = tl.minimum(r0 + ROWS, T)
     top = tl.minimum(r1 + (K - 1), T)
     w0, w1, w2, w3, bias = _taps_and_bias(w_ptr, b_ptr, ch, cmask, K, HAS_BIAS, BLOCK_C)
-    # stream positions j+1 .. j+3 of the current row (c1 .. c3), dpre of rows t+1 .. t+3 (e1 .. e3).
-    # Each starts from its own zeros: the compiler carries a name through the loop only if one pass
-    # of the body leaves it another IR value than it entered with, and `e2 = e1` (then e3 = e2) from
-    # one shared zero tensor left e2 and e3 as they were, so they stayed zero in every iteration
-    # (the interpreter, running Python, carried them): dx lost the taps of rows t+2 and t+3.
+    # stream rows j+1 .. j+3 (c1 .. c3), dpre of rows t+1 .. t+3 (e1 .. e3), each from its own zeros:
+    # shared zeros are not loop-carried (docs/design.md, "Backends")
     c1, c2, c3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
     e1, e2, e3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
     dw0, dw1, dw2, dw3, db = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
     seq = _find_sequence(cu_ptr, top - 1, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
     end = tl.load(cu_ptr + seq + 1).to(tl.int32)
-    # x row t-(K-1) and g row t of the next two rows walked, loaded two rows ahead of their use (the
-    # loop is not pipelined by the compiler; these loads' addresses do not depend on the walk)
+    # x row t-(K-1) and g row t loaded two rows ahead of their use (the compiler does not pipeline the loop)
     xa = _ahead(x_ptr, top - 1 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
     ga = _ahead(g_ptr, top - 1, r0, stride_g, ch, cmask)
     xb = _ahead(x_ptr, top - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
@@ -381,9 +355,8 @@ def _sum_blocks(ptr, NB, stride_b, ch, cmask, BLOCK_B: tl.constexpr, BLOCK_C: tl
 @triton.jit
 def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dweight [Cd, K] (dwo_ptr's dtype) and dbias [Cd] (dbo_ptr's) from the row blocks' partial sums
-    (dw_ptr [NB, K, Cd], db_ptr [NB, Cd], fp32), each summed in block order. Program (channel block,
-    k): tap k's column of dweight, or dbias for k = K (grid [Cd / BLOCK_C, K + HAS_BIAS])."""
+    """dweight [Cd, K] and dbias [Cd] from the row blocks' fp32 partials (dw_ptr [NB, K, Cd], db_ptr
+    [NB, Cd]) summed in block order; program (channel block, k): tap k's column, or dbias for k = K."""
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
     k = tl.program_id(1)
@@ -395,8 +368,7 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
         tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
 
 
-# The tile kernel's launch (rows, channels, warps): the reference form the walk's dx is tested against,
-# not a contract launch.
+# the tile kernel's launch (rows, channels, warps): the reference the walk's dx is tested against
 TILE_LAUNCH: tuple[int, int, int] = (32, 64, 4)
 
 
@@ -404,13 +376,10 @@ def causal_conv1d_backward_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, win
                                   weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Tensor,
                                   cfg: TritonKernelConfigs, walk: bool = True, dx_out: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The gradient of ``causal_conv1d_triton``'s output (conv1d + SiLU) against g [T, Cd], from the
-    windows as they were (window [S, K-1, Cd], one per sequence): (dx [T, Cd] in x's dtype, dweight
-    [Cd, K] in weight's, dbias [Cd] in bias's or None). The window's own gradient is
-    ``ops.conv1d.causal_conv1d_backward``'s. Deterministic: per row block partial sums, summed in
-    block order by a second launch (the walk, launched with cfg.conv_bwd_block_t, _block_c, _warps),
-    or by torch (walk=False: the tile kernel at ``TILE_LAUNCH``, the same dx bits). dx_out: where the
-    walk writes dx ([T, Cd] in x's dtype, unit column stride; a block of a wider gradient, say)."""
+    """The gradient of ``causal_conv1d_triton``'s output against g [T, Cd], from the windows as they were
+    (window [S, K-1, Cd]): (dx in x's dtype, dweight [Cd, K] in weight's, dbias [Cd] or None); the
+    window's own is ``taps.causal_conv1d_backward``'s. Deterministic; ``walk=False``: the tile kernel at
+    ``TILE_LAUNCH``, the same dx bits. ``dx_out``: where the walk writes dx ([T, Cd], unit column stride)."""
     T, Cd = x.shape
     S, K = window.shape[0], weight.shape[1]
     if not 1 <= K <= 4:
@@ -460,8 +429,7 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
         window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
         HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
-    # a program per tap (and the bias) and 128 channels: the sums are independent, and a program per
-    # 128 channels alone is too few programs to fill the GPU
+    # a program per (128 channels, tap or bias): per channel block alone, too few programs to fill the GPU
     _partials_kernel[(triton.cdiv(Cd, 128), K + (b is not None))](
         dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K, HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128,
         num_warps=4)
@@ -489,15 +457,11 @@ def _check_windows(windows: torch.Tensor, x: torch.Tensor, K: int) -> None:
 def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs, *,
                          activation: bool = True) -> torch.Tensor:
-    """Conv1d (+ SiLU) of the new rows of S packed sequences; updates their windows in place.
-
-    x [T, Cd] (model dtype; rows may be strided, e.g. a column slice of in_proj's output),
-    cu_seqlens [S+1] int64 on x's device (cu[0] = 0, cu[S] = T), slots [S] int64 on the device
-    (distinct), windows [num_slots, K-1, Cd] in x's dtype (slot ``slots[s]`` holds the K-1 inputs
-    before sequence s's first new row; zeros for a fresh sequence), weight [Cd, K], bias [Cd] or
-    None. Returns out [T, Cd] in x's dtype. Afterwards ``windows[slots[s]]`` holds the last K-1 rows
-    of (old window ++ sequence s's new rows). A sequence may have no new rows.
-    """
+    """Conv1d (+ SiLU) of the new rows of S packed sequences, their windows moved on in place: x [T, Cd]
+    (model dtype; rows may be strided), cu_seqlens [S+1] int64 and slots [S] int64 (distinct) on x's
+    device, windows [num_slots, K-1, Cd] in x's dtype (``slots[s]``: the K-1 inputs before sequence s's
+    new rows, zeros for a fresh one), weight [Cd, K], bias [Cd] or None -> [T, Cd] in x's dtype. A
+    sequence may have no new rows."""
     T, Cd = x.shape
     S = slots.shape[0]
     K = weight.shape[1]
@@ -535,18 +499,15 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
 def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws,
                       stride_wk, stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order and
-    carrying the last K - 1 stream rows in registers, so each input row is read once (the tile kernel
-    reads it K times). The same operations on the same values: acc = 0 + bias, then acc + w_k v_k for
-    k ascending (compiled without fp contraction), ``silu_exact``."""
+    """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order with the
+    last K - 1 stream rows in registers (each input read once): the same operations on the same values."""
     blk = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
     r0 = blk * ROWS
     r1 = tl.minimum(r0 + ROWS, T)
     w0, w1, w2, w3, b0 = _taps_and_bias(w_ptr, b_ptr, ch, cmask, K, HAS_BIAS, BLOCK_C)
-    # stream positions j - 3 .. j - 1 of the current row (c3, c2, c1), each from its own zeros (see the
-    # backward walk: a name is carried through the loop only if the body gives it a new IR value)
+    # stream rows j - 3 .. j - 1 (c3, c2, c1), each from its own zeros (see the backward walk)
     c1, c2, c3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
     seq = _find_sequence(cu_ptr, r0, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
@@ -594,8 +555,7 @@ def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, 
         c3, c2, c1 = c2, c1, c0
 
 
-# -- autograd: forward = the kernel, unchanged; backward = a Triton kernel (the windows' own gradient, when
-# they require one, from ``taps.causal_conv1d_backward``) ---------------------------------------------------
+# -- autograd: forward = the kernel, unchanged; backward = a Triton kernel (the windows' own: the torch form) --
 
 
 class _Conv(torch.autograd.Function):
@@ -624,9 +584,8 @@ class _Conv(torch.autograd.Function):
 
 def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                  cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The op's signature (``taps.conv_advance``): x [T, Cd] -> [T, Cd]; windows [num_slots, K-1, Cd]
-    updated in place. Where a gradient is recorded, the backward of ``taps.causal_conv1d`` from the
-    slots' windows as they were (their own gradient included, when they require it)."""
+    """The op's signature (``taps.conv_advance``): x [T, Cd] -> [T, Cd], windows updated in place;
+    differentiable in x, w, b and the windows (from the slots' windows as they were)."""
     plan = step.plans[windows.device]
     cu, slots = plan.cu_seqlens, plan.slots
     if grad_needed(x, w, b, windows):
@@ -634,12 +593,9 @@ def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Te
     return causal_conv1d_triton(x, cu, slots, windows, w, b, cfg)
 
 # -- a decode step in one launch ------------------------------------------------------------------------------
-# ``causal_conv1d_triton`` runs two launches: in a prefill one sequence's rows span programs, and its window
-# may move only once all of them have read it. With one row per sequence, program (sequence, channel block)
-# owns its channels of the window: it reads the K - 1 window rows and the new row, computes the output as
-# ``_conv_kernel`` does (bias, then + w_k v_k for k ascending, each product and sum rounded once in fp32,
-# no fp contraction; ``silu_exact``), and, once every thread has read, shifts the window in place: the
-# same operations on the same values, the bits of the two-launch form (tests/ops/conv1d/test_conv1d_forward.py).
+# A prefill needs two launches (a sequence's rows span programs, and all must read the window before it
+# moves); with one row per sequence, program (sequence, channel block) owns its channels of the window:
+# ``_conv_kernel``'s operations, then the window shifted in place (the two-launch form's bits).
 
 
 @triton.jit
@@ -681,10 +637,9 @@ def _conv_step_kernel(x_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, Cd, stri
 
 def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None, cfg: TritonKernelConfigs, activation: bool = True) -> torch.Tensor:
-    """One row per sequence: x [S, Cd] (row s is sequence s's, unit channel stride), slots [S] int64
-    (distinct), windows [num_slots, K-1, Cd] in x's dtype, weight [Cd, K], bias [Cd] or None.
-    Returns out [S, Cd] in x's dtype, ``causal_conv1d_triton``'s bits; the slots' windows are
-    moved on by the row, in place."""
+    """One row per sequence: x [S, Cd] (unit channel stride), slots [S] int64 (distinct), windows
+    [num_slots, K-1, Cd] in x's dtype, weight [Cd, K], bias [Cd] or None -> [S, Cd] in x's dtype,
+    ``causal_conv1d_triton``'s bits; the slots' windows moved on by the row in place."""
     S, Cd = x.shape
     K = weight.shape[1]
     x, w, b = _operands(x, weight, bias)
@@ -704,8 +659,7 @@ def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
 
 def conv_advance_decode(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Tensor,
                         b: torch.Tensor | None, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """``conv_advance``, with a decode step (one row per sequence, no gradient recorded) in
-    one launch (``conv_step_triton``)."""
+    """``conv_advance``, a decode step without gradient in one launch (``conv_step_triton``)."""
     if step.decode_only and x.shape[0] == step.slots.numel() and not grad_needed(x, w, b, windows):
         return conv_step_triton(x, step.plans[windows.device].slots, windows, w, b, cfg)
     return conv_advance(windows, step, x, w, b, cfg)

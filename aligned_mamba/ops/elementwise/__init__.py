@@ -1,18 +1,5 @@
-"""Elementwise primitives with position-invariant bits: exp, log, log1p, softplus, sigmoid, SiLU
-(float32, any shape) and relu^2 (any float dtype), each a fixed function of its own element.
-
-One signature per function, ``f(x) -> y`` of x's shape. Forms:
-
-- ``naive.py``: float64 torch, the accuracy reference;
-- ``ieee.py``: the torch form, IEEE basic operations only (differentiable);
-- ``cpu.py``: ``native_cpu.c``'s loops, the torch form's bits in one pass;
-- ``triton.py``: relu^2 as one Triton kernel; ``ops/triton_math.py`` has the transcendentals as
-  Triton device functions for the other ops' kernels.
-
-The ops' torch forms build on these, so each function here takes the CPU loop where it applies
-(a CPU float32 tensor that records no gradient, the library loaded) and the torch form otherwise:
-the one place where a primitive, rather than the backend, picks its C form.
-"""
+"""Position-invariant elementwise primitives (float32, any shape; relu^2 any float dtype): each takes its C loop
+(``cpu.py``) where it applies, else the torch form (``ieee.py``). Why: docs/design.md, "How the bits are kept"."""
 
 from __future__ import annotations
 

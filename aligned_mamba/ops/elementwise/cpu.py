@@ -1,6 +1,4 @@
-"""The CPU form of the elementwise primitives: ``native_cpu.c``'s loops for exp, log, log1p, softplus,
-sigmoid, SiLU and the fixed-tree sum, the bits of ``ieee.py`` and ``reduce.tree_sum`` in one pass.
-"""
+"""The CPU form of the elementwise primitives and ``reduce.tree_sum``: ``native_cpu.c``'s loops, the same bits."""
 
 from __future__ import annotations
 

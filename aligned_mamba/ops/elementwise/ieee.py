@@ -1,22 +1,9 @@
 """Position-invariant transcendental functions (and relu^2), the torch form.
 
-ATen computes the tail of a vectorised elementwise loop (and the tail of each thread's range)
-with the scalar libm function, the rest with SLEEF, and the two disagree in the last bit for a
-fraction of inputs (measured on torch 2.13 CPU: ``sigmoid`` 777 and ``softplus`` 1,463 of 20,000
-elements). Which elements fall in a tail depends on the tensor's size and the thread count, so
-an element's bits would depend on the rest of the call. These functions use only IEEE basic
-operations (+, -, *, /, floor and integer bit manipulation), each a separate kernel (no fused
-multiply-add), so every element is a fixed function of its own input, whatever the shape.
-
-All functions take and return float32 tensors (any shape); accuracy is within 4 ulp of a float64
-reference for normal inputs (tests/ops/elementwise/test_elementwise.py measures it); nan propagates.
-
-Gradients: autograd through the bit tricks would be wrong (the rounding step passes a gradient,
-the exponent bits pass none), so each public function is a ``torch.autograd.Function`` whose
-forward is the bit-exact implementation (``_exp`` etc., unchanged) and whose backward is the
-analytic derivative, computed from the forward's input and output with plain torch ops (the
-backward is not part of the bitwise contract). Without a grad-requiring input the implementation
-is called directly, so sampler calls pay nothing. ``cpu.py`` has the same bits in one loop.
+Only IEEE basic operations (+, -, *, /, floor, integer bit manipulation), each a separate kernel (no fused
+multiply-add), float32 in and out, any shape: within 4 ulp of float64 for normal inputs, nan propagates. Each public
+function's backward is the analytic derivative in plain torch (autograd through the bit tricks would be wrong);
+without a gradient the bit-exact form runs alone. Why: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -27,10 +14,8 @@ _CONSTANTS: dict[tuple[float | int, torch.dtype], torch.Tensor] = {}
 
 
 def operand(value: float | int, like: torch.Tensor) -> torch.Tensor | float | int:
-    """``value`` as an operand for ``like`` (float32 or int32 on the CPU): a 0-dim tensor of
-    like's dtype, made once. A Python number costs a wrapped tensor in every op (about twice a
-    small op's time); both are rounded to like's dtype before the op, so the bits are the same.
-    Other dtypes and devices get the number itself."""
+    """``value`` as a cached 0-dim tensor of like's dtype (float32 or int32 on the CPU; else the number itself):
+    the number's bits (both round to like's dtype) without a wrapped tensor per op (twice a small op's time)."""
     if not like.is_cpu or like.dtype not in (torch.float32, torch.int32):
         return value
     key = (value, like.dtype)
@@ -53,11 +38,8 @@ _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) in float32: 0 below -87.3 (where exp would be subnormal), 2.4e38 above 88.38.
-
-    n = round(x / ln2), r = x - n ln2 (Cody-Waite, two steps), exp(r) by cephes' polynomial,
-    times 2^n built from the exponent bits (n = -127 gives the bit pattern of 0.0).
-    """
+    """exp(x) in float32: 0 below -87.3 (where exp would be subnormal), 2.4e38 above 88.38. n = round(x / ln2),
+    r = x - n ln2 (Cody-Waite), exp(r) by cephes' polynomial, times 2^n from exponent bits (n = -127 gives 0.0)."""
     xc = x.clamp(_EXP_LO - 0.7, _EXP_HI)
     # round to nearest (even) by adding and subtracting 1.5 * 2^23: two exact IEEE adds
     magic = _k(_ROUND_MAGIC, x)
@@ -76,9 +58,8 @@ _SQRT_HALF = 0.70710678118654752
 
 
 def _log(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
-    """Natural log of positive normal float32 x (x <= 0 gives nan/-inf like libm). ``finite``:
-    the caller's x is never 0, negative or +inf, so those cases are not checked (a nan input then
-    gives a finite number, not nan: the caller must propagate nan itself)."""
+    """Natural log of positive normal float32 x (x <= 0 gives nan/-inf like libm). ``finite``: x is never 0,
+    negative or +inf, so those are not checked (a nan then gives a finite number: the caller must propagate it)."""
     bits = x.view(torch.int32)
     e = ((bits >> _k(23, bits)) & _k(0xFF, bits)) - _k(127, bits)
     m = ((bits & _k(0x007FFFFF, bits)) | _k(0x3F800000, bits)).view(torch.float32)  # mantissa in [1, 2)
@@ -104,10 +85,8 @@ def _log(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
 
 
 def _log1p(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
-    """log(1 + x) for float32 x > -1, accurate for small x (log(w) * x / (w - 1), w = 1 + x).
-    ``finite``: the caller's x is finite and >= 0 (or nan), so w is a finite normal >= 1 and the
-    special cases of ``_log`` and +inf are not checked: the same arithmetic, nan still gives nan
-    (through x / safe_d)."""
+    """log(1 + x) for float32 x > -1, accurate for small x (log(w) * x / (w - 1), w = 1 + x). ``finite``: x is
+    finite and >= 0 (or nan), so ``_log``'s special cases and +inf are not checked (nan still gives nan)."""
     one = _k(1.0, x)
     w = x + one
     d = w - one
@@ -250,7 +229,6 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 in x's dtype, squared in fp32 and rounded once (one IEEE multiply per element:
-    position-invariant; Nemotron-H's MLP activation). Any shape; differentiable."""
+    """relu(x)^2 in x's dtype, squared in fp32 and rounded once (position-invariant); any shape, differentiable."""
     r = torch.relu(x.to(torch.float32))
     return (r * r).to(x.dtype)

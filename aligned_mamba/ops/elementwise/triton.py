@@ -1,10 +1,7 @@
-"""Elementwise kernels of the triton backend: Nemotron-H's squared ReLU in one pass, and its backward.
+"""Nemotron-H's squared ReLU in one Triton pass, and its backward, each with the torch form's bits.
 
-relu2(x) = relu(x)^2, taken to fp32, squared with one IEEE multiply and rounded once (RNE) to
-x's dtype: each element a fixed function of itself, the bits of ``layers.mlp.relu2``'s torch form
-(three ATen kernels there, one read and one write here). Its gradient dx = 2 relu(x) g in fp32,
-rounded once to x's dtype: the bits autograd gives the torch form (g r + g r there: one rounding,
-then an exact doubling), from x alone (the torch form saves its fp32 intermediates).
+y = relu(x)^2 in fp32, rounded once to x's dtype; dx = 2 relu(x) g in fp32, rounded once: autograd's bits for the
+torch form (g r + g r there: one rounding, then an exact doubling), from x alone.
 """
 
 from __future__ import annotations

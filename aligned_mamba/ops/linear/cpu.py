@@ -1,6 +1,5 @@
-"""The CPU form of the linear layer: ``native_cpu.c``'s lane GEMMs, the bits of ``gemm.py``'s
-``"lanes"`` form in one call, falling back to ``gemm.py`` where they do not apply.
-"""
+"""The linear layer's CPU form: ``native_cpu.c``'s lane GEMMs, ``gemm.py``'s lanes bits in one call;
+each function returns None (or falls back to ``gemm.py``) where the loops do not apply."""
 
 from __future__ import annotations
 
@@ -11,15 +10,14 @@ from . import gemm
 
 
 def _threads() -> int:
-    """The GEMMs' threads: two where torch runs two or more (a split over outputs: the same bits)."""
+    """Two threads where torch has two (a split over outputs: the same bits)."""
     return min(2, torch.get_num_threads())
 
 
 def _slot_matrices(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, rows: int,
                    cols: int) -> tuple[int, int, int, torch.Tensor] | None:
-    """For x [S, Hb, M, ...] whose item (s, j) takes the matrix w[index[s], j], w [slots, Hb, rows, cols]:
-    (Hb, w's slot stride, its Hb stride, index as contiguous int64), where each [rows, cols] matrix is
-    contiguous; else None."""
+    """x [S, Hb, M, ...] taking w [slots, Hb, rows, cols] at w[index[s], j]: (Hb, slot stride, Hb stride,
+    index int64) where each [rows, cols] matrix is contiguous, else None."""
     if (x.dim() != 4 or w.dim() != 4 or index.shape != (x.shape[0],) or w.shape[1:] != (x.shape[1], rows, cols)
             or w.stride(3) != 1 or w.stride(2) != cols):
         return None
@@ -28,11 +26,9 @@ def _slot_matrices(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, rows: 
 
 def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool, *,
               index: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``gemm.lane_matmul``'s sums: x [..., M, Kp] float32, w [..., N, Kp] float32 or bfloat16 (both
-    zero-padded to Kp, a multiple of 8; batch dims equal, or w without them) -> [..., M, N] float32.
-    ``exact``: every product is exact (bfloat16 values), so fused multiply-adds give the same bits.
-    index [S] int64: x [S, G, M, Kp] takes w [slots, G, N, Kp] at slots ``index`` (any slot and G
-    strides, [N, Kp] contiguous), read in place. None where it does not apply."""
+    """``gemm.lane_matmul``: x [..., M, Kp] fp32, w [..., N, Kp] or [N, Kp] fp32/bf16 (Kp a multiple of 8)
+    -> [..., M, N] fp32. ``exact``: bf16 products, so FMA keeps the bits. index [S]: x [S, G, M, Kp]
+    reads w [slots, G, N, Kp] at those slots in place."""
     if x.dtype != torch.float32 or not ok(x, w) or (lib := library()) is None:
         return None
     M, Kp = x.shape[-2:]
@@ -57,16 +53,9 @@ def lane_gemm(x: torch.Tensor, w: torch.Tensor, exact: bool, *,
 
 def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool, *, index: torch.Tensor | None = None,
                  klen: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``lane_gemm(x, w^T)`` with w as [..., K, N]: x [..., M, K] float32, w [..., K, N] float32 or
-    bfloat16 (batch dims equal) -> [..., M, N] float32, the same bits (each output the same chain), with
-    no transposed copy of w. K need not be a multiple of 8 (the rest counts as zero-padded). None where
-    it does not apply.
-
-    index [S] int64: x [S, H, M, K] takes w [slots, H, K, N] at slots ``index`` (any slot and head
-    strides, [K, N] contiguous), read in place. klen (one per matrix, or with index one per slot):
-    the terms stop at k = klen (the same bits where x is +0.0 from there on and w finite: the lanes
-    add exact zeros there).
-    """
+    """``lane_gemm(x, w^T)`` without a transposed copy: x [..., M, K] fp32, w [..., K, N] fp32/bf16 ->
+    [..., M, N] fp32, the same bits (K need not be a multiple of 8). index: as ``lane_gemm``. klen
+    (per matrix, or per slot): terms stop at k = klen, the same bits where x is +0.0 beyond."""
     if x.dtype != torch.float32 or not ok(x, w) or (lib := library()) is None:
         return None
     M, K = x.shape[-2:]
@@ -93,9 +82,8 @@ def lane_gemm_kn(x: torch.Tensor, w: torch.Tensor, exact: bool, *, index: torch.
 
 
 def linear_loop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``gemm.linear(x, ...)`` in the lanes' form: x [M, K] (float32 or bfloat16, rows contiguous),
-    w [N, Kp] the padded weight (Kp a multiple of 8), bias [N] or None -> [M, N] in x's dtype, the
-    same bits in one call. None where it does not apply."""
+    """``gemm.linear`` in the lanes' form, one call: x [M, K] fp32/bf16, w [N, Kp] padded, bias [N] or
+    None -> [M, N] in x's dtype."""
     if not ok(x, w, bias) or (lib := library()) is None or (ldx := row_stride(x)) is None:
         return None
     M, K = x.shape
@@ -112,9 +100,8 @@ def linear_loop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 16,
            form: str = "lanes") -> torch.Tensor:
-    """``gemm.linear``: x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; the lanes' form
-    in one loop where it applies (no gradient recorded), else ``gemm.linear``."""
+    """``gemm.linear``'s signature and bits: the C loop where it applies without a gradient."""
     if form == "lanes" and x.shape[0] and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        if (fused := linear_loop(x, gemm.padded(weight, form), bias)) is not None:  # the same bits in one call
+        if (fused := linear_loop(x, gemm.padded(weight, form), bias)) is not None:
             return fused[:, :weight.shape[0]]
     return gemm.linear(x, weight, bias, row_tile, form)

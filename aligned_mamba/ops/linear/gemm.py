@@ -1,22 +1,7 @@
-"""Row-invariant linear layer, the torch form: a row's bits depend on that row alone, whatever the number of rows.
-
-A GEMM library picks its algorithm by shape: fp32 ``F.linear`` rows computed in a call of 1, 2
-or 7 rows differ from the same rows in a 600-row call (torch 2.13 CPU). Two forms avoid that (the
-contract's ``gemm_form``, which the scan's GEMMs follow too):
-
-- ``"lanes"`` (default): every output is the same fixed chain of float32 operations, eight partial
-  sums (lane j takes k = j, j + 8, ... in order, each step the product rounded, then the sum) and a
-  fixed tree over the lanes (``lane_matmul``, the readable statement). No tile, no padding of rows:
-  a decode step computes its one row, and reads the weights once in the model dtype. On the CPU
-  ``cpu.py`` runs it as one loop (the same bits; for bfloat16 operands the products are exact,
-  so it may fuse each multiply and add).
-- ``"tiles"``: rows padded to whole tiles of ``linear_row_tile`` and one fixed-shape GEMM per
-  tile (a batched matmul), so every row goes through the same BLAS call whatever M is.
-
-Operands are taken to float32 (exact for bf16), accumulated in float32 and rounded once to the
-input dtype. Pass weights from ``gemm_weight`` (the torch backend's ``linear_weight`` makes them) to skip a
-per-call conversion and pad. Gradients (the trainer's backward) are plain float32 matmuls: they need
-accuracy, not row invariance.
+"""The row-invariant linear layer in torch, the contract's ``gemm_form``: ``"lanes"`` (each output one
+fixed fp32 chain: eight sequential partial sums, a fixed tree; the scan's GEMM too) or ``"tiles"``
+(one fixed-shape batched matmul per ``linear_row_tile`` rows). One rounding to x's dtype; the
+backward is plain fp32 matmuls. Why: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -33,22 +18,17 @@ FORMS = ("lanes", "tiles")
 def _pads(K: int, N: int, form: str) -> tuple[int, int]:
     if form == "lanes":  # K in whole lanes
         return -K % LANES, 0
-    # K and N padded (with exact zeros) to multiples of 16: with fp32 rows of K % 4 != 0 bytes
-    # the GEMM takes another path for rows at 16-byte aligned offsets, and N == 1 takes another
-    # path for one tile than for several (torch 2.13 CPU); aligned shapes have neither.
+    # torch's CPU GEMM changes path by row alignment and for N == 1: K and N to multiples of 16
     return -K % 16, -N % 16
 
 
 def _gemm_dtype(weight: torch.Tensor, form: str) -> torch.dtype:
-    # the lanes keep bfloat16 weights (half the bytes a decode step reads); the tiles' GEMM is fp32
     return weight.dtype if form == "lanes" and weight.dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 def gemm_weight(weight: torch.Tensor, form: str = "lanes") -> torch.Tensor:
-    """weight [N, K] as ``linear``'s ``form`` takes it, built once: zero-padded (K to whole lanes, or
-    K and N to multiples of 16 for the tiles), in bfloat16 or float32 for the lanes, float32 for the
-    tiles. Returns an [N, K] tensor (differentiable; the padded one's leading block) that ``linear``
-    recognises and multiplies through the padded tensor as it is, with no per-call pad."""
+    """weight [N, K] zero-padded once for ``form`` (lanes keep bf16: half a decode step's bytes); an
+    [N, K] view of the padded tensor that ``linear`` multiplies through without a per-call pad."""
     w = weight.to(_gemm_dtype(weight, form))
     kp, n_pad = _pads(*w.shape[::-1], form)
     if not (kp or n_pad):
@@ -70,9 +50,8 @@ def padded(weight: torch.Tensor, form: str) -> torch.Tensor:
 
 
 def lane_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The lanes' sums in torch ops: x [..., M, Kp] float32, w [..., N, Kp] (or [N, Kp]; Kp a multiple
-    of 8, zero-padded) -> [..., M, N] float32. Lane j of an output accumulates x[k] w[k] for k = j,
-    j + 8, ... in order from +0.0; the output is ``tree_sum`` over its eight lanes."""
+    """x [..., M, Kp] fp32, w [..., N, Kp] or [N, Kp] (Kp a multiple of 8) -> [..., M, N] fp32: lane j
+    sums x[k] w[k] for k = j, j + 8, ... from +0.0, then ``tree_sum`` over the lanes."""
     M, Kp = x.shape[-2:]
     N = w.shape[-2]
     xv = x.reshape(*x.shape[:-2], M, 1, Kp // LANES, LANES)
@@ -84,7 +63,7 @@ def lane_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _lane_forward(x: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor:
-    from .cpu import lane_gemm  # the same sums in one loop where it applies (a primitive picks its C form)
+    from .cpu import lane_gemm  # the same sums in one C loop where it applies
 
     out = lane_gemm(x, w, exact)
     return lane_matmul(x, w) if out is None else out
@@ -113,9 +92,8 @@ class _Lanes(torch.autograd.Function):
 
 
 def lanes(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """x [..., M, K] float32 @ w [..., N, K]^T (or w [N, K]) -> [..., M, N] float32 in the lanes' form,
-    K zero-padded to whole lanes here. ``exact``: every product is exact (bfloat16 values), which lets
-    the native loop fuse multiply and add (the same bits)."""
+    """x [..., M, K] fp32 @ w [..., N, K]^T (or w [N, K]) -> [..., M, N] fp32, the lanes' form.
+    ``exact``: bf16 values, so the C loop may fuse multiply-add with the same bits."""
     kp = -x.shape[-1] % LANES
     if kp:
         x, w = torch.nn.functional.pad(x, (0, kp)), torch.nn.functional.pad(w, (0, kp))
@@ -125,8 +103,8 @@ def lanes(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor
 
 
 def partial(x: torch.Tensor, weight: torch.Tensor, row_tile: int = 16, form: str = "lanes") -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] float32, not rounded: ``linear`` before its bias and its one
-    rounding (a row-parallel layer's partial sum over one K slice, ``linear.sliced``)."""
+    """x [M, K] @ weight [N, K]^T -> [M, N] fp32: ``linear`` before its bias and rounding (a K slice's
+    partial for ``sliced``)."""
     if form not in FORMS:
         raise ValueError(f"linear form {form!r} refused: expected one of {', '.join(FORMS)}")
     M, K = x.shape
@@ -146,9 +124,8 @@ def partial(x: torch.Tensor, weight: torch.Tensor, row_tile: int = 16, form: str
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 16,
            form: str = "lanes") -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 inside. ``row_tile`` and
-    ``form``: the contract's ``linear_row_tile`` and ``gemm_form``; weight from ``gemm_weight``, or any
-    [N, K] tensor (padded here, per call)."""
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 inside; ``row_tile``,
+    ``form``: the contract's ``linear_row_tile``, ``gemm_form``."""
     out = partial(x, weight, row_tile, form)
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0])

@@ -1,18 +1,10 @@
-"""Row-invariant linear layer on tensor cores (the GPU path of ``ops.linear``).
+"""The row-invariant linear layer on tensor cores (the triton form of ``ops.linear``).
 
-cuBLAS picks its GEMM algorithm by shape, split-K included: on an H200, rows of a bf16 ``F.linear``
-computed in a call of 1 to 64 rows differ from the same rows computed in a call of 8192. Here each
-output element is ``sum_k x[m, k] w[n, k]`` accumulated in fp32 by ``tl.dot`` over K in BLOCK_K
-steps, in ascending order, every step of the sum inside the one program that owns the element (no
-split-K, no atomics), plus the bias in fp32, rounded once to the output dtype. bf16 models give the
-dot bf16 operands (tensor cores: wgmma for tiles of 64 rows and more, mma for 16); fp32 models give
-it fp32 operands in IEEE precision (FMA).
-
-The output tile and the schedule are picked by the number of rows M (small tiles for decode, a
-persistent grouped grid of large tiles for prefill), from the configs passed in. That is safe only
-because a tensor-core dot gives an output row the same bits whatever the tile's row and column
-extent: tests/ops/linear/test_linear_gemm.py proves it at every model shape for M from 1 to 8192, and the
-offline compile test that every config compiles. The K block is one and the same in every regime.
+Each output is ``tl.dot``'s fp32 sum over K in BLOCK_K steps, ascending, inside the program that owns
+it (no split-K, no atomics), plus the bias in fp32, rounded once; bf16 operands on tensor cores, fp32
+ones in IEEE precision (FMA). The tile and schedule follow M, the K block never: a tensor-core dot
+gives a row the same bits whatever the tile (tests/ops/linear/test_linear_gemm.py, M 1 to 8192).
+Why: docs/design.md, "How the bits are kept".
 """
 
 from __future__ import annotations
@@ -79,9 +71,8 @@ def _tma_tile(x_desc, w_desc, y_desc, b_ptr, tile, M, N, K, HAS_BIAS: tl.constex
 def _linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, NUM_PROGS, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, PRECISION: tl.constexpr):
-    """Tiles through TMA descriptors (x [M, K] blocks [BM, BK], w [N, K] blocks [BN, BK], y [M, N]
-    blocks [BM, BN / EPI_SPLIT]); out-of-range rows and columns load as zero and are not stored.
-    One tile per program, or (PERSISTENT) program p computes tiles p, p + NUM_PROGS, ..."""
+    """Tiles through TMA descriptors (out-of-range rows and columns load as zero, are not stored); one
+    tile per program, or (PERSISTENT) tiles p, p + NUM_PROGS, ..."""
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
@@ -96,8 +87,7 @@ def _linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, NUM_PROGS, HAS_BI
 def _linear_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        PRECISION: tl.constexpr):
-    """The same tiles and arithmetic through masked pointer loads (for tensors TMA cannot take), one
-    tile per program."""
+    """The same tiles and arithmetic through masked pointer loads (tensors TMA cannot take)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,16 +121,9 @@ class LinearPlan:
 
 
 def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
-    """The tiles for M rows of a layer with this weight [N, K] on a GPU of ``sms`` multiprocessors,
-    from ``cfg``'s linear_* fields.
-
-    bf16: M <= linear_decode_max_m takes the decode tile, M <= linear_mid_max_m the mid tile, larger
-    M the large tile. In the mid regime, M >= linear_block_m rows take the large tile where it makes
-    at least linear_mid_large_min_tiles_per_sm tiles per SM (an lm_head), and the mid grid is
-    persistent (linear_mid_persistent) only from linear_mid_persistent_min_tiles_per_sm tiles per SM.
-    Then the N tile is halved while the grid has fewer than linear_fill_programs tiles. fp32: one
-    tile for every M. The K block is linear_block_k (linear_fp32_block_k for fp32) in every regime,
-    so only the tile and the schedule change with M and N, never the K loop.
+    """The tiles for M rows of weight [N, K] on ``sms`` SMs, from ``cfg``'s linear_* fields: bf16 takes
+    the decode, mid or large tile by M (mid: the large tile for lm_head-sized grids, persistent only
+    from enough tiles per SM), then ``_fill``; fp32 one tile. The K block is the same in every regime.
     """
     if weight.dtype == torch.float32:
         return _plan("fp32", cfg)
@@ -182,9 +165,8 @@ def _plan(regime: str, cfg: TritonKernelConfigs) -> LinearPlan:
 
 @functools.lru_cache(maxsize=4096)
 def _fill(p: LinearPlan, row_tiles: int, N: int, fill: int) -> LinearPlan:
-    """Halve the N tile (to 16 at least) while row_tiles x N tiles < fill: layers of few output
-    columns (out_proj) get enough programs to stream their weights without splitting K. The stages
-    grow to keep the program's shared memory (a stage holds BM + BN rows of BK)."""
+    """Halve the N tile (down to 16) while the grid has fewer than ``fill`` tiles, so narrow layers
+    (out_proj) fill the GPU without split-K; the stages grow to keep the shared memory."""
     bn, stages = p.block_n, p.num_stages
     while bn > 16 and row_tiles * triton.cdiv(N, bn) < fill:
         stages = min(8, stages * (p.block_m + bn) // (p.block_m + bn // 2))
@@ -210,12 +192,9 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TritonKernelConfigs,
                   *, tiles: LinearPlan | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias), each row a fixed function of that row of x.
-
-    x [M, K] and weight [N, K] in the model dtype (bf16 or fp32, the same; x's rows may be strided),
-    bias [N] (any float dtype) or None. Returns a new contiguous [M, N] tensor in x's dtype on x's CUDA
-    device; no host synchronisation. ``tiles`` overrides ``plan`` (benchmarks and tests only).
-    """
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> new [M, N] in x's dtype, each row a fixed function of
+    that row. x, weight: one model dtype (bf16 or fp32), x's rows may be strided; no host sync.
+    ``tiles`` overrides ``plan`` (benchmarks, tests)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
@@ -249,7 +228,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-# -- autograd: forward = the kernel, unchanged; backward = two GEMMs in torch (cuBLAS on a GPU) ------------
+# -- autograd: the kernel's forward; a cuBLAS backward ------------------------------------------------------
 
 
 class _Linear(torch.autograd.Function):
@@ -264,13 +243,11 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         nx, nw, nb, _ = ctx.needs_input_grad
-        # y = x w^T (+ b): dx = g w, dw = g^T x (cuBLAS), db = the fp32 column sums of g
         return (g @ w if nx else None, (g.t() @ x).to(w.dtype) if nw else None,
                 g.to(torch.float32).sum(0).to(ctx.bias_dtype) if nb else None, None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
            cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The triton backend's form: x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] in x's dtype, with a cuBLAS
-    backward where a gradient is recorded."""
+    """The triton backend's ``linear``: ``linear_triton``, with a cuBLAS backward under autograd."""
     return _Linear.apply(x, w, b, cfg) if grad_needed(x, w, b) else linear_triton(x, w, b, cfg)

@@ -1,10 +1,8 @@
 """Nemotron-H's MLP, down(relu(up(x))^2), with the squared ReLU in the up GEMM's epilogue (triton backend).
 
-The up projection's tiles are ``ops.linear.triton``'s (the same plan, K loop and rounding of the
-accumulator to the model dtype), and the epilogue squares the rounded value as
-``ops.elementwise.triton.relu2`` does (to fp32, relu, one multiply, one rounding): h has the bits of
-``relu2(linear(x, up))`` without a pass over the [M, intermediate] tensor (the pre-activation u is
-written only where asked). ``mlp_relu2`` uses it where it is faster (decode-sized calls).
+The up GEMM is ``ops.linear.triton``'s (plan, K loop, rounding); the epilogue squares the rounded value
+as ``ops.elementwise.triton.relu2`` does, so h has the bits of ``relu2(linear(x, up))`` without a pass
+over the [M, intermediate] tensor.
 """
 
 from __future__ import annotations
@@ -148,13 +146,10 @@ def linear_relu2_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def mlp_relu2(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor | None, down_w: torch.Tensor,
               down_b: torch.Tensor | None, *, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The triton backend's MLP: down(relu(up(x))^2), the bits of ``linear(relu2(linear(x, up_w, up_b)),
-    down_w, down_b)``. x [M, hidden]; up_w [inter, hidden], down_w [hidden, inter] (model dtype); biases
-    [inter] / [hidden] or None -> [M, hidden] in x's dtype.
-
-    The fused up GEMM for calls of at most ``linear_mid_max_m`` rows without a gradient (decode steps:
-    one launch and one [M, inter] pass fewer); larger calls and the trainer's compose the ops, which
-    are faster there (benchmarks/README.md, "Hybrids: attention and MLP")."""
+    """The triton backend's MLP, the bits of ``linear(relu2(linear(x, up_w, up_b)), down_w, down_b)``:
+    x [M, hidden], up_w [inter, hidden], down_w [hidden, inter], biases or None -> [M, hidden]. Fused
+    up to ``linear_mid_max_m`` rows without a gradient; larger calls compose the ops, faster there
+    (benchmarks/README.md, "Hybrids: attention and MLP")."""
     if x.shape[0] <= cfg.linear_mid_max_m and not grad_needed(x, up_w, up_b, down_w, down_b):
         return linear_triton(linear_relu2_triton(x, up_w, up_b, cfg)[0], down_w, down_b, cfg)
     return linear(relu2(linear(x, up_w, up_b, cfg=cfg), cfg), down_w, down_b, cfg=cfg)

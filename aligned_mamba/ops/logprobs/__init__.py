@@ -1,14 +1,7 @@
-"""Log-softmax and per-token logprobs, the logprob both sides report, its forms side by side.
+"""Log-softmax and per-token logprobs, the logprob both sides report: float32 of fp32(logits) / fp32(T), [..., V].
 
-One signature: ``log_softmax(logits, temperature) -> [..., V]`` float32 logprobs of
-fp32(logits) / fp32(T); ``token_logprobs`` picks the tokens' entries. The vocabulary sum's tree is
-fixed for tensor parallelism (``sliced.log_softmax_sharded``: any power-of-two split of the
-vocabulary gives the unsharded bits).
-
-- ``naive.py``: float64, the accuracy reference;
-- ``sliced.py``: the torch form (VOCAB_SLICES contiguous slices, each a fixed tree, joined by pairs);
-- ``triton.py``: a blocked online sum in one kernel, its own fixed order, and its autograd Function.
-The CPU runs the torch form (its exp, log and sums take their C loops, ``elementwise``).
+Forms: naive.py (float64), sliced.py (the torch form, its vocabulary tree fixed for tensor parallelism), triton.py
+(a blocked online sum, its own order). Why: docs/design.md, "How the bits are kept", Logprobs.
 """
 
 from .sliced import (

@@ -1,18 +1,7 @@
 """Log-softmax and per-token logprobs, row-invariant by construction, and their vocab-sharded form.
 
-log_softmax(x) = x - (m + log(sum(exp(x - m)))), m = max(x): max is exact in any order and
-exp/log are position-invariant (see ``elementwise``). The sum is ``sliced_sum``: the row,
-zero-padded to VOCAB_SLICES * c entries (c = ceil(V / VOCAB_SLICES)), is cut into VOCAB_SLICES
-contiguous slices of c; each slice is summed by ``reduce.tree_sum`` and the slice sums by a tree of
-adjacent pairs (``pair_tree``: ((s0 + s1) + (s2 + s3)) + ...). The slices are the leaves of that
-fixed binary tree and any aligned run of them is a subtree, so a vocabulary split into S
-contiguous equal shards (Megatron's vocab-parallel output layer; S a power of two dividing
-VOCAB_SLICES, V a multiple of VOCAB_SLICES) holds whole subtrees: each shard sums its own
-slices, the shards' partial sums are all-gathered and combined by the same tree's top levels,
-and the result is the unsharded bits (``log_softmax_sharded``).
-
-Temperature is one stated operation before it: x = fp32(logits) / fp32(T), IEEE division (correctly
-rounded, so position-invariant); T = 1 skips it (x / 1 == x exactly anyway).
+log_softmax(x) = x - (m + log(sliced_sum(exp(x - m)))), m the row max, x = fp32(logits) / fp32(T) (one IEEE division;
+T = 1 skips it). The tree, and why shards get the unsharded bits: docs/design.md, "How the bits are kept", Logprobs.
 """
 
 from __future__ import annotations
@@ -25,8 +14,7 @@ import torch
 from .. import elementwise as ew
 from ..reduce import tree_sum
 
-# The leaves of the sum's tree over the vocabulary; any power-of-two shard count dividing it (1, 2,
-# 4, 8) gives the unsharded bits. Part of the contract's arithmetic: changing it changes the bits.
+# the leaves of the vocabulary sum's tree: part of the contract's arithmetic (changing it changes the bits)
 VOCAB_SLICES = 8
 
 AllGather = Callable[[torch.Tensor], Sequence[torch.Tensor]]
@@ -54,8 +42,7 @@ def _shift(m: torch.Tensor) -> torch.Tensor:
 
 
 def _slice_sums(e: torch.Tensor, slices: int) -> torch.Tensor:
-    """[..., n] -> [..., slices]: each of ``slices`` contiguous slices of ceil(n / slices) (the row
-    zero-padded at its end) summed by ``tree_sum``."""
+    """[..., n] -> [..., slices]: contiguous slices of ceil(n / slices) (zero-padded), each by ``tree_sum``."""
     n = e.shape[-1]
     c = max(1, -(-n // slices))
     if c * slices != n:
@@ -64,10 +51,8 @@ def _slice_sums(e: torch.Tensor, slices: int) -> torch.Tensor:
 
 
 def pair_tree(s: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (a power of two) by adjacent pairs: [..., n] -> [...].
-
-    Unlike ``tree_sum``'s halves (x[i] + x[i + n/2]), an aligned run of 2^k entries is a subtree
-    here, so a shard holding contiguous slices computes a node of the unsharded tree."""
+    """Sum over the last dim (a power of two) by adjacent pairs: [..., n] -> [...]. Unlike ``tree_sum``'s halves,
+    an aligned run of 2^k entries is a subtree, so a shard's contiguous slices compute a node of the unsharded tree."""
     n = s.shape[-1]
     if n & (n - 1):
         raise ValueError(f"pair_tree needs a power-of-two width, got {n}")
@@ -90,15 +75,14 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 
 def log_softmax_backward(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of ``log_softmax`` from its output ``out`` [..., V] float32 against g: the logits'
-    gradient g - softmax * sum(g) in ``dtype`` (native torch ops: accuracy, not row invariance)."""
+    """``log_softmax``'s gradient from its output out [..., V] fp32: g - softmax * sum(g) in ``dtype``
+    (torch ops: not row-invariant)."""
     gf = g.to(torch.float32)
     return (gf - torch.exp(out) * gf.sum(-1, keepdim=True)).to(dtype)
 
 
 def check_token_inputs(logits: object, token_ids: object) -> None:
-    """Refuse (one line each) what ``token_logprobs`` cannot score: logits not a float tensor with a
-    vocabulary dim, ids not an integer tensor of the logits' leading shape, ids outside [0, V)."""
+    """Refuse (one line each) logits [..., V] and token ids [...] that ``token_logprobs`` cannot score."""
     if not isinstance(logits, torch.Tensor) or not isinstance(token_ids, torch.Tensor):
         raise TypeError(f"token_logprobs expects torch tensors, got logits {type(logits).__name__} and "
                         f"token_ids {type(token_ids).__name__}")
@@ -124,15 +108,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
 
 
-# ------------------------------------------------------------------------------------------------
-# The vocab-sharded form (tensor parallelism): all-gathers and the fixed tree, never an all-reduce.
-# ------------------------------------------------------------------------------------------------
+# -- the vocab-sharded form (tensor parallelism): all-gathers and the fixed tree, never an all-reduce --
 
 
 def check_shards(vocab: int, shard_index: int, shard_count: int) -> None:
-    """Refuse (one line) a shard layout whose partial sums are not whole subtrees of the tree.
-
-    vocab: the full vocabulary V (shard_count equal contiguous shards of V / shard_count)."""
+    """Refuse (one line) a layout of the full vocabulary ``vocab`` whose shards' sums are not whole subtrees."""
     if not (isinstance(shard_count, int) and shard_count >= 1 and shard_count & (shard_count - 1) == 0
             and VOCAB_SLICES % shard_count == 0):
         raise ValueError(f"shard_count {shard_count!r} refused: the vocab-sharded log-softmax needs a power of two "
@@ -157,7 +137,7 @@ def _sharded_lse(x: torch.Tensor, shard_index: int, shard_count: int, all_gather
     """log(sum(exp(x))) over the whole vocabulary from this shard's fp32 x [..., V / S] -> [..., 1]."""
     check_shards(x.shape[-1] * shard_count, shard_index, shard_count)
     m_local = x.amax(dim=-1)
-    # the max is exact in any order: the gathered maxes' max is the unsharded max, bit for bit
+    # exact in any order: the gathered maxes' max is the unsharded max
     m = _shift(_gathered(all_gather, m_local, shard_count).amax(dim=0)).unsqueeze(-1)
     # this shard's VOCAB_SLICES / S slices are one subtree of the unsharded tree (S | VOCAB_SLICES)
     part = pair_tree(_slice_sums(ew.exp(x - m), VOCAB_SLICES // shard_count))
@@ -168,24 +148,17 @@ def _sharded_lse(x: torch.Tensor, shard_index: int, shard_count: int, all_gather
 
 def log_softmax_sharded(local_logits: torch.Tensor, shard_index: int, shard_count: int, all_gather: AllGather,
                         temperature: float = 1.0) -> torch.Tensor:
-    """The contract's log-softmax of a vocabulary split into ``shard_count`` contiguous equal shards.
-
-    local_logits: this shard's [..., V / S] logits (any float dtype), entries
-    [shard_index * V / S, (shard_index + 1) * V / S) of the vocabulary. all_gather: a callable that
-    takes this shard's tensor and returns every shard's tensor, in shard order (in a process group,
-    ``torch.distributed.all_gather`` into a list). Returns this shard's [..., V / S] float32
-    logprobs: the same bits as the unsharded ``log_softmax``'s entries there, for S = 1, 2, 4, 8
-    (a power of two dividing VOCAB_SLICES; V a multiple of VOCAB_SLICES when S > 1).
-    """
+    """The contract's log-softmax of a vocabulary cut into ``shard_count`` (S) contiguous equal shards: this shard's
+    [..., V / S] logits (any float dtype) -> [..., V / S] float32, the unsharded bits (S a power of two dividing
+    VOCAB_SLICES, V a multiple of it). all_gather: this shard's tensor -> every shard's, in shard order."""
     x = scale(local_logits, temperature)
     return x - _sharded_lse(x, shard_index, shard_count, all_gather)
 
 
 def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int,
                            shard_count: int, all_gather: AllGather, temperature: float = 1.0) -> torch.Tensor:
-    """``token_logprobs`` from a vocab shard: [..., V / S] logits, [...] global token ids in [0, V) ->
-    [...] float32 on every shard, the unsharded bits. The owning shard's value is selected from the
-    all-gathered candidates (a choice, not a sum: no rounding)."""
+    """``token_logprobs`` from a vocab shard: [..., V / S] logits, [...] global ids in [0, V) -> [...] float32 on
+    every shard, the unsharded bits (the owner's entry chosen from the all-gathered candidates: no rounding)."""
     x = scale(local_logits, temperature)
     v = x.shape[-1]
     lse = _sharded_lse(x, shard_index, shard_count, all_gather)

@@ -1,16 +1,8 @@
-"""Row-wise log_softmax and token logprobs in Triton (the GPU path of ``ops.logprobs``).
+"""Row-wise log_softmax and token logprobs in Triton (the GPU form of ``ops.logprobs``).
 
-One program per row walks the vocabulary in blocks of ``logprobs_block_v``, in ascending order,
-keeping a running max m and a running sum s of exp(x - m) (rescaled by exp(m_old - m_new) when the
-max grows): the same operation sequence for a row whatever the other rows are, so its bits depend on
-that row only. exp and log are ``triton_math``'s IEEE-only functions (compiled without fp
-contraction). ``log_softmax_triton`` then writes x - lse in a second walk over the row;
-``token_logprobs_triton`` reads only the token's logit, with the same subtraction, so a token's
-logprob equals its entry in ``log_softmax_triton``'s row bit for bit.
-
-As in ``ops.logprobs``: lse = m + log(sum(exp(x - m))), with m = 0 where the row's max is not finite.
-The block order of the sum differs from ``reduce.tree_sum``, so the bits can differ from the torch
-backend's by fp32 roundings; a row holding +inf gives NaN.
+A program per row walks the vocabulary in ascending ``logprobs_block_v`` blocks, a running max and rescaled sum,
+exp and log from ``triton_math`` (no fp contraction): a row's bits depend on the row alone, though not the torch
+form's (another order). A token's logprob is its ``log_softmax_triton`` entry, bit for bit; a row with +inf gives NaN.
 """
 
 from __future__ import annotations
@@ -65,9 +57,8 @@ def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, stride_x, BLOCK_
 @triton.jit
 def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, stride_gv, stride_dx,
                             BLOCK_V: tl.constexpr):
-    """Row r of the logits' gradient from log_softmax's output: dx = g - exp(out) * sum(g), fp32 (the
-    sum over the row's blocks in order), rounded to dx's dtype. g at strides (stride_g, stride_gv): a
-    broadcast g (a loss of ``logprobs.sum()``) is read where it lies."""
+    """Row r of dx = g - exp(out) * sum(g) in fp32 (the sum over the row's blocks in order), rounded to dx's dtype;
+    g read at its strides (a broadcast g, from ``logprobs.sum()``, where it lies)."""
     row = tl.program_id(0).to(tl.int64)
     s = 0.0
     for v0 in range(0, V, BLOCK_V):
@@ -84,9 +75,8 @@ def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, str
 
 def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
                                 cfg: TritonKernelConfigs) -> torch.Tensor:
-    """``sliced.log_softmax_backward`` in one pass a row: out [M, V] float32 (log_softmax's output),
-    g [M, V] -> the logits' gradient [M, V] in ``dtype``, with no fp32 temporaries the size of the
-    logits (deterministic; the row sum's order differs from torch's)."""
+    """``sliced.log_softmax_backward`` in one pass a row, no logits-sized fp32 temporaries: out [M, V] float32
+    (log_softmax's output), g [M, V] -> [M, V] in ``dtype`` (deterministic; the sum's order is not torch's)."""
     M, V = out.shape
     if g.shape != (M, V):
         raise ValueError(f"g must be [{M}, {V}] like log_softmax's output, got {tuple(g.shape)}")
@@ -116,12 +106,8 @@ def log_softmax_triton(logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.
 
 def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: TritonKernelConfigs, *,
                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of ``token_ids[r]`` under row r of ``logits``, without writing the whole row.
-
-    logits [M, V] (any float dtype), token_ids [M] int32/int64 on the device (in [0, V): not
-    checked). Returns [M] float32 (and the rows' logsumexp [M] float32 if ``return_lse``); each value
-    equals ``log_softmax_triton(logits, cfg)[r, token_ids[r]]`` bit for bit.
-    """
+    """``log_softmax_triton(logits, cfg)[r, token_ids[r]]``'s bits without writing the row: logits [M, V] (any
+    float dtype), token_ids [M] int32/int64 on the device, in [0, V) (unchecked) -> [M] float32 (+ lse [M] if asked)."""
     x = _rows(logits)
     M, V = x.shape
     if token_ids.shape != (M,):

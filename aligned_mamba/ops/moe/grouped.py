@@ -1,10 +1,5 @@
-"""The deterministic dispatch and the torch form of the routed experts (``ops.moe``'s signature).
-
-Dispatch: the T * k (token, slot) pairs are sorted by expert with a stable sort of the flat index
-t * k + j, so an expert's tokens come in ascending token order whatever the other rows; every
-table is built on the device by exact integer ops (no host synchronisation: a CUDA graph can hold
-it) and sized by T, k and E alone.
-"""
+"""The deterministic dispatch and the torch form of the routed experts. Why: docs/design.md, "How the
+bits are kept" (the MoE paragraph)."""
 
 from __future__ import annotations
 
@@ -18,14 +13,10 @@ from .naive import combine
 
 @dataclass(frozen=True)
 class Dispatch:
-    """The sorted (token, slot) pairs of one call. R = T * k sorted rows.
-
-    token [R] int64: the token of sorted row r; perm [R] int64: its flat index t * k + j;
-    pos [T, k] int64: the sorted row of (t, j) (the inverse of perm);
-    offsets [E + 1] int64: expert e's sorted rows are offsets[e] .. offsets[e + 1] - 1;
-    tile_expert, tile_row0, tile_row1 [NT] int64: the row tiles of ``block_m`` rows of one expert
-    (rows row0 .. row1 - 1 of expert tile_expert; unused tiles have row0 = row1 = 0), NT =
-    cdiv(R, block_m) + min(E, R), an upper bound that does not depend on the routing."""
+    """The sorted (token, slot) pairs of one call, R = T * k rows, all int64: token [R], perm [R] (flat
+    t * k + j), pos [T, k] (perm's inverse), offsets [E + 1] (expert e: rows offsets[e] .. offsets[e + 1]
+    - 1); tile_expert, tile_row0, tile_row1 [NT]: ``block_m``-row tiles of one expert (unused: row0 =
+    row1 = 0), NT = cdiv(R, block_m) + min(E, R), independent of the routing."""
 
     token: torch.Tensor
     perm: torch.Tensor
@@ -38,7 +29,7 @@ class Dispatch:
 
 
 def dispatch(experts: torch.Tensor, num_experts: int, block_m: int = 1) -> Dispatch:
-    """experts [T, k] int64 (each row's experts, distinct) -> the sorted tables (``Dispatch``)."""
+    """experts [T, k] int64 (distinct per row) -> ``Dispatch``, by a stable sort on the device."""
     T, k = experts.shape
     dev, i64 = experts.device, torch.int64
     flat = experts.reshape(-1).to(i64)
@@ -66,13 +57,9 @@ def experts_grouped(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
                     down_b: Sequence[torch.Tensor | None] | None = None, *,
                     linear: Callable[..., torch.Tensor], relu2: Callable[[torch.Tensor], torch.Tensor],
                     expert: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
-    """The torch form: each expert's tokens (sorted, ``dispatch``) through ``linear`` (a backend's
-    row-invariant linear) and ``relu2``, then ``naive.combine``. up_w[e], down_w[e] in ``linear``'s
-    weight form; up_b / down_b per-expert fp32 biases or None. Shapes as ``ops.moe``.
-
-    ``expert(x, e)``, where given, runs expert e on its rows x [n, d] -> [n, d] (model dtype) in place
-    of the two linears (``layers.moe``'s sliced experts: the down projection as the row-parallel tree).
-    Experts without rows are skipped, the same ones on every tensor-parallel rank (the routing is)."""
+    """The torch form: each expert's sorted tokens through the backend's ``linear`` and ``relu2``, then
+    ``naive.combine``; up_b / down_b per-expert or None. ``expert(x [n, d], e)``, where given, replaces
+    the two linears (``layers.moe``'s sliced experts). Experts without rows are skipped."""
     T, k = experts.shape
     if T == 0:
         return h.new_zeros(h.shape)

@@ -9,13 +9,9 @@ import torch
 
 def route(scores: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: int = 1,
           norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nemotron-H's group-limited top-k. scores [T, E] fp32 (sigmoid of the router logits), bias [E]
-    fp32 -> (experts [T, k] int64 ascending, weights [T, k] fp32 in the same order).
-
-    A group scores the sum of its two best biased scores; the ``topk_group`` best groups are kept;
-    the ``top_k`` best biased scores among their experts are chosen (stable sorts: ties go to the
-    lower index, whatever the other rows); the weights are the unbiased scores, normalised to sum 1
-    in one fixed order when ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    """Nemotron-H's group-limited top-k: scores [T, E] fp32 (sigmoid), bias [E] fp32 -> (experts [T, k]
+    int64 ascending, weights [T, k] fp32). Groups score their two best biased scores; stable sorts (ties
+    to the lower index); weights the unbiased scores, normalised in one fixed order, scaled."""
     T, E = scores.shape
     per_group = E // n_group
     choice = scores + bias
@@ -37,8 +33,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int 
 
 
 def combine(ys: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j weights[:, j] * ys[j] in fp32 from 0, j ascending, rounded once to ``dtype``.
-    ys: k tensors [T, d] (any float dtype), weights [T, k] fp32 -> [T, d]."""
+    """sum_j weights[:, j] * ys[j] in fp32 from 0, j ascending, rounded once: ys k x [T, d] -> [T, d]."""
     acc = torch.zeros(ys[0].shape, dtype=torch.float32, device=weights.device)
     for j, y in enumerate(ys):
         acc = acc + y.to(torch.float32) * weights[:, j, None]
@@ -47,10 +42,8 @@ def combine(ys: Sequence[torch.Tensor], weights: torch.Tensor, dtype: torch.dtyp
 
 def experts_naive(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
                   down_w: torch.Tensor) -> torch.Tensor:
-    """The routed experts token by token (``ops.moe``'s signature): h [T, d], up_w [E, f, d], down_w
-    [E, d, f] in one dtype, experts [T, k] int64, weights [T, k] -> [T, d] in h's dtype. Each GEMM is
-    rounded to h's dtype, the squared ReLU is computed in fp32 and rounded; the combine is
-    ``combine``'s (in fp64 throughout when h is fp64). Differentiable."""
+    """The routed experts token by token (``ops.moe``'s signature; fp64 throughout for fp64 h).
+    Differentiable."""
     acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     out = []
     for t in range(h.shape[0]):

@@ -1,38 +1,12 @@
-"""The routed experts on the GPU: a row-invariant grouped GEMM over experts and its backward.
+"""The routed experts on the GPU: the router, a row-invariant grouped GEMM, the combine, the backward.
 
-Forward (``ops.moe``'s signature): ``grouped.dispatch`` sorts the (token, slot) pairs by expert;
-``_grouped_gemm_kernel`` computes up = h @ up_w[e]^T with the squared ReLU fused (the rounded up
-projection and its activation both stored), then y = act @ down_w[e]^T; ``_combine_kernel`` sums
-each token's y rows in fp32 in ascending expert order and rounds once (``naive.combine``'s bits).
-
-Row invariance: a program owns a tile of ``moe_block_m`` consecutive sorted rows of ONE expert and
-``moe_block_n`` output columns; each output element is ``tl.dot``'s fp32 accumulation over K in
-``moe_block_k`` steps, ascending, all inside that program (no split-K, no atomics), rounded once.
-Rows past the expert's last are masked (loaded as zeros, not stored). A row's bits therefore do
-not depend on which or how many rows share its tile (the tensor-core property ``ops.linear.triton``
-rests on), so a token's expert output is the same alone or among 4096 tokens. With moe_block_k
-equal to linear_block_k, an expert row has the bits of ``linear_triton`` on that row.
-
-Routing: the router GEMM is ``router_logits`` (small fp32 tiles, a larger one from
-``moe_router_large_rows`` rows: the triton linear's dot and K block, so its bits; a trainer's and a
-sampler's alike); without gradients the sigmoid, the group-limited top-k (ties to the lower index)
-and the weights (summed in ascending expert order) are
-``route_triton``'s one launch, ``naive.route``'s bits, which for up to ``moe_dispatch_max_rows``
-(token, expert) rows also writes ``grouped.dispatch``'s tables (a counting sort: an expert's rows in
-ascending token order; from the same program for one row block, else from a second one-program
-launch). Up to ``moe_decode_max_rows`` rows take the grouped GEMM's decode tile (``gemm_tile``); the
-K loop is the same, so a row's bits are those of the large tile, whichever path its call takes
-(tests/ops/moe/test_moe_route.py). A decode step's layer is seven launches (the shared expert's relu2
-in its up GEMM's epilogue).
-
-Backward (``ExpertsFunction``): one pass over the sorted rows gives dy = round(g w) and the routing
-weights' gradient <g, y> (``_combine_bwd_kernel``); the data gradients by the same grouped kernel over
-the transposed weights, the first with the squared ReLU's derivative round(2 relu(u) round(dy @ down))
-in its epilogue; each expert's weight gradient by ``_expert_wgrad_kernel``: one program per weight
-tile, walking that expert's sorted rows in blocks of ``moe_wgrad_block_t`` in ascending order; a
-token's k input gradients summed in slot order by the combine kernel unweighted. d h, d up_w and
-d down_w have the bits of those steps as torch ops (tests/moe_unfused.py). No atomics anywhere: two
-backwards give the same bits.
+Forward: ``route_triton`` (sigmoid, top-k, weights and, for few rows, ``dispatch``'s tables; the bits
+of ``naive.route``) on ``router_logits`` (``linear_triton``'s fp32 bits); ``_grouped_gemm_kernel``
+for up (squared ReLU fused) and down; ``_combine_kernel`` (``naive.combine``'s bits). A program owns
+rows of ONE expert and a column block, K ascending inside it, rows past the expert's last masked,
+so a row's bits do not depend on its tile's other rows (``moe_block_k`` = ``linear_block_k`` gives
+``linear_triton``'s bits). Backward (``ExpertsFunction``): the same kernels, no atomics; the bits of
+those steps as torch ops (tests/moe_unfused.py). Why: docs/design.md, "How the bits are kept" (MoE).
 """
 
 from __future__ import annotations
@@ -49,24 +23,18 @@ from .grouped import Dispatch, dispatch
 
 @triton.jit
 def _grouped_gemm_kernel(
-    # Pointers to matrices
     a_ptr, b_ptr, c_ptr, u_ptr,
-    # The sorted rows' A rows [R] and the row tiles [NT] (int64)
+    # int64: the sorted rows' A rows [R]; the row tiles [NT] (``Dispatch``)
     arow_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
-    # Sizes and strides (elements)
     N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    # Meta-parameters
     GATHER: tl.constexpr, RELU2: tl.constexpr, DRELU2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] for the sorted rows r of tile program_id(0) // nb
-    (expert e) and columns n of block program_id(0) % nb (nb = cdiv(N, BLOCK_N)); arow(r) =
-    arow_ptr[r] if GATHER else r. RELU2: u = the rounded product (stored), c = relu(u)^2 in fp32
-    rounded once. DRELU2 (the backward through the
-    squared ReLU): u read, p = the rounded product, c = round(q + q) with q = p relu(u) in fp32 (the
-    bits of torch's ``(d * relu(u) * 2)`` in that order of fp32 ops; the launch turns FMA fusion off)."""
-    # the column blocks of one row tile are consecutive programs: resident together, they share the
-    # tile's A rows and (a few tiles of one expert) its weight blocks in L2
+    """c[r, n] = sum_k a[arow(r), k] b[e, n, k] over the rows of tile program_id(0) // nb (expert e) and
+    the columns of block program_id(0) % nb, arow(r) = arow_ptr[r] if GATHER else r. RELU2: u = the
+    rounded product (stored), c = round(relu(u)^2) in fp32. DRELU2: c = round(q + q), q = p relu(u) in
+    fp32, torch's ``d * relu(u) * 2`` (no FMA)."""
+    # a row tile's column blocks are consecutive programs: they share its A rows in L2
     nb = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0) // nb
     row0 = tl.load(tile_row0_ptr + tile)
@@ -108,21 +76,16 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _expert_wgrad_kernel(
-    # Pointers to matrices
     g_ptr, x_ptr, dw_ptr,
-    # The sorted rows' x rows [R], the experts' sorted row offsets [E + 1] (int64)
+    # int64: the sorted rows' x rows [R]; the experts' row offsets [E + 1]
     xrow_ptr, offsets_ptr,
-    # Sizes and strides (elements)
     N, K, stride_g, stride_x, stride_dwe,
-    # Meta-parameters
     GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """dw[e, n, k] = sum_r g[r, n] x[xrow(r), k] over expert e's sorted rows r, ascending in blocks of
-    BLOCK_T, one program per (n block, k block) = program_id(0) (n blocks outer) and expert e =
-    program_id(1); xrow(r) = xrow_ptr[r] if GATHER else r. Programs launch in that order, so those
-    resident together walk one expert's rows, which stay in L2 (experts outermost, every program
-    read its rows from memory: ~23 GB a weight at Nano's shape and 16384 tokens)."""
+    """dw[e, n, k] = sum_r g[r, n] x[xrow(r), k] over expert e's sorted rows, ascending in BLOCK_T
+    blocks; program (weight tile, e), weight tiles inner so resident programs share e's rows in L2
+    (experts inner, every program would read its rows from memory)."""
     e = tl.program_id(1)
     nk = tl.cdiv(K, BLOCK_K)
     rn = (tl.program_id(0) // nk) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,17 +111,14 @@ def _expert_wgrad_kernel(
 
 @triton.jit
 def _combine_kernel(
-    # Pointers: y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d], add [T, d] (HAS_ADD)
+    # y [R, d] (sorted rows), pos [T, k] int64, w [T, k] fp32, out [T, d], add [T, d] (HAS_ADD)
     y_ptr, pos_ptr, w_ptr, out_ptr, add_ptr,
     d, stride_y, stride_out, stride_add,
-    # Meta-parameters
     K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, WEIGHTED: tl.constexpr = True,
 ):
-    """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ... + y[pos[t, K-1]] w[t, K-1]) in fp32, one product
-    and one sum rounded at a time (no FMA: the launch turns fusion off), the bits of ``naive.combine``;
-    HAS_ADD: then round(that + add[t]) in fp32 (torch's add of two model-dtype tensors). Not WEIGHTED
-    (the backward's input gradient): out[t] = round(y[pos[t, 0]] + ... + y[pos[t, K-1]]) in fp32 from
-    the first term (w unread)."""
+    """out[t] = round(0 + y[pos[t, 0]] w[t, 0] + ...) in fp32, no FMA: ``naive.combine``'s bits. HAS_ADD:
+    then round(out + add[t]) in fp32, torch's add of two model-dtype tensors. Not WEIGHTED (the input
+    gradient): the plain sum from the first term, w unread."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < d
@@ -182,17 +142,13 @@ def _combine_kernel(
 
 @triton.jit
 def _combine_bwd_kernel(
-    # Pointers: g [T, d] (model dtype), y [R, d] (sorted rows), token [R], perm [R] int64, w [T * k] fp32
-    # -> dy [R, d] (model dtype), dw [T * k] fp32
+    # g [T, d], y [R, d], token [R], perm [R], w [T * k] fp32 -> dy [R, d], dw [T * k] fp32
     g_ptr, y_ptr, token_ptr, perm_ptr, w_ptr, dy_ptr, dw_ptr,
     d, stride_g, stride_y, stride_dy,
-    # Meta-parameters
     BLOCK_D: tl.constexpr,
 ):
-    """The combine's backward for sorted row r = program_id(0), (token t, flat slot f = perm[r]):
-    dy[r] = round(g[t] w[f]) in fp32 (one product: torch's ``g.float() * w`` rounded), and
-    dw[f] = sum_n g[t, n] y[r, n] in fp32: the products summed per column lane over ascending column
-    blocks of BLOCK_D, then ``tl.sum`` over the lanes (a fixed order for a fixed BLOCK_D)."""
+    """Sorted row r = program_id(0), slot f = perm[r]: dy[r] = round(g[t] w[f]); dw[f] = <g[t], y[r]> in
+    fp32, per-lane sums over ascending BLOCK_D blocks, then ``tl.sum`` (fixed for a fixed BLOCK_D)."""
     r = tl.program_id(0).to(tl.int64)
     t = tl.load(token_ptr + r)
     f = tl.load(perm_ptr + r)
@@ -210,19 +166,14 @@ def _combine_bwd_kernel(
 
 @triton.jit
 def _router_kernel(
-    # Pointers: x [T, K] (model dtype), w [N, K] fp32, out [T, N] fp32
+    # x [T, K] (model dtype), w [N, K] fp32, out [T, N] fp32
     x_ptr, w_ptr, out_ptr,
-    # Sizes and strides (elements)
     T, N, K, stride_x, stride_w,
-    # Meta-parameters
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n] = sum_k float(x[t, k]) w[n, k]: the triton linear's fp32 arithmetic (``tl.dot`` in
-    IEEE precision, one ascending K loop of BLOCK_K), on a tile small enough to spread a decode
-    step's few rows over many programs; x is widened to fp32 on load (exact). Each trip loads four
-    K blocks, then dots those that start below K in order: the same dots, their loads in flight
-    together (one block a trip made the K loop a chain of 84 dependent trips at
-    hidden 2688: 0.1 ms, the most of a decode step's MoE layer on the H200)."""
+    """out[t, n] = sum_k float(x[t, k]) w[n, k] (x widened on load, exact): the triton linear's fp32 dots
+    and K loop on small tiles. A trip loads four K blocks, then dots those below K in order: the same
+    dots, the loads in flight together."""
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = x_ptr + rt[:, None].to(tl.int64) * stride_x
@@ -253,9 +204,8 @@ def _router_kernel(
 @triton.jit
 def _route_rows(logits_ptr, bias_ptr, t0, T, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Rows t0 .. t0 + BLOCK_T - 1: (rows [BT], row mask, cols [E_PAD], sigmoid scores [BT, E_PAD],
-    chosen [BT, E_PAD] bool), ``naive.route``'s choice: a stable descending sort keeps the greatest
-    values, ties to the lower index; that is k times the greatest value left, its lowest index."""
+    """Rows t0 .. t0 + BLOCK_T - 1 -> (rows, row mask, cols, sigmoid scores, chosen [BT, E_PAD]):
+    ``naive.route``'s stable sort as k picks of the greatest value left, its lowest index."""
     rows = t0 + tl.arange(0, BLOCK_T)
     rmask = rows < T
     cols = tl.arange(0, E_PAD)
@@ -293,22 +243,19 @@ def _route_rows(logits_ptr, bias_ptr, t0, T, E: tl.constexpr, E_PAD: tl.constexp
 
 @triton.jit
 def _route_kernel(
-    # Pointers: logits [T, E] fp32, bias [E] fp32 -> experts [T, K] int64, weights [T, K] fp32
+    # logits [T, E] fp32, bias [E] fp32 -> experts [T, K] int64, weights [T, K] fp32
     logits_ptr, bias_ptr, experts_ptr, weights_ptr,
-    # The dispatch tables (DISPATCH, int64): token [R], perm [R], pos [T, K], offsets [E + 1], tiles [NT]
+    # DISPATCH's tables (int64): token [R], perm [R], pos [T, K], offsets [E + 1], tiles [NT]
     token_ptr, perm_ptr, pos_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
-    # Sizes
     T, NT, scale,
-    # Meta-parameters
     E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     NORM: tl.constexpr, BLOCK_T: tl.constexpr, ROUTE: tl.constexpr, DISPATCH: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """``naive.route`` on the sigmoid of fp32 router logits, row by row: the same choice, the same
-    weights (the k chosen scores summed in ascending expert order, ``div_rn``, times ``scale``).
-    One program per BLOCK_T rows; with DISPATCH one program walks every row and also writes
-    ``grouped.dispatch``'s tables (the same integers) for tiles of TILE_M rows; without ROUTE it
-    only writes the tables, of the experts already stored (a launch after a routing one)."""
+    """``naive.route`` on sigmoid(logits), one program per BLOCK_T rows: the same choice and weights (the
+    chosen scores summed in ascending expert order, ``div_rn``, times ``scale``). DISPATCH: one program
+    walks every row and writes ``grouped.dispatch``'s tables (the same integers); without ROUTE only
+    the tables, from the experts already stored."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     first_block = 0 if DISPATCH else tl.program_id(0) * BLOCK_T
     last_block = (T if DISPATCH else first_block + 1) if ROUTE else 0
@@ -324,7 +271,7 @@ def _route_kernel(
         rows, rmask, cols, s, chosen = _route_rows(logits_ptr, bias_ptr, t0, T, E, E_PAD, N_GROUP, TOPK_GROUP, K,
                                                    BLOCK_T)
         counts += tl.sum((chosen & rmask[:, None]).to(tl.int32), axis=0)
-        # w_j = the score of the j-th chosen expert in ascending order; total summed in that order
+        # the total summed in ascending expert order
         left = chosen
         total = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for j in tl.static_range(K):
@@ -393,10 +340,8 @@ def _route_kernel(
 
 def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype,
                    cfg: TritonKernelConfigs, add: torch.Tensor | None = None) -> torch.Tensor:
-    """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` in one pass: y [R, d] (sorted rows),
-    pos [T, k] int64, weights [T, k] fp32 -> [T, d] in ``dtype``; plus ``add`` [T, d] in ``dtype``
-    where given (the bits of ``combine(...) + add``). weights None: the plain sum of a token's k rows
-    in fp32 from the first, in slot order, rounded once (the backward's input gradient)."""
+    """``naive.combine([y[pos[:, j]] for j], weights, dtype)`` (+ ``add``, its bits) in one pass: y [R, d],
+    pos [T, k] int64, weights [T, k] fp32 or None (the plain sum in slot order) -> [T, d]."""
     T, k = pos.shape
     y, pos = y.contiguous(), pos.contiguous()
     w = pos if weights is None else weights.to(torch.float32).contiguous()
@@ -414,10 +359,9 @@ def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | N
 
 
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The router GEMM kernel: x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E] fp32, the
-    bits of ``linear_triton(x.float(), gate_w)`` (the same fp32 dot and K block; the GPU test holds
-    it) in one launch of small tiles (a decode step's row makes E / moe_router_block_n programs, where
-    the linear's fp32 tile made two); from cfg.moe_router_large_rows rows on, the large tile."""
+    """x [T, d] (bf16 or fp32), gate_w [E, d] fp32 -> logits [T, E] fp32, ``linear_triton(x.float(),
+    gate_w)``'s bits in small tiles (a decode row spreads over many programs); the large tile from
+    ``moe_router_large_rows`` rows."""
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1] or gate_w.dtype != torch.float32:
         raise ValueError(f"router_logits_triton: x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} "
                          f"{gate_w.dtype} must be [T, d] and [E, d] float32")
@@ -429,21 +373,20 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKerne
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if out.numel():
         c = cfg
-        # the tile by size: a row's bits are the K loop's (each logit one FMA chain over k ascending,
-        # whatever the tile holds beside it), so many rows may take a tile that reuses its loads more
+        # a row's bits are the K loop's whatever the tile, so many rows may take a larger one
         large = c.moe_router_large_rows and T >= c.moe_router_large_rows
         bt, bn, warps = ((c.moe_router_large_block_t, c.moe_router_large_block_n, c.moe_router_large_warps) if large
                          else (c.moe_router_block_t, c.moe_router_block_n, c.moe_router_warps))
         grid = (triton.cdiv(T, bt), triton.cdiv(E, bn))
-        # launched as the triton linear is (its fp32 dot's FMAs are the same instructions either way)
+        # launched as the triton linear is (the same FMAs)
         _router_kernel[grid](x, w, out, T, E, K, x.stride(0), w.stride(0), BLOCK_T=bt, BLOCK_N=bn,
                              BLOCK_K=c.linear_fp32_block_k, num_warps=warps, num_stages=2)
     return out
 
 
 class _Router(torch.autograd.Function):
-    """The router GEMM kernel forward; backward two fp32 GEMMs in torch (the triton linear's: dx = g w
-    rounded to x's dtype, as autograd of ``x.float()``, dw = g^T x)."""
+    """The router kernel's forward; the triton linear's fp32 backward in torch (dx = g w rounded to x's
+    dtype, as autograd of ``x.float()``; dw = g^T x)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
@@ -458,8 +401,8 @@ class _Router(torch.autograd.Function):
 
 
 def router_logits(x: torch.Tensor, gate_w: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The layer's router GEMM on the triton backend, sampler and trainer alike (one kernel, so one set
-    of bits): ``router_logits_triton``, differentiable in x and gate_w where a gradient is recorded."""
+    """The router GEMM on the triton backend, sampler and trainer alike: ``router_logits_triton``,
+    differentiable under autograd."""
     if torch.is_grad_enabled() and (x.requires_grad or gate_w.requires_grad):
         return _Router.apply(x, gate_w, cfg)
     return router_logits_triton(x, gate_w, cfg)
@@ -473,12 +416,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, cfg: TritonKernelConfigs,
                  with_dispatch: bool = True, dtype: torch.dtype = torch.bfloat16,
                  ) -> tuple[torch.Tensor, torch.Tensor, Dispatch | None]:
-    """``naive.route(elementwise.sigmoid(logits), bias, ...)`` in one launch: logits [T, E] fp32 (the
-    router GEMM's), bias [E] fp32 -> (experts [T, k] int64 ascending, weights [T, k] fp32, the same
-    bits), and where ``with_dispatch``, ``grouped.dispatch(experts, E, block_m)`` for the grouped
-    GEMM's tile on ``dtype`` operands (up to cfg.moe_dispatch_max_rows rows, else None): from the
-    same program where the rows are one block of moe_route_block_t, else from a second one-program
-    launch."""
+    """``naive.route(sigmoid(logits), bias, ...)``'s bits in one launch: logits [T, E] fp32, bias [E] ->
+    (experts [T, k] int64, weights [T, k] fp32, ``grouped.dispatch``'s tables for ``dtype``'s tile where
+    ``with_dispatch`` and R <= ``moe_dispatch_max_rows``, else None)."""
     T, E = logits.shape
     if bias.shape != (E,) or logits.dtype != torch.float32 or not 1 <= top_k <= E or E > ROUTE_MAX_EXPERTS:
         raise ValueError(f"route_triton: logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)}, "
@@ -493,8 +433,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
     R = T * top_k
     E_PAD = triton.next_power_of_2(E)
     block_t = min(cfg.moe_route_block_t, max(1, 4096 // E_PAD))
-    # one row block: route and tables in one program; more rows: route them in parallel, then the tables
-    # (one program walking many row blocks measured 63 us at 64 tokens on the H200, 24 at one)
+    # one row block: route and tables in one program; more: route in parallel, then a tables launch
     one = with_dispatch and 0 < T <= block_t and R <= cfg.moe_dispatch_max_rows
     two = with_dispatch and not one and 0 < R <= cfg.moe_dispatch_max_rows
     if one or two:
@@ -515,15 +454,14 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_grou
                     BLOCK_T=block_t, TILE_M=bm, BLOCK_P=64, num_warps=cfg.moe_route_warps, enable_fp_fusion=False)
         grid = (1,) if one else (triton.cdiv(T, block_t),)
         _route_kernel[grid](*args, ROUTE=True, DISPATCH=one, **meta)
-        if two:  # the rows routed in parallel above, their tables by one program
+        if two:
             _route_kernel[(1,)](*args, ROUTE=False, DISPATCH=True, **meta)
     return experts, weights, d
 
 
 def gemm_tile(R: int, dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[int, int, int, int]:
-    """The grouped GEMM's (block_m, block_n, warps, stages) for R sorted rows of ``dtype`` operands:
-    the decode tile up to cfg.moe_decode_max_rows rows, else the large tile; fp32 operands at most
-    64 x 128, 4 warps, 3 stages. A row's bits do not depend on the tile (the K block is one)."""
+    """(block_m, block_n, warps, stages) for R sorted rows: the decode tile up to
+    ``moe_decode_max_rows``, else the large; a row's bits do not depend on it (one K block)."""
     c = cfg
     if R <= c.moe_decode_max_rows:
         bm, bn, warps, stages = c.moe_decode_block_m, c.moe_decode_block_n, c.moe_decode_warps, c.moe_decode_stages
@@ -537,11 +475,9 @@ def gemm_tile(R: int, dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[int
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKernelConfigs, *, gather: bool,
                  transpose_b: bool = False, relu2: bool = False,
                  drelu2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sorted rows r of expert e: c[r] = a[row(r)] @ b[e]^T (b [E, N, K]), or a[row(r)] @ b[e] with
-    ``transpose_b`` (b [E, K, N]); row(r) = d.token[r] if ``gather`` else r. a [*, K] and b in one
-    dtype (bf16 or fp32), a's rows may be strided. Returns (c [R, N], u [R, N] or None) in a's dtype;
-    with ``relu2``, u is the product and c relu(u)^2; with ``drelu2`` = u [R, N] (the forward's
-    product), c = round(2 p relu(u)) for the product p (the gradient through relu(u)^2)."""
+    """c[r] = a[row(r)] @ b[e]^T (b [E, N, K]; [E, K, N] with ``transpose_b``), row(r) = d.token[r] if
+    ``gather`` else r; a, b bf16 or fp32 -> (c [R, N], u or None). ``relu2``: u the product, c relu(u)^2;
+    ``drelu2`` = the forward's u: c = round(2 p relu(u)), the gradient through relu(u)^2."""
     if a.stride(1) != 1:
         a = a.contiguous()
     b = b.contiguous()
@@ -569,10 +505,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
 
 def combine_backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, d: Dispatch,
                      cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weighted combine's backward in one pass over the sorted rows: g [T, d] (model dtype), y
-    [R, d] the experts' sorted outputs, weights [T, k] fp32 -> (dy [R, d] in y's dtype: row r of
-    (t, j) is round(g[t] w[t, j]); d_weights [T, k] fp32: d_weights[t, j] = <g[t], y[pos[t, j]]> in
-    fp32, in a fixed order)."""
+    """The combine's backward, one pass: g [T, d], y [R, d] sorted, weights [T, k] fp32 -> (dy [R, d]:
+    round(g[t] w[t, j]); d_weights [T, k] fp32: <g[t], y[pos[t, j]]> in a fixed order)."""
     T, k = weights.shape
     R, D = y.shape
     g, y = g.contiguous(), y.contiguous()
@@ -587,8 +521,7 @@ def combine_backward(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, d:
 
 def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int, cfg: TritonKernelConfigs, *,
                  gather: bool) -> torch.Tensor:
-    """dw [E, N, K] in g's dtype: dw[e] = g[rows of e]^T @ x[row(r)] summed over e's sorted rows in
-    ascending order (row(r) = d.token[r] if ``gather`` else r). g [R, N], x [*, K] in one dtype."""
+    """dw [E, N, K]: dw[e] = sum over e's sorted rows r, ascending, of g[r]^T x[row(r)]; g [R, N], x [*, K]."""
     g, x = g.contiguous(), x.contiguous()
     N, K = g.shape[1], x.shape[1]
     dw = torch.empty(num_experts, N, K, dtype=g.dtype, device=g.device)
@@ -630,12 +563,9 @@ def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w
 def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
                    down_w: torch.Tensor, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
                    add: torch.Tensor | None = None) -> torch.Tensor:
-    """The routed experts (``ops.moe``'s signature): h [T, d], up_w [E, f, d], down_w [E, d, f] in the
-    model dtype (bf16 or fp32), experts [T, k] int64 (ascending, distinct per row), weights [T, k]
-    fp32 -> [T, d] in h's dtype; no host synchronisation. ``dispatch``: the experts' sorted tables
-    where the caller has them (``route_triton``'s), else built here; ``add`` [T, d] in h's dtype: the
-    result is ``out + add`` (the layer's shared expert, added in the combine's pass). Differentiable
-    in h, weights, up_w, down_w (``ExpertsFunction``)."""
+    """The routed experts (``ops.moe``'s signature; bf16 or fp32, experts distinct per row), no host
+    sync. ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns out + add
+    (the shared expert, in the combine's pass). Differentiable (``ExpertsFunction``)."""
     _check(h, experts, weights, up_w, down_w)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, up_w, down_w)):
         out = ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
@@ -658,9 +588,9 @@ class ExpertsFunction(torch.autograd.Function):
         h, weights, up_w, down_w, u, act, y = ctx.saved_tensors
         d, cfg = ctx.dispatch, ctx.cfg
         E = up_w.shape[0]
-        # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j) (the combine's own gradient)
+        # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j)
         dy, d_weights = combine_backward(g, y, weights, d, cfg)
-        # d u = round(2 relu(u) round(dy @ down)) in the data GEMM's epilogue (d relu(u)^2 = 2 relu(u) du)
+        # d u = round(2 relu(u) round(dy @ down)), in the data GEMM's epilogue
         d_u, _ = grouped_gemm(dy, down_w, d, cfg, gather=False, transpose_b=True, drelu2=u)
         d_down = expert_wgrad(dy, act, d, E, cfg, gather=False)
         d_h_sorted, _ = grouped_gemm(d_u, up_w, d, cfg, gather=False, transpose_b=True)
@@ -674,8 +604,7 @@ def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, u
                 down_w: torch.Tensor, up_b: object = None, down_b: object = None, *,
                 cfg: TritonKernelConfigs, dispatch: Dispatch | None = None,
                 add: torch.Tensor | None = None) -> torch.Tensor:
-    """The backend's ``moe_experts`` signature: ``experts_triton`` (``dispatch``, ``add`` as there);
-    expert biases are refused (the grouped kernels have no bias term)."""
+    """The backend's ``moe_experts``: ``experts_triton``; expert biases refused (no bias term)."""
     if up_b is not None or down_b is not None:
         raise AlignedMambaError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have "
                                 "no bias term (mlp_bias MoE checkpoints run on the torch backend)")

@@ -1,16 +1,9 @@
-"""RMSNorm and Mamba2's grouped, gated RMSNorm, with the residual add and the embedding gather that
-precede a norm in the model, in their forms side by side.
+"""RMSNorm, the gated RMSNorm, and the residual add and embedding gather fused before a norm.
 
-Signatures (x, residual [M, d]; weight [d]; token_ids [T]):
-``rms_norm(x, weight, eps, out_dtype) -> [M, d]``,
-``add_norm(x, residual, weight, eps, dtype) -> (normed, residual + x)``,
-``embed_norm(token_ids, embedding, weight, eps, dtype, residual_dtype) -> (normed, residual)``,
-``gated_rms_norm(y, z, weight, eps, n_groups) -> [M, d]`` (norm_g(y * silu(z)) * weight).
-
-- ``naive.py``: float64, the accuracy reference;
-- ``tree.py``: the torch form (a fixed-tree sum of squares, row-invariant);
-- ``cpu.py``: ``native_cpu.c``'s loops, the torch form's bits in one pass;
-- ``triton.py``: the Triton kernels, their launchers and autograd Functions (the GPU's own bits).
+x, residual [M, d]; weight [d]; token_ids [T]: ``rms_norm(x, weight, eps, out_dtype) -> [M, d]``,
+``add_norm(x, residual, weight, eps, dtype) -> (normed, residual + x)``, ``embed_norm(token_ids,
+embedding, weight, eps, dtype, residual_dtype) -> (normed, residual)``, ``gated_rms_norm(y, z,
+weight, eps, n_groups) -> [M, d]``. Forms: naive (fp64), tree (torch), cpu, triton.
 """
 
 from .tree import (

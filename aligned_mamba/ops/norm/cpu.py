@@ -1,6 +1,4 @@
-"""The CPU form of the norms: ``native_cpu.c``'s loops with the bits of ``tree.py`` in one pass (the
-residual add fused in), falling back to ``tree.py`` where the loops do not apply.
-"""
+"""The norms' CPU form: ``native_cpu.c``'s loops (``tree.py``'s bits, the residual add fused), else ``tree.py``."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ from . import tree
 
 def rms_norm_loop(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``tree.rms_norm(x, weight, eps, out_dtype)`` for x [M, d]; with ``residual`` [M, d] the fused
-    add of ``tree.add_norm`` first (returns (normed, residual + x), the sum in residual's dtype,
-    normed from it as stored). None where it does not apply."""
+    """``tree.rms_norm`` of x [M, d] -> (normed, None); with ``residual`` [M, d] ``tree.add_norm``'s
+    (normed, residual + x). None where it does not apply."""
     if out_dtype not in DTYPES or not ok(x, weight, residual) or (lib := library()) is None:
         return None
     M, d = x.shape

@@ -1,15 +1,5 @@
-"""RMSNorm and Mamba2's grouped, gated RMSNorm, row-invariant by construction: the torch form.
-
-Each output is rounded once: weight (in the output dtype) times the fp32 normalised value, in fp32,
-then rounded, as mamba_ssm's and Megatron's norms do (Hugging Face's and vLLM's torch forms round
-the normalised value first and then the product: about 12% more logits error over a bf16 model's
-layers, docs/design.md).
-
-The sum of squares is a fixed pairwise tree (``reduce.tree_sum``), 1/sqrt is two correctly
-rounded IEEE operations (``torch.rsqrt`` computes 1 / sqrt so; ``torch.sqrt`` of float32 goes to
-MKL's vector math on the CPU, which is not correctly rounded: 17% of random inputs differ), and
-the gate's SiLU is position-invariant, so a row's bits depend on that row only.
-"""
+"""The norms' torch form: a fixed-tree sum of squares, ``torch.rsqrt`` (correctly rounded; the CPU's
+``torch.sqrt`` is not), the IEEE SiLU, one rounding (docs/design.md, "How the bits are kept")."""
 
 from __future__ import annotations
 
@@ -36,10 +26,7 @@ def _normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm: weight * normalised x, rounded once to out_dtype.
-
-    x [M, d] any float dtype; weight [d]; returns [M, d] in ``out_dtype`` (default weight's dtype).
-    """
+    """weight * normalised x [M, d] (any float dtype), rounded once to ``out_dtype`` (default weight's)."""
     out_dtype = out_dtype or weight.dtype
     return _weighted(_normalize(x.to(torch.float32), eps), weight, out_dtype)
 
@@ -52,12 +39,7 @@ def _weighted(n: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> 
 def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int
 ) -> torch.Tensor:
-    """Mamba2's gated norm after the scan: norm_g(y * silu(z)) * weight, normalised per group.
-
-    The gate is applied here, after the scan and before the grouped normalisation (as Hugging
-    Face, vLLM and mamba_ssm do for Mamba2), never inside the scan.
-    y, z [M, d] (model dtype); weight [d]; d divisible by n_groups. Returns [M, d] in y's dtype.
-    """
+    """norm_g(y * silu(z)) * weight per group: y, z [M, d] (model dtype), weight [d] -> [M, d] in y's dtype."""
     M, d = y.shape
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     return _weighted(_normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d), weight, y.dtype)
@@ -65,16 +47,9 @@ def gated_rms_norm(
 
 def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int, *,
                           slices: int, group: TPGroup) -> torch.Tensor:
-    """``gated_rms_norm`` with each group's sum of squares in ``slices`` (S) fixed contiguous slices,
-    each summed by ``tree_sum``, joined by adjacent pairs (``pair_tree``): the contract's tree when
-    ``row_parallel_slices`` > 1, the same bits at every tensor-parallel degree k dividing S.
-
-    y, z [M, d / k] (model dtype): this rank's channels of the full width d; weight [d / k];
-    n_groups: the full model's groups G. With G >= k a rank holds G / k whole groups and sums
-    their slices itself; with G < k (B and C replicated, as vLLM does) a group spans k / G ranks,
-    each holding S / (k / G) of its slices: their subtree sums are all-gathered and the same tree's
-    top levels run on every rank. Returns [M, d / k] in y's dtype.
-    """
+    """``gated_rms_norm`` with each group's sum of squares in ``slices`` (S) slices joined by adjacent
+    pairs, the same bits at every TP degree k dividing S: y, z [M, d / k], weight [d / k] (this rank's),
+    n_groups the model's G (G < k: a group's subtree sums all-gathered) -> [M, d / k] in y's dtype."""
     M, dl = y.shape
     k, r = group.size, group.rank
     width = dl * k // n_groups  # a group's channels
@@ -99,23 +74,19 @@ def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
 
 def embed_norm(token_ids: torch.Tensor, embedding: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
                residual_dtype: torch.dtype, *, norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first block's input: residual = embedding[token_ids] in ``residual_dtype`` [T, d];
-    normed = norm(residual as it is kept, fp32 included) [T, d] in ``dtype``. Returns (normed, residual)."""
+    """(norm of the residual as kept, in ``dtype``; residual = embedding[token_ids] in ``residual_dtype``)."""
     residual = embedding[token_ids].to(residual_dtype)
     return norm(residual, w, eps, dtype), residual
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype, *,
              norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's residual add and the next norm: residual + x (in residual's dtype), normed =
-    norm(that sum as it is kept: an fp32 residual is normalised unrounded) in ``dtype``. x, residual
-    [M, d]. Returns (normed, residual + x)."""
+    """x, residual [M, d] -> (norm of the sum as kept, in ``dtype``; residual + x in residual's dtype)."""
     residual = residual + x
     return norm(residual, w, eps, dtype), residual
 
 
-# -- backwards (the triton backend's autograd Functions, ``triton.py``) --------------------------------------
-# Gradients need accuracy, not row invariance: native torch ops, fp32.
+# -- backwards (``triton.py``'s Functions): accuracy, not row invariance, so native torch ops in fp32 ---------
 
 
 def _normalize_backward(xf: torch.Tensor, gn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,8 +98,7 @@ def _normalize_backward(xf: torch.Tensor, gn: torch.Tensor, eps: float) -> torch
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
                       g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``rms_norm(x, weight, eps, out_dtype)`` against g [M, d]: (dx [M, d] in x's
-    dtype, dweight [d] in weight's)."""
+    """The gradient of ``rms_norm`` against g [M, d]: (dx in x's dtype, dweight [d] in weight's)."""
     out_dtype = out_dtype or weight.dtype
     xf, gf = x.to(torch.float32), g.to(torch.float32)
     dx = _normalize_backward(xf, gf * weight.to(out_dtype).to(torch.float32), eps)
@@ -138,8 +108,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dty
 
 def gated_rms_norm_backward(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
                             g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradient of ``gated_rms_norm(y, z, weight, eps, n_groups)`` against g [M, d]: (dy, dz in
-    their dtypes, dweight [d] in weight's)."""
+    """The gradient of ``gated_rms_norm`` against g [M, d]: (dy, dz in their dtypes, dweight [d] in weight's)."""
     M, d = y.shape
     yf, zf, gf = y.to(torch.float32), z.to(torch.float32), g.to(torch.float32)
     s = torch.sigmoid(zf)

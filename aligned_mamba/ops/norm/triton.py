@@ -1,17 +1,9 @@
 """Fused RMSNorms in Triton (the GPU path of ``ops.norm``), each row a fixed function of that row.
 
-One program normalises one row (one group of a row for the gated norm): it loads the row into one
-block of the next power of two of its width, reduces the sum of squares with one ``tl.sum`` over
-that block (a fixed tree for a given width and ``norm_block_per_warp``), and never looks at another row,
-so a row's bits do not depend on how many rows the call holds (the block and the warps follow from
-the width and the configs alone). The arithmetic is ``ops.norm``'s:
-normalise in fp32 (IEEE sqrt and division), round to the output dtype, multiply by the weight in the
-output dtype; the gate y * silu(z) in fp32 before a per-group normalisation. The sum's order differs
-from ``reduce.tree_sum``, so the bits can differ from the torch backend's (by an fp32 rounding).
-Kernels are compiled without fp contraction, so each operation rounds once, as in torch.
-
-``add_rms_norm_triton`` fuses the residual add (the Mamba2 block: an fp32 residual plus the mixer's
-bf16 output), ``embed_rms_norm_triton`` the embedding gather with the first layer's residual.
+A program normalises one row (one group, for the gated norm) in one power-of-two block, its sum of
+squares one ``tl.sum`` whose tree follows from the width and ``norm_block_per_warp`` alone. The
+arithmetic is ``ops.norm``'s (IEEE sqrt and division, no fp contraction); the sum's order is not
+``tree_sum``'s, so the bits may differ from the torch backend's by an fp32 rounding.
 """
 
 from __future__ import annotations
@@ -100,10 +92,9 @@ def _norm_backward(v, gw, mask, D, eps):
 def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, M, D, stride_x, stride_res,
                          stride_g, stride_add, eps, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr,
                          HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(v)) against g, where v = x, or
-    with HAS_RES v = round_RES(res + x) (the add-norm's input as its forward forms it, the sum
-    in fp32): dx (fp32, plus add[r] if HAS_ADD: the residual's own gradient; with HAS_DX2 also rounded
-    to dx2's dtype) and this block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(v)), v = x or (HAS_RES) the
+    add-norm's round_RES(res + x): dx fp32 (+ add[r] if HAS_ADD; HAS_DX2: also in dx2's dtype), and this
+    block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -129,9 +120,8 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
 
 @triton.jit
 def _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, c, m, stride_y, stride_z, stride_g, w, rstd):
-    """One part of a row's group, fp32 (zeros where not m): (silu(z), vhat = y silu(z) rstd, g w,
-    ys = y s (1 + z (1 - s)) with s = sigmoid(z), g vhat). ys is dz / du, formed here so that y, z and g
-    need not stay live across the group's sum (a 5120-wide group's two blocks then fit in registers)."""
+    """One part of a row's group in fp32 (zeros where not m): (silu(z), vhat, g w, ys = dz / du, g vhat);
+    ys formed here so y, z, g need not stay live across the group's sum (a 5120-wide group fits registers)."""
     y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
@@ -156,14 +146,10 @@ def _gated_bwd_out(sz, vhat, gw, ys, mean, rstd, w, row, c, m, dy_ptr, dz_ptr, o
 def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr, dw_ptr, out_ptr, M, d, GS,
                            stride_y, stride_z, stride_g, stride_dz, stride_out, eps, WRITE_OUT: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1, group pid 1, of the gradient of out = round(w * normalise_g(y silu(z)))
-    against g, from the forward's rstd [M, G] fp32: dy, dz (in y's and z's dtypes) and this block's
-    partial sum of dw (dw_ptr [blocks, d] fp32); with WRITE_OUT also out itself, the forward kernel's
-    operations on the same values (the same bits; compiled without fp fusion, as the forward).
-
-    A group's GS columns are two power-of-two blocks, the first BLOCK_A and the rest in BLOCK_B (0:
-    none), so a width such as 5120 runs 4096 + 1024 lanes, not 8192 (the backward's sum needs no
-    particular order, only the same one each call)."""
+    """Rows blk*ROWS .. +ROWS-1, group pid 1: dy, dz of out = round(w * normalise_g(y silu(z))) from the
+    forward's rstd [M, G] fp32, this block's dw partial sums (dw_ptr [blocks, d] fp32); WRITE_OUT: out too,
+    with the forward's bits. A group is two power-of-two blocks, BLOCK_A then BLOCK_B (0: none): 5120
+    columns run 4096 + 1024 lanes, not 8192 (the backward's sum needs only the same order each call)."""
     blk = tl.program_id(0)
     grp = tl.program_id(1)
     ca = grp * GS + tl.arange(0, BLOCK_A)
@@ -201,9 +187,8 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
 
 
 def gated_bwd_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, int]:
-    """``_gated_norm_bwd_kernel``'s launch for groups of ``width`` columns: (BLOCK_A, BLOCK_B, warps). The
-    group as two power-of-two blocks (the largest power of two within the width, then the rest's next
-    power of two; 0 when one fits); the warps as for one block of the width's next power of two."""
+    """``_gated_norm_bwd_kernel``'s (BLOCK_A, BLOCK_B, warps) for groups of ``width``: the largest power of
+    two within the width, the rest's next power of two (0: none), the warps of one next-power-of-two block."""
     first = 1 << (width.bit_length() - 1)
     rest = triton.next_power_of_2(width - first) if width > first else 0
     return first, rest, max(1, min(16, triton.next_power_of_2(width) // cfg.norm_bwd_block_per_warp))
@@ -211,9 +196,8 @@ def gated_bwd_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, in
 
 def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.device
                         ) -> tuple[int, torch.Tensor]:
-    """A norm backward's row blocks of ``norm_bwd_rows`` rows: (their number, their weight-gradient
-    partial sums [blocks, d] fp32, each written by its block's program; one row of zeros for no rows:
-    the caller sums them over blocks)."""
+    """(blocks of ``norm_bwd_rows`` rows, their dw partial sums [blocks, d] fp32 to fill; one row of zeros
+    for no rows), summed over blocks by the caller."""
     nb = triton.cdiv(M, cfg.norm_bwd_rows)
     return nb, (torch.empty(nb, d, device=device, dtype=torch.float32) if nb else
                 torch.zeros(1, d, device=device, dtype=torch.float32))
@@ -223,14 +207,9 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
                              g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None, *,
                              residual: torch.Tensor | None = None, dx_dtype: torch.dtype | None = None
                              ) -> tuple[torch.Tensor, ...]:
-    """The gradient of ``rms_norm_triton(x, weight, eps, out_dtype)`` against g [M, D]: (dx [M, D] fp32,
-    plus ``add`` [M, D] when given (a residual's own gradient, summed in fp32), dweight [D] in weight's
-    dtype). Deterministic: rows in blocks of ``norm_bwd_rows``, the blocks' dw summed by torch.
-
-    With ``residual`` [M, D] the normalised input is the add-norm's, ``(residual + x).to(residual.dtype)``
-    (rounded as torch rounds it), formed in the kernel rather than in memory. With
-    ``dx_dtype`` the result is (dx, dx rounded to dx_dtype, dweight): both of the add-norm's gradients
-    from one pass."""
+    """The gradient of ``rms_norm_triton`` against g [M, D]: (dx [M, D] fp32 plus ``add`` [M, D] if given,
+    dweight [D] in weight's dtype); deterministic. ``residual`` [M, D]: the input is the add-norm's
+    ``(residual + x).to(residual.dtype)``, formed in the kernel. ``dx_dtype``: (dx, dx in dx_dtype, dweight)."""
     x, g = _rows(x, "x"), _rows(g, "g")
     M, D = x.shape
     dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
@@ -252,12 +231,10 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
                                    n_groups: int, g: torch.Tensor, cfg: TritonKernelConfigs,
                                    rstd: torch.Tensor | None = None, *, write_out: bool = False,
                                    dz_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """The gradient of ``gated_rms_norm_triton(y, z, weight, eps, n_groups)`` against g [M, d]: (dy in y's
-    dtype, dz in z's, dweight [d] in weight's), from the forward's ``rstd`` [M, n_groups] fp32 (None: one
-    more forward pass forms it). With ``write_out`` the norm's output [M, d] as a fourth, with the
-    forward's bits (for a GEMM's weight gradient, so the forward need not hold it). dz_out: where to
-    write dz ([M, d] in z's dtype, unit column stride; a block of a wider gradient, say). Deterministic,
-    as ``rms_norm_backward_triton``."""
+    """The gradient of ``gated_rms_norm_triton`` against g [M, d]: (dy, dz in their dtypes, dweight [d] in
+    weight's), from the forward's ``rstd`` [M, n_groups] fp32 (None: formed again); deterministic.
+    ``write_out``: the norm's output [M, d] as a fourth, the forward's bits. ``dz_out``: where dz goes
+    ([M, d] in z's dtype, unit column stride)."""
     y, z, g = _rows(y, "y"), _rows(z, "z"), _rows(g, "g")
     M, d = y.shape
     gs = d // n_groups
@@ -315,8 +292,8 @@ def _launch(x: torch.Tensor | None, res: torch.Tensor, idx: torch.Tensor | None,
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None,
                     cfg: TritonKernelConfigs) -> torch.Tensor:
-    """``ops.norm.rms_norm``: x [M, d] (any float dtype, rows may be strided), weight [d] ->
-    [M, d] in ``out_dtype`` (default weight's dtype): weight * round(x / rms(x))."""
+    """``ops.norm.rms_norm``: x [M, d] (any float dtype, rows may be strided), weight [d] -> [M, d] in
+    ``out_dtype`` (default weight's dtype)."""
     x = _rows(x, "x")
     out, _ = _launch(None, x, None, weight, eps, out_dtype or weight.dtype, None, cfg)
     return out
@@ -324,14 +301,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype
 
 def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         out_dtype: torch.dtype | None, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next RMSNorm in one pass.
-
-    x [M, d] (the block's output, any float dtype) or None (the first layer: no add), residual
-    [M, d]. new_residual = residual + x computed in fp32 and rounded to residual's dtype (exact for
-    an fp32 residual and a bf16 x), or residual itself copied when x is None; normed =
-    ``rms_norm(new_residual)`` as it is kept (the contract's). Returns (normed [M, d] in ``out_dtype``,
-    default weight's dtype; new_residual [M, d] in residual's dtype), both new tensors.
-    """
+    """The residual add and the next RMSNorm in one pass: x [M, d] (any float dtype; None: no add),
+    residual [M, d] -> (normed [M, d] in ``out_dtype``, default weight's; residual + x, summed in fp32,
+    in residual's dtype), both new tensors; the norm is taken of the new residual as it is kept."""
     residual = _rows(residual, "residual")
     if x is not None:
         x = _rows(x, "x")
@@ -344,12 +316,9 @@ def add_rms_norm_triton(x: torch.Tensor | None, residual: torch.Tensor, weight: 
 def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weight: torch.Tensor, eps: float,
                           out_dtype: torch.dtype | None, residual_dtype: torch.dtype, cfg: TritonKernelConfigs
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embedding gather, the first residual and the first layer's RMSNorm in one pass.
-
-    token_ids [M] (int32/int64, on the device, in range: not checked here), embedding [V, d].
-    residual = embedding[token_ids] in ``residual_dtype``; normed as ``add_rms_norm_triton(None,
-    residual, ...)``. Returns (normed [M, d] in ``out_dtype``, residual [M, d] in ``residual_dtype``).
-    """
+    """The embedding gather and the first RMSNorm in one pass: token_ids [M] (int32/int64, on the device,
+    in range: not checked), embedding [V, d] -> (normed [M, d] in ``out_dtype``, residual =
+    embedding[token_ids] [M, d] in ``residual_dtype``)."""
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be [M], got {tuple(token_ids.shape)}")
     embedding = _rows(embedding, "embedding")
@@ -360,12 +329,8 @@ def embed_rms_norm_triton(token_ids: torch.Tensor, embedding: torch.Tensor, weig
 def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
                           cfg: TritonKernelConfigs, *, with_rstd: bool = False
                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``ops.norm.gated_rms_norm``: norm_g(y * silu(z)) * weight, normalised per group.
-
-    y, z [M, d] (model dtype; rows may be strided, e.g. z a column slice of in_proj's output),
-    weight [d], d divisible by n_groups. Returns a new [M, d] tensor in y's dtype; ``with_rstd``: and
-    each group's 1 / sqrt(mean square + eps) [M, n_groups] fp32 (the backward's).
-    """
+    """``ops.norm.gated_rms_norm``: y, z [M, d] (model dtype; rows may be strided), weight [d] -> a new
+    [M, d] in y's dtype; ``with_rstd``: and each group's 1 / sqrt(mean square + eps) [M, n_groups] fp32."""
     y, z = _rows(y, "y"), _rows(z, "z")
     M, d = y.shape
     if z.shape != y.shape or d % n_groups:
@@ -435,8 +400,7 @@ class _AddNorm(torch.autograd.Function):
     def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, residual, w = ctx.saved_tensors
         eps, dtype, cfg = ctx.consts
-        # the norm's input as the forward forms it (the residual sum in its dtype),
-        # formed in the kernel; x's gradient rounded to its dtype in the same pass (an fp32 x takes dx itself)
+        # the residual sum formed in the kernel; x's gradient rounded in the same pass (an fp32 x takes dx)
         if x.dtype == torch.float32:
             g, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual)
             gx = g
@@ -463,9 +427,8 @@ class _GatedRmsNorm(torch.autograd.Function):
 
 
 class _GatedNormLinear(torch.autograd.Function):
-    """``linear(gated_rms_norm(y, z, nw), w, b)``: the two forward launches; the backward forms the norm's
-    output again inside the norm's backward kernel (the linear's weight gradient needs it), so nothing
-    of the forward's [M, d] output is held, and no forward pass is run again."""
+    """``linear(gated_rms_norm(y, z, nw), w, b)``; the backward forms the norm's output again in the norm's
+    backward kernel (for the linear's weight gradient), so the forward's [M, d] output is not held."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, z: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -483,8 +446,7 @@ class _GatedNormLinear(torch.autograd.Function):
         need_norm, need_w, need_b = any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dy = dz = dnw = dw = None
         if need_norm or need_w:
-            # the input gradient as ``linear``'s backward forms it (cuBLAS), then the norm's in one pass
-            # that writes the norm's output too
+            # the input gradient as ``linear``'s backward forms it (cuBLAS), then the norm's, writing its output
             dz_out = ctx.z_block.take() if ctx.z_block is not None and ctx.needs_input_grad[1] else None
             dy, dz, dnw, yn = gated_rms_norm_backward_triton(y, z, nw, eps, n_groups, g @ w, cfg, rstd,
                                                              write_out=True, dz_out=dz_out)

@@ -1,30 +1,11 @@
-"""The chunked SSD scan (torch backend): the one kernel both trainer and sampler run.
-
-Every sequence in a call starts at a chunk boundary of its own grid (exact replay passes the
-partial chunk it buffered as a prefix), so chunk k of a sequence always covers the same absolute
-positions. Each output row t is then a fixed sequence of float32 operations on
-
-    (the fp32 state at t's chunk boundary, the inputs of t's chunk up to t, t's position),
-
-with every tensor shape fixed by the chunk size and the row tile, never by how many tokens or
-sequences the call holds:
-
-- chunks are zero-padded to ``chunk_size``; padded tokens have dt = 0 and x = B = 0, which adds
-  exact zeros (a no-op in a float sum);
-- rows are computed in tiles of ``row_tile`` rows; a decode step computes the one tile holding
-  its token with the same GEMM shapes as a prefill computing all tiles (a GEMM row depends on
-  that row's operands only);
-- transcendentals come from ``elementwise`` (position-invariant), cumsums are sequential;
-- states pass from chunk to chunk in float32 and are never rounded.
-
-Within a chunk, with a_t the cumulative sum of dt*A from the chunk start:
-
+"""The chunked SSD scan, torch form: the statement of a row's arithmetic that trainer and sampler both run
+(why a row is a fixed chain: docs/design.md, "The one idea", "How the bits are kept"). With a_t the cumsum
+of dt*A from the chunk start:
     y_t = exp(a_t) C_t . h0 + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s + D x_t
     h1  = exp(a_L) h0 + sum_s exp(a_L - a_s) dt_s x_s B_s^T
-
-For a tile starting at row t0 the decay exp(a_t - a_s) is taken as exp(a_t - a_t0) exp(a_t0 - a_s)
-for s < t0 (both factors <= 1, so nothing overflows) and directly inside the tile's own
-diagonal block: 2R + R^2 exponentials per tile and head instead of R * chunk_size.
+Padding rows (dt = x = B = 0) add exact zeros; cumsums are sequential. In a tile from row t0 the decay for
+s < t0 is taken as exp(a_t - a_t0) exp(a_t0 - a_s) (both <= 1, no overflow), inside the diagonal block
+directly: 2R + R^2 exponentials a tile and head, not R * L.
 """
 
 from __future__ import annotations
@@ -45,12 +26,8 @@ from .state import SSDState, SSMParams, Step
 
 @dataclass
 class Chunks:
-    """One call's inputs, cut into zero-padded, head-major chunks.
-
-    x [NC, H, L, P], dt [NC, H, L] (after softplus; 0 on padding), B [NC, G, L, N]: float32.
-    seq [NC] owning sequence, index [NC] chunk number within it, length [NC] valid rows.
-    Row r of the packed new tokens sits at chunk ``row_chunk[r]``, position ``row_pos[r]``.
-    """
+    """One call's inputs in zero-padded, head-major chunks: x [NC, H, L, P], dt [NC, H, L] (softplus'd, 0 on
+    padding), B [NC, G, L, N] fp32; seq, index, length [NC]; packed row r sits at (row_chunk[r], row_pos[r])."""
 
     x: torch.Tensor
     dt: torch.Tensor
@@ -75,9 +52,8 @@ Softplus = Callable[[torch.Tensor, torch.Tensor, tuple[float, float]], torch.Ten
 
 def dt_softplus_backward(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float],
                          g: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``dt_softplus`` against its raw dt, from g (its output's gradient, fp32, dt's
-    shape [..., H]): g sigmoid(dt + dt_bias) (g itself above softplus' threshold), zero where the
-    limit clamped. fp32; the same for dt_bias, summed over the rows."""
+    """The gradient of ``dt_softplus`` against raw dt [..., H] from g fp32: g sigmoid(dt + dt_bias) (g above
+    softplus' threshold), zero where clamped; dt_bias's is its sum over the rows."""
     z = dt.to(torch.float32) + dt_bias.to(torch.float32)
     d = torch.where(z > 20.0, g, g * torch.sigmoid(z))
     if tuple(dt_limit) != (0.0, math.inf):
@@ -88,10 +64,8 @@ def dt_softplus_backward(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tupl
 
 def _prefix_dt(db: torch.Tensor, off: torch.Tensor, fill: int, dt_bias: torch.Tensor,
                dt_limit: tuple[float, float], softplus: Softplus = dt_softplus) -> torch.Tensor:
-    """Buffered raw dt [S, H, L] -> fp32 [S, H, L]: ``dt_softplus`` of rows < off, +0.0 from row off on.
-
-    Only the first ``fill`` (= max(off)) rows go through softplus; the rest are zero in any case.
-    """
+    """Buffered raw dt [S, H, L] -> fp32: ``dt_softplus`` of rows < off, +0.0 from row off on (only the first
+    ``fill`` = max(off) rows go through softplus)."""
     S, H, L = db.shape
     out = torch.zeros(S, H, L, device=db.device)
     d = softplus(db[:, :, :fill].transpose(1, 2), dt_bias, dt_limit).transpose(1, 2)  # bias on the head dim
@@ -102,15 +76,9 @@ def _prefix_dt(db: torch.Tensor, off: torch.Tensor, fill: int, dt_bias: torch.Te
 
 @dataclass(frozen=True)
 class ChunkGrid:
-    """Where one call's chunks lie: a function of its sequences' lengths and buffered rows alone,
-    so a step computes it once for all its layers (``chunk_grid``).
-
-    num_chunks NC; fill: the most rows any sequence buffered (0 when none). int64 on one device:
-    seq, index, length [NC] (owning sequence, chunk number in it, valid rows); first, count [S]
-    (each sequence's first chunk and number of chunks); row_chunk, row_pos [T] (where packed row r
-    sits); row0, row_lo, row_hi [NC] (the packed row at the chunk's position 0, which may lie before
-    its sequence's rows when rows are buffered, and the sequence's rows [row_lo, row_hi)).
-    """
+    """Where one call's chunks lie, from its lengths and buffered rows alone (a step makes it once for all its
+    layers); int64 on one device: seq, index, length, row0 [NC] and first, count [S] as ``plan.AdvancePlan``'s,
+    row_chunk, row_pos [T], row_lo, row_hi [NC] the sequence's packed rows; fill the most rows buffered."""
 
     num_chunks: int
     fill: int
@@ -128,10 +96,8 @@ class ChunkGrid:
 
 def chunk_grid(cu_seqlens: torch.Tensor, off: torch.Tensor | None, chunk_size: int,
                device: torch.device | str) -> ChunkGrid:
-    """The chunk grid of sequences with cu_seqlens [S+1] new rows after off [S] buffered ones (None:
-    none), worked out on the host (``plan.chunk_layout``: a device cu_seqlens is read back once) and put
-    on ``device`` in one asynchronous copy (``plan.host_to_device``), so a GPU step plans without waiting
-    on the GPU."""
+    """``ChunkGrid`` of cu_seqlens [S+1] new rows after off [S] (None: 0) buffered ones, made on the host and put
+    on ``device`` in one asynchronous copy, so a GPU step plans without waiting on the GPU."""
     from .plan import chunk_layout, host_ints, host_to_device
 
     cu = host_ints(cu_seqlens)
@@ -159,18 +125,11 @@ def pack_chunks(
     grid: ChunkGrid | None = None,
     softplus: Softplus = dt_softplus,
 ) -> Chunks:
-    """Cut packed rows into chunks anchored at each sequence's start.
-
-    x [T, H, P], dt [T, H] raw, B [T, G, N], cu_seqlens [S+1].
-    prefix: (x_buf [S, H, L, P], dt_buf [S, H, L] (raw dt), B_buf [S, G, L, N], all in the model
-    dtype, off [S]): the rows buffered before each sequence's new rows, rows 0 .. off-1 of its
-    first chunk, head-major; rows >= off of x_buf and B_buf must be zero (those of dt_buf are
-    ignored). Buffered and new dt both go through ``dt_softplus`` here, which acts element by
-    element, so a buffered row's dt is the bits a fresh computation gives; the result's dt is
-    exactly +0.0 on padding rows (rows >= the chunk's length).
-    grid: ``chunk_grid`` of these sequences on x's device, if the caller has it (else made here).
-    softplus: ``dt_softplus`` or a form with its bits (``triton_math.dt_softplus_triton``).
-    """
+    """Cut packed rows into chunks anchored at each sequence's start: x [T, H, P], dt [T, H] raw, B [T, G, N].
+    prefix (x_buf [S, H, L, P], raw dt_buf [S, H, L], B_buf [S, G, L, N] in the model dtype, off [S]): the rows
+    buffered before each sequence's, x_buf and B_buf zero from off on. Buffered and new dt go through the same
+    elementwise ``softplus`` (``dt_softplus`` or a form with its bits), so the same bits; +0.0 on padding.
+    grid: these sequences' ``chunk_grid`` on x's device, if the caller has it."""
     dev = x.device
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -180,8 +139,7 @@ def pack_chunks(
     NC, S, first, fill = grid.num_chunks, grid.first.numel(), grid.first, grid.fill
     at = (grid.row_chunk, slice(None), grid.row_pos)
 
-    # Buffered dt is raw: softplus it here (rows < off only). When no slot buffers anything (a
-    # prefill from empty, the trainer's forward) that is skipped: dt_bias gets no zero-gradient branch.
+    # with nothing buffered (fill 0) the prefix softplus is skipped: dt_bias gets no zero-gradient branch
     if prefix is not None:
         xb, db, bb, off = prefix
         off = off.to(device=dev, dtype=torch.int64)
@@ -205,15 +163,10 @@ def pack_chunks(
 
 @dataclass(frozen=True)
 class TileLayout:
-    """Where NT row tiles lie in their chunks: what the tile arithmetic indexes with, fixed by the
-    tiles' positions alone (so a decode step computes it once for all its layers).
-
-    rows [NT, R] int64: each tile row's position in its chunk; before [NT, L] bool: the chunk's
-    columns before the tile's first row; causal [R, R] bool: row >= column inside the tile;
-    neg_inf: the -inf scalar that masked exponents take. With one live row per tile (a decode
-    step): live [NT] its row in the tile, live_pos [NT] its position in the chunk, live_causal
-    [NT, 1, 1, R] its row of ``causal``, tile_ids [NT] = 0 .. NT-1; all None otherwise.
-    """
+    """Where NT row tiles lie in their chunks, from their positions alone (a decode step makes it once for all
+    layers): rows [NT, R] int64 positions; before [NT, L] bool columns before the tile; causal [R, R]; neg_inf.
+    With one live row per tile (decode): live [NT] its row in the tile, live_pos [NT] in the chunk,
+    live_causal [NT, 1, 1, R], tile_ids [NT] arange; else None."""
 
     rows: torch.Tensor
     before: torch.Tensor
@@ -241,9 +194,8 @@ def tile_layout(tile: torch.Tensor, L: int, R: int, live: torch.Tensor | None = 
 
 
 def tile_gemm(a: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
-    """a [b, M, K] @ w [b, N, K]^T -> [b, M, N] float32 in the contract's GEMM form (``ops.linear``):
-    one batched BLAS GEMM at the tile's shape ("tiles") or the lanes' fixed chains ("lanes", where a
-    row's bits do not depend on the other rows of the call, so a decode step may compute its row alone)."""
+    """a [b, M, K] @ w [b, N, K]^T -> [b, M, N] fp32: one batched BLAS GEMM at the tile's shape ("tiles") or
+    the lanes' fixed chains ("lanes", ``ops.linear``)."""
     if form == "tiles":
         return torch.bmm(a, w.transpose(1, 2))
     return lanes(a, w)
@@ -251,21 +203,12 @@ def tile_gemm(a: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
 
 def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
                  h_in: torch.Tensor, Ct: torch.Tensor, D: torch.Tensor, gemm: str = "lanes") -> torch.Tensor:
-    """The output rows of NT row tiles: the one statement of a row's arithmetic, which a prefill
-    runs for every tile holding new rows and a decode step for the tile holding its token.
-
-    Per tile, its chunk's operands in float32: a [NT, H, L] (cumsum of dt*A), dt [NT, H, L], x
-    [NT, H, L, P], B [NT, G, L, N]; h_in [NT, H, P, N] the chunk's boundary state; Ct [NT, G, R, N]
-    C of the tile's rows (zero in rows not wanted); D [H] or [H, P]. Returns [NT, H, Q, P] float32:
-    every row (Q = R), or with ``lay.live`` set each tile's live row (Q = 1).
-
-    Columns past a row carry a zero decay, so what the chunk holds there (later tokens in a
-    prefill, zeros in a decode) adds exact zeros: a row's bits depend on columns up to it only.
-    The GEMMs always run at the tile's shapes, [R, N] x [N, L], [R, L] x [L, P] and [R, N] x
-    [N, Hg*P], in the ``gemm`` form (``tile_gemm``; a GEMM row's bits depend on that row's operands,
-    not on the other rows); the elementwise work of a live row is that row's elements of the whole
-    tile's, operation by operation.
-    """
+    """The output rows of NT row tiles, the one statement of a row's arithmetic (a prefill runs every tile
+    with new rows, a decode step the tile holding its token). Each tile's chunk's fp32 operands: a, dt
+    [NT, H, L], x [NT, H, L, P], B [NT, G, L, N], h_in [NT, H, P, N]; Ct [NT, G, R, N] (zero in rows not
+    wanted); D [H] or [H, P] -> [NT, H, Q, P] fp32, Q = R, or 1 with ``lay.live``. Columns past a row decay
+    to exact zeros; the GEMMs always run at the tile's shapes; a live row's elementwise work is its elements
+    of the whole tile's, operation by operation."""
     NT, H, L, P = x.shape
     G, N = B.shape[1], B.shape[3]
     R = Ct.shape[2]
@@ -277,8 +220,7 @@ def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Te
         Q, a_q, causal = R, a_t, lay.causal
     else:
         Q, a_q, causal = 1, a.gather(-1, lay.live_pos[:, None, None].expand(NT, H, 1)), lay.live_causal
-    # All exponentials of the tile in one call (each is <= 1): columns before the tile, the
-    # tile's rows against its first row, its diagonal block, and the boundary-state decay.
+    # the tile's exponentials (each <= 1) in one call: before the tile, rows vs row 0, diagonal, boundary
     args = (
         torch.where(lay.before[:, None, :], a_0 - a, neg_inf),  # [NT, H, L]
         a_q - a_0,  # [NT, H, Q]
@@ -297,7 +239,6 @@ def tile_outputs(lay: TileLayout, a: torch.Tensor, dt: torch.Tensor, x: torch.Te
         ids, live = lay.tile_ids, lay.live
         CB = CB.view(NT, G, R, L)[ids, :, live]  # [NT, G, L]
         inter = inter.view(NT, G, R, Hg * P)[ids, :, live]  # [NT, G, Hg*P]
-    # (C.B) * decay * dt, with a group's C.B broadcast over its heads
     scores = (CB.view(NT, G, 1, Q, L) * decay.view(NT, G, Hg, Q, L)) * dt.view(NT, G, Hg, 1, L)
     if lay.live is None:
         intra = _intra(scores.view(NT * H, R, L), x.view(NT * H, L, P), gemm).view(NT, H, R, P)
@@ -322,11 +263,8 @@ def _intra(scores: torch.Tensor, x: torch.Tensor, gemm: str) -> torch.Tensor:
 
 def chunk_states(a: torch.Tensor, dt: torch.Tensor, x: torch.Tensor,
                  B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state n chunks add from a zero boundary, sum_s exp(a_L - a_s) dt_s x_s B_s^T, and their
-    decay exp(a_L): what a prefill and a decode step's chunk completion both fold into the state.
-
-    a, dt [n, H, L], x [n, H, L, P], B [n, G, L, N] float32. Returns ([n, H, P, N], [n, H, 1, 1]).
-    """
+    """The state n chunks add from a zero boundary, sum_s exp(a_L - a_s) dt_s x_s B_s^T [n, H, P, N], and their
+    decay exp(a_L) [n, H, 1, 1], from a, dt [n, H, L], x [n, H, L, P], B [n, G, L, N] fp32."""
     n, H, L, P = x.shape
     G, N = B.shape[1], B.shape[3]
     Hg = H // G
@@ -354,12 +292,9 @@ def scan_chunks(
     row_tile: int = 16,
     gemm: str = "lanes",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan proper. C [T, G, N] for the packed new rows; rows [T] bool (default all).
-
-    Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
-    sequence's last full-chunk boundary for final="boundary", at its end for "end") and
-    moved [S] bool (whether a sequence's state changed; where not, states holds the initial one).
-    """
+    """The scan proper: C [T, G, N], rows [T] bool (default all) -> y [T, H, P] fp32 (zero in rows not wanted),
+    states [S, H, P, N] fp32 (at the last full-chunk boundary for final "boundary", the end for "end") and
+    moved [S] bool (where False, states holds the initial one)."""
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
     NC, H, L, P = ch.x.shape
@@ -373,15 +308,14 @@ def scan_chunks(
     a = torch.cumsum(ch.dt * A.to(torch.float32)[None, :, None], dim=-1)  # [NC, H, L]
     h0 = initial_states.to(torch.float32)
 
-    # Chunk states from a zero boundary: sum_s exp(a_L - a_s) dt_s x_s B_s^T, [n, H, P, N].
     need = ch.length == L if final == "boundary" else torch.ones(NC, dtype=torch.bool, device=dev)
     si = torch.nonzero(need).flatten()
     n = si.numel()
     if n:
-        # index_select, not t[si]: the same rows, copied whole (advanced indexing is ~5x slower)
+        # index_select, not t[si]: advanced indexing is ~5x slower
         chunk_state, chunk_decay = chunk_states(*(t.index_select(0, si) for t in (a, ch.dt, ch.x, ch.B)))
 
-    # Pass states along each sequence, chunk after chunk, in float32.
+    # pass states along each sequence, chunk after chunk, in fp32
     moved = torch.zeros(S, dtype=torch.bool, device=dev)
     if NC == S:  # one chunk per sequence (decode, short prefill): its boundary state is the initial one
         h_in = h0
@@ -404,7 +338,7 @@ def scan_chunks(
             h[su_] = fold_state(h[su_], chunk_decay[cu_], chunk_state[cu_])
         moved[ch.seq[si]] = True
 
-    # Tiles holding wanted rows.
+    # tiles holding wanted rows
     want = torch.ones(T, dtype=torch.bool, device=dev) if rows is None else rows.to(dev)
     tile_id = torch.full((NC, L // R), -1, dtype=torch.int64, device=dev)
     tile_id[ch.row_chunk[want], ch.row_pos[want] // R] = 0
@@ -417,7 +351,7 @@ def scan_chunks(
     tc, tr = tiles[:, 0], tiles[:, 1]
     ident = NT == NC and bool((tc == torch.arange(NC, device=dev)).all())
 
-    # C of the wanted rows, placed in their tiles (other rows stay zero).
+    # C of the wanted rows in their tiles, other rows zero
     rt = tile_id[ch.row_chunk, ch.row_pos // R]
     Ct = torch.zeros(NT, G, R, N, device=dev)
     Ct[rt[want], :, ch.row_pos[want] % R] = C[want].to(torch.float32)
@@ -442,16 +376,10 @@ def ssd_chunk(
     final: str = "end",
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan over packed sequences, each starting at a chunk boundary (the forms' signature).
-
-    x [T, H, P] (bf16 or fp32), dt [T, H] raw, B/C [T, G, N], cu_seqlens [S+1] int64 offsets of the
-    sequences in the packed rows, initial_states [S, H, P, N] float32 (the state at each sequence's
-    first row; None: zeros). rows [T] bool: the rows whose outputs are wanted (default all).
-    final: "end" folds every chunk into the returned states (a sequence's state at its last row),
-    "boundary" stops at each sequence's last full-chunk boundary (what exact replay keeps).
-
-    Returns y [T, H, P] in x's dtype (zero in rows not wanted) and states [S, H, P, N] float32.
-    """
+    """Chunked scan over packed sequences, each starting at a chunk boundary (the scan forms' signature):
+    x [T, H, P], dt [T, H] raw, B/C [T, G, N], cu_seqlens [S+1], initial_states [S, H, P, N] fp32 or None;
+    rows [T] bool wanted rows; final "end" (states at each sequence's end) or "boundary" (at its last full-chunk
+    boundary, what exact replay keeps) -> y [T, H, P] in x's dtype (zero in rows not wanted), states fp32."""
     S = cu_seqlens.numel() - 1
     H, P, N = x.shape[1], x.shape[2], B.shape[2]
     if initial_states is None:
@@ -474,14 +402,9 @@ def replay_chunk(
     rows: torch.Tensor | None = None,
     cfg: TorchKernelConfigs,
 ) -> torch.Tensor:
-    """Advance every slot of ``step`` by its new tokens on the torch backend (the replay forms'
-    signature); returns y [T, H, P] in x's dtype, zero in rows not wanted.
-
-    x [T, H, P], dt [T, H] raw, B/C [T, G, N] in the model dtype (the buffers'); rows [T] bool
-    (default all). Updates ``state`` in place: boundary states of the slots whose chunk completed,
-    buffers (rows past a slot's fill level stay zero, so a slot's buffer is its first chunk's
-    zero-padded prefix; ``pack_chunks`` zeroes the softplus'd dt past the fill level).
-    """
+    """Advance every slot of ``step`` by its new tokens (the replay forms' signature): x [T, H, P], dt [T, H]
+    raw, B/C [T, G, N] in the buffers' dtype, rows [T] bool -> y [T, H, P] in x's dtype, zero in rows not
+    wanted. Updates in place the boundary states of completed chunks and the buffers (zero past the fill)."""
     state.check_inputs(x, dt, B)
     L = state.chunk_size
     dev = x.device
@@ -495,8 +418,7 @@ def replay_chunk(
                               final="boundary", row_tile=cfg.scan_row_tile(L), gemm=cfg.gemm_form)
     if bool(moved.any()):
         state.ssm_state[slots[moved]] = h[moved]
-    # New buffer: the rows of each slot's last, partial chunk. A slot whose chunk completed is
-    # emptied first (rows past the fill level stay zero); the others only gain rows.
+    # new buffers: each slot's last partial chunk; a completed slot is emptied first, the others gain rows
     rem = (off + lens) % L
     crossed = off + lens >= L
     if bool(crossed.any()):

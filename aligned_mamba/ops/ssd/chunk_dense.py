@@ -1,22 +1,7 @@
-"""The SSD scan as dense per-chunk blocks (torch ops): the form gradients are taken through.
-
-The same mathematics as ``chunk.py`` on the same chunk grid (``pack_chunks``: chunks anchored at
-each sequence's start, zero-padded), arranged for autograd rather than for bits: one [L, L] block of
-decays and scores per chunk and head, batched GEMMs, plain ``torch.exp``. Within a chunk, with a_t
-the cumulative sum of dt*A from the chunk start:
-
-    y_t = exp(a_t) C_t . h_in + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s + D x_t
-    h_out = exp(a_L) h_in + sum_s exp(a_L - a_s) dt_s x_s B_s^T
-
-Its rows are not row-invariant (the GEMM shapes follow the call), which is why the forward both
-sides run is ``chunk.py``'s (or the Triton kernels'); this form is the readable statement of the
-function whose gradient the triton backend's backward kernels compute (``triton_backward``): torch
-autograd through it is their reference (tests/ops/test_triton_backward.py, which also holds both to fp64).
-
-Deterministic run to run without torch's deterministic mode: every index op here moves rows to or
-from distinct places (each packed row to one chunk position, each chunk's state to one slot), so
-the atomics of their backwards add into zeros once per element; the rest is batched GEMMs,
-broadcasts (reduced by sums) and a cumsum along the chunk's rows.
+"""The SSD scan as dense per-chunk blocks on ``chunk.py``'s grid, for autograd: the function whose gradient
+``triton_backward`` computes (autograd through it is their reference). Not row-invariant, so never a forward.
+Deterministic without torch's deterministic mode: every index op moves rows to distinct places, so the
+atomics of its backward add into zeros once per element; keep it so.
 """
 
 from __future__ import annotations
@@ -29,10 +14,8 @@ from .state import SSMParams
 
 def dense_outputs(ch: Chunks, C: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
                   h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk grid ``ch`` (x [NC, H, L, P], dt [NC, H, L], B [NC, G, L, N], fp32), C [T, G, N] of
-    the packed new rows, A [H], D [H] or [H, P], h0 [S, H, P, N] the state at each sequence's first
-    chunk boundary -> (y [T, H, P] float32 of the packed new rows, states [S, H, P, N] float32 at
-    each sequence's end)."""
+    """Grid ``ch`` (x [NC, H, L, P], dt [NC, H, L], B [NC, G, L, N] fp32), C [T, G, N], A [H], D [H] or [H, P],
+    h0 [S, H, P, N] at each first boundary -> y [T, H, P] fp32 of the new rows, final states [S, H, P, N] fp32."""
     NC, H, L, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
     HG, dev = H // G, ch.x.device
@@ -48,7 +31,7 @@ def dense_outputs(ch: Chunks, C: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
     scores = CB[:, :, None] * (seg.exp() * ch.dt[..., None, :]).view(NC, G, HG, L, L)
     y = (scores @ ch.x.view(NC, G, HG, L, P)).view(NC, H, L, P)
 
-    # boundary states: chunk after chunk along each sequence (chunk k of every sequence at once)
+    # boundary states: chunk k of every sequence at once
     w = (a[..., -1:] - a).exp() * ch.dt  # [NC, H, L]
     states = (ch.x * w[..., None]).transpose(-1, -2) @ ch.B.repeat_interleave(HG, dim=1)  # [NC, H, P, N]
     decay = a[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]

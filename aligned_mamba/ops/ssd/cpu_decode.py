@@ -1,7 +1,5 @@
-"""The CPU form of the decode step: ``decode.py``'s arithmetic for the tokens' rows alone, in
-``native_cpu.c``'s loops (the contract's ``gemm_form`` "lanes": a GEMM row's bits depend on that
-row's operands alone, so the three GEMMs compute the token's row only, reading the buffers and
-boundary states in place); elsewhere ``decode.py``'s torch form, the same bits.
+"""The CPU form of the decode step: ``decode.py``'s arithmetic for the tokens' rows alone, in ``native_cpu.c``'s
+loops (with ``gemm_form`` "lanes" a GEMM row's bits depend on its own operands only); elsewhere ``decode.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +19,9 @@ from .state import SSDState, SSMParams, Step
 def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
                B: torch.Tensor, C: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, A: torch.Tensor,
                dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> tuple[torch.Tensor, ...] | None:
-    """Steps 1 and 2 of ``decode.replay_decode`` for sequences in ``slots`` [S] with tokens at
-    chunk rows ``pos`` [S]: writes the tokens' x [S, H, P], raw dt [S, H] and B [S, G, N] into the
-    buffers [slots, H | G, L, ...] (all one dtype with C [S, G, N]) and returns, float32: dtc [S, H, L]
-    (softplus'd dt, +0.0 past the token), a [S, H, L] = torch.cumsum(dtc * A, -1) (its bits), the
-    tokens' C [S, G, N] and x [S, H, P]. None, with nothing written, where it does not apply."""
+    """Steps 1 and 2 of ``decode.py`` up to the GEMMs, for ``slots``/``pos`` [S] (all inputs one dtype) -> fp32
+    dtc [S, H, L] (+0.0 past the token), a = torch.cumsum(dtc * A, -1) (its bits), the tokens' C [S, G, N] and
+    x [S, H, P]; None, with nothing written, where the loops do not apply."""
     ts = (buf_x, buf_dt, buf_B, x, dt, B, C)
     if not ok(*ts) or len({t.dtype for t in ts}) != 1 or (lib := library()) is None:
         return None
@@ -53,11 +49,9 @@ def decode_put(buf_x: torch.Tensor, buf_dt: torch.Tensor, buf_B: torch.Tensor, x
 
 def decode_scores(a: torch.Tensor, dtc: torch.Tensor, CB: torch.Tensor, pos: torch.Tensor, G: int,
                   R: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk.tile_outputs``' elementwise work for each tile's one live row (tiles of R rows): a, dtc
-    [S, H, L] float32, CB [S * G, Q, L] (the C.B GEMM's output: Q = R whole tiles, or Q = 1 the live
-    rows alone), pos [S] -> (tiles [S * H, Q, L], the intra GEMM's left operand, zero but for the live
-    rows; e_in [S, H], the boundary state's decay). The library must be loaded (``decode_put``
-    returned operands)."""
+    """``chunk.tile_outputs``' elementwise work for each tile's live row: a, dtc [S, H, L] fp32, CB [S * G, Q, L]
+    (Q = R whole tiles, or 1: the live rows) -> the intra GEMM's left operand [S * H, Q, L] (zero but the live
+    rows), e_in [S, H] the boundary state's decay. The library must be loaded."""
     lib = library()
     S, H, L = a.shape
     a, dtc, CB = a.contiguous(), dtc.contiguous(), CB.contiguous()
@@ -71,9 +65,8 @@ def decode_scores(a: torch.Tensor, dtc: torch.Tensor, CB: torch.Tensor, pos: tor
 
 def decode_combine(inter: torch.Tensor, intra: torch.Tensor, e_in: torch.Tensor, D: torch.Tensor, xt: torch.Tensor,
                    pos: torch.Tensor, G: int, R: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tokens' rows y [S, H, P] float32 = (C.h_in * e_in + intra) + D x_t, from the GEMMs' outputs
-    inter [S * G, Q, Hg * P] and intra [S * H, Q, P] (Q as in ``decode_scores``), e_in [S, H], D [H]
-    or [H, P], xt [S, H, P] the tokens' x in float32; y rounded once to ``dtype``."""
+    """y [S, H, P] = (C.h_in * e_in + intra) + D x_t rounded once to ``dtype``, from inter [S * G, Q, Hg * P],
+    intra [S * H, Q, P], e_in [S, H], D [H] or [H, P], xt [S, H, P] fp32."""
     lib = library()
     S, H, P = xt.shape
     inter, intra, xt = inter.contiguous(), intra.contiguous(), xt.contiguous()
@@ -87,13 +80,9 @@ def decode_combine(inter: torch.Tensor, intra: torch.Tensor, e_in: torch.Tensor,
 
 def loop_rows(p: DecodePlan, a: torch.Tensor, dtc: torch.Tensor, state: SSDState, xt: torch.Tensor,
                  Cr: torch.Tensor, D: torch.Tensor, R: int, dtype: torch.dtype) -> torch.Tensor:
-    """``tile_outputs(p.lay, ...)[:, :, 0]`` for the lanes' GEMMs, which compute the live rows alone:
-    the same bits, with the elementwise work in the loops and the GEMMs reading the
-    state's buffers and boundary states (slot-indexed, in ``dtype``, the model's, and float32) in
-    place at the plan's slots. The scores past each token are +0.0 and so are the buffer rows
-    there, so the scores' GEMM stops at the token's row (``lane_gemm_kn``'s klen).
-    a, dtc [S, H, L] float32; xt [S, H, P] and Cr [S, G, N] the tokens' x and C in float32.
-    Returns y [S, H, P] in ``dtype``."""
+    """``tile_outputs(p.lay, ...)[:, :, 0]``'s bits with the lanes' GEMMs on the live rows alone, reading the
+    state in place; the scores' GEMM stops at the token's row (scores and buffer rows past it are +0.0).
+    a, dtc [S, H, L], xt [S, H, P], Cr [S, G, N] fp32 -> y [S, H, P] in ``dtype``."""
     buf_x, buf_B, h = state.buf_x, state.buf_B, state.ssm_state
     S, (G, L, N), (H, P) = p.S, buf_B.shape[1:], (buf_x.shape[1], buf_x.shape[3])
     exact = dtype == torch.bfloat16  # bf16 C.B products are exact

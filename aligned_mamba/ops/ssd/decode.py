@@ -1,32 +1,11 @@
-"""Exact-replay decode on the torch backend: one new token per sequence, only its row.
-
-A decode step must give its token the bits the single pass gives the same row. By the invariant of
-``chunk.py`` that row is a fixed function of (the chunk's fp32 boundary state, the chunk's inputs up
-to the token, its position), and the prefill computes it in the row tile holding it
-(``chunk.tile_outputs``, R = ``TorchKernelConfigs.scan_row_tile(L)`` rows) from the zero-padded
-chunk. So a decode step
-
-1. writes the token's x, raw dt and B into row ``pos % L`` of its slot's buffers, which then hold
-   the chunk so far (rows past it are zero, the buffer invariant of ``SSDState``);
-2. builds the chunk's operands as ``chunk.pack_chunks`` does (softplus'd dt, +0.0 past the token;
-   the within-chunk cumsum a) and runs ``chunk.tile_outputs``' arithmetic for the token's row: the
-   prefill's operations, in its order. With the contract's ``gemm_form`` "lanes" (the default) a
-   GEMM row's bits depend on that row's operands alone, so the CPU form (``cpu_decode.py``)
-   computes the token's row only, reading the buffers as they are, in ``native_cpu.c``'s loops;
-   this torch form (and the CPU form with "tiles", or without the library) runs the whole tile
-   holding the token through ``tile_outputs`` with the token's C in its row and zeros in the
-   others, at the prefill's GEMM shapes. The S sequences of a step are batched in each call (a batch item's bits
-   do not depend on how many items share the call: tests/ops/test_rows.py,
-   tests/ops/ssd/test_decode.py);
-3. where the token completes its chunk (``pos % L == L - 1``), folds the chunk into the boundary
-   state with the prefill's code (``chunk.chunk_states``, ``chunk.fold_state``) and empties the
-   slot's buffers.
-
-Everything that depends only on the step's positions and slots (the tiles, masks, scatter and
-gather indices, which sequences complete) is worked out once per step on the host and shared by
-all layers (``StepPlan.ssd_decode``); a layer's call is then a fixed sequence of ops with no host syncs.
-Where the step's slots, sorted, are one contiguous range, the sequences are taken in slot order
-and the state and buffers are read through views of that range, not gathered.
+"""Exact-replay decode on the torch backend: one new token per sequence, only its row, with the bits
+the single pass gives that row (why: docs/design.md, "The one idea"). A decode step
+1. writes the token's x, raw dt and B into row ``pos % L`` of its slot's buffers (the chunk so far);
+2. builds the chunk's operands as ``chunk.pack_chunks`` does and runs ``chunk.tile_outputs`` on the
+   whole row tile holding the token (its C in its row, zeros in the others: the prefill's GEMM shapes);
+3. where the token completes its chunk, folds the chunk into the boundary state with the prefill's
+   code and empties the slot's buffers.
+The step's tables are made once on the host and shared by all layers (``StepPlan.ssd_decode``).
 """
 
 from __future__ import annotations
@@ -43,19 +22,12 @@ from .state import SSDState, SSMParams, Step
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One decode step's layout for layers of H heads and G groups, on the device.
-
-    S sequences; ``order`` [S] (None: identity): the packed row each plan entry takes, ascending by
-    slot when the slots form one range (``first`` >= 0 is then the first slot and entry i is slot
-    first + i), else the packed order. Per entry: ``slots`` [S], ``pos`` [S] the token's position in
-    its chunk, ``row`` [S] its row in its tile, ``lay`` the tiles' ``TileLayout``, ``filled``
-    [S, 1, L] bool (chunk rows up to the token) and ``filled_len`` [S] (their number).
-    ``put_x``/``put_B``: index tuples writing the token's x [S, H, P] (and raw dt [S, H]) / B
-    [S, G, N] rows into buffers of [slots, H | G, L, ...]; ``put_C`` places C [S, G, N] in the tile
-    rows [S, G, R, N] (lay, filled and the put_ tuples are made on first use: the torch forms').
-    ``done`` [n] (None if none): entries whose token completes its chunk, ``done_slots`` [n] their
-    slots. L, R, H, G: chunk size, row tile, heads, groups.
-    """
+    """One decode step's layout on the device, for L chunk size, R row tile, H heads, G groups.
+    ``order``/``inverse`` [S] (None: identity): packed row of each entry, ascending by slot when the slots
+    are one range (``first`` >= 0, entry i is slot first + i; else -1). [S] per entry: ``slots``, ``pos``
+    (row in its chunk), ``row`` (in its tile), ``filled_len``; ``done``/``done_slots`` [n] (None if none):
+    entries completing their chunk. The torch forms' tables (lay, filled [S, 1, L], the put_ index tuples
+    into buffers [slots, H | G, L, ...] and tile rows [S, G, R, N]) are made on first use."""
 
     S: int
     first: int
@@ -76,7 +48,6 @@ class DecodePlan:
         """The plan's slots of a slot-indexed tensor, in plan order: a view when they are one range."""
         return t.narrow(0, self.first, self.S) if self.first >= 0 else t.index_select(0, self.slots)
 
-    # The torch forms' tables, made when first asked for (the native loops need none of them)
     @functools.cached_property
     def lay(self) -> TileLayout:
         return tile_layout(self.pos // self.R, self.L, self.R, live=self.row)
@@ -134,7 +105,7 @@ def plan_decode(step: Step, L: int, R: int, H: int, G: int, device: torch.device
 def prepare(state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
             cfg: TorchKernelConfigs) -> tuple[DecodePlan, tuple[torch.Tensor, ...]] | None:
     """The step's ``DecodePlan`` (once per step) and the inputs in its order; None for an empty step.
-    ValueError where the inputs do not fit (see ``replay_decode``)."""
+    ValueError where the inputs do not fit."""
     state.check_inputs(x, dt, B)
     S, H, P = x.shape
     G = B.shape[1]
@@ -156,11 +127,8 @@ def prepare(state: SSDState, step: Step, x: torch.Tensor, dt: torch.Tensor, B: t
 
 def tile_rows(p: DecodePlan, state: SSDState, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               params: SSMParams, gemm_form: str) -> tuple[torch.Tensor, ...]:
-    """Steps 1 and 2 in torch ops: the tokens' rows into the buffers, the chunk's operands as
-    ``pack_chunks`` builds them, then the whole tile holding each token through ``tile_outputs`` with
-    the token's C in its row and zeros in the others (the prefill's GEMM shapes). Inputs in plan
-    order. Returns (y [S, H, P] float32, dtc and a [S, H, L], xc [S, H, L, P], Bc [S, G, L, N], h0
-    [S, H, P, N]: the operands step 3 reuses)."""
+    """Steps 1 and 2 in torch ops, inputs in plan order -> y [S, H, P] fp32 and the operands step 3 reuses:
+    dtc and a [S, H, L], xc [S, H, L, P], Bc [S, G, L, N], h0 [S, H, P, N]."""
     dev, f32 = x.device, torch.float32
     S, G, N = x.shape[0], B.shape[1], B.shape[2]
     state.buf_x.index_put_(p.put_x, x)
@@ -182,9 +150,8 @@ def tile_rows(p: DecodePlan, state: SSDState, x: torch.Tensor, dt: torch.Tensor,
 def finish(p: DecodePlan, state: SSDState, y: torch.Tensor, a: torch.Tensor, dtc: torch.Tensor,
            xc: torch.Tensor | None, Bc: torch.Tensor | None, h0: torch.Tensor | None, rows: torch.Tensor | None,
            dtype: torch.dtype) -> torch.Tensor:
-    """Step 3 (chunks the tokens complete: the prefill's chunk state and state pass, then empty
-    buffers) and y [S, H, P] back in the step's order, zero in rows not wanted, in ``dtype``. xc, Bc,
-    h0: step 2's operands where it made them (None: read from the state)."""
+    """Step 3, and y [S, H, P] back in the step's order in ``dtype``, zero in rows not wanted.
+    xc, Bc, h0: step 2's operands where it made them (None: read from the state)."""
     dev, f32 = y.device, torch.float32
     if p.done is not None:
         d_ = p.done
@@ -216,14 +183,9 @@ def replay_decode(
     rows: torch.Tensor | None = None,
     cfg: TorchKernelConfigs,
 ) -> torch.Tensor:
-    """Advance every slot of ``step`` by its one new token (the replay forms' signature); returns
-    y [S, H, P] in x's dtype with the bits of the single pass's rows, zero in rows not wanted.
-
-    x [S, H, P], dt [S, H] raw, B/C [S, G, N] in the model dtype (the buffers'), one row per
-    sequence in the step's order; rows [S] bool (default all). Updates ``state`` in place as
-    ``chunk.replay_chunk`` does: the token's buffer rows, and for a token that completes its chunk
-    the boundary state and emptied buffers. ValueError unless every sequence has one new token.
-    """
+    """Advance every slot of ``step`` by its one new token, updating ``state`` as ``chunk.replay_chunk``
+    does: x [S, H, P], dt [S, H] raw, B/C [S, G, N] in the buffers' dtype, step order; rows [S] bool or None
+    -> y [S, H, P] in x's dtype, the single pass's bits, zero in rows not wanted."""
     prep = prepare(state, step, x, dt, B, C, cfg)
     if prep is None:
         return x.new_zeros(0, *x.shape[1:])

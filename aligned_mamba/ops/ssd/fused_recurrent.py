@@ -1,8 +1,5 @@
-"""The recurrent form of the SSD scan (selective state update, SSU): the baseline.
-
-This is how engines decode Mamba2 today: one token per step, the state updated in place. It is
-the same math as the chunked scan but another rounding, so its outputs differ from the trainer's
-chunked pass from the first decoded token on. Kept to show the mismatch exact replay removes.
+"""The recurrent SSD update (SSU), as engines decode Mamba2 today: the baseline, whose rounding
+differs from the chunked scan's from the first decoded token (kept to show the mismatch).
 """
 
 from __future__ import annotations
@@ -15,10 +12,8 @@ from .state import SSMParams
 
 def recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    params: SSMParams) -> torch.Tensor:
-    """One token for each of S sequences; ``state`` [S, H, P, N] float32 is updated in place.
-
-    x [S, H, P], dt [S, H] raw, B/C [S, G, N]. Returns y [S, H, P] in x's dtype.
-    """
+    """One token for each of S sequences, ``state`` [S, H, P, N] fp32 updated in place.
+    x [S, H, P], dt [S, H] raw, B/C [S, G, N] -> y [S, H, P] in x's dtype."""
     H = x.shape[1]
     G = B.shape[1]
     dtf = F.softplus(dt.float() + params.dt_bias)
@@ -44,12 +39,8 @@ def ssd_fused_recurrent(
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every packed sequence token by token with ``recurrent_step`` (the forms' signature).
-
-    x [T, H, P], dt [T, H] raw, B/C [T, G, N], cu_seqlens [S+1], initial_states [S, H, P, N] fp32
-    or None (zeros). Returns y [T, H, P] in x's dtype and the states at each sequence's end
-    [S, H, P, N] float32.
-    """
+    """Every packed sequence token by token with ``recurrent_step`` (the scan forms' signature):
+    initial_states [S, H, P, N] fp32 or None -> y [T, H, P] in x's dtype, final states fp32."""
     T, H, P = x.shape
     N = B.shape[2]
     S = cu_seqlens.numel() - 1

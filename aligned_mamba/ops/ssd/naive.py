@@ -1,8 +1,5 @@
-"""fp64 sequential reference of the Mamba2 SSM: the accuracy yardstick, not a fast path.
-
-Per head h:  dt_t = softplus(dt_raw_t + dt_bias), clamped to dt_limit
-             h_t  = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T
-             y_t  = C_t . h_t + D x_t
+"""fp64 sequential reference of the Mamba2 SSM (the accuracy yardstick, not a fast path): per head,
+dt_t = softplus(dt_raw_t + dt_bias) clamped, h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = C_t . h_t + D x_t.
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ def ssd_naive(
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run each packed sequence token by token in float64.
-
-    x [T, H, P], dt [T, H] (raw), B/C [T, G, N], cu_seqlens [S+1], initial_states [S, H, P, N]
-    or None (zeros). Returns y [T, H, P] float64 and the final states [S, H, P, N] float64.
+    """Each packed sequence token by token in float64: x [T, H, P], dt [T, H] raw, B/C [T, G, N],
+    cu_seqlens [S+1], initial_states [S, H, P, N] or None (zeros) -> y [T, H, P], finals [S, H, P, N].
     """
     A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     f64 = torch.float64

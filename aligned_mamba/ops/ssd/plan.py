@@ -1,34 +1,7 @@
-"""The layout of one advance, worked out on the host from the batch's lengths: no device syncs.
-
-An advance over S sequences (each with ``off`` rows buffered since its chunk boundary and ``n``
-new rows) cuts every sequence's stream (buffer ++ new rows) into chunks anchored at its
-boundary, as ``chunk.pack_chunks`` does. Everything about that layout (which chunk holds which
-rows, which chunks complete, which row tiles hold wanted rows) follows from (off, n) alone, which
-an engine knows on the host. ``plan_advance`` computes it there with numpy (a few microseconds
-per table, where torch CPU ops cost tens); ``to_device`` moves every table to the device in one
-asynchronous copy. A step plans once for all its layers (``StepPlan.ssd_chunk``). The Triton
-backend's kernels then read the tables and never ask the device how many chunks or tiles there
-are.
-
-Tables (int64 unless noted), per chunk c of NC:
-    seq[c]   owning sequence; index[c] chunk number within it; length[c] valid rows (<= L);
-    pre[c]   rows taken from the slot's buffer (off for a sequence's first chunk, else 0);
-    row0[c]  packed row of chunk position 0 (position s < length holds packed row row0 + s if s >= pre);
-    part[c]  the chunk's index among the chunks with buffered rows (pre > 0), which are copied whole
-             into chunk-shaped tensors; -1 for the others, whose rows are read where they lie;
-    need[c]  the chunk's state is folded into the boundary state (length == L, or every chunk for "end").
-Per sequence q of S:
-    first[q], count[q]  its chunks; moved[q] (bool) whether its boundary moves;
-    keep_lo[q], keep_hi[q], keep_row0[q]: the rows [keep_lo, keep_hi) of its new buffer and the
-    packed row of buffer row 0 (rows from keep_lo on are new rows); clear_hi[q]: rows keep_hi ..
-    clear_hi-1 become zero. A buffer whose chunk completed is rewritten from row 0 (keep_lo = 0) and
-    its old rows past the new fill level are cleared; rows at and past the old fill level are zero
-    already (the buffer invariant of ``SSDState``), so they are not written.
-    state_chunks [n]: the chunks with need set, in order; chunk_slot[c] = slot[seq[c]]; chunk_id[c] = c.
-Per sequence also slot[q], its slot in the replay state.
-Per row tile i of NT (R rows of one chunk holding at least one wanted row):
-    tile_chunk[i], tile_pos[i] (its first row's position), tile_rows[i, R] (each tile row's
-    packed row, -1 where not a wanted new row).
+"""The layout of one advance, worked out on the host from each sequence's (off, n) alone (numpy: microseconds a
+table, where torch CPU ops cost tens): which chunk holds which rows, which chunks complete, which row tiles hold
+wanted rows; no device syncs. A step plans once for all its layers (``StepPlan.ssd_chunk``); ``to_device`` moves
+the tables in one asynchronous copy, and the kernels never ask the device how many chunks or tiles there are.
 """
 
 from __future__ import annotations
@@ -45,30 +18,31 @@ if TYPE_CHECKING:
 
 @dataclass
 class AdvancePlan:
-    """See the module docstring. Tables are int64 numpy arrays (bool for need and moved) on
-    the host (``plan_advance``), int64 torch tensors on a device (``to_device``)."""
+    """``plan_advance``'s tables: int64 numpy arrays (bool for need, moved) on the host, int64 tensors on a
+    device (``to_device``). Per chunk of NC, per sequence of S, per row tile of NT (R rows of one chunk that
+    hold a wanted row)."""
 
-    seq: Any
-    index: Any
-    length: Any
-    pre: Any
-    row0: Any
-    part: Any
-    need: Any
-    first: Any
-    count: Any
-    moved: Any
-    keep_lo: Any
+    seq: Any  # [NC] owning sequence
+    index: Any  # [NC] chunk number within it
+    length: Any  # [NC] valid rows (<= L)
+    pre: Any  # [NC] rows from the slot's buffer (off for a sequence's first chunk, else 0)
+    row0: Any  # [NC] packed row of position 0: position s, pre <= s < length, holds packed row row0 + s
+    part: Any  # [NC] index among the chunks with pre > 0 (copied whole), -1 for the others (read in place)
+    need: Any  # [NC] the chunk's state is folded (length == L; every chunk for final "end")
+    first: Any  # [S] first chunk
+    count: Any  # [S] number of chunks
+    moved: Any  # [S] whether the boundary moves
+    keep_lo: Any  # [S] rows [keep_lo, keep_hi) of the new buffer are written (from keep_lo on, new rows)
     keep_hi: Any
-    keep_row0: Any
-    clear_hi: Any
-    tile_chunk: Any
-    tile_pos: Any
-    tile_rows: Any
-    slot: Any
-    chunk_slot: Any
-    state_chunks: Any
-    chunk_id: Any
+    keep_row0: Any  # [S] packed row of buffer row 0
+    clear_hi: Any  # [S] rows keep_hi .. clear_hi - 1 become zero
+    tile_chunk: Any  # [NT] the tile's chunk
+    tile_pos: Any  # [NT] its first row's position
+    tile_rows: Any  # [NT, R] each tile row's packed row, -1 where not a wanted new row
+    slot: Any  # [S] slot in the replay state
+    chunk_slot: Any  # [NC] slot[seq]
+    state_chunks: Any  # [n] the chunks with need set, in order
+    chunk_id: Any  # [NC] arange
     L: int
     R: int
     any_moved: bool
@@ -107,12 +81,9 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """Where the chunks of S sequences lie, each sequence's stream (its ``off`` buffered rows, then its
-    ``lens`` new ones) cut at multiples of L from its boundary: int64 host arrays. cu [S+1] the new rows'
-    packed offsets; slen [S] stream lengths; count, first [S] each sequence's chunks; seq, index, length,
-    row0 [NC] each chunk's sequence, number in it, valid rows and the packed row at its position 0 (before
-    the sequence's new rows when rows are buffered). The one source of these tables for ``plan_advance``
-    and ``chunk.chunk_grid``."""
+    """Where the chunks lie, each stream (``off`` buffered rows, then ``lens`` new ones) cut at multiples of L
+    from its boundary; int64 host arrays as ``AdvancePlan``'s, plus cu [S+1] the new rows' packed offsets and
+    slen [S] stream lengths. The one source of these tables for ``plan_advance`` and ``chunk.chunk_grid``."""
 
     L: int
     off: np.ndarray
@@ -149,14 +120,10 @@ def chunk_layout(lens: np.ndarray, off: np.ndarray, L: int) -> ChunkLayout:
 def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray, L: int, R: int, *,
                  slots: torch.Tensor | np.ndarray | None = None, rows: torch.Tensor | None = None,
                  final: str = "boundary") -> AdvancePlan:
-    """The layout of an advance, on the host.
-
-    lens [S] new rows per sequence (>= 0; an advance's batches have >= 1), off [S] rows buffered
-    per sequence (0 <= off < L), slots [S] each sequence's slot (default 0 .. S-1): integer CPU
-    tensors or arrays; L the chunk size, R the row tile (dividing L); rows [T] bool: the wanted rows
-    (default all; a device mask is copied to the host, one sync); final: "boundary" (exact replay)
-    or "end" (fold the trailing partial chunk too). ValueError for tables the kernels cannot use.
-    """
+    """The layout of an advance, on the host: lens [S] new rows (>= 0), off [S] buffered rows (< L), slots [S]
+    (default 0 .. S-1), integer CPU tensors or arrays; R the row tile (dividing L); rows [T] bool wanted rows
+    (default all; a device mask costs one sync); final "boundary" (exact replay) or "end" (fold the trailing
+    partial chunk too). ValueError for tables the kernels cannot use."""
     if final not in ("boundary", "end"):
         raise ValueError(f"final must be 'boundary' or 'end', not {final!r}")
     if L % R:
@@ -182,6 +149,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
     need = length == L if final == "boundary" else np.ones(NC, dtype=bool)
     moved = slen >= L if final == "boundary" else np.ones(S, dtype=bool)
 
+    # a completed chunk's buffer is rewritten from row 0 and its old rows past the new fill cleared; rows past
+    # the old fill are zero already (SSDState's invariant), so they are not written
     crossed = slen >= L
     base = (slen // L) * L  # stream position of the new buffer's row 0
     keep_lo = np.maximum(off - base, 0)
@@ -217,8 +186,8 @@ def plan_advance(lens: torch.Tensor | np.ndarray, off: torch.Tensor | np.ndarray
 
 
 def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """An int64 array on ``device`` without waiting on it: to a GPU through pinned (page-locked)
-    memory, whose copy is truly asynchronous (a pageable one may wait for the stream's work)."""
+    """An int64 array on ``device`` without waiting: through pinned memory to a GPU (a pageable copy may wait
+    for the stream's work)."""
     t = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
@@ -226,8 +195,7 @@ def host_to_device(flat: np.ndarray, device: torch.device | str) -> torch.Tensor
 
 
 def to_device(plan: AdvancePlan, device: torch.device | str) -> AdvancePlan:
-    """The plan with every table as an int64 tensor on ``device`` (bool tables as 0/1), moved in
-    one asynchronous copy (``host_to_device``): what the kernels read."""
+    """The plan with every table an int64 tensor on ``device`` (bools as 0/1), moved in one asynchronous copy."""
     ts = plan.tables()
     flat = np.concatenate([np.asarray(t, dtype=np.int64).ravel() for t in ts.values()])
     dev = host_to_device(flat, device)

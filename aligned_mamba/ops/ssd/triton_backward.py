@@ -1,15 +1,7 @@
-"""The SSD scan's backward as Triton kernels: the gradient of ``chunk_dense``'s function on the chunk grid.
-
-The forward both sides run is ``triton_chunk``'s (row-invariant); this is its gradient, which needs
-accuracy and run-to-run determinism, not row invariance. Per chunk and head, with a_t the cumsum
-of dt*A from the chunk start, M[t, s] = (C_t . B_s) exp(a_t - a_s) dt_s for s <= t, the chunk's
-boundary state h_in and the gradient dh_out of the state it hands on:
-
-    y_t   = exp(a_t) C_t . h_in + sum_{s<=t} M[t, s] x_s + D x_t
-    h_out = exp(a_L) h_in + sum_s exp(a_L - a_s) dt_s x_s B_s^T
-
-Given dy, with xdy[s, t] = dy_t . x_s, e[s, t] = (C_t . B_s) exp(a_t - a_s) xdy[s, t] and
-w_s = exp(a_L - a_s) dt_s:
+"""The SSD scan's backward in Triton: the gradient of ``chunk_dense``'s function on the chunk grid, for the forward
+``triton_chunk`` runs; accurate and deterministic, not row-invariant (docs/design.md, "Backends"). Per chunk and
+head, with a_t the cumsum of dt*A, M[t, s] = (C_t . B_s) exp(a_t - a_s) dt_s (s <= t), xdy[s, t] = dy_t . x_s,
+e[s, t] = (C_t . B_s) exp(a_t - a_s) xdy[s, t], w_s = exp(a_L - a_s) dt_s, dh_out the gradient of the state handed on:
 
     dx_s   = sum_{t>=s} M[t, s] dy_t + w_s dh_out B_s + D dy_s
     ddt_s  = sum_{t>=s} e[s, t] + exp(a_L - a_s) x_s . (dh_out B_s)        (through M and w)
@@ -18,46 +10,10 @@ w_s = exp(a_L - a_s) dt_s:
     da_t   = sum_{s<=t} dt_s e[s, t] - dt_t ddt_t + exp(a_t) C_t . (dy_t h_in)  (+ the a_L terms)
     dh_in  = exp(a_L) dh_out + sum_t exp(a_t) dy_t^T C_t
 
-and then d(dt*A) = the reverse cumsum of da, ddt += A d(dt*A), dA = sum dt d(dt*A), dD = sum dy x.
-
-Kernels (grids in brackets; BS/BT the s and t row blocks of ``cfg.bwd_block_s``/``bwd_block_t``):
-
-1. ``_state_pass_kernel`` of ``triton_chunk`` (the forward's, unchanged) for every chunk's h_in,
-   from the chunk states;
-2. ``_dstate_pass_kernel`` [S, H, P/N blocks]: dh_out of every chunk, walking each sequence's
-   chunks backwards (the forward pass's mirror), and dh_in of its first chunk;
-3. ``_bwd_dx_kernel`` [NC * H, L / BS]: dx of one s block of one head, looping over the t blocks at
-   or after it (one dot each: the scores times dy), with the w term (dh_out B_s) and f (ddt's);
-4. ``_bwd_dcb_kernel`` [NC * G * K, (L / BT) * (L / BS)]: one (t, s) tile of dcb, the gradient of
-   cb[t, s] = C_t . B_s, summed over HPP heads of a group (K = H / G / HPP programs per group,
-   ``BWD_HEADS_PER_PROGRAM``), one dot a head (dy_t . x_s); per head the tile's shares of da's and
-   ddt's s sums;
-5. ``_bwd_rows_kernel`` [NC * G * KR, L / BS or L / BT]: the boundary states' shares of dB (x dh_out)
-   and, a second launch, of dC and da (dy h_in), summed over a program's heads
-   (``BWD_ROWS_HEADS_PER_PROGRAM``, KR programs per group);
-6. ``_bwd_epilogue_kernel`` [NC * H]: the per-head sums that close it: ddt and da from the dcb
-   tiles' shares, the reverse cumsum into d(dt*A), ddt += A d(dt*A), the chunk's share of dA.
-
-dB = dcb^T C and dC = dcb B (+ the states' shares) are then two fp32 GEMMs a chunk and group: C and B
-do not depend on the head, so the per-head work is three dots a tile pair in all.
-
-The chunk states of step 1 and what each chunk's outputs ask of its boundary state (dS, the input of
-step 2) are ``_weighted_state_kernel`` [NC * H, P/N blocks], dots of the packed rows in place (an fp32
-GEMM over transposed copies took about as long as both chunk kernels' glue together).
-
-A trainer's batch of whole chunks from empty needs no packing at all: the chunk grid is a transposed
-view of the packed rows, so the kernels read x and dy and write dx where they lie, through strides
-(x and dy in the model dtype, widened exactly; dx rounded once to it), and only dt, B and C (a few
-values a token) are copied to fp32 grids.
-
-Deterministic by construction: every program owns the rows it writes (no atomics), sums run in a
-fixed order inside a program, and what spans programs (dB and dC over a group's K programs, dA and
-dD over chunks) is summed by torch reductions, which are deterministic; the tiles above the
-diagonal write no share, and the epilogue reads only the others (no zero fill). The dots are ``dot_acc`` in the
-contract's precision: fp32 FMA dots for fp32 models; for bf16 models tensor-core dots whose exact
-operands (x, B, C, dy: bf16 values) go in as bf16 and whose fp32 operands (scores, states) are
-split in two (``bwd_bf16_dots`` "split2") or rounded ("round"). The C.B products and the reductions are
-torch fp32 ops.
+then d(dt*A) = the reverse cumsum of da, ddt += A d(dt*A), dA = sum dt d(dt*A), dD = sum dy x. dB = dcb^T C and
+dC = dcb B (+ the states' shares) are fp32 GEMMs a chunk and group (B and C do not depend on the head).
+Deterministic: every program owns the rows it writes (no atomics), sums run in a fixed order inside a program,
+and sums across programs are torch reductions.
 """
 
 from __future__ import annotations
@@ -81,20 +37,14 @@ from .triton_dot import dot_acc, tensor_core_dots
 
 Tensor = torch.Tensor
 
-# Launch choices of the chunk kernels beyond the contract's configs (gradients only: the order of a
-# sum over heads, occupancy; never a forward's bits). A dcb or state-rows program sums
-# BWD_HEADS_PER_PROGRAM heads of a group in order (fewer where the group's heads do not split so); the
-# per-program partials are summed afterwards by torch. A num_warps here overrides bwd_warps.
-# BWD_ROWS_HEADS_PER_PROGRAM: the same for the state-rows launches (dB's and dC's state shares), whose
-# programs otherwise number chunks x row blocks (128 at 4 x 2048), one wave walking all the heads.
+# Launch choices beyond the contract's configs (gradients only: a sum's order over heads, occupancy; never a
+# forward's bits). A dcb (state-rows) program sums BWD_(ROWS_)HEADS_PER_PROGRAM heads of a group in order (fewer
+# where the group's heads do not split so), the partials summed by torch; a num_warps here overrides bwd_warps.
 BWD_HEADS_PER_PROGRAM = 64
 BWD_ROWS_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
-# The chunk-state kernel's blocks (BLOCK_K/P/N, at most; a sum over the chunk's rows in BLOCK_K steps)
-# and launch options (num_warps etc., over the contract's bwd_warps). The forward's chunk-state blocks
-# (K 32, N 128: x read once a head) with 2 stages, at bwd_warps (4): in the same sweep, ssd_backward 2.51
-# to 2.29 ms at 4 x 2048 and 4.28 to 3.90 at 1 x 16384 (K 64, P 64, N 64 at 8 warps before).
-# At most 2 stages: with 3 or 4 (B and C read as bf16 rows) it gave non-repeatable garbage on the H200.
+# The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
+# bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
 
 
@@ -102,11 +52,8 @@ STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 
 def _dstate_pass_kernel(a_ptr, dS_ptr, dh_out_ptr, dh0_ptr, first_ptr, count_ptr,
                         H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Sequence q, head h, one (p, n) block: walking q's chunks last to first, dh_out[c] = g, then
-    g = exp(a_L[c]) g + dS[c] (g = 0 past the last chunk); dh0[q] = g at the end (dh_in of the first).
-
-    a [NC, H, L], dS/dh_out [NC, H, P, N], dh0 [S, H, P, N]: fp32; first/count [S] int64.
-    """
+    """Sequence q, head h, a (p, n) block: walking q's chunks last to first from g = 0, dh_out[c] = g, then
+    g = exp(a_L[c]) g + dS[c]; dh0[q] = the last g. a [NC, H, L], dS/dh_out [NC, H, P, N], dh0 [S, H, P, N] fp32."""
     q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
     c0 = tl.load(first_ptr + q)
     c = c0 + tl.load(count_ptr + q) - 1
@@ -124,13 +71,9 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_
                            H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                            TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
-    """Chunk c, head h (pid 0 = c * H + h), one (p, n) block (pid 1): out[c, h] = sum_l w_l u_l^T v_l,
-    with w_l = exp(a_L - a_l) dt_l (TO_END: the chunk's state from u = x, v = B) or exp(a_l) (what the
-    chunk's outputs ask of its boundary state, from u = dy, v = C).
-
-    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1) and v [NC, G, L, N] at strides (sv_c, sv_g, sv_l, 1),
-    in the model dtype or fp32 (widened exactly); a/dt [NC, H, L], out [NC, H, P, N]: fp32, contiguous.
-    """
+    """Chunk c, head h (pid 0 = c * H + h), a (p, n) block (pid 1): out[c, h] = sum_l w_l u_l^T v_l, w_l =
+    exp(a_L - a_l) dt_l (TO_END: the chunk's state, u = x, v = B) or exp(a_l) (what its outputs ask of h_in: u = dy,
+    v = C). u [NC, H, L, P], v [NC, G, L, N] strided, model dtype or fp32; a/dt [NC, H, L], out [NC, H, P, N] fp32."""
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
     c = ch // H
@@ -158,8 +101,7 @@ def _weighted_state_kernel(u_ptr, v_ptr, a_ptr, dt_ptr, out_ptr, su_c, su_h, su_
 
 def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, cfg: TritonKernelConfigs,
                      tc: int, opts: dict) -> Tensor:
-    """``_weighted_state_kernel`` over every chunk and head: [NC, H, P, N] fp32 (u [NC, H, L, P] and
-    v [NC, G, L, N] with unit stride along P and N, any other strides)."""
+    """``_weighted_state_kernel`` over every chunk and head -> [NC, H, P, N] fp32 (u, v: unit stride along P, N)."""
     NC, H, L, P = u.shape
     G, N = v.shape[1], v.shape[3]
     out = torch.empty(NC, H, P, N, device=u.device, dtype=torch.float32)
@@ -175,8 +117,7 @@ def _weighted_states(u: Tensor, v: Tensor, a: Tensor, dt: Tensor, to_end: bool, 
 
 @triton.jit
 def _operand(v, TC: tl.constexpr):
-    """A dot operand that holds exact inputs (x, dy, B, C) as the dots take it: bf16 for the tensor-core
-    modes (exact: the values are bf16), fp32 for the FMA dots; narrow in registers across the loops."""
+    """An exact input (x, dy, B, C) as the dots take it: bf16 for tensor-core dots (its values are bf16), else fp32."""
     return v.to(tl.bfloat16 if TC else tl.float32)
 
 
@@ -188,15 +129,10 @@ def _bwd_dx_kernel(
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h), rows s of s block pid 1: dx_s = dt_s sum_{t>=s} (C_t . B_s)
-    exp(a_t - a_s) dy_t (one dot a t block) + w_s dh_out B_s + D dy_s; f [BS] = exp(a_L - a_s) x_s .
-    (dh_out B_s), ddt's part through w; and the block's share of dD, sum_s dy_s x_s (dDp [NC, H, L / BS,
-    BLOCK_P]).
-
-    x, dy, dx [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1): x and dy in the model dtype or fp32
-    (widened exactly), dx written in its own dtype. dt/a/f [NC, H, L], B [NC, G, L, N], cb [NC, G, L, L]
-    (cb[t, s] = C_t . B_s), dh [NC, H, P, N] (dh_out): fp32, contiguous; D with strides.
-    """
+    """Chunk c, head h (pid 0), s block pid 1: dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block)
+    + w_s dh_out B_s + D dy_s; f_s = exp(a_L - a_s) x_s . (dh_out B_s), ddt's part through w; the block's share of dD
+    into dDp [NC, H, L / BS, BLOCK_P]. x, dy, dx [NC, H, L, P] strided (dx in its own dtype); dt/a/f [NC, H, L],
+    B [NC, G, L, N], cb [NC, G, L, L], dh [NC, H, P, N] (dh_out) fp32, contiguous; D strided."""
     ch = tl.program_id(0).to(tl.int64)
     c = ch // H
     h = ch % H
@@ -239,8 +175,8 @@ def _bwd_dx_kernel(
 
 @triton.jit
 def _group_part(H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr):
-    """pid 0 = (chunk * G + group) * K + k, K = H / G / HPP programs per group, each summing HPP heads
-    of it: the chunk, its first head, the chunk's group row and the program's partial row (pid 0)."""
+    """pid 0 = (chunk * G + group) * K + k, K = H / G / HPP programs a group, each summing HPP heads: the chunk,
+    its first head, the chunk's group row and the program's partial row."""
     part = tl.program_id(0).to(tl.int64)
     K: tl.constexpr = H // G // HPP
     cg = part // K
@@ -254,16 +190,11 @@ def _bwd_dcb_kernel(
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, HPP heads of one group (pid 0, ``_group_part``), the tile of t block i and s block j
-    (pid 1 = i * L / BS + j): W[t, s] = exp(a_t - a_s) dt_s (dy_t . x_s) for s <= t (zero above), the
-    gradient of cb[t, s] = C_t . B_s through one head; dcb [BT, BS] = its sum over the program's heads
-    in order (dcb [NC * G * K, L, L], one partial per program); per head the tile's share of da's s
-    part, sum_s W[t, s] cb[t, s] (dap [NC, H, L / BS, L]), and of ddt's, sum_t e[s, t] = sum_t W[t, s]
-    cb[t, s] / dt_s (dep [NC, H, L / BT, L]); tiles above the diagonal write no share.
-
-    x, dy [NC, H, L, P] at strides (s*_c, s*_h, s*_l, 1), in the model dtype or fp32; dt/a [NC, H, L],
-    cb [NC, G, L, L]: fp32, contiguous.
-    """
+    """Chunk c, HPP heads of a group (pid 0, ``_group_part``), tile of t block i, s block j (pid 1 = i * L / BS + j):
+    W[t, s] = exp(a_t - a_s) dt_s xdy[s, t] (s <= t), the gradient of cb[t, s] through one head; dcb = its sum over
+    the program's heads in order (a partial a program, [NC * G * K, L, L]); per head the tile's shares of da,
+    sum_s W cb (dap [NC, H, L / BS, L]), and of ddt, sum_t W cb / dt_s (dep [NC, H, L / BT, L]); tiles above the
+    diagonal write no share. x, dy strided; dt/a [NC, H, L], cb [NC, G, L, L] fp32."""
     c, h0, cg, part = _group_part(H, G, HPP)
     NS: tl.constexpr = L // BS
     i = tl.program_id(1) // NS
@@ -303,15 +234,10 @@ def _bwd_rows_kernel(
     BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """Chunk c, HPP heads of one group (pid 0, ``_group_part``), rows l of row block pid 1: out [BR, N] =
-    sum over the program's heads, in order, of w_l (u_l v), v [P, N] the head's state; the boundary
-    states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l) dt_l) or of dC (u = dy, v =
-    h_in, w_l = exp(a_l)), and then also per head da's state part das [BR] = w_l C_l . (u_l v).
-
-    u [NC, H, L, P] at strides (su_c, su_h, su_l, 1), in the model dtype or fp32; v [NC, H, P, N],
-    a/dt/das [NC, H, L], C [NC, G, L, N]: fp32, contiguous; out [NC * G * KR, L, N] fp32, one partial a
-    program.
-    """
+    """Chunk c, HPP heads of a group (pid 0), row block pid 1: out [BR, N] = the sum over the program's heads, in order,
+    of w_l (u_l v), v [P, N] the head's state: the states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l)
+    dt_l) or of dC (u = dy, v = h_in, w_l = exp(a_l)), then per head da's state part das = w_l C_l . (u_l v). u strided;
+    v [NC, H, P, N], a/dt/das [NC, H, L], C [NC, G, L, N] fp32; out [NC * G * KR, L, N], a partial a program."""
     c, h0, cg, part = _group_part(H, G, HPP)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     p = tl.arange(0, BLOCK_P)
@@ -346,19 +272,11 @@ def _bwd_epilogue_kernel(
     H: tl.constexpr, L: tl.constexpr, PN: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
     BLOCK_PN: tl.constexpr, DT_ROWS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Chunk c, head h (pid 0 = c * H + h): the per-head sums that close the backward, for the chunk's
-    L rows at once: ddt and d(dt*A) from the dcb tiles' shares (dep over the t blocks, dap over the s
-    blocks, only those at or below the diagonal: the kernels leave the others unwritten), f, das and
-    the a_L terms (hh = dh_out . h_in); then ddt += A d(dt*A) and this chunk's share of dA, sum_s
-    dt_s d(dt*A)_s (dAp [NC * H]). DT_ROWS: also softplus's backward to the raw dt of the chunk's packed
-    rows (position r is row row0[c] + r, one of its sequence's rows [row_lo[c], row_hi[c]) or none),
-    graw = ddt sigmoid(raw + bias) (ddt above softplus' threshold 20, zero where the limit clamped),
-    written as rows [T, H] in graw's dtype, and the chunk's share of dt_bias's gradient (dbp [NC * H]).
-
-    dap [NC, H, L / BS, L], dep [NC, H, L / BT, L], f/das/dt/a/ddt [NC, H, L], dh/hin [NC, H, P, N] (PN =
-    P * N): fp32, contiguous; A [H] fp32; raw [T, H] at row stride s_raw (unit stride along H), bias [H];
-    row0/row_lo/row_hi [NC] int64 (``chunk.ChunkGrid``'s).
-    """
+    """Chunk c, head h (pid 0): the per-head sums that close the backward, the chunk's L rows at once: ddt and d(dt*A)
+    from the dcb tiles' shares (only those written, at or below the diagonal), f, das and the a_L terms (hh = dh_out .
+    h_in); ddt += A d(dt*A); the chunk's share of dA (dAp). DT_ROWS: also ``chunk.dt_softplus_backward`` to the raw dt
+    of the chunk's packed rows (row0 + r within [row_lo, row_hi), ``chunk.ChunkGrid``'s), into graw [T, H] in its
+    dtype, and the chunk's share of dt_bias's gradient (dbp [NC * H]). raw [T, H] at row stride s_raw."""
     ch = tl.program_id(0).to(tl.int64)
     h = ch % H
     r = tl.arange(0, L)
@@ -413,28 +331,14 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                         dx_out: Tensor | None = None, dt_rows: tuple | None = None,
                         grid: ChunkGrid | None = None, bc_rows: tuple[Tensor, Tensor] | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid.
-
-    ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] after softplus, B [NC, G, L, N] fp32;
-    seq, index); Cc [NC, G, L, N] fp32, C at the packed rows' chunk positions (zero elsewhere); A [H],
-    D [H] or [H, P] fp32; h0 [S, H, P, N] fp32 the state at each sequence's first chunk boundary;
-    dyc [NC, H, L, P] fp32 the gradient of y at the chunk positions (zero on padding). ch.x and dyc
-    may be strided views (unit stride along P) in the model dtype: the kernels read them in place.
-    ``bf16_operands``: x, B, C and dy hold bf16 values (a bf16 model), so the tensor-core dots take
-    them exactly (``dot_acc``); else fp32 FMA dots. first, count [S] int64: each sequence's first
-    chunk and number of chunks (``chunk.ChunkGrid``'s). dx_out: where to write dx, [NC, H, L, P]
-    with unit stride along P, in any float dtype (rounded once from fp32), or None (a new fp32 one).
-    dt_rows: (raw dt [T, H] with unit stride along H, dt_bias [H], dt_limit, graw [T, H], dbias_parts
-    [NC, H] fp32), with ``grid`` (the ``chunk_grid`` these chunks were packed on): the packed rows'
-    gradient of raw dt (``chunk.dt_softplus_backward`` of ddt) is written into graw, in graw's
-    dtype, and each chunk's share of dt_bias's (its packed rows only) into dbias_parts; or None.
-    bc_rows: (B, C) [NC, G, L, N] with unit stride along N, any dtype holding ch.B's and Cc's values
-    (a trainer's packed rows in the model dtype, viewed in place): what the chunk-state dots read
-    instead of the fp32 grids (fewer bytes, the same bits); or None.
-
-    Returns (dx [NC, H, L, P], ddt [NC, H, L], dB [NC, G, L, N], dC [NC, G, L, N], dA [H], dD (D's
-    shape), dh0 [S, H, P, N]), fp32 (dx in dx_out's dtype, dD in D's dtype).
-    """
+    """The gradient of ``chunk_dense.dense_outputs``'s y on the chunk grid: ch from ``pack_chunks``, Cc [NC, G, L, N]
+    fp32 (C at the rows' positions), A [H], D [H] or [H, P], h0 [S, H, P, N] fp32 at each first boundary, dyc
+    [NC, H, L, P] (zero on padding); ch.x and dyc may be model-dtype views, unit stride along P. bf16_operands: x, B,
+    C and dy hold bf16 values (the tensor-core dots take them exactly). first, count [S]: ``ChunkGrid``'s. dx_out:
+    where dx goes ([NC, H, L, P], unit stride along P, any float dtype, rounded once) or None. dt_rows (raw dt [T, H],
+    dt_bias, dt_limit, graw [T, H], dbias_parts [NC, H]) with ``grid``: raw dt's gradient into graw and each chunk's
+    dt_bias share, or None. bc_rows: (B, C) model-dtype views the chunk-state dots read instead of the fp32 grids
+    (the same bits), or None. -> dx, ddt, dB, dC on the grid, dA [H], dD (D's dtype), dh0 [S, H, P, N]; fp32."""
     NC, H, L, P = ch.x.shape
     G, N = ch.B.shape[1], ch.B.shape[3]
     S, HG, dev, f32 = h0.shape[0], H // G, ch.x.device, torch.float32
@@ -480,7 +384,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     KR = HG // RPP  # the same for the state rows' partials
     NS = L // BS
     dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)
-    # the s and t blocks' shares of da and of ddt (tiles above the diagonal write none)
+    # empty, not zeros: tiles above the diagonal write no share and the epilogue reads none there
     dap = torch.empty(NC, H, NS, L, device=dev, dtype=f32)
     dep = torch.empty(NC, H, L // BT, L, device=dev, dtype=f32)
     dBs, dCs = (torch.empty(NC, G, KR, L, N, device=dev, dtype=f32) for _ in range(2))
@@ -504,8 +408,6 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     dB = torch.baddbmm(dBs.reshape(-1, L, N), dcb.reshape(-1, L, L).transpose(1, 2), C.reshape(-1, L, N)).view(
         NC, G, L, N)
     dC = torch.baddbmm(dCs.reshape(-1, L, N), dcb.reshape(-1, L, L), B.reshape(-1, L, N)).view(NC, G, L, N)
-    # da (the s part per s block, the state part, the a_L terms: h_out's decay and every w_s) through
-    # the cumsum, into ddt and dA's per-chunk shares
     ddt = torch.empty_like(f)
     dAp = torch.empty(NC, H, device=dev, dtype=f32)
     raw, bias, dt_limit, graw, dbp = (f, f, (0.0, math.inf), f, f) if dt_rows is None else dt_rows
@@ -534,26 +436,19 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
                  buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, g: Tensor, needs: tuple[bool, ...],
                  cu_seqlens: Tensor, off: Tensor, grid: ChunkGrid, rows: Tensor | None, chunk_size: int,
                  dt_limit: tuple[float, float], cfg: TritonKernelConfigs) -> tuple[Tensor | None, ...]:
-    """The gradient of an advance's y [T, H, P] (``chunk.replay_chunk``'s function, without the state
-    writes) against g [T, H, P]: (dx, ddt, dB, dC, dA, dD, ddt_bias, dh0), None where ``needs`` (one
-    flag per leaf, in that order) is False.
-
-    The chunk grid is ``pack_chunks`` of the inputs (buffered rows first, from buf_* [S, ...] at the
-    step's slots, None when no slot has any) on ``grid`` (the step's ``chunk_grid``), and the scan's
-    gradient on it is ``triton_backward.chunk_scan_backward``. The packing's own gradient is written
-    out: x's and B's rows are gathered back from the grid; dt's go through ``dt_softplus_backward``,
-    and dt_bias also gets the buffered rows' share (the buffers themselves get none). No step of it
-    waits on the GPU.
-    """
+    """The gradient of an advance's y [T, H, P] (``chunk.replay_chunk``'s function, without the state writes) against
+    g: (dx, ddt, dB, dC, dA, dD, ddt_bias, dh0), None where ``needs`` (a flag per leaf, in that order) is False. The
+    grid is ``pack_chunks`` of the inputs (buffered rows first, buf_* at the step's slots, None when none) on ``grid``;
+    the packing's gradient is written out: dt's through ``dt_softplus_backward``, dt_bias's with the buffered rows'
+    share (the buffers get none). No step of it waits on the GPU."""
     nx, ndt, nB, nC, nA, nD, nbias, nh0 = needs
     L = chunk_size
     prefix = None if buf_x is None else (buf_x, buf_dt, buf_B, off)
     softplus = dt_softplus_triton if x.is_cuda else dt_softplus  # the same bits
     gy = g if rows is None else g * rows.to(g.device)[:, None, None]  # the forward's y is zero in rows not wanted
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    # Every sequence from a chunk boundary over whole chunks (a trainer's packed sequences of multiples
-    # of L): packed row r is row r % L of chunk r // L, so the chunk grid is a transposed view of the
-    # rows and packing is one copy per tensor, not a zero fill and a scatter (nor a gather back).
+    # sequences of whole chunks from empty (a trainer's): packed row r is row r % L of chunk r // L, so the grid
+    # is a transposed view of the rows: a copy per tensor, no zero fill, scatter or gather back
     aligned = prefix is None and cu_seqlens.device.type == "cpu" and bool((lens % L == 0).all())
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -576,12 +471,9 @@ def ssd_backward(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tens
     dx_rows = None
     if aligned:
         dtc = softplus(dt, dt_bias, dt_limit).view(NC, L, H).transpose(1, 2).contiguous()
-        # x and dy, the large ones, are read where they lie and dx is written there (the kernels take
-        # strides); B and C (G rows a token) are copied to fp32 grids
-        # (any row stride: the layer's x is a column slice of the conv's output, read in place)
+        # x and dy (the large ones) read and dx written where they lie, any row stride; B, C copied to fp32 grids
         xr, gr = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (x, gy))
-        # x, B and C as adjacent column blocks of one tensor (the conv's output): their gradients are
-        # written the same way into one buffer, which the split's backward then passes on as it is
+        # x, B, C adjacent column blocks of the conv's output: their gradients fill one buffer, passed on as it is
         whole = column_blocks((x.flatten(1), B.flatten(1), C.flatten(1))) if nx and nB and nC else None
         grads = None if whole is None else torch.empty_like(whole).split((H * P, G * N, G * N), dim=1)
         dx_rows = torch.empty(T, H, P, device=dev, dtype=x.dtype) if grads is None else grads[0].view(T, H, P)
@@ -631,8 +523,7 @@ class _SSDAdvance(torch.autograd.Function):
     def forward(ctx, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, dt_bias: Tensor, h0: Tensor,
                 buf_x: Tensor | None, buf_dt: Tensor | None, buf_B: Tensor | None, run: Callable[[], Tensor],
                 consts: tuple) -> Tensor:
-        # run() is the triton backend's advance over the real state (which it updates); the tensors
-        # here are its inputs: h0 and buf_* are copies of the slots' state taken before it runs
+        # run() updates the real state; h0 and buf_* are copies of the slots' state taken before it runs
         ctx.save_for_backward(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B)
         ctx.consts = consts
         return run()
@@ -648,14 +539,13 @@ class _SSDAdvance(torch.autograd.Function):
 def _advance_function(run: Callable[..., Tensor], state: SSDState, step: Step, x: Tensor,
                       dt: Tensor, B: Tensor, C: Tensor, params: SSMParams,
                       rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
-    """``run(state, step, x, dt, B, C, params, rows)`` (the triton backend's advance: y [T, H, P] in
-    x's dtype; updates ``state``) with the gradient of the torch backend's advance from the same state:
-    of x [T, H, P], dt [T, H], B, C [T, G, N], params.A, D, dt_bias, and of ``state.ssm_state`` at the
-    step's slots when it requires grad. The buffered rows (raw inputs of earlier calls) get none."""
+    """``run(state, step, x, dt, B, C, params, rows)`` (the triton advance: y [T, H, P] in x's dtype, updates
+    ``state``) with the torch advance's gradient from the same state: of x, dt, B, C, params.A, D, dt_bias, and of
+    ``state.ssm_state`` at the step's slots when it requires grad; the buffered rows get none."""
     L = state.chunk_size
     dev = x.device
     off = step.start_pos % L  # on the host, as the step's tables are
-    # the step's slots and chunk grid on the device, once for all its layers (no layer waits on the GPU)
+    # the step's slots and chunk grid on the device, once for all its layers
     plan = step.plans[dev]
     slots = plan.slots
     grid = plan.once(plan.chunk_grid, L, lambda: chunk_grid(step.cu_seqlens, off, L, dev))
@@ -670,16 +560,15 @@ def _advance_function(run: Callable[..., Tensor], state: SSDState, step: Step, x
 def _kernels(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
              params: SSMParams, rows: Tensor | None, cfg: TritonKernelConfigs) -> Tensor:
     if x.is_cuda and step.decode_only:
-        # a decode-only step: the fused kernels compute just the new rows with the prefill's
-        # arithmetic and touch the boundary state only when a chunk completes
+        # the fused decode kernels: just the new rows, with the prefill's arithmetic
         return replay_decode_triton(state, step, x, dt, B, C, params, rows=rows, cfg=cfg)
     return replay_chunk_triton(state, step, x, dt, B, C, params, rows=rows, cfg=cfg)
 
 
 def ssd_advance(state: SSDState, step: Step, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
                 params: SSMParams, rows: Tensor | None = None, *, cfg: TritonKernelConfigs) -> Tensor:
-    """The triton backend's replay form (``ops.ssd``'s replay signature): y [T, H, P] in x's dtype;
-    updates ``state``. Where a gradient is recorded, inside ``_SSDAdvance`` (``_advance_function``)."""
+    """The triton backend's replay form (``ops.ssd``'s replay signature): y [T, H, P] in x's dtype; updates
+    ``state``. Where a gradient is recorded, inside ``_SSDAdvance`` (``_advance_function``)."""
     if grad_needed(x, dt, B, C, params.A, params.D, params.dt_bias, state.ssm_state):
         run = lambda *a: _kernels(*a, cfg)  # noqa: E731
         return _advance_function(run, state, step, x, dt, B, C, params, rows, cfg)

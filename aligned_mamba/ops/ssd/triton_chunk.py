@@ -1,47 +1,21 @@
-"""The chunked SSD scan, Triton backend: same inputs, outputs and invariant as ``chunk.scan_chunks``.
+"""The chunked SSD scan on Triton: ``chunk.scan_chunks``'s inputs, outputs and invariant, its own bits.
 
-The math and the invariant are stated in ``chunk.py``'s docstring: every output row is a fixed
-sequence of float32 operations on (its chunk's fp32 boundary state, its chunk's inputs up to it,
-its position in the chunk). Here that is kept by construction:
+A program owns one zero-padded chunk (or a row tile of it) and one head; tile shapes and loop bounds come from
+the contract's configs and the row's position, never from the call's size; no split-K, atomics or cross-program
+sums. An advance (``replay_chunk_triton``) runs from a host ``plan.AdvancePlan`` and never waits on the device;
+``ssd_chunk_triton`` is the stateless form. Kernels in launch order (grids; PB/NB: the blocks of P/N):
 
-- every program works on one zero-padded chunk (or one row tile of it) and one head, with tile
-  shapes and loop bounds fixed by the pinned configs and the row's position, never by how many
-  rows, tiles, chunks or sequences the call holds; there is no split-K, atomic or cross-program
-  reduction;
-- the within-chunk cumsum ``a`` is computed once per (chunk, head) by one kernel and read by the
-  others, so every kernel sees the same bits of ``a`` (recomputing it per kernel could let the
-  compiler contract ``dt * A`` into the scan's adds differently in each);
-- states pass from chunk to chunk in float32, sequentially per sequence, by one kernel.
-
-An advance (``replay_chunk_triton``, the replay form; ``advance_planned`` below it) runs from a
-host-side ``plan.AdvancePlan`` (chunk, sequence and tile tables computed on the CPU from the step's
-lengths and moved in one copy), so it never waits on the device. ``ssd_chunk_triton`` is the same
-scan as a stateless form (``chunk.ssd_chunk``'s signature). Kernels, in launch order (grids in
-brackets; PB/NB = number of BLOCK_P/BLOCK_N blocks of P/N):
-
-0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: dt after softplus (fp32) of every chunk, and x and B
-   (model dtype) of the chunks with buffered rows, whole, from the slots' buffers (rows < pre) and
-   the packed new rows; zero padding. Every other chunk's x and B are read where they lie, in the
-   packed new rows (``_rows_at``): a long prefill copies none of them.
-1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A) over the chunk.
-2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B of each chunk and group, once (the tile
-   kernel's dot, hoisted out of its heads).
+0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: softplus'd dt of every chunk; x and B of the chunks with buffered
+   rows (the others are read where they lie, ``_rows_at``).
+1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A), once, so every kernel reads the same bits of a.
+2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B per chunk and group.
 3. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
-4. ``_state_pass_kernel`` [S, H, PB * NB]: h_in[k] = h; h = exp(a_L) h + S_k, chunk after chunk,
-   from and back into the slot's boundary state (in place).
-5. ``_tile_output_kernel`` [H, tiles holding wanted rows, PB]: y rows of one row tile. With one
-   chunk per sequence it runs before 3-4 and reads the boundary state in place (a decode-like
-   step reads the state and writes it only if a chunk completed).
-6. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt) from the packed rows.
+4. ``_state_pass_kernel`` [S, H, PB * NB]: h = exp(a_L) h + S_k chunk after chunk, in the slot's state.
+5. ``_tile_output_kernel`` [H, tiles, PB]: y by row tile (before 3-4 when each sequence has one chunk).
+6. ``_buffer_kernel`` [S, H]: the new partial-chunk buffers (raw dt).
 
-Loops whose bound is read from memory are written as ``while`` loops: the Triton 3.6 interpreter
-(with numpy >= 2.4) cannot use a run-time value as a ``range`` bound, and the CPU tests run the
-kernels through it.
-
-Configs: the row tile, the P, N and K blocks, the warps and the dot precision are the contract's
-``TritonKernelConfigs``, passed to every launch (``cfg``). Every dot goes through ``triton_dot.dot_acc``: fp32 FMA dots
-("ieee") for fp32 models, tensor-core dots with bf16 operands (fp32 operands split in two) for
-bf16 models, chosen by C's dtype.
+Loops bounded by a value read from memory are ``while`` loops: the Triton 3.6 interpreter (numpy >= 2.4), which
+the CPU tests run, takes no run-time ``range`` bound.
 """
 
 from __future__ import annotations
@@ -61,10 +35,7 @@ from .state import SSDState, SSMParams, Step
 from .triton_decode import state_block_n
 from .triton_dot import dot_acc, tensor_core_dots
 
-# Compile options of the row-tile kernel (tensor-core dots) beyond the contract's configs: occupancy
-# only, never the arithmetic. No software pipelining (the two-block inter-chunk loop's buffers
-# would take most of its shared memory) and at most 128 registers (4 programs per SM), where the
-# seeded accumulation fits without spilling (benchmarks/README.md has the measurements).
+# occupancy only, never the arithmetic: pipelining buffers would fill shared memory (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
 PACK_ROWS = 32
 
@@ -76,11 +47,9 @@ def _pack_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Rows s of chunk c (ROWS of them), head h: dtc[c, h, s] = dt_softplus(raw dt) in fp32, and for
-    a chunk with buffered rows (k = part[c] >= 0) xc[k, h, s] (and Bc[k, h, s] for h < G) in the
-    model dtype: from the buffer for s < pre, from packed row row0 + s for pre <= s < length (x's
-    rows sx elements apart), zero past length (dt exactly +0.0). The other chunks' x and B are read
-    where they lie. Compile without fp contraction (``dt_softplus_exact``)."""
+    """Rows s of chunk c, head h: dtc[c, h, s] = dt_softplus(raw dt) fp32; if k = part[c] >= 0, xc[k, h, s]
+    (and Bc[k, h, s], h < G) in the model dtype: the buffer below pre, packed row row0 + s below length, zero
+    past it (dt +0.0). Compile without fp contraction (``dt_softplus_exact``)."""
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     h = tl.program_id(2)
@@ -116,11 +85,9 @@ def _pack_kernel(
 
 @triton.jit
 def _rows_at(raw_ptr, parts_ptr, part, row0, j, rs, J: tl.constexpr, L: tl.constexpr, F: tl.constexpr):
-    """Where a chunk's rows of feature block j of J lie (a head of x: J = H, F = P; a group of B:
-    J = G, F = N): (pointer to the chunk's position 0, row stride in elements). part >= 0: the
-    chunk's copy in parts [*, J, L, F] (zero past its length); else the packed new rows raw
-    [T, J, F] (row stride rs, blocks of F adjacent: a column slice of a wider tensor is read in
-    place) from row row0 (readers mask positions >= the chunk's length: other sequences' rows)."""
+    """(pointer to position 0, row stride) of a chunk's feature block j of J (x: J = H, F = P; B: J = G, F = N):
+    its copy in parts [*, J, L, F] if part >= 0, else the packed rows raw [T, J, F] (row stride rs) from row0,
+    where readers mask positions >= the chunk's length."""
     whole = part >= 0
     base = tl.where(whole, parts_ptr + (part * J + j) * L * F, raw_ptr + row0 * rs + j * F)
     return base, tl.where(whole, F, rs).to(tl.int64)
@@ -133,10 +100,8 @@ def _buffer_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
 ):
-    """Sequence q, head h: rows keep_lo .. keep_hi-1 of the slot's buffers (x and raw dt of head h,
-    B of group h for h < G) from packed rows keep_row0 + s, and rows keep_hi .. clear_hi-1 zeroed
-    (a completed buffer's old rows past its new fill level; the rows past the old one are zero
-    already, so a batch of new sequences writes no zeros)."""
+    """Sequence q, head h: buffer rows keep_lo .. keep_hi-1 (x, raw dt; B for h < G) from packed rows
+    keep_row0 + s, rows keep_hi .. clear_hi-1 zeroed (rows past the old fill level are zero already)."""
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + q)
@@ -184,14 +149,9 @@ def _chunk_state_kernel(
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
 ):
-    """state[c, h] = sum_s exp(a_L - a_s) dt_s x_s B_s^T for chunk c = chunk_ptr[pid 0], [P, N] fp32,
-    one BLOCK_P x BLOCK_NS block per program (BLOCK_NS = ``state_block_n(N)``: x is read once per head).
-
-    x [T, H, P] / B [T, G, N] the packed new rows and xp [*, H, L, P] / Bp [*, G, L, N] the chunks
-    with buffered rows, in the model dtype (widened to fp32 exactly), as ``_rows_at`` reads them
-    (part, row0, length: the plan's tables; x's rows sx elements apart); dt/a [NC, H, L] fp32, state
-    [NC, H, P, N] fp32; the rest contiguous.
-    """
+    """state[c, h] [P, N] fp32 = sum_s exp(a_L - a_s) dt_s x_s B_s^T, c = chunk_ptr[pid 0], a BLOCK_P x BLOCK_NS
+    block a program (``state_block_n``). x [T, H, P], B [T, G, N] packed rows (x's row stride sx) and xp, Bp the
+    chunks with buffered rows (``_rows_at``), in the model dtype; dt, a [NC, H, L] fp32."""
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
     NB: tl.constexpr = (N + BLOCK_NS - 1) // BLOCK_NS
@@ -225,8 +185,7 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _pass_block(P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A state pass program's (sequence q, head h, its (p, n) block's mask m and offsets pn within a
-    [P, N] state): grid [S, H, P blocks * N blocks]."""
+    """(q, h, mask, offsets in a [P, N] state) of a state pass program; grid [S, H, P blocks * N blocks]."""
     NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     p = (tl.program_id(2) // NB) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = (tl.program_id(2) % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,22 +199,18 @@ def _state_pass_kernel(
     H: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
-    """Walk sequence q's chunks in order from its slot's boundary state h[slot[q]]: (WRITE_IN)
-    h_in[c] = h, then h = exp(a_L) h + state[c] if need[c]; write h back to h[slot[q]].
-
-    first/count/slot [S] and need [NC] int64: q's chunks are first[q] .. first[q] + count[q] - 1.
-    h [slots, H, P, N], h_in/state [NC, H, P, N]: fp32. Elementwise in (p, n), so the block split
-    does not touch the bits; each program owns its block of its slot's state (in place is safe).
-    """
+    """From h[slot[q]], for q's chunks c = first[q] .. first[q] + count[q] - 1: (WRITE_IN) h_in[c] = h, then
+    h = exp(a_L) h + state[c] if need[c]; h back to h[slot[q]]. h, h_in, state [*, H, P, N] fp32. Elementwise
+    in (p, n): the block split keeps the bits, and in place is safe."""
     q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
     home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
     hs = tl.load(home, mask=m, other=0.0)
     c0 = tl.load(first_ptr + q)
     end = c0 + tl.load(count_ptr + q)
-    if RT_RANGE:  # compiled: a run-time range, so the next chunk's loads can be issued early
+    if RT_RANGE:  # compiled: a run-time range (the next chunk's loads issue early)
         for c in tl.range(c0, end, num_stages=3):
             hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
-    else:  # the interpreter: a while loop (see the note on loops in the module docstring)
+    else:  # the interpreter: a while loop (module docstring)
         c = c0
         while c < end:
             hs = _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H, L, P, N, WRITE_IN)
@@ -282,15 +237,9 @@ def _cb_kernel(
     G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
-    """cb[c, g, t, s] = C_t . B_s for the row tile (rows t0 .. t0+R-1) and K block (columns k0 ..
-    k0+BLOCK_K-1) of program (c * G + g, tile, block), for blocks the tile's rows reach (k0 < t0 + R).
-
-    The dot is the one ``_tile_output_kernel`` runs per head ([R, BLOCK_N] x [BLOCK_N, BLOCK_K] over
-    the n blocks, ``dot_acc``), here once per group; rows outside the chunk's new rows (buffered,
-    padding) have C = 0. C and B [T, G, N] packed rows (model dtype), Bp [*, G, L, N] the chunks with
-    buffered rows (``_rows_at``), cb [NC, G, L, L] fp32 (blocks past a tile's rows are never written
-    nor read).
-    """
+    """cb [NC, G, L, L] fp32 = C_t . B_s for program (c * G + g, row tile, K block), blocks with k0 < t0 + R:
+    ``_tile_output_kernel``'s per-head dot, once per group; C = 0 outside the chunk's new rows. C, B [T, G, N]
+    packed rows (model dtype), Bp the chunks with buffered rows (``_rows_at``)."""
     cg = tl.program_id(0).to(tl.int64)
     c = cg // G
     g = cg % G
@@ -326,19 +275,11 @@ def _tile_output_kernel(
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
 ):
-    """y rows of one tile (R consecutive rows of one chunk), head h = pid 0, one BLOCK_P block of P.
-
-    y_t = [exp(a_t) (C_t . h_in) + sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t: the
-    intra-chunk dots accumulate onto the decayed inter-chunk term ("accumulate": "seeded").
-    tile_chunk/tile_pos [NT]: the tile's chunk and first row's position; tile_rows [NT, R] int64:
-    the packed row of each tile row, -1 where not wanted (its C is taken as zero, nothing stored).
-    x [T, H, P] the packed new rows (rows sx elements apart) and xp the chunks with buffered rows
-    (``_rows_at``); C [T, G, N]
-    (model dtype), cb [NC, G, L, L] fp32 (``_cb_kernel``), y [T, H, P] (stored in its dtype), D with
-    strides (sD_h, sD_p); h_in [*, H, P, N] fp32, chunk c's boundary state at row h_row[c]; the rest
-    as in _chunk_state_kernel. Heads vary fastest over the grid, so a group's heads run together and
-    share its C, cb and B in L2.
-    """
+    """y of one row tile (R rows of a chunk), head h = pid 0, a BLOCK_P block: y_t = [exp(a_t) (C_t . h_in) +
+    sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t, the intra dots accumulating onto the inter term.
+    tile_chunk, tile_pos [NT]; tile_rows [NT, R] int64 (packed row, -1 unwanted); cb from ``_cb_kernel``; h_in
+    [*, H, P, N] fp32, chunk c's at h_row[c]; the rest as in ``_chunk_state_kernel``. Heads vary fastest over
+    the grid: a group's heads share C, cb and B in L2."""
     h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -354,7 +295,6 @@ def _tile_output_kernel(
     nn = tl.arange(0, BLOCK_N)
     hb = (tl.load(h_row_ptr + c) * H + h) * P
 
-    # Inter-chunk term: C_t . h_in, then the decay from the boundary.
     acc = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
@@ -365,9 +305,7 @@ def _tile_output_kernel(
         acc = dot_acc(acc, Cn, hT, TC, 2, PRECISION)
     acc = acc * tl.exp(a_t)[:, None]
 
-    # Intra-chunk term over the columns up to the tile's end, onto the inter term. The bound
-    # depends on the tile's position only, so a decode step runs exactly the blocks a prefill runs
-    # for this tile.
+    # the bound depends on the tile's position only: a decode step runs the prefill's blocks
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
     xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, sx, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
@@ -398,19 +336,17 @@ def _intra_block(acc, k0, kend, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
     xv = tl.load(xb + s[:, None] * xs + p[None, :], mask=(sm & (s < xend))[:, None] & pm[None, :], other=0.0)
-    if not TC:  # the tensor-core dot takes x as it is (bf16); widening it and back is exact, and work
+    if not TC:  # the tensor-core dot takes bf16 x as it is
         xv = xv.to(tl.float32)
     return dot_acc(acc, scores, xv, TC, 1, PRECISION)
 
 
-# --------------------------------------------------------------------------------------------
-# host side
-# --------------------------------------------------------------------------------------------
+# -- host side -------------------------------------------------------------------------------
 
 
 def rows_in_place(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, P] as the kernels read it: any row stride (the mixer's x is a column slice of the conv's
-    output, read where it lies), heads and features adjacent; otherwise a contiguous copy."""
+    """x [T, H, P] as the kernels read it: any row stride (the conv output's column slice, in place), heads
+    and features adjacent; otherwise a contiguous copy."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
@@ -440,18 +376,12 @@ def scan_planned(
     zero_unwanted: bool = True,
     cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """The scan proper, from a device plan, launched with ``cfg``; updates ``states`` in place.
+    """The scan proper from a device plan (``to_device(plan_advance(...))``), launched with ``cfg``: y [T, H, P]
+    in ``out_dtype`` (unwanted rows zero if ``zero_unwanted``, else unset); moves ``states`` in place.
 
-    plan: ``to_device(plan_advance(...))``. x [T, H, P] and B [T, G, N]: the packed new rows;
-    x_parts [*, H, L, P] and B_parts [*, G, L, N]: the chunks with plan.part >= 0, whole (buffered
-    rows, new rows, zero padding): all in the model dtype (or fp32 holding its values). dt [NC, H, L]
-    fp32 after softplus (``_pack_kernel`` or ``chunk.pack_chunks``). C [T, G, N] for the packed new
-    rows, in the model dtype (bf16 selects the tensor-core dots); A [H] fp32; D [H] or [H, P].
-    states [slots, H, P, N] fp32: the boundary states, read at plan.slot and, for the sequences whose
-    boundary moves, overwritten there.
-
-    Returns y [T, H, P] in ``out_dtype`` (rows not wanted are zero if ``zero_unwanted``, else unset).
-    """
+    x [T, H, P], B and C [T, G, N] the packed new rows; x_parts [*, H, L, P], B_parts [*, G, L, N] the chunks
+    with plan.part >= 0, whole; model dtype (bf16 selects the tensor-core dots) or fp32 holding its values.
+    dt [NC, H, L] fp32 softplus'd; A [H] fp32; D [H] or [H, P]; states [slots, H, P, N] fp32 at plan.slot."""
     NC, L = dt.shape[0], plan.L
     H, P = x_parts.shape[1], x_parts.shape[3]
     G, N = B_parts.shape[1], B_parts.shape[3]
@@ -460,7 +390,7 @@ def scan_planned(
     dev = dt.device
     f32 = torch.float32
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
-    fuse = not tc  # tensor-core mode: no fp contraction anywhere (see triton_dot), in every kernel
+    fuse = not tc  # tensor-core mode: no fp contraction in any kernel (triton_dot)
     dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous() for t in (dt, B, C, x_parts, B_parts))
     x = rows_in_place(x)
     Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
@@ -476,7 +406,7 @@ def scan_planned(
     _cumsum_kernel[(NC, H)](dt, Af, a, H=H, L=L, BLOCK_L=triton.next_power_of_2(L), num_warps=cfg.num_warps,
                             enable_fp_fusion=fuse)
 
-    # C.B once per (chunk, group): the tile kernel's per-head dot, hoisted (same shapes, same bits)
+    # the tile kernel's per-head C.B dot, hoisted to one per group (same shapes, same bits)
     cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
     if plan.num_tiles:
         _cb_kernel[(NC * G, L // R, triton.cdiv(L, cfg.block_k))](
@@ -495,8 +425,7 @@ def scan_planned(
                 **(TILE_OPTS if tc else {}),
             )
 
-    # One chunk per sequence (a short prefill, a mixed step): each chunk's boundary state is its
-    # slot's, read in place before the pass below moves any of them.
+    # one chunk per sequence: its boundary state is its slot's, read before the pass moves it
     if plan.one_each:
         tiles(states, plan.chunk_slot)
     n_need = int(plan.state_chunks.shape[0])
@@ -536,13 +465,9 @@ def advance_planned(
     device_plan: AdvancePlan | None = None,
     cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """An advance on the Triton backend from a host plan (``plan_advance`` with the step's slots,
-    "boundary"): pack, scan, move the boundary states, rewrite the buffers.
-
-    state: an ``SSDState`` (contiguous; buffers in the model dtype). x [T, H, P], dt [T, H] raw,
-    B/C [T, G, N] in the model dtype. device_plan: ``to_device(plan, x.device)`` if the caller keeps
-    one (every layer of a step shares it), else it is made here. Returns y [T, H, P] in x's dtype.
-    """
+    """An advance from a host plan (``plan_advance`` with the step's slots): pack, scan, move the boundary
+    states, rewrite the buffers. state contiguous, buffers in the model dtype; x [T, H, P], dt [T, H] raw, B/C
+    [T, G, N]; device_plan: ``to_device(plan, x.device)`` if the caller keeps one. Returns y [T, H, P], x's dtype."""
     dt_bias, dt_limit = params.dt_bias, params.dt_limit
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -592,18 +517,12 @@ def scan_chunks_triton(
     final: str = "boundary",
     cfg: TritonKernelConfigs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan proper on Triton; a drop-in for ``chunk.scan_chunks`` (same bits rule, own bits).
+    """``chunk.scan_chunks`` on Triton (its bits rule, its own bits); reads the chunk layout back to plan.
 
-    ch: ``pack_chunks`` output (x [NC, H, L, P], dt [NC, H, L] softplus'd, B [NC, G, L, N] fp32).
-    C [T, G, N] for the packed new rows, in the model dtype (bf16 selects the tensor-core dots, so
-    ch.x and ch.B must hold bf16 values too); A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N]
-    fp32; rows [T] bool, the rows whose outputs are wanted (default all). The chunk layout is read
-    back to the host to plan the call (an advance plans from the step instead: ``replay_chunk_triton``).
-
-    Returns y [T, H, P] float32 (zero in rows not wanted), states [S, H, P, N] float32 (at each
-    sequence's last full-chunk boundary for final="boundary", at its end for "end") and moved [S]
-    bool (whether a sequence's state changed; where not, states holds the initial one's bits).
-    """
+    ch: ``pack_chunks``'s output; C [T, G, N] model dtype (bf16 selects the tensor-core dots: ch.x, ch.B hold
+    bf16 values); A [H] fp32; D [H] or [H, P]; initial_states [S, H, P, N] fp32; rows [T] bool (default all).
+    Returns y [T, H, P] fp32 (unwanted rows zero), states [S, H, P, N] fp32 (final="boundary": at the last
+    full-chunk boundary; "end": at the end) and moved [S] bool (False: the initial state's bits)."""
     NC, H, L, P = ch.x.shape
     G = ch.B.shape[1]
     row_tile = cfg.scan_row_tile(L)
@@ -636,13 +555,9 @@ def ssd_chunk_triton(
     final: str = "end",
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk.ssd_chunk`` on the Triton kernels (the forms' signature; its own bits).
-
-    x [T, H, P], dt [T, H] raw, B/C [T, G, N] (bf16 selects the tensor-core dots), cu_seqlens
-    [S+1], initial_states [S, H, P, N] float32 or None (zeros). Returns y [T, H, P] in x's dtype
-    and the states [S, H, P, N] float32 (at each end for final="end", at the last full-chunk
-    boundary for "boundary").
-    """
+    """``chunk.ssd_chunk`` on the Triton kernels (the scan forms' signature; its own bits): x [T, H, P], dt [T, H]
+    raw, B/C [T, G, N] (bf16 selects the tensor-core dots), cu_seqlens [S+1], initial_states fp32 or None (zeros)
+    -> y [T, H, P] in x's dtype, states [S, H, P, N] fp32 (at the end, or the last boundary for "boundary")."""
     S = cu_seqlens.numel() - 1
     H, P, N = x.shape[1], x.shape[2], B.shape[2]
     if initial_states is None:
@@ -664,14 +579,9 @@ def replay_chunk_triton(
     rows: torch.Tensor | None = None,
     cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """An advance of every slot of ``step`` on the Triton kernels (the replay forms' signature):
-    returns y [T, H, P] in x's dtype (zero in rows not wanted when ``rows`` is given).
-
-    The chunk, tile and buffer layout comes from the step's lengths on the host (no device syncs),
-    once per step and device (``StepPlan.ssd_chunk``: every layer of a step shares it); pack, scan, state
-    pass and buffer rewrite are Triton kernels. A rows mask is a device tensor of its own, so a
-    masked advance is planned per call.
-    """
+    """An advance of every slot of ``step`` (the replay forms' signature): y [T, H, P] in x's dtype (unwanted rows
+    zero when ``rows`` is given). Planned on the host without device syncs, once per step and device
+    (``StepPlan.ssd_chunk``, shared by the layers); a ``rows`` mask is planned per call."""
     state.check_inputs(x, dt, B)
     L = state.chunk_size
     R = cfg.scan_row_tile(L)

@@ -1,56 +1,20 @@
-"""Fused exact-replay decode step on Triton: one new token per sequence, any offsets, any batch.
+"""The exact-replay decode step on Triton: one new token per sequence, any offsets, any batch, with the bits
+``triton_chunk.replay_chunk_triton`` gives that row (why the slot's boundary state and buffer suffice:
+docs/design.md, "The one idea"). Launches (grids):
 
-A decode step must give the token's output row the bits a single-pass prefill
-(``triton_chunk.replay_chunk_triton``) gives the same row. By the invariant of
-``chunk.py`` that row is a fixed function of (its chunk's fp32 boundary state, the chunk's inputs
-up to it, its position), so the step only needs the slot's boundary state and its partial-chunk
-buffer, and only the token's own row:
+1. ``_prep_kernel`` [S, G, L / BLOCK_K], no fp contraction: the token's x, raw dt and B into row ``pos % L`` of the
+   buffers; the chunk's softplus'd dt row (the prefill pack's bits); the token's C.B row once per group.
+2. ``_row_kernel`` [S, H / HPP, PB] ("row", fp32 models) or ``_tile_kernel`` [S, H, PB] ("tile", bf16 models): the
+   cumsum a (``_cumsum_kernel``'s code), then the output row. "tile" runs ``_tile_output_kernel`` on a
+   ``DECODE_ROW_TILE``-row tile whose one live row is the token's; "row" runs the row alone in fma chains in the
+   fp32 dot's order (k ascending, from the accumulator), which cannot reproduce tensor-core dots.
+3. ``_update_kernel`` [H, entries / COMPLETION_BLOCK, PB]: where the token completes the chunk (pos % L == L - 1),
+   the new boundary state by ``_chunk_state_kernel`` + ``_state_pass_kernel``'s code.
+4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties those sequences' buffers.
 
-1. ``_prep_kernel`` [S, G, L / BLOCK_K] (compiled with ``enable_fp_fusion=False``): writes the
-   token's x, raw dt and B into row ``pos % L`` of the slot's buffers; the chunk's dt row so far,
-   softplus(dt + dt_bias) (clamped to dt_limit) of the buffered raw rows and the token's, by
-   ``softplus_exact``, which reproduces ``elementwise.softplus`` operation by operation, so the
-   bits are those the prefill's pack computes; cb[s] = C_t . B_s for the rows of the chunk so far,
-   once per group: in "tile" mode the token's row of the tile kernel's tensor-core C.B tile, in
-   "row" mode the sequential fma chain a Triton fp32 ``tl.dot`` runs.
-2. ``_row_kernel`` [S, H / HPP, PB] ("row" mode, fp32 models) or ``_tile_kernel`` [S, H, PB]
-   ("tile" mode, bf16 models): the within-chunk cumsum a (the same code as ``_cumsum_kernel``,
-   kept in a scratch buffer), then the output row. "tile" repeats ``_tile_output_kernel`` for a
-   ``DECODE_ROW_TILE``-row tile holding the token (the same dots, blocks and adds; only the
-   token's row is live; a row's bits do not depend on the tile's height). "row"
-   computes the one row alone with explicit fma chains in the order the fp32 FMA dot lowering
-   accumulates (k ascending, one fused multiply-add per term, starting from the accumulator); it
-   cannot reproduce tensor-core dots, so bf16 models use "tile". The fp32 boundary state is only
-   read. On sm_90+ the tile kernel is the prep's programmatic dependent (``PDL``): it computes its
-   inter-chunk dots from the state while the prep runs and waits for the prep before the rest.
-3. ``_update_kernel`` [H, entries / COMPLETION_BLOCK, PB]: for the sequences whose token completes
-   the chunk (``pos % L == L - 1``), chunk state and new boundary state, the code of
-   ``_chunk_state_kernel`` + ``_state_pass_kernel`` (all of N in one block: ``state_block_n``).
-4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties the buffers of those sequences.
-
-bf16 models can run all four in one launch, ``_step_kernel`` [H, S, PB] ("step" mode, chosen up
-to ``STEP_MAX_BATCH`` sequences, by default never): each
-program computes its head's dt row and the token's C.B row itself (per head rather than once
-per group), reads the token's own x, dt and B from the inputs rather than the buffers,
-and completes the chunk for its P block; the last program of a group to finish reading empties
-the group's dt and B buffers (a counter). Same operations, same order, compiled without FMA
-contraction as the tensor-core kernels are; fp32 models' tile kernels contract, so they keep
-the separate launches.
-
-Launches 3 and 4 run over the batch's entries (or, when the caller knows which sequences complete,
-as an engine knows positions on the host, over ``completes=tensor`` of their indices; none with
-``completes=False``), COMPLETION_BLOCK entries per program, each program looping over the ones
-that complete: one in L steps per sequence, so most programs find none and end at once.
-
-Bytes per step and sequence (no completion): the boundary state read once (H P N 4), the x, raw
-dt and B rows of the partial chunk up to the token read once (B once per head from L2 in "tile"
-mode), small scratch, the token's inputs; SSU reads and writes the state every step.
-
-Bits: every arithmetic step of the prefill's path for that row is repeated with the same
-operands in the same order. What cannot be shown on a CPU (the interpreter runs ``tl.dot`` as a
-numpy matmul and ``tl.fma`` as two roundings) is checked on the GPU by
-``tests/ops/ssd/test_triton_decode.py`` (marked gpu) for both modes; "tile" is the fallback if "row"
-ever differs there.
+"step" mode (bf16 models) runs the four as one ``_step_kernel``, the same operations in the same order. The
+interpreter cannot show the bits (numpy ``tl.dot``, two-rounding ``tl.fma``): tests/ops/ssd/test_triton_decode.py
+checks them on the GPU; "tile" is the fallback if "row" ever differs there.
 """
 
 from __future__ import annotations
@@ -70,34 +34,24 @@ from .triton_dot import dot_acc, tensor_core_dots
 
 MODES = ("row", "tile", "step")
 DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
-# The "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
+# the "tile" kernel's row tile: the smallest MMA tile; a row's bits do not depend on it
 DECODE_ROW_TILE = 16
 
-# Programmatic dependent launch (Hopper and later): the tile kernel starts while the prep kernel
-# runs, reads the boundary state and computes its inter-chunk term (inputs the prep does not
-# write), then waits for the prep (``gdc_wait``) before reading what the prep wrote. Scheduling
-# only: the arithmetic and its order are the same with it off.
+# programmatic dependent launch (sm_90+, see _tile_kernel): scheduling only, the arithmetic is the same
 PDL: bool = True
-# Compile options of the tile kernel (tensor-core dots) beyond the contract's configs: occupancy
-# only, never the arithmetic. Two pipelining stages halve its shared memory (36 to 18 KB), which
-# measured a few per cent faster in CUDA graphs (benchmarks/README.md).
+# the tile kernel's occupancy, never its arithmetic (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 2}
-# Step entries per program of the completion kernels (see _update_kernel)
+# step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
-# bf16 models run "step" up to this many sequences a step and "tile" above (0: never "step"); the two
-# give the same bits, so this is speed only (benchmarks/README.md, "The decode step in one launch")
+# bf16 models run "step" up to this many sequences, "tile" above (0: never); the same bits, speed only
 STEP_MAX_BATCH: int = 0
-# "step" mode's compile options beyond the contract's configs (occupancy and pipelining only, never
-# the arithmetic) and whether its K loop is a run-time ``tl.range`` (compiled only) or a while loop
+# "step" mode's occupancy options, and whether its K loop is a run-time ``tl.range`` (compiled only)
 STEP_OPTS: dict = {"num_stages": 2}
 STEP_RT_RANGE: bool = False
-# Measurement only (bench_decode_step_h200's "bp" variants): the step kernel's P block in place of the
-# contract's block_p. None, the contract's, is what runs; another value is a tile shape the contract
-# does not pin (rows and columns are tile-invariant as measured, not promised).
+# measurement only: a step-kernel P block the contract does not pin (None: the contract's block_p)
 STEP_BLOCK_P: int | None = None
-# "step" mode's completion counters: device -> int32 zeros, one per (batch entry, group), every
-# launch leaving them zero. Grown, never shrunk or freed: a captured CUDA graph keeps the address
-# it was captured with.
+# "step" mode's completion counters per device, one per (entry, group), zero between launches; grown,
+# never freed: a captured CUDA graph keeps their address
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -123,14 +77,11 @@ def _sm_major(device: torch.device) -> int:
 
 
 def state_block_n(N: int) -> int:
-    """The N block of the chunk-state dots (prefill's _chunk_state_kernel, decode's _update_kernel):
-    all of N in one block, so x is read once per head; the same shapes on both sides."""
+    """The N block of the chunk-state dots, prefill and decode alike: all of N (x read once per head)."""
     return triton.next_power_of_2(N)
 
 
-# --------------------------------------------------------------------------------------------
-# shared pieces
-# --------------------------------------------------------------------------------------------
+# -- shared pieces ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -153,9 +104,7 @@ def _cols4(blk):
     return c0, c1, c2, c3
 
 
-# --------------------------------------------------------------------------------------------
-# launch 1: dt, buffer rows, cb
-# --------------------------------------------------------------------------------------------
+# -- launch 1: dt, buffer rows, cb -----------------------------------------------------------
 
 
 @triton.jit
@@ -167,20 +116,10 @@ def _prep_kernel(
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (q, g, kb), for group g and the chunk's columns s in block kb (KB wide):
-
-    - (kb = 0) the token's x (heads of g), raw dt (heads of g) and B (group g) rows into the slot's
-      buffers at row r = pos % L;
-    - dts[q, h, s] = softplus(dt_s + dt_bias) for s <= r (buffered raw rows and the token's), 0
-      past r: the chunk's dt row exactly as ``pack_chunks`` builds it;
-    - (WITH_CB) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of block kb of the
-      tensor-core C.B tile of ``_tile_kernel`` (KB = its BLOCK_K), computed here once per group
-      instead of once per head; or (row mode) the fp32 dot's fma chain.
-
-    Every column's result is computed alone, so splitting the columns over programs does not
-    touch the bits. (PDL) the tile kernel is launched as its programmatic dependent once every prep
-    program has started.
-    """
+    """Program (q, g, kb), columns s of block kb (KB wide): (kb = 0) the token's x, raw dt (heads of g) and B into
+    the buffers at row r = pos % L; dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row);
+    (WITH_CB) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB its
+    BLOCK_K), or the fp32 dot's fma chain. Each column is computed alone: the column split keeps the bits."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
@@ -215,9 +154,8 @@ def _prep_kernel(
     tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
-        # The live row of the tile kernel's cb = dot(C [R, BLOCK_N], B^T [BLOCK_N, KB]) over n blocks,
-        # for the K blocks up to the tile's end. Columns past r are zero here (the prefill has later
-        # tokens' B there; the zero decay discards both). Row r of B is the token's.
+        # the live row of the tile kernel's C.B dots; columns past r are zero here, later tokens' B in the
+        # prefill (the zero decay discards both)
         t0 = r - r % R
         if kb * KB < t0 + R:
             rr = tl.arange(0, R)
@@ -237,8 +175,7 @@ def _prep_kernel(
             tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
                      mask=live[:, None] & (s < L)[None, :])
     elif WITH_CB:
-        # cb[s] = sum_n C[n] B[s, n] as the fp32 dot accumulates it: fma(C_n, B_sn, acc), n ascending,
-        # from 0. Row r comes from the token's B itself (the kb = 0 program writes it to the buffer).
+        # the fp32 dot's chain: fma(C_n, B_sn, acc), n ascending, from 0; row r from the token's B
         if kb * KB <= r:
             jj = tl.arange(0, 4)
             cq = C_ptr + q * sC_q + g * N
@@ -259,9 +196,7 @@ def _prep_kernel(
             tl.store(cb_ptr + (q * G + g) * L + s, acc, mask=s <= r)
 
 
-# --------------------------------------------------------------------------------------------
-# launch 2: the output row
-# --------------------------------------------------------------------------------------------
+# -- launch 2: the output row ----------------------------------------------------------------
 
 
 @triton.jit
@@ -271,11 +206,8 @@ def _row_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     HPP: tl.constexpr, RB_P: tl.constexpr, BLOCK_L: tl.constexpr, SB: tl.constexpr,
 ):
-    """Program (q, head pair, p block): y[q, heads, p] for the token's row alone.
-
-    The rows of the program are (head, p) pairs, HPP heads of one group x RB_P values of p; each
-    output element is computed on its own (no reduction across threads), so RB_P and HPP do not
-    touch the bits.
+    """Program (q, head pair, p block): y[q, heads, p] for the token's row alone, HPP heads x RB_P values of p,
+    each element on its own (HPP and RB_P keep the bits):
         inter = fma chain over n of C_n h[p, n], then * exp(a_t)        (the prefill's first dot)
         acc   = fma chain from inter over s <= t of ((cb_s exp(min(a_t - a_s, 0))) dt_s) x[s, p]
         y     = acc + D x_t
@@ -301,7 +233,7 @@ def _row_kernel(
     a_row = a_ptr + qh * L
     a_t = tl.load(a_row + r)
 
-    # Inter-chunk term. The state row of (head, p) is contiguous in n: 16-byte loads of 4 n.
+    # the state row of (head, p) is contiguous in n: 16-byte loads of 4 n
     jj = tl.arange(0, 4)
     hrow = state_ptr + (sh * P + p) * N
     cq = C_ptr + q * sC_q + g * N
@@ -315,12 +247,11 @@ def _row_kernel(
         inter = tl.fma(tl.load(cq + n0 + 3).to(tl.float32), h_3, inter)
     inter = inter * tl.exp(a_t)
 
-    # Intra-chunk term over the chunk's rows up to the token's (later rows add exact zeros in the
-    # prefill). cb comes from the prep kernel, x from the buffer (the token's row included).
+    # rows up to the token's (later rows add exact zeros in the prefill)
     xrow = buf_x_ptr + sh * (L * P) + p
     dtrow = dts_ptr + qh * L
     cbrow = cb_ptr + (q * G + g) * L
-    intra = inter  # the intra-chunk chain continues from the inter-chunk term ("accumulate": "seeded")
+    intra = inter  # the chain continues from the inter-chunk term, as the prefill's dots do
     s0 = 0
     while s0 <= r:
         for j in tl.static_range(SB):
@@ -349,7 +280,7 @@ def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn,
     R: tl.constexpr = t.shape[0]
     s = k0 + tl.arange(0, BLOCK_K)
     sm = s < L
-    if TC:  # the token's row of C.B, from the prep kernel (computed there once per group)
+    if TC:  # the token's C.B row, from the prep kernel
         cbr = tl.load(cb_ptr + (q * G + g) * L + s, mask=sm, other=0.0)
         cb = tl.where(live[:, None], cbr[None, :], 0.0)
     else:
@@ -366,8 +297,7 @@ def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn,
     dt_s = tl.load(dts_ptr + qa + s, mask=sm, other=0.0)
     decay = tl.where(s[None, :] <= t[:, None], tl.exp(tl.minimum(a_t[:, None] - a_s[None, :], 0.0)), 0.0)
     scores = (cb * decay) * dt_s[None, :]
-    # Rows past the token's are not read: the buffer holds zeros there and the prefill's later rows
-    # meet zero scores, so a zero x gives the same exact-zero products with fewer bytes.
+    # rows past the token's are not read: zeros here, zero scores in the prefill (the same exact zeros)
     xs = tl.load(buf_x_ptr + (sh * L + s[:, None]) * P + p[None, :], mask=(sm & (s <= r))[:, None] & pm[None, :],
                  other=0.0)
     if not TC:
@@ -383,14 +313,9 @@ def _tile_kernel(
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (q, h, p block): ``_tile_output_kernel`` for the row tile holding the token, the token's
-    row the only live one; buffers in the model dtype are widened to fp32 on load (exactly).
-
-    The inter-chunk dots come first: they read the boundary state and C only, which the prep
-    kernel does not write, so (PDL) they overlap the prep; ``gdc_wait`` then waits for it before
-    the dt row, the buffers and cb are read. Its own dependents (the completion kernels) may launch
-    at once: they wait for it.
-    """
+    """Program (q, h, p block): ``_tile_output_kernel`` on the row tile holding the token, its one live row.
+    (PDL) the inter-chunk dots read only the state and C, which the prep does not write, so they overlap the
+    prep; ``gdc_wait`` precedes the reads of its outputs. The completion kernels wait for this one."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
@@ -406,7 +331,7 @@ def _tile_kernel(
     t = t0 + tl.arange(0, R)
     live = t == r
     nn = tl.arange(0, BLOCK_N)
-    cq = C_ptr + q * sC_q + g * N  # the token's C row (a row stride: a view of the conv's output)
+    cq = C_ptr + q * sC_q + g * N  # the token's C row (row stride: a view of the conv's output)
 
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
@@ -426,7 +351,7 @@ def _tile_kernel(
 
     intra = inter  # the intra-chunk dots accumulate onto the inter-chunk term, as in the prefill
     k0 = 0
-    while k0 < t0 + R:  # the prefill tile's K blocks (see the module docstring of triton_chunk on loops)
+    while k0 < t0 + R:  # the prefill tile's K blocks (a while loop: triton_chunk's docstring)
         intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
                                   buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
         k0 += BLOCK_K
@@ -438,15 +363,12 @@ def _tile_kernel(
              mask=live[:, None] & pm[None, :])
 
 
-# --------------------------------------------------------------------------------------------
-# launches 3 and 4: chunk completion
-# --------------------------------------------------------------------------------------------
+# -- launches 3 and 4: chunk completion ------------------------------------------------------
 
 
 @triton.jit
 def _completing(pos_ptr, seq_ptr, n, L: tl.constexpr, QB: tl.constexpr, LISTED: tl.constexpr):
-    """The QB batch entries of program block pid 1 (entries i < n; sequence q = i, or seq[i] if
-    LISTED) as int32 sequence indices, and which of them complete their chunk (pos % L == L - 1)."""
+    """Program block pid 1's QB entries i < n as int32 sequences (i, or seq[i] if LISTED), and which complete."""
     i = tl.program_id(1) * QB + tl.arange(0, QB)
     valid = i < n
     if LISTED:
@@ -471,14 +393,10 @@ def _update_kernel(
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (h, j, block): for each sequence of entries j QB .. j QB + QB - 1 (``_completing``)
-    whose token completed the chunk, the new boundary state block h = exp(a_L) h + sum_s exp(a_L -
-    a_s) dt_s x_s B_s^T, with the arithmetic of ``_chunk_state_kernel`` followed by
-    ``_state_pass_kernel``. A step has few completions (one in L steps per sequence): QB entries per
-    program keep the grid, and the cost of the programs that find none, small; heads run fastest
-    over the grid, so the programs of one block of entries (all heads of a completing sequence)
-    are dispatched together instead of one per wave. (PDL) launched as the tile kernel's
-    dependent: every program waits for it first, so this kernel ends after it."""
+    """Program (h, j, block): for each completing sequence of entries j QB .. j QB + QB - 1, the boundary state
+    block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T by ``_chunk_state_kernel``'s then
+    ``_state_pass_kernel``'s arithmetic. QB entries a program keep the grid small (a sequence completes one step
+    in L); heads vary fastest, so a sequence's programs dispatch together. (PDL) waits for the tile kernel."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -514,9 +432,8 @@ def _update_kernel(
         off = (sh * P + p[:, None]) * N + n_[None, :]
         hs = tl.load(state_ptr + off, mask=m, other=0.0)
         decay = tl.exp(a_last)
-        # The prefill stores the chunk state and its state pass adds it. Here the add must not reach
-        # the dot: when the K loop has one block (L == BLOCK_K) Triton folds `d + dot(a, b, 0)` into
-        # `dot(a, b, d)`, a chain seeded with d, which rounds otherwise. The select keeps it apart.
+        # the select keeps the add out of the dot: with one K block Triton folds `d + dot(a, b, 0)` into
+        # `dot(a, b, d)`, other bits than the prefill's stored chunk state added by its pass
         hs = decay * hs + tl.where(m, acc, 0.0)
         tl.store(state_ptr + off, hs, mask=m)
 
@@ -527,9 +444,8 @@ def _zero_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_L: tl.constexpr, ZB: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (h, j): for each sequence of entries j QB .. j QB + QB - 1 whose token completed the
-    chunk, zero head h's x and dt rows (and group h's B rows for h < G) of the slot's buffers.
-    (PDL) launched as the update kernel's dependent: every program waits for it first."""
+    """Program (h, j): for each completing sequence of entries j QB .. j QB + QB - 1, zero head h's x and dt
+    buffer rows (group h's B rows for h < G). (PDL) waits for the update kernel."""
     if PDL:
         gdc_wait()
     qi, done = _completing(pos_ptr, seq_ptr, n, L, QB, LISTED)
@@ -551,17 +467,14 @@ def _zero_kernel(
                          mask=k0 + i < L * N)
 
 
-# --------------------------------------------------------------------------------------------
-# the whole step in one launch ("step" mode, tensor-core dots)
-# --------------------------------------------------------------------------------------------
+# -- the whole step in one launch ("step" mode, tensor-core dots) ----------------------------
 
 
 @triton.jit
 def _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr, buf_B_ptr,
                       dts, a_row, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr):
-    """intra + the K block at k0 of the step kernel's output tile: ``_prep_kernel``'s C.B columns
-    (the token's row; columns past r zero, column r from the token's B), then ``_tile_intra_block``."""
+    """intra + K block k0 of the step kernel's output tile: ``_prep_kernel``'s C.B, then ``_tile_intra_block``."""
     R: tl.constexpr = t.shape[0]
     ks = k0 + tl.arange(0, BLOCK_K)
     ksm = ks < L
@@ -597,19 +510,12 @@ def _step_kernel(
     BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
     PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
-    """Program (h, q, p block): the four launches of a step for one head and P block, in one.
-
-    The same operations in the same order as ``_prep_kernel`` (the head's dt row; the token's row of
-    the C.B tile, here per head and K block), ``_tile_kernel`` (the output row) and, when the token
-    completes the chunk, ``_update_kernel`` (the new boundary state of the program's P block, all
-    of N) and ``_zero_kernel``. Every read of the token's own row (x, raw dt, B) takes the input
-    rather than the buffer, so no program reads what another writes in this launch, except on a
-    completion: the group's dt and B buffers, read by every program of the group, are emptied by
-    the last of them to finish reading (a counter per sequence and group, ``cnt``, zero between
-    launches: that program puts it back). The buffer's x rows of the program's P block are its own.
-    Scratch per program: the chunk's dt row, then its cumsum a (2 L fp32). Heads run fastest over
-    the grid, so the programs of one sequence, which read the same B rows, run together (L2 hits).
-    """
+    """Program (h, q, p block): the step's four launches in one, with the operations and order of ``_prep_kernel``
+    (C.B per head here), ``_tile_kernel`` and, on a completion, ``_update_kernel`` (all of N) and ``_zero_kernel``.
+    The token's x, raw dt and B come from the inputs, so no program reads what another writes, except the group's
+    dt and B buffers on a completion: the last program of the group to read them empties them (counter ``cnt``,
+    zero between launches). Scratch per program: the dt row and a (2 L fp32). Heads vary fastest over the grid:
+    a sequence's programs, which read the same B rows, run together."""
     h = tl.program_id(0)
     q = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -658,7 +564,7 @@ def _step_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = inter
-    if RT_RANGE:  # compiled: a run-time range, which the compiler may pipeline (the same dots in order)
+    if RT_RANGE:  # compiled: a run-time range the compiler may pipeline (the same dots in order)
         for kr in tl.range(0, t0 + R, BLOCK_K):
             intra = _step_intra_block(intra, kr, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_tok, buf_x_ptr,
                                       buf_B_ptr, dts, a_row, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
@@ -701,7 +607,7 @@ def _step_kernel(
         decay_l = tl.exp(a_last)
         hs = decay_l * hs + tl.where(m, acc, 0.0)  # the select keeps the add out of the dot (_update_kernel)
         tl.store(state_ptr + off, hs, mask=m)
-        # _zero_kernel. The x rows of this P block: this program's alone, once all its threads read them.
+        # _zero_kernel: this P block's x rows are this program's alone, once all its threads read them
         tl.debug_barrier()
         i = tl.arange(0, ZB)
         zx = tl.zeros((ZB,), tl.float32).to(buf_x_ptr.dtype.element_ty)
@@ -709,8 +615,7 @@ def _step_kernel(
             e = k1 + i
             pe = pb * BLOCK_P + e % BLOCK_P
             tl.store(buf_x_ptr + (sh * L + e // BLOCK_P) * P + pe, zx, mask=(e < L * BLOCK_P) & (pe < P))
-        # The group's dt and B rows: by the last of its HG x PB programs (acq_rel: the others' reads
-        # happen before its stores)
+        # the group's dt and B rows, by the last of its HG x PB programs (acq_rel: the others' reads first)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + qg, 1, sem="acq_rel")
         if done == HG * PB - 1:
@@ -735,15 +640,12 @@ def _step_kernel(
                          mask=nsm)
 
 
-# --------------------------------------------------------------------------------------------
-# host side
-# --------------------------------------------------------------------------------------------
+# -- host side -------------------------------------------------------------------------------
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t [S, ...] as the decode kernels read it: any row stride, each row's elements packed. In a model
-    the step's x, dt, B and C are column slices of one row (the conv's or in_proj's output), which
-    qualify, so they are read in place; anything else is copied."""
+    """t [S, ...] as the decode kernels read it: any row stride, each row's elements packed (a model's column
+    slices of the conv's or in_proj's output are read in place); anything else is copied."""
     packed = 1
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != packed:
@@ -759,8 +661,7 @@ def _as(t: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _row_layout(H: int, G: int, P: int) -> tuple[int, int]:
-    """(heads per program, p values per program) of the row kernel: 2 heads of one group when the
-    group has an even number of heads (128 rows for P = 64: one row per thread of 4 warps)."""
+    """(heads, p values) per row-kernel program: 2 heads of a group with an even head count (128 rows at P = 64)."""
     rb_p = min(triton.next_power_of_2(P), 64)
     hpp = 2 if (H // G) % 2 == 0 and rb_p * 2 <= 128 else 1
     return hpp, rb_p
@@ -781,29 +682,17 @@ def decode_step_triton(
     mode: str | None = None,
     completes: bool | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One exact-replay decode step for S sequences, one new token each; returns y [S, H, P].
+    """One decode step, S sequences of one new token each: y [S, H, P] with the bits of
+    ``triton_chunk.replay_chunk_triton``'s rows, ``state`` updated in place as that call would; nothing is read
+    back to the host (CUDA-graph capturable).
 
-    state: an ``SSDState`` (contiguous tensors; buf_x/buf_dt/buf_B in the model dtype,
-    ssm_state fp32). slots [S] int64 (distinct), pos [S] int64: tokens each slot consumed before
-    this one (any offsets). x [S, H, P], dt [S, H] raw, B and C [S, G, N] in the model dtype, each
-    with any row stride (a row's own elements packed: the column slices of the conv's and in_proj's
-    outputs a layer passes are read where they lie; other layouts are copied).
-    A [H] fp32, D [H] or [H, P], dt_bias [H]. row_tile: the "tile" kernel's row tile (default
-    ``DECODE_ROW_TILE``; rows are tile-invariant, so any power of two >= 16 dividing L gives the
-    prefill's bits and the smallest is the fastest). mode: "row" (the default for fp32 models:
-    fma chains reproducing the fp32 dots), "tile" (the four launches; the default for bf16 models,
-    whose dots run on tensor cores) or "step" (bf16 models: the four in one launch, the same bits;
-    the default up to ``STEP_MAX_BATCH`` sequences; refused for fp32 models on a GPU). completes:
-    which tokens complete their chunk (pos % L == L - 1), if the caller knows (an engine knows
-    positions on the host): False for none (two launches fewer), or an int64 tensor of their indices in the
-    batch (the completion kernels then run over those only); None or True: the completion
-    kernels run over the whole batch and return at once for the others ("step" mode checks every
-    entry itself and ignores it). A wrong hint is harmless only in the direction of listing too
-    many: listed sequences are still checked.
-
-    Updates ``state`` in place exactly as ``triton_chunk.replay_chunk_triton`` would for the step
-    (slots, pos, one token each), and y has the bits of that call's rows. Every table is a device
-    tensor and nothing is read back, so the step can be captured in a CUDA graph.
+    state: contiguous, buffers in the model dtype, ssm_state fp32. slots [S] int64 (distinct); pos [S] int64, the
+    tokens each slot consumed before. x [S, H, P], dt [S, H] raw, B and C [S, G, N], model dtype, any row stride
+    with a row's elements packed (else copied). row_tile: default ``DECODE_ROW_TILE``; any power of two >= 16
+    dividing L gives the same bits. mode: "row" (fp32 default), "tile" (bf16 default) or "step" (bf16 on a GPU;
+    default up to ``STEP_MAX_BATCH``). completes: an int64 tensor of the batch indices whose token completes
+    its chunk, False for none, None or True to check the whole batch ("step" checks every entry itself);
+    listing too many is harmless, too few is not.
     """
     A, D, dt_bias, dt_limit = params.A, params.D, params.dt_bias, params.dt_limit
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
@@ -815,8 +704,7 @@ def decode_step_triton(
         raise ValueError("row mode reproduces the fp32 (ieee) dots; a bf16 model's dots run on tensor cores: "
                          "use mode='tile'")
     if mode == "step" and not tc and not interpreting():
-        # one compile for the whole step: without FMA contraction (the softplus needs it off), which
-        # the fp32 tile kernels' epilogues use
+        # step mode compiles once, without contraction (the softplus needs it off); fp32 tile kernels contract
         raise ValueError("step mode runs bf16 models (tensor-core dots, no FMA contraction); an fp32 model's "
                          "kernels contract: use mode='row' or 'tile'")
     S = int(slots.numel())
@@ -847,7 +735,6 @@ def decode_step_triton(
         return y
     if mode == "step":
         return _step(state, slots, pos, x, dt, B, C, params, y, cfg, tc, R)
-    # Cheap on the host: convert only what is not already as the kernels want it.
     slots_d = _as(slots, dev, torch.int64)
     pos_d = _as(pos, dev, torch.int64)
     x_c, dt_c, B_c, C_c = (_rows(t) for t in (x, dt, B, C))  # row-strided views are read in place
@@ -951,13 +838,9 @@ def replay_decode_triton(
     rows: torch.Tensor | None = None,
     cfg: TritonKernelConfigs,
 ) -> torch.Tensor:
-    """A decode step (one new token per slot of ``step``) on the fused kernels (the replay forms'
-    signature); returns y [S, H, P] in x's dtype with the bits of ``replay_chunk_triton``'s rows.
-
-    Every row of a one-token step is computed (``rows`` may only say which are wanted: the
-    others are computed all the same). The step's slots, positions and the indices of the tokens
-    that complete a chunk go to the device in one copy, once per step (``StepPlan.ssd_decode_tables``).
-    """
+    """A decode step, one new token per slot of ``step`` (the replay forms' signature): y [S, H, P] in x's dtype,
+    ``replay_chunk_triton``'s rows' bits; every row is computed, whatever ``rows`` says. Slots, positions and
+    completing tokens go to the device in one copy per step (``StepPlan.ssd_decode_tables``)."""
     if not bool((step.lengths == 1).all()):
         raise ValueError("the decode kernels take one new token per sequence; use replay_chunk_triton")
     state.check_inputs(x, dt, B)
