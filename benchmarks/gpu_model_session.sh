@@ -28,7 +28,7 @@ t0=$(date +%s)
 if [[ " $STEPS " == *" tests "* ]]; then
   timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=8 \
     ${TEST_FILES:-tests/core/test_decode_graph.py tests/ops/linear/test_linear_gemm.py tests/ops/norm/test_norm_forward.py \
-    tests/ops/conv1d/test_conv1d_forward.py tests/ops/logprobs/test_logprobs_triton.py tests/ops/test_triton_ops_gpu.py \
+    tests/ops/conv1d/test_conv1d_forward.py tests/ops/logprobs/test_logprobs_triton.py tests/ops/test_triton_ops.py \
     tests/ops/ssd/test_triton_decode.py} \
     2>&1 | tee "$OUT/pytest_gpu.log"
   echo "== tests exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_gpu.log"

@@ -34,7 +34,7 @@ if want tests; then
   timeout "$(left "${TESTS_S:-170}")" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=15 \
     -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests/ops/moe/test_moe_experts.py tests/ops/attention \
     tests/ops/linear/test_linear_relu2.py tests/ops/elementwise/test_elementwise.py \
-    tests/ops/test_triton_ops_gpu.py tests/ops/linear/test_linear_gemm.py tests/ops/norm/test_norm_forward.py \
+    tests/ops/test_triton_ops.py tests/ops/linear/test_linear_gemm.py tests/ops/norm/test_norm_forward.py \
     tests/ops/conv1d/test_conv1d_forward.py tests/ops/logprobs/test_logprobs_triton.py tests/ops/test_triton_backward.py \
     tests/ops/ssd/test_triton_decode.py tests/core/test_decode_graph.py} 2>&1 | tee "$W/pytest_gpu.log"
   note "tests exit ${PIPESTATUS[0]}: $(tail -n 1 "$W/pytest_gpu.log")"; pack

@@ -13,7 +13,7 @@
   from tests/ops/test_triton_ops.py keep that module's ``interpreter`` mark beside ``gpu``, as the
   GPU tests of test_triton_backward.py and ssd/test_triton_decode.py carry theirs.
 
-The kernels compile for sm_90 in the ops' script of tests/ops/test_triton_ops_compile.py; the row-
+The kernels compile for sm_90 in the ops' script of tests/ops/test_triton_ops.py; the row-
 parallel tree GEMM: tests/ops/linear/test_linear_tree.py.
 """
 
