@@ -225,13 +225,13 @@ def main() -> int:
                     cell[f"{vname}_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
                                                  same_bits=bool(torch.equal(y, ones[s])),
                                                  tile=f"{p.block_m}x{p.block_n} s{p.num_stages}")
-                for s in SLICES if big and not args.no_tile_variants else ():
-                    p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
-                    y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
-                    t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,
-                                                                                      tiles=p) for w in ws], cuda)
-                    cell[f"grid_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
-                                              same_bits=bool(torch.equal(y, ones[s])))
+            for s in SLICES if big and not args.no_tile_variants else ():
+                p = dataclasses.replace(tt.tree_plan(M, w0, s, cfg, sms=lt._num_sms(dev)), persistent=False)
+                y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, tiles=p)
+                t = graph_ms(torch, [lambda w=w, s=s, p=p: tt.linear_tree_triton(x, w, None, s, dtype, cfg,
+                                                                                  tiles=p) for w in ws], cuda)
+                cell[f"grid_s{s}"] = dict(ms=t, ratio=round(t / cell["today_ms"], 4),
+                                          same_bits=bool(torch.equal(y, ones[s])))
             for s in SLICES if M <= SPLIT_MAX_M else ():
                 y = tt.linear_tree_triton(x, w0, None, s, dtype, cfg, split=True)
                 t = graph_ms(torch, [lambda w=w, s=s: tt.linear_tree_triton(x, w, None, s, dtype, cfg, split=True)
