@@ -1,10 +1,8 @@
 """The baseline: a model decoding as engines do today, to show the mismatch exact replay removes.
 
-Exact replay off: each Mamba2 layer keeps the running fp32 state at its last token (no boundary,
-no buffer); a one-token step takes the recurrent update (SSU), a longer one a chunked scan whose
-chunk grid starts wherever the call starts. The same weights and every other op are the model's,
-so the rows it produces differ from the trainer's only by the scan's rounding and chunking. Only
-``aligned-mamba check`` and the tests use it; no production path does.
+Each Mamba2 layer keeps the running fp32 state (no boundary, no buffer): a one-token step takes the
+recurrent update, a longer one a chunked scan anchored at the call's start; every other op is the model's.
+Only ``aligned-mamba check`` and the tests use it.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ class RunningState:
 
 
 class RecurrentMamba2Mixer(Mamba2Mixer):
-    """A ``Mamba2Mixer`` (the same weights) whose scan is the baseline's: its backend's table with
-    ``ssd_advance`` replaced, every other op the model's."""
+    """A ``Mamba2Mixer`` on the same weights whose backend's ``ssd_advance`` is the baseline's."""
 
     def __init__(self, mixer: Mamba2Mixer) -> None:  # shares the mixer's weights
         self.__dict__.update(mixer.__dict__)
@@ -90,11 +87,9 @@ def baseline_model(model: CausalLM) -> CausalLM:
 def stock_row_parallel(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
                        slices: int, group: TPGroup, partial: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        tree: object = None) -> torch.Tensor:
-    """Stock tensor parallelism's row-parallel GEMM (Megatron's RowParallelLinear, vLLM's), with
-    ``ops.linear.row_parallel_linear``'s signature: each rank's GEMM over all of its K columns rounded
-    to the model dtype, the ranks' partials summed in the model dtype as an all-reduce does (here in
-    rank order), then the bias. ``slices`` and ``tree`` are ignored: the degree decides the sum, so TP 2
-    rounds otherwise than TP 1."""
+    """Stock row-parallel GEMM (Megatron's RowParallelLinear, vLLM's) with ``row_parallel_linear``'s signature:
+    each rank's partial rounded to the model dtype and summed as an all-reduce (rank order), then the bias.
+    ``slices`` and ``tree`` are ignored, so TP 2 rounds otherwise than TP 1."""
     ws = w if isinstance(w, torch.Tensor) else torch.cat(list(w), dim=1)
     parts = group.all_gather(partial(x, ws).to(x.dtype))
     out = parts[0]
@@ -104,9 +99,8 @@ def stock_row_parallel(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor]
 
 
 def stock_tp_model(model: CausalLM) -> CausalLM:
-    """``model`` (the same weights, the same tensor-parallel group) with every row-parallel GEMM
-    summed as stock tensor parallelism sums it (``stock_row_parallel``): the baseline that shows the
-    mismatch across TP degrees the contract's slices remove."""
+    """``model`` (same weights and group) with every row-parallel GEMM as ``stock_row_parallel``: the
+    baseline for the mismatch across TP degrees."""
     blocks = []
     for b in model.blocks:
         mixer = b.mixer

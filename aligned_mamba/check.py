@@ -1,14 +1,9 @@
 """``aligned-mamba check``: sample with an engine, score with a trainer, compare raw logits.
 
-Every case runs the requests through the sampler engine under one schedule (an
-``integrations.Scenario``), scores the same tokens with the trainer's one-pass forward, and
-compares the logits rows the engine produced with the trainer's rows at the same positions
-(``verify``: torch.equal per row). Exact-replay cases must show 0 differing rows; the baseline
-(exact replay off: recurrent decode, as engines run today) shows what they prevent.
-
-Besides the rows, each case compares the logprob the engine reports for every sampled token (the
-``vllm`` engine: vLLM's own number from ``SamplingParams(logprobs=0)``, as RL frameworks read it)
-with the trainer's: ``token_logprobs`` (the contract's function) of the trainer's row.
+Each case runs the requests through the engine under one ``Scenario``, scores the same tokens with the
+trainer's one-pass forward, and compares the rows (``verify``: torch.equal per row) and the engine's
+reported logprob of each sampled token (vLLM's ``logprobs=0``) with the trainer's ``token_logprobs``.
+Exact-replay cases must show 0 differences; the baseline case (recurrent decode) shows what they prevent.
 """
 
 from __future__ import annotations
@@ -74,16 +69,14 @@ def scenario_for(case: CaseSpec, prompts: list[list[int]], gen_len: int, budget:
 
 def run_case(case: CaseSpec, model: CausalLM, prompts: list[list[int]], gen_len: int, budget: int,
              seed: int) -> ScenarioResult:
-    """One case through the reference engine over ``model`` (the baseline's decoding for a case
-    without exact replay), in this process."""
+    """One case through the reference engine over ``model``, in this process."""
     engine = ReferenceEngine.for_model(model, exact_replay=case.exact_replay)
     return engine.run(scenario_for(case, prompts, gen_len, budget, seed))
 
 
 def compare(rows: list[list[tuple[int, torch.Tensor]]], trainer_logits: list[torch.Tensor], trainer: Contract,
             sampler: Contract) -> VerifyReport:
-    """verify() over every logits row the sampler emitted (per request, its (position, row) list)
-    against the trainer's rows at the same positions."""
+    """verify() over every (position, row) the sampler emitted against the trainer's row there."""
     t_rows, s_rows = [], []
     for req_rows, lg in zip(rows, trainer_logits):
         for pos, row in req_rows:
@@ -94,9 +87,8 @@ def compare(rows: list[list[tuple[int, torch.Tensor]]], trainer_logits: list[tor
 
 def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], gen_len: int
                      ) -> dict[str, Any]:
-    """The engine's reported logprob of each sampled token (``got.sampled_logprobs``) against the
-    trainer's: ``ops.logprobs.log_softmax`` of the trainer's row at the position before the token.
-    Returns {"logprob_tokens", "mismatched_logprobs", "max_abs_reported_logprob_diff"} (JSON-ready)."""
+    """Each sampled token's reported logprob against ``token_logprobs`` of the trainer's row before it;
+    JSON-ready {"logprob_tokens", "mismatched_logprobs", "max_abs_reported_logprob_diff"}."""
     from .ops.logprobs import token_logprobs
 
     n = bad = 0
@@ -116,12 +108,8 @@ def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], ge
 
 
 def scan_accuracy(trainer: CausalLM, seq: torch.Tensor, layers: int = 3) -> dict[str, Any]:
-    """The scan's error against the fp64 reference, next to the rounding floor of the model dtype.
-
-    For a few layers, the trainer's own scan inputs are run through the fp64 sequential
-    reference; reported as mean |err| / mean |ref| over the layer outputs: the shared chunked scan,
-    the recurrent update (fp32 state), and the floor (the fp64 result rounded to the model dtype).
-    """
+    """Mean |err| / mean |ref| against the fp64 scan on the trainer's scan inputs of a few layers: the
+    chunked scan, the recurrent update, and the floor (the fp64 result rounded to the model dtype)."""
     capture: list[dict] = []
     trainer.forward([seq], capture=capture)
     pick = sorted({0, len(capture) // 2, len(capture) - 1})[:layers]
@@ -151,16 +139,10 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
               progress: Callable[[str], None] = lambda s: None,
               on_case: Callable[[dict[str, Any]], None] = lambda r: None,
               allow_cross_hardware: bool = False) -> dict[str, Any]:
-    """Run every case and return the JSON-ready result (see ``cli`` for the schema).
-
-    ``engine`` names the sampler engine (``integrations.engine_factory``), built from ``spec``
-    (its ``exact_replay`` set per case), in ``jobs`` worker processes when jobs > 1; the trainer
-    scores every case's tokens in this process and ``verify`` compares the rows. ``reference``
-    supplies the vocabulary, the model summary and the scan inputs of the fp64 accuracy line.
-    ``on_case`` gets the result so far after each case (a report that survives an interruption).
-    Rows computed on another hardware class than the trainer's (the engine's ``info["hardware"]``)
-    are refused unless ``allow_cross_hardware``: their bits are not promised to agree.
-    """
+    """Run every case; the JSON-ready result (schema: ``cli``). ``engine`` is built from ``spec`` per case, in
+    ``jobs`` workers when > 1; the trainer scores here. ``reference`` gives the vocabulary, the model summary
+    and the accuracy line's inputs; ``on_case`` gets the result so far after each case. Rows from another
+    hardware class than the trainer's are refused unless ``allow_cross_hardware``."""
     trainer_hw = hardware_class(_trainer_device(trainer))
     sampler_contract = Contract.from_dict(spec.contract)
     check_compatible(trainer.contract, sampler_contract)

@@ -1,20 +1,11 @@
 """A decode step as one CUDA graph per batch-size bucket.
 
-A decode step advances B sequences by one token each. On the triton backend every launch of the
-step reads its tables (slots, positions, the conv's offsets) from the device and none reads
-anything back, so the whole step (embedding, every layer's GEMMs, conv, scan, attention and norms,
-the lm_head) can be captured once per bucket and replayed. Before a replay the step's tables and token
-ids are copied into the graph's static buffers (one copy from pinned memory); a bucket larger
-than the step is filled with padding entries that decode into a spare slot of the cache, which no
-sequence owns (their rows are computed and dropped: every row is a fixed function of its own
-inputs, so they change nothing in the others). Chunk completions run inside the graph: the
-completion kernels check every entry's position on the device. A paged KV cache (``Cache.pages``)
-gets its pages on the host before the copy (``KVPages.ensure``: new entries of the block table go
-to the device on the same stream), and the graph reads the table from its fixed buffer.
-
-The graph runs the very kernels of an eager step with the same arguments, so its rows are the
-eager step's, and by the decode kernels' contract the single-pass prefill's
-(tests/core/test_decode_graph.py checks both on a GPU).
+On the triton backend a decode step's launches read their tables from the device and none reads back,
+so the whole step is captured once per bucket and replayed after one pinned copy of its tables. A
+bucket larger than the step is padded with entries that decode into a spare slot (rows dropped; rows
+are independent). Chunk completions run inside the graph, checked on the device; a paged cache gets its
+pages on the host before the copy. The graph runs the eager step's kernels with the same arguments, so
+its rows are the eager step's (tests/core/test_decode_graph.py).
 """
 
 from __future__ import annotations
@@ -34,11 +25,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class DecodeGraphs:
     """Decode steps of ``model`` over ``cache`` as CUDA graphs, one per bucket, captured on first use.
-
-    ``spare_slot``: a slot of ``cache`` that no sequence owns (allocate one more than the engine
-    hands out); padding entries decode there. Refuses (ValueError) a model that cannot be captured:
-    the triton backend on a CUDA device is required.
-    """
+    ``spare_slot``: a slot no sequence owns (padding decodes there). ValueError off triton on CUDA."""
 
     def __init__(self, model: CausalLM, cache: Cache, *, spare_slot: int, buckets: Sequence[int] = BUCKETS) -> None:
         be = model.backend
@@ -47,8 +34,7 @@ class DecodeGraphs:
         if not 0 <= spare_slot < cache.num_slots:
             raise ValueError(f"spare slot {spare_slot} outside the cache's {cache.num_slots} slots")
         self.model, self.cache, self.spare = model, cache, spare_slot
-        # a paged KV cache: pages are handed out on the host before each replay; the graph reads the
-        # block table (a fixed device buffer); the spare slot keeps one page for the padding entries
+        # paged: pages are handed out on the host before each replay; the spare slot keeps one for padding
         self.pages = cache.pages
         if self.pages is not None:
             self.pages.ensure([spare_slot], [1])
@@ -64,9 +50,8 @@ class DecodeGraphs:
 
     def step(self, slots: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor,
              token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """One decode step: sequence i (in ``slots[i]``, ``positions[i]`` tokens already consumed)
-        takes ``token_ids[i]``. Returns its logits rows [B, vocab] in the model dtype: a view of the
-        graph's static output, valid until the next step of this bucket (clone what you keep)."""
+        """Sequence i (``slots[i]``, ``positions[i]`` tokens consumed) takes ``token_ids[i]``. Returns logits
+        [B, vocab] (model dtype), a view of the graph's output valid until this bucket's next step."""
         # numpy on the host: the step's host work runs before its copy and replay reach the GPU
         slots, positions, token_ids = (host_ints(t).reshape(-1) for t in (slots, positions, token_ids))
         n = slots.size
@@ -79,7 +64,7 @@ class DecodeGraphs:
         if len(distinct) != n or self.spare in distinct:
             raise ValueError(f"slots must be distinct and not the spare slot {self.spare}: {slots.tolist()}")
         if self.pages is not None:
-            # the table's changed entries are copied on this stream, ahead of the replay that reads them
+            # table changes are copied on this stream, ahead of the replay that reads them
             self.pages.ensure(slots, positions + 1)
         b = self.bucket(n)
         c = self._graphs.get(b) or self._capture(b)
@@ -93,8 +78,7 @@ class DecodeGraphs:
         return c.logits[:n]
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
-        """Capture the graphs of ``buckets`` (default: all) now rather than at their first step
-        (an engine does this at start-up; each capture decodes into the spare slot only)."""
+        """Capture ``buckets`` (default: all) now, not at first use; a capture decodes into the spare slot."""
         for b in self.buckets if buckets is None else buckets:
             if b not in self.buckets:
                 raise ValueError(f"{b} is not a bucket of {self.buckets}")
@@ -107,8 +91,7 @@ class DecodeGraphs:
         return tuple(sorted(self._graphs))
 
     def graph(self, n: int) -> torch.cuda.CUDAGraph:
-        """The captured graph that decodes a step of ``n`` sequences (for profiling the replay alone:
-        a replay repeats the bucket's last step, writing its states again). KeyError if not captured."""
+        """The graph for ``n`` sequences, for profiling (a replay repeats the last step). KeyError if none."""
         return self._graphs[self.bucket(n)].graph
 
     def _capture(self, b: int) -> _Captured:
@@ -129,15 +112,13 @@ class DecodeGraphs:
             logits = self.model.advance(self.cache, batch, tables[2], check=False)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(dev))
-        # the batch holds device tables made before the capture (the conv's offsets): the graph reads
-        # their memory at every replay, so they live as long as the graph
+        # the batch owns device tables the graph reads at every replay (the conv's offsets): keep it
         self._graphs[b] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
         return self._graphs[b]
 
     def _batch(self, b: int, tables: torch.Tensor) -> Step:
-        """A Step of b one-token sequences whose plan on the device holds the static buffers, sealed:
-        asking for any other table raises, so nothing is ever built from the host fields (which
-        only say: b sequences of one token) inside the graph."""
+        """A Step of b one-token sequences whose device plan holds the static buffers, sealed: any other
+        table raises, so nothing inside the graph is built from the host fields."""
         batch = Step.make(list(range(b)), [0] * b, [1] * b)
         dev = tables.device
         plan = StepPlan(dev, torch.arange(b + 1, dtype=torch.int64, device=dev), tables[0], sealed=True)
@@ -149,8 +130,7 @@ class DecodeGraphs:
         if any(hasattr(state, "k_cache") for state in self.cache.states):
             from .ops.attention.triton import decode_step_tables
 
-            # attention reads its slot cache (or a paged cache's block table row) at the step's slots and
-            # positions (one tile per entry)
+            # one tile per entry, at the step's slots and positions
             plan.attention_tiles[0] = decode_step_tables(tables[0], tables[1])
         batch.plans[dev] = plan
         return batch

@@ -13,8 +13,7 @@ EXIT_TERMINATED = 143  # SIGTERM (128 + 15), as shells report a process it ended
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived: raised in the main thread by the commands' handler and unwound like
-    ``KeyboardInterrupt`` (a BaseException, so no ``except Exception`` swallows it)."""
+    """SIGTERM, raised in the main thread; a BaseException, so no ``except Exception`` swallows it."""
 
 
 class AlignedMambaError(Exception):
@@ -50,5 +49,4 @@ class AlignmentError(AlignedMambaError):
 
 
 class HardwareMismatchError(ContractError):
-    """Trainer and sampler run on different hardware classes (``hardware.check_same_hardware``);
-    the message names both and the override (allow=True, the CLI's --allow-cross-hardware)."""
+    """Trainer and sampler on different hardware classes; the message names both and the override."""

@@ -1,40 +1,9 @@
 """The hardware class a process computes on: what, besides the contract, selects a row's bits.
 
-The contract pins every setting the library chooses. The machine chooses the rest: on a CPU, the
-instruction set ATen's vectorised kernels and the BLAS (MKL) dispatch to; on a GPU, the chip the
-kernels were compiled and tuned for. Two processes whose hardware classes differ may compute
-different bits from the same contract, so trainer and sampler compare ``HardwareClass.key``
-before any row, and a difference is refused unless the caller allows it
-(``check_same_hardware(..., allow=True)``; the CLI's ``--allow-cross-hardware``).
-
-What the key holds, and why (measured with the main job and ``benchmarks/cpu_isa_bits.py`` on an
-AMD EPYC, AVX2, torch 2.13.0+cpu: ``benchmarks/README.md``, "Bits and hardware on the CPU"):
-
-- ``isa``, ATen's capability (``torch.backends.cpu.get_cpu_capability()``, lowered by
-  ``ATEN_CPU_CAPABILITY``): ``ATEN_CPU_CAPABILITY=default`` changed ATen's own kernels' bits (its
-  bf16 GEMM, and the baseline's recurrent decode: 818 -> 819 differing rows), because their
-  vectorised loops group operations by the vector width. (The torch backend's exact-replay
-  logits kept their bits: its GEMMs are MKL's and its transcendentals IEEE-only.)
-- ``mkl_cbwr``, when set: ``MKL_CBWR=COMPATIBLE`` changed every MKL GEMM, fp32 and fp64, and so
-  the trainer's logits. Other values (AUTO, AVX2, AVX, SSE4_2) gave the default bits on that CPU,
-  but they name a kernel family that lowers the level on a CPU above it, so the value is kept
-  as written.
-- ``mkl_instructions``, when set: ``MKL_ENABLE_INSTRUCTIONS`` caps MKL's kernel level. On the AMD
-  CPU no value (AVX2, AVX, SSE4_2) changed a bit; issue 19 reports ``AVX2`` changing the accuracy
-  line's 13th digit on its machine (the one whose baseline differs in 779 rows: an Intel Xeon
-  with AVX-512/AMX), so it is in the key.
-- ``native_isa``, the CPU's own level from /proc/cpuinfo, when it differs from ``isa``: MKL
-  dispatches on the CPU, not on ATen's capability (``ATEN_CPU_CAPABILITY=default`` left every
-  MKL GEMM's bits as they were), so an AVX-512 machine run with ``ATEN_CPU_CAPABILITY=avx2`` is
-  not an AVX2 machine.
-- on a GPU: its name and compute capability ("sm90"): kernels are compiled per capability and
-  tuned (tile choices, SM count) per chip.
-
-Not in the key, recorded in ``details``: the CPU model name and vendor (nothing measured here
-separates two CPUs of one level; MKL's dispatch on AMD and Intel CPUs of one level is not
-measured), intra-op threads (1 and 2 gave the same bits), ``ONEDNN_MAX_CPU_ISA`` (no op here
-runs in oneDNN: it changed nothing), and the software (torch, triton, CUDA, driver, MKL, oneDNN
-versions): another version is another question than another hardware class, and is not refused.
+Trainer and sampler compare ``HardwareClass.key`` before any row; a difference is refused unless
+allowed (``check_same_hardware(..., allow=True)``, the CLI's ``--allow-cross-hardware``). What the key
+holds and why: docs/design.md, "How the bits are kept"; the measurements: benchmarks/README.md, "Bits
+and hardware on the CPU".
 """
 
 from __future__ import annotations
@@ -53,9 +22,8 @@ import torch
 from .errors import HardwareMismatchError
 
 KINDS = ("cpu", "cuda")
-# x86 levels from /proc/cpuinfo flags, highest first, in ATen's names (what its capability says
-# on such a CPU); each needs all of its flags. AMX (oneDNN's bf16 GEMMs; no op of the torch
-# backend runs in oneDNN) is recorded in details, not a level of its own: nothing showed it.
+# x86 levels from /proc/cpuinfo flags, highest first, in ATen's names; a level needs all its flags.
+# AMX is only recorded in details: no op here runs in oneDNN.
 _X86_LEVELS = (
     ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq")),
     ("avx2", ("avx2", "fma")),
@@ -68,12 +36,10 @@ _X86_LEVELS = (
 class HardwareClass:
     """What a process computes on, as far as it changes bits; compare with ``key``.
 
-    kind: "cpu" or "cuda". name: the CPU model name (/proc/cpuinfo) or the GPU's name.
-    CPU fields (None on a GPU): isa (ATen's capability, lower case: "avx2", "avx512", "default"),
-    native_isa (the CPU's highest level from its flags; "unknown" off x86 Linux),
-    mkl_instructions / mkl_cbwr (the environment overrides as set, None when unset).
-    GPU field (None on a CPU): capability ("sm90").
-    details: versions and facts recorded for the reader, never compared.
+    kind: "cpu" or "cuda"; name: the CPU model or GPU name. CPU only: isa (ATen's capability: "avx2",
+    "avx512", "default"), native_isa (highest level of the CPU's flags; "unknown" off x86 Linux),
+    mkl_instructions / mkl_cbwr (the environment overrides, None when unset). GPU only: capability
+    ("sm90"). details: versions and facts for the reader, never compared.
     """
 
     kind: str
@@ -91,11 +57,8 @@ class HardwareClass:
 
     @property
     def key(self) -> str:
-        """The class as one short string: "cpu:<isa>[/<native_isa>][+mkl=<MKL_ENABLE_INSTRUCTIONS>]
-        [+cbwr=<MKL_CBWR>]" (the native level only where ATen runs below it), e.g. "cpu:avx2",
-        "cpu:default/avx2+cbwr=COMPATIBLE", or "cuda:<name>:sm<major><minor>", e.g.
-        "cuda:NVIDIA H200:sm90". Equal keys: one hardware class (the module docstring says what is
-        in it and why)."""
+        """The class as one string, e.g. "cpu:avx2", "cpu:default/avx2+cbwr=COMPATIBLE" (native level
+        only where ATen runs below it), "cuda:NVIDIA H200:sm90". Equal keys: one hardware class."""
         if self.kind == "cuda":
             return f"cuda:{self.name}:{self.capability}"
         key = f"cpu:{self.isa}"
@@ -185,13 +148,9 @@ def _env(name: str) -> str | None:
 
 
 def hardware_class(device: torch.device | str | None = None) -> HardwareClass:
-    """The hardware class of ``device`` in this process (None: torch's default device, the CPU
-    unless ``torch.set_default_device`` says otherwise; "cuda": the current GPU).
-
-    Read from torch (ATen's capability is fixed when torch starts, so ATEN_CPU_CAPABILITY must be
-    set before the process starts), the environment (MKL_ENABLE_INSTRUCTIONS, MKL_CBWR) and
-    /proc/cpuinfo. Raises ValueError for a device kind other than cpu or cuda.
-    """
+    """The hardware class of ``device`` in this process (None: torch's default device; "cuda": the
+    current GPU). ATEN_CPU_CAPABILITY counts only if set before the process starts. Raises ValueError
+    for a device other than cpu or cuda."""
     dev = torch.device(device) if device is not None else torch.get_default_device()
     details: dict[str, Any] = {"torch": torch.__version__, "triton": _version("triton")}
     if dev.type == "cuda":
@@ -239,11 +198,8 @@ def hardware_key(hw: HardwareLike) -> str:
 
 def check_same_hardware(a: HardwareLike, b: HardwareLike, *, allow: bool = False,
                         names: tuple[str, str] = ("trainer", "sampler")) -> bool:
-    """True when ``a`` and ``b`` (each a HardwareClass, its to_dict() or its key) are one class.
-
-    Different classes raise HardwareMismatchError (one line naming both and the override) unless
-    ``allow``, which returns False instead. ``names`` label the two sides in the message.
-    """
+    """True when ``a`` and ``b`` (HardwareClass, its to_dict() or key) are one class; otherwise raise
+    HardwareMismatchError, or return False under ``allow``. ``names`` label the sides in the message."""
     ka, kb = hardware_key(a), hardware_key(b)
     if ka == kb:
         return True

@@ -1,14 +1,8 @@
-"""The engine and trainer protocols that ``aligned-mamba check`` and ``aligned-mamba rl`` share.
+"""The Engine and Trainer protocols that ``aligned-mamba check`` and ``rl`` share, and their lookup.
 
-An engine (the sampler side) runs ``Scenario``s: requests under a schedule (token budget, chunked
-prefill, preemption, staggered arrivals), returning every logits row it sampled from. A trainer
-scores whole sequences in one pass, takes policy-gradient steps and exports its weights. Both
-sides implement one protocol each, whatever the framework: "reference" (this package's engine and
-trainer) is built in; others register a factory under an entry-point group (``rollout/`` registers
-the vLLM engine, ``trainer_hooks/`` the Megatron trainer), so the core imports neither.
-
-This module imports no torch at import time: the CLI loads entry points through it to build its
-parser.
+"reference" is built in; other frameworks register a factory under an entry-point group (``rollout/``
+the vLLM engine, ``trainer_hooks/`` the Megatron trainer), so the core imports neither. Imports no
+torch at import time: the CLI builds its parser through this module.
 """
 
 from __future__ import annotations
@@ -35,16 +29,10 @@ EXTRAS = {"vllm": "vllm", "megatron": "megatron"}
 
 @dataclass(frozen=True)
 class Scenario:
-    """One schedule of requests.
-
-    prompts: token ids per request; gen_len: tokens sampled per request; budget: the per-step
-    token budget (prefill chunked at unaligned points, mixed with other requests' decode; None:
-    unbounded); rows: which logits rows to return, "sampled" (the rows each sampled token came
-    from), "all" (prompt positions too) or "none"; preempt_marks: generated-token counts at which
-    running requests are preempted (and later recomputed from empty); stagger: requests join one
-    after another while others run; seed: the sampling seed (tokens depend on weights, prompts and
-    seed only).
-    """
+    """One schedule of requests. prompts: token ids per request; gen_len: tokens sampled per request;
+    budget: per-step token budget (None: unbounded); rows: "sampled" (the rows sampled from), "all"
+    (prompt positions too) or "none"; preempt_marks: generated-token counts at which running requests
+    are preempted (later recomputed); stagger: requests join one after another; seed: sampling seed."""
 
     name: str
     prompts: list[list[int]]
@@ -62,14 +50,9 @@ class Scenario:
 
 @dataclass
 class ScenarioResult:
-    """What an engine returns for a scenario.
-
-    tokens: per request, prompt + generated ids; rows: per request, (position, logits row [vocab]
-    in the model dtype) for every row returned, the row computed AT that position (predicting the
-    next token); sampled_logprobs: per request, the float32 logprob the engine reports for each
-    sampled token (the number a framework reads: the reference engine's ``ops.logprobs`` of its
-    row, vLLM's for ``logprobs=0``), which the trainer's must equal; info: what the engine ran.
-    """
+    """What an engine returns. tokens: per request, prompt + generated ids; rows: per request,
+    (position, logits [vocab] in the model dtype), the row computed at that position; sampled_logprobs:
+    per request, the float32 logprob reported per sampled token (the trainer's must equal it); info."""
 
     name: str
     tokens: list[list[int]]
@@ -84,14 +67,10 @@ class ScenarioResult:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How to build an engine (picklable: engines may run in other processes or nodes).
-
-    model: "tiny" or a checkpoint directory; dtype: the embedded default's dtype; contract:
-    ``Contract.to_dict()``; exact_replay: False runs the engine's stock decode (the baseline, as
-    engines decode today); max_model_len / max_num_seqs / max_batch_tokens: the engine's capacity
-    (a scenario's budget may be lower); threads: torch's intra-op threads in the engine's process;
-    tp: the engine's tensor-parallel degree (its ranks as processes over gloo on the CPU).
-    """
+    """How to build an engine (picklable). model: "tiny" or a checkpoint directory; dtype: the tiny
+    model's dtype; contract: ``Contract.to_dict()``; exact_replay: False runs the stock decode (the
+    baseline); max_model_len / max_num_seqs / max_batch_tokens: capacity; threads: torch intra-op
+    threads; tp: tensor-parallel degree (ranks as gloo processes on the CPU)."""
 
     model: str
     contract: dict[str, Any]
@@ -105,37 +84,31 @@ class EngineSpec:
 
 
 class Engine(Protocol):
-    """A sampler engine. Built by an ``aligned_mamba.engines`` factory ``make(spec: EngineSpec)``.
-
-    A factory may say ``own_process = True`` (the engine must not share its process with another
-    engine, e.g. vLLM, which loads its plugins once per process) and ``per_scenario = True`` (an
-    engine is cheap to build: the check runs each scenario in its own worker).
-    """
+    """A sampler engine, built by an ``aligned_mamba.engines`` factory ``make(spec: EngineSpec)``. The
+    factory may set ``own_process = True`` (never share a process: vLLM loads its plugins once per
+    process) and ``per_scenario = True`` (cheap to build: one engine per scenario)."""
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Serve these weights (the checkpoint's names and dtypes), replacing every tensor."""
 
     def run(self, scenario: Scenario, on_step: Callable[[int], None] | None = None) -> ScenarioResult:
-        """Run the scenario's requests to completion. ``on_step(steps_done)`` after each engine step
-        where the engine can call it (fault injection)."""
+        """Run every request to completion; ``on_step(steps_done)`` after each step where possible."""
 
     def close(self) -> None:
         """Release the engine."""
 
 
 class Trainer(Protocol):
-    """The trainer side. Built by an ``aligned_mamba.trainers`` factory
-    ``make(*, config, tensors, contract, lr) -> Trainer``."""
+    """Built by an ``aligned_mamba.trainers`` factory ``make(*, config, tensors, contract, lr)``."""
 
     contract: Contract
     version: int
 
     def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Raw logits of whole sequences in one pass: [len_i] int64 -> [len_i, vocab], the rows to
-        compare bitwise with the engine's."""
+        """Logits of whole sequences in one pass: [len_i] int64 -> [len_i, vocab] (model dtype)."""
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """float32 logprob of every generated token under the one-pass logits."""
+        """float32 logprob of each generated token under the one-pass logits."""
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -149,11 +122,8 @@ class Trainer(Protocol):
 
 
 def load_entry_point(group: str, name: str, *, missing: str, broken: str = "") -> Any:
-    """The object a package registered as ``name`` in the entry-point group ``group``.
-
-    AlignedMambaError(``missing``) when none is registered; one line naming the import error (and
-    ``broken``, a hint) when it fails to import.
-    """
+    """The entry point ``name`` of ``group``; AlignedMambaError(``missing``) if none, (import error +
+    ``broken``) if it fails to import."""
     from importlib.metadata import entry_points
 
     found = [ep for ep in entry_points(group=group) if ep.name == name]
@@ -172,7 +142,7 @@ def _plugin(group: str, name: str, what: str) -> Any:
 
 
 def engine_factory(name: str) -> Callable[[EngineSpec], Engine]:
-    """The factory of the engine called ``name``: "reference" (built in) or an entry point."""
+    """The factory: "reference" (built in) or an entry point."""
     if name == "reference":
         from .engine import make_engine
 
@@ -181,7 +151,7 @@ def engine_factory(name: str) -> Callable[[EngineSpec], Engine]:
 
 
 def trainer_factory(name: str) -> Callable[..., Trainer]:
-    """The factory of the trainer called ``name``: "reference" (built in) or an entry point."""
+    """The factory: "reference" (built in) or an entry point."""
     if name == "reference":
         from .train import make_trainer
 
@@ -195,8 +165,7 @@ def build_engine(name: str, spec: EngineSpec) -> Engine:
 
 def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
                   lr: float = 1e-4, tp: int = 1) -> Trainer:
-    """The trainer ``name`` (an ``aligned_mamba.trainers`` entry point); ``tp`` > 1 is passed to factories
-    that take it (tensor-parallel ranks), and left out at 1 so factories without it keep working."""
+    """``tp`` is passed only when > 1, so factories without the argument keep working."""
     extra = {} if tp == 1 else {"tp": tp}
     return trainer_factory(name)(config=config, tensors=tensors, contract=contract, lr=lr, **extra)
 
@@ -206,8 +175,7 @@ def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], c
 
 def run_scenarios_here(name: str, spec: EngineSpec, scenarios: Sequence[Scenario], *,
                        worker: bool = False) -> list[ScenarioResult]:
-    """Build the engine in this process and run the scenarios in order (a ``worker`` process takes
-    the spec's thread count)."""
+    """Build the engine here and run the scenarios in order (a ``worker`` takes the spec's threads)."""
     if worker:
         import torch
 
@@ -219,8 +187,7 @@ def run_scenarios_here(name: str, spec: EngineSpec, scenarios: Sequence[Scenario
         results = [engine.run(sc) for sc in scenarios]
     finally:
         engine.close()
-    # the hardware class the rows were computed on, as this process sees it (a worker may be
-    # started with other ISA settings than its parent): the checker compares it with the trainer's
+    # as this process sees it: a worker may run with other ISA settings than its parent
     hw = hardware_class("cuda" if spec.contract.get("backend") == "triton" else "cpu").to_dict()
     for res in results:
         res.info.setdefault("hardware", hw)
@@ -229,12 +196,9 @@ def run_scenarios_here(name: str, spec: EngineSpec, scenarios: Sequence[Scenario
 
 def run_scenarios(name: str, jobs: Sequence[tuple[EngineSpec, Scenario]], parallel: int = 1
                   ) -> Iterator[ScenarioResult]:
-    """The results of each (spec, scenario), in order.
-
-    Scenarios with equal specs share an engine, unless the factory says ``per_scenario``; each
-    engine runs in a spawned worker process when ``parallel`` > 1 or the factory says
-    ``own_process``, at most ``parallel`` at a time; else in this process.
-    """
+    """The results of each (spec, scenario), in order. Equal specs share an engine (unless
+    ``per_scenario``); engines run in spawned workers, ``parallel`` at a time, when ``parallel`` > 1 or
+    ``own_process``."""
     factory = engine_factory(name)
     per_scenario = bool(getattr(factory, "per_scenario", False))
     groups: list[tuple[EngineSpec, list[int]]] = []
@@ -270,8 +234,7 @@ def run_scenarios(name: str, jobs: Sequence[tuple[EngineSpec, Scenario]], parall
                     yield results.pop(nxt)
                     nxt += 1
         return
-    # A fresh process per engine, ``parallel`` at a time; each is shut down only after its results are
-    # read (torch hands tensors across processes through the sender, which must still be alive).
+    # shut a worker down only after reading its results: torch's shared tensors need the sender alive
     running: list[tuple[list[int], ProcessPoolExecutor, Future]] = []
     try:
         while tasks or running:

@@ -1,12 +1,7 @@
 """A memory estimate before a run, so that what cannot fit is refused in one line, not OOM-killed.
 
-The estimate covers the CPU (torch backend) runs of ``aligned-mamba check``: the trainer's
-single pass over every case's sequences is the peak (one packed forward of requests x (prompt +
-generated) tokens), next to the sampler workers' prefill of every prompt at once. Per token, the
-torch backend's chunked scan holds a few [heads, chunk] fp32 tiles (scores, decays, their
-products: ``SCAN_TILES``), the projections their fp32 rows, and the logits their model-dtype
-rows and fp32/fp64 working copies. ``SCAN_TILES`` is fitted on the default model (105-108 KiB
-per token measured at 8k and 32k tokens, torch 2.13 CPU; benchmarks/README.md) with a margin.
+Covers ``aligned-mamba check`` on the CPU, whose peak is the trainer's one packed forward over every case.
+``SCAN_TILES`` is fitted on the default model: 105-108 KiB per token at 8k and 32k tokens (torch 2.13 CPU).
 """
 
 from __future__ import annotations

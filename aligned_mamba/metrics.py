@@ -1,11 +1,10 @@
-"""Train/rollout mismatch metrics under the names RL frameworks log, so the alignment sits next to the
-plots a user already has. Each is computed from per-token logprobs, trainer and sampler ([B, T] or [T],
-float, padded positions left out by a ``mask``), as the framework computes it (definitions read from
-their sources, cited per function), in float64. With the bits aligned every difference is 0 exactly:
-verl's diffs 0, NeMo-RL's ``token_mult_prob_error`` 1.0 and ``gen_kl_error`` 0, slime's abs diff 0.
+"""Train/rollout mismatch metrics under the names verl, NeMo-RL and slime log, computed in float64 as each
+framework does (sources cited per function) from trainer and sampler logprobs, float [B, T] or [T], and a
+``mask`` of that shape (bool or 0/1; TypeError / ValueError otherwise). Aligned bits give 0 for every
+difference (NeMo-RL's ``token_mult_prob_error``: 1.0).
 
-    m = framework_metrics(trainer_lp, sampler_lp, mask)   # every name below, one dict
-    m = framework_metrics(report=verify(t, s, mask=mask))  # what a VerifyReport can say exactly
+    m = framework_metrics(trainer_lp, sampler_lp, mask)   # every name, one dict
+    m = framework_metrics(report=verify(t, s, mask=mask))  # what a VerifyReport fixes exactly
 """
 
 from __future__ import annotations
@@ -50,13 +49,10 @@ def mismatched_tokens(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.
 
 def verl_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, Any]:
     """verl's rollout-vs-actor debug metrics (verl/utils/debug/metrics.py, ``calculate_debug_metrics``).
-
-    trainer: ``old_log_probs`` (the actor's), sampler: ``rollout_log_probs``, mask: ``response_mask``, each
-    [B, T]. verl compares probabilities, not logprobs: d = |exp(trainer) - exp(sampler)| over the masked
-    tokens; ``_max``, ``_mean`` and ``_std`` (torch.std, Bessel-corrected: NaN for one token) of d, the
-    Pearson correlation of the probabilities, and ``_valid`` 0 with NaN figures when no token is unmasked.
-    ``training/rollout_probs_mismatched_tokens`` (not verl's) counts tokens whose logprobs differ at all.
-    """
+    trainer: ``old_log_probs``, sampler: ``rollout_log_probs``, mask: ``response_mask``. Over unmasked tokens
+    d = |exp(trainer) - exp(sampler)|: ``_max``, ``_mean``, ``_std`` (Bessel: NaN for one token), the Pearson
+    correlation of the probabilities; ``_valid`` 0 with NaNs when none is unmasked. Also this project's
+    ``training/rollout_probs_mismatched_tokens``: tokens whose logprobs differ at all."""
     t, s, m = _inputs(trainer, sampler, mask)
     out: dict[str, Any] = {VERL_MISMATCHED: int(((t != s) & m).sum())}
     if not bool(m.any()):
@@ -77,14 +73,11 @@ def verl_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tenso
 def nemo_rl_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor | None = None,
                     kl_type: str = "k3") -> dict[str, float]:
     """NeMo-RL's generation-vs-training errors (nemo_rl/algorithms/loss/loss_functions.py, ClippedPGLossFn;
-    ``calculate_kl`` and ``masked_mean`` in nemo_rl/algorithms/utils.py).
-
-    trainer: ``prev_logprobs``, sampler: ``generation_logprobs``, mask: token mask x sample mask, [B, T].
-    ``token_mult_prob_error`` = masked mean of exp(|sampler - trainer|) (1.0 when equal);
-    ``gen_kl_error`` = masked mean of the ``kl_type`` estimate of KL(P_gen || P_train) with
-    logr = trainer - sampler: k1 -logr, k2 logr^2 / 2, k3 (the default) exp(logr) - 1 - logr. The masked
-    mean divides by (unmasked tokens + 1e-8), as NeMo-RL's does (no clamps: it passes none here).
-    """
+    ``calculate_kl``, ``masked_mean`` in nemo_rl/algorithms/utils.py). trainer: ``prev_logprobs``, sampler:
+    ``generation_logprobs``, mask: token x sample mask. ``token_mult_prob_error``: masked mean of
+    exp(|sampler - trainer|); ``gen_kl_error``: masked mean of the ``kl_type`` estimate with logr = trainer -
+    sampler (k1 -logr, k2 logr^2 / 2, k3 exp(logr) - 1 - logr; ValueError otherwise). Masked means divide by
+    (unmasked tokens + 1e-8), unclamped."""
     t, s, m = _inputs(trainer, sampler, mask)
     denom = float(m.sum()) + 1e-8
     # masked positions add 0 (NeMo-RL multiplies by the mask, which NaN / inf padding would survive)
@@ -103,11 +96,9 @@ def nemo_rl_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Te
 
 
 def slime_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
-    """slime's (and miles') ``train_rollout_logprob_abs_diff`` (slime/backends/megatron_utils/loss.py, reduced
-    by ``get_sum_of_sample_mean`` in slime/backends/megatron_utils/cp_utils.py; logged as
-    ``train/train_rollout_logprob_abs_diff``): each sequence's masked mean of |trainer - sampler| (its
-    denominator clamped to >= 1), averaged over sequences. trainer / sampler / mask: [B, T], a row per sample.
-    """
+    """slime's (and miles') ``train/train_rollout_logprob_abs_diff`` (slime/backends/megatron_utils/loss.py,
+    reduced by cp_utils.py's ``get_sum_of_sample_mean``): each row's masked mean of |trainer - sampler|
+    (denominator clamped to >= 1), averaged over rows (samples)."""
     t, s, m = _inputs(trainer, sampler, mask)
     mf = m.double()
     d = torch.where(m, (t - s).abs(), torch.zeros_like(t))
@@ -117,11 +108,10 @@ def slime_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tens
 
 def framework_metrics(trainer: torch.Tensor | None = None, sampler: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, *, report: VerifyReport | None = None) -> dict[str, Any]:
-    """Every framework's names in one dict, from logprobs (+ mask) or from a ``verify`` report.
-
-    A report holds only summaries, so from it: ``aligned_mamba/mismatched_tokens``, ``/compared_tokens``,
-    ``/max_abs_logprob_diff``, ``/mean_abs_logprob_diff``, and the frameworks' names only where the report
-    fixes them exactly, i.e. when it is bitwise equal (every difference 0, NeMo-RL's mult error 1.0)."""
+    """Every framework's names in one dict, from logprobs (+ mask) or from a ``verify`` report. From a report:
+    ``aligned_mamba/mismatched_tokens``, ``/compared_tokens``, ``/max_abs_logprob_diff``,
+    ``/mean_abs_logprob_diff``, and the frameworks' names only when it is bitwise equal (a summary fixes them
+    then only). ValueError unless exactly one of logprobs and ``report`` is given."""
     if report is not None:
         if trainer is not None or sampler is not None or mask is not None:
             raise ValueError("pass either logprobs (trainer, sampler, mask) or report=, not both")

@@ -1,17 +1,8 @@
 """Tensor parallelism that keeps every bit: the rank group, the shards, the refusals, the launcher.
 
-The contract fixes every reduction's tree (``Contract.row_parallel_slices``); a tensor-parallel
-degree only decides which rank computes which leaves. Column- and head-parallel pieces (in_proj,
-the conv, the scan, attention's heads, the MLP's up projection, the output layer's vocabulary
-shard) reduce nothing; the row-parallel GEMMs (``ops.linear.sliced``), Mamba2's gated norm where a
-group spans ranks, and the vocabulary's log-softmax (``ops.logprobs``) sum fixed slices by a fixed
-pairwise tree over all-gathered partials. The one collective is ``TPGroup.all_gather`` (never an
-all-reduce, whose order is the library's; an all-reduce of a row and zeros would also turn -0.0
-into +0.0).
-
-Ranks run as threads of one process (``threads``: tests), or as spawned CPU processes over gloo
-(``Ranks``, kept alive between calls; ``launch``, one call): what tests and the CLI use. On GPUs a
-caller initialises NCCL itself and passes ``TPGroup.from_torch()``.
+Why the one collective is ``TPGroup.all_gather``: docs/design.md, "How the bits are kept" (Tensor
+parallelism); an all-reduce would also turn -0.0 + 0.0 into +0.0. Ranks run as threads (``threads``, tests)
+or spawned CPU processes over gloo (``Ranks``; ``launch``); on GPUs pass ``TPGroup.from_torch()``.
 """
 
 from __future__ import annotations
@@ -86,9 +77,8 @@ def shard(n: int, group: TPGroup) -> slice:
 
 
 def shared(n: int, group: TPGroup, what: str) -> range:
-    """The items of ``n`` shared ones (B/C groups, key/value heads) rank ``group.rank`` holds: n / k
-    of them, or with n < k the one its heads share (replicated over k / n ranks, as vLLM splits
-    n_groups 1 at TP 2). ``what`` names them in the refusal."""
+    """The shared items (B/C groups, KV heads) of ``n`` this rank holds: n / k, or for n < k the one its heads
+    share (replicated, as vLLM splits n_groups 1 at TP 2). ``what`` names them in the refusal."""
     k, r = group.size, group.rank
     if n % k == 0:
         return range(r * n // k, (r + 1) * n // k)
@@ -103,17 +93,11 @@ def _pow2(n: int) -> bool:
 
 
 def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = False) -> None:
-    """Refuse (AlignedMambaError, one line: what and why) a model that cannot keep its bits at
-    tensor-parallel degree ``size`` under ``contract``. ``config``: a model family's config.
-
-    Checked at every size (S = ``contract.row_parallel_slices``): the row-parallel GEMMs' K and the
-    gated norm's groups cut into S equal slices. At size > 1: a power of two dividing S (so a TP run
-    needs S >= size), heads and groups (Mamba2), query and key/value heads
-    (attention; fewer KV heads than ranks are replicated), the MLP's width and the vocabulary
-    (a multiple of its log-softmax slices) split evenly. MoE layers at size > 1 only where the
-    caller runs the core's sharded MoE layer (``sharded_moe``: the reference trainer and engine);
-    vLLM's and Megatron's are refused for now.
-    """
+    """Refuse (AlignedMambaError, one line) a model (``config``: a family's) that cannot keep its bits at TP
+    ``size`` under ``contract``. Always: row-parallel K and gated-norm groups cut into S =
+    ``row_parallel_slices`` slices. At size > 1: a power of two dividing S; heads, groups, KV heads (fewer than
+    ranks replicate), MLP width and vocabulary (whole log-softmax slices) split evenly; MoE only under
+    ``sharded_moe`` (the reference trainer and engine; vLLM's and Megatron's are refused)."""
     from .models.registry import family_for_config
     from .ops.logprobs.sliced import VOCAB_SLICES
 
@@ -171,9 +155,8 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
 
 
 def threads(fn: Callable[..., Any], size: int, *args: Any) -> list[Any]:
-    """Run ``fn(group, *args)`` for every rank of a group of ``size`` at once, each in a thread of this
-    process, the all-gather handing every rank's tensor to every rank (what ``launch``'s gloo
-    processes do, without their start-up: for tests). Returns every rank's result, in rank order."""
+    """``fn(group, *args)`` for ``size`` ranks as threads of this process (``launch`` without its start-up,
+    for tests); every rank's result, in rank order."""
     import threading
 
     barrier = threading.Barrier(size)
@@ -209,15 +192,11 @@ def threads(fn: Callable[..., Any], size: int, *args: Any) -> list[Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# launch: ranks as CPU processes over gloo (tests and the CLI)
-# ------------------------------------------------------------------------------------------------
+# -- launch: ranks as CPU processes over gloo (tests and the CLI) ------------------------------------------
 
 
 def _rendezvous() -> str:
-    """A fresh file store for one group's start. A free TCP port found here could be taken by another
-    process before rank 0 listens on it (EADDRINUSE under a parallel test run); a file in a fresh
-    private folder cannot."""
+    """A file store in a fresh private folder: a free TCP port could be taken before rank 0 listens."""
     return os.path.join(tempfile.mkdtemp(prefix="aligned-mamba-tp-"), "store")
 
 
@@ -230,8 +209,7 @@ def rank_state() -> dict[str, Any]:
 
 
 def _serve(rank: int, size: int, store: str, threads: int, inbox: Any, outbox: Any, parent: int) -> None:
-    """A rank's loop: run each (fn, args) it is sent as fn(group, *args); report (rank, ok, payload),
-    the payload rank 0's pickled result or a rank's one-line error."""
+    """A rank's loop: run each (fn, args) sent; report (rank, ok, rank 0's pickled result or the error)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -251,9 +229,8 @@ def _serve(rank: int, size: int, store: str, threads: int, inbox: Any, outbox: A
 
 
 def _next(inbox: Any, parent: int) -> Any:
-    """The next message, or None once the parent (its pid as the parent passed it: it may die before the
-    rank reads its own ppid) is gone: a parent killed outright (a Ray actor's SIGKILL) sends no None,
-    and a rank that waited on would outlive it."""
+    """The next message, or None once ``parent`` is gone (a SIGKILLed parent sends no None). ``parent`` is
+    passed in: the parent may die before the rank reads its own ppid."""
     import queue
 
     while True:
@@ -265,11 +242,9 @@ def _next(inbox: Any, parent: int) -> Any:
 
 
 class Ranks:
-    """``size`` CPU processes (spawned) joined in one gloo group (a file store's rendezvous), kept
-    alive between calls: ``call(fn, *args)`` runs ``fn(group, *args)`` on every rank at once and
-    returns rank 0's result (``rank_state()`` keeps what a rank builds once). ``fn`` and the
-    arguments must pickle (a module-level function). A rank's exception ends every rank and is
-    raised here as ``RuntimeFailure`` naming it. Use as a context manager, or ``close()``."""
+    """``size`` spawned CPU processes in one gloo group, kept alive: ``call(fn, *args)`` runs ``fn(group,
+    *args)`` on every rank and returns rank 0's result. ``fn`` and args must pickle; a rank's exception
+    ends every rank and is raised as ``RuntimeFailure``. A context manager."""
 
     def __init__(self, size: int) -> None:
         import multiprocessing
@@ -340,9 +315,7 @@ class Ranks:
 
 
 def launch(fn: Callable[..., Any], size: int, *args: Any) -> Any:
-    """Run ``fn(group, *args)`` in ``size`` CPU processes (spawned; one gloo group)
-    and return rank 0's result: ``Ranks`` for one call. ``fn`` and the arguments must pickle (a
-    module-level function); a rank's exception is raised here as ``RuntimeFailure`` naming it."""
+    """``Ranks`` for one call: ``fn(group, *args)`` in ``size`` spawned processes; rank 0's result."""
     with Ranks(size) as ranks:
         return ranks.call(fn, *args)
 

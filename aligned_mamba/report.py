@@ -1,17 +1,8 @@
 """A JSON report that survives: checked before any work, rewritten as results come, always closed.
 
-A command that takes minutes (``check`` with vLLM, an ``rl`` run) must not lose what it finished
-because the path was bad, the run failed or the user pressed Ctrl-C. ``JsonReport(path)`` refuses a
-path it cannot write (one line, before any work), writes ``{"status": "running"}`` at once, and
-``update(result)`` rewrites the whole file atomically (a temporary file in the same directory,
-fsync, then ``os.replace``) so a reader never sees half a file. ``close(status, ...)`` writes the
-final status: "ok", "mismatch", "no-control", "refused", "failed" (with ``error``), "interrupted"
-or "terminated".
-
-Only a regular file or a new path is ever written: the rename would replace whatever the name
-points at, so a device, FIFO, socket or symbolic link (dangling included) is refused, and the
-check is repeated before every rewrite. Every report carries ``schema_version``, the package's
-``version`` and, where the package runs from a git checkout, its ``commit``.
+``JsonReport(path)`` refuses an unwritable path before any work; each ``update`` rewrites the whole file
+atomically (temporary file, fsync, ``os.replace``). Only a regular file or a new path is written (the rename
+would replace a device, FIFO, socket or link), checked before every rewrite.
 """
 
 from __future__ import annotations
@@ -90,12 +81,8 @@ def check_target(p: Path) -> None:
 
 
 class JsonReport:
-    """The ``--json PATH`` of a command. ``path=None``: every call is a no-op.
-
-    A rewrite that fails during the run (disk full) is logged once, naming the report, and the
-    run goes on (its results still reach the terminal); ``close`` then raises ``RuntimeFailure``
-    naming the report, so the command exits 3 rather than claim a report it does not have.
-    """
+    """The ``--json PATH`` of a command (``path=None``: no-op). A failed rewrite (disk full) is logged once
+    and the run goes on; ``close`` then raises ``RuntimeFailure``, so the command exits 3."""
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = None if path is None else Path(path)
@@ -118,9 +105,8 @@ class JsonReport:
             self._try_write({**self.result, "status": status})
 
     def close(self, status: str, error: str | None = None, *, strict: bool = True, **extra: Any) -> None:
-        """The final write: the last result with ``status`` (and ``error``, one line, for failures).
-        Raises ``RuntimeFailure`` naming the report if it could not be written (``strict``; a
-        command already ending on another error passes False: the warning was logged)."""
+        """The final write: the last result with ``status`` (and ``error``, one line). ``strict``: raise
+        ``RuntimeFailure`` if unwritten (False for a command already ending on another error)."""
         if status not in STATUSES:
             raise ValueError(f"unknown report status {status!r}")
         final = {**self.result, **extra, "status": status}

@@ -1,11 +1,8 @@
 """The reference trainer and engine under tensor parallelism: what each rank runs.
 
-Every rank builds the model from the full checkpoint's tensors with its ``TPGroup`` (cutting its
-part itself) and runs the same work in lock-step: the trainer's one-pass forward, or the reference
-engine's whole scenario (its schedule depends on the scenario alone, and the sampled tokens on the
-logits, which every rank holds in full, so the ranks' all-gathers line up). Every rank returns the
-same rows; ``parallel.launch`` and ``parallel.Ranks`` hand back rank 0's. The functions are module
-level so that spawned processes can unpickle them.
+Each rank builds its part from the full tensors and runs the same work in lock-step (the schedule depends
+on the scenario alone, the sampled tokens on full logits rows, so the all-gathers line up); rank 0's rows
+are returned. Module-level functions, so that spawned processes can unpickle them.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from .parallel import Ranks, TPGroup, rank_state
 
 def build(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, *,
           stock: bool = False) -> CausalLM:
-    """This rank's model (``stock``: its row-parallel GEMMs summed as stock tensor parallelism does,
-    ``baseline.stock_tp_model``)."""
+    """This rank's model (``stock``: row-parallel partials summed as stock TP does, the baseline)."""
     model = build_model(config, tensors, contract, tp=group)
     if stock:
         from .baseline import stock_tp_model
@@ -41,8 +37,7 @@ def forward(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contr
 
 def run_scenario(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
                  scenario: Scenario, exact_replay: bool = True) -> ScenarioResult:
-    """The reference engine's scenario at this rank's degree (``exact_replay=False``: the baseline's
-    recurrent decode)."""
+    """The reference engine's scenario at this rank (``exact_replay=False``: the recurrent baseline)."""
     from .engine import ReferenceEngine
 
     model = build(group, config, tensors, contract)
@@ -51,10 +46,8 @@ def run_scenario(group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], 
 
 def tp_control(config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int,
                sequences: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """Whether tensor parallelism could have shown a mismatch here: stock tensor parallelism (each
-    rank's row-parallel partial rounded and all-reduced, ``baseline.stock_tp_model``) at TP ``size``
-    against its TP 1, over the same weights and sequences. JSON-ready: degree, rows,
-    stock_mismatched_rows, could_fail."""
+    """Whether TP could have shown a mismatch here: stock TP (``baseline.stock_tp_model``) at ``size`` against
+    TP 1 on the same inputs. JSON-ready: degree, rows, stock_mismatched_rows, could_fail."""
     from .parallel import launch
 
     one = forward(TPGroup.single(), config, tensors, contract, sequences, True)
@@ -86,8 +79,7 @@ def forward_kept(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) ->
 
 
 def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -> ScenarioResult:
-    """The reference engine's scenario over the kept model (``exact_replay=False``: the baseline's
-    recurrent decode over the same weights)."""
+    """The reference engine's scenario over the kept model (``exact_replay=False``: the baseline)."""
     from .engine import ReferenceEngine
 
     result = ReferenceEngine.for_model(rank_state()[key], exact_replay=exact_replay).run(scenario)
@@ -96,9 +88,8 @@ def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -
 
 
 class TPTrainer:
-    """The reference trainer's forward at tensor-parallel degree ``size`` (``integrations.Trainer``'s
-    ``contract`` and ``forward``, what ``check`` reads): ``size`` gloo processes, each holding its
-    rank's model, every forward run by all of them. Training steps at TP > 1 are not here yet."""
+    """The reference trainer's ``contract`` and ``forward`` (what ``check`` reads) at TP ``size``, over ``size``
+    gloo rank processes. Training steps at TP > 1 are not implemented."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int) -> None:
         from .parallel import check_tp
@@ -116,8 +107,7 @@ class TPTrainer:
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
-        """Logprob of every generated token under the one-pass logits (the full rows every rank holds),
-        [len_i - prompt_len_i] float32 each, by the contract's log-softmax."""
+        """float32 logprob of each generated token under the one-pass logits: [len_i - prompt_len_i]."""
         from .train import generated_logprobs
 
         return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
@@ -134,9 +124,8 @@ class TPTrainer:
 
 
 class TPReferenceEngine:
-    """The reference engine at tensor-parallel degree ``spec.tp`` (``integrations.Engine``): ``spec.tp``
-    gloo processes, each building its rank's model from the spec's source and running every
-    scenario in lock-step; rank 0's result is returned (every rank holds the same rows)."""
+    """The reference ``integrations.Engine`` at TP ``spec.tp``: gloo rank processes, each loading the spec's
+    source, run every scenario in lock-step; rank 0's result is returned."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -151,8 +140,7 @@ class TPReferenceEngine:
         self.ranks.call(load, "engine", config, tensors, self.contract)
 
     def run(self, scenario: Scenario, on_step: Any = None) -> ScenarioResult:
-        """The scenario in every rank; ``on_step`` is not called (the steps run in the rank processes,
-        as a vLLM engine's run inside ``drive``)."""
+        """The scenario in every rank; ``on_step`` is never called (the steps run in the rank processes)."""
         result = self.ranks.call(run_kept, "engine", scenario, self.spec.exact_replay)
         result.pid = -1  # computed in the rank processes, not here
         return result

@@ -1,14 +1,7 @@
-"""A policy-gradient trainer over the reference model: the trainer side of an RL loop on the CPU.
+"""The reference trainer (REINFORCE, Adam, fp32 masters) and the pieces every policy trainer shares.
 
-It keeps fp32 master weights and serves the checkpoint-dtype weights that rollout workers load.
-Scoring and the gradient step run the same ``CausalLM`` forward (one advance from empty slots)
-on those served weights, so the logprobs it scores are the sampler's bits, and the gradient is
-taken at exactly the logits the sampler sampled from.
-
-    trainer = PolicyTrainer(config, tensors, contract, lr=1e-4)
-    lp = trainer.token_logprobs(sequences, prompt_lens)      # per generated token, float32
-    stats = trainer.step(sequences, prompt_lens, advantages)  # REINFORCE, Adam; version += 1
-    blob, digest = trainer.export_bytes()                     # safetensors bytes, sha256
+Scoring and the step run one ``CausalLM`` forward on the served (checkpoint-dtype) weights, so the scored
+logprobs are the sampler's bits and the gradient is taken at the logits sampled from.
 """
 
 from __future__ import annotations
@@ -49,13 +42,9 @@ def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
 
 
 class PolicyTrainer:
-    """REINFORCE with Adam on fp32 master copies of a checkpoint's weights (any model family): the
-    "reference" trainer (``integrations.Trainer``).
-
-    ``tensors`` are the checkpoint's (its names and dtypes); every update is rounded back to those
-    dtypes, which is what ``weights()`` serves and what the model scores with. The fp32 masters and
-    Adam's state are made at the first ``step``, so a trainer that only scores holds the weights once.
-    """
+    """The "reference" ``integrations.Trainer`` over a checkpoint's ``tensors`` (any family): each update is
+    rounded back to their dtypes, which ``weights()`` serves. Masters and Adam's state are made at the first
+    ``step``, so a trainer that only scores holds the weights once."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, *,
                  lr: float = 1e-4) -> None:
@@ -91,21 +80,15 @@ class PolicyTrainer:
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
-        """Logprob of every generated token (positions prompt_len .. len-1) under the one-pass logits /
-        ``temperature``, [len_i - prompt_len_i] float32 each, by the contract's log-softmax."""
+        """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
         return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
-        """One REINFORCE step: loss = -sum_i adv_i * sum_t logprob_it / (generated tokens), Adam.
-
-        The forward runs the served (checkpoint-dtype) weights, cast from the fp32 masters inside
-        the graph, so the logits are the scored ones. Returns loss, token count, grad norm and the
-        new weights version.
-        """
+        """One REINFORCE step (``reinforce_loss``, Adam) on the masters cast to the served dtypes inside the
+        graph, so its logits are the scored ones. Returns loss, tokens, grad_norm and weights_version."""
         check_step_inputs(sequences, prompt_lens, advantages)
-        # every backend trains: the triton backend's kernels carry the torch forms' backward
-        # (each op's triton.py), and its forward under autograd is the same launch, the same bits
+        # the triton backend trains too, its forward the same launch: docs/design.md, "Backends"
         if self.master is None:
             self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self._served.items()}
             self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)
@@ -166,8 +149,7 @@ def check_step_inputs(sequences: Sequence[torch.Tensor], prompt_lens: Sequence[i
 
 def reinforce_loss(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                    advantages: Sequence[float]) -> tuple[torch.Tensor, int]:
-    """REINFORCE loss -sum_i adv_i * sum_t logprob_it / (generated tokens) over one-pass logits
-    (list of [len_i, vocab]); returns (loss, generated tokens)."""
+    """-sum_i adv_i * sum_t logprob_it / (generated tokens) over logits [len_i, vocab]; (loss, tokens)."""
     lps = generated_logprobs(logits, sequences, prompt_lens)
     tokens = sum(int(lp.numel()) for lp in lps)
     if tokens == 0:
@@ -181,18 +163,15 @@ def total_norm(grads: Iterable[torch.Tensor | None]) -> float:
 
 
 def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[bytes, str]:
-    """Served weights as safetensors bytes (version in the metadata) and their ``weights_digest``;
-    refuses non-finite weights (``TrainingDiverged``)."""
+    """Safetensors bytes (version in the metadata) and ``weights_digest``; TrainingDiverged if non-finite."""
     check_weights_finite(weights, version)
     return weights_to_bytes(weights, version), weights_digest(weights)
 
 
 def generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
                        prompt_lens: Sequence[int], temperature: float = 1.0) -> list[torch.Tensor]:
-    """float32 logprob of each generated token (positions prompt_len .. len-1) under ``logits`` (list
-    of [len_i, vocab]) / ``temperature``: [len_i - prompt_len_i] each. The contract's function
-    (``ops.logprobs.token_logprobs``, what ``aligned_mamba.token_logprobs`` runs on the CPU and the
-    sampler reports), differentiable when the logits are."""
+    """float32 logprob of each generated token under ``logits`` ([len_i, vocab]) / ``temperature``:
+    [len_i - prompt_len_i] each, by the sampler's ``token_logprobs``; differentiable."""
     check_temperature(temperature)
     out = []
     for lg, seq, p in zip(logits, sequences, prompt_lens):

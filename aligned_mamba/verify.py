@@ -1,12 +1,7 @@
 """Bitwise comparison of trainer and sampler logits (or per-token logprobs), with a report.
 
-The verdict is per row: by default a row is equal iff ``torch.equal`` holds for it (value
-equality: -0.0 == +0.0); with ``bits=True`` iff its bit patterns are equal (-0.0 != +0.0). A row
-holding a NaN is never equal in either mode. The logprob and KL figures only say how far apart
-mismatched rows are; they never soften the verdict. ``rows_digest`` lets two processes compare
-bits without shipping the rows. ``mask`` leaves padding out of padded [B, T] logprobs, as RL
-frameworks hold them. What cannot be checked is refused, never reported as checked: a contract or
-hardware class declared for one side only, ``strict`` over nothing, meta tensors.
+The verdict is per row; the logprob and KL figures only say how far apart mismatched rows are, never
+soften it. What cannot be checked (one-sided contracts, ``strict`` over nothing, meta tensors) is refused.
 """
 
 from __future__ import annotations
@@ -26,34 +21,26 @@ from .hardware import HardwareLike, check_same_hardware, hardware_key
 from .ops.logprobs import log_softmax
 
 KINDS = ("auto", "logits", "logprobs")
-# kind="auto" takes an input as logits only if its last dimension is at least this long: a
-# vocabulary has 32 entries or more (byte-level ones 256), a shorter last dim is as likely the T of
-# a short [B, T] logprobs batch.
+# kind="auto" takes logits only from a last dim this long: a shorter one may be the T of [B, T] logprobs
 AUTO_MIN_VOCAB = 32
 DIGEST_CHARS = 16  # hex chars of sha256 kept: 64 bits, ample for telling two tensors apart
 # bit patterns of each float width, for bits=True
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIGEST_BLOCK_BYTES = 1 << 26  # rows hashed in 64 MiB pieces: a GPU tensor is never copied whole
-# Rows per block are capped so that a block holds at most this many elements: the fp64
-# logprob/KL work on a [4096, 50280] input then needs tens of MB per temporary, not GBs.
+# elements per block: the fp64 figures of a [4096, 50280] input need tens of MB per temporary, not GBs
 _BLOCK_ELEMENTS = 1 << 23
 _MAX_BLOCK_ROWS = 1024
 
 
 @dataclass
 class VerifyReport:
-    """Outcome of ``verify``. Rows are the flattened [B*T] positions; figures are Python floats.
+    """Outcome of ``verify``, truthy iff bitwise equal. Rows are the flattened [B*T] positions; figures floats.
 
-    ``max_abs_diff`` is over elements finite on both sides; the logprob figures and ``kl`` skip
-    NaN rows. ``kl`` is the mean over rows of KL(sampler || trainer) for full logits, or the
-    k3 estimator mean(exp(d) - d - 1), d = lp_trainer - lp_sampler, at given tokens; each row's
-    term is clamped at >= 0 (both are >= 0 exactly; rounding of the fp32 logprobs can leave a
-    near-equal row a hair below 0, which must not cancel another row's divergence).
-    ``bits``: the verdict compared bit patterns (``verify(bits=True)``). ``trainer_digest`` /
-    ``sampler_digest``: ``rows_digest`` of each input as given. ``hardware``: the declared
-    hardware classes, {"trainer": key, "sampler": key, "same": bool}, or None if neither declared.
-    ``masked_rows``: positions a ``mask`` left out (never compared; counted in ``rows``, never
-    mismatched); the verdict and the figures cover the ``rows - masked_rows`` compared ones.
+    ``max_abs_diff``: over elements finite on both sides. The logprob figures and ``kl`` skip NaN rows; ``kl``
+    is the row mean of KL(sampler || trainer) for full logits, or of k3 = exp(d) - d - 1 (d = lp_trainer -
+    lp_sampler) at given tokens, each row's term clamped at >= 0 (rounding must not cancel another row's
+    divergence). ``trainer_digest`` / ``sampler_digest``: ``rows_digest`` of each input. ``hardware``:
+    {"trainer", "sampler", "same"} or None. ``masked_rows``: counted in ``rows``, never compared.
     """
 
     bitwise_equal: bool
@@ -135,8 +122,7 @@ class VerifyReport:
 
 
 def _contract_fingerprint(trainer: Contract | str | None, sampler: Contract | str | None) -> str | None:
-    """Refuse differing contracts (or one declared for one side only) before any comparison; return
-    the shared fingerprint."""
+    """Refuse differing or one-sided contracts before any comparison; the shared fingerprint."""
     for side, c in (("trainer", trainer), ("sampler", sampler)):
         if c is not None and not isinstance(c, (Contract, str)):
             raise TypeError(f"{side}_contract must be a Contract or its fingerprint string, got {type(c).__name__}")
@@ -155,13 +141,11 @@ def _contract_fingerprint(trainer: Contract | str | None, sampler: Contract | st
 
 
 def rows_digest(rows: torch.Tensor) -> str:
-    """The first 16 hex chars (64 bits) of sha256 over a tensor's dtype, shape and raw bytes.
+    """First 16 hex chars of sha256 over a tensor's dtype, shape and bytes (machine order: little-endian
+    wherever torch ships), for any shape, dtype and device.
 
-    rows: any tensor (logits [T, V] or [B, T, V], logprobs [T] / [B, T], any dtype and device),
-    hashed as its contiguous bytes in the machine's byte order (little-endian on every platform
-    torch ships for), after a header naming dtype and shape: the same bytes as another dtype or
-    shape give another digest. Equal digests mean equal bit patterns (-0.0 and +0.0 differ, NaN
-    payloads count): what ``verify(bits=True)`` compares, not the default's value equality.
+    Equal digests mean equal bit patterns (-0.0 != +0.0, NaN payloads count), as ``verify(bits=True)``
+    compares; the same bytes as another dtype or shape give another digest. TypeError for a non-tensor.
     """
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows_digest expects a torch tensor, got {type(rows).__name__}")
@@ -248,28 +232,18 @@ def verify(
     allow_cross_hardware: bool = False,
     mask: torch.Tensor | None = None,
 ) -> VerifyReport:
-    """Compare trainer and sampler outputs row by row, bit for bit.
+    """Compare trainer and sampler outputs row by row, bit for bit; returns a ``VerifyReport``.
 
-    Inputs: logits [T, V] or [B, T, V] (any float dtype, ``kind="logits"``), or per-token
-    logprobs [T] / [B, T] (``kind="logprobs"``). ``kind="auto"`` takes 1-D as logprobs, and a
-    2-D or 3-D input as logits only when it cannot be logprobs: its last dim is at least
-    AUTO_MIN_VOCAB (32) and each side holds a value > 0 and a value < 0 (logprobs are all <= 0);
-    anything else is refused with a hint to pass ``kind``, never guessed.
-
-    A row is equal iff every element is equal by value (``torch.equal``: -0.0 == +0.0), or with
-    ``bits=True`` by bit pattern (-0.0 != +0.0). A row holding a NaN on either side is never equal
-    (``nan_rows`` counts them), even where both sides hold the same NaN bits: the model broke.
-
-    ``token_ids`` (int, the logits' leading shape) switches the logprob figures to those tokens.
-    ``mask`` (bool, the rows' shape: [B, T] for [B, T] logprobs or [B, T, V] logits) compares only
-    the positions where it is True (padding is False); a 2-D float input whose shape the mask has is
-    taken as [B, T] logprobs without ``kind``. ``strict`` with nothing compared (empty inputs, or
-    everything masked out) is an error: an empty comparison proves nothing.
-    Contracts (``Contract`` or fingerprint string; both or neither) are checked first, then hardware classes
-    (``HardwareClass``, its ``to_dict()`` or key; both or neither, one side alone is refused), which
-    must be one class
-    unless ``allow_cross_hardware`` (raises HardwareMismatchError). ``strict`` raises
-    AlignmentError carrying the report when any row differs.
+    Inputs, one shape and float dtype on both sides: logits [T, V] / [B, T, V] or per-token logprobs [T] /
+    [B, T]. ``kind="auto"``: 1-D is logprobs; 2-D/3-D is logits only if the last dim is >= AUTO_MIN_VOCAB (32)
+    and each side has values of both signs, else refused (pass ``kind``). A row is equal iff every element is
+    equal by value (-0.0 == +0.0) or, with ``bits=True``, by bit pattern; a row with a NaN is never equal.
+    ``token_ids`` (int, the logits' leading shape): logprob figures at those tokens. ``mask`` (bool, the rows'
+    shape, True = compared): padding left out; a 2-D input of the mask's shape is taken as logprobs.
+    Contracts (``Contract`` or fingerprint) and hardware classes (``HardwareClass``, its dict or key) are
+    given for both sides or neither and checked first (ContractMismatchError; HardwareMismatchError unless
+    ``allow_cross_hardware``). ``strict``: AlignmentError carrying the report when a row differs or nothing
+    was compared. Malformed inputs raise TypeError / ValueError.
     """
     fingerprint = _contract_fingerprint(trainer_contract, sampler_contract)
     hardware = _hardware(trainer_hardware, sampler_hardware, allow_cross_hardware)

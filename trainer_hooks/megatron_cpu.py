@@ -1,29 +1,17 @@
-"""Stand-ins for running Megatron-Core's MambaModel where mamba_ssm, Transformer Engine or CUDA is missing.
-
-Not part of the hook's production path. ``megatron_trainer.prepare_process`` (``aligned-mamba check
---trainer megatron``, the tests, the H200 benchmarks) calls ``setup()``, which patches only what the
-machine lacks: on a CPU-only machine all of it; on a GPU without mamba_ssm and TE (the hooked forward
-calls neither) the two imports. ``init_single_process()`` starts a world of one rank (NCCL on a GPU,
-gloo on the CPU) and, on a GPU, seeds Megatron's CUDA RNG tracker unless the job has;
-``init_model_parallel(tp)`` builds Megatron's groups at TP ``tp`` over a world its ranks started. A training job
-with mamba_ssm, TE and its own distributed init needs none of this.
+"""Stand-ins for running Megatron-Core's MambaModel where mamba_ssm, Transformer Engine or CUDA is missing (the
+check, the tests, the benchmarks; never the hook itself). ``setup()`` patches only what the machine lacks;
+``init_model_parallel(tp)`` builds Megatron's groups (at TP 1 in a one-rank world, started if none is).
 
 What ``setup()`` changes, and why (megatron-core 0.16.1, ``megatron.core.ssm``):
 
 - ``mamba_mixer.HAVE_MAMBA_SSM = True``: MambaMixer refuses to build without mamba_ssm.
 - ``torch.cuda.current_device`` returns "cpu": MambaMixer.__init__ places five tensors on it.
 - without CUDA, the CUDA RNG tracker: the inference tracker, whose ``fork()`` is a no-op.
-- ``mamba_block.TENorm`` (the final norm MambaStack hard-codes) and ``mamba_mixer.ExtendedRMSNorm``
-  (mamba_ssm's gated RMSNorm, a MagicMock subclass without mamba_ssm): torch stand-ins, only where
-  the hook has not installed its own.
-- ``_check_mamba_sequence_packing_support`` (reads the versions of causal_conv1d / mamba_ssm): True.
-- ``mamba_split_conv1d_scan_combined`` / ``mamba_chunk_scan_combined`` (undefined without mamba_ssm):
-  torch stand-ins with mamba_ssm's semantics, so that Megatron's *stock* forward (hook off) runs
-  here: the chunk grid at multiples of ``chunk_size`` over the whole packed stream (sequences reset
-  through ``seq_idx``), z gated inside the scan (``norm_before_gate=False``) on the training path,
-  then an ungated norm. They are mathematically right (tests compare them with the fp64 reference)
-  but are not mamba_ssm's kernels bit for bit; what the "hook off" comparison shows is that
-  Megatron's stock arrangement of the math gives other bits than the sampler.
+- ``TENorm`` (the final norm MambaStack hard-codes) and ``ExtendedRMSNorm`` (a MagicMock subclass without
+  mamba_ssm): torch stand-ins, only where the hook has not installed its own.
+- mamba_ssm's two scan ops: torch forms of their semantics, so Megatron's stock forward (hook off) runs (the chunk
+  grid over the whole packed stream, reset by ``seq_idx``; the gate inside the scan). Right (tested against fp64), not
+  mamba_ssm's bits: the hook-off baseline shows Megatron's stock arrangement of the math, not its kernels.
 """
 
 from __future__ import annotations
@@ -74,11 +62,8 @@ def init_single_process() -> None:
 
 
 def init_model_parallel(tp: int) -> None:
-    """Megatron's model-parallel groups at tensor-parallel size ``tp`` (pipeline 1) over the world.
-
-    ``tp`` 1 without a world starts one (gloo, one rank, a file rendezvous; NCCL on a GPU). ``tp`` > 1
-    needs the world its ranks run in already initialised (``aligned_mamba.parallel.launch``, torchrun),
-    ``tp`` ranks in all (one model replica). Groups already built at another size are refused."""
+    """Megatron's groups at TP ``tp`` (pipeline 1, one replica): at 1 without a world one is started (gloo, NCCL on
+    a GPU); more needs the ``tp`` ranks' world up. Groups built at another size are refused."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -163,11 +148,9 @@ def _stock_conv(xBC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _stock_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 chunk_size: int, D: torch.Tensor | None, seq_idx: torch.Tensor | None) -> torch.Tensor:
-    """Chunked SSD as mamba_ssm chunks it: a grid at multiples of ``chunk_size`` over each batch row's
-    whole stream, with states and intra-chunk terms cut where ``seq_idx`` changes. fp32.
-
-    x [b, l, h, p], dt [b, l, h] (after softplus), A [h], B/C [b, l, g, n], D [h] or None -> y [b, l, h, p].
-    """
+    """Chunked SSD as mamba_ssm chunks it (fp32): the grid at multiples of ``chunk_size`` over each row's stream,
+    cut where ``seq_idx`` changes. x [b, l, h, p], dt [b, l, h] (softplus'd), A [h], B/C [b, l, g, n], D [h] or
+    None -> y [b, l, h, p]."""
     b, seqlen, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     L = chunk_size
@@ -211,8 +194,7 @@ def _stock_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 
 
 def _refuse_uncovered(op: str, **used: bool) -> None:
-    """The stand-ins cover the arguments Megatron's forward passes (no states in or out, no fused
-    norm or out_proj, no dt limit); anything else is refused, naming it, rather than ignored."""
+    """Refuse, naming them, arguments beyond those Megatron's forward passes, rather than ignore them."""
     given = [name for name, on in used.items() if on]
     if given:
         raise ValueError(f"the CPU stand-in of mamba_ssm's {op} does not cover {', '.join(given)}: refused")

@@ -1,27 +1,18 @@
-"""Tensor-parallel shards of a Megatron-Core ``MambaModel`` state dict: a TP=1 state dict split per rank exactly
-as Megatron shards its modules at ``--tensor-model-parallel-size k``, and the shards merged back.
+"""Tensor-parallel shards of a Megatron-Core ``MambaModel`` state dict: a TP=1 state dict cut per rank exactly
+as megatron-core 0.16.1 shards its modules at TP k, and the shards merged back.
 
-What rank r of k holds (megatron-core 0.16.1; ``ColumnParallelLinear`` keeps a contiguous block of output rows,
-``RowParallelLinear`` a contiguous block of input columns, ``VocabParallelEmbedding`` a contiguous vocabulary
-range; norms outside a mixer are replicated)::
+What rank r of k holds (``_layout``)::
 
-    embedding.word_embeddings.weight, output_layer.weight      rows r*V/k .. (r+1)*V/k (the vocabulary shard)
-    mixer.in_proj.weight        [z_r | x_r | B_r | C_r | dt_r]: each of z, x (heads), B, C (groups), dt (heads)
-                                cut in k and the rank's pieces stacked (MambaMixer.sharded_state_dict splits it
-                                the same way), so a shard is not a contiguous block of the TP=1 rows
-    mixer.conv1d.weight / bias  [x_r | B_r | C_r]
-    mixer.A_log, D, dt_bias     the rank's heads;  mixer.norm.weight: its d_inner channels
-    mixer.out_proj.weight       columns: its d_inner channels
-    self_attention.linear_qkv   rows: its key/value groups (the rows are grouped per group, [q_g | k_g | v_g])
-    self_attention.linear_proj  columns: its query heads
-    mlp.linear_fc1 (weight, bias) rows; mlp.linear_fc2.weight columns (its bias replicated, added after the sum)
-    every layer norm, decoder.final_norm.weight                replicated
+    embedding, output_layer     rows r*V/k .. (r+1)*V/k (the vocabulary shard)
+    mixer.in_proj / conv1d      [z_r | x_r | B_r | C_r | dt_r] / [x_r | B_r | C_r]: each part cut in k and the
+                                rank's pieces stacked (as MambaMixer.sharded_state_dict), not a contiguous block
+    A_log, D, dt_bias, norm     the rank's heads / d_inner channels
+    out_proj, linear_proj, fc2  columns: the rank's channels / query heads
+    linear_qkv, fc1             rows (linear_qkv's grouped per key/value group: [q_g | k_g | v_g])
+    replicated                  the layer and final norms, out_proj / fc2 biases (added after the sum)
 
-Megatron asserts that k divides the Mamba heads and the groups (``MambaMixer``: "ngroups must be evenly divisible
-by tp_size"), so a checkpoint with n_groups 1 cannot be sharded for TP 2 by Megatron. Refused here in one line
-(``ModelLoadError``): such a k, one not dividing the vocabulary, the attention query or key/value heads or the MLP
-width, and MoE layers at k > 1. Shards are new tensors with the TP=1 bits; merging checks that the replicated
-tensors agree across ranks.
+Refused in one line (``ModelLoadError``): a k not dividing the Mamba heads or groups (Megatron asserts it), the
+vocabulary, the attention heads or the MLP width, and MoE at k > 1. Merging checks the replicated tensors agree.
 """
 
 from __future__ import annotations
@@ -117,9 +108,8 @@ def _pieces(tensor: torch.Tensor, dim: int, parts: tuple[int, ...] | None) -> li
 
 def shard_megatron(state_dict: Mapping[str, torch.Tensor], config: Mamba2Config | NemotronHConfig, rank: int,
                    size: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s shard of a TP=1 Megatron ``MambaModel`` state dict at TP ``size`` (the layout in the module
-    docstring), the same keys in the same order; new contiguous tensors with the TP=1 bits (size 1: the input
-    objects). Raises ``ModelLoadError`` (one line) for a size Megatron cannot shard ``config`` at."""
+    """Rank ``rank``'s shard of a TP=1 state dict at TP ``size``, the same keys in order: new contiguous tensors
+    with the TP=1 bits (size 1: the input objects). ``ModelLoadError`` where Megatron cannot shard ``config``."""
     _refuse(config, size)
     if not 0 <= rank < size:
         raise ModelLoadError(f"rank {rank} is not in a tensor-parallel group of size {size}")
@@ -143,9 +133,8 @@ def shard_megatron(state_dict: Mapping[str, torch.Tensor], config: Mamba2Config 
 
 def merge_megatron(shards: Sequence[Mapping[str, torch.Tensor]], config: Mamba2Config | NemotronHConfig
                    ) -> dict[str, torch.Tensor]:
-    """The TP=1 state dict of ``shards`` (rank order, as ``shard_megatron`` or Megatron's ranks hold them):
-    ``shard_megatron``'s inverse. Raises ``ModelLoadError`` when the ranks' keys differ or a replicated
-    tensor differs between ranks."""
+    """The TP=1 state dict of ``shards`` in rank order (``shard_megatron``'s inverse); ``ModelLoadError`` when the
+    ranks' keys or a replicated tensor differ."""
     size = len(shards)
     _refuse(config, size)
     if size == 1:

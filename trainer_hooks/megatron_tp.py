@@ -1,13 +1,8 @@
-"""The Megatron trainer at tensor-parallel size k on the CPU: k rank processes over gloo, kept alive.
+"""The Megatron trainer at tensor-parallel size k on the CPU: k spawned rank processes over gloo, kept alive.
 
-``MegatronTPTrainer`` is the trainer protocol (``forward``, ``token_logprobs``, ``step``, ``export_bytes``)
-at TP k for ``aligned-mamba check --trainer megatron --trainer-tp k``: k spawned processes (a free localhost
-port, one gloo world, Megatron's model-parallel groups at TP k) each hold a ``MegatronTrainer`` over their
-shard of the checkpoint (``megatron_shards``). Every call is sent to all ranks, each runs it on its shard
-(the packed forward; the REINFORCE step through the hook's differentiable gathers, Adam on its own fp32
-masters), and rank 0's answer comes back: whole logits rows, the step's report, or the shards merged into
-the checkpoint's weights. One process per rank over NCCL on GPUs is the same code with another backend,
-left for the multi-GPU issue.
+``MegatronTPTrainer`` is the trainer protocol at TP k (``--trainer-tp k``): each rank holds a ``MegatronTrainer``
+over its shard (``megatron_shards``); every call goes to all ranks and rank 0 answers (whole logits rows, the
+step's report, the merged weights). NCCL on GPUs would be the same code with another backend.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ _REPLY_TIMEOUT_S = 1800.0  # a rank's forward on 2 shared cores can take minutes
 
 def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config: Any,
                tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool, lr: float) -> None:
-    """One rank: join the world, build a ``MegatronTrainer`` at TP ``size`` (its shard loaded), then run
-    each command every rank receives (forward, step, export) until None; rank 0 answers."""
+    """One rank: join the world, build its ``MegatronTrainer``, run each command until None; rank 0 answers."""
     import torch.distributed as dist
 
     from .megatron_trainer import MegatronTrainer
@@ -75,9 +69,8 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
 
 
 class MegatronTPTrainer:
-    """The hooked Megatron MambaModel at TP ``tp`` in ``tp`` rank processes (see the module docstring).
-    ``hook=False``: Megatron's stock forward at the contract's chunk size (the baseline whose rows differ).
-    ``close()`` (or the context manager) stops them."""
+    """The hooked Megatron MambaModel in ``tp`` rank processes; ``hook=False``: Megatron's stock forward (the
+    baseline). ``close()`` (or the context manager) stops them."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int, *,
                  hook: bool = True, lr: float = 1e-4) -> None:
@@ -142,8 +135,7 @@ class MegatronTPTrainer:
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
-        """One REINFORCE step on every rank (``MegatronTrainer.step`` over its shard: the gradients through the
-        hook's differentiable gathers, Adam on fp32 masters of the rank's parameters); returns rank 0's report."""
+        """One REINFORCE step on every rank (``MegatronTrainer.step`` over its shard); returns rank 0's report."""
         check_step_inputs(sequences, prompt_lens, advantages)
         seqs = [s.to(torch.int64).cpu() for s in sequences]
         out = self._run("step", (seqs, list(prompt_lens), list(advantages)))
@@ -151,8 +143,7 @@ class MegatronTPTrainer:
         return out
 
     def export_bytes(self) -> tuple[bytes, str]:
-        """The served weights (the ranks' shards merged to the checkpoint's HF names and dtypes) as
-        safetensors bytes and their digest."""
+        """The ranks' shards merged to the checkpoint's HF names and dtypes: safetensors bytes and their digest."""
         return self._run("export", None)
 
     def close(self) -> None:

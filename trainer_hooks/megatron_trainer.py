@@ -1,31 +1,10 @@
-"""The trainer on a real Megatron-Core MambaModel with the ``--aligned-mamba`` hook.
+"""The core's trainer protocol on a real Megatron-Core MambaModel with the hook: the ``megatron`` entry of
+``aligned_mamba.trainers`` (``check`` / ``rl --trainer megatron``), for Mamba2 and Nemotron-H checkpoints.
 
-``MegatronTrainer`` implements the core's trainer protocol (``aligned_mamba.integrations.Trainer``:
-``forward``, ``token_logprobs``, ``step``, ``export_bytes``) like the reference
-``aligned_mamba.train.PolicyTrainer``, but every forward and backward is Megatron's: a MambaModel
-built from Megatron's own non-TE modules (``megatron.local_mamba_stack_spec``) with the hook
-installed for the contract, loaded from the checkpoint through ``megatron_weights.hf_to_megatron``,
-scoring sequences in one packed (THD) pass. It is the ``megatron`` entry of ``aligned_mamba.trainers``
-(Mamba2 and Nemotron-H checkpoints: a hybrid MambaModel for the latter), so ``aligned-mamba check --trainer
-megatron`` and ``aligned-mamba rl --trainer megatron`` both run it.
-
-- ``forward`` / ``token_logprobs``: the one-pass logits (eval mode, no grad), then the core's
-  ``log_softmax`` of rows prompt_len-1 .. len-2 gathered at the generated tokens, as ``PolicyTrainer``.
-- ``step``: REINFORCE with ``PolicyTrainer``'s loss, mixed precision as Megatron's fp16/bf16 optimizer
-  does it: the model's parameters stay in the checkpoint dtypes (bf16 weights, fp32 A_log / D /
-  dt_bias for ``make_tiny``), their gradients are copied to fp32 master copies, Adam steps the masters,
-  and the parameters are re-set from the masters rounded to their dtypes. The next forward and the
-  exported weights are therefore the same bits.
-- ``export_bytes``: ``megatron_to_hf`` of the model's state dict (HF names in the checkpoint dtypes;
-  with tied embeddings an ``lm_head.weight`` only if the checkpoint had one), as safetensors bytes
-  with the version in the metadata, and their ``weights_digest``.
-
-``prepare_process`` applies ``megatron_cpu``'s stand-ins for what the machine lacks (mamba_ssm and
-Transformer Engine, which the hooked forward does not call; CUDA) and starts a one-rank world. The
-model lives where Megatron builds it (CUDA when there is a GPU); inputs follow it. One hook per
-process: a second trainer under another contract in the same process is refused (``AlignmentRefused``).
-``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds Megatron's stock forward instead (the "hook off"
-demonstration: its rows differ; it cannot step).
+Every forward and backward is Megatron's: the model built from ``local_mamba_stack_spec``, loaded through
+``megatron_weights``, scoring sequences in one packed (THD) pass. ``step`` is ``PolicyTrainer``'s REINFORCE with
+Megatron's mixed precision (Adam on fp32 masters, the parameters re-set from them rounded), so the next forward
+and the exported weights are the same bits. ``ALIGNED_MAMBA_MEGATRON_HOOK=off``: the stock forward (the baseline).
 """
 
 from __future__ import annotations
@@ -65,10 +44,8 @@ MEGATRON_GATED_NORM_EPS = 1e-5
 
 
 def prepare_process(tp: int = 1) -> None:
-    """Megatron's model-parallel groups at tensor-parallel size ``tp`` (1: a one-rank world started here;
-    more: over the world its ranks started, e.g. ``aligned_mamba.parallel.launch``), and the stand-ins for
-    what this machine lacks (mamba_ssm, Transformer Engine, CUDA: ``megatron_cpu.setup`` patches only what
-    is missing)."""
+    """Megatron's groups at TP ``tp`` (1: a one-rank world started here; more: over the world its ranks started)
+    and ``megatron_cpu``'s stand-ins for what the machine lacks."""
     from . import megatron_cpu
 
     megatron_cpu.setup()
@@ -96,12 +73,8 @@ def _refuse_mixer_settings(config: Any) -> None:
 
 
 def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: str) -> Any:
-    """The TransformerConfig of a pure Mamba2 model (or, for a ``NemotronHConfig``, of the hybrid) with
-    ``config``'s shapes, params in ``dtype``.
-
-    Refuses (ModelLoadError) what Megatron's MambaMixer cannot represent: biases on in/out_proj, no conv bias, a
-    time_step_limit (Megatron does not clamp dt), a layer_norm_epsilon other than the gated norm's 1e-5.
-    """
+    """The TransformerConfig of ``config``'s model (pure Mamba2, or the hybrid of a ``NemotronHConfig``), params in
+    ``dtype``; refuses (ModelLoadError) what Megatron's MambaMixer cannot represent."""
     from megatron.core.transformer import TransformerConfig
 
     if isinstance(config, NemotronHConfig):
@@ -121,8 +94,8 @@ def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: s
 
 
 def _tp_fields(config: Mamba2Config | NemotronHConfig) -> dict[str, Any]:
-    """The TransformerConfig's tensor-parallel fields at this process's TP size (``tp_size``); a pure Mamba2
-    stack has no attention, but TransformerConfig wants ``num_attention_heads`` a multiple of the TP size."""
+    """The TP fields at this process's TP size; TransformerConfig wants ``num_attention_heads`` a multiple of it
+    even for a pure Mamba2 stack."""
     tp = tp_size()
     out: dict[str, Any] = {"tensor_model_parallel_size": tp}
     if not isinstance(config, NemotronHConfig):
@@ -131,12 +104,9 @@ def _tp_fields(config: Mamba2Config | NemotronHConfig) -> dict[str, Any]:
 
 
 def _moe_transformer_fields(config: NemotronHConfig) -> dict[str, Any]:
-    """The TransformerConfig fields of Nemotron-H's MoE layers ('E'), none without them: Megatron's sigmoid
-    TopKRouter with the score correction bias as its expert bias (the aux-loss-free bias, DeepSeek-V3's),
-    group-limited top-k, routed experts of moe_ffn_hidden_size, one shared expert, fp32 routing, no aux
-    loss, the all-gather dispatcher (the one a single CPU process can build). Refuses (ModelLoadError) what
-    megatron-core 0.16 cannot represent: a latent projection (Transformer Engine only), unnormalised top-k
-    weights (its sigmoid router normalises them)."""
+    """The fields of Nemotron-H's MoE layers (none without 'E'): the sigmoid TopKRouter with the score correction
+    bias as its expert bias, fp32 routing, no aux loss, the all-gather dispatcher (the one a single CPU process
+    can build). Refuses (ModelLoadError) what megatron-core 0.16 cannot represent."""
     if "E" not in config.hybrid_override_pattern:
         return {}
     if config.moe_latent_size is not None:
@@ -158,12 +128,8 @@ def _moe_transformer_fields(config: NemotronHConfig) -> dict[str, Any]:
 
 
 def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
-    """The TransformerConfig of a hybrid MambaModel with a Nemotron-H config's shapes: Mamba2 heads,
-    grouped-query attention (num_query_groups = num_key_value_heads, kv_channels = head_dim) and the
-    squared-ReLU MLP (ffn_hidden_size = intermediate_size); the residual in the model dtype, as Nemotron-H
-    keeps it. Refuses (ModelLoadError) what Megatron cannot represent for it: Mamba2 or MLP biases
-    (Megatron's one add_bias_linear would give the attention biases Nemotron-H has not), no conv bias, a
-    time_step_limit, a layer_norm_epsilon other than the gated norm's 1e-5."""
+    """The TransformerConfig of a hybrid MambaModel of Nemotron-H's shapes, the residual in the model dtype as
+    Nemotron-H keeps it; refuses (ModelLoadError) what Megatron cannot represent for it."""
     from megatron.core.activations import squared_relu
     from megatron.core.transformer import TransformerConfig
 
@@ -185,10 +151,8 @@ def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
 
 
 def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chunk_size: int | None = None) -> Any:
-    """A Megatron MambaModel of ``config``'s shape (weights uninitialised: load them); a ``NemotronHConfig``
-    gives the hybrid (``hybrid_override_pattern``). With the hook installed it is aligned on construction;
-    ``chunk_size`` (only without the hook, or equal to the contract's) is passed to every MambaMixer
-    explicitly."""
+    """A MambaModel of ``config``'s shape, weights uninitialised (the hybrid for a ``NemotronHConfig``), aligned on
+    construction when the hook is installed; ``chunk_size`` goes to every MambaMixer explicitly."""
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     moe = isinstance(config, NemotronHConfig) and "E" in config.hybrid_override_pattern
@@ -207,11 +171,9 @@ def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chu
 
 
 def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Load HF-named tensors (the whole checkpoint) into ``model`` (renamed by ``hf_to_megatron``; at TP > 1
-    this rank's shard, ``megatron_shards``, so every degree loads the same weights), each parameter first switched to
-    the stored tensor's dtype (in place: the same Parameter objects, which MambaMixer's context-parallel
-    helper also holds), so values are copied exactly, never cast into Megatron's params dtype. The forward
-    casts as the core does (e.g. fp32 A_log / D / dt_bias stay fp32, as make_tiny stores them)."""
+    """Load the whole checkpoint's HF tensors into ``model`` (this rank's shard at TP > 1). Each parameter first takes
+    the stored dtype in place (the same Parameter objects, which MambaMixer's context-parallel helper also holds),
+    so values are copied exactly, never cast to Megatron's params dtype."""
     from megatron.core import parallel_state
 
     tp = tp_size()
@@ -230,9 +192,8 @@ def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors:
 
 
 def megatron_packed_logits(model: Any, sequences: list[torch.Tensor], *, gather: bool = True) -> torch.Tensor:
-    """One THD forward of MambaModel over the packed sequences -> [sum len_i, vocab] logits, whole rows at any
-    TP size (the output layer's vocabulary shards gathered; ``gather=False``: this rank's [sum len_i, vocab / k]
-    shard, as Megatron's loss reads it; grad follows torch's grad mode; the model is left in the mode it is in)."""
+    """One THD forward over the packed sequences -> [sum len_i, vocab] whole rows at any TP size (``gather=False``:
+    this rank's vocabulary shard, as Megatron's loss reads it); grad mode and model mode as they are."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = _model_device(model)
@@ -246,9 +207,8 @@ def megatron_packed_logits(model: Any, sequences: list[torch.Tensor], *, gather:
 
 
 def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """Megatron's forward one sequence at a time ([s, 1] with an explicit causal mask) -> [sum len_i, vocab]:
-    how the stock (hook off) hybrid runs on the CPU, whose DotProductAttention takes no packed sequences and
-    whose default causal mask is built on a CUDA device."""
+    """Megatron's forward a sequence at a time, with an explicit causal mask -> [sum len_i, vocab]: the stock hybrid
+    on the CPU, whose DotProductAttention takes no packed sequences and builds its default mask on CUDA."""
     dev = _model_device(model)
     out = []
     for seq in sequences:
@@ -259,16 +219,14 @@ def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch
 
 
 def _model_device(model: Any) -> torch.device:
-    """Where the model's parameters are (the inputs go there: a CUDA MambaModel takes CUDA token ids)."""
+    """Where the model's parameters are (a CUDA MambaModel takes CUDA token ids)."""
     return next(model.parameters()).device
 
 
 def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
                        contract: Contract, tp: int = 1) -> Any:
-    """A MambaModel with the hook installed for ``contract`` (the process prepared first: one-rank world, or
-    Megatron's groups at TP ``tp`` over the world its ranks started; CPU shims without CUDA), loaded from
-    HF-named ``tensors`` (this rank's shard at TP > 1; each parameter in its tensor's dtype), left in the
-    mode a freshly built module is in (train)."""
+    """A MambaModel with the hook installed for ``contract``, the process prepared at TP ``tp``, HF-named
+    ``tensors`` loaded (this rank's shard at TP > 1); left in train mode."""
     prepare_process(tp)
     hook_module.install(contract)
     model = build_mamba_model(config, contract.model_dtype)
@@ -277,12 +235,8 @@ def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str
 
 
 class MegatronTrainer:
-    """The trainer protocol through a hooked Megatron MambaModel; Adam on fp32 masters of its
-    checkpoint-dtype parameters (made at the first ``step``).
-
-    ``tensors``: the checkpoint (HF names, checkpoint dtypes); the model's parameters take those dtypes.
-    ``hook=False``: Megatron's stock forward (no contract is applied; for the "hook off" demonstration).
-    """
+    """The trainer protocol through a hooked Megatron MambaModel, its parameters in the checkpoint's dtypes, Adam
+    on fp32 masters. ``hook=False``: Megatron's stock forward (the baseline)."""
 
     def __init__(self, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor], contract: Contract,
                  *, lr: float = 1e-4, hook: bool = True, tp: int = 1) -> None:
@@ -308,7 +262,6 @@ class MegatronTrainer:
         if changed:
             raise ModelLoadError(f"the Megatron model holds {changed[:3]} in other dtypes than the checkpoint")
 
-    # -- the model ----------------------------------------------------------------------------------------------
     def _logits(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """One packed forward -> per sequence [len_i, vocab] logits (autograd per torch's grad mode)."""
         if self.hooked:
@@ -320,8 +273,7 @@ class MegatronTrainer:
         return list(torch.split(logits, [int(s.numel()) for s in sequences]))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The served weights: the model's parameters under HF names, in the checkpoint dtypes (detached;
-        the same names as the checkpoint, so a tied ``lm_head.weight`` only if it had one)."""
+        """The served weights: the parameters under the checkpoint's HF names, in its dtypes, detached."""
         hf = megatron_to_hf(self._merged(self.model.state_dict()), self.config)
         if LM_HEAD in self.dtypes and LM_HEAD not in hf:  # tied, but the checkpoint stored the copy
             hf[LM_HEAD] = hf[EMBEDDING]
@@ -330,7 +282,6 @@ class MegatronTrainer:
                                  "the checkpoint's")
         return {k: hf[k].detach() for k in self.dtypes}
 
-    # -- the trainer protocol ------------------------------------------------------------------------------------
     def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Raw logits of whole sequences in one packed pass (eval mode, no grad): [len_i, vocab] each."""
         self.model.eval()
@@ -339,17 +290,14 @@ class MegatronTrainer:
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
-        """Logprob of every generated token (positions prompt_len .. len-1) under Megatron's one-pass logits /
-        ``temperature``, [len_i - prompt_len_i] float32 each, by the contract's log-softmax (as ``PolicyTrainer``)."""
+        """The generated tokens' logprobs, [len_i - prompt_len_i] float32, by the contract's log-softmax."""
         seqs = [s.to(torch.int64) for s in sequences]
         return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
-        """One REINFORCE step: loss = -sum_i adv_i * sum_t logprob_it / (generated tokens), through Megatron's
-        forward and backward on the checkpoint-dtype parameters; their gradients (upcast to fp32) step the fp32
-        masters with Adam, and the parameters are re-set from the rounded masters. Returns loss, token count,
-        grad norm (of the master gradients) and the new weights version."""
+        """One REINFORCE step (``PolicyTrainer``'s loss) through Megatron's forward and backward; the gradients step
+        the fp32 masters, the parameters are re-set from them rounded. Returns loss, tokens, grad norm, version."""
         check_step_inputs(sequences, prompt_lens, advantages)
         if self.master is None:
             self.master = {n: p.detach().to(torch.float32).clone().requires_grad_(True)
@@ -376,9 +324,8 @@ class MegatronTrainer:
         return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm, "weights_version": self.version}
 
     def _grad_norm(self) -> float:
-        """The master gradients' norm over the checkpoint's (HF) tensors in its order, as ``PolicyTrainer``
-        sums it (a Nemotron-H linear_qkv's gradient counted as its q, k and v parts; tensors without a
-        gradient skipped)."""
+        """The master gradients' norm over the checkpoint's HF tensors in its order, as ``PolicyTrainer`` sums it
+        (a linear_qkv's gradient as its q, k and v parts)."""
         assert self.master is not None
         master = self.master
         # buffers among the checkpoint's tensors (a MoE router's expert bias) have no gradient: zeros, skipped
@@ -409,10 +356,8 @@ class MegatronTrainer:
 
 def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4,
                  tp: int = 1) -> Any:
-    """The ``aligned_mamba.trainers`` entry point ``megatron``. ``ALIGNED_MAMBA_MEGATRON_HOOK=off`` builds
-    Megatron's stock forward (a demonstration that its rows differ; it does not run under the contract
-    it reports). ``tp`` > 1: ``megatron_tp.MegatronTPTrainer``, the model in ``tp`` rank processes (scoring
-    only)."""
+    """The ``aligned_mamba.trainers`` entry point ``megatron`` (``tp`` > 1: ``MegatronTPTrainer``).
+    ``ALIGNED_MAMBA_MEGATRON_HOOK=off``: Megatron's stock forward, not under the contract it reports."""
     if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"the Megatron trainer covers Mamba2 and Nemotron-H checkpoints (Hugging Face layouts), "
                              f"not {type(config).__name__}")
@@ -430,13 +375,9 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
 def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
                    contract: Contract, sequences: list[torch.Tensor], hook: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One rank of a TP run (``aligned_mamba.parallel.launch(tp_rank_logits, k, ...)``; ``group``: its
-    ``TPGroup``, whose size is the TP size): Megatron's groups at that size, a MambaModel with the hook
-    installed for ``contract`` (``hook=False``: Megatron's stock forward at the contract's chunk size), this
-    rank's shard of the whole checkpoint ``tensors`` loaded, one packed eval forward. Returns (the
-    [sum len_i, vocab] logits, whole rows: the vocabulary shards gathered; with the hook, the [sum len_i]
-    float32 logprobs of each position's next token in the packed stream (the first token after the last),
-    computed from this rank's vocabulary shard by ``token_logprobs(vocab_parallel=True)``, else None)."""
+    """One rank of a TP run (``parallel.launch(tp_rank_logits, k, ...)``): the hooked model (``hook=False``: stock)
+    with this rank's shard, one packed eval forward -> (whole [sum len_i, vocab] logits rows; with the hook the
+    [sum len_i] float32 next-token logprobs from this rank's vocabulary shard, else None)."""
     prepare_process(group.size)
     if hook:
         hook_module.install(contract)

@@ -1,57 +1,16 @@
-"""Weight conversion between Megatron-Core's ``MambaModel`` state dict and the Hugging Face Mamba2 layout.
+"""Megatron-Core ``MambaModel`` state dict (TP=1, PP=1, unwrapped) <-> Hugging Face Mamba2 / Nemotron-H tensors.
 
-Trainers export weights to rollout workers (vLLM, the reference engine) in the HF safetensors layout and
-import HF checkpoints to start training; both directions are pure renaming, so a round trip is exact
-(the very same tensor objects, same dtype, nothing copied or cast).
+Trainers export weights to rollout workers in the HF layout and import HF checkpoints to start training. Every
+tensor is renamed, the same object (no copy, no cast: a round trip is exact): ``decoder.layers.{i}.<rest>`` <->
+``backbone.layers.{i}.<rest>`` and the fixed names; in_proj's rows are [z | x | B | C | dt] on both sides. The
+exception is a hybrid attention layer's linear_qkv, its rows grouped per key/value head g ([q of g's query heads
+| k_g | v_g], ``SelfAttention.get_query_key_value_tensors``): split into and joined from q, k, v (new tensors,
+the same bits). The hybrid layers' names: ``_HYBRID_NORM``, ``_HYBRID_MIXER``, ``_MOE_NAMES``.
 
-Supported layout: megatron-core 0.16.x names of a pure Mamba2 ``MambaModel`` (every layer a Mamba layer)
-at tensor/pipeline parallel size 1, i.e. what ``model.state_dict()`` returns on one rank of a TP=1, PP=1
-run, unwrapped from DDP / Float16Module::
-
-    embedding.word_embeddings.weight                 <-> backbone.embeddings.weight
-    decoder.layers.{i}.norm.weight                   <-> backbone.layers.{i}.norm.weight
-    decoder.layers.{i}.mixer.in_proj.layer_norm_weight -> backbone.layers.{i}.norm.weight  (Transformer Engine)
-    decoder.layers.{i}.mixer.{in_proj.weight, in_proj.bias, conv1d.weight, conv1d.bias, A_log, D, dt_bias,
-                              norm.weight, out_proj.weight, out_proj.bias}
-                                                     <-> backbone.layers.{i}.mixer.<same>
-    decoder.final_norm.weight                        <-> backbone.norm_f.weight
-    output_layer.weight                              <-> lm_head.weight  (absent when embeddings are tied)
-
-in_proj rows are [z | x | B | C | dt] in Megatron (TP=1) and [z, xBC, dt] in HF: the same order, so no
-tensor is split or permuted. ``*._extra_state`` keys (Transformer Engine / fp8 metadata) are dropped on import
-and never produced. The biases appear exactly when the config's ``use_bias`` / ``use_conv_bias`` say so.
-
-Nemotron-H (``NemotronHConfig``, a hybrid ``MambaModel`` with ``hybrid_override_pattern`` of M, *, - and E
-layers built from ``trainer_hooks.megatron.local_mamba_stack_spec``), per layer kind::
-
-    M  decoder.layers.{i}.norm.weight (TE: mixer.in_proj.layer_norm_weight) <-> backbone.layers.{i}.norm.weight
-       decoder.layers.{i}.mixer.<name>                                      <-> backbone.layers.{i}.mixer.<name>
-    *  decoder.layers.{i}.input_layernorm.weight (TE: self_attention.linear_qkv.layer_norm_weight)
-                                                                            <-> backbone.layers.{i}.norm.weight
-       decoder.layers.{i}.self_attention.linear_qkv.weight                  <-> mixer.{q,k,v}_proj.weight
-       decoder.layers.{i}.self_attention.linear_proj.weight                 <-> mixer.o_proj.weight
-    -  decoder.layers.{i}.pre_mlp_layernorm.weight (TE: mlp.linear_fc1.layer_norm_weight)
-                                                                            <-> backbone.layers.{i}.norm.weight
-       decoder.layers.{i}.mlp.linear_fc1.{weight,bias}                      <-> mixer.up_proj.{weight,bias}
-       decoder.layers.{i}.mlp.linear_fc2.{weight,bias}                      <-> mixer.down_proj.{weight,bias}
-    E  decoder.layers.{i}.pre_mlp_layernorm.weight (both specs)             <-> backbone.layers.{i}.norm.weight
-       decoder.layers.{i}.mlp.router.weight                                 <-> mixer.gate.weight
-       decoder.layers.{i}.mlp.router.expert_bias                            <-> mixer.gate.e_score_correction_bias
-       decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight   <-> mixer.experts.{e}.up_proj.weight
-       decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight   <-> mixer.experts.{e}.down_proj.weight
-       decoder.layers.{i}.mlp.shared_experts.linear_fc{1,2}.weight <-> mixer.shared_experts.{up,down}_proj.weight
-
-and the embedding, final norm and output layer as above. linear_qkv's rows are grouped per key/value head
-g (Megatron's layout, ``SelfAttention.get_query_key_value_tensors``): [q rows of the H/G query heads of g |
-k_g | v_g] for g = 0 .. G-1, not q | k | v; the conversion splits and joins exactly those rows (new tensors,
-the same bits), every other tensor is renamed (the same objects).
-
-Refused with a one-line ``ModelLoadError`` naming the key (and both shapes where a shape is wrong): unknown
-keys (hybrid attention/MLP layers, ``module.`` wrapper prefixes, layers beyond ``num_hidden_layers``),
-missing keys, a layer norm given twice (both the plain and the TE-fused name), wrong shapes (including a
-Megatron-padded vocabulary that the config does not state, and ``D`` per channel), tensor-parallel shards
-(TP>1 shapes: merge the shards first), and a stored output layer / lm_head that differs from the embedding
-while the config ties them (an identical copy is accepted and dropped, as ``load_checkpoint`` does).
+Layer norms are read under the plain or the Transformer Engine name (fused into the next linear);
+``_extra_state`` keys are dropped and never produced. Refused in one line (``ModelLoadError``, naming the key
+and both shapes): unknown, missing or doubled keys, wrong shapes (a TP shard, a padded vocabulary the config
+does not state), and a stored output layer unequal to the tied embedding (an equal copy is dropped).
 """
 
 from __future__ import annotations
@@ -77,8 +36,6 @@ MEGATRON_FINAL_NORM = "decoder.final_norm.weight"
 EXTRA_STATE_SUFFIX = "_extra_state"
 TE_NORM = "mixer.in_proj.layer_norm_weight"  # Transformer Engine fuses the pre-mixer norm into in_proj
 
-# HF "backbone.layers.{i}.<rest>" <-> Megatron "decoder.layers.{i}.<rest>" for every per-layer tensor,
-# except the layer norm when TE fuses it; the fixed names are mapped explicitly.
 _HF_LAYER = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
 _FIXED_HF_TO_MEGATRON = {
     EMBEDDING: MEGATRON_EMBEDDING,
@@ -88,15 +45,8 @@ _FIXED_HF_TO_MEGATRON = {
 
 
 def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config | NemotronHConfig) -> dict[str, torch.Tensor]:
-    """Rename a TP=1 Megatron-Core ``MambaModel`` state dict to the HF Mamba2 layout of ``config``
-    (a ``NemotronHConfig``: to the Nemotron-H layout, ``hybrid_megatron_to_hf``).
-
-    Accepts the layer norm under either ``decoder.layers.{i}.norm.weight`` or the Transformer Engine name
-    ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``; drops ``*._extra_state`` keys. Returns the input
-    tensor objects themselves (no copy, no cast) under HF names, in ``expected_shapes(config)`` order, so
-    with tied embeddings there is no ``lm_head.weight``. Raises ``ModelLoadError`` (one line) for an
-    unknown, missing, duplicated or mis-shaped key, or a tensor-parallel shard.
-    """
+    """A TP=1 Megatron state dict -> the input tensors under ``config``'s HF names, in ``expected_shapes`` order
+    (tied: no ``lm_head.weight``); a ``NemotronHConfig`` goes to ``hybrid_megatron_to_hf``."""
     if isinstance(config, NemotronHConfig):
         return hybrid_megatron_to_hf(state_dict, config)
     shapes = expected_shapes(config)
@@ -139,16 +89,8 @@ def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config | Nemotro
 def hf_to_megatron(
     tensors: Mapping[str, Any], config: Mamba2Config | NemotronHConfig, *, te_fused_norm: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Rename HF Mamba2 tensors (the layout of ``expected_shapes(config)``) to a TP=1 Megatron-Core state dict
-    (a ``NemotronHConfig``: Nemotron-H tensors, ``hybrid_hf_to_megatron``).
-
-    ``te_fused_norm=True`` writes each layer norm as ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``
-    (Transformer Engine specs) instead of ``decoder.layers.{i}.norm.weight``. No ``_extra_state`` keys are
-    produced (load into the model with ``strict=False`` or let TE fill them). With tied embeddings there
-    is no ``output_layer.weight``; an ``lm_head.weight`` equal to the embedding is accepted and dropped.
-    Returns the input tensor objects themselves. Raises ``ModelLoadError`` (one line) for an unknown,
-    missing or mis-shaped tensor.
-    """
+    """HF tensors -> a TP=1 Megatron state dict of the same objects (``te_fused_norm``: layer norms under the TE
+    names; no ``_extra_state``: load with ``strict=False``); a ``NemotronHConfig`` goes to ``hybrid_hf_to_megatron``."""
     if isinstance(config, NemotronHConfig):
         return hybrid_hf_to_megatron(tensors, config, te_fused_norm=te_fused_norm)
     shapes = expected_shapes(config)
@@ -176,13 +118,8 @@ def hf_to_megatron(
 def export_hf_checkpoint(
     state_dict: Mapping[str, Any], config: Mamba2Config | NemotronHConfig, path: str | os.PathLike[str]
 ) -> None:
-    """Write a Megatron-Core TP=1 ``MambaModel`` state dict as an HF Mamba2 checkpoint directory at ``path``.
-
-    ``config.json`` comes from ``config`` and ``model.safetensors`` holds the renamed tensors in their own
-    dtypes (via ``save_checkpoint``, so the result loads back with ``load_checkpoint``). Raises
-    ``ModelLoadError`` for a key or shape problem, and also for what ``save_checkpoint`` refuses (fp16,
-    other dtypes, non-finite values), so that callers handle one error type.
-    """
+    """Write a TP=1 Megatron state dict as an HF checkpoint directory (``save_checkpoint``, the tensors' own dtypes);
+    every refusal, ``save_checkpoint``'s too, is a ``ModelLoadError``."""
     tensors = megatron_to_hf(state_dict, config)
     save = nemotron_h.save_checkpoint if isinstance(config, NemotronHConfig) else save_checkpoint
     try:
@@ -194,12 +131,8 @@ def export_hf_checkpoint(
 def import_hf_checkpoint(
     path: str | os.PathLike[str], *, te_fused_norm: bool = False
 ) -> tuple[Mamba2Config | NemotronHConfig, dict[str, torch.Tensor]]:
-    """Load an HF Mamba2 or Nemotron-H checkpoint directory (strictly, via ``load_checkpoint``) as a TP=1
-    Megatron state dict.
-
-    Returns the config and the state dict (see ``hf_to_megatron`` for ``te_fused_norm``); the tensors keep
-    the stored dtypes. Raises ``ModelLoadError``.
-    """
+    """An HF Mamba2 or Nemotron-H checkpoint directory (``load_checkpoint``) -> (config, TP=1 Megatron state dict),
+    the stored dtypes kept."""
     config, tensors = load_checkpoint(path)
     if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"{os.fspath(path)!r} is a {type(config).__name__} checkpoint; the Megatron conversion "
@@ -358,8 +291,7 @@ def _megatron_shape(config: NemotronHConfig, hf_names: tuple[str, ...]) -> tuple
 
 
 def split_qkv(qkv: torch.Tensor, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's linear_qkv weight [G * (H/G + 2) * D, hidden] -> q [H*D, hidden], k, v [G*D, hidden]
-    (new contiguous tensors, the same bits)."""
+    """Megatron's linear_qkv [G * (H/G + 2) * D, hidden] -> q [H*D, hidden], k, v [G*D, hidden], new tensors."""
     G, rep, D = _qkv_groups(config)
     per_group = qkv.reshape(G, rep + 2, D, qkv.shape[-1])
     return tuple(part.reshape(-1, qkv.shape[-1]).clone(memory_format=torch.contiguous_format)  # type: ignore[return-value]
@@ -367,18 +299,14 @@ def split_qkv(qkv: torch.Tensor, config: NemotronHConfig) -> tuple[torch.Tensor,
 
 
 def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: NemotronHConfig) -> torch.Tensor:
-    """HF q [H*D, hidden], k, v [G*D, hidden] -> Megatron's linear_qkv [G * (H/G + 2) * D, hidden], rows
-    grouped per key/value head: [q of the group's query heads | k_g | v_g] (``split_qkv``'s inverse)."""
+    """HF q [H*D, hidden], k, v [G*D, hidden] -> linear_qkv [G * (H/G + 2) * D, hidden] (``split_qkv``'s inverse)."""
     G, rep, D = _qkv_groups(config)
     h = q.shape[-1]
     return torch.cat([q.reshape(G, rep * D, h), k.reshape(G, D, h), v.reshape(G, D, h)], dim=1).reshape(-1, h)
 
 
 def hybrid_megatron_to_hf(state_dict: Mapping[str, Any], config: NemotronHConfig) -> dict[str, torch.Tensor]:
-    """A TP=1 Megatron-Core hybrid ``MambaModel`` state dict -> Nemotron-H HF tensors (``nemotron_h.expected_shapes``
-    order). Layer norms under the plain or the Transformer Engine name; ``*._extra_state`` dropped. Renamed
-    tensors are the input objects; q/k/v are split from linear_qkv (``split_qkv``). Raises ``ModelLoadError``
-    (one line) for an unknown, missing, duplicated or mis-shaped key, or a tensor-parallel shard."""
+    """A TP=1 hybrid Megatron state dict -> Nemotron-H HF tensors in ``expected_shapes`` order (q, k, v split)."""
     plan = _hybrid_plan(config, te_fused_norm=False)
     by_mg = dict(plan)
     te_alias = {mg_te: mg for (mg_te, _), (mg, _) in zip(_hybrid_plan(config, te_fused_norm=True), plan)
@@ -415,10 +343,8 @@ def hybrid_megatron_to_hf(state_dict: Mapping[str, Any], config: NemotronHConfig
 
 def hybrid_hf_to_megatron(tensors: Mapping[str, Any], config: NemotronHConfig, *,
                           te_fused_norm: bool = False) -> dict[str, torch.Tensor]:
-    """Nemotron-H HF tensors (``nemotron_h.expected_shapes(config)``) -> a TP=1 Megatron-Core hybrid ``MambaModel``
-    state dict, in the model's layer order. ``te_fused_norm``: layer norms under the Transformer Engine names.
-    Renamed tensors are the input objects; linear_qkv is joined from q/k/v (``join_qkv``). No ``_extra_state``
-    keys. Raises ``ModelLoadError`` (one line) for an unknown, missing or mis-shaped tensor."""
+    """Nemotron-H HF tensors -> a TP=1 hybrid Megatron state dict in layer order (linear_qkv joined;
+    ``te_fused_norm``: layer norms under the TE names)."""
     shapes = nemotron_h.expected_shapes(config)
     plan = _hybrid_plan(config, te_fused_norm=te_fused_norm)
     mg_of = {hf: mg for mg, hf_names in plan for hf in hf_names}

@@ -1,37 +1,10 @@
-"""Causal self-attention (grouped-query): q/k/v projections, the blocked attention, o_proj.
+"""Causal grouped-query self-attention: q/k/v projections, the backend's attention, o_proj.
 
-Its per-slot state is the slot's keys and values, one row per token consumed (``k_cache`` and
-``v_cache`` [MAX_LEN, G, D] in the model dtype: exactly the k_proj / v_proj outputs, never
-rounded again). ``advance`` projects the batch's new tokens and hands them to the backend's
-``attention``, which writes their keys and values at their positions and attends the new rows over
-each slot's keys 0 .. position (``ops.attention``: the blocked torch form on the CPU, the Triton
-kernel on a GPU, reading the cache where it lies): every row is a fixed function of its query
-and the keys and values of its positions 0..t (keys in fixed blocks from position 0, one
-online-softmax order in fp32, masked entries exact zeros), so prefill, chunked prefill, decode,
-recompute and any batch give the same bits. The projections run on the backend's row-invariant ``linear``.
-In a paged cache (``KVPages``, ``CausalLM.new_cache(page_size=...)``) the state is pages [num_pages,
-page_size, G, D] and a block table on the device; the first attention layer of a step hands out the
-pages the step needs (host work, before its launches), and the backend finds a slot's positions
-through the table on the device, so a decode step captures in a CUDA graph.
-A trainer's pass from empty differentiates through the same launch (the triton backend's Triton
-backward; the torch form's autograd on the CPU).
-
-Split keys (the triton backend's ``attn_split_n`` S > 0, a contract field; 1024 by default): on the
-GPU every row's keys are split at absolute positions s*S and the splits' partial softmaxes folded
-in ascending order, in the prefill program for prefill, chunks and the trainer's pass, by a
-program per split and a combine launch for a decode step (its scratch sized from the cache's
-max_len, or the block table's pages, and held in a captured graph's pool), so decode spreads a long
-context over the GPU and keeps the prefill's bits. The torch backend (CPU) has no such field, and
-the triton backend's CPU stand-ins ignore it: attention's bits are the GPU's own.
-
-An engine that owns a paged KV cache (vLLM's block manager) calls ``advance_paged`` instead: the
-same projections write the new keys and values into its pages (``paged_tables`` says where, from
-the engine's block table), the keys and values of positions 0..t are gathered back into the same
-packed layout, and the same attention (``Backend.attention_packed``) and o_proj run, so the rows are the same bits.
-
-Weight names (under the layer's prefix), as transformers' ``NemotronHAttention``: q_proj.weight
-[H*D, hidden], k_proj.weight [G*D, hidden], v_proj.weight [G*D, hidden], o_proj.weight
-[hidden, H*D]; no biases, no rotary embeddings (Nemotron-H's attention has neither), scale D^-0.5.
+The per-slot state is the k_proj / v_proj outputs of every token consumed ([MAX_LEN, G, D], model
+dtype), in a slot cache or in pages (``KVPages``); ``advance_paged`` serves an engine that owns the
+pages. Why every schedule gives the same bits, paging and split keys: docs/design.md, "How the bits
+are kept" (Attention). Weights as transformers' ``NemotronHAttention``: q_proj.weight [H*D, hidden],
+k_proj / v_proj.weight [G*D, hidden], o_proj.weight [hidden, H*D]; no biases, no rotary, scale D^-0.5.
 """
 
 from __future__ import annotations
@@ -73,15 +46,13 @@ class AttentionConfig:
 
 
 class KVPages:
-    """The pages of a paged KV cache, shared by a model's attention layers: which pages each slot holds.
+    """Which of ``num_pages`` pages of ``page_size`` keys each of ``num_slots`` slots holds, shared by
+    a model's attention layers (each layer's k/v: [num_pages, page_size, G, D]).
 
-    ``num_slots`` sequence slots of at most ``max_len`` tokens over ``num_pages`` pages of
-    ``page_size`` keys (each attention layer's k/v tensors are [num_pages, page_size, G, D]). ``table``
-    [num_slots, max_blocks] int32 on ``device``: slot s's pages in order, the key of its position p
-    in page ``table[s, p // page_size]`` at row ``p % page_size``; entries past the pages a slot
-    holds are stale and never read. Allocation is host work (a free list) done before a step's
-    launches (``ensure``); the changed entries reach ``table`` by an asynchronous copy on the current
-    stream, so kernels (and a CUDA graph's replay) enqueued after it read the new table.
+    ``table`` [num_slots, max_blocks] int32 on ``device``: key p of slot s in page ``table[s, p //
+    page_size]``, row ``p % page_size``; entries past a slot's pages are stale, never read. ``ensure``
+    allocates on the host before a step's launches; the changed entries reach ``table`` by an async
+    copy on the current stream, so kernels and graph replays enqueued after it read the new table.
     """
 
     def __init__(self, num_slots: int, max_len: int, page_size: int, num_pages: int,
@@ -124,9 +95,8 @@ class KVPages:
         self.table[u[0], u[1]] = u[2].to(torch.int32)
 
     def ensure_step(self, batch: Step) -> None:
-        """``ensure`` for a step's slots (their positions after it), once per step however many layers
-        ask; nothing for a captured step (its host fields are placeholders: ``decode_graph`` allocates
-        before each replay)."""
+        """``ensure`` for a step's slots, once per step; nothing for a captured step (``decode_graph``
+        allocates before each replay)."""
         if batch is self._last or any(plan.sealed for plan in batch.plans.values()):
             return
         self.ensure(batch.slots.numpy(), (batch.start_pos + batch.lengths).numpy())
@@ -146,9 +116,8 @@ class KVPages:
 
 @dataclass
 class AttentionState:
-    """One layer's slot-indexed keys and values: k_cache, v_cache [slots, max_len, G, D] (model dtype);
-    rows 0 .. position - 1 of a slot hold its tokens' keys and values. With ``pages`` (a paged cache)
-    k_cache, v_cache are pages [num_pages, page_size, G, D] and ``pages`` says which a slot holds."""
+    """One layer's keys and values: k_cache, v_cache [slots, max_len, G, D] (model dtype), or with
+    ``pages`` pages [num_pages, page_size, G, D]."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -170,13 +139,9 @@ def state_spec(config: AttentionConfig, dtype: torch.dtype) -> StateSpec:
 
 @dataclass(frozen=True)
 class PagedTables:
-    """One step's tables over a paged KV cache (shared by the attention layers reading one block table).
-
-    write_block, write_off [T] int64: the page and offset of each new token's key and value.
-    read_block, read_off [Tk]: those of the keys each sequence attends to (its positions 0 .. its
-    length - 1), packed in batch order. cu_seqlens_q, cu_seqlens_k [S+1] int64 (CPU). plan: the
-    blocked form's tables, on the device.
-    """
+    """One step's tables over an engine's paged KV cache: write_block, write_off [T] int64 (each new
+    token's page and offset); read_block, read_off [Tk] (the keys each sequence attends to, packed in
+    batch order); cu_seqlens_q, cu_seqlens_k [S+1] int64 (CPU); plan: the blocked tables (device)."""
 
     write_block: torch.Tensor
     write_off: torch.Tensor
@@ -189,12 +154,10 @@ class PagedTables:
 
 def paged_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
                  rep: int, device: torch.device) -> PagedTables:
-    """The tables of one step over a paged cache, for H // G = ``rep``.
+    """The tables of one step over a paged cache, for H // G = ``rep``, built on the host, moved once.
 
-    cu_seqlens_q [S+1]: the new tokens' offsets; seq_lens [S]: each sequence's length after the step
-    (its new tokens are its last positions); block_table [S, max_blocks]: each sequence's pages in
-    order (entries past its length are not read). Host tensors (int); the tables are built there and
-    moved once.
+    cu_seqlens_q [S+1]: the new tokens' offsets; seq_lens [S]: lengths after the step (the new tokens
+    last); block_table [S, max_blocks]: each sequence's pages in order. ValueError on bad lengths.
     """
     cu_q = cu_seqlens_q.to("cpu", torch.int64)
     end = seq_lens.to("cpu", torch.int64)
@@ -239,8 +202,7 @@ def local_config(config: AttentionConfig, group: TPGroup) -> AttentionConfig:
 
 def shard_weights(config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
                   group: TPGroup) -> dict[str, torch.Tensor]:
-    """Rank ``group.rank``'s weights cut from a full checkpoint's: q_proj's rows of its query heads,
-    k_proj's and v_proj's of its key/value heads (column-parallel), o_proj's columns (row-parallel)."""
+    """Rank ``group.rank``'s cut of a full checkpoint: q/k/v_proj's rows of its heads, o_proj's columns."""
     D, H, k, r = config.head_dim, config.num_heads, group.size, group.rank
     q = slice(r * H // k * D, (r + 1) * H // k * D)
     kv_heads = _kv_heads(config, group)
@@ -251,15 +213,10 @@ def shard_weights(config: AttentionConfig, tensors: Mapping[str, torch.Tensor], 
 
 
 class Attention:
-    """Causal grouped-query self-attention on a backend, in a model dtype.
-
-    Linear weights as ``backend.linear_weight`` makes them; every cast is differentiable, so a
-    trainer can build the layer from its parameters on each forward.
-
-    Tensor parallelism: ``tp`` with ``config`` the full layer's and ``tensors`` this rank's
-    (``shard_weights``): the rank runs its query heads and their key/value heads, and o_proj as the
-    contract's row-parallel GEMM over ``slices`` slices (any TP degree dividing them: the same bits).
-    """
+    """Causal grouped-query self-attention on a backend, in a model dtype; every cast is
+    differentiable, so a trainer can build it from its parameters on each forward. With ``tp``:
+    ``config`` the full layer's, ``tensors`` this rank's (``shard_weights``), o_proj the row-parallel
+    GEMM over ``slices``. ModelLoadError on a CUDA device without the triton backend."""
 
     kind = "attention"
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
@@ -274,8 +231,6 @@ class Attention:
             config = local_config(config, tp)
         c = config
         if backend.device.type == "cuda" and backend.name != "triton":
-            # the blocked form's batched GEMMs would go to cuBLAS, whose row bits change with the call's
-            # shape (a decode step's few items against a prefill's many): fail closed
             raise ModelLoadError("attention layers on a CUDA device need the triton backend: the torch form's "
                                  "batched GEMMs go to cuBLAS there, whose rows change with the call's shape")
         if c.num_heads % c.num_kv_heads:
@@ -304,9 +259,8 @@ class Attention:
         return state_spec(self.config, self.dtype)
 
     def state(self, tensors: Mapping[str, torch.Tensor], pages: KVPages | None = None) -> AttentionState:
-        """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied);
-        with ``pages``, over pages [num_pages, page_size, G, D] (``state_spec`` allocated for
-        ``num_pages`` slots of ``page_size`` tokens) that ``pages`` hands out."""
+        """The state over the tensors of ``state_spec`` (views kept), or with ``pages`` over pages
+        (``state_spec`` allocated for ``num_pages`` slots of ``page_size`` tokens)."""
         if pages is not None and tensors["k_cache"].shape[:2] != (pages.num_pages, pages.page_size):
             raise ValueError(f"pages {tuple(tensors['k_cache'].shape[:2])} are not the paged cache's "
                              f"[{pages.num_pages}, {pages.page_size}]")
@@ -319,12 +273,8 @@ class Attention:
     # -- the one forward ---------------------------------------------------------------------------
     def advance(self, state: AttentionState, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
-        """Attention over the batch's new tokens from each slot's keys and values; stores the new ones.
-
-        hidden [T, hidden_size] (model dtype, already normed) -> [rows wanted, hidden_size] in the
-        model dtype; rows [T] bool picks the output rows (default all). ``capture`` is unused (it
-        collects Mamba2 scan inputs).
-        """
+        """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size]; rows [T] bool
+        (default all). Stores the new keys and values; ``capture`` is unused."""
         c = self.config
         end = int((batch.start_pos + batch.lengths).max()) if batch.slots.numel() else 0
         if end > state.max_len:
@@ -340,14 +290,9 @@ class Attention:
 
     def advance_paged(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: PagedTables,
                       hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``advance`` over a paged cache someone else owns (an engine's block manager, e.g. vLLM's).
-
-        key_pages, value_pages [num_blocks, G, block_size, D] (model dtype; views are written in place):
-        a sequence's key of position p sits in its block ``block_table[p // block_size]`` at offset
-        ``p % block_size``; ``tables`` (``paged_tables``) says where. Same arithmetic as ``advance``:
-        the keys and values read back are the very bits the projections wrote, gathered into the same
-        packed [Tk, G, D] layout, so every row equals the trainer's.
-        """
+        """``advance`` over pages an engine owns (vLLM's block manager): key_pages, value_pages
+        [num_blocks, G, block_size, D] (model dtype, written in place), ``tables`` from ``paged_tables``;
+        the keys are gathered back into ``advance``'s packed layout, so the rows are its bits."""
         if key_pages.dtype != self.dtype or value_pages.dtype != self.dtype:
             raise ValueError(f"the paged KV cache holds {key_pages.dtype}, the model computes in {self.dtype}: "
                              "keys would be rounded")

@@ -1,13 +1,6 @@
-"""What a layer kind provides: its per-slot state (a spec an engine can allocate) and one advance.
-
-A layer kind is one module in this package: its config, its weights read from a state dict under
-a prefix, the state it keeps per sequence slot, and ``advance(state, batch, hidden, rows)``, the
-one forward that prefill, chunked prefill, decode, recompute and the trainer's pass all run.
-
-A state that grows with the sequence (attention's keys and values) states its length dimension as
-``MAX_LEN``; whoever allocates the state (``CausalLM.new_cache``, an engine) supplies the maximum
-sequence length it serves.
-"""
+"""What a layer kind provides: its per-slot state (a ``StateSpec``) and ``advance(state, batch,
+hidden, rows)``, the one forward every schedule runs (docs/design.md, "The one idea"); a state
+that grows with the sequence gives its length as ``MAX_LEN``, which the allocator supplies."""
 
 from __future__ import annotations
 
@@ -27,13 +20,8 @@ allocated (a layer's state that holds one row per token, e.g. attention's keys a
 
 @dataclass(frozen=True)
 class StateSpec:
-    """The tensors one sequence slot holds in a layer: name -> (per-slot shape, dtype), in order.
-
-    An engine allocates ``[num_slots, *shape]`` of each (``allocate``), or hands out slot-indexed
-    views of memory it owns (vLLM's Mamba cache); ``Layer.state(tensors)`` wraps either. A shape
-    entry ``MAX_LEN`` is the maximum sequence length, which ``allocate`` and ``bytes_per_slot`` then
-    need (``per_length``).
-    """
+    """The tensors one sequence slot holds in a layer: name -> (per-slot shape, dtype), in order;
+    ``allocate`` makes ``[num_slots, *shape]`` of each, or an engine hands out views of its memory."""
 
     fields: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
@@ -52,8 +40,7 @@ class StateSpec:
 
     def allocate(self, num_slots: int, device: torch.device | str,
                  max_len: int | None = None) -> dict[str, torch.Tensor]:
-        """Zeroed ``[num_slots, *shape]`` tensors, one per field (a zero state is an empty sequence);
-        ``max_len``: the maximum sequence length, for a ``per_length`` spec."""
+        """Zeroed ``[num_slots, *shape]`` tensors, one per field (a zero state is an empty sequence)."""
         return {name: torch.zeros(num_slots, *shape, dtype=dt, device=device)
                 for name, shape, dt in self.shapes(max_len)}
 

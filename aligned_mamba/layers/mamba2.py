@@ -1,15 +1,9 @@
 """The Mamba2 mixer: in_proj, causal conv1d + SiLU, the SSD scan, gated RMSNorm, out_proj.
 
-Its per-slot state is the scan's replay state (``ops.ssd.state.SSDState``: the fp32 state at the
-last chunk boundary and the x, raw dt and B rows since it) plus the conv window (the last K - 1
-conv inputs). ``advance`` runs the mixer over a batch's new tokens from those states; every op on
-the way comes from the contract's backend, so a row's bits are the same in the trainer's one-pass
-forward and in any schedule of the sampler's.
-
-Weight names (under the layer's prefix) are those of Hugging Face's ``Mamba2Mixer``, mamba_ssm's
-``Mamba2`` and Megatron's ``MambaMixer`` alike: in_proj.weight [(z | xBC | dt), hidden],
-in_proj.bias, conv1d.weight [conv_dim, 1, K], conv1d.bias, dt_bias [H], A_log [H], D [H],
-norm.weight [intermediate], out_proj.weight [hidden, intermediate], out_proj.bias.
+Per-slot state: the scan's ``SSDState`` (docs/design.md, "The one idea") and the conv's last K - 1
+inputs. Weight names as Hugging Face's ``Mamba2Mixer``, mamba_ssm's ``Mamba2`` and Megatron's
+``MambaMixer``: in_proj.weight [(z | xBC | dt), hidden], conv1d.weight [conv_dim, 1, K], dt_bias,
+A_log, D [H], norm.weight [intermediate], out_proj.weight [hidden, intermediate], optional biases.
 """
 
 from __future__ import annotations
@@ -35,12 +29,9 @@ from .base import StateSpec, take, take_optional
 
 @dataclass(frozen=True)
 class Mamba2MixerConfig:
-    """Shape and numerics of one Mamba2 mixer.
-
-    hidden_size: the model width; num_heads x head_dim: the SSM width (intermediate_size);
-    state_size: N; n_groups: groups sharing B and C; conv_kernel: K; use_bias: in/out_proj biases;
-    use_conv_bias; norm_eps: the gated RMSNorm's eps; dt_limit: (lo, hi) clamp of dt after softplus.
-    """
+    """One Mamba2 mixer: num_heads x head_dim the SSM width; state_size N; n_groups share B and C;
+    conv_kernel K; use_bias: in/out_proj biases; norm_eps: the gated norm's; dt_limit: (lo, hi) clamp
+    of dt after softplus."""
 
     hidden_size: int
     num_heads: int
@@ -102,8 +93,7 @@ class Mamba2State:
 
 
 def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -> StateSpec:
-    """What one sequence slot holds in a Mamba2 layer (no weights needed: an engine sizes its memory
-    from this before loading them): ssm_state, buf_x, buf_dt, buf_B, conv_window."""
+    """One slot's ssm_state, buf_x, buf_dt, buf_B, conv_window (no weights needed: engines size memory)."""
     c = config
     ssd = SSDState.layout(heads=c.num_heads, head_dim=c.head_dim, groups=c.n_groups, state_size=c.state_size,
                           chunk_size=chunk_size, dtype=dtype)
@@ -132,10 +122,9 @@ def local_config(config: Mamba2MixerConfig, group: TPGroup) -> Mamba2MixerConfig
 
 def shard_weights(config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
                   group: TPGroup) -> dict[str, torch.Tensor]:
-    """Rank ``group.rank``'s weights (named as the full ones, under ``prefix``) cut from a full
-    checkpoint's: in_proj's rows [z | x | B | C | dt] of its heads and groups (column-parallel, as
-    Megatron and vLLM lay a rank's in_proj out), the conv's channels, the per-head parameters, the
-    gated norm's channels, out_proj's columns (row-parallel; its bias whole)."""
+    """Rank ``group.rank``'s cut of a full checkpoint, under the full names: in_proj's rows [z | x | B |
+    C | dt] of its heads and groups (as Megatron and vLLM lay it out), their conv, per-head and norm
+    channels, out_proj's columns (its bias whole)."""
     c = config
     H, P, N, d, GN = c.num_heads, c.head_dim, c.state_size, c.intermediate_size, c.n_groups * c.state_size
     heads = range(group.rank * H // group.size, (group.rank + 1) * H // group.size)
@@ -162,24 +151,16 @@ def shard_weights(config: Mamba2MixerConfig, tensors: Mapping[str, torch.Tensor]
 
 
 class Mamba2Mixer:
-    """A Mamba2 mixer on a backend, for a chunk size (the contract's) and a model dtype.
-
-    Weights as the backend's ops take them: linear weights through ``backend.linear_weight``, A =
-    -exp(A_log), D and dt_bias in fp32, the conv and the gated norm in the model dtype. Every cast
-    is differentiable, so a trainer can build the mixer from its parameters on each forward.
-
-    Tensor parallelism: ``tp`` (a ``parallel.TPGroup``) with ``config`` the full mixer's and
-    ``tensors`` this rank's (``shard_weights``, or a Megatron rank's own parameters): the rank runs
-    its heads and groups (``local_config``) and out_proj as the contract's row-parallel GEMM over
-    ``slices`` (``row_parallel_slices``) slices; with slices > 1 the gated norm sums each group's
-    squares in those slices (``gated_rms_norm_sliced``), so TP 1, 2 ... slices give the same bits.
-    """
+    """A Mamba2 mixer on a backend, for the contract's chunk size and a model dtype: A = -exp(A_log),
+    D and dt_bias fp32, the rest in the model dtype; every cast is differentiable, so a trainer can
+    build it from its parameters on each forward. With ``tp``: ``config`` the full mixer's, ``tensors``
+    this rank's (``shard_weights`` or a Megatron rank's), out_proj and the gated norm sliced over
+    ``slices`` (docs/design.md, "How the bits are kept", Tensor parallelism). ModelLoadError for a
+    state_size not a multiple of 4, heads not split by groups, or slices the backend lacks."""
 
     kind = "mamba2"
-    #: under autograd, run the conv and the gated norm again in the backward rather than hold their
-    #: outputs (saved by the scan and by out_proj) from the forward to it: the same bits, less memory.
-    #: Not inside a saved_tensors_hooks block (checkpointing, offloading): the recompute holds its
-    #: inputs, which that block may mean to release (a backend's ``gated_norm_linear`` holds nothing more)
+    #: recompute the conv's and gated norm's outputs in the backward (docs/design.md, "Backends"); off
+    #: inside saved_tensors_hooks (checkpointing, offloading), which may mean to release their inputs
     recompute = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
@@ -195,8 +176,7 @@ class Mamba2Mixer:
             config = local_config(config, tp)
         c = config
         if c.state_size % 4:
-            # fp32 GEMMs whose inner dimension is not a multiple of 4 give a row other bits at
-            # another alignment (torch CPU, tests/ops/test_rows.py): refused.
+            # fp32 GEMMs with K % 4 != 0 give a row other bits at another alignment (torch CPU, test_rows.py)
             raise ModelLoadError(f"state_size {c.state_size} is not a multiple of 4: row bits could depend on "
                                  "alignment in the scan's GEMMs; refused")
         if c.num_heads % c.n_groups:
@@ -244,27 +224,18 @@ class Mamba2Mixer:
     # -- the one forward ---------------------------------------------------------------------------
     def advance(self, state: Mamba2State, batch: Step, hidden: torch.Tensor, rows: torch.Tensor | None = None,
                 capture: list | None = None) -> torch.Tensor:
-        """The mixer over the batch's new tokens from each slot's state; updates the state.
-
-        hidden [T, hidden_size] (model dtype, already normed) -> [rows wanted, hidden_size] in the
-        model dtype. rows [T] bool picks the output rows (default all). ``capture``, if a list,
-        receives a dict of the scan's inputs and outputs (for accuracy reports).
-        """
+        """hidden [T, hidden_size] (model dtype, normed) -> [rows wanted, hidden_size]; rows [T] bool
+        (default all); updates the state. ``capture``, a list, receives the scan's inputs and outputs."""
         c, be = self.config, self.backend
         T = hidden.shape[0]
         H, P, G, N, d = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.intermediate_size
         zxbcdt = be.linear(hidden, self.in_proj_w, self.in_proj_b)
-        # split, not three slices: the same views, but under autograd one gradient buffer that the gated
-        # norm's and the conv's backwards write their blocks into (the rest copied in), not a zero-filled
-        # full-width gradient per slice, summed
+        # split_columns: under autograd one gradient buffer, not a zero-filled full-width one per slice
         z, xBC_in, dt = split_columns(zxbcdt, (d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim), one_grad=True)
         recompute = None
         recompute_ok = self.recompute and not saved_tensors_hooked()
         if recompute_ok and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
-            # the scan saves its x, B, C (the conv's output) for its backward; the backward runs the
-            # conv again instead (one more forward launch, the same bits), so that they are not held
-            # from the forward to the backward (as mamba_ssm's fused path does); xBC_in is held anyway
-            # (a view of in_proj's output, which z and dt keep)
+            # the backward runs the conv again for the scan's x, B, C; xBC_in is held anyway (z, dt)
             recompute = functools.partial(_conv_again, be, state.conv_window.clone(), batch, xBC_in.detach(),
                                           self.conv_w.detach(), None if self.conv_b is None else self.conv_b.detach())
         xBC = be.conv_advance(state.conv_window, batch, xBC_in, self.conv_w, self.conv_b)
@@ -279,14 +250,12 @@ class Mamba2Mixer:
             y, z = y[rows], z[rows]
         if not self.sliced:
             if self.recompute and be.gated_norm_linear is not None:
-                # the norm's backward pass forms its output again for out_proj's weight gradient; it
-                # holds only what the norm holds anyway, so any saved_tensors_hooks block may take it
+                # recomputes the norm's output in its own backward: safe under saved_tensors_hooks
                 return be.gated_norm_linear(y, z, self.norm_w, c.norm_eps, G, self.out_proj_w, self.out_proj_b)
             yn = be.gated_rms_norm(y, z, self.norm_w, c.norm_eps, G)
             if not (recompute_ok and grad_needed(yn)):
                 return be.linear(yn, self.out_proj_w, self.out_proj_b)
-            # out_proj saves its input (the norm's output) for its weight's gradient: the backward runs
-            # the norm again from y and z (which the norm saves anyway) rather than hold it
+            # out_proj's saved input (the norm's output) is recomputed from y and z, which the norm holds
             again = functools.partial(be.gated_rms_norm, y.detach(), z.detach(), self.norm_w.detach(), c.norm_eps, G)
             with recomputed_in_backward(yn, again):
                 return be.linear(yn, self.out_proj_w, self.out_proj_b)

@@ -1,11 +1,8 @@
-"""Nemotron-H's MLP layer: down_proj(relu(up_proj(x))^2). Stateless and row-invariant.
+"""Nemotron-H's MLP layer, as transformers' ``NemotronHMLP``: down_proj(relu(up_proj(x))^2), stateless.
 
-As transformers' ``NemotronHMLP`` (``mlp_hidden_act="relu2"``): no gate projection, the squared
-ReLU applied to the up projection rounded to the model dtype, its square rounded to it again (what
-``torch.square`` of a model-dtype tensor gives). Weight names under the layer's prefix:
-up_proj.weight [intermediate, hidden], down_proj.weight [hidden, intermediate], and with
-``mlp_bias`` up_proj.bias / down_proj.bias.
-"""
+up_proj's output and its square are each rounded to the model dtype (as ``torch.square`` of a
+model-dtype tensor). Weights: up_proj.weight [intermediate, hidden], down_proj.weight [hidden,
+intermediate], with ``mlp_bias`` their biases."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ class MLPConfig:
 
 def shard_weights(config: MLPConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
                   group: TPGroup) -> dict[str, torch.Tensor]:
-    """Rank ``group.rank``'s weights cut from a full checkpoint's: up_proj's rows (and bias) of its
-    intermediate channels (column-parallel), down_proj's columns (row-parallel; its bias whole)."""
+    """Rank ``group.rank``'s cut of a full checkpoint: up_proj's rows of its channels, down_proj's columns."""
     i, k, r = config.intermediate_size, group.size, group.rank
     if i % k:
         raise ModelLoadError(f"MLP intermediate_size {i} cannot be split across {k} tensor-parallel ranks")
@@ -62,11 +58,8 @@ def shard_weights(config: MLPConfig, tensors: Mapping[str, torch.Tensor], prefix
 
 
 class MLP(Stateless):
-    """The MLP on a backend, in a model dtype (linear weights from ``backend.linear_weight``; biases fp32).
-
-    Tensor parallelism: ``tp`` with ``config`` the full layer's and ``tensors`` this rank's
-    (``shard_weights``): up_proj over its channels, down_proj as the contract's row-parallel GEMM
-    over ``slices`` slices (any TP degree dividing them: the same bits)."""
+    """The MLP on a backend, in a model dtype (biases fp32). With ``tp``: ``config`` the full layer's,
+    ``tensors`` this rank's (``shard_weights``), down_proj the row-parallel GEMM over ``slices``."""
 
     kind = "mlp"
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)

@@ -1,30 +1,11 @@
-"""Nemotron-H's mixture-of-experts layer (Nemotron 3 Nano's ``moe`` blocks). Stateless and row-invariant.
+"""Nemotron-H's mixture-of-experts layer, as transformers' ``NemotronHMoE``; stateless, row-invariant.
 
-As transformers' ``NemotronHMoE``: a sigmoid router with a per-expert score correction bias and
-group-limited top-k (``n_group`` groups, the ``topk_group`` best by the sum of their two best
-scores, then the ``num_experts_per_tok`` best experts among them), routing weights = the chosen
-experts' sigmoid scores, normalised to sum 1 when ``norm_topk_prob``, times
-``routed_scaling_factor``; routed experts down(relu(up(x))^2) on the optional latent projection of
-the row, each expert's output times its weight in fp32, summed over the row's experts in ascending
-expert order (transformers' accumulation order) and rounded to the model dtype; plus one shared
-expert MLP on the row itself.
-
-Row invariance: every step is a function of the row alone. The router's GEMM is the backend's
-row-invariant linear in fp32; the sigmoid is ``elementwise.sigmoid``; the choice is a stable sort
-per row (ties go to the lower expert index, whatever the other rows); the routed experts are the
-backend's ``moe_experts`` (``ops.moe``): its row-invariant linear over each expert's sorted rows, or
-on a GPU the grouped GEMM kernels, so a row's result does not depend on which or how many other rows
-share its experts (tests/layers/test_moe.py, tests/ops/moe/test_moe_experts.py). On the triton backend
-the router GEMM is ops.moe.triton's kernel (not ``backend.linear``: a replaced linear does not reach
-it), and without gradients (a sampler) the sigmoid and the routing are its second kernel; a trainer
-recording gradients takes the torch ops there; both give the same bits (tests/ops/moe/test_moe_route.py).
-
-Weight names under the layer's prefix, as published checkpoints store them: gate.weight [E, hidden],
-gate.e_score_correction_bias [E], experts.{e}.up_proj.weight [moe_intermediate, d_in],
-experts.{e}.down_proj.weight [d_in, moe_intermediate] (d_in = moe_latent_size or hidden),
-shared_experts.up_proj.weight / down_proj.weight, and with a latent size fc1_latent_proj.weight
-[latent, hidden] and fc2_latent_proj.weight [hidden, latent]; with ``mlp_bias`` every projection's
-bias too.
+A sigmoid router with a score correction bias picks, by group-limited top-k, the experts of a row;
+their outputs down(relu(up(h))^2), h the row or its latent projection, are weighted and summed in
+fp32 in ascending expert order, rounded once, plus a shared expert on the row (why the rows keep
+their bits: docs/design.md, "How the bits are kept"). Weights: gate.weight [E, hidden],
+gate.e_score_correction_bias [E], experts.{e}.up_proj / down_proj.weight, shared_experts.*, with a
+latent size fc1_latent_proj / fc2_latent_proj.weight, with ``mlp_bias`` every bias.
 """
 
 from __future__ import annotations
@@ -105,9 +86,8 @@ class MoEConfig:
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [T, E] fp32 (sigmoid of the router logits), bias [E] fp32 -> (experts [T, k] int64 in
-    ascending order, weights [T, k] fp32 in the same order). Per row; ties to the lower index
-    (``ops.moe.route``)."""
+    """scores [T, E] fp32 (the router's sigmoid), bias [E] fp32 -> (experts [T, k] int64 ascending,
+    weights [T, k] fp32); ties to the lower index (``ops.moe.route``)."""
     c = config
     return _route(scores, bias, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
@@ -115,9 +95,8 @@ def route(scores: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> tuple[
 
 def shard_weights(config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
                   group: TPGroup) -> dict[str, torch.Tensor]:
-    """Rank ``group.rank``'s weights cut from a full checkpoint's: every routed expert and the shared
-    expert as an MLP (``mlp.shard_weights``: up_proj's rows of the rank's channels, down_proj's
-    columns); the router, its bias and the latent projections whole (every rank routes every row)."""
+    """Rank ``group.rank``'s cut of a full checkpoint: each expert as ``mlp.shard_weights`` cuts it; the
+    router and the latent projections whole (every rank routes every row)."""
     experts = (prefix + "experts.", prefix + "shared_experts.")
     out = {k: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith(experts)}
     for e in range(config.n_routed_experts):
@@ -127,14 +106,10 @@ def shard_weights(config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix
 
 
 class MoE(Stateless):
-    """The MoE layer on a backend, in a model dtype (router, expert and latent weights from
-    ``backend.linear_weight``; the router in fp32, as transformers runs it; biases fp32).
-
-    Tensor parallelism (and ``slices`` > 1 at TP 1): ``tp`` with ``config`` the full layer's and
-    ``tensors`` this rank's (``shard_weights``). Each routed expert and the shared expert is then an
-    ``MLP`` over the rank's channels whose down projection is the contract's row-parallel GEMM (any
-    TP degree dividing ``slices``: the same bits); the router and the latent projections run whole
-    on every rank, so every rank routes every row alike. No expert parallelism."""
+    """The MoE layer on a backend, in a model dtype (router and biases fp32). With ``tp`` or ``slices``
+    > 1: ``config`` the full layer's, ``tensors`` this rank's (``shard_weights``), each expert an
+    ``MLP`` with a row-parallel down projection; no expert parallelism. ModelLoadError for what the
+    triton backend's grouped kernels lack (biases, slices)."""
 
     kind = "moe"
 
@@ -170,8 +145,7 @@ class MoE(Stateless):
             self.up_w = self.down_w = [m.up_w for m in self.expert_mlps]  # for their count; the MLPs compute
             self.up_b = self.down_b = None
         elif backend.stacked_experts:
-            # one [E, f, d] / [E, d, f] tensor each for the grouped GEMM (differentiable: a trainer's
-            # parameters get their gradients through the stack)
+            # [E, f, d] / [E, d, f] for the grouped GEMM; a trainer's gradients flow through the stack
             self.up_w = torch.stack([weight(f"experts.{e}.up_proj.weight") for e in range(E)])
             self.down_w = torch.stack([weight(f"experts.{e}.down_proj.weight") for e in range(E)])
             self.up_b = self.down_b = None
@@ -188,12 +162,11 @@ class MoE(Stateless):
         self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
 
     def route_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden_size] (model dtype, normed) -> ``route``'s (experts [T, k], weights [T, k]): the
-        router GEMM in fp32, the sigmoid, the group-limited choice."""
+        """x [T, hidden_size] (model dtype, normed) -> ``route``'s (experts, weights [T, k])."""
         fused = self._route_kernels(x, with_dispatch=False)
         if fused is not None:
             return fused[0], fused[1]
-        if self.backend.stacked_experts:  # the triton backend's router GEMM (the kernels' bits, with gradients)
+        if self.backend.stacked_experts:  # the kernels' router GEMM, with gradients (not backend.linear)
             from ..ops.moe import triton as moe_triton
 
             logits = moe_triton.router_logits(x, self.gate_w, self.backend.configs)
@@ -202,9 +175,8 @@ class MoE(Stateless):
         return route(ew.sigmoid(logits), self.score_bias, self.config)
 
     def _route_kernels(self, x: torch.Tensor, *, with_dispatch: bool) -> tuple | None:
-        """``route_rows`` on the triton backend without gradients: the router GEMM and the routing (and
-        for a few rows the experts' dispatch) in two launches, the same bits (ops.moe.triton's
-        ``router_logits_triton``, ``route_triton``); None where the torch ops run."""
+        """``route_rows`` (and for a few rows the dispatch) in two triton launches, the same bits; None
+        where the torch ops run (gradients, slices, another backend)."""
         be, c = self.backend, self.config
         if (not be.stacked_experts or self.sliced or grad_needed(x, self.gate_w, self.score_bias)
                 or c.n_routed_experts > 1024):
@@ -228,9 +200,8 @@ class MoE(Stateless):
 
     def experts_out(self, batch: Step | None, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
                     dispatch: Any = None) -> torch.Tensor:
-        """The layer's output for rows x [T, hidden_size] (model dtype, normed) routed as ``route_rows``
-        says (experts, weights [T, k]): [T, hidden_size] in the model dtype. ``dispatch``: the triton
-        backend's sorted tables of that routing, where ``route_triton`` made them."""
+        """x [T, hidden_size] (model dtype, normed), routed (experts, weights [T, k]) -> [T, hidden_size];
+        ``dispatch``: ``route_triton``'s sorted tables, where it made them."""
         be = self.backend
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32, rounded once

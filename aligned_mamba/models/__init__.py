@@ -1,14 +1,7 @@
-"""Model families on one generic causal LM.
-
-``load_model(path, contract=None)`` loads a checkpoint directory of any registered family;
-``build_model(config, tensors, contract)`` builds one from memory; ``load_source("tiny" | DIR)``
-is the CLI's model argument (the embedded default or a directory). Families, one file each:
-
-- ``mamba2``: Hugging Face's ``Mamba2ForCausalLM`` layout (the embedded default's);
-- ``mamba_ssm``: mamba_ssm's ``MambaLMHeadModel`` layout (state-spaces/mamba2-* as published);
-- ``nemotron_h``: Hugging Face's ``NemotronHForCausalLM`` layout, hybrid Mamba2 / attention / MLP
-  layers (``nemotron_h.make_tiny_hybrid`` makes small ones).
-"""
+"""Model families on one generic causal LM: ``load_model(path, contract=None)`` loads a checkpoint
+directory, ``build_model(config, tensors, contract)`` builds from memory. Families, one file each:
+``mamba2`` (Hugging Face's Mamba2ForCausalLM), ``mamba_ssm`` (MambaLMHeadModel), ``nemotron_h``
+(Hugging Face's NemotronHForCausalLM, hybrid)."""
 
 from __future__ import annotations
 
@@ -35,9 +28,8 @@ TINY = "tiny"
 
 
 def load_source(model: str, dtype: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The CLI's ``--model``: "tiny" is the embedded default (``mamba2.make_tiny(0)``, bf16 unless
-    ``dtype``), anything else a checkpoint directory of a registered family (``dtype`` unused: the
-    contract's model dtype decides what the model computes in)."""
+    """The CLI's ``--model``: "tiny" (``mamba2.make_tiny(0)``, bf16 unless ``dtype``) or a checkpoint
+    directory (``dtype`` unused: the contract's model dtype decides). ModelLoadError from loading."""
     if model == TINY:
         return mamba2.make_tiny(0, dtype=dtype or "bfloat16")
     return load_checkpoint(model)

@@ -1,12 +1,6 @@
-"""One causal LM over layer kinds: embedding, pre-norm residual blocks, final norm, lm_head.
-
-Every forward is an ``advance`` of some slots: the trainer's whole-sequence forward is one advance
-from empty slots, the sampler's prefill, decode and recompute are advances of its own slots. Each
-block is ``residual += mixer(norm(residual))`` with the mixer any layer kind (``layers/``), and
-every op comes from the contract's backend, so the logits row of a token is the same function of
-the same inputs on both sides. A model family (``models/<family>.py``) only maps its checkpoint's
-names and config onto this.
-"""
+"""One causal LM over layer kinds: embedding, pre-norm blocks ``residual += mixer(norm(residual))``,
+final norm, lm_head. Every forward, the trainer's and the sampler's, is an ``advance`` of some slots
+(docs/design.md, "The one idea"); a family only maps its checkpoint onto this."""
 
 from __future__ import annotations
 
@@ -26,12 +20,8 @@ from ..parallel import TPGroup
 
 @dataclass(frozen=True)
 class LMShape:
-    """What the generic model needs of a family's config.
-
-    vocab_size: rows of the embedding and the lm_head; hidden_size; residual_in_fp32: the residual
-    stream is kept in fp32 (else in the model dtype); tie_word_embeddings: the lm_head is the
-    embedding.
-    """
+    """What the generic model needs of a family's config: vocab_size (the embedding's and lm_head's
+    rows), hidden_size, residual_in_fp32 (else the model dtype), tie_word_embeddings."""
 
     vocab_size: int
     hidden_size: int
@@ -48,14 +38,10 @@ class Block:
 
 
 class Cache:
-    """Per-layer, slot-indexed states for ``num_slots`` sequences (None for a stateless layer).
-
-    ``states[i]`` is what block i's mixer keeps; ``tensors[i]`` its named tensors (the
-    ``StateSpec`` fields), which an engine may own (views into its memory). ``max_len``: the most
-    tokens a slot can hold when a layer keeps a row per token (attention), else None (no limit).
-    ``pages``: a paged cache's page table (``layers.attention.KVPages``), shared by the layers whose
-    state holds it (their tensors are pages, not slot-indexed), else None.
-    """
+    """Per-layer states for ``num_slots`` sequences: ``states[i]`` block i's mixer's (None if
+    stateless), ``tensors[i]`` its ``StateSpec`` tensors (an engine may own them); ``max_len``: the
+    most tokens a slot holds where a layer keeps a row per token, else None; ``pages``: a paged
+    cache's ``KVPages``, else None."""
 
     def __init__(self, states: list[Any], tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
                  max_len: int | None = None, pages: Any = None) -> None:
@@ -66,8 +52,7 @@ class Cache:
         self.pages = pages
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
-        """Empty ``slots`` in every layer (one fill per slot-indexed tensor on the device; a paged
-        layer's slots give their pages back)."""
+        """Empty ``slots`` in every layer (a fill per tensor on the device; paged slots give pages back)."""
         idx = torch.as_tensor(slots, dtype=torch.int64)
         for st, ts in zip(self.states, self.tensors, strict=True):
             if getattr(st, "pages", None) is not None:
@@ -83,18 +68,10 @@ class Cache:
 
 
 class CausalLM:
-    """A causal LM on the shared ops under one contract (chunk size, backend, configs, dtype).
-
-    Built by a model family (``models.build_model`` / ``load_model``): ``family`` names it and
-    ``config`` is the family's own config; ``shape`` is what the generic forward reads; ``max_len``:
-    the default maximum sequence length of a sampler's cache when a layer keeps a row per token
-    (attention's keys and values; the family's max_position_embeddings), unused otherwise.
-
-    ``tp``: the tensor-parallel group this rank belongs to (default: one process). Each rank holds a
-    vocabulary shard of ``embedding`` and ``lm_head`` [V / k, hidden] and its part of every layer;
-    every rank returns the same full logits rows, the same bits at every degree dividing the
-    contract's ``row_parallel_slices``.
-    """
+    """A causal LM on the shared ops under one contract, built by a family (``models.build_model``);
+    ``max_len``: a cache's default maximum length where a layer keeps a row per token. Under ``tp``
+    each rank holds a vocabulary shard of ``embedding`` and ``lm_head`` [V / k, hidden] and returns
+    the full logits rows, the same bits at every degree dividing ``row_parallel_slices``."""
 
     def __init__(self, *, family: str, config: Any, shape: LMShape, contract: Contract, backend: Backend,
                  embedding: torch.Tensor, blocks: list[Block], norm_f: RMSNorm, lm_head: torch.Tensor,
@@ -125,13 +102,9 @@ class CausalLM:
 
     def new_cache(self, num_slots: int, max_len: int | None = None, *, page_size: int | None = None,
                   num_pages: int | None = None) -> Cache:
-        """Zeroed states for ``num_slots`` sequences on the model's device; ``max_len``: the most tokens
-        a sequence may reach, for layers that keep a row per token (default: the model's ``max_len``).
-
-        ``page_size``: those layers keep their rows in pages of ``page_size`` tokens (a paged KV cache,
-        ``layers.attention.KVPages``), ``num_pages`` of them shared by the slots (default: enough for
-        every slot at ``max_len``), handed out as sequences grow and given back by ``reset``.
-        """
+        """Zeroed states for ``num_slots`` sequences; ``max_len`` (default the model's): the most tokens
+        a sequence reaches, for layers that keep a row per token; with ``page_size`` those rows are in
+        ``num_pages`` shared pages (``KVPages``; default: enough for every slot at ``max_len``)."""
         max_len = (max_len or self.max_len) if self.per_length_state else None
         pages = None
         if page_size is not None and self.per_length_state:
@@ -151,42 +124,34 @@ class CausalLM:
 
     def cache_over(self, tensors: list[dict[str, torch.Tensor] | None], num_slots: int,
                    max_len: int | None = None) -> Cache:
-        """A cache over per-layer tensors someone else owns (an engine's memory), one dict per block
-        (``max_len``: as ``new_cache``'s, what the tensors were sized for)."""
+        """A cache over per-layer tensors an engine owns, one dict per block (sized for ``max_len``)."""
         states = [None if ts is None else b.mixer.state(ts) for b, ts in zip(self.blocks, tensors, strict=True)]
         return Cache(states, tensors, num_slots, max_len)
 
     def state_bytes_per_sequence(self, max_len: int | None = None) -> int:
-        """Resident bytes of state one sequence holds across all layers (at ``max_len`` tokens, default
-        the model's, for layers that keep a row per token)."""
+        """Resident bytes of state one sequence holds (at ``max_len`` tokens, default the model's)."""
         max_len = (max_len or self.max_len) if self.per_length_state else None
         return sum(spec.bytes_per_slot(max_len) for b in self.blocks if (spec := b.mixer.state_spec()) is not None)
 
     # -- the one forward ------------------------------------------------------------------------------
     def advance(self, cache: Cache, batch: Step, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None,
                 capture: list | None = None, *, check: bool = True) -> torch.Tensor:
-        """Advance the batch's slots by their new tokens and return logits for ``logit_rows``.
-
-        token_ids [T] int64 packed as ``batch.cu_seqlens`` says; logit_rows [T] bool (default all).
-        Returns [rows wanted, vocab] in the model dtype. ``capture``, if a list, receives per Mamba2
-        layer a dict of the scan's inputs and outputs (for accuracy reports); ``check``: see
-        ``hidden_states``.
-        """
+        """Advance the batch's slots by token_ids [T] int64 (packed as ``batch.cu_seqlens``) -> logits
+        [rows wanted, vocab] (model dtype); logit_rows [T] bool (default all). ``capture``: a list that
+        receives each Mamba2 layer's scan inputs and outputs; ``check``: see ``hidden_states``."""
         return self.logits(self.hidden_states(cache, batch, token_ids, logit_rows, capture, check=check))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final hidden rows [R, hidden_size] -> [R, vocab] in the model dtype (under tensor
-        parallelism each rank's vocabulary shard, the rows all-gathered: a logit is one output of the
-        column-parallel GEMM, whichever rank computes it)."""
+        """Final hidden rows [R, hidden_size] -> [R, vocab] (model dtype); under TP the shards' logits
+        all-gathered, no sum."""
         local = self.backend.linear(hidden, self.lm_head)
         if self.tp.size == 1:
             return local
         return self.tp.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], local.shape[1] * self.tp.size)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of token_ids [T] -> [T, hidden] (model dtype). Under tensor parallelism
-        the owner's row of each token, picked from the all-gathered shards (a choice: exact, where an
-        all-reduce of a row and zeros would turn -0.0 into +0.0)."""
+        """token_ids [T] -> [T, hidden] (model dtype); under TP each row picked from its owner's shard
+        (an all-reduce of a row and zeros would turn -0.0 into +0.0)."""
         if self.tp.size == 1:
             return self.embedding[token_ids]
         v = self.embedding.shape[0]
@@ -198,10 +163,9 @@ class CausalLM:
     def hidden_states(self, cache: Cache, batch: Step, token_ids: torch.Tensor,
                       logit_rows: torch.Tensor | None = None, capture: list | None = None, *,
                       check: bool = True) -> torch.Tensor:
-        """``advance`` up to the final norm: the normed hidden rows [rows wanted, hidden_size] (model
-        dtype) that ``logits`` maps to logits. Engines that compute logits for a subset of rows later
-        (vLLM's compute_logits) call this and ``logits`` separately. ``check=False`` skips the token-id
-        range check (a device read): for callers that checked on the host, e.g. a captured CUDA graph.
+        """``advance`` up to the final norm: [rows wanted, hidden_size] (model dtype), for engines that
+        call ``logits`` later (vLLM). ``check=False`` skips the token-id range check (a device read),
+        for callers that checked on the host (a captured CUDA graph). ValueError for bad token ids.
         """
         if token_ids.numel() != batch.num_tokens:
             raise ValueError(f"{token_ids.numel()} token ids for a batch of {batch.num_tokens} tokens")
@@ -219,19 +183,16 @@ class CausalLM:
 
     def run_blocks(self, token_ids: torch.Tensor, mix: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor],
                    logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The forward around the mixers: ``mix(i, normed, rows)`` runs block i's mixer on its normed
-        input [T, hidden] (model dtype), returning [rows, hidden]. Each block's residual add is fused
-        with the next block's norm (``Backend.add_norm``; the final norm after the last block), the
-        embedding gather with the first norm. Returns the final normed rows [rows wanted, hidden].
-        An engine that runs each mixer itself (vLLM's layers, from their own metadata) passes its own
-        ``mix``; ``hidden_states`` passes the mixers' advance over a cache."""
+        """The forward around the mixers -> final normed rows [rows wanted, hidden]. ``mix(i, normed,
+        rows)`` runs block i's mixer on [T, hidden] (model dtype) -> [rows, hidden]; an engine that runs
+        the mixers itself (vLLM) passes its own. Residual adds are fused with the next norm."""
         be, dtype = self.backend, self.dtype
         first = self.blocks[0].norm
         res_dtype = torch.float32 if self.shape.residual_in_fp32 else dtype
         if self.tp.size == 1:
             normed, residual = be.embed_norm(token_ids, self.embedding, first.weight, first.config.eps, dtype,
                                              res_dtype)
-        else:  # the gathered rows, then the same fused norm over them (rows[i] for token i)
+        else:  # the same fused norm over the gathered rows (rows[i] for token i)
             rows = self.embed(token_ids)
             normed, residual = be.embed_norm(torch.arange(rows.shape[0], device=rows.device), rows, first.weight,
                                              first.config.eps, dtype, res_dtype)
@@ -247,11 +208,8 @@ class CausalLM:
 
     # -- the trainer's side ------------------------------------------------------------------------
     def forward(self, sequences: Sequence[torch.Tensor], capture: list | None = None) -> list[torch.Tensor]:
-        """Score whole sequences in one packed varlen pass: one advance from empty slots.
-
-        sequences: list of [len_i] int64 token ids. Returns a list of [len_i, vocab] logits (model dtype).
-        Anything else (float or bool ids, ids outside [0, vocab), a bare or 2-D tensor, a list of
-        ints, an empty list) is refused with a ValueError that says what it expects.
+        """The trainer's logits: one advance from empty slots. sequences: a list of [len_i] int64 token
+        ids -> a list of [len_i, vocab] (model dtype); anything else is a ValueError saying what it expects.
         """
         self._check_ids(sequences)
         lens = [int(s.numel()) for s in sequences]

@@ -1,15 +1,8 @@
-"""Checkpoint files as model families store them: config.json, safetensors (single or sharded), and
-PyTorch ``.bin`` state dicts; strict validation against a family's expected shapes.
+"""Checkpoint files: config.json, safetensors (single or sharded), PyTorch ``.bin`` state dicts.
 
-Loading is strict: every expected tensor must be present with its exact shape, a supported dtype
-and finite values, and nothing else may be there, because a silently ignored or mis-read tensor
-would break the bitwise promise in ways that are hard to trace. The tensors hold one storage dtype
-(``storage_dtype``; the per-head SSM parameters may be fp32 besides), so nothing is cast that the
-checkpoint does not say. A file that is a symlink loop or a broken symlink is named as such. Every
-problem raises ``ModelLoadError`` with a one-line message.
-
-config.json is read and written as transformers does: non-finite floats as ``{"__float__":
-"Infinity"}`` (its encoding; strict JSON), and a bare ``Infinity`` is read too (Python's json).
+Loading is strict (exactly the expected tensors, shapes, one storage dtype, finite values): a
+silently ignored or mis-read tensor would break the promise untraceably. Every problem is a one-line
+``ModelLoadError``. config.json's non-finite floats are transformers' ``{"__float__": "Infinity"}``.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_FILE = "pytorch_model.bin"
 
-# fp16 is refused on purpose: its range and rounding differ from bf16, and casting it to bf16 is lossy.
+# fp16 refused: its range and rounding differ from bf16's, so casting it is lossy
 LOADABLE_DTYPES = (torch.bfloat16, torch.float32)
 _MAX_NAMED = 5  # how many names an error message lists before "..."
 _FLOAT_TAG = "__float__"
@@ -65,8 +58,7 @@ def _encode_floats(obj: Any) -> Any:
 
 
 def read_json(file: Path, what: str = "config") -> Any:
-    """Parse a JSON file (transformers' non-finite float tags decoded), every failure a one-line
-    ModelLoadError naming the file."""
+    """A JSON file, non-finite float tags decoded; ModelLoadError (one line) naming the file."""
     if not is_file(file, f"{what} file"):
         raise ModelLoadError(f"{what} file {str(file)!r} is missing")
     try:
@@ -86,10 +78,8 @@ def config_json_text(config: Mapping[str, Any]) -> str:
 
 
 def probe(path: Path, what: str) -> os.stat_result | None:
-    """``path``'s stat (links followed), or None when nothing is there. A symlink loop, a broken
-    symlink or an unreadable path raises ModelLoadError naming ``what`` and the path: each would
-    otherwise read as "missing" (``Path.exists`` swallows the error), which sends a user looking
-    for a file that is there."""
+    """``path``'s stat (links followed), None when nothing is there; ModelLoadError for a symlink loop,
+    a broken symlink or an unreadable path (``Path.exists`` would call them "missing")."""
     try:
         return os.stat(path)
     except OSError as exc:
@@ -105,8 +95,7 @@ def probe(path: Path, what: str) -> os.stat_result | None:
 
 
 def is_file(path: Path, what: str) -> bool:
-    """Whether ``path`` is a regular file (links followed); False when nothing is there; a symlink
-    loop, a broken symlink or something that is not a regular file (a folder) raises ModelLoadError."""
+    """Whether a regular file is at ``path`` (links followed); ModelLoadError as ``probe`` or for a folder."""
     st = probe(path, what)
     if st is None:
         return False
@@ -119,9 +108,8 @@ def is_file(path: Path, what: str) -> bool:
 
 
 def read_tensors(root: Path, *, allow_torch_bin: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of ``root``'s weights and each tensor's source file: ``model.safetensors``, the
-    shards of ``model.safetensors.index.json``, or (``allow_torch_bin``) ``pytorch_model.bin`` read
-    with ``torch.load(weights_only=True)`` (tensors only, no pickled code)."""
+    """(tensors, each one's file) of ``model.safetensors``, the shards of its index, or with
+    ``allow_torch_bin`` ``pytorch_model.bin`` (``torch.load(weights_only=True)``: no pickled code)."""
     single, index, torch_bin = root / SAFETENSORS_FILE, root / SAFETENSORS_INDEX, root / TORCH_FILE
     if is_file(single, "safetensors file"):
         return _read_safetensors({single: None})
@@ -225,14 +213,9 @@ def check_values(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str],
 
 def storage_dtype(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str], free: tuple[str, ...] = (),
                   error: type[Exception] = ModelLoadError) -> str:
-    """The one dtype ("bfloat16" or "float32") the (validated) tensors are stored in.
-
-    Tensors whose names end with one of ``free`` (the per-head SSM parameters and a MoE router's
-    score correction bias, which the model computes with in fp32 whatever the model dtype) may be
-    stored in either loadable dtype; every other tensor must share one dtype, since a model dtype of
-    either would round or widen the rest without the checkpoint saying so. Raises ``error`` (one line,
-    naming a tensor of each dtype).
-    """
+    """The one dtype ("bfloat16" or "float32") the validated tensors are stored in; names ending in
+    ``free`` (parameters the model computes with in fp32) may be either. ``error`` (one line) for mixed
+    dtypes, since a model dtype would silently round or widen some."""
     first: dict[torch.dtype, str] = {}
     for name, t in tensors.items():
         if not name.endswith(free):
@@ -268,12 +251,11 @@ def untie(tensors: dict[str, torch.Tensor], head: str, embedding: str, tied: boo
 
 def save_files(root: str | os.PathLike[str], config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *,
                weights_file: str = SAFETENSORS_FILE) -> None:
-    """Write ``config.json`` and the tensors (contiguous, in their own dtypes) under ``root``:
-    safetensors (metadata {"format": "pt"}), or a PyTorch state dict for ``weights_file`` ending in
-    ".bin". Temporary names then a rename, so a crash never leaves a half-written checkpoint."""
+    """Write ``config.json`` and the tensors (contiguous, own dtypes) under ``root``, as safetensors or a
+    ".bin" state dict; via temporary names and a rename, so a crash leaves no half-written file."""
     out_dir = Path(root)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses tensors that share storage, so give each its own contiguous copy when needed.
+    # safetensors refuses tensors that share storage
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():

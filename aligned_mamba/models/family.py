@@ -1,12 +1,10 @@
 """``Family``: one checkpoint layout on the generic causal LM, with the defaults most layouts share.
 
-A family file subclasses ``Family``, sets its names (``name``, ``config_type``, ``architectures``,
-``model_types``, the embedding and head weight names) and overrides only what differs; the base
-reads the rest off the config class's common interface: ``lm_shape()`` (vocab, hidden size, tied),
-``mixer_config()`` (the Mamba2 layers), ``dtype``, ``num_hidden_layers``, ``to_hf_dict()`` and
-``from_hf_dict(d, source=...)``. A stack is ``layer_kinds(config)`` (one pattern character per
-layer, "M" Mamba2 by default), each layer a pre-norm block ``backbone.layers.{i}.norm`` +
-``.mixer``; ``expected_shapes`` and ``build`` follow from ``block_shapes`` and ``mixer``.
+To add a family, subclass ``Family`` in a file of ``models/``, set its names and override only what
+differs, and ``registry.register`` an instance. The base reads the config's ``lm_shape()``,
+``mixer_config()``, ``dtype``, ``num_hidden_layers``, ``to_hf_dict()`` and ``from_hf_dict(d,
+source=...)``, and builds ``layer_kinds(config)`` ("M" Mamba2 per layer by default) as pre-norm
+blocks ``backbone.layers.{i}.norm`` + ``.mixer``.
 """
 
 from __future__ import annotations
@@ -32,16 +30,11 @@ LAYERS = "backbone.layers."
 
 
 class Family:
-    """One checkpoint layout; the registry holds one instance of each subclass.
-
-    name: the family's name; config_type: its config class; architectures / model_types: the
-    config.json values it answers to; head / embedding: the weight names that a tied checkpoint
-    may store twice; torch_bin: weights may come as pytorch_model.bin; tie_flag: the config key
-    that ties them (for messages); free_dtype: weight-name suffixes that may be stored in fp32
-    besides the storage dtype (the per-head SSM parameters, which the model computes with in fp32);
-    shape_keys: the config.json keys that decide tensor shapes, named with their defaults when
-    absent and the tensors then disagree (``defaults_taken``); defaults_of: whose defaults those are.
-    """
+    """One checkpoint layout. architectures / model_types: the config.json values it answers to;
+    head / embedding: the weight names a tied checkpoint may store twice; tie_flag: the key tying
+    them; torch_bin: pytorch_model.bin accepted; free_dtype: name suffixes that may be fp32 besides
+    the storage dtype; shape_keys: shape-deciding keys named with their ``defaults_of`` defaults
+    when absent and the tensors disagree."""
 
     name: str
     config_type: type
@@ -91,8 +84,7 @@ class Family:
         return config
 
     def with_dtype(self, config: Any, dtype: str) -> Any:
-        """The config with the stored dtype (``checkpoint.storage_dtype``) as its ``dtype`` (a dataclass
-        config with a ``dtype`` field; any other unchanged)."""
+        """The config with ``dtype`` the stored one (a dataclass with a ``dtype`` field; others unchanged)."""
         if dataclasses.is_dataclass(config) and any(f.name == "dtype" for f in dataclasses.fields(config)):
             return dataclasses.replace(config, dtype=dtype)
         return config
@@ -103,15 +95,14 @@ class Family:
         return MAMBA * self.num_layers(config)
 
     def block_shapes(self, config: Any, kind: str) -> dict[str, tuple[int, ...]]:
-        """A block's weights under ``backbone.layers.{i}.``, in the layout's order: the norm, then the mixer."""
+        """A block's weights under ``backbone.layers.{i}.`` in the layout's order: norm, then mixer."""
         hidden = config.lm_shape().hidden_size
         mixer = config.mixer_config().weight_shapes()
         return {"norm.weight": (hidden,), **{"mixer." + name: shape for name, shape in mixer.items()}}
 
     def mixer(self, config: Any, kind: str, tensors: Mapping[str, torch.Tensor], prefix: str, backend: Backend,
               dtype: torch.dtype, contract: Contract, tp: TPGroup | None = None) -> Layer:
-        """The mixer of a layer of ``kind`` over the weights under ``prefix`` (the full checkpoint's;
-        with ``tp`` the mixer cuts its rank's part itself)."""
+        """The mixer of a layer of ``kind`` over the full checkpoint's weights under ``prefix`` (cut for ``tp``)."""
         m = config.mixer_config()
         if tp is not None and tp.size > 1:
             tensors = mamba2_layer.shard_weights(m, tensors, prefix, tp)
@@ -127,8 +118,7 @@ class Family:
         return None
 
     def expected_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """Every weight name with its shape, in a fixed order (what a checkpoint must hold, lm_head
-        omitted when tied)."""
+        """Every weight a checkpoint must hold with its shape, in a fixed order (no lm_head when tied)."""
         shape = config.lm_shape()
         shapes: dict[str, tuple[int, ...]] = {self.embedding: (shape.vocab_size, shape.hidden_size)}
         for i, kind in enumerate(self.layer_kinds(config)):
@@ -140,10 +130,8 @@ class Family:
 
     def build(self, config: Any, tensors: Mapping[str, torch.Tensor], contract: Contract,
               backend: Backend, tp: TPGroup | None = None) -> CausalLM:
-        """The generic causal LM over ``tensors`` (``expected_shapes``) under ``contract``, computing in
-        its model dtype. ``tp``: this process's tensor-parallel group; each rank cuts its part of the
-        full checkpoint's tensors itself (heads, groups, channels, a vocabulary shard of the embedding
-        and the output layer), so every degree loads the same weights."""
+        """The causal LM over ``tensors`` (``expected_shapes``) under ``contract``, in its model dtype;
+        under ``tp`` each rank cuts its part of the full tensors itself."""
         from ..parallel import check_tp
 
         tp = tp or TPGroup.single()
@@ -157,7 +145,7 @@ class Family:
                   for i, kind in enumerate(self.layer_kinds(config))]
         head = tensors[self.head] if self.head in tensors else tensors[self.embedding]
         embedding = tensors[self.embedding]
-        if tp.size > 1:  # a vocabulary shard each: the embedding's rows gathered, the logits all-gathered
+        if tp.size > 1:  # a vocabulary shard each (CausalLM.embed, CausalLM.logits)
             vocab = shard(config.lm_shape().vocab_size, tp)
             head, embedding = head[vocab], embedding[vocab]
         return CausalLM(family=self.name, config=config, shape=config.lm_shape(), contract=contract, backend=backend,

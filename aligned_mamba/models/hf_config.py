@@ -1,9 +1,5 @@
-"""Reading and writing Hugging Face ``config.json`` dicts, shared by the families that use them.
-
-transformers is not a dependency: each family's config class reads a config.json dict with
-``config_kwargs`` + ``construct`` and writes one with ``hf_dict``; the storage dtype, the
-``time_step_limit`` pair and the field checks are read here once, one-line errors throughout.
-"""
+"""Reading and writing Hugging Face ``config.json`` dicts without transformers, shared by the
+families: the storage dtype, ``time_step_limit``, field checks; one-line errors throughout."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ _INF_STRINGS = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "+infin
 
 
 def stated_dtype(d: Mapping[str, Any], source: str = "config.json") -> tuple[str, str] | None:
-    """(key, dtype name) of the storage dtype ``torch_dtype`` / ``dtype`` name (either may be
-    "torch.bfloat16"; transformers 5 writes ``dtype``, older versions ``torch_dtype``), None when
-    neither is there. ModelLoadError when the two disagree."""
+    """(key, dtype name) from ``torch_dtype`` (transformers 4) / ``dtype`` (5), "torch." prefix dropped;
+    None when neither is there. ModelLoadError when the two disagree."""
     found = {key: d[key] for key in ("torch_dtype", "dtype") if d.get(key) is not None}
     names = {key: str(value).removeprefix("torch.") for key, value in found.items()}
     if len(set(names.values())) > 1:
@@ -34,15 +29,14 @@ def stated_dtype(d: Mapping[str, Any], source: str = "config.json") -> tuple[str
 
 
 def read_dtype(d: Mapping[str, Any], source: str) -> str:
-    """The storage dtype named by ``torch_dtype`` / ``dtype``, float32 (transformers' default) when
-    neither is there."""
+    """The storage dtype ``torch_dtype`` / ``dtype`` names, else float32 (transformers' default)."""
     stated = stated_dtype(d, source)
     return stated[1] if stated else "float32"
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
-    """(lo, hi) as floats from a JSON pair: numbers, inf spellings, transformers' ``{"__float__": ...}``,
-    ``None`` for hi meaning +inf. ValueError unless two numbers lo <= hi."""
+    """(lo, hi) from a JSON pair (numbers, inf spellings, ``{"__float__": ...}``, hi None = +inf);
+    ValueError unless lo <= hi."""
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise ValueError(f"time_step_limit must be two numbers [lo, hi], found {value!r}")
     lo = _as_float(value[0], allow_none=False)
@@ -66,8 +60,8 @@ def _as_float(x: Any, *, allow_none: bool) -> float | None:
 
 
 def check_fields(config: Any, positive_ints: Iterable[str], bools: Iterable[str]) -> None:
-    """ValueError for a field of ``positive_ints`` that is not a positive int (a bool neither),
-    TypeError for one of ``bools`` that is not a bool; one line naming the field."""
+    """ValueError unless each ``positive_ints`` field is a positive int (not a bool), TypeError unless
+    each ``bools`` field is a bool."""
     for name in positive_ints:
         value = getattr(config, name)
         if type(value) is not int or value <= 0:  # bool is an int subclass: refuse it too
@@ -95,8 +89,8 @@ def check_dict(d: Any, source: str, model_type: str) -> None:
 
 
 def config_kwargs(cls: type, d: Mapping[str, Any], source: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The fields of the dataclass ``cls`` that ``d`` holds (others ignored: HF configs carry many
-    that do not change the math), ``skip`` left out, and ``dtype`` read by ``read_dtype``."""
+    """The fields of dataclass ``cls`` that ``d`` holds but ``skip`` (other keys ignored), ``dtype``
+    by ``read_dtype``."""
     kwargs = {f.name: d[f.name] for f in fields(cls) if f.name != "dtype" and f.name not in skip and f.name in d}
     kwargs["dtype"] = read_dtype(d, source)
     return kwargs
@@ -111,8 +105,8 @@ def construct(cls: type, source: str, **kwargs: Any) -> Any:
 
 
 def hf_dict(config: Any, architecture: str, model_type: str, **tail: Any) -> dict[str, Any]:
-    """A config.json dict: architectures, model_type, every field of the dataclass ``config`` but
-    ``dtype`` and ``time_step_limit`` (which the family writes in ``tail``, in its own form), then ``tail``."""
+    """A config.json dict: architectures, model_type, the fields of ``config`` but ``dtype`` and
+    ``time_step_limit``, then ``tail`` (where the family writes those)."""
     out: dict[str, Any] = {"architectures": [architecture], "model_type": model_type}
     out.update({f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("dtype", "time_step_limit")})
     out.update(tail)

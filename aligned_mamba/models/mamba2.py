@@ -1,11 +1,6 @@
-"""Mamba2 in the Hugging Face layout (transformers' ``Mamba2ForCausalLM``): config, weight names,
-the embedded default checkpoint, and the build onto the generic causal LM.
-
-transformers is not a dependency: ``Mamba2Config.from_hf_dict`` reads a ``config.json`` dict and
-``to_hf_dict`` writes one that transformers accepts. Weight names:
-``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``, ``backbone.layers.{i}.mixer.*``
-(``layers.mamba2``), ``backbone.norm_f.weight``, ``lm_head.weight`` (absent when tied).
-"""
+"""Mamba2 in the Hugging Face layout (transformers' ``Mamba2ForCausalLM``): config, the embedded
+default (``make_tiny``), ``save_checkpoint``. Weights: ``backbone.embeddings.weight``,
+``backbone.layers.{i}.norm.weight`` / ``.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight``."""
 
 from __future__ import annotations
 
@@ -34,23 +29,16 @@ LM_HEAD = "lm_head.weight"
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
                   "conv_kernel", "expand", "chunk_size")
 _BOOLS = ("use_bias", "use_conv_bias", "residual_in_fp32", "tie_word_embeddings")
-# The config.json keys that decide which tensors a checkpoint holds and their shapes. transformers
-# fills an absent one with its default (Mamba2Config's), and so does from_hf_dict; the loader names
-# the absent ones when the tensors then disagree (see registry.load_checkpoint).
+# the keys that decide tensor shapes, named with their defaults when absent and the tensors disagree
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups",
               "conv_kernel", "expand", "use_bias", "use_conv_bias", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
 class Mamba2Config:
-    """Shape and numerics of a Mamba2 causal LM. Field defaults are Hugging Face's ``Mamba2Config`` defaults.
-
-    ``dtype`` is the checkpoint's storage dtype ("bfloat16" or "float32"); the model casts from it
-    to the contract's model dtype. ``load_checkpoint`` sets it to the stored tensors' dtype (a
-    config.json ``torch_dtype`` that differs is refused).
-    ``time_step_limit`` is (lo, hi) for clamping dt after softplus; (0.0, inf) means no clamp.
-    Construction validates every field and raises ``ValueError`` (``TypeError`` for a non-bool flag), one line.
-    """
+    """A Mamba2 causal LM; defaults are transformers' ``Mamba2Config``'s. ``dtype``: the storage dtype
+    ("bfloat16" or "float32"); ``time_step_limit``: (lo, hi) clamp of dt after softplus, (0, inf) none.
+    Construction raises ``ValueError`` (``TypeError`` for a non-bool flag), one line."""
 
     vocab_size: int = 32768
     hidden_size: int = 4096
@@ -72,7 +60,6 @@ class Mamba2Config:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        # Normalise (lists from JSON, "Infinity"/None upper limit) before validating; frozen needs object.__setattr__.
         object.__setattr__(self, "time_step_limit", hf.parse_time_step_limit(self.time_step_limit))
         hf.check_fields(self, _POSITIVE_INTS, _BOOLS)
         object.__setattr__(self, "layer_norm_epsilon", hf.positive_float("layer_norm_epsilon", self.layer_norm_epsilon))
@@ -120,13 +107,8 @@ class Mamba2Config:
 
     @classmethod
     def from_hf_dict(cls, d: Any, *, source: str = "config.json") -> Mamba2Config:
-        """Build a config from a Hugging Face ``config.json`` dict; absent keys take HF defaults.
-
-        Unknown keys are ignored (HF configs carry many that do not change the math). The dtype comes
-        from ``torch_dtype`` or ``dtype`` (default float32, transformers' own; ``load_checkpoint``
-        replaces it with the stored one). Raises ``ModelLoadError`` (one line, prefixed with
-        ``source``) for anything invalid.
-        """
+        """A config from a ``config.json`` dict: absent keys take the defaults, unknown ones are ignored.
+        Raises ``ModelLoadError`` (one line, prefixed with ``source``)."""
         hf.check_dict(d, source, MODEL_TYPE)
         return hf.construct(cls, source, **hf.config_kwargs(cls, d, source))
 
@@ -137,13 +119,11 @@ class Mamba2Config:
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mamba2Config, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` (strict JSON, as transformers writes it) and one ``model.safetensors``.
+    """Write ``config.json`` and ``model.safetensors`` under ``path``, a directory transformers loads.
 
-    Tensors are validated as ``load_checkpoint`` does (raising ``ValueError``; their storage dtype
-    must be ``config.dtype``), so nothing is written that would not load back; a tied lm_head equal
-    to the embedding is dropped (it would only invite drift). They are saved contiguous, in their
-    own dtypes.
-    """
+    ``tensors`` as ``make_tiny`` or ``load_checkpoint`` gives them (a tied lm_head equal to the
+    embedding is dropped). Raises ``ValueError`` for what ``load_checkpoint`` would refuse, and when
+    their storage dtype is not ``config.dtype``."""
     tensors = ckpt.untie(dict(tensors), LM_HEAD, EMBEDDING, config.tie_word_embeddings, {}, ValueError)
     origin = {name: "tensors" for name in tensors}
     ckpt.validate(expected_shapes(config), tensors, origin, ValueError)
@@ -175,13 +155,10 @@ _TINY_DEFAULTS: dict[str, Any] = {
 
 def make_tiny(seed: int = 0, *, dtype: str = "bfloat16",
               **overrides: Any) -> tuple[Mamba2Config, dict[str, torch.Tensor]]:
-    """The embedded default model: a small Mamba2 with realistic random weights from ``seed``
-    (``models.tiny``; bitwise the same on every machine).
-
-    ``overrides`` are any ``Mamba2Config`` fields (e.g. ``n_groups=2, num_heads=16, head_dim=32``);
-    inconsistent ones raise ``ValueError`` naming the rule. A_log, D, dt_bias are fp32; all other
-    tensors are ``dtype``.
-    """
+    """(config, tensors) of a small Mamba2 with random weights from ``seed``, bitwise the same on every
+    machine (A_log, D, dt_bias fp32, the rest ``dtype``). ``overrides``: ``Mamba2Config`` fields (e.g.
+    ``n_groups=2, num_heads=16, head_dim=32``); TypeError for an unknown one, ValueError naming the
+    rule for inconsistent ones."""
     check_overrides("make_tiny", Mamba2Config, overrides, ("dtype",))
     try:
         config = Mamba2Config(**{**_TINY_DEFAULTS, **overrides, "dtype": dtype})

@@ -1,19 +1,10 @@
 """Mamba2 checkpoints as mamba_ssm publishes them (``MambaLMHeadModel``, e.g. state-spaces/mamba2-*).
 
-config.json holds ``d_model``, ``n_layer``, ``vocab_size``, ``ssm_cfg`` (the Mamba2 layer's kwargs:
-``layer: "Mamba2"``, ``d_state``, ``d_conv``, ``expand``, ``headdim``, ``ngroups``, ``chunk_size``,
-``dt_limit``, ``bias``, ``conv_bias``, ...), ``rms_norm``, ``residual_in_fp32``, ``fused_add_norm``,
-``pad_vocab_size_multiple`` and ``tie_embeddings``; the weights are ``pytorch_model.bin`` (read
-with ``torch.load(weights_only=True)``) or safetensors. The embedding and lm_head have the vocab
-padded up to a multiple of ``pad_vocab_size_multiple``, as mamba_ssm builds them, and the logits
-have that width. Weight names: ``backbone.embedding.weight``, ``backbone.layers.{i}.norm.weight``,
-``backbone.layers.{i}.mixer.*`` (``layers.mamba2``), ``backbone.norm_f.weight``, ``lm_head.weight``.
-
-The math is the generic causal LM's, the same as the Hugging Face layout's (``models.mamba2``): the
-same weights give the same logits bit for bit in either layout. mamba_ssm's gated RMSNorm has eps
-1e-5 whatever the block norms' ``norm_epsilon``. Refused with one line: attention layers
-(``attn_layer_idx``), MLPs (``d_intermediate``), Mamba1 layers, ``d_ssm`` (a partial SSM width),
-``rmsnorm: false``, ``norm_before_gate: true``, ``D_has_hdim: true`` and LayerNorm models.
+config.json: ``d_model``, ``n_layer``, ``vocab_size``, ``ssm_cfg`` (the Mamba2 layer's kwargs) and
+the LM's flags; weights ``pytorch_model.bin`` or safetensors, ``backbone.embedding.weight`` for the
+embedding. The vocab is padded to ``pad_vocab_size_multiple``, as are the logits. The same weights
+give the Hugging Face layout's logits bit for bit. Refused with one line: attention, MLP or Mamba1
+layers, ``d_ssm``, ``rmsnorm: false``, ``norm_before_gate``, ``D_has_hdim``, LayerNorm models.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ EMBEDDING = "backbone.embedding.weight"
 LM_HEAD = "lm_head.weight"
 GATED_NORM_EPS = 1e-5  # mamba_ssm's Mamba2 builds its RMSNormGated with eps=1e-5
 
-# ssm_cfg keys that decide tensor shapes (absent ones take the Mamba2 layer's defaults, as in mamba_ssm)
+# ssm_cfg keys that decide tensor shapes
 _SSM_SHAPE_KEYS = ("d_state", "d_conv", "expand", "headdim", "ngroups", "bias", "conv_bias")
 # ssm_cfg keys that do not change the forward (initialisation, parallelism, kernel choice)
 _SSM_IGNORED = ("conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "use_mem_eff_path", "layer_idx",
@@ -46,10 +37,8 @@ _SSM_IGNORED = ("conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor"
 
 @dataclass(frozen=True)
 class MambaSSMConfig:
-    """A pure-Mamba2 ``MambaLMHeadModel`` config. ``vocab_size`` is config.json's (unpadded);
-    ``padded_vocab`` is the embedding's rows. ``dtype``: the stored tensors' dtype (mamba_ssm's
-    config.json states none; ``load_checkpoint`` reads it off the weights, which hold one dtype but
-    for the per-head A_log, D, dt_bias)."""
+    """A pure-Mamba2 ``MambaLMHeadModel`` config; ``vocab_size`` unpadded (``padded_vocab``: the
+    embedding's rows); ``dtype`` read off the weights (mamba_ssm's config.json states none)."""
 
     d_model: int
     n_layer: int
@@ -91,8 +80,7 @@ class MambaSSMConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> MambaSSMConfig:
-        """From a mamba_ssm config.json dict; ModelLoadError (one line, naming the key) for what is
-        missing, malformed or not covered."""
+        """From a config.json dict; ModelLoadError (one line) for a key missing, malformed or not covered."""
         for key in ("d_model", "n_layer", "vocab_size"):
             if key not in d:
                 raise ModelLoadError(f"{source}: missing {key!r} (a mamba_ssm config needs d_model, n_layer, "
@@ -168,9 +156,7 @@ class MambaSSMConfig:
 
 
 def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
-    """{key: mamba_ssm's default} for each config.json key that decides tensor shapes and is absent
-    from ``d`` (``ssm_cfg.*`` for the Mamba2 layer's kwargs); d_model, n_layer and vocab_size are
-    required (``MambaSSMConfig.from_dict``)."""
+    """{key: mamba_ssm's default} for each shape-deciding key ``d`` lacks (``ssm_cfg.*`` for the layer's)."""
     defaults = {f.name: f.default for f in dataclasses.fields(MambaSSMConfig)}
     ssm = d.get("ssm_cfg") if isinstance(d.get("ssm_cfg"), Mapping) else {}
     out = {f"ssm_cfg.{k}": defaults[k] for k in _SSM_SHAPE_KEYS if k not in ssm}
@@ -180,9 +166,9 @@ def defaults_taken(d: Mapping[str, Any]) -> dict[str, Any]:
 
 def save_checkpoint(path: str, config: MambaSSMConfig, tensors: Mapping[str, torch.Tensor], *,
                     weights_file: str = ckpt.TORCH_FILE) -> None:
-    """Write a mamba_ssm-layout checkpoint: config.json and ``pytorch_model.bin`` (or safetensors),
-    with the tied lm_head stored too when tied (as ``MambaLMHeadModel.save_pretrained`` does).
-    Tensors are validated as ``load_checkpoint`` does (``ValueError``, one line)."""
+    """Write config.json and ``weights_file`` (``pytorch_model.bin`` or safetensors) under ``path``, a
+    tied lm_head stored too, as ``MambaLMHeadModel.save_pretrained`` does; ``ValueError`` (one line)
+    for what ``load_checkpoint`` refuses."""
     tensors = dict(tensors)
     stored = {k: v for k, v in tensors.items() if k != LM_HEAD or not config.tie_embeddings}
     origin = {k: "tensors" for k in tensors}
@@ -194,8 +180,8 @@ def save_checkpoint(path: str, config: MambaSSMConfig, tensors: Mapping[str, tor
 
 
 def from_hf(config: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[MambaSSMConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face-layout Mamba2 (``models.mamba2``) renamed to this layout, the same tensors
-    (its vocab must already be a multiple of the padding, which is then 1 if it is not of 8)."""
+    """A Hugging Face-layout Mamba2 renamed to this layout, the same tensors (padding 8, or 1 where the
+    vocab is no multiple of 8); ValueError unless its eps is mamba_ssm's gated norm's."""
     pad = 8 if config.vocab_size % 8 == 0 else 1
     out = MambaSSMConfig(d_model=config.hidden_size, n_layer=config.num_hidden_layers, vocab_size=config.vocab_size,
                          d_state=config.state_size, d_conv=config.conv_kernel, expand=config.expand,
@@ -211,8 +197,8 @@ def from_hf(config: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[MambaSSMC
 
 
 class MambaSSMFamily(Family):
-    """mamba_ssm's ``MambaLMHeadModel`` layout: the base's stack of Mamba2 blocks under mamba_ssm's
-    names and config keys (each block's mixer weights listed before its norm, as mamba_ssm orders them)."""
+    """mamba_ssm's ``MambaLMHeadModel`` layout: the base's Mamba2 stack, each block's mixer weights
+    listed before its norm, as mamba_ssm orders them."""
 
     name = "mamba_ssm"
     config_type = MambaSSMConfig

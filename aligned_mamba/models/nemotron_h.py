@@ -1,34 +1,12 @@
-"""Nemotron-H in the Hugging Face layout (transformers' ``NemotronHForCausalLM``): hybrid blocks of
-Mamba2, attention and MLP layers on the generic causal LM; config, weight names, a small-checkpoint
-maker, and the build.
+"""Nemotron-H in the Hugging Face layout (transformers' ``NemotronHForCausalLM``): pre-norm blocks whose
+mixer is a Mamba2 ("M"), attention ("*"), MLP ("-") or MoE ("E") layer, one pattern character per
+layer; config, ``make_tiny_hybrid``, ``save_checkpoint``. Weight names as published (``backbone.``;
+transformers renames it ``model.``).
 
-The layer types come from ``hybrid_override_pattern`` (one character per layer: "M" Mamba2, "*"
-attention, "-" MLP, "E" MoE) or from transformers 5's ``layers_block_type`` list ("linear_attention"
-/ "mamba", "full_attention" / "attention", "mlp", "moe"). Every layer is one pre-norm residual block
-``residual + mixer(norm(residual))`` whose mixer is the layer: ``layers.mamba2.Mamba2Mixer`` (heads
-``mamba_num_heads`` x ``mamba_head_dim``), ``layers.attention.Attention`` (``num_attention_heads``
-query heads, ``num_key_value_heads`` key/value heads of ``head_dim``; no rotary embeddings, no
-biases), ``layers.mlp.MLP`` (``intermediate_size``, squared ReLU) or ``layers.moe.MoE`` (Nemotron 3
-Nano's routed experts with a shared expert: ``n_routed_experts``, ``num_experts_per_tok``, ...).
-
-Weight names: ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
-``backbone.layers.{i}.mixer.*`` (the layer's names), ``backbone.norm_f.weight``, ``lm_head.weight``
-(published checkpoints' names; transformers renames ``backbone.`` to ``model.`` when it loads them).
-
-Semantics follow transformers with three deliberate choices, each noted where it acts:
-
-- dt is clamped to the checkpoint's ``time_step_limit`` (default none), as vLLM, mamba_ssm and
-  Megatron do; transformers' chunked path clamps at ``time_step_min`` instead (an initialiser range,
-  and its own recurrent path does not clamp);
-- the residual stream is kept in the model dtype whatever ``residual_in_fp32`` says (transformers
-  and vLLM ignore the flag too);
-- in bf16 the block norms round the normalised row before the weight (as Mamba2 and vLLM's RMSNorm
-  do); transformers' NemotronHRMSNorm multiplies by the weight in fp32 first: one bf16 rounding
-  apart, nothing in fp32.
-
-Refused with one line: sliding-window attention, multi-token prediction, attention biases, tied
-embeddings, activations other than squared ReLU (MLP, MoE) and SiLU (Mamba2), a stack without
-Mamba2 layers, and on a CUDA device MoE expert biases (``mlp_bias`` with MoE layers).
+As transformers, but dt is clamped to ``time_step_limit`` (default none) as vLLM, mamba_ssm and
+Megatron clamp it (transformers' chunked path clamps at ``time_step_min``, its recurrent path not at
+all). Refused with one line: sliding windows, multi-token prediction, attention biases, tied
+embeddings, other activations, a stack without Mamba2 layers, MoE biases on a CUDA device.
 """
 
 from __future__ import annotations
@@ -66,7 +44,7 @@ MODEL_TYPE = "nemotron_h"
 EMBEDDING = "backbone.embeddings.weight"
 LM_HEAD = "lm_head.weight"
 MAMBA, ATTENTION, MLP_LAYER, MOE = "M", "*", "-", "E"
-# transformers 5's layers_block_type names (and their legacy spellings) -> pattern characters
+# transformers 5's layers_block_type names (and legacy spellings)
 _LAYER_NAMES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                 "mlp": MLP_LAYER, "moe": MOE}
 _DEFAULT_LAYERS = "ME*-"  # transformers' NemotronHConfig default layers_block_type
@@ -83,13 +61,9 @@ _BOOLS = ("attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "tie_word_e
 
 @dataclass(frozen=True)
 class NemotronHConfig:
-    """Shape and numerics of a Nemotron-H causal LM; defaults are transformers' ``NemotronHConfig``'s.
-
-    ``hybrid_override_pattern``: one character per layer (module docstring). ``dtype``: the
-    checkpoint's storage dtype ("bfloat16" or "float32"). ``time_step_limit``: (lo, hi) clamp of dt
-    after softplus; (0, inf) is none. Construction validates every field and raises ``ValueError``
-    (``TypeError`` for a non-bool flag) with one line; features not covered are refused there.
-    """
+    """A Nemotron-H causal LM; defaults are transformers' ``NemotronHConfig``'s. ``dtype``: the storage
+    dtype; ``time_step_limit``: (lo, hi) clamp of dt after softplus. Construction raises ``ValueError``
+    (``TypeError`` for a non-bool flag), one line, also for what is not covered."""
 
     hybrid_override_pattern: str
     vocab_size: int = 131072
@@ -190,8 +164,7 @@ class NemotronHConfig:
         return MLPConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, bias=self.mlp_bias)
 
     def moe_config(self) -> MoEConfig:
-        """The MoE layers' routing and experts (transformers' ``NemotronHMoE``; one shared expert, as
-        transformers builds it whatever ``n_shared_experts`` says)."""
+        """The MoE layers' config: one shared expert whatever ``n_shared_experts`` says, as transformers."""
         return MoEConfig(hidden_size=self.hidden_size, n_routed_experts=self.n_routed_experts,
                          num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                          moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
@@ -216,9 +189,8 @@ class NemotronHConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Any, *, source: str = "config.json") -> NemotronHConfig:
-        """A config from a Hugging Face ``config.json`` dict; absent keys take transformers' defaults,
-        unknown keys are ignored, legacy keys (``mamba_chunk_size``, ``mamba_n_groups``, ...) are read.
-        Raises ``ModelLoadError`` (one line, prefixed with ``source``)."""
+        """A config from a ``config.json`` dict (absent keys default, unknown ignored, legacy ``mamba_*``
+        read). Raises ``ModelLoadError`` (one line, prefixed with ``source``)."""
         hf.check_dict(d, source, MODEL_TYPE)
         d = dict(d)
         for old, new in _ALIASES.items():
@@ -232,16 +204,15 @@ class NemotronHConfig:
         return hf.construct(cls, source, hybrid_override_pattern=pattern, **kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A ``config.json`` dict transformers accepts: the pattern as ``hybrid_override_pattern`` (which
-        transformers 4 and 5 both read) and ``num_hidden_layers`` its length."""
+        """A ``config.json`` dict that transformers 4 and 5 read (``hybrid_override_pattern``)."""
         return hf.hf_dict(self, ARCHITECTURE, MODEL_TYPE, num_hidden_layers=self.num_hidden_layers,
                           time_step_limit=list(self.time_step_limit), mamba_ssm_cache_dtype="float32",
                           torch_dtype=self.dtype)
 
 
 def _read_pattern(d: dict[str, Any]) -> str:
-    """The layer types of a config dict as a pattern string; ValueError when they are malformed,
-    disagree, or do not match ``num_hidden_layers``."""
+    """The config dict's layer types as a pattern; ValueError if malformed, disagreeing, or not
+    ``num_hidden_layers`` long."""
     found: list[tuple[str, str]] = []
     if "hybrid_override_pattern" in d:
         p = d["hybrid_override_pattern"]
@@ -265,8 +236,8 @@ def _read_pattern(d: dict[str, Any]) -> str:
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: NemotronHConfig, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` and one ``model.safetensors`` (validated as ``load_checkpoint`` validates,
-    raising ``ValueError``): a directory transformers' ``NemotronHForCausalLM.from_pretrained`` loads."""
+    """Write ``config.json`` and ``model.safetensors`` under ``path``, a directory that
+    ``NemotronHForCausalLM.from_pretrained`` loads; ``ValueError`` for what ``load_checkpoint`` refuses."""
     ckpt.validate(expected_shapes(config), tensors, {name: "tensors" for name in tensors}, ValueError)
     ckpt.save_files(path, config.to_hf_dict(), tensors)
 
@@ -284,7 +255,6 @@ _TINY_DEFAULTS: dict[str, Any] = {
     "n_groups": 1,
     "conv_kernel": 4,
     "chunk_size": 64,
-    # MoE layers ('E'): 8 experts in 4 groups, the 2 best groups, 2 experts per token
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
@@ -296,10 +266,9 @@ _TINY_DEFAULTS: dict[str, Any] = {
 
 def make_tiny_hybrid(seed: int = 0, *, pattern: str = "M*M-", dtype: str = "bfloat16",
                      **overrides: Any) -> tuple[NemotronHConfig, dict[str, torch.Tensor]]:
-    """A small Nemotron-H with realistic random weights from ``seed`` (``models.tiny``; bitwise the
-    same on every machine): layers as ``pattern`` says, ``overrides`` any ``NemotronHConfig`` fields
-    (e.g. ``num_attention_heads=8, num_key_value_heads=1``). A_log, D, dt_bias are fp32, every other
-    tensor ``dtype``. Write it with ``save_checkpoint``."""
+    """(config, tensors) of a small Nemotron-H with layers ``pattern``, random weights from ``seed``,
+    bitwise the same on every machine (A_log, D, dt_bias fp32, the rest ``dtype``). ``overrides``:
+    ``NemotronHConfig`` fields; TypeError for an unknown one, ValueError for inconsistent ones."""
     check_overrides("make_tiny_hybrid", NemotronHConfig, overrides, ("dtype", "hybrid_override_pattern"))
     try:
         config = NemotronHConfig(hybrid_override_pattern=pattern, **{**_TINY_DEFAULTS, **overrides, "dtype": dtype})
@@ -309,8 +278,7 @@ def make_tiny_hybrid(seed: int = 0, *, pattern: str = "M*M-", dtype: str = "bflo
 
 
 class NemotronHFamily(Family):
-    """transformers' ``NemotronHForCausalLM`` layout: the base's stack with one layer kind per
-    pattern character, each block's mixer the layer of its kind."""
+    """transformers' ``NemotronHForCausalLM`` layout: each block's mixer the layer of its pattern character."""
 
     name = MODEL_TYPE
     config_type = NemotronHConfig
@@ -331,7 +299,7 @@ class NemotronHFamily(Family):
             return super().mixer(config, kind, tensors, prefix, backend, dtype, contract, tp=tp)
         split = tp is not None and tp.size > 1
         slices = contract.row_parallel_slices
-        if kind == MOE:  # experts sharded by channels (no expert parallelism), the router whole on every rank
+        if kind == MOE:  # experts sharded by channels, the router whole on every rank
             c = config.moe_config()
             if split:
                 tensors = moe_layer.shard_weights(c, tensors, prefix, tp)

@@ -1,30 +1,6 @@
-"""The model families: which checkpoint layouts load onto the generic causal LM, and how.
-
-A family is one file in ``models/``: a ``family.Family`` subclass (how to recognise its config.json
-by ``architectures`` / ``model_type`` or the keys of a layout that has neither, how to read the
-config, its weight names and shapes, the build onto ``CausalLM``) whose instance it ``register``s
-here. ``load_model`` finds the family of a checkpoint directory, loads and validates it strictly,
-and builds it under a contract.
-
-What a checkpoint directory gets (``load_checkpoint``), each refusal one line:
-
-- ``architectures`` decides the family when present; one that contradicts ``model_type`` (Llama's
-  architecture with ``model_type: mamba2``) is refused naming both; absent, ``model_type`` or the
-  layout's keys decide.
-- Config keys that decide tensor shapes may be absent (transformers then takes its defaults, and
-  so does the loader); when the tensors then disagree, the message starts with the absent keys
-  and the defaults they took, before the shape error.
-- The stored tensors hold one dtype (``checkpoint.storage_dtype``); a ``torch_dtype`` / ``dtype``
-  in config.json that differs from it is refused naming both. Without one, the stored dtype is
-  the config's ``dtype``.
-- The contract's ``model_dtype`` is what the model computes in. ``load_model`` with a contract
-  whose model_dtype is not the stored dtype refuses, naming both, unless ``cast=True`` asks for
-  the cast; ``build_model`` is the explicit form (the CLI's ``--dtype`` builds through it) and
-  casts. Either way ``model.config.dtype`` keeps the stored dtype and ``model.dtype`` is the
-  computed one.
-- A checkpoint folder, config.json or weights file that is a symlink loop or a broken symlink is
-  named as such.
-"""
+"""The registered model families (each a ``family.Family`` instance a file in ``models/`` registers),
+and loading: ``load_checkpoint`` finds a directory's family and reads it strictly, ``build_model``
+builds it under a contract, ``load_model`` does both."""
 
 from __future__ import annotations
 
@@ -51,7 +27,8 @@ FAMILIES: list[Family] = []
 
 
 def register(family: Family) -> Family:
-    """Add a family (an instance of a ``Family`` subclass; names and architectures must be new)."""
+    """Add and return ``family`` (a ``Family`` subclass's instance); ValueError if its name or an
+    architecture is already registered."""
     for f in FAMILIES:
         clash = {f.name} & {family.name} or set(f.architectures) & set(family.architectures)
         if clash:
@@ -61,10 +38,8 @@ def register(family: Family) -> Family:
 
 
 def family_of(config: Mapping[str, Any], source: str = "config.json") -> Family:
-    """The family a config.json dict belongs to: by ``architectures`` when present, else
-    ``model_type``, else the layout's own keys. ModelLoadError (one line) when none matches, when
-    ``architectures`` is not a list of names, or when it contradicts ``model_type`` (a config whose
-    two keys name different models is not read as either)."""
+    """The family of a config.json dict: by ``architectures``, else ``model_type``, else the layout's
+    keys. ModelLoadError (one line) when none matches or ``architectures`` contradicts ``model_type``."""
     archs = config.get("architectures")
     mt = config.get("model_type")
     by_type = next((f for f in FAMILIES if mt is not None and mt in f.model_types), None)
@@ -133,14 +108,14 @@ def describe(config: Any) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Load and validate a checkpoint directory of any registered family.
+    """(config, tensors) of a checkpoint directory of any registered family: ``config.json`` and
+    safetensors (single or sharded) or, where the family publishes it, ``pytorch_model.bin``.
 
-    ``path`` holds ``config.json`` and the weights (safetensors, sharded safetensors, or for the
-    families that publish it, ``pytorch_model.bin``). Returns the family's config, its ``dtype`` the
-    stored one, and the tensors as stored (bf16 or fp32, one dtype but for the per-head SSM
-    parameters; the model casts); the dict's keys are exactly the family's ``expected_shapes``, so
-    with tied embeddings it has no lm_head (a stored one must equal the embedding). Raises
-    ``ModelLoadError`` (one line; see the module docstring for what is refused).
+    The tensors as stored, exactly the family's ``expected_shapes`` (a tied lm_head dropped);
+    ``config.dtype`` is their storage dtype. ModelLoadError (one line) for: no such directory (a
+    symlink loop or broken link named as such); no family, or architectures contradicting
+    model_type; missing, extra or misshapen tensors (led by the shape-deciding keys config.json lacks
+    and their defaults); fp16, mixed dtypes, non-finite values; a torch_dtype / dtype unlike the stored one.
     """
     root = Path(path)
     st = ckpt.probe(root, "checkpoint path")
@@ -154,8 +129,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.
         raise ModelLoadError(f"{source}: expected a JSON object, found {type(raw).__name__}")
     family = family_of(raw, source)
     taken = family.defaults_taken(raw)
-    # Only what the config's values decide (the config itself, the expected names and shapes) is
-    # led by the absent keys; a file that cannot be read is not about them.
+    # only errors the config's values decide are led by the absent keys, not unreadable files
     try:
         config = family.read_config(raw, source)
     except ModelLoadError as exc:
@@ -178,8 +152,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.
 
 
 def _with_defaults(exc: ModelLoadError, taken: Mapping[str, Any], family: Family, source: str) -> ModelLoadError:
-    """``exc`` led by the shape-deciding keys config.json lacks, when it lacks any: their defaults
-    are the likeliest reason the tensors disagree, and the key is what a user can fix."""
+    """``exc`` led by the shape-deciding keys config.json lacks (their defaults are the likeliest cause)."""
     if not taken:
         return exc
     detail = str(exc).removeprefix(f"{source}: ")
@@ -189,17 +162,11 @@ def _with_defaults(exc: ModelLoadError, taken: Mapping[str, Any], family: Family
 
 def build_model(config: Any, tensors: Mapping[str, torch.Tensor], contract: Contract,
                 device: torch.device | str | None = None, tp: TPGroup | None = None) -> CausalLM:
-    """The generic causal LM of ``config``'s family over ``tensors`` under ``contract`` (on ``device``,
-    default: the contract's backend's).
-
-    The model computes in ``contract.model_dtype`` whatever the tensors' dtype: calling this is the
-    explicit request for that cast (bf16 to fp32 is exact; fp32 to bf16 rounds every weight), as
-    the CLI's ``--dtype`` makes it. ``model.config.dtype`` keeps the stored dtype, ``model.dtype`` is
-    the computed one. ``load_model`` refuses the cast unless asked.
-
-    ``tp``: this process's tensor-parallel group (``parallel.TPGroup``; default one process). Every
-    rank passes the full checkpoint's tensors and cuts its part itself; ``parallel.check_tp``
-    refuses (one line) what cannot keep the bits at that degree under ``contract``.
+    """The causal LM of ``config``'s family over ``tensors`` under ``contract``, on ``device`` (default:
+    the backend's), computing in ``contract.model_dtype`` whatever the tensors' dtype (an explicit cast;
+    ``model.config.dtype`` keeps the stored one). ``tp``: this rank's group; every rank passes the full
+    tensors. Raises ModelLoadError for weights the layers refuse, AlignedMambaError for a TP degree
+    that cannot keep the bits (``parallel.check_tp``), TypeError for an unknown config class.
     """
     family = family_for_config(config)
     return family.build(config, tensors, contract, resolve(contract, device), tp=tp)
@@ -207,8 +174,8 @@ def build_model(config: Any, tensors: Mapping[str, torch.Tensor], contract: Cont
 
 def contract_for(config: Any, *, backend: str = "torch", model_dtype: str | None = None,
                  state_dtype: str = "float32") -> Contract:
-    """The contract a checkpoint implies: its chunk size, the state dtype (fp32: anything else is
-    refused), ``backend``, and the model dtype (default: the checkpoint's storage dtype)."""
+    """The contract a checkpoint implies: its chunk size, ``backend``, ``state_dtype`` (ContractError
+    unless fp32), ``model_dtype`` (default: the storage dtype)."""
     family = family_for_config(config)
     return Contract.from_hf_config(family.hf_dict(config), backend=backend, state_dtype=state_dtype,
                                    model_dtype=model_dtype or family.config_dtype(config))
@@ -216,15 +183,12 @@ def contract_for(config: Any, *, backend: str = "torch", model_dtype: str | None
 
 def load_model(path: str | os.PathLike[str], contract: Contract | None = None,
                device: torch.device | str | None = None, *, cast: bool = False, tp: TPGroup | None = None) -> CausalLM:
-    """A checkpoint directory of any registered family as a model whose ``forward(sequences)`` (a
-    list of [len_i] int64 token-id tensors) returns the trainer's logits, one [len_i, vocab] tensor
-    per sequence. ``contract`` defaults to the checkpoint's own (its chunk size, the torch backend,
-    its stored dtype); the sampler must run the same one.
+    """A checkpoint directory as a model whose ``forward(sequences)`` ([len_i] int64 token ids each)
+    returns the trainer's logits, [len_i, vocab] each. ``contract`` defaults to the checkpoint's own
+    (its chunk size, the torch backend, its stored dtype); the sampler must run the same one.
 
-    A ``contract`` whose ``model_dtype`` is not the stored dtype is refused (ModelLoadError naming
-    both) unless ``cast=True``: computing a bf16 checkpoint in fp32, or rounding an fp32 one to
-    bf16, is then the caller's stated choice rather than a contract default's. The model records
-    both: ``model.config.dtype`` (stored) and ``model.dtype`` (computed).
+    Raises ModelLoadError as ``load_checkpoint`` does, and for a contract whose ``model_dtype`` is not
+    the stored dtype unless ``cast=True`` (``model.dtype`` is then the computed one).
     """
     config, tensors = load_checkpoint(path)
     stored = family_for_config(config).config_dtype(config)

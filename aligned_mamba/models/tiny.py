@@ -1,11 +1,8 @@
-"""Realistic random weights for small checkpoints (the embedded default and the tests' models).
+"""Realistic random weights for small checkpoints, bitwise the same on every machine.
 
-Bitwise reproducible on every machine: values come from ``torch.rand`` (exact multiples of 2**-24
-from a seeded CPU ``torch.Generator``), combined only with correctly rounded float64 arithmetic
-(and libm for the per-head scalars) before one rounding to the output dtype. Gaussian-like draws
-are Irwin-Hall sums of 12 uniforms, which torch sums exactly in float64, avoiding torch's
-ISA-dependent vectorised log/cos in ``randn``. One generator is consumed in a family's fixed
-weight order, so each tensor depends only on the seed and the config.
+Only ``torch.rand`` from a seeded CPU generator, in a fixed weight order, then correctly rounded
+float64 arithmetic (libm for per-head scalars) before rounding to the output dtype; normal draws are
+sums of 12 uniforms, exact in float64 (``randn``'s vectorised log/cos depend on the ISA).
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ import torch
 
 def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, *,
                 conv_kernel: int = 4, embedding: str = "embeddings.weight") -> torch.Tensor:
-    """The initial value of the weight ``name`` (its suffix decides): A_log, dt_bias and D in fp32
-    (they feed exp/softplus in the fp32 SSM math), every other tensor in ``dtype``. Realistic Mamba2
-    init: A in [-16, -1], softplus(dt_bias) log-uniform in [1e-3, 1e-1], D = 1."""
+    """The initial value of the weight ``name`` (its suffix decides): A_log, dt_bias, D in fp32, the
+    rest in ``dtype``; A in [-16, -1], softplus(dt_bias) log-uniform in [1e-3, 1e-1], D = 1."""
     if name.endswith(".A_log"):  # A ~ U[1, 16], stored as log(A) so that A = -exp(A_log) lies in [-16, -1]
         return _per_head(lambda u: math.log(1.0 + 15.0 * u), shape, gen)
     if name.endswith(".dt_bias"):  # dt log-uniform in [1e-3, 1e-1]; dt_bias = softplus^-1(dt) = dt + log(-expm1(-dt))
@@ -46,7 +42,7 @@ def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torc
         values = 0.02 * _normal(shape, gen)
     else:
         raise AssertionError(f"no initialiser for {name}")
-    # Round once to fp32, then to the storage dtype: a bf16 model is exactly the fp32 model cast.
+    # to fp32, then to dtype: a bf16 model is exactly the fp32 model cast
     return values.to(torch.float32).to(dtype)
 
 
@@ -71,11 +67,8 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator)
 
 
 def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6 (exact in float64, bounded to [-6, 6]).
-
-    The twelve draws are the stream ``torch.rand((12, *shape))`` takes, one shape at a time; every
-    partial sum is exact, so the bits are those of one sum over all twelve, with two tensors of the
-    shape held instead of twelve float64 ones."""
+    """float64 approximately N(0, 1): sum of 12 U[0, 1) minus 6, in [-6, 6]; every partial sum is
+    exact, so summing one draw at a time gives the bits of ``torch.rand((12, *shape))`` summed."""
     total = torch.zeros(shape, dtype=torch.float64)
     for _ in range(12):
         total += torch.rand(shape, generator=gen, dtype=torch.float32)

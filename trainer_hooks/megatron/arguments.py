@@ -1,5 +1,4 @@
-"""The flags: ``--aligned-mamba`` and ``--aligned-mamba-contract`` (Megatron-LM's ``extra_args_provider``),
-and the entry points that install the hook from parsed args or a ``TransformerConfig``."""
+"""The flags (``--aligned-mamba``, ``--aligned-mamba-contract``) and the entry points that install the hook."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from .refusals import config_problems, parallel_problems, refuse_problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's ``extra_args_provider``: adds ``--aligned-mamba`` and ``--aligned-mamba-contract``.
-
-    Returns the parser (Megatron-LM's ``parse_args`` does ``parser = extra_args_provider(parser)``)."""
+    """Megatron's ``extra_args_provider``: adds the two flags; returns the parser (Megatron-LM reassigns it)."""
     group = parser.add_argument_group("aligned-mamba", "bitwise train/inference alignment of the Mamba2 forward")
     group.add_argument("--aligned-mamba", action="store_true",
                        help="run Megatron's Mamba2 forward on aligned_mamba's shared kernels and contract, so trainer "
@@ -27,13 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
-    """Install the hook when ``args.aligned_mamba`` is set (Megatron-LM's parsed args); else None.
-
-    Refuses settings the hook cannot align before anything is built: a tensor-parallel size that is not
-    a power of two dividing the contract's ``row_parallel_slices``, pipeline or context parallel > 1,
-    sequence parallel, fp8, fp16, dropout, the Transformer Engine implementation, and a params dtype
-    other than the contract's model dtype.
-    """
+    """Install the hook when ``args.aligned_mamba`` is set (Megatron-LM's parsed args), else None; first refuses,
+    in one line, what it cannot align (``refusals``, fp16, the TE implementation, another params dtype)."""
     if not getattr(args, "aligned_mamba", False):
         return None
     contract = Contract.from_yaml(getattr(args, "aligned_mamba_contract", None) or "default")
@@ -57,10 +49,8 @@ def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
 
 
 def apply_from_config(config: Any, contract: Contract | str) -> AlignedMambaHook:
-    """Install the hook for a framework that builds Megatron models itself from a ``TransformerConfig``.
-
-    ``contract``: a Contract, or a contract name / YAML path. Refuses what ``apply_from_args`` refuses.
-    """
+    """Install the hook for a framework that builds Megatron models from a ``TransformerConfig``; ``contract``:
+    a Contract, name or YAML path. Refuses what ``apply_from_args`` refuses."""
     if not isinstance(contract, Contract):
         contract = Contract.from_yaml(contract)
     refuse_problems(config_problems(config, contract))

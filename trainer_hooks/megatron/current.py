@@ -18,14 +18,12 @@ def installed() -> AlignedMambaHook | None:
 
 
 def set_installed(hook: AlignedMambaHook | None) -> None:
-    """Record ``hook`` as the installed one (None: none)."""
     global _INSTALLED
     _INSTALLED = hook
 
 
 def hook_for(module: Any) -> AlignedMambaHook:
-    """The hook ``apply_to_model`` bound to ``module``, else the installed one (modules Megatron builds
-    from the patched names, e.g. the final norm, are bound to none)."""
+    """The hook ``apply_to_model`` bound to ``module``, else the installed one (the final norm is bound to none)."""
     hook = getattr(module, "_aligned_mamba_hook", None) or _INSTALLED
     if hook is None:
         raise AlignmentRefused("aligned forward called without an installed hook")

@@ -1,6 +1,5 @@
-"""The aligned forwards: each a Megatron module's ``forward`` over its own parameters by the core's layer
-(``layers.mamba2``, ``layers.attention``, ``layers.mlp``, ``layers.moe``) and the contract's ops, so the
-rows are the sampler's bits. ``patch`` lists where each goes."""
+"""The aligned forwards: a Megatron module's ``forward`` over its own parameters by the core's layer and the
+contract's ops, so the rows are the sampler's bits (``patch`` says where each goes)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ if TYPE_CHECKING:
 
 
 def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
-    """VocabParallelEmbedding: token ids [...] -> rows [..., hidden] in the model dtype (the core model's
-    embedding rows). At TP k each rank holds rows [vocab_start_index, vocab_end_index); every rank offers
-    its row at each id, the offers are all-gathered and the owner's kept: a choice, exact (Megatron
-    all-reduces a row and zeros, which turns -0.0 into +0.0)."""
+    """VocabParallelEmbedding: ids [...] -> rows [..., hidden] in the model dtype. At TP k the ranks' offers are
+    all-gathered and the owner's kept, a choice (Megatron's all-reduce of a row and zeros turns -0.0 into +0.0)."""
     hook = hook_for(self)
     tp = hook.tp(self)
     if tp is None:
@@ -47,12 +44,8 @@ def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
 def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
                    runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Column/RowParallelLinear on the backend's row-invariant linear: [..., in] -> ([..., out], bias or None).
-
-    Tensor parallelism: a ColumnParallelLinear computes this rank's output columns (whole outputs, no
-    reduction); with ``gather_output`` / ``runtime_gather_output`` they are all-gathered into whole rows
-    (the output layer's vocabulary shards: a copy, exact). A RowParallelLinear (``input_is_parallel``)
-    is the contract's row-parallel GEMM over ``row_parallel_slices`` slices (``ops.linear.sliced``), the
-    same bits at every TP degree dividing S."""
+    At TP k a column-parallel layer computes its columns (all-gathered where asked); a row-parallel one is the
+    contract's sliced tree (``ops.linear.sliced``), the same bits at every TP degree dividing S."""
     hook = hook_for(self)
     backend = hook.backend(input_.device)
     tp = hook.tp(self)
@@ -65,8 +58,7 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
     x = input_.reshape(-1, shape[-1])
     row_parallel = type(self).__name__ == "RowParallelLinear"
     if row_parallel and (tp is not None or hook.slices > 1):
-        # the backend's fused subtree (one launch over this rank's whole weight) where it has one, else its
-        # partial GEMM over each of the rank's slices
+        # the backend's fused subtree (one launch per rank) where it has one, else its partial GEMM per slice
         fused = backend.linear_tree is not None
         ws = row_parallel_weight(backend, backend.linear_weight(w) if fused else w, lambda: w, hook.slices,
                                  1 if tp is None else tp.size)
@@ -90,15 +82,10 @@ def torch_rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 def mamba_layer_forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
                         inference_context: Any = None, rotary_pos_emb: Any = None, *, inference_params: Any = None,
                         packed_seq_params: Any = None) -> torch.Tensor:
-    """MambaLayer.forward as the core computes it: the pre-mixer norm takes the residual stream as it is
-    kept (fp32 with residual_in_fp32), not rounded to params_dtype first, then the mixer and the
-    residual add. hidden_states [s, b, h] -> [s, b, h].
-
-    The norm and the add read one [s * b, h] view of the stream, as the core's add-norm reads its sum:
-    the torch form's norm sends an fp32 input three gradient terms (x * x's two, x * rstd's), and
-    autograd adds them one at a time to the add's term, in the core's order. Behind a view of its own
-    (its [M, h] reshape) the norm's three were summed first: gradients an ulp or so off, which Adam's
-    first step hides and its second does not."""
+    """MambaLayer.forward as the core computes it: hidden_states [s, b, h] -> [s, b, h], the norm over the
+    residual as kept (fp32 with residual_in_fp32, not rounded first). The norm and the add read one [s * b, h]
+    view, so autograd adds the norm's gradient terms in the core's order (why: docs/design.md, "How the bits
+    are kept")."""
     context = inference_context if inference_context is not None else inference_params
     s, b, h = hidden_states.shape
     stream = hidden_states.reshape(s * b, h)
@@ -112,8 +99,7 @@ def mamba_layer_forward(self: Any, hidden_states: torch.Tensor, attention_mask: 
 
 
 def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mixer:
-    """The core's Mamba2 layer over a MambaMixer's own parameters (differentiable casts, rebuilt per
-    forward: the optimizer moves the parameters)."""
+    """The core's Mamba2 layer over a MambaMixer's own parameters, rebuilt per forward (the optimizer moves them)."""
     config = Mamba2MixerConfig(hidden_size=m.d_model, num_heads=m.nheads, head_dim=m.headdim, state_size=m.d_state,
                                n_groups=m.ngroups, conv_kernel=m.d_conv, use_bias=False,
                                use_conv_bias=m.conv1d.bias is not None, norm_eps=m.norm.eps, dt_limit=(0.0, math.inf))
@@ -121,16 +107,14 @@ def core_mixer(m: Any, hook: AlignedMambaHook, device: torch.device) -> Mamba2Mi
              "A_log": m.A_log, "D": m.D, "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight}
     if m.conv1d.bias is not None:
         names["conv1d.bias"] = m.conv1d.bias
-    # config is the whole mixer's (m.nheads, m.ngroups); at TP k the parameters are this rank's heads and
-    # groups, laid out as the core's shard_weights cuts them ([z|x|B|C|dt] of its own heads and groups)
+    # the config is the whole mixer's; at TP k the parameters are this rank's heads and groups, as shard_weights cuts
     return Mamba2Mixer(config, names, "", backend=hook.backend(device), dtype=hook.dtype,
                        chunk_size=hook.contract.chunk_size, tp=hook.tp(m), slices=hook.slices)
 
 
 def _sequences(hidden_states: torch.Tensor, packed_seq_params: Any) -> tuple[list[int], torch.Tensor]:
-    """The sequences of a Megatron layer input: hidden_states [s, b, d] (each batch row one sequence) or,
-    with ``packed_seq_params``, THD [T, 1, d] cut at ``cu_seqlens_q(_padded)``. Returns (their lengths,
-    the rows [sum lens, d] packed in that order)."""
+    """A layer input's sequences: [s, b, d] (a sequence per batch row) or THD [T, 1, d] cut at
+    ``cu_seqlens_q(_padded)`` -> (their lengths, the rows [sum lens, d] in that order)."""
     s, b, d = hidden_states.shape
     if packed_seq_params is None:
         return [s] * b, hidden_states.transpose(0, 1).reshape(b * s, d)
@@ -153,8 +137,7 @@ def _sequences(hidden_states: torch.Tensor, packed_seq_params: Any) -> tuple[lis
 def _layer_output(y: torch.Tensor, hidden_states: torch.Tensor, packed: bool, config: Any) -> torch.Tensor:
     """Rows [sum lens, d] (model dtype) back in the input's layout ([s, b, d], or THD [T, 1, d])."""
     if config.fp32_residual_connection:
-        # Megatron's bias-dropout-add casts the residual to the layer output's dtype; the core adds the
-        # model-dtype output to an fp32 residual. An fp32 copy of the (rounded) output gives the core's sum.
+        # Megatron's bias-dropout-add casts the residual to the output's dtype: an fp32 output keeps the fp32 add
         y = y.to(torch.float32)
     if packed:
         return y[:, None]
@@ -165,10 +148,9 @@ def _layer_output(y: torch.Tensor, hidden_states: torch.Tensor, packed: bool, co
 def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any = None, *,
                   inference_params: Any = None, packed_seq_params: Any = None
                            ) -> tuple[torch.Tensor, None]:
-    """MambaMixer.forward under the hook: hidden_states [s, b, d_model] (or THD: [T, 1, d_model] with
-    ``packed_seq_params``) -> ([s, b, d_model] in the model dtype, fp32 with ``fp32_residual_connection``;
-    None), by the core's ``Mamba2Mixer.advance`` from empty per-sequence states, each sequence's chunk
-    grid anchored at its own first token."""
+    """MambaMixer.forward under the hook: [s, b, d_model] (or THD [T, 1, d_model]) -> ([s, b, d_model] in the
+    model dtype, fp32 with ``fp32_residual_connection``; None) by ``Mamba2Mixer.advance`` from empty states,
+    each sequence's chunk grid at its own first token."""
     hook = hook_for(self)
     if inference_context is not None or inference_params is not None:
         raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
@@ -185,9 +167,8 @@ def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any
 
 
 def core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Attention:
-    """The core's attention layer over a SelfAttention's own parameters (rebuilt per forward: the optimizer
-    moves them). linear_qkv's rows are per key/value group [q heads of the group | k | v] (Megatron's
-    layout); they are taken apart by differentiable views, so gradients reach linear_qkv itself."""
+    """The core's attention layer over a SelfAttention's own parameters, rebuilt per forward; linear_qkv's
+    per-group rows [q heads | k | v] are cut by differentiable views, so gradients reach linear_qkv."""
     H, G, D = m.num_attention_heads_per_partition, m.num_query_groups_per_partition, m.hidden_size_per_attention_head
     rep = H // G
     w = m.linear_qkv.weight
@@ -206,8 +187,7 @@ def core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Atte
 
 
 def _refuse_uncausal_mask(mask: torch.Tensor | None, s: int) -> None:
-    """Only a causal mask (or none) is covered: True above the diagonal of [.., s, s], broadcast over batch
-    and heads. A padding or document mask would change which keys a row sees."""
+    """Only a causal mask (or none) is covered: a padding or document mask changes which keys a row sees."""
     if mask is None:
         return
     causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
@@ -223,11 +203,9 @@ def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: to
                       rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
                       packed_seq_params: Any = None, sequence_len_offset: Any = None, *,
                       inference_params: Any = None) -> tuple[torch.Tensor, None]:
-    """SelfAttention.forward under the hook: hidden_states [s, b, hidden] (normed; or THD [T, 1, hidden]
-    with ``packed_seq_params``) -> ([s, b, hidden] in the model dtype, fp32 with
-    ``fp32_residual_connection``; None as the bias), by the core's ``Attention.advance`` from empty
-    per-sequence key/value states: every row a fixed function of its query and the keys and values of its
-    own sequence's positions 0..t (``ops.attention.attention_blocked``), as the sampler computes it."""
+    """SelfAttention.forward under the hook: [s, b, hidden] (or THD [T, 1, hidden]) -> ([s, b, hidden] in the
+    model dtype, fp32 with ``fp32_residual_connection``; None) by ``Attention.advance`` from empty states,
+    each row over its own sequence's positions 0..t, as the sampler computes it."""
     hook = hook_for(self)
     if inference_context is not None or inference_params is not None:
         raise AlignmentRefused("Megatron inference (an inference context) with --aligned-mamba: sampling runs in the "
@@ -250,9 +228,8 @@ def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: to
 
 def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
                 **unused: Any) -> tuple[torch.Tensor, None]:
-    """MLP.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32 with
-    ``fp32_residual_connection``; None as the bias), by the core's MLP layer (squared ReLU between the two
-    row-invariant linears). Rows are independent, so the layout does not matter."""
+    """MLP.forward under the hook: [..., hidden] -> ([..., hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None) by the core's squared-ReLU MLP."""
     hook = hook_for(self)
     if per_token_scale is not None:
         raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
@@ -269,8 +246,7 @@ def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.T
 
 
 def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
-    """The core's MoE layer over a MoELayer's own parameters (router weight and expert bias, each expert's
-    and the shared expert's linear_fc1 / linear_fc2), so gradients reach them."""
+    """The core's MoE layer over a MoELayer's own parameters (router, expert bias, experts, shared expert)."""
     cfg, r = m.config, m.router
     E, k = cfg.num_moe_experts, cfg.moe_router_topk
     bias = r.expert_bias if r.expert_bias is not None else torch.zeros(E, device=r.weight.device)
@@ -290,11 +266,9 @@ def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
 
 def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
                 padding_mask: torch.Tensor | None = None, **unused: Any) -> tuple[torch.Tensor, None]:
-    """MoELayer.forward under the hook: [..., hidden] (normed) -> ([..., hidden] in the model dtype, fp32
-    with ``fp32_residual_connection``; None as the bias), by the core's MoE layer (row-invariant routing and
-    expert GEMMs). Rows are independent, so the layout does not matter. While training with the expert
-    bias enabled, each expert's token count goes into the router's ``local_tokens_per_expert``, as
-    Megatron's router counts them, for its aux-loss-free bias update."""
+    """MoELayer.forward under the hook: [..., hidden] -> ([..., hidden] in the model dtype, fp32 with
+    ``fp32_residual_connection``; None). Training with the expert bias, the expert counts go into the router's
+    ``local_tokens_per_expert``, as Megatron's router counts them for its bias update."""
     hook = hook_for(self)
     if intermediate_tensors is not None or padding_mask is not None:
         raise AlignmentRefused("MoE layer with intermediate tensors or a padding mask is not covered by "

@@ -32,9 +32,8 @@ installed = current.installed
 
 
 class _AllGather(torch.autograd.Function):
-    """The group's all-gather, differentiable: every rank computes the same thing from the gathered
-    [k, ...] tensor (the same loss), so the gradient of this rank's x is its own slot of the gathered
-    gradient, here, with no communication."""
+    """The group's all-gather, differentiable: every rank repeats what follows it (the same loss), so x's
+    gradient is this rank's own slot of the gathered one, with no communication."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
@@ -94,10 +93,8 @@ class AlignedMambaHook:
         return self.contract.row_parallel_slices
 
     def tp(self, module: Any) -> TPGroup | None:
-        """The ``TPGroup`` over the Megatron module's tensor-parallel process group (its ``tp_group`` or
-        ``pg_collection.tp``, else Megatron's global one); None at TP 1. Its all-gather is the only
-        collective the aligned forwards use (never an all-reduce, whose order is the library's); it is
-        differentiable (``_AllGather``)."""
+        """The ``TPGroup`` over the module's TP process group (``_process_group``), None at TP 1; its
+        differentiable all-gather is the aligned forwards' only collective (an all-reduce's order is the library's)."""
         pg = _process_group(module)
         if pg.size() == 1:
             return None
@@ -109,9 +106,8 @@ class AlignedMambaHook:
         return cached[1]
 
     def replicated_input(self, x: torch.Tensor, module: Any) -> torch.Tensor:
-        """x, the same on every rank, entering a layer whose weights are this rank's shard: itself in the
-        forward; in the backward the ranks' partial gradients summed (Megatron's copy to the TP region),
-        so what comes before the layer gets the whole gradient. At TP 1 or without grad: x."""
+        """x, the same on every rank, entering a layer of this rank's shard: in the backward the ranks' partial
+        gradients are summed (Megatron's copy to the TP region). At TP 1 or without grad: x."""
         pg = _process_group(module)
         if pg.size() == 1 or not torch.is_grad_enabled():
             return x
@@ -124,9 +120,8 @@ class AlignedMambaHook:
         return resolve(self.contract, device)
 
     def batch_for(self, lens: list[int]) -> Step:
-        """The ``Step`` of a forward over sequences of ``lens`` from empty states. Every mixer of a
-        forward sees the same lengths, so they share one (a Step never changes once built), and the
-        Triton backend plans the step once per forward instead of once per layer (``Step.plans``)."""
+        """The ``Step`` of a forward over ``lens`` from empty states, shared by the forward's layers (a Step never
+        changes), so the Triton backend plans it once per forward."""
         key = tuple(lens)
         if self._batch is None or self._batch[0] != key:
             self._batch = (key, Step.from_empty(lens))
@@ -144,12 +139,9 @@ class AlignedMambaHook:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
-    # -- models --
     def apply_to_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Check every module of a built MambaModel (DDP / Float16Module wrappers are unwrapped) against
-        what the hook covers, and give the embedding, the norms, the linear layers, the attention layers
-        (``SelfAttention``) and the MLPs aligned forwards. Refuses (``AlignmentRefused``, naming the module
-        path and class, or the feature) anything else. Returns ``model``."""
+        """Check every module of a built MambaModel (wrappers unwrapped) against what the hook covers and give
+        the covered ones aligned forwards; refuses anything else, naming its path and class. Returns ``model``."""
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.models.mamba.mamba_model import MambaModel
         from megatron.core.ssm.mamba_block import MambaStack

@@ -1,5 +1,4 @@
-"""The loss side's logprobs: Megatron's output logits through the contract's log-softmax, so a loss
-function reads the bits the sampler reports."""
+"""The loss side's logprobs: Megatron's output logits through the contract's log-softmax, the sampler's bits."""
 
 from __future__ import annotations
 
@@ -15,20 +14,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    vocab_parallel: bool = False) -> torch.Tensor:
     """The contract's per-token logprobs of Megatron's output logits, as a loss function reads them.
 
-    logits: the output layer's [s, b, V] (``sequence_first=True``) or the model's returned [b, s, V]
-    (any float dtype); tokens: Megatron's ``labels`` [b, s] (integer, the next token at each position).
-    ``sequence_first=None`` infers the layout from the shapes and refuses a square (s == b) one.
-    Returns [b, s] float32 ``aligned_mamba.token_logprobs(logits / temperature)`` at the labels: the
-    bits the sampler reports for those tokens, differentiable through the logits. ``contract`` (default:
-    the installed hook's) picks the backend that computes it, as the sampler's contract does.
-
-    ``vocab_parallel=True``: ``logits`` are this rank's vocabulary shard [..., V / k] (Megatron's output
-    layer with ``parallel_output``, as its vocab-parallel cross entropy reads them) over Megatron's
-    tensor-parallel group of k ranks; the log-softmax runs over the shards by the contract's tree
-    (``ops.logprobs.token_logprobs_sharded``: the max and the slice sums all-gathered, never all-reduced),
-    the unsharded bits on every rank; differentiable (the vocab-parallel cross entropy's analytic
-    backward on this rank's entries). The torch backend's form; V a multiple of the contract's
-    vocabulary slices.
+    logits [s, b, V] (``sequence_first=True``) or [b, s, V], any float dtype; tokens: ``labels`` [b, s] integer
+    (``sequence_first=None`` infers the layout, refusing s == b). Returns [b, s] float32, differentiable: the
+    bits the sampler reports. ``contract`` (default: the installed hook's) picks the backend.
+    ``vocab_parallel=True``: logits are this rank's shard [..., V / k] (``parallel_output``); the log-softmax
+    runs over the shards by the contract's tree, the unsharded bits on every rank (torch backend only).
     """
     import aligned_mamba
 
@@ -61,11 +51,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 class _ShardedTokenLogprobs(torch.autograd.Function):
-    """The contract's token logprobs over vocabulary shards (forward: ``token_logprobs_sharded``, the
-    unsharded bits), with the vocab-parallel cross entropy's analytic backward: d lp / d x_local =
-    (onehot(label) - softmax(x)) / temperature on this rank's entries. The loss is the same on every rank,
-    so the incoming gradient is the whole one and nothing is communicated; differentiating through the
-    gathered max would leave each rank only its own share of that (zero-sum) path."""
+    """``token_logprobs_sharded`` with the vocab-parallel cross entropy's analytic backward, (onehot(label) -
+    softmax(x)) / T on this rank's entries. Every rank has the whole loss, so nothing is communicated; through
+    the gathered max each rank would get only its share of that (zero-sum) path."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, tokens: torch.Tensor, tp: Any, temperature: float) -> torch.Tensor:

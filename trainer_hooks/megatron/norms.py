@@ -18,9 +18,8 @@ def _init_device(config: Any) -> torch.device | str | int:
 
 
 class AlignedRMSNorm(torch.nn.Module):
-    """RMSNorm on the shared op: the input rounded to the params dtype, normalised in fp32 by a fixed
-    tree, times the weight, in the params dtype (what the core model does for layer and final norms).
-    Constructor-compatible with Megatron's ``TENorm(config, hidden_size, eps)``; weight [hidden_size]."""
+    """The core's layer and final RMSNorm on the shared op, in the params dtype; weight [hidden_size].
+    Constructor-compatible with Megatron's ``TENorm(config, hidden_size, eps)``."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
         super().__init__()
@@ -36,9 +35,8 @@ class AlignedRMSNorm(torch.nn.Module):
 
 def aligned_rms_norm(backend: Backend, x: torch.Tensor, weight: torch.Tensor, eps: float,
                      dtype: torch.dtype) -> torch.Tensor:
-    """x [..., hidden] as it comes (an fp32 residual unrounded), normalised by the backend's row-invariant
-    RMSNorm -> ``dtype``. An [M, hidden] x goes to the op itself, not through a view: its gradient terms
-    then reach x as the core's norm gives them (``forwards.mamba_layer_forward``)."""
+    """x [..., hidden] as it comes (an fp32 residual unrounded) -> the backend's RMSNorm in ``dtype``. A 2-d x
+    goes to the op unviewed, so its gradient terms reach x in the core's order (``forwards.mamba_layer_forward``)."""
     if x.dim() == 2:
         return backend.rms_norm(x, weight, eps, dtype)
     shape = x.shape

@@ -1,10 +1,8 @@
 """Every megatron.core name the hook replaces, and why; ``uninstall`` puts each back.
 
-In place, by ``install`` (``replacements``): the Mamba2 layer's class, the gated and final norms,
-the stock kernels, and ``MambaModel.__init__``, so a stock pretraining script and a stock spec need
-one flag and no code change. Per module of a built model, by ``apply_to_model`` (``FORWARDS``):
-the instance's ``forward`` only, so Megatron's classes stay stock and a GPT model in the same process
-is untouched.
+``install`` replaces names in place (``replacements``), so a stock script and spec need only the flag;
+``apply_to_model`` sets a built module's instance ``forward`` only (``FORWARDS``), so Megatron's classes
+stay stock and a GPT model in the same process is untouched.
 """
 
 from __future__ import annotations

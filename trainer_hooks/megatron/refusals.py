@@ -139,11 +139,9 @@ def check_layer_types(stack: Any, where: str, covered: dict[str, type]) -> None:
 
 
 def check_transformer_layer(layer: Any, where: str, *, attention: bool, moe: bool = False) -> set[int]:
-    """A hybrid attention layer (``TransformerLayer``: norm, self-attention, residual add, nothing else),
-    MLP layer (``MLPLayer``: norm, MLP, residual add) or MoE layer (``TransformerLayer``: norm, ``MoELayer``,
-    residual add). Returns the ids of its identity slots (visited no further). Refuses any other
-    arrangement, e.g. a Transformer Engine spec (its norm fused into the next linear, the norm slot an
-    IdentityOp) or a GPT block (attention and MLP in one layer)."""
+    """A hybrid layer of norm, one mixer (SelfAttention, MLP or MoELayer) and residual add, nothing else; returns
+    the ids of its identity slots (visited no further). Refuses, e.g., a TE spec (its norm fused into the next
+    linear) or a GPT block (attention and MLP in one layer)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp

@@ -12,20 +12,10 @@ from .norms import AlignedRMSNorm
 
 def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: Any = None,
                            moe_experts: int | None = None) -> Any:
-    """A MambaStack spec from Megatron's own modules, no Transformer Engine, for pure and hybrid stacks.
-
-    Mamba layers (``M``): the layer norm is ``WrappedTorchNorm`` (torch RMSNorm with
-    ``normalization="RMSNorm"``; ``norm`` overrides), the mixer's in_proj / out_proj are
-    ``ColumnParallelLinear`` / ``RowParallelLinear``. Attention layers (``*``): a ``TransformerLayer`` with
-    ``input_layernorm=WrappedTorchNorm`` and a causal ``SelfAttention`` (linear_qkv ColumnParallelLinear,
-    core_attention DotProductAttention, linear_proj RowParallelLinear). MLP layers (``-``): an ``MLPLayer``
-    with ``pre_mlp_layernorm=WrappedTorchNorm`` and an ``MLP`` (linear_fc1 / linear_fc2). MoE layers (``E``,
-    with ``moe_experts`` routed experts): a ``TransformerLayer`` with ``pre_mlp_layernorm=WrappedTorchNorm`` and
-    Megatron's local ``MoELayer`` (``get_moe_module_spec(use_te=False)``: a ``TopKRouter``, a ``SequentialMLP``
-    of ``MLP`` experts, a ``SharedExpertMLP``); without ``moe_experts`` none. The hook covers exactly these (it
-    refuses the TE spec, whose layer norms are fused into the following linear). The mixer's chunk size is
-    left to the hook (the contract's) or MambaMixer's default without it; attention, MLP and MoE layers take
-    ``layernorm_epsilon`` from the TransformerConfig."""
+    """A MambaStack spec of Megatron's own modules, no Transformer Engine, pure or hybrid (M, *, - and, with
+    ``moe_experts``, E layers): WrappedTorchNorm norms (``norm`` overrides the Mamba layers'), Column- and
+    RowParallelLinear, a causal SelfAttention, Megatron's local MLP and MoELayer. The hook covers exactly these
+    (the TE spec fuses each layer norm into the next linear)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
@@ -71,12 +61,8 @@ def local_mamba_stack_spec(eps: float = 1e-5, *, conv_bias: bool = True, norm: A
 
 def aligned_mamba_stack_spec(contract: Contract, eps: float = 1e-5, *, conv_bias: bool = True,
                              moe_experts: int | None = None) -> Any:
-    """``local_mamba_stack_spec`` with the aligned modules in place, for users who build their own spec:
-    every layer norm is ``AlignedRMSNorm`` (the shared op, no forward swapped in later) and every
-    ``MambaMixer`` takes ``contract``'s chunk size. Install the hook for the same ``contract`` before
-    building (its mixer, attention, MLP and MoE forwards and the checks stay the hook's); under another
-    contract the mixers are refused, naming both chunk sizes. Same parameter names as the local spec, so
-    checkpoints and ``megatron_weights`` carry over."""
+    """``local_mamba_stack_spec`` with ``AlignedRMSNorm`` as every layer norm and ``contract``'s chunk size in every
+    mixer (the same parameter names); install the hook for the same contract before building."""
     spec = local_mamba_stack_spec(eps, conv_bias=conv_bias, norm=AlignedRMSNorm, moe_experts=moe_experts)
     stack = spec.submodules
     stack.mamba_layer.submodules.mixer.params["chunk_size"] = contract.chunk_size
