@@ -1,17 +1,9 @@
-"""The three actors of the RL loop, as plain classes (``rollout.rl`` wraps them with ``ray.remote``).
-
-- ``RolloutWorker``: one sampler engine; loads versioned weights (safetensors bytes, checked
-  against their digest), samples prompts with a seed, returns tokens and the logprob of every
-  sampled token under the row that sampled it (``SampleBatch``).
-- ``TrainerScorer``: the trainer; scores sampled sequences in one pass, takes a policy-gradient
-  step on them, exports its weights as safetensors bytes with a version.
-- ``AlignmentChecker``: compares every sampled token's logprob with the trainer's bit for bit
-  (``aligned_mamba.verify``), refuses batches sampled under other weights, keeps the metrics.
-
-Engines and trainers are the core's protocols (``aligned_mamba.integrations``), chosen by name:
-"reference" is built in, others come from the entry-point groups ``aligned_mamba.engines`` /
-``aligned_mamba.trainers`` (the same that ``aligned-mamba check`` uses). Nothing here imports Ray,
-so the classes can be tested without a cluster.
+"""The three actors of the RL loop as plain classes (``rollout.rl`` wraps them with ``ray.remote``; nothing here
+imports Ray, so they are tested without a cluster): ``RolloutWorker`` (one sampler engine: loads versioned,
+digest-checked weights, samples, returns each sampled token's logprob), ``TrainerScorer`` (scores in one pass,
+takes a policy-gradient step, exports versioned safetensors bytes) and ``AlignmentChecker`` (compares every
+logprob bit for bit, refuses batches sampled under other weights, keeps the metrics). Engines and trainers are
+the core's protocols, chosen by name as ``aligned-mamba check`` does (``aligned_mamba.integrations``).
 """
 
 from __future__ import annotations
@@ -56,11 +48,8 @@ class TrainerSpec:
 
 
 def check_plugin(kind: str, name: str) -> dict[str, Any]:
-    """Fail fast in the driver (before any actor starts) when an engine/trainer name cannot be built.
-
-    Returns the factory's ``ray_actor_options`` (e.g. a vLLM engine's ``runtime_env`` env vars or
-    ``num_gpus``), merged by the driver into the options of the actors that run it; {} for "reference".
-    """
+    """Fail fast in the driver, before any actor starts, when an engine/trainer name cannot be built; returns the
+    factory's ``ray_actor_options`` (env vars, ``num_gpus``) for the actors that run it ({} for "reference")."""
     factory = engine_factory(name) if kind == "engine" else trainer_factory(name)
     return dict(getattr(factory, "ray_actor_options", None) or {})
 
@@ -73,12 +62,9 @@ def make_trainer(spec: TrainerSpec) -> Trainer:
 
 
 def deferring_init(cls: type) -> type:
-    """``cls`` whose ``__init__`` errors are kept and raised by its first method call.
-
-    Ray reports an exception raised in an actor's ``__init__`` as an ``ActorDiedError`` holding only
-    the formatted traceback, not the exception; raised from a method instead it reaches the driver
-    as itself (``RayTaskError.cause``), so the user sees its one line and the exit status it means.
-    """
+    """``cls`` whose ``__init__`` errors are kept and raised by its first method call: Ray reports an actor's
+    ``__init__`` exception as an ``ActorDiedError`` holding only the traceback text, while one raised by a
+    method reaches the driver as itself (``RayTaskError.cause``), with its one line and exit status."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -147,16 +133,10 @@ def even_token_reward(generated: Sequence[int]) -> float:
 
 
 class RolloutWorker:
-    """A rollout worker: one engine, versioned weights, seeded sampling.
-
-    ``keep_rows``: keep the raw logits rows each token was sampled from (``last_rows``, per request
-    (position, row) pairs) for a caller that compares them too; the loop itself compares logprobs.
-
-    Fault injection (tests, ``--inject``): ``stale`` ignores every weights update after the first
-    (and honestly reports the old version); ``exact_replay=False`` in the spec runs the engine's
-    stock decode (what engines do today); ``sample(kill_after_steps=n)`` SIGKILLs the process
-    after n engine steps, mid-iteration.
-    """
+    """A rollout worker: one engine, versioned weights, seeded sampling. ``keep_rows``: keep each token's raw
+    logits row (``last_rows``: per request, (position, row) pairs) for a caller that compares rows too.
+    Faults (tests, ``--inject``): ``stale`` ignores weights updates after the first (reporting the old version),
+    the spec's ``exact_replay=False`` runs stock decode, ``sample(kill_after_steps=n)`` SIGKILLs the process."""
 
     def __init__(self, worker: int, engine: str, spec: EngineSpec, budget: int | None, *, stale: bool = False,
                  keep_rows: bool = False) -> None:
@@ -275,12 +255,9 @@ class TrainerScorer:
         return Scores(version, digest, self.contract, out, time.perf_counter() - t0, self.hardware)
 
     def step(self, *batches: SampleBatch) -> dict[str, Any]:
-        """REINFORCE on ``batches``: reward per sequence, advantage = reward - batch mean; one update.
-
-        Also rescored after the update on the same tokens: ``logprob_shift`` (max |after - before|)
-        shows that the new weights move the logprobs, and ``loss_after`` is the step's loss on the same
-        tokens and advantages under the new weights (below ``loss`` when the step descended).
-        """
+        """REINFORCE on ``batches``: reward per sequence, advantage = reward - batch mean, one update. Rescored after
+        it on the same tokens: ``logprob_shift`` (max |after - before|) shows the weights moved the logprobs, and
+        ``loss_after`` (the same loss under the new weights) is below ``loss`` when the step descended."""
         t0 = time.perf_counter()
         seqs = [torch.tensor(s, dtype=torch.int64) for b in batches for s in b.sequences]
         pls = [p for b in batches for p in b.prompt_lens]
@@ -328,11 +305,8 @@ class AlignmentChecker:
         self.reports: list[CheckReport] = []
 
     def check(self, iteration: int, scores: Scores, *batches: SampleBatch) -> CheckReport:
-        """Refuse batches sampled under weights other than the ones scored; compare the rest token by token.
-
-        A refused batch is still compared (its differences are counted, its first differing token
-        reported) so that the report says how far off the stale worker was.
-        """
+        """Refuse batches sampled under weights other than the ones scored; compare every batch token by token
+        (a refused one too, so the report says how far off the stale worker was)."""
         rep = CheckReport(iteration, scores.weights_version)
         kl_sum = lp_sum = 0.0
         for b in batches:

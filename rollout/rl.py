@@ -342,12 +342,11 @@ class _Loop:
         o = self.opts
         contract = self.contract
         cdict = contract.to_dict()
-        # num_cpus=0 unless the plug-in's ray_actor_options say otherwise (num_gpus, runtime_env): the
-        # actors are scheduled whatever the cluster's CPU count. A worker at --sampler-tp M starts its
-        # engine's M rank processes itself, outside Ray's accounting; they inherit the OMP_NUM_THREADS=1
-        # Ray gives an actor without CPUs. max_task_retries=0: the driver re-runs an interrupted sample
-        # itself, after pushing the weights again (a restarted actor comes back with its original, empty,
-        # state).
+        # num_cpus=0 unless the plug-in's ray_actor_options say otherwise: actors schedule whatever the CPU count
+        # (a worker's --sampler-tp rank processes, outside Ray's accounting, inherit the OMP_NUM_THREADS=1 that
+        # Ray gives an actor without CPUs).
+        # max_task_retries=0: the driver re-runs an interrupted sample after pushing the weights again (a
+        # restarted actor comes back with its original, empty, state).
         worker_cls = ray.remote(RolloutWorker).options(**{"num_cpus": 0, **self.actor_options["engine"],
                                                           "max_restarts": o.max_restarts, "max_task_retries": 0})
         self.workers = [
@@ -528,10 +527,9 @@ class _Loop:
         return self._result(rows, cluster, summary, startup_s, t_start, stopped_early)
 
     def _release(self, timeout_s: float = 60.0) -> None:
-        """Close every worker's engine before ``close`` kills the actors: a tensor-parallel engine ends its
-        rank processes itself. (A worker killed outright, or one that does not answer in time, leaves its
-        ranks to stop on their own: vLLM's workers watch a pipe from their parent, ``parallel.Ranks``
-        its parent's pid.)"""
+        """Close every worker's engine before ``close`` kills the actors, so a TP engine ends its rank processes
+        (a worker killed outright or late leaves its ranks to stop on their own: vLLM's workers watch a pipe
+        from their parent, ``parallel.Ranks`` its parent's pid)."""
         import ray
 
         try:

@@ -1,19 +1,10 @@
 """The ``vllm`` engine (``aligned_mamba.integrations.Engine``): a real in-process vLLM engine.
 
-Registered as the ``vllm`` entry of ``aligned_mamba.engines``, so ``aligned-mamba check --engine
-vllm`` and the RL loop's rollout workers (``aligned-mamba rl --engine vllm``) both run it. With the
-spec's ``exact_replay`` (the default) the plugin is on and vLLM runs the model on the core's
-layers; off, it is stock vLLM (the baseline). vLLM loads its plugins once per process, so the
-factory asks for a process of its own (``own_process``).
-
-Rows are vLLM's own output (``logprobs_mode="raw_logits"``, full-vocabulary logprobs: every
-sampled token carries the raw logits row it was sampled from; prompt logprobs the rows at prompt
-positions), cast back to the model dtype (vLLM hands out fp32 copies of model-dtype logits:
-exact; a row that is not is refused). Each sampled token's logprob (``sampled_logprobs``: what the
-check and the RL loop compare with the trainer's) is the number RL frameworks read: a second pass
-of the same scenario (same seed, so the same tokens under exact replay) with
-``SamplingParams(logprobs=0)`` under ``logprobs_mode="processed_logprobs"``, as verl sets it. New
-weights go through vLLM's ``reload_weights`` (the plugin's model rebuilds its core).
+Entry ``vllm`` of ``aligned_mamba.engines`` (``check --engine vllm``, ``rl --engine vllm``): the plugin on
+(``exact_replay``) or off (stock vLLM), in a process of its own, as vLLM loads its plugins once per process.
+Rows are vLLM's raw logits rows, cast back to the model dtype (vLLM hands out fp32 copies: exact, else
+refused); ``sampled_logprobs`` come from a separate pass (same seed, same tokens) with ``logprobs=0`` under
+``processed_logprobs``, the number verl reads. New weights go through vLLM's ``reload_weights``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The exact-replay Mamba2ForCausalLM and NemotronHForCausalLM for vLLM: vLLM schedules, the core computes.
 
-vLLM keeps doing what it is good at (requests, scheduling, chunked prefill, continuous batching,
-preemption, sampling, the state memory pool); every op on the path from token to logit is the
-core's. Each Mamba layer is a ``ReplayMambaLayer`` (a ``MambaBase``, as vLLM's own MambaMixer2):
-it declares the core layer's per-slot state (``layers.mamba2.state_spec``) so vLLM's memory planner
-sizes the cache for it, receives the bound views as ``kv_cache``, and in the forward runs its own
-mixer (``Mamba2Mixer.advance``) from its own attention metadata, as a core ``Step``
-(derived once per step: the layers of one KV-cache group share the metadata object). The trainer's
-forward runs the same blocks, so its logits rows equal the ones vLLM sampled from.
-
-In a hybrid (Nemotron-H) each attention layer is a ``PagedAttentionLayer``: it declares a vLLM
-``Attention`` layer (so vLLM's planner sizes a paged KV cache for it and its scheduler and block
-manager own the pages), and in the forward writes the new tokens' keys and values into those pages
-at the places the block table says, gathers each sequence's keys 0..t back into the packed layout
-the core's blocked attention reads, and runs the core layer's arithmetic (``Attention.advance_paged``).
-MLP layers are stateless and run as they are. vLLM's own attention kernel is never called.
+A Mamba layer (``ReplayMambaLayer``) declares the core layer's per-slot state, so vLLM's planner sizes its
+Mamba cache, and advances it as a core ``Step`` built from its own metadata; an attention layer
+(``PagedAttentionLayer``) declares a vLLM ``Attention`` for its paged KV cache and runs the core's
+``advance_paged`` over those pages (vLLM's attention kernel is never called). Why: docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -58,13 +47,9 @@ def _shape_group(size: int) -> TPGroup:
 
 
 def replay_layout(config: Any, contract: Contract, tp_size: int = 1) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """One Mamba2 layer's state as vLLM state entries: (field, per-slot shape, dtype); ``config``: a
-    family config with ``mixer_config()`` (Mamba2Config, NemotronHConfig). ``tp_size``: the state of
-    one tensor-parallel rank (its heads and groups: ``layers.mamba2.local_config``).
-
-    fp32 fields first, so every field's byte offset inside a slot's page is a multiple of its
-    element size (the page is one int8 buffer that ``MambaBase.bind_kv_cache`` slices and views).
-    """
+    """One Mamba2 layer's state as vLLM state entries (field, per-slot shape, dtype), at one TP rank's heads
+    and groups; ``config`` has ``mixer_config()``. fp32 fields first: ``MambaBase.bind_kv_cache`` slices a
+    slot's page out of one int8 buffer, so each field's offset must be a multiple of its element size."""
     mixer = config.mixer_config()
     if tp_size > 1:
         mixer = mamba2_layer.local_config(mixer, _shape_group(tp_size))
@@ -77,13 +62,9 @@ def replay_layout(config: Any, contract: Contract, tp_size: int = 1) -> list[tup
 
 
 def batch_from_metadata(md: Any, positions: torch.Tensor) -> Step:
-    """The core's ``Step`` for one vLLM step.
-
-    md: a ``Mamba2AttentionMetadata``: decode rows first (one token each, slot in
-    ``state_indices_tensor_d[:, 0]``), then prefill rows (slots ``state_indices_tensor_p``, token
-    offsets ``query_start_loc_p``). positions [>= T] int64: each token's absolute position, so a
-    sequence's first new token gives its start position (tokens already in its state).
-    """
+    """The core's ``Step`` for one vLLM step. md: ``Mamba2AttentionMetadata`` (decode rows first, one token
+    each, slots ``state_indices_tensor_d[:, 0]``; then prefill rows, slots ``state_indices_tensor_p``,
+    offsets ``query_start_loc_p``); positions [>= T] int64 (a sequence's first new token gives its start)."""
     nd, npf = int(md.num_decodes), int(md.num_prefills)
     if int(md.num_decode_tokens) != nd:
         raise ExactReplayRefused("aligned-mamba exact replay refused: a decode row carries more than one token "
@@ -101,8 +82,7 @@ def batch_from_metadata(md: Any, positions: torch.Tensor) -> Step:
     start = positions[cu[:-1].to(positions.device)].to("cpu", torch.int64)
     seq_lens = md.seq_lens[: nd + npf].to("cpu", torch.int64)
     if not torch.equal(start + lens_t, seq_lens):
-        # The positions and the scheduler's lengths disagree: a schedule this code does not
-        # understand. Stop rather than advance a state from the wrong position.
+        # a schedule this code does not understand: stop rather than advance from the wrong position
         raise RuntimeError(f"aligned-mamba: positions {start.tolist()} + query lengths {lens_t.tolist()} != "
                            f"seq_lens {seq_lens.tolist()}")
     if slots_t.unique().numel() != slots_t.numel():
@@ -120,12 +100,8 @@ def step_batch(md: Any, positions: torch.Tensor) -> Step:
 
 
 class ReplayMambaLayer(MambaBase, nn.Module):
-    """One Mamba2 block over its slot of vLLM's Mamba cache (the core layer's state per request).
-
-    ``block`` (the core's norm + ``Mamba2Mixer``) is set when the weights are loaded; the forward
-    advances the step's slots through its mixer from this layer's own metadata and state views (the
-    model fuses each residual add with the next norm, as the core's forward does).
-    """
+    """One Mamba2 block over its slot of vLLM's Mamba cache; ``block`` (norm + ``Mamba2Mixer``) is set at
+    weight load, and the forward advances the step's slots from this layer's metadata and state views."""
 
     def __init__(self, prefix: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         super().__init__()
@@ -168,8 +144,7 @@ class ReplayMambaLayer(MambaBase, nn.Module):
         return batch.num_tokens
 
     def forward(self, normed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The mixer over the step's new tokens: normed [T, hidden] (the block's norm of the residual,
-        the step's real tokens) -> [T, hidden] in the model dtype; the model adds it to the residual."""
+        """The mixer over the step's new tokens: normed [T, hidden] (real tokens only) -> [T, hidden]."""
         assert self.block is not None, "weights not loaded"
         batch = self.batch(positions)
         assert batch is not None, "a layer's forward without attention metadata"
@@ -186,14 +161,10 @@ _PAGED_ATTR = "_aligned_mamba_paged"  # an attention metadata object's PagedTabl
 
 def tables_from_metadata(md: Any, positions: torch.Tensor, rep: int, block_size: int,
                          device: torch.device) -> PagedTables:
-    """The core's paged tables for one vLLM step of one KV-cache group.
-
-    md: the attention metadata (the CPU backend's ``CPUAttentionMetadata``): ``query_start_loc``
-    [R+1] (the new tokens' offsets), ``seq_lens`` [R] (lengths after the step), ``block_table`` [R,
-    max_blocks] (page ids in units of the cache tensor's blocks), ``slot_mapping`` [T] (where vLLM
-    itself would store each new token). positions [>= T] int64. Both are cross-checked, so a
-    layout this code does not understand stops the engine instead of reading the wrong keys.
-    """
+    """The core's paged tables for one vLLM step of one KV-cache group. md: ``CPUAttentionMetadata``
+    (``query_start_loc`` [R+1], ``seq_lens`` [R] after the step, ``block_table`` [R, max_blocks]: ids of the
+    cache tensor's blocks, ``slot_mapping`` [T]: where vLLM would store each new token); positions [>= T]
+    int64. Both are cross-checked, so an unknown layout stops the engine instead of reading the wrong keys."""
     seq_lens = md.seq_lens.to("cpu", torch.int64)
     R = seq_lens.numel()
     cu = md.query_start_loc[: R + 1].to("cpu", torch.int64)
@@ -216,13 +187,9 @@ def tables_from_metadata(md: Any, positions: torch.Tensor, rep: int, block_size:
 
 
 class PagedAttentionLayer(nn.Module):
-    """One attention block over vLLM's paged KV cache.
-
-    ``attn`` is a vLLM ``Attention`` layer, declared only for what vLLM does with one: its KV-cache
-    spec (the planner sizes the pages, the block manager hands them out per request), the bound
-    ``kv_cache`` tensor and the per-step metadata. Its forward (vLLM's kernel) is never called: the
-    core's ``Attention`` (``block.mixer``, set at weight load) writes and reads the pages.
-    """
+    """One attention block over vLLM's paged KV cache. ``attn`` (a vLLM ``Attention``) is declared only for its
+    KV-cache spec, bound ``kv_cache`` and per-step metadata, never run: the core's ``Attention``
+    (``block.mixer``, set at weight load) writes and reads the pages."""
 
     def __init__(self, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int, cache_config: Any) -> None:
         """num_heads / num_kv_heads: this rank's (``layers.attention.local_config`` under tensor parallelism)."""
@@ -298,9 +265,8 @@ def tp_group(vllm_config: VllmConfig) -> TPGroup:
 
 
 class _ExactReplayLM(nn.Module):
-    """What both exact-replay models share: the core model built from the checkpoint's tensors, the
-    forward over vLLM's per-layer metadata, the core's logits. Subclasses build ``self.layers`` (one
-    vLLM-facing layer per core block, each with a ``block`` set at weight load)."""
+    """What both exact-replay models share: the core model from the checkpoint's tensors, the forward over
+    vLLM's per-layer metadata, the core's logits; subclasses build ``self.layers``, one per core block."""
 
     has_inner_state: ClassVar[Literal[True]] = True
     supports_mamba_prefix_caching: ClassVar[Literal[False]] = False
@@ -323,7 +289,7 @@ class _ExactReplayLM(nn.Module):
         """One vLLM module per decoder layer (each family's subclass says which kinds)."""
         raise TypeError(f"{type(self).__name__} is an abstract base: use a family's subclass")
 
-    # -- vLLM's state declaration, from the config alone (hybrid page sizing) ---------------------
+    # vLLM sizes a hybrid's pages from the config alone, before the model exists
     @classmethod
     def _layout_from_config(cls, vllm_config: VllmConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return replay_layout(core_config(vllm_config), engine_contract(vllm_config),
@@ -339,7 +305,7 @@ class _ExactReplayLM(nn.Module):
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:
-        # Only prefix caching (align mode) and speculative decoding copy states; both are refused.
+        # only prefix caching (align mode) and speculative decoding copy states; both are refused
         refuse("copying replay states between blocks (prefix caching / speculative decoding) is not covered")
 
     @classmethod
@@ -351,13 +317,9 @@ class _ExactReplayLM(nn.Module):
         per_layer = sum(math.prod(s) * d.itemsize for _, s, d in self.layout)
         return per_layer * sum(isinstance(layer, ReplayMambaLayer) for layer in self.layers)
 
-    # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Collect HF-named tensors and (re)build the core model from them.
-
-        A later call (vLLM's reload_weights, an RL weight update) may carry a subset: it replaces
-        those tensors and rebuilds. Names outside the checkpoint layout are refused.
-        """
+        """Collect HF-named tensors and (re)build the core model; a later call (reload_weights, an RL weight
+        update) may carry a subset, replacing those tensors. Names outside the checkpoint layout are refused."""
         family, config = self.family, self.config
         shapes = family.expected_shapes(config)
         tied = family.tied(config)
@@ -386,7 +348,6 @@ class _ExactReplayLM(nn.Module):
         got.update(name for name, _ in self.named_parameters())
         return got
 
-    # -- the forward -------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.core is not None
         return self.core.embed(input_ids)
@@ -394,11 +355,8 @@ class _ExactReplayLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        """One engine step: every layer advances the scheduled requests by their new tokens.
-
-        input_ids / positions [T_padded]; returns the final normed hidden rows [T_padded, hidden]
-        (model dtype; rows past the real tokens are zero) for ``compute_logits``.
-        """
+        """One engine step: input_ids / positions [T_padded] -> the final normed hidden rows [T_padded, hidden]
+        (model dtype; rows past the real tokens zero) for ``compute_logits``."""
         if input_ids is None or inputs_embeds is not None:
             refuse("prompt embeddings are not covered (the core starts from token ids)")
         core = self.core
@@ -413,20 +371,15 @@ class _ExactReplayLM(nn.Module):
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The core's row-invariant lm_head: [R, hidden] -> [R, vocab] (model dtype). Under tensor
-        parallelism every rank returns the full rows (its vocabulary shard, all-gathered), so vLLM's
-        sampler and the plugin's logprobs see what a TP 1 engine sees."""
+        """The core's row-invariant lm_head: [R, hidden] -> [R, vocab] (model dtype); under TP every rank returns
+        full rows (vocabulary shards all-gathered), so the sampler sees what a TP 1 engine sees."""
         assert self.core is not None
         return self.core.logits(hidden_states)
 
 
 class ExactReplayMamba2ForCausalLM(_ExactReplayLM):
-    """Mamba2ForCausalLM on the core's layers (registered under that name when the switch is on).
-
-    The weights are the checkpoint's tensors as the core's ``build_model`` takes them, so every cast
-    (A = -exp(A_log) in fp32, the linear weights as the backend wants them, ...) is the trainer's own
-    code.
-    """
+    """Mamba2ForCausalLM on the core's layers; the weights go through the core's ``build_model``, so every
+    cast (A = -exp(A_log) in fp32, ...) is the trainer's own code."""
 
     # vLLM's model interfaces (HasInnerState, IsAttentionFree), declared as flags
     is_attention_free: ClassVar[Literal[True]] = True
@@ -442,10 +395,8 @@ class ExactReplayMamba2ForCausalLM(_ExactReplayLM):
 
 
 class ExactReplayNemotronHForCausalLM(_ExactReplayLM):
-    """NemotronHForCausalLM (Mamba2, attention and MLP layers) on the core's layers, registered under
-    that name when the switch is on: Mamba2 layers' replay state in vLLM's Mamba cache, attention
-    layers' keys and values in vLLM's paged KV cache, MLP layers stateless. The weights are the
-    checkpoint's HF-named tensors (``models.nemotron_h.expected_shapes``)."""
+    """NemotronHForCausalLM on the core's layers: Mamba2 state in vLLM's Mamba cache, attention keys and
+    values in its paged KV cache, MLP layers stateless; HF-named tensors (``nemotron_h.expected_shapes``)."""
 
     # vLLM's model interfaces (HasInnerState, IsHybrid), declared as flags
     is_hybrid: ClassVar[Literal[True]] = True

@@ -1,51 +1,14 @@
-"""vLLM general plugin: exact-replay decode for Mamba2 and hybrid (Nemotron-H) models, switched on by
-``ALIGNED_MAMBA_EXACT_REPLAY=1`` or by ``additional_config={"aligned_mamba": {...}}``.
+"""vLLM general plugin: exact-replay decode for Mamba2 and hybrid (Nemotron-H) models.
 
-vLLM calls ``register()`` in every process it starts (entry point group ``vllm.general_plugins``).
-Switched on, it
-
-- registers ``rollout.vllm_model:ExactReplayMamba2ForCausalLM`` as ``Mamba2ForCausalLM`` and
-  ``rollout.vllm_model:ExactReplayNemotronHForCausalLM`` as ``NemotronHForCausalLM``, so the model's
-  forward and logits run on the core's layers: Mamba2 layers with their replay state in vLLM's
-  Mamba cache, attention layers with their keys and values in vLLM's paged KV cache;
-- puts a config hook in front of every architecture (vLLM's ``MODELS_CONFIG_MAP``), which runs
-  while vLLM builds its config, in the process that constructs ``LLM(...)`` / ``vllm serve``: it
-  refuses, with one line, every setting under which bits cannot be promised (``check_engine``);
-- makes every logprob vLLM reports the contract's (``aligned_mamba.token_logprobs``: fp32 logits / T,
-  then the position-invariant log-softmax). vLLM has no hook for its logprob function, so two
-  methods of its sampler are replaced at class level, in every process (``_patch_sampler``):
-  ``Sampler.compute_logprobs`` (the staticmethod behind ``raw_logprobs``, greedy
-  ``processed_logprobs`` and ``prompt_logprobs``) and ``Sampler.sample``, which keeps vLLM's
-  sampling and replaces only the processed logprobs / logits it returns with the contract's of
-  the raw logits at each row's temperature (vLLM's rule: T = 1 for greedy rows). The sampled tokens
-  are vLLM's own. ``raw_logits`` rows are the model's logits (already the trainer's bits);
-- checks each request where vLLM validates its parameters (``InputProcessor``'s logits-processor
-  validator, wrapped): under ``processed_logprobs`` / ``processed_logits`` a request asking for
-  logprobs with anything that changes the logits before sampling (penalties, top-k, top-p, min-p,
-  min_tokens, logit_bias, bad_words, allowed_token_ids) is refused in one line, because its
-  processed logprobs are not a function of the trainer's logits row and T; structured output with
-  logprobs is refused in every mode (its mask is applied before the raw logprobs). At start-up:
-  custom logits processors under a processed mode and vLLM's V2 model runner (its own Triton
-  logprob kernel) are refused.
-
-Switched off (the variable unset), ``register()`` only watches vLLM's config for
-``additional_config["aligned_mamba"]``: when it is there, the plugin switches on for that engine
-(and sets the variable, so the engine processes vLLM spawns next switch on too); with the variable
-explicitly off (``0``) the engine is refused in one line. Neither: vLLM is untouched.
-
-Every process that builds vLLM's config or the model with exact replay on logs one line (logger
-``vllm.aligned_mamba``) with the contract fingerprint and the hardware class (``announce``): in-process,
-the one engine process; multiprocess, the front end and the worker (EngineCore only schedules).
-
-The contract (chunk size, state dtype, backend, model dtype) is derived from the model and the
-engine; ``additional_config={"aligned_mamba": {"contract": {...} | "name" | "path.yaml"}}`` (or
-``{"chunk_size": N}``, or ``{}``) states the trainer's, and any difference is refused at start.
-
-Tensor parallelism (``tensor_parallel_size=k``, vLLM's multiprocess executor): each worker builds the
-core model sharded over vLLM's TP group (``aligned_mamba.parallel``), and the stated contract's
-``row_parallel_slices`` S fixes every cross-rank reduction's tree, so k = 1, 2 ... S give the same bits.
-A k the contract cannot keep the bits at (S < k, heads or groups that do not split, MoE layers) is
-refused in one line; pipeline and context parallelism are refused by name.
+Switched on by ``ALIGNED_MAMBA_EXACT_REPLAY=1`` or by ``additional_config={"aligned_mamba": {...}}``
+(``{}``, ``{"contract": dict | "name" | "path.yaml"}`` or ``{"chunk_size": N}``: the trainer's contract;
+any difference from the engine's is refused at start). vLLM calls ``register()`` in every process it
+starts (entry point group ``vllm.general_plugins``). Switched on, it runs the models on the core's layers,
+refuses in one line every setting and request under which bits cannot be promised, and makes every logprob
+vLLM reports the contract's (``aligned_mamba.token_logprobs``); each process that builds the config or the
+model logs one line (logger ``vllm.aligned_mamba``). With the variable explicitly ``0``,
+``additional_config`` is refused; with neither, vLLM is untouched. What it changes and refuses, and why:
+docs/vllm.md; tensor parallelism: docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -79,11 +42,8 @@ _announced = False
 
 
 class ExactReplayRefused(AlignedMambaError):
-    """A vLLM setting under which exact replay cannot promise bits; the message is one line.
-
-    Not a ValueError on purpose: vLLM's pydantic configs would fold a ValueError into a
-    multi-line validation report.
-    """
+    """A vLLM setting under which exact replay cannot promise bits (a one-line message); not a ValueError,
+    which vLLM's pydantic configs would fold into a multi-line validation report."""
 
 
 def refuse(reason: str) -> NoReturn:
@@ -129,8 +89,7 @@ def _enable() -> None:
 
 
 def _watch_additional_config() -> None:
-    """Off by the variable: answer every config-hook lookup with a hook that first looks for
-    ``additional_config["aligned_mamba"]`` (``switch_on_from_config``), then runs vLLM's own."""
+    """Off by the variable: every config-hook lookup first looks for ``additional_config`` (``_WatchedConfigMap``)."""
     global _watching
     if _watching:
         return
@@ -142,9 +101,8 @@ def _watch_additional_config() -> None:
 
 
 def switch_on_from_config(vllm_config: Any) -> bool:
-    """Whether ``additional_config["aligned_mamba"]`` switched the plugin on (it is then on in this
-    process, and ``ALIGNED_MAMBA_EXACT_REPLAY=1`` is set for the processes vLLM spawns next).
-    Refuses (one line) when the variable explicitly switches it off."""
+    """Whether ``additional_config["aligned_mamba"]`` switched the plugin on (here, and through the variable in
+    the processes vLLM spawns next); refused when the variable explicitly switches it off."""
     extra = getattr(vllm_config, "additional_config", None)
     if not isinstance(extra, dict) or CONFIG_KEY not in extra:
         return False
@@ -158,9 +116,8 @@ def switch_on_from_config(vllm_config: Any) -> bool:
 
 
 class _WatchedConfigMap(dict):
-    """vLLM's per-architecture config hooks with the plugin off: every lookup gets a hook that
-    switches the plugin on when the engine's additional_config asks for it (then the plugin's
-    hooks run), and otherwise runs vLLM's own hook for that architecture, if any."""
+    """vLLM's per-architecture config hooks with the plugin off: each lookup gets a hook that switches the plugin
+    on when the engine's additional_config asks for it, and otherwise runs vLLM's own hook, if any."""
 
     def __init__(self, original: dict) -> None:
         super().__init__(original)
@@ -251,9 +208,8 @@ def _refuse_architecture(arch: str | None) -> NoReturn:
 
 
 def core_config(vllm_config: Any) -> Any:
-    """The core family's config of vLLM's HF config (hf_overrides included): ``Mamba2Config`` or
-    ``NemotronHConfig``. What the core does not cover (sliding-window attention, multi-token
-    prediction, ...) is refused here with the core's one-line reason."""
+    """The core family's config (``Mamba2Config``, ``NemotronHConfig``) of vLLM's HF config, hf_overrides
+    included; what the core does not cover is refused with the core's one-line reason."""
     from aligned_mamba.models.registry import family_of
 
     hf = vllm_config.model_config.hf_config
@@ -268,10 +224,9 @@ def core_config(vllm_config: Any) -> Any:
 
 
 def engine_contract(vllm_config: Any) -> Contract:
-    """The contract this engine runs under: chunk size from the model config, fp32 state, the
-    backend of the device (torch on the CPU, triton on CUDA), the model dtype, and the stated
-    contract's ``row_parallel_slices`` (1 without one); checked against the one stated in
-    ``additional_config["aligned_mamba"]`` if any."""
+    """The engine's contract: the model config's chunk size, fp32 state, the device's backend (torch on the
+    CPU, triton on CUDA), the model dtype and the stated contract's ``row_parallel_slices`` (1 without one);
+    checked against the contract stated in ``additional_config["aligned_mamba"]``, if any."""
     mc = vllm_config.model_config
     dtype = normalize_dtype(mc.dtype)
     if dtype not in MODEL_DTYPES:
@@ -303,8 +258,7 @@ def engine_contract(vllm_config: Any) -> Contract:
             want = Contract.from_dict(want) if isinstance(want, dict) else Contract.from_yaml(str(want))
         except ContractError as e:
             refuse(f"the stated contract: {e}")
-        # The row-parallel slices are the trainer's choice, not the engine's: taken as stated (a
-        # backend that has no sliced GEMM refuses them in the contract itself).
+        # row_parallel_slices is the trainer's choice, taken as stated (a backend without sliced GEMMs refuses it)
         try:
             contract = dataclasses.replace(contract, row_parallel_slices=want.row_parallel_slices)
         except ContractError as e:
@@ -317,9 +271,8 @@ def engine_contract(vllm_config: Any) -> Contract:
 
 
 def _check_hybrid(vllm_config: Any) -> None:
-    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype.
-    (MoE layers are stateless core layers, row-invariant by construction; MTP layers in the checkpoint
-    are refused by the core's config reader, ``core_config``.)"""
+    """The attention layers' settings: full attention over an unquantised KV cache in the model dtype (MoE
+    layers are row-invariant core layers; MTP layers are refused by ``core_config``)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     window = getattr(cc, "sliding_window", None) or mc.get_sliding_window()
     if window is not None:
@@ -332,12 +285,9 @@ def _check_hybrid(vllm_config: Any) -> None:
 
 
 def check_engine(vllm_config: Any, *, resolved: bool) -> Contract:
-    """Refuse (``ExactReplayRefused``, one line) every setting under which bits cannot be promised.
-
-    ``resolved``: False while vLLM is still building its config (CUDA graph mode not chosen yet:
-    only an explicit one is seen, and eager mode is required off the CPU); True in the worker,
-    where the config is final. Returns the engine's contract.
-    """
+    """Refuse (``ExactReplayRefused``, one line) every setting under which bits cannot be promised; returns
+    the engine's contract. ``resolved``: True in the worker, where the config is final; False while vLLM
+    builds it (no CUDA graph mode chosen yet: only an explicit one is seen; eager required off the CPU)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if mc.architecture not in COVERED_ARCHITECTURES:
         _refuse_architecture(mc.architecture)
@@ -390,9 +340,8 @@ def _check_parallel(pc: Any) -> None:
 
 
 def check_tensor_parallel(vllm_config: Any, contract: Contract) -> None:
-    """Refuse (one line) a tensor-parallel size the contract cannot keep the bits at: not a power of two,
-    not dividing the contract's ``row_parallel_slices`` (TP k needs a contract with S >= k), the heads,
-    groups, key/value heads or the vocabulary's log-softmax slices; MoE layers (``parallel.check_tp``)."""
+    """Refuse (one line) a TP size the contract cannot keep the bits at: one not a power of two dividing
+    ``row_parallel_slices``, the heads, groups, KV heads and vocabulary slices; MoE layers (``parallel.check_tp``)."""
     from aligned_mamba.parallel import check_tp
 
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -467,7 +416,7 @@ def processed(raw: torch.Tensor, sampling_metadata: Any, mode: str) -> torch.Ten
 
 
 def _patch_sampler() -> None:
-    """Replace vLLM's logprob function in its sampler (see the module docstring). Class level, once."""
+    """Replace vLLM's logprob function in its sampler (docs/vllm.md). Class level, once."""
     from vllm.v1.sample.sampler import Sampler
 
     if getattr(Sampler, "_aligned_mamba_logprobs", False):
@@ -495,9 +444,8 @@ def _patch_sampler() -> None:
 # -- request-time refusals ------------------------------------------------------------------------
 
 def check_request(params: Any, logprobs_mode: str) -> None:
-    """Refuse (one line) a request whose reported logprobs the contract's function cannot give:
-    under a processed mode, logprobs together with anything that changes the logits before
-    sampling; in every mode, logprobs with structured output (its mask precedes the raw logprobs)."""
+    """Refuse (one line) a request whose reported logprobs the contract's function cannot give: under a processed
+    mode, logprobs with anything that changes the logits before sampling; in any mode, with structured output."""
     if getattr(params, "logprobs", None) is None and getattr(params, "prompt_logprobs", None) is None:
         return
     if getattr(params, "structured_outputs", None) is not None and params.logprobs is not None:

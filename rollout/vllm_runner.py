@@ -1,16 +1,9 @@
-"""Drive real vLLM engines through the check's schedules, each engine in its own process.
+"""Drive real vLLM engines through the check's schedules, each engine in a spawned process of its own.
 
-An engine runs in a fresh (spawned) process whose environment says whether the plugin is on
-(``ALIGNED_MAMBA_EXACT_REPLAY``): vLLM loads its plugins once per process, so exact replay and
-stock vLLM (the baseline) never share one. The process runs in-process vLLM
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can step the engine, add requests while
-others run, and preempt running requests.
-
-Rows are vLLM's own output: with ``logprobs_mode="raw_logits"`` and full-vocabulary logprobs,
-every sampled token carries the raw logits row that sampled it, and prompt logprobs carry the
-rows at prompt positions. Nothing is read out of the model.
-
-This module imports vLLM only inside the engine process.
+vLLM loads its plugins once per process, so exact replay and stock vLLM (the baseline) never share one. The
+engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can step it, add requests while
+others run and preempt them. Rows are vLLM's own output (``logprobs_mode="raw_logits"``, full-vocabulary
+logprobs), never read out of the model. vLLM is imported only inside the engine process.
 """
 
 from __future__ import annotations
@@ -29,9 +22,8 @@ from aligned_mamba.integrations import Scenario, ScenarioResult
 
 # What every engine process sets before importing vLLM: one in-process engine (the driver steps it).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# Defaults the caller's environment may override: a small state pool (1 GiB), no torch.compile of
-# the sampler (minutes of compile on this CPU, same outputs), and no OpenMP core pinning (vLLM's
-# auto binding pins every engine process to the same core, so engines started together queue).
+# Overridable: a 1 GiB state pool, no torch.compile of the sampler (minutes on the CPU, same outputs), no OpenMP
+# pinning (vLLM's auto binding pins every engine process to the same core, so engines started together queue).
 ENGINE_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # Set by the project's test setup for the core's Triton tests on the CPU; vLLM must not see it.
 DROPPED_ENV = ("TRITON_INTERPRET",)
@@ -53,10 +45,9 @@ class LLMSpec:
 
 @dataclass(frozen=True)
 class Run:
-    """A core ``Scenario`` with the options of a vLLM run: logprobs_mode raw_logits (rows are logits)
-    or raw_logprobs (rows are vLLM's logprobs); reprefill: score prompt + generated tokens in one
-    more prefill afterwards (``info["reprefill_rows"]``, vLLM's decode-vs-prefill property);
-    logprobs: with ``rows="none"``, ``SamplingParams(logprobs=...)`` (``drive``'s ``logprobs``)."""
+    """A core ``Scenario`` with a vLLM run's options: ``logprobs_mode`` raw_logits (rows are logits) or raw_logprobs;
+    ``reprefill``: score prompt + generated again in one prefill (``info["reprefill_rows"]``); ``logprobs``:
+    with ``rows="none"``, ``SamplingParams(logprobs=...)``."""
 
     scenario: Scenario
     logprobs_mode: str = "raw_logits"
@@ -124,9 +115,8 @@ def _worker_logprobs_mode(worker: Any, mode: str) -> None:
 
 
 def _set_logprobs_mode(llm: Any, mode: str) -> None:
-    """Switch logprobs_mode between scenarios: the attributes LLM(logprobs_mode=...) sets (the
-    sampler's, its top-k/top-p sampler's and the model config's, read for prompt logprobs), in every
-    worker (the tensor-parallel ranks are processes of their own), saving an engine start."""
+    """Switch logprobs_mode between scenarios without a new engine: the attributes ``LLM(logprobs_mode=...)`` sets
+    (sampler, its top-k/top-p sampler, model config for prompt logprobs), in every worker process."""
     llm.collective_rpc(_worker_logprobs_mode, args=(mode,))
     llm.llm_engine.model_config.logprobs_mode = mode
 
@@ -164,20 +154,12 @@ def _row(entry: Any, vocab: int) -> torch.Tensor:
 
 def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefill: bool = False,
           logprobs: int | None = None) -> ScenarioResult:
-    """Run one scenario on a started in-process engine by stepping it.
-
-    Returns the rows as vLLM hands them out (float32 copies; see ``Run`` for what they hold); the
-    sampled tokens' values in their rows go to ``info["sampled_values"]`` (``sampled_logprobs`` is
-    left empty: ``vllm_engine`` fills it with what vLLM reports for ``logprobs=0``). ``info`` also
-    holds the decode throughput (``decode_tokens``, ``decode_seconds``: the steps where every
-    request was decoding) and what vLLM ran
-    (``model_class``, ``page_size_bytes``: one request's state per layer, ``num_blocks``, and
-    ``vllm_preemptions``: vLLM's own count of preemptions over the scenario's requests, its
-    ``Request.num_preemptions``, which counts the scheduler's preemptions under memory pressure as
-    well as the ones ``preempt_marks`` forces). ``logprobs``: with ``rows="none"``, ask vLLM for
-    that many logprobs per sampled token (``SamplingParams(logprobs=...)``) and return the sampled
-    tokens' reported values in ``info["sampled_values"]``.
-    """
+    """Run one scenario on a started in-process engine by stepping it: the rows as vLLM hands them out (float32
+    copies, see ``Run``; ``sampled_logprobs`` left empty). ``info``: ``sampled_values`` (the sampled tokens'
+    values in their rows; with ``rows="none"`` and ``logprobs``, their reported logprobs), ``decode_tokens`` and
+    ``decode_seconds`` (steps where every request decodes), ``model_class``, ``page_size_bytes`` (one request's
+    state per layer), ``num_blocks``, ``vllm_preemptions`` (``Request.num_preemptions``: the scheduler's own
+    under memory pressure as well as those ``preempt_marks`` forces)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -186,8 +168,7 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
     vocab = llm.llm_engine.model_config.get_vocab_size()
     _set_logprobs_mode(llm, logprobs_mode)
     full_budget = scheduler.max_num_scheduled_tokens
-    # A smaller per-step budget than the engine started with: what max_num_batched_tokens sets
-    # (the scheduler's budget); the runner's buffers stay sized for the larger one.
+    # the scheduler's budget (what max_num_batched_tokens sets); the runner's buffers stay sized for the larger one
     scheduler.max_num_scheduled_tokens = sc.budget or full_budget
     rows_on = sc.rows != "none"
     prompt_rows_on = sc.rows == "all"
@@ -238,10 +219,8 @@ def drive(llm: Any, sc: Scenario, *, logprobs_mode: str = "raw_logits", reprefil
             if marks:
                 done_marks.update(marks)
                 running = len(scheduler.running)
-                # vLLM's own preemption, as under memory pressure: every running request loses its
-                # state slot and is recomputed from prompt + generated tokens. (A pure Mamba model
-                # holds one slot per request from admission, so memory pressure only makes new
-                # requests wait; it never preempts.)
+                # vLLM's preemption: every running request loses its slot and is recomputed (a pure Mamba
+                # model holds its slot from admission, so memory pressure makes new requests wait, never preempts)
                 engine.reset_prefix_cache(True)
                 preemptions += running
     finally:
@@ -303,9 +282,8 @@ def try_start(specs: Sequence[LLMSpec]) -> list[str | None]:
 
 
 def spawn(fn: Any, *args: Any) -> tuple[ProcessPoolExecutor, Future]:
-    """Run ``fn(*args)`` (``run_in_engine`` or ``try_start``) in a fresh spawned process; returns
-    (pool, future). Shut the pool down after reading the future: the process then exits, and
-    its engine with it."""
+    """Run ``fn(*args)`` (``run_in_engine`` or ``try_start``) in a fresh spawned process: (pool, future). Shut
+    the pool down after reading the future; the process, and its engine, then exit."""
     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     return pool, pool.submit(fn, *args)
 
@@ -344,10 +322,9 @@ class LogprobJob:
 
 @dataclass
 class LogprobResult:
-    """What vLLM reported for one job, per request: ``tokens`` (prompt + generated), ``prompt_len``,
-    ``sampled[j]`` ({token id: logprob} of generated token j: the sampled one and the top-k) and
-    ``prompt[p]`` (the same for prompt token p >= 1; None when not asked). ``error``: the one-line
-    message when vLLM refused the request instead."""
+    """What vLLM reported for one job, per request: ``tokens`` (prompt + generated), ``prompt_len``, ``sampled[j]``
+    / ``prompt[p]`` ({token id: logprob} of generated token j / prompt token p >= 1: the chosen one and the
+    top-k; ``prompt`` None when not asked); ``error``: the one-line message when vLLM refused the request."""
 
     tokens: list[list[int]] = field(default_factory=list)
     prompt_len: list[int] = field(default_factory=list)
@@ -358,12 +335,10 @@ class LogprobResult:
 
 def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | None = None,
                       multiprocess: bool = False) -> dict[str, Any] | str:
-    """Start the engine and run ``jobs`` through ``LLM.generate`` as a framework would, reading the
-    logprobs vLLM reports. ``capture``: a file that takes this process's stdout and stderr (and so
-    the engine processes' it spawns). ``multiprocess``: vLLM's EngineCore and worker in processes of
-    their own (no per-step budget, no ``logprobs_mode`` switch: the spec's). Returns {"pid",
-    "model_class" (in-process engines), "results": {job name: LogprobResult}}, or the engine's
-    one-line start failure."""
+    """Start the engine and run ``jobs`` through ``LLM.generate`` as a framework would. ``capture``: a file taking
+    this process's stdout and stderr (and its engine processes'); ``multiprocess``: EngineCore and worker in
+    processes of their own (no per-step budget or ``logprobs_mode`` switch). Returns ``report_logprobs``'s
+    dict, or the engine's one-line start failure."""
     _engine_env()
     _set_switch(spec)
     if multiprocess:
@@ -380,9 +355,8 @@ def generate_logprobs(spec: LLMSpec, jobs: Sequence[LogprobJob], capture: str | 
 
 
 def report_logprobs(llm: Any, jobs: Sequence[LogprobJob]) -> dict[str, Any]:
-    """Run ``jobs`` through ``llm.generate`` on a started engine (see ``generate_logprobs``; an
-    in-process engine takes each job's budget and ``logprobs_mode``). Returns {"pid", "model_class"
-    (in-process engines), "results": {job name: LogprobResult}}."""
+    """Run ``jobs`` through ``llm.generate`` on a started engine (an in-process one takes each job's budget and
+    ``logprobs_mode``): {"pid", "model_class" (in-process engines), "results": {job name: LogprobResult}}."""
     from vllm import SamplingParams
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
