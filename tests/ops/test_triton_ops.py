@@ -74,11 +74,11 @@ for rstd in (False, True):  # the training forward saves each group's rstd
     comp(f"norm:gated:rstd{int(rstd)}", nt._gated_norm_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", rstd_ptr="*fp32", eps="fp32"),
          dict(WRITE_RSTD=rstd, BLOCK_G=1024), num_warps=nt._block_warps(1024, cfg)[1], enable_fp_fusion=False)
-for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add-norm's from its two inputs)
+for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add-norm's from its fp32 sum)
     comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
-         dict(x_ptr="*bf16", res_ptr="*fp32", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32",
+         dict(x_ptr="*fp32" if add else "*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32",
               dx2_ptr="*bf16", dw_ptr="*fp32", eps="fp32"),
-         dict(HAS_RES=add, HAS_ADD=add, HAS_DX2=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows,
+         dict(HAS_ADD=add, HAS_DX2=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows,
               BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1])
 for out, width in ((False, 4096), (True, 4096), (True, 5120)):  # with out: the norm's output written again
     a, b, warps = nt.gated_bwd_launch(width, cfg)  # for out_proj's weight gradient; 5120 (2.7b's group): two blocks

@@ -89,12 +89,12 @@ def _norm_backward(v, gw, mask, D, eps):
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, M, D, stride_x, stride_res,
-                         stride_g, stride_add, eps, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr,
-                         HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(v)), v = x or (HAS_RES) the
-    add-norm's round_RES(res + x): dx fp32 (+ add[r] if HAS_ADD; HAS_DX2: also in dx2's dtype), and this
-    block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the caller)."""
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, M, D, stride_x, stride_g, stride_add,
+                         eps, HAS_ADD: tl.constexpr, HAS_DX2: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Rows blk*ROWS .. +ROWS-1 of the gradient of round_OUT(w * normalise(x)): dx fp32 (+ add[r] if HAS_ADD;
+    HAS_DX2: also in dx2's dtype), and this block's partial sum of dw (dw_ptr [blocks, D] fp32, summed by the
+    caller)."""
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -104,9 +104,6 @@ def _rms_norm_bwd_kernel(x_ptr, res_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr,
         row = (blk * ROWS + i).to(tl.int64)
         m = mask & (row < M)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=m, other=0.0)
-            x = (r.to(tl.float32) + x).to(res_ptr.dtype.element_ty).to(tl.float32)
         g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
         dx, xhat = _norm_backward(x, g * w, mask, D, eps)
         if HAS_ADD:
@@ -205,11 +202,9 @@ def _weight_grad_blocks(M: int, d: int, cfg: TritonKernelConfigs, device: torch.
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
                              g: torch.Tensor, cfg: TritonKernelConfigs, add: torch.Tensor | None = None, *,
-                             residual: torch.Tensor | None = None, dx_dtype: torch.dtype | None = None
-                             ) -> tuple[torch.Tensor, ...]:
+                             dx_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """The gradient of ``rms_norm_triton`` against g [M, D]: (dx [M, D] fp32 plus ``add`` [M, D] if given,
-    dweight [D] in weight's dtype); deterministic. ``residual`` [M, D]: the input is the add-norm's
-    ``(residual + x).to(residual.dtype)``, formed in the kernel. ``dx_dtype``: (dx, dx in dx_dtype, dweight)."""
+    dweight [D] in weight's dtype); deterministic. ``dx_dtype``: (dx, dx in dx_dtype, dweight)."""
     x, g = _rows(x, "x"), _rows(g, "g")
     M, D = x.shape
     dx = torch.empty(M, D, device=x.device, dtype=torch.float32)
@@ -217,11 +212,10 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     nb, dw = _weight_grad_blocks(M, D, cfg, x.device)
     if M:
         a = _rows(add, "add") if add is not None else g
-        r = _rows(residual, "residual") if residual is not None else x
         block, warps = _block_warps(D, cfg)
-        _rms_norm_bwd_kernel[(nb,)](x, r, weight.contiguous(), g, a, dx, dx if dx2 is None else dx2, dw, M, D,
-                                    x.stride(0), r.stride(0), g.stride(0), a.stride(0), float(eps),
-                                    HAS_RES=residual is not None, HAS_ADD=add is not None, HAS_DX2=dx2 is not None,
+        _rms_norm_bwd_kernel[(nb,)](x, weight.contiguous(), g, a, dx, dx if dx2 is None else dx2, dw, M, D,
+                                    x.stride(0), g.stride(0), a.stride(0), float(eps),
+                                    HAS_ADD=add is not None, HAS_DX2=dx2 is not None,
                                     OUT=_TL[out_dtype], ROWS=cfg.norm_bwd_rows, BLOCK_D=block, num_warps=warps)
     dw = dw.sum(0).to(weight.dtype)
     return (dx, dw) if dx2 is None else (dx, dx2, dw)
@@ -392,22 +386,25 @@ class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
                 cfg: TritonKernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(x, residual, w)
-        ctx.consts = (eps, dtype, cfg)
-        return add_rms_norm_triton(x, residual, w, eps, dtype, cfg)
+        normed, summed = add_rms_norm_triton(x, residual, w, eps, dtype, cfg)
+        # the norm's input is the new residual as kept (the backward kernel would form the same bits from x
+        # and residual): holding it, and not them, frees the mixer's output x after the forward
+        ctx.save_for_backward(summed, w)
+        ctx.consts = (eps, dtype, cfg, x.dtype)
+        return normed, summed
 
     @staticmethod
     def backward(ctx, g_normed: torch.Tensor, g_residual: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, residual, w = ctx.saved_tensors
-        eps, dtype, cfg = ctx.consts
-        # the residual sum formed in the kernel; x's gradient rounded in the same pass (an fp32 x takes dx)
-        if x.dtype == torch.float32:
-            g, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual, residual=residual)
+        summed, w = ctx.saved_tensors
+        eps, dtype, cfg, x_dtype = ctx.consts
+        # x's gradient rounded in the same pass (an fp32 x takes dx)
+        if x_dtype == torch.float32:
+            g, dw = rms_norm_backward_triton(summed, w, eps, dtype, g_normed, cfg, add=g_residual)
             gx = g
         else:
-            g, gx, dw = rms_norm_backward_triton(x, w, eps, dtype, g_normed, cfg, add=g_residual,
-                                                 residual=residual, dx_dtype=x.dtype)
-        return wanted(ctx, gx, g.to(residual.dtype), dw)
+            g, gx, dw = rms_norm_backward_triton(summed, w, eps, dtype, g_normed, cfg, add=g_residual,
+                                                 dx_dtype=x_dtype)
+        return wanted(ctx, gx, g.to(summed.dtype), dw)
 
 
 class _GatedRmsNorm(torch.autograd.Function):

@@ -4,9 +4,9 @@
   37 rows in blocks of 4 (a partial last block), widths that are not a power of two, groups of one
   block and of two: the backwards against their torch forms (``ops.norm.*_backward``), two calls
   bit-identical; the gated norm's backward writes the forward's output again from the saved rstd
-  (the forward kernel's bits), and the add-norm's forms its input (residual + x) and rounds dx in the
-  kernel (the bits of forming both in torch around the plain kernel). Each with a baseline that
-  differs (an rstd one ulp off; the sum normalised as contract version 2 did).
+  (the forward kernel's bits), and the add-norm's Function holds the new residual, not x (the
+  plain kernel's gradients at that sum, dx rounded in the kernel). Each with a baseline that differs
+  (an rstd one ulp off; the sum normalised as contract version 2 did).
 
 The forwards: tests/ops/norm/test_norm_forward.py; the norms' autograd Functions against fp64
 (``test_kernel_functions_forward_bits_and_gradients``): tests/ops/test_triton_backward.py.
@@ -75,11 +75,13 @@ def test_gated_norm_backward_forms_the_forwards_output(dtype, d):
 
 
 @pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=["fp32-residual", "bf16-residual"])
-def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
-    """The add-norm's backward forms the norm's input (residual + x, rounded to the residual's dtype and
-    no further) in the kernel and rounds dx to x's dtype there: the same bits as forming both in torch
-    around the plain kernel. The baseline (an fp32 sum rounded to the model dtype, as contract version 2
-    normalised it; a bf16 residual's sum left unrounded) differs, so the comparison can fail."""
+def test_add_norm_backward_reads_the_new_residual_and_holds_not_x(res_dtype):
+    """The add-norm's Function holds the new residual (residual + x, rounded to the residual's dtype and
+    no further), not the mixer's output x: the gradients are the plain kernel's at that sum (dx rounded
+    to x's dtype in the kernel), and nothing it saves is x's storage. The baseline (an fp32 sum rounded
+    to the model dtype, as contract version 2 normalised it; a bf16 residual's sum left unrounded)
+    differs, so the comparison can fail."""
+    from aligned_mamba.ops.norm import triton as norm_tr
     from aligned_mamba.ops.norm.triton import rms_norm_backward_triton
 
     cfg = TritonKernelConfigs(norm_bwd_rows=4)
@@ -87,9 +89,17 @@ def test_add_norm_backward_forms_its_input_in_the_kernel(res_dtype):
     x, g = (rand(M, d, seed=s).to(bf) for s in (61, 62))
     residual, add = (rand(M, d, seed=s).to(res_dtype) for s in (63, 64))
     w = rand(d, seed=65).to(bf)
-    dx, dx2, dw = rms_norm_backward_triton(x, w, EPS, bf, g, cfg, add=add, residual=residual, dx_dtype=bf)
-    want_dx, want_dw = rms_norm_backward_triton(residual + x, w, EPS, bf, g, cfg, add=add)
-    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw) and torch.equal(dx2, want_dx.to(bf))
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, residual, w))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        normed, summed = norm_tr.add_norm(xs, rs, ws, EPS, bf, cfg)
+    assert saved and all(t.untyped_storage().data_ptr() != xs.untyped_storage().data_ptr() for t in saved)
+    torch.autograd.backward([normed, summed], [g, add])
+    want_in = (residual.float() + x.float()).to(res_dtype)
+    assert torch.equal(summed.detach(), want_in)
+    want_dx, want_dw = rms_norm_backward_triton(want_in, w, EPS, bf, g, cfg, add=add)
+    assert torch.equal(rs.grad, want_dx.to(res_dtype)) and torch.equal(xs.grad, want_dx.to(bf))
+    assert torch.equal(ws.grad, want_dw)
     base_in = (residual + x).to(bf) if res_dtype == torch.float32 else residual.float() + x.float()
     base_dx, _ = rms_norm_backward_triton(base_in, w, EPS, bf, g, cfg, add=add)
-    assert not torch.equal(dx, base_dx)
+    assert not torch.equal(rs.grad, base_dx.to(res_dtype))
