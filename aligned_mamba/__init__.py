@@ -79,19 +79,14 @@ def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contra
     ``contract`` picks the backend whose kernel computes it (default: triton on a CUDA tensor, torch
     on the CPU). Bad input raises TypeError / ValueError with one line.
     """
-    import torch
-
-    from .ops.backend import resolve
+    from .ops import backend
     from .ops.logprobs import check_temperature, check_token_inputs
 
     check_token_inputs(logits, token_ids)
     check_temperature(temperature)
     if contract is not None and not isinstance(contract, Contract):
         raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")
-    if contract is None:
-        contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
-    lp = resolve(contract, logits.device).log_softmax(logits, temperature)
-    return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
+    return backend.token_logprobs(logits, token_ids, temperature, contract)
 
 
 __version__ = "0.1.0"

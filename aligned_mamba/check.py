@@ -85,11 +85,11 @@ def compare(rows: list[list[tuple[int, torch.Tensor]]], trainer_logits: list[tor
     return verify(torch.stack(t_rows), torch.stack(s_rows), trainer_contract=trainer, sampler_contract=sampler)
 
 
-def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], gen_len: int
-                     ) -> dict[str, Any]:
+def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], gen_len: int,
+                     contract: Contract | None = None) -> dict[str, Any]:
     """Each sampled token's reported logprob against ``token_logprobs`` of the trainer's row before it;
     JSON-ready {"logprob_tokens", "mismatched_logprobs", "max_abs_reported_logprob_diff"}."""
-    from .ops.logprobs import token_logprobs
+    from .ops.backend import token_logprobs
 
     n = bad = 0
     worst = 0.0
@@ -99,7 +99,7 @@ def compare_logprobs(got: ScenarioResult, trainer_logits: list[torch.Tensor], ge
             continue
         start = len(seq) - gen_len
         ids = torch.tensor(seq[start:start + len(reported)], dtype=torch.int64, device=lg.device)
-        want = token_logprobs(lg[start - 1:start - 1 + len(reported)], ids).cpu()
+        want = token_logprobs(lg[start - 1:start - 1 + len(reported)], ids, 1.0, contract).cpu()
         have = torch.tensor(reported, dtype=torch.float32)
         n += len(reported)
         bad += int((want != have).sum())
@@ -183,7 +183,7 @@ def run_check(trainer: Trainer, engine: str, spec: EngineSpec, *, reference: Cau
             lp_logits = trainer_logits
         t2 = time.perf_counter()
         report = compare(got.rows, trainer_logits, trainer.contract, sampler_contract)
-        logprobs = compare_logprobs(got, lp_logits, gen_len)
+        logprobs = compare_logprobs(got, lp_logits, gen_len, trainer.contract)
         if case.name == "decode":
             first_tokens = got.tokens[0]
         cases.append({

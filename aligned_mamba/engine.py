@@ -25,7 +25,6 @@ from .contract import Contract
 from .integrations import EngineSpec, Scenario, ScenarioResult
 from .models import build_model, load_source
 from .models.causal_lm import CausalLM
-from .ops.logprobs import log_softmax
 from .ops.step import Step
 
 #: the default page of a paged KV cache, in tokens (a multiple of the attention key block)
@@ -219,7 +218,6 @@ class SamplerEngine:
 
     def _sample(self, rows: torch.Tensor, who: list[tuple[Request, int, int]]) -> None:
         """Sample the next token of each request from its row, seeded by (seed, request, position)."""
-        rows = rows.cpu()
         if not bool(torch.isfinite(rows).all()):
             # weights that overflow (a diverged update) give NaN/inf logits: stop with the reason,
             # not with the sampler's "probability tensor contains inf, nan" from deep inside
@@ -228,8 +226,10 @@ class SamplerEngine:
             bad = [who[i][0].req_id for i in range(rows.shape[0]) if not bool(torch.isfinite(rows[i]).all())]
             raise RuntimeFailure(f"non-finite logits at engine step {self.steps} for request(s) {bad[:4]}: the "
                                  "weights overflow the model dtype (a diverged update?)")
-        lp = log_softmax(rows)
-        lp_t = lp if self.temperature == 1.0 else log_softmax(rows.to(torch.float32) / self.temperature)
+        # the contract's logprob, taken where the trainer takes it (the triton backend's kernel on a GPU)
+        log_softmax = self.model.backend.log_softmax
+        lp = log_softmax(rows).cpu()
+        lp_t = lp if self.temperature == 1.0 else log_softmax(rows, self.temperature).cpu()
         probs = torch.exp(lp_t.double())
         for i, (req, pos, _) in enumerate(who):
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.req_id * 10_007 + pos) % (1 << 62))

@@ -110,7 +110,8 @@ class TPTrainer:
         """float32 logprob of each generated token under the one-pass logits: [len_i - prompt_len_i]."""
         from .train import generated_logprobs
 
-        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature,
+                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from safetensors.torch import save as save_safetensors
 from .contract import Contract
 from .errors import TrainingDiverged
 from .models import CausalLM, build_model
-from .ops.logprobs import check_temperature, token_logprobs
+from .ops.backend import token_logprobs
+from .ops.logprobs import check_temperature
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -81,7 +82,8 @@ class PolicyTrainer:
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
-        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature)
+        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature,
+                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -97,7 +99,7 @@ class PolicyTrainer:
         seqs = [s.to(torch.int64) for s in sequences]
         served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
         loss, tokens = reinforce_loss(build_model(self.config, served, self.contract).forward(seqs), seqs,
-                                      prompt_lens, advantages)
+                                      prompt_lens, advantages, contract=self.contract)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = total_norm(p.grad for p in self.master.values())
@@ -148,9 +150,9 @@ def check_step_inputs(sequences: Sequence[torch.Tensor], prompt_lens: Sequence[i
 
 
 def reinforce_loss(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-                   advantages: Sequence[float]) -> tuple[torch.Tensor, int]:
+                   advantages: Sequence[float], *, contract: Contract | None = None) -> tuple[torch.Tensor, int]:
     """-sum_i adv_i * sum_t logprob_it / (generated tokens) over logits [len_i, vocab]; (loss, tokens)."""
-    lps = generated_logprobs(logits, sequences, prompt_lens)
+    lps = generated_logprobs(logits, sequences, prompt_lens, contract=contract)
     tokens = sum(int(lp.numel()) for lp in lps)
     if tokens == 0:
         raise ValueError("no generated tokens to learn from")
@@ -169,14 +171,15 @@ def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[byte
 
 
 def generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
-                       prompt_lens: Sequence[int], temperature: float = 1.0) -> list[torch.Tensor]:
+                       prompt_lens: Sequence[int], temperature: float = 1.0, *,
+                       contract: Contract | None = None) -> list[torch.Tensor]:
     """float32 logprob of each generated token under ``logits`` ([len_i, vocab]) / ``temperature``:
-    [len_i - prompt_len_i] each, by the sampler's ``token_logprobs``; differentiable."""
+    [len_i - prompt_len_i] each, by the contract's ``token_logprobs`` (the sampler's); differentiable."""
     check_temperature(temperature)
     out = []
     for lg, seq, p in zip(logits, sequences, prompt_lens):
         if not 1 <= p <= seq.numel():
             raise ValueError(f"prompt length {p} outside [1, {seq.numel()}]")
         # row t predicts token t + 1: generated token t (t >= p) is scored by row t - 1
-        out.append(token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature))
+        out.append(token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature, contract))
     return out

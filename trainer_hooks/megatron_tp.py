@@ -131,7 +131,7 @@ class MegatronTPTrainer:
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """Logprob of every generated token under the TP k logits, by the contract's log-softmax."""
         seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature)
+        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature, contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

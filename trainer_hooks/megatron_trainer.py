@@ -292,7 +292,7 @@ class MegatronTrainer:
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """The generated tokens' logprobs, [len_i - prompt_len_i] float32, by the contract's log-softmax."""
         seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature)
+        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature, contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -307,7 +307,7 @@ class MegatronTrainer:
         seqs = [s.to(torch.int64) for s in sequences]
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        loss, tokens = reinforce_loss(self._logits(seqs), seqs, prompt_lens, advantages)
+        loss, tokens = reinforce_loss(self._logits(seqs), seqs, prompt_lens, advantages, contract=self.contract)
         loss.backward()
         self.opt.zero_grad(set_to_none=True)
         for name, p in self.params.items():

@@ -239,6 +239,19 @@ def resolve(contract: Contract, device: torch.device | str | None = None) -> Bac
     return _resolve(contract, torch.device(device))
 
 
+def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
+                   contract: Contract | None = None) -> Tensor:
+    """The contract's logprob of ``token_ids`` [...] under ``logits`` [..., V] / temperature -> [...] fp32: its
+    backend's log-softmax on the logits' device (no contract: triton on a CUDA tensor, else torch). Trainers,
+    engines, vLLM's plugin and ``check`` all read it (docs/design.md, "How the bits are kept", Logprobs)."""
+    if contract is None:
+        from ..contract import Contract
+
+        contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
+    lp = resolve(contract, logits.device).log_softmax(logits, temperature)
+    return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
+
+
 @functools.cache
 def _resolve(contract: Contract, device: torch.device) -> Backend:
     if contract.backend == "torch" and device.type == "cpu" and native.library() is not None:

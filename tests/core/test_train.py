@@ -47,6 +47,35 @@ def test_scores_are_the_sampler_logprobs_and_a_step_moves_them(setup):
         assert torch.equal(lp, torch.tensor(r.sampled_logprobs, dtype=torch.float32))
 
 
+def test_every_side_reads_the_contract_backends_logprob(setup, monkeypatch):
+    """The engine's reported logprobs, the trainer's scores, ``check``'s comparison and
+    ``aligned_mamba.token_logprobs`` all take the contract backend's log-softmax (on a GPU the triton
+    backend's kernel, whose order is not the torch form's). With that function swapped for another on the
+    contract's backend, every side moves with it; the torch form's logprobs, which a side reading
+    ``ops.logprobs`` directly would report, differ, so the comparison can fail."""
+    import aligned_mamba
+    from aligned_mamba.check import compare_logprobs
+    from aligned_mamba.integrations import ScenarioResult
+    from aligned_mamba.ops import logprobs
+    from aligned_mamba.ops.backend import resolve
+
+    cfg, t, c = setup
+    be = resolve(c, "cpu")
+    monkeypatch.setattr(be, "log_softmax", lambda x, temperature=1.0: logprobs.log_softmax(x, temperature) - 0.5)
+    tr = PolicyTrainer(cfg, t, c, lr=1e-3)
+    seqs, pl, reqs = _sample(cfg, tr.weights(), c, 0)
+    scored = tr.token_logprobs(seqs, pl)
+    logits = tr.forward(seqs)
+    for lp, r, lg, seq, p in zip(scored, reqs, logits, seqs, pl):
+        reported = torch.tensor(r.sampled_logprobs, dtype=torch.float32)
+        assert torch.equal(lp, reported)
+        assert torch.equal(aligned_mamba.token_logprobs(lg[p - 1:-1], seq[p:], contract=c), reported)
+        assert not torch.equal(logprobs.token_logprobs(lg[p - 1:-1], seq[p:]), reported)
+    got = ScenarioResult("s", [s.tolist() for s in seqs], [], [r.sampled_logprobs for r in reqs], 1, 0, 0.0, 0, {})
+    assert compare_logprobs(got, logits, 12, c)["mismatched_logprobs"] == 0
+    assert compare_logprobs(got, logits, 12, None)["mismatched_logprobs"] == 36
+
+
 def test_positive_advantage_raises_the_sampled_logprob(setup):
     cfg, t, c = setup
     tr = PolicyTrainer(cfg, t, c, lr=1e-3)

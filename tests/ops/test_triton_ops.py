@@ -7,7 +7,7 @@
   kernels, log-softmax (and its backward) and token logprobs. The SASS must show the instructions the
   tiles were chosen for: HGMMA (wgmma) for bf16 tiles of 64 rows and more, HMMA for 16-row tiles, TMA
   loads where descriptors are used, and no local memory (spills) in any GEMM.
-- gpu: the model check's cases on the triton backend.
+- gpu: the model check's cases on the triton backend, rows and reported logprobs (the kernel's on both sides).
 
 Each kernel's own tests live in its op's folder (tests/ops/linear/test_linear_gemm.py, tests/ops/norm/,
 tests/ops/conv1d/, tests/ops/logprobs/test_logprobs_triton.py); their autograd Functions against fp64 in
@@ -148,7 +148,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
 
 @pytest.mark.gpu
 def test_model_check_on_triton_backend_is_bit_identical():
-    from aligned_mamba.check import CASES, compare, make_prompts, run_case
+    from aligned_mamba.check import CASES, compare, compare_logprobs, make_prompts, run_case
     from aligned_mamba.contract import Contract
     from aligned_mamba.models import build_model
     from aligned_mamba.models.mamba2 import make_tiny
@@ -156,8 +156,14 @@ def test_model_check_on_triton_backend_is_bit_identical():
     cfg, tensors = make_tiny(0)
     model = build_model(cfg, tensors, Contract(chunk_size=cfg.chunk_size, backend="triton"))
     prompts = make_prompts(cfg.vocab_size, 300, 3, seed=0)
+    torch_form = Contract(chunk_size=cfg.chunk_size, backend="torch")  # the slice tree's logprobs, not the kernel's
+    baseline_lp = 0
     for spec in CASES:
         res = run_case(spec, model, prompts, 120, 100, seed=0)
-        report = compare(res.rows, model.forward([torch.tensor(t) for t in res.tokens]), model.contract,
-                         model.contract)
+        logits = model.forward([torch.tensor(t) for t in res.tokens])
+        report = compare(res.rows, logits, model.contract, model.contract)
         assert report.bitwise_equal == spec.exact_replay, (spec.name, report.summary())
+        if spec.exact_replay:  # the reported logprobs: the triton backend's kernel on both sides
+            assert compare_logprobs(res, logits, 120, model.contract)["mismatched_logprobs"] == 0, spec.name
+            baseline_lp += compare_logprobs(res, logits, 120, torch_form)["mismatched_logprobs"]
+    assert baseline_lp > 0
