@@ -13,7 +13,7 @@ gradient of every weight (``torch.autograd.grad``), for ``mamba2-1.3b`` (and ``m
 
 Ours: ``build_model`` under ``Contract(chunk_size=256, backend="triton", model_dtype="bfloat16")``,
 built in the step (as ``PolicyTrainer`` builds it per step), its forward with gradients on (the
-Triton kernels of the sampler, recorded by each op's Function), the backend's ``log_softmax``,
+Triton kernels of the sampler, recorded by each op's Function), the backend's ``token_logprobs``,
 and the backward those Functions define. Stock: ``bench_model_h200.Stock`` under autograd (bf16
 ``F.linear`` on cuBLAS, torch conv1d and RMSNorms, mamba_ssm's ``mamba_chunk_scan_combined`` with its
 own Triton backward), torch's fp32 ``log_softmax``.
@@ -57,9 +57,9 @@ def rel_err(a, b) -> float:
 
 
 def ours_loss(model, seqs, targets):
-    """The project's trainer forward and the backend's log_softmax: -sum log p(target)."""
+    """The project's trainer forward and the backend's token logprobs (its trainers' scores): -sum log p(target)."""
     logits = model.forward(seqs)
-    lp = [model.backend.log_softmax(lg).gather(-1, t[:, None]) for lg, t in zip(logits, targets)]
+    lp = [model.backend.token_logprobs(lg, t) for lg, t in zip(logits, targets)]
     return -sum(x.sum() for x in lp), logits
 
 

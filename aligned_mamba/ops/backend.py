@@ -53,6 +53,8 @@ class Ops:
     ssd_advance: Callable[..., Tensor]
     #: (logits [..., V], temperature=1.0) -> [..., V] float32 logprobs of logits / temperature (``logprobs``)
     log_softmax: Callable[..., Tensor]
+    #: (logits [..., V], token_ids [...], temperature=1.0) -> [...] float32: ``log_softmax``'s entries (``logprobs``)
+    token_logprobs: Callable[..., Tensor]
     #: relu(x)^2 in x's dtype, any shape (``elementwise``)
     relu2: Callable[[Tensor], Tensor]
     #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale, block_table=None)
@@ -91,7 +93,7 @@ def torch_ops(c: TorchKernelConfigs) -> Ops:
         gated_rms_norm=norm.gated_rms_norm, gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         conv_advance=conv1d.conv_advance,
         ssd_advance=functools.partial(decode.replay, cfg=c),
-        log_softmax=logprobs.log_softmax, relu2=elementwise.relu2,
+        log_softmax=logprobs.log_softmax, token_logprobs=logprobs.token_logprobs, relu2=elementwise.relu2,
         attention=attention_blocked.attention, attention_packed=attention_blocked.attention_packed,
         moe_experts=functools.partial(moe_grouped.experts_grouped, linear=gemm, relu2=elementwise.relu2),
     )
@@ -151,6 +153,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         conv_advance=functools.partial(conv_triton.conv_advance_decode, cfg=c),
         ssd_advance=ssd_advance,
         log_softmax=functools.partial(logprobs_triton.log_softmax, cfg=c),
+        token_logprobs=functools.partial(logprobs_triton.token_logprobs, cfg=c),
         relu2=functools.partial(elementwise_triton.relu2, cfg=c),
         attention=functools.partial(attention_triton.attention, cfg=c),
         attention_packed=functools.partial(attention_triton.attention_packed, cfg=c),
@@ -242,14 +245,13 @@ def resolve(contract: Contract, device: torch.device | str | None = None) -> Bac
 def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
                    contract: Contract | None = None) -> Tensor:
     """The contract's logprob of ``token_ids`` [...] under ``logits`` [..., V] / temperature -> [...] fp32: its
-    backend's log-softmax on the logits' device (no contract: triton on a CUDA tensor, else torch). Trainers,
+    backend's log-softmax entries on the logits' device (no contract: triton on a CUDA tensor, else torch). Trainers,
     engines, vLLM's plugin and ``check`` all read it (docs/design.md, "How the bits are kept", Logprobs)."""
     if contract is None:
         from ..contract import Contract
 
         contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
-    lp = resolve(contract, logits.device).log_softmax(logits, temperature)
-    return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
+    return resolve(contract, logits.device).token_logprobs(logits, token_ids, temperature)
 
 
 @functools.cache

@@ -50,8 +50,8 @@ def test_scores_are_the_sampler_logprobs_and_a_step_moves_them(setup):
 def test_every_side_reads_the_contract_backends_logprob(setup, monkeypatch):
     """The engine's reported logprobs, the trainer's scores, ``check``'s comparison and
     ``aligned_mamba.token_logprobs`` all take the contract backend's log-softmax (on a GPU the triton
-    backend's kernel, whose order is not the torch form's). With that function swapped for another on the
-    contract's backend, every side moves with it; the torch form's logprobs, which a side reading
+    backend's kernels, whose order is not the torch form's). With its log-softmax and token logprobs swapped
+    for others on the contract's backend, every side moves with them; the torch form's logprobs, which a side reading
     ``ops.logprobs`` directly would report, differ, so the comparison can fail."""
     import aligned_mamba
     from aligned_mamba.check import compare_logprobs
@@ -62,6 +62,8 @@ def test_every_side_reads_the_contract_backends_logprob(setup, monkeypatch):
     cfg, t, c = setup
     be = resolve(c, "cpu")
     monkeypatch.setattr(be, "log_softmax", lambda x, temperature=1.0: logprobs.log_softmax(x, temperature) - 0.5)
+    monkeypatch.setattr(be, "token_logprobs",
+                        lambda x, ids, temperature=1.0: logprobs.token_logprobs(x, ids, temperature) - 0.5)
     tr = PolicyTrainer(cfg, t, c, lr=1e-3)
     seqs, pl, reqs = _sample(cfg, tr.weights(), c, 0)
     scored = tr.token_logprobs(seqs, pl)

@@ -122,6 +122,9 @@ comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="
                                                         lse_ptr="*fp32"), dict(BLOCK_V=cfg.logprobs_block_v), **lw)
 comp("logprobs:backward", lpt._log_softmax_bwd_kernel, dict(out_ptr="*fp32", g_ptr="*fp32", dx_ptr="*bf16"),
      dict(BLOCK_V=cfg.logprobs_block_v), num_warps=cfg.logprobs_num_warps)
+comp("logprobs:token_backward", lpt._token_logprobs_bwd_kernel,
+     dict(x_ptr="*bf16", tok_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32", dx_ptr="*bf16"),
+     dict(BLOCK_V=cfg.logprobs_block_v), num_warps=cfg.logprobs_num_warps)
 print(json.dumps(done))
 """)
 
@@ -132,7 +135,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 9 + 7 + 3 + 2 + 4, sorted(by)
+    assert len(linear) >= 10 and len(done) - len(linear) == 10 + 12 + 4, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated:backward"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too

@@ -73,6 +73,36 @@ def _log_softmax_bwd_kernel(out_ptr, g_ptr, dx_ptr, V, stride_out, stride_g, str
         tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(o) * s).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _token_logprobs_bwd_kernel(x_ptr, tok_ptr, lse_ptr, g_ptr, dx_ptr, V, stride_x, stride_dx, BLOCK_V: tl.constexpr):
+    """Row r of the token logprob's gradient: dx = onehot(tok) g - exp(x - lse) g, the log-softmax backward's
+    bits for a gradient that is g at tok and zero elsewhere (its row sum is g), rounded to dx's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    s = tl.load(g_ptr + row).to(tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        o = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) - lse
+        g = tl.where(cols == tok, s, 0.0)
+        tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(o) * s).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def token_logprobs_backward_triton(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                                   dtype: torch.dtype, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The gradient of ``token_logprobs_triton`` against g [M] from its inputs and lse [M] fp32, no logits-sized
+    fp32 tensor: logits [M, V] -> [M, V] in ``dtype``; ``log_softmax_backward_triton``'s bits for the scattered g."""
+    x = _rows(logits)
+    M, V = x.shape
+    dx = torch.empty(M, V, dtype=dtype, device=x.device)
+    if M and V:
+        _token_logprobs_bwd_kernel[(M,)](x, token_ids.contiguous(), lse, g.contiguous(), dx, V, x.stride(0),
+                                         dx.stride(0), BLOCK_V=cfg.logprobs_block_v,
+                                         num_warps=cfg.logprobs_num_warps)
+    return dx
+
+
 def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
                                 cfg: TritonKernelConfigs) -> torch.Tensor:
     """``sliced.log_softmax_backward`` in one pass a row, no logits-sized fp32 temporaries: out [M, V] float32
@@ -148,3 +178,39 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, cfg: TritonKe
     rows = logits.reshape(-1, logits.shape[-1])
     out = _LogSoftmax.apply(rows, cfg) if grad_needed(logits) else log_softmax_triton(rows, cfg)
     return out.reshape(logits.shape)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """The token logprob without a logits-sized fp32 tensor held: saves the logits (the caller's), the ids and
+    lse [M], where log-softmax then gather would hold its fp32 output and the gather's fp32 gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, token_ids: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+        out, lse = token_logprobs_triton(logits, token_ids, cfg, return_lse=True)
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, token_ids, lse = ctx.saved_tensors
+        return wanted(ctx, token_logprobs_backward_triton(logits, token_ids, lse, g, logits.dtype, ctx.cfg))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                   cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``sliced.token_logprobs``): [..., V], [...] ids in [0, V) -> [...] float32, the
+    kernel's ``log_softmax`` entries at the ids on a CUDA tensor (the torch form elsewhere)."""
+    if not logits.is_cuda:
+        return sliced.token_logprobs(logits, token_ids, temperature)
+    V = logits.shape[-1]
+    ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    if ids.shape != logits.shape[:-1]:
+        raise ValueError(f"token_ids {list(ids.shape)} must be the logits' leading shape {list(logits.shape[:-1])}")
+    if ids.numel() and not bool(((ids >= 0) & (ids < V)).all()):  # the kernel reads at the id unchecked
+        raise ValueError(f"token_ids out of range [0, {V})")
+    if temperature != 1.0:
+        logits = sliced.scale(logits, temperature)
+    rows, ids = logits.reshape(-1, V), ids.reshape(-1)
+    out = _TokenLogprobs.apply(rows, ids, cfg) if grad_needed(logits) else token_logprobs_triton(rows, ids, cfg)
+    return out.reshape(token_ids.shape)

@@ -4,9 +4,10 @@
   the logic against the torch ops: log-softmax over ragged vocabulary blocks with -inf entries and an
   all -inf row, token logprobs as its entries, a row alone giving the same bits; the backward in one
   pass a row against the torch form from the same output (dense and broadcast gradients), the same
-  bits twice.
+  bits twice; the token logprob's Function (no logits-sized fp32 held) against log-softmax then gather.
 - gpu (skipped without CUDA; run on the H200): a 256k vocabulary in bf16: a row's bits do not depend
-  on the other rows of the call, token logprobs are log-softmax's entries, close to fp64.
+  on the other rows of the call, token logprobs are log-softmax's entries, close to fp64; the token
+  logprobs op under autograd is log-softmax then gather's bits, forward and backward.
 
 The contract's function and its vocab-sharded form (torch, no Triton): tests/ops/logprobs/test_logprobs.py.
 """
@@ -66,6 +67,33 @@ def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
         assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
 
 
+def test_token_logprobs_function_holds_no_logits_sized_fp32_and_keeps_the_gather_paths_bits():
+    """``_TokenLogprobs`` (a token's logprob with its own backward, from the logits and lse) against
+    log-softmax then gather: the same forward bits, the same gradient bits (the backward kernel is the
+    log-softmax backward's for a gradient that is g at the token and zero elsewhere), and what it saves is
+    the caller's logits, the ids and lse [M]. The gather path saves an [M, V] fp32 tensor of its own,
+    which the check on saved tensors shows, so that check can fail."""
+    cfg = dataclasses.replace(CFG, logprobs_block_v=128)  # 300 logits: three blocks, the last ragged
+    x = rand(5, 300, seed=51, scale=4.0)
+    ids = torch.tensor([0, 299, 128, 7, 255], device=DEV)
+    g = rand(5, seed=52)
+
+    def run(fn):
+        xs = x.clone().requires_grad_()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(xs)
+        out.backward(g)
+        own = [t for t in saved if t.shape == x.shape and t.untyped_storage().data_ptr() !=
+               xs.untyped_storage().data_ptr()]
+        return out.detach(), xs.grad, own
+
+    got, dx, own = run(lambda xs: lpt._TokenLogprobs.apply(xs, ids, cfg))
+    want, dx_want, own_want = run(lambda xs: lpt._LogSoftmax.apply(xs, cfg).gather(1, ids[:, None]).squeeze(1))
+    assert torch.equal(got, want) and torch.equal(dx, dx_want)
+    assert not own and own_want
+
+
 # -- gpu ------------------------------------------------------------------------------------------------
 
 
@@ -80,3 +108,24 @@ def test_gpu_logprob_rows_do_not_depend_on_m():
     assert torch.equal(lpt.token_logprobs_triton(x, tok, CFG), lp.gather(1, tok[:, None]).squeeze(1))
     ref = torch.log_softmax(x.double(), dim=-1)
     assert (lp.double() - ref).abs().max().item() < 1e-4
+
+
+@gpu
+def test_gpu_token_logprobs_op_is_the_gather_paths_bits_forward_and_backward():
+    """The triton backend's ``token_logprobs`` op on a 256k bf16 vocabulary under autograd: log_softmax then
+    gather's bits forward and backward, at T = 1 and 0.7; an id out of range is refused in one line."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(64, 256000, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    ids = torch.randint(0, 256000, (64,), generator=gen, device="cuda")
+    g = torch.randn(64, device="cuda", generator=gen)
+    for t in (1.0, 0.7):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = lpt.token_logprobs(a, ids, t, cfg=CFG)
+        want = lpt.log_softmax(b, t, cfg=CFG).gather(1, ids[:, None]).squeeze(1)
+        assert torch.equal(got, want)
+        got.backward(g)
+        want.backward(g)
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="out of range") as e:
+        lpt.token_logprobs(x, torch.full_like(ids, 256000), cfg=CFG)
+    assert "\n" not in str(e.value)
