@@ -62,28 +62,34 @@ def walk(backend: str) -> list[tuple[int, str, str]]:
     return calls
 
 
+def file_tree(calls: list[tuple[int, str, str]], every: bool = False) -> tuple[list[str], list[str], int]:
+    """(printed lines of the file-level call tree, files in the order first entered, calls back into a file
+    still on the stack below the caller) of ``walk``'s calls; ``every``: a line per call, not per file change."""
+    files: list[str] = []  # the file of each frame on the stack
+    order: list[str] = []
+    lines: list[str] = []
+    returns = 0
+    for depth, path, name in calls:
+        del files[depth:]
+        crosses = not files or files[-1] != path
+        again = crosses and path in files
+        returns += again
+        if path not in order:
+            order.append(path)
+        line = f"{'  ' * depth}{path}  {name}{'   <- back into a file left' if again else ''}"
+        if (crosses or every) and (not lines or line != lines[-1]):
+            lines.append(line)
+        files.append(path)
+    return lines, order, returns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--frames", action="store_true", help="print every call, not only those into another file")
     args = ap.parse_args()
-    calls = walk(args.backend)
-    files: list[str] = []  # the file of each frame on the stack
-    order: list[str] = []
-    returns = 0
-    last = None
-    for depth, path, name in calls:
-        del files[depth:]
-        crosses = not files or files[-1] != path
-        again = crosses and path in files  # a call back into a file still on the stack below
-        returns += again
-        if path not in order:
-            order.append(path)
-        line = f"{'  ' * depth}{path}  {name}{'   <- back into a file left' if again else ''}"
-        if (crosses or args.frames) and line != last:
-            print(line)
-        last = line
-        files.append(path)
+    lines, order, returns = file_tree(walk(args.backend), args.frames)
+    print("\n".join(lines))
     print(f"backend {args.backend}: {len(order)} files, entered in this order: {', '.join(order)}")
     print(f"{returns} calls back into a file the walk had left (still on the stack below)")
 

@@ -173,3 +173,16 @@ def test_the_tree_has_one_place_per_thing() -> None:
     assert not (CORE / "model").exists()
     for top in ("aligned_mamba", "trainer_hooks", "rollout", "configs", "tests"):
         assert (ROOT / top).is_dir(), top
+
+
+def test_a_decode_step_through_the_mamba2_layer_goes_down_and_comes_back() -> None:
+    """Run, not read: one decode step of the embedded default through its first Mamba2 layer
+    (``benchmarks/walk_decode.py``). The calls from the layer go down into the ops and come back; a
+    call into a file still on the stack below (a form calling back up into the layer's helpers, as
+    the replay plans' lambdas did at ab96ee6: 7 such calls there) is a tangle. At most 6, the
+    issue's bound; 1 today (the step plan's memo calling the decode form's table builder)."""
+    from benchmarks.walk_decode import file_tree, walk
+
+    lines, order, returns = file_tree(walk("torch"))
+    assert order[0] == "aligned_mamba/layers/mamba2.py" and "aligned_mamba/ops/ssd/decode.py" in order, order
+    assert returns <= 6, "\n".join(lines)
