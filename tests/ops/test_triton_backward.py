@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.interpreter
 
 from fp64_reference import GRAD_RTOL, MODEL, reference_logits_fp64, rel_err  # noqa: E402
 from kernel_cases import EPS, OP_RTOL  # noqa: E402
@@ -125,6 +124,7 @@ SCAN_RTOL = {k: 1e-3 if k == "A" else GRAD_RTOL for k in SCAN_LEAVES}
 # Interpreter cost: about 15 ms a program, so sequences are kept to two or three chunks (the C.B
 # kernel alone runs chunks x groups x 16 programs at chunk 256); the forward-bits check runs at
 # chunk 32 below and in the model test (each is a second forward).
+@pytest.mark.interpreter
 @pytest.mark.parametrize("chunk,G,lens", [(128, 1, [150, 40]), (256, 8, [270]), (128, 8, [129, 3])],
                          ids=["L128-G1", "L256-G8", "L128-G8"])
 def test_ssd_prefill_gradients_match_fp64(chunk, G, lens):
@@ -152,6 +152,7 @@ def test_ssd_prefill_gradients_match_fp64(chunk, G, lens):
     assert all(errs[k] < 3 * torch_errs[k] + 1e-7 for k in SCAN_LEAVES), (errs, torch_errs)
 
 
+@pytest.mark.interpreter
 def test_ssd_advance_from_buffered_rows_has_the_fp64_gradient():
     """An advance under autograd that starts inside a chunk (rows buffered by an earlier call): the
     backward replays the buffered rows and the boundary state as they were before the call."""
@@ -182,6 +183,7 @@ def test_ssd_advance_from_buffered_rows_has_the_fp64_gradient():
     assert all(e < GRAD_RTOL for e in errs.values()), errs
 
 
+@pytest.mark.interpreter
 def test_autograd_cannot_see_through_a_bare_triton_launch():
     """Why the Functions exist: a Triton launch writes fresh tensors by pointer, so without one the
     output has no grad_fn and every parameter upstream silently gets no gradient."""
@@ -197,6 +199,7 @@ def test_autograd_cannot_see_through_a_bare_triton_launch():
     assert linear_tr.linear(x, w, None, cfg=CFG).requires_grad
 
 
+@pytest.mark.interpreter
 def test_a_wrong_backward_is_caught(monkeypatch):
     """The fp64 comparison has teeth: a backward that takes the scan's gradient at a slightly wrong
     point (dt_bias dropped from the recomputed chunk grid) fails it."""
@@ -243,6 +246,7 @@ def _ssd_tile(x, dt, B, C, A, D, dt_bias, h0, buf_x, buf_dt, buf_B, cu_seqlens, 
     return y.to(x.dtype)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("off", [0, 5], ids=["from-empty", "buffered"])
 def test_the_dense_form_is_the_tile_forms_function(off):
     """The scan's backward form (``chunk_dense``) computes the torch backend's tile form's y up to fp32
@@ -280,6 +284,7 @@ def test_the_dense_form_is_the_tile_forms_function(off):
         assert rel_err(h, h_ref) < 1e-6
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("off,D_per_p,lens", [(0, False, [70, 5, 32]), (5, True, [70, 5, 32]), (0, False, [64, 32])],
                          ids=["from-empty", "buffered-D[H,P]", "whole-chunks"])
 def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p, lens, monkeypatch):
@@ -328,6 +333,7 @@ def test_triton_scan_backward_is_the_dense_forms_gradient(off, D_per_p, lens, mo
 
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("off,lens", [(0, [64, 32]), (5, [70, 5])], ids=["whole-chunks", "buffered"])
 def test_scan_backward_softplus_rows_are_the_torch_forms(off, lens):
     """The last kernel's softplus backward to the raw dt rows (``chunk_scan_backward``'s dt_rows) against
@@ -460,6 +466,7 @@ def _op_cases() -> dict:
     }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", sorted(_op_cases()))
 def test_kernel_functions_forward_bits_and_gradients(name):
     fn, kernel, ref64, inputs, keys = _op_cases()[name]
@@ -467,6 +474,7 @@ def test_kernel_functions_forward_bits_and_gradients(name):
     assert all(e < OP_RTOL for e in errs.values()), errs
 
 
+@pytest.mark.interpreter
 def test_in_proj_gradient_is_written_in_place_by_the_blocks_backwards(monkeypatch):
     """in_proj's output split as the mixer splits it (``split_columns(..., one_grad=True)``): the gated
     norm + out_proj's and the conv's backwards write their blocks of one gradient buffer, the dt block
@@ -509,6 +517,7 @@ def _model_loss(logits, targets):
     return -sum(log_softmax(lg).gather(-1, t[:, None]).sum() for lg, t in zip(logits, targets))
 
 
+@pytest.mark.interpreter
 def test_the_scan_writes_x_b_c_gradients_as_the_conv_outputs_columns(monkeypatch):
     """Sequences of whole chunks from empty: the scan's backward writes dx, dB and dC into one buffer laid
     out as the conv's output, and the split's backward passes that buffer on as it is (no concatenation);
@@ -548,6 +557,7 @@ def test_the_scan_writes_x_b_c_gradients_as_the_conv_outputs_columns(monkeypatch
     assert all(float(u.abs().max()) > 0 for u in got), "a parameter got no gradient"
 
 
+@pytest.mark.interpreter
 def test_split_columns_concatenates_what_is_not_one_buffer():
     """The split's backward takes a buffer only when the gradients are its adjacent column blocks in
     order; otherwise (separate tensors, blocks out of order, a missing one) it concatenates, zeros for
@@ -570,6 +580,7 @@ def test_split_columns_concatenates_what_is_not_one_buffer():
     assert torch.equal(g, torch.cat([buf[:, :7], torch.zeros(5, 2)], 1))
 
 
+@pytest.mark.interpreter
 def test_tiny_model_on_triton_backend_trains_with_the_samplers_bits():
     """fp32 tiny Mamba2 (2 layers, chunk 16, 2 groups). With gradients on, the triton backend's logits
     equal its no-grad logits and the sampler's decode rows bit for bit (and differ from the torch
@@ -618,6 +629,7 @@ def test_tiny_model_on_triton_backend_trains_with_the_samplers_bits():
     assert all(e < GRAD_RTOL for e in vs_fp64.values()), vs_fp64
 
 
+@pytest.mark.interpreter
 def test_policy_trainer_steps_on_the_triton_backend():
     """The refusal is gone: a REINFORCE step on the triton backend matches the torch backend's (same
     loss up to rounding, gradient norm within GRAD_RTOL)."""

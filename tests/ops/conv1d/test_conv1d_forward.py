@@ -21,7 +21,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.interpreter
 
 from kernel_cases import CFG, DEV, gpu, rand  # noqa: E402
 
@@ -37,6 +36,7 @@ def _conv_case(lens: list[int], Cd: int = 40, K: int = 4, slots: int = 7, seed: 
     return cu, x, w, b, win
 
 
+@pytest.mark.interpreter
 def test_conv_is_the_torch_op_bit_for_bit_and_updates_only_its_slots():
     lens = [5, 1, 0, 9, 2]
     cu, x, w, b, win = _conv_case(lens)
@@ -51,6 +51,7 @@ def test_conv_is_the_torch_op_bit_for_bit_and_updates_only_its_slots():
     assert torch.equal(ct.causal_conv1d_triton(x, cu, slots, win.clone(), w, None, CFG), ref_nb)
 
 
+@pytest.mark.interpreter
 def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
     # two sequences of 11 tokens from fresh (zero) windows: one call, then chunks 4 + 7 side by
     # side with decode steps of the other, then token by token
@@ -85,6 +86,7 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
     assert not torch.equal(torch.nn.functional.silu(rev), one[:11])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("K", [4, 3, 2, 1])
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
@@ -111,6 +113,7 @@ def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
     assert not torch.equal(torch.nn.functional.silu(rev), got)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("K,with_bias", [(4, True), (4, False), (2, True)])
 def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     """A decode step (one row per sequence, scattered slots, row-strided x): ``conv_step_triton``'s
@@ -152,6 +155,7 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     assert not torch.equal(torch.nn.functional.silu(rev).to(x.dtype), ref)
 
 
+@pytest.mark.interpreter
 def test_conv_takes_strided_rows_and_refuses_a_window_of_another_dtype():
     cu, x, w, b, win = _conv_case([3, 2], Cd=16)
     wide = torch.cat([x, x], dim=1)[:, 16:]

@@ -9,9 +9,7 @@
 - gpu (skipped without CUDA; run on the H200): every linear layer of mamba2-130m, -1.3b, -2.7b, a
   Nemotron-H-8B mixer and a 256k lm_head in bf16: a row's bits do not depend on how many rows share
   the call (M from 1 to 8192; fp32 too), where cuBLAS's do; the TMA and pointer tiles agree and sit
-  at the bf16 floor; a row's bits do not depend on its offset in the call. The GPU tests that came
-  from tests/ops/test_triton_ops.py keep that module's ``interpreter`` mark beside ``gpu``, as the
-  GPU tests of test_triton_backward.py and ssd/test_triton_decode.py carry theirs.
+  at the bf16 floor; a row's bits do not depend on its offset in the call.
 
 The kernels compile for sm_90 in the ops' script of tests/ops/test_triton_ops.py; the row-
 parallel tree GEMM: tests/ops/linear/test_linear_tree.py.
@@ -164,7 +162,6 @@ def _gpu_gemm_operands(K: int, N: int, dtype: torch.dtype, seed: int = 0):
     return x, w
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("name,K,N", GEMM_SHAPES, ids=[s[0] for s in GEMM_SHAPES])
 @gpu
 def test_gpu_gemm_rows_do_not_depend_on_m(name, K, N):
@@ -174,7 +171,6 @@ def test_gpu_gemm_rows_do_not_depend_on_m(name, K, N):
     assert all(n == 0 for _, n in bad), bad
 
 
-@pytest.mark.interpreter
 @gpu
 def test_gpu_cublas_rows_do_depend_on_m():
     # the baseline that the GEMM test would catch: cuBLAS at out_proj's shape (K 4096)
@@ -183,7 +179,6 @@ def test_gpu_cublas_rows_do_depend_on_m():
     assert any(n > 0 for _, n in bad), bad
 
 
-@pytest.mark.interpreter
 @gpu
 def test_gpu_gemm_fp32_rows_do_not_depend_on_m():
     x, w = _gpu_gemm_operands(2048, 8512, torch.float32)
@@ -191,7 +186,6 @@ def test_gpu_gemm_fp32_rows_do_not_depend_on_m():
     assert all(n == 0 for _, n in bad), bad
 
 
-@pytest.mark.interpreter
 @gpu
 def test_gpu_gemm_tma_and_pointer_tiles_agree_and_sit_at_the_bf16_floor():
     for K, N in ((2048, 8512), (4096, 2048), (768, 50280)):

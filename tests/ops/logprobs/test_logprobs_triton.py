@@ -20,7 +20,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.interpreter
 
 from fp64_reference import rel_err  # noqa: E402
 from kernel_cases import CFG, DEV, gpu, rand, rows_invariant  # noqa: E402
@@ -30,6 +29,7 @@ from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
 
 
+@pytest.mark.interpreter
 def test_log_softmax_matches_the_torch_op_and_token_logprobs_are_its_entries():
     cfg = dataclasses.replace(CFG, logprobs_block_v=128)  # 300 logits: three blocks, the last ragged
     x = rand(4, 300, seed=50, scale=5.0)
@@ -48,6 +48,7 @@ def test_log_softmax_matches_the_torch_op_and_token_logprobs_are_its_entries():
     assert torch.equal(lpt.log_softmax_triton(x[2:3], cfg), lp[2:3])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
     """The logits' gradient in one pass a row (``log_softmax_backward_triton``, the Function's backward)
@@ -67,6 +68,7 @@ def test_log_softmax_backward_kernel_is_the_torch_forms_gradient(dtype):
         assert rel_err(g.to(dtype), want.double()) > 0.1  # what the softmax term contributes
 
 
+@pytest.mark.interpreter
 def test_token_logprobs_function_holds_no_logits_sized_fp32_and_keeps_the_gather_paths_bits():
     """``_TokenLogprobs`` (a token's logprob with its own backward, from the logits and lse) against
     log-softmax then gather: the same forward bits, the same gradient bits (the backward kernel is the

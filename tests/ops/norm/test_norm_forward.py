@@ -17,7 +17,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.interpreter
 
 from kernel_cases import CFG, DEV, gpu, rand, rows_invariant  # noqa: E402
 
@@ -25,6 +24,7 @@ from aligned_mamba.ops import norm  # noqa: E402
 from aligned_mamba.ops.norm import triton as nt  # noqa: E402
 
 
+@pytest.mark.interpreter
 def test_rms_norm_and_residual_add_match_the_torch_ops():
     x, r, w = rand(5, 48, seed=10), rand(5, 48, seed=11), rand(48, seed=12)
     torch.testing.assert_close(nt.rms_norm_triton(x, w, 1e-5, None, CFG), norm.rms_norm(x, w, 1e-5), rtol=2e-6,
@@ -37,6 +37,7 @@ def test_rms_norm_and_residual_add_match_the_torch_ops():
     torch.testing.assert_close(out, norm.rms_norm(r, w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.interpreter
 def test_embedding_gather_is_the_first_residual():
     emb, w = rand(11, 48, seed=13), rand(48, seed=14)
     ids = torch.tensor([3, 0, 10, 3], device=DEV)
@@ -46,6 +47,7 @@ def test_embedding_gather_is_the_first_residual():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n_groups", [1, 2, 4])
 def test_gated_norm_matches_the_torch_op(n_groups):
     y, w = rand(5, 48, seed=15), rand(48, seed=16)
@@ -54,6 +56,7 @@ def test_gated_norm_matches_the_torch_op(n_groups):
                                norm.gated_rms_norm(y, z, w, 1e-5, n_groups), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.interpreter
 def test_a_norm_row_is_the_same_alone_and_among_others():
     x, w = rand(6, 40, seed=18), rand(40, seed=19)
     z = rand(6, 40, seed=20)

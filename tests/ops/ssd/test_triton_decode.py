@@ -26,7 +26,6 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as hst
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.interpreter
 
 # Import every Triton module now, while the mode (compiled or interpreted) is the session's:
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
@@ -153,6 +152,7 @@ def prefill(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[t
 H, P, N, L = 2, 16, 16, 32
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("dt_limit", [NO_LIMIT, (1e-3, 0.5)])
 def test_dt_softplus_bits(dt_limit):
@@ -171,6 +171,7 @@ def test_dt_softplus_bits(dt_limit):
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("mode", ["tile", "step"])
 @pytest.mark.parametrize("G", [1, 2])
@@ -187,6 +188,7 @@ def test_tile_mode_token_by_token_equals_prefill(G, mode):
     assert_same_state(st, ref)
 
 
+@pytest.mark.interpreter
 @interp
 def test_row_mode_token_by_token_close_to_prefill():
     """Row mode: same state and buffers bit for bit (shared code), rows close (the interpreter's
@@ -202,6 +204,7 @@ def test_row_mode_token_by_token_close_to_prefill():
     assert_same_state(st, ref)
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("mode", ["tile", "row", "step"])
 def test_batch_at_mixed_offsets_equals_each_alone(mode):
@@ -235,6 +238,7 @@ def test_batch_at_mixed_offsets_equals_each_alone(mode):
         assert_same_state(st, ref, torch.tensor(slots))
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("hint", [False, True, "step"])
 def test_several_completions_in_one_step(hint, monkeypatch):
@@ -265,6 +269,7 @@ def test_several_completions_in_one_step(hint, monkeypatch):
     assert torch.equal(st.ssm_state[slots[1]], before.ssm_state[slots[1]])
 
 
+@pytest.mark.interpreter
 @interp
 def test_chunk_completion_updates_state_like_prefill():
     """A token at position L-1 moves the boundary state as the prefill of the whole chunk does and
@@ -287,6 +292,7 @@ def test_chunk_completion_updates_state_like_prefill():
     assert_same_state(st, before, torch.tensor([0]))
 
 
+@pytest.mark.interpreter
 @interp
 def test_dt_limit_and_per_head_D():
     """dt_limit clamps as in pack_chunks; D given per head ([H]) or per channel ([H, P])."""
@@ -327,6 +333,7 @@ def _step_against_general(mode: str, H_: int, G: int, P_: int, N_: int, L_: int,
     return int((y != yg).sum())
 
 
+@pytest.mark.interpreter
 @interp
 @settings(max_examples=8, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
 @given(data=hst.data())
@@ -344,6 +351,7 @@ def test_step_mode_equals_general_path_property(data):
     assert _step_against_general("step", H_, G, P_, N_, L_, offsets, seed=len(offsets) + G) == 0
 
 
+@pytest.mark.interpreter
 @interp
 def test_step_property_catches_another_order():
     """The property's baseline: the "row" form (the same step, its dots as sequential fma chains,
@@ -400,6 +408,7 @@ def _strided_against_contiguous(mode: str, S: int, H_: int, G: int, P_: int, N_:
         assert not torch.equal(y_bad, y_ref)
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("mode", ["tile", "row", "step"])
 @pytest.mark.parametrize("S", [1, 3, 64])
@@ -409,6 +418,7 @@ def test_row_strided_inputs_give_the_bits_of_copies(mode, S):
     _strided_against_contiguous(mode, S, 2, 2, P, N, L, seed=21 + S, baseline=True)
 
 
+@pytest.mark.interpreter
 @interp
 @settings(max_examples=6, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
 @given(data=hst.data())
@@ -462,6 +472,7 @@ def _input_copies(monkeypatch, mode: str, views: bool, old: bool = False) -> int
     return copies[0]
 
 
+@pytest.mark.interpreter
 @interp
 @pytest.mark.parametrize("mode", ["tile", "row", "step"])
 def test_row_strided_inputs_are_not_copied(mode, monkeypatch):
@@ -472,6 +483,7 @@ def test_row_strided_inputs_are_not_copied(mode, monkeypatch):
     assert _input_copies(monkeypatch, mode, views=True, old=True) == 4
 
 
+@pytest.mark.interpreter
 @interp
 def test_rows_copies_only_unpacked_rows():
     """_rows keeps a view whose rows are packed (any row stride, size-1 dims with any stride) and
@@ -488,6 +500,7 @@ def test_rows_copies_only_unpacked_rows():
     assert _rows(one) is one
 
 
+@pytest.mark.interpreter
 @interp
 def test_step_mode_is_one_launch_per_layer():
     """A decode step of one layer: four launches in "tile" mode (prep, tile, and the two completion
@@ -587,6 +600,7 @@ def test_compiled_row_kernel_matches_prefill_arithmetic(sm90_cache):
     assert r["epilogue_prefill"] == r["epilogue_row"] == ["fma.rn.f32"], r
 
 
+@pytest.mark.interpreter
 def test_bad_arguments():
     st = make_state(1, H, P, 1, N, L, torch.float32, "cpu")
     x, dt, B, C = make_tokens(1, H, P, 1, N, seed=0)
