@@ -360,6 +360,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
                     " to run ours with instead of the committed ones")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="ours holds the conv's and the gated norm's outputs to the backward (Mamba2Mixer.recompute "
+                         "off): fewer launches, more memory")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -395,6 +398,10 @@ def main() -> int:
         ta.BWD_OPTS, ta.STATE_OPTS = k["BWD_OPTS"], k["STATE_OPTS"]
         ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
         ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
+    from aligned_mamba.layers.mamba2 import Mamba2Mixer
+
+    Mamba2Mixer.recompute = not args.no_recompute
+    meta["recompute"] = Mamba2Mixer.recompute
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
