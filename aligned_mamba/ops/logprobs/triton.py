@@ -203,12 +203,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     kernel's ``log_softmax`` entries at the ids on a CUDA tensor (the torch form elsewhere)."""
     if not logits.is_cuda:
         return sliced.token_logprobs(logits, token_ids, temperature)
+    sliced.check_token_inputs(logits, token_ids)  # the kernel reads at the id unchecked
     V = logits.shape[-1]
     ids = token_ids.to(device=logits.device, dtype=torch.int64)
-    if ids.shape != logits.shape[:-1]:
-        raise ValueError(f"token_ids {list(ids.shape)} must be the logits' leading shape {list(logits.shape[:-1])}")
-    if ids.numel() and not bool(((ids >= 0) & (ids < V)).all()):  # the kernel reads at the id unchecked
-        raise ValueError(f"token_ids out of range [0, {V})")
     if temperature != 1.0:
         logits = sliced.scale(logits, temperature)
     rows, ids = logits.reshape(-1, V), ids.reshape(-1)
