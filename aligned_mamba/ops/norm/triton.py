@@ -1,7 +1,8 @@
 """Fused RMSNorms in Triton (the GPU path of ``ops.norm``), each row a fixed function of that row.
 
-A program normalises one row (one group, for the gated norm) in one power-of-two block, its sum of
-squares one ``tl.sum`` whose tree follows from the width and ``norm_block_per_warp`` alone. The
+A program normalises one row in one power-of-two block, its sum of squares one ``tl.sum`` whose tree
+follows from the width and ``norm_block_per_warp`` alone; the gated norm's group is one or two
+power-of-two blocks (the second past the largest power of two within the width), two sums added. The
 arithmetic is ``ops.norm``'s (IEEE sqrt and division, no fp contraction); the sum's order is not
 ``tree_sum``'s, so the bits may differ from the torch backend's by an fp32 rounding.
 """
@@ -19,11 +20,21 @@ from ..triton_math import silu_exact
 
 
 @triton.jit
+def _squares(v, mask):
+    """The sum of v^2 over mask, v [BLOCK] fp32: one ``tl.sum``."""
+    return tl.sum(tl.where(mask, v * v, 0.0), axis=0)
+
+
+@triton.jit
+def _rstd_of(ss, D, eps):
+    """1 / sqrt(ss / D + eps), IEEE operations."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, D.to(tl.float32)) + eps))
+
+
+@triton.jit
 def _rstd(v, mask, D, eps):
     """v [BLOCK] fp32 (zeros past D) -> 1 / sqrt(mean(v^2) + eps), IEEE operations."""
-    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
-    var = tl.math.div_rn(ss, D.to(tl.float32))
-    return tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    return _rstd_of(_squares(v, mask), D, eps)
 
 
 @triton.jit
@@ -55,22 +66,43 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
 
 
 @triton.jit
-def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rstd_ptr, GS, stride_y, stride_z, stride_out, eps,
-                       WRITE_RSTD: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns);
-    with WRITE_RSTD the group's 1 / sqrt(mean square + eps) to rstd [M, G] fp32 (for the backward)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_G)
-    mask = tl.arange(0, BLOCK_G) < GS
-    y = tl.load(y_ptr + row * stride_y + c, mask=mask, other=0.0)
-    z = tl.load(z_ptr + row * stride_z + c, mask=mask, other=0.0).to(tl.float32)
-    g = y.to(tl.float32) * silu_exact(z)
+def _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z):
+    """y * silu(z) over one part of a row's group, fp32 (zeros where not m)."""
+    y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0)
+    z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
+    return y.to(tl.float32) * silu_exact(z)
+
+
+@triton.jit
+def _gated_out(g, rstd, w_ptr, out_ptr, row, c, m, stride_out):
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    rstd = _rstd(g, mask, GS, eps)
+    w = tl.load(w_ptr + c, mask=m, other=0.0).to(OUT)
+    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * (g * rstd)).to(OUT), mask=m)
+
+
+@triton.jit
+def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rstd_ptr, GS, stride_y, stride_z, stride_out, eps,
+                       WRITE_RSTD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns);
+    with WRITE_RSTD the group's 1 / sqrt(mean square + eps) to rstd [M, G] fp32 (for the backward). A
+    group is two power-of-two blocks, BLOCK_A then BLOCK_B (0: none), their sums of squares added:
+    5120 columns run 4096 + 1024 lanes, not 8192."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * GS + tl.arange(0, BLOCK_A)
+    m = tl.arange(0, BLOCK_A) < GS
+    g = _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z)
+    ss = _squares(g, m)
+    if BLOCK_B > 0:
+        cb = tl.program_id(1) * GS + BLOCK_A + tl.arange(0, BLOCK_B)
+        mb = tl.arange(0, BLOCK_B) < GS - BLOCK_A
+        gb = _gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z)
+        ss += _squares(gb, mb)
+    rstd = _rstd_of(ss, GS, eps)
     if WRITE_RSTD:
         tl.store(rstd_ptr + row * tl.num_programs(1) + tl.program_id(1), rstd)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(OUT)
-    tl.store(out_ptr + row * stride_out + c, (w.to(tl.float32) * (g * rstd)).to(OUT), mask=mask)
+    _gated_out(g, rstd, w_ptr, out_ptr, row, c, m, stride_out)
+    if BLOCK_B > 0:
+        _gated_out(gb, rstd, w_ptr, out_ptr, row, cb, mb, stride_out)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -183,11 +215,22 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
         tl.store(dw_ptr + blk * d + cb, dwb, mask=mb)
 
 
-def gated_bwd_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, int]:
-    """``_gated_norm_bwd_kernel``'s (BLOCK_A, BLOCK_B, warps) for groups of ``width``: the largest power of
-    two within the width, the rest's next power of two (0: none), the warps of one next-power-of-two block."""
+def _two_blocks(width: int) -> tuple[int, int]:
+    """A group of ``width`` as (the largest power of two within it, the rest's next power of two; 0: none)."""
     first = 1 << (width.bit_length() - 1)
-    rest = triton.next_power_of_2(width - first) if width > first else 0
+    return first, triton.next_power_of_2(width - first) if width > first else 0
+
+
+def gated_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, int]:
+    """``_gated_norm_kernel``'s (BLOCK_A, BLOCK_B, warps) for groups of ``width``: the warps of BLOCK_A."""
+    first, rest = _two_blocks(width)
+    return first, rest, max(1, min(16, first // cfg.norm_block_per_warp))
+
+
+def gated_bwd_launch(width: int, cfg: TritonKernelConfigs) -> tuple[int, int, int]:
+    """``_gated_norm_bwd_kernel``'s (BLOCK_A, BLOCK_B, warps) for groups of ``width``: the warps of one
+    next-power-of-two block."""
+    first, rest = _two_blocks(width)
     return first, rest, max(1, min(16, triton.next_power_of_2(width) // cfg.norm_bwd_block_per_warp))
 
 
@@ -333,10 +376,10 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     rstd = torch.empty(M, n_groups, dtype=torch.float32, device=y.device) if with_rstd else out
     if M:
         gs = d // n_groups
-        block, warps = _block_warps(gs, cfg)
+        block_a, block_b, warps = gated_launch(gs, cfg)
         _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, rstd, gs, y.stride(0), z.stride(0),
-                                          out.stride(0), float(eps), WRITE_RSTD=with_rstd, BLOCK_G=block,
-                                          num_warps=warps, enable_fp_fusion=False)
+                                          out.stride(0), float(eps), WRITE_RSTD=with_rstd, BLOCK_A=block_a,
+                                          BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
     return (out, rstd) if with_rstd else out
 
 
