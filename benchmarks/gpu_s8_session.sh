@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One H200 session, steps in priority order: every GPU-marked test; the gated norm's backward at its
 # launches against mamba_ssm's (`bench_norm_backward_h200.py`); split keys against one program per
-# KV head (`bench_paged_attention_h200.py`); the conv backward's walk against its tile kernel; the
+# KV head (`bench_paged_attention_h200.py`); the conv backward's walk against its tile kernel (and its
+# forward's walk launches, `convfwd`); the
 # 8-layer fwd+bwd slices of the dense and the MoE hybrid against the stock model; the whole models'
 # cells `--quick` leaves out (forward 1 x 32768, decode at 16k contexts); the decode step's inputs read
 # in place (`--views`); training against mamba_ssm's own model; the row-parallel tree GEMM and its
 # variants, the split-slices grid among them (`bench_tree_gemm_h200.py`).
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk train nanotrain h8blong nanolong views scanacc vsms vsms2 tree" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree" DEADLINE_S=560 ...
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
@@ -38,6 +39,8 @@ want split && step split "${SPLIT_S:-80}" python3 benchmarks/bench_paged_attenti
   --out "$W/h200_paged_attention.json" ${SPLIT_ARGS:-}
 want walk && step walk "${WALK_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \
   --out "$W/h200_conv_backward.json" --reps 10 ${WALK_ARGS:-}
+want convfwd && step convfwd "${CONVFWD_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \
+  --out "$W/h200_conv_forward.json" --reps 10 --walk= --forward "${CONVFWD:-32x128x1,32x128x1x4}"
 want train && hybrid train "${TRAIN_S:-100}" --quick
 want nanotrain && hybrid nano_train "${NANOTRAIN_S:-130}" --quick
 want h8blong && hybrid h8b "${H8B_S:-150}" --long

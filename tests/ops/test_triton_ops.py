@@ -70,10 +70,11 @@ for name, x, res, ro, has_x, idx in (("rms", bf, bf, bf, False, False), ("add", 
               eps="fp32"),
          dict(HAS_X=has_x, HAS_IDX=idx, WRITE_RES=name != "rms", BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1],
          enable_fp_fusion=False)
-for rstd in (False, True):  # the training forward saves each group's rstd
-    comp(f"norm:gated:rstd{int(rstd)}", nt._gated_norm_kernel,
+for rstd, width in ((False, 1024), (True, 1024), (True, 5120)):  # training saves rstd; 5120: two blocks
+    a, b, warps = nt.gated_launch(width, cfg)
+    comp(f"norm:gated:rstd{int(rstd)}" + (f":{width}" if b else ""), nt._gated_norm_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", rstd_ptr="*fp32", eps="fp32"),
-         dict(WRITE_RSTD=rstd, BLOCK_G=1024), num_warps=nt._block_warps(1024, cfg)[1], enable_fp_fusion=False)
+         dict(WRITE_RSTD=rstd, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
 for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add-norm's from its fp32 sum)
     comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
          dict(x_ptr="*fp32" if add else "*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32",
@@ -92,9 +93,10 @@ for bias in (False, True):
     comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
-for bias in (False, True):  # the forward's walk (the default form)
-    comp(f"conv:walk:bias{int(bias)}", ct._conv_walk_kernel, conv_t,
-         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c),
+for bias, ahead in ((False, cfg.conv_walk_ahead), (True, cfg.conv_walk_ahead), (True, 4)):  # the forward's walk
+    comp(f"conv:walk:bias{int(bias)}" + (f":ahead{ahead}" if ahead != cfg.conv_walk_ahead else ""),
+         ct._conv_walk_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c, AHEAD=ahead),
          num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
 for bias in (False, True):  # a decode step's conv and window in one launch
@@ -106,11 +108,12 @@ for bias in (False, True):  # the backward's tile form (dx in the inputs' bf16, 
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
          dict(K=4, HAS_BIAS=bias, BLOCK_T=ct.TILE_LAUNCH[0], BLOCK_C=ct.TILE_LAUNCH[1]), num_warps=ct.TILE_LAUNCH[2])
-for bias in (False, True):  # the backward's walk (the default form) and its block sums
-    comp(f"conv:backward:walk:bias{int(bias)}", ct._conv_bwd_walk_kernel,
+for bias, ahead in ((False, cfg.conv_bwd_ahead), (True, cfg.conv_bwd_ahead), (True, 4)):  # the backward's walk
+    comp(f"conv:backward:walk:bias{int(bias)}" + (f":ahead{ahead}" if ahead != cfg.conv_bwd_ahead else ""),
+         ct._conv_bwd_walk_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
+         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=ahead),
          num_warps=cfg.conv_bwd_warps)
 comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr="*fp32", dwo_ptr="*bf16",
                                                          dbo_ptr="*bf16"),
@@ -135,9 +138,9 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 10 + 12 + 4, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 14 + 4, sorted(by)  # norms, conv1d, logprobs
     for d in done:
-        if d["name"].startswith("norm:gated:backward"):
+        if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too
         if d["name"].startswith(("conv:backward:walk", "conv:walk")):
             assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers
