@@ -15,9 +15,7 @@ by relative norm (their row-block partial sums follow the launch's rows), and tw
 The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its forward.
 
     --shapes mamba2-1.3b --cells 2x2048 --walk 64x128x1,32x128x1   (a short run)
-    --forward 64x128x1,32x128x1x4 --walk=   (the forward's walk launches instead: rows x channels x warps)
-
-A launch's fourth number is the rows its walk loads ahead (2 or 4; default the configs').
+    --forward 64x128x1,32x128x1 --walk=   (the forward's walk launches instead: rows x channels x warps)
 
 ``--forward`` times the forward (``causal_conv1d_triton``, the trainer's call: fresh windows): the tile
 kernel at the configs' conv_block_t x conv_block_c (``conv_walk=False``), then the walk at each launch
@@ -99,13 +97,11 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
                   x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, cu: torch.Tensor, S: int) -> None:
     """The forward's tile kernel, then its walk at each launch (rows, channels, warps), against the tile's output."""
     slots = torch.arange(S, device=x.device)
-    pinned = (base.conv_walk_block_t, base.conv_walk_block_c, base.conv_walk_warps, base.conv_walk_ahead)
+    pinned = (base.conv_walk_block_t, base.conv_walk_block_c, base.conv_walk_warps)
     ref = None
     tile = dataclasses.replace(base, conv_walk=False)
-    launches = [t if len(t) == 4 else (*t, base.conv_walk_ahead) for t in launches]
     forms = [("tile", tile)] + [(list(t), dataclasses.replace(base, conv_walk=True, conv_walk_block_t=t[0],
-                                                               conv_walk_block_c=t[1], conv_walk_warps=t[2],
-                                                               conv_walk_ahead=t[3]))
+                                                               conv_walk_block_c=t[1], conv_walk_warps=t[2]))
                                 for t in [pinned] + [t for t in launches if t != pinned]]
     for form, cfg in forms:
         def run(c=cfg):
@@ -189,12 +185,10 @@ def main() -> int:
             res["cells"].append(e)
             print(json.dumps(e), flush=True)
             for launch in walks:
-                bt, bc, nw, ahead = launch if len(launch) == 4 else (*launch, base.conv_bwd_ahead)
-                cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw,
-                                          conv_bwd_ahead=ahead)
-                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=[bt, bc, nw, ahead],
-                         pinned_walk=(bt, bc, nw, ahead) == (base.conv_bwd_block_t, base.conv_bwd_block_c,
-                                                             base.conv_bwd_warps, base.conv_bwd_ahead))
+                bt, bc, nw = launch
+                cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
+                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch),
+                         pinned_walk=launch == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
                 try:
                     out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
                     again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)

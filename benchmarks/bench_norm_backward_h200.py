@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The Mamba2 mixer's gated RMSNorm in training, alone, at a model's layer shape: our forward (with the
-saved rstd) and backward (which writes the norm's output again for out_proj's weight gradient) at
-several launches, against mamba_ssm's ``layernorm_gated`` forward and backward (``recompute_output``).
+saved rstd; also at one block and at two blocks over 4, 8 and 16 warps, ``fwd_forms``) and backward
+(which writes the norm's output again for out_proj's weight gradient) at several launches, against
+mamba_ssm's ``layernorm_gated`` forward and backward (``recompute_output``).
 
     PYTHONPATH=.:/path/to/mamba_ssm_parent python3 benchmarks/bench_norm_backward_h200.py --out OUT/n.json
     python3 benchmarks/bench_norm_backward_h200.py --dry-run --out /tmp/n.json   (CPU: interpreter, tiny)
@@ -46,6 +47,34 @@ def timed(fn, reps: int) -> float:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def forward_at(y, z, w, G: int, block_a: int, block_b: int, warps: int) -> torch.Tensor:
+    """``_gated_norm_kernel`` at an explicit launch (blocks, warps), as ``gated_rms_norm_triton`` launches it."""
+    M, d = y.shape
+    out = torch.empty_like(y)
+    rstd = torch.empty(M, G, dtype=torch.float32, device=y.device)
+    nt._gated_norm_kernel[(M, G)](y, z, w, out, rstd, d // G, y.stride(0), z.stride(0), out.stride(0), EPS,
+                                  WRITE_RSTD=True, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+                                  enable_fp_fusion=False)
+    return out
+
+
+def forward_forms(y, z, w, G: int, out: torch.Tensor, reps: int) -> list[dict]:
+    """The forward at one next-power-of-two block (16 warps at most) and at two blocks over 4, 8 and 16
+    warps: ms, and whether the output is the pinned launch's bit for bit."""
+    import triton
+
+    gs = y.shape[1] // G
+    a, b = nt._two_blocks(gs)
+    forms = [(triton.next_power_of_2(gs), 0, min(16, triton.next_power_of_2(gs) // 512))]
+    forms += [(a, b, wp) for wp in (4, 8, 16) if b]
+    rows = []
+    for ba, bb, wp in forms:
+        got = forward_at(y, z, w, G, ba, bb, wp)
+        rows.append(dict(block_a=ba, block_b=bb, warps=wp, out_equal_pinned=bool(torch.equal(got, out)),
+                         ms=timed(lambda: forward_at(y, z, w, G, ba, bb, wp), reps)))
+    return rows
 
 
 def stock(y, z, w, g, gs: int, reps: int) -> dict:
@@ -100,7 +129,8 @@ def main() -> int:
             out, rstd = nt.gated_rms_norm_triton(y, z, w, EPS, G, base, with_rstd=True)
             cell = dict(shape=name, tokens=T, d=d, n_groups=G,
                         fwd_ms=timed(lambda: nt.gated_rms_norm_triton(y, z, w, EPS, G, base, with_rstd=True), a.reps),
-                        bytes_bwd=6 * T * d * y.element_size(), launches=[])
+                        bytes_bwd=6 * T * d * y.element_size(), launches=[],
+                        fwd_forms=forward_forms(y, z, w, G, out, a.reps))
             ref = None
             for bpw, rows in launches:
                 cfg = dataclasses.replace(base, norm_bwd_block_per_warp=bpw, norm_bwd_rows=rows)

@@ -168,12 +168,6 @@ def conv_launches() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return tuple(ct.TILE_LAUNCH), pinned
 
 
-def ahead(fn, field: str) -> dict:
-    """The walk's AHEAD constexpr from the configs, where the kernel has one (sources before it loaded two
-    rows ahead, fixed)."""
-    return {"AHEAD": getattr(CFG, field)} if "AHEAD" in inspect.signature(fn.fn).parameters else {}
-
-
 def conv_configs():
     """(name, kernel, types, constexprs, fp fusion, options) of the conv1d kernels as their launchers
     launch them: the forward, its window update and decode step (configs' blocks, 4 warps, no fp
@@ -196,15 +190,14 @@ def conv_configs():
                         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=CFG.conv_block_t, BLOCK_C=CFG.conv_block_c),
                         False, 4)
             yield entry(f"conv/forward_walk/{tag}", ct._conv_walk_kernel, fwd,
-                        dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=CFG.conv_walk_block_t, BLOCK_C=CFG.conv_walk_block_c,
-                             **ahead(ct._conv_walk_kernel, "conv_walk_ahead")), False, CFG.conv_walk_warps)
+                        dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=CFG.conv_walk_block_t, BLOCK_C=CFG.conv_walk_block_c),
+                        False, CFG.conv_walk_warps)
             yield entry(f"conv/step/{tag}", ct._conv_step_kernel, fwd,
                         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c), False, 4)
             yield entry(f"conv/backward_tile/{tile[0]}x{tile[1]}w{tile[2]}/{tag}", ct._conv_bwd_kernel, bwd,
                         dict(K=4, HAS_BIAS=bias, BLOCK_T=tile[0], BLOCK_C=tile[1]), True, tile[2])
             yield entry(f"conv/backward_walk/{walk[0]}x{walk[1]}w{walk[2]}/{tag}", ct._conv_bwd_walk_kernel, bwd,
-                        dict(K=4, HAS_BIAS=bias, ROWS=walk[0], BLOCK_C=walk[1],
-                             **ahead(ct._conv_bwd_walk_kernel, "conv_bwd_ahead")), True, walk[2])
+                        dict(K=4, HAS_BIAS=bias, ROWS=walk[0], BLOCK_C=walk[1]), True, walk[2])
             yield entry(f"conv/backward_partials/{tag}", ct._partials_kernel, dict(dwo_ptr=p, dbo_ptr=p),
                         dict(K=4, HAS_BIAS=bias, BLOCK_B=16, BLOCK_C=128), True, 4)
 

@@ -80,10 +80,9 @@ class TritonKernelConfigs:
       and one reduction per row. norm_bwd_rows: rows per backward program (one weight-gradient partial each);
       norm_bwd_block_per_warp: the gated norm backward's, as above (it takes the forward's rstd: the same bits).
     Conv1d (conv1d/triton.py): conv_walk: the forward walks conv_walk_block_t x conv_walk_block_c blocks,
-      conv_walk_warps, loading conv_walk_ahead rows ahead (widths up to 4); else the tile kernel's conv_block_t x
-      conv_block_c (the same bits); conv_block_c is also the window and decode kernels' channel block.
-      conv_bwd_block_t, conv_bwd_block_c, conv_bwd_warps, conv_bwd_ahead: the backward walk (last row to first;
-      one weight-gradient partial per program, summed in order).
+      conv_walk_warps (widths up to 4); else the tile kernel's conv_block_t x conv_block_c (the same bits);
+      conv_block_c is also the window and decode kernels' channel block. conv_bwd_block_t, conv_bwd_block_c,
+      conv_bwd_warps: the backward walk (last row to first; one weight-gradient partial per program, summed in order).
     Log-softmax (logprobs/triton.py): logprobs_block_v: a row's vocabulary block (its order); logprobs_num_warps.
     Scan backward (ssd/triton_backward.py; gradients only): bwd_block_s, bwd_block_t: its row blocks; bwd_warps;
       bwd_bf16_dots: its dots, as bf16_dots (the gradients' precision).
@@ -163,11 +162,9 @@ class TritonKernelConfigs:
     conv_walk_block_t: int = 32
     conv_walk_block_c: int = 128
     conv_walk_warps: int = 1
-    conv_walk_ahead: int = 2
     conv_bwd_block_t: int = 64
     conv_bwd_block_c: int = 128
     conv_bwd_warps: int = 1
-    conv_bwd_ahead: int = 2
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16
     bwd_block_s: int = 64
@@ -269,11 +266,9 @@ class TritonKernelConfigs:
         _pow2("conv_walk_block_c", self.conv_walk_block_c, 16, 1024)
         _among("conv_walk", self.conv_walk, (True, False))
         _among("conv_walk_warps", self.conv_walk_warps, (1, 2, 4, 8))
-        _among("conv_walk_ahead", self.conv_walk_ahead, (2, 4))
         _pow2("conv_bwd_block_t", self.conv_bwd_block_t, 1, 256)
         _pow2("conv_bwd_block_c", self.conv_bwd_block_c, 16, 1024)
         _among("conv_bwd_warps", self.conv_bwd_warps, (1, 2, 4, 8))
-        _among("conv_bwd_ahead", self.conv_bwd_ahead, (2, 4))
         _pow2("logprobs_block_v", self.logprobs_block_v, 128, 16384)
         _among("logprobs_num_warps", self.logprobs_num_warps, (1, 2, 4, 8, 16))
         _pow2("bwd_block_s", self.bwd_block_s, 16, 256)

@@ -93,10 +93,9 @@ for bias in (False, True):
     comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
-for bias, ahead in ((False, cfg.conv_walk_ahead), (True, cfg.conv_walk_ahead), (True, 4)):  # the forward's walk
-    comp(f"conv:walk:bias{int(bias)}" + (f":ahead{ahead}" if ahead != cfg.conv_walk_ahead else ""),
-         ct._conv_walk_kernel, conv_t,
-         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c, AHEAD=ahead),
+for bias in (False, True):  # the forward's walk (the default form)
+    comp(f"conv:walk:bias{int(bias)}", ct._conv_walk_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c),
          num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
 for bias in (False, True):  # a decode step's conv and window in one launch
@@ -108,12 +107,11 @@ for bias in (False, True):  # the backward's tile form (dx in the inputs' bf16, 
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
          dict(K=4, HAS_BIAS=bias, BLOCK_T=ct.TILE_LAUNCH[0], BLOCK_C=ct.TILE_LAUNCH[1]), num_warps=ct.TILE_LAUNCH[2])
-for bias, ahead in ((False, cfg.conv_bwd_ahead), (True, cfg.conv_bwd_ahead), (True, 4)):  # the backward's walk
-    comp(f"conv:backward:walk:bias{int(bias)}" + (f":ahead{ahead}" if ahead != cfg.conv_bwd_ahead else ""),
-         ct._conv_bwd_walk_kernel,
+for bias in (False, True):  # the backward's walk (the default form) and its block sums
+    comp(f"conv:backward:walk:bias{int(bias)}", ct._conv_bwd_walk_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=ahead),
+         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
          num_warps=cfg.conv_bwd_warps)
 comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr="*fp32", dwo_ptr="*bf16",
                                                          dbo_ptr="*bf16"),
@@ -138,7 +136,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 14 + 4, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 4, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too

@@ -252,7 +252,7 @@ def _taps_and_bias(w_ptr, b_ptr, ch, cmask, K: tl.constexpr, HAS_BIAS: tl.conste
 @triton.jit
 def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                           stride_ws, stride_wk, stride_g, stride_dx, SEARCH_STEPS, K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, AHEAD: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """The walk form of ``_conv_bwd_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C] (the dw, db
     partials summed by ``_partials_kernel``). It walks the rows last to first, from K-1 rows past its
     block (their dpre only), carrying the last K-1 dpre and stream rows in registers: each row reads x
@@ -272,28 +272,17 @@ def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, d
     seq = _find_sequence(cu_ptr, top - 1, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
     end = tl.load(cu_ptr + seq + 1).to(tl.int32)
-    # x row t-(K-1) and g row t loaded AHEAD (2 or 4) rows ahead of their use (the compiler does not
-    # pipeline the loop)
+    # x row t-(K-1) and g row t loaded two rows ahead of their use (the compiler does not pipeline the loop)
     xa = _ahead(x_ptr, top - 1 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
     ga = _ahead(g_ptr, top - 1, r0, stride_g, ch, cmask)
     xb = _ahead(x_ptr, top - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
     gb = _ahead(g_ptr, top - 2, r0, stride_g, ch, cmask)
-    if AHEAD == 4:
-        xc = _ahead(x_ptr, top - 3 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
-        gc = _ahead(g_ptr, top - 3, r0, stride_g, ch, cmask)
-        xd = _ahead(x_ptr, top - 4 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
-        gd = _ahead(g_ptr, top - 4, r0, stride_g, ch, cmask)
     for i in range(top - r0):
         t = top - 1 - i
         x_t, g_t = xa, ga
-        if AHEAD == 4:
-            xa, ga, xb, gb, xc, gc = xb, gb, xc, gc, xd, gd
-            xd = _ahead(x_ptr, t - 4 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
-            gd = _ahead(g_ptr, t - 4, r0, stride_g, ch, cmask)
-        else:
-            xa, ga = xb, gb
-            xb = _ahead(x_ptr, t - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
-            gb = _ahead(g_ptr, t - 2, r0, stride_g, ch, cmask)
+        xa, ga = xb, gb
+        xb = _ahead(x_ptr, t - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+        gb = _ahead(g_ptr, t - 2, r0, stride_g, ch, cmask)
         if t < start:  # the row before this sequence: a new one (empty ones skipped by the search)
             seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
             start = tl.load(cu_ptr + seq).to(tl.int32)
@@ -439,7 +428,7 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     _conv_bwd_walk_kernel[(nb, triton.cdiv(Cd, block_c))](
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
         window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
-        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, AHEAD=cfg.conv_bwd_ahead, num_warps=warps)
+        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
     # a program per (128 channels, tap or bias): per channel block alone, too few programs to fill the GPU
     _partials_kernel[(triton.cdiv(Cd, 128), K + (b is not None))](
         dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K, HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128,
@@ -489,7 +478,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
         _conv_walk_kernel[(triton.cdiv(T, rows), triton.cdiv(Cd, wc))](
             x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
             out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation, ROWS=rows,
-            BLOCK_C=wc, AHEAD=cfg.conv_walk_ahead, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+            BLOCK_C=wc, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
     elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
@@ -509,7 +498,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
 @triton.jit
 def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws,
                       stride_wk, stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, AHEAD: tl.constexpr):
+                      SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order with the
     last K - 1 stream rows in registers (each input read once): the same operations on the same values."""
     blk = tl.program_id(0)
@@ -523,21 +512,14 @@ def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, 
     seq = _find_sequence(cu_ptr, r0, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
     end = tl.load(cu_ptr + seq + 1).to(tl.int32)
-    # the next AHEAD (2 or 4) rows' x, loaded ahead of their use (addresses independent of the walk)
+    # the next two rows' x, loaded ahead of their use (addresses independent of the walk)
     xa = tl.load(x_ptr + r0.to(tl.int64) * stride_x + ch, mask=cmask & (r0 < r1), other=0.0)
     xb = tl.load(x_ptr + (r0 + 1).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 1 < r1), other=0.0)
-    if AHEAD == 4:
-        xc = tl.load(x_ptr + (r0 + 2).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 2 < r1), other=0.0)
-        xd = tl.load(x_ptr + (r0 + 3).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 3 < r1), other=0.0)
     for i in range(r1 - r0):
         t = r0 + i
         x_t = xa
-        if AHEAD == 4:
-            xa, xb, xc = xb, xc, xd
-            xd = tl.load(x_ptr + (t + 4).to(tl.int64) * stride_x + ch, mask=cmask & (t + 4 < r1), other=0.0)
-        else:
-            xa = xb
-            xb = tl.load(x_ptr + (t + 2).to(tl.int64) * stride_x + ch, mask=cmask & (t + 2 < r1), other=0.0)
+        xa = xb
+        xb = tl.load(x_ptr + (t + 2).to(tl.int64) * stride_x + ch, mask=cmask & (t + 2 < r1), other=0.0)
         if t >= end:  # the first row of a later sequence (empty ones skipped by the search)
             seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
             start = tl.load(cu_ptr + seq).to(tl.int32)
