@@ -120,6 +120,14 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
             e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         res["cells"].append(e)
         print(json.dumps(e), flush=True)
+    # the pinned walk without its SiLU: what the activation's IEEE-built exp and division cost
+    pin = dataclasses.replace(base, conv_walk=True)
+    e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=list(pinned), silu=False,
+             ms=timed(lambda: causal_conv1d_triton(x, cu, slots, torch.zeros(S, 3, x.shape[1], device=x.device,
+                                                                            dtype=x.dtype), w, bias, pin,
+                                                  activation=False), a.reps))
+    res["cells"].append(e)
+    print(json.dumps(e), flush=True)
     if x.is_cuda:
         res["cells"].append(dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward="stock",
                                  stock="causal_conv1d 1.7.0", ms=stock_fwd_ms(x, w, bias, S, a.reps)))
