@@ -216,7 +216,8 @@ class CausalLM:
         cache = self.new_cache(len(sequences), max_len=max([1, *lens]))
         batch = Step.from_empty(lens)
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
-        return list(torch.split(logits, lens))
+        # one sequence: the rows as they are (a split's backward concatenates its gradients into a copy)
+        return [logits] if len(lens) == 1 else list(torch.split(logits, lens))
 
     def _check_ids(self, sequences: Any) -> None:
         vocab = self.shape.vocab_size

@@ -123,3 +123,22 @@ def test_a_diverged_step_is_stopped_before_its_weights_leave(setup):
     sane = PolicyTrainer(cfg, t, c, lr=1e-3)  # the same step at a sane rate exports
     sane.step(seqs, plens, [1.0, -1.0, 0.5])
     assert sane.export_bytes()[1]
+
+
+def test_one_sequences_logits_are_the_advances_rows_not_a_split(setup):
+    """The trainer's forward of one sequence hands back the advance's rows themselves: a split's backward
+    concatenates its gradients into a copy, one logits-sized tensor more at the loss's backward (1.5 GiB
+    at 16384 tokens of a 50k vocabulary). Two sequences still split (the baseline the test tells apart);
+    the gradients are the split's bits."""
+    cfg, t, c = setup
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
+    model = build_model(cfg, leaves, c)
+    ids = torch.arange(1, 40) % cfg.vocab_size
+    (one,) = model.forward([ids])
+    two = model.forward([ids[:20], ids[20:]])
+    assert "Split" not in type(one.grad_fn).__name__ and "Split" in type(two[0].grad_fn).__name__
+    w = leaves["lm_head.weight"] if "lm_head.weight" in leaves else next(iter(leaves.values()))
+    g_one = torch.autograd.grad(one.float().square().sum(), w)[0]
+    (split,) = torch.split(model.forward([ids])[0], [39])
+    g_split = torch.autograd.grad(split.float().square().sum(), w)[0]
+    assert torch.equal(g_one, g_split)
