@@ -82,8 +82,9 @@ class PolicyTrainer:
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
-        return generated_logprobs(self.forward(sequences), sequences, prompt_lens, temperature,
-                                  contract=self.contract)
+        with torch.no_grad():
+            logits = self.model().forward([s.to(torch.int64) for s in sequences], packed=True)
+        return generated_logprobs(logits, sequences, prompt_lens, temperature, contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -98,8 +99,8 @@ class PolicyTrainer:
         assert self.opt is not None
         seqs = [s.to(torch.int64) for s in sequences]
         served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
-        loss, tokens = reinforce_loss(build_model(self.config, served, self.contract).forward(seqs), seqs,
-                                      prompt_lens, advantages, contract=self.contract)
+        loss, tokens = reinforce_loss(build_model(self.config, served, self.contract).forward(seqs, packed=True),
+                                      seqs, prompt_lens, advantages, contract=self.contract)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = total_norm(p.grad for p in self.master.values())
@@ -149,9 +150,11 @@ def check_step_inputs(sequences: Sequence[torch.Tensor], prompt_lens: Sequence[i
         raise ValueError("sequences, prompt_lens and advantages must have the same length")
 
 
-def reinforce_loss(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-                   advantages: Sequence[float], *, contract: Contract | None = None) -> tuple[torch.Tensor, int]:
-    """-sum_i adv_i * sum_t logprob_it / (generated tokens) over logits [len_i, vocab]; (loss, tokens)."""
+def reinforce_loss(logits: Sequence[torch.Tensor] | torch.Tensor, sequences: Sequence[torch.Tensor],
+                   prompt_lens: Sequence[int], advantages: Sequence[float], *, contract: Contract | None = None
+                   ) -> tuple[torch.Tensor, int]:
+    """-sum_i adv_i * sum_t logprob_it / (generated tokens) over logits [len_i, vocab] each or packed
+    (``generated_logprobs``); (loss, tokens)."""
     lps = generated_logprobs(logits, sequences, prompt_lens, contract=contract)
     tokens = sum(int(lp.numel()) for lp in lps)
     if tokens == 0:
@@ -170,16 +173,27 @@ def export_weights(weights: dict[str, torch.Tensor], version: int) -> tuple[byte
     return weights_to_bytes(weights, version), weights_digest(weights)
 
 
-def generated_logprobs(logits: Sequence[torch.Tensor], sequences: Sequence[torch.Tensor],
+def generated_logprobs(logits: Sequence[torch.Tensor] | torch.Tensor, sequences: Sequence[torch.Tensor],
                        prompt_lens: Sequence[int], temperature: float = 1.0, *,
                        contract: Contract | None = None) -> list[torch.Tensor]:
-    """float32 logprob of each generated token under ``logits`` ([len_i, vocab]) / ``temperature``:
-    [len_i - prompt_len_i] each, by the contract's ``token_logprobs`` (the sampler's); differentiable."""
+    """float32 logprob of each generated token under ``logits`` / ``temperature``: [len_i - prompt_len_i]
+    each, by the contract's ``token_logprobs`` (the sampler's); differentiable. ``logits``: [len_i, vocab]
+    per sequence, or the packed [sum len_i, vocab] (``forward(..., packed=True)``), scored in one call
+    over every row so its gradient is one tensor, not the sequences' slices zero-filled and concatenated
+    (two logits-sized copies); a row's logprob is the same bits either way."""
     check_temperature(temperature)
-    out = []
-    for lg, seq, p in zip(logits, sequences, prompt_lens):
+    for seq, p in zip(sequences, prompt_lens):
         if not 1 <= p <= seq.numel():
             raise ValueError(f"prompt length {p} outside [1, {seq.numel()}]")
-        # row t predicts token t + 1: generated token t (t >= p) is scored by row t - 1
-        out.append(token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature, contract))
-    return out
+    # row t predicts token t + 1: generated token t (t >= p) is scored by row t - 1
+    if isinstance(logits, torch.Tensor):
+        lens = [int(s.numel()) for s in sequences]
+        if logits.dim() != 2 or logits.shape[0] != sum(lens):
+            raise ValueError(f"packed logits must be [{sum(lens)}, vocab], got {tuple(logits.shape)}")
+        # each sequence's last row predicts past its end: scored at id 0, dropped
+        nxt = torch.cat([torch.cat([s[1:].to(torch.int64), s.new_zeros(1, dtype=torch.int64)]) for s in sequences])
+        lp = token_logprobs(logits, nxt.to(logits.device), temperature, contract)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        return [lp[a + p - 1:a + n - 1] for a, n, p in zip(starts, lens, prompt_lens)]
+    return [token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature, contract)
+            for lg, seq, p in zip(logits, sequences, prompt_lens)]

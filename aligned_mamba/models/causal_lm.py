@@ -207,17 +207,19 @@ class CausalLM:
         return normed
 
     # -- the trainer's side ------------------------------------------------------------------------
-    def forward(self, sequences: Sequence[torch.Tensor], capture: list | None = None) -> list[torch.Tensor]:
+    def forward(self, sequences: Sequence[torch.Tensor], capture: list | None = None, *,
+                packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
         """The trainer's logits: one advance from empty slots. sequences: a list of [len_i] int64 token
-        ids -> a list of [len_i, vocab] (model dtype); anything else is a ValueError saying what it expects.
+        ids -> a list of [len_i, vocab] (model dtype), or with ``packed`` the one [sum len_i, vocab] they
+        are rows of; anything else is a ValueError saying what it expects.
         """
         self._check_ids(sequences)
         lens = [int(s.numel()) for s in sequences]
         cache = self.new_cache(len(sequences), max_len=max([1, *lens]))
         batch = Step.from_empty(lens)
         logits = self.advance(cache, batch, torch.cat([s.to(torch.int64) for s in sequences]), capture=capture)
-        # one sequence: the rows as they are (a split's backward concatenates its gradients into a copy)
-        return [logits] if len(lens) == 1 else list(torch.split(logits, lens))
+        # packed or one sequence: the rows as they are (a split's backward concatenates its gradients into a copy)
+        return logits if packed else [logits] if len(lens) == 1 else list(torch.split(logits, lens))
 
     def _check_ids(self, sequences: Any) -> None:
         vocab = self.shape.vocab_size

@@ -125,20 +125,50 @@ def test_a_diverged_step_is_stopped_before_its_weights_leave(setup):
     assert sane.export_bytes()[1]
 
 
-def test_one_sequences_logits_are_the_advances_rows_not_a_split(setup):
-    """The trainer's forward of one sequence hands back the advance's rows themselves: a split's backward
-    concatenates its gradients into a copy, one logits-sized tensor more at the loss's backward (1.5 GiB
-    at 16384 tokens of a 50k vocabulary). Two sequences still split (the baseline the test tells apart);
-    the gradients are the split's bits."""
+def _consumers(t: torch.Tensor, node) -> set[str]:
+    """The names of the autograd nodes, on t's gradient's way, that take their input from ``node``."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn is node or fn in seen:
+            continue
+        seen.add(fn)
+        nxt = [f for f, _ in fn.next_functions]
+        if any(f is node for f in nxt):
+            names.add(type(fn).__name__)
+        todo.extend(nxt)
+    return names
+
+
+def test_the_trainers_logits_gradient_is_one_tensor_with_the_split_forms_bits(setup):
+    """The trainer scores packed logits (``forward(..., packed=True)``) in one call over every row: no
+    split (its backward concatenates the gradients into a copy) and no per-sequence slice (its backward
+    zero-fills a logits-sized tensor), 1.5 GiB each at 16384 tokens of a 50k vocabulary. One sequence's
+    unpacked forward is the advance's rows too. The logprobs and every weight gradient are the
+    per-sequence form's bits; that form, the baseline, passes through both copies."""
+    from aligned_mamba.train import reinforce_loss
+
     cfg, t, c = setup
     leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
     model = build_model(cfg, leaves, c)
-    ids = torch.arange(1, 40) % cfg.vocab_size
-    (one,) = model.forward([ids])
-    two = model.forward([ids[:20], ids[20:]])
-    assert "Split" not in type(one.grad_fn).__name__ and "Split" in type(two[0].grad_fn).__name__
-    w = leaves["lm_head.weight"] if "lm_head.weight" in leaves else next(iter(leaves.values()))
-    g_one = torch.autograd.grad(one.float().square().sum(), w)[0]
-    (split,) = torch.split(model.forward([ids])[0], [39])
-    g_split = torch.autograd.grad(split.float().square().sum(), w)[0]
-    assert torch.equal(g_one, g_split)
+    seqs = [torch.arange(1, 30) % cfg.vocab_size, torch.arange(7, 50) % cfg.vocab_size]
+    pl, adv = [5, 11], [1.0, -0.5]
+    lists = model.forward(seqs)
+    packed = model.forward(seqs, packed=True)
+    (one,) = model.forward(seqs[:1])
+    assert "Split" not in type(one.grad_fn).__name__
+    assert torch.equal(torch.cat(lists), packed.detach())
+    loss_list, n_list = reinforce_loss(lists, seqs, pl, adv, contract=c)
+    loss_packed, n_packed = reinforce_loss(packed, seqs, pl, adv, contract=c)
+    assert n_list == n_packed == 24 + 32 and torch.equal(loss_list, loss_packed)
+    # what reads the logits: the baseline splits them and slices each sequence's rows
+    split = lists[0].grad_fn
+    assert _consumers(loss_list, split.next_functions[0][0]) == {"SplitWithSizesBackward0"}
+    assert _consumers(loss_list, split) == {"SliceBackward0"}
+    assert not any(n.startswith(("Split", "Slice")) for n in _consumers(loss_packed, packed.grad_fn))
+    names = sorted(leaves)
+    g_list = torch.autograd.grad(loss_list, [leaves[k] for k in names], retain_graph=True)  # shared casts
+    g_packed = torch.autograd.grad(loss_packed, [leaves[k] for k in names])
+    assert all(torch.equal(a, b) for a, b in zip(g_list, g_packed))
+    with pytest.raises(ValueError, match="packed logits"):
+        reinforce_loss(packed[1:], seqs, pl, adv, contract=c)
