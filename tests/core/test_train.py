@@ -146,7 +146,7 @@ def test_the_trainers_logits_gradient_is_one_tensor_with_the_split_forms_bits(se
     zero-fills a logits-sized tensor), 1.5 GiB each at 16384 tokens of a 50k vocabulary. One sequence's
     unpacked forward is the advance's rows too. The logprobs and every weight gradient are the
     per-sequence form's bits; that form, the baseline, passes through both copies."""
-    from aligned_mamba.train import reinforce_loss
+    from aligned_mamba.train import generated_logprobs, reinforce_loss
 
     cfg, t, c = setup
     leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
@@ -158,6 +158,10 @@ def test_the_trainers_logits_gradient_is_one_tensor_with_the_split_forms_bits(se
     (one,) = model.forward(seqs[:1])
     assert "Split" not in type(one.grad_fn).__name__
     assert torch.equal(torch.cat(lists), packed.detach())
+    with torch.no_grad():
+        lp_list = generated_logprobs(lists, seqs, pl, contract=c)
+        lp_packed = generated_logprobs(packed, seqs, pl, contract=c)
+    assert all(torch.equal(a, b) for a, b in zip(lp_list, lp_packed, strict=True))
     loss_list, n_list = reinforce_loss(lists, seqs, pl, adv, contract=c)
     loss_packed, n_packed = reinforce_loss(packed, seqs, pl, adv, contract=c)
     assert n_list == n_packed == 24 + 32 and torch.equal(loss_list, loss_packed)
