@@ -7,6 +7,7 @@ logprobs are the sampler's bits and the gradient is taken at the logits sampled 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -72,19 +73,19 @@ class PolicyTrainer:
             self._model = build_model(self.config, self.weights(), self.contract)
         return self._model
 
-    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Raw logits of whole sequences in one pass: list of [len_i] int64 -> list of [len_i, vocab]."""
+    def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
+        """Raw logits of whole sequences in one pass: list of [len_i] int64 -> list of [len_i, vocab]
+        (``packed``: the one [sum len_i, vocab])."""
         with torch.no_grad():
-            return self.model().forward([s.to(torch.int64) for s in sequences])
+            return self.model().forward([s.to(torch.int64) for s in sequences], packed=packed)
 
     score = forward
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
-        with torch.no_grad():
-            logits = self.model().forward([s.to(torch.int64) for s in sequences], packed=True)
-        return generated_logprobs(logits, sequences, prompt_lens, temperature, contract=self.contract)
+        return generated_logprobs(self.forward(sequences, packed=True), sequences, prompt_lens, temperature,
+                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
@@ -182,6 +183,10 @@ def generated_logprobs(logits: Sequence[torch.Tensor] | torch.Tensor, sequences:
     over every row so its gradient is one tensor, not the sequences' slices zero-filled and concatenated
     (two logits-sized copies); a row's logprob is the same bits either way."""
     check_temperature(temperature)
+    if len(prompt_lens) != len(sequences):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    if not isinstance(logits, torch.Tensor) and len(logits) != len(sequences):
+        raise ValueError(f"{len(sequences)} sequences but {len(logits)} logits tensors")
     for seq, p in zip(sequences, prompt_lens):
         if not 1 <= p <= seq.numel():
             raise ValueError(f"prompt length {p} outside [1, {seq.numel()}]")
@@ -193,7 +198,7 @@ def generated_logprobs(logits: Sequence[torch.Tensor] | torch.Tensor, sequences:
         # each sequence's last row predicts past its end: scored at id 0, dropped
         nxt = torch.cat([torch.cat([s[1:].to(torch.int64), s.new_zeros(1, dtype=torch.int64)]) for s in sequences])
         lp = token_logprobs(logits, nxt.to(logits.device), temperature, contract)
-        starts = [sum(lens[:i]) for i in range(len(lens))]
+        starts = itertools.accumulate(lens, initial=0)
         return [lp[a + p - 1:a + n - 1] for a, n, p in zip(starts, lens, prompt_lens)]
     return [token_logprobs(lg[p - 1:-1], seq[p:].to(lg.device), temperature, contract)
             for lg, seq, p in zip(logits, sequences, prompt_lens)]

@@ -60,14 +60,13 @@ def forward_at(y, z, w, G: int, block_a: int, block_b: int, warps: int) -> torch
     return out
 
 
-def forward_forms(y, z, w, G: int, out: torch.Tensor, reps: int) -> list[dict]:
-    """The forward at one next-power-of-two block (16 warps at most) and at two blocks over 4, 8 and 16
-    warps: ms, and whether the output is the pinned launch's bit for bit."""
-    import triton
-
+def forward_forms(y, z, w, G: int, out: torch.Tensor, cfg: TritonKernelConfigs, reps: int) -> list[dict]:
+    """The forward at one next-power-of-two block (the configs' warps for it, 16 at most) and at two
+    blocks over 4, 8 and 16 warps: ms, and whether the output is the pinned launch's bit for bit."""
     gs = y.shape[1] // G
     a, b = nt._two_blocks(gs)
-    forms = [(triton.next_power_of_2(gs), 0, min(16, triton.next_power_of_2(gs) // 512))]
+    block, warps = nt._block_warps(gs, cfg)
+    forms = [(block, 0, warps)]
     forms += [(a, b, wp) for wp in (4, 8, 16) if b]
     rows = []
     for ba, bb, wp in forms:
@@ -130,7 +129,7 @@ def main() -> int:
             cell = dict(shape=name, tokens=T, d=d, n_groups=G,
                         fwd_ms=timed(lambda: nt.gated_rms_norm_triton(y, z, w, EPS, G, base, with_rstd=True), a.reps),
                         bytes_bwd=6 * T * d * y.element_size(), launches=[],
-                        fwd_forms=forward_forms(y, z, w, G, out, a.reps))
+                        fwd_forms=forward_forms(y, z, w, G, out, base, a.reps))
             ref = None
             for bpw, rows in launches:
                 cfg = dataclasses.replace(base, norm_bwd_block_per_warp=bpw, norm_bwd_rows=rows)

@@ -176,3 +176,7 @@ def test_the_trainers_logits_gradient_is_one_tensor_with_the_split_forms_bits(se
     assert all(torch.equal(a, b) for a, b in zip(g_list, g_packed))
     with pytest.raises(ValueError, match="packed logits"):
         reinforce_loss(packed[1:], seqs, pl, adv, contract=c)
+    with pytest.raises(ValueError, match="2 sequences but 1 prompt lengths"):
+        generated_logprobs(packed, seqs, pl[:1], contract=c)
+    with pytest.raises(ValueError, match="2 sequences but 1 logits tensors"):
+        generated_logprobs(lists[:1], seqs, pl, contract=c)
