@@ -292,7 +292,7 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         show(f"starting the reference trainer's {args.trainer_tp} tensor-parallel ranks")
         trainer = TPTrainer(config, tensors, trainer_c, args.trainer_tp)
         _TP_TRAINERS.append(trainer)
-    else:  # the megatron trainer at TP > 1 starts its own rank processes (trainer_hooks.megatron_tp)
+    else:  # the megatron trainer at TP > 1 starts its own rank processes (trainer_hooks.megatron.tp)
         trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp)
         if args.trainer_tp > 1:
             _TP_TRAINERS.append(trainer)

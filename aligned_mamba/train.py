@@ -122,7 +122,7 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
     return PolicyTrainer(config, tensors, contract, lr=lr)
 
 
-# -- the pieces every policy trainer shares (PolicyTrainer; trainer_hooks.megatron_trainer) -----------------
+# -- the pieces every policy trainer shares (PolicyTrainer; trainer_hooks.megatron.trainer) -----------------
 
 
 def check_lr(lr: float) -> None:

@@ -10,7 +10,7 @@ checkpoint, what the vLLM plugin runs) and compares them with ``torch.equal``. W
 ``--aligned-mamba`` the same comparison shows Megatron's stock forward differing. ``--save DIR``
 keeps the checkpoint for ``examples/vllm_rollout.py --model DIR``.
 
-Runs on the CPU (one gloo rank) or one GPU. ``megatron_cpu`` stands in for what the machine lacks
+Runs on the CPU (one gloo rank) or one GPU. ``trainer_hooks.megatron.cpu`` stands in for what the machine lacks
 (mamba_ssm, Transformer Engine, CUDA); a job with those and its own ``torch.distributed`` setup
 skips it.
 
@@ -33,8 +33,8 @@ import aligned_mamba
 from aligned_mamba.contract import Contract
 from aligned_mamba.models.mamba2 import Mamba2Config, save_checkpoint
 from trainer_hooks import megatron as hook
-from trainer_hooks import megatron_cpu
-from trainer_hooks.megatron_weights import megatron_to_hf
+from trainer_hooks.megatron import cpu as megatron_cpu
+from trainer_hooks.megatron.weights import megatron_to_hf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

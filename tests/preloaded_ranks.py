@@ -19,7 +19,7 @@ from typing import Any
 from aligned_mamba import parallel
 
 # imports only: Megatron's CPU stand-ins are patched in by each rank (``prepare_process``), as spawned
-PRELOAD = ["torch", "aligned_mamba.parallel", "trainer_hooks.megatron_trainer",
+PRELOAD = ["torch", "aligned_mamba.parallel", "trainer_hooks.megatron.trainer",
            "megatron.core.models.mamba.mamba_model", "megatron.core.ssm.mamba_mixer"]
 _CTX: list[Any] = []
 

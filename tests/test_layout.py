@@ -47,6 +47,12 @@ HOOK_LAYERS = {
     "hook": {"current", "patch", "norms", "refusals"},
     "arguments": {"hook", "refusals"},
     "logprobs": {"current"},
+    # beside the hook: what runs Megatron's model (the trainer, its TP ranks, the weights, the CPU stand-ins)
+    "cpu": set(),
+    "weights": set(),
+    "shards": {"weights"},
+    "tp": {"refusals"},
+    "trainer": {"hook", "logprobs", "spec", "shards", "weights"},
 }
 
 

@@ -2,9 +2,9 @@
 logits bit for bit, trains, and refuses what it cannot align.
 
 The Megatron side is a real megatron-core 0.16 MambaModel (non-TE spec) on the CPU, built with the
-CPU shims of ``trainer_hooks.megatron_cpu``; the reference side is the core's model on the same weights.
+CPU shims of ``trainer_hooks.megatron.cpu``; the reference side is the core's model on the same weights.
 "Hook off" is Megatron's stock forward with torch stand-ins for mamba_ssm's kernels (see
-megatron_cpu): it must differ, so these equality tests can fail.
+trainer_hooks.megatron.cpu): it must differ, so these equality tests can fail.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from aligned_mamba.models.mamba2 import make_tiny, save_checkpoint  # noqa: E402
 from aligned_mamba.ops.logprobs import log_softmax  # noqa: E402
 from aligned_mamba.ops.ssd import SSMParams, ssd_naive  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_trainer as mc  # noqa: E402
-from trainer_hooks.megatron_weights import megatron_to_hf  # noqa: E402
+from trainer_hooks.megatron import trainer as mc  # noqa: E402
+from trainer_hooks.megatron.weights import megatron_to_hf  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, state_size=16, num_hidden_layers=2, vocab_size=96,
              conv_kernel=4, chunk_size=16)
@@ -132,7 +132,7 @@ def test_hook_off_stock_forward_differs(chunk: int | None) -> None:
 
 def test_stock_stand_in_scan_is_right() -> None:
     """The hook-off stand-in is mamba_ssm's math (global chunk grid + seq_idx resets), not a strawman."""
-    from trainer_hooks.megatron_cpu import _stock_scan
+    from trainer_hooks.megatron.cpu import _stock_scan
 
     g = torch.Generator().manual_seed(0)
     lens, H, P, G, N = [40, 17, 5], 4, 8, 2, 16
@@ -148,7 +148,7 @@ def test_stock_stand_in_scan_is_right() -> None:
 
 def test_stock_stand_ins_refuse_what_they_do_not_cover() -> None:
     """Arguments beyond what Megatron's forward passes (states in or out, a dt limit) are refused by name."""
-    from trainer_hooks.megatron_cpu import stock_chunk_scan_combined, stock_split_conv1d_scan_combined
+    from trainer_hooks.megatron.cpu import stock_chunk_scan_combined, stock_split_conv1d_scan_combined
 
     x, dt, A = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 2), -torch.ones(2)
     B = C = torch.zeros(1, 8, 1, 4)
@@ -259,7 +259,7 @@ def test_aligned_spec_places_the_aligned_modules(monkeypatch: pytest.MonkeyPatch
     config, tensors, contract = tiny("bf16_groups2")
     seqs = sequences(config.vocab_size)
     local = megatron_model(config, tensors, contract)
-    monkeypatch.setattr(hk, "local_mamba_stack_spec",
+    monkeypatch.setattr(mc, "local_mamba_stack_spec",
                         lambda eps, **kw: hk.aligned_mamba_stack_spec(contract, eps, **kw))
     aligned = megatron_model(config, tensors, contract)
     assert not any(isinstance(m, torch.nn.RMSNorm) for m in aligned.modules())

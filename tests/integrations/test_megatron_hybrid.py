@@ -4,7 +4,7 @@ layers): exact Megatron <-> Hugging Face weight conversion, Megatron's logits eq
 scores, the stock baselines that differ, and the refusals.
 
 The Megatron side is a real megatron-core 0.16 MambaModel from ``local_mamba_stack_spec`` on the CPU
-(``megatron_cpu`` shims). "Stock" means Megatron's own attention (DotProductAttention over torch GEMMs and
+(``trainer_hooks.megatron.cpu`` shims). "Stock" means Megatron's own attention (DotProductAttention over torch GEMMs and
 softmax) or MLP forward in place of the hook's, so each equality test here can fail.
 """
 
@@ -28,8 +28,8 @@ from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.nemotron_h import make_tiny_hybrid, save_checkpoint  # noqa: E402
 from aligned_mamba.train import PolicyTrainer, weights_digest, weights_from_bytes  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_trainer as mc  # noqa: E402
-from trainer_hooks.megatron_weights import (  # noqa: E402
+from trainer_hooks.megatron import trainer as mc  # noqa: E402
+from trainer_hooks.megatron.weights import (  # noqa: E402
     export_hf_checkpoint,
     hf_to_megatron,
     import_hf_checkpoint,

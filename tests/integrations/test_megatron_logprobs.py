@@ -20,7 +20,7 @@ from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.train import PolicyTrainer  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_trainer as mc  # noqa: E402
+from trainer_hooks.megatron import trainer as mc  # noqa: E402
 
 TINY = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, vocab_size=512, chunk_size=32)
 

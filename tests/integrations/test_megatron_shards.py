@@ -11,8 +11,8 @@ import torch
 from aligned_mamba import ModelLoadError
 from aligned_mamba.models.mamba2 import make_tiny
 from aligned_mamba.models.nemotron_h import make_tiny_hybrid
-from trainer_hooks.megatron_shards import hf_to_megatron_shard, merge_megatron, shard_megatron, tp_problems
-from trainer_hooks.megatron_weights import hf_to_megatron
+from trainer_hooks.megatron.shards import hf_to_megatron_shard, merge_megatron, shard_megatron, tp_problems
+from trainer_hooks.megatron.weights import hf_to_megatron
 
 MAMBA = dict(hidden_size=64, num_heads=8, head_dim=16, state_size=16, num_hidden_layers=2, vocab_size=96,
              conv_kernel=4, chunk_size=16, n_groups=4)

@@ -25,7 +25,7 @@ from aligned_mamba import Contract  # noqa: E402
 from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.models.nemotron_h import make_tiny_hybrid  # noqa: E402
-from trainer_hooks import megatron_trainer as mc  # noqa: E402
+from trainer_hooks.megatron import trainer as mc  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def rank_layout(group, config, tensors, contract: Contract) -> list[str]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     from trainer_hooks import megatron as hk
-    from trainer_hooks.megatron_weights import hf_to_megatron
+    from trainer_hooks.megatron.weights import hf_to_megatron
 
     mc.prepare_process(group.size)
     hk.install(contract)
@@ -203,7 +203,7 @@ def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.
     import torch.distributed as dist
 
     from trainer_hooks import megatron as hk
-    from trainer_hooks.megatron_shards import merge_megatron
+    from trainer_hooks.megatron.shards import merge_megatron
 
     mc.prepare_process(group.size)
     hk.install(contract)
@@ -244,7 +244,7 @@ def test_training_at_tp2_serves_what_it_scores(name: str) -> None:
     every step the merged weights it exports, run by the reference model at TP 1 under the same contract
     (the sampler's forward), give its logits rows and logprobs bit for bit, while the weights move."""
     from aligned_mamba.train import generated_logprobs, weights_from_bytes
-    from trainer_hooks.megatron_trainer import make_trainer
+    from trainer_hooks.megatron.trainer import make_trainer
 
     config, tensors = model(name)
     contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=2)

@@ -1,4 +1,4 @@
-"""The trainer on a real Megatron-Core MambaModel (``trainer_hooks.megatron_trainer``): it scores the sampler's
+"""The trainer on a real Megatron-Core MambaModel (``trainer_hooks.megatron.trainer``): it scores the sampler's
 logprobs bit for bit, steps through Megatron's forward and backward with fp32 masters, and serves the new
 weights, which sample what it scores; it also agrees bit for bit with the reference ``PolicyTrainer``.
 
@@ -25,9 +25,9 @@ from aligned_mamba.models import build_model  # noqa: E402
 from aligned_mamba.models.mamba2 import make_tiny  # noqa: E402
 from aligned_mamba.train import PolicyTrainer, weights_digest, weights_from_bytes  # noqa: E402
 from trainer_hooks import megatron as hk  # noqa: E402
-from trainer_hooks import megatron_trainer as mc  # noqa: E402
-from trainer_hooks.megatron_trainer import MegatronTrainer, make_trainer  # noqa: E402
-from trainer_hooks.megatron_weights import megatron_to_hf  # noqa: E402
+from trainer_hooks.megatron import trainer as mc  # noqa: E402
+from trainer_hooks.megatron.trainer import MegatronTrainer, make_trainer  # noqa: E402
+from trainer_hooks.megatron.weights import megatron_to_hf  # noqa: E402
 
 TINY = dict(num_hidden_layers=2, hidden_size=128, num_heads=4, vocab_size=256, chunk_size=32)
 

@@ -17,7 +17,7 @@ import torch
 from aligned_mamba import Contract, ModelLoadError
 from aligned_mamba.models import build_model, load_checkpoint
 from aligned_mamba.models.mamba2 import Mamba2Config, make_tiny
-from trainer_hooks.megatron_weights import export_hf_checkpoint, hf_to_megatron, import_hf_checkpoint, megatron_to_hf
+from trainer_hooks.megatron.weights import export_hf_checkpoint, hf_to_megatron, import_hf_checkpoint, megatron_to_hf
 
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, state_size=16, num_hidden_layers=2, vocab_size=96,
              conv_kernel=3, chunk_size=16)

@@ -181,7 +181,7 @@ def _check_shape(
         tp = _tp_factor(found, expected)
         if tp is not None:
             hint = (f"; this looks like one tensor-parallel shard (TP={tp}): only TP=1 state dicts are supported, "
-                    "merge the shards first (megatron_shards.merge_megatron)")
+                    "merge the shards first (trainer_hooks.megatron.shards.merge_megatron)")
         elif key in (MEGATRON_EMBEDDING, MEGATRON_OUTPUT) and len(found) == 2 and found[1] == expected[1] \
                 and found[0] > expected[0]:
             hint = (f"; Megatron pads the vocabulary (--make-vocab-size-divisible-by): build the config with "

@@ -27,7 +27,7 @@ from aligned_mamba.models import nemotron_h
 from aligned_mamba.models.mamba2 import Mamba2Config
 from aligned_mamba.models.nemotron_h import NemotronHConfig
 
-from .megatron_weights import MEGATRON_EMBEDDING, MEGATRON_OUTPUT, hf_to_megatron
+from .weights import MEGATRON_EMBEDDING, MEGATRON_OUTPUT, hf_to_megatron
 
 __all__ = ["hf_to_megatron_shard", "merge_megatron", "shard_megatron", "tp_problems"]
 

@@ -2,7 +2,7 @@
 ``aligned_mamba.trainers`` (``check`` / ``rl --trainer megatron``), for Mamba2 and Nemotron-H checkpoints.
 
 Every forward and backward is Megatron's: the model built from ``local_mamba_stack_spec``, loaded through
-``megatron_weights``, scoring sequences in one packed (THD) pass. ``step`` is ``PolicyTrainer``'s REINFORCE with
+``weights``, scoring sequences in one packed (THD) pass. ``step`` is ``PolicyTrainer``'s REINFORCE with
 Megatron's mixed precision (Adam on fp32 masters, the parameters re-set from them rounded), so the next forward
 and the exported weights are the same bits. ``ALIGNED_MAMBA_MEGATRON_HOOK=off``: the stock forward (the baseline).
 """
@@ -31,9 +31,11 @@ from aligned_mamba.train import (
     total_norm,
 )
 
-from . import megatron as hook_module
-from .megatron_shards import hf_to_megatron_shard
-from .megatron_weights import hf_to_megatron, megatron_names, megatron_to_hf
+from .hook import install
+from .logprobs import token_logprobs
+from .shards import hf_to_megatron_shard
+from .spec import local_mamba_stack_spec
+from .weights import hf_to_megatron, megatron_names, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
            "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process",
@@ -45,11 +47,11 @@ MEGATRON_GATED_NORM_EPS = 1e-5
 
 def prepare_process(tp: int = 1) -> None:
     """Megatron's groups at TP ``tp`` (1: a one-rank world started here; more: over the world its ranks started)
-    and ``megatron_cpu``'s stand-ins for what the machine lacks."""
-    from . import megatron_cpu
+    and ``cpu``'s stand-ins for what the machine lacks."""
+    from . import cpu
 
-    megatron_cpu.setup()
-    megatron_cpu.init_model_parallel(tp)
+    cpu.setup()
+    cpu.init_model_parallel(tp)
 
 
 def tp_size() -> int:
@@ -156,8 +158,8 @@ def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chu
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     moe = isinstance(config, NemotronHConfig) and "E" in config.hybrid_override_pattern
-    spec = hook_module.local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias,
-                                              moe_experts=config.n_routed_experts if moe else None)
+    spec = local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias,
+                                  moe_experts=config.n_routed_experts if moe else None)
     if chunk_size is not None:
         spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
     pattern = config.hybrid_override_pattern if isinstance(config, NemotronHConfig) else None
@@ -228,7 +230,7 @@ def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str
     """A MambaModel with the hook installed for ``contract``, the process prepared at TP ``tp``, HF-named
     ``tensors`` loaded (this rank's shard at TP > 1); left in train mode."""
     prepare_process(tp)
-    hook_module.install(contract)
+    install(contract)
     model = build_mamba_model(config, contract.model_dtype)
     load_hf_weights(model, config, tensors)
     return model
@@ -265,7 +267,7 @@ class MegatronTrainer:
     def _logits(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """One packed forward -> per sequence [len_i, vocab] logits (autograd per torch's grad mode)."""
         if self.hooked:
-            hook_module.install(self.contract)  # idempotent; back in place if someone uninstalled it
+            install(self.contract)  # idempotent; back in place if someone uninstalled it
         if self._hybrid and not self.hooked:
             logits = megatron_sequence_logits(self.model, sequences)
         else:
@@ -337,12 +339,12 @@ class MegatronTrainer:
 
     def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state dict (or gradients) of this rank's shard -> the TP 1 layout (at TP > 1 every rank's
-        gathered and merged, ``megatron_shards.merge_megatron``: a collective every rank must call)."""
+        gathered and merged, ``shards.merge_megatron``: a collective every rank must call)."""
         if self.tp == 1:
             return state
         import torch.distributed as dist
 
-        from .megatron_shards import merge_megatron
+        from .shards import merge_megatron
 
         local = {k: v.detach() for k, v in state.items() if not k.endswith("_extra_state")}
         every: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
@@ -366,7 +368,7 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
         print("aligned-mamba: ALIGNED_MAMBA_MEGATRON_HOOK=off: Megatron's stock forward (expect differing rows)",
               file=sys.stderr)
     if tp != 1:
-        from .megatron_tp import MegatronTPTrainer
+        from .tp import MegatronTPTrainer
 
         return MegatronTPTrainer(config, tensors, contract, tp, hook=hook, lr=lr)
     return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
@@ -380,7 +382,7 @@ def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: 
     [sum len_i] float32 next-token logprobs from this rank's vocabulary shard, else None)."""
     prepare_process(group.size)
     if hook:
-        hook_module.install(contract)
+        install(contract)
     model = build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
     load_hf_weights(model, config, tensors)
     model.eval()
@@ -392,5 +394,5 @@ def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: 
         local = megatron_packed_logits(model, sequences, gather=False)  # [T, V / k]
         rows = group.all_gather(local).permute(1, 0, 2).reshape(local.shape[0], -1) if group.size > 1 else local
         labels = torch.cat(sequences).to(torch.int64).roll(-1).to(local.device)
-        logprobs = hook_module.token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True)
+        logprobs = token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True)
         return rows, logprobs[0]

@@ -1,7 +1,7 @@
 """The Megatron trainer at tensor-parallel size k on the CPU: k spawned rank processes over gloo, kept alive.
 
 ``MegatronTPTrainer`` is the trainer protocol at TP k (``--trainer-tp k``): each rank holds a ``MegatronTrainer``
-over its shard (``megatron_shards``); every call goes to all ranks and rank 0 answers (whole logits rows, the
+over its shard (``shards``); every call goes to all ranks and rank 0 answers (whole logits rows, the
 step's report, the merged weights). NCCL on GPUs would be the same code with another backend.
 """
 
@@ -20,7 +20,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.train import check_step_inputs, generated_logprobs
 
-from .megatron.refusals import AlignmentRefused
+from .refusals import AlignmentRefused
 
 __all__ = ["MegatronTPTrainer"]
 
@@ -32,7 +32,7 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
     """One rank: join the world, build its ``MegatronTrainer``, run each command until None; rank 0 answers."""
     import torch.distributed as dist
 
-    from .megatron_trainer import MegatronTrainer
+    from .trainer import MegatronTrainer
 
     torch.set_num_threads(threads)
     try:
@@ -76,8 +76,8 @@ class MegatronTPTrainer:
                  hook: bool = True, lr: float = 1e-4) -> None:
         import torch.multiprocessing as mp
 
-        from .megatron.refusals import tp_problems
-        from .megatron_shards import tp_problems as shard_problems
+        from .refusals import tp_problems
+        from .shards import tp_problems as shard_problems
 
         if not isinstance(tp, int) or tp < 1:
             raise AlignmentRefused(f"Megatron trainer at tensor parallel size {tp!r}: must be an int >= 1")
