@@ -142,6 +142,23 @@ def test_agrees_with_the_reference_trainer_bit_for_bit(tied: bool, setup) -> Non
             assert torch.equal(lp, want)
 
 
+def test_the_step_scores_one_packed_logits_tensor(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's loss reads Megatron's packed logits as the one [sum len_i, vocab] tensor, as ``PolicyTrainer``
+    does: no per-sequence split, whose backward would concatenate a logits-sized copy (the bits against the
+    reference trainer: the test above)."""
+    config, tensors, contract = setup
+    tr = make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3)
+    seen = []
+    real = mc.reinforce_loss
+    monkeypatch.setattr(mc, "reinforce_loss", lambda logits, *a, **k: seen.append(logits) or real(logits, *a, **k))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 17)]
+    tr.step(seqs, [30, 9], [1.0, -0.5])
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), type(seen[0])
+    assert seen[0].shape == (57, config.vocab_size) and seen[0].grad_fn is not None
+    assert "Split" not in type(seen[0].grad_fn).__name__
+
+
 def test_registered_and_bad_input(setup) -> None:
     from importlib.metadata import entry_points
 

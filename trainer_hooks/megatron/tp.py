@@ -55,7 +55,7 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
         kind, args = pickle.loads(message)
         try:
             if kind == "forward":
-                value: Any = torch.cat(trainer.forward(args))
+                value: Any = trainer.forward(args, packed=True)
             elif kind == "step":
                 value = trainer.step(*args)
             else:
@@ -122,16 +122,19 @@ class MegatronTPTrainer:
             inbox.put(message)
         return self._reply(kind)
 
-    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Raw logits of whole sequences in one packed pass at TP k: [len_i, vocab] each (whole rows)."""
+    def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
+        """Raw logits of whole sequences in one packed pass at TP k: [len_i, vocab] each (whole rows; ``packed``: the
+        one [sum len_i, vocab])."""
         seqs = [s.to(torch.int64).cpu() for s in sequences]
-        return list(torch.split(self._run("forward", seqs), [int(s.numel()) for s in seqs]))
+        logits = self._run("forward", seqs)
+        return logits if packed else list(torch.split(logits, [int(s.numel()) for s in seqs]))
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """Logprob of every generated token under the TP k logits, by the contract's log-softmax."""
         seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature, contract=self.contract)
+        return generated_logprobs(self.forward(seqs, packed=True), seqs, prompt_lens, temperature,
+                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

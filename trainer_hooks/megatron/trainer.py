@@ -264,15 +264,14 @@ class MegatronTrainer:
         if changed:
             raise ModelLoadError(f"the Megatron model holds {changed[:3]} in other dtypes than the checkpoint")
 
-    def _logits(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One packed forward -> per sequence [len_i, vocab] logits (autograd per torch's grad mode)."""
+    def _logits(self, sequences: list[torch.Tensor]) -> torch.Tensor:
+        """One packed forward -> [sum len_i, vocab] logits (autograd per torch's grad mode); scored packed, so the
+        backward holds no per-sequence copy of them."""
         if self.hooked:
             install(self.contract)  # idempotent; back in place if someone uninstalled it
         if self._hybrid and not self.hooked:
-            logits = megatron_sequence_logits(self.model, sequences)
-        else:
-            logits = megatron_packed_logits(self.model, sequences)
-        return list(torch.split(logits, [int(s.numel()) for s in sequences]))
+            return megatron_sequence_logits(self.model, sequences)
+        return megatron_packed_logits(self.model, sequences)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The served weights: the parameters under the checkpoint's HF names, in its dtypes, detached."""
@@ -284,17 +283,21 @@ class MegatronTrainer:
                                  "the checkpoint's")
         return {k: hf[k].detach() for k in self.dtypes}
 
-    def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Raw logits of whole sequences in one packed pass (eval mode, no grad): [len_i, vocab] each."""
+    def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
+        """Raw logits of whole sequences in one packed pass (eval mode, no grad): [len_i, vocab] each (``packed``:
+        the one [sum len_i, vocab])."""
+        seqs = [s.to(torch.int64) for s in sequences]
         self.model.eval()
         with torch.no_grad():
-            return self._logits([s.to(torch.int64) for s in sequences])
+            logits = self._logits(seqs)
+        return logits if packed else list(torch.split(logits, [int(s.numel()) for s in seqs]))
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """The generated tokens' logprobs, [len_i - prompt_len_i] float32, by the contract's log-softmax."""
         seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs), seqs, prompt_lens, temperature, contract=self.contract)
+        return generated_logprobs(self.forward(seqs, packed=True), seqs, prompt_lens, temperature,
+                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
