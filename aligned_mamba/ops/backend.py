@@ -55,6 +55,9 @@ class Ops:
     log_softmax: Callable[..., Tensor]
     #: (logits [..., V], token_ids [...], temperature=1.0) -> [...] float32: ``log_softmax``'s entries (``logprobs``)
     token_logprobs: Callable[..., Tensor]
+    #: (local logits [..., V / S], token_ids [...] global, shard_index, shard_count, all_gather, temperature=1.0) ->
+    #: [...] float32, ``token_logprobs``'s bits on every shard; each shard's gradient its own columns (``logprobs``)
+    token_logprobs_sharded: Callable[..., Tensor]
     #: relu(x)^2 in x's dtype, any shape (``elementwise``)
     relu2: Callable[[Tensor], Tensor]
     #: (q [T, H, D], k, v [T, G, D], k_cache, v_cache [slots, max_len, G, D], step, *, scale, block_table=None)
@@ -93,7 +96,8 @@ def torch_ops(c: TorchKernelConfigs) -> Ops:
         gated_rms_norm=norm.gated_rms_norm, gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
         conv_advance=conv1d.conv_advance,
         ssd_advance=functools.partial(decode.replay, cfg=c),
-        log_softmax=logprobs.log_softmax, token_logprobs=logprobs.token_logprobs, relu2=elementwise.relu2,
+        log_softmax=logprobs.log_softmax, token_logprobs=logprobs.token_logprobs,
+        token_logprobs_sharded=logprobs.token_logprobs_sharded, relu2=elementwise.relu2,
         attention=attention_blocked.attention, attention_packed=attention_blocked.attention_packed,
         moe_experts=functools.partial(moe_grouped.experts_grouped, linear=gemm, relu2=elementwise.relu2),
     )
@@ -154,6 +158,7 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
         ssd_advance=ssd_advance,
         log_softmax=functools.partial(logprobs_triton.log_softmax, cfg=c),
         token_logprobs=functools.partial(logprobs_triton.token_logprobs, cfg=c),
+        token_logprobs_sharded=functools.partial(logprobs_triton.token_logprobs_sharded, cfg=c),
         relu2=functools.partial(elementwise_triton.relu2, cfg=c),
         attention=functools.partial(attention_triton.attention, cfg=c),
         attention_packed=functools.partial(attention_triton.attention_packed, cfg=c),

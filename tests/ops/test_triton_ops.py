@@ -117,10 +117,15 @@ comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr=
                                                          dbo_ptr="*bf16"),
      dict(K=4, HAS_BIAS=True, BLOCK_B=16, BLOCK_C=128), num_warps=4)
 lw = dict(num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
-comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"),
-     dict(BLOCK_V=cfg.logprobs_block_v), **lw)
+rows = dict(lpt._slicing(lpt.VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v)
+comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"), rows, **lw)
 comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="*i64", out_ptr="*fp32",
-                                                        lse_ptr="*fp32"), dict(BLOCK_V=cfg.logprobs_block_v), **lw)
+                                                        lse_ptr="*fp32"), rows, **lw)
+for slices in (1, 4):  # a shard's slices at TP 8 and TP 2, and their join
+    comp(f"logprobs:slice_stats:{slices}", lpt._slice_stats_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32"),
+         dict(SLICES=slices, BLOCK_V=cfg.logprobs_block_v), **lw)
+comp("logprobs:join", lpt._join_kernel, dict(stats_ptr="*fp32", lse_ptr="*fp32"), lpt._slicing(lpt.VOCAB_SLICES),
+     num_warps=1, enable_fp_fusion=False)
 comp("logprobs:backward", lpt._log_softmax_bwd_kernel, dict(out_ptr="*fp32", g_ptr="*fp32", dx_ptr="*bf16"),
      dict(BLOCK_V=cfg.logprobs_block_v), num_warps=cfg.logprobs_num_warps)
 comp("logprobs:token_backward", lpt._token_logprobs_bwd_kernel,
@@ -136,10 +141,12 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 4, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 7, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too
+        if d["name"].startswith("logprobs:"):
+            assert d["LDL"] == d["STL"] == 0, d  # a row's slices' maxes and sums stay in registers
         if d["name"].startswith(("conv:backward:walk", "conv:walk")):
             assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers
         if d["name"].startswith("linear:"):

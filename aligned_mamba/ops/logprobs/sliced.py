@@ -158,7 +158,17 @@ def log_softmax_sharded(local_logits: torch.Tensor, shard_index: int, shard_coun
 def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int,
                            shard_count: int, all_gather: AllGather, temperature: float = 1.0) -> torch.Tensor:
     """``token_logprobs`` from a vocab shard: [..., V / S] logits, [...] global ids in [0, V) -> [...] float32 on
-    every shard, the unsharded bits (the owner's entry chosen from the all-gathered candidates: no rounding)."""
+    every shard, the unsharded bits (the owner's entry chosen from the all-gathered candidates: no rounding).
+    Differentiable: each shard's gradient is the vocab-parallel cross entropy's, (onehot(id) - softmax) / T on its
+    own entries (``_ShardedTokenLogprobs``)."""
+    if torch.is_grad_enabled() and local_logits.requires_grad:
+        return _ShardedTokenLogprobs.apply(local_logits, token_ids, shard_index, shard_count, all_gather,
+                                           float(temperature))
+    return _token_logprobs_sharded(local_logits, token_ids, shard_index, shard_count, all_gather, temperature)
+
+
+def _token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int,
+                            shard_count: int, all_gather: AllGather, temperature: float = 1.0) -> torch.Tensor:
     x = scale(local_logits, temperature)
     v = x.shape[-1]
     lse = _sharded_lse(x, shard_index, shard_count, all_gather)
@@ -174,3 +184,29 @@ def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, 
     cands = _gathered(all_gather, cand, shard_count)  # [S, ...]
     owner = torch.div(ids, v, rounding_mode="floor")
     return cands.gather(0, owner.unsqueeze(0)).squeeze(0)
+
+
+class _ShardedTokenLogprobs(torch.autograd.Function):
+    """``token_logprobs_sharded`` with the vocab-parallel cross entropy's analytic backward, (onehot(id) -
+    softmax(x)) / T on this shard's entries. Every shard has the whole loss, so nothing is communicated; through
+    the gathered max each shard would get only its share of that (zero-sum) path."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
+                all_gather: AllGather, temperature: float) -> torch.Tensor:
+        lp = _token_logprobs_sharded(local, token_ids, shard_index, shard_count, all_gather, temperature)
+        ctx.save_for_backward(log_softmax_sharded(local, shard_index, shard_count, all_gather, temperature),
+                              token_ids.to(device=local.device, dtype=torch.int64))
+        ctx.offset, ctx.temperature, ctx.dtype = shard_index * local.shape[-1], temperature, local.dtype
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        lp_local, ids = ctx.saved_tensors
+        v = lp_local.shape[-1]
+        g = grad.to(torch.float32)
+        out = -torch.exp(lp_local) * g.unsqueeze(-1)
+        local = ids - ctx.offset
+        mine = ((local >= 0) & (local < v)).to(torch.float32)
+        out.scatter_add_(-1, local.clamp(0, v - 1).unsqueeze(-1), (g * mine).unsqueeze(-1))
+        return (out / ctx.temperature).to(ctx.dtype), None, None, None, None, None

@@ -1,8 +1,12 @@
-"""Row-wise log_softmax and token logprobs in Triton (the GPU form of ``ops.logprobs``).
+"""Row-wise log_softmax and token logprobs in Triton (the GPU form of ``ops.logprobs``), and their vocab-sharded form.
 
-A program per row walks the vocabulary in ascending ``logprobs_block_v`` blocks, a running max and rescaled sum,
-exp and log from ``triton_math`` (no fp contraction): a row's bits depend on the row alone, though not the torch
-form's (another order). A token's logprob is its ``log_softmax_triton`` entry, bit for bit; a row with +inf gives NaN.
+A row's vocabulary is cut as the torch form cuts it: VOCAB_SLICES contiguous slices of ceil(V / VOCAB_SLICES). A
+program walks each slice in ascending ``logprobs_block_v`` blocks (a running max and rescaled sum), then joins the
+slices (``_join``): the max of their maxes, each sum rescaled to it, the sums added by adjacent pairs, one log; exp
+and log from ``triton_math`` (no fp contraction). A row's bits depend on the row alone, though not the torch form's
+(another order). A shard of k contiguous slices is a subtree of that join, so the sharded form (each rank's slices'
+(max, sum), all-gathered, joined by the same function) gives the unsharded bits. A token's logprob is its
+``log_softmax_triton`` entry, bit for bit; a row with +inf gives NaN.
 """
 
 from __future__ import annotations
@@ -15,28 +19,62 @@ from ..autograd import grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..triton_math import exp_exact, log_exact
 from . import sliced
+from .sliced import VOCAB_SLICES
 
 
 @triton.jit
-def _row_lse(x_row, V, BLOCK_V: tl.constexpr):
-    """log(sum(exp(x))) of one row of V logits (any float dtype) at ``x_row``, fp32."""
+def _slice_stats(x_row, start, end, BLOCK_V: tl.constexpr):
+    """(max, sum of exp(x - max)) of the logits x_row[start:end] (any float dtype), fp32; (-inf, 0) if empty."""
     m = -float("inf")
     s = 0.0
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(start, end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no inf - inf while the row is all -inf
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no inf - inf while the slice is all -inf
         s = s * exp_exact(m - m_safe) + tl.sum(exp_exact(x - m_safe), axis=0)
         m = m_new
-    # an all -inf row: s = 0 and lse = -inf, as the torch op (which shifts by 0 there)
-    return tl.where(m == -float("inf"), 0.0, m) + log_exact(s)
+    return m, s
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK_V: tl.constexpr):
+def _row_stats(x_row, V, C, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The (max, sum) of each of the row's SLICES slices of C logits (the last short or empty): two [SLICES]."""
+    idx = tl.arange(0, SLICES)
+    ms = tl.full([SLICES], -float("inf"), tl.float32)
+    ss = tl.zeros([SLICES], tl.float32)
+    for i in tl.static_range(SLICES):
+        m, s = _slice_stats(x_row, i * C, tl.minimum((i + 1) * C, V), BLOCK_V)
+        ms = tl.where(idx == i, m, ms)
+        ss = tl.where(idx == i, s, ss)
+    return ms, ss
+
+
+@triton.jit
+def _join(ms, ss, SLICES: tl.constexpr, LEVELS: tl.constexpr):
+    """log(sum(exp(x))) of a row from its slices' (max, sum), two [SLICES] fp32: the max of the maxes (exact in any
+    order), each sum rescaled to it, the sums added by adjacent pairs (an aligned run of slices is a subtree)."""
+    m = tl.max(ms, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)  # an all -inf row: every sum 0, lse = -inf as the torch op's
+    t = ss * exp_exact(ms - m_safe)
+    for level in tl.static_range(LEVELS):  # SLICES = 2^LEVELS
+        lo, hi = tl.split(tl.reshape(t, (SLICES >> (level + 1), 2)))
+        t = lo + hi
+    return m_safe + log_exact(tl.sum(t, axis=0))
+
+
+@triton.jit
+def _row_lse(x_row, V, C, SLICES: tl.constexpr, LEVELS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """log(sum(exp(x))) of one row of V logits at ``x_row``, fp32."""
+    ms, ss = _row_stats(x_row, V, C, SLICES, BLOCK_V)
+    return _join(ms, ss, SLICES, LEVELS)
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, C, stride_x, stride_out, SLICES: tl.constexpr, LEVELS: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    lse = _row_lse(x_ptr + row * stride_x, V, BLOCK_V)
+    lse = _row_lse(x_ptr + row * stride_x, V, C, SLICES, LEVELS, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = cols < V
@@ -45,13 +83,34 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK_V: tl.con
 
 
 @triton.jit
-def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, stride_x, BLOCK_V: tl.constexpr):
+def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, C, stride_x, SLICES: tl.constexpr,
+                           LEVELS: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    lse = _row_lse(x_ptr + row * stride_x, V, BLOCK_V)
+    lse = _row_lse(x_ptr + row * stride_x, V, C, SLICES, LEVELS, BLOCK_V)
     tok = tl.load(tok_ptr + row).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + tok).to(tl.float32)
     tl.store(out_ptr + row, x - lse)
     tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _slice_stats_kernel(x_ptr, stats_ptr, V, C, stride_x, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A shard's row: its SLICES slices' max and sum to stats[row, 0, :] and stats[row, 1, :]."""
+    row = tl.program_id(0).to(tl.int64)
+    ms, ss = _row_stats(x_ptr + row * stride_x, V, C, SLICES, BLOCK_V)
+    idx = tl.arange(0, SLICES)
+    tl.store(stats_ptr + row * 2 * SLICES + idx, ms)
+    tl.store(stats_ptr + row * 2 * SLICES + SLICES + idx, ss)
+
+
+@triton.jit
+def _join_kernel(stats_ptr, lse_ptr, SLICES: tl.constexpr, LEVELS: tl.constexpr):
+    """A row's lse from every shard's slices, stats [M, 2, SLICES] in vocabulary order."""
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, SLICES)
+    ms = tl.load(stats_ptr + row * 2 * SLICES + idx)
+    ss = tl.load(stats_ptr + row * 2 * SLICES + SLICES + idx)
+    tl.store(lse_ptr + row, _join(ms, ss, SLICES, LEVELS))
 
 
 @triton.jit
@@ -117,6 +176,16 @@ def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch
     return dx
 
 
+def _slice_width(V: int, slices: int) -> int:
+    """The logits a slice: ceil(V / slices), as the torch form cuts the row (``sliced._slice_sums``)."""
+    return max(1, -(-V // slices))
+
+
+def _slicing(slices: int) -> dict[str, int]:
+    """The kernels' constexprs for ``slices`` (a power of two) slices a row: SLICES and LEVELS = log2(SLICES)."""
+    return dict(SLICES=slices, LEVELS=slices.bit_length() - 1)
+
+
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
@@ -129,7 +198,8 @@ def log_softmax_triton(logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.
     M, V = x.shape
     out = torch.empty(M, V, dtype=torch.float32, device=x.device)
     if M and V:
-        _log_softmax_kernel[(M,)](x, out, V, x.stride(0), out.stride(0), BLOCK_V=cfg.logprobs_block_v,
+        _log_softmax_kernel[(M,)](x, out, V, _slice_width(V, VOCAB_SLICES), x.stride(0), out.stride(0),
+                                  **_slicing(VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v,
                                   num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
     return out
 
@@ -145,9 +215,9 @@ def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: Tr
     out = torch.empty(M, dtype=torch.float32, device=x.device)
     lse = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and V:
-        _token_logprobs_kernel[(M,)](x, token_ids.contiguous(), out, lse, V, x.stride(0),
-                                     BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
-                                     enable_fp_fusion=False)
+        _token_logprobs_kernel[(M,)](x, token_ids.contiguous(), out, lse, V, _slice_width(V, VOCAB_SLICES), x.stride(0),
+                                     **_slicing(VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v,
+                                     num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
     return (out, lse) if return_lse else out
 
 
@@ -211,3 +281,95 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     rows, ids = logits.reshape(-1, V), ids.reshape(-1)
     out = _TokenLogprobs.apply(rows, ids, cfg) if grad_needed(logits) else token_logprobs_triton(rows, ids, cfg)
     return out.reshape(token_ids.shape)
+
+
+# -- the vocab-sharded form: each rank's slices' (max, sum) all-gathered and joined as one row's -----------------
+
+
+def slice_stats_triton(logits: torch.Tensor, slices: int, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """Each row's ``slices`` slices of ceil(V / slices) logits: logits [M, V] (any float dtype) -> [M, 2, slices]
+    float32, their maxes ([:, 0]) and sums of exp(x - max) ([:, 1])."""
+    x = _rows(logits)
+    M, V = x.shape
+    stats = torch.empty(M, 2, slices, dtype=torch.float32, device=x.device)
+    if M:
+        _slice_stats_kernel[(M,)](x, stats, V, _slice_width(V, slices), x.stride(0), SLICES=slices,
+                                  BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
+                                  enable_fp_fusion=False)
+    return stats
+
+
+def lse_of_stats_triton(stats: torch.Tensor) -> torch.Tensor:
+    """A row's lse from all its slices' stats [M, 2, VOCAB_SLICES] fp32 (vocabulary order) -> [M] float32, the bits
+    ``token_logprobs_triton`` returns as lse."""
+    M = stats.shape[0]
+    if stats.shape[1:] != (2, VOCAB_SLICES) or stats.dtype != torch.float32:
+        raise ValueError(f"stats must be [M, 2, {VOCAB_SLICES}] float32, got {tuple(stats.shape)} {stats.dtype}")
+    lse = torch.empty(M, dtype=torch.float32, device=stats.device)
+    if M:
+        _join_kernel[(M,)](stats.contiguous(), lse, **_slicing(VOCAB_SLICES), num_warps=1, enable_fp_fusion=False)
+    return lse
+
+
+def token_logprobs_sharded_triton(logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
+                                  all_gather: sliced.AllGather, cfg: TritonKernelConfigs
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs_triton`` of the unsharded rows from this shard's logits [M, V / S] (any float dtype) and the
+    global ids [M] in [0, V) (unchecked): (logprobs [M], this shard's ids [M] (-1 where another shard owns the id),
+    lse [M]), float32 logprobs and lse with the unsharded bits on every shard. Two all-gathers: [M, 2, 8 / S] stats
+    and [M] candidates."""
+    x = _rows(logits)
+    M, v = x.shape
+    sliced.check_shards(v * shard_count, shard_index, shard_count)
+    parts = sliced._gathered(all_gather, slice_stats_triton(x, VOCAB_SLICES // shard_count, cfg), shard_count)
+    lse = lse_of_stats_triton(parts.permute(1, 2, 0, 3).reshape(M, 2, VOCAB_SLICES))
+    ids = token_ids.to(device=x.device, dtype=torch.int64)
+    local = (ids - shard_index * v).clamp(0, v - 1)
+    # every shard offers its entry at the id (clamped where another owns it), as the kernel forms it; the owner's kept
+    cands = sliced._gathered(all_gather, x.gather(1, local[:, None]).squeeze(1).to(torch.float32) - lse, shard_count)
+    owner = torch.div(ids, v, rounding_mode="floor")
+    mine = torch.where(owner == shard_index, local, torch.full_like(local, -1))
+    return cands.gather(0, owner[None]).squeeze(0), mine, lse
+
+
+class _ShardedTokenLogprobs(torch.autograd.Function):
+    """The sharded token logprob; its backward is ``token_logprobs_backward_triton`` on this shard's entries (the id
+    where this shard owns it), so each shard's gradient is its columns of the unsharded gradient, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
+                all_gather: sliced.AllGather, cfg: TritonKernelConfigs) -> torch.Tensor:
+        out, mine, lse = token_logprobs_sharded_triton(logits, token_ids, shard_index, shard_count, all_gather, cfg)
+        ctx.save_for_backward(logits, mine, lse)
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, mine, lse = ctx.saved_tensors
+        return wanted(ctx, token_logprobs_backward_triton(logits, mine, lse, g, logits.dtype, ctx.cfg))
+
+
+def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
+                           all_gather: sliced.AllGather, temperature: float = 1.0, *,
+                           cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The op's signature (``sliced.token_logprobs_sharded``): this shard's [..., V / S] logits, [...] global ids ->
+    [...] float32, ``token_logprobs``'s bits on every shard (the kernels on a CUDA tensor, the torch form elsewhere);
+    differentiable, each shard's gradient its own columns of the unsharded one."""
+    if not local_logits.is_cuda:
+        return sliced.token_logprobs_sharded(local_logits, token_ids, shard_index, shard_count, all_gather,
+                                             temperature)
+    sliced.check_temperature(temperature)
+    v = local_logits.shape[-1]
+    sliced.check_shards(v * shard_count, shard_index, shard_count)
+    ids = token_ids.to(device=local_logits.device, dtype=torch.int64)
+    if ids.shape != local_logits.shape[:-1]:
+        raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
+                         f"{list(local_logits.shape[:-1])}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
+        raise ValueError(f"token_ids out of range [0, {v * shard_count})")
+    if temperature != 1.0:
+        local_logits = sliced.scale(local_logits, temperature)
+    out = _ShardedTokenLogprobs.apply(local_logits.reshape(-1, v), ids.reshape(-1), shard_index, shard_count,
+                                      all_gather, cfg)
+    return out.reshape(ids.shape)

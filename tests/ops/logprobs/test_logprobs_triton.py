@@ -5,6 +5,10 @@
   all -inf row, token logprobs as its entries, a row alone giving the same bits; the backward in one
   pass a row against the torch form from the same output (dense and broadcast gradients), the same
   bits twice; the token logprob's Function (no logits-sized fp32 held) against log-softmax then gather.
+- the vocab-sharded form (interpreter and gpu): the slices' (max, sum) of any power-of-two shard count
+  join to the row's lse bit for bit; the sharded token logprob and its gradient are the unsharded kernel's
+  bits and each shard's columns of its gradient; Megatron's way of joining shards (one walk a shard, the
+  rescaled sums added in rank order) gives other bits, so the equality can fail.
 - gpu (skipped without CUDA; run on the H200): a 256k vocabulary in bf16: a row's bits do not depend
   on the other rows of the call, token logprobs are log-softmax's entries, close to fp64; the token
   logprobs op under autograd is log-softmax then gather's bits, forward and backward.
@@ -15,6 +19,7 @@ The contract's function and its vocab-sharded form (torch, no Triton): tests/ops
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from kernel_cases import CFG, DEV, gpu, rand, rows_invariant  # noqa: E402
 from aligned_mamba.ops import logprobs  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.logprobs import triton as lpt  # noqa: E402
+from aligned_mamba.parallel import threads  # noqa: E402
 
 
 @pytest.mark.interpreter
@@ -96,6 +102,82 @@ def test_token_logprobs_function_holds_no_logits_sized_fp32_and_keeps_the_gather
     assert not own and own_want
 
 
+# -- the vocab-sharded form ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_launch_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank threads (``parallel.threads``) launch interpreted kernels one at a time: the interpreter patches
+    module state for the length of a launch. (Compiled kernels need no lock.)"""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    lock, run = threading.Lock(), InterpretedFunction.run
+
+    def locked(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", locked)
+
+
+def _megatron_join(x: torch.Tensor, shards: int) -> torch.Tensor:
+    """lse as Megatron's vocab-parallel cross entropy joins shards: the all-reduced max, then each shard's sum of
+    exp(x - max) all-reduced (here added in rank order)."""
+    parts = [p.to(torch.float32) for p in x.chunk(shards, dim=1)]
+    m = torch.stack([p.amax(-1) for p in parts]).amax(0)
+    return m + torch.log(sum(torch.exp(p - m[:, None]).sum(-1) for p in parts))
+
+
+def _sharded(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, shards: int, cfg: TritonKernelConfigs):
+    """Every shard's (token logprobs, gradient of its logits against g), the ranks as threads."""
+    def rank(group):
+        part = x.chunk(shards, dim=1)[group.rank].clone().requires_grad_()
+        out = lpt._ShardedTokenLogprobs.apply(part, ids, group.rank, shards, group.all_gather, cfg)
+        out.backward(g)
+        return out.detach(), part.grad
+
+    return threads(rank, shards)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("v, block", [(1024, 128), (4096, 256), (2400, 128)], ids=["1-block", "2-blocks", "ragged"])
+def test_the_slices_of_any_shard_count_join_to_the_rows_lse(v, block):
+    """Each shard's slices' (max, sum), concatenated in vocabulary order, join to the lse the one-row kernel
+    returns, bit for bit, at 1, 2, 4 and 8 shards: rows with -inf entries, an all -inf shard, an all -inf row.
+    Megatron's join of the same shards gives other bits in some rows."""
+    cfg = dataclasses.replace(CFG, logprobs_block_v=block)
+    x = rand(16, v, seed=60, scale=5.0)
+    x = x - torch.logsumexp(x, -1, keepdim=True) + 0.3  # lse near 0.3: the sum's last bits show in it
+    x[1, 5] = -float("inf")
+    x[2, : v // 2] = -float("inf")
+    x[4] = -float("inf")
+    _, lse = lpt.token_logprobs_triton(x, torch.zeros(16, dtype=torch.int64, device=DEV), cfg, return_lse=True)
+    for shards in (1, 2, 4, 8):
+        stats = torch.cat([lpt.slice_stats_triton(p, 8 // shards, cfg) for p in x.chunk(shards, dim=1)], dim=2)
+        assert torch.equal(lpt.lse_of_stats_triton(stats), lse), shards
+    fin = torch.isfinite(lse)
+    assert not torch.equal(_megatron_join(x, 2)[fin], lse[fin])
+
+
+@pytest.mark.interpreter
+def test_sharded_token_logprobs_and_gradients_are_the_unsharded_kernels_bits(one_launch_at_a_time):
+    """The sharded Function at 2 and 4 shards (ranks as threads): every shard's logprobs are the unsharded
+    ``_TokenLogprobs``'s bits, and each shard's gradient is its columns of the unsharded gradient."""
+    cfg = dataclasses.replace(CFG, logprobs_block_v=128)  # two blocks a slice
+    x = rand(5, 2048, seed=61, scale=4.0)
+    ids = torch.tensor([0, 2047, 1024, 255, 1500], device=DEV)
+    g = rand(5, seed=62)
+    xs = x.clone().requires_grad_()
+    want = lpt._TokenLogprobs.apply(xs, ids, cfg)
+    want.backward(g)
+    for shards in (2, 4):
+        for r, (out, dx) in enumerate(_sharded(x, ids, g, shards, cfg)):
+            assert torch.equal(out, want.detach()), (shards, r)
+            assert torch.equal(dx, xs.grad.chunk(shards, dim=1)[r]), (shards, r)
+
+
 # -- gpu ------------------------------------------------------------------------------------------------
 
 
@@ -131,3 +213,26 @@ def test_gpu_token_logprobs_op_is_the_gather_paths_bits_forward_and_backward():
     with pytest.raises(ValueError, match="out of range") as e:
         lpt.token_logprobs(x, torch.full_like(ids, 256000), cfg=CFG)
     assert "\n" not in str(e.value)
+
+
+@gpu
+def test_gpu_sharded_token_logprobs_are_the_unsharded_bits_forward_and_backward():
+    """The same on the GPU at a 256k bf16 vocabulary, 2, 4 and 8 shards; through the op (``token_logprobs_sharded``
+    at T = 0.7) too; Megatron's join differs."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = (torch.randn(64, 256000, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    ids = torch.randint(0, 256000, (64,), generator=gen, device="cuda")
+    g = torch.randn(64, device="cuda", generator=gen)
+    xs = x.clone().requires_grad_()
+    want = lpt._TokenLogprobs.apply(xs, ids, CFG)
+    want.backward(g)
+    for shards in (2, 4, 8):
+        for r, (out, dx) in enumerate(_sharded(x, ids, g, shards, CFG)):
+            assert torch.equal(out, want.detach()) and torch.equal(dx, xs.grad.chunk(shards, dim=1)[r]), (shards, r)
+    xf = x.to(torch.float32)
+    xf = xf - torch.logsumexp(xf, -1, keepdim=True) + 0.3  # lse near 0.3: the sum's last bits show in it
+    assert not torch.equal(_megatron_join(xf, 2), lpt.token_logprobs_triton(xf, ids, CFG, return_lse=True)[1])
+    whole = lpt.token_logprobs(x, ids, 0.7, cfg=CFG)
+    got = threads(lambda grp: lpt.token_logprobs_sharded(x.chunk(2, dim=1)[grp.rank], ids, grp.rank, 2,
+                                                         grp.all_gather, 0.7, cfg=CFG), 2)
+    assert all(torch.equal(t, whole) for t in got)
