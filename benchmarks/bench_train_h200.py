@@ -57,10 +57,12 @@ def rel_err(a, b) -> float:
 
 
 def ours_loss(model, seqs, targets):
-    """The project's trainer forward and the backend's token logprobs (its trainers' scores): -sum log p(target)."""
-    logits = model.forward(seqs)
-    lp = [model.backend.token_logprobs(lg, t) for lg, t in zip(logits, targets)]
-    return -sum(x.sum() for x in lp), logits
+    """The project's trainer forward and the backend's token logprobs, scored packed as its trainers score them
+    (one [sum len, V] logits tensor, no per-sequence split): (-sum log p(target), the packed logits)."""
+    import torch
+
+    logits = model.forward(seqs, packed=True)
+    return -model.backend.token_logprobs(logits, torch.cat(list(targets))).sum(), logits
 
 
 def stock_loss(stock, leaves, ids, targets):
@@ -142,10 +144,10 @@ def train_cell(args, dev, name, config, tensors, contract, stock_parts, label, l
     ours_grads = None
     try:
         with torch.no_grad():
-            plain = build_model(config, tensors, contract, device=dev).forward(seqs)
+            plain = build_model(config, tensors, contract, device=dev).forward(seqs, packed=True)
         model = build_model(config, leaves, contract, device=dev)
         loss, logits = ours_loss(model, seqs, tgts)
-        e["ours_grad_mode_logits_equal"] = all(torch.equal(a.detach(), b) for a, b in zip(logits, plain))
+        e["ours_grad_mode_logits_equal"] = torch.equal(logits.detach(), plain)
         del plain, logits
         ours_grads = torch.autograd.grad(loss, [leaves[k] for k in names])
         del loss, model
