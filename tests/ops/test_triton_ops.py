@@ -38,7 +38,7 @@ def test_configs_refuse_values_no_kernel_implements(field, value):
     assert "\n" not in str(e.value)
 
 
-_ALIGNED = {"K", "N", "D", "GS", "V", "Cd", "stride_x", "stride_xm", "stride_wn", "stride_ym", "stride_res",
+_ALIGNED = {"K", "N", "D", "GS", "V", "C", "Cd", "stride_x", "stride_xm", "stride_wn", "stride_ym", "stride_res",
             "stride_out", "stride_res_out", "stride_y", "stride_z", "stride_ws", "stride_wk"}
 _COMPILE_OPS = sass_script(_ALIGNED, r"""
 from aligned_mamba.ops.conv1d import triton as ct
@@ -147,6 +147,9 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too
         if d["name"].startswith("logprobs:"):
             assert d["LDL"] == d["STL"] == 0, d  # a row's slices' maxes and sums stay in registers
+        if d["name"].startswith(("logprobs:log_softmax", "logprobs:token", "logprobs:slice_stats")):
+            # the walks read 16-byte vectors (slices start at multiples of 16 logits); one element: the token's
+            assert d["LDG128"] > 0 and d["LDG16"] <= 1, d
         if d["name"].startswith(("conv:backward:walk", "conv:walk")):
             assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers
         if d["name"].startswith("linear:"):

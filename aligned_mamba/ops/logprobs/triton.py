@@ -1,12 +1,13 @@
 """Row-wise log_softmax and token logprobs in Triton (the GPU form of ``ops.logprobs``), and their vocab-sharded form.
 
-A row's vocabulary is cut as the torch form cuts it: VOCAB_SLICES contiguous slices of ceil(V / VOCAB_SLICES). A
-program walks each slice in ascending ``logprobs_block_v`` blocks (a running max and rescaled sum), then joins the
-slices (``_join``): the max of their maxes, each sum rescaled to it, the sums added by adjacent pairs, one log; exp
-and log from ``triton_math`` (no fp contraction). A row's bits depend on the row alone, though not the torch form's
-(another order). A shard of k contiguous slices is a subtree of that join, so the sharded form (each rank's slices'
-(max, sum), all-gathered, joined by the same function) gives the unsharded bits. A token's logprob is its
-``log_softmax_triton`` entry, bit for bit; a row with +inf gives NaN.
+A row's vocabulary is cut into VOCAB_SLICES contiguous slices of ceil(V / VOCAB_SLICES) rounded up to a multiple of
+16 logits (every slice's loads stay 16-byte vectors), the last short or empty. A program walks each slice in
+ascending ``logprobs_block_v`` blocks (a running max and rescaled sum), then joins the slices (``_join``): the max
+of their maxes, each sum rescaled to it, the sums added by adjacent pairs, one log; exp and log from ``triton_math``
+(no fp contraction). A row's bits depend on the row alone, though not the torch form's (another order). A shard of
+k contiguous slices is a subtree of that join, so the sharded form (each rank's slices' (max, sum), all-gathered,
+joined by the same function) gives the unsharded bits. A token's logprob is its ``log_softmax_triton`` entry, bit
+for bit; a row with +inf gives NaN. Why: docs/design.md, "How the bits are kept", Logprobs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _row_stats(x_row, V, C, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
     idx = tl.arange(0, SLICES)
     ms = tl.full([SLICES], -float("inf"), tl.float32)
     ss = tl.zeros([SLICES], tl.float32)
-    for i in tl.static_range(SLICES):
+    for i in range(SLICES):
         m, s = _slice_stats(x_row, i * C, tl.minimum((i + 1) * C, V), BLOCK_V)
         ms = tl.where(idx == i, m, ms)
         ss = tl.where(idx == i, s, ss)
@@ -176,9 +177,13 @@ def log_softmax_backward_triton(out: torch.Tensor, g: torch.Tensor, dtype: torch
     return dx
 
 
+# a slice's width is a multiple of this many logits: its start is as aligned as the row's
+SLICE_ALIGN = 16
+
+
 def _slice_width(V: int, slices: int) -> int:
-    """The logits a slice: ceil(V / slices), as the torch form cuts the row (``sliced._slice_sums``)."""
-    return max(1, -(-V // slices))
+    """The logits a slice: ceil(V / slices) rounded up to a multiple of SLICE_ALIGN."""
+    return -(-V // (slices * SLICE_ALIGN)) * SLICE_ALIGN
 
 
 def _slicing(slices: int) -> dict[str, int]:
@@ -286,6 +291,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
 # -- the vocab-sharded form: each rank's slices' (max, sum) all-gathered and joined as one row's -----------------
 
 
+def check_shards(vocab: int, shard_index: int, shard_count: int) -> None:
+    """``sliced.check_shards``, and (one line) a vocabulary whose shards are not whole slices of this form: V a
+    multiple of VOCAB_SLICES * SLICE_ALIGN (128) at more than one shard."""
+    sliced.check_shards(vocab, shard_index, shard_count)
+    if shard_count > 1 and vocab % (VOCAB_SLICES * SLICE_ALIGN):
+        raise ValueError(f"vocabulary {vocab} refused for {shard_count} shards on the triton backend: the sharded "
+                         f"log-softmax needs V a multiple of {VOCAB_SLICES * SLICE_ALIGN} (pad the vocabulary, as "
+                         "Megatron does)")
+
+
 def slice_stats_triton(logits: torch.Tensor, slices: int, cfg: TritonKernelConfigs) -> torch.Tensor:
     """Each row's ``slices`` slices of ceil(V / slices) logits: logits [M, V] (any float dtype) -> [M, 2, slices]
     float32, their maxes ([:, 0]) and sums of exp(x - max) ([:, 1])."""
@@ -320,7 +335,7 @@ def token_logprobs_sharded_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     and [M] candidates."""
     x = _rows(logits)
     M, v = x.shape
-    sliced.check_shards(v * shard_count, shard_index, shard_count)
+    check_shards(v * shard_count, shard_index, shard_count)
     parts = sliced._gathered(all_gather, slice_stats_triton(x, VOCAB_SLICES // shard_count, cfg), shard_count)
     lse = lse_of_stats_triton(parts.permute(1, 2, 0, 3).reshape(M, 2, VOCAB_SLICES))
     ids = token_ids.to(device=x.device, dtype=torch.int64)
@@ -361,7 +376,7 @@ def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, 
                                              temperature)
     sliced.check_temperature(temperature)
     v = local_logits.shape[-1]
-    sliced.check_shards(v * shard_count, shard_index, shard_count)
+    check_shards(v * shard_count, shard_index, shard_count)
     ids = token_ids.to(device=local_logits.device, dtype=torch.int64)
     if ids.shape != local_logits.shape[:-1]:
         raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "

@@ -142,7 +142,7 @@ def _sharded(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, shards: int, c
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("v, block", [(1024, 128), (4096, 256), (2400, 128)], ids=["1-block", "2-blocks", "ragged"])
+@pytest.mark.parametrize("v, block", [(1024, 128), (4096, 256), (2432, 128)], ids=["1-block", "2-blocks", "ragged"])
 def test_the_slices_of_any_shard_count_join_to_the_rows_lse(v, block):
     """Each shard's slices' (max, sum), concatenated in vocabulary order, join to the lse the one-row kernel
     returns, bit for bit, at 1, 2, 4 and 8 shards: rows with -inf entries, an all -inf shard, an all -inf row.
@@ -176,6 +176,16 @@ def test_sharded_token_logprobs_and_gradients_are_the_unsharded_kernels_bits(one
         for r, (out, dx) in enumerate(_sharded(x, ids, g, shards, cfg)):
             assert torch.equal(out, want.detach()), (shards, r)
             assert torch.equal(dx, xs.grad.chunk(shards, dim=1)[r]), (shards, r)
+
+
+def test_a_vocabulary_whose_shards_are_not_whole_slices_is_refused() -> None:
+    """V = 2400 is a multiple of 8 (the torch form shards it) but not of 128: its shards would not be whole slices
+    of the triton form's (widths a multiple of 16)."""
+    ids = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of 128") as e:
+        lpt.token_logprobs_sharded_triton(torch.zeros(2, 1200), ids, 0, 2, lambda t: [t, t], CFG)
+    assert "\n" not in str(e.value)
+    lpt.check_shards(2400, 0, 1)  # one shard: any vocabulary
 
 
 # -- gpu ------------------------------------------------------------------------------------------------
