@@ -6,10 +6,12 @@
 # 8-layer fwd+bwd slices of the dense and the MoE hybrid against the stock model; the whole models'
 # cells `--quick` leaves out (forward 1 x 32768, decode at 16k contexts); the decode step's inputs read
 # in place (`--views`); training against mamba_ssm's own model; the row-parallel tree GEMM and its
-# variants, the split-slices grid among them (`bench_tree_gemm_h200.py`).
+# variants, the split-slices grid among them (`bench_tree_gemm_h200.py`); `tp` (several GPUs): the TP
+# forward over NCCL (`tp_forward_gpus.py --megatron`).
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree tp" DEADLINE_S=560 ...
+#   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
 #
@@ -54,6 +56,15 @@ want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_
 # a second run (another variant of ours, its own stock), its JSON files in a folder of their own
 want vsms2 && mkdir -p "$W/vsms2" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms2 "${VSMS2_S:-150}" \
   python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/vsms2" ${VSMS2_ARGS:---shapes mamba2-1.3b --parts train --quick}
+# issue 33 (several GPUs): the trainer's and sampler's TP forward over NCCL, Megatron hooked and stock beside the
+# core (megatron-core's wheel and this project's in WHEELS, installed --no-deps into /tmp/site as gpu_s4 does)
+if want tp; then
+  MEG=""
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "${WHEELS:-.whl}"/*.whl > "$W/pip_tp.log" 2>&1 && MEG="--megatron" || note "tp: no Megatron ($(tail -n 1 "$W/pip_tp.log"))"
+  PYTHONPATH="$PYTHONPATH:/tmp/site" step tp "${TP_S:-300}" python3 benchmarks/tp_forward_gpus.py \
+    --out "$W/h200_tp_forward.json" --sizes "${TP_SIZES:-1,2}" $MEG ${TP_ARGS:-}
+fi
 want tree && step tree "${TREE_S:-150}" python3 benchmarks/bench_tree_gemm_h200.py --out "$W/h200_tree_gemm.json" \
   --warm 15 --deadline-s "$(( $(left "${TREE_S:-150}") - 30 ))" ${TREE_ARGS:-}
 note "done"

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The trainer's forward and the sampler's schedules at TP 1, 2 (4) over NCCL, one process per GPU.
 
-    python3 benchmarks/tp_forward_gpus.py --out OUT/h200_tp.json [--sizes 1,2,4] [--models mamba2-1.3b,hybrid-8b]
+    python3 benchmarks/tp_forward_gpus.py --out OUT/h200_tp.json [--sizes 1,2,4] [--models mamba2-1.3b,hybrid-8b] \
+        [--megatron]
     python3 benchmarks/tp_forward_gpus.py --dist gloo --backend torch --models tiny --out /tmp/tp.json   (CPU)
 
 Per model and TP degree k, k processes (spawned) join one process group (``--dist``: nccl, each rank
@@ -12,13 +13,17 @@ tensor parallelism (row-parallel partials rounded and all-gathered in rank order
 the reference engine's chunked prefill + decode schedule (rows and reported logprobs). Rank 0's results
 are compared with TP 1's: rows and logprobs differing (expected 0), stock TP k against stock TP 1
 (expected > 0); times: the forward's median over repeats (CUDA events on the GPU), and the stock
-forward's at the same degree (Megatron itself is not installed on the GPU machine: the stand-in is
-the library's stock TP model on the same weights).
+forward's at the same degree (the library's stock TP model on the same weights). ``--megatron``: each rank
+also builds Megatron-Core's MambaModel at TP k over the same process group, hooked (``--aligned-mamba``)
+and stock (``tp_rank_model``), and runs its packed forward: the hooked rows and its vocab-parallel
+logprobs must equal the core's TP 1 (expected 0 differing), stock Megatron TP k must differ from stock
+Megatron TP 1, and both forwards are timed.
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1), set here before any process starts and again in each rank. Models are
 random weights in checkpoint proportions (``--layers`` of them): the 1.3b-shaped Mamba2 (hidden 2048,
-64 heads x 64, state 128, n_groups 1) and a Nemotron-H-8B-shaped hybrid (Mamba2 128 heads x 64, 8
+64 heads x 64, state 128, n_groups 1, its vocabulary padded to 50304 as Megatron pads it: the triton
+backend's vocab-sharded logprobs need a multiple of 128) and a Nemotron-H-8B-shaped hybrid (Mamba2 128 heads x 64, 8
 groups; attention 32 x 128 heads, 8 KV heads; MLP 21504), or tiny ones for the CPU.
 """
 
@@ -50,10 +55,10 @@ def model(name: str, layers: int):
         return make_tiny(1, hidden_size=128, num_heads=8, head_dim=32, state_size=32, n_groups=8,
                          num_hidden_layers=2, chunk_size=32)
     if name == "tiny-hybrid":
-        return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
+        return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32, n_groups=2, num_key_value_heads=2)
     if name == "mamba2-1.3b":
         return make_tiny(0, hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1,
-                         num_hidden_layers=layers, chunk_size=256, vocab_size=50280, expand=2)
+                         num_hidden_layers=layers, chunk_size=256, vocab_size=50304, expand=2)
     if name == "hybrid-8b":
         pattern = ("M-M*M-" * layers)[:max(4, layers)]
         return make_tiny_hybrid(3, pattern=pattern, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
@@ -71,7 +76,7 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
     from aligned_mamba import tp_reference
     from aligned_mamba.check import CASES, scenario_for
     from aligned_mamba.contract import Contract
-    from aligned_mamba.ops.logprobs import token_logprobs
+    from aligned_mamba.ops.backend import token_logprobs
     from aligned_mamba.parallel import TPGroup
 
     try:
@@ -86,23 +91,42 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
         seqs = [torch.tensor(s) for s in job["seqs"]]
         cuda = dist_backend == "nccl"
         out: dict = {}
-        for stock in (False, True):
-            m = tp_reference.build(group, config, tensors, c, stock=stock)
-            rows = m.forward(list(seqs))
+
+        def median_ms(fn) -> float | None:
             times = []
             for _ in range(job["repeats"]):
                 if cuda:
                     torch.cuda.synchronize()
                 dist.barrier()
                 t = time.perf_counter()
-                m.forward(list(seqs))
+                fn()
                 if cuda:
                     torch.cuda.synchronize()
                 times.append((time.perf_counter() - t) * 1e3)
             times.sort()
-            key = "stock" if stock else "aligned"
-            out[key] = dict(rows=[r.cpu() for r in rows], ms=times[len(times) // 2] if times else None,
-                            logprobs=[token_logprobs(r[:-1], s[1:].to(r.device)).cpu() for r, s in zip(rows, seqs)])
+            return times[len(times) // 2] if times else None
+
+        for stock in (False, True):
+            m = tp_reference.build(group, config, tensors, c, stock=stock)
+            rows = m.forward(list(seqs))
+            out["stock" if stock else "aligned"] = dict(
+                rows=[r.cpu() for r in rows], ms=median_ms(lambda m=m: m.forward(list(seqs))),
+                logprobs=[token_logprobs(r[:-1], s[1:].to(r.device), 1.0, c).cpu() for r, s in zip(rows, seqs)])
+        if job["megatron"]:
+            from trainer_hooks.megatron import trainer as mt
+
+            lens = [int(s.numel()) for s in seqs]
+            for hook in (True, False):
+                m = mt.tp_rank_model(group, config, tensors, c, hook)
+                def forward(m=m, hook=hook):
+                    return mt.tp_rank_forward(group, m, config, list(seqs), hook)
+
+                rows, lps = forward()
+                entry = dict(rows=list(rows.cpu().split(lens)), ms=median_ms(forward))
+                if lps is not None:  # packed next-token logprobs: each sequence's but its last position
+                    entry["logprobs"] = [lp[:-1] for lp in lps.cpu().split(lens)]
+                out["megatron" if hook else "megatron_stock"] = entry
+                del m
         case = next(x for x in CASES if x.name == "chunked_prefill_unaligned")
         scen = scenario_for(case, [list(map(int, s)) for s in job["seqs"]], job["gen_len"], job["budget"], 3)
         res = tp_reference.run_scenario(group, config, tensors, c, scen, True)
@@ -161,7 +185,20 @@ def compare(one: dict, other: dict) -> dict:
         engine_tokens_equal=one["engine"]["tokens"] == other["engine"]["tokens"],
         engine_rows_differing=eng_rows, engine_logprobs_differing=eng_lp,
         stock_rows_differing_from_stock_tp1=_differing(one["stock"]["rows"], other["stock"]["rows"]),
-        aligned_ms=other["aligned"]["ms"], stock_ms=other["stock"]["ms"])
+        aligned_ms=other["aligned"]["ms"], stock_ms=other["stock"]["ms"], **_megatron(one, other))
+
+
+def _megatron(one: dict, other: dict) -> dict:
+    """Hooked Megatron at this degree against the core's TP 1 (rows, logprobs), stock Megatron against its TP 1."""
+    if "megatron" not in other:
+        return {}
+    return dict(
+        megatron_rows_differing_from_core_tp1=_differing(other["megatron"]["rows"], one["aligned"]["rows"]),
+        megatron_logprobs_differing_from_core_tp1=_differing([x[:, None] for x in other["megatron"]["logprobs"]],
+                                                             [x[:, None] for x in one["aligned"]["logprobs"]]),
+        megatron_stock_rows_differing_from_its_tp1=_differing(other["megatron_stock"]["rows"],
+                                                              one["megatron_stock"]["rows"]),
+        megatron_ms=other["megatron"]["ms"], megatron_stock_ms=other["megatron_stock"]["ms"])
 
 
 def main() -> int:
@@ -178,6 +215,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=540)
+    ap.add_argument("--megatron", action="store_true", help="also Megatron-Core's MambaModel, hooked and stock")
     args = ap.parse_args()
     import torch
     import triton
@@ -197,11 +235,16 @@ def main() -> int:
         seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in map(int,
                                                                                              args.seq_lens.split(","))]
         job = dict(model=name, layers=args.layers, backend=args.backend, slices=args.slices, seqs=seqs,
-                   gen_len=args.gen_len, budget=args.budget, repeats=args.repeats)
+                   gen_len=args.gen_len, budget=args.budget, repeats=args.repeats, megatron=args.megatron)
         runs = {k: run_degree(k, args.dist, job, args.timeout_s) for k in sizes}
         res["models"][name] = {f"tp{k}": compare(runs[1], runs[k]) for k in sizes}
-        for k in sizes[1:]:
+        for k in sizes:
             c = res["models"][name][f"tp{k}"]
+            if args.megatron:
+                ok &= c["megatron_rows_differing_from_core_tp1"] == c["megatron_logprobs_differing_from_core_tp1"] == 0
+                ok &= k == 1 or c["megatron_stock_rows_differing_from_its_tp1"] > 0
+            if k == 1:
+                continue
             ok &= c["rows_differing"] == 0 and c["logprobs_differing"] == 0 and c["engine_rows_differing"] == 0
             ok &= c["stock_rows_differing_from_stock_tp1"] > 0
         print(json.dumps({name: res["models"][name]}), flush=True)

@@ -31,7 +31,7 @@ from aligned_mamba.train import (
     total_norm,
 )
 
-from .hook import install
+from .hook import install, installed
 from .logprobs import token_logprobs
 from .shards import hf_to_megatron_shard
 from .spec import local_mamba_stack_spec
@@ -39,7 +39,7 @@ from .weights import hf_to_megatron, megatron_names, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
            "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process",
-           "tp_rank_logits", "tp_size"]
+           "tp_rank_forward", "tp_rank_logits", "tp_rank_model", "tp_size"]
 
 # MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
 MEGATRON_GATED_NORM_EPS = 1e-5
@@ -377,18 +377,25 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
     return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
 
 
-def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One rank of a TP run (``parallel.launch(tp_rank_logits, k, ...)``): the hooked model (``hook=False``: stock)
-    with this rank's shard, one packed eval forward -> (whole [sum len_i, vocab] logits rows; with the hook the
-    [sum len_i] float32 next-token logprobs from this rank's vocabulary shard, else None)."""
+def tp_rank_model(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
+                  contract: Contract, hook: bool = True) -> Any:
+    """This rank's MambaModel at TP ``group.size`` in eval mode, its shard of ``tensors`` loaded: hooked for
+    ``contract`` (``hook=False``: Megatron's stock forward, a hook installed earlier in the process taken off)."""
     prepare_process(group.size)
     if hook:
         install(contract)
+    elif (current := installed()) is not None:
+        current.uninstall()
     model = build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
     load_hf_weights(model, config, tensors)
-    model.eval()
+    return model.eval()
+
+
+def tp_rank_forward(group: Any, model: Any, config: Mamba2Config | NemotronHConfig, sequences: list[torch.Tensor],
+                    hook: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed eval forward of ``tp_rank_model``'s model -> (whole [sum len_i, vocab] logits rows; with the hook
+    the [sum len_i] float32 next-token logprobs from this rank's vocabulary shard (the contract's, vocab-parallel),
+    else None). The stock hybrid runs a sequence at a time (``megatron_sequence_logits``)."""
     with torch.no_grad():
         if not hook:
             if isinstance(config, NemotronHConfig):
@@ -399,3 +406,11 @@ def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: 
         labels = torch.cat(sequences).to(torch.int64).roll(-1).to(local.device)
         logprobs = token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True)
         return rows, logprobs[0]
+
+
+def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
+                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One rank of a TP run (``parallel.launch(tp_rank_logits, k, ...)``): ``tp_rank_forward`` of a fresh
+    ``tp_rank_model``."""
+    return tp_rank_forward(group, tp_rank_model(group, config, tensors, contract, hook), config, sequences, hook)
