@@ -43,7 +43,24 @@ def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
     return load_safetensors(blob)
 
 
-class PolicyTrainer:
+class PackedScoring:
+    """``token_logprobs`` of a trainer whose ``forward(sequences, packed=True)`` gives its whole sequences' raw logits
+    as the one [sum len_i, vocab] tensor, scored by its contract's log-softmax (``generated_logprobs``)."""
+
+    contract: Contract
+
+    def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
+        raise NotImplementedError
+
+    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+        """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
+        seqs = [s.to(torch.int64) for s in sequences]
+        return generated_logprobs(self.forward(seqs, packed=True), seqs, prompt_lens, temperature,
+                                  contract=self.contract)
+
+
+class PolicyTrainer(PackedScoring):
     """The "reference" ``integrations.Trainer`` over a checkpoint's ``tensors`` (any family): each update is
     rounded back to their dtypes, which ``weights()`` serves. Masters and Adam's state are made at the first
     ``step``, so a trainer that only scores holds the weights once."""
@@ -80,12 +97,6 @@ class PolicyTrainer:
             return self.model().forward([s.to(torch.int64) for s in sequences], packed=packed)
 
     score = forward
-
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-                       temperature: float = 1.0) -> list[torch.Tensor]:
-        """float32 logprob of each generated token under logits / ``temperature``: [len_i - prompt_len_i]."""
-        return generated_logprobs(self.forward(sequences, packed=True), sequences, prompt_lens, temperature,
-                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from aligned_mamba.contract import Contract
-from aligned_mamba.train import check_step_inputs, generated_logprobs
+from aligned_mamba.train import PackedScoring, check_step_inputs
 
 from .refusals import AlignmentRefused
 
@@ -68,7 +68,7 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
     dist.destroy_process_group()
 
 
-class MegatronTPTrainer:
+class MegatronTPTrainer(PackedScoring):
     """The hooked Megatron MambaModel in ``tp`` rank processes; ``hook=False``: Megatron's stock forward (the
     baseline). ``close()`` (or the context manager) stops them."""
 
@@ -128,13 +128,6 @@ class MegatronTPTrainer:
         seqs = [s.to(torch.int64).cpu() for s in sequences]
         logits = self._run("forward", seqs)
         return logits if packed else list(torch.split(logits, [int(s.numel()) for s in seqs]))
-
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-                       temperature: float = 1.0) -> list[torch.Tensor]:
-        """Logprob of every generated token under the TP k logits, by the contract's log-softmax."""
-        seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs, packed=True), seqs, prompt_lens, temperature,
-                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

@@ -22,11 +22,11 @@ from aligned_mamba.errors import ModelLoadError
 from aligned_mamba.models.mamba2 import EMBEDDING, LM_HEAD, Mamba2Config
 from aligned_mamba.models.nemotron_h import NemotronHConfig
 from aligned_mamba.train import (
+    PackedScoring,
     check_lr,
     check_step_health,
     check_step_inputs,
     export_weights,
-    generated_logprobs,
     reinforce_loss,
     total_norm,
 )
@@ -236,7 +236,7 @@ def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str
     return model
 
 
-class MegatronTrainer:
+class MegatronTrainer(PackedScoring):
     """The trainer protocol through a hooked Megatron MambaModel, its parameters in the checkpoint's dtypes, Adam
     on fp32 masters. ``hook=False``: Megatron's stock forward (the baseline)."""
 
@@ -291,13 +291,6 @@ class MegatronTrainer:
         with torch.no_grad():
             logits = self._logits(seqs)
         return logits if packed else list(torch.split(logits, [int(s.numel()) for s in seqs]))
-
-    def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-                       temperature: float = 1.0) -> list[torch.Tensor]:
-        """The generated tokens' logprobs, [len_i - prompt_len_i] float32, by the contract's log-softmax."""
-        seqs = [s.to(torch.int64) for s in sequences]
-        return generated_logprobs(self.forward(seqs, packed=True), seqs, prompt_lens, temperature,
-                                  contract=self.contract)
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:

@@ -124,6 +124,19 @@ def check_shards(vocab: int, shard_index: int, shard_count: int) -> None:
                          f"multiple of the contract's {VOCAB_SLICES} slices (pad the vocabulary, as Megatron does)")
 
 
+def sharded_ids(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_count: int) -> torch.Tensor:
+    """Global ids [...] for a shard's logits [..., V / S] as int64 on the logits' device; refused (one line) where
+    the shapes do not match or an id is outside [0, V)."""
+    ids = token_ids.to(device=local_logits.device, dtype=torch.int64)
+    v = local_logits.shape[-1]
+    if ids.shape != local_logits.shape[:-1]:
+        raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
+                         f"{list(local_logits.shape[:-1])}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
+        raise ValueError(f"token_ids out of range [0, {v * shard_count})")
+    return ids
+
+
 def _gathered(all_gather: AllGather, t: torch.Tensor, shard_count: int) -> torch.Tensor:
     """all_gather(t) as one tensor [shard_count, ...t.shape], checked."""
     parts = list(all_gather(t.contiguous()))
@@ -172,12 +185,7 @@ def _token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor,
     x = scale(local_logits, temperature)
     v = x.shape[-1]
     lse = _sharded_lse(x, shard_index, shard_count, all_gather)
-    ids = token_ids.to(device=x.device, dtype=torch.int64)
-    if ids.shape != x.shape[:-1]:
-        raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
-                         f"{list(x.shape[:-1])}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
-        raise ValueError(f"token_ids out of range [0, {v * shard_count})")
+    ids = sharded_ids(x, token_ids, shard_count)
     # every shard offers its entry at the id (clamped where another shard owns it); the owner's is kept
     local = (ids - shard_index * v).clamp(0, v - 1)
     cand = (x.gather(-1, local.unsqueeze(-1)) - lse).squeeze(-1)

@@ -347,9 +347,9 @@ def token_logprobs_sharded_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     return cands.gather(0, owner[None]).squeeze(0), mine, lse
 
 
-class _ShardedTokenLogprobs(torch.autograd.Function):
-    """The sharded token logprob; its backward is ``token_logprobs_backward_triton`` on this shard's entries (the id
-    where this shard owns it), so each shard's gradient is its columns of the unsharded gradient, bit for bit."""
+class _ShardedTokenLogprobs(_TokenLogprobs):
+    """The sharded token logprob; its backward is ``_TokenLogprobs``'s on this shard's entries (the id where this
+    shard owns it, else -1), so each shard's gradient is its columns of the unsharded gradient, bit for bit."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
@@ -358,11 +358,6 @@ class _ShardedTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, mine, lse)
         ctx.cfg = cfg
         return out
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits, mine, lse = ctx.saved_tensors
-        return wanted(ctx, token_logprobs_backward_triton(logits, mine, lse, g, logits.dtype, ctx.cfg))
 
 
 def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_index: int, shard_count: int,
@@ -377,12 +372,7 @@ def token_logprobs_sharded(local_logits: torch.Tensor, token_ids: torch.Tensor, 
     sliced.check_temperature(temperature)
     v = local_logits.shape[-1]
     check_shards(v * shard_count, shard_index, shard_count)
-    ids = token_ids.to(device=local_logits.device, dtype=torch.int64)
-    if ids.shape != local_logits.shape[:-1]:
-        raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
-                         f"{list(local_logits.shape[:-1])}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
-        raise ValueError(f"token_ids out of range [0, {v * shard_count})")
+    ids = sliced.sharded_ids(local_logits, token_ids, shard_count)
     if temperature != 1.0:
         local_logits = sliced.scale(local_logits, temperature)
     out = _ShardedTokenLogprobs.apply(local_logits.reshape(-1, v), ids.reshape(-1), shard_index, shard_count,
