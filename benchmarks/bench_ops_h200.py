@@ -292,7 +292,10 @@ OP_VARIANTS = {
     "conv": [dict(conv_block_t=t, conv_block_c=c) for t, c in ((4, 512), (8, 256), (16, 128), (16, 512), (32, 256),
                                                                 (64, 128))],
     "logprobs": [dict(logprobs_block_v=v, logprobs_num_warps=w) for v, w in ((1024, 4), (2048, 4), (4096, 8),
-                                                                             (4096, 16), (8192, 16))],
+                                                                             (4096, 16), (8192, 16))]
+    # the split grid (a program per row and vocabulary slice) at the pinned block, and with smaller blocks
+    + [dict(logprobs_split_max_m=m, logprobs_block_v=v, logprobs_num_warps=w) for m, v, w in
+       ((64, 8192, 16), (4096, 8192, 16), (64, 4096, 8), (4096, 2048, 4))],
 }
 
 

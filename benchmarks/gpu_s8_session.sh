@@ -10,7 +10,7 @@
 # forward over NCCL (`tp_forward_gpus.py --megatron`).
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree tp" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp" DEADLINE_S=560 ...
 #   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
@@ -56,6 +56,9 @@ want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_
 # a second run (another variant of ours, its own stock), its JSON files in a folder of their own
 want vsms2 && mkdir -p "$W/vsms2" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms2 "${VSMS2_S:-150}" \
   python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/vsms2" ${VSMS2_ARGS:---shapes mamba2-1.3b --parts train --quick}
+# the fused ops (norms, conv, log-softmax) at their pinned configs and the variants (the log-softmax's split grid)
+want ops && step ops "${OPS_S:-150}" python3 benchmarks/bench_ops_h200.py --out "$W/h200_ops.json" --sections ops \
+  --op-variants ${OPS_ARGS:-}
 # issue 33 (several GPUs): the trainer's and sampler's TP forward over NCCL, Megatron hooked and stock beside the
 # core (megatron-core's wheel and this project's in WHEELS, installed --no-deps into /tmp/site as gpu_s4 does)
 if want tp; then

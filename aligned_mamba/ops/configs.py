@@ -83,7 +83,9 @@ class TritonKernelConfigs:
       conv_walk_warps (widths up to 4); else the tile kernel's conv_block_t x conv_block_c (the same bits);
       conv_block_c is also the window and decode kernels' channel block. conv_bwd_block_t, conv_bwd_block_c,
       conv_bwd_warps: the backward walk (last row to first; one weight-gradient partial per program, summed in order).
-    Log-softmax (logprobs/triton.py): logprobs_block_v: a row's vocabulary block (its order); logprobs_num_warps.
+    Log-softmax (logprobs/triton.py): logprobs_block_v: a row's vocabulary block (its order); logprobs_num_warps;
+      logprobs_split_max_m: calls of up to this many rows run a program per row and vocabulary slice, then a join
+      (0: a program per row); the same bits either way.
     Scan backward (ssd/triton_backward.py; gradients only): bwd_block_s, bwd_block_t: its row blocks; bwd_warps;
       bwd_bf16_dots: its dots, as bf16_dots (the gradients' precision).
     Attention (attention/triton.py):
@@ -167,6 +169,7 @@ class TritonKernelConfigs:
     conv_bwd_warps: int = 1
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16
+    logprobs_split_max_m: int = 0
     bwd_block_s: int = 64
     bwd_block_t: int = 64
     bwd_warps: int = 4
@@ -271,6 +274,7 @@ class TritonKernelConfigs:
         _among("conv_bwd_warps", self.conv_bwd_warps, (1, 2, 4, 8))
         _pow2("logprobs_block_v", self.logprobs_block_v, 128, 16384)
         _among("logprobs_num_warps", self.logprobs_num_warps, (1, 2, 4, 8, 16))
+        _among("logprobs_split_max_m", self.logprobs_split_max_m, (0, 16, 64, 256, 1024, 4096))
         _pow2("bwd_block_s", self.bwd_block_s, 16, 256)
         _pow2("bwd_block_t", self.bwd_block_t, 16, 256)
         _among("bwd_warps", self.bwd_warps, (2, 4, 8, 16))

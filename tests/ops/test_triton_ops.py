@@ -126,6 +126,14 @@ for slices in (1, 4):  # a shard's slices at TP 8 and TP 2, and their join
          dict(SLICES=slices, BLOCK_V=cfg.logprobs_block_v), **lw)
 comp("logprobs:join", lpt._join_kernel, dict(stats_ptr="*fp32", lse_ptr="*fp32"), lpt._slicing(lpt.VOCAB_SLICES),
      num_warps=1, enable_fp_fusion=False)
+# the split grid (logprobs_split_max_m): a program per row and slice, then the join with the write or the token
+comp("logprobs:slice_stats:split", lpt._slice_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32"),
+     dict(SLICES=lpt.VOCAB_SLICES, BLOCK_V=cfg.logprobs_block_v), **lw)
+comp("logprobs:log_softmax:split", lpt._write_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32", out_ptr="*fp32"), rows,
+     **lw)
+comp("logprobs:join_token", lpt._join_token_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32", tok_ptr="*i64",
+                                                         out_ptr="*fp32", lse_ptr="*fp32"),
+     lpt._slicing(lpt.VOCAB_SLICES), num_warps=1, enable_fp_fusion=False)
 comp("logprobs:backward", lpt._log_softmax_bwd_kernel, dict(out_ptr="*fp32", g_ptr="*fp32", dx_ptr="*bf16"),
      dict(BLOCK_V=cfg.logprobs_block_v), num_warps=cfg.logprobs_num_warps)
 comp("logprobs:token_backward", lpt._token_logprobs_bwd_kernel,
@@ -141,7 +149,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 7, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 10, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too

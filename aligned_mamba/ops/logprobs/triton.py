@@ -105,13 +105,54 @@ def _slice_stats_kernel(x_ptr, stats_ptr, V, C, stride_x, SLICES: tl.constexpr, 
 
 
 @triton.jit
-def _join_kernel(stats_ptr, lse_ptr, SLICES: tl.constexpr, LEVELS: tl.constexpr):
-    """A row's lse from every shard's slices, stats [M, 2, SLICES] in vocabulary order."""
+def _slice_kernel(x_ptr, stats_ptr, V, C, stride_x, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The split grid's first launch: program (row, i) writes slice i's max and sum to stats[row, :, i]."""
     row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    m, s = _slice_stats(x_ptr + row * stride_x, i * C, tl.minimum((i + 1) * C, V), BLOCK_V)
+    tl.store(stats_ptr + row * 2 * SLICES + i, m)
+    tl.store(stats_ptr + row * 2 * SLICES + SLICES + i, s)
+
+
+@triton.jit
+def _stats_lse(stats_ptr, row, SLICES: tl.constexpr, LEVELS: tl.constexpr):
+    """``_join`` of a row's stats [2, SLICES] at ``stats_ptr``."""
     idx = tl.arange(0, SLICES)
     ms = tl.load(stats_ptr + row * 2 * SLICES + idx)
     ss = tl.load(stats_ptr + row * 2 * SLICES + SLICES + idx)
-    tl.store(lse_ptr + row, _join(ms, ss, SLICES, LEVELS))
+    return _join(ms, ss, SLICES, LEVELS)
+
+
+@triton.jit
+def _write_kernel(x_ptr, stats_ptr, out_ptr, V, stride_x, stride_out, SLICES: tl.constexpr, LEVELS: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """The split log-softmax's second launch: program (row, b) joins the row's stats (each program alike) and
+    writes block b of x - lse."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = _stats_lse(stats_ptr, row, SLICES, LEVELS)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, x - lse, mask=mask)
+
+
+@triton.jit
+def _join_token_kernel(x_ptr, stats_ptr, tok_ptr, out_ptr, lse_ptr, stride_x, SLICES: tl.constexpr,
+                       LEVELS: tl.constexpr):
+    """The split token logprob's second launch: a row's lse from its stats, its token's entry x - lse."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = _stats_lse(stats_ptr, row, SLICES, LEVELS)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + tok).to(tl.float32)
+    tl.store(out_ptr + row, x - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _join_kernel(stats_ptr, lse_ptr, SLICES: tl.constexpr, LEVELS: tl.constexpr):
+    """A row's lse from every shard's slices, stats [M, 2, SLICES] in vocabulary order."""
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(lse_ptr + row, _stats_lse(stats_ptr, row, SLICES, LEVELS))
 
 
 @triton.jit
@@ -191,6 +232,22 @@ def _slicing(slices: int) -> dict[str, int]:
     return dict(SLICES=slices, LEVELS=slices.bit_length() - 1)
 
 
+def split(M: int, cfg: TritonKernelConfigs) -> bool:
+    """Whether a call of M rows runs a program per row and slice (``logprobs_split_max_m``): more programs where
+    M rows alone would leave most SMs idle; the bits are the one-program form's (the same slices, the same join)."""
+    return 0 < M <= cfg.logprobs_split_max_m
+
+
+def _split_stats(x: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
+    """The split grid's first launch: [M, 2, VOCAB_SLICES] fp32 slice maxes and sums of x [M, V]."""
+    M, V = x.shape
+    stats = torch.empty(M, 2, VOCAB_SLICES, dtype=torch.float32, device=x.device)
+    _slice_kernel[(M, VOCAB_SLICES)](x, stats, V, _slice_width(V, VOCAB_SLICES), x.stride(0), SLICES=VOCAB_SLICES,
+                                     BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
+                                     enable_fp_fusion=False)
+    return stats
+
+
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
@@ -202,7 +259,11 @@ def log_softmax_triton(logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.
     x = _rows(logits)
     M, V = x.shape
     out = torch.empty(M, V, dtype=torch.float32, device=x.device)
-    if M and V:
+    if M and V and split(M, cfg):
+        grid = (M, triton.cdiv(V, cfg.logprobs_block_v))
+        _write_kernel[grid](x, _split_stats(x, cfg), out, V, x.stride(0), out.stride(0), **_slicing(VOCAB_SLICES),
+                            BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
+    elif M and V:
         _log_softmax_kernel[(M,)](x, out, V, _slice_width(V, VOCAB_SLICES), x.stride(0), out.stride(0),
                                   **_slicing(VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v,
                                   num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
@@ -219,7 +280,10 @@ def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: Tr
         raise ValueError(f"token_ids {tuple(token_ids.shape)} must be [{M}]")
     out = torch.empty(M, dtype=torch.float32, device=x.device)
     lse = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M and V:
+    if M and V and split(M, cfg):
+        _join_token_kernel[(M,)](x, _split_stats(x, cfg), token_ids.contiguous(), out, lse, x.stride(0),
+                                 **_slicing(VOCAB_SLICES), num_warps=1, enable_fp_fusion=False)
+    elif M and V:
         _token_logprobs_kernel[(M,)](x, token_ids.contiguous(), out, lse, V, _slice_width(V, VOCAB_SLICES), x.stride(0),
                                      **_slicing(VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v,
                                      num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)

@@ -102,6 +102,32 @@ def test_token_logprobs_function_holds_no_logits_sized_fp32_and_keeps_the_gather
     assert not own and own_want
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("v", [2432, 300], ids=["ragged", "short-slices"])
+def test_the_split_grid_gives_the_one_program_forms_bits(v):
+    """``logprobs_split_max_m``: a program per row and slice, then the join (with the write, or the token's entry),
+    gives the one-program kernels' log-softmax, token logprobs and lse bit for bit: -inf entries, an all -inf row,
+    a slice past the row's end (V = 300). Stock torch.log_softmax gives other bits, so the equality can fail."""
+    one = dataclasses.replace(CFG, logprobs_block_v=128)
+    many = dataclasses.replace(one, logprobs_split_max_m=16)
+    x = rand(6, v, seed=70, scale=5.0)
+    x[1, 5] = -float("inf")
+    x[4] = -float("inf")
+    tok = torch.tensor([0, v - 1, 7, 100, 0, v // 2], device=DEV)
+    assert lpt.split(6, many) and not lpt.split(6, one) and not lpt.split(17, many)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # NaN (the all -inf row) compares by its bits
+        return t.view(torch.int32)
+
+    lp = lpt.log_softmax_triton(x, one)
+    assert torch.equal(bits(lpt.log_softmax_triton(x, many)), bits(lp))
+    out, lse = lpt.token_logprobs_triton(x, tok, one, return_lse=True)
+    out_s, lse_s = lpt.token_logprobs_triton(x, tok, many, return_lse=True)
+    assert torch.equal(bits(out_s), bits(out)) and torch.equal(lse_s, lse) and torch.isnan(out_s[4])
+    fin = torch.isfinite(lp)
+    assert not torch.equal(torch.log_softmax(x, -1)[fin], lp[fin])
+
+
 # -- the vocab-sharded form ------------------------------------------------------------------------------
 
 
