@@ -5,6 +5,7 @@
   all -inf row, token logprobs as its entries, a row alone giving the same bits; the backward in one
   pass a row against the torch form from the same output (dense and broadcast gradients), the same
   bits twice; the token logprob's Function (no logits-sized fp32 held) against log-softmax then gather.
+- the split grid (interpreter and gpu): a program per row and slice gives the one-program bits.
 - the vocab-sharded form (interpreter and gpu): the slices' (max, sum) of any power-of-two shard count
   join to the row's lse bit for bit; the sharded token logprob and its gradient are the unsharded kernel's
   bits and each shard's columns of its gradient; Megatron's way of joining shards (one walk a shard, the
@@ -272,3 +273,19 @@ def test_gpu_sharded_token_logprobs_are_the_unsharded_bits_forward_and_backward(
     got = threads(lambda grp: lpt.token_logprobs_sharded(x.chunk(2, dim=1)[grp.rank], ids, grp.rank, 2,
                                                          grp.all_gather, 0.7, cfg=CFG), 2)
     assert all(torch.equal(t, whole) for t in got)
+
+
+@gpu
+def test_gpu_split_grid_gives_the_one_program_forms_bits():
+    """``logprobs_split_max_m`` on the GPU (256k bf16 vocabulary, 1 and 64 rows): log-softmax, token logprobs and
+    lse are the one-program kernels' bits (the slice walk compiled at the same block and warps)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    many = dataclasses.replace(CFG, logprobs_split_max_m=64)
+    for m in (1, 64):
+        x = (torch.randn(m, 256000, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        ids = torch.randint(0, 256000, (m,), generator=gen, device="cuda")
+        assert lpt.split(m, many) and not lpt.split(m, CFG)
+        assert torch.equal(lpt.log_softmax_triton(x, many), lpt.log_softmax_triton(x, CFG))
+        out, lse = lpt.token_logprobs_triton(x, ids, CFG, return_lse=True)
+        out_s, lse_s = lpt.token_logprobs_triton(x, ids, many, return_lse=True)
+        assert torch.equal(out_s, out) and torch.equal(lse_s, lse)
