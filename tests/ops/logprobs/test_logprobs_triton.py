@@ -8,8 +8,8 @@
 - the split grid (interpreter and gpu): a program per row and slice gives the one-program bits.
 - the vocab-sharded form (interpreter and gpu): the slices' (max, sum) of any power-of-two shard count
   join to the row's lse bit for bit; the sharded token logprob and its gradient are the unsharded kernel's
-  bits and each shard's columns of its gradient; Megatron's way of joining shards (one walk a shard, the
-  rescaled sums added in rank order) gives other bits, so the equality can fail.
+  bits and each shard's columns of its gradient; Megatron's way of joining shards (the all-reduced max, then
+  the shards' sums of exponentials all-reduced) gives other bits, so the equality can fail.
 - gpu (skipped without CUDA; run on the H200): a 256k vocabulary in bf16: a row's bits do not depend
   on the other rows of the call, token logprobs are log-softmax's entries, close to fp64; the token
   logprobs op under autograd is log-softmax then gather's bits, forward and backward.
