@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -48,9 +48,7 @@ class PackedScoring:
     as the one [sum len_i, vocab] tensor, scored by its contract's log-softmax (``generated_logprobs``)."""
 
     contract: Contract
-
-    def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
-        raise NotImplementedError
+    forward: Callable[..., list[torch.Tensor] | torch.Tensor]  # each trainer's own, with ``packed=``
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:

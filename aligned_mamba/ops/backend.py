@@ -252,11 +252,25 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
     """The contract's logprob of ``token_ids`` [...] under ``logits`` [..., V] / temperature -> [...] fp32: its
     backend's log-softmax entries on the logits' device (no contract: triton on a CUDA tensor, else torch). Trainers,
     engines, vLLM's plugin and ``check`` all read it (docs/design.md, "How the bits are kept", Logprobs)."""
-    if contract is None:
-        from ..contract import Contract
+    return resolve(_or_default(contract, logits), logits.device).token_logprobs(logits, token_ids, temperature)
 
-        contract = Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
-    return resolve(contract, logits.device).token_logprobs(logits, token_ids, temperature)
+
+def token_logprobs_sharded(local_logits: Tensor, token_ids: Tensor, shard_index: int, shard_count: int,
+                           all_gather: Callable[[Tensor], Any], temperature: float = 1.0,
+                           contract: Contract | None = None) -> Tensor:
+    """``token_logprobs`` from a vocabulary shard [..., V / S] (``Ops.token_logprobs_sharded``): the unsharded bits on
+    every shard, differentiable; the backend as ``token_logprobs`` picks it."""
+    return resolve(_or_default(contract, local_logits), local_logits.device).token_logprobs_sharded(
+        local_logits, token_ids, shard_index, shard_count, all_gather, temperature)
+
+
+def _or_default(contract: Contract | None, logits: Tensor) -> Contract:
+    """``contract``, or without one: triton on a CUDA tensor, else torch."""
+    if contract is not None:
+        return contract
+    from ..contract import Contract
+
+    return Contract(chunk_size=256, backend="triton" if logits.is_cuda else "torch")
 
 
 @functools.cache

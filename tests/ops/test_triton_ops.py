@@ -121,14 +121,12 @@ rows = dict(lpt._slicing(lpt.VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v)
 comp("logprobs:log_softmax", lpt._log_softmax_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"), rows, **lw)
 comp("logprobs:token", lpt._token_logprobs_kernel, dict(x_ptr="*bf16", tok_ptr="*i64", out_ptr="*fp32",
                                                         lse_ptr="*fp32"), rows, **lw)
-for slices in (1, 4):  # a shard's slices at TP 8 and TP 2, and their join
-    comp(f"logprobs:slice_stats:{slices}", lpt._slice_stats_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32"),
+for slices in (1, 4, 8):  # a shard's slices at TP 8 and TP 2, the split grid's; their join
+    comp(f"logprobs:slice_stats:{slices}", lpt._slice_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32"),
          dict(SLICES=slices, BLOCK_V=cfg.logprobs_block_v), **lw)
 comp("logprobs:join", lpt._join_kernel, dict(stats_ptr="*fp32", lse_ptr="*fp32"), lpt._slicing(lpt.VOCAB_SLICES),
      num_warps=1, enable_fp_fusion=False)
-# the split grid (logprobs_split_max_m): a program per row and slice, then the join with the write or the token
-comp("logprobs:slice_stats:split", lpt._slice_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32"),
-     dict(SLICES=lpt.VOCAB_SLICES, BLOCK_V=cfg.logprobs_block_v), **lw)
+# the split grid (logprobs_split_max_m): the slices' stats, then the join with the write or the token
 comp("logprobs:log_softmax:split", lpt._write_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32", out_ptr="*fp32"), rows,
      **lw)
 comp("logprobs:join_token", lpt._join_token_kernel, dict(x_ptr="*bf16", stats_ptr="*fp32", tok_ptr="*i64",

@@ -39,12 +39,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         return aligned_mamba.token_logprobs(rows, tokens, temperature, contract)
     from megatron.core import parallel_state
 
-    from aligned_mamba.ops.backend import resolve
+    from aligned_mamba.ops.backend import token_logprobs_sharded
     from aligned_mamba.parallel import TPGroup
 
-    if contract is None:
-        contract = aligned_mamba.Contract(chunk_size=256, backend="triton" if rows.is_cuda else "torch")
     pg = parallel_state.get_tensor_model_parallel_group()
     tp = TPGroup.from_torch(pg) if pg.size() > 1 else TPGroup.single()
-    return resolve(contract, rows.device).token_logprobs_sharded(rows, tokens, tp.rank, tp.size, tp.all_gather,
-                                                                 temperature)
+    return token_logprobs_sharded(rows, tokens, tp.rank, tp.size, tp.all_gather, temperature, contract)

@@ -95,18 +95,9 @@ def _token_logprobs_kernel(x_ptr, tok_ptr, out_ptr, lse_ptr, V, C, stride_x, SLI
 
 
 @triton.jit
-def _slice_stats_kernel(x_ptr, stats_ptr, V, C, stride_x, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A shard's row: its SLICES slices' max and sum to stats[row, 0, :] and stats[row, 1, :]."""
-    row = tl.program_id(0).to(tl.int64)
-    ms, ss = _row_stats(x_ptr + row * stride_x, V, C, SLICES, BLOCK_V)
-    idx = tl.arange(0, SLICES)
-    tl.store(stats_ptr + row * 2 * SLICES + idx, ms)
-    tl.store(stats_ptr + row * 2 * SLICES + SLICES + idx, ss)
-
-
-@triton.jit
 def _slice_kernel(x_ptr, stats_ptr, V, C, stride_x, SLICES: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The split grid's first launch: program (row, i) writes slice i's max and sum to stats[row, :, i]."""
+    """Program (row, i) writes slice i's max and sum to stats[row, :, i] (the split grid's first launch, and a
+    shard's stats)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     m, s = _slice_stats(x_ptr + row * stride_x, i * C, tl.minimum((i + 1) * C, V), BLOCK_V)
@@ -238,16 +229,6 @@ def split(M: int, cfg: TritonKernelConfigs) -> bool:
     return 0 < M <= cfg.logprobs_split_max_m
 
 
-def _split_stats(x: torch.Tensor, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """The split grid's first launch: [M, 2, VOCAB_SLICES] fp32 slice maxes and sums of x [M, V]."""
-    M, V = x.shape
-    stats = torch.empty(M, 2, VOCAB_SLICES, dtype=torch.float32, device=x.device)
-    _slice_kernel[(M, VOCAB_SLICES)](x, stats, V, _slice_width(V, VOCAB_SLICES), x.stride(0), SLICES=VOCAB_SLICES,
-                                     BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
-                                     enable_fp_fusion=False)
-    return stats
-
-
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
@@ -260,8 +241,8 @@ def log_softmax_triton(logits: torch.Tensor, cfg: TritonKernelConfigs) -> torch.
     M, V = x.shape
     out = torch.empty(M, V, dtype=torch.float32, device=x.device)
     if M and V and split(M, cfg):
-        grid = (M, triton.cdiv(V, cfg.logprobs_block_v))
-        _write_kernel[grid](x, _split_stats(x, cfg), out, V, x.stride(0), out.stride(0), **_slicing(VOCAB_SLICES),
+        stats, grid = slice_stats_triton(x, VOCAB_SLICES, cfg), (M, triton.cdiv(V, cfg.logprobs_block_v))
+        _write_kernel[grid](x, stats, out, V, x.stride(0), out.stride(0), **_slicing(VOCAB_SLICES),
                             BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps, enable_fp_fusion=False)
     elif M and V:
         _log_softmax_kernel[(M,)](x, out, V, _slice_width(V, VOCAB_SLICES), x.stride(0), out.stride(0),
@@ -281,8 +262,9 @@ def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, cfg: Tr
     out = torch.empty(M, dtype=torch.float32, device=x.device)
     lse = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and V and split(M, cfg):
-        _join_token_kernel[(M,)](x, _split_stats(x, cfg), token_ids.contiguous(), out, lse, x.stride(0),
-                                 **_slicing(VOCAB_SLICES), num_warps=1, enable_fp_fusion=False)
+        stats = slice_stats_triton(x, VOCAB_SLICES, cfg)
+        _join_token_kernel[(M,)](x, stats, token_ids.contiguous(), out, lse, x.stride(0), **_slicing(VOCAB_SLICES),
+                                 num_warps=1, enable_fp_fusion=False)
     elif M and V:
         _token_logprobs_kernel[(M,)](x, token_ids.contiguous(), out, lse, V, _slice_width(V, VOCAB_SLICES), x.stride(0),
                                      **_slicing(VOCAB_SLICES), BLOCK_V=cfg.logprobs_block_v,
@@ -366,15 +348,15 @@ def check_shards(vocab: int, shard_index: int, shard_count: int) -> None:
 
 
 def slice_stats_triton(logits: torch.Tensor, slices: int, cfg: TritonKernelConfigs) -> torch.Tensor:
-    """Each row's ``slices`` slices of ceil(V / slices) logits: logits [M, V] (any float dtype) -> [M, 2, slices]
-    float32, their maxes ([:, 0]) and sums of exp(x - max) ([:, 1])."""
+    """Each row's ``slices`` slices (widths ``_slice_width``), a program each: logits [M, V] (any float dtype) ->
+    [M, 2, slices] float32, their maxes ([:, 0]) and sums of exp(x - max) ([:, 1])."""
     x = _rows(logits)
     M, V = x.shape
     stats = torch.empty(M, 2, slices, dtype=torch.float32, device=x.device)
     if M:
-        _slice_stats_kernel[(M,)](x, stats, V, _slice_width(V, slices), x.stride(0), SLICES=slices,
-                                  BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
-                                  enable_fp_fusion=False)
+        _slice_kernel[(M, slices)](x, stats, V, _slice_width(V, slices), x.stride(0), SLICES=slices,
+                                   BLOCK_V=cfg.logprobs_block_v, num_warps=cfg.logprobs_num_warps,
+                                   enable_fp_fusion=False)
     return stats
 
 
