@@ -80,9 +80,9 @@ def token_logprobs(logits: Any, token_ids: Any, temperature: float = 1.0, contra
     on the CPU). Bad input raises TypeError / ValueError with one line.
     """
     from .ops import backend
-    from .ops.logprobs import check_temperature, check_token_inputs
+    from .ops.logprobs import check_temperature, check_token_shapes
 
-    check_token_inputs(logits, token_ids)
+    check_token_shapes(logits, token_ids)  # the ids' range: the backend's form, in one read
     check_temperature(temperature)
     if contract is not None and not isinstance(contract, Contract):
         raise TypeError(f"contract must be a Contract, got {type(contract).__name__}")

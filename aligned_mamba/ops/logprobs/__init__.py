@@ -9,6 +9,8 @@ from .sliced import (
     check_shards,
     check_temperature,
     check_token_inputs,
+    check_token_shapes,
+    id_range,
     log_softmax,
     log_softmax_backward,
     log_softmax_sharded,
@@ -19,6 +21,7 @@ from .sliced import (
     token_logprobs_sharded,
 )
 
-__all__ = ["VOCAB_SLICES", "check_shards", "check_temperature", "check_token_inputs", "log_softmax",
+__all__ = ["VOCAB_SLICES", "check_shards", "check_temperature", "check_token_inputs", "check_token_shapes",
+           "id_range", "log_softmax",
            "log_softmax_backward", "log_softmax_sharded", "pair_tree", "scale", "sliced_sum", "token_logprobs",
            "token_logprobs_sharded"]

@@ -81,8 +81,9 @@ def log_softmax_backward(out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype)
     return (gf - torch.exp(out) * gf.sum(-1, keepdim=True)).to(dtype)
 
 
-def check_token_inputs(logits: object, token_ids: object) -> None:
-    """Refuse (one line each) logits [..., V] and token ids [...] that ``token_logprobs`` cannot score."""
+def check_token_shapes(logits: object, token_ids: object) -> None:
+    """Refuse (one line each) logits [..., V] and token ids [...] whose types or shapes ``token_logprobs`` cannot
+    score; reads nothing from the device."""
     if not isinstance(logits, torch.Tensor) or not isinstance(token_ids, torch.Tensor):
         raise TypeError(f"token_logprobs expects torch tensors, got logits {type(logits).__name__} and "
                         f"token_ids {type(token_ids).__name__}")
@@ -97,13 +98,28 @@ def check_token_inputs(logits: object, token_ids: object) -> None:
                          f"{list(logits.shape[:-1])} (logits [..., V], token_ids [...])")
     if token_ids.is_meta or logits.is_meta:
         raise ValueError("token_logprobs needs tensors with data, got a meta-device tensor")
+
+
+def check_token_inputs(logits: object, token_ids: object) -> None:
+    """``check_token_shapes``, and (one line) an id outside [0, V): one read from the ids' device."""
+    check_token_shapes(logits, token_ids)
     v = logits.shape[-1]
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= v):
-        raise ValueError(f"token_ids out of range [0, {v}): min {int(token_ids.min())}, max {int(token_ids.max())}")
+    lo, hi = id_range(token_ids)
+    if lo < 0 or hi >= v:
+        raise ValueError(f"token_ids out of range [0, {v}): min {lo}, max {hi}")
+
+
+def id_range(token_ids: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of integer ids, (0, 0) when there are none: one host read (a CUDA tensor: one sync)."""
+    if not token_ids.numel():
+        return 0, 0
+    lo, hi = torch.stack(torch.aminmax(token_ids.reshape(-1))).tolist()
+    return lo, hi
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Logprob of ``token_ids`` under ``logits`` / temperature. [..., V], [...] int64 -> [...] float32."""
+    check_token_inputs(logits, token_ids)
     lp = log_softmax(logits, temperature)
     return lp.gather(-1, token_ids.to(device=lp.device, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)
 
@@ -132,7 +148,8 @@ def sharded_ids(local_logits: torch.Tensor, token_ids: torch.Tensor, shard_count
     if ids.shape != local_logits.shape[:-1]:
         raise ValueError(f"shape mismatch: token_ids {list(ids.shape)} must be the logits' leading shape "
                          f"{list(local_logits.shape[:-1])}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v * shard_count):
+    lo, hi = id_range(ids)
+    if lo < 0 or hi >= v * shard_count:
         raise ValueError(f"token_ids out of range [0, {v * shard_count})")
     return ids
 

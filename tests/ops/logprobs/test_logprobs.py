@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import aligned_mamba
+from aligned_mamba import Contract
 from aligned_mamba.ops.logprobs import sliced as L
 from aligned_mamba.parallel import threads
 
@@ -99,6 +100,25 @@ def test_bad_input_is_refused_in_one_line(logits, ids, temperature, error, match
 def test_empty_leading_shape_gives_an_empty_result() -> None:
     out = aligned_mamba.token_logprobs(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64))
     assert out.shape == (0,) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_ids_range_is_read_once_a_call(backend, monkeypatch) -> None:
+    """The public function and the backend's form do not both read the ids' range from the device (on CUDA, each
+    read is a sync), and the one read is a single ``tolist``, not a min and a max apart."""
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counted(t):
+        reads.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: pytest.fail("an id read with int()"), raising=False)
+    logits, ids = torch.randn(3, 40), torch.tensor([0, 39, 7])
+    out = aligned_mamba.token_logprobs(logits, ids, contract=Contract(chunk_size=16, backend=backend))
+    assert reads == [(2,)]
+    assert torch.equal(out, L.token_logprobs(logits, ids))
 
 
 # ------------------------------------------------------------------------------------------------
