@@ -74,16 +74,20 @@ def megatron_to_hf(state_dict: Mapping[str, Any], config: Mamba2Config | Nemotro
         _check_shape(key, hf, tensor, shapes[hf], megatron_side=True)
         out[hf] = tensor
         source[hf] = key
-    missing = [hf for hf in shapes if hf not in out]
-    if missing:
-        first = missing[0]
-        raise ModelLoadError(
-            f"Megatron state dict lacks {hf_to_mg[first]!r} (HF {first!r}, shape {list(shapes[first])})"
-            + (f" and {len(missing) - 1} more key(s)" if len(missing) > 1 else "")
-        )
+    _refuse_missing([hf for hf in shapes if hf not in out], shapes,
+                    lambda hf: f"Megatron state dict lacks {hf_to_mg[hf]!r} (HF {hf!r}")
     if tied_output is not None:
         _check_tied(MEGATRON_OUTPUT, tied_output, MEGATRON_EMBEDDING, out[EMBEDDING])
     return {hf: out[hf] for hf in shapes}
+
+
+def _refuse_missing(missing: list[str], shapes: Mapping[str, Any], lacks: Any) -> None:
+    """One line naming the first missing HF tensor (``lacks(hf)``: the line's start, up to its shape) and the count
+    of the others."""
+    if missing:
+        first = missing[0]
+        raise ModelLoadError(f"{lacks(first)}, shape {list(shapes[first])})"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
 
 def hf_to_megatron(
@@ -103,13 +107,8 @@ def hf_to_megatron(
         if key not in shapes:
             raise ModelLoadError(f"unknown HF Mamba2 tensor {key!r} for this config{_unknown_hint(key, config)}")
         _check_shape(key, names[key], _tensor(key, value), shapes[key], megatron_side=False)
-    missing = [hf for hf in shapes if hf not in tensors]
-    if missing:
-        first = missing[0]
-        raise ModelLoadError(
-            f"HF tensors lack {first!r} (Megatron {names[first]!r}, shape {list(shapes[first])})"
-            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-        )
+    _refuse_missing([hf for hf in shapes if hf not in tensors], shapes,
+                    lambda hf: f"HF tensors lack {hf!r} (Megatron {names[hf]!r}")
     if lm_head is not None:
         _check_tied(LM_HEAD, lm_head, EMBEDDING, tensors[EMBEDDING])
     return {names[hf]: tensors[hf] for hf in shapes}
