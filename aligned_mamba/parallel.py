@@ -48,7 +48,8 @@ class TPGroup:
     @staticmethod
     def from_torch(group: Any = None) -> TPGroup:
         """Over a ``torch.distributed`` process group (default: the world), initialised by the caller:
-        gloo on the CPU, NCCL on GPUs. The all-gather is ``all_gather_into_tensor``."""
+        gloo on the CPU (CUDA tensors pass through the host), NCCL on GPUs. The all-gather is
+        ``all_gather_into_tensor``."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -57,13 +58,17 @@ class TPGroup:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
 
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # gloo gathers host tensors: a CUDA tensor (ranks sharing one GPU, say) goes through the host
+        host = dist.get_backend(group) == "gloo"
 
         def all_gather(x: Tensor) -> Tensor:
             # moved as raw bytes: every dtype on every backend, the bits as they are
             raw = x.contiguous().view(-1).view(torch.uint8)
-            out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=x.device)
+            if host:
+                raw = raw.cpu()
+            out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=raw.device)
             gather(out, raw, group=group)
-            return out.view(x.dtype).view(size, *x.shape)
+            return out.to(x.device).view(x.dtype).view(size, *x.shape)
 
         return TPGroup(rank, size, all_gather)
 

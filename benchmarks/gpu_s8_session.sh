@@ -7,10 +7,10 @@
 # cells `--quick` leaves out (forward 1 x 32768, decode at 16k contexts); the decode step's inputs read
 # in place (`--views`); training against mamba_ssm's own model; the row-parallel tree GEMM and its
 # variants, the split-slices grid among them (`bench_tree_gemm_h200.py`); `tp` (several GPUs): the TP
-# forward over NCCL (`tp_forward_gpus.py --megatron`).
+# forward over NCCL (`tp_forward_gpus.py --megatron`); `tp1gpu`: its bits with every rank on one GPU.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp" DEADLINE_S=560 ...
+#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu" ...
 #   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
@@ -68,6 +68,9 @@ if want tp; then
   PYTHONPATH="$PYTHONPATH:/tmp/site" step tp "${TP_S:-300}" python3 benchmarks/tp_forward_gpus.py \
     --out "$W/h200_tp_forward.json" --sizes "${TP_SIZES:-1,2}" $MEG ${TP_ARGS:-}
 fi
+# the TP forward's bits on one GPU: every rank on GPU 0 over gloo, the all-gathers through the host (times not a TP run's)
+want tp1gpu && step tp1gpu "${TP1_S:-200}" python3 benchmarks/tp_forward_gpus.py --dist gloo \
+  --out "$W/h200_tp_one_gpu.json" --sizes "${TP1_SIZES:-1,2,4}" --repeats 1 ${TP1_ARGS:-}
 want tree && step tree "${TREE_S:-150}" python3 benchmarks/bench_tree_gemm_h200.py --out "$W/h200_tree_gemm.json" \
   --warm 15 --deadline-s "$(( $(left "${TREE_S:-150}") - 30 ))" ${TREE_ARGS:-}
 note "done"

@@ -4,9 +4,12 @@
     python3 benchmarks/tp_forward_gpus.py --out OUT/h200_tp.json [--sizes 1,2,4] [--models mamba2-1.3b,hybrid-8b] \
         [--megatron]
     python3 benchmarks/tp_forward_gpus.py --dist gloo --backend torch --models tiny --out /tmp/tp.json   (CPU)
+    python3 benchmarks/tp_forward_gpus.py --dist gloo --sizes 1,2,4 --out OUT/h200_tp_one_gpu.json   (one GPU)
 
 Per model and TP degree k, k processes (spawned) join one process group (``--dist``: nccl, each rank
-on GPU ``rank``; gloo on the CPU), each builds its shard of the same checkpoint (``TPGroup.from_torch``,
+on GPU ``rank``; gloo on the CPU, or with the triton backend every rank on GPU 0, the all-gathers through
+the host: the GPU kernels' bits under sharding on one GPU, its times not a TP run's), each builds its
+shard of the same checkpoint (``TPGroup.from_torch``,
 ``tp_reference``) under a contract of ``row_parallel_slices`` S, and runs: the trainer's one-pass
 forward over a few sequences (every logits row and token logprob kept), the same forward under stock
 tensor parallelism (row-parallel partials rounded and all-gathered in rank order: the baseline), and
@@ -82,14 +85,14 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
     try:
         if dist_backend == "nccl":
             torch.cuda.set_device(rank)
-        else:
+        else:  # gloo: CPU ranks, or on the triton backend every rank on GPU 0 (bits only, times not comparable)
             torch.set_num_threads(1)
         dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = TPGroup.from_torch() if size > 1 else TPGroup.single()
         config, tensors = model(job["model"], job["layers"])
         c = Contract(config.chunk_size, backend=job["backend"], row_parallel_slices=job["slices"])
         seqs = [torch.tensor(s) for s in job["seqs"]]
-        cuda = dist_backend == "nccl"
+        cuda = job["backend"] == "triton" and torch.cuda.is_available()
         out: dict = {}
 
         def median_ms(fn) -> float | None:
