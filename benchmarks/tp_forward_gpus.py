@@ -9,8 +9,8 @@
 Per model and TP degree k, k processes (spawned) join one process group (``--dist``: nccl, each rank
 on GPU ``rank``; gloo on the CPU, or with the triton backend every rank on GPU 0, the all-gathers through
 the host: the GPU kernels' bits under sharding on one GPU, its times not a TP run's), each builds its
-shard of the same checkpoint (``TPGroup.from_torch``,
-``tp_reference``) under a contract of ``row_parallel_slices`` S, and runs: the trainer's one-pass
+shard of the same checkpoint (``TPGroup.from_torch``, ``tp_reference``) under a contract of
+``row_parallel_slices`` S, and runs: the trainer's one-pass
 forward over a few sequences (every logits row and token logprob kept), the same forward under stock
 tensor parallelism (row-parallel partials rounded and all-gathered in rank order: the baseline), and
 the reference engine's chunked prefill + decode schedule (rows and reported logprobs). Rank 0's results

@@ -22,6 +22,5 @@ from .sliced import (
 )
 
 __all__ = ["VOCAB_SLICES", "check_shards", "check_temperature", "check_token_inputs", "check_token_shapes",
-           "id_range", "log_softmax",
-           "log_softmax_backward", "log_softmax_sharded", "pair_tree", "scale", "sliced_sum", "token_logprobs",
-           "token_logprobs_sharded"]
+           "id_range", "log_softmax", "log_softmax_backward", "log_softmax_sharded", "pair_tree", "scale", "sliced_sum",
+           "token_logprobs", "token_logprobs_sharded"]
