@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .contract import Contract
+from .errors import AlignedMambaError
 from .integrations import EngineSpec, Scenario, ScenarioResult
 from .models import build_model, load_source
 from .models.causal_lm import CausalLM
@@ -75,7 +76,10 @@ class SamplerEngine:
         # decode-only steps as CUDA graphs where the backend can capture them (default: the triton
         # backend on a GPU); the cache then holds one spare slot for the graphs' padding entries
         if graphs is None:
-            graphs = triton_gpu
+            graphs = triton_gpu and model.tp.capturable
+        elif graphs and not model.tp.capturable:
+            raise AlignedMambaError("decode graphs refused: this model's tensor-parallel all-gather goes through "
+                                    "the host (gloo), which a CUDA graph cannot capture")
         # layers that keep a row per token (attention) keep them in pages on the triton backend (handed
         # out as sequences grow, given back when they finish; a graph reads the block table on the
         # device); the torch backend keeps its slot cache unless ``page_size`` asks for pages

@@ -28,11 +28,13 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class TPGroup:
     """A tensor-parallel group as the layers see it: this process's ``rank`` of ``size``, and
-    ``all_gather``: x [*s] -> [size, *s] (every rank's x, in rank order; x's dtype and device)."""
+    ``all_gather``: x [*s] -> [size, *s] (every rank's x, in rank order; x's dtype and device).
+    ``capturable``: whether ``all_gather`` may run inside a CUDA graph capture (not through the host)."""
 
     rank: int
     size: int
     all_gather: Callable[[Tensor], Tensor]
+    capturable: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int)
@@ -70,7 +72,7 @@ class TPGroup:
             gather(out, raw, group=group)
             return out.to(x.device).view(x.dtype).view(size, *x.shape)
 
-        return TPGroup(rank, size, all_gather)
+        return TPGroup(rank, size, all_gather, capturable=not host)
 
 
 def shard(n: int, group: TPGroup) -> slice:

@@ -264,3 +264,25 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
     for p in left:
         os.kill(p, 9)
     assert not left, f"ranks outlived their parent: {left}"
+
+
+def test_decode_graphs_refused_over_a_host_all_gather(tmp_path) -> None:
+    """A gloo group (its all-gather through the host) cannot be captured in a CUDA graph: ``from_torch``
+    says so, and an engine asked for graphs over it refuses in one line (the default runs eager)."""
+    import torch.distributed as dist
+
+    from aligned_mamba.engine import SamplerEngine
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        assert not TPGroup.from_torch().capturable
+    finally:
+        dist.destroy_process_group()
+    assert TPGroup.single().capturable
+    config, tensors = _model("g1")
+    host = TPGroup(0, 1, lambda x: x.unsqueeze(0), capturable=False)
+    m = tp_reference.build(host, config, tensors, _contract())
+    with pytest.raises(AlignedMambaError, match="through the host") as e:
+        SamplerEngine(m, num_slots=2, graphs=True)
+    assert "\n" not in str(e.value)
+    assert SamplerEngine(m, num_slots=2).graphs is None
