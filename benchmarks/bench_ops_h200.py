@@ -290,7 +290,10 @@ def host_section(b: Bench, res: dict) -> None:
 OP_VARIANTS = {
     "norm": [dict(norm_num_warps=w) for w in (1, 2, 8, 16)],
     "conv": [dict(conv_block_t=t, conv_block_c=c) for t, c in ((4, 512), (8, 256), (16, 128), (16, 512), (32, 256),
-                                                                (64, 128))],
+                                                                (64, 128))]
+    # the prefill walk (the pinned path): one warp a program caps an SM at 32 resident warps
+    + [dict(conv_walk_block_t=t, conv_walk_block_c=c, conv_walk_warps=w) for t, c, w in
+       ((32, 256, 2), (32, 512, 4), (16, 256, 2), (64, 256, 2), (32, 64, 1), (16, 128, 1))],
     "logprobs": [dict(logprobs_block_v=v, logprobs_num_warps=w) for v, w in ((1024, 4), (2048, 4), (4096, 8),
                                                                              (4096, 16), (8192, 16))]
     # the split grid (a program per row and vocabulary slice) at the pinned block, and with smaller blocks
