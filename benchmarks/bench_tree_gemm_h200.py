@@ -133,7 +133,9 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter computes bf16 wrongly
     cfg = TritonKernelConfigs()
     fields = {"flatten": dict(linear_tree_flatten=not cfg.linear_tree_flatten),
-              "global_stack": dict(linear_tree_global_stack=not cfg.linear_tree_global_stack)}
+              "global_stack": dict(linear_tree_global_stack=not cfg.linear_tree_global_stack),
+              "level0": dict(linear_tree_global_stack=True,
+                             linear_tree_global_stack_level0=not cfg.linear_tree_global_stack_level0)}
     variants = {k: dataclasses.replace(cfg, **v) for k, v in fields.items()}
     shapes = TINY if args.dry_run else SHAPES
     if args.shapes:

@@ -74,8 +74,10 @@ class TritonKernelConfigs:
       linear_tree_*: the tree GEMM (linear/triton_tree.py; the same bits whatever they are, times in
         benchmarks/results/h200_tree_gemm.json). _acc_regs: its tile is halved until log2(slices per rank) + 1 fp32
         accumulator tiles fit in this many registers per thread; _global_stack: where that would quarter a TMA tile,
-        the stack lives in fp32 global scratch instead; _flatten: one software pipeline over the slices and their K
-        loops, not one per slice; _split_grid_max_m: calls up to this M (0: none) run a program per (tile, slice).
+        the stack lives in fp32 global scratch instead (_global_stack_level0: its level 0 in registers beside the
+        accumulator, the tile halved once, levels 1 up in the scratch); _flatten: one software pipeline over the
+        slices and their K loops, not one per slice; _split_grid_max_m: calls up to this M (0: none) run a
+        program per (tile, slice).
     Norms (norm/triton.py): norm_block_per_warp: a row's (group's) block / this = its warps (1 to 16); one program
       and one reduction per row. norm_bwd_rows: rows per backward program (one weight-gradient partial each);
       norm_bwd_block_per_warp: the gated norm backward's, as above (it takes the forward's rstd: the same bits).
@@ -154,6 +156,7 @@ class TritonKernelConfigs:
     linear_tree_acc_regs: int = 128
     linear_tree_flatten: bool = True
     linear_tree_global_stack: bool = True
+    linear_tree_global_stack_level0: bool = False
     linear_tree_split_grid_max_m: int = 0
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
@@ -256,6 +259,7 @@ class TritonKernelConfigs:
         _among("linear_tree_acc_regs", self.linear_tree_acc_regs, (64, 96, 128, 160, 192))
         _among("linear_tree_flatten", self.linear_tree_flatten, (True, False))
         _among("linear_tree_global_stack", self.linear_tree_global_stack, (True, False))
+        _among("linear_tree_global_stack_level0", self.linear_tree_global_stack_level0, (True, False))
         _among("linear_tree_split_grid_max_m", self.linear_tree_split_grid_max_m, (0, 16, 64, 256))
         _among("linear_epi_split", self.linear_epi_split, (1, 2))
         if self.linear_epi_split != 1 and not self.linear_tma:

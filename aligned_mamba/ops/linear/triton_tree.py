@@ -4,9 +4,10 @@ One launch computes a rank's subtree: a program walks its tile's ``local`` K sli
 K loop from zero (``triton.py``'s), and folds each slice's fp32 sum into a stack of left subtrees, one
 per level (``_fold``); then bias and one rounding (TP 1) or an fp32 store for the all-gather. The adds
 are the same IEEE adds in the same tree whoever computes them, so TP 1 and TP k give the same bits.
-The stack lives in registers (the tile shrunk to fit), in global scratch (``linear_tree_global_stack``),
-or, on the split-slices grid, a program per (tile, slice) whose last arrival folds. Why:
-docs/design.md, "How the bits are kept" (Tensor parallelism).
+The stack lives in registers (the tile shrunk to fit), in global scratch (``linear_tree_global_stack``;
+with ``_level0``, level 0 in registers and the tile halved once), or, on the split-slices grid, a
+program per (tile, slice) whose last arrival folds. Why: docs/design.md, "How the bits are kept"
+(Tensor parallelism).
 """
 
 from __future__ import annotations
@@ -84,11 +85,13 @@ def _fold_global(acc, st, j, LEVELS: tl.constexpr, LEVEL_STRIDE: tl.constexpr):
 def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PROGS, HAS_BIAS: tl.constexpr,
                      LOCAL: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, GLOBAL_STACK: tl.constexpr):
+                     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, GLOBAL_STACK: tl.constexpr,
+                     LEVEL0_REGS: tl.constexpr = False):
     """Through TMA descriptors, K = LOCAL * STEPS * BLOCK_K; one tile per program or (PERSISTENT) tiles
     p, p + NUM_PROGS, ... An outer step is one slice of one tile: its K loop, the fold, the epilogue
     after the last slice. FLATTEN: one software pipeline across slices and tiles. GLOBAL_STACK: the
-    levels in st_ptr [programs, LEVELS, BM, BN] fp32, else in registers."""
+    levels in st_ptr [programs, LEVELS, BM, BN] fp32 (LEVEL0_REGS: level 0 in registers, levels 1 up
+    in st_ptr [programs, LEVELS - 1, BM, BN]), else in registers."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -101,8 +104,8 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PRO
     s2 = s0
     s3 = s0
     if GLOBAL_STACK:
-        st = (st_ptr + pid.to(tl.int64) * (LEVELS * BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-              + tl.arange(0, BLOCK_N)[None, :])
+        st = (st_ptr + pid.to(tl.int64) * ((LEVELS - LEVEL0_REGS) * BLOCK_M * BLOCK_N)
+              + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
     # every level is written before it is read within a tile: no reset between tiles
     for u in tl.range(0, units, flatten=FLATTEN):
         j = u % LOCAL
@@ -117,7 +120,14 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PRO
             a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
             b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        if GLOBAL_STACK:
+        if GLOBAL_STACK and LEVEL0_REGS:
+            # level 0 as _fold's: a left slice kept, a right one added to it; the pair climbs on in st
+            right = (j & 1) == 1
+            node = tl.where(right, s0 + acc, acc)
+            s0 = tl.where(right, s0, acc)
+            if right:
+                node = _fold_global(node, st, j >> 1, LEVELS - 1, BLOCK_M * BLOCK_N)
+        elif GLOBAL_STACK:
             node = _fold_global(acc, st, j, LEVELS, BLOCK_M * BLOCK_N)
         else:
             s0, s1, s2, s3 = _fold(acc, s0, s1, s2, s3, j, LEVELS, LOCAL)
@@ -216,9 +226,12 @@ def _tree_split_kernel(x_ptr, w_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, M, N, C, S
 
 def tree_plan(M: int, weight: torch.Tensor, local: int, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
     """``triton.plan``'s tile, halved until the register stack (log2(local) + 1 fp32 tiles) fits
-    ``linear_tree_acc_regs`` per thread; unhalved where ``global_stack``."""
+    ``linear_tree_acc_regs`` per thread; where ``global_stack``, unhalved (or, with
+    ``linear_tree_global_stack_level0``, halved until two tiles fit)."""
     p = plan(M, weight, cfg, sms=sms)
-    return p if global_stack(p, local, cfg) else _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+    if not global_stack(p, local, cfg):
+        return _shrink(p, local.bit_length(), cfg.linear_tree_acc_regs)
+    return _shrink(p, 2, cfg.linear_tree_acc_regs) if cfg.linear_tree_global_stack_level0 else p
 
 
 def global_stack(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> bool:
@@ -245,6 +258,18 @@ def _shrink(p: LinearPlan, accs: int, regs: int) -> LinearPlan:
         return p
     return dataclasses.replace(p, block_m=bm, block_n=bn, num_stages=stages,
                                epi_split=p.epi_split if bn >= 32 else 1)
+
+
+def stack_form(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> tuple[bool, bool]:
+    """(GLOBAL_STACK, LEVEL0_REGS) for the TMA kernel at ``p`` (``tree_plan``'s tile): the whole stack in
+    global memory at the regime's tile; level 0 in registers where ``linear_tree_global_stack_level0``
+    halved the tile for two accumulators but the register stack would not fit it; else registers."""
+    budget = cfg.linear_tree_acc_regs * 32 * p.num_warps
+    tile = p.block_m * p.block_n
+    if (cfg.linear_tree_global_stack and cfg.linear_tree_global_stack_level0 and p.tma and local > 2
+            and 2 * tile <= budget < local.bit_length() * tile):
+        return True, True
+    return global_stack(p, local, cfg), False
 
 
 def fallback_plan(p: LinearPlan, local: int, cfg: TritonKernelConfigs) -> LinearPlan:
@@ -295,11 +320,12 @@ def check_local(local: int) -> None:
 
 def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, local: int,
                        out_dtype: torch.dtype, cfg: TritonKernelConfigs, *,
-                       tiles: LinearPlan | None = None, split: bool | None = None) -> torch.Tensor:
+                       tiles: LinearPlan | None = None, split: bool | None = None,
+                       stack: tuple[bool, bool] | None = None) -> torch.Tensor:
     """One rank's subtree: x [M, K] @ weight [N, K]^T in ``local`` K slices, each fp32 from zero,
     joined by adjacent pairs (+ bias [N] in fp32), rounded once to ``out_dtype`` (x's dtype, or fp32
     for the all-gather) -> new [M, N]; x, weight bf16 or fp32; one launch, no host sync. ``tiles``,
-    ``split``: override the plan and ``split_grid`` (benchmarks, tests)."""
+    ``split``, ``stack``: override the plan, ``split_grid`` and ``stack_form`` (benchmarks, tests)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_tree_triton: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
@@ -342,17 +368,17 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
     if p.tma and C % p.block_k == 0 and _tma_ok(x, weight, y):
         progs = min(num_tiles, sms * p.programs_per_sm) if p.persistent else num_tiles
-        levels = local.bit_length() - 1
-        stack = global_stack(p, local, cfg)
-        st = torch.empty(progs * levels * p.block_m * p.block_n if stack else 1, dtype=torch.float32,
+        glob, level0 = stack or stack_form(p, local, cfg)
+        levels = local.bit_length() - 1 - level0
+        st = torch.empty(progs * levels * p.block_m * p.block_n if glob else 1, dtype=torch.float32,
                          device=x.device)
         xd = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k])
         wd = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k])
         yd = TensorDescriptor(y, [M, N], [N, 1], [p.block_m, p.block_n // p.epi_split])
         # not flattened with the global stack: its fold branches, which the compiler's loop fusion refuses
         _tree_tma_kernel[(progs,)](xd, wd, yd, b, st, M, N, C // p.block_k, progs, EPI_SPLIT=p.epi_split,
-                                   PERSISTENT=p.persistent, GLOBAL_STACK=stack,
-                                   **dict(common, FLATTEN=common["FLATTEN"] and not stack))
+                                   PERSISTENT=p.persistent, GLOBAL_STACK=glob, LEVEL0_REGS=level0,
+                                   **dict(common, FLATTEN=common["FLATTEN"] and not glob))
     else:
         if p.tma and tiles is None:
             p = fallback_plan(p, local, cfg)

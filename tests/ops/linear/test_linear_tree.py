@@ -196,6 +196,8 @@ def test_the_stack_in_global_memory_gives_the_registers_bits(local: int) -> None
         assert tt.global_stack(tiles, local, glob) and not tt.global_stack(tiles, local, regs)
         y = tt.linear_tree_triton(x, w, b, local, F32, regs, tiles=tiles)
         assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, glob, tiles=tiles), y), tiles
+        # level 0 in registers, levels 1 up in the scratch (linear_tree_global_stack_level0)
+        assert torch.equal(tt.linear_tree_triton(x, w, b, local, F32, glob, tiles=tiles, stack=(True, True)), y)
         # TP 2: each half's subtree (its own global stack from 4 slices up), the top, the bias
         if local > 2:
             k = 16 * local
@@ -221,6 +223,15 @@ def test_the_global_stack_takes_the_tiles_the_registers_would_quarter() -> None:
     # decode and mid tiles keep the stack in registers
     for M in (1, 64, 256):
         assert not tt.global_stack(tt.tree_plan(M, w, 8, glob, sms=132), 8, glob)
+    # linear_tree_global_stack_level0: S = 2's tile (two accumulators), level 0 in registers from S = 4
+    level0 = dataclasses.replace(glob, linear_tree_global_stack_level0=True)
+    two = tt.tree_plan(8192, w, 2, regs, sms=132)
+    assert tt.tree_plan(8192, w, 2, level0, sms=132) == two and tt.stack_form(two, 2, level0) == (False, False)
+    for local in (4, 8, 16):
+        p = tt.tree_plan(8192, w, local, level0, sms=132)
+        assert p == two and tt.stack_form(p, local, level0) == (True, True), local
+        assert tt.stack_form(tt.tree_plan(8192, w, local, glob, sms=132), local, glob) == (True, False)
+    assert tt.stack_form(tt.tree_plan(64, w, 8, level0, sms=132), 8, level0) == (False, False)
 
 
 @pytest.mark.interpreter
@@ -461,7 +472,9 @@ def test_gpu_every_tp_degree_gives_tp1s_bits(name: str, K: int, N: int) -> None:
             one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG)
             # the other loop form (a K loop per slice, or the loops flattened) and the other stack (in
             # registers at a halved tile, or in global memory at the regime's tile): the same bits
-            flip = {"loops": "linear_tree_flatten", "stack": "linear_tree_global_stack"}
+            # and level 0 of the global stack in registers
+            flip = {"loops": "linear_tree_flatten", "stack": "linear_tree_global_stack",
+                    "level0": "linear_tree_global_stack_level0"}
             for name, field in flip.items():
                 other = dataclasses.replace(CFG, **{field: not getattr(CFG, field)})
                 if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, other), one):
@@ -597,6 +610,8 @@ from aligned_mamba.ops.linear import triton_tree as tt
 import dataclasses
 
 glob = dataclasses.replace(cfg, linear_tree_global_stack=not cfg.linear_tree_global_stack)
+level0 = dataclasses.replace(cfg, linear_tree_global_stack=True,
+                             linear_tree_global_stack_level0=not cfg.linear_tree_global_stack_level0)
 plans, seen = {}, set()
 for N in (2048, 4096):
     for M in (1, 64, 256, 8192):
@@ -604,18 +619,21 @@ for N in (2048, 4096):
             for dt in ("bf16", "fp32"):
                 w = torch.empty(N, 8, dtype=torch.bfloat16 if dt == "bf16" else torch.float32)
                 plans[(dt, local, tt.tree_plan(M, w, local, cfg, sms=132))] = None
-                # the other stack (linear_tree_global_stack): a global stack keeps the regime's tile
-                gp = tt.tree_plan(M, w, local, glob, sms=132)
-                if gp.tma and (dt, local, gp) not in seen:
-                    seen.add((dt, local, gp))
+                # the other stack (linear_tree_global_stack): a global stack keeps the regime's tile;
+                # and the global stack's level 0 in registers (the tile halved once)
+                for other in (glob, level0):
+                    gp = tt.tree_plan(M, w, local, other, sms=132)
+                    g, l0 = tt.stack_form(gp, local, other)
+                    if not gp.tma or (dt, local, gp, g, l0) in seen:
+                        continue
+                    seen.add((dt, local, gp, g, l0))
                     tag = f"tree:{dt}:L{local}:{gp.block_m}x{gp.block_n}x{gp.block_k}:w{gp.num_warps}s{gp.num_stages}"
-                    stack = tt.global_stack(gp, local, glob)
-                    comp(tag + f":tma:{dt}:global{int(glob.linear_tree_global_stack)}", tt._tree_tma_kernel,
+                    comp(tag + f":tma:{dt}:global{int(g)}{int(l0)}", tt._tree_tma_kernel,
                          dict(tma_descs(dt, gp), b_ptr="*" + dt, st_ptr="*fp32"),
                          dict(HAS_BIAS=True, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=gp.block_m,
                               BLOCK_N=gp.block_n, BLOCK_K=gp.block_k, GROUP_M=gp.group_m, PRECISION=gp.precision,
-                              EPI_SPLIT=gp.epi_split, PERSISTENT=gp.persistent, GLOBAL_STACK=stack,
-                              FLATTEN=glob.linear_tree_flatten and not stack),
+                              EPI_SPLIT=gp.epi_split, PERSISTENT=gp.persistent, GLOBAL_STACK=g, LEVEL0_REGS=l0,
+                              FLATTEN=other.linear_tree_flatten and not g),
                          num_warps=gp.num_warps, num_stages=gp.num_stages)
 for dt, local, p in plans:
     tag = f"tree:{dt}:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}"
@@ -650,6 +668,7 @@ print(json.dumps(done))
 def test_the_tree_gemm_compiles_for_sm90_without_spills(sm90_cache):
     done = run_sm90_script(_COMPILE_TREE, sm90_cache)
     assert len(done) >= 20, [d["name"] for d in done]
+    assert any(d["name"].endswith(":global11") for d in done)  # the global stack's level 0 in registers
     for d in done:
         assert d["LDL"] == d["STL"] == 0, d  # the stack of partial sums stays in registers
         _, dt, _, tile = d["name"].split(":")[:4]
