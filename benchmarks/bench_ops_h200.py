@@ -288,7 +288,7 @@ def host_section(b: Bench, res: dict) -> None:
 
 
 OP_VARIANTS = {
-    "norm": [dict(norm_num_warps=w) for w in (1, 2, 8, 16)],
+    "norm": [dict(norm_block_per_warp=b) for b in (128, 256, 1024, 2048)],
     "conv": [dict(conv_block_t=t, conv_block_c=c) for t, c in ((4, 512), (8, 256), (16, 128), (16, 512), (32, 256),
                                                                 (64, 128))]
     # the prefill walk (the pinned path): one warp a program caps an SM at 32 resident warps

@@ -252,8 +252,10 @@ def main() -> int:
             res["cells"].append(cell)
             log(f"{name} M={M}: today {cell['today_ms']:.4f} ms, "
                 + ", ".join(f"S={s} {cell[f's{s}_ratio']:.3f}x" for s in SLICES)
-                + "".join(f"; {v} " + ", ".join(f"{cell[f'{v}_s{s}']['ratio']:.3f}x" for s in SLICES)
-                          for v in [*variants, "split", "grid", "today_at_tree_tile"] if f"{v}_s2" in cell)
+                + "".join(f"; {v} " + ", ".join(f"{cell[f'{v}_s{s}']['ratio']:.3f}x" if f"{v}_s{s}" in cell
+                                                  else "=" for s in SLICES)
+                          for v in [*variants, "split", "grid", "today_at_tree_tile"]
+                          if any(f"{v}_s{s}" in cell for s in SLICES))
                 + f"; TP k == TP 1 {tp_ok}; stock TP 2 rows differing {cell['stock_tp2_rows_differing']}")
         del ws, xa
         save()
