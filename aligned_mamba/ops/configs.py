@@ -157,14 +157,14 @@ class TritonKernelConfigs:
     linear_tree_flatten: bool = True
     linear_tree_global_stack: bool = True
     linear_tree_global_stack_level0: bool = False
-    linear_tree_split_grid_max_m: int = 0
+    linear_tree_split_grid_max_m: int = 16
     norm_block_per_warp: int = 512
     norm_bwd_rows: int = 16
     norm_bwd_block_per_warp: int = 256
     conv_block_t: int = 8
     conv_block_c: int = 256
     conv_walk: bool = True
-    conv_walk_block_t: int = 32
+    conv_walk_block_t: int = 16
     conv_walk_block_c: int = 128
     conv_walk_warps: int = 1
     conv_bwd_block_t: int = 64
@@ -172,7 +172,7 @@ class TritonKernelConfigs:
     conv_bwd_warps: int = 1
     logprobs_block_v: int = 8192
     logprobs_num_warps: int = 16
-    logprobs_split_max_m: int = 0
+    logprobs_split_max_m: int = 64
     bwd_block_s: int = 64
     bwd_block_t: int = 64
     bwd_warps: int = 4

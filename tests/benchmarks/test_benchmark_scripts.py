@@ -92,8 +92,8 @@ def test_bench_conv_forward_tiles_dry_run(tmp_path: Path) -> None:
     r = _run("bench_conv_backward_h200.py", out, "--forward", "8x16x1,16x32x2", "--walk=")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     *cells, plain = json.loads(out.read_text())["cells"]
-    assert plain["forward"] == [32, 128, 1] and plain["silu"] is False and plain["ms"] > 0, plain
-    assert [e["forward"] for e in cells] == ["tile", [32, 128, 1], [8, 16, 1], [16, 32, 2]], cells
+    assert plain["forward"] == [16, 128, 1] and plain["silu"] is False and plain["ms"] > 0, plain
+    assert [e["forward"] for e in cells] == ["tile", [16, 128, 1], [8, 16, 1], [16, 32, 2]], cells
     assert [e["pinned"] for e in cells] == [False, True, False, False], cells
     assert all(e["equal_tile"] and e["repeat_equal"] and "error" not in e for e in cells), cells
 

@@ -60,7 +60,7 @@ def _alternative(cfg: TritonKernelConfigs, name: str) -> Any:
     elif isinstance(v, str):
         cands = ["round" if v == "split2" else "split2"]
     elif name.endswith("_max_m"):
-        cands = [v // 2] if v else [64]  # 0 (off) halves to itself
+        cands = [v // 2, v // 4, 0] if v else [64]  # 0 (off) halves to itself
     elif name == "linear_fill_programs":
         cands = [0]
     elif name == "attn_split_n":  # 0 (no split) doubles to itself
@@ -119,8 +119,8 @@ def _workload(cfg: TritonKernelConfigs) -> None:
     slots = torch.tensor([0, 1], dtype=torch.int64)
     ct.causal_conv1d_triton(r(301, Cd), cu, slots, r(2, W - 1, Cd), r(Cd, W), r(Cd), cfg)
     ct.causal_conv1d_backward_triton(r(301, Cd), cu, r(2, W - 1, Cd), r(Cd, W), r(Cd), r(301, Cd), cfg)
-    logits = r(4, 50280)
-    lpt.log_softmax_triton(logits, cfg)
+    for M in (4, 48, 100):  # the split grid's rows (up to logprobs_split_max_m) and one program a row
+        lpt.log_softmax_triton(r(M, 50280), cfg)
     et.relu2_triton(r(64, 3000), cfg)
     et.relu2_backward_triton(r(64, 3000), r(64, 3000), cfg)
     # attention: a prefill beside a chunk continuing from the cache, then a decode step

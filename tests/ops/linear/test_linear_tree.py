@@ -282,7 +282,7 @@ def test_the_split_grid_gives_the_pinned_forms_bits(local: int, dtype: torch.dty
             bb = b if bias else None
             got = tt.linear_tree_triton(x, w, bb, local, out, CFG, split=True)
             assert got.dtype == out and got.shape == (m, 40 + i)
-            assert torch.equal(got, tt.linear_tree_triton(x, w, bb, local, out, CFG)), (m, bias, out)
+            assert torch.equal(got, tt.linear_tree_triton(x, w, bb, local, out, CFG, split=False)), (m, bias, out)
             assert torch.equal(got, (pair_tree(parts) + (b.to(F32) if bias else 0)).to(out)), (m, bias, out)
         want = row_parallel_linear(x, w, b, slices=local, group=TPGroup.single(), partial=_partial)
         assert torch.equal(tt.linear_tree_triton(x, w, b, local, dtype, CFG, split=True), want)
@@ -321,18 +321,21 @@ def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int) 
     y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=True)
     counters = tt.tile_counters(x.device, 9)
     assert counters.dtype == torch.int32 and not counters.any()
-    assert torch.equal(y, tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles))
+    assert torch.equal(y, tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=False))
     again = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=True)
     assert torch.equal(again, y) and tt.tile_counters(x.device, 9).data_ptr() == counters.data_ptr()
     assert not tt.tile_counters(x.device, 9).any()
 
 
 @pytest.mark.interpreter
-def test_the_split_grid_is_opt_in_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    # off in the pinned configs (not yet timed on the GPU); on, it takes M <= linear_tree_split_grid_max_m
-    # rows and more than one slice, at the regime's tile (one accumulator per program)
-    assert CFG.linear_tree_split_grid_max_m == 0
-    assert not any(tt.split_grid(m, 8, CFG) for m in (1, 16, 64, 256, 8192))
+def test_the_split_grid_is_chosen_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pinned for decode batches (M <= 16: faster at M = 1 on the H200, benchmarks/README.md); it takes
+    # M <= linear_tree_split_grid_max_m rows and more than one slice, at the regime's tile (one
+    # accumulator per program); 0 turns it off
+    assert CFG.linear_tree_split_grid_max_m == 16
+    assert [tt.split_grid(m, 8, CFG) for m in (1, 16, 17, 64, 8192)] == [True, True, False, False, False]
+    off = dataclasses.replace(CFG, linear_tree_split_grid_max_m=0)
+    assert not any(tt.split_grid(m, 8, off) for m in (1, 16, 64, 256, 8192))
     on = dataclasses.replace(CFG, linear_tree_split_grid_max_m=64)
     assert tt.split_grid(1, 2, on) and tt.split_grid(64, 16, on)
     assert not tt.split_grid(65, 2, on) and not tt.split_grid(1, 1, on)
@@ -499,7 +502,7 @@ def test_gpu_the_split_grid_gives_the_pinned_forms_bits(name: str, K: int, N: in
     bad = []
     for M in (1, 17, 64, 256):
         for s in (2, 4, 8, 16):
-            one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG)
+            one = tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG, split=False)
             # forced, and chosen by the configs; then a rank's fp32 subtree at TP 2
             if not torch.equal(tt.linear_tree_triton(x[:M], w, b, s, torch.bfloat16, CFG, split=True), one):
                 bad.append((M, s, "forced"))
@@ -507,7 +510,7 @@ def test_gpu_the_split_grid_gives_the_pinned_forms_bits(name: str, K: int, N: in
                 bad.append((M, s, "configs"))
             kl = K // 2
             xs, ws = x[:M, :kl], w[:, :kl].contiguous()
-            sub = tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, CFG)
+            sub = tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, CFG, split=False)
             if not torch.equal(tt.linear_tree_triton(xs, ws, None, s // 2, torch.float32, CFG, split=s > 2), sub):
                 bad.append((M, s, "subtree"))
     assert not bad, bad

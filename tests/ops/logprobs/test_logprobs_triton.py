@@ -109,7 +109,7 @@ def test_the_split_grid_gives_the_one_program_forms_bits(v):
     """``logprobs_split_max_m``: a program per row and slice, then the join (with the write, or the token's entry),
     gives the one-program kernels' log-softmax, token logprobs and lse bit for bit: -inf entries, an all -inf row,
     a slice past the row's end (V = 300). Stock torch.log_softmax gives other bits, so the equality can fail."""
-    one = dataclasses.replace(CFG, logprobs_block_v=128)
+    one = dataclasses.replace(CFG, logprobs_block_v=128, logprobs_split_max_m=0)
     many = dataclasses.replace(one, logprobs_split_max_m=16)
     x = rand(6, v, seed=70, scale=5.0)
     x[1, 5] = -float("inf")
@@ -281,11 +281,12 @@ def test_gpu_split_grid_gives_the_one_program_forms_bits():
     lse are the one-program kernels' bits (the slice walk compiled at the same block and warps)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     many = dataclasses.replace(CFG, logprobs_split_max_m=64)
+    one = dataclasses.replace(CFG, logprobs_split_max_m=0)
     for m in (1, 64):
         x = (torch.randn(m, 256000, device="cuda", generator=gen) * 4).to(torch.bfloat16)
         ids = torch.randint(0, 256000, (m,), generator=gen, device="cuda")
-        assert lpt.split(m, many) and not lpt.split(m, CFG)
-        assert torch.equal(lpt.log_softmax_triton(x, many), lpt.log_softmax_triton(x, CFG))
-        out, lse = lpt.token_logprobs_triton(x, ids, CFG, return_lse=True)
+        assert lpt.split(m, many) and not lpt.split(m, one)
+        assert torch.equal(lpt.log_softmax_triton(x, many), lpt.log_softmax_triton(x, one))
+        out, lse = lpt.token_logprobs_triton(x, ids, one, return_lse=True)
         out_s, lse_s = lpt.token_logprobs_triton(x, ids, many, return_lse=True)
         assert torch.equal(out_s, out) and torch.equal(lse_s, lse)
