@@ -33,8 +33,11 @@ hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into 
     --mamba-ssm "$MAMBA_SSM" --out "$W/h200_hybrid.json" "$@"
 }
 
+# pytest workers: 8 fit the H200's 141 GB; an 80 GB H100 holds 3 (the decode and backward tests' GB buffers)
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+(( ${MIB:-0} >= 120000 )) && WORKERS=8 || WORKERS=3
 want tests && step pytest_gpu "${TESTS_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 \
-  ${PYTEST_ARGS:-} -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py}
+  ${PYTEST_ARGS:-} -n "${TEST_WORKERS:-$WORKERS}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py}
 want norms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step norms "${NORMS_S:-60}" python3 \
   benchmarks/bench_norm_backward_h200.py --out "$W/h200_norm_backward.json" ${NORMS_ARGS:-}
 want split && step split "${SPLIT_S:-80}" python3 benchmarks/bench_paged_attention_h200.py \

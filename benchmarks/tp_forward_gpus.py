@@ -38,6 +38,7 @@ import json
 import os
 import pickle
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,7 +90,15 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
             torch.set_num_threads(1)
         dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = TPGroup.from_torch() if size > 1 else TPGroup.single()
-        config, tensors = model(job["model"], job["layers"])
+        t_start = time.perf_counter()
+
+        def phase(what: str) -> None:  # progress on rank 0: where a long degree spends its time
+            if rank == 0:
+                print(f"[tp{size}] {what} at {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+
+        # the parent drew the weights once (a single-threaded generator: minutes at the 8B shape); mapped here
+        config, tensors = torch.load(job["weights"], mmap=True, weights_only=False)
+        phase("weights")
         c = Contract(config.chunk_size, backend=job["backend"], row_parallel_slices=job["slices"])
         seqs = [torch.tensor(s) for s in job["seqs"]]
         cuda = job["backend"] == "triton" and torch.cuda.is_available()
@@ -115,6 +124,7 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
             out["stock" if stock else "aligned"] = dict(
                 rows=[r.cpu() for r in rows], ms=median_ms(lambda m=m: m.forward(list(seqs))),
                 logprobs=[token_logprobs(r[:-1], s[1:].to(r.device), 1.0, c).cpu() for r, s in zip(rows, seqs)])
+            phase("stock forward" if stock else "forward")
         if job["megatron"]:
             from trainer_hooks.megatron import trainer as mt
 
@@ -133,6 +143,7 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
         case = next(x for x in CASES if x.name == "chunked_prefill_unaligned")
         scen = scenario_for(case, [list(map(int, s)) for s in job["seqs"]], job["gen_len"], job["budget"], 3)
         res = tp_reference.run_scenario(group, config, tensors, c, scen, True)
+        phase("engine")
         out["engine"] = dict(tokens=res.tokens, rows=[[(p, r.cpu()) for p, r in req] for req in res.rows],
                              logprobs=[list(map(float, lp)) for lp in res.sampled_logprobs])
         dist.barrier()
@@ -233,13 +244,23 @@ def main() -> int:
                      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), models={})
     ok = True
     for name in args.models.split(","):
-        config, _ = model(name, args.layers)
+        t = time.perf_counter()
+        config, tensors = model(name, args.layers)
+        weights = Path(tempfile.mkdtemp()) / "weights.pt"
+        torch.save((config, tensors), weights)
+        del tensors
+        print(f"[tp] {name}: weights drawn in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         g = torch.Generator().manual_seed(7)
         seqs = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in map(int,
                                                                                              args.seq_lens.split(","))]
         job = dict(model=name, layers=args.layers, backend=args.backend, slices=args.slices, seqs=seqs,
-                   gen_len=args.gen_len, budget=args.budget, repeats=args.repeats, megatron=args.megatron)
-        runs = {k: run_degree(k, args.dist, job, args.timeout_s) for k in sizes}
+                   gen_len=args.gen_len, budget=args.budget, repeats=args.repeats, megatron=args.megatron,
+                   weights=str(weights))
+        runs = {}
+        for k in sizes:
+            t = time.perf_counter()
+            runs[k] = run_degree(k, args.dist, job, args.timeout_s)
+            print(f"[tp] {name} tp{k}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         res["models"][name] = {f"tp{k}": compare(runs[1], runs[k]) for k in sizes}
         for k in sizes:
             c = res["models"][name][f"tp{k}"]
@@ -251,6 +272,10 @@ def main() -> int:
             ok &= c["rows_differing"] == 0 and c["logprobs_differing"] == 0 and c["engine_rows_differing"] == 0
             ok &= c["stock_rows_differing_from_stock_tp1"] > 0
         print(json.dumps({name: res["models"][name]}), flush=True)
+        weights.unlink()
+        weights.parent.rmdir()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # each model's results kept if a later one is cut
+        Path(args.out).write_text(json.dumps(res, indent=1))
     res["all_equal_with_a_differing_baseline"] = bool(ok)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
