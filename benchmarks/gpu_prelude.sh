@@ -43,3 +43,10 @@ step() {
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
   echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$W/env.log"
 cat "$W/env.log" >> "$W/summary.txt"
+
+# causal_conv1d for the fused mamba_ssm stock, where a built wheel is carried in .whl/ (build_causal_conv1d.sh)
+if ls .whl/causal_conv1d-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cc1d .whl/causal_conv1d-*.whl \
+    > "$W/pip_cc1d.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/cc1d" && echo "causal_conv1d: $(ls .whl/causal_conv1d-*.whl)" \
+    | tee -a "$W/summary.txt"
+fi
