@@ -276,7 +276,8 @@ def host_section(b: Bench, res: dict) -> None:
     nw = torch.randn(K, device=b.dev).to(dtype)
     no_tma = dataclasses.replace(cfg, linear_tma=False, linear_persistent=False, linear_epi_split=1,
                                  linear_decode_tma=False, linear_decode_persistent=False, linear_mid_tma=False,
-                                 linear_mid_persistent=False)
+                                 linear_mid_persistent=False, linear_mid_programs_per_sm=1,
+                                 linear_programs_per_sm=1, linear_decode_programs_per_sm=1)
     res["host_us"] = {
         "cublas_linear": round(b.host_us(lambda: F.linear(x, w)), 1),
         "linear_triton_tma": round(b.host_us(lambda: lt.linear_triton(x, w, None, cfg)), 1),
@@ -310,6 +311,8 @@ def ops_section(b: Bench, res: dict, variants: bool, save, op_variants: bool = F
     from aligned_mamba.ops.conv1d import triton as ct
     from aligned_mamba.ops.logprobs import triton as lpt
     from aligned_mamba.ops.norm import triton as nt
+    from aligned_mamba.ops.norm import triton_sliced as nst
+    from aligned_mamba.parallel import TPGroup
 
     cfg = TritonKernelConfigs()
     cuda = b.dev.type == "cuda"
@@ -375,6 +378,13 @@ def ops_section(b: Bench, res: dict, variants: bool, save, op_variants: bool = F
             add("gated_rms_norm", "norm", f"M={M} d={d} groups={groups}", M * d * 2 * 3 + d * 2,
                 lambda c, y=y, z=z, w=w, groups=groups: nt.gated_rms_norm_triton(y, z, w, eps, groups, c),
                 lambda y=y, z=z, w=w, groups=groups: norm.gated_rms_norm(y, z, w, eps, groups), plain_gated)
+            # the contract's 4 TP slices a group at TP 1 (triton_sliced.py) against the torch form on the device
+            one = TPGroup.single()
+            add("gated_rms_norm_sliced", "norm", f"M={M} d={d} groups={groups} slices=4", M * d * 2 * 3 + d * 2,
+                lambda c, y=y, z=z, w=w, groups=groups: nst.gated_rms_norm_sliced_triton(
+                    y, z, w, eps, groups, slices=4, group=one, cfg=c),
+                lambda y=y, z=z, w=w, groups=groups: norm.gated_rms_norm_sliced(y, z, w, eps, groups, slices=4,
+                                                                                 group=one), plain_gated)
     # conv1d: 1.3b's conv width (4096 + 2 * 128), prefill of 4 x 2048 tokens and decode steps
     Cd, K = (4352, 4) if cuda else (40, 4)
     cw = torch.randn(Cd, K, device=b.dev).to(bf)

@@ -141,14 +141,14 @@ def triton_ops(c: TritonKernelConfigs, kernels: bool) -> Ops:
     from .logprobs import triton as logprobs_triton
     from .moe import triton as moe_triton
     from .norm import triton as norm_triton
+    from .norm import triton_sliced as norm_triton_sliced
 
     return Ops(
         linear_weight=lambda w: w.contiguous(),
         linear=functools.partial(linear_triton.linear, cfg=c),
         linear_partial=functools.partial(triton_tree.linear_partial, cfg=c),
         linear_tree=functools.partial(triton_tree.linear_tree, cfg=c),
-        # the torch form (elementwise ops, fixed-tree adds) on the device; no Triton kernel of it yet
-        gated_rms_norm_sliced=norm.gated_rms_norm_sliced,
+        gated_rms_norm_sliced=functools.partial(norm_triton_sliced.gated_rms_norm_sliced, cfg=c),
         rms_norm=functools.partial(norm_triton.rms_norm, cfg=c),
         embed_norm=functools.partial(norm_triton.embed_norm, cfg=c),
         add_norm=functools.partial(norm_triton.add_norm, cfg=c),

@@ -45,6 +45,7 @@ from aligned_mamba.ops.conv1d import triton as ct
 from aligned_mamba.ops.linear import triton as lt
 from aligned_mamba.ops.logprobs import triton as lpt
 from aligned_mamba.ops.norm import triton as nt
+from aligned_mamba.ops.norm import triton_sliced as nst
 
 # every GEMM plan the model shapes (N of each layer) meet at decode, mid and prefill sizes, and fp32's
 plans = gemm_plans((768, 2048, 2560, 3352, 4096, 8512, 10576, 18560, 50280, 256000),
@@ -87,6 +88,14 @@ for out, width in ((False, 4096), (True, 4096), (True, 5120)):  # with out: the 
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", rstd_ptr="*fp32", dy_ptr="*bf16",
               dz_ptr="*bf16", dw_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
          dict(WRITE_OUT=out, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
+for sw in (256, 1280):  # the sliced gated norm (TP slices): slices of 256 and of 1280 (2.7b's group / 4: two blocks)
+    a, b, warps = nt.gated_launch(sw, cfg)
+    comp(f"norm:gated:sliced:squares:{sw}", nst._slice_squares_kernel,
+         dict(y_ptr="*bf16", z_ptr="*bf16", ss_ptr="*fp32"), dict(BLOCK_A=a, BLOCK_B=b), num_warps=warps,
+         enable_fp_fusion=False)
+    comp(f"norm:gated:sliced:normalize:{sw}", nst._slice_normalize_kernel,
+         dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", ss_ptr="*fp32", eps="fp32"),
+         dict(BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
 conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
               out_ptr="*bf16")
 for bias in (False, True):
@@ -147,7 +156,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 11 + 12 + 10, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 15 + 12 + 10, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too

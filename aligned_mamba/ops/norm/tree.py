@@ -45,27 +45,42 @@ def gated_rms_norm(
     return _weighted(_normalize(g.view(M, n_groups, d // n_groups), eps).view(M, d), weight, y.dtype)
 
 
+def slice_geometry(dl: int, n_groups: int, slices: int, group: TPGroup) -> tuple[int, int, int, int]:
+    """A rank's part of the sliced gated norm, its dl channels of the model's n_groups groups cut into
+    ``slices`` slices each: (a group's width, ranks per group, groups on this rank, a group's slices on this
+    rank). ValueError (one line) where the slices do not fall on the ranks."""
+    k = group.size
+    width = dl * k // n_groups
+    span = max(1, k // n_groups)
+    per_rank = slices // span
+    if slices % span or width % slices:
+        raise ValueError(f"gated norm: {n_groups} groups of {width} channels cannot be cut into {slices} slices "
+                         f"per group across {k} ranks")
+    return width, span, max(1, n_groups // k), per_rank
+
+
+def join_slices(ss: torch.Tensor, span: int, group: TPGroup) -> torch.Tensor:
+    """The slices' sums [M, local_groups, per_rank] fp32 -> the groups' sums [M, local_groups], joined by
+    adjacent pairs: this rank's subtree, then (span > 1 ranks to a group) the tree's top over the all-gathered
+    subtrees. Every rank calls it, rows or none."""
+    ss = pair_tree(ss)
+    if span > 1:
+        gathered = group.all_gather(ss[:, 0])  # [k, M]; ranks r0 .. r0 + span - 1 hold one group
+        first = (group.rank // span) * span
+        ss = pair_tree(gathered[first:first + span].movedim(0, -1)).unsqueeze(-1)
+    return ss
+
+
 def gated_rms_norm_sliced(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int, *,
                           slices: int, group: TPGroup) -> torch.Tensor:
     """``gated_rms_norm`` with each group's sum of squares in ``slices`` (S) slices joined by adjacent
     pairs, the same bits at every TP degree k dividing S: y, z [M, d / k], weight [d / k] (this rank's),
     n_groups the model's G (G < k: a group's subtree sums all-gathered) -> [M, d / k] in y's dtype."""
     M, dl = y.shape
-    k, r = group.size, group.rank
-    width = dl * k // n_groups  # a group's channels
-    span = max(1, k // n_groups)  # ranks per group
-    local_groups = max(1, n_groups // k)
-    per_rank = slices // span  # a group's slices on one rank
-    if slices % span or width % slices:
-        raise ValueError(f"gated norm: {n_groups} groups of {width} channels cannot be cut into {slices} slices "
-                         f"per group across {k} ranks")
+    width, span, local_groups, per_rank = slice_geometry(dl, n_groups, slices, group)
     g = y.to(torch.float32) * ew.silu(z.to(torch.float32))
     u = g.view(M, local_groups, per_rank, width // slices)
-    ss = pair_tree(tree_sum(u * u))  # [M, local_groups]: each group's (or this rank's subtree's) sum
-    if span > 1:
-        gathered = group.all_gather(ss[:, 0])  # [k, M]; ranks r0 .. r0 + span - 1 hold one group
-        first = (r // span) * span
-        ss = pair_tree(gathered[first:first + span].movedim(0, -1)).unsqueeze(-1)
+    ss = join_slices(tree_sum(u * u), span, group)
     c = ew.operand
     var = ss / c(float(width), ss)
     out = (u.view(M, local_groups, dl // local_groups) * torch.rsqrt(var + c(eps, ss))[..., None]).view(M, dl)
