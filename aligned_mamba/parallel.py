@@ -104,7 +104,8 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
     ``size`` under ``contract``. Always: row-parallel K and gated-norm groups cut into S =
     ``row_parallel_slices`` slices. At size > 1: a power of two dividing S; heads, groups, KV heads (fewer than
     ranks replicate), MLP width and vocabulary (whole log-softmax slices) split evenly; MoE only under
-    ``sharded_moe`` (the reference trainer and engine; vLLM's and Megatron's are refused)."""
+    ``sharded_moe`` (the core's MoE layer: the reference trainer and engine, the vLLM plugin; Megatron's MoE
+    layers are refused)."""
     from .models.registry import family_for_config
     from .ops.logprobs.sliced import VOCAB_SLICES
 
@@ -126,8 +127,8 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
     shape = config.lm_shape()
     if size > 1:
         if "E" in kinds and not sharded_moe:
-            raise AlignedMambaError(f"tensor-parallel size {size} refused: MoE layers are not sharded yet (expert "
-                                    "parallelism and a TP-invariant router are future work)")
+            raise AlignedMambaError(f"tensor-parallel size {size} refused: Megatron's MoE layers are not sharded "
+                                    "by the hook yet (expert tensor and expert parallelism are future work)")
         if VOCAB_SLICES % size:
             raise AlignedMambaError(f"tensor-parallel size {size} refused: the vocabulary's log-softmax has "
                                     f"{VOCAB_SLICES} fixed slices, and a TP degree must divide them")

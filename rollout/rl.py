@@ -251,8 +251,8 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
                                 f"reference and vllm engines only for now, not {opts.engine}")
     for flag, size, name in (("--trainer-tp", opts.trainer_tp, opts.trainer),
                              ("--sampler-tp", opts.sampler_tp, opts.engine)):
-        try:  # one line: what cannot keep the bits at that degree (MoE: sharded by the reference only)
-            check_tp(contract, config, size, sharded_moe=name == "reference")
+        try:  # one line: what cannot keep the bits at that degree (MoE: sharded by the core's layer, not Megatron's)
+            check_tp(contract, config, size, sharded_moe=name in ("reference", "vllm"))
         except AlignedMambaError as e:
             raise AlignedMambaError(f"{flag} {size}: {e}") from None
     return config, contract

@@ -341,12 +341,13 @@ def _check_parallel(pc: Any) -> None:
 
 def check_tensor_parallel(vllm_config: Any, contract: Contract) -> None:
     """Refuse (one line) a TP size the contract cannot keep the bits at: one not a power of two dividing
-    ``row_parallel_slices``, the heads, groups, KV heads and vocabulary slices; MoE layers (``parallel.check_tp``)."""
+    ``row_parallel_slices``, the heads, groups, KV heads, expert widths and vocabulary slices
+    (``parallel.check_tp``; the core's MoE layer shards itself, each worker building the core model)."""
     from aligned_mamba.parallel import check_tp
 
     tp = vllm_config.parallel_config.tensor_parallel_size
     try:
-        check_tp(contract, core_config(vllm_config), tp)
+        check_tp(contract, core_config(vllm_config), tp, sharded_moe=True)
     except AlignedMambaError as e:
         refuse(str(e))
 

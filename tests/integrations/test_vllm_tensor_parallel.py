@@ -5,8 +5,9 @@ Each worker builds the core model sharded over vLLM's TP group; the logits rows 
 logits, prompt and generated positions, chunked prefill under a 37-token budget, then decode) and the
 logprobs it reports for ``logprobs=0`` under ``processed_logprobs`` must equal the TP 1 reference's
 under ``torch.equal``, for Mamba2 with n_groups 1 (B and C replicated across the ranks, the gated
-norm's sum of squares joined over an all-gather) and 8, and for hybrids whose two key/value heads
-split across the ranks or whose one is kept by both. Baselines: stock vLLM at TP 2 against stock
+norm's sum of squares joined over an all-gather) and 8, for hybrids whose two key/value heads
+split across the ranks or whose one is kept by both, and for a MoE hybrid (each expert's channels
+split, the router whole on both ranks). Baselines: stock vLLM at TP 2 against stock
 vLLM at TP 1 on the same checkpoint, and the reference under the unsliced contract.
 One engine per checkpoint serving every case of it (rows, logprobs, preemption, late joins, the
 weight push), one at a time (each is three processes on a small machine); stock vLLM at TP 1 is
@@ -52,11 +53,15 @@ def _checkpoints():
     hybrid = make_tiny_hybrid(3, pattern="M*-M", num_attention_heads=8, num_key_value_heads=2, head_dim=32)
     # one key/value head: both ranks keep it (replicated), each with its half of the query heads
     kv1 = make_tiny_hybrid(6, pattern="*M-", num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    # MoE as Nemotron 3 Nano's (8 experts in 4 groups, a shared expert): each expert's channels split, the
+    # router whole on both ranks (the core's MoE layer in each worker)
+    moe = make_tiny_hybrid(0, pattern="M*E")
     pages = {"kv_cache_memory_bytes": 128 << 20, "block_size": 32}
     return {"g1": (*make_tiny(0), save_mamba2, "mamba2", {}),
             "g8": (*make_tiny(1, n_groups=8), save_mamba2, "mamba2", {}),
             "hybrid": (*hybrid, save_hybrid, "hybrid", pages),
-            "hybrid_kv1": (*kv1, save_hybrid, "hybrid", pages)}
+            "hybrid_kv1": (*kv1, save_hybrid, "hybrid", pages),
+            "moe": (*moe, save_hybrid, "hybrid", pages)}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -104,8 +109,6 @@ def setup(engines, tmp_path_factory):
                  logprobs_mode="processed_logprobs", logprobs=0)]
     jobs["stock_tp2"] = (LLMSpec(model_dir=str(engines.checkpoint("mamba2")), exact_replay=False, **base,
                                  llm_kwargs=TP), stock, None)
-    moe_config, moe_tensors = make_tiny_hybrid(0, pattern="M*E")
-    save_hybrid(root / "moe", moe_config, moe_tensors)
     g1 = contracts["g1"]
     refusals = {
         "unsliced": ({**TP, "additional_config": {"aligned_mamba": {"contract": dataclasses.replace(
@@ -113,12 +116,9 @@ def setup(engines, tmp_path_factory):
         "no_contract": (TP, "g1", "row_parallel_slices is 1"),
         "tp4": ({**TP, "tensor_parallel_size": 4, "additional_config": {"aligned_mamba": {
             "contract": g1.to_dict()}}}, "g1", "row_parallel_slices >= 4"),
-        "moe": ({**TP, "additional_config": {"aligned_mamba": {"contract": dataclasses.replace(
-            Contract.from_hf_config(moe_config.to_hf_dict(), backend="torch", model_dtype="bfloat16"),
-            row_parallel_slices=SLICES).to_dict()}}}, "moe", "MoE layers"),
         "pipeline": ({"pipeline_parallel_size": 2}, "g1", "pipeline parallelism (pipeline_parallel_size 2)"),
     }
-    dirs = {"g1": engines.checkpoint("mamba2"), "moe": root / "moe"}
+    dirs = {"g1": engines.checkpoint("mamba2")}
     refusal_specs = [LLMSpec(model_dir=str(dirs[m]), exact_replay=True, **base, llm_kwargs=kw)
                      for kw, m, _ in refusals.values()]
     cache: dict = {}
@@ -149,7 +149,7 @@ def _rows(res) -> list[list[tuple[int, torch.Tensor]]]:
     return [[(pos, row.to(torch.bfloat16)) for pos, row in req] for req in res.rows]
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1"])
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1", "moe"])
 def test_tp2_rows_equal_tp1_reference(setup, name):
     res = setup["get"](name)["rows"]
     workers = res.info["workers"]
@@ -165,7 +165,7 @@ def test_tp2_rows_equal_tp1_reference(setup, name):
     assert unsliced.mismatched_rows > 0
 
 
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1"])
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "hybrid_kv1", "moe"])
 def test_tp2_reported_logprobs_equal_tp1_reference(setup, name):
     res = setup["get"](name)["logprobs"]
     logits = setup["refs"][name]["tp1"].forward([torch.tensor(t) for t in res.tokens])
@@ -231,7 +231,7 @@ def test_stock_tp2_differs_from_tp1(setup):
     assert n == sum(PROMPT_LENS) and differ > 0 and m > 0 and lp_differ > 0
 
 
-@pytest.mark.parametrize("name", ["unsliced", "no_contract", "tp4", "moe", "pipeline"])
+@pytest.mark.parametrize("name", ["unsliced", "no_contract", "tp4", "pipeline"])
 def test_refusals(setup, name):
     messages = setup["get"]("refusals")
     message = messages[list(setup["refusals"]).index(name)]
