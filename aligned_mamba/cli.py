@@ -269,8 +269,7 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         if size != 1 and name not in covered:
             raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the reference and megatron "
                                     f"trainers and the reference and vllm engines for now, not {name}")
-        # one line: what cannot keep the bits at that degree, and why (MoE: the core's layer shards, Megatron's not)
-        check_tp(c, config, size, sharded_moe=name in ("reference", "vllm"))
+        check_tp(c, config, size)  # one line: what cannot keep the bits at that degree, and why
     stored = getattr(config, "dtype", None)
     if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:
         # a contract file's dtype would cast the checkpoint: only an explicit --dtype asks for that

@@ -99,13 +99,13 @@ def _pow2(n: int) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
-def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = False) -> None:
+def check_tp(contract: Contract, config: Any, size: int) -> None:
     """Refuse (AlignedMambaError, one line) a model (``config``: a family's) that cannot keep its bits at TP
     ``size`` under ``contract``. Always: row-parallel K and gated-norm groups cut into S =
     ``row_parallel_slices`` slices. At size > 1: a power of two dividing S; heads, groups, KV heads (fewer than
-    ranks replicate), MLP width and vocabulary (whole log-softmax slices) split evenly; MoE only under
-    ``sharded_moe`` (the core's MoE layer: the reference trainer and engine, the vLLM plugin; Megatron's MoE
-    layers are refused)."""
+    ranks replicate), MLP width, expert widths and vocabulary (whole log-softmax slices) split evenly (each MoE
+    expert is cut by channels, the router whole on every rank: the core's MoE layer, which the vLLM plugin and
+    the Megatron hook run)."""
     from .models.registry import family_for_config
     from .ops.logprobs.sliced import VOCAB_SLICES
 
@@ -126,9 +126,6 @@ def check_tp(contract: Contract, config: Any, size: int, *, sharded_moe: bool = 
     kinds = set(family.layer_kinds(config))
     shape = config.lm_shape()
     if size > 1:
-        if "E" in kinds and not sharded_moe:
-            raise AlignedMambaError(f"tensor-parallel size {size} refused: Megatron's MoE layers are not sharded "
-                                    "by the hook yet (expert tensor and expert parallelism are future work)")
         if VOCAB_SLICES % size:
             raise AlignedMambaError(f"tensor-parallel size {size} refused: the vocabulary's log-softmax has "
                                     f"{VOCAB_SLICES} fixed slices, and a TP degree must divide them")

@@ -94,7 +94,7 @@ class TPTrainer:
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int) -> None:
         from .parallel import check_tp
 
-        check_tp(contract, config, size, sharded_moe=True)  # refused here, before any process starts
+        check_tp(contract, config, size)  # refused here, before any process starts
         self.contract = contract
         self.version = 0
         self.size = size

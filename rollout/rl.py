@@ -249,10 +249,9 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
         raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
                                 f"reference and vllm engines only for now, not {opts.engine}")
-    for flag, size, name in (("--trainer-tp", opts.trainer_tp, opts.trainer),
-                             ("--sampler-tp", opts.sampler_tp, opts.engine)):
-        try:  # one line: what cannot keep the bits at that degree (MoE: sharded by the core's layer, not Megatron's)
-            check_tp(contract, config, size, sharded_moe=name in ("reference", "vllm"))
+    for flag, size in (("--trainer-tp", opts.trainer_tp), ("--sampler-tp", opts.sampler_tp)):
+        try:  # one line: what cannot keep the bits at that degree
+            check_tp(contract, config, size)
         except AlignedMambaError as e:
             raise AlignedMambaError(f"{flag} {size}: {e}") from None
     return config, contract

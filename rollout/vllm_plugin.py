@@ -347,7 +347,7 @@ def check_tensor_parallel(vllm_config: Any, contract: Contract) -> None:
 
     tp = vllm_config.parallel_config.tensor_parallel_size
     try:
-        check_tp(contract, core_config(vllm_config), tp, sharded_moe=True)
+        check_tp(contract, core_config(vllm_config), tp)
     except AlignedMambaError as e:
         refuse(str(e))
 

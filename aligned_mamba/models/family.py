@@ -135,7 +135,7 @@ class Family:
         from ..parallel import check_tp
 
         tp = tp or TPGroup.single()
-        check_tp(contract, config, tp.size, sharded_moe=True)  # the core's MoE layer shards itself
+        check_tp(contract, config, tp.size)
         dtype = getattr(torch, contract.model_dtype)
         dev = backend.device
         norm = RMSNormConfig(config.lm_shape().hidden_size, self.norm_eps(config))

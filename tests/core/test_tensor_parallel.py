@@ -178,8 +178,7 @@ def test_refusals_one_line() -> None:
     _refused(_contract(8), dataclasses.replace(g1, vocab_size=500), 2, "vocab_size 500")
     _refused(_contract(8), dataclasses.replace(g1, num_heads=4, head_dim=64), 8, "num_heads 4 refused")
     moe, _ = make_tiny_hybrid(0, pattern="ME")
-    _refused(_contract(), moe, 2, "MoE layers")  # Megatron's MoE layers are not sharded by the hook
-    check_tp(_contract(), moe, 2, sharded_moe=True)  # the core's are
+    check_tp(_contract(), moe, 2)  # each expert cut by channels, the router whole on every rank
     _refused(_contract(128), moe, 1, "MoE moe_intermediate_size 64 refused")
     _refused(_contract(256), hybrid, 1, "Mamba2 intermediate size 128 refused")
     check_tp(_contract(), hybrid, 4)  # 1 KV head replicated over 4 ranks: allowed

@@ -39,6 +39,8 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
 def model(name: str, dtype: str = "bfloat16"):
     if name == "hybrid":
         return make_tiny_hybrid(0, pattern="M*M-", dtype=dtype, **HYBRID)
+    if name == "hybrid_moe":  # MoE as Nemotron 3 Nano's (8 experts in 4 groups, a shared expert), top 2 of 1 group
+        return make_tiny_hybrid(0, pattern="ME*-", dtype=dtype, topk_group=1, **HYBRID)
     groups = {"mamba2_g8": 8, "mamba2_g2": 2, "mamba2_g1": 1}[name]
     return make_tiny(0, dtype=dtype, n_groups=groups, **MAMBA)
 
@@ -62,7 +64,7 @@ def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
 # n_groups 1 runs at TP 1 only: Megatron's MambaMixer gives each rank whole groups (it asserts
 # ngroups % tp_size == 0), and megatron_shards refuses it (test_megatron_shards)
 @pytest.mark.parametrize(("name", "tp"), [("mamba2_g1", 1), ("mamba2_g8", 2), ("mamba2_g2", 2), ("hybrid", 2),
-                                          ("mamba2_g8", 4)])
+                                          ("hybrid_moe", 2), ("mamba2_g8", 4)])
 def test_hook_at_tp_equals_reference_trainer(name: str, tp: int) -> None:
     config, tensors = model(name)
     contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=4)
@@ -85,6 +87,21 @@ def test_stock_megatron_tp2_differs_from_tp1(name: str) -> None:
     assert torch.isfinite(tp1.float()).all()
     # measured: all 58 rows differ (bf16; max |difference| 0.031 for Mamba2, 0.039 for the hybrid)
     assert differing_rows(tp1, tp2) > tp1.shape[0] // 2
+
+
+def test_moe_baseline_stock_tp2_differs_from_tp1() -> None:
+    """The MoE hybrid's baseline: stock Megatron cannot route on a CPU (megatron-core 0.16.1's router GEMM calls
+    Transformer Engine's ``te_general_gemm``, absent here), so the stock is the reference model under stock
+    tensor parallelism (each row-parallel partial rounded, then summed in rank order) at TP 2 against TP 1."""
+    from aligned_mamba import tp_reference
+    from aligned_mamba.parallel import TPGroup
+
+    config, tensors = model("hybrid_moe")
+    contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=4)
+    seqs = sequences(config.vocab_size)
+    one = torch.cat(tp_reference.forward(TPGroup.single(), config, tensors, contract, seqs, True))
+    two = torch.cat(launch(tp_reference.forward, 2, config, tensors, contract, seqs, True))
+    assert differing_rows(one, two) > one.shape[0] // 2
 
 
 def test_refusals() -> None:
@@ -221,7 +238,7 @@ def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.
         torch.save(merge_megatron(every, config), path)
 
 
-@pytest.mark.parametrize("name", ["mamba2_g2", "hybrid"])
+@pytest.mark.parametrize("name", ["mamba2_g2", "hybrid", "hybrid_moe"])
 def test_gradients_at_tp2_match_tp1(tmp_path, name: str) -> None:
     """Training through the hook at TP 2: the all-gathers pass each rank its own slot of the gradient and
     every replicated layer input sums the ranks' partial gradients, so the merged gradients are TP 1's
@@ -238,7 +255,7 @@ def test_gradients_at_tp2_match_tp1(tmp_path, name: str) -> None:
         torch.testing.assert_close(two[n], g, rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("name", ["mamba2_g8", "hybrid"])
+@pytest.mark.parametrize("name", ["mamba2_g8", "hybrid", "hybrid_moe"])
 def test_training_at_tp2_serves_what_it_scores(name: str) -> None:
     """Three REINFORCE steps of the Megatron trainer at TP 2 (rank processes, each stepping its shard): after
     every step the merged weights it exports, run by the reference model at TP 1 under the same contract

@@ -2,8 +2,9 @@
 contract, so trainer logits equal the sampler's bit for bit.
 
 Covered: megatron-core 0.16.x, Megatron's local modules (``local_mamba_stack_spec``), pipeline, context and
-expert parallel size 1, TP a power of two dividing ``row_parallel_slices`` (MoE at TP 1); the rest is refused
-by name (``refusals``). TP: docs/tensor_parallel.md, "Megatron at TP k: the hook". What is replaced: ``patch``.
+expert parallel size 1, TP a power of two dividing ``row_parallel_slices`` (MoE experts at expert TP = TP); the
+rest is refused by name (``refusals``). TP: docs/tensor_parallel.md, "Megatron at TP k: the hook". What is
+replaced: ``patch``.
 
 Use (Megatron-LM)::
 

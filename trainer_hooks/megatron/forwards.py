@@ -260,8 +260,10 @@ def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                        n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
                        norm_topk_prob=k > 1, routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0)
-    # MoE runs at TP 1 only here; its experts' down projections still take the contract's slices
-    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype, slices=hook.slices)
+    # at TP k each expert's weights are the rank's channels (expert TP = TP: fc1's rows, fc2's columns), the
+    # router whole; the experts' down projections take the contract's slices at every k
+    tp = hook.tp(m.shared_experts)
+    return CoreMoE(config, tensors, "", backend=hook.backend(device), dtype=hook.dtype, tp=tp, slices=hook.slices)
 
 
 def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
@@ -277,7 +279,9 @@ def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: An
     moe = core_moe(self, hook, hidden_states.device)
     x = hidden_states.reshape(-1, shape[-1]).to(hook.dtype)
     experts, weights = moe.route_rows(x)
-    y = moe.experts_out(None, x, experts, weights).reshape(shape)  # MoE.advance's arithmetic, routed once
+    # the experts see x as a column-parallel layer does (their input gradients summed over the ranks); the
+    # router, whole on every rank, gives each rank the whole gradient itself
+    y = moe.experts_out(None, hook.replicated_input(x, self.shared_experts), experts, weights).reshape(shape)
     r = self.router
     if self.training and torch.is_grad_enabled() and getattr(r, "enable_expert_bias", False):
         with torch.no_grad():

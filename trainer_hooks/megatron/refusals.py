@@ -279,9 +279,11 @@ def check_moe(m: Any, where: str, contract: Contract | None = None) -> None:
                             f"{cfg.moe_router_group_topk} (Nemotron-H scores a group by its top 2 experts)")
         if cfg.moe_router_force_load_balancing or cfg.moe_router_fusion:
             problems.append("moe_router_force_load_balancing or moe_router_fusion")
-    if cfg.tensor_model_parallel_size > 1 or cfg.expert_tensor_parallel_size not in (None, 1):
-        problems.append(f"tensor parallel size {cfg.tensor_model_parallel_size} (MoE layers at TP > 1 are not covered "
-                        "yet: expert sharding and a TP-invariant router are future work)")
+    etp = cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size
+    if etp != cfg.tensor_model_parallel_size:
+        # the core's MoE layer cuts every expert's channels as the layer's other row-parallel weights
+        problems.append(f"expert tensor parallel size {etp} at tensor parallel size {cfg.tensor_model_parallel_size} "
+                        "(the experts are covered sharded as the other layers, expert TP = TP)")
     if cfg.moe_latent_size:
         problems.append(f"a latent projection (moe_latent_size={cfg.moe_latent_size})")
     if type(m.experts) is not SequentialMLP or m.num_local_experts != cfg.num_moe_experts:

@@ -9,10 +9,12 @@ What rank r of k holds (``_layout``)::
     A_log, D, dt_bias, norm     the rank's heads / d_inner channels
     out_proj, linear_proj, fc2  columns: the rank's channels / query heads
     linear_qkv, fc1             rows (linear_qkv's grouped per key/value group: [q_g | k_g | v_g])
-    replicated                  the layer and final norms, out_proj / fc2 biases (added after the sum)
+    MoE experts, shared expert  fc1 rows, fc2 columns (expert tensor parallelism at k, no expert parallelism)
+    replicated                  the layer and final norms, out_proj / fc2 biases (added after the sum), the
+                                MoE router and its expert bias
 
 Refused in one line (``ModelLoadError``): a k not dividing the Mamba heads or groups (Megatron asserts it), the
-vocabulary, the attention heads or the MLP width, and MoE at k > 1. Merging checks the replicated tensors agree.
+vocabulary, the attention heads, the MLP or an expert's width. Merging checks the replicated tensors agree.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from .weights import MEGATRON_EMBEDDING, MEGATRON_OUTPUT, hf_to_megatron
 __all__ = ["hf_to_megatron_shard", "merge_megatron", "shard_megatron", "tp_problems"]
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# a MoE layer's experts (expert tensor parallel size = TP): each expert an MLP over the rank's channels
+_EXPERT_FC1 = re.compile(r"mlp\.(experts\.local_experts\.\d+|shared_experts)\.linear_fc1\.(weight|bias)")
+_EXPERT_FC2 = re.compile(r"mlp\.(experts\.local_experts\.\d+|shared_experts)\.linear_fc2\.weight")
 _COLUMNS = "columns"  # dim 1 cut in k
 _ROWS = "rows"  # dim 0 cut in k
 _REPLICATED = "replicated"
@@ -70,7 +75,10 @@ def tp_problems(config: Mamba2Config | NemotronHConfig, size: int) -> list[str]:
         if nemotron_h.MLP_LAYER in pattern and config.intermediate_size % size:
             out.append(f"MLP width {config.intermediate_size} is not a multiple of TP {size}")
         if nemotron_h.MOE in pattern:
-            out.append(f"MoE layers at TP {size} (not covered yet)")
+            for what, width in (("MoE expert width", config.moe_intermediate_size),
+                                ("MoE shared expert width", config.moe_shared_expert_intermediate_size)):
+                if width % size:
+                    out.append(f"{what} {width} is not a multiple of TP {size}")
     return out
 
 
@@ -95,9 +103,10 @@ def _layout(name: str, config: Mamba2Config | NemotronHConfig) -> tuple[str, tup
     if rest in ("mixer.conv1d.weight", "mixer.conv1d.bias"):
         return _ROWS, (H * P, G * N, G * N)
     if rest in ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.weight", "self_attention.linear_qkv.weight",
-                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias") or _EXPERT_FC1.fullmatch(rest):
         return _ROWS, None
-    if rest in ("mixer.out_proj.weight", "self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+    if rest in ("mixer.out_proj.weight", "self_attention.linear_proj.weight", "mlp.linear_fc2.weight") \
+            or _EXPERT_FC2.fullmatch(rest):
         return _COLUMNS, None
     return _REPLICATED, None  # layer norms, out_proj / fc2 biases (added once, after the reduction)
 
