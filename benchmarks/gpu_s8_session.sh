@@ -10,7 +10,7 @@
 # forward over NCCL (`tp_forward_gpus.py --megatron`); `tp1gpu`: its bits with every rank on one GPU.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu" ...
+#   STEPS="ccbuild tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu"
 #   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
@@ -36,6 +36,8 @@ hybrid() {  # SECTION LIMIT ARGS...: bench_hybrid_h200.py sections, merged into 
 # pytest workers: 8 fit the H200's 141 GB; an 80 GB H100 holds 3 (the decode and backward tests' GB buffers)
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
 (( ${MIB:-0} >= 120000 )) && WORKERS=8 || WORKERS=3
+# causal_conv1d's sm_90 wheel for the fused stock, returned in parts under $OUT (build_causal_conv1d.sh)
+want ccbuild && step ccbuild "${CCBUILD_S:-560}" env OUT="$OUT" bash benchmarks/build_causal_conv1d.sh
 want tests && step pytest_gpu "${TESTS_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -rfEs --durations=20 \
   ${PYTEST_ARGS:-} -n "${TEST_WORKERS:-$WORKERS}" ${TEST_FILES:-tests/ops tests/core/test_decode_graph.py}
 want norms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step norms "${NORMS_S:-60}" python3 \
