@@ -197,6 +197,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{case['name']:<27} {'on' if case['exact_replay'] else 'off':<6} {case['rows']:>6} "
               f"{case['mismatched_rows']:>7} {_fmt(case['first_mismatch']):>6} {_fmt(case['max_abs_diff']):>9} "
               f"{_logprob_cell(case):>8}  {case['mismatch_map'][:40]}")
+    for case in result["cases"]:
+        if "baseline_engine" in case:
+            print(f"{case['name']}: on the {case['baseline_engine']}")
     a = result["accuracy"]
     print(f"accuracy vs fp64 reference (scan outputs, layers {a['layers']}, {a['tokens']} tokens, {a['dtype']}): "
           f"chunked scan {a['chunked_scan']:.3e}, recurrent update {a['recurrent_update']:.3e}, "
