@@ -171,8 +171,8 @@ def test_the_tree_has_one_place_per_thing() -> None:
     for op in ("norm", "linear", "conv1d", "logprobs", "elementwise"):  # a reference, a torch form, a Triton form
         stems = {p.stem for p in (CORE / "ops" / op).glob("*.py")}
         # the row-parallel (tensor-parallel) form beside it, torch and Triton; the MLP's GEMM with the
-        # squared ReLU in its epilogue (decode sizes)
-        extra = {"sliced", "triton_tree", "triton_relu2"} if op == "linear" else set()
+        # squared ReLU in its epilogue (decode sizes); the gated norm over TP slices in Triton
+        extra = {"linear": {"sliced", "triton_tree", "triton_relu2"}, "norm": {"triton_sliced"}}.get(op, set())
         assert {"naive", "triton"} <= stems and len(stems - {"__init__", "naive", "cpu", "triton"} - extra) == 1, \
             (op, stems)
     assert not [p.name for p in (CORE / "ops").glob("*.py") if "triton" in p.stem and p.stem != "triton_math"]

@@ -62,6 +62,22 @@ def test_hybrid_layout_by_hand() -> None:
     assert torch.equal(s["decoder.layers.1.input_layernorm.weight"], mg["decoder.layers.1.input_layernorm.weight"])
 
 
+def test_moe_layout_by_hand() -> None:
+    """A MoE layer at TP 2 as Megatron shards it (expert TP = TP): every expert's and the shared expert's
+    fc1 rows and fc2 columns of the rank's channels, the router and its expert bias whole; and back."""
+    config, hf = make_tiny_hybrid(0, pattern="ME", **HYBRID)
+    mg = hf_to_megatron(hf, config)
+    shards = [shard_megatron(mg, config, r, 2) for r in range(2)]
+    for expert in ("experts.local_experts.0", "experts.local_experts.7", "shared_experts"):
+        fc1, fc2 = (f"decoder.layers.1.mlp.{expert}.linear_fc{i}.weight" for i in (1, 2))
+        half = mg[fc1].shape[0] // 2
+        assert torch.equal(shards[1][fc1], mg[fc1][half:]) and torch.equal(shards[1][fc2], mg[fc2][:, half:])
+    for name in ("decoder.layers.1.mlp.router.weight", "decoder.layers.1.mlp.router.expert_bias"):
+        assert all(torch.equal(s[name], mg[name]) for s in shards), name
+    back = merge_megatron(shards, config)
+    assert all(torch.equal(back[n], t) for n, t in mg.items())
+
+
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["mamba2", "hybrid"])
 def test_round_trip_is_exact(size: int, hybrid: bool) -> None:
@@ -94,7 +110,9 @@ def test_refusals() -> None:
     with pytest.raises(ModelLoadError, match="rank 2"):
         hf_to_megatron_shard(hf, config, 2, 2)
     moe, _ = make_tiny_hybrid(0, pattern="ME", **HYBRID)
-    assert any("MoE" in p for p in tp_problems(moe, 2))
+    assert tp_problems(moe, 2) == []  # experts shard by channels (expert TP = TP)
+    moe, _ = make_tiny_hybrid(0, pattern="ME", moe_intermediate_size=66, **HYBRID)
+    assert any("MoE expert width 66" in p for p in tp_problems(moe, 4))
     shards = [hf_to_megatron_shard(hf, config, r, 2) for r in range(2)]
     shards[1]["decoder.final_norm.weight"] = shards[1]["decoder.final_norm.weight"] + 1
     with pytest.raises(ModelLoadError, match="replicated"):
