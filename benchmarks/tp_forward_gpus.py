@@ -246,7 +246,8 @@ def main() -> int:
     for name in args.models.split(","):
         t = time.perf_counter()
         config, tensors = model(name, args.layers)
-        weights = Path(tempfile.mkdtemp()) / "weights.pt"
+        held = tempfile.TemporaryDirectory()  # removed when the model's degrees end, or the run fails
+        weights = Path(held.name) / "weights.pt"
         torch.save((config, tensors), weights)
         del tensors
         print(f"[tp] {name}: weights drawn in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
@@ -257,10 +258,11 @@ def main() -> int:
                    gen_len=args.gen_len, budget=args.budget, repeats=args.repeats, megatron=args.megatron,
                    weights=str(weights))
         runs = {}
-        for k in sizes:
-            t = time.perf_counter()
-            runs[k] = run_degree(k, args.dist, job, args.timeout_s)
-            print(f"[tp] {name} tp{k}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        with held:
+            for k in sizes:
+                t = time.perf_counter()
+                runs[k] = run_degree(k, args.dist, job, args.timeout_s)
+                print(f"[tp] {name} tp{k}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         res["models"][name] = {f"tp{k}": compare(runs[1], runs[k]) for k in sizes}
         for k in sizes:
             c = res["models"][name][f"tp{k}"]
@@ -272,8 +274,6 @@ def main() -> int:
             ok &= c["rows_differing"] == 0 and c["logprobs_differing"] == 0 and c["engine_rows_differing"] == 0
             ok &= c["stock_rows_differing_from_stock_tp1"] > 0
         print(json.dumps({name: res["models"][name]}), flush=True)
-        weights.unlink()
-        weights.parent.rmdir()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # each model's results kept if a later one is cut
         Path(args.out).write_text(json.dumps(res, indent=1))
     res["all_equal_with_a_differing_baseline"] = bool(ok)
