@@ -87,23 +87,140 @@ def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -
     return result
 
 
+# -- training at TP > 1: every rank runs the same loss on the gathered rows -------------------------------
+
+
+class _Gather(torch.autograd.Function):
+    """``group.all_gather``, x [*s] -> [size, *s], whose backward gives this rank's x the sum, in rank order,
+    of every rank's gradient of it. Every rank computes the same loss from gathered tensors, so each rank's
+    gradients are then those of size x the loss (``_RankPolicy.step`` sums them over ranks and divides)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        group = ctx.group
+        mine = group.all_gather(g.contiguous())[:, group.rank]  # [size: whose loss, *s]
+        return _sum_in_order(mine), None
+
+
+def _sum_in_order(parts: torch.Tensor) -> torch.Tensor:
+    """parts [n, *s] -> [*s], added left to right (the same bits on every rank)."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
+def differentiable(group: TPGroup) -> TPGroup:
+    """``group`` with ``_Gather`` as its all-gather (the forward's bits unchanged)."""
+    return TPGroup(group.rank, group.size, lambda x: _Gather.apply(x, group), capturable=group.capturable)
+
+
+class _RankPolicy:
+    """One rank's share of ``TPTrainer``: full fp32 masters and Adam's state on every rank (the CPU
+    reference keeps them whole; sharded optimiser state is Megatron's job), this rank's model built from
+    them each step. The masters stay equal on every rank: the gradients are summed over ranks in rank
+    order, so each rank takes the same update."""
+
+    def __init__(self, group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
+                 lr: float) -> None:
+        self.group, self.config, self.contract, self.lr = group, config, contract, lr
+        self.dtypes = {k: v.dtype for k, v in tensors.items()}
+        self.served = {k: v.detach() for k, v in tensors.items()}
+        self.master: dict[str, torch.Tensor] | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.version = 0
+        self.model = build(group, config, self.served, contract)
+
+    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+             advantages: Sequence[float]) -> dict[str, Any]:
+        from .train import check_step_health, reinforce_loss, total_norm
+
+        if self.master is None:
+            self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self.served.items()}
+            self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)
+        assert self.opt is not None
+        seqs = [s.to(torch.int64) for s in sequences]
+        served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
+        model = build_model(self.config, served, self.contract, tp=differentiable(self.group))
+        loss, tokens = reinforce_loss(model.forward(seqs, packed=True), seqs, prompt_lens, advantages,
+                                      contract=self.contract)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        # size x the loss's gradient on each rank, a sharded tensor's only in this rank's part: summed, divided
+        params = list(self.master.values())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        total = _sum_in_order(self.group.all_gather(flat)) / self.group.size
+        for p, g in zip(params, total.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        grad_norm = total_norm(p.grad for p in params)
+        check_step_health(loss, grad_norm, self.version)
+        self.opt.step()
+        self.version += 1
+        self.served = self.weights()
+        self.model = build(self.group, self.config, self.served, self.contract)
+        return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm,
+                "weights_version": self.version}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights: the masters rounded to the checkpoint's dtypes (full tensors)."""
+        if self.master is None:
+            return dict(self.served)
+        return {k: v.detach().to(self.dtypes[k]) for k, v in self.master.items()}
+
+
+def load_policy(group: TPGroup, key: str, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
+                lr: float) -> None:
+    """Keep a ``_RankPolicy`` under ``key``."""
+    rank_state()[key] = _RankPolicy(group, config, tensors, contract, lr)
+
+
+def policy_forward(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kept policy's one-pass logits of whole sequences, on its served weights."""
+    with torch.no_grad():
+        return rank_state()[key].model.forward(list(sequences))
+
+
+def policy_step(group: TPGroup, key: str, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                advantages: Sequence[float]) -> dict[str, Any]:
+    return rank_state()[key].step(sequences, prompt_lens, advantages)
+
+
+def policy_weights(group: TPGroup, key: str) -> dict[str, torch.Tensor]:
+    return rank_state()[key].weights()
+
+
+def policy_gradients(group: TPGroup, key: str) -> dict[str, torch.Tensor]:
+    """The last step's gradients, summed over ranks (fp32, whole; empty before a step)."""
+    master = rank_state()[key].master or {}
+    return {k: v.grad.detach().clone() for k, v in master.items() if v.grad is not None}
+
+
 class TPTrainer:
-    """The reference trainer's ``contract`` and ``forward`` (what ``check`` reads) at TP ``size``, over ``size``
-    gloo rank processes. Training steps at TP > 1 are not implemented."""
+    """The reference trainer (``train.PolicyTrainer``'s REINFORCE and Adam) at TP ``size``, over ``size`` gloo
+    rank processes: ``forward``, ``token_logprobs`` and ``step`` run in every rank, rank 0's result returned.
+    Gradients match TP 1's to fp32 rounding (their sums run in another order); the logits are TP 1's bits."""
 
-    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int) -> None:
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, size: int, *,
+                 lr: float = 1e-4) -> None:
         from .parallel import check_tp
+        from .train import check_lr
 
+        check_lr(lr)
         check_tp(contract, config, size)  # refused here, before any process starts
         self.contract = contract
         self.version = 0
         self.size = size
         self.ranks = Ranks(size)
-        self.ranks.call(load, "trainer", config, tensors, contract)
+        self.ranks.call(load_policy, "trainer", config, tensors, contract, lr)
 
     def forward(self, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Raw logits of whole sequences in one pass at TP ``size``: [len_i] -> [len_i, vocab]."""
-        return self.ranks.call(forward_kept, "trainer", list(sequences))
+        return self.ranks.call(policy_forward, "trainer", [s.to(torch.int64) for s in sequences])
 
     def token_logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
                        temperature: float = 1.0) -> list[torch.Tensor]:
@@ -115,10 +232,27 @@ class TPTrainer:
 
     def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
              advantages: Sequence[float]) -> dict[str, Any]:
-        from .errors import AlignedMambaError
+        """One REINFORCE step in every rank. Returns loss, tokens, grad_norm and weights_version."""
+        from .train import check_step_inputs
 
-        raise AlignedMambaError(f"training steps at tensor-parallel size {self.size} are not implemented yet "
-                                "(the reference trainer's TP path scores only)")
+        check_step_inputs(sequences, prompt_lens, advantages)
+        stats = self.ranks.call(policy_step, "trainer", list(sequences), list(prompt_lens), list(advantages))
+        self.version = stats["weights_version"]
+        return stats
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights, whole (rank 0's copy; every rank holds the same)."""
+        return self.ranks.call(policy_weights, "trainer")
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients of the loss, whole and fp32, as every rank applied them."""
+        return self.ranks.call(policy_gradients, "trainer")
+
+    def export_bytes(self) -> tuple[bytes, str]:
+        """The served weights as safetensors bytes (version in the metadata) and their digest."""
+        from .train import export_weights
+
+        return export_weights(self.weights(), self.version)
 
     def close(self) -> None:
         self.ranks.close()
@@ -150,5 +284,7 @@ class TPReferenceEngine:
         self.ranks.close()
 
 
-__all__ = ["TPReferenceEngine", "TPTrainer", "build", "forward", "forward_kept", "load", "load_source_rank",
+__all__ = ["TPReferenceEngine", "TPTrainer", "build", "differentiable", "forward", "forward_kept", "load",
+           "load_policy", "load_source_rank", "policy_forward", "policy_gradients", "policy_step",
+           "policy_weights",
            "run_kept", "run_scenario", "tp_control"]

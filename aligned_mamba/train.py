@@ -125,9 +125,14 @@ class PolicyTrainer(PackedScoring):
         return export_weights(self.weights(), self.version)
 
 
-def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4
-                 ) -> PolicyTrainer:
-    """The "reference" trainer's factory (``integrations.trainer_factory``)."""
+def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4,
+                 tp: int = 1) -> Any:
+    """The "reference" trainer's factory (``integrations.trainer_factory``): a ``PolicyTrainer``, or at
+    ``tp`` > 1 a ``tp_reference.TPTrainer`` over that many rank processes."""
+    if tp != 1:
+        from .tp_reference import TPTrainer
+
+        return TPTrainer(config, tensors, contract, tp, lr=lr)
     return PolicyTrainer(config, tensors, contract, lr=lr)
 
 

@@ -243,9 +243,9 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
         opts.model = str(Path(opts.model).resolve())
     contract = build_contract(config, None, choose_backend(opts.backend), None, None,
                               row_parallel_slices=opts.row_parallel_slices)
-    if opts.trainer_tp != 1 and opts.trainer != "megatron":
+    if opts.trainer_tp != 1 and opts.trainer not in ("reference", "megatron"):
         raise AlignedMambaError(f"--trainer-tp {opts.trainer_tp} refused: the RL loop trains at TP > 1 with the "
-                                f"megatron trainer only for now, not {opts.trainer}")
+                                f"reference and megatron trainers only for now, not {opts.trainer}")
     if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
         raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
                                 f"reference and vllm engines only for now, not {opts.engine}")

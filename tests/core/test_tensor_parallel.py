@@ -25,6 +25,7 @@ from aligned_mamba.ops.backend import resolve
 from aligned_mamba.ops.logprobs import token_logprobs
 from aligned_mamba.ops.norm import gated_rms_norm, gated_rms_norm_sliced
 from aligned_mamba.parallel import TPGroup, check_tp, launch, shard, threads
+from aligned_mamba.train import PolicyTrainer
 
 S = 4  # the contract's row_parallel_slices: TP 1, 2 and 4 give the same bits
 
@@ -206,19 +207,43 @@ def test_backend_has_the_sliced_forms() -> None:
 
 
 @pytest.mark.engines("own")
-def test_tp_trainer_scores_and_refuses_steps() -> None:
-    """The CLI's trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's;
-    a training step is refused in one line (not implemented at TP > 1)."""
-    config, tensors = _model("hybrid")
-    seqs, c = _seqs(), _contract()
-    trainer = tp_reference.TPTrainer(config, tensors, c, 2)
+@pytest.mark.parametrize("name,dtype", [("hybrid", "float32"), ("g1", "bfloat16")])
+def test_tp_trainer_scores_and_trains_as_tp1(name: str, dtype: str) -> None:
+    """The reference trainer at TP 2 (gloo processes kept alive): its logits and token logprobs are TP 1's
+    bits; two REINFORCE steps give TP 1's loss and gradients to fp32 rounding (summed in another order),
+    and after each its logits are the bits of a TP 1 model on the weights it serves (what a sampler
+    computes). The gradients of a TP 2 step whose all-gathers pass no gradient to the other ranks miss
+    the sharded layers' terms (a mutation of ``tp_reference._Gather`` fails here)."""
+    config, tensors = _model(name)
+    seqs, c = _seqs(), _contract(dtype=dtype)
+    pls, adv = [3, 3, 3], [1.0, -0.5, -0.5]
+    one = PolicyTrainer(config, tensors, c, lr=1e-3)
+    trainer = tp_reference.TPTrainer(config, tensors, c, 2, lr=1e-3)
     try:
-        one = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
-        assert _equal(trainer.forward(seqs), one)
-        lps = trainer.token_logprobs(seqs, [3, 3, 3])
-        assert _equal(lps, [token_logprobs(lg[2:-1], s[3:]) for lg, s in zip(one, seqs)])
-        with pytest.raises(AlignedMambaError, match="not implemented yet"):
-            trainer.step(seqs, [3, 3, 3], [1.0, 1.0, 1.0])
+        ref = tp_reference.forward(TPGroup.single(), config, tensors, c, seqs)
+        assert _equal(trainer.forward(seqs), ref)
+        lps = trainer.token_logprobs(seqs, pls)
+        assert _equal(lps, [token_logprobs(lg[2:-1], s[3:]) for lg, s in zip(ref, seqs)])
+        # loss and norm to fp32 rounding; per tensor, the replicated norms' gradients are sums of the ranks'
+        # halves, which cancel (the vocabulary shards' softmax gradients sum to zero): up to 2.5e-3 of the
+        # tensor's norm in fp32, 1.5e-2 in bf16 (a TP 2 step without the cross-rank sum: 0.3 to 3)
+        tol, per_tensor = (1e-5, 1e-2) if dtype == "float32" else (1e-3, 5e-2)
+        for version in (1, 2):
+            a, b = one.step(seqs, pls, adv), trainer.step(seqs, pls, adv)
+            assert b["weights_version"] == trainer.version == version and b["tokens"] == a["tokens"]
+            assert b["loss"] == pytest.approx(a["loss"], rel=tol, abs=tol)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=tol)
+            assert one.master is not None
+            grads = trainer.gradients()
+            assert set(grads) == set(one.master)
+            for k, g in grads.items():
+                want = one.master[k].grad
+                assert want is not None and g.shape == want.shape
+                assert float((g - want).norm()) <= per_tensor * float(want.norm()), k
+            served = trainer.weights()
+            assert {k: v.dtype for k, v in served.items()} == {k: v.dtype for k, v in tensors.items()}
+            assert _equal(trainer.forward(seqs), tp_reference.forward(TPGroup.single(), config, served, c, seqs))
+        assert any(not torch.equal(served[k], tensors[k]) for k in tensors)  # the weights moved
     finally:
         trainer.close()
 

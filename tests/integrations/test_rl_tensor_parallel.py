@@ -92,19 +92,24 @@ def test_sigterm_ends_the_vllm_workers_rank_processes(tmp_path):
 
 
 def test_reference_workers_at_tp2_and_a_killed_ones_ranks_stop_with_it(tmp_path, capsys):
-    """``rl --sampler-tp 2`` with the reference engine (its ranks ``parallel.Ranks`` processes), worker 1
-    SIGKILLed mid-sampling in iteration 1 (``--inject kill:1@1``): Ray restarts it, its new engine gets the
-    weights again and the recomputed batch matches; the killed actor's ranks, which nobody told to stop,
+    """``rl --trainer-tp 2 --sampler-tp 2`` with the reference trainer and engine (their ranks
+    ``parallel.Ranks`` processes): the TP 2 trainer's steps move the weights and every batch sampled under
+    them matches. Worker 1 is SIGKILLed mid-sampling in iteration 1 (``--inject kill:1@1``): Ray restarts
+    it, its new engine gets the weights again and the recomputed batch matches; the killed actor's ranks,
+    which nobody told to stop,
     end (here Ray's raylet ends a dead worker's children; without it the ranks' watch on their parent
     does, test_tensor_parallel's test_ranks_end_when_their_parent_is_killed), as do all the others after
     the run."""
     out = tmp_path / "rl.json"
-    code = main(["rl", "--model", str(_checkpoint(tmp_path)), "--sampler-tp", "2", "--row-parallel-slices", "2",
-                 *SMALL, "--iterations", "2", "--inject", "kill:1@1", "--json", str(out)])
+    code = main(["rl", "--model", str(_checkpoint(tmp_path)), "--trainer-tp", "2", "--sampler-tp", "2",
+                 "--row-parallel-slices", "2", *SMALL, "--iterations", "2", "--inject", "kill:1@1", "--json",
+                 str(out)])
     assert code == 0, capsys.readouterr().out
     r = json.loads(out.read_text())
-    assert r["sampler_tp"] == 2 and r["restarts"] == {"0": 0, "1": 1}
+    assert (r["trainer_tp"], r["sampler_tp"]) == (2, 2) and r["restarts"] == {"0": 0, "1": 1}
     assert all(x["mismatched_tokens"] == 0 and x["tokens"] == 2 * 24 for x in r["iterations"])
+    assert all(x["logprob_shift"] > 0 for x in r["iterations"])  # each TP 2 step moved the logprobs
+    assert len({x["weights_digest"] for x in r["iterations"]}) == 2  # sampled under two different weights
     before, after = (set(x["per_worker"]["1"]["child_pids"]) for x in r["iterations"])
     assert len(before) >= 2 and not before & after  # the restarted worker started ranks of its own
     ranks = {p for x in r["iterations"] for w in x["per_worker"].values() for p in w["child_pids"]}
