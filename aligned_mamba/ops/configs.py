@@ -89,7 +89,7 @@ class TritonKernelConfigs:
       logprobs_split_max_m: calls of up to this many rows run a program per row and vocabulary slice, then a join
       (0: a program per row); the same bits either way.
     Scan backward (ssd/triton_backward.py; gradients only): bwd_block_s, bwd_block_t: its row blocks; bwd_warps;
-      bwd_bf16_dots: its dots, as bf16_dots (the gradients' precision).
+      bwd_bf16_dots: its dots, as bf16_dots (the gradients' precision; "round", mamba_ssm's, by default).
     Attention (attention/triton.py):
       attn_block_n: keys per block, blocks at absolute positions from 0 (a part of every row's bits).
       attn_block_m, attn_warps, attn_stages: the prefill tile (tokens x padded query heads of one KV head), launch.
@@ -176,7 +176,7 @@ class TritonKernelConfigs:
     bwd_block_s: int = 64
     bwd_block_t: int = 64
     bwd_warps: int = 4
-    bwd_bf16_dots: str = "split2"
+    bwd_bf16_dots: str = "round"
     attn_block_n: int = 64
     attn_block_m: int = 128
     attn_warps: int = 8
