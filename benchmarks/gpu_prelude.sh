@@ -41,6 +41,7 @@ step() {
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+  # GIT_COMMIT from the caller: a lent machine's copy of .git can be older than the tree it runs
   echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$W/env.log"
 cat "$W/env.log" >> "$W/summary.txt"
 
