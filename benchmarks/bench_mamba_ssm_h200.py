@@ -118,13 +118,42 @@ def cuda_ms(torch, step, n: int, warmup: int = 0, before=None) -> list[float]:
     return cuda_times(torch, step, n, warmup, before)
 
 
+def gpu_timeline(torch, prof, top: int = 12) -> dict:
+    """Where the GPU sat idle in a profiled step: span from the step's start (its ``record_function`` range)
+    to the last kernel's end, time with a kernel (or copy) running, the idle rest, the lead (the step's start
+    to its first kernel), and the longest gaps between kernels with the kernels on each side (ms)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    evs = prof.events()
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs if e.device_type == cuda)
+    starts = [e.time_range.start for e in evs if e.device_type == cpu and e.name == "step"]
+    if not ks or not starts:
+        return {}
+    t0 = min(starts)
+    busy, gaps, end = 0.0, [], ks[0][0]
+    prev = "(the step's start)"
+    gaps.append((ks[0][0] - t0, prev, ks[0][2]))
+    for a, b, name in ks:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, prev = b, name
+    span = end - t0
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "lead_ms": (ks[0][0] - t0) / 1e3,
+            "gaps": [{"ms": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
+
+
 def kernel_table(torch, step, top: int = 30) -> dict:
-    """One call of step under torch.profiler (CUDA activity): kernels by GPU time, summed by name."""
-    from torch.profiler import ProfilerActivity, profile
+    """One call of step under torch.profiler (CPU and CUDA activity): kernels by GPU time, summed by name,
+    and ``gpu_timeline``'s idle time (the profiler's own CPU cost included, so an upper bound)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("step"):
+            step()
         torch.cuda.synchronize()
     acc: dict[str, list] = {}
     for ev in prof.key_averages():
@@ -135,7 +164,8 @@ def kernel_table(torch, step, top: int = 30) -> dict:
             a[1] += ev.count
     rows = sorted(acc.items(), key=lambda kv: -kv[1][0])
     return {"device_total_ms": sum(v[0] for _, v in rows) / 1e3,
-            "kernels": [{"name": k, "ms": v[0] / 1e3, "calls": v[1]} for k, v in rows[:top]]}
+            "kernels": [{"name": k, "ms": v[0] / 1e3, "calls": v[1]} for k, v in rows[:top]],
+            "timeline": gpu_timeline(torch, prof)}
 
 
 def rel(a, b) -> float:
@@ -212,6 +242,8 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
         e["ours_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
     free(torch)
+    if args.ours_only:
+        return e
     try:
         peak_and_times(torch, stock_step, n, e, "stock")
         if args.profile:
@@ -360,6 +392,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
                     " to run ours with instead of the committed ones")
+    ap.add_argument("--ours-only", action="store_true", help="train: time and profile ours alone (the stock's "
+                    "first call tunes for a minute or two)")
     ap.add_argument("--no-recompute", action="store_true",
                     help="ours holds the conv's and the gated norm's outputs to the backward (Mamba2Mixer.recompute "
                          "off): fewer launches, more memory")
