@@ -133,3 +133,29 @@ def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     errs = [c["rel_err"] for c in json.loads(out.read_text())["cells"]]
     assert len(errs) == 5 and len(set(errs)) == 5 and all(0 < e < 0.1 for e in errs), errs
+
+
+def test_gpu_timeline_finds_the_idle_gaps() -> None:
+    """``bench_mamba_ssm_h200.gpu_timeline`` on a hand-made profile: the lead before the first kernel, the
+    gaps between kernels (overlapping kernels count once), the busy and idle time."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_mamba_ssm_h200 import gpu_timeline
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name: str, a: float, b: float, dev: object) -> types.SimpleNamespace:
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=a, end=b), device_type=dev)
+
+    prof = types.SimpleNamespace(events=lambda: [ev("step", 0, 500, cpu), ev("k1", 100, 200, cuda),
+                                                 ev("k2", 150, 250, cuda), ev("k3", 400, 450, cuda),
+                                                 ev("k4", 460, 470, cuda), ev("other", 10, 20, cpu)])
+    t = gpu_timeline(torch, prof)
+    assert (t["span_ms"], t["busy_ms"], t["lead_ms"]) == pytest.approx((0.47, 0.21, 0.1))
+    assert t["idle_ms"] == pytest.approx(0.26)
+    assert [(g["after"], g["before"]) for g in t["gaps"]] == [("k2", "k3"), ("(the step's start)", "k1"),
+                                                              ("k3", "k4")]
+    assert gpu_timeline(torch, types.SimpleNamespace(events=lambda: [ev("step", 0, 5, cpu)])) == {}
