@@ -286,18 +286,12 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
         _check_memory(config, sampler_c, args, jobs)
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
-    if args.trainer != "reference":
+    if args.trainer != "reference" or args.trainer_tp > 1:
         show(f"building the {args.trainer} trainer" + (f" at TP {args.trainer_tp}" if args.trainer_tp != 1 else ""))
-    if args.trainer_tp > 1 and args.trainer == "reference":
-        from .tp_reference import TPTrainer
-
-        show(f"starting the reference trainer's {args.trainer_tp} tensor-parallel ranks")
-        trainer = TPTrainer(config, tensors, trainer_c, args.trainer_tp)
+    # at TP > 1 the trainer starts its own rank processes (tp_reference.TPTrainer, trainer_hooks.megatron.tp)
+    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp)
+    if args.trainer_tp > 1:
         _TP_TRAINERS.append(trainer)
-    else:  # the megatron trainer at TP > 1 starts its own rank processes (trainer_hooks.megatron.tp)
-        trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp)
-        if args.trainer_tp > 1:
-            _TP_TRAINERS.append(trainer)
     from .models import build_model
     from .train import PolicyTrainer
 
