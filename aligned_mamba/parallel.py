@@ -75,6 +75,45 @@ class TPGroup:
         return TPGroup(rank, size, all_gather, capturable=not host)
 
 
+class _Gather(torch.autograd.Function):
+    """``group.all_gather``, x [*s] -> [size, *s], whose backward gives this rank's x the sum, in rank order,
+    of every rank's gradient of it. Where every rank computes the same loss from gathered tensors, each rank's
+    gradients are then those of size x the loss (``merge_gradients`` sums them over ranks and divides)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return group.all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        group = ctx.group
+        return _sum_in_order(group.all_gather(g.contiguous())[:, group.rank]), None  # [size: whose loss, *s]
+
+
+def _sum_in_order(parts: Tensor) -> Tensor:
+    """parts [n, *s] -> [*s], added left to right (the same bits on every rank)."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
+def differentiable(group: TPGroup) -> TPGroup:
+    """``group`` with ``_Gather`` as its all-gather (the forward's bits unchanged)."""
+    return TPGroup(group.rank, group.size, lambda x: _Gather.apply(x, group), capturable=group.capturable)
+
+
+def merge_gradients(group: TPGroup, params: list[Tensor]) -> None:
+    """After a backward through ``differentiable(group)`` with the same loss on every rank: each parameter's
+    gradient (whole tensors on every rank; a sharded one's non-zero only in this rank's part) summed over the
+    ranks in rank order and divided by the size, in place, so every rank holds the same gradients."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    total = _sum_in_order(group.all_gather(flat)) / group.size
+    for p, g in zip(params, total.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).clone()
+
+
 def shard(n: int, group: TPGroup) -> slice:
     """This rank's contiguous part of a dimension of ``n`` (``group.size`` equal parts, rank order)."""
     if n % group.size:
@@ -325,4 +364,5 @@ def launch(fn: Callable[..., Any], size: int, *args: Any) -> Any:
         return ranks.call(fn, *args)
 
 
-__all__ = ["Ranks", "TPGroup", "check_tp", "launch", "rank_state", "shard", "threads"]
+__all__ = ["Ranks", "TPGroup", "check_tp", "differentiable", "launch", "merge_gradients", "rank_state", "shard",
+           "threads"]

@@ -87,102 +87,21 @@ def run_kept(group: TPGroup, key: str, scenario: Scenario, exact_replay: bool) -
     return result
 
 
-# -- training at TP > 1: every rank runs the same loss on the gathered rows -------------------------------
-
-
-class _Gather(torch.autograd.Function):
-    """``group.all_gather``, x [*s] -> [size, *s], whose backward gives this rank's x the sum, in rank order,
-    of every rank's gradient of it. Every rank computes the same loss from gathered tensors, so each rank's
-    gradients are then those of size x the loss (``_RankPolicy.step`` sums them over ranks and divides)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        group = ctx.group
-        mine = group.all_gather(g.contiguous())[:, group.rank]  # [size: whose loss, *s]
-        return _sum_in_order(mine), None
-
-
-def _sum_in_order(parts: torch.Tensor) -> torch.Tensor:
-    """parts [n, *s] -> [*s], added left to right (the same bits on every rank)."""
-    total = parts[0]
-    for i in range(1, parts.shape[0]):
-        total = total + parts[i]
-    return total
-
-
-def differentiable(group: TPGroup) -> TPGroup:
-    """``group`` with ``_Gather`` as its all-gather (the forward's bits unchanged)."""
-    return TPGroup(group.rank, group.size, lambda x: _Gather.apply(x, group), capturable=group.capturable)
-
-
-class _RankPolicy:
-    """One rank's share of ``TPTrainer``: full fp32 masters and Adam's state on every rank (the CPU
-    reference keeps them whole; sharded optimiser state is Megatron's job), this rank's model built from
-    them each step. The masters stay equal on every rank: the gradients are summed over ranks in rank
-    order, so each rank takes the same update."""
-
-    def __init__(self, group: TPGroup, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
-                 lr: float) -> None:
-        self.group, self.config, self.contract, self.lr = group, config, contract, lr
-        self.dtypes = {k: v.dtype for k, v in tensors.items()}
-        self.served = {k: v.detach() for k, v in tensors.items()}
-        self.master: dict[str, torch.Tensor] | None = None
-        self.opt: torch.optim.Optimizer | None = None
-        self.version = 0
-        self.model = build(group, config, self.served, contract)
-
-    def step(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
-             advantages: Sequence[float]) -> dict[str, Any]:
-        from .train import check_step_health, reinforce_loss, total_norm
-
-        if self.master is None:
-            self.master = {k: v.to(torch.float32).clone().requires_grad_(True) for k, v in self.served.items()}
-            self.opt = torch.optim.Adam(self.master.values(), lr=self.lr)
-        assert self.opt is not None
-        seqs = [s.to(torch.int64) for s in sequences]
-        served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
-        model = build_model(self.config, served, self.contract, tp=differentiable(self.group))
-        loss, tokens = reinforce_loss(model.forward(seqs, packed=True), seqs, prompt_lens, advantages,
-                                      contract=self.contract)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        # size x the loss's gradient on each rank, a sharded tensor's only in this rank's part: summed, divided
-        params = list(self.master.values())
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        total = _sum_in_order(self.group.all_gather(flat)) / self.group.size
-        for p, g in zip(params, total.split([p.numel() for p in params])):
-            p.grad = g.view_as(p).clone()
-        grad_norm = total_norm(p.grad for p in params)
-        check_step_health(loss, grad_norm, self.version)
-        self.opt.step()
-        self.version += 1
-        self.served = self.weights()
-        self.model = build(self.group, self.config, self.served, self.contract)
-        return {"loss": float(loss.detach()), "tokens": tokens, "grad_norm": grad_norm,
-                "weights_version": self.version}
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The served weights: the masters rounded to the checkpoint's dtypes (full tensors)."""
-        if self.master is None:
-            return dict(self.served)
-        return {k: v.detach().to(self.dtypes[k]) for k, v in self.master.items()}
+# -- training at TP > 1: a ``train.PolicyTrainer`` in every rank over its group ----------------------------------
 
 
 def load_policy(group: TPGroup, key: str, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
                 lr: float) -> None:
-    """Keep a ``_RankPolicy`` under ``key``."""
-    rank_state()[key] = _RankPolicy(group, config, tensors, contract, lr)
+    """Keep this rank's ``PolicyTrainer`` (whole fp32 masters and Adam's state, its model over ``group``) under
+    ``key``."""
+    from .train import PolicyTrainer
+
+    rank_state()[key] = PolicyTrainer(config, tensors, contract, lr=lr, tp=group)
 
 
 def policy_forward(group: TPGroup, key: str, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The kept policy's one-pass logits of whole sequences, on its served weights."""
-    with torch.no_grad():
-        return rank_state()[key].model.forward(list(sequences))
+    return rank_state()[key].forward(list(sequences))
 
 
 def policy_step(group: TPGroup, key: str, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int],
@@ -284,7 +203,7 @@ class TPReferenceEngine:
         self.ranks.close()
 
 
-__all__ = ["TPReferenceEngine", "TPTrainer", "build", "differentiable", "forward", "forward_kept", "load",
+__all__ = ["TPReferenceEngine", "TPTrainer", "build", "forward", "forward_kept", "load",
            "load_policy", "load_source_rank", "policy_forward", "policy_gradients", "policy_step",
            "policy_weights",
            "run_kept", "run_scenario", "tp_control"]

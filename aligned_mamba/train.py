@@ -21,6 +21,7 @@ from .errors import TrainingDiverged
 from .models import CausalLM, build_model
 from .ops.backend import token_logprobs
 from .ops.logprobs import check_temperature
+from .parallel import TPGroup, differentiable, merge_gradients
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -61,11 +62,14 @@ class PackedScoring:
 class PolicyTrainer(PackedScoring):
     """The "reference" ``integrations.Trainer`` over a checkpoint's ``tensors`` (any family): each update is
     rounded back to their dtypes, which ``weights()`` serves. Masters and Adam's state are made at the first
-    ``step``, so a trainer that only scores holds the weights once."""
+    ``step``, so a trainer that only scores holds the weights once. ``tp``: this process is one rank of that
+    group (``tp_reference.TPTrainer`` runs one in each): the masters stay whole, the model is the rank's, the
+    all-gathers pass gradients and the gradients are merged over the ranks (``parallel.merge_gradients``)."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, *,
-                 lr: float = 1e-4) -> None:
+                 lr: float = 1e-4, tp: TPGroup | None = None) -> None:
         check_lr(lr)
+        self.tp = tp  # one rank of a group: its model is the rank's, the masters whole (tp_reference.TPTrainer)
         self.config = config
         self.contract = contract
         self.lr = lr
@@ -85,7 +89,7 @@ class PolicyTrainer(PackedScoring):
     def model(self) -> CausalLM:
         """The scoring model on the served weights (no autograd)."""
         if self._model is None:
-            self._model = build_model(self.config, self.weights(), self.contract)
+            self._model = build_model(self.config, self.weights(), self.contract, tp=self.tp)
         return self._model
 
     def forward(self, sequences: Sequence[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor] | torch.Tensor:
@@ -109,10 +113,13 @@ class PolicyTrainer(PackedScoring):
         assert self.opt is not None
         seqs = [s.to(torch.int64) for s in sequences]
         served = {k: v.to(self.dtypes[k]) for k, v in self.master.items()}
-        loss, tokens = reinforce_loss(build_model(self.config, served, self.contract).forward(seqs, packed=True),
+        tp = None if self.tp is None else differentiable(self.tp)
+        loss, tokens = reinforce_loss(build_model(self.config, served, self.contract, tp=tp).forward(seqs, packed=True),
                                       seqs, prompt_lens, advantages, contract=self.contract)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.tp is not None:
+            merge_gradients(self.tp, list(self.master.values()))
         grad_norm = total_norm(p.grad for p in self.master.values())
         check_step_health(loss, grad_norm, self.version)
         self.opt.step()

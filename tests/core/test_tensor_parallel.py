@@ -213,7 +213,7 @@ def test_tp_trainer_scores_and_trains_as_tp1(name: str, dtype: str) -> None:
     bits; two REINFORCE steps give TP 1's loss and gradients to fp32 rounding (summed in another order),
     and after each its logits are the bits of a TP 1 model on the weights it serves (what a sampler
     computes). The gradients of a TP 2 step whose all-gathers pass no gradient to the other ranks miss
-    the sharded layers' terms (a mutation of ``tp_reference._Gather`` fails here)."""
+    the sharded layers' terms (a mutation of ``parallel._Gather`` fails here)."""
     config, tensors = _model(name)
     seqs, c = _seqs(), _contract(dtype=dtype)
     pls, adv = [3, 3, 3], [1.0, -0.5, -0.5]
