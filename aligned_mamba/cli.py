@@ -3,7 +3,7 @@
     aligned-mamba check [--model tiny|DIR] [--engine reference|vllm] [--trainer reference|megatron]
                         [--backend auto|torch|triton] [--prompt-len 600] [--gen-len 300]
                         [--requests 4] [--max-batch-tokens N] [--dtype bfloat16|float32]
-                        [--seed 0] [--json PATH] [--trainer-tp K] [--sampler-tp M]
+                        [--seed 0] [--json PATH] [--trainer-tp K [--trainer-sp]] [--sampler-tp M]
                         [--row-parallel-slices S]
 
 Exit status (one meaning each, one line on stderr saying what and why for 2, 3 and 4): 0 every
@@ -264,8 +264,10 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
                  for side in (args.trainer_contract, args.sampler_contract)]
     trainer_c, sampler_c = contracts
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
+    from .integrations import check_trainer_sp
     from .parallel import check_tp
 
+    check_trainer_sp(args.trainer, args.trainer_tp, args.trainer_sp)
     for flag, name, size, c in (("--trainer-tp", args.trainer, args.trainer_tp, trainer_c),
                                 ("--sampler-tp", args.engine, args.sampler_tp, sampler_c)):
         covered = ("reference", "megatron") if flag == "--trainer-tp" else ("reference", "vllm")
@@ -287,9 +289,11 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
     if jobs > 1:
         torch.set_num_threads(1)  # one thread per process: the workers take the other cores
     if args.trainer != "reference" or args.trainer_tp > 1:
-        show(f"building the {args.trainer} trainer" + (f" at TP {args.trainer_tp}" if args.trainer_tp != 1 else ""))
+        show(f"building the {args.trainer} trainer" + (f" at TP {args.trainer_tp}" if args.trainer_tp != 1 else "")
+             + (" with sequence parallelism" if args.trainer_sp else ""))
     # at TP > 1 the trainer starts its own rank processes (tp_reference.TPTrainer, trainer_hooks.megatron.tp)
-    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp)
+    trainer = build_trainer(args.trainer, config=config, tensors=tensors, contract=trainer_c, tp=args.trainer_tp,
+                            sequence_parallel=args.trainer_sp)
     if args.trainer_tp > 1:
         _TP_TRAINERS.append(trainer)
     from .models import build_model
@@ -306,7 +310,7 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
 
     device = "cpu" if backend == "torch" else "cuda"
     here = {"engine": args.engine, "trainer": args.trainer, "trainer_tp": args.trainer_tp,
-            "sampler_tp": args.sampler_tp, "hardware": hardware_class(device).to_dict(),
+            "trainer_sp": args.trainer_sp, "sampler_tp": args.sampler_tp, "hardware": hardware_class(device).to_dict(),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                             "device": "cpu" if backend == "torch" else torch.cuda.get_device_name()}}
     report.update(here)
@@ -436,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trainer-tp", type=int, default=1, metavar="K",
                    help="the trainer's tensor-parallel degree (a power of two dividing the contract's "
                         "row_parallel_slices; ranks are gloo processes on the CPU; reference or megatron)")
+    c.add_argument("--trainer-sp", action="store_true",
+                   help="the megatron trainer with Megatron's sequence parallelism over its --trainer-tp ranks")
     c.add_argument("--sampler-tp", type=int, default=1, metavar="M",
                    help="the sampler engine's tensor-parallel degree (as --trainer-tp)")
     c.add_argument("--row-parallel-slices", type=int, default=None, metavar="S",

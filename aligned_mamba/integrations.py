@@ -163,10 +163,21 @@ def build_engine(name: str, spec: EngineSpec) -> Engine:
     return engine_factory(name)(spec)
 
 
+def check_trainer_sp(name: str, tp: int, sequence_parallel: bool) -> None:
+    """Refuse, in one line, ``--trainer-sp`` where it cannot run: it is Megatron's sequence parallelism, which
+    shards the sequence over the trainer's TP ranks."""
+    if sequence_parallel and (name != "megatron" or tp < 2):
+        raise AlignedMambaError(f"--trainer-sp refused for the {name} trainer at TP {tp}: sequence parallelism shards "
+                                "the sequence over Megatron's TP ranks (--trainer megatron --trainer-tp K, K > 1)")
+
+
 def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
-                  lr: float = 1e-4, tp: int = 1) -> Trainer:
-    """``tp`` is passed only when > 1, so factories without the argument keep working."""
-    extra = {} if tp == 1 else {"tp": tp}
+                  lr: float = 1e-4, tp: int = 1, sequence_parallel: bool = False) -> Trainer:
+    """``tp`` and ``sequence_parallel`` are passed only when set, so factories without them keep working."""
+    check_trainer_sp(name, tp, sequence_parallel)
+    extra: dict[str, Any] = {} if tp == 1 else {"tp": tp}
+    if sequence_parallel:
+        extra["sequence_parallel"] = True
     return trainer_factory(name)(config=config, tensors=tensors, contract=contract, lr=lr, **extra)
 
 

@@ -104,14 +104,68 @@ def differentiable(group: TPGroup) -> TPGroup:
     return TPGroup(group.rank, group.size, lambda x: _Gather.apply(x, group), capturable=group.capturable)
 
 
-def merge_gradients(group: TPGroup, params: list[Tensor]) -> None:
+def merge_gradients(group: TPGroup, params: list[Tensor], *, mean: bool = True) -> None:
     """After a backward through ``differentiable(group)`` with the same loss on every rank: each parameter's
     gradient (whole tensors on every rank; a sharded one's non-zero only in this rank's part) summed over the
-    ranks in rank order and divided by the size, in place, so every rank holds the same gradients."""
+    ranks in rank order and divided by the size, in place, so every rank holds the same gradients.
+    ``mean=False``: the sum alone (each rank's gradient a part of the whole, as a parameter applied to
+    sequence-parallel rows has)."""
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    total = _sum_in_order(group.all_gather(flat)) / group.size
+    total = _sum_in_order(group.all_gather(flat))
+    if mean:
+        total = total / group.size
     for p, g in zip(params, total.split([p.numel() for p in params])):
         p.grad = g.view_as(p).clone()
+
+
+class _GatherRows(torch.autograd.Function):
+    """x [n, *s] -> [size * n, *s]: the ranks' rows in rank order (entering a layer from sequence-parallel rows).
+    Backward, ``summed``: every rank's gradient of the whole, summed in rank order, at this rank's n rows (a
+    reduce-scatter whose order is fixed); else this rank's n rows of its own gradient (what follows the gather
+    is replicated, so each rank's gradient is already whole)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup, summed: bool) -> Tensor:
+        ctx.group, ctx.summed, ctx.n = group, summed, x.shape[0]
+        return group.all_gather(x).reshape(group.size * x.shape[0], *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        group, n = ctx.group, ctx.n
+        rows = slice(group.rank * n, (group.rank + 1) * n)
+        if not ctx.summed:
+            return g[rows], None, None
+        return _sum_in_order(group.all_gather(g.contiguous())[:, rows]), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """x [size * n, *s], the same on every rank -> this rank's n rows (leaving a layer for sequence-parallel
+    rows). Backward: the ranks' gradients of their rows gathered in rank order (each whole on its rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        n = x.shape[0] // group.size
+        return x[group.rank * n:(group.rank + 1) * n].clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return ctx.group.all_gather(g.contiguous()).reshape(-1, *g.shape[1:]), None
+
+
+def gather_rows(group: TPGroup, x: Tensor, *, summed: bool = True) -> Tensor:
+    """This rank's rows x [n, *s] -> every rank's [size * n, *s] in rank order, differentiable (``_GatherRows``:
+    ``summed`` where each rank's part of the work after the gather gives a partial gradient, as a column-parallel
+    layer's; False where the work after it is replicated)."""
+    return _GatherRows.apply(x, group, summed)
+
+
+def scatter_rows(group: TPGroup, x: Tensor) -> Tensor:
+    """x [size * n, *s], the same on every rank -> this rank's rows [n, *s], differentiable (``_ScatterRows``).
+    Refuses a first dimension the size does not divide."""
+    if x.shape[0] % group.size:
+        raise AlignedMambaError(f"{x.shape[0]} rows cannot be split into {group.size} equal sequence-parallel shards")
+    return _ScatterRows.apply(x, group)
 
 
 def shard(n: int, group: TPGroup) -> slice:
@@ -364,5 +418,5 @@ def launch(fn: Callable[..., Any], size: int, *args: Any) -> Any:
         return ranks.call(fn, *args)
 
 
-__all__ = ["Ranks", "TPGroup", "check_tp", "differentiable", "launch", "merge_gradients", "rank_state", "shard",
-           "threads"]
+__all__ = ["Ranks", "TPGroup", "check_tp", "differentiable", "gather_rows", "launch", "merge_gradients", "rank_state",
+           "scatter_rows", "shard", "threads"]

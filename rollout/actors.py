@@ -45,6 +45,7 @@ class TrainerSpec:
     lr: float = 1e-3
     threads: int = 1
     tp: int = 1  # the trainer's tensor-parallel degree (its own rank processes)
+    sequence_parallel: bool = False  # Megatron's, over those ranks
 
 
 def check_plugin(kind: str, name: str) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def make_trainer(spec: TrainerSpec) -> Trainer:
     """The trainer called ``spec.name`` over the model source's checkpoint."""
     config, tensors = load_source(spec.model)
     return build_trainer(spec.name, config=config, tensors=tensors, contract=Contract.from_dict(spec.contract),
-                         lr=spec.lr, tp=spec.tp)
+                         lr=spec.lr, tp=spec.tp, sequence_parallel=spec.sequence_parallel)
 
 
 def deferring_init(cls: type) -> type:

@@ -43,6 +43,7 @@ class RLOptions:
     engine: str = "reference"
     trainer: str = "reference"
     trainer_tp: int = 1
+    trainer_sp: bool = False
     sampler_tp: int = 1
     row_parallel_slices: int | None = None
     workers: int = 2
@@ -234,6 +235,7 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     ``opts.model`` becomes an absolute path, as actors may run in other directories."""
     from aligned_mamba.cli import build_contract
     from aligned_mamba.errors import AlignedMambaError
+    from aligned_mamba.integrations import check_trainer_sp
     from aligned_mamba.models import load_source
     from aligned_mamba.ops.backend import choose_backend
     from aligned_mamba.parallel import check_tp
@@ -246,6 +248,7 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     if opts.trainer_tp != 1 and opts.trainer not in ("reference", "megatron"):
         raise AlignedMambaError(f"--trainer-tp {opts.trainer_tp} refused: the RL loop trains at TP > 1 with the "
                                 f"reference and megatron trainers only for now, not {opts.trainer}")
+    check_trainer_sp(opts.trainer, opts.trainer_tp, opts.trainer_sp)
     if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
         raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
                                 f"reference and vllm engines only for now, not {opts.engine}")
@@ -355,7 +358,7 @@ class _Loop:
             for w in range(o.workers)]
         self.scorer = ray.remote(TrainerScorer).options(**{"num_cpus": 0, **self.actor_options["trainer"],
                                                            "max_restarts": 0}).remote(
-            TrainerSpec(o.trainer, o.model, cdict, lr=o.lr, tp=o.trainer_tp))
+            TrainerSpec(o.trainer, o.model, cdict, lr=o.lr, tp=o.trainer_tp, sequence_parallel=o.trainer_sp))
         self.checker = ray.remote(AlignmentChecker).options(num_cpus=0, max_restarts=0).remote(
             contract.fingerprint, allow_cross_hardware=o.allow_cross_hardware)
         self.actors = [*self.workers, self.scorer, self.checker]
@@ -554,6 +557,7 @@ class _Loop:
             "engine": o.engine,
             "trainer": o.trainer,
             "trainer_tp": o.trainer_tp,
+            "trainer_sp": o.trainer_sp,
             "sampler_tp": o.sampler_tp,
             "contract": self.contract.to_dict(),
             "model": {"source": o.model, **summary, "chunk_size": self.contract.chunk_size,
@@ -608,6 +612,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-tp", type=int, default=d.trainer_tp, metavar="K",
                    help="the trainer's tensor-parallel degree (megatron: K rank processes over gloo; a power of two "
                         "dividing --row-parallel-slices)")
+    p.add_argument("--trainer-sp", action="store_true",
+                   help="the megatron trainer with Megatron's sequence parallelism over its --trainer-tp ranks")
     p.add_argument("--sampler-tp", type=int, default=d.sampler_tp, metavar="M",
                    help="each rollout worker's engine at tensor-parallel degree M (reference or vllm: M rank "
                         "processes inside the worker; as --trainer-tp)")

@@ -24,7 +24,7 @@ from aligned_mamba.models.nemotron_h import make_tiny_hybrid
 from aligned_mamba.ops.backend import resolve
 from aligned_mamba.ops.logprobs import token_logprobs
 from aligned_mamba.ops.norm import gated_rms_norm, gated_rms_norm_sliced
-from aligned_mamba.parallel import TPGroup, check_tp, launch, shard, threads
+from aligned_mamba.parallel import TPGroup, check_tp, gather_rows, launch, scatter_rows, shard, threads
 from aligned_mamba.train import PolicyTrainer
 
 S = 4  # the contract's row_parallel_slices: TP 1, 2 and 4 give the same bits
@@ -184,6 +184,39 @@ def test_refusals_one_line() -> None:
     _refused(_contract(256), hybrid, 1, "Mamba2 intermediate size 128 refused")
     check_tp(_contract(), hybrid, 4)  # 1 KV head replicated over 4 ranks: allowed
     check_tp(_contract(8), g1, 1)
+
+
+def _rows_through(group: TPGroup, x: torch.Tensor, summed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank: its rows x [2, 3] gathered, a loss weighted by a rank-specific w (each rank's partial gradient of
+    the whole), and the whole [k * 2, 3] kept back to this rank's rows by ``scatter_rows`` under another weight
+    v: (the gathered rows, x's gradient, the whole's gradient)."""
+    x = x[group.rank].clone().requires_grad_()
+    whole = gather_rows(group, x, summed=summed)
+    w = torch.arange(whole.numel(), dtype=torch.float32).view_as(whole) / 7 + group.rank
+    (whole * w).sum().backward()
+    y = whole.detach().clone().requires_grad_()
+    v = torch.full((2, 3), 1.0 + group.rank)
+    (scatter_rows(group, y) * v).sum().backward()
+    return whole.detach(), x.grad, y.grad
+
+
+@pytest.mark.parametrize("summed", [True, False])
+def test_sequence_parallel_rows(summed: bool) -> None:
+    """``gather_rows`` / ``scatter_rows``, sequence parallelism's two moves: the gather is every rank's rows in
+    rank order; its backward is the ranks' gradients of this rank's rows summed in rank order (``summed``), or
+    this rank's own; the scatter keeps this rank's rows, and its backward gathers the ranks' gradients."""
+    k = 4
+    x = torch.randn(k, 2, 3, generator=torch.Generator().manual_seed(0))
+    out = threads(_rows_through, k, x, summed)
+    w = [torch.arange(k * 6, dtype=torch.float32).view(k * 2, 3) / 7 + r for r in range(k)]
+    for r, (whole, gx, gy) in enumerate(out):
+        assert torch.equal(whole, x.reshape(k * 2, 3))
+        rows = slice(2 * r, 2 * r + 2)
+        want = w[0][rows] + w[1][rows] + w[2][rows] + w[3][rows] if summed else w[r][rows]
+        assert torch.equal(gx, want)
+        assert torch.equal(gy, torch.cat([torch.full((2, 3), 1.0 + q) for q in range(k)]))
+    with pytest.raises(AlignedMambaError, match="5 rows cannot be split into 2 equal sequence-parallel shards"):
+        scatter_rows(TPGroup(0, 2, lambda t: t[None]), torch.zeros(5, 3))
 
 
 @pytest.mark.engines("own")

@@ -63,14 +63,17 @@ def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
 
 # n_groups 1 runs at TP 1 only: Megatron's MambaMixer gives each rank whole groups (it asserts
 # ngroups % tp_size == 0), and megatron_shards refuses it (test_megatron_shards)
-@pytest.mark.parametrize(("name", "tp"), [("mamba2_g1", 1), ("mamba2_g8", 2), ("mamba2_g2", 2), ("hybrid", 2),
-                                          ("hybrid_moe", 2), ("mamba2_g8", 4)])
-def test_hook_at_tp_equals_reference_trainer(name: str, tp: int) -> None:
+@pytest.mark.parametrize(("name", "tp", "sp"), [
+    ("mamba2_g1", 1, False), ("mamba2_g8", 2, False), ("mamba2_g2", 2, False), ("hybrid", 2, False),
+    ("hybrid_moe", 2, False), ("mamba2_g8", 4, False), ("hybrid_moe", 2, True), ("mamba2_g8", 4, True)])
+def test_hook_at_tp_equals_reference_trainer(name: str, tp: int, sp: bool) -> None:
+    """``sp``: Megatron's sequence parallelism, the layers between the mixers on sequence shards (the 59 packed
+    tokens padded to 60 at TP 4); the gathers and scatters move rows, so the bits stay."""
     config, tensors = model(name)
     contract = Contract(chunk_size=16, model_dtype="bfloat16", row_parallel_slices=4)
-    seqs = sequences(config.vocab_size)
+    seqs = sequences(config.vocab_size) + ([torch.tensor([3])] if sp and tp == 4 else [])
     want_rows, want_lp = reference(config, tensors, contract, seqs)
-    rows, lp = launch(mc.tp_rank_logits, tp, config, tensors, contract, seqs)
+    rows, lp = launch(mc.tp_rank_logits, tp, config, tensors, contract, seqs, True, sp)
     assert rows.shape == want_rows.shape and rows.dtype == want_rows.dtype
     assert differing_rows(rows, want_rows) == 0
     assert torch.equal(lp, want_lp)
@@ -109,7 +112,7 @@ def test_refusals() -> None:
     from trainer_hooks.megatron.refusals import parallel_problems
 
     def problems(**kw) -> list[str]:
-        args = dict(tp=1, pp=1, cp=1, sequence_parallel=False, fp8=None, hidden_dropout=0.0, slices=4)
+        args = dict(tp=1, pp=1, cp=1, fp8=None, hidden_dropout=0.0, slices=4)
         return parallel_problems(**{**args, **kw})
 
     assert problems(tp=2) == [] and problems(tp=4) == [] and problems(tp=1, slices=1) == []
@@ -118,8 +121,7 @@ def test_refusals() -> None:
     assert "not a power of two" in problems(tp=3, slices=4)[0]
     assert "pipeline parallelism" in problems(pp=2)[0]
     assert "context parallelism" in problems(cp=2)[0]
-    assert "sequence parallel" in problems(tp=2, sequence_parallel=True)[0]
-    assert all("\n" not in p for p in problems(tp=3, pp=2, cp=2, sequence_parallel=True))
+    assert all("\n" not in p for p in problems(tp=3, pp=2, cp=2))
 
 
 def rank_layout(group, config, tensors, contract: Contract) -> list[str]:
@@ -169,18 +171,19 @@ def test_shards_are_megatrons_own_layout() -> None:
     assert launch(rank_layout, 2, config, tensors, contract) == []
 
 
-@pytest.mark.parametrize(("name", "tp", "hook"), [("mamba2_g8", 2, "on"), ("mamba2_g8", 2, "off"), ("hybrid", 2, "on"),
-                                                  ("mamba2_g8", 4, "on")])
+@pytest.mark.parametrize(("name", "tp", "hook"), [("mamba2_g8", 2, "on"), ("mamba2_g8", 2, "off"),
+                                                  ("hybrid", 2, "on+sp"), ("mamba2_g8", 4, "on")])
 def test_cli_check_trainer_megatron_tp(tmp_path, monkeypatch, name: str, tp: int, hook: str) -> None:
     """``aligned-mamba check --trainer megatron --trainer-tp K`` against the reference engine (TP 1) under one
     contract of row_parallel_slices 4: every exact-replay case 0 differing rows and logprobs; Megatron's
     stock forward at the same TP (hook off) differs. float32: at these sizes bf16 logits round the check's own
-    baseline's differences away (it exits 4, no control)."""
+    baseline's differences away (it exits 4, no control). "on+sp": with ``--trainer-sp`` (the hybrid, whose
+    attention, MLP and norms then run on sequence shards); the flag is refused for the reference trainer."""
     from aligned_mamba.cli import main
     from aligned_mamba.models import nemotron_h
     from aligned_mamba.models.mamba2 import save_checkpoint
 
-    monkeypatch.setenv("ALIGNED_MAMBA_MEGATRON_HOOK", hook)
+    monkeypatch.setenv("ALIGNED_MAMBA_MEGATRON_HOOK", hook.removesuffix("+sp"))
     config, tensors = model(name, "float32")
     (nemotron_h.save_checkpoint if name == "hybrid" else save_checkpoint)(tmp_path / "ckpt", config, tensors)
     (tmp_path / "s4.yaml").write_text("chunk_size: 16\nstate_dtype: float32\nbackend: torch\nmodel_dtype: float32\n"
@@ -188,19 +191,24 @@ def test_cli_check_trainer_megatron_tp(tmp_path, monkeypatch, name: str, tp: int
     out = tmp_path / "result.json"
     args = ["check", "--model", str(tmp_path / "ckpt"), "--trainer", "megatron", "--trainer-tp", str(tp),
             "--backend", "torch", "--prompt-len", "40", "--gen-len", "16", "--requests", "2", "--jobs", "1",
-            "--json", str(out)]
+            "--json", str(out)] + (["--trainer-sp"] if hook.endswith("+sp") else [])
     code = main([*args, "--contract", str(tmp_path / "s4.yaml")])
     result = json.loads(out.read_text())
     assert result["trainer"] == "megatron" and result["trainer_tp"] == tp
+    assert result["trainer_sp"] == hook.endswith("+sp")
     exact = [case for case in result["cases"] if case["exact_replay"]]
     assert len(exact) == 4 and all(case["rows"] > 0 for case in exact)
-    if hook == "on":
+    if hook.startswith("on"):
         assert code == 0 and result["ok"]
         assert all(case["mismatched_rows"] == 0 and case["mismatched_logprobs"] == 0 for case in exact)
     else:
         assert code == 1 and not result["ok"] and all(case["mismatched_rows"] > 0 for case in exact)
     if hook == "on" and tp == 2 and name != "hybrid":  # the plain contract (S = 1) cannot hold TP 2: refused
         assert main([*args, "--json", str(tmp_path / "refused.json")]) != 0
+    if hook == "on+sp":  # sequence parallelism is Megatron's: refused for the reference trainer, in one line
+        reference = [a if a != "megatron" else "reference" for a in args]
+        assert main([*reference, "--contract", str(tmp_path / "s4.yaml"), "--json", str(tmp_path / "r.json")]) == 2
+        assert json.loads((tmp_path / "r.json").read_text())["status"] == "refused"
 
 
 def test_uneven_groups_refused_in_one_line() -> None:
@@ -212,11 +220,13 @@ def test_uneven_groups_refused_in_one_line() -> None:
         launch(mc.tp_rank_logits, 4, config, tensors, contract, sequences(config.vocab_size))
 
 
-def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.Tensor], path: str) -> None:
+def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.Tensor], path: str,
+                   sequence_parallel: bool = False) -> None:
     """On each rank: the hooked model at TP k in train mode, loss = -(sum of the packed next-token logprobs,
-    from this rank's vocabulary shard), backward; rank 0 saves every parameter's gradient merged to the TP 1
-    layout (``merge_megatron`` of the ranks' gradients) at ``path`` (a file: launch's result pipe is too
-    small for them)."""
+    from this rank's vocabulary shard), backward (sequence parallel: then the marked parameters' parts summed
+    over the ranks, as the trainer does); rank 0 saves every parameter's gradient merged to the TP 1 layout
+    (``merge_megatron`` of the ranks' gradients), how many were summed, and the summed ones whose parts differed
+    between the ranks, at ``path`` (a file: launch's result pipe is too small for them)."""
     import torch.distributed as dist
 
     from trainer_hooks import megatron as hk
@@ -224,42 +234,58 @@ def rank_gradients(group, config, tensors, contract: Contract, seqs: list[torch.
 
     mc.prepare_process(group.size)
     hk.install(contract)
-    m = mc.build_mamba_model(config, contract.model_dtype)
+    m = mc.build_mamba_model(config, contract.model_dtype, sequence_parallel=sequence_parallel)
     mc.load_hf_weights(m, config, tensors)
     m.train()
     local = mc.megatron_packed_logits(m, seqs, gather=False)
     labels = torch.cat(seqs).to(torch.int64).roll(-1)
     loss = -hk.token_logprobs(local[None], labels[None], sequence_first=False, vocab_parallel=True).sum()
     loss.backward()
+    parts = {n: p.grad.detach().clone() for n, p in m.named_parameters() if getattr(p, "sequence_parallel", False)}
+    summed = mc.sum_sequence_parallel_gradients(m)
     grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
     every: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size)]
     dist.all_gather_object(every, grads)
+    every_parts: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size)]
+    dist.all_gather_object(every_parts, parts)
     if group.rank == 0:
-        torch.save(merge_megatron(every, config), path)
+        differed = sorted(n for n, g in parts.items() if any(not torch.equal(g, o[n]) for o in every_parts[1:]))
+        torch.save({"grads": merge_megatron(every, config), "summed": summed, "parts_differ": differed}, path)
 
 
-@pytest.mark.parametrize("name", ["mamba2_g2", "hybrid", "hybrid_moe"])
-def test_gradients_at_tp2_match_tp1(tmp_path, name: str) -> None:
+@pytest.mark.parametrize(("name", "sp"), [("mamba2_g2", False), ("hybrid", False), ("hybrid_moe", False),
+                                          ("hybrid_moe", True)])
+def test_gradients_at_tp2_match_tp1(tmp_path, name: str, sp: bool) -> None:
     """Training through the hook at TP 2: the all-gathers pass each rank its own slot of the gradient and
     every replicated layer input sums the ranks' partial gradients, so the merged gradients are TP 1's
-    (to fp32 rounding: the backward's sums are not the contract's trees)."""
+    (to fp32 rounding: the backward's sums are not the contract's trees). ``sp``: sequence parallel, where
+    the norms' and the router's gradients are parts until summed over the ranks: the parts differ between
+    the ranks (unsummed, the replicated weights would step apart), the sums are TP 1's."""
     config, tensors = model(name, "float32")
     contract = Contract(chunk_size=16, model_dtype="float32", row_parallel_slices=2)
     seqs = sequences(config.vocab_size)
     launch(rank_gradients, 1, config, tensors, contract, seqs, str(tmp_path / "tp1.pt"))
-    launch(rank_gradients, 2, config, tensors, contract, seqs, str(tmp_path / "tp2.pt"))
-    one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    launch(rank_gradients, 2, config, tensors, contract, seqs, str(tmp_path / "tp2.pt"), sp)
+    saved = torch.load(tmp_path / "tp2.pt")
+    one, two = torch.load(tmp_path / "tp1.pt")["grads"], saved["grads"]
+    if sp:  # every layer norm, the final norm and the router: 4 layers' + 1 + 1 in "ME*-"
+        assert saved["summed"] == 6 and len(saved["parts_differ"]) == 6, saved["parts_differ"]
+    else:
+        assert saved["summed"] == 0
     assert sorted(one) == sorted(two) and len(one) > 10
     for n, g in one.items():
         assert g.abs().max() > 0, n
         torch.testing.assert_close(two[n], g, rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("name", ["mamba2_g8", "hybrid", "hybrid_moe"])
-def test_training_at_tp2_serves_what_it_scores(name: str) -> None:
+@pytest.mark.parametrize(("name", "sp"), [("mamba2_g8", False), ("hybrid", False), ("hybrid_moe", False),
+                                          ("hybrid_moe", True)])
+def test_training_at_tp2_serves_what_it_scores(name: str, sp: bool) -> None:
     """Three REINFORCE steps of the Megatron trainer at TP 2 (rank processes, each stepping its shard): after
     every step the merged weights it exports, run by the reference model at TP 1 under the same contract
-    (the sampler's forward), give its logits rows and logprobs bit for bit, while the weights move."""
+    (the sampler's forward), give its logits rows and logprobs bit for bit, while the weights move. ``sp``:
+    sequence parallel (72 tokens, 36 a rank); an export whose replicated weights differ between the ranks is
+    refused (``merge_megatron``), so the norms' and router's summed gradients are checked every step."""
     from aligned_mamba.train import generated_logprobs, weights_from_bytes
     from trainer_hooks.megatron.trainer import make_trainer
 
@@ -269,7 +295,7 @@ def test_training_at_tp2_serves_what_it_scores(name: str) -> None:
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 23, 9)]
     prompt_lens = [20, 10, 4]
     digests = []
-    with make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3, tp=2) as tr:
+    with make_trainer(config=config, tensors=tensors, contract=contract, lr=1e-3, tp=2, sequence_parallel=sp) as tr:
         for it in range(4):
             blob, digest = tr.export_bytes()
             digests.append(digest)
@@ -287,18 +313,19 @@ def test_training_at_tp2_serves_what_it_scores(name: str) -> None:
 
 
 def test_rl_with_the_megatron_trainer_at_tp2(tmp_path) -> None:
-    """``aligned-mamba rl --trainer megatron --trainer-tp 2 --row-parallel-slices 2``: three iterations on Ray
-    with reference rollout workers at TP 1 under the same contract, every sampled token's logprob equal to
-    the TP 2 trainer's while its weights move."""
+    """``aligned-mamba rl --trainer megatron --trainer-tp 2 --trainer-sp --row-parallel-slices 2``: three
+    iterations on Ray with reference rollout workers at TP 1 under the same contract, every sampled token's
+    logprob equal to the TP 2 trainer's (sequence parallel) while its weights move."""
     pytest.importorskip("ray", reason="aligned-mamba rl needs Ray (pip install -e '.[ray]')")
     from aligned_mamba.models.mamba2 import save_checkpoint
     from rollout.rl import RLOptions, run_rl
 
     config, tensors = model("mamba2_g8", "float32")
     save_checkpoint(tmp_path / "ckpt", config, tensors)
-    r = run_rl(RLOptions(model=str(tmp_path / "ckpt"), trainer="megatron", trainer_tp=2, row_parallel_slices=2,
-                         workers=2, iterations=3, prompt_len=40, gen_len=12, prompts_per_worker=2))
-    assert r["ok"] and r["trainer_tp"] == 2 and r["contract"]["row_parallel_slices"] == 2
+    r = run_rl(RLOptions(model=str(tmp_path / "ckpt"), trainer="megatron", trainer_tp=2, trainer_sp=True,
+                         row_parallel_slices=2, workers=2, iterations=3, prompt_len=40, gen_len=12,
+                         prompts_per_worker=2))
+    assert r["ok"] and r["trainer_tp"] == 2 and r["trainer_sp"] and r["contract"]["row_parallel_slices"] == 2
     assert len(r["iterations"]) == 3 and all(x["mismatched_tokens"] == 0 for x in r["iterations"])
     assert sum(x["tokens"] for x in r["iterations"]) > 0
     digests = [x["next_weights_digest"] for x in r["iterations"]]

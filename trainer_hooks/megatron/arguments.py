@@ -31,9 +31,8 @@ def apply_from_args(args: argparse.Namespace) -> AlignedMambaHook | None:
     contract = Contract.from_yaml(getattr(args, "aligned_mamba_contract", None) or "default")
     problems = parallel_problems(
         tp=getattr(args, "tensor_model_parallel_size", 1), pp=getattr(args, "pipeline_model_parallel_size", 1),
-        cp=getattr(args, "context_parallel_size", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
-        fp8=getattr(args, "fp8", None), hidden_dropout=getattr(args, "hidden_dropout", 0.0),
-        slices=contract.row_parallel_slices)
+        cp=getattr(args, "context_parallel_size", 1), fp8=getattr(args, "fp8", None),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0), slices=contract.row_parallel_slices)
     if getattr(args, "fp16", False):
         problems.append("--fp16 (fp16 is not a contract model dtype)")
     params_dtype = getattr(args, "params_dtype", None)  # Megatron-LM sets it from --bf16 / --fp16 in validation

@@ -16,7 +16,7 @@ from aligned_mamba.layers.mlp import MLPConfig
 from aligned_mamba.layers.moe import MoE as CoreMoE
 from aligned_mamba.layers.moe import MoEConfig
 from aligned_mamba.ops.linear.sliced import row_parallel_linear, row_parallel_weight
-from aligned_mamba.parallel import TPGroup
+from aligned_mamba.parallel import TPGroup, gather_rows
 
 from .current import hook_for
 from .norms import aligned_rms_norm
@@ -38,7 +38,11 @@ def embedding_forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
     offers = tp.all_gather(torch.nn.functional.embedding(local, self.weight).to(hook.dtype))  # [k, ..., hidden]
     owner = torch.div(input_, v, rounding_mode="floor").clamp(0, tp.size - 1)
     index = owner.unsqueeze(0).unsqueeze(-1).expand(1, *input_.shape, offers.shape[-1])
-    return offers.gather(0, index).squeeze(0)
+    rows = offers.gather(0, index).squeeze(0)
+    if getattr(self, "reduce_scatter_embeddings", False):
+        # sequence parallel: [b, s, h] -> this rank's rows of [s, b, h], as Megatron's reduce-scatter gives them
+        return hook.layer_output(rows.transpose(0, 1).contiguous(), self)
+    return rows
 
 
 def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None = None,
@@ -49,6 +53,10 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
     hook = hook_for(self)
     backend = hook.backend(input_.device)
     tp = hook.tp(self)
+    row_parallel = type(self).__name__ == "RowParallelLinear"
+    sequence_parallel = hook.sequence_group(self) is not None
+    if sequence_parallel and not row_parallel:
+        input_ = hook.layer_input(input_, self)  # the ranks' sequence rows gathered (e.g. into the output layer)
     w = self.weight if weight is None else weight
     if getattr(self, "_aligned_mamba_round_weight", False):
         w = w.to(hook.dtype)
@@ -56,7 +64,6 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
     skip = getattr(self, "skip_bias_add", False)
     shape = input_.shape
     x = input_.reshape(-1, shape[-1])
-    row_parallel = type(self).__name__ == "RowParallelLinear"
     if row_parallel and (tp is not None or hook.slices > 1):
         # the backend's fused subtree (one launch per rank) where it has one, else its partial GEMM per slice
         fused = backend.linear_tree is not None
@@ -64,8 +71,11 @@ def linear_forward(self: Any, input_: torch.Tensor, weight: torch.Tensor | None 
                                  1 if tp is None else tp.size)
         out = row_parallel_linear(x, ws, None if skip else bias, slices=hook.slices, group=tp or TPGroup.single(),
                                   partial=backend.linear_partial, tree=backend.linear_tree)
-        return out.reshape(*shape[:-1], w.shape[0]), (bias if skip else None)
-    out = backend.linear(hook.replicated_input(x, self), backend.linear_weight(w), None if skip else bias)
+        out = out.reshape(*shape[:-1], w.shape[0])
+        return (hook.layer_output(out, self) if sequence_parallel else out), (bias if skip else None)
+    if not sequence_parallel:
+        x = hook.replicated_input(x, self)
+    out = backend.linear(x, backend.linear_weight(w), None if skip else bias)
     gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
     if not row_parallel and tp is not None and gather:
         out = tp.all_gather(out).permute(1, 0, 2).reshape(out.shape[0], -1)  # [M, k * N / k], rank order
@@ -158,12 +168,12 @@ def mixer_forward(self: Any, hidden_states: torch.Tensor, inference_context: Any
     if self.chunk_size != hook.contract.chunk_size:
         raise AlignmentRefused(f"MambaMixer chunk_size={self.chunk_size} but the contract says chunk_size="
                                f"{hook.contract.chunk_size}")
-    lens, hidden = _sequences(hidden_states, packed_seq_params)
-    hidden = hook.replicated_input(hidden, self)
+    whole = hook.layer_input(hidden_states, self)
+    lens, hidden = _sequences(whole, packed_seq_params)
     mixer = core_mixer(self, hook, hidden.device)
     state = mixer.state(mixer.state_spec().allocate(len(lens), hidden.device))
     y = mixer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
-    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+    return hook.layer_output(_layer_output(y, whole, packed_seq_params is not None, self.config), self), None
 
 
 def core_attention(m: Any, hook: AlignedMambaHook, device: torch.device) -> Attention:
@@ -217,13 +227,13 @@ def attention_forward(self: Any, hidden_states: torch.Tensor, attention_mask: to
     given = [name for name, on in extra.items() if on]
     if given:
         raise AlignmentRefused(f"attention with {', '.join(given)} is not covered by --aligned-mamba")
-    _refuse_uncausal_mask(attention_mask, hidden_states.shape[0])
-    lens, hidden = _sequences(hidden_states, packed_seq_params)
-    hidden = hook.replicated_input(hidden, self)
+    whole = hook.layer_input(hidden_states, self)
+    _refuse_uncausal_mask(attention_mask, whole.shape[0])
+    lens, hidden = _sequences(whole, packed_seq_params)
     layer = core_attention(self, hook, hidden.device)
     state = layer.state(layer.state_spec().allocate(len(lens), hidden.device, max([1, *lens])))
     y = layer.advance(state, hook.batch_for(lens), hidden.to(hook.dtype))
-    return _layer_output(y, hidden_states, packed_seq_params is not None, self.config), None
+    return hook.layer_output(_layer_output(y, whole, packed_seq_params is not None, self.config), self), None
 
 
 def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
@@ -233,16 +243,16 @@ def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.T
     hook = hook_for(self)
     if per_token_scale is not None:
         raise AlignmentRefused("MLP with per_token_scale (MoE expert scaling) is not covered by --aligned-mamba")
-    shape = hidden_states.shape
+    whole = hook.layer_input(hidden_states, self)
+    shape = whole.shape
     w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
     tp = hook.tp(self)
     k = 1 if tp is None else tp.size  # the config is the whole MLP's; the weights this rank's channels
     mlp = CoreMLP(MLPConfig(hidden_size=w1.shape[1], intermediate_size=w1.shape[0] * k),
                   {"up_proj.weight": w1, "down_proj.weight": w2}, "", backend=hook.backend(hidden_states.device),
                   dtype=hook.dtype, tp=tp, slices=hook.slices)
-    x = hook.replicated_input(hidden_states.reshape(-1, shape[-1]).to(hook.dtype), self)
-    y = mlp.advance(None, None, x).reshape(shape)
-    return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None
+    y = mlp.advance(None, None, whole.reshape(-1, shape[-1]).to(hook.dtype)).reshape(shape)
+    return hook.layer_output(y.to(torch.float32) if self.config.fp32_residual_connection else y, self), None
 
 
 def core_moe(m: Any, hook: AlignedMambaHook, device: torch.device) -> CoreMoE:
@@ -275,16 +285,21 @@ def moe_forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: An
     if intermediate_tensors is not None or padding_mask is not None:
         raise AlignmentRefused("MoE layer with intermediate tensors or a padding mask is not covered by "
                                "--aligned-mamba")
-    shape = hidden_states.shape
     moe = core_moe(self, hook, hidden_states.device)
-    x = hidden_states.reshape(-1, shape[-1]).to(hook.dtype)
-    experts, weights = moe.route_rows(x)
-    # the experts see x as a column-parallel layer does (their input gradients summed over the ranks); the
-    # router, whole on every rank, gives each rank the whole gradient itself
-    y = moe.experts_out(None, hook.replicated_input(x, self.shared_experts), experts, weights).reshape(shape)
+    d = hidden_states.shape[-1]
+    # the router, whole on every rank, routes the rows this rank holds (all of them, or its sequence-parallel
+    # ones, whose routes are then gathered: the router's gradient is then this rank's part, as Megatron's is)
+    local, weights = moe.route_rows(hidden_states.reshape(-1, d).to(hook.dtype))
+    experts, group = local, hook.sequence_group(self)
+    if group is not None:
+        experts, weights = gather_rows(group, local, summed=False), gather_rows(group, weights, summed=False)
+    # the experts see the whole x as a column-parallel layer does (their input gradients summed over the ranks)
+    whole = hook.layer_input(hidden_states, self.shared_experts)
+    x = whole.reshape(-1, d).to(hook.dtype)
+    y = hook.layer_output(moe.experts_out(None, x, experts, weights).reshape(whole.shape), self)
     r = self.router
     if self.training and torch.is_grad_enabled() and getattr(r, "enable_expert_bias", False):
         with torch.no_grad():
-            r.local_tokens_per_expert += torch.bincount(experts.flatten(), minlength=moe.config.n_routed_experts).to(
+            r.local_tokens_per_expert += torch.bincount(local.flatten(), minlength=moe.config.n_routed_experts).to(
                 r.local_tokens_per_expert.dtype)
     return (y.to(torch.float32) if self.config.fp32_residual_connection else y), None

@@ -11,7 +11,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.ops.backend import Backend, resolve
 from aligned_mamba.ops.step import Step
-from aligned_mamba.parallel import TPGroup
+from aligned_mamba.parallel import TPGroup, gather_rows, scatter_rows
 
 from . import current, patch
 from .norms import AlignedRMSNorm
@@ -85,25 +85,41 @@ class AlignedMambaHook:
         self.dtype: torch.dtype = getattr(torch, contract.model_dtype)
         self._saved: list[tuple[Any, str, Any]] = []
         self._batch: tuple[tuple[int, ...], Step] | None = None
-        self._groups: dict[int, tuple[Any, TPGroup]] = {}
+        self._groups: dict[int, tuple[Any, TPGroup, TPGroup]] = {}
 
     @property
     def slices(self) -> int:
         """The contract's row-parallel slice count S (1: the plain linear layers)."""
         return self.contract.row_parallel_slices
 
-    def tp(self, module: Any) -> TPGroup | None:
-        """The ``TPGroup`` over the module's TP process group (``_process_group``), None at TP 1; its
-        differentiable all-gather is the aligned forwards' only collective (an all-reduce's order is the library's)."""
+    def _group(self, module: Any) -> tuple[TPGroup, TPGroup] | None:
+        """(plain, differentiable) ``TPGroup`` over the module's TP process group, None at TP 1."""
         pg = _process_group(module)
         if pg.size() == 1:
             return None
         cached = self._groups.get(id(pg))
         if cached is None or cached[0] is not pg:
             plain = TPGroup.from_torch(pg)
-            cached = (pg, TPGroup(plain.rank, plain.size, functools.partial(_gather, plain)))
+            cached = (pg, plain, TPGroup(plain.rank, plain.size, functools.partial(_gather, plain)))
             self._groups[id(pg)] = cached
-        return cached[1]
+        return cached[1], cached[2]
+
+    def tp(self, module: Any) -> TPGroup | None:
+        """The ``TPGroup`` over the module's TP process group (``_process_group``), None at TP 1; its
+        differentiable all-gather is the aligned forwards' only collective (an all-reduce's order is the library's)."""
+        groups = self._group(module)
+        return None if groups is None else groups[1]
+
+    def sequence_group(self, module: Any) -> TPGroup | None:
+        """The plain ``TPGroup`` where ``module`` takes and gives sequence-parallel rows (its ``sequence_parallel``,
+        an embedding's ``reduce_scatter_embeddings``, else its config's, at TP > 1), else None."""
+        on = getattr(module, "reduce_scatter_embeddings", None)
+        if on is None:
+            on = getattr(module, "sequence_parallel", None)
+        if on is None:
+            on = getattr(getattr(module, "config", None), "sequence_parallel", False)
+        groups = self._group(module) if on else None
+        return None if groups is None else groups[0]
 
     def replicated_input(self, x: torch.Tensor, module: Any) -> torch.Tensor:
         """x, the same on every rank, entering a layer of this rank's shard: in the backward the ranks' partial
@@ -114,6 +130,21 @@ class AlignedMambaHook:
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         return copy_to_tensor_model_parallel_region(x, pg)
+
+    def layer_input(self, hidden_states: torch.Tensor, module: Any) -> torch.Tensor:
+        """A layer's input [s(/k), ...] -> the whole [s, ...], the same on every rank, whose gradient sums the
+        ranks' partial ones: sequence-parallel rows gathered (``parallel.gather_rows``, the sum in rank order),
+        else ``replicated_input``."""
+        group = self.sequence_group(module)
+        if group is None:
+            return self.replicated_input(hidden_states, module)
+        return gather_rows(group, hidden_states)
+
+    def layer_output(self, y: torch.Tensor, module: Any) -> torch.Tensor:
+        """A layer's whole output [s, ...] -> this rank's sequence-parallel rows [s / k, ...] where the module
+        runs sequence-parallel (``parallel.scatter_rows``), else y."""
+        group = self.sequence_group(module)
+        return y if group is None else scatter_rows(group, y)
 
     def backend(self, device: torch.device) -> Backend:
         """The contract's ops on ``device`` (the very object the core's models resolve)."""

@@ -27,6 +27,9 @@ class AlignedRMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
                                                     device=_init_device(config)))
+        # on sequence-parallel rows each rank's gradient is a part: Megatron's finalize_model_grads sums the
+        # parameters marked so over the TP group (as its own norms mark theirs)
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] any float dtype -> [..., hidden] in the params dtype."""

@@ -32,16 +32,13 @@ def tp_problems(tp: int, slices: int) -> list[str]:
     return []
 
 
-def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8: Any,
-                      hidden_dropout: float, slices: int = 1) -> list[str]:
+def parallel_problems(*, tp: int, pp: int, cp: int, fp8: Any, hidden_dropout: float, slices: int = 1) -> list[str]:
     out = tp_problems(tp, slices)
     if (pp or 1) > 1:
         out.append(f"pipeline model parallel size {pp} (pipeline parallelism is not covered)")
     if (cp or 1) > 1:
         out.append(f"context parallel size {cp} (context parallelism splits a sequence's scan across ranks; not "
                    "covered)")
-    if sequence_parallel:
-        out.append("sequence parallel (not covered: the layer norms would run on sequence shards)")
     if fp8:
         out.append(f"fp8 ({fp8})")
     if hidden_dropout:
@@ -51,8 +48,7 @@ def parallel_problems(*, tp: int, pp: int, cp: int, sequence_parallel: bool, fp8
 
 def config_problems(config: Any, contract: Contract) -> list[str]:
     out = parallel_problems(tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
-                            cp=config.context_parallel_size, sequence_parallel=config.sequence_parallel,
-                            fp8=config.fp8, hidden_dropout=config.hidden_dropout,
+                            cp=config.context_parallel_size, fp8=config.fp8, hidden_dropout=config.hidden_dropout,
                             slices=contract.row_parallel_slices)
     dtype = str(config.params_dtype).removeprefix("torch.")
     if dtype != contract.model_dtype:

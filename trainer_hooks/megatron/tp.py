@@ -28,7 +28,8 @@ _REPLY_TIMEOUT_S = 1800.0  # a rank's forward on 2 shared cores can take minutes
 
 
 def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config: Any,
-               tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool, lr: float) -> None:
+               tensors: dict[str, torch.Tensor], contract: Contract, threads: int, hook: bool, lr: float,
+               sequence_parallel: bool) -> None:
     """One rank: join the world, build its ``MegatronTrainer``, run each command until None; rank 0 answers."""
     import torch.distributed as dist
 
@@ -37,7 +38,8 @@ def _rank_main(rank: int, size: int, port: int, inbox: Any, outbox: Any, config:
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        trainer = MegatronTrainer(config, tensors, contract, lr=lr, hook=hook, tp=size)
+        trainer = MegatronTrainer(config, tensors, contract, lr=lr, hook=hook, tp=size,
+                                  sequence_parallel=sequence_parallel)
         if rank == 0:
             outbox.put(pickle.dumps(("ready", None)))
     except Exception as exc:  # noqa: BLE001 (sent to the parent, which raises it)
@@ -73,7 +75,7 @@ class MegatronTPTrainer(PackedScoring):
     baseline). ``close()`` (or the context manager) stops them."""
 
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, tp: int, *,
-                 hook: bool = True, lr: float = 1e-4) -> None:
+                 hook: bool = True, lr: float = 1e-4, sequence_parallel: bool = False) -> None:
         import torch.multiprocessing as mp
 
         from .refusals import tp_problems
@@ -93,7 +95,8 @@ class MegatronTPTrainer(PackedScoring):
             port = sock.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // tp)
         self._procs = [ctx.Process(target=_rank_main, args=(r, tp, port, self._inboxes[r], self._outbox, config,
-                                                             tensors, contract, threads, hook, lr), daemon=True)
+                                                             tensors, contract, threads, hook, lr,
+                                                             sequence_parallel), daemon=True)
                        for r in range(tp)]
         for p in self._procs:
             p.start()

@@ -34,12 +34,12 @@ from aligned_mamba.train import (
 from .hook import install, installed
 from .logprobs import token_logprobs
 from .shards import hf_to_megatron_shard
-from .spec import local_mamba_stack_spec
+from .spec import aligned_mamba_stack_spec, local_mamba_stack_spec
 from .weights import hf_to_megatron, megatron_names, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "build_hooked_model", "build_mamba_model", "load_hf_weights", "make_trainer",
            "megatron_packed_logits", "megatron_sequence_logits", "megatron_transformer_config", "prepare_process",
-           "tp_rank_forward", "tp_rank_logits", "tp_rank_model", "tp_size"]
+           "sum_sequence_parallel_gradients", "tp_rank_forward", "tp_rank_logits", "tp_rank_model", "tp_size"]
 
 # MambaMixer hard-codes its gated norm's eps; a checkpoint with another eps is not Megatron-representable
 MEGATRON_GATED_NORM_EPS = 1e-5
@@ -74,13 +74,14 @@ def _refuse_mixer_settings(config: Any) -> None:
                              f"{MEGATRON_GATED_NORM_EPS} for its gated norm")
 
 
-def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: str) -> Any:
+def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: str, *,
+                                sequence_parallel: bool = False) -> Any:
     """The TransformerConfig of ``config``'s model (pure Mamba2, or the hybrid of a ``NemotronHConfig``), params in
-    ``dtype``; refuses (ModelLoadError) what Megatron's MambaMixer cannot represent."""
+    ``dtype``, sequence parallel or not; refuses (ModelLoadError) what Megatron's MambaMixer cannot represent."""
     from megatron.core.transformer import TransformerConfig
 
     if isinstance(config, NemotronHConfig):
-        return _hybrid_transformer_config(config, dtype)
+        return _hybrid_transformer_config(config, dtype, sequence_parallel)
 
     if config.use_bias:
         raise ModelLoadError("use_bias=True: Megatron's MambaMixer has no in_proj/out_proj bias")
@@ -92,14 +93,17 @@ def megatron_transformer_config(config: Mamba2Config | NemotronHConfig, dtype: s
         layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm", hidden_dropout=0.0,
         attention_dropout=0.0, fp32_residual_connection=config.residual_in_fp32,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False,
-        **_tp_fields(config))
+        **_tp_fields(config, sequence_parallel))
 
 
-def _tp_fields(config: Mamba2Config | NemotronHConfig) -> dict[str, Any]:
+def _tp_fields(config: Mamba2Config | NemotronHConfig, sequence_parallel: bool) -> dict[str, Any]:
     """The TP fields at this process's TP size; TransformerConfig wants ``num_attention_heads`` a multiple of it
-    even for a pure Mamba2 stack."""
+    even for a pure Mamba2 stack. Sequence parallelism needs TP > 1 (refused in one line, before Megatron's)."""
     tp = tp_size()
-    out: dict[str, Any] = {"tensor_model_parallel_size": tp}
+    if sequence_parallel and tp == 1:
+        raise ModelLoadError("sequence parallel at tensor-parallel size 1: it shards the sequence over the TP ranks, "
+                             "so it needs TP > 1")
+    out: dict[str, Any] = {"tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel}
     if not isinstance(config, NemotronHConfig):
         out["num_attention_heads"] = tp
     return out
@@ -129,7 +133,7 @@ def _moe_transformer_fields(config: NemotronHConfig) -> dict[str, Any]:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
 
 
-def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
+def _hybrid_transformer_config(config: NemotronHConfig, dtype: str, sequence_parallel: bool) -> Any:
     """The TransformerConfig of a hybrid MambaModel of Nemotron-H's shapes, the residual in the model dtype as
     Nemotron-H keeps it; refuses (ModelLoadError) what Megatron cannot represent for it."""
     from megatron.core.activations import squared_relu
@@ -149,21 +153,34 @@ def _hybrid_transformer_config(config: NemotronHConfig, dtype: str) -> Any:
         bf16=dtype == "bfloat16", layernorm_epsilon=config.layer_norm_epsilon, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, fp32_residual_connection=False,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False, add_bias_linear=False,
-        **_tp_fields(config))
+        **_tp_fields(config, sequence_parallel))
 
 
-def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chunk_size: int | None = None) -> Any:
+def build_mamba_model(config: Mamba2Config | NemotronHConfig, dtype: str, *, chunk_size: int | None = None,
+                      sequence_parallel: bool = False) -> Any:
     """A MambaModel of ``config``'s shape, weights uninitialised (the hybrid for a ``NemotronHConfig``), aligned on
-    construction when the hook is installed; ``chunk_size`` goes to every MambaMixer explicitly."""
+    construction when the hook is installed; ``chunk_size`` goes to every MambaMixer explicitly.
+    ``sequence_parallel``: the layers between the mixers run on sequence shards, every norm the hook's
+    ``AlignedRMSNorm`` (``aligned_mamba_stack_spec``: Megatron's torch norms refuse sequence parallelism, and
+    its Transformer Engine ones are not covered), so the hook must be installed."""
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     moe = isinstance(config, NemotronHConfig) and "E" in config.hybrid_override_pattern
-    spec = local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias,
-                                  moe_experts=config.n_routed_experts if moe else None)
+    experts = config.n_routed_experts if moe else None
+    if sequence_parallel:
+        hook = installed()
+        if hook is None:
+            raise ModelLoadError("sequence parallel without the hook: Megatron's torch norms refuse it and its "
+                                 "Transformer Engine norms are not available here, so there is no stock baseline")
+        spec = aligned_mamba_stack_spec(hook.contract, config.layer_norm_epsilon, conv_bias=config.use_conv_bias,
+                                        moe_experts=experts)
+    else:
+        spec = local_mamba_stack_spec(config.layer_norm_epsilon, conv_bias=config.use_conv_bias, moe_experts=experts)
     if chunk_size is not None:
         spec.submodules.mamba_layer.submodules.mixer.params["chunk_size"] = chunk_size
     pattern = config.hybrid_override_pattern if isinstance(config, NemotronHConfig) else None
-    model = MambaModel(megatron_transformer_config(config, dtype), spec, vocab_size=config.vocab_size,
+    transformer = megatron_transformer_config(config, dtype, sequence_parallel=sequence_parallel)
+    model = MambaModel(transformer, spec, vocab_size=config.vocab_size,
                        max_sequence_length=1 << 20, share_embeddings_and_output_weights=config.tie_word_embeddings,
                        position_embedding_type="none", hybrid_override_pattern=pattern)
     if torch.cuda.is_available():
@@ -195,17 +212,22 @@ def load_hf_weights(model: Any, config: Mamba2Config | NemotronHConfig, tensors:
 
 def megatron_packed_logits(model: Any, sequences: list[torch.Tensor], *, gather: bool = True) -> torch.Tensor:
     """One THD forward over the packed sequences -> [sum len_i, vocab] whole rows at any TP size (``gather=False``:
-    this rank's vocabulary shard, as Megatron's loss reads it); grad mode and model mode as they are."""
+    this rank's vocabulary shard, as Megatron's loss reads it); grad mode and model mode as they are. Sequence
+    parallel: the packed tokens padded to a multiple of the TP size (Megatron splits them evenly), the padding one
+    more sequence past the last offset, its rows dropped."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = _model_device(model)
     lens = [int(s.numel()) for s in sequences]
+    total = sum(lens)
+    pad = -total % tp_size() if getattr(getattr(model, "config", None), "sequence_parallel", False) else 0
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    ids = torch.cat([s.to(torch.int64) for s in sequences])[None].to(dev)
-    pos = torch.cat([torch.arange(n) for n in lens])[None].to(dev)
+    ids = torch.cat([*(s.to(torch.int64) for s in sequences), torch.zeros(pad, dtype=torch.int64)])[None].to(dev)
+    pos = torch.cat([*(torch.arange(n) for n in lens), torch.arange(pad)])[None].to(dev)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                              max_seqlen_kv=max(lens))
-    return model(ids, pos, attention_mask=None, packed_seq_params=params, runtime_gather_output=gather)[0]
+    logits = model(ids, pos, attention_mask=None, packed_seq_params=params, runtime_gather_output=gather)[0]
+    return logits[:total] if pad else logits
 
 
 def megatron_sequence_logits(model: Any, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -225,13 +247,29 @@ def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
+def sum_sequence_parallel_gradients(model: Any) -> int:
+    """After a backward of a sequence-parallel ``model``: the parameters Megatron marks ``sequence_parallel`` (the
+    norms, the MoE router), applied to this rank's rows only, hold a part of their gradient; each is summed over
+    the TP ranks in rank order (what Megatron's ``finalize_model_grads`` all-reduces), so every rank holds the same
+    sum. Returns how many were summed (0 without sequence parallelism)."""
+    if not model.config.sequence_parallel:
+        return 0
+    from megatron.core import parallel_state
+
+    from aligned_mamba.parallel import TPGroup, merge_gradients
+
+    marked = [p for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.requires_grad]
+    merge_gradients(TPGroup.from_torch(parallel_state.get_tensor_model_parallel_group()), marked, mean=False)
+    return len(marked)
+
+
 def build_hooked_model(config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                       contract: Contract, tp: int = 1) -> Any:
+                       contract: Contract, tp: int = 1, *, sequence_parallel: bool = False) -> Any:
     """A MambaModel with the hook installed for ``contract``, the process prepared at TP ``tp``, HF-named
     ``tensors`` loaded (this rank's shard at TP > 1); left in train mode."""
     prepare_process(tp)
     install(contract)
-    model = build_mamba_model(config, contract.model_dtype)
+    model = build_mamba_model(config, contract.model_dtype, sequence_parallel=sequence_parallel)
     load_hf_weights(model, config, tensors)
     return model
 
@@ -241,7 +279,7 @@ class MegatronTrainer(PackedScoring):
     on fp32 masters. ``hook=False``: Megatron's stock forward (the baseline)."""
 
     def __init__(self, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor], contract: Contract,
-                 *, lr: float = 1e-4, hook: bool = True, tp: int = 1) -> None:
+                 *, lr: float = 1e-4, hook: bool = True, tp: int = 1, sequence_parallel: bool = False) -> None:
         check_lr(lr)
         self.tp = tp
         self.config = config
@@ -250,10 +288,11 @@ class MegatronTrainer(PackedScoring):
         self.hooked = hook
         self.dtypes = {k: v.dtype for k, v in tensors.items()}  # the served names and dtypes, in input order
         if hook:
-            self.model = build_hooked_model(config, tensors, contract, tp)
+            self.model = build_hooked_model(config, tensors, contract, tp, sequence_parallel=sequence_parallel)
         else:
             prepare_process(tp)
-            self.model = build_mamba_model(config, contract.model_dtype, chunk_size=contract.chunk_size)
+            self.model = build_mamba_model(config, contract.model_dtype, chunk_size=contract.chunk_size,
+                                           sequence_parallel=sequence_parallel)
             load_hf_weights(self.model, config, tensors)
         self.params = dict(self.model.named_parameters())
         self.master: dict[str, torch.Tensor] | None = None
@@ -307,6 +346,7 @@ class MegatronTrainer(PackedScoring):
         self.model.zero_grad(set_to_none=True)
         loss, tokens = reinforce_loss(self._logits(seqs), seqs, prompt_lens, advantages, contract=self.contract)
         loss.backward()
+        sum_sequence_parallel_gradients(self.model)
         self.opt.zero_grad(set_to_none=True)
         for name, p in self.params.items():
             if p.grad is not None:
@@ -353,9 +393,10 @@ class MegatronTrainer(PackedScoring):
 
 
 def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Contract, lr: float = 1e-4,
-                 tp: int = 1) -> Any:
-    """The ``aligned_mamba.trainers`` entry point ``megatron`` (``tp`` > 1: ``MegatronTPTrainer``).
-    ``ALIGNED_MAMBA_MEGATRON_HOOK=off``: Megatron's stock forward, not under the contract it reports."""
+                 tp: int = 1, sequence_parallel: bool = False) -> Any:
+    """The ``aligned_mamba.trainers`` entry point ``megatron`` (``tp`` > 1: ``MegatronTPTrainer``, with
+    ``sequence_parallel`` Megatron's sequence parallelism). ``ALIGNED_MAMBA_MEGATRON_HOOK=off``: Megatron's stock
+    forward, not under the contract it reports."""
     if not isinstance(config, (Mamba2Config, NemotronHConfig)):
         raise ModelLoadError(f"the Megatron trainer covers Mamba2 and Nemotron-H checkpoints (Hugging Face layouts), "
                              f"not {type(config).__name__}")
@@ -366,12 +407,12 @@ def make_trainer(*, config: Any, tensors: dict[str, torch.Tensor], contract: Con
     if tp != 1:
         from .tp import MegatronTPTrainer
 
-        return MegatronTPTrainer(config, tensors, contract, tp, hook=hook, lr=lr)
-    return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook)
+        return MegatronTPTrainer(config, tensors, contract, tp, hook=hook, lr=lr, sequence_parallel=sequence_parallel)
+    return MegatronTrainer(config, tensors, contract, lr=lr, hook=hook, sequence_parallel=sequence_parallel)
 
 
 def tp_rank_model(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                  contract: Contract, hook: bool = True) -> Any:
+                  contract: Contract, hook: bool = True, sequence_parallel: bool = False) -> Any:
     """This rank's MambaModel at TP ``group.size`` in eval mode, its shard of ``tensors`` loaded: hooked for
     ``contract`` (``hook=False``: Megatron's stock forward, a hook installed earlier in the process taken off)."""
     prepare_process(group.size)
@@ -379,7 +420,8 @@ def tp_rank_model(group: Any, config: Mamba2Config | NemotronHConfig, tensors: d
         install(contract)
     elif (current := installed()) is not None:
         current.uninstall()
-    model = build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size)
+    model = build_mamba_model(config, contract.model_dtype, chunk_size=None if hook else contract.chunk_size,
+                              sequence_parallel=sequence_parallel)
     load_hf_weights(model, config, tensors)
     return model.eval()
 
@@ -402,8 +444,9 @@ def tp_rank_forward(group: Any, model: Any, config: Mamba2Config | NemotronHConf
 
 
 def tp_rank_logits(group: Any, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor],
-                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   contract: Contract, sequences: list[torch.Tensor], hook: bool = True,
+                   sequence_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One rank of a TP run (``parallel.launch(tp_rank_logits, k, ...)``): ``tp_rank_forward`` of a fresh
     ``tp_rank_model``."""
-    return tp_rank_forward(group, tp_rank_model(group, config, tensors, contract, hook), config, sequences, hook)
+    model = tp_rank_model(group, config, tensors, contract, hook, sequence_parallel)
+    return tp_rank_forward(group, model, config, sequences, hook)
