@@ -2,7 +2,7 @@
 """The trainer's forward and the sampler's schedules at TP 1, 2 (4) over NCCL, one process per GPU.
 
     python3 benchmarks/tp_forward_gpus.py --out OUT/h200_tp.json [--sizes 1,2,4] [--models mamba2-1.3b,hybrid-8b] \
-        [--megatron]
+        [--megatron [--sequence-parallel]]
     python3 benchmarks/tp_forward_gpus.py --dist gloo --backend torch --models tiny --out /tmp/tp.json   (CPU)
     python3 benchmarks/tp_forward_gpus.py --dist gloo --sizes 1,2,4 --out OUT/h200_tp_one_gpu.json   (one GPU)
 
@@ -20,7 +20,8 @@ forward's at the same degree (the library's stock TP model on the same weights).
 also builds Megatron-Core's MambaModel at TP k over the same process group, hooked (``--aligned-mamba``)
 and stock (``tp_rank_model``), and runs its packed forward: the hooked rows and its vocab-parallel
 logprobs must equal the core's TP 1 (expected 0 differing), stock Megatron TP k must differ from stock
-Megatron TP 1, and both forwards are timed.
+Megatron TP 1, and both forwards are timed; ``--sequence-parallel`` adds, at every degree above 1, the hooked
+model with Megatron's sequence parallelism (its rows and logprobs must equal the core's TP 1 too; timed).
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1), set here before any process starts and again in each rank. Models are
@@ -129,8 +130,11 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
             from trainer_hooks.megatron import trainer as mt
 
             lens = [int(s.numel()) for s in seqs]
-            for hook in (True, False):
-                m = mt.tp_rank_model(group, config, tensors, c, hook)
+            variants = [("megatron", True, False), ("megatron_stock", False, False)]
+            if job["sequence_parallel"] and size > 1:
+                variants.append(("megatron_sp", True, True))
+            for key, hook, sp in variants:
+                m = mt.tp_rank_model(group, config, tensors, c, hook, sp)
                 def forward(m=m, hook=hook):
                     return mt.tp_rank_forward(group, m, config, list(seqs), hook)
 
@@ -138,7 +142,8 @@ def _rank(rank: int, size: int, port: int, dist_backend: str, job: dict, queue) 
                 entry = dict(rows=list(rows.cpu().split(lens)), ms=median_ms(forward))
                 if lps is not None:  # packed next-token logprobs: each sequence's but its last position
                     entry["logprobs"] = [lp[:-1] for lp in lps.cpu().split(lens)]
-                out["megatron" if hook else "megatron_stock"] = entry
+                out[key] = entry
+                phase(key)
                 del m
         case = next(x for x in CASES if x.name == "chunked_prefill_unaligned")
         scen = scenario_for(case, [list(map(int, s)) for s in job["seqs"]], job["gen_len"], job["budget"], 3)
@@ -206,7 +211,15 @@ def _megatron(one: dict, other: dict) -> dict:
     """Hooked Megatron at this degree against the core's TP 1 (rows, logprobs), stock Megatron against its TP 1."""
     if "megatron" not in other:
         return {}
-    return dict(
+    sp = {}
+    if "megatron_sp" in other:  # sequence parallel, at degrees above 1
+        sp = dict(megatron_sp_rows_differing_from_core_tp1=_differing(other["megatron_sp"]["rows"],
+                                                                      one["aligned"]["rows"]),
+                  megatron_sp_logprobs_differing_from_core_tp1=_differing(
+                      [x[:, None] for x in other["megatron_sp"]["logprobs"]],
+                      [x[:, None] for x in one["aligned"]["logprobs"]]),
+                  megatron_sp_ms=other["megatron_sp"]["ms"])
+    return dict(**sp,
         megatron_rows_differing_from_core_tp1=_differing(other["megatron"]["rows"], one["aligned"]["rows"]),
         megatron_logprobs_differing_from_core_tp1=_differing([x[:, None] for x in other["megatron"]["logprobs"]],
                                                              [x[:, None] for x in one["aligned"]["logprobs"]]),
@@ -230,6 +243,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=540)
     ap.add_argument("--megatron", action="store_true", help="also Megatron-Core's MambaModel, hooked and stock")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --megatron: also the hooked model with Megatron's sequence parallelism (degrees > 1)")
     args = ap.parse_args()
     import torch
     import triton
@@ -256,7 +271,7 @@ def main() -> int:
                                                                                              args.seq_lens.split(","))]
         job = dict(model=name, layers=args.layers, backend=args.backend, slices=args.slices, seqs=seqs,
                    gen_len=args.gen_len, budget=args.budget, repeats=args.repeats, megatron=args.megatron,
-                   weights=str(weights))
+                   sequence_parallel=args.sequence_parallel, weights=str(weights))
         runs = {}
         with held:
             for k in sizes:
@@ -269,6 +284,9 @@ def main() -> int:
             if args.megatron:
                 ok &= c["megatron_rows_differing_from_core_tp1"] == c["megatron_logprobs_differing_from_core_tp1"] == 0
                 ok &= k == 1 or c["megatron_stock_rows_differing_from_its_tp1"] > 0
+                if args.sequence_parallel and k > 1:
+                    ok &= c["megatron_sp_rows_differing_from_core_tp1"] == 0
+                    ok &= c["megatron_sp_logprobs_differing_from_core_tp1"] == 0
             if k == 1:
                 continue
             ok &= c["rows_differing"] == 0 and c["logprobs_differing"] == 0 and c["engine_rows_differing"] == 0
