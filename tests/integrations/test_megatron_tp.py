@@ -122,6 +122,9 @@ def test_refusals() -> None:
     assert "pipeline parallelism" in problems(pp=2)[0]
     assert "context parallelism" in problems(cp=2)[0]
     assert all("\n" not in p for p in problems(tp=3, pp=2, cp=2))
+    config, _ = model("mamba2_g8")
+    with pytest.raises(aligned_mamba.errors.ModelLoadError, match="sequence parallel at tensor-parallel size 1"):
+        mc.megatron_transformer_config(config, "bfloat16", sequence_parallel=True)
 
 
 def rank_layout(group, config, tensors, contract: Contract) -> list[str]:
