@@ -75,11 +75,11 @@ class SamplerEngine:
         triton_gpu = model.backend.name == "triton" and model.device.type == "cuda"
         # decode-only steps as CUDA graphs where the backend can capture them (default: the triton
         # backend on a GPU); the cache then holds one spare slot for the graphs' padding entries
+        why = model.uncapturable
         if graphs is None:
-            graphs = triton_gpu and model.tp.capturable
-        elif graphs and not model.tp.capturable:
-            raise AlignedMambaError("decode graphs refused: this model's tensor-parallel all-gather goes through "
-                                    "the host (gloo), which a CUDA graph cannot capture")
+            graphs = triton_gpu and why is None
+        elif graphs and why is not None:
+            raise AlignedMambaError(f"decode graphs refused: {why}, which a CUDA graph cannot capture")
         # layers that keep a row per token (attention) keep them in pages on the triton backend (handed
         # out as sequences grow, given back when they finish; a graph reads the block table on the
         # device); the torch backend keeps its slot cache unless ``page_size`` asks for pages

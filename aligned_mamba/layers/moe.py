@@ -108,8 +108,10 @@ def shard_weights(config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix
 class MoE(Stateless):
     """The MoE layer on a backend, in a model dtype (router and biases fp32). With ``tp`` or ``slices``
     > 1: ``config`` the full layer's, ``tensors`` this rank's (``shard_weights``), each expert an
-    ``MLP`` with a row-parallel down projection; no expert parallelism. ModelLoadError for what the
-    triton backend's grouped kernels lack (biases, slices)."""
+    ``MLP`` with a row-parallel down projection, run expert by expert (``experts_grouped``: on the triton
+    backend too, whose grouped kernels have no sliced tree; its per-expert token counts are read on the
+    host, so such a layer is not captured in CUDA graphs); no expert parallelism. ModelLoadError for
+    expert biases on the triton backend (its grouped kernels have no bias term)."""
 
     kind = "moe"
 
@@ -119,9 +121,6 @@ class MoE(Stateless):
             raise ModelLoadError("MoE expert biases on a CUDA device are refused: the grouped expert kernels have no "
                                  "bias term (mlp_bias MoE checkpoints run on the torch backend)")
         self.sliced = slices > 1 or (tp is not None and tp.size > 1)
-        if self.sliced and backend.stacked_experts:
-            raise ModelLoadError(f"row_parallel_slices {slices} refused for MoE layers on the {backend.name} backend: "
-                                 "its grouped expert kernels have no sliced tree GEMM")
         self.config = config
         self.backend = backend
         self.dtype = dtype

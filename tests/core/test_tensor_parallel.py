@@ -325,7 +325,8 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path) -> None:
 
 def test_decode_graphs_refused_over_a_host_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
     """A gloo group (its all-gather through the host) cannot be captured in a CUDA graph: ``from_torch``
-    says so, and an engine asked for graphs over it refuses in one line (the default runs eager)."""
+    says so, and an engine asked for graphs over it refuses in one line (the default runs eager); so does
+    one over a MoE layer run expert by expert under the slices."""
     import torch.distributed as dist
 
     from aligned_mamba.engine import SamplerEngine
@@ -345,3 +346,9 @@ def test_decode_graphs_refused_over_a_host_all_gather(monkeypatch: pytest.Monkey
         SamplerEngine(m, num_slots=2, graphs=True)
     assert "\n" not in str(e.value)
     assert SamplerEngine(m, num_slots=2).graphs is None
+    # a MoE layer under the slices runs expert by expert, its token counts read on the host: refused too
+    moe = tp_reference.build(TPGroup.single(), *_model("moe"), _contract())
+    assert tp_reference.build(TPGroup.single(), *_model("moe"), _contract(1)).uncapturable is None
+    with pytest.raises(AlignedMambaError, match="MoE layers run expert by expert") as e:
+        SamplerEngine(moe, num_slots=2, graphs=True)
+    assert "\n" not in str(e.value)

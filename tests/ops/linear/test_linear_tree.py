@@ -575,14 +575,18 @@ def test_gpu_the_all_reduce_it_replaces_differs() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["g1", "g8", "hybrid"])
+@pytest.mark.parametrize("name", ["g1", "g8", "hybrid", "moe"])
 def test_gpu_model_rows_at_tp_2_and_4_equal_tp_1(name: str) -> None:
+    """"moe": a MoE layer, run expert by expert under the slices (each expert's down projection the tree
+    GEMM), as the grouped kernels have no sliced tree."""
     from aligned_mamba import tp_reference
     from aligned_mamba.models.mamba2 import make_tiny
     from aligned_mamba.models.nemotron_h import make_tiny_hybrid
 
     if name == "hybrid":
         config, tensors = make_tiny_hybrid(2, pattern="M*M-", chunk_size=32)
+    elif name == "moe":
+        config, tensors = make_tiny_hybrid(3, pattern="M*E", chunk_size=32)
     else:
         config, tensors = make_tiny(0 if name == "g1" else 1, hidden_size=128, num_heads=8, head_dim=32,
                                     state_size=32, n_groups=1 if name == "g1" else 8, num_hidden_layers=2,

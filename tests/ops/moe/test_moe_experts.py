@@ -228,6 +228,45 @@ def test_backward_is_deterministic_and_reaches_the_router() -> None:
 
 
 @pytest.mark.interpreter
+def test_sliced_layer_on_the_kernels_backend_gives_tp1s_bits_at_tp2_and_4(monkeypatch) -> None:
+    """Under row_parallel_slices 4 the layer runs expert by expert, each expert an MLP whose down projection
+    is the tree GEMM, also on the triton backend (every op its kernel here), whose grouped kernels have no
+    sliced tree: TP 2 and 4 (ranks as threads, each holding its channels of every expert and of the shared
+    expert) give TP 1's bits; stock tensor parallelism (each rank's partial rounded, then summed) differs."""
+    import threading
+
+    from triton.runtime import interpreter
+
+    from aligned_mamba.baseline import stock_row_parallel
+    from aligned_mamba.layers.moe import shard_weights
+    from aligned_mamba.parallel import TPGroup, threads
+
+    one_at_a_time, launch = threading.Lock(), interpreter.GridExecutor.__call__
+
+    def serialised(self, *args, **kwargs):  # the interpreter patches triton.language for each launch
+        with one_at_a_time:
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", serialised)
+    be = TritonBackend(CFG, torch.device("cpu"), kernels=True)
+    c = MoEConfig(hidden_size=D, n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=16,
+                  routed_scaling_factor=2.5, num_experts_per_tok=2)
+    g = torch.Generator().manual_seed(4)
+    tensors = {k: torch.randn(*s, generator=g) / (s[-1] ** 0.5) for k, s in c.weight_shapes().items()}
+    x = _rows(12, 5)
+
+    def rank(group: TPGroup, stock: bool = False) -> torch.Tensor:
+        layer = MoE(c, shard_weights(c, tensors, "", group), "", backend=be, dtype=torch.float32, tp=group, slices=4)
+        return (layer.with_row_parallel(stock_row_parallel) if stock else layer).advance(None, None, x)
+
+    one = rank(TPGroup.single())
+    assert torch.equal(one, MoE(c, tensors, "", backend=be, dtype=torch.float32, slices=4).advance(None, None, x))
+    for size in (2, 4):
+        assert all(torch.equal(out, one) for out in threads(rank, size)), size
+    assert int((threads(rank, 2, True)[0] != rank(TPGroup.single(), True)).any(dim=1).sum()) > 0
+
+
+@pytest.mark.interpreter
 def test_bad_input_is_refused_in_one_line() -> None:
     h, experts, weights, up, down = _routed(4, 2, seed=0)
     with pytest.raises(ValueError, match=r"\[E, f, d\]"):
