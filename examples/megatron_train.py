@@ -18,7 +18,8 @@ In Megatron-LM's ``pretrain_mamba.py``: chain the hook's flags onto the script's
 ``extra_args_provider`` (``lambda p: hook.add_arguments(add_extra_args(p))``), call
 ``hook.apply_from_args(get_args())`` in the model builder before ``MambaModel(...)``, pass
 ``--transformer-impl local`` and build the stack from ``hook.aligned_mamba_stack_spec(contract)``
-(a spec object; ``--spec`` takes a module and the name of an object in it).
+(a spec object; ``--spec`` takes a module and the name of an object in it). With ``--sequence-parallel``
+this spec is the one that builds: Megatron's torch norms refuse sequence parallelism.
 """
 
 from __future__ import annotations
