@@ -419,7 +419,8 @@ def test_megatrons_row_parallel_linear_is_one_launch_per_rank(size: int, monkeyp
         def __init__(self, weight: torch.Tensor, group: TPGroup) -> None:
             self.weight, self.bias, self.skip_bias_add = weight, b, False
             tp = None if group.size == 1 else group
-            self._aligned_mamba_hook = SimpleNamespace(backend=lambda dev: be, tp=lambda m: tp, slices=slices)
+            self._aligned_mamba_hook = SimpleNamespace(backend=lambda dev: be, tp=lambda m: tp, slices=slices,
+                                                       sequence_group=lambda m: None)
 
     def rank(group: TPGroup) -> torch.Tensor:
         k = shard(K, group)
