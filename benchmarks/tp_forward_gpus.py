@@ -28,7 +28,10 @@ NVSHMEM_DISABLE_NVLS=1), set here before any process starts and again in each ra
 random weights in checkpoint proportions (``--layers`` of them): the 1.3b-shaped Mamba2 (hidden 2048,
 64 heads x 64, state 128, n_groups 1, its vocabulary padded to 50304 as Megatron pads it: the triton
 backend's vocab-sharded logprobs need a multiple of 128) and a Nemotron-H-8B-shaped hybrid (Mamba2 128 heads x 64, 8
-groups; attention 32 x 128 heads, 8 KV heads; MLP 21504), or tiny ones for the CPU.
+groups; attention 32 x 128 heads, 8 KV heads; MLP 21504), the first layers of a Nemotron-3-Nano-30B-A3B-shaped
+MoE hybrid (``nano-moe``: 128 experts, top 6, each run alone at TP > 1), or tiny ones for the CPU (``tiny``,
+``tiny-hybrid``, ``tiny-moe``). The MoE models run without ``--megatron`` where Transformer Engine is missing:
+stock Megatron's fp32 router GEMM calls it (megatron-core 0.16.1).
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ def model(name: str, layers: int):
                          num_hidden_layers=2, chunk_size=32)
     if name == "tiny-hybrid":
         return make_tiny_hybrid(2, pattern="M*M-", chunk_size=32, n_groups=2, num_key_value_heads=2)
+    if name == "tiny-moe":
+        return make_tiny_hybrid(3, pattern="M*E", chunk_size=32, topk_group=1)  # routing Megatron can build
+    if name == "nano-moe":  # Nemotron-3-Nano-30B-A3B's shapes, the first `layers` of its pattern (MoE at TP > 1:
+        from benchmarks.stock_hybrid import NANO  # each expert run alone, its down projection the tree GEMM)
+
+        shape = {k: v for k, v in NANO.items() if k != "hybrid_override_pattern"}
+        return make_tiny_hybrid(4, pattern=NANO["hybrid_override_pattern"][:max(4, layers)], **shape)
     if name == "mamba2-1.3b":
         return make_tiny(0, hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1,
                          num_hidden_layers=layers, chunk_size=256, vocab_size=50304, expand=2)
