@@ -100,14 +100,22 @@ def accuracy(call, pinned: TritonKernelConfigs, inputs: tuple, S: int, L: int, n
     """Each gradient's relative error against fp32 operands and FMA dots, per bf16 dot mode and for
     mamba_ssm; with each mode's ms."""
     x, dt, B, C, A, D, bias, gy = inputs
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:  # a step cut at its limit still shows how far the sweep got
+        print(f"accuracy: {what} at {time.perf_counter() - t0:.0f} s", flush=True)
+
     ref = call(pinned, x=x.float(), dt=dt.float(), B=B.float(), C=C.float(), gy=gy.float())
+    progress("the fp32 reference")
     out: dict = {}
     for mode in ("split2", "round"):
         cfg = dataclasses.replace(pinned, bwd_bf16_dots=mode)
         got = call(cfg)
         out[mode] = {n: rel(u, r) for n, u, r in zip(GRADS, got, ref)}
         out[mode]["ms"] = timed(lambda c=cfg: call(c))
+        progress(mode)
     if not no_stock:
+        progress("mamba_ssm next (its Triton autotuning first)")
         try:
             # mamba_ssm's package imports Mamba1's CUDA extension, unbuilt here and unused by the SSD scan
             sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
