@@ -125,6 +125,8 @@ def test_refusals() -> None:
     config, _ = model("mamba2_g8")
     with pytest.raises(aligned_mamba.errors.ModelLoadError, match="sequence parallel at tensor-parallel size 1"):
         mc.megatron_transformer_config(config, "bfloat16", sequence_parallel=True)
+    with pytest.raises(aligned_mamba.errors.ModelLoadError, match="sequence parallel with the hook off"):
+        mc.MegatronTrainer(config, {}, Contract(chunk_size=16), hook=False, tp=2, sequence_parallel=True)
 
 
 def rank_layout(group, config, tensors, contract: Contract) -> list[str]:

@@ -281,6 +281,9 @@ class MegatronTrainer(PackedScoring):
     def __init__(self, config: Mamba2Config | NemotronHConfig, tensors: dict[str, torch.Tensor], contract: Contract,
                  *, lr: float = 1e-4, hook: bool = True, tp: int = 1, sequence_parallel: bool = False) -> None:
         check_lr(lr)
+        if sequence_parallel and not hook:  # a hook installed earlier in the process must not build it either
+            raise ModelLoadError("sequence parallel with the hook off: Megatron's torch norms refuse it and its "
+                                 "Transformer Engine norms are not available here, so there is no stock baseline")
         self.tp = tp
         self.config = config
         self.contract = contract
