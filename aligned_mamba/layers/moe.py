@@ -160,6 +160,14 @@ class MoE(Stateless):
         self.fc1 = (weight("fc1_latent_proj.weight"), bias("fc1_latent_proj.bias")) if latent else None
         self.fc2 = (weight("fc2_latent_proj.weight"), bias("fc2_latent_proj.bias")) if latent else None
 
+    @property
+    def uncapturable(self) -> str | None:
+        """Why this layer's step cannot be captured in a CUDA graph (None where it can)."""
+        if self.sliced:
+            return ("its MoE layers run expert by expert under row_parallel_slices > 1 or tensor parallelism (each "
+                    "expert's token count read on the host)")
+        return None
+
     def route_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden_size] (model dtype, normed) -> ``route``'s (experts, weights [T, k])."""
         fused = self._route_kernels(x, with_dispatch=False)

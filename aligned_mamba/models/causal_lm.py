@@ -103,13 +103,10 @@ class CausalLM:
     @property
     def uncapturable(self) -> str | None:
         """Why a decode step of this model cannot be captured in a CUDA graph (None where it can): an all-gather
-        through the host, or a MoE layer run expert by expert (its token counts read on the host)."""
+        through the host, or a layer's own reason (its ``uncapturable``, where it has one)."""
         if not self.tp.capturable:
             return "this model's tensor-parallel all-gather goes through the host (gloo)"
-        if any(getattr(b.mixer, "kind", "") == "moe" and b.mixer.sliced for b in self.blocks):
-            return ("its MoE layers run expert by expert under row_parallel_slices > 1 or tensor parallelism (each "
-                    "expert's token count read on the host)")
-        return None
+        return next((why for b in self.blocks if (why := getattr(b.mixer, "uncapturable", None))), None)
 
     def new_cache(self, num_slots: int, max_len: int | None = None, *, page_size: int | None = None,
                   num_pages: int | None = None) -> Cache:
