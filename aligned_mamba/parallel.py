@@ -29,12 +29,15 @@ Tensor = torch.Tensor
 class TPGroup:
     """A tensor-parallel group as the layers see it: this process's ``rank`` of ``size``, and
     ``all_gather``: x [*s] -> [size, *s] (every rank's x, in rank order; x's dtype and device).
-    ``capturable``: whether ``all_gather`` may run inside a CUDA graph capture (not through the host)."""
+    ``capturable``: whether ``all_gather`` may run inside a CUDA graph capture (not through the host).
+    ``all_to_all``: parts [size, *s] (part j for rank j) -> [size, *s] (rank i's part for this rank, in rank
+    order); None: ``exchange`` takes it from the all-gather, size times the bytes."""
 
     rank: int
     size: int
     all_gather: Callable[[Tensor], Tensor]
     capturable: bool = True
+    all_to_all: Callable[[Tensor], Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int)
@@ -45,13 +48,21 @@ class TPGroup:
     @staticmethod
     def single() -> TPGroup:
         """The group of one process (TP 1): its all-gather is x [None]."""
-        return TPGroup(0, 1, lambda x: x.unsqueeze(0))
+        return TPGroup(0, 1, lambda x: x.unsqueeze(0), all_to_all=lambda parts: parts)
+
+    def exchange(self, parts: Tensor) -> Tensor:
+        """parts [size, *s], part j for rank j -> [size, *s]: every rank's part for this one, in rank order."""
+        if parts.shape[0] != self.size:
+            raise AlignedMambaError(f"exchange takes one part per rank: {parts.shape[0]} parts for {self.size} ranks")
+        if self.all_to_all is not None:
+            return self.all_to_all(parts)
+        return self.all_gather(parts.contiguous())[:, self.rank]
 
     @staticmethod
     def from_torch(group: Any = None) -> TPGroup:
         """Over a ``torch.distributed`` process group (default: the world), initialised by the caller:
         gloo on the CPU (CUDA tensors pass through the host), NCCL on GPUs. The all-gather is
-        ``all_gather_into_tensor``."""
+        ``all_gather_into_tensor``, the all-to-all ``all_to_all_single``."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -63,16 +74,24 @@ class TPGroup:
         # gloo gathers host tensors: a CUDA tensor (ranks sharing one GPU, say) goes through the host
         host = dist.get_backend(group) == "gloo"
 
-        def all_gather(x: Tensor) -> Tensor:
+        def raw(x: Tensor) -> Tensor:
             # moved as raw bytes: every dtype on every backend, the bits as they are
-            raw = x.contiguous().view(-1).view(torch.uint8)
-            if host:
-                raw = raw.cpu()
-            out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=raw.device)
-            gather(out, raw, group=group)
+            b = x.contiguous().view(-1).view(torch.uint8)
+            return b.cpu() if host else b
+
+        def all_gather(x: Tensor) -> Tensor:
+            b = raw(x)
+            out = torch.empty(size * b.numel(), dtype=torch.uint8, device=b.device)
+            gather(out, b, group=group)
             return out.to(x.device).view(x.dtype).view(size, *x.shape)
 
-        return TPGroup(rank, size, all_gather, capturable=not host)
+        def all_to_all(parts: Tensor) -> Tensor:
+            b = raw(parts)
+            out = torch.empty_like(b)
+            dist.all_to_all_single(out, b, group=group)  # equal splits: part j of every rank to rank j
+            return out.to(parts.device).view(parts.dtype).view(parts.shape)
+
+        return TPGroup(rank, size, all_gather, capturable=not host, all_to_all=all_to_all)
 
 
 class _Gather(torch.autograd.Function):
@@ -88,7 +107,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
         group = ctx.group
-        return _sum_in_order(group.all_gather(g.contiguous())[:, group.rank]), None  # [size: whose loss, *s]
+        return _sum_in_order(group.exchange(g)), None  # [size: whose loss, *s]
 
 
 def _sum_in_order(parts: Tensor) -> Tensor:
@@ -120,9 +139,9 @@ def merge_gradients(group: TPGroup, params: list[Tensor], *, mean: bool = True) 
 
 class _GatherRows(torch.autograd.Function):
     """x [n, *s] -> [size * n, *s]: the ranks' rows in rank order (entering a layer from sequence-parallel rows).
-    Backward, ``summed``: every rank's gradient of the whole, summed in rank order, at this rank's n rows (a
-    reduce-scatter whose order is fixed); else this rank's n rows of its own gradient (what follows the gather
-    is replicated, so each rank's gradient is already whole)."""
+    Backward, ``summed``: every rank's gradient of this rank's n rows, exchanged (an all-to-all) and summed in
+    rank order (a reduce-scatter whose order is fixed); else this rank's n rows of its own gradient (what
+    follows the gather is replicated, so each rank's gradient is already whole)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: TPGroup, summed: bool) -> Tensor:
@@ -135,7 +154,7 @@ class _GatherRows(torch.autograd.Function):
         rows = slice(group.rank * n, (group.rank + 1) * n)
         if not ctx.summed:
             return g[rows], None, None
-        return _sum_in_order(group.all_gather(g.contiguous())[:, rows]), None, None
+        return _sum_in_order(group.exchange(g.reshape(group.size, n, *g.shape[1:]))), None, None
 
 
 class _ScatterRows(torch.autograd.Function):

@@ -219,6 +219,29 @@ def test_sequence_parallel_rows(summed: bool) -> None:
         scatter_rows(TPGroup(0, 2, lambda t: t[None]), torch.zeros(5, 3))
 
 
+def _exchanged(group: TPGroup, parts: torch.Tensor, x: torch.Tensor) -> tuple:
+    """One rank: its parts [size, 3, 2] (bf16) through ``exchange``, then ``_rows_through`` (summed)."""
+    mine = parts[group.rank]
+    return group.all_to_all is not None, group.exchange(mine), _rows_through(group, x, True)
+
+
+@pytest.mark.engines("own")
+def test_exchange_over_gloo_is_an_all_to_all_with_the_all_gathers_bits() -> None:
+    """Over gloo processes ``exchange`` is ``all_to_all_single`` (each rank sends only the parts it owes, not its
+    whole tensor): rank 0 receives every rank's part 0 in rank order, bit for bit, and sequence parallelism's
+    summed backward through it gives the threads' (all-gather) gradients."""
+    k = 2
+    parts = torch.randn(k, k, 3, 2, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(k, 2, 3, generator=torch.Generator().manual_seed(0))
+    has, got, rows = launch(_exchanged, k, parts, x)
+    assert has
+    assert torch.equal(got, parts[:, 0])
+    want = threads(_rows_through, k, x, True)[0]
+    assert all(torch.equal(a, b) for a, b in zip(rows, want))
+    with pytest.raises(AlignedMambaError, match="exchange takes one part per rank: 3 parts for 2 ranks"):
+        TPGroup(0, 2, lambda t: t[None]).exchange(torch.zeros(3, 1))
+
+
 @pytest.mark.engines("own")
 def test_gloo_processes() -> None:
     """The ranks as gloo processes (``launch``): TP 2 on every checkpoint, TP 4 on the hybrid, all the
