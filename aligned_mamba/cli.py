@@ -264,17 +264,11 @@ def _check(args: argparse.Namespace, start: float, show: Any, report: JsonReport
                  for side in (args.trainer_contract, args.sampler_contract)]
     trainer_c, sampler_c = contracts
     check_compatible(trainer_c, sampler_c)  # refuse before a single logit is computed
-    from .integrations import check_trainer_sp
-    from .parallel import check_tp
+    from .integrations import check_parallel
 
-    check_trainer_sp(args.trainer, args.trainer_tp, args.trainer_sp)
-    for flag, name, size, c in (("--trainer-tp", args.trainer, args.trainer_tp, trainer_c),
-                                ("--sampler-tp", args.engine, args.sampler_tp, sampler_c)):
-        covered = ("reference", "megatron") if flag == "--trainer-tp" else ("reference", "vllm")
-        if size != 1 and name not in covered:
-            raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the reference and megatron "
-                                    f"trainers and the reference and vllm engines for now, not {name}")
-        check_tp(c, config, size)  # one line: what cannot keep the bits at that degree, and why
+    check_parallel(config, trainer=args.trainer, trainer_tp=args.trainer_tp, trainer_sp=args.trainer_sp,
+                   trainer_contract=trainer_c, engine=args.engine, sampler_tp=args.sampler_tp,
+                   sampler_contract=sampler_c)
     stored = getattr(config, "dtype", None)
     if args.dtype is None and stored is not None and sampler_c.model_dtype != stored:
         # a contract file's dtype would cast the checkpoint: only an explicit --dtype asks for that

@@ -171,6 +171,27 @@ def check_trainer_sp(name: str, tp: int, sequence_parallel: bool) -> None:
                                 "the sequence over Megatron's TP ranks (--trainer megatron --trainer-tp K, K > 1)")
 
 
+def check_parallel(config: Any, *, trainer: str, trainer_tp: int, trainer_sp: bool, trainer_contract: Contract,
+                   engine: str, sampler_tp: int, sampler_contract: Contract) -> None:
+    """Refuse, in one line naming the flag, tensor-parallel degrees that ``check`` and ``rl`` cannot run: a trainer
+    or engine without tensor parallelism at TP > 1, ``--trainer-sp`` where it cannot run, and any degree the model
+    cannot keep its bits at under that side's contract (``parallel.check_tp``)."""
+    from .parallel import check_tp
+
+    for flag, name, size, contract, covered, kind in (
+            ("--trainer-tp", trainer, trainer_tp, trainer_contract, ("reference", "megatron"), "trainers"),
+            ("--sampler-tp", engine, sampler_tp, sampler_contract, ("reference", "vllm"), "engines")):
+        if size != 1 and name not in covered:
+            raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the {' and '.join(covered)} "
+                                    f"{kind} for now, not {name}")
+        if flag == "--trainer-tp":
+            check_trainer_sp(trainer, trainer_tp, trainer_sp)
+        try:
+            check_tp(contract, config, size)
+        except AlignedMambaError as e:
+            raise AlignedMambaError(f"{flag} {size}: {e}") from None
+
+
 def build_trainer(name: str, *, config: Any, tensors: dict[str, torch.Tensor], contract: Contract,
                   lr: float = 1e-4, tp: int = 1, sequence_parallel: bool = False) -> Trainer:
     """``tp`` and ``sequence_parallel`` are passed only when set, so factories without them keep working."""

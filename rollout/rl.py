@@ -234,29 +234,17 @@ def _model(opts: RLOptions) -> tuple[Any, Any]:
     """The model's config (the whole checkpoint is validated) and the contract both sides run;
     ``opts.model`` becomes an absolute path, as actors may run in other directories."""
     from aligned_mamba.cli import build_contract
-    from aligned_mamba.errors import AlignedMambaError
-    from aligned_mamba.integrations import check_trainer_sp
+    from aligned_mamba.integrations import check_parallel
     from aligned_mamba.models import load_source
     from aligned_mamba.ops.backend import choose_backend
-    from aligned_mamba.parallel import check_tp
 
     config = load_source(opts.model)[0]
     if opts.model != "tiny":
         opts.model = str(Path(opts.model).resolve())
     contract = build_contract(config, None, choose_backend(opts.backend), None, None,
                               row_parallel_slices=opts.row_parallel_slices)
-    if opts.trainer_tp != 1 and opts.trainer not in ("reference", "megatron"):
-        raise AlignedMambaError(f"--trainer-tp {opts.trainer_tp} refused: the RL loop trains at TP > 1 with the "
-                                f"reference and megatron trainers only for now, not {opts.trainer}")
-    check_trainer_sp(opts.trainer, opts.trainer_tp, opts.trainer_sp)
-    if opts.sampler_tp != 1 and opts.engine not in ("reference", "vllm"):
-        raise AlignedMambaError(f"--sampler-tp {opts.sampler_tp} refused: rollout workers run at TP > 1 with the "
-                                f"reference and vllm engines only for now, not {opts.engine}")
-    for flag, size in (("--trainer-tp", opts.trainer_tp), ("--sampler-tp", opts.sampler_tp)):
-        try:  # one line: what cannot keep the bits at that degree
-            check_tp(contract, config, size)
-        except AlignedMambaError as e:
-            raise AlignedMambaError(f"{flag} {size}: {e}") from None
+    check_parallel(config, trainer=opts.trainer, trainer_tp=opts.trainer_tp, trainer_sp=opts.trainer_sp,
+                   trainer_contract=contract, engine=opts.engine, sampler_tp=opts.sampler_tp, sampler_contract=contract)
     return config, contract
 
 

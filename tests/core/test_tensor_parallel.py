@@ -10,6 +10,7 @@ without the processes' start-up); ``test_gloo_processes`` runs them as gloo proc
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import cache
 
 import pytest
@@ -184,6 +185,28 @@ def test_refusals_one_line() -> None:
     _refused(_contract(256), hybrid, 1, "Mamba2 intermediate size 128 refused")
     check_tp(_contract(), hybrid, 4)  # 1 KV head replicated over 4 ranks: allowed
     check_tp(_contract(8), g1, 1)
+
+
+def test_check_parallel_names_the_flag_in_one_line() -> None:
+    """``check`` and ``rl`` share one refusal of tensor-parallel degrees: an engine or trainer without tensor
+    parallelism (an entry point's), sequence parallelism off Megatron, a degree the contract cannot keep."""
+    from aligned_mamba.integrations import check_parallel
+
+    g1, c = _model("g1")[0], _contract()
+    sides = dict(trainer="reference", trainer_tp=1, trainer_sp=False, trainer_contract=c, engine="reference",
+                 sampler_tp=1, sampler_contract=c)
+    check_parallel(g1, **{**sides, "trainer": "megatron", "trainer_tp": 4, "trainer_sp": True, "sampler_tp": 2})
+    for change, words in (({"trainer": "other", "trainer_tp": 2}, "--trainer-tp 2 refused: tensor parallelism runs "
+                           "on the reference and megatron trainers for now, not other"),
+                          ({"engine": "other", "sampler_tp": 2}, "--sampler-tp 2 refused: tensor parallelism runs "
+                           "on the reference and vllm engines for now, not other"),
+                          ({"trainer_tp": 2, "trainer_sp": True}, "--trainer-sp refused for the reference trainer"),
+                          ({"sampler_tp": 8}, "--sampler-tp 8: tensor-parallel size 8 refused: the contract's "
+                           "row_parallel_slices is 4"),
+                          ({"trainer_tp": 3}, "--trainer-tp 3: tensor-parallel size 3 refused: must be a power")):
+        with pytest.raises(AlignedMambaError, match=re.escape(words)) as e:
+            check_parallel(g1, **{**sides, **change})
+        assert "\n" not in str(e.value)
 
 
 def _rows_through(group: TPGroup, x: torch.Tensor, summed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
