@@ -144,9 +144,14 @@ class MoE(Stateless):
             self.up_w = self.down_w = [m.up_w for m in self.expert_mlps]  # for their count; the MLPs compute
             self.up_b = self.down_b = None
         elif backend.stacked_experts:
-            # [E, f, d] / [E, d, f] for the grouped GEMM; a trainer's gradients flow through the stack
-            self.up_w = torch.stack([weight(f"experts.{e}.up_proj.weight") for e in range(E)])
-            self.down_w = torch.stack([weight(f"experts.{e}.down_proj.weight") for e in range(E)])
+            up = [weight(f"experts.{e}.up_proj.weight") for e in range(E)]
+            down = [weight(f"experts.{e}.down_proj.weight") for e in range(E)]
+            if any(w.requires_grad for w in (*up, *down)):
+                # a trainer's weights: the kernels stack them per launch and keep no stacked copy
+                # for the backward (``ExpertListFunction``)
+                self.up_w, self.down_w = up, down
+            else:  # [E, f, d] / [E, d, f] for the grouped GEMM, stacked once
+                self.up_w, self.down_w = torch.stack(up), torch.stack(down)
             self.up_b = self.down_b = None
         else:
             experts = [MLP(config.expert_config(), tensors, f"{prefix}experts.{e}.", backend=backend, dtype=dtype)

@@ -69,7 +69,8 @@ class Ops:
     #: (h [T, d], experts [T, k] int64 ascending, weights [T, k] fp32, up_w, down_w, up_b=None, down_b=None) ->
     #: [T, d] in h's dtype (``moe``); up_w[e] [f, d], down_w[e] [d, f] as ``linear_weight`` gives, fp32 biases
     moe_experts: Callable[..., Tensor]
-    #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d], [E, d, f]) rather than a list
+    #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d], [E, d, f]); it also takes lists
+    #: (a trainer's parameters, stacked per launch)
     stacked_experts: bool = False
     #: (x [M, d], up_w [f, d], up_b, down_w [d, f], down_b) -> [M, d]: the composed MLP's bits, fused; or None
     mlp_relu2: Callable[..., Tensor] | None = None

@@ -6,10 +6,14 @@ for up (squared ReLU fused) and down; ``_combine_kernel`` (``naive.combine``'s b
 rows of ONE expert and a column block, K ascending inside it, rows past the expert's last masked,
 so a row's bits do not depend on its tile's other rows (``moe_block_k`` = ``linear_block_k`` gives
 ``linear_triton``'s bits). Backward (``ExpertsFunction``): the same kernels, no atomics; the bits of
-those steps as torch ops (tests/moe_unfused.py). Why: docs/design.md, "How the bits are kept" (MoE).
+those steps as torch ops (tests/moe_unfused.py); over a trainer's per-expert parameters
+(``ExpertListFunction``) the weights are stacked per launch, not kept. Why: docs/design.md, "How the
+bits are kept" (MoE).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -536,6 +540,9 @@ def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int
     return dw
 
 
+Weights = torch.Tensor | Sequence[torch.Tensor]
+
+
 def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
            down_w: torch.Tensor) -> None:
     T, d = h.shape
@@ -550,6 +557,14 @@ def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: 
                          "bfloat16 or float32")
 
 
+def _stack(ws: Weights) -> torch.Tensor:
+    """Per-expert weights as the kernels' [E, *s] (a list stacked: a copy; a stacked tensor as it is)."""
+    if isinstance(ws, torch.Tensor):
+        return ws
+    with torch.no_grad():
+        return torch.stack(list(ws))
+
+
 def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
              down_w: torch.Tensor, cfg: TritonKernelConfigs, d: Dispatch | None = None,
              add: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
@@ -560,21 +575,55 @@ def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w
     return combine_triton(y, d.pos, weights, h.dtype, cfg, add), (d, u, act, y)
 
 
-def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-                   down_w: torch.Tensor, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
+def _backward(g: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+              saved: tuple, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, ...]:
+    """(d h, d weights, d up_w [E, f, d], d down_w [E, d, f]) from the forward's ``saved`` (d, u, act, y)."""
+    d, u, act, y = saved
+    E = up_w.shape[0]
+    # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j)
+    dy, d_weights = combine_backward(g, y, weights, d, cfg)
+    # d u = round(2 relu(u) round(dy @ down)), in the data GEMM's epilogue
+    d_u, _ = grouped_gemm(dy, down_w, d, cfg, gather=False, transpose_b=True, drelu2=u)
+    d_down = expert_wgrad(dy, act, d, E, cfg, gather=False)
+    d_h_sorted, _ = grouped_gemm(d_u, up_w, d, cfg, gather=False, transpose_b=True)
+    d_up = expert_wgrad(d_u, h, d, E, cfg, gather=True)
+    # token t's k input gradients summed in slot order in fp32, rounded once
+    d_h = combine_triton(d_h_sorted, d.pos, None, h.dtype, cfg)
+    return d_h, d_weights, d_up, d_down
+
+
+def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Weights,
+                   down_w: Weights, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
                    add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ops.moe``'s signature; bf16 or fp32, experts distinct per row), no host
-    sync. ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns out + add
-    (the shared expert, in the combine's pass). Differentiable (``ExpertsFunction``)."""
+    sync. ``up_w`` / ``down_w``: stacked [E, f, d] / [E, d, f], or lists of each expert's [f, d] / [d, f]
+    (a trainer's own parameters: stacked for the launches and not kept, ``ExpertListFunction``).
+    ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns out + add (the
+    shared expert, in the combine's pass). Differentiable."""
+    listed = not isinstance(up_w, torch.Tensor)
+    if listed != (not isinstance(down_w, torch.Tensor)) or (listed and len(up_w) != len(down_w)):
+        raise ValueError("experts_triton: up_w and down_w must both be stacked tensors or lists of one weight "
+                         "per expert")
+    ws = (*up_w, *down_w) if listed else (up_w, down_w)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, *ws))
+    if listed and grad:
+        if not up_w:
+            raise ValueError("experts_triton: no expert weights")
+        up, down = up_w[0], down_w[0]
+        _check(h, experts, weights, up.unsqueeze(0).expand(len(up_w), *up.shape),
+               down.unsqueeze(0).expand(len(down_w), *down.shape))
+        out = ExpertListFunction.apply(h, experts, weights, cfg, dispatch, len(up_w), *ws)
+        return out if add is None else out + add
+    up_w, down_w = _stack(up_w), _stack(down_w)
     _check(h, experts, weights, up_w, down_w)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, up_w, down_w)):
+    if grad:
         out = ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
         return out if add is None else out + add
     return _forward(h, experts, weights, up_w, down_w, cfg, dispatch, add)[0]
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """The kernels' forward (the inference path's bits) and its deterministic backward."""
+    """The kernels' forward (the inference path's bits) and its deterministic backward, over stacked weights."""
 
     @staticmethod
     def forward(ctx, h, experts, weights, up_w, down_w, cfg, d=None):  # type: ignore[override]
@@ -586,22 +635,35 @@ class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         h, weights, up_w, down_w, u, act, y = ctx.saved_tensors
-        d, cfg = ctx.dispatch, ctx.cfg
-        E = up_w.shape[0]
-        # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j)
-        dy, d_weights = combine_backward(g, y, weights, d, cfg)
-        # d u = round(2 relu(u) round(dy @ down)), in the data GEMM's epilogue
-        d_u, _ = grouped_gemm(dy, down_w, d, cfg, gather=False, transpose_b=True, drelu2=u)
-        d_down = expert_wgrad(dy, act, d, E, cfg, gather=False)
-        d_h_sorted, _ = grouped_gemm(d_u, up_w, d, cfg, gather=False, transpose_b=True)
-        d_up = expert_wgrad(d_u, h, d, E, cfg, gather=True)
-        # token t's k input gradients summed in slot order in fp32, rounded once
-        d_h = combine_triton(d_h_sorted, d.pos, None, h.dtype, cfg)
+        d_h, d_weights, d_up, d_down = _backward(g, h, weights, up_w, down_w, (ctx.dispatch, u, act, y), ctx.cfg)
         return d_h, None, d_weights, d_up, d_down, None, None
 
 
-def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-                down_w: torch.Tensor, up_b: object = None, down_b: object = None, *,
+class ExpertListFunction(torch.autograd.Function):
+    """``ExpertsFunction`` over each expert's own weights (``E`` up, then ``E`` down): they are stacked for
+    the launches in the forward and again in the backward, so no stacked copy lives between the two (the
+    Megatron hook's experts are E parameters each; a stack kept for the backward would hold a second copy
+    of every expert weight per layer until then). Each weight's gradient is its slice of the stacked one."""
+
+    @staticmethod
+    def forward(ctx, h, experts, weights, cfg, d, E, *ws):  # type: ignore[override]
+        up_w, down_w = _stack(ws[:E]), _stack(ws[E:])
+        out, (d, u, act, y) = _forward(h, experts, weights, up_w, down_w, cfg, d)
+        ctx.save_for_backward(h, weights, u, act, y, *ws)
+        ctx.dispatch, ctx.cfg, ctx.E = d, cfg, E
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        h, weights, u, act, y, *ws = ctx.saved_tensors
+        E = ctx.E
+        d_h, d_weights, d_up, d_down = _backward(g, h, weights, _stack(ws[:E]), _stack(ws[E:]),
+                                                 (ctx.dispatch, u, act, y), ctx.cfg)
+        return d_h, None, d_weights, None, None, None, *d_up.unbind(0), *d_down.unbind(0)
+
+
+def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Weights,
+                down_w: Weights, up_b: object = None, down_b: object = None, *,
                 cfg: TritonKernelConfigs, dispatch: Dispatch | None = None,
                 add: torch.Tensor | None = None) -> torch.Tensor:
     """The backend's ``moe_experts``: ``experts_triton``; expert biases refused (no bias term)."""
@@ -611,6 +673,6 @@ def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, u
     return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch, add=add)
 
 
-__all__ = ["ROUTE_MAX_EXPERTS", "ExpertsFunction", "combine_triton", "expert_wgrad", "experts_triton", "gemm_tile",
-           "grouped_gemm", "moe_experts", "route_triton", "router_logits",
+__all__ = ["ROUTE_MAX_EXPERTS", "ExpertListFunction", "ExpertsFunction", "combine_triton", "expert_wgrad",
+           "experts_triton", "gemm_tile", "grouped_gemm", "moe_experts", "route_triton", "router_logits",
            "router_logits_triton"]

@@ -208,6 +208,52 @@ def test_fused_backward_has_the_unfused_ops_bits() -> None:
     torch.testing.assert_close(ours[1], ref[3], rtol=1e-5, atol=1e-6)
 
 
+def _layer_step(layer: MoE, leaves: list[torch.Tensor], x: torch.Tensor,
+                g: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """The layer's forward and backward to its expert weights' ``leaves``: (the output and each leaf's
+    gradient, the bytes the autograd graph saved for the backward outside the leaves' own storage)."""
+    own = {w.untyped_storage().data_ptr() for w in leaves}
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in own:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer.advance(None, None, x)
+    return [out.detach(), *torch.autograd.grad(out, leaves, g)], sum(saved)
+
+
+@pytest.mark.interpreter
+def test_a_trainers_expert_parameters_are_not_kept_stacked_for_the_backward() -> None:
+    """Expert weights that require gradients (a trainer's, as the Megatron hook passes its parameters) stay
+    a list: the kernels stack them per launch (``ExpertListFunction``), so the graph keeps no second copy of
+    every expert weight for the backward, as a stack made at build (still made for weights without
+    gradients) did. Output and each expert's gradient: the stacked launch's bits."""
+    import copy
+
+    c = MoEConfig(hidden_size=D, n_routed_experts=E, moe_intermediate_size=F, moe_shared_expert_intermediate_size=24,
+                  **ROUTINGS["top6"])
+    g = torch.Generator().manual_seed(3)
+    tensors = {k: torch.randn(*s, generator=g) / (s[-1] ** 0.5) for k, s in c.weight_shapes().items()}
+    tensors["gate.e_score_correction_bias"] = torch.zeros(E)
+    names = [f"experts.{e}.{p}_proj.weight" for p in ("up", "down") for e in range(E)]
+    x, dy = _rows(40, 4), torch.randn(40, D, generator=g)
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items() if k in names}
+    listed = MoE(c, {**tensors, **leaves}, "", backend=_interpreted_backend(), dtype=torch.float32)
+    assert isinstance(listed.up_w, list)
+    ours, kept = _layer_step(listed, [leaves[k] for k in names], x, dy)
+    # the baseline: the stack of the leaves as the build made it before, the gradients flowing through it
+    stacked = copy.copy(listed)
+    base = [v.clone().requires_grad_() for v in (tensors[k] for k in names)]
+    stacked.up_w, stacked.down_w = torch.stack(base[:E]), torch.stack(base[E:])
+    theirs, kept_stacked = _layer_step(stacked, base, x, dy)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    expert_bytes = sum(tensors[k].numel() * 4 for k in names)
+    assert kept < expert_bytes <= kept_stacked, (kept, expert_bytes, kept_stacked)
+
+
 @pytest.mark.interpreter
 def test_backward_is_deterministic_and_reaches_the_router() -> None:
     """Two backwards through the whole layer give the same bits; the router's weight gets a gradient
