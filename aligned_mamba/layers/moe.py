@@ -147,8 +147,8 @@ class MoE(Stateless):
             up = [weight(f"experts.{e}.up_proj.weight") for e in range(E)]
             down = [weight(f"experts.{e}.down_proj.weight") for e in range(E)]
             if any(w.requires_grad for w in (*up, *down)):
-                # a trainer's weights: the kernels stack them per launch and keep no stacked copy
-                # for the backward (``ExpertListFunction``)
+                # a trainer's weights: the kernels read each where it lies, no stacked copy
+                # (``ExpertListFunction``)
                 self.up_w, self.down_w = up, down
             else:  # [E, f, d] / [E, d, f] for the grouped GEMM, stacked once
                 self.up_w, self.down_w = torch.stack(up), torch.stack(down)

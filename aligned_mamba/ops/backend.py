@@ -70,7 +70,7 @@ class Ops:
     #: [T, d] in h's dtype (``moe``); up_w[e] [f, d], down_w[e] [d, f] as ``linear_weight`` gives, fp32 biases
     moe_experts: Callable[..., Tensor]
     #: whether ``moe_experts`` takes every expert's weights stacked ([E, f, d], [E, d, f]); it also takes lists
-    #: (a trainer's parameters, stacked per launch)
+    #: (a trainer's parameters, read in place)
     stacked_experts: bool = False
     #: (x [M, d], up_w [f, d], up_b, down_w [d, f], down_b) -> [M, d]: the composed MLP's bits, fused; or None
     mlp_relu2: Callable[..., Tensor] | None = None

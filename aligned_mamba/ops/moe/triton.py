@@ -6,13 +6,13 @@ for up (squared ReLU fused) and down; ``_combine_kernel`` (``naive.combine``'s b
 rows of ONE expert and a column block, K ascending inside it, rows past the expert's last masked,
 so a row's bits do not depend on its tile's other rows (``moe_block_k`` = ``linear_block_k`` gives
 ``linear_triton``'s bits). Backward (``ExpertsFunction``): the same kernels, no atomics; the bits of
-those steps as torch ops (tests/moe_unfused.py); over a trainer's per-expert parameters
-(``ExpertListFunction``) the weights are stacked per launch, not kept. Why: docs/design.md, "How the
-bits are kept" (MoE).
+those steps as torch ops (tests/moe_unfused.py); a trainer's per-expert parameters are read where they
+lie (``ExpertTable``, ``ExpertListFunction``). Why: docs/design.md, "How the bits are kept" (MoE).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -32,12 +32,13 @@ def _grouped_gemm_kernel(
     arow_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
     N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     GATHER: tl.constexpr, RELU2: tl.constexpr, DRELU2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, B_TABLE: tl.constexpr = False,
 ):
     """c[r, n] = sum_k a[arow(r), k] b[e, n, k] over the rows of tile program_id(0) // nb (expert e) and
     the columns of block program_id(0) % nb, arow(r) = arow_ptr[r] if GATHER else r. RELU2: u = the
     rounded product (stored), c = round(relu(u)^2) in fp32. DRELU2: c = round(q + q), q = p relu(u) in
-    fp32, torch's ``d * relu(u) * 2`` (no FMA)."""
+    fp32, torch's ``d * relu(u) * 2`` (no FMA). B_TABLE: b_ptr is int64 [E], expert e's weight address
+    (each expert's own tensor, not a stack; stride_be unused)."""
     # a row tile's column blocks are consecutive programs: they share its A rows in L2
     nb = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0) // nb
@@ -54,7 +55,12 @@ def _grouped_gemm_kernel(
         ar = rm
     rn = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_rows = a_ptr + ar[:, None].to(tl.int64) * stride_am
-    b_cols = b_ptr + e.to(tl.int64) * stride_be + rn[None, :].to(tl.int64) * stride_bn
+    if B_TABLE:
+        # the launcher passes 16-byte aligned weights only, as a stack's are (vector loads)
+        b_base = tl.multiple_of(tl.load(b_ptr + e).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+    else:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+    b_cols = b_base + rn[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BLOCK_K)):
         rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -476,16 +482,48 @@ def gemm_tile(R: int, dtype: torch.dtype, cfg: TritonKernelConfigs) -> tuple[int
     return bm, bn, warps, stages
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKernelConfigs, *, gather: bool,
-                 transpose_b: bool = False, relu2: bool = False,
+@dataclasses.dataclass(frozen=True)
+class ExpertTable:
+    """Each expert's own weight [N, K] (or [K, N]) where it lies, as the kernels read it: ``ptrs`` int64
+    [E] on the weights' device, ``shape`` one expert's; ``weights`` keeps them alive while it is used."""
+
+    ptrs: torch.Tensor
+    shape: tuple[int, int]
+    weights: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def readable(ws: Sequence[torch.Tensor]) -> bool:
+        """Whether the kernels can read ``ws`` in place: contiguous 2-D, one shape, dtype and device, each
+        16-byte aligned (the kernels' vector loads assume it, as for a stack)."""
+        w0 = ws[0]
+        return all(w.dim() == 2 and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+                   and w.is_contiguous() and w.data_ptr() % 16 == 0 for w in ws)
+
+    @staticmethod
+    def of(ws: Sequence[torch.Tensor]) -> ExpertTable:
+        if not ExpertTable.readable(ws):
+            raise ValueError("grouped_gemm: the experts' weights must be contiguous, 16-byte aligned, of one shape, "
+                             "dtype and device")
+        ptrs = torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64).to(ws[0].device)
+        return ExpertTable(ptrs, (ws[0].shape[0], ws[0].shape[1]), tuple(ws))
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor | ExpertTable, d: Dispatch, cfg: TritonKernelConfigs, *,
+                 gather: bool, transpose_b: bool = False, relu2: bool = False,
                  drelu2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """c[r] = a[row(r)] @ b[e]^T (b [E, N, K]; [E, K, N] with ``transpose_b``), row(r) = d.token[r] if
-    ``gather`` else r; a, b bf16 or fp32 -> (c [R, N], u or None). ``relu2``: u the product, c relu(u)^2;
-    ``drelu2`` = the forward's u: c = round(2 p relu(u)), the gradient through relu(u)^2."""
+    """c[r] = a[row(r)] @ b[e]^T (b [E, N, K]; [E, K, N] with ``transpose_b``; or an ``ExpertTable`` of
+    each expert's [N, K] / [K, N], read in place: the same bits), row(r) = d.token[r] if ``gather`` else
+    r; a, b bf16 or fp32 -> (c [R, N], u or None). ``relu2``: u the product, c relu(u)^2; ``drelu2`` =
+    the forward's u: c = round(2 p relu(u)), the gradient through relu(u)^2."""
     if a.stride(1) != 1:
         a = a.contiguous()
-    b = b.contiguous()
-    N, K = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
+    table = isinstance(b, ExpertTable)
+    if table:
+        shape, b_arg, stride_be = b.shape, b.ptrs, 0
+    else:
+        b = b.contiguous()
+        shape, b_arg, stride_be = tuple(b.shape[1:]), b, b.stride(0)
+    N, K = (shape[1], shape[0]) if transpose_b else (shape[0], shape[1])
     sbn, sbk = (1, N) if transpose_b else (K, 1)
     R = d.token.numel()
     c = torch.empty(R, N, dtype=a.dtype, device=a.device)
@@ -500,10 +538,11 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, d: Dispatch, cfg: TritonKerne
     _, bn, warps, stages = gemm_tile(R, a.dtype, cfg)  # the rows of a tile are the tables' (d.block_m)
     grid = (d.tile_row0.numel() * triton.cdiv(N, bn),)
     _grouped_gemm_kernel[grid](
-        a, b, c, c if u is None else u, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
-        N, K, a.stride(0), b.stride(0), sbn, sbk, N,
+        a, b_arg, c, c if u is None else u, d.token, d.tile_expert, d.tile_row0, d.tile_row1,
+        N, K, a.stride(0), stride_be, sbn, sbk, N,
         GATHER=gather, RELU2=relu2, DRELU2=drelu2 is not None, BLOCK_M=d.block_m, BLOCK_N=bn,
-        BLOCK_K=cfg.moe_block_k, PRECISION="ieee", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        BLOCK_K=cfg.moe_block_k, PRECISION="ieee", B_TABLE=table, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
     return c, u
 
 
@@ -541,45 +580,60 @@ def expert_wgrad(g: torch.Tensor, x: torch.Tensor, d: Dispatch, num_experts: int
 
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
+Experts = torch.Tensor | ExpertTable  # stacked [E, *s], or each expert's own tensor
 
 
-def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-           down_w: torch.Tensor) -> None:
+def _dims(w: Experts) -> tuple[int, int, int, torch.dtype]:
+    """(E, rows, columns, dtype) of stacked weights or a table."""
+    if isinstance(w, ExpertTable):
+        return len(w.weights), *w.shape, w.weights[0].dtype
+    if w.dim() != 3:
+        raise ValueError(f"experts_triton: stacked expert weights must be [E, rows, columns], not {tuple(w.shape)}")
+    return *w.shape, w.dtype
+
+
+def _check(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Experts, down_w: Experts) -> None:
     T, d = h.shape
-    if up_w.dim() != 3 or down_w.shape != (up_w.shape[0], d, up_w.shape[1]) or up_w.shape[2] != d:
-        raise ValueError(f"experts_triton: h {tuple(h.shape)}, up_w {tuple(up_w.shape)} [E, f, d] and down_w "
-                         f"{tuple(down_w.shape)} [E, d, f] do not match")
+    (E, f, du, up_t), (E2, dd, f2, down_t) = _dims(up_w), _dims(down_w)
+    if (E2, dd, f2) != (E, d, f) or du != d:
+        raise ValueError(f"experts_triton: h {tuple(h.shape)}, up_w {(E, f, du)} [E, f, d] and down_w "
+                         f"{(E2, dd, f2)} [E, d, f] do not match")
     if experts.shape != weights.shape or experts.shape[0] != T:
         raise ValueError(f"experts_triton: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} "
                          f"must both be [{T}, k]")
-    if not (h.dtype == up_w.dtype == down_w.dtype) or h.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"experts_triton: h {h.dtype}, up_w {up_w.dtype}, down_w {down_w.dtype} must all be "
+    if not (h.dtype == up_t == down_t) or h.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"experts_triton: h {h.dtype}, up_w {up_t}, down_w {down_t} must all be "
                          "bfloat16 or float32")
 
 
-def _stack(ws: Weights) -> torch.Tensor:
-    """Per-expert weights as the kernels' [E, *s] (a list stacked: a copy; a stacked tensor as it is)."""
+def _experts(ws: Weights) -> Experts:
+    """Stacked weights as they are; a list of each expert's weights as an ``ExpertTable`` (read in place),
+    stacked (a copy for this call) where the kernels cannot read them in place."""
     if isinstance(ws, torch.Tensor):
         return ws
+    if not ws:
+        raise ValueError("experts_triton: no expert weights")
+    if ExpertTable.readable(ws):
+        return ExpertTable.of(ws)
     with torch.no_grad():
         return torch.stack(list(ws))
 
 
-def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor,
-             down_w: torch.Tensor, cfg: TritonKernelConfigs, d: Dispatch | None = None,
+def _forward(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Experts,
+             down_w: Experts, cfg: TritonKernelConfigs, d: Dispatch | None = None,
              add: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
     if d is None:
-        d = dispatch(experts, up_w.shape[0], gemm_tile(experts.numel(), h.dtype, cfg)[0])
+        d = dispatch(experts, _dims(up_w)[0], gemm_tile(experts.numel(), h.dtype, cfg)[0])
     act, u = grouped_gemm(h, up_w, d, cfg, gather=True, relu2=True)
     y, _ = grouped_gemm(act, down_w, d, cfg, gather=False)
     return combine_triton(y, d.pos, weights, h.dtype, cfg, add), (d, u, act, y)
 
 
-def _backward(g: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+def _backward(g: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, up_w: Experts, down_w: Experts,
               saved: tuple, cfg: TritonKernelConfigs) -> tuple[torch.Tensor, ...]:
     """(d h, d weights, d up_w [E, f, d], d down_w [E, d, f]) from the forward's ``saved`` (d, u, act, y)."""
     d, u, act, y = saved
-    E = up_w.shape[0]
+    E = _dims(up_w)[0]
     # out = round(sum_j w_j y_j): d w_j = <g, y_j>, d y_j = round(g w_j)
     dy, d_weights = combine_backward(g, y, weights, d, cfg)
     # d u = round(2 relu(u) round(dy @ down)), in the data GEMM's epilogue
@@ -596,30 +650,26 @@ def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                    down_w: Weights, cfg: TritonKernelConfigs, *, dispatch: Dispatch | None = None,
                    add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ops.moe``'s signature; bf16 or fp32, experts distinct per row), no host
-    sync. ``up_w`` / ``down_w``: stacked [E, f, d] / [E, d, f], or lists of each expert's [f, d] / [d, f]
-    (a trainer's own parameters: stacked for the launches and not kept, ``ExpertListFunction``).
-    ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns out + add (the
-    shared expert, in the combine's pass). Differentiable."""
+    sync. ``up_w`` / ``down_w``: stacked [E, f, d] / [E, d, f], or lists of each expert's contiguous [f, d]
+    / [d, f] (a trainer's own parameters: read where they lie through an ``ExpertTable``, no stacked copy,
+    ``ExpertListFunction``; the table's addresses are copied to the device, so a list is for eager steps,
+    not CUDA graphs). ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns
+    out + add (the shared expert, in the combine's pass). Differentiable."""
     listed = not isinstance(up_w, torch.Tensor)
     if listed != (not isinstance(down_w, torch.Tensor)) or (listed and len(up_w) != len(down_w)):
         raise ValueError("experts_triton: up_w and down_w must both be stacked tensors or lists of one weight "
                          "per expert")
     ws = (*up_w, *down_w) if listed else (up_w, down_w)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, *ws))
-    if listed and grad:
-        if not up_w:
-            raise ValueError("experts_triton: no expert weights")
-        up, down = up_w[0], down_w[0]
-        _check(h, experts, weights, up.unsqueeze(0).expand(len(up_w), *up.shape),
-               down.unsqueeze(0).expand(len(down_w), *down.shape))
-        out = ExpertListFunction.apply(h, experts, weights, cfg, dispatch, len(up_w), *ws)
-        return out if add is None else out + add
-    up_w, down_w = _stack(up_w), _stack(down_w)
-    _check(h, experts, weights, up_w, down_w)
-    if grad:
-        out = ExpertsFunction.apply(h, experts, weights, up_w, down_w, cfg, dispatch)
-        return out if add is None else out + add
-    return _forward(h, experts, weights, up_w, down_w, cfg, dispatch, add)[0]
+    up, down = _experts(up_w), _experts(down_w)
+    _check(h, experts, weights, up, down)
+    if grad and listed:
+        out = ExpertListFunction.apply(h, experts, weights, cfg, dispatch, (up, down), *ws)
+    elif grad:
+        out = ExpertsFunction.apply(h, experts, weights, up, down, cfg, dispatch)
+    else:
+        return _forward(h, experts, weights, up, down, cfg, dispatch, add)[0]
+    return out if add is None else out + add
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -640,25 +690,22 @@ class ExpertsFunction(torch.autograd.Function):
 
 
 class ExpertListFunction(torch.autograd.Function):
-    """``ExpertsFunction`` over each expert's own weights (``E`` up, then ``E`` down): they are stacked for
-    the launches in the forward and again in the backward, so no stacked copy lives between the two (the
-    Megatron hook's experts are E parameters each; a stack kept for the backward would hold a second copy
-    of every expert weight per layer until then). Each weight's gradient is its slice of the stacked one."""
+    """``ExpertsFunction`` over each expert's own weights (``ws``: E up, then E down, read through the
+    ``tables``): no stacked copy is made or kept for the backward (the Megatron hook's experts are E
+    parameters each; a stack would be a second copy of every expert weight per layer). Each weight's
+    gradient is its slice of the stacked gradient the weight-gradient kernel writes."""
 
     @staticmethod
-    def forward(ctx, h, experts, weights, cfg, d, E, *ws):  # type: ignore[override]
-        up_w, down_w = _stack(ws[:E]), _stack(ws[E:])
-        out, (d, u, act, y) = _forward(h, experts, weights, up_w, down_w, cfg, d)
-        ctx.save_for_backward(h, weights, u, act, y, *ws)
-        ctx.dispatch, ctx.cfg, ctx.E = d, cfg, E
+    def forward(ctx, h, experts, weights, cfg, d, tables, *ws):  # type: ignore[override]
+        out, (d, u, act, y) = _forward(h, experts, weights, *tables, cfg, d)
+        ctx.save_for_backward(h, weights, u, act, y, *ws)  # the weights, so the tables' addresses stay theirs
+        ctx.dispatch, ctx.cfg, ctx.tables = d, cfg, tables
         return out
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        h, weights, u, act, y, *ws = ctx.saved_tensors
-        E = ctx.E
-        d_h, d_weights, d_up, d_down = _backward(g, h, weights, _stack(ws[:E]), _stack(ws[E:]),
-                                                 (ctx.dispatch, u, act, y), ctx.cfg)
+        h, weights, u, act, y, *_ = ctx.saved_tensors
+        d_h, d_weights, d_up, d_down = _backward(g, h, weights, *ctx.tables, (ctx.dispatch, u, act, y), ctx.cfg)
         return d_h, None, d_weights, None, None, None, *d_up.unbind(0), *d_down.unbind(0)
 
 
@@ -673,6 +720,6 @@ def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, u
     return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch, add=add)
 
 
-__all__ = ["ROUTE_MAX_EXPERTS", "ExpertListFunction", "ExpertsFunction", "combine_triton", "expert_wgrad",
-           "experts_triton", "gemm_tile", "grouped_gemm", "moe_experts", "route_triton", "router_logits",
-           "router_logits_triton"]
+__all__ = ["ROUTE_MAX_EXPERTS", "ExpertListFunction", "ExpertTable", "ExpertsFunction", "combine_triton",
+           "expert_wgrad", "experts_triton", "gemm_tile", "grouped_gemm", "moe_experts", "route_triton",
+           "router_logits", "router_logits_triton"]

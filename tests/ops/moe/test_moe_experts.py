@@ -208,6 +208,31 @@ def test_fused_backward_has_the_unfused_ops_bits() -> None:
     torch.testing.assert_close(ours[1], ref[3], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.interpreter
+def test_experts_read_in_place_give_the_stacks_bits() -> None:
+    """Each expert's own weights through their addresses (``ExpertTable``): every grouped GEMM form (up with
+    the gather and the squared ReLU, down, both transposed data gradients) gives the stacked weights' bits;
+    weights the kernels cannot read in place (not 16-byte aligned) are stacked for the call, same bits."""
+    h, experts, weights, up, down = _routed(40, 6, seed=5)
+    d = moe_triton.dispatch(experts, E, CFG.moe_block_m)
+    ups, downs = list(up.unbind(0)), list(down.unbind(0))
+    assert moe_triton.ExpertTable.readable(ups) and moe_triton.ExpertTable.readable(downs)
+    act, u = moe_triton.grouped_gemm(h, up, d, CFG, gather=True, relu2=True)
+    y, _ = moe_triton.grouped_gemm(act, down, d, CFG, gather=False)
+    for b, bt, a, kw in ((up, ups, h, dict(gather=True, relu2=True)), (down, downs, act, dict(gather=False)),
+                         (down, downs, y, dict(gather=False, transpose_b=True, drelu2=u)),
+                         (up, ups, act, dict(gather=False, transpose_b=True))):
+        want = moe_triton.grouped_gemm(a, b, d, CFG, **kw)
+        got = moe_triton.grouped_gemm(a, moe_triton.ExpertTable.of(bt), d, CFG, **kw)
+        assert all(x is y is None or torch.equal(x, y) for x, y in zip(got, want)), kw
+    # one fp32 element off 16 bytes: not readable in place, stacked for the call
+    flat = torch.empty(up.numel() + 1)
+    shifted = list(flat[1:].view_as(up).copy_(up).unbind(0))
+    assert not moe_triton.ExpertTable.readable(shifted)
+    assert torch.equal(experts_triton(h, experts, weights, shifted, downs, CFG),
+                       experts_triton(h, experts, weights, up, down, CFG))
+
+
 def _layer_step(layer: MoE, leaves: list[torch.Tensor], x: torch.Tensor,
                 g: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     """The layer's forward and backward to its expert weights' ``leaves``: (the output and each leaf's
@@ -228,9 +253,9 @@ def _layer_step(layer: MoE, leaves: list[torch.Tensor], x: torch.Tensor,
 @pytest.mark.interpreter
 def test_a_trainers_expert_parameters_are_not_kept_stacked_for_the_backward() -> None:
     """Expert weights that require gradients (a trainer's, as the Megatron hook passes its parameters) stay
-    a list: the kernels stack them per launch (``ExpertListFunction``), so the graph keeps no second copy of
-    every expert weight for the backward, as a stack made at build (still made for weights without
-    gradients) did. Output and each expert's gradient: the stacked launch's bits."""
+    a list: the kernels read each where it lies (``ExpertTable``, ``ExpertListFunction``), so the graph keeps
+    no second copy of every expert weight for the backward, as a stack made at build (still made for weights
+    without gradients) did. Output and each expert's gradient: the stacked launch's bits."""
     import copy
 
     c = MoEConfig(hidden_size=D, n_routed_experts=E, moe_intermediate_size=F, moe_shared_expert_intermediate_size=24,
@@ -626,9 +651,12 @@ for dt in ("bf16", "fp32"):
         t = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "c_ptr", "u_ptr")}
         t.update(arow_ptr=i64, tile_expert_ptr=i64, tile_row0_ptr=i64, tile_row1_ptr=i64)
         c = dict(GATHER=gather, RELU2=relu2, DRELU2=drelu2, BLOCK_M=cfg.moe_block_m, BLOCK_N=cfg.moe_block_n,
-                 BLOCK_K=cfg.moe_block_k, PRECISION="ieee", **{unit: 1})
+                 BLOCK_K=cfg.moe_block_k, PRECISION="ieee", B_TABLE=False, **{unit: 1})
         div = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bk", "stride_cm"} - {unit}
         done[f"{dt} grouped {name}"] = comp(mt._grouped_gemm_kernel, t, c, cfg.moe_warps, cfg.moe_stages, div)
+        if name in ("up", "data-grad"):  # a trainer's experts read in place through their addresses
+            done[f"{dt} grouped {name} table"] = comp(mt._grouped_gemm_kernel, {**t, "b_ptr": i64},
+                                                      {**c, "B_TABLE": True}, cfg.moe_warps, cfg.moe_stages, div)
     for gather in (True, False):
         t = {n: f"*{dt}" for n in ("g_ptr", "x_ptr", "dw_ptr")}
         t.update(xrow_ptr=i64, offsets_ptr=i64)
@@ -650,7 +678,7 @@ for dt in ("bf16", "fp32"):
         t = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "c_ptr", "u_ptr")}
         t.update(arow_ptr=i64, tile_expert_ptr=i64, tile_row0_ptr=i64, tile_row1_ptr=i64)
         c = dict(GATHER=gather, RELU2=relu2, DRELU2=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.moe_block_k,
-                 PRECISION="ieee", stride_bk=1)
+                 PRECISION="ieee", B_TABLE=False, stride_bk=1)
         done[f"{dt} decode {name}"] = comp(mt._grouped_gemm_kernel, t, c, warps, stages,
                                           {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm"})
     # the router GEMM (fp32 weights, x in the model dtype), launched as the triton linear is (fusion on)
@@ -678,7 +706,7 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90(sm90_cache):
     done = run_sm90_script(_COMPILE, sm90_cache)
-    assert len(done) == 2 * 15 + 5, sorted(done)
+    assert len(done) == 2 * 17 + 5, sorted(done)
     for name, r in done.items():
         if name.startswith("route") or name.endswith("router"):  # no dots on tensor cores: fp32 or none
             assert r["shared"] <= 227 * 1024, (name, r)
@@ -693,4 +721,7 @@ def test_moe_kernels_compile_for_sm90(sm90_cache):
             assert r["mma"] or r["wgmma"], (name, r)  # 16 rows: mma
         if name in ("bf16 grouped up", "bf16 grouped down", "bf16 decode up", "bf16 decode down"):
             assert r["cp_async"], (name, r)  # the K loop's loads are pipelined (moe_stages)
+        if name.endswith(" table"):  # weights read in place: the stacked launch's loads and dots
+            assert {**r, "cp_async": 0} == {**done[name[:-len(" table")]], "cp_async": 0}, (name, r)
+            assert r["cp_async"] == done[name[:-len(" table")]]["cp_async"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # fits an H200 SM's shared memory
