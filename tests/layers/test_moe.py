@@ -150,3 +150,43 @@ def test_a_replaced_linear_reaches_the_experts():
     layer.advance(None, None, _rows(5, 1, torch.float32))
     expert_shapes = {tuple(w.shape) for w in (*layer.up_w, *layer.down_w)}
     assert expert_shapes & set(calls), f"the experts ran the table's old linear (new linear saw {calls})"
+
+
+def _sharded(group, rows: torch.Tensor, swap: bool) -> tuple[torch.Tensor, int]:
+    """One rank's MoE layer (bf16, row_parallel_slices 4) over ``rows``: (its output, the all-gathers it
+    made). ``swap``: the experts' row-parallel sum wrapped (the per-expert path, one all-gather each)."""
+    from aligned_mamba.layers.moe import shard_weights
+    from aligned_mamba.ops.linear.sliced import row_parallel_linear
+    from aligned_mamba.parallel import TPGroup
+
+    cfg, tensors = make_tiny_hybrid(0, pattern="ME", dtype="bfloat16", **SHAPE)
+    calls = [0]
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return group.all_gather(x)
+
+    tp = TPGroup(group.rank, group.size, counted)
+    layer = MoE(cfg.moe_config(), shard_weights(cfg.moe_config(), tensors, PREFIX, tp), PREFIX,
+                backend=resolve(Contract(chunk_size=64, model_dtype="bfloat16", row_parallel_slices=4)),
+                dtype=torch.bfloat16, tp=tp, slices=4)
+    if swap:
+        layer = layer.with_row_parallel(lambda *a, **k: row_parallel_linear(*a, **k))
+    out = layer.advance(None, None, rows)
+    return out, calls[0]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_experts_share_one_all_gather_at_tp(size: int) -> None:
+    """At TP > 1 every expert's down-projection subtree rides one all-gather for the layer (and one for the
+    shared expert), not one per expert with rows: the same bits as expert by expert, and as TP 1."""
+    from aligned_mamba.parallel import TPGroup, threads
+
+    rows = _rows(24, 3, torch.bfloat16)
+    one = threads(_sharded, size, rows, False)
+    each = threads(_sharded, size, rows, True)
+    alone = _sharded(TPGroup.single(), rows, False)[0]
+    used = _layer("bfloat16")[0].route_rows(rows)[0].unique().numel()
+    for (a, n1), (b, n2) in zip(one, each):
+        assert torch.equal(a, b) and torch.equal(a, alone)
+        assert (n1, n2) == (2, used + 1)

@@ -48,14 +48,10 @@ def row_parallel_weight(backend: Backend, whole: torch.Tensor, raw: Callable[[],
     return [backend.linear_weight(w[:, j * cw:(j + 1) * cw]) for j in range(n)]
 
 
-def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
-                        slices: int, group: TPGroup, partial: Partial | None = None,
-                        tree: Tree | None = None) -> torch.Tensor:
-    """x [M, K/size] @ w [N, K/size]^T (+ b [N], added in fp32) -> [M, N] in x's dtype, the same on
-    every rank. x, w: this rank's contiguous K columns; w may be its S/size slice weights [N, K/S]
-    (``row_parallel_weight``). slices: S; partial: ``Ops.linear_partial``; tree: ``Ops.linear_tree``
-    (then w is the whole rank weight)."""
-    size = group.size
+def row_parallel_subtree(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], *, slices: int, size: int,
+                         partial: Partial | None = None, tree: Tree | None = None) -> torch.Tensor:
+    """This rank's subtree of ``row_parallel_linear``: x [M, K/size] @ w^T over its S/size slices, joined by
+    adjacent pairs, [M, N] fp32 (w, partial, tree as there)."""
     k_local = x.shape[1]
     local = check_slices(k_local, slices, size)
     c = k_local // local
@@ -63,12 +59,7 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor
         if not isinstance(w, torch.Tensor) or w.shape[1] != k_local:
             raise ValueError(f"row_parallel_linear: the fused tree takes this rank's whole weight of {k_local} K "
                              "columns")
-        if size == 1:  # the whole tree, the bias and the rounding in one call
-            return tree(x, w, b, local, x.dtype)
-        total = pair_tree(group.all_gather(tree(x, w, None, local, torch.float32)).movedim(0, -1))
-        if b is not None:
-            total = total + b.to(torch.float32)
-        return total.to(x.dtype)
+        return tree(x, w, None, local, torch.float32)
     if partial is None:
         raise ValueError("row_parallel_linear: give the backend's partial GEMM or its fused tree")
     if isinstance(w, torch.Tensor):
@@ -80,12 +71,34 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor
         if len(ws) != local or any(t.shape[1] != c for t in ws):
             raise ValueError(f"row_parallel_linear: expected {local} slice weights of {c} K columns, got "
                              f"{[list(t.shape) for t in ws]}")
-    parts = torch.stack([partial(x[:, j * c:(j + 1) * c], ws[j]) for j in range(local)], dim=-1)
-    mine = pair_tree(parts)  # [M, N]: this rank's subtree
-    total = mine if size == 1 else pair_tree(group.all_gather(mine).movedim(0, -1))  # the top log2(size) levels
+    return pair_tree(torch.stack([partial(x[:, j * c:(j + 1) * c], ws[j]) for j in range(local)], dim=-1))
+
+
+def join_subtrees(group: TPGroup, mine: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's subtree ``mine`` [M, N] fp32 all-gathered and joined by the top log2(size) levels, plus
+    b ([N], or one row per row) in fp32, rounded once to ``dtype``: the same on every rank. Row-wise, so the
+    rows of several GEMMs (a MoE layer's experts) may share one all-gather."""
+    total = mine if group.size == 1 else pair_tree(group.all_gather(mine).movedim(0, -1))
     if b is not None:
         total = total + b.to(torch.float32)
-    return total.to(x.dtype)
+    return total.to(dtype)
 
 
-__all__ = ["check_slices", "row_parallel_linear", "row_parallel_weight"]
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | None = None, *,
+                        slices: int, group: TPGroup, partial: Partial | None = None,
+                        tree: Tree | None = None) -> torch.Tensor:
+    """x [M, K/size] @ w [N, K/size]^T (+ b [N], added in fp32) -> [M, N] in x's dtype, the same on
+    every rank. x, w: this rank's contiguous K columns; w may be its S/size slice weights [N, K/S]
+    (``row_parallel_weight``). slices: S; partial: ``Ops.linear_partial``; tree: ``Ops.linear_tree``
+    (then w is the whole rank weight)."""
+    if tree is not None and group.size == 1:  # the whole tree, the bias and the rounding in one call
+        local = check_slices(x.shape[1], slices, 1)
+        if not isinstance(w, torch.Tensor) or w.shape[1] != x.shape[1]:
+            raise ValueError(f"row_parallel_linear: the fused tree takes this rank's whole weight of {x.shape[1]} K "
+                             "columns")
+        return tree(x, w, b, local, x.dtype)
+    mine = row_parallel_subtree(x, w, slices=slices, size=group.size, partial=partial, tree=tree)
+    return join_subtrees(group, mine, b, x.dtype)
+
+
+__all__ = ["check_slices", "join_subtrees", "row_parallel_linear", "row_parallel_subtree", "row_parallel_weight"]
