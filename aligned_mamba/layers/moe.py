@@ -110,9 +110,10 @@ def shard_weights(config: MoEConfig, tensors: Mapping[str, torch.Tensor], prefix
 class MoE(Stateless):
     """The MoE layer on a backend, in a model dtype (router and biases fp32). With ``tp`` or ``slices``
     > 1: ``config`` the full layer's, ``tensors`` this rank's (``shard_weights``), each expert an
-    ``MLP`` with a row-parallel down projection, run expert by expert (``experts_grouped``: on the triton
-    backend too, whose grouped kernels have no sliced tree; its per-expert token counts are read on the
-    host, so such a layer is not captured in CUDA graphs); no expert parallelism. ModelLoadError for
+    ``MLP`` with a row-parallel down projection, run expert by expert (on the triton backend too, whose
+    grouped kernels have no sliced tree; its per-expert token counts are read on the host, so such a layer
+    is not captured in CUDA graphs), at TP > 1 their subtrees joined after one all-gather; no expert
+    parallelism. ModelLoadError for
     expert biases on the triton backend (its grouped kernels have no bias term)."""
 
     kind = "moe"
