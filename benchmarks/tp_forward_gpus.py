@@ -67,10 +67,17 @@ def model(name: str, layers: int):
     if name == "tiny-moe":
         return make_tiny_hybrid(3, pattern="M*E", chunk_size=32, topk_group=1)  # routing Megatron can build
     if name == "nano-moe":  # Nemotron-3-Nano-30B-A3B's shapes, the first `layers` of its pattern (MoE at TP > 1:
-        from benchmarks.stock_hybrid import NANO  # each expert run alone, its down projection the tree GEMM)
+        # each expert run alone, its down projection the tree GEMM); weights as the hybrid bench draws them
+        # (on the GPU: the tiny models' exact CPU draws take minutes at 1.3 B parameters a MoE layer)
+        import torch
 
-        shape = {k: v for k, v in NANO.items() if k != "hybrid_override_pattern"}
-        return make_tiny_hybrid(4, pattern=NANO["hybrid_override_pattern"][:max(4, layers)], **shape)
+        from aligned_mamba.models.nemotron_h import NemotronHConfig, expected_shapes
+        from benchmarks.stock_hybrid import NANO, draw
+
+        config = NemotronHConfig(**dict(NANO, hybrid_override_pattern=NANO["hybrid_override_pattern"][:max(4, layers)]),
+                                 dtype="bfloat16")
+        g = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(4)
+        return config, {n: draw(n, s, config.torch_dtype, g).cpu() for n, s in expected_shapes(config).items()}
     if name == "mamba2-1.3b":
         return make_tiny(0, hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=1,
                          num_hidden_layers=layers, chunk_size=256, vocab_size=50304, expand=2)
