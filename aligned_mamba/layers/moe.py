@@ -113,8 +113,8 @@ class MoE(Stateless):
     ``MLP`` with a row-parallel down projection, run expert by expert (on the triton backend too, whose
     grouped kernels have no sliced tree; its per-expert token counts are read on the host, so such a layer
     is not captured in CUDA graphs), at TP > 1 their subtrees joined after one all-gather; no expert
-    parallelism. ModelLoadError for
-    expert biases on the triton backend (its grouped kernels have no bias term)."""
+    parallelism. ModelLoadError for expert biases on the triton backend (its grouped kernels have no bias
+    term)."""
 
     kind = "moe"
 
