@@ -178,14 +178,13 @@ def check_parallel(config: Any, *, trainer: str, trainer_tp: int, trainer_sp: bo
     cannot keep its bits at under that side's contract (``parallel.check_tp``)."""
     from .parallel import check_tp
 
+    check_trainer_sp(trainer, trainer_tp, trainer_sp)
     for flag, name, size, contract, covered, kind in (
             ("--trainer-tp", trainer, trainer_tp, trainer_contract, ("reference", "megatron"), "trainers"),
             ("--sampler-tp", engine, sampler_tp, sampler_contract, ("reference", "vllm"), "engines")):
         if size != 1 and name not in covered:
             raise AlignedMambaError(f"{flag} {size} refused: tensor parallelism runs on the {' and '.join(covered)} "
                                     f"{kind} for now, not {name}")
-        if flag == "--trainer-tp":
-            check_trainer_sp(trainer, trainer_tp, trainer_sp)
         try:
             check_tp(contract, config, size)
         except AlignedMambaError as e:

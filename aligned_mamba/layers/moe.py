@@ -11,6 +11,7 @@ latent size fc1_latent_proj / fc2_latent_proj.weight, with ``mlp_bias`` every bi
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,8 @@ from ..ops import elementwise as ew
 from ..ops.autograd import grad_needed
 from ..ops.backend import Backend
 from ..ops.linear.sliced import join_subtrees, row_parallel_linear, row_parallel_subtree
-from ..ops.moe import dispatch, experts_grouped
+from ..ops.moe import experts_grouped
 from ..ops.moe import route as _route
-from ..ops.moe.naive import combine
 from ..ops.step import Step
 from ..parallel import TPGroup
 from . import mlp as mlp_layer
@@ -152,7 +152,7 @@ class MoE(Stateless):
             down = [weight(f"experts.{e}.down_proj.weight") for e in range(E)]
             if any(w.requires_grad for w in (*up, *down)):
                 # a trainer's weights: the kernels read each where it lies, no stacked copy
-                # (``ExpertListFunction``)
+                # (``ops.moe.triton.ExpertTable``)
                 self.up_w, self.down_w = up, down
             else:  # [E, f, d] / [E, d, f] for the grouped GEMM, stacked once
                 self.up_w, self.down_w = torch.stack(up), torch.stack(down)
@@ -221,11 +221,12 @@ class MoE(Stateless):
         be = self.backend
         h = x if self.fc1 is None else be.linear(x, *self.fc1)
         # out[t] = sum over t's experts in ascending order of weight * expert(h[t]), in fp32, rounded once
-        if self.sliced and self._one_gather():
-            routed = self._experts_one_gather(h, experts, weights)
-        elif self.sliced:
+        if self.sliced:
+            one = self._one_gather()
             routed = experts_grouped(h, experts, weights, self.up_w, self.down_w, linear=be.linear, relu2=be.relu2,
-                                     expert=self._expert)
+                                     expert=self._expert_subtree if one else self._expert,
+                                     join=functools.partial(join_subtrees, self.tp, b=None, dtype=h.dtype) if one
+                                     else None)
         elif dispatch is not None and self.fc2 is None:  # the shared expert added in the combine's pass
             shared = self.shared.advance(None, batch, x)
             return be.moe_experts(h, experts, weights, self.up_w, self.down_w, dispatch=dispatch, add=shared)
@@ -241,32 +242,17 @@ class MoE(Stateless):
         return self.expert_mlps[e].advance(None, None, x)
 
     def _one_gather(self) -> bool:
-        """Whether the experts' down projections can share one all-gather: TP > 1 and every expert on the
-        contract's row-parallel tree (``with_row_parallel`` puts another sum in its place)."""
+        """Whether the experts' down projections can share one all-gather (``_expert_subtree``, joined after
+        it: the tree's top is row-wise, so each row keeps its expert's bits): TP > 1, every expert on the
+        contract's row-parallel tree (``with_row_parallel`` puts another sum in its place), no biases."""
         return (self.tp is not None and self.tp.size > 1
-                and all(m.row_parallel is row_parallel_linear for m in self.expert_mlps))
+                and all(m.row_parallel is row_parallel_linear and m.down_b is None for m in self.expert_mlps))
 
-    def _experts_one_gather(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``experts_grouped`` over the sliced experts with one all-gather for the layer: each expert's
-        down-projection subtree over its sorted rows, every expert's rows gathered at once and joined by the
-        tree's top (row-wise: each row's bits are its expert's ``row_parallel_linear``'s), then combined."""
-        be, mlps = self.backend, self.expert_mlps
-        d = dispatch(experts, len(mlps))
-        bounds = d.offsets.tolist()
-        parts, biases = [], []
-        for e, m in enumerate(mlps):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            a = be.relu2(be.linear(h[d.token[lo:hi]], m.up_w, m.up_b))
-            parts.append(row_parallel_subtree(a, m.down_slices, slices=m.slices, size=self.tp.size,
-                                              partial=be.linear_partial, tree=be.linear_tree))
-            if m.down_b is not None:
-                biases.append(m.down_b.expand(hi - lo, -1))
-        if not parts:
-            return h.new_zeros(h.shape)
-        ys = join_subtrees(self.tp, torch.cat(parts), torch.cat(biases) if biases else None, h.dtype)
-        return combine([ys[d.pos[:, j]] for j in range(experts.shape[1])], weights, h.dtype)
+    def _expert_subtree(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's rows x [n, d] -> this rank's subtree of its down projection, [n, d] fp32."""
+        m, be = self.expert_mlps[e], self.backend
+        return row_parallel_subtree(be.relu2(be.linear(x, m.up_w, m.up_b)), m.down_slices, slices=m.slices,
+                                    size=self.tp.size, partial=be.linear_partial, tree=be.linear_tree)
 
     def with_row_parallel(self, fn: Callable[..., torch.Tensor]) -> MoE:
         """A copy whose experts' and shared expert's down projections sum as ``fn`` does (the same

@@ -56,26 +56,32 @@ def experts_grouped(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
                     down_w: Sequence[torch.Tensor], up_b: Sequence[torch.Tensor | None] | None = None,
                     down_b: Sequence[torch.Tensor | None] | None = None, *,
                     linear: Callable[..., torch.Tensor], relu2: Callable[[torch.Tensor], torch.Tensor],
-                    expert: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+                    expert: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                    join: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The torch form: each expert's sorted tokens through the backend's ``linear`` and ``relu2``, then
     ``naive.combine``; up_b / down_b per-expert or None. ``expert(x [n, d], e)``, where given, replaces
-    the two linears (``layers.moe``'s sliced experts). Experts without rows are skipped."""
+    the two linears (``layers.moe``'s sliced experts); ``join``, where given, takes every expert's rows
+    [T * k, d] in sorted order to the outputs in h's dtype before the combine (the sliced experts' one
+    all-gather). Experts without rows are skipped."""
     T, k = experts.shape
     if T == 0:
         return h.new_zeros(h.shape)
     d = dispatch(experts, len(up_w))
-    ys = torch.zeros(T * k, h.shape[1], dtype=h.dtype, device=h.device)
     bounds = d.offsets.tolist()
+    parts = []  # every row belongs to one expert: the parts in expert order are the sorted rows
     for e in range(len(up_w)):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
         if expert is not None:
-            ys[lo:hi] = expert(h[d.token[lo:hi]], e)
+            parts.append(expert(h[d.token[lo:hi]], e))
             continue
         ub = up_b[e] if up_b is not None else None
         db = down_b[e] if down_b is not None else None
-        ys[lo:hi] = linear(relu2(linear(h[d.token[lo:hi]], up_w[e], ub)), down_w[e], db)
+        parts.append(linear(relu2(linear(h[d.token[lo:hi]], up_w[e], ub)), down_w[e], db))
+    ys = torch.cat(parts)
+    if join is not None:
+        ys = join(ys)
     return combine([ys[d.pos[:, j]] for j in range(k)], weights, h.dtype)
 
 

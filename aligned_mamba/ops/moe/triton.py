@@ -7,7 +7,7 @@ rows of ONE expert and a column block, K ascending inside it, rows past the expe
 so a row's bits do not depend on its tile's other rows (``moe_block_k`` = ``linear_block_k`` gives
 ``linear_triton``'s bits). Backward (``ExpertsFunction``): the same kernels, no atomics; the bits of
 those steps as torch ops (tests/moe_unfused.py); a trainer's per-expert parameters are read where they
-lie (``ExpertTable``, ``ExpertListFunction``). Why: docs/design.md, "How the bits are kept" (MoE).
+lie (``ExpertTable``). Why: docs/design.md, "How the bits are kept" (MoE).
 """
 
 from __future__ import annotations
@@ -651,8 +651,8 @@ def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                    add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ops.moe``'s signature; bf16 or fp32, experts distinct per row), no host
     sync. ``up_w`` / ``down_w``: stacked [E, f, d] / [E, d, f], or lists of each expert's contiguous [f, d]
-    / [d, f] (a trainer's own parameters: read where they lie through an ``ExpertTable``, no stacked copy,
-    ``ExpertListFunction``; the table's addresses are copied to the device, so a list is for eager steps,
+    / [d, f] (a trainer's own parameters: read where they lie through an ``ExpertTable``, no stacked copy;
+    the table's addresses are copied to the device, so a list is for eager steps,
     not CUDA graphs). ``dispatch``: ``route_triton``'s tables or None (built here); ``add`` [T, d]: returns
     out + add (the shared expert, in the combine's pass). Differentiable."""
     listed = not isinstance(up_w, torch.Tensor)
@@ -663,50 +663,32 @@ def experts_triton(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, weights, *ws))
     up, down = _experts(up_w), _experts(down_w)
     _check(h, experts, weights, up, down)
-    if grad and listed:
-        out = ExpertListFunction.apply(h, experts, weights, cfg, dispatch, (up, down), *ws)
-    elif grad:
-        out = ExpertsFunction.apply(h, experts, weights, up, down, cfg, dispatch)
-    else:
+    if not grad:
         return _forward(h, experts, weights, up, down, cfg, dispatch, add)[0]
+    out = ExpertsFunction.apply(h, experts, weights, cfg, dispatch, (up, down), listed, *ws)
     return out if add is None else out + add
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """The kernels' forward (the inference path's bits) and its deterministic backward, over stacked weights."""
+    """The kernels' forward (the inference path's bits) and its deterministic backward. ``kernels``: the
+    (up, down) weights as the launches read them (stacked, or ``ExpertTable``s over a trainer's per-expert
+    parameters, so no stacked copy is made or kept for the backward); ``ws`` the weights given, which get
+    the gradients (``listed``: E up then E down, each its slice of the stacked gradient)."""
 
     @staticmethod
-    def forward(ctx, h, experts, weights, up_w, down_w, cfg, d=None):  # type: ignore[override]
-        out, (d, u, act, y) = _forward(h, experts, weights, up_w, down_w, cfg, d)
-        ctx.save_for_backward(h, weights, up_w, down_w, u, act, y)
-        ctx.dispatch, ctx.cfg = d, cfg
+    def forward(ctx, h, experts, weights, cfg, d, kernels, listed, *ws):  # type: ignore[override]
+        out, (d, u, act, y) = _forward(h, experts, weights, *kernels, cfg, d)
+        ctx.save_for_backward(h, weights, u, act, y, *ws)  # the weights: a table's addresses stay theirs
+        ctx.dispatch, ctx.cfg, ctx.kernels, ctx.listed = d, cfg, kernels if listed else None, listed
         return out
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        h, weights, up_w, down_w, u, act, y = ctx.saved_tensors
-        d_h, d_weights, d_up, d_down = _backward(g, h, weights, up_w, down_w, (ctx.dispatch, u, act, y), ctx.cfg)
-        return d_h, None, d_weights, d_up, d_down, None, None
-
-
-class ExpertListFunction(torch.autograd.Function):
-    """``ExpertsFunction`` over each expert's own weights (``ws``: E up, then E down, read through the
-    ``tables``): no stacked copy is made or kept for the backward (the Megatron hook's experts are E
-    parameters each; a stack would be a second copy of every expert weight per layer). Each weight's
-    gradient is its slice of the stacked gradient the weight-gradient kernel writes."""
-
-    @staticmethod
-    def forward(ctx, h, experts, weights, cfg, d, tables, *ws):  # type: ignore[override]
-        out, (d, u, act, y) = _forward(h, experts, weights, *tables, cfg, d)
-        ctx.save_for_backward(h, weights, u, act, y, *ws)  # the weights, so the tables' addresses stay theirs
-        ctx.dispatch, ctx.cfg, ctx.tables = d, cfg, tables
-        return out
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        h, weights, u, act, y, *_ = ctx.saved_tensors
-        d_h, d_weights, d_up, d_down = _backward(g, h, weights, *ctx.tables, (ctx.dispatch, u, act, y), ctx.cfg)
-        return d_h, None, d_weights, None, None, None, *d_up.unbind(0), *d_down.unbind(0)
+        h, weights, u, act, y, *ws = ctx.saved_tensors
+        kernels = ctx.kernels if ctx.listed else ws
+        d_h, d_weights, d_up, d_down = _backward(g, h, weights, *kernels, (ctx.dispatch, u, act, y), ctx.cfg)
+        grads = (*d_up.unbind(0), *d_down.unbind(0)) if ctx.listed else (d_up, d_down)
+        return d_h, None, d_weights, None, None, None, None, *grads
 
 
 def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, up_w: Weights,
@@ -720,6 +702,6 @@ def moe_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, u
     return experts_triton(h, experts, weights, up_w, down_w, cfg, dispatch=dispatch, add=add)
 
 
-__all__ = ["ROUTE_MAX_EXPERTS", "ExpertListFunction", "ExpertTable", "ExpertsFunction", "combine_triton",
+__all__ = ["ROUTE_MAX_EXPERTS", "ExpertTable", "ExpertsFunction", "combine_triton",
            "expert_wgrad", "experts_triton", "gemm_tile", "grouped_gemm", "moe_experts", "route_triton",
            "router_logits", "router_logits_triton"]

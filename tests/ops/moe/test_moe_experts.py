@@ -253,7 +253,7 @@ def _layer_step(layer: MoE, leaves: list[torch.Tensor], x: torch.Tensor,
 @pytest.mark.interpreter
 def test_a_trainers_expert_parameters_are_not_kept_stacked_for_the_backward() -> None:
     """Expert weights that require gradients (a trainer's, as the Megatron hook passes its parameters) stay
-    a list: the kernels read each where it lies (``ExpertTable``, ``ExpertListFunction``), so the graph keeps
+    a list: the kernels read each where it lies (``ExpertTable``), so the graph keeps
     no second copy of every expert weight for the backward, as a stack made at build (still made for weights
     without gradients) did. Output and each expert's gradient: the stacked launch's bits."""
     import copy
