@@ -18,9 +18,10 @@ The stock: causal_conv1d's ``causal_conv1d_fn`` forward + backward minus its for
     --forward 64x128x1,32x128x1 --walk=   (the forward's walk launches instead: rows x channels x warps)
 
 ``--forward`` times the forward (``causal_conv1d_triton``, the trainer's call: fresh windows): the tile
-kernel at the configs' conv_block_t x conv_block_c (``conv_walk=False``), then the walk at each launch
-(rows x channels x warps), each output against the tile kernel's bit for bit (an output element is one
-fixed chain over its taps whatever the form or launch), and causal_conv1d's forward.
+kernel at the configs' conv_block_t x conv_block_c (``conv_walk=False``) and at each ``--tiles`` launch
+(rows x channels), then the walk at each launch (rows x channels x warps), each output against the tile
+kernel's bit for bit (an output element is one fixed chain over its taps whatever the form or launch),
+and causal_conv1d's forward.
 """
 
 from __future__ import annotations
@@ -94,22 +95,27 @@ def stock_fwd_ms(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, S: int, r
 
 
 def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[int, ...]], name: str, label: str,
-                  x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, cu: torch.Tensor, S: int) -> None:
-    """The forward's tile kernel, then its walk at each launch (rows, channels, warps), against the tile's output."""
+                  x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, cu: torch.Tensor, S: int,
+                  tile_launches: tuple[tuple[int, int], ...] = ()) -> None:
+    """The forward's tile kernel (the configs' launch, then each of ``tile_launches``: rows, channels), then its
+    walk at each launch (rows, channels, warps), against the first tile's output."""
     slots = torch.arange(S, device=x.device)
     pinned = (base.conv_walk_block_t, base.conv_walk_block_c, base.conv_walk_warps)
     ref = None
     tile = dataclasses.replace(base, conv_walk=False)
-    forms = [("tile", tile)] + [(list(t), dataclasses.replace(base, conv_walk=True, conv_walk_block_t=t[0],
-                                                               conv_walk_block_c=t[1], conv_walk_warps=t[2]))
-                                for t in [pinned] + [t for t in launches if t != pinned]]
+    forms = [("tile", tile)]
+    forms += [(f"tile {t[0]}x{t[1]}", dataclasses.replace(tile, conv_block_t=t[0], conv_block_c=t[1]))
+              for t in tile_launches]
+    forms += [(list(t), dataclasses.replace(base, conv_walk=True, conv_walk_block_t=t[0], conv_walk_block_c=t[1],
+                                            conv_walk_warps=t[2]))
+              for t in [pinned] + [t for t in launches if t != pinned]]
     for form, cfg in forms:
         def run(c=cfg):
             return causal_conv1d_triton(x, cu, slots, torch.zeros(S, 3, x.shape[1], device=x.device, dtype=x.dtype),
                                         w, bias, c)
 
         e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=form,
-                 pinned=form != "tile" and tuple(form) == pinned)
+                 pinned=isinstance(form, list) and tuple(form) == pinned)
         try:
             out = run()
             ref = out if ref is None else ref
@@ -145,6 +151,7 @@ def main() -> int:
                     help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
     ap.add_argument("--forward", default="", help="the forward walk's launches, rows x channels x warps (instead of "
                     "the backward)")
+    ap.add_argument("--tiles", default="", help="with --forward: the tile kernel's launches too, rows x channels")
     a = ap.parse_args()
     import triton
 
@@ -176,7 +183,10 @@ def main() -> int:
             cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int64)
             win = torch.zeros(S, 3, Cd, device=dev, dtype=dtype)
             if tiles:
-                forward_tiles(a, res, base, tiles, name, label, x, w, bias, cu, S)
+                tile_launches = tuple(tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",") if t)
+                if dry and tile_launches:
+                    tile_launches = ((4, 16), (16, 32))
+                forward_tiles(a, res, base, tiles, name, label, x, w, bias, cu, S, tile_launches)
                 with open(a.out, "w") as f:
                     json.dump(res, f, indent=1)
                 continue

@@ -47,7 +47,8 @@ want split && step split "${SPLIT_S:-80}" python3 benchmarks/bench_paged_attenti
 want walk && step walk "${WALK_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \
   --out "$W/h200_conv_backward.json" --reps 10 ${WALK_ARGS:-}
 want convfwd && step convfwd "${CONVFWD_S:-50}" python3 benchmarks/bench_conv_backward_h200.py \
-  --out "$W/h200_conv_forward.json" --reps 10 --walk= --forward "${CONVFWD:-32x128x1,64x128x1,32x256x2}"
+  --out "$W/h200_conv_forward.json" --reps 10 --walk= --forward "${CONVFWD:-32x128x1,64x128x1,32x256x2}" \
+  ${CONVFWD_ARGS:-}
 want train && hybrid train "${TRAIN_S:-100}" --quick
 want nanotrain && hybrid nano_train "${NANOTRAIN_S:-130}" --quick
 want h8blong && hybrid h8b "${H8B_S:-150}" --long

@@ -38,12 +38,11 @@ def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S,
                  stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Rows [BLOCK_T] x channels [BLOCK_C] of the output, from the old windows and x."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r0 = tl.program_id(0) * BLOCK_T
+    rows = r0 + tl.arange(0, BLOCK_T)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < T
     cmask = ch < Cd
-    lo, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
-    slot = tl.load(slots_ptr + lo, mask=rmask, other=0).to(tl.int64)
     r64 = rows.to(tl.int64)
     if HAS_BIAS:
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + tl.load(b_ptr + ch, mask=cmask, other=0.0).to(
@@ -51,15 +50,26 @@ def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S,
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     m2 = rmask[:, None] & cmask[None, :]
-    for k in tl.static_range(K):
-        # stream position j + k: window row j + k, or new row row + k - (K - 1)
-        p = j + k
-        in_win = (p < K - 1)[:, None]
-        wv = tl.load(win_ptr + slot[:, None] * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
-                     mask=m2 & in_win, other=0.0)
-        xv = tl.load(x_ptr + (r64 + (k - (K - 1)))[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win, other=0.0)
-        v = tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
-        acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
+    # a block inside one sequence, past its first K - 1 rows, reads only x: no per-row search, no window
+    seq0 = _find_sequence(cu_ptr, r0, S, SEARCH_STEPS)
+    inside = (r0 - tl.load(cu_ptr + seq0) >= K - 1) & (r0 + BLOCK_T <= tl.load(cu_ptr + seq0 + 1))
+    if inside:
+        for k in tl.static_range(K):
+            xv = tl.load(x_ptr + (r64 + (k - (K - 1)))[:, None] * stride_x + ch[None, :], mask=m2, other=0.0)
+            acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * xv.to(tl.float32)
+    else:
+        lo, j = _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T)
+        slot = tl.load(slots_ptr + lo, mask=rmask, other=0).to(tl.int64)
+        for k in tl.static_range(K):
+            # stream position j + k: window row j + k, or new row row + k - (K - 1)
+            p = j + k
+            in_win = (p < K - 1)[:, None]
+            wv = tl.load(win_ptr + slot[:, None] * stride_ws + p[:, None].to(tl.int64) * stride_wk + ch[None, :],
+                         mask=m2 & in_win, other=0.0)
+            xv = tl.load(x_ptr + (r64 + (k - (K - 1)))[:, None] * stride_x + ch[None, :], mask=m2 & ~in_win,
+                         other=0.0)
+            v = tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
+            acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
     if SILU:
         acc = silu_exact(acc)
     tl.store(out_ptr + r64[:, None] * stride_out + ch[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)

@@ -93,13 +93,14 @@ def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
     """The forward's walk (each input row read once, the last K - 1 carried) against the tile kernel
     (``conv_walk=False``): the same outputs and windows bit for bit for sequences of every length
     (empty ones, ones shorter than the window, ones crossing row blocks of 1, 4 and 16 rows), with and
-    without a bias, at a row stride and over two channel blocks. The same sum in reverse tap order
-    differs, so the comparison can fail."""
-    lens = [5, 1, 0, 9, 2, 0, 17, 3]
+    without a bias, at a row stride and over two channel blocks; the tile kernel's blocks inside one
+    sequence past its window (rows 24, 40 and 48 at 8 rows a block) read x alone, the others the
+    window. The same sum in reverse tap order differs, so the comparison can fail."""
+    lens = [5, 1, 0, 9, 2, 0, 17, 3, 26]
     Cd = 40
     cu, x, w, b, win = _conv_case(lens, Cd=Cd, K=K, slots=11, seed=70 + K)
     wide = torch.cat([x, x[:, :5]], dim=1)[:, :Cd]
-    slots = torch.tensor([5, 0, 2, 3, 6, 10, 1, 8], device=DEV)
+    slots = torch.tensor([5, 0, 2, 3, 6, 10, 1, 8, 4], device=DEV)
     walk = dataclasses.replace(CFG, conv_walk=True, conv_walk_block_t=rows, conv_walk_block_c=32)
     tile = dataclasses.replace(CFG, conv_walk=False, conv_block_t=8, conv_block_c=32)
     for bias in (b, None):
