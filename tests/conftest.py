@@ -22,12 +22,6 @@ import pytest
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Idle OpenMP threads sleep instead of spinning: two workers with their engine and rank processes share
-# two cores, and a libgomp thread spinning at a barrier holds the core another process needs (the same
-# tests ran in 0.70x the wall time; benchmarks/README.md, "Test suite time"). libgomp reads it when it
-# loads, so before any test imports torch; the engines' and ranks' processes inherit it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 def _interpreter_dot_per_element() -> None:
     """``tl.dot`` in the Triton interpreter as one fixed-order sum over K per output element.
