@@ -316,12 +316,19 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     for tag, dtype in (("stock_bf16", None), ("stock_fp32", torch.float32)):
         try:
             params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch)
-            params.key_value_memory_dict = stock.allocate_inference_cache(batch, max_seqlen, dtype=dtype)
+            cache = stock.allocate_inference_cache(batch, max_seqlen)
+            if dtype is not None:
+                # the SSM state in fp32, the conv state in the model's dtype: causal_conv1d's update takes
+                # no other (its inputs are bf16 values, so an fp32 conv state would hold the same numbers)
+                cache = {i: (conv, ssm.to(dtype)) for i, (conv, ssm) in cache.items()}
+            params.key_value_memory_dict = cache
             params.lengths_per_sample = torch.zeros(batch, dtype=torch.int32, device=dev)
             run = capture_graph(stock, params, batch, max_seqlen)
             ids = toks.to(dev)
             pos_d = pos.to(dev)
-            e[f"{tag}_state_dtype"] = str(next(iter(params.key_value_memory_dict.values()))[1].dtype)
+            conv_state, ssm_state = next(iter(params.key_value_memory_dict.values()))
+            e[f"{tag}_state_dtype"] = str(ssm_state.dtype)
+            e[f"{tag}_conv_state_dtype"] = str(conv_state.dtype)
             runners[tag] = (lambda i, r=run, ids=ids, pos_d=pos_d:
                             r(ids[1 + i][:, None], (pos_d + 1 + i)[:, None], int(pos.max()) + 1 + i))
         except Exception as exc:  # noqa: BLE001

@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,7 +54,14 @@ VARIANTS = {
                dict(linear_decode_block_m=64, linear_decode_tma=True, linear_decode_stages=6),
                dict(linear_decode_tma=True, linear_decode_persistent=True, linear_decode_programs_per_sm=2),
                dict(linear_decode_warps=8), dict(linear_decode_warps=8, linear_decode_stages=8),
-               dict(linear_fill_programs=66), dict(linear_fill_programs=264)],
+               dict(linear_fill_programs=66), dict(linear_fill_programs=264),
+               # deeper pipelines and fewer warps: a decode tile's bytes in flight per SM, its idle warps
+               dict(linear_decode_stages=12), dict(linear_decode_stages=16), dict(linear_decode_warps=2),
+               dict(linear_decode_warps=1), dict(linear_decode_warps=2, linear_decode_stages=12),
+               dict(linear_decode_warps=1, linear_decode_stages=16), dict(linear_decode_block_n=32),
+               dict(linear_decode_block_n=32, linear_decode_stages=12),
+               dict(linear_decode_tma=True, linear_decode_stages=12),
+               dict(linear_fill_programs=264, linear_decode_stages=12)],
     "mid": [dict(linear_fill_programs=0), dict(linear_mid_block_n=64, linear_mid_stages=6),
             dict(linear_mid_persistent=True),
             dict(linear_mid_persistent=True, linear_mid_block_n=64, linear_mid_stages=6),
@@ -69,7 +77,9 @@ VARIANTS = {
             dict(linear_mid_block_n=256, linear_mid_warps=8, linear_mid_stages=3),
             dict(linear_mid_block_m=128, linear_mid_block_n=64, linear_mid_stages=4),
             dict(linear_mid_block_m=256, linear_mid_warps=8, linear_mid_stages=3),
-            dict(linear_mid_warps=8)],
+            dict(linear_mid_warps=8),
+            dict(linear_mid_stages=8), dict(linear_mid_stages=12), dict(linear_mid_warps=2, linear_mid_stages=8),
+            dict(linear_mid_warps=2, linear_mid_stages=12), dict(linear_mid_block_n=64, linear_mid_stages=10)],
     "large": [dict(linear_fill_programs=0), dict(linear_stages=4), dict(linear_block_n=128, linear_stages=4)],
 }
 # bytes of weight copies a graph cycles through, so that small weights come from DRAM as in a model
@@ -173,7 +183,7 @@ def ceilings(b: Bench) -> dict:
     return {"copy_gbps": round(copy, 1), "cublas_tflops": round(2 * 8192 ** 3 / tm / 1e9, 1)}
 
 
-def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> None:
+def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save, match: str | None = None) -> None:
     torch = b.torch
     F = torch.nn.functional
     from aligned_mamba.ops.configs import TritonKernelConfigs
@@ -236,6 +246,8 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save) -> 
                 pinned = lt.linear_triton(xm, w, None, cfg)
                 regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
                 for v in VARIANTS[regime]:
+                    if match and not re.search(match, repr(v)):
+                        continue
                     try:  # a variant the configs refuse is recorded with its error, the sweep goes on
                         c = dataclasses.replace(cfg, **v)
                         q = lt.plan(M, w, c, sms=lt._num_sms(b.dev))
@@ -456,6 +468,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through the Triton interpreter")
     ap.add_argument("--variants", action="store_true", help="also time other GEMM configs per M regime")
+    ap.add_argument("--variant-match", default=None, help="--variants: only overrides whose repr matches this regex")
     ap.add_argument("--op-variants", action="store_true", help="also time other norm/conv/logprobs configs")
     ap.add_argument("--sections", default="host,gemm,ops")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")
@@ -495,7 +508,7 @@ def main() -> int:
     if args.ms:
         ms_list = [int(m) for m in args.ms.split(",")]
     for sec, fn in (("host", lambda: host_section(b, res)),
-                    ("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save)),
+                    ("gemm", lambda: gemm_section(b, shapes, ms_list, res, args.variants, save, args.variant_match)),
                     ("ops", lambda: ops_section(b, res, args.variants, save, args.op_variants))):
         if sec not in args.sections.split(","):
             continue

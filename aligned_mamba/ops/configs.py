@@ -235,8 +235,9 @@ class TritonKernelConfigs:
             pre = f"linear_{name}_" if name else "linear_"
             _pow2(pre + "block_m", getattr(self, pre + "block_m"), 16, 256)
             _pow2(pre + "block_n", getattr(self, pre + "block_n"), 16, 256)
-            _among(pre + "warps", getattr(self, pre + "warps"), (4, 8))
-            _among(pre + "stages", getattr(self, pre + "stages"), (1, 2, 3, 4, 5, 6, 7, 8))
+            # a decode or mid tile of 16 rows runs on fewer warps (warp-level MMA); the large tile's need 4 or 8
+            _among(pre + "warps", getattr(self, pre + "warps"), (1, 2, 4, 8) if name in ("decode", "mid") else (4, 8))
+            _among(pre + "stages", getattr(self, pre + "stages"), tuple(range(1, 17)))
             if name != "fp32":
                 _among(pre + "tma", getattr(self, pre + "tma"), (True, False))
                 _among(pre + "persistent", getattr(self, pre + "persistent"), (True, False))

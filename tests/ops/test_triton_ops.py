@@ -26,7 +26,7 @@ from sm90_offline import run_sm90_script, sass_script  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 
 _REFUSED = [("linear_warps", 2), ("linear_block_k", 256), ("linear_persistent", 1), ("linear_epi_split", 4),
-            ("linear_decode_stages", 9), ("linear_decode_tma", "yes"), ("linear_mid_programs_per_sm", 0),
+            ("linear_decode_stages", 17), ("linear_decode_tma", "yes"), ("linear_mid_programs_per_sm", 0),
             ("linear_fill_programs", -1), ("linear_mid_max_m", -1), ("norm_block_per_warp", 3),
             ("conv_block_c", 100), ("logprobs_block_v", 64)]
 

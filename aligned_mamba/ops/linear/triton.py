@@ -166,10 +166,11 @@ def _plan(regime: str, cfg: TritonKernelConfigs) -> LinearPlan:
 @functools.lru_cache(maxsize=4096)
 def _fill(p: LinearPlan, row_tiles: int, N: int, fill: int) -> LinearPlan:
     """Halve the N tile (down to 16) while the grid has fewer than ``fill`` tiles, so narrow layers
-    (out_proj) fill the GPU without split-K; the stages grow to keep the shared memory."""
+    (out_proj) fill the GPU without split-K; the stages grow to keep the shared memory (up to 8, or the
+    configured stages where those are more)."""
     bn, stages = p.block_n, p.num_stages
     while bn > 16 and row_tiles * triton.cdiv(N, bn) < fill:
-        stages = min(8, stages * (p.block_m + bn) // (p.block_m + bn // 2))
+        stages = min(max(8, p.num_stages), stages * (p.block_m + bn) // (p.block_m + bn // 2))
         bn //= 2
     if bn == p.block_n:
         return p
