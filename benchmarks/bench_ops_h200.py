@@ -246,7 +246,7 @@ def gemm_section(b: Bench, shapes, ms_list, res: dict, variants: bool, save, mat
                 pinned = lt.linear_triton(xm, w, None, cfg)
                 regime = "decode" if M <= cfg.linear_decode_max_m else "mid" if M <= cfg.linear_mid_max_m else "large"
                 for v in VARIANTS[regime]:
-                    if match and not re.search(match, repr(v)):
+                    if match and not re.search(match, ",".join(f"{k}={x}" for k, x in v.items())):
                         continue
                     try:  # a variant the configs refuse is recorded with its error, the sweep goes on
                         c = dataclasses.replace(cfg, **v)
@@ -468,7 +468,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through the Triton interpreter")
     ap.add_argument("--variants", action="store_true", help="also time other GEMM configs per M regime")
-    ap.add_argument("--variant-match", default=None, help="--variants: only overrides whose repr matches this regex")
+    ap.add_argument("--variant-match", default=None, help="--variants: only overrides whose 'field=value,...' matches this regex")
     ap.add_argument("--op-variants", action="store_true", help="also time other norm/conv/logprobs configs")
     ap.add_argument("--sections", default="host,gemm,ops")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")
