@@ -79,7 +79,8 @@ VARIANTS = {
             dict(linear_mid_block_m=256, linear_mid_warps=8, linear_mid_stages=3),
             dict(linear_mid_warps=8),
             dict(linear_mid_stages=8), dict(linear_mid_stages=12), dict(linear_mid_warps=2, linear_mid_stages=8),
-            dict(linear_mid_warps=2, linear_mid_stages=12), dict(linear_mid_block_n=64, linear_mid_stages=10)],
+            dict(linear_mid_warps=2, linear_mid_stages=12), dict(linear_mid_block_n=64, linear_mid_stages=10),
+            dict(linear_decode_max_m=64), dict(linear_decode_max_m=64, linear_decode_block_n=32)],
     "large": [dict(linear_fill_programs=0), dict(linear_stages=4), dict(linear_block_n=128, linear_stages=4)],
 }
 # bytes of weight copies a graph cycles through, so that small weights come from DRAM as in a model
@@ -468,7 +469,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through the Triton interpreter")
     ap.add_argument("--variants", action="store_true", help="also time other GEMM configs per M regime")
-    ap.add_argument("--variant-match", default=None, help="--variants: only overrides whose 'field=value,...' matches this regex")
+    ap.add_argument("--variant-match", default=None,
+                    help="--variants: only overrides whose 'field=value,...' matches this regex")
     ap.add_argument("--op-variants", action="store_true", help="also time other norm/conv/logprobs configs")
     ap.add_argument("--sections", default="host,gemm,ops")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of GEMM shapes")

@@ -65,6 +65,8 @@ class TritonKernelConfigs:
       linear_decode_max_m, linear_mid_max_m: bf16 calls up to these M take the decode, the mid tile; more the large.
       linear_decode_*, linear_mid_*: those tiles (_block_m, _block_n, _warps, _stages) and launches (_tma: TMA
         descriptors, else pointer loads; _persistent: a grid of _programs_per_sm programs per SM over the tiles).
+      linear_decode_narrow_warps, linear_decode_narrow_stages: a decode tile 16 columns wide (out_proj's, as _fill
+        narrows it) runs on these: one warp-level MMA column pair per warp, more of the K loop in flight.
       linear_mid_persistent_min_tiles_per_sm: the mid grid is persistent only from this many tiles per SM.
       linear_mid_large_min_tiles_per_sm: mid calls of M >= linear_block_m take the large tile from this many (0: never).
       linear_block_m ... linear_programs_per_sm: the large tile; linear_epi_split: its store in 1 or 2 halves.
@@ -128,6 +130,8 @@ class TritonKernelConfigs:
     linear_decode_tma: bool = False
     linear_decode_persistent: bool = False
     linear_decode_programs_per_sm: int = 1
+    linear_decode_narrow_warps: int = 2
+    linear_decode_narrow_stages: int = 12
     linear_mid_max_m: int = 256
     linear_mid_block_m: int = 64
     linear_mid_block_n: int = 128
@@ -248,6 +252,8 @@ class TritonKernelConfigs:
                 if getattr(self, pre + "programs_per_sm") != 1 and not getattr(self, pre + "persistent"):
                     raise ValueError(f"{pre}programs_per_sm {getattr(self, pre + 'programs_per_sm')} refused without "
                                      f"{pre}persistent: a grid of one program per tile")
+        _among("linear_decode_narrow_warps", self.linear_decode_narrow_warps, (1, 2, 4, 8))
+        _among("linear_decode_narrow_stages", self.linear_decode_narrow_stages, tuple(range(1, 17)))
         for name in ("linear_decode_max_m", "linear_mid_max_m", "linear_fill_programs",
                      "linear_mid_persistent_min_tiles_per_sm", "linear_mid_large_min_tiles_per_sm"):
             v = getattr(self, name)

@@ -123,7 +123,8 @@ class LinearPlan:
 def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs, *, sms: int) -> LinearPlan:
     """The tiles for M rows of weight [N, K] on ``sms`` SMs, from ``cfg``'s linear_* fields: bf16 takes
     the decode, mid or large tile by M (mid: the large tile for lm_head-sized grids, persistent only
-    from enough tiles per SM), then ``_fill``; fp32 one tile. The K block is the same in every regime.
+    from enough tiles per SM), then ``_fill`` (a decode tile it narrows to 16 columns takes the narrow
+    warps and stages); fp32 one tile. The K block is the same in every regime.
     """
     if weight.dtype == torch.float32:
         return _plan("fp32", cfg)
@@ -135,6 +136,9 @@ def plan(M: int, weight: torch.Tensor, cfg: TritonKernelConfigs, *, sms: int) ->
         if _tiles(M, N, big) >= cfg.linear_mid_large_min_tiles_per_sm * sms:
             return _fill(big, triton.cdiv(M, big.block_m), N, cfg.linear_fill_programs)
     p = _fill(p, triton.cdiv(M, p.block_m), N, cfg.linear_fill_programs)
+    if regime == "decode" and p.block_n == 16:
+        p = dataclasses.replace(p, num_warps=cfg.linear_decode_narrow_warps,
+                                num_stages=cfg.linear_decode_narrow_stages)
     if regime == "mid" and p.persistent and _tiles(M, N, p) < cfg.linear_mid_persistent_min_tiles_per_sm * sms:
         p = dataclasses.replace(p, persistent=False, programs_per_sm=1)
     return p
