@@ -3,7 +3,9 @@
 On the triton backend a decode step's launches read their tables from the device and none reads back,
 so the whole step is captured once per bucket and replayed after one pinned copy of its tables. A
 bucket larger than the step is padded with entries that decode into a spare slot (rows dropped; rows
-are independent). Chunk completions run inside the graph, checked on the device; a paged cache gets its
+are independent). Each bucket has two graphs: a step where some token completes its chunk replays one with
+the completion launches (which entries complete is checked on the device), any other step one without them
+(they would do nothing); the positions are on the host, so the choice costs nothing. A paged cache gets its
 pages on the host before the copy. The graph runs the eager step's kernels with the same arguments, so
 its rows are the eager step's (tests/core/test_decode_graph.py).
 """
@@ -39,7 +41,11 @@ class DecodeGraphs:
         if self.pages is not None:
             self.pages.ensure([spare_slot], [1])
         self.buckets = tuple(sorted(buckets))
-        self._graphs: dict[int, _Captured] = {}
+        # the chunk sizes of the SSD states: a position p completes a chunk of L where p % L == L - 1
+        self._chunks = sorted({L for state in cache.states
+                               if (L := getattr(getattr(state, "ssd", None), "chunk_size", None)) is not None})
+        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._last: dict[int, _Captured] = {}  # each bucket's graph of its latest step
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
 
     def bucket(self, n: int) -> int:
@@ -51,7 +57,7 @@ class DecodeGraphs:
     def step(self, slots: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor,
              token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Sequence i (``slots[i]``, ``positions[i]`` tokens consumed) takes ``token_ids[i]``. Returns logits
-        [B, vocab] (model dtype), a view of the graph's output valid until this bucket's next step."""
+        [B, vocab] (model dtype), a view of the graph's output valid until the next step."""
         # numpy on the host: the step's host work runs before its copy and replay reach the GPU
         slots, positions, token_ids = (host_ints(t).reshape(-1) for t in (slots, positions, token_ids))
         n = slots.size
@@ -67,7 +73,9 @@ class DecodeGraphs:
             # table changes are copied on this stream, ahead of the replay that reads them
             self.pages.ensure(slots, positions + 1)
         b = self.bucket(n)
-        c = self._graphs.get(b) or self._capture(b)
+        completes = any(bool((positions % L == L - 1).any()) for L in self._chunks)
+        c = self._graphs.get((b, completes)) or self._capture(b, completes)
+        self._last[b] = c
         c.copied.synchronize()  # the previous step's copy out of ``host`` has run: it may be rewritten
         h = c.host_np
         h[0, :n], h[1, :n], h[2, :n] = slots, positions, token_ids
@@ -78,30 +86,33 @@ class DecodeGraphs:
         return c.logits[:n]
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
-        """Capture ``buckets`` (default: all) now, not at first use; a capture decodes into the spare slot."""
+        """Capture ``buckets`` (default: all) now, not at first use, both graphs of each; a capture decodes
+        into the spare slot."""
         for b in self.buckets if buckets is None else buckets:
             if b not in self.buckets:
                 raise ValueError(f"{b} is not a bucket of {self.buckets}")
-            if b not in self._graphs:
-                self._capture(b)
+            for completes in (False, True) if self._chunks else (False,):
+                if (b, completes) not in self._graphs:
+                    self._capture(b, completes)
 
     @property
     def captured(self) -> tuple[int, ...]:
-        """The buckets whose graphs are captured, ascending."""
-        return tuple(sorted(self._graphs))
+        """The buckets with a graph captured, ascending."""
+        return tuple(sorted({b for b, _ in self._graphs}))
 
     def graph(self, n: int) -> torch.cuda.CUDAGraph:
-        """The graph for ``n`` sequences, for profiling (a replay repeats the last step). KeyError if none."""
-        return self._graphs[self.bucket(n)].graph
+        """The graph of the latest step of ``n`` sequences' bucket, for profiling (a replay repeats that step).
+        KeyError if that bucket has not stepped."""
+        return self._last[self.bucket(n)].graph
 
-    def _capture(self, b: int) -> _Captured:
+    def _capture(self, b: int, completes: bool) -> _Captured:
         # the device as the layers' tensors name it (cuda:0): the key of the step's plan
         dev = next((t.device for ts in self.cache.tensors if ts for t in ts.values()), self.model.device)
         tables = torch.empty(3, b, dtype=torch.int64, device=dev)
         host = torch.empty(3, b, dtype=torch.int64).pin_memory()
         tables[0].fill_(self.spare)
         tables[1:].zero_()
-        batch = self._batch(b, tables)
+        batch = self._batch(b, tables, completes)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # compile every kernel (decoding into the spare slot) before capture
@@ -113,20 +124,20 @@ class DecodeGraphs:
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(dev))
         # the batch owns device tables the graph reads at every replay (the conv's offsets): keep it
-        self._graphs[b] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
-        return self._graphs[b]
+        self._graphs[b, completes] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
+        return self._graphs[b, completes]
 
-    def _batch(self, b: int, tables: torch.Tensor) -> Step:
+    def _batch(self, b: int, tables: torch.Tensor, completes: bool) -> Step:
         """A Step of b one-token sequences whose device plan holds the static buffers, sealed: any other
-        table raises, so nothing inside the graph is built from the host fields."""
+        table raises, so nothing inside the graph is built from the host fields. ``completes``: whether
+        the SSD completion launches are in the step (their entries checked on the device), or none."""
         batch = Step.make(list(range(b)), [0] * b, [1] * b)
         dev = tables.device
         plan = StepPlan(dev, torch.arange(b + 1, dtype=torch.int64, device=dev), tables[0], sealed=True)
         for state in self.cache.states:
             L = getattr(getattr(state, "ssd", None), "chunk_size", None)
             if L is not None:
-                # every entry is checked for a completing chunk on the device (completes=True)
-                plan.ssd_decode_tables[L] = (tables[0], tables[1], True)
+                plan.ssd_decode_tables[L] = (tables[0], tables[1], completes)
         if any(hasattr(state, "k_cache") for state in self.cache.states):
             from .ops.attention.triton import decode_step_tables
 

@@ -302,6 +302,7 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
         cache = model.new_cache(batch + 1)
         prefill_last_rows(model, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
         graphs = DecodeGraphs(model, cache, spare_slot=batch)
+        graphs.capture([graphs.bucket(batch)])  # both graphs (with and without chunk completions), untimed
         first = graphs.step(slots, pos, toks[0]).clone()
         k = min(4, batch)
         fwd = torch.stack([lg[-1] for lg in model.forward([torch.cat([hist[i], toks[0, i:i + 1]]).to(dev)

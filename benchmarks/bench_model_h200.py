@@ -666,7 +666,8 @@ def decode_cell(run: Runner, name: str, config, tensors: dict, model, stock, bat
 
             graphs = DecodeGraphs(model, cache, spare_slot=batch)
             t0 = time.perf_counter()
-            G0 = graphs.step(slots, pos, toks[0]).clone()  # the first step of a bucket captures its graph
+            graphs.capture([graphs.bucket(batch)])  # the bucket's two graphs (with and without completions)
+            G0 = graphs.step(slots, pos, toks[0]).clone()
             run.sync()  # the step's pinned tables are rewritten by the next step
             ge["first_step_s"] = time.perf_counter() - t0
 
