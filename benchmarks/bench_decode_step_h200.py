@@ -9,6 +9,8 @@ median CUDA-event time of a graph replay of one step per mode, the kernels one e
 step from the same state). mamba_ssm's ``selective_state_update`` (bf16 state, one launch) is timed
 beside them where it imports. --views: x, dt, B and C are column slices of the conv's and in_proj's
 output rows, as a layer passes them (the kernel lists then show whether they are copied first).
+--prep-heads: "tile" again with the prep kernel split into programs of that many heads (``PREP_HEADS``),
+each checked for the unsplit step's rows, states and buffers.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def main() -> int:
     ap.add_argument("--variants", default="rt,rt:ns3,ns1",
                     help="step-mode variants timed too, at the first shape: rt (a run-time tl.range K loop), "
                          "ns<stages>, bp<P block> (not the contract's); each bit-checked against tile")
+    ap.add_argument("--prep-heads", default="16,32",
+                    help="tile mode with the prep kernel's heads per program (PREP_HEADS) at these, every shape")
     ap.add_argument("--views", action="store_true", help="the inputs as the layer's column slices")
     args = ap.parse_args()
     import triton
@@ -108,7 +112,7 @@ def main() -> int:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     except Exception as exc:  # noqa: BLE001
         selective_state_update, ssu_err = None, f"{type(exc).__name__}: {exc}"
-    base_rt, base_opts = td.STEP_RT_RANGE, dict(td.STEP_OPTS)
+    base_rt, base_opts, base_ph = td.STEP_RT_RANGE, dict(td.STEP_OPTS), td.PREP_HEADS
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cells": []}
     from benchmarks.bench_h200 import git_commit
@@ -125,10 +129,13 @@ def main() -> int:
             variants = ["tile", "step"]
             if name == args.shapes.split(",")[0] and args.variants:
                 variants += [f"step:{v}" for v in args.variants.split(",")]
+            if args.prep_heads:
+                variants += [f"tile:ph{v}" for v in args.prep_heads.split(",")]
             for var in variants:
                 mode, *opts = var.split(":")
                 td.STEP_RT_RANGE = "rt" in opts
                 td.STEP_BLOCK_P = next((int(o[2:]) for o in opts if o.startswith("bp")), None)
+                td.PREP_HEADS = next((int(o[2:]) for o in opts if o.startswith("ph")), base_ph)
                 td.STEP_OPTS = dict(base_opts)
                 for o in opts:
                     if o.startswith("ns"):
@@ -142,7 +149,7 @@ def main() -> int:
                     e[f"{mode}_kernels"] = kernels(step)
                 e[f"{var}_us"] = round(1e3 * graph_ms(step), 2)
                 del s3, step
-            td.STEP_RT_RANGE, td.STEP_OPTS, td.STEP_BLOCK_P = base_rt, base_opts, None
+            td.STEP_RT_RANGE, td.STEP_OPTS, td.STEP_BLOCK_P, td.PREP_HEADS = base_rt, base_opts, None, base_ph
             for var in variants[2:]:
                 e[f"{var}_same_bits"] = bool(torch.equal(outs[var][0], outs["tile"][0])) and all(
                     torch.equal(a, b) for a, b in zip(outs[var][1].tensors(), outs["tile"][1].tensors()))

@@ -2,8 +2,9 @@
 ``triton_chunk.replay_chunk_triton`` gives that row (why the slot's boundary state and buffer suffice:
 docs/design.md, "The one idea"). Launches (grids):
 
-1. ``_prep_kernel`` [S, G, L / BLOCK_K], no fp contraction: the token's x, raw dt and B into row ``pos % L`` of the
-   buffers; the chunk's softplus'd dt row (the prefill pack's bits); the token's C.B row once per group.
+1. ``_prep_kernel`` [S, G x head blocks, L / BLOCK_K], no fp contraction: the token's x, raw dt and B into row
+   ``pos % L`` of the buffers; the chunk's softplus'd dt row (the prefill pack's bits); the token's C.B row once per
+   group.
 2. ``_row_kernel`` [S, H / HPP, PB] ("row", fp32 models) or ``_tile_kernel`` [S, H, PB] ("tile", bf16 models): the
    cumsum a (``_cumsum_kernel``'s code), then the output row. "tile" runs ``_tile_output_kernel`` on a
    ``DECODE_ROW_TILE``-row tile whose one live row is the token's; "row" runs the row alone in fma chains in the
@@ -43,6 +44,9 @@ PDL: bool = True
 TILE_OPTS: dict = {"num_stages": 2}
 # step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
+# heads per prep program (a power of two; None: a group's heads in one program): scheduling only, each head's
+# dt row is computed alone
+PREP_HEADS: int | None = None
 # bf16 models run "step" up to this many sequences, "tile" above (0: never); the same bits, speed only
 STEP_MAX_BATCH: int = 0
 # "step" mode's occupancy options, and whether its K loop is a run-time ``tl.range`` (compiled only)
@@ -116,20 +120,23 @@ def _prep_kernel(
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (q, g, kb), columns s of block kb (KB wide): (kb = 0) the token's x, raw dt (heads of g) and B into
-    the buffers at row r = pos % L; dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row);
-    (WITH_CB) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB its
-    BLOCK_K), or the fp32 dot's fma chain. Each column is computed alone: the column split keeps the bits."""
+    """Program (q, g HB + hb, kb), columns s of block kb (KB wide), heads hb BLOCK_HG .. of group g: (kb = 0) the
+    token's x and raw dt of those heads (and, hb = 0, its B) into the buffers at row r = pos % L;
+    dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row); (WITH_CB, hb = 0)
+    cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB its BLOCK_K), or
+    the fp32 dot's fma chain. Each column and head is computed alone: the splits keep the bits."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    kb = tl.program_id(2)
     HG: tl.constexpr = H // G
+    HB: tl.constexpr = (HG + BLOCK_HG - 1) // BLOCK_HG
+    g = tl.program_id(1) // HB
+    hb = tl.program_id(1) % HB
+    kb = tl.program_id(2)
     slot = tl.load(slots_ptr + q)
     r = tl.load(pos_ptr + q) % L
 
-    j = tl.arange(0, BLOCK_HG)
+    j = hb * BLOCK_HG + tl.arange(0, BLOCK_HG)
     hm = j < HG
     hh = g * HG + j
     raw = tl.load(dt_ptr + q * sdt_q + hh, mask=hm, other=0.0)
@@ -139,10 +146,11 @@ def _prep_kernel(
         m2 = hm[:, None] & (pf < P)[None, :]
         xv = tl.load(x_ptr + q * sx_q + hh[:, None] * P + pf[None, :], mask=m2, other=0.0)
         tl.store(buf_x_ptr + ((slot * H + hh[:, None]) * L + r) * P + pf[None, :], xv, mask=m2)
-        nf = tl.arange(0, BLOCK_NF)
-        nfm = nf < N
-        bv = tl.load(B_ptr + q * sB_q + g * N + nf, mask=nfm, other=0.0)
-        tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
+        if hb == 0:
+            nf = tl.arange(0, BLOCK_NF)
+            nfm = nf < N
+            bv = tl.load(B_ptr + q * sB_q + g * N + nf, mask=nfm, other=0.0)
+            tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
     buffered = hm[:, None] & (s < r)[None, :]
@@ -154,10 +162,10 @@ def _prep_kernel(
     tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
-        # the live row of the tile kernel's C.B dots; columns past r are zero here, later tokens' B in the
+        # (hb = 0) the live row of the tile kernel's C.B dots; columns past r are zero here, later tokens' B in the
         # prefill (the zero decay discards both)
         t0 = r - r % R
-        if kb * KB < t0 + R:
+        if (kb * KB < t0 + R) & (hb == 0):
             rr = tl.arange(0, R)
             live = (t0 + rr) == r
             nn = tl.arange(0, BLOCK_N)
@@ -175,8 +183,8 @@ def _prep_kernel(
             tl.store(cb_ptr + (q * G + g) * L + s[None, :] + rr[:, None] * 0, cbt,
                      mask=live[:, None] & (s < L)[None, :])
     elif WITH_CB:
-        # the fp32 dot's chain: fma(C_n, B_sn, acc), n ascending, from 0; row r from the token's B
-        if kb * KB <= r:
+        # (hb = 0) the fp32 dot's chain: fma(C_n, B_sn, acc), n ascending, from 0; row r from the token's B
+        if (kb * KB <= r) & (hb == 0):
             jj = tl.arange(0, 4)
             cq = C_ptr + q * sC_q + g * N
             bq = B_ptr + q * sB_q + g * N
@@ -759,9 +767,11 @@ def decode_step_triton(
     KB = min(cfg.block_k, L)  # the tile kernel's K block: the prep's column block
     pdl = PDL and not row and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
-    _prep_kernel[(S, G, L // KB)](
+    block_hg = triton.next_power_of_2(H // G)
+    block_hg = block_hg if PREP_HEADS is None else min(PREP_HEADS, block_hg)
+    _prep_kernel[(S, G * triton.cdiv(H // G, block_hg), L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
-        hi, **strides, **dims, BLOCK_HG=triton.next_power_of_2(H // G), BLOCK_PF=triton.next_power_of_2(P),
+        hi, **strides, **dims, BLOCK_HG=block_hg, BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=with_limit, WITH_CB=with_cb, TC=tc, R=R,
         BLOCK_N=cfg.block_n, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )

@@ -271,6 +271,31 @@ def test_several_completions_in_one_step(hint, monkeypatch):
 
 @pytest.mark.interpreter
 @interp
+@pytest.mark.parametrize("mode", ["tile", "row"])
+def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
+    """The prep kernel split over head blocks (2 heads a program; 3 heads a group, so the second block is half
+    masked) gives every row, boundary state and buffer of one program per group, across a chunk completion.
+    A split that dropped or shifted a block's heads would leave their dt rows unset."""
+    import aligned_mamba.ops.ssd.triton_decode as td
+
+    Hb, G = 6, 2
+    prm = make_params(Hb, P, seed=17)
+    offsets, slots = [L - 3, 9, 2 * L - 2], [1, 2, 0]
+    st = make_state(3, Hb, P, G, N, L, torch.float32, "cpu", seed=17)
+    prefill(st, slots, [o - o % L for o in offsets], [make_tokens(o % L, Hb, P, G, N, seed=50 + i)
+                                                       for i, o in enumerate(offsets)], prm)
+    new = [make_tokens(4, Hb, P, G, N, seed=60 + i) for i in range(3)]
+    whole = clone_state(st)
+    want = decode_steps(whole, slots, offsets, new, prm, 4, mode)
+    monkeypatch.setattr(td, "PREP_HEADS", 2)
+    got = decode_steps(st, slots, offsets, new, prm, 4, mode)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert_same_state(st, whole)
+
+
+@pytest.mark.interpreter
+@interp
 def test_chunk_completion_updates_state_like_prefill():
     """A token at position L-1 moves the boundary state as the prefill of the whole chunk does and
     empties the buffers; other slots are untouched."""
