@@ -140,6 +140,19 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
         print(json.dumps(res["cells"][-1]), flush=True)
 
 
+
+def launches(n: int):
+    """An argparse type: comma-separated launches of ``n`` positive ints joined by x ("16x128x1,32x128x2")."""
+    def parse(text: str) -> list[tuple[int, ...]]:
+        out = []
+        for item in filter(None, text.split(",")):
+            parts = item.split("x")
+            if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise argparse.ArgumentTypeError(f"{item!r} is not {n} positive integers joined by x")
+            out.append(tuple(int(p) for p in parts))
+        return out
+    return parse
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -147,11 +160,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cells", default="4x2048,1x16384", help="of " + ",".join(c[0] for c in CELLS))
-    ap.add_argument("--walk", default=",".join("x".join(map(str, w)) for w in WALKS),
+    ap.add_argument("--walk", default=WALKS, type=launches(3),
                     help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
-    ap.add_argument("--forward", default="", help="the forward walk's launches, rows x channels x warps (instead of "
-                    "the backward)")
-    ap.add_argument("--tiles", default="", help="with --forward: the tile kernel's launches too, rows x channels")
+    ap.add_argument("--forward", default=[], type=launches(3),
+                    help="the forward walk's launches, rows x channels x warps (instead of the backward)")
+    ap.add_argument("--tiles", default=[], type=launches(2),
+                    help="with --forward: the tile kernel's launches too, rows x channels")
     a = ap.parse_args()
     import triton
 
@@ -160,8 +174,7 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
-    walks = [tuple(int(v) for v in w.split("x")) for w in a.walk.split(",") if w]
-    tiles = [tuple(int(v) for v in t.split("x")) for t in a.forward.split(",") if t]
+    walks, tiles = list(a.walk), list(a.forward)
     if dry:
         tiles = [(8, 16, 1), (16, 32, 2)] if tiles else []
         walks = [(8, 32, 1), (16, 16, 2)] if walks else []
@@ -183,7 +196,7 @@ def main() -> int:
             cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int64)
             win = torch.zeros(S, 3, Cd, device=dev, dtype=dtype)
             if tiles:
-                tile_launches = tuple(tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",") if t)
+                tile_launches = tuple(a.tiles)
                 if dry and tile_launches:
                     tile_launches = ((4, 16), (16, 32))
                 forward_tiles(a, res, base, tiles, name, label, x, w, bias, cu, S, tile_launches)
