@@ -285,6 +285,7 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
 def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     """Ours (DecodeGraphs), mamba_ssm's capture_graph with a bf16 and an fp32 state, timed in turns."""
     from aligned_mamba.decode_graph import DecodeGraphs
+    from aligned_mamba.ops.ssd import triton_decode as td
     from benchmarks.bench_model_h200 import PREFILL_TOKENS, prefill_last_rows
 
     _, _, InferenceParams, capture_graph = import_mamba_ssm()
@@ -298,22 +299,36 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     toks = torch.randint(0, VOCAB, (steps * args.rounds + 1, batch), generator=g)
     max_seqlen = int(pos.max()) + toks.shape[0] + 1
     runners: dict = {}
-    try:
-        cache = model.new_cache(batch + 1)
-        prefill_last_rows(model, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
-        graphs = DecodeGraphs(model, cache, spare_slot=batch)
-        graphs.capture([graphs.bucket(batch)])  # both graphs (with and without chunk completions), untimed
-        first = graphs.step(slots, pos, toks[0]).clone()
+    firsts: dict = {}
+    # ours; with --prep-heads also ours with the decode prep split (its own cache and graphs, captured with
+    # PREP_HEADS set: a graph keeps the launches it captured), timed in the same interleaved rounds
+    sides = [("ours", td.PREP_HEADS)] + ([("ours_prep", args.prep_heads)] if args.prep_heads else [])
+    for side, heads in sides:
+        try:
+            cache = model.new_cache(batch + 1)
+            prefill_last_rows(model, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
+            graphs = DecodeGraphs(model, cache, spare_slot=batch)
+            base, td.PREP_HEADS = td.PREP_HEADS, heads
+            try:
+                graphs.capture([graphs.bucket(batch)])  # both graphs (with and without completions), untimed
+            finally:
+                td.PREP_HEADS = base
+            firsts[side] = graphs.step(slots, pos, toks[0]).clone()
+            runners[side] = lambda i, gr=graphs: gr.step(slots, pos + 1 + i, toks[1 + i])
+        except Exception as exc:  # noqa: BLE001
+            e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+    if "ours" in firsts:
         k = min(4, batch)
         fwd = torch.stack([lg[-1] for lg in model.forward([torch.cat([hist[i], toks[0, i:i + 1]]).to(dev)
                                                             for i in range(k)])])
-        e["graph_rows_equal_forward"] = int((first[:k] == fwd).all(1).sum())
+        e["graph_rows_equal_forward"] = int((firsts["ours"][:k] == fwd).all(1).sum())
         e["graph_rows_checked"] = k
-        del first, fwd
-        runners["ours"] = lambda i: graphs.step(slots, pos + 1 + i, toks[1 + i])
-    except Exception as exc:  # noqa: BLE001
-        e["ours_error"] = f"{type(exc).__name__}: {exc}"
-        log(traceback.format_exc())
+        if "ours_prep" in firsts:
+            e["prep_heads"] = args.prep_heads
+            e["ours_prep_rows_equal_ours"] = bool(torch.equal(firsts["ours_prep"], firsts["ours"]))
+        del fwd
+    firsts.clear()
     for tag, dtype in (("stock_bf16", None), ("stock_fp32", torch.float32)):
         try:
             params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch)
@@ -353,6 +368,8 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     for tag in ("stock_bf16", "stock_fp32"):
         if e["ours_ms"] and e.get(f"{tag}_ms"):
             e[f"ratio_{tag}"] = e["ours_ms"] / e[f"{tag}_ms"]
+    if e["ours_ms"] and e.get("ours_prep_ms"):
+        e["ratio_prep_over_ours"] = e["ours_prep_ms"] / e["ours_ms"]
     runners.clear()
     return e
 
@@ -405,6 +422,9 @@ def main() -> int:
     ap.add_argument("--no-recompute", action="store_true",
                     help="ours holds the conv's and the gated norm's outputs to the backward (Mamba2Mixer.recompute "
                          "off): fewer launches, more memory")
+    ap.add_argument("--prep-heads", type=int, default=None,
+                    help="decode: also time ours with its prep kernel in programs of this many heads "
+                         "(triton_decode.PREP_HEADS), interleaved with the others")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -444,6 +464,7 @@ def main() -> int:
 
     Mamba2Mixer.recompute = not args.no_recompute
     meta["recompute"] = Mamba2Mixer.recompute
+    meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
@@ -503,7 +524,9 @@ def main() -> int:
                 save()
                 log(f"decode {name} b{b}: ours {e.get('ours_ms')} stock bf16 {e.get('stock_bf16_ms')} "
                     f"fp32 {e.get('stock_fp32_ms')} rows {e.get('graph_rows_equal_forward')}"
-                    f"/{e.get('graph_rows_checked')}")
+                    f"/{e.get('graph_rows_checked')}"
+                    + (f" prep{args.prep_heads} {e.get('ours_prep_ms')} same rows {e.get('ours_prep_rows_equal_ours')}"
+                       if args.prep_heads else ""))
                 free(torch)
         del stock, model, tensors
         free(torch)

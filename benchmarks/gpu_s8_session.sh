@@ -10,7 +10,8 @@
 # forward over NCCL (`tp_forward_gpus.py --megatron`); `tp1gpu`: its bits with every rank on one GPU.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="ccbuild tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu"
+#   STEPS="ccbuild tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu
+#          prep"
 #   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
@@ -77,6 +78,12 @@ fi
 # the TP forward's bits on one GPU: every rank on GPU 0 over gloo, the all-gathers through the host (times not a TP run's)
 want tp1gpu && step tp1gpu "${TP1_S:-200}" python3 benchmarks/tp_forward_gpus.py --dist gloo \
   --out "$W/h200_tp_one_gpu.json" --sizes "${TP1_SIZES:-1,2,4}" --repeats 1 ${TP1_ARGS:-}
+# the decode prep kernel split over head blocks (PREP_HEADS): one layer's step, then the model against the fused stock
+want prep && step prep_layer "${PREP_S:-90}" python3 benchmarks/bench_decode_step_h200.py \
+  --out "$W/h200_decode_step_prep.json" --variants= --prep-heads "${PREP_HEADS_LIST:-16,32}"
+want prep && mkdir -p "$W/prep" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step prep_model "${PREPM_S:-150}" \
+  python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/prep" --shapes mamba2-1.3b,mamba2-2.7b --batches 1,64 \
+  --parts decode --stock-mem-eff --prep-heads "${PREP_HEADS_MODEL:-16}"
 want tree && step tree "${TREE_S:-150}" python3 benchmarks/bench_tree_gemm_h200.py --out "$W/h200_tree_gemm.json" \
   --warm 15 --deadline-s "$(( $(left "${TREE_S:-150}") - 30 ))" ${TREE_ARGS:-}
 note "done"
