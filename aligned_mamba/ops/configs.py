@@ -239,7 +239,7 @@ class TritonKernelConfigs:
             pre = f"linear_{name}_" if name else "linear_"
             _pow2(pre + "block_m", getattr(self, pre + "block_m"), 16, 256)
             _pow2(pre + "block_n", getattr(self, pre + "block_n"), 16, 256)
-            # a decode or mid tile of 16 rows runs on fewer warps (warp-level MMA); the large tile's need 4 or 8
+            # decode and mid tiles may take fewer warps (warp-level MMA on a 16-row tile); the large tile needs 4 or 8
             _among(pre + "warps", getattr(self, pre + "warps"), (1, 2, 4, 8) if name in ("decode", "mid") else (4, 8))
             _among(pre + "stages", getattr(self, pre + "stages"), tuple(range(1, 17)))
             if name != "fp32":
