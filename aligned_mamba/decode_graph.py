@@ -134,10 +134,8 @@ class DecodeGraphs:
         batch = Step.make(list(range(b)), [0] * b, [1] * b)
         dev = tables.device
         plan = StepPlan(dev, torch.arange(b + 1, dtype=torch.int64, device=dev), tables[0], sealed=True)
-        for state in self.cache.states:
-            L = getattr(getattr(state, "ssd", None), "chunk_size", None)
-            if L is not None:
-                plan.ssd_decode_tables[L] = (tables[0], tables[1], completes)
+        for L in self._chunks:
+            plan.ssd_decode_tables[L] = (tables[0], tables[1], completes)
         if any(hasattr(state, "k_cache") for state in self.cache.states):
             from .ops.attention.triton import decode_step_tables
 

@@ -140,7 +140,6 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
         print(json.dumps(res["cells"][-1]), flush=True)
 
 
-
 def launches(n: int):
     """An argparse type: comma-separated launches of ``n`` positive ints joined by x ("16x128x1,32x128x2")."""
     def parse(text: str) -> list[tuple[int, ...]]:
@@ -152,6 +151,7 @@ def launches(n: int):
             out.append(tuple(int(p) for p in parts))
         return out
     return parse
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
