@@ -103,7 +103,8 @@ def main() -> int:
                     help="step-mode variants timed too, at the first shape: rt (a run-time tl.range K loop), "
                          "ns<stages>, bp<P block> (not the contract's); each bit-checked against tile")
     ap.add_argument("--prep-heads", default="16,32",
-                    help="tile mode with the prep kernel's heads per program (PREP_HEADS) at these, every shape")
+                    help="tile mode with the prep kernel's heads per program (PREP_HEADS) at these, every shape "
+                         "(0: a group's heads in one program)")
     ap.add_argument("--views", action="store_true", help="the inputs as the layer's column slices")
     args = ap.parse_args()
     import triton
@@ -135,7 +136,7 @@ def main() -> int:
                 mode, *opts = var.split(":")
                 td.STEP_RT_RANGE = "rt" in opts
                 td.STEP_BLOCK_P = next((int(o[2:]) for o in opts if o.startswith("bp")), None)
-                td.PREP_HEADS = next((int(o[2:]) for o in opts if o.startswith("ph")), base_ph)
+                td.PREP_HEADS = next((int(o[2:]) or None for o in opts if o.startswith("ph")), base_ph)  # ph0: None
                 td.STEP_OPTS = dict(base_opts)
                 for o in opts:
                     if o.startswith("ns"):

@@ -46,7 +46,7 @@ TILE_OPTS: dict = {"num_stages": 2}
 COMPLETION_BLOCK = 16
 # heads per prep program (a power of two; None: a group's heads in one program): scheduling only, each head's
 # dt row is computed alone
-PREP_HEADS: int | None = None
+PREP_HEADS: int | None = 16
 # bf16 models run "step" up to this many sequences, "tile" above (0: never); the same bits, speed only
 STEP_MAX_BATCH: int = 0
 # "step" mode's occupancy options, and whether its K loop is a run-time ``tl.range`` (compiled only)
@@ -122,9 +122,9 @@ def _prep_kernel(
 ):
     """Program (q, g HB + hb, kb), columns s of block kb (KB wide), heads hb BLOCK_HG .. of group g: (kb = 0) the
     token's x and raw dt of those heads (and, hb = 0, its B) into the buffers at row r = pos % L;
-    dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row); (WITH_CB, hb = 0)
-    cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB its BLOCK_K), or
-    the fp32 dot's fma chain. Each column and head is computed alone: the splits keep the bits."""
+    dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row; a block past r only stores zeros);
+    (WITH_CB, hb = 0) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB
+    its BLOCK_K), or the fp32 dot's fma chain. Each column and head is computed alone: the splits keep the bits."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
@@ -153,13 +153,19 @@ def _prep_kernel(
             tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
-    buffered = hm[:, None] & (s < r)[None, :]
-    raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-    raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the kb = 0 program writes it)
-    bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-    d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-    d = tl.where((s <= r)[None, :], d, 0.0)
-    tl.store(dts_ptr + (q * H + hh[:, None]) * L + s[None, :], d, mask=hm[:, None] & (s < L)[None, :])
+    dts_out = dts_ptr + (q * H + hh[:, None]) * L + s[None, :]
+    if kb * KB <= r:
+        buffered = hm[:, None] & (s < r)[None, :]
+        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the kb = 0 program writes it)
+        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+        d = tl.where((s <= r)[None, :], d, 0.0)
+        tl.store(dts_out, d, mask=hm[:, None] & (s < L)[None, :])
+    else:
+        # a block past the token: zeros, as the block holding it has past r, without the softplus (the exact one
+        # is most of this kernel's time); the scratch is not zeroed, and the tile's cumsum reads every column
+        tl.store(dts_out, tl.zeros((BLOCK_HG, KB), dtype=tl.float32), mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
         # (hb = 0) the live row of the tile kernel's C.B dots; columns past r are zero here, later tokens' B in the

@@ -113,7 +113,7 @@ def assert_same_state(s1: SSDState, s2: SSDState, slots=None) -> None:
 
 def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
                  prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT,
-                 row_tile: int | None = None) -> list[torch.Tensor]:
+                 row_tile: int | None = None, cfg: TritonKernelConfigs = CFG) -> list[torch.Tensor]:
     """Decode ``steps`` tokens for every slot (slot i takes its token k from toks[i][*][k]); returns
     y [S, H, P] per step. hint: pass the indices of the sequences completing a chunk (False if none)."""
     L = st.chunk_size
@@ -122,7 +122,7 @@ def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tu
         # The interpreter's tl.dot is a numpy matmul, whose bits can change with the tile's shape:
         # the CPU checks decode with the prefill's own tile. On the GPU the default (16) is used and
         # test_gpu_decode_row_tile_does_not_touch_bits checks that the height does not matter.
-        row_tile = CFG.scan_row_tile(L)
+        row_tile = cfg.scan_row_tile(L)
     sl = torch.tensor(slots, dtype=torch.int64, device=dev)
     ys = []
     for k in range(steps):
@@ -131,17 +131,17 @@ def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tu
         done = [i for i, p in enumerate(pos) if p % L == L - 1]
         completes = (torch.tensor(done, dtype=torch.int64, device=dev) if done else False) if hint else None
         ys.append(decode_step_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
-                                     params_of(prm, dt_limit), cfg=CFG, mode=mode, completes=completes,
+                                     params_of(prm, dt_limit), cfg=cfg, mode=mode, completes=completes,
                                      row_tile=row_tile))
     return ys
 
 
 def prefill(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
-            prm: dict, dt_limit=NO_LIMIT) -> list[torch.Tensor]:
+            prm: dict, dt_limit=NO_LIMIT, cfg: TritonKernelConfigs = CFG) -> list[torch.Tensor]:
     """One advance through the prefill kernels over every slot's tokens; returns each slot's rows [n_i, H, P]."""
     lens = [t[0].shape[0] for t in toks]
     cat = [torch.cat([t[j] for t in toks]) for j in range(4)]
-    y = replay_chunk_triton(st, Step.make(slots, start, lens), *cat, params_of(prm, dt_limit), cfg=CFG)
+    y = replay_chunk_triton(st, Step.make(slots, start, lens), *cat, params_of(prm, dt_limit), cfg=cfg)
     return list(torch.split(y, lens))
 
 
@@ -292,6 +292,39 @@ def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert_same_state(st, whole)
+
+
+@pytest.mark.interpreter
+@interp
+@pytest.mark.parametrize("mode", ["tile", "row"])
+def test_prep_blocks_past_the_token_leave_no_scratch(mode, monkeypatch):
+    """The prep computes dt only in the column blocks up to the token's and stores zeros past them. With 16-column
+    blocks (2 to a chunk), uninitialised scratch poisoned with NaN, a token at every offset of two chunks (block
+    starts among them) gives the prefill's rows and state: a block skipped too early would zero the token's dt,
+    one left unwritten would carry NaN into the rows."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, block_k=16)
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    T, start, G = 2 * L, L, 1
+    prm = make_params(H, P, seed=19)
+    toks = make_tokens(T, H, P, G, N, seed=19)
+    st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=19)
+    ref = clone_state(st)
+    ys = torch.cat(decode_steps(st, [0], [start], [toks], prm, T, mode, cfg=cfg))
+    yp = prefill(ref, [0], [start], [toks], prm, cfg=cfg)[0]
+    assert not ys.isnan().any()
+    if mode == "tile":
+        assert torch.equal(ys, yp)
+    else:  # the interpreter's fma and dot round differently (test_row_mode_token_by_token_close_to_prefill)
+        torch.testing.assert_close(ys, yp, rtol=1e-5, atol=1e-5)
+    assert_same_state(st, ref)
 
 
 @pytest.mark.interpreter
