@@ -82,7 +82,7 @@ want tp1gpu && step tp1gpu "${TP1_S:-200}" python3 benchmarks/tp_forward_gpus.py
 want prep && step prep_layer "${PREP_S:-90}" python3 benchmarks/bench_decode_step_h200.py \
   --out "$W/h200_decode_step_prep.json" --variants= --prep-heads "${PREP_HEADS_LIST:-16,32}"
 want prep && mkdir -p "$W/prep" && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step prep_model "${PREPM_S:-150}" \
-  python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/prep" --shapes mamba2-1.3b,mamba2-2.7b --batches 1,64 \
+  python3 benchmarks/bench_mamba_ssm_h200.py --out-dir "$W/prep" --shapes mamba2-1.3b,mamba2-2.7b --batches "${PREP_BATCHES:-1,64}" \
   --parts decode --stock-mem-eff --prep-heads "${PREP_HEADS_MODEL:-16}"
 want tree && step tree "${TREE_S:-150}" python3 benchmarks/bench_tree_gemm_h200.py --out "$W/h200_tree_gemm.json" \
   --warm 15 --deadline-s "$(( $(left "${TREE_S:-150}") - 30 ))" ${TREE_ARGS:-}
