@@ -44,13 +44,14 @@ def interpreting() -> bool:
 
 @triton.jit
 def exp_exact(x):
-    """``elementwise.exp``, step by step (clamps written as selects so NaN passes like torch.clamp)."""
-    xc = tl.where(x < _EXP_LO_CLAMP, _EXP_LO_CLAMP, x)
-    xc = tl.where(xc > _EXP_HI, _EXP_HI, xc)
+    """``elementwise.exp``, step by step. The clamps are NaN-propagating max / min, one instruction each: NaN
+    passes, as through torch.clamp."""
+    xc = tl.maximum(x, _EXP_LO_CLAMP, propagate_nan=tl.PropagateNan.ALL)
+    xc = tl.minimum(xc, _EXP_HI, propagate_nan=tl.PropagateNan.ALL)
     n = xc * _LOG2E
     n = n + _ROUND_MAGIC
     n = n - _ROUND_MAGIC
-    n = tl.where(n < -127.0, -127.0, n)
+    n = tl.maximum(n, -127.0, propagate_nan=tl.PropagateNan.ALL)
     r = xc - n * _LN2_HI
     r = r - n * _LN2_LO
     p = r * _P0 + _P1
