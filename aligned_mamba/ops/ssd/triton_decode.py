@@ -3,8 +3,8 @@
 docs/design.md, "The one idea"). Launches (grids):
 
 1. ``_prep_kernel`` [S, G x head blocks, L / BLOCK_K], no fp contraction: the token's x, raw dt and B into row
-   ``pos % L`` of the buffers; the chunk's softplus'd dt row (the prefill pack's bits); the token's C.B row once per
-   group.
+   ``pos % L`` of the buffers; the chunk's softplus'd dt row up to the token's column block, zeros past it (the
+   prefill pack's bits); the token's C.B row once per group.
 2. ``_row_kernel`` [S, H / HPP, PB] ("row", fp32 models) or ``_tile_kernel`` [S, H, PB] ("tile", bf16 models): the
    cumsum a (``_cumsum_kernel``'s code), then the output row. "tile" runs ``_tile_output_kernel`` on a
    ``DECODE_ROW_TILE``-row tile whose one live row is the token's; "row" runs the row alone in fma chains in the
