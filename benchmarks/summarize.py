@@ -1,4 +1,5 @@
-"""A readable table of an ``h200.json`` written by ``bench_h200.py``.
+"""A readable table of an ``h200.json`` written by ``bench_h200.py``, or markdown tables of a
+``bench_mamba_ssm_h200.py`` result against issue 31's targets.
 
     python3 benchmarks/summarize.py benchmarks/results/h200.json [more.json ...]
 
@@ -6,6 +7,11 @@ Decode: replay and SSU per step, eager and in CUDA graphs (the graph step withou
 kernels in brackets), and the fraction of the measured copy bandwidth each moves. Prefill: a whole
 ``ssd_advance`` (the scan kernels alone in brackets) against ``mamba_chunk_scan_combined``, the
 plan's host cost and the error against the fp64 reference next to the bf16 floor. Then memory.
+
+Against mamba_ssm's own model (the file's ``script`` is ``bench_mamba_ssm_h200.py``): one table per part
+present (train, forward, decode, accuracy), each cell's ratio beside its target (fwd+bwd and peak at most
+1.0x, forward at most 0.9x, graph decode at most 1.0x the bf16-state stock, logits error at most the stock's
+bf16 error), "met" or "not met"; a cell that errored or did not run says so.
 """
 
 from __future__ import annotations
@@ -49,6 +55,71 @@ def summarize(r: dict) -> str:
     return "\n".join(out)
 
 
+VS_MAMBA_SSM = "benchmarks/bench_mamba_ssm_h200.py"
+
+
+def _ms(v: object) -> str:
+    return "-" if v is None else f"{v:.3f}" if v < 10 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+
+
+def _ratio(v: float | None, at_most: float) -> tuple[str, str]:
+    if v is None:
+        return "-", "not run"
+    return f"{v:.3f}x", "met" if v <= at_most else "not met"
+
+
+def vs_mamba_ssm(r: dict) -> str:
+    """Markdown tables of a ``bench_mamba_ssm_h200.py`` result, each ratio beside issue 31's target."""
+    out = [f"{r['gpu']}, torch {r['torch']}, triton {r['triton']}, commit {r['commit']}, {r['date']}",
+           f"stock: {r['stock']}", ""]
+    for e in r.get("train") or []:
+        if e is r["train"][0]:
+            out += ["| train | ours ms | stock ms | ratio (<= 1.0x) | | peak GiB ours / stock | peak (<= 1.0x) | |",
+                    "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        ratio, ok = _ratio(e.get("ratio"), 1.0)
+        peak, pok = _ratio(e.get("peak_ratio"), 1.0)
+        gib = [e.get(k) and e[k] / 2 ** 30 for k in ("ours_peak_bytes", "stock_peak_bytes")]
+        out.append(f"| {e['shape']} {e.get('label', '')} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_ms'))} | "
+                   f"{ratio} | {ok} | {_ms(gib[0])} / {_ms(gib[1])} | {peak} | {pok} |")
+    if r.get("train"):
+        out.append("")
+    for e in r.get("forward") or []:
+        if e is r["forward"][0]:
+            out += ["| forward | ours ms | stock ms | ratio (<= 0.9x) | |", "| --- | --- | --- | --- | --- |"]
+        ratio, ok = _ratio(e.get("ratio"), 0.9)
+        out.append(f"| {e['shape']} {e.get('label', '')} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_ms'))} | "
+                   f"{ratio} | {ok} |")
+    if r.get("forward"):
+        out.append("")
+    for e in r.get("decode") or []:
+        if e is r["decode"][0]:
+            out += ["| decode (CUDA graphs) | ours ms | stock bf16 ms | ratio (<= 1.0x) | | stock fp32 ms | ratio |"
+                    " rounds (ours) | rows equal forward |",
+                    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        ratio, ok = _ratio(e.get("ratio_stock_bf16"), 1.0)
+        if e.get("ours_ms") is None:
+            ok = "not run: " + (e.get("ours_error") or e.get("error") or "?").split(".")[0][:60]
+        r32 = e.get("ratio_stock_fp32")
+        rounds = ", ".join(_ms(v) for v in e.get("ours_round_ms") or []) or "-"
+        rows = f"{e['graph_rows_equal_forward']} / {e['graph_rows_checked']}" if "graph_rows_checked" in e else "-"
+        out.append(f"| {e['shape']} b{e['batch']} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_bf16_ms'))} | "
+                   f"{ratio} | {ok} | {_ms(e.get('stock_fp32_ms'))} | {'-' if r32 is None else f'{r32:.3f}x'} | "
+                   f"{rounds} | {rows} |")
+    if r.get("decode"):
+        out.append("")
+    for e in r.get("accuracy") or []:
+        if e is r["accuracy"][0]:
+            out += ["| accuracy (logits vs the fp32 stock) | ours | stock bf16 | (ours <= stock) | top-1 ours / "
+                    "stock |", "| --- | --- | --- | --- | --- |"]
+        o, st = e.get("ours_rel_err_vs_stock_fp32"), e.get("stock_bf16_rel_err_vs_stock_fp32")
+        if o is None or st is None:
+            out.append(f"| {e.get('shape')} | - | - | not run: {str(e.get('error'))[:60]} | - |")
+            continue
+        out.append(f"| {e['shape']} | {100 * o:.3f}% | {100 * st:.3f}% | {'met' if o <= st else 'not met'} | "
+                   f"{100 * e['ours_top1_agree']:.1f}% / {100 * e['stock_bf16_top1_agree']:.1f}% |")
+    return "\n".join(out).rstrip()
+
+
 def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
@@ -59,7 +130,7 @@ def main(paths: list[str]) -> int:
         except (OSError, ValueError) as e:
             print(f"{path}: not a readable h200.json ({e})", file=sys.stderr)
             return 1
-        print(summarize(r))
+        print(vs_mamba_ssm(r) + "\n" if r.get("script") == VS_MAMBA_SSM else summarize(r))
     return 0
 
 

@@ -159,3 +159,33 @@ def test_gpu_timeline_finds_the_idle_gaps() -> None:
     assert [(g["after"], g["before"]) for g in t["gaps"]] == [("k2", "k3"), ("(the step's start)", "k1"),
                                                               ("k3", "k4")]
     assert gpu_timeline(torch, types.SimpleNamespace(events=lambda: [ev("step", 0, 5, cpu)])) == {}
+
+
+def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
+    """``summarize.vs_mamba_ssm`` on a hand-made result: each ratio beside issue 31's target (fwd+bwd and peak
+    <= 1.0x, forward <= 0.9x, graph decode <= 1.0x the bf16-state stock, error <= the stock's), a cell just
+    over its target is "not met", and a cell that did not run says why instead of a ratio."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.summarize import VS_MAMBA_SSM, vs_mamba_ssm
+
+    r = {"gpu": "GPU", "torch": "t", "triton": "tr", "commit": "c0ffee", "date": "d", "script": VS_MAMBA_SSM,
+         "stock": "mamba_ssm", "train": [
+             {"shape": "s", "label": "1x16384", "ours_ms": 102.0, "stock_ms": 100.0, "ratio": 1.02,
+              "peak_ratio": 0.9, "ours_peak_bytes": 9 * 2 ** 30, "stock_peak_bytes": 10 * 2 ** 30}],
+         "forward": [{"shape": "s", "label": "4x2048", "ours_ms": 91.0, "stock_ms": 100.0, "ratio": 0.91},
+                     {"shape": "s", "label": "1x16384", "ours_ms": 89.0, "stock_ms": 100.0, "ratio": 0.89}],
+         "decode": [{"shape": "s", "batch": 1, "ours_ms": 2.0, "stock_bf16_ms": 2.02, "ratio_stock_bf16": 0.99,
+                     "stock_fp32_ms": 2.1, "ratio_stock_fp32": 0.952, "ours_round_ms": [2.0, 2.1, 1.9],
+                     "graph_rows_equal_forward": 1, "graph_rows_checked": 1},
+                    {"shape": "s", "batch": 256, "ours_ms": None, "stock_bf16_ms": 28.0,
+                     "ours_error": "OutOfMemoryError: CUDA out of memory. Tried"}],
+         "accuracy": [{"shape": "s", "ours_rel_err_vs_stock_fp32": 0.0205, "stock_bf16_rel_err_vs_stock_fp32": 0.0204,
+                       "ours_top1_agree": 0.94, "stock_bf16_top1_agree": 0.95}]}
+    rows = [line for line in vs_mamba_ssm(r).splitlines() if line.startswith("| s")]
+    assert rows == [
+        "| s 1x16384 | 102.0 | 100.0 | 1.020x | not met | 9.000 / 10.00 | 0.900x | met |",
+        "| s 4x2048 | 91.00 | 100.0 | 0.910x | not met |",
+        "| s 1x16384 | 89.00 | 100.0 | 0.890x | met |",
+        "| s b1 | 2.000 | 2.020 | 0.990x | met | 2.100 | 0.952x | 2.000, 2.100, 1.900 | 1 / 1 |",
+        "| s b256 | - | 28.00 | - | not run: OutOfMemoryError: CUDA out of memory | - | - | - | - |",
+        "| s | 2.050% | 2.040% | not met | 94.0% / 95.0% |"]
