@@ -68,55 +68,51 @@ def _ratio(v: float | None, at_most: float) -> tuple[str, str]:
     return f"{v:.3f}x", "met" if v <= at_most else "not met"
 
 
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: tuple[str, ...], rows: list[str]) -> list[str]:
+    """A markdown table (nothing if no rows), then a blank line."""
+    return [_row(*header), "|" + " --- |" * len(header), *rows, ""] if rows else []
+
+
+def _decode_row(e: dict) -> str:
+    ratio, ok = _ratio(e.get("ratio_stock_bf16"), 1.0)
+    if e.get("ours_ms") is None:
+        ok = "not run: " + (e.get("ours_error") or e.get("error") or "?").split(".")[0][:60]
+    r32 = e.get("ratio_stock_fp32")
+    rows = f"{e['graph_rows_equal_forward']} / {e['graph_rows_checked']}" if "graph_rows_checked" in e else "-"
+    return _row(f"{e['shape']} b{e['batch']}", _ms(e.get("ours_ms")), _ms(e.get("stock_bf16_ms")), ratio, ok,
+                _ms(e.get("stock_fp32_ms")), "-" if r32 is None else f"{r32:.3f}x",
+                ", ".join(_ms(v) for v in e.get("ours_round_ms") or []) or "-", rows)
+
+
+def _accuracy_row(e: dict) -> str:
+    o, st = e.get("ours_rel_err_vs_stock_fp32"), e.get("stock_bf16_rel_err_vs_stock_fp32")
+    if o is None or st is None:
+        return _row(str(e.get("shape")), "-", "-", f"not run: {str(e.get('error'))[:60]}", "-")
+    return _row(e["shape"], f"{100 * o:.3f}%", f"{100 * st:.3f}%", "met" if o <= st else "not met",
+                f"{100 * e['ours_top1_agree']:.1f}% / {100 * e['stock_bf16_top1_agree']:.1f}%")
+
+
 def vs_mamba_ssm(r: dict) -> str:
     """Markdown tables of a ``bench_mamba_ssm_h200.py`` result, each ratio beside issue 31's target."""
+    gib = [[e.get(k) and e[k] / 2 ** 30 for k in ("ours_peak_bytes", "stock_peak_bytes")] for e in r.get("train") or []]
+    train = [_row(f"{e['shape']} {e.get('label', '')}", _ms(e.get("ours_ms")), _ms(e.get("stock_ms")),
+                  *_ratio(e.get("ratio"), 1.0), f"{_ms(g[0])} / {_ms(g[1])}", *_ratio(e.get("peak_ratio"), 1.0))
+             for e, g in zip(r.get("train") or [], gib)]
+    forward = [_row(f"{e['shape']} {e.get('label', '')}", _ms(e.get("ours_ms")), _ms(e.get("stock_ms")),
+                    *_ratio(e.get("ratio"), 0.9)) for e in r.get("forward") or []]
     out = [f"{r['gpu']}, torch {r['torch']}, triton {r['triton']}, commit {r['commit']}, {r['date']}",
            f"stock: {r['stock']}", ""]
-    for e in r.get("train") or []:
-        if e is r["train"][0]:
-            out += ["| train | ours ms | stock ms | ratio (<= 1.0x) | | peak GiB ours / stock | peak (<= 1.0x) | |",
-                    "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        ratio, ok = _ratio(e.get("ratio"), 1.0)
-        peak, pok = _ratio(e.get("peak_ratio"), 1.0)
-        gib = [e.get(k) and e[k] / 2 ** 30 for k in ("ours_peak_bytes", "stock_peak_bytes")]
-        out.append(f"| {e['shape']} {e.get('label', '')} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_ms'))} | "
-                   f"{ratio} | {ok} | {_ms(gib[0])} / {_ms(gib[1])} | {peak} | {pok} |")
-    if r.get("train"):
-        out.append("")
-    for e in r.get("forward") or []:
-        if e is r["forward"][0]:
-            out += ["| forward | ours ms | stock ms | ratio (<= 0.9x) | |", "| --- | --- | --- | --- | --- |"]
-        ratio, ok = _ratio(e.get("ratio"), 0.9)
-        out.append(f"| {e['shape']} {e.get('label', '')} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_ms'))} | "
-                   f"{ratio} | {ok} |")
-    if r.get("forward"):
-        out.append("")
-    for e in r.get("decode") or []:
-        if e is r["decode"][0]:
-            out += ["| decode (CUDA graphs) | ours ms | stock bf16 ms | ratio (<= 1.0x) | | stock fp32 ms | ratio |"
-                    " rounds (ours) | rows equal forward |",
-                    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        ratio, ok = _ratio(e.get("ratio_stock_bf16"), 1.0)
-        if e.get("ours_ms") is None:
-            ok = "not run: " + (e.get("ours_error") or e.get("error") or "?").split(".")[0][:60]
-        r32 = e.get("ratio_stock_fp32")
-        rounds = ", ".join(_ms(v) for v in e.get("ours_round_ms") or []) or "-"
-        rows = f"{e['graph_rows_equal_forward']} / {e['graph_rows_checked']}" if "graph_rows_checked" in e else "-"
-        out.append(f"| {e['shape']} b{e['batch']} | {_ms(e.get('ours_ms'))} | {_ms(e.get('stock_bf16_ms'))} | "
-                   f"{ratio} | {ok} | {_ms(e.get('stock_fp32_ms'))} | {'-' if r32 is None else f'{r32:.3f}x'} | "
-                   f"{rounds} | {rows} |")
-    if r.get("decode"):
-        out.append("")
-    for e in r.get("accuracy") or []:
-        if e is r["accuracy"][0]:
-            out += ["| accuracy (logits vs the fp32 stock) | ours | stock bf16 | (ours <= stock) | top-1 ours / "
-                    "stock |", "| --- | --- | --- | --- | --- |"]
-        o, st = e.get("ours_rel_err_vs_stock_fp32"), e.get("stock_bf16_rel_err_vs_stock_fp32")
-        if o is None or st is None:
-            out.append(f"| {e.get('shape')} | - | - | not run: {str(e.get('error'))[:60]} | - |")
-            continue
-        out.append(f"| {e['shape']} | {100 * o:.3f}% | {100 * st:.3f}% | {'met' if o <= st else 'not met'} | "
-                   f"{100 * e['ours_top1_agree']:.1f}% / {100 * e['stock_bf16_top1_agree']:.1f}% |")
+    out += _table(("train", "ours ms", "stock ms", "ratio (<= 1.0x)", "", "peak GiB ours / stock", "peak (<= 1.0x)",
+                   ""), train)
+    out += _table(("forward", "ours ms", "stock ms", "ratio (<= 0.9x)", ""), forward)
+    out += _table(("decode (CUDA graphs)", "ours ms", "stock bf16 ms", "ratio (<= 1.0x)", "", "stock fp32 ms", "ratio",
+                   "rounds (ours)", "rows equal forward"), [_decode_row(e) for e in r.get("decode") or []])
+    out += _table(("accuracy (logits vs the fp32 stock)", "ours", "stock bf16", "(ours <= stock)",
+                   "top-1 ours / stock"), [_accuracy_row(e) for e in r.get("accuracy") or []])
     return "\n".join(out).rstrip()
 
 
