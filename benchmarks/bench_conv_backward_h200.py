@@ -43,7 +43,7 @@ if "--dry-run" in sys.argv:  # before triton is imported
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton, causal_conv1d_triton  # noqa: E402
-from benchmarks.gpu_validate import cuda_ms  # noqa: E402
+from benchmarks.gpu_validate import cuda_ms, launches  # noqa: E402
 
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
 CELLS = [("4x2048", 4, 2048), ("1x16384", 1, 16384), ("2x2048", 2, 2048)]
@@ -138,19 +138,6 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
         res["cells"].append(dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward="stock",
                                  stock="causal_conv1d 1.7.0", ms=stock_fwd_ms(x, w, bias, S, a.reps)))
         print(json.dumps(res["cells"][-1]), flush=True)
-
-
-def launches(n: int):
-    """An argparse type: comma-separated launches of ``n`` positive ints joined by x ("16x128x1,32x128x2")."""
-    def parse(text: str) -> list[tuple[int, ...]]:
-        out = []
-        for item in filter(None, text.split(",")):
-            parts = item.split("x")
-            if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise argparse.ArgumentTypeError(f"{item!r} is not {n} positive integers joined by x")
-            out.append(tuple(int(p) for p in parts))
-        return out
-    return parse
 
 
 def main() -> int:

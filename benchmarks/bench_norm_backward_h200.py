@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.norm import triton as nt  # noqa: E402
-from benchmarks.gpu_validate import cuda_ms  # noqa: E402
+from benchmarks.gpu_validate import cuda_ms, launches  # noqa: E402
 
 #: name -> (intermediate size d, n_groups)
 SHAPES = {"mamba2-1.3b": (4096, 1), "mamba2-2.7b": (5120, 1), "nemotron-h-8b": (8192, 8)}
@@ -100,7 +100,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="8192,16384")
-    ap.add_argument("--launches", default=",".join(f"{a}x{b}" for a, b in LAUNCHES),
+    ap.add_argument("--launches", default=list(LAUNCHES), type=launches(2),
                     help="norm_bwd_block_per_warp x norm_bwd_rows, the pinned one first")
     ap.add_argument("--no-stock", action="store_true")
     a = ap.parse_args()
@@ -111,7 +111,6 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     shapes = {"tiny": (96, 3)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     token_counts = [40] if dry else [int(t) for t in a.tokens.split(",")]
-    launches = [tuple(int(v) for v in s.split("x")) for s in a.launches.split(",")]
     res = dict(script="benchmarks/bench_norm_backward_h200.py", gpu="cpu (dry run)" if dry else
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                commit=os.environ.get("GIT_COMMIT", "unknown"),
@@ -131,7 +130,7 @@ def main() -> int:
                         bytes_bwd=6 * T * d * y.element_size(), launches=[],
                         fwd_forms=forward_forms(y, z, w, G, out, base, a.reps))
             ref = None
-            for bpw, rows in launches:
+            for bpw, rows in a.launches:
                 cfg = dataclasses.replace(base, norm_bwd_block_per_warp=bpw, norm_bwd_rows=rows)
                 e = dict(block_per_warp=bpw, rows=rows)
                 try:

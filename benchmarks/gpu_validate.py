@@ -76,6 +76,19 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def launches(n: int):
+    """An argparse type: comma-separated launches of ``n`` positive ints joined by x ("16x128x1,32x128x2")."""
+    def parse(text: str) -> list[tuple[int, ...]]:
+        out = []
+        for item in filter(None, text.split(",")):
+            parts = item.split("x")
+            if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise argparse.ArgumentTypeError(f"{item!r} is not {n} positive integers joined by x")
+            out.append(tuple(int(p) for p in parts))
+        return out
+    return parse
+
+
 def cuda_ms(fn, reps: int, warmup: int = 3) -> float:
     """Median ms of ``fn`` over ``reps`` calls after ``warmup`` (CUDA events around each call; of an even
     count, the upper middle)."""
