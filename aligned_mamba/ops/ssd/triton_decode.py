@@ -774,7 +774,10 @@ def decode_step_triton(
     pdl = PDL and not row and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
     block_hg = triton.next_power_of_2(H // G)
-    block_hg = block_hg if PREP_HEADS is None else min(PREP_HEADS, block_hg)
+    if PREP_HEADS is not None:
+        if type(PREP_HEADS) is not int or PREP_HEADS < 1 or PREP_HEADS & (PREP_HEADS - 1):
+            raise ValueError(f"triton_decode.PREP_HEADS {PREP_HEADS!r} refused: a power of two, or None")
+        block_hg = min(PREP_HEADS, block_hg)
     _prep_kernel[(S, G * triton.cdiv(H // G, block_hg), L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **strides, **dims, BLOCK_HG=block_hg, BLOCK_PF=triton.next_power_of_2(P),

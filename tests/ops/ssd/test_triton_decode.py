@@ -292,6 +292,10 @@ def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert_same_state(st, whole)
+    for bad in (0, 3):  # a program's heads are a tl.arange: a power of two
+        monkeypatch.setattr(td, "PREP_HEADS", bad)
+        with pytest.raises(ValueError, match=f"PREP_HEADS {bad} refused"):
+            decode_steps(st, slots, offsets, new, prm, 1, mode)
 
 
 @pytest.mark.interpreter
