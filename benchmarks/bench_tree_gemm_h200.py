@@ -15,7 +15,7 @@ Bits, per cell: TP 2, 4 .. S (each rank's launch over its K columns, its fp32 su
 in torch) against TP 1, ``torch.equal``; a stock all-reduce of TP 2's rounded partials against TP 1
 (expected to differ). In every cell the other loop form (``linear_tree_flatten``) and the other stack
 (``linear_tree_global_stack``: in registers, or in global memory at today's tile) are timed too, at
-M <= 256 the split-slices grid (``linear_tree_split_grid_max_m``: a program per tile and slice, the
+every M the split-slices grid (``linear_tree_split_grid_max_m``: a program per tile and slice, the
 last to finish joining the partials), and at M >= 2048 a plain grid for the persistent one and
 today's GEMM at the tree's tile (what the tile alone costs), each checked for the pinned configs'
 bits. JSON: GPU, versions, commit, date, configs, cells; written after every shape, so a cut run
@@ -46,7 +46,7 @@ SHAPES = [  # (name, K, N): x [M, K] @ w [N, K]^T
 TINY = [("tiny.out_proj", 256, 48)]
 MS = [1, 64, 256, 2048, 8192]
 SLICES = [2, 4, 8]
-SPLIT_MAX_M = 256  # the split grid's variant: decode and mid batches
+SPLIT_MAX_M = 8192  # the split grid's variant: every M (its fp32 scratch is S x M x N)
 
 
 def log(msg: str) -> None:

@@ -183,19 +183,28 @@ def _tree_ptr_kernel(x_ptr, w_ptr, y_ptr, b_ptr, M, N, C, STEPS, stride_xm, stri
 def _tree_split_kernel(x_ptr, w_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, M, N, C, STEPS, stride_xm, stride_wn,
                        stride_ym, HAS_BIAS: tl.constexpr, LOCAL: tl.constexpr, LEVELS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PRECISION: tl.constexpr, JOIN_N: tl.constexpr):
-    """The tree on a (tiles, LOCAL) grid: program (t, q) stores slice (q + t) mod LOCAL's sum into
-    part_ptr [tiles, LOCAL, BM, BN] fp32 and counts itself in on cnt_ptr[t]; the last arrival folds the
-    tile's partials in slice order, JOIN_N columns at a time, stores y and resets the counter. Every
-    partial is read back from the scratch, so the sum does not depend on which program came last."""
-    tile = tl.program_id(0)
+                       PRECISION: tl.constexpr, JOIN_N: tl.constexpr, TMA: tl.constexpr):
+    """The tree on a grid of tiles x LOCAL programs, a tile's slices adjacent in launch order (so its
+    partials are joined while they sit in L2): program t LOCAL + q stores slice (q + t) mod LOCAL's sum into part_ptr
+    [tiles, LOCAL, BM, BN] fp32 and counts itself in on cnt_ptr[t]; the last arrival folds the tile's
+    partials in slice order, JOIN_N columns at a time, stores y and resets the counter. Every partial is
+    read back from the scratch, so the sum does not depend on which program came last. TMA: x_ptr and
+    w_ptr are descriptors (C a multiple of BLOCK_K), else masked pointer loads."""
+    tile = tl.program_id(0) // LOCAL
     # rotated per tile so that, in the interpreter's grid order, the tests see every slice finish
-    j = (tl.program_id(1) + tile) % LOCAL
+    j = (tl.program_id(0) + tile) % LOCAL
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                     PRECISION)
+    if TMA:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(STEPS):
+            a = x_ptr.load([pid_m * BLOCK_M, (j * STEPS + kk) * BLOCK_K])
+            b = w_ptr.load([pid_n * BLOCK_N, (j * STEPS + kk) * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    else:
+        acc = _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                         PRECISION)
     part = part_ptr + tile.to(tl.int64) * (LOCAL * BLOCK_M * BLOCK_N)
     tl.store(part + j * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
              acc)
@@ -355,11 +364,14 @@ def linear_tree_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         p = tiles or plan(M, weight, cfg, sms=sms)
         num_tiles = triton.cdiv(M, p.block_m) * triton.cdiv(N, p.block_n)
         part = torch.empty(num_tiles * local * p.block_m * p.block_n, dtype=torch.float32, device=x.device)
-        _tree_split_kernel[(num_tiles, local)](
-            x, weight, y, b, part, tile_counters(x.device, num_tiles), M, N, C, triton.cdiv(C, p.block_k),
+        tma = p.tma and C % p.block_k == 0 and _tma_ok(x, weight)
+        xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k]) if tma else x
+        wa = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [p.block_n, p.block_k]) if tma else weight
+        _tree_split_kernel[(num_tiles * local,)](
+            xa, wa, y, b, part, tile_counters(x.device, num_tiles), M, N, C, triton.cdiv(C, p.block_k),
             x.stride(0), weight.stride(0), N, HAS_BIAS=has_bias, LOCAL=local, LEVELS=local.bit_length() - 1,
             BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision,
-            JOIN_N=join_block_n(p, local, cfg), num_warps=p.num_warps, num_stages=p.num_stages)
+            JOIN_N=join_block_n(p, local, cfg), TMA=tma, num_warps=p.num_warps, num_stages=p.num_stages)
         return y
     p = tiles or tree_plan(M, weight, local, cfg, sms=sms)
     common = dict(HAS_BIAS=has_bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m,

@@ -253,11 +253,17 @@ class _SplitLaunches:
     """``tt._tree_split_kernel`` that records each launch's grid."""
 
     def __init__(self) -> None:
-        self.kernel, self.grids = tt._tree_split_kernel, []
+        self.kernel, self.grids, self.tma = tt._tree_split_kernel, [], []
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.tma.append(kw["TMA"])
+            return launch(*args, **kw)
+
+        return run
 
 
 @pytest.mark.interpreter
@@ -286,7 +292,9 @@ def test_the_split_grid_gives_the_pinned_forms_bits(local: int, dtype: torch.dty
             assert torch.equal(got, (pair_tree(parts) + (b.to(F32) if bias else 0)).to(out)), (m, bias, out)
         want = row_parallel_linear(x, w, b, slices=local, group=TPGroup.single(), partial=_partial)
         assert torch.equal(tt.linear_tree_triton(x, w, b, local, dtype, CFG, split=True), want)
-    assert len(spy.grids) == 15 and all(g[1] == local for g in spy.grids)
+    # one program per tile and slice, both load forms (TMA where the slices are whole K blocks)
+    assert len(spy.grids) == 15 and all(len(g) == 1 and g[0] % local == 0 for g in spy.grids)
+    print("TMA", local, spy.tma)
 
 
 @pytest.mark.interpreter
@@ -309,16 +317,22 @@ def test_the_split_grid_at_every_tp_degree_gives_tp1s_bits(m: int, kc: int, n: i
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("local", [2, 8])
-def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int) -> None:
+def test_every_slice_may_finish_a_tile_and_the_counters_end_at_zero(local: int, tma: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # 3 x 3 tiles of 16 x 16: each tile's programs start from another slice, so in the interpreter's
     # program order every slice is the last arrival (the finisher) of some tile; rows scaled apart so
     # that a partial read from another slice or tile shows. The counters are back at zero after the
-    # call, and a second call through the same counters gives the same bits
-    x, w, b = _operands(40, 16 * local, 40, local, True)
+    # call, and a second call through the same counters gives the same bits. Slices of one K block
+    # (32 columns) load through TMA descriptors where the plan says so, of 16 through pointers
+    spy = _SplitLaunches()
+    monkeypatch.setattr(tt, "_tree_split_kernel", spy)
+    x, w, b = _operands(40, (32 if tma else 16) * local, 40, local, True)
     x = x * (10.0 ** torch.arange(-3, 5).repeat(5)[:, None])
-    tiles = lt.LinearPlan(16, 16, 32, 4, 2, 1, False, False, 1, "ieee")
+    tiles = lt.LinearPlan(16, 16, 32, 4, 2, 1, False, tma, 1, "ieee")
     y = tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=True)
+    assert spy.tma == [tma] and spy.grids == [(9 * local,)]
     counters = tt.tile_counters(x.device, 9)
     assert counters.dtype == torch.int32 and not counters.any()
     assert torch.equal(y, tt.linear_tree_triton(x, w, b, local, F32, CFG, tiles=tiles, split=False))
@@ -350,7 +364,7 @@ def test_the_split_grid_is_chosen_by_rows(monkeypatch: pytest.MonkeyPatch) -> No
         tt.linear_tree_triton(x[:m], w, b, 1, F32, on)  # one slice: today's GEMM
         assert len(spy.grids) == want, m
     p = lt.plan(1, w, on, sms=lt._num_sms(x.device))  # the regime's tile: one row tile, N / BN column tiles
-    assert spy.grids[-1] == (-(-24 // p.block_n), 4)
+    assert spy.grids[-1] == (-(-24 // p.block_n) * 4,)
     # the finisher's fold fits the registers' stack budget, N halved as the stack's tile would be
     w16 = torch.empty(2048, 4096, dtype=torch.bfloat16)
     for m in (1, 64, 256):
@@ -703,20 +717,28 @@ def keep_ptx(src, target=None, options=None):
 
 triton.compile = keep_ptx
 w = torch.empty(2048, 8, dtype=torch.bfloat16)
-for M in (1, 64):
+for M in (1, 64, 8192):
     p = lt.plan(M, w, cfg, sms=132)
-    # TP 1 (bias, bf16) at every local; a rank's fp32 subtree once
+    # TP 1 (bias, bf16) at every local; a rank's fp32 subtree once; pointer loads at the decode and mid
+    # tiles, TMA loads at the mid and large (a TMA plan's slices of whole K blocks)
     for local, out, bias in ((2, "bf16", True), (4, "bf16", True), (8, "bf16", True), (4, "fp32", False)):
         if out == "fp32" and M == 1:
             continue
         jn = tt.join_block_n(p, local, cfg)
-        comp(f"split:bf16:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}j{jn}:{out}",
-             tt._tree_split_kernel,
-             dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*" + out, b_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-             dict(HAS_BIAS=bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-                  BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision, JOIN_N=jn),
-             num_warps=p.num_warps, num_stages=p.num_stages)
-        done[-1]["acq_rel_adds"] = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx[-1]))
+        for tma in (False, True):
+            if (tma and not p.tma) or (not tma and M > 64):
+                continue
+            ops = (dict(x_ptr=f"tensordesc<bf16[{p.block_m}, {p.block_k}]>",
+                        w_ptr=f"tensordesc<bf16[{p.block_n}, {p.block_k}]>") if tma
+                   else dict(x_ptr="*bf16", w_ptr="*bf16"))
+            comp(f"split:bf16:L{local}:{p.block_m}x{p.block_n}x{p.block_k}:w{p.num_warps}s{p.num_stages}j{jn}:{out}"
+                 f":{'tma' if tma else 'ptr'}", tt._tree_split_kernel,
+                 dict(ops, y_ptr="*" + out, b_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+                 dict(HAS_BIAS=bias, LOCAL=local, LEVELS=local.bit_length() - 1, BLOCK_M=p.block_m,
+                      BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m, PRECISION=p.precision, JOIN_N=jn,
+                      TMA=tma),
+                 num_warps=p.num_warps, num_stages=p.num_stages)
+            done[-1]["acq_rel_adds"] = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx[-1]))
 print(json.dumps(done))
 """)
 
@@ -725,9 +747,11 @@ print(json.dumps(done))
 @pytest.mark.slow
 def test_the_split_grid_compiles_for_sm90_without_spills(sm90_cache):
     done = run_sm90_script(_COMPILE_SPLIT, sm90_cache)
-    assert len(done) == 7, [d["name"] for d in done]
+    # pointers at M 1 (3) and 64 (4), TMA at 64 (4) and 8192 (4)
+    assert len(done) == 15 and sum(d["name"].endswith(":tma") for d in done) == 8, [d["name"] for d in done]
     for d in done:
         assert d["LDL"] == d["STL"] == 0, d  # one accumulator, then the fold of JOIN_N columns
         bm = int(d["name"].split(":")[3].split("x")[0])
         assert d["HGMMA" if bm >= 64 else "HMMA"] > 0, d
+        assert (d["UTMALDG"] > 0) == d["name"].endswith(":tma"), d
         assert d["acq_rel_adds"] == 1, d  # the tile's counter: release the partials, acquire the others'
