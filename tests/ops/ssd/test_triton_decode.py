@@ -300,15 +300,18 @@ def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
 
 @pytest.mark.interpreter
 @interp
-@pytest.mark.parametrize("mode", ["tile", "row"])
+@pytest.mark.parametrize("mode", ["tile", "row", "bf16-tile"])
 def test_prep_blocks_past_the_token_leave_no_scratch(mode, monkeypatch):
-    """The prep computes dt only in the column blocks up to the token's and stores zeros past them. With 16-column
-    blocks (2 to a chunk), uninitialised scratch poisoned with NaN, a token at every offset of two chunks (block
-    starts among them) gives the prefill's rows and state: a block skipped too early would zero the token's dt,
-    one left unwritten would carry NaN into the rows."""
+    """The prep computes dt only in the column blocks up to the token's and stores zeros past them (fp32 models;
+    a bf16 model's tile kernel writes its head's whole row itself, the token's dt from the layer's input). With
+    16-column blocks (2 to a chunk), uninitialised scratch poisoned with NaN, a token at every offset of two
+    chunks (block starts among them) gives the prefill's rows and state: a block skipped too early would zero
+    the token's dt, one left unwritten would carry NaN into the rows."""
     import dataclasses
 
     cfg = dataclasses.replace(CFG, block_k=16)
+    dtype = torch.bfloat16 if mode == "bf16-tile" else torch.float32
+    mode = mode.removeprefix("bf16-")
     empty = torch.empty
 
     def poisoned(*a, **k):
@@ -318,8 +321,8 @@ def test_prep_blocks_past_the_token_leave_no_scratch(mode, monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
     T, start, G = 2 * L, L, 1
     prm = make_params(H, P, seed=19)
-    toks = make_tokens(T, H, P, G, N, seed=19)
-    st = make_state(1, H, P, G, N, L, torch.float32, "cpu", seed=19)
+    toks = make_tokens(T, H, P, G, N, seed=19, dtype=dtype)
+    st = make_state(1, H, P, G, N, L, dtype, "cpu", seed=19)
     ref = clone_state(st)
     ys = torch.cat(decode_steps(st, [0], [start], [toks], prm, T, mode, cfg=cfg))
     yp = prefill(ref, [0], [start], [toks], prm, cfg=cfg)[0]
