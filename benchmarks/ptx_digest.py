@@ -92,14 +92,13 @@ def configs():
                dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64,
                     pos_ptr=I64, lo="fp32", hi="fp32", sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32"),
                dict(D, BLOCK_HG=triton.next_power_of_2(D["H"] // D["G"]), BLOCK_PF=D["P"], BLOCK_NF=D["N"], KB=BK,
-                    HAS_LIMIT=False, WITH_CB=True, TC=TC, R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=pdl, DTS=not TC),
-               False, {})
+                    HAS_LIMIT=False, WITH_CB=True, TC=TC, R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=pdl), False, {})
         if TC:
             yield (f"decode_tile/{model}", td._tile_kernel,
                    dict(buf_x_ptr=BF, buf_B_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32",
-                        sD_p="i32", sC_q="i32", dt_ptr=BF, buf_dt_ptr=BF, lo="fp32", hi="fp32", sdt_q="i32"),
+                        sD_p="i32", sC_q="i32"),
                    dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=D["L"], PRECISION=prec,
-                        TC=TC, PDL=pdl, DTS=True, HAS_LIMIT=False), fuse, td.TILE_OPTS)
+                        TC=TC, PDL=pdl), fuse, td.TILE_OPTS)
             if hasattr(td, "_step_kernel"):  # the one-launch step (bf16 models)
                 yield (f"decode_step/{model}", td._step_kernel,
                        dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF,

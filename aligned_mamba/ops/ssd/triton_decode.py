@@ -118,12 +118,11 @@ def _prep_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_HG: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, KB: tl.constexpr,
     HAS_LIMIT: tl.constexpr, WITH_CB: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, DTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (q, g HB + hb, kb), columns s of block kb (KB wide), heads hb BLOCK_HG .. of group g: (kb = 0) the
     token's x and raw dt of those heads (and, hb = 0, its B) into the buffers at row r = pos % L;
-    (DTS) dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row; a block past r only stores
-    zeros; without DTS the tile kernel writes them);
+    dts[q, h, s] = softplus(dt_s + dt_bias), 0 past r (``pack_chunks``'s row; a block past r only stores zeros);
     (WITH_CB, hb = 0) cb[q, g, s] = C_q . B_s for s <= r: (TC) the token's row of ``_tile_kernel``'s C.B tile (KB
     its BLOCK_K), or the fp32 dot's fma chain. Each column and head is computed alone: the splits keep the bits."""
     if PDL:
@@ -154,20 +153,19 @@ def _prep_kernel(
             tl.store(buf_B_ptr + ((slot * G + g) * L + r) * N + nf, bv, mask=nfm)
 
     s = kb * KB + tl.arange(0, KB)
-    if DTS:
-        dts_out = dts_ptr + (q * H + hh[:, None]) * L + s[None, :]
-        if kb * KB <= r:
-            buffered = hm[:, None] & (s < r)[None, :]
-            raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
-            raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the kb = 0 program writes it)
-            bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
-            d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
-            d = tl.where((s <= r)[None, :], d, 0.0)
-            tl.store(dts_out, d, mask=hm[:, None] & (s < L)[None, :])
-        else:
-            # a block past the token: zeros, as the block holding it has past r, without the softplus (the exact
-            # one is most of this kernel's time); the scratch is not zeroed, and the tile's cumsum reads every column
-            tl.store(dts_out, tl.zeros((BLOCK_HG, KB), dtype=tl.float32), mask=hm[:, None] & (s < L)[None, :])
+    dts_out = dts_ptr + (q * H + hh[:, None]) * L + s[None, :]
+    if kb * KB <= r:
+        buffered = hm[:, None] & (s < r)[None, :]
+        raws = tl.load(buf_dt_ptr + (slot * H + hh[:, None]) * L + s[None, :], mask=buffered, other=0.0)
+        raws = tl.where((s == r)[None, :], raw[:, None], raws)  # the token's row (the kb = 0 program writes it)
+        bias = tl.load(dt_bias_ptr + hh, mask=hm, other=0.0)
+        d = dt_softplus_exact(raws, bias[:, None], lo, hi, HAS_LIMIT)
+        d = tl.where((s <= r)[None, :], d, 0.0)
+        tl.store(dts_out, d, mask=hm[:, None] & (s < L)[None, :])
+    else:
+        # a block past the token: zeros, as the block holding it has past r, without the softplus (the exact one
+        # is most of this kernel's time); the scratch is not zeroed, and the tile's cumsum reads every column
+        tl.store(dts_out, tl.zeros((BLOCK_HG, KB), dtype=tl.float32), mask=hm[:, None] & (s < L)[None, :])
 
     if WITH_CB and TC:
         # (hb = 0) the live row of the tile kernel's C.B dots; columns past r are zero here, later tokens' B in the
@@ -324,17 +322,14 @@ def _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn,
 @triton.jit
 def _tile_kernel(
     buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, C_ptr, A_ptr, D_ptr, y_ptr, a_ptr, cb_ptr,
-    sD_h, sD_p, sC_q, dt_ptr, buf_dt_ptr, dt_bias_ptr, lo, hi, sdt_q,
+    sD_h, sD_p, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr, DTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` on the row tile holding the token, its one live row.
     (PDL) the inter-chunk dots read only the state and C, which the prep does not write, so they overlap the
-    prep; ``gdc_wait`` precedes the reads of its outputs. The completion kernels wait for this one.
-    DTS: this program writes its head's dts row (the prep's, as ``_prep_kernel`` would: the buffered raw dt
-    below r, which the prep does not write, and the token's from dt [S, H] raw at row stride sdt_q), before
-    ``gdc_wait``, so the softplus overlaps the prep; compile without fp contraction. Else the prep wrote it."""
+    prep; ``gdc_wait`` precedes the reads of its outputs. The completion kernels wait for this one."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
@@ -361,13 +356,6 @@ def _tile_kernel(
         hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
 
-    if DTS:
-        sl = tl.arange(0, BLOCK_L)
-        raws = tl.load(buf_dt_ptr + sh * L + sl, mask=sl < r, other=0.0)
-        raws = tl.where(sl == r, tl.load(dt_ptr + q * sdt_q + h), raws)
-        d = dt_softplus_exact(raws, tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
-        tl.store(dts_ptr + qa + sl, tl.where(sl <= r, d, 0.0), mask=sl < L)
-        tl.debug_barrier()  # the cumsum below reads the row back
     if PDL:
         gdc_wait()
     _mirror_cumsum(dts_ptr, A_ptr, a_ptr, qa, qa, h, L, BLOCK_L)
@@ -790,13 +778,11 @@ def decode_step_triton(
         if type(PREP_HEADS) is not int or PREP_HEADS < 1 or PREP_HEADS & (PREP_HEADS - 1):
             raise ValueError(f"triton_decode.PREP_HEADS {PREP_HEADS!r} refused: a power of two, or None")
         block_hg = min(PREP_HEADS, block_hg)
-    # the tile kernel softplus's its heads' dt itself where it compiles without contraction (tensor-core dots)
-    dts_in_tile = not row and bool(tc)
     _prep_kernel[(S, G * triton.cdiv(H // G, block_hg), L // KB)](
         x_c, dt_c, B_c, C_c, bias, slots_d, pos_d, state.buf_x, state.buf_dt, state.buf_B, dt_scr, cb_scr, lo,
         hi, **strides, **dims, BLOCK_HG=block_hg, BLOCK_PF=triton.next_power_of_2(P),
         BLOCK_NF=triton.next_power_of_2(N), KB=KB, HAS_LIMIT=with_limit, WITH_CB=with_cb, TC=tc, R=R,
-        BLOCK_N=cfg.block_n, PDL=pdl, DTS=not dts_in_tile, num_warps=4, enable_fp_fusion=False,
+        BLOCK_N=cfg.block_n, PDL=pdl, num_warps=4, enable_fp_fusion=False,
     )
     if row:
         hpp, rb_p = _row_layout(H, G, P)
@@ -807,10 +793,9 @@ def decode_step_triton(
     else:
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, C_c.stride(0), dt_c, state.buf_dt, bias, lo, hi, dt_c.stride(0), **dims, R=R,
-            BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_L=BLOCK_L,
-            PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, DTS=dts_in_tile, HAS_LIMIT=with_limit,
-            num_warps=cfg.num_warps, enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
+            sD_h, sD_p, C_c.stride(0), **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
+            BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
+            enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)
     n_upd = int(completes.numel()) if listed else (0 if completes is False else S)

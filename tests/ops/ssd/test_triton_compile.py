@@ -72,13 +72,12 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", **ROW_STRIDES),
              dict(D, BLOCK_HG=32, BLOCK_PF=64, BLOCK_NF=128, KB=BK, HAS_LIMIT=with_cb, WITH_CB=with_cb, TC=TC,
-                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb, DTS=not TC), False)
+                  R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb), False)
     for pdl in (False, True):  # with and without programmatic dependent launch
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                                   sD_h="i32", sD_p="i32", sC_q="i32", dt_ptr=bf, buf_dt_ptr=bf, lo="fp32",
-                                   hi="fp32", sdt_q="i32"),
+                                   sD_h="i32", sD_p="i32", sC_q="i32"),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl, DTS=bool(TC), HAS_LIMIT=pdl), fuse)
+                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
               QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)

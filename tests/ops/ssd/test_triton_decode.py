@@ -302,11 +302,10 @@ def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
 @interp
 @pytest.mark.parametrize("mode", ["tile", "row", "bf16-tile"])
 def test_prep_blocks_past_the_token_leave_no_scratch(mode, monkeypatch):
-    """The prep computes dt only in the column blocks up to the token's and stores zeros past them (fp32 models;
-    a bf16 model's tile kernel writes its head's whole row itself, the token's dt from the layer's input). With
-    16-column blocks (2 to a chunk), uninitialised scratch poisoned with NaN, a token at every offset of two
-    chunks (block starts among them) gives the prefill's rows and state: a block skipped too early would zero
-    the token's dt, one left unwritten would carry NaN into the rows."""
+    """The prep computes dt only in the column blocks up to the token's and stores zeros past them. With 16-column
+    blocks (2 to a chunk), uninitialised scratch poisoned with NaN, a token at every offset of two chunks (block
+    starts among them) gives the prefill's rows and state, in fp32 (row and tile) and bf16 (tile: tensor-core
+    dots): a block skipped too early would zero the token's dt, one left unwritten would carry NaN into the rows."""
     import dataclasses
 
     cfg = dataclasses.replace(CFG, block_k=16)
