@@ -126,7 +126,13 @@ def main(paths: list[str]) -> int:
         except (OSError, ValueError) as e:
             print(f"{path}: not a readable h200.json ({e})", file=sys.stderr)
             return 1
-        print(vs_mamba_ssm(r) + "\n" if r.get("script") == VS_MAMBA_SSM else summarize(r))
+        try:
+            text = vs_mamba_ssm(r) + "\n" if isinstance(r, dict) and r.get("script") == VS_MAMBA_SSM else summarize(r)
+        except (KeyError, TypeError, AttributeError) as e:
+            what = f"no key {e}" if isinstance(e, KeyError) else type(e).__name__
+            print(f"{path}: not a result of bench_h200.py or bench_mamba_ssm_h200.py ({what})", file=sys.stderr)
+            return 1
+        print(text)
     return 0
 
 

@@ -189,3 +189,22 @@ def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
         "| s b1 | 2.000 | 2.020 | 0.990x | met | 2.100 | 0.952x | 2.000, 2.100, 1.900 | 1 / 1 |",
         "| s b256 | - | 28.00 | - | not run: OutOfMemoryError: CUDA out of memory | - | - | - | - |",
         "| s | 2.050% | 2.040% | not met | 94.0% / 95.0% |"]
+
+
+def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
+    """A JSON another bench wrote (the tree GEMM's), a list and a mamba_ssm result missing a field: exit 1 and one
+    line naming the file, not a traceback; a readable result still prints."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.summarize import VS_MAMBA_SSM, main
+
+    cases = {"tree.json": {"gpu": "GPU", "cells": []}, "list.json": [1, 2],
+             "partial.json": {"script": VS_MAMBA_SSM, "gpu": "GPU"}}
+    for name, body in cases.items():
+        (tmp_path / name).write_text(json.dumps(body))
+        assert main([str(tmp_path / name)]) == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"{tmp_path / name}: not a result of"), err
+    ok = {"gpu": "GPU", "torch": "t", "triton": "tr", "commit": "c", "date": "d", "script": VS_MAMBA_SSM,
+          "stock": "mamba_ssm"}
+    (tmp_path / "ok.json").write_text(json.dumps(ok))
+    assert main([str(tmp_path / "ok.json")]) == 0 and "commit c" in capsys.readouterr().out
