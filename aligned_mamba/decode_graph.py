@@ -5,7 +5,9 @@ so the whole step is captured once per bucket and replayed after one pinned copy
 bucket larger than the step is padded with entries that decode into a spare slot (rows dropped; rows
 are independent). Each bucket has two graphs: a step where some token completes its chunk replays one with
 the completion launches (which entries complete is checked on the device), any other step one without them
-(they would do nothing); the positions are on the host, so the choice costs nothing. A paged cache gets its
+(they would do nothing); the positions are on the host, so the choice costs nothing. The completion launches
+run on a side stream joined at the step's end (``triton_decode.completions_on``): the later layers do not wait
+for them. A paged cache gets its
 pages on the host before the copy. The graph runs the eager step's kernels with the same arguments, so
 its rows are the eager step's (tests/core/test_decode_graph.py).
 """
@@ -20,6 +22,7 @@ import torch
 
 from .models.causal_lm import Cache, CausalLM
 from .ops.ssd.plan import host_ints
+from .ops.ssd.triton_decode import completions_on
 from .ops.step import Step, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -47,6 +50,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, bool], _Captured] = {}
         self._last: dict[int, _Captured] = {}  # each bucket's graph of its latest step
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
+        self._side = torch.cuda.Stream(model.device)  # the completion launches' (see the module docstring)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -115,11 +119,11 @@ class DecodeGraphs:
         batch = self._batch(b, tables, completes)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):  # compile every kernel (decoding into the spare slot) before capture
-            self.model.advance(self.cache, batch, tables[2], check=False)
+        with torch.cuda.stream(stream), completions_on(self._side):  # compile every kernel (decoding into the
+            self.model.advance(self.cache, batch, tables[2], check=False)  # spare slot) before capture
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool), completions_on(self._side):
             logits = self.model.advance(self.cache, batch, tables[2], check=False)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(dev))

@@ -13,6 +13,10 @@ docs/design.md, "The one idea"). Launches (grids):
    the new boundary state by ``_chunk_state_kernel`` + ``_state_pass_kernel``'s code.
 4. ``_zero_kernel`` [H, entries / COMPLETION_BLOCK]: empties those sequences' buffers.
 
+Nothing later in a step reads what 3 and 4 write (the next step's prep and tile kernels do): inside
+``completions_on(stream)`` they run on that side stream, joined back when the context exits, so a step's
+later layers need not wait for them (``decode_graph`` captures its completion steps so).
+
 "step" mode (bf16 models) runs the four as one ``_step_kernel``, the same operations in the same order. The
 interpreter cannot show the bits (numpy ``tl.dot``, two-rounding ``tl.fma``): tests/ops/ssd/test_triton_decode.py
 checks them on the GPU; "tile" is the fallback if "row" ever differs there.
@@ -20,7 +24,9 @@ checks them on the GPU; "tile" is the fallback if "row" ever differs there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -54,6 +60,9 @@ STEP_OPTS: dict = {"num_stages": 2}
 STEP_RT_RANGE: bool = False
 # measurement only: a step-kernel P block the contract does not pin (None: the contract's block_p)
 STEP_BLOCK_P: int | None = None
+# the side stream of the completion launches (``completions_on``; None: in order on the current stream), and
+# whether a launch went there since the context opened
+_COMPLETION_STREAM: list = [None, False]
 # "step" mode's completion counters per device, one per (entry, group), zero between launches; grown,
 # never freed: a captured CUDA graph keeps their address
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -65,6 +74,22 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
     if not held or held[-1].numel() < n:
         held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 256), dtype=torch.int32, device=dev))
     return held[-1]
+
+
+@contextlib.contextmanager
+def completions_on(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Tile-mode decode steps inside run their chunk-completion launches on ``stream``, after the launches
+    before them on the current stream; on exit the current stream waits for ``stream``. Scheduling only: the
+    same kernels on the same values. Under CUDA-graph capture the fork and the join are captured."""
+    prev = list(_COMPLETION_STREAM)
+    _COMPLETION_STREAM[:] = [stream, False]
+    try:
+        yield
+    finally:
+        used = _COMPLETION_STREAM[1]
+        _COMPLETION_STREAM[:] = prev
+        if used:  # (a capture may join only a stream forked from it)
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -803,15 +828,26 @@ def decode_step_triton(
     if n_upd:
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         NBS = state_block_n(N)
-        _update_kernel[(H, triton.cdiv(n_upd, QB), PB * triton.cdiv(N, NBS))](
-            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
-            BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=NBS, PRECISION=cfg.dot_precision, TC=tc,
-            LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=not tc, **launch,
-        )
-        _zero_kernel[(H, triton.cdiv(n_upd, QB))](
-            state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L, ZB=1024,
-            LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, **launch,
-        )
+        side = _COMPLETION_STREAM[0] if dev.type == "cuda" else None
+        on = contextlib.nullcontext()
+        if side is not None:
+            # after the tile kernel, which reads the state and buffers these write; the tensors made here are
+            # recorded on the side stream, so their memory is not reused before it is done with them
+            side.wait_stream(torch.cuda.current_stream(dev))
+            _COMPLETION_STREAM[1] = True
+            for t in (scratch, slots_d, pos_d, seq):
+                t.record_stream(side)
+            on, pdl, launch = torch.cuda.stream(side), False, {}
+        with on:
+            _update_kernel[(H, triton.cdiv(n_upd, QB), PB * triton.cdiv(N, NBS))](
+                state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
+                BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=NBS, PRECISION=cfg.dot_precision, TC=tc,
+                LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=not tc, **launch,
+            )
+            _zero_kernel[(H, triton.cdiv(n_upd, QB))](
+                state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L,
+                ZB=1024, LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, **launch,
+            )
     return y
 
 

@@ -15,6 +15,7 @@ Two groups:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -31,6 +32,7 @@ pytest.importorskip("triton")
 # triton.jit picks it when a kernel is defined, and another test module switches the interpreter on.
 from sm90_offline import run_sm90_script  # noqa: E402
 
+import aligned_mamba.ops.ssd.triton_decode as td  # noqa: E402
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.ssd import SSDState, SSMParams  # noqa: E402
 from aligned_mamba.ops.ssd.chunk import dt_softplus  # noqa: E402
@@ -113,9 +115,11 @@ def assert_same_state(s1: SSDState, s2: SSDState, slots=None) -> None:
 
 def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
                  prm: dict, steps: int, mode: str, hint: bool = True, dt_limit=NO_LIMIT,
-                 row_tile: int | None = None, cfg: TritonKernelConfigs = CFG) -> list[torch.Tensor]:
+                 row_tile: int | None = None, cfg: TritonKernelConfigs = CFG,
+                 side: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
     """Decode ``steps`` tokens for every slot (slot i takes its token k from toks[i][*][k]); returns
-    y [S, H, P] per step. hint: pass the indices of the sequences completing a chunk (False if none)."""
+    y [S, H, P] per step. hint: pass the indices of the sequences completing a chunk (False if none).
+    side: each step inside ``completions_on(side)``."""
     L = st.chunk_size
     dev = st.buf_x.device
     if row_tile is None and INTERPRET:
@@ -130,9 +134,10 @@ def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tu
         x, dt, B, C = (torch.stack([t[j][k] for t in toks]) for j in range(4))
         done = [i for i, p in enumerate(pos) if p % L == L - 1]
         completes = (torch.tensor(done, dtype=torch.int64, device=dev) if done else False) if hint else None
-        ys.append(decode_step_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
-                                     params_of(prm, dt_limit), cfg=cfg, mode=mode, completes=completes,
-                                     row_tile=row_tile))
+        with contextlib.nullcontext() if side is None else td.completions_on(side):
+            ys.append(decode_step_triton(st, sl, torch.tensor(pos, dtype=torch.int64, device=dev), x, dt, B, C,
+                                         params_of(prm, dt_limit), cfg=cfg, mode=mode, completes=completes,
+                                         row_tile=row_tile))
     return ys
 
 
@@ -245,7 +250,6 @@ def test_several_completions_in_one_step(hint, monkeypatch):
     """Four sequences, three of them completing their chunk in the same step, with two batch entries
     per program of the completion kernels (a program meets two completions; the batch spans two
     programs): rows, states and buffers equal to each sequence decoded alone."""
-    import aligned_mamba.ops.ssd.triton_decode as td
 
     monkeypatch.setattr(td, "COMPLETION_BLOCK", 2)
     G = 2
@@ -276,7 +280,6 @@ def test_prep_head_blocks_keep_rows_states_and_buffers(mode, monkeypatch):
     """The prep kernel split over head blocks (2 heads a program; 3 heads a group, so the second block is half
     masked) gives every row, boundary state and buffer of one program per group, across a chunk completion.
     A split that dropped or shifted a block's heads would leave their dt rows unset."""
-    import aligned_mamba.ops.ssd.triton_decode as td
 
     Hb, G = 6, 2
     prm = make_params(Hb, P, seed=17)
@@ -502,7 +505,6 @@ def _input_copies(monkeypatch, mode: str, views: bool, old: bool = False) -> int
     as layer_views gives them; old: the launcher copies every input first (``_rows`` as before)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import aligned_mamba.ops.ssd.triton_decode as td
 
     if old:
         monkeypatch.setattr(td, "_rows", lambda t: t.contiguous())
@@ -571,7 +573,6 @@ def test_step_mode_is_one_launch_per_layer():
     kernels, which a captured step always runs), one in "step" mode."""
     from triton.runtime import KernelInterface
 
-    import aligned_mamba.ops.ssd.triton_decode as td
 
     kernels = [k for k in vars(td).values() if isinstance(k, KernelInterface)]
     launched: list[str] = []
@@ -688,7 +689,7 @@ GP, GN, GL = 64, 128, 256
 
 def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, steps: int = 3, alone: int = 0,
                     dev: str = "cuda", dt_: torch.dtype = torch.bfloat16, dims: tuple[int, int, int] | None = None,
-                    exact: bool = True, row_tile: int | None = None):
+                    exact: bool = True, row_tile: int | None = None, side: torch.cuda.Stream | None = None):
     """batch sequences at offsets uniform in [0, L) (some at L-1, L-2, 0 forced), nonzero boundary
     states, partial chunks filled by a prefill; decode `steps` tokens; compare every row, state and
     buffer with one prefill over (chunk prefix + new tokens) from the boundary, and the first
@@ -713,7 +714,7 @@ def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, s
     new = [make_tokens(steps, heads, GP, groups, GN, seed * 1000 + 500 + i, dt_, dev) for i in range(batch)]
     ref = clone_state(st)
     solo = clone_state(st) if alone else None
-    ys = decode_steps(st, slots, start, new, prm, steps, mode, hint=False, row_tile=row_tile)
+    ys = decode_steps(st, slots, start, new, prm, steps, mode, hint=False, row_tile=row_tile, side=side)
     for i in range(alone):
         ya = decode_steps(solo, [slots[i]], [start[i]], [new[i]], prm, steps, mode)
         assert all(torch.equal(ys[k][i], ya[k][0]) for k in range(steps)), f"sequence {i} differs alone"
@@ -726,6 +727,30 @@ def _gpu_batch_case(heads: int, groups: int, batch: int, mode: str, seed: int, s
     assert not bad, f"{len(bad)}/{batch} sequences differ (offsets {[int(offs[i]) for i in bad[:8]]})"
     assert_same_state(st, ref)
     return st, ys
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("batch", [4, 64])
+def test_gpu_completions_on_a_side_stream_keep_the_bits(batch, monkeypatch):
+    """Each step inside ``completions_on``: the completion launches go to the side stream (spied; without the
+    context they go to the current one) and rows, boundary states and buffers are one prefill's (offsets
+    L - 1 and L - 2 complete their chunks in the first two steps; later steps read what those wrote)."""
+    side = torch.cuda.Stream()
+    streams = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            streams.append(torch.cuda.current_stream().cuda_stream)
+            return real[grid]
+
+    real = td._update_kernel
+    monkeypatch.setattr(td, "_update_kernel", Spy())
+    _gpu_batch_case(64, 8, batch, "tile", seed=31 + batch, steps=4, side=side)
+    assert streams and set(streams) == {side.cuda_stream}, streams
+    streams.clear()
+    _gpu_batch_case(64, 8, batch, "tile", seed=31 + batch, steps=4)
+    assert streams and side.cuda_stream not in streams
 
 
 @pytest.mark.gpu
