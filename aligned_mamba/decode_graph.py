@@ -5,15 +5,16 @@ so the whole step is captured once per bucket and replayed after one pinned copy
 bucket larger than the step is padded with entries that decode into a spare slot (rows dropped; rows
 are independent). Each bucket has two graphs: a step where some token completes its chunk replays one with
 the completion launches (which entries complete is checked on the device), any other step one without them
-(they would do nothing); the positions are on the host, so the choice costs nothing. The completion launches
-run on a side stream joined at the step's end (``triton_decode.completions_on``): the later layers do not wait
-for them. A paged cache gets its
+(they would do nothing); the positions are on the host, so the choice costs nothing. With ``side_completions``
+the completion launches run on a side stream joined at the step's end (``triton_decode.completions_on``): the
+later layers do not wait for them. A paged cache gets its
 pages on the host before the copy. The graph runs the eager step's kernels with the same arguments, so
 its rows are the eager step's (tests/core/test_decode_graph.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,9 +31,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class DecodeGraphs:
     """Decode steps of ``model`` over ``cache`` as CUDA graphs, one per bucket, captured on first use.
-    ``spare_slot``: a slot no sequence owns (padding decodes there). ValueError off triton on CUDA."""
+    ``spare_slot``: a slot no sequence owns (padding decodes there). ``side_completions``: the chunk-completion
+    launches on a side stream (scheduling only). ValueError off triton on CUDA."""
 
-    def __init__(self, model: CausalLM, cache: Cache, *, spare_slot: int, buckets: Sequence[int] = BUCKETS) -> None:
+    def __init__(self, model: CausalLM, cache: Cache, *, spare_slot: int, buckets: Sequence[int] = BUCKETS,
+                 side_completions: bool = False) -> None:
         be = model.backend
         if be.name != "triton" or model.device.type != "cuda":
             raise ValueError(f"a decode step can be captured on the triton backend on a CUDA device, not {be!r}")
@@ -50,7 +53,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, bool], _Captured] = {}
         self._last: dict[int, _Captured] = {}  # each bucket's graph of its latest step
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every bucket's graph
-        self._side = torch.cuda.Stream(model.device)  # the completion launches' (see the module docstring)
+        self._side = torch.cuda.Stream(model.device) if side_completions else None
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -119,17 +122,20 @@ class DecodeGraphs:
         batch = self._batch(b, tables, completes)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream), completions_on(self._side):  # compile every kernel (decoding into the
-            self.model.advance(self.cache, batch, tables[2], check=False)  # spare slot) before capture
+        with torch.cuda.stream(stream), self._completions():  # compile every kernel (decoding into the spare
+            self.model.advance(self.cache, batch, tables[2], check=False)  # slot) before capture
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), completions_on(self._side):
+        with torch.cuda.graph(graph, pool=self._pool), self._completions():
             logits = self.model.advance(self.cache, batch, tables[2], check=False)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(dev))
         # the batch owns device tables the graph reads at every replay (the conv's offsets): keep it
         self._graphs[b, completes] = _Captured(graph, tables, host, host.numpy(), logits, copied, batch)
         return self._graphs[b, completes]
+
+    def _completions(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._side is None else completions_on(self._side)
 
     def _batch(self, b: int, tables: torch.Tensor, completes: bool) -> Step:
         """A Step of b one-token sequences whose device plan holds the static buffers, sealed: any other

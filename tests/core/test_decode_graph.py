@@ -31,8 +31,9 @@ def test_a_model_that_cannot_be_captured_is_refused() -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("side", [False, True], ids=["in-order", "side-completions"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_graph_decode_rows_equal_eager_and_prefill(dtype: str) -> None:
+def test_graph_decode_rows_equal_eager_and_prefill(dtype: str, side: bool) -> None:
     chunk = 32
     config, tensors = make_tiny(3, dtype=dtype, num_hidden_layers=2, n_groups=2, chunk_size=chunk, state_size=64)
     model = build_model(config, tensors, Contract(chunk_size=chunk, backend="triton", model_dtype=dtype),
@@ -48,7 +49,7 @@ def test_graph_decode_rows_equal_eager_and_prefill(dtype: str) -> None:
     for a, b in zip(cache.tensors, eager.tensors):
         for k in a:
             b[k].copy_(a[k])
-    graphs = DecodeGraphs(model, cache, spare_slot=B)
+    graphs = DecodeGraphs(model, cache, spare_slot=B, side_completions=side)
     graphs.capture([8])  # ahead of the first step, as an engine does at start-up
     got_g, got_e = [], []
     for k in range(steps):
