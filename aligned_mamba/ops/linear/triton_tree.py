@@ -115,11 +115,7 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PRO
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(STEPS):
-            a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
-            b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _slice_sum_tma(x_desc, w_desc, om, on, j, STEPS, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if GLOBAL_STACK and LEVEL0_REGS:
             # level 0 as _fold's: a left slice kept, a right one added to it; the pair climbs on in st
             right = (j & 1) == 1
@@ -140,6 +136,19 @@ def _tree_tma_kernel(x_desc, w_desc, y_desc, b_ptr, st_ptr, M, N, STEPS, NUM_PRO
                 y_desc.store([om, on + BLOCK_N // 2], c1)
             else:
                 y_desc.store([om, on], c)
+
+
+@triton.jit
+def _slice_sum_tma(x_desc, w_desc, om, on, j, STEPS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Slice j's fp32 sum [BM, BN] from zero for the tile at rows om, columns on: K blocks j STEPS .. (j + 1)
+    STEPS - 1 through TMA descriptors."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(STEPS):
+        a = x_desc.load([om, (j * STEPS + kk) * BLOCK_K])
+        b = w_desc.load([on, (j * STEPS + kk) * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -197,11 +206,8 @@ def _tree_split_kernel(x_ptr, w_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, M, N, C, S
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(STEPS):
-            a = x_ptr.load([pid_m * BLOCK_M, (j * STEPS + kk) * BLOCK_K])
-            b = w_ptr.load([pid_n * BLOCK_N, (j * STEPS + kk) * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _slice_sum_tma(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, j, STEPS, BLOCK_M, BLOCK_N, BLOCK_K,
+                             PRECISION)
     else:
         acc = _slice_sum(x_ptr, w_ptr, rm, rn, j, M, N, C, STEPS, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
                          PRECISION)
