@@ -25,6 +25,7 @@ checks them on the GPU; "tile" is the fallback if "row" ever differs there.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 
@@ -60,9 +61,10 @@ STEP_OPTS: dict = {"num_stages": 2}
 STEP_RT_RANGE: bool = False
 # measurement only: a step-kernel P block the contract does not pin (None: the contract's block_p)
 STEP_BLOCK_P: int | None = None
-# the side stream of the completion launches (``completions_on``; None: in order on the current stream), and
-# whether a launch went there since the context opened
-_COMPLETION_STREAM: list = [None, False]
+# the side stream of the completion launches and whether a launch went there since ``completions_on`` opened
+# (None outside it: in order on the current stream); a context variable, so one thread's capture forks only its
+# own launches
+_COMPLETION_STREAM: contextvars.ContextVar[list | None] = contextvars.ContextVar("completion_stream", default=None)
 # "step" mode's completion counters per device, one per (entry, group), zero between launches; grown,
 # never freed: a captured CUDA graph keeps their address
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -81,14 +83,13 @@ def completions_on(stream: torch.cuda.Stream) -> Iterator[None]:
     """Tile-mode decode steps inside run their chunk-completion launches on ``stream``, after the launches
     before them on the current stream; on exit the current stream waits for ``stream``. Scheduling only: the
     same kernels on the same values. Under CUDA-graph capture the fork and the join are captured."""
-    prev = list(_COMPLETION_STREAM)
-    _COMPLETION_STREAM[:] = [stream, False]
+    held = [stream, False]
+    token = _COMPLETION_STREAM.set(held)
     try:
         yield
     finally:
-        used = _COMPLETION_STREAM[1]
-        _COMPLETION_STREAM[:] = prev
-        if used:  # (a capture may join only a stream forked from it)
+        _COMPLETION_STREAM.reset(token)
+        if held[1]:  # (a capture may join only a stream forked from it)
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
@@ -828,13 +829,14 @@ def decode_step_triton(
     if n_upd:
         seq = _as(completes, dev, torch.int64) if listed else slots_d  # (unused unless listed)
         NBS = state_block_n(N)
-        side = _COMPLETION_STREAM[0] if dev.type == "cuda" else None
+        held = _COMPLETION_STREAM.get() if dev.type == "cuda" else None
         on = contextlib.nullcontext()
-        if side is not None:
+        if held is not None:
+            side = held[0]
             # after the tile kernel, which reads the state and buffers these write; the tensors made here are
             # recorded on the side stream, so their memory is not reused before it is done with them
             side.wait_stream(torch.cuda.current_stream(dev))
-            _COMPLETION_STREAM[1] = True
+            held[1] = True
             for t in (scratch, slots_d, pos_d, seq):
                 t.record_stream(side)
             on, pdl, launch = torch.cuda.stream(side), False, {}

@@ -566,6 +566,34 @@ def test_rows_copies_only_unpacked_rows():
     assert _rows(one) is one
 
 
+def test_completions_on_holds_its_stream_for_its_own_thread_only():
+    """A decode inside ``completions_on`` in one thread sends its completions to the side stream; another
+    thread's decode at the same time (another model's capture) keeps them in order on its own stream. The
+    context restores the outer stream on exit, and joins nothing it did not fork."""
+    import threading
+
+    outer, inner = object(), object()  # never used as streams: no decode launches here
+    seen: dict[str, object] = {}
+    entered, checked = threading.Event(), threading.Event()
+
+    def other() -> None:
+        entered.wait(5)
+        seen["other"] = td._COMPLETION_STREAM.get()
+        checked.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with td.completions_on(outer):
+        with td.completions_on(inner):
+            seen["inner"] = td._COMPLETION_STREAM.get()[0]
+        seen["outer"] = td._COMPLETION_STREAM.get()[0]
+        entered.set()
+        checked.wait(5)
+    t.join(5)
+    assert seen == {"inner": inner, "outer": outer, "other": None}
+    assert td._COMPLETION_STREAM.get() is None
+
+
 @pytest.mark.interpreter
 @interp
 def test_step_mode_is_one_launch_per_layer():
