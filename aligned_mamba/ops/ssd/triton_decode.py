@@ -396,7 +396,9 @@ def _tile_kernel(
                                   buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
         k0 += BLOCK_K
 
-    x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=pm[None, :], other=0.0).to(tl.float32)
+    # the live row only: the tile's rows past the token are never stored (up to R - 1 rows of reads saved)
+    x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=live[:, None] & pm[None, :],
+                  other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
     out = intra + d[None, :] * x_t
     tl.store(y_ptr + (q * H + h) * P + p[None, :] + t[:, None] * 0, out.to(y_ptr.dtype.element_ty),
