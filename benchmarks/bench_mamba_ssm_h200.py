@@ -430,6 +430,10 @@ def main() -> int:
     ap.add_argument("--no-recompute", action="store_true",
                     help="ours holds the conv's and the gated norm's outputs to the backward (Mamba2Mixer.recompute "
                          "off): fewer launches, more memory")
+    ap.add_argument("--hold-conv", action="store_true",
+                    help="ours holds the conv's output to the backward, the gated norm still recomputed "
+                         "(Mamba2Mixer.recompute_conv off): one conv launch less a layer, conv_dim x 2 B a token "
+                         "and layer more")
     ap.add_argument("--side-completions", action="store_true",
                     help="decode: also time ours with the chunk-completion launches on a side stream "
                          "(DecodeGraphs side_completions), interleaved with the others")
@@ -474,7 +478,9 @@ def main() -> int:
     from aligned_mamba.layers.mamba2 import Mamba2Mixer
 
     Mamba2Mixer.recompute = not args.no_recompute
+    Mamba2Mixer.recompute_conv = not args.hold_conv
     meta["recompute"] = Mamba2Mixer.recompute
+    meta["recompute_conv"] = Mamba2Mixer.recompute_conv
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,

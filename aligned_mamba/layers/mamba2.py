@@ -162,6 +162,9 @@ class Mamba2Mixer:
     #: recompute the conv's and gated norm's outputs in the backward (docs/design.md, "Backends"); off
     #: inside saved_tensors_hooks (checkpointing, offloading), which may mean to release their inputs
     recompute = True
+    #: with ``recompute``, whether the conv runs again too; off, the scan holds the conv's output (x, B, C:
+    #: conv_dim x 2 bytes a token and layer more at the peak) and the backward runs one conv launch less a layer
+    recompute_conv = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
 
@@ -234,7 +237,7 @@ class Mamba2Mixer:
         z, xBC_in, dt = split_columns(zxbcdt, (d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim), one_grad=True)
         recompute = None
         recompute_ok = self.recompute and not saved_tensors_hooked()
-        if recompute_ok and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
+        if recompute_ok and self.recompute_conv and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
             # the backward runs the conv again for the scan's x, B, C; xBC_in is held anyway (z, dt)
             recompute = functools.partial(_conv_again, be, state.conv_window.clone(), batch, xBC_in.detach(),
                                           self.conv_w.detach(), None if self.conv_b is None else self.conv_b.detach())

@@ -184,9 +184,11 @@ def test_recomputed_output_is_freed_after_the_forward_and_gives_the_same_gradien
     assert len(calls) == (2 if hooked else 0)  # one recompute per backward, shared by both views
 
 
-def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(monkeypatch) -> None:
+@pytest.mark.parametrize("knob", ["recompute", "recompute_conv"])
+def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(knob: str, monkeypatch) -> None:
     """The mixer's backward runs the conv and the gated norm again (``Mamba2Mixer.recompute``) rather
-    than hold their outputs: every gradient has the bits of the run that holds them."""
+    than hold their outputs: every gradient has the bits of the run that holds them, both or the conv's
+    alone (``recompute_conv``)."""
     from aligned_mamba.layers.mamba2 import Mamba2Mixer
 
     config, tensors = make_tiny(0, dtype="float32", **MODEL)
@@ -201,9 +203,9 @@ def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(monkeypatc
         loss = -sum(log_softmax(lg).gather(-1, t[:, None]).sum() for lg, t in zip(logits, targets))
         return list(torch.autograd.grad(loss, [leaves[k] for k in sorted(leaves)]))
 
-    assert Mamba2Mixer.recompute
+    assert Mamba2Mixer.recompute and Mamba2Mixer.recompute_conv
     again = grads()
-    monkeypatch.setattr(Mamba2Mixer, "recompute", False)
+    monkeypatch.setattr(Mamba2Mixer, knob, False)
     held = grads()
     assert all(torch.equal(u, v) for u, v in zip(again, held))
 
@@ -235,7 +237,7 @@ def test_recomputed_output_leaves_enclosing_hooks_the_other_saved_tensors() -> N
 def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> None:
     """Inside a ``saved_tensors_hooks`` block (checkpointing, offloading) the mixer does not recompute
     (its recompute would hold inputs the block may release): no ``recomputed_in_backward`` there, two a
-    layer outside (the baseline)."""
+    layer outside (the baseline), one with ``recompute_conv`` off (the gated norm's)."""
     from aligned_mamba.layers import mamba2 as m2
 
     config, tensors = make_tiny(0, dtype="float32", **MODEL)
@@ -256,3 +258,7 @@ def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> No
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         build_model(config, leaves, contract).forward(seqs)
     assert not calls
+    # the conv's output held (recompute_conv off): the gated norm's output alone is recomputed
+    monkeypatch.setattr(m2.Mamba2Mixer, "recompute_conv", False)
+    build_model(config, leaves, contract).forward(seqs)
+    assert calls == [(sum(map(len, seqs)), config.intermediate_size)] * config.num_hidden_layers
