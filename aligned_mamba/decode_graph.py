@@ -5,9 +5,9 @@ so the whole step is captured once per bucket and replayed after one pinned copy
 bucket larger than the step is padded with entries that decode into a spare slot (rows dropped; rows
 are independent). Each bucket has two graphs: a step where some token completes its chunk replays one with
 the completion launches (which entries complete is checked on the device), any other step one without them
-(they would do nothing); the positions are on the host, so the choice costs nothing. With ``side_completions``
-the completion launches run on a side stream joined at the step's end (``triton_decode.completions_on``): the
-later layers do not wait for them. A paged cache gets its
+(they would do nothing); the positions are on the host, so the choice costs nothing. The completion launches
+run on a side stream joined at the step's end (``triton_decode.completions_on``), so the later layers do not
+wait for them; ``side_completions=False`` keeps them in order. A paged cache gets its
 pages on the host before the copy. The graph runs the eager step's kernels with the same arguments, so
 its rows are the eager step's (tests/core/test_decode_graph.py).
 """
@@ -32,10 +32,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class DecodeGraphs:
     """Decode steps of ``model`` over ``cache`` as CUDA graphs, one per bucket, captured on first use.
     ``spare_slot``: a slot no sequence owns (padding decodes there). ``side_completions``: the chunk-completion
-    launches on a side stream (scheduling only). ValueError off triton on CUDA."""
+    launches on a side stream (scheduling only: the same rows). ValueError off triton on CUDA."""
 
     def __init__(self, model: CausalLM, cache: Cache, *, spare_slot: int, buckets: Sequence[int] = BUCKETS,
-                 side_completions: bool = False) -> None:
+                 side_completions: bool = True) -> None:
         be = model.backend
         if be.name != "triton" or model.device.type != "cuda":
             raise ValueError(f"a decode step can be captured on the triton backend on a CUDA device, not {be!r}")

@@ -301,10 +301,10 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     runners: dict = {}
     firsts: dict = {}
     # ours; with --prep-heads also ours with the decode prep split (its own cache and graphs, captured with
-    # PREP_HEADS set: a graph keeps the launches it captured), with --side-completions ours with the completion
-    # launches on a side stream; timed in the same interleaved rounds
-    sides = [("ours", td.PREP_HEADS, False)] + ([("ours_prep", args.prep_heads, False)] if args.prep_heads else []) \
-        + ([("ours_side", td.PREP_HEADS, True)] if args.side_completions else [])
+    # PREP_HEADS set: a graph keeps the launches it captured), with --in-order-completions ours with the completion
+    # launches in order on the step's stream (DecodeGraphs' default: a side stream); timed in the same rounds
+    sides = [("ours", td.PREP_HEADS, True)] + ([("ours_prep", args.prep_heads, True)] if args.prep_heads else []) \
+        + ([("ours_inorder", td.PREP_HEADS, False)] if args.in_order_completions else [])
     for side, heads, on_side in sides:
         try:
             cache = model.new_cache(batch + 1)
@@ -329,8 +329,8 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
         if "ours_prep" in firsts:
             e["prep_heads"] = args.prep_heads
             e["ours_prep_rows_equal_ours"] = bool(torch.equal(firsts["ours_prep"], firsts["ours"]))
-        if "ours_side" in firsts:
-            e["ours_side_rows_equal_ours"] = bool(torch.equal(firsts["ours_side"], firsts["ours"]))
+        if "ours_inorder" in firsts:
+            e["ours_inorder_rows_equal_ours"] = bool(torch.equal(firsts["ours_inorder"], firsts["ours"]))
         del fwd
     firsts.clear()
     for tag, dtype in (("stock_bf16", None), ("stock_fp32", torch.float32)):
@@ -374,10 +374,10 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
             e[f"ratio_{tag}"] = e["ours_ms"] / e[f"{tag}_ms"]
     if e["ours_ms"] and e.get("ours_prep_ms"):
         e["ratio_prep_over_ours"] = e["ours_prep_ms"] / e["ours_ms"]
-    if e["ours_ms"] and e.get("ours_side_ms"):
-        e["ratio_side_over_ours"] = e["ours_side_ms"] / e["ours_ms"]
+    if e["ours_ms"] and e.get("ours_inorder_ms"):
+        e["ratio_inorder_over_ours"] = e["ours_inorder_ms"] / e["ours_ms"]
         if e.get("stock_bf16_ms"):
-            e["ratio_side_stock_bf16"] = e["ours_side_ms"] / e["stock_bf16_ms"]
+            e["ratio_inorder_stock_bf16"] = e["ours_inorder_ms"] / e["stock_bf16_ms"]
     runners.clear()
     return e
 
@@ -434,9 +434,9 @@ def main() -> int:
                     help="ours holds the conv's output to the backward, the gated norm still recomputed "
                          "(Mamba2Mixer.recompute_conv off): one conv launch less a layer, conv_dim x 2 B a token "
                          "and layer more")
-    ap.add_argument("--side-completions", action="store_true",
-                    help="decode: also time ours with the chunk-completion launches on a side stream "
-                         "(DecodeGraphs side_completions), interleaved with the others")
+    ap.add_argument("--in-order-completions", action="store_true",
+                    help="decode: also time ours with the chunk-completion launches in order on the step's "
+                         "stream (DecodeGraphs side_completions=False), interleaved with the others")
     ap.add_argument("--prep-heads", type=int, default=None,
                     help="decode: also time ours with its prep kernel in programs of this many heads "
                          "(triton_decode.PREP_HEADS), interleaved with the others")
@@ -544,8 +544,8 @@ def main() -> int:
                     f"/{e.get('graph_rows_checked')}"
                     + (f" prep{args.prep_heads} {e.get('ours_prep_ms')} same rows {e.get('ours_prep_rows_equal_ours')}"
                        if args.prep_heads else "")
-                    + (f" side {e.get('ours_side_ms')} same rows {e.get('ours_side_rows_equal_ours')}"
-                       if args.side_completions else ""))
+                    + (f" in order {e.get('ours_inorder_ms')} same rows {e.get('ours_inorder_rows_equal_ours')}"
+                       if args.in_order_completions else ""))
                 free(torch)
         del stock, model, tensors
         free(torch)

@@ -15,7 +15,7 @@ docs/design.md, "The one idea"). Launches (grids):
 
 Nothing later in a step reads what 3 and 4 write (the next step's prep and tile kernels do): inside
 ``completions_on(stream)`` they run on that side stream, joined back when the context exits, so a step's
-later layers need not wait for them (``DecodeGraphs(side_completions=True)`` captures its completion steps so).
+later layers need not wait for them (``DecodeGraphs`` captures its completion steps so by default).
 
 "step" mode (bf16 models) runs the four as one ``_step_kernel``, the same operations in the same order. The
 interpreter cannot show the bits (numpy ``tl.dot``, two-rounding ``tl.fma``): tests/ops/ssd/test_triton_decode.py
