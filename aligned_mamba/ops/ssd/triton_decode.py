@@ -80,9 +80,10 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def completions_on(stream: torch.cuda.Stream) -> Iterator[None]:
-    """Tile-mode decode steps inside run their chunk-completion launches on ``stream``, after the launches
-    before them on the current stream; on exit the current stream waits for ``stream``. Scheduling only: the
-    same kernels on the same values. Under CUDA-graph capture the fork and the join are captured."""
+    """Decode steps inside ("tile" and "row" modes; "step" has no completion launch) run their completion launches
+    on ``stream``, after the launches before them on the current stream; on exit the current stream waits for
+    ``stream``. Scheduling only: the same kernels on the same values. Under CUDA-graph capture the fork and the
+    join are captured."""
     held = [stream, False]
     token = _COMPLETION_STREAM.set(held)
     try:
