@@ -840,7 +840,7 @@ def decode_step_triton(
             # recorded on the side stream, so their memory is not reused before it is done with them
             side.wait_stream(torch.cuda.current_stream(dev))
             held[1] = True
-            for t in (scratch, slots_d, pos_d, seq):
+            for t in (scratch, slots_d, pos_d) + ((seq,) if listed else ()):
                 t.record_stream(side)
             on, pdl, launch = torch.cuda.stream(side), False, {}
         with on:
