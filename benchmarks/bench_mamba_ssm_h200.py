@@ -22,7 +22,7 @@ Parts (each cell's CUDA-event median after a first call; the JSON is written aft
   tokens, then the gradient of every weight (``torch.autograd.grad``); peak ``max_memory_allocated``
   over one step; ours' logits with gradients on equal its no-grad forward and two of its backwards
   are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side
-  (and of one graph decode step of each side in the decode cells).
+  (and of one forward and one graph decode step of each side in those cells).
 - forward: all logits, no gradients, the same two token counts.
 - decode: one token per sequence at batch 1 / 64 / 256, every sequence prefilled to L k + U[0, L)
   tokens; ours ``DecodeGraphs.step``; stock mamba_ssm's ``capture_graph`` over ``InferenceParams``
@@ -273,6 +273,8 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
                 free(torch)
                 ts = cuda_ms(torch, lambda i, f=fn: f(), n)
                 e[f"{side}_ms"], e[f"{side}_times_ms"] = statistics.median(ts), ts
+                if args.profile:
+                    e[f"{side}_profile"] = kernel_table(torch, fn)
             except Exception as exc:  # noqa: BLE001
                 e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
                 log(traceback.format_exc())
@@ -415,7 +417,7 @@ def main() -> int:
     ap.add_argument("--cells", default="4x2048,1x16384")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--profile", action="store_true",
-                    help="kernel tables of one training step and one graph decode step of each side")
+                    help="kernel tables of one training step, forward and graph decode step of each side")
     ap.add_argument("--stock-mem-eff", action="store_true",
                     help="the stock's fused use_mem_eff_path=True path (causal_conv1d must import)")
     ap.add_argument("--quick", action="store_true")
