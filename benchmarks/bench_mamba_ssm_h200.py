@@ -38,6 +38,7 @@ Writes OUT/h200_train_mamba_ssm.json (train) and OUT/h200_model_mamba_ssm.json (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -197,6 +198,15 @@ def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
     e[f"{prefix}_times_ms"] = ts
 
 
+def hold(args):
+    """``--hold-conv-gib``'s budget around ours' forward (``hold_conv_outputs``), or nothing."""
+    from aligned_mamba.layers.mamba2 import hold_conv_outputs
+
+    if args.hold_conv_gib is None:
+        return contextlib.nullcontext()
+    return hold_conv_outputs(int(args.hold_conv_gib * 2**30))
+
+
 def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T, seed) -> dict:
     from aligned_mamba.models import build_model
     from benchmarks.bench_train_h200 import ours_loss
@@ -212,7 +222,8 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
     n = 2 if args.quick else 4
 
     def ours_step():
-        loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
+        with hold(args):
+            loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
         return torch.autograd.grad(loss, [leaves[k] for k in names])
 
     params = [p for p in stock.parameters() if p.requires_grad]
@@ -436,6 +447,9 @@ def main() -> int:
                     help="ours holds the conv's output to the backward, the gated norm still recomputed "
                          "(Mamba2Mixer.recompute_conv off): one conv launch less a layer, conv_dim x 2 B a token "
                          "and layer more")
+    ap.add_argument("--hold-conv-gib", type=float, default=None,
+                    help="train: ours holds the conv's output in as many layers as fit in this many GiB a step, in "
+                         "forward order (hold_conv_outputs), the others recompute it")
     ap.add_argument("--in-order-completions", action="store_true",
                     help="decode: also time ours with the chunk-completion launches in order on the step's "
                          "stream (DecodeGraphs side_completions=False), interleaved with the others")
@@ -483,6 +497,7 @@ def main() -> int:
     Mamba2Mixer.recompute_conv = not args.hold_conv
     meta["recompute"] = Mamba2Mixer.recompute
     meta["recompute_conv"] = Mamba2Mixer.recompute_conv
+    meta["hold_conv_gib"] = args.hold_conv_gib
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,

@@ -9,10 +9,11 @@ A_log, D [H], norm.weight [intermediate], out_proj.weight [hidden, intermediate]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,37 @@ def _conv_again(be: Backend, windows: torch.Tensor, batch: Step, x: torch.Tensor
     return be.conv_advance(windows.clone(), batch, x, w, b)
 
 
+# bytes still free for held conv outputs in this context's forwards (None: no budget open)
+_CONV_HOLD_BUDGET: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("conv_hold_budget",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def hold_conv_outputs(budget_bytes: int) -> Iterator[list[int]]:
+    """Inside the block, each Mamba2 layer that would recompute its conv in the backward holds the conv's
+    output instead (``Mamba2Mixer.recompute_conv`` off for that layer) while it fits in what is left of
+    ``budget_bytes`` (T x conv_dim x the model dtype's size a layer), in forward order: a trainer spends the
+    memory it has below a peak on the conv's second launch, layer by layer. Bits are the same either way.
+    Yields a one-element list: the bytes still free. ValueError for a negative budget."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"hold_conv_outputs: budget_bytes must be an int >= 0, got {budget_bytes!r}")
+    left = [budget_bytes]
+    token = _CONV_HOLD_BUDGET.set(left)
+    try:
+        yield left
+    finally:
+        _CONV_HOLD_BUDGET.reset(token)
+
+
+def _hold_within_budget(nbytes: int) -> bool:
+    """Whether ``nbytes`` of a conv output fit in the open budget (then taken from it)."""
+    left = _CONV_HOLD_BUDGET.get()
+    if left is None or nbytes > left[0]:
+        return False
+    left[0] -= nbytes
+    return True
+
+
 def _groups(config: Mamba2MixerConfig, group: TPGroup) -> range:
     """The B/C groups rank ``group.rank`` holds (``parallel.shared``)."""
     return shared(config.n_groups, group, "n_groups")
@@ -163,7 +195,8 @@ class Mamba2Mixer:
     #: inside saved_tensors_hooks (checkpointing, offloading), which may mean to release their inputs
     recompute = True
     #: with ``recompute``, whether the conv runs again too; off, the scan holds the conv's output (x, B, C:
-    #: conv_dim x 2 bytes a token and layer more at the peak) and the backward runs one conv launch less a layer
+    #: conv_dim x 2 bytes a token and layer more at the peak) and the backward runs one conv launch less a layer;
+    #: ``hold_conv_outputs`` turns it off layer by layer under a memory budget
     recompute_conv = True
     #: the row-parallel GEMM (``baseline.stock_tp_model`` puts stock tensor parallelism's in its place)
     row_parallel = staticmethod(row_parallel_linear)
@@ -237,7 +270,8 @@ class Mamba2Mixer:
         z, xBC_in, dt = split_columns(zxbcdt, (d, c.conv_dim, zxbcdt.shape[1] - d - c.conv_dim), one_grad=True)
         recompute = None
         recompute_ok = self.recompute and not saved_tensors_hooked()
-        if recompute_ok and self.recompute_conv and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window):
+        if (recompute_ok and self.recompute_conv and grad_needed(xBC_in, self.conv_w, self.conv_b, state.conv_window)
+                and not _hold_within_budget(xBC_in.shape[0] * c.conv_dim * xBC_in.element_size())):
             # the backward runs the conv again for the scan's x, B, C; xBC_in is held anyway (z, dt)
             recompute = functools.partial(_conv_again, be, state.conv_window.clone(), batch, xBC_in.detach(),
                                           self.conv_w.detach(), None if self.conv_b is None else self.conv_b.detach())

@@ -184,12 +184,12 @@ def test_recomputed_output_is_freed_after_the_forward_and_gives_the_same_gradien
     assert len(calls) == (2 if hooked else 0)  # one recompute per backward, shared by both views
 
 
-@pytest.mark.parametrize("knob", ["recompute", "recompute_conv"])
+@pytest.mark.parametrize("knob", ["recompute", "recompute_conv", "hold_conv_outputs"])
 def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(knob: str, monkeypatch) -> None:
     """The mixer's backward runs the conv and the gated norm again (``Mamba2Mixer.recompute``) rather
-    than hold their outputs: every gradient has the bits of the run that holds them, both or the conv's
-    alone (``recompute_conv``)."""
-    from aligned_mamba.layers.mamba2 import Mamba2Mixer
+    than hold their outputs: every gradient has the bits of the run that holds them, both, the conv's
+    alone (``recompute_conv``) or the conv's in the layers a budget covers (``hold_conv_outputs``)."""
+    from aligned_mamba.layers.mamba2 import Mamba2Mixer, hold_conv_outputs
 
     config, tensors = make_tiny(0, dtype="float32", **MODEL)
     g = torch.Generator().manual_seed(12)
@@ -205,8 +205,13 @@ def test_tiny_model_gradients_the_same_bits_with_the_mixers_recompute(knob: str,
 
     assert Mamba2Mixer.recompute and Mamba2Mixer.recompute_conv
     again = grads()
-    monkeypatch.setattr(Mamba2Mixer, knob, False)
-    held = grads()
+    if knob == "hold_conv_outputs":
+        with hold_conv_outputs(49 * config.mixer_config().conv_dim * 4) as left:  # the first layer's 49 rows
+            held = grads()
+        assert left[0] == 0
+    else:
+        monkeypatch.setattr(Mamba2Mixer, knob, False)
+        held = grads()
     assert all(torch.equal(u, v) for u, v in zip(again, held))
 
 
@@ -262,3 +267,41 @@ def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> No
     monkeypatch.setattr(m2.Mamba2Mixer, "recompute_conv", False)
     build_model(config, leaves, contract).forward(seqs)
     assert calls == [(sum(map(len, seqs)), config.intermediate_size)] * config.num_hidden_layers
+
+
+def test_hold_conv_outputs_spends_its_budget_layer_by_layer(monkeypatch) -> None:
+    """``hold_conv_outputs``: the first layers whose conv output (T x conv_dim x 4 bytes in fp32) fits in
+    what is left of the budget hold it (the gated norm's recompute alone), the rest recompute both; the
+    budget closes with the block. Bad budgets are refused."""
+    from aligned_mamba.layers import mamba2 as m2
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    assert config.num_hidden_layers >= 2
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(14)) for n in (9, 4)]
+    T, d = sum(map(len, seqs)), config.intermediate_size
+    per_layer = T * config.mixer_config().conv_dim * 4
+    calls = []
+    real = m2.recomputed_in_backward
+
+    def spy(out, recompute):
+        calls.append(tuple(out.shape)[1])
+        return real(out, recompute)
+
+    monkeypatch.setattr(m2, "recomputed_in_backward", spy)
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
+    conv = config.mixer_config().conv_dim
+    with m2.hold_conv_outputs(per_layer + per_layer - 1) as left:  # one layer fits, not two
+        build_model(config, leaves, contract).forward(seqs)
+    assert left[0] == per_layer - 1
+    assert calls == [d] + [conv, d] * (config.num_hidden_layers - 1)
+    calls.clear()
+    build_model(config, leaves, contract).forward(seqs)  # the budget closed with its block
+    assert calls == [conv, d] * config.num_hidden_layers
+    calls.clear()
+    with torch.no_grad(), m2.hold_conv_outputs(per_layer) as left:  # nothing to hold without gradients
+        build_model(config, leaves, contract).forward(seqs)
+    assert left[0] == per_layer and not calls
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="budget_bytes"), m2.hold_conv_outputs(bad):
+            pass
