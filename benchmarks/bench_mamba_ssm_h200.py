@@ -221,8 +221,8 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
     names = sorted(leaves)
     n = 2 if args.quick else 4
 
-    def ours_step():
-        with hold(args):
+    def ours_step(held: bool = False):
+        with hold(args) if held else contextlib.nullcontext():
             loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
         return torch.autograd.grad(loss, [leaves[k] for k in names])
 
@@ -244,11 +244,19 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
         again = ours_step()
         e["ours_grads_repeat_differ"] = [k for k, u, v in zip(names, first, again) if not torch.equal(u, v)]
         e["ours_grads_repeat_equal"] = not e["ours_grads_repeat_differ"]
-        del first, again
+        first = [u.cpu() for u in first] if args.hold_conv_gib is not None else None
+        del again
         free(torch)
         peak_and_times(torch, ours_step, n, e, "ours")
         if args.profile:
             e["ours_profile"] = kernel_table(torch, ours_step)
+        if first is not None:  # the budgeted hold: same bits, timed after the plain step
+            free(torch)
+            held = ours_step(True)
+            e["ours_hold_grads_equal"] = all(torch.equal(u, v.cpu()) for u, v in zip(first, held))
+            del first, held
+            free(torch)
+            peak_and_times(torch, lambda: ours_step(True), n, e, "ours_hold")
     except Exception as exc:  # noqa: BLE001 - a failed cell is a result
         e["ours_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
@@ -266,6 +274,9 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
     if e["ours_ms"] and e["stock_ms"]:
         e["ratio"] = e["ours_ms"] / e["stock_ms"]
         e["peak_ratio"] = e["ours_peak_bytes"] / e["stock_peak_bytes"]
+    if e.get("ours_hold_ms") and e["stock_ms"]:
+        e["ratio_hold"] = e["ours_hold_ms"] / e["stock_ms"]
+        e["peak_ratio_hold"] = e["ours_hold_peak_bytes"] / e["stock_peak_bytes"]
     return e
 
 
@@ -448,8 +459,9 @@ def main() -> int:
                          "(Mamba2Mixer.recompute_conv off): one conv launch less a layer, conv_dim x 2 B a token "
                          "and layer more")
     ap.add_argument("--hold-conv-gib", type=float, default=None,
-                    help="train: ours holds the conv's output in as many layers as fit in this many GiB a step, in "
-                         "forward order (hold_conv_outputs), the others recompute it")
+                    help="train: also time ours holding the conv's output in as many layers as fit in this many GiB "
+                         "a step, in forward order (hold_conv_outputs; columns ours_hold_*), its gradients' bits "
+                         "checked against the plain step's")
     ap.add_argument("--in-order-completions", action="store_true",
                     help="decode: also time ours with the chunk-completion launches in order on the step's "
                          "stream (DecodeGraphs side_completions=False), interleaved with the others")
