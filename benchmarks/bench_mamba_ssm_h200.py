@@ -198,16 +198,21 @@ def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
     e[f"{prefix}_times_ms"] = ts
 
 
-def hold(args):
-    """``--hold-conv-gib``'s budget around ours' forward (``hold_conv_outputs``), or nothing."""
-    from aligned_mamba.layers.mamba2 import hold_conv_outputs
+HOLD_MARGIN = 128 << 20  # "stock": the budget this far below the stock's peak (the allocator's rounding)
 
-    if args.hold_conv_gib is None:
-        return contextlib.nullcontext()
-    return hold_conv_outputs(int(args.hold_conv_gib * 2**30))
+
+def hold_budget(args, e: dict) -> int:
+    """``--hold-conv-gib``'s budget in bytes: a number of GiB, or "stock": what the stock's measured peak
+    leaves above ours' plain step's, less ``HOLD_MARGIN``."""
+    if args.hold_conv_gib != "stock":
+        return int(float(args.hold_conv_gib) * 2**30)
+    if not (e.get("stock_peak_bytes") and e.get("ours_peak_bytes")):
+        raise RuntimeError("--hold-conv-gib stock needs both plain peaks measured first")
+    return max(0, e["stock_peak_bytes"] - e["ours_peak_bytes"] - HOLD_MARGIN)
 
 
 def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T, seed) -> dict:
+    from aligned_mamba.layers.mamba2 import hold_conv_outputs
     from aligned_mamba.models import build_model
     from benchmarks.bench_train_h200 import ours_loss
 
@@ -220,10 +225,13 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
     leaves = {k: v.detach().requires_grad_() for k, v in tensors.items()}
     names = sorted(leaves)
     n = 2 if args.quick else 4
+    first = None
 
-    def ours_step(held: bool = False):
-        with hold(args) if held else contextlib.nullcontext():
+    def ours_step(budget: int | None = None):
+        with contextlib.nullcontext([0]) if budget is None else hold_conv_outputs(budget) as left:
             loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
+        if budget is not None:  # conv outputs held this step, bytes
+            e["ours_hold_held_bytes"] = budget - left[0]
         return torch.autograd.grad(loss, [leaves[k] for k in names])
 
     params = [p for p in stock.parameters() if p.requires_grad]
@@ -250,27 +258,32 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
         peak_and_times(torch, ours_step, n, e, "ours")
         if args.profile:
             e["ours_profile"] = kernel_table(torch, ours_step)
-        if first is not None:  # the budgeted hold: same bits, timed after the plain step
-            free(torch)
-            held = ours_step(True)
-            e["ours_hold_grads_equal"] = all(torch.equal(u, v.cpu()) for u, v in zip(first, held))
-            del first, held
-            free(torch)
-            peak_and_times(torch, lambda: ours_step(True), n, e, "ours_hold")
     except Exception as exc:  # noqa: BLE001 - a failed cell is a result
         e["ours_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
+        first = None
     free(torch)
-    if args.ours_only:
-        return e
-    try:
-        peak_and_times(torch, stock_step, n, e, "stock")
-        if args.profile:
-            e["stock_profile"] = kernel_table(torch, stock_step)
-    except Exception as exc:  # noqa: BLE001
-        e["stock_error"] = f"{type(exc).__name__}: {exc}"
-        log(traceback.format_exc())
-    free(torch)
+    if not args.ours_only:
+        try:
+            peak_and_times(torch, stock_step, n, e, "stock")
+            if args.profile:
+                e["stock_profile"] = kernel_table(torch, stock_step)
+        except Exception as exc:  # noqa: BLE001
+            e["stock_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+        free(torch)
+    if first is not None:  # the budgeted hold, after both plain steps: the same bits, timed last
+        try:
+            budget = e["ours_hold_budget_bytes"] = hold_budget(args, e)
+            held = ours_step(budget)
+            e["ours_hold_grads_equal"] = all(torch.equal(u, v.cpu()) for u, v in zip(first, held))
+            del first, held
+            free(torch)
+            peak_and_times(torch, lambda: ours_step(budget), n, e, "ours_hold")
+        except Exception as exc:  # noqa: BLE001
+            e["ours_hold_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+        free(torch)
     if e["ours_ms"] and e["stock_ms"]:
         e["ratio"] = e["ours_ms"] / e["stock_ms"]
         e["peak_ratio"] = e["ours_peak_bytes"] / e["stock_peak_bytes"]
@@ -458,10 +471,10 @@ def main() -> int:
                     help="ours holds the conv's output to the backward, the gated norm still recomputed "
                          "(Mamba2Mixer.recompute_conv off): one conv launch less a layer, conv_dim x 2 B a token "
                          "and layer more")
-    ap.add_argument("--hold-conv-gib", type=float, default=None,
+    ap.add_argument("--hold-conv-gib", default=None,
                     help="train: also time ours holding the conv's output in as many layers as fit in this many GiB "
-                         "a step, in forward order (hold_conv_outputs; columns ours_hold_*), its gradients' bits "
-                         "checked against the plain step's")
+                         "a step, in forward order (hold_conv_outputs; columns ours_hold_*), or 'stock': in what the "
+                         "stock's peak leaves above ours'; its gradients' bits checked against the plain step's")
     ap.add_argument("--in-order-completions", action="store_true",
                     help="decode: also time ours with the chunk-completion launches in order on the step's "
                          "stream (DecodeGraphs side_completions=False), interleaved with the others")
@@ -469,6 +482,11 @@ def main() -> int:
                     help="decode: also time ours with its prep kernel in programs of this many heads "
                          "(triton_decode.PREP_HEADS), interleaved with the others")
     args = ap.parse_args()
+    if args.hold_conv_gib not in (None, "stock"):
+        try:
+            float(args.hold_conv_gib)
+        except ValueError:
+            ap.error(f"--hold-conv-gib: a number of GiB or 'stock', got {args.hold_conv_gib!r}")
     sys.path.insert(0, str(ROOT))
     import torch
     import triton
