@@ -117,14 +117,25 @@ def configs():
                dict(buf_x_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=td.state_block_n(D["N"]), PRECISION=prec, TC=TC, LISTED=pdl,
                     QB=td.COMPLETION_BLOCK, PDL=pdl), fuse, {})
-    yield ("pack", tc._pack_kernel,
-           dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, xc_ptr=BF, Bc_ptr=BF,
-                chunk_slot_ptr=I64, pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, lo="fp32", hi="fp32",
-                sx="i32"),
-           dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"], HAS_LIMIT=False), False, {})
+    if hasattr(tc, "_dt_kernel"):  # the softplus'd dt in a kernel of its own, all heads a program
+        yield ("dt", tc._dt_kernel,
+               dict(dt_ptr=BF, buf_dt_ptr=BF, chunk_slot_ptr=I64, pre_ptr=I64, length_ptr=I64, row0_ptr=I64,
+                    lo="fp32", hi="fp32", sdt="i32"),
+               dict(H=D["H"], L=D["L"], ROWS=tc.PACK_ROWS, BLOCK_H=triton.next_power_of_2(D["H"]), HAS_LIMIT=False),
+               False, {})
+        yield ("pack", tc._pack_kernel,
+               dict(x_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_B_ptr=BF, xc_ptr=BF, Bc_ptr=BF, chunk_slot_ptr=I64,
+                    pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, sx="i32"),
+               dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"]), True, {})
+    else:
+        yield ("pack", tc._pack_kernel,
+               dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, xc_ptr=BF, Bc_ptr=BF,
+                    chunk_slot_ptr=I64, pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, lo="fp32",
+                    hi="fp32", sx="i32"),
+               dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"], HAS_LIMIT=False), False, {})
     yield ("buffer", tc._buffer_kernel,
            dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slot_ptr=I64, keep_lo_ptr=I64,
-                keep_hi_ptr=I64, keep_row0_ptr=I64, clear_hi_ptr=I64, sx="i32"),
+                keep_hi_ptr=I64, keep_row0_ptr=I64, clear_hi_ptr=I64, sx="i32", sdt="i32"),
            dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"]), True, {})
     yield ("decode_zero", td._zero_kernel,
            dict(buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),

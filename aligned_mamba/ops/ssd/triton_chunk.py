@@ -41,32 +41,50 @@ PACK_ROWS = 32
 
 
 @triton.jit
-def _pack_kernel(
-    x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr,
-    row0_ptr, part_ptr, xc_ptr, dtc_ptr, Bc_ptr, lo, hi, sx,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr, HAS_LIMIT: tl.constexpr,
+def _dt_kernel(
+    dt_ptr, buf_dt_ptr, dt_bias_ptr, chunk_slot_ptr, pre_ptr, length_ptr, row0_ptr, dtc_ptr, lo, hi, sdt,
+    H: tl.constexpr, L: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Rows s of chunk c, head h: dtc[c, h, s] = dt_softplus(raw dt) fp32; if k = part[c] >= 0, xc[k, h, s]
-    (and Bc[k, h, s], h < G) in the model dtype: the buffer below pre, packed row row0 + s below length, zero
-    past it (dt +0.0). Compile without fp contraction (``dt_softplus_exact``)."""
+    """Rows s of chunk c, every head h: dtc[c, h, s] = dt_softplus(raw dt) fp32, the raw dt from the buffer
+    below pre, from packed row row0 + s (row stride sdt) below length, +0.0 past it. A program takes all heads
+    of its rows: the packed rows' dt is read in whole rows. Compile without fp contraction
+    (``dt_softplus_exact``)."""
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    h = tl.program_id(2)
+    h = tl.arange(0, BLOCK_H)
+    hm = (h < H)[None, :]
     slot = tl.load(chunk_slot_ptr + c)
     pre = tl.load(pre_ptr + c)
     length = tl.load(length_ptr + c)
     row = tl.load(row0_ptr + c) + s
-    old = s < pre
-    new = (s >= pre) & (s < length)
+    old = (s < pre)[:, None]
+    new = ((s >= pre) & (s < length))[:, None]
+    do = tl.load(buf_dt_ptr + (slot * H + h[None, :]) * L + s[:, None], mask=old & hm, other=0.0)
+    dn = tl.load(dt_ptr + row[:, None] * sdt + h[None, :], mask=new & hm, other=0.0)
+    bias = tl.load(dt_bias_ptr + h, mask=h < H, other=0.0)[None, :]
+    d = dt_softplus_exact(tl.where(old, do, dn), bias, lo, hi, HAS_LIMIT)
+    tl.store(dtc_ptr + (c * H + h[None, :]) * L + s[:, None], tl.where(old | new, d, 0.0), mask=hm)
 
-    do = tl.load(buf_dt_ptr + (slot * H + h) * L + s, mask=old, other=0.0)
-    dn = tl.load(dt_ptr + row * H + h, mask=new, other=0.0)
-    d = dt_softplus_exact(tl.where(old, do, dn), tl.load(dt_bias_ptr + h), lo, hi, HAS_LIMIT)
-    tl.store(dtc_ptr + (c * H + h) * L + s, tl.where(old | new, d, 0.0))
 
+@triton.jit
+def _pack_kernel(
+    x_ptr, B_ptr, buf_x_ptr, buf_B_ptr, chunk_slot_ptr, pre_ptr, length_ptr, row0_ptr, part_ptr, xc_ptr, Bc_ptr, sx,
+    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
+):
+    """Rows s of chunk c, head h, if k = part[c] >= 0: xc[k, h, s] (and Bc[k, h, s], h < G) in the model dtype:
+    the buffer below pre, packed row row0 + s below length, zero past it."""
+    c = tl.program_id(0).to(tl.int64)
     k = tl.load(part_ptr + c)
     if k >= 0:
+        s = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        h = tl.program_id(2)
+        slot = tl.load(chunk_slot_ptr + c)
+        pre = tl.load(pre_ptr + c)
+        length = tl.load(length_ptr + c)
+        row = tl.load(row0_ptr + c) + s
+        old = s < pre
+        new = (s >= pre) & (s < length)
         pf = tl.arange(0, BLOCK_PF)
         pm = (pf < P)[None, :]
         xo = tl.load(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], mask=old[:, None] & pm,
@@ -96,12 +114,13 @@ def _rows_at(raw_ptr, parts_ptr, part, row0, j, rs, J: tl.constexpr, L: tl.const
 @triton.jit
 def _buffer_kernel(
     x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, slot_ptr, keep_lo_ptr, keep_hi_ptr, keep_row0_ptr,
-    clear_hi_ptr, sx,
+    clear_hi_ptr, sx, sdt,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
 ):
     """Sequence q, head h: buffer rows keep_lo .. keep_hi-1 (x, raw dt; B for h < G) from packed rows
-    keep_row0 + s, rows keep_hi .. clear_hi-1 zeroed (rows past the old fill level are zero already)."""
+    keep_row0 + s (row strides sx, sdt), rows keep_hi .. clear_hi-1 zeroed (rows past the old fill level are
+    zero already)."""
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + q)
@@ -121,7 +140,7 @@ def _buffer_kernel(
         row = r0 + s
         xv = tl.load(x_ptr + row[:, None] * sx + h * P + pf[None, :], mask=src[:, None] & pm, other=0.0)
         tl.store(buf_x_ptr + ((slot * H + h) * L + s[:, None]) * P + pf[None, :], xv, mask=put[:, None] & pm)
-        dv = tl.load(dt_ptr + row * H + h, mask=src, other=0.0)
+        dv = tl.load(dt_ptr + row * sdt + h, mask=src, other=0.0)
         tl.store(buf_dt_ptr + (slot * H + h) * L + s, dv, mask=put)
         if h < G:
             bv = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=src[:, None] & nm, other=0.0)
@@ -478,7 +497,8 @@ def advance_planned(
             raise ValueError(f"state.{name} must be contiguous")
     pd = to_device(plan, dev) if device_plan is None else device_plan
     NC = plan.num_chunks
-    dt, B = (t if t.is_contiguous() else t.contiguous() for t in (dt, B))
+    B = B if B.is_contiguous() else B.contiguous()
+    dt = dt if dt.stride(1) == 1 else dt.contiguous()  # any row stride: in_proj's column slice, read in place
     x = rows_in_place(x)
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
     NP = plan.num_parts  # chunks with buffered rows: copied whole; the others are read in place
@@ -490,18 +510,22 @@ def advance_planned(
     blocks = dict(BLOCK_PF=triton.next_power_of_2(P), BLOCK_NF=triton.next_power_of_2(N))
     rows = min(PACK_ROWS, L)
     if NC:
-        _pack_kernel[(NC, triton.cdiv(L, rows), H)](
-            x, dt, B, state.buf_x, state.buf_dt, state.buf_B, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0,
-            pd.part, xc, dtc, Bc, lo, hi, x.stride(0), **dims, ROWS=rows, **blocks, HAS_LIMIT=has_limit(dt_limit),
-            num_warps=4,
+        _dt_kernel[(NC, triton.cdiv(L, rows))](
+            dt, state.buf_dt, bias, pd.chunk_slot, pd.pre, pd.length, pd.row0, dtc, lo, hi, dt.stride(0), H=H, L=L,
+            ROWS=rows, BLOCK_H=triton.next_power_of_2(H), HAS_LIMIT=has_limit(dt_limit), num_warps=4,
             enable_fp_fusion=False,
+        )
+    if NP:
+        _pack_kernel[(NC, triton.cdiv(L, rows), H)](
+            x, B, state.buf_x, state.buf_B, pd.chunk_slot, pd.pre, pd.length, pd.row0, pd.part, xc, Bc, x.stride(0),
+            **dims, ROWS=rows, **blocks, num_warps=4,
         )
     y = scan_planned(pd, x, dtc, B, C, params.A, params.D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T,
                      out_dtype=x.dtype, zero_unwanted=zero_unwanted, cfg=cfg)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
-            pd.clear_hi, x.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
+            pd.clear_hi, x.stride(0), dt.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
         )
     return y
 

@@ -133,10 +133,11 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
 
 def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
     """x as the mixer passes it (a column slice of the conv's output: rows xBC-wide apart, heads and
-    features adjacent) is read where it lies by the pack, buffer, chunk-state and row-tile kernels:
-    the same outputs, states and buffers as a contiguous copy, for slots with a history (buffered rows,
-    read and rewritten), whole chunks and a partial one. The slice's other columns are NaN, so a
-    kernel reading x as contiguous rows would take them and differ."""
+    features adjacent) is read where it lies by the pack, buffer, chunk-state and row-tile kernels, and
+    the raw dt (a column slice of in_proj's output) by the dt and buffer kernels: the same outputs, states
+    and buffers as contiguous copies, for slots with a history (buffered rows, read and rewritten), whole
+    chunks and a partial one. The slices' other columns are NaN, so a kernel reading x or dt as
+    contiguous rows would take them and differ."""
     from aligned_mamba.ops.ssd.triton_chunk import rows_in_place
 
     G, lens, start = 2, [70, 5, 33], [7, 0, 40]
@@ -146,6 +147,10 @@ def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
     wide[:, H * P + 3:2 * H * P + 3] = x.reshape(-1, H * P)
     xs = wide[:, H * P + 3:2 * H * P + 3].view(-1, H, P)
     assert not xs.is_contiguous() and rows_in_place(xs).data_ptr() == xs.data_ptr()
+    wide_dt = torch.full((dt.shape[0], 2 * H + 3), math.nan)
+    wide_dt[:, 3:3 + H] = dt
+    dts = wide_dt[:, 3:3 + H]
+    assert not dts.is_contiguous() and dts.stride(1) == 1
     g = torch.Generator().manual_seed(5)
     hist = _state(G, 3)
     hist.ssm_state.copy_(torch.randn(hist.ssm_state.shape, generator=g))
@@ -154,8 +159,8 @@ def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
             buf[i, :, : p0 % L] = torch.rand(buf[i, :, : p0 % L].shape, generator=g)
     step = Step.make([0, 1, 2], start, lens)
     a, b = (SSDState(*(t.clone() for t in vars(hist).values())) for _ in range(2))
-    y_slice = _advance(a, step, xs, dt, B, C, prm)
-    y_copy = _advance(b, step, x.clone(), dt, B, C, prm)
+    y_slice = _advance(a, step, xs, dts, B, C, prm)
+    y_copy = _advance(b, step, x.clone(), dt.clone(), B, C, prm)
     assert torch.equal(y_slice, y_copy) and not y_copy.isnan().any()
     _assert_same_state(a, b)
 

@@ -103,12 +103,15 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
              dict(D, **blocks, TO_END=to_end, PRECISION=cfg.dot_precision, TC=TC), fuse,
              tb.STATE_OPTS.get("num_warps", cfg.bwd_warps))
 if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
-    comp(tc._pack_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, xc_ptr=bf,
-                              Bc_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64,
-                              lo="fp32", hi="fp32", sx="i32"),
-         dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128, HAS_LIMIT=True), False)
+    comp(tc._dt_kernel, dict(dt_ptr=bf, buf_dt_ptr=bf, chunk_slot_ptr=i64, pre_ptr=i64, length_ptr=i64, row0_ptr=i64,
+                            lo="fp32", hi="fp32", sdt="i32"),
+         dict(H=32, L=256, ROWS=32, BLOCK_H=32, HAS_LIMIT=True), False)
+    comp(tc._pack_kernel, dict(x_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_B_ptr=bf, xc_ptr=bf, Bc_ptr=bf, chunk_slot_ptr=i64,
+                              pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64, sx="i32"),
+         dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
     comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
-                                keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64, sx="i32"),
+                                keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64, sx="i32",
+                                sdt="i32"),
          dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
     comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32",
                               sC_q="i32"),
@@ -130,9 +133,9 @@ print(json.dumps(done))
 @pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
 def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
     done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
-    # 16 kernel configs per dot mode (6 of the backward's), the step kernel per tensor-core mode; pack,
+    # 16 kernel configs per dot mode (6 of the backward's), the step kernel per tensor-core mode; dt, pack,
     # buffer, row, reverse pass, the backward's epilogue and zero kernels
-    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 6 * (0 in tcs), done
+    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 7 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
