@@ -5,8 +5,9 @@ the contract's configs and the row's position, never from the call's size; no sp
 sums. An advance (``replay_chunk_triton``) runs from a host ``plan.AdvancePlan`` and never waits on the device;
 ``ssd_chunk_triton`` is the stateless form. Kernels in launch order (grids; PB/NB: the blocks of P/N):
 
-0. ``_pack_kernel`` [NC, L / PACK_ROWS, H]: softplus'd dt of every chunk; x and B of the chunks with buffered
-   rows (the others are read where they lie, ``_rows_at``).
+0. ``_dt_kernel`` [NC, L / PACK_ROWS]: softplus'd dt of every chunk, all heads a program; ``_pack_kernel``
+   [NC, L / PACK_ROWS, H], only where some chunk has buffered rows: its x and B (the others are read where they
+   lie, ``_rows_at``).
 1. ``_cumsum_kernel`` [NC, H]: a = cumsum(dt * A), once, so every kernel reads the same bits of a.
 2. ``_cb_kernel`` [NC * G, L / R, L / BLOCK_K]: C.B per chunk and group.
 3. ``_chunk_state_kernel`` [chunks needed, H, PB]: S = sum_s exp(a_L - a_s) dt_s x_s B_s^T.
