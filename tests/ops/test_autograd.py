@@ -239,14 +239,10 @@ def test_recomputed_output_leaves_enclosing_hooks_the_other_saved_tensors() -> N
     assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
 
 
-def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> None:
-    """Inside a ``saved_tensors_hooks`` block (checkpointing, offloading) the mixer does not recompute
-    (its recompute would hold inputs the block may release): no ``recomputed_in_backward`` there, two a
-    layer outside (the baseline), one with ``recompute_conv`` off (the gated norm's)."""
+def _spy_recomputes(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the outputs the Mamba2 mixer hands to ``recomputed_in_backward``, in call order."""
     from aligned_mamba.layers import mamba2 as m2
 
-    config, tensors = make_tiny(0, dtype="float32", **MODEL)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(13)) for n in (9, 4)]
     calls = []
     real = m2.recomputed_in_backward
 
@@ -255,6 +251,18 @@ def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> No
         return real(out, recompute)
 
     monkeypatch.setattr(m2, "recomputed_in_backward", spy)
+    return calls
+
+
+def test_mixer_leaves_its_outputs_to_an_enclosing_hooks_block(monkeypatch) -> None:
+    """Inside a ``saved_tensors_hooks`` block (checkpointing, offloading) the mixer does not recompute
+    (its recompute would hold inputs the block may release): no ``recomputed_in_backward`` there, two a
+    layer outside (the baseline), one with ``recompute_conv`` off (the gated norm's)."""
+    from aligned_mamba.layers import mamba2 as m2
+
+    config, tensors = make_tiny(0, dtype="float32", **MODEL)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(13)) for n in (9, 4)]
+    calls = _spy_recomputes(monkeypatch)
     leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
     contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
     build_model(config, leaves, contract).forward(seqs)
@@ -280,24 +288,17 @@ def test_hold_conv_outputs_spends_its_budget_layer_by_layer(monkeypatch) -> None
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(14)) for n in (9, 4)]
     T, d = sum(map(len, seqs)), config.intermediate_size
     per_layer = T * config.mixer_config().conv_dim * 4
-    calls = []
-    real = m2.recomputed_in_backward
-
-    def spy(out, recompute):
-        calls.append(tuple(out.shape)[1])
-        return real(out, recompute)
-
-    monkeypatch.setattr(m2, "recomputed_in_backward", spy)
+    calls = _spy_recomputes(monkeypatch)
     leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
     contract = Contract(chunk_size=config.chunk_size, model_dtype="float32")
     conv = config.mixer_config().conv_dim
     with m2.hold_conv_outputs(per_layer + per_layer - 1) as left:  # one layer fits, not two
         build_model(config, leaves, contract).forward(seqs)
     assert left[0] == per_layer - 1
-    assert calls == [d] + [conv, d] * (config.num_hidden_layers - 1)
+    assert [w for _, w in calls] == [d] + [conv, d] * (config.num_hidden_layers - 1)
     calls.clear()
     build_model(config, leaves, contract).forward(seqs)  # the budget closed with its block
-    assert calls == [conv, d] * config.num_hidden_layers
+    assert [w for _, w in calls] == [conv, d] * config.num_hidden_layers
     calls.clear()
     with torch.no_grad(), m2.hold_conv_outputs(per_layer) as left:  # nothing to hold without gradients
         build_model(config, leaves, contract).forward(seqs)
