@@ -73,18 +73,18 @@ def configs():
         fuse, model = not TC, ("bf16" if TC else "fp32")
         m = dict(x_ptr=BF, xp_ptr=BF, B_ptr=BF, Bp_ptr=BF) if TC else {}
         yield f"cumsum/{model}", tc._cumsum_kernel, {}, dict(H=D["H"], L=D["L"], BLOCK_L=D["L"]), fuse, {}
-        yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows, sx="i32"),
+        yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows, sx="i32", sb="i32"),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
         yield (f"state_pass/{model}", tc._state_pass_kernel,
                dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64),
                dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG.pass_block_p, BP), BLOCK_N=BN,
                     WRITE_IN=True, RT_RANGE=True), fuse, {})
-        yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, **rows),
+        yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, sb="i32", sc="i32", **rows),
                dict(G=D["G"], L=D["L"], N=D["N"], R=CFG.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=prec, TC=TC),
                fuse, {})
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
-                    sD_h="i32", sD_p="i32", sx="i32", **rows),
+                    sD_h="i32", sD_p="i32", sx="i32", sc="i32", **rows),
                dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
                tc.TILE_OPTS if TC else {})
         pdl = bool(TC)
@@ -125,7 +125,7 @@ def configs():
                False, {})
         yield ("pack", tc._pack_kernel,
                dict(x_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_B_ptr=BF, xc_ptr=BF, Bc_ptr=BF, chunk_slot_ptr=I64,
-                    pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, sx="i32"),
+                    pre_ptr=I64, length_ptr=I64, row0_ptr=I64, part_ptr=I64, sx="i32", sb="i32"),
                dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"]), True, {})
     else:
         yield ("pack", tc._pack_kernel,
@@ -135,7 +135,7 @@ def configs():
                dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"], HAS_LIMIT=False), False, {})
     yield ("buffer", tc._buffer_kernel,
            dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slot_ptr=I64, keep_lo_ptr=I64,
-                keep_hi_ptr=I64, keep_row0_ptr=I64, clear_hi_ptr=I64, sx="i32", sdt="i32"),
+                keep_hi_ptr=I64, keep_row0_ptr=I64, clear_hi_ptr=I64, sx="i32", sdt="i32", sb="i32"),
            dict(D, ROWS=tc.PACK_ROWS, BLOCK_PF=D["P"], BLOCK_NF=D["N"]), True, {})
     yield ("decode_zero", td._zero_kernel,
            dict(buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),

@@ -70,7 +70,7 @@ def _dt_kernel(
 @triton.jit
 def _pack_kernel(
     x_ptr, B_ptr, buf_x_ptr, buf_B_ptr, chunk_slot_ptr, pre_ptr, length_ptr, row0_ptr, part_ptr, xc_ptr, Bc_ptr, sx,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    sb, H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
 ):
     """Rows s of chunk c, head h, if k = part[c] >= 0: xc[k, h, s] (and Bc[k, h, s], h < G) in the model dtype:
@@ -97,7 +97,7 @@ def _pack_kernel(
             nm = (nf < N)[None, :]
             bo = tl.load(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], mask=old[:, None] & nm,
                          other=0.0)
-            bn = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
+            bn = tl.load(B_ptr + row[:, None] * sb + h * N + nf[None, :], mask=new[:, None] & nm, other=0.0)
             tl.store(Bc_ptr + ((k * G + h) * L + s[:, None]) * N + nf[None, :], tl.where(old[:, None], bo, bn),
                      mask=nm)
 
@@ -115,12 +115,12 @@ def _rows_at(raw_ptr, parts_ptr, part, row0, j, rs, J: tl.constexpr, L: tl.const
 @triton.jit
 def _buffer_kernel(
     x_ptr, dt_ptr, B_ptr, buf_x_ptr, buf_dt_ptr, buf_B_ptr, slot_ptr, keep_lo_ptr, keep_hi_ptr, keep_row0_ptr,
-    clear_hi_ptr, sx, sdt,
+    clear_hi_ptr, sx, sdt, sb,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_PF: tl.constexpr, BLOCK_NF: tl.constexpr,
 ):
     """Sequence q, head h: buffer rows keep_lo .. keep_hi-1 (x, raw dt; B for h < G) from packed rows
-    keep_row0 + s (row strides sx, sdt), rows keep_hi .. clear_hi-1 zeroed (rows past the old fill level are
+    keep_row0 + s (row strides sx, sdt, sb), rows keep_hi .. clear_hi-1 zeroed (rows past the old fill level are
     zero already)."""
     q = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -144,7 +144,7 @@ def _buffer_kernel(
         dv = tl.load(dt_ptr + row * sdt + h, mask=src, other=0.0)
         tl.store(buf_dt_ptr + (slot * H + h) * L + s, dv, mask=put)
         if h < G:
-            bv = tl.load(B_ptr + (row[:, None] * G + h) * N + nf[None, :], mask=src[:, None] & nm, other=0.0)
+            bv = tl.load(B_ptr + row[:, None] * sb + h * N + nf[None, :], mask=src[:, None] & nm, other=0.0)
             tl.store(buf_B_ptr + ((slot * G + h) * L + s[:, None]) * N + nf[None, :], bv, mask=put[:, None] & nm)
         s0 += ROWS
 
@@ -164,13 +164,13 @@ def _cumsum_kernel(dt_ptr, A_ptr, a_ptr, H: tl.constexpr, L: tl.constexpr, BLOCK
 
 @triton.jit
 def _chunk_state_kernel(
-    x_ptr, xp_ptr, B_ptr, Bp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, state_ptr, chunk_ptr, sx,
+    x_ptr, xp_ptr, B_ptr, Bp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, state_ptr, chunk_ptr, sx, sb,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
 ):
     """state[c, h] [P, N] fp32 = sum_s exp(a_L - a_s) dt_s x_s B_s^T, c = chunk_ptr[pid 0], a BLOCK_P x BLOCK_NS
-    block a program (``state_block_n``). x [T, H, P], B [T, G, N] packed rows (x's row stride sx) and xp, Bp the
+    block a program (``state_block_n``). x [T, H, P], B [T, G, N] packed rows (row strides sx, sb) and xp, Bp the
     chunks with buffered rows (``_rows_at``), in the model dtype; dt, a [NC, H, L] fp32."""
     c = tl.load(chunk_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1)
@@ -187,7 +187,7 @@ def _chunk_state_kernel(
     row0 = tl.load(row0_ptr + c)
     length = tl.load(length_ptr + c)
     xb, xs = _rows_at(x_ptr, xp_ptr, part, row0, h, sx, H, L, P)
-    bb, bs = _rows_at(B_ptr, Bp_ptr, part, row0, g, G * N, G, L, N)
+    bb, bs = _rows_at(B_ptr, Bp_ptr, part, row0, g, sb, G, L, N)
     a_last = tl.load(a_ptr + ch * L + L - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_NS), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):  # L is constexpr: the same blocks for every chunk
@@ -253,13 +253,13 @@ def _pass_step(hs, c, a_ptr, state_ptr, need_ptr, h_in_ptr, pn, m, h, H: tl.cons
 
 @triton.jit
 def _cb_kernel(
-    B_ptr, Bp_ptr, part_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr,
+    B_ptr, Bp_ptr, part_ptr, C_ptr, cb_ptr, pre_ptr, length_ptr, row0_ptr, sb, sc,
     G: tl.constexpr, L: tl.constexpr, N: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """cb [NC, G, L, L] fp32 = C_t . B_s for program (c * G + g, row tile, K block), blocks with k0 < t0 + R:
     ``_tile_output_kernel``'s per-head dot, once per group; C = 0 outside the chunk's new rows. C, B [T, G, N]
-    packed rows (model dtype), Bp the chunks with buffered rows (``_rows_at``)."""
+    packed rows (model dtype, row strides sc, sb), Bp the chunks with buffered rows (``_rows_at``)."""
     cg = tl.program_id(0).to(tl.int64)
     c = cg // G
     g = cg % G
@@ -274,13 +274,13 @@ def _cb_kernel(
         new = (t >= tl.load(pre_ptr + c)) & (t < length)
         row0 = tl.load(row0_ptr + c)
         row = row0 + t
-        bb, bs = _rows_at(B_ptr, Bp_ptr, tl.load(part_ptr + c), row0, g, G * N, G, L, N)
+        bb, bs = _rows_at(B_ptr, Bp_ptr, tl.load(part_ptr + c), row0, g, sb, G, L, N)
         nn = tl.arange(0, BLOCK_N)
         cb = tl.zeros((R, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             n = n0 + nn
             nm = n < N
-            Cn = tl.load(C_ptr + (row[:, None] * G + g) * N + n[None, :], mask=new[:, None] & nm[None, :],
+            Cn = tl.load(C_ptr + row[:, None] * sc + g * N + n[None, :], mask=new[:, None] & nm[None, :],
                          other=0.0).to(tl.float32)
             BT = tl.load(bb + s[None, :] * bs + n[:, None], mask=nm[:, None] & bm[None, :], other=0.0)
             cb = dot_acc(cb, Cn, BT.to(tl.float32), TC, 0, PRECISION)
@@ -290,7 +290,7 @@ def _cb_kernel(
 @triton.jit
 def _tile_output_kernel(
     x_ptr, xp_ptr, part_ptr, row0_ptr, length_ptr, dt_ptr, a_ptr, cb_ptr, C_ptr, D_ptr, h_in_ptr, h_row_ptr, y_ptr,
-    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p, sx,
+    tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p, sx, sc,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TC: tl.constexpr,
@@ -298,8 +298,8 @@ def _tile_output_kernel(
     """y of one row tile (R rows of a chunk), head h = pid 0, a BLOCK_P block: y_t = [exp(a_t) (C_t . h_in) +
     sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t, the intra dots accumulating onto the inter term.
     tile_chunk, tile_pos [NT]; tile_rows [NT, R] int64 (packed row, -1 unwanted); cb from ``_cb_kernel``; h_in
-    [*, H, P, N] fp32, chunk c's at h_row[c]; the rest as in ``_chunk_state_kernel``. Heads vary fastest over
-    the grid: a group's heads share C, cb and B in L2."""
+    [*, H, P, N] fp32, chunk c's at h_row[c]; C's row stride sc; the rest as in ``_chunk_state_kernel``. Heads
+    vary fastest over the grid: a group's heads share C, cb and B in L2."""
     h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -319,7 +319,7 @@ def _tile_output_kernel(
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
-        Cn = tl.load(C_ptr + (rows[:, None] * G + g) * N + n[None, :], mask=live[:, None] & nm[None, :],
+        Cn = tl.load(C_ptr + rows[:, None] * sc + g * N + n[None, :], mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
         hT = tl.load(h_in_ptr + (hb + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         acc = dot_acc(acc, Cn, hT, TC, 2, PRECISION)
@@ -365,8 +365,8 @@ def _intra_block(acc, k0, kend, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_
 
 
 def rows_in_place(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, P] as the kernels read it: any row stride (the conv output's column slice, in place), heads
-    and features adjacent; otherwise a contiguous copy."""
+    """x [T, H, P] (or B, C [T, G, N]) as the kernels read it: any row stride (the conv output's column slice,
+    in place), heads and features adjacent; otherwise a contiguous copy."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
@@ -411,8 +411,8 @@ def scan_planned(
     f32 = torch.float32
     tc = tensor_core_dots(C.dtype, cfg.bf16_dots)
     fuse = not tc  # tensor-core mode: no fp contraction in any kernel (triton_dot)
-    dt, B, C, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous() for t in (dt, B, C, x_parts, B_parts))
-    x = rows_in_place(x)
+    dt, x_parts, B_parts = (t if t.is_contiguous() else t.contiguous() for t in (dt, x_parts, B_parts))
+    x, B, C = (rows_in_place(t) for t in (x, B, C))
     Af = A if A.dtype == f32 and A.device == dev else A.to(device=dev, dtype=f32)
     Dd = D if D.device == dev else D.to(dev)
     sD_h, sD_p = (Dd.stride(0), 0) if Dd.dim() == 1 else (Dd.stride(0), Dd.stride(1))
@@ -430,17 +430,17 @@ def scan_planned(
     cb = torch.empty(NC, G, L, L, device=dev, dtype=f32) if plan.num_tiles else a
     if plan.num_tiles:
         _cb_kernel[(NC * G, L // R, triton.cdiv(L, cfg.block_k))](
-            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, G=G, L=L, N=N, R=R, BLOCK_K=cfg.block_k,
-            BLOCK_N=cfg.block_n,
-            PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps, enable_fp_fusion=fuse,
+            B, B_parts, plan.part, C, cb, plan.pre, plan.length, plan.row0, B.stride(0), C.stride(0), G=G, L=L, N=N,
+            R=R, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps,
+            enable_fp_fusion=fuse,
         )
 
     def tiles(h_in: torch.Tensor, h_row: torch.Tensor) -> None:
         if plan.num_tiles:
             _tile_output_kernel[(H, plan.num_tiles, PB)](
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
-                plan.tile_pos, plan.tile_rows, sD_h, sD_p, x.stride(0), G=G, **dims, R=R, BLOCK_K=cfg.block_k,
-                BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
+                plan.tile_pos, plan.tile_rows, sD_h, sD_p, x.stride(0), C.stride(0), G=G, **dims, R=R,
+                BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
                 num_warps=cfg.tile_num_warps, enable_fp_fusion=fuse,
                 **(TILE_OPTS if tc else {}),
             )
@@ -454,7 +454,7 @@ def scan_planned(
         NBS = state_block_n(N)
         _chunk_state_kernel[(n_need, H, PB * triton.cdiv(N, NBS))](
             x, x_parts, B, B_parts, plan.part, plan.row0, plan.length, dt, a, chunk_state, plan.state_chunks,
-            x.stride(0), G=G,
+            x.stride(0), B.stride(0), G=G,
             **dims, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
             BLOCK_NS=NBS, PRECISION=cfg.dot_precision, TC=tc, num_warps=cfg.num_warps, enable_fp_fusion=fuse,
         )
@@ -498,9 +498,8 @@ def advance_planned(
             raise ValueError(f"state.{name} must be contiguous")
     pd = to_device(plan, dev) if device_plan is None else device_plan
     NC = plan.num_chunks
-    B = B if B.is_contiguous() else B.contiguous()
     dt = dt if dt.stride(1) == 1 else dt.contiguous()  # any row stride: in_proj's column slice, read in place
-    x = rows_in_place(x)
+    x, B = rows_in_place(x), rows_in_place(B)
     bias = dt_bias if dt_bias.is_contiguous() and dt_bias.device == dev else dt_bias.to(dev).contiguous()
     NP = plan.num_parts  # chunks with buffered rows: copied whole; the others are read in place
     xc = torch.empty(NP, H, L, P, device=dev, dtype=x.dtype)
@@ -519,14 +518,14 @@ def advance_planned(
     if NP:
         _pack_kernel[(NC, triton.cdiv(L, rows), H)](
             x, B, state.buf_x, state.buf_B, pd.chunk_slot, pd.pre, pd.length, pd.row0, pd.part, xc, Bc, x.stride(0),
-            **dims, ROWS=rows, **blocks, num_warps=4,
+            B.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
         )
     y = scan_planned(pd, x, dtc, B, C, params.A, params.D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T,
                      out_dtype=x.dtype, zero_unwanted=zero_unwanted, cfg=cfg)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,
-            pd.clear_hi, x.stride(0), dt.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
+            pd.clear_hi, x.stride(0), dt.stride(0), B.stride(0), **dims, ROWS=rows, **blocks, num_warps=4,
         )
     return y
 

@@ -131,22 +131,29 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     assert torch.all(y_packed[~rows] == 0)
 
 
-def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
-    """x as the mixer passes it (a column slice of the conv's output: rows xBC-wide apart, heads and
-    features adjacent) is read where it lies by the pack, buffer, chunk-state and row-tile kernels, and
-    the raw dt (a column slice of in_proj's output) by the dt and buffer kernels: the same outputs, states
-    and buffers as contiguous copies, for slots with a history (buffered rows, read and rewritten), whole
-    chunks and a partial one. The slices' other columns are NaN, so a kernel reading x or dt as
+def test_x_B_C_read_in_place_at_a_row_stride_give_the_contiguous_bits() -> None:
+    """x, B and C as the mixer passes them (column slices of the conv's output: rows xBC-wide apart, heads or
+    groups and features adjacent) are read where they lie by the pack, buffer, chunk-state, C.B and row-tile
+    kernels, and the raw dt (a column slice of in_proj's output) by the dt and buffer kernels: the same outputs,
+    states and buffers as contiguous copies, for slots with a history (buffered rows, read and rewritten),
+    whole chunks and a partial one. The slices' other columns are NaN, so a kernel reading any of them as
     contiguous rows would take them and differ."""
     from aligned_mamba.ops.ssd.triton_chunk import rows_in_place
 
     G, lens, start = 2, [70, 5, 33], [7, 0, 40]
     x, dt, B, C = _tokens(sum(lens), G, 11)
     prm = _params(11)
-    wide = torch.full((x.shape[0], 3 * H * P + 5), math.nan)
-    wide[:, H * P + 3:2 * H * P + 3] = x.reshape(-1, H * P)
-    xs = wide[:, H * P + 3:2 * H * P + 3].view(-1, H, P)
-    assert not xs.is_contiguous() and rows_in_place(xs).data_ptr() == xs.data_ptr()
+    # NaN gaps around each block: [3 | x | 2 | B | 1 | C | 4]
+    cols = [3, H * P, 2, G * N, 1, G * N, 4]
+    at = [sum(cols[:i]) for i in range(len(cols))]
+    wide = torch.full((x.shape[0], sum(cols)), math.nan)
+    views = []
+    for i, t in zip((1, 3, 5), (x, B, C)):
+        wide[:, at[i]:at[i] + cols[i]] = t.reshape(t.shape[0], -1)
+        views.append(wide[:, at[i]:at[i] + cols[i]].view(t.shape))
+    xs, Bs, Cs = views
+    for v in views:
+        assert not v.is_contiguous() and rows_in_place(v).data_ptr() == v.data_ptr()
     wide_dt = torch.full((dt.shape[0], 2 * H + 3), math.nan)
     wide_dt[:, 3:3 + H] = dt
     dts = wide_dt[:, 3:3 + H]
@@ -159,8 +166,8 @@ def test_x_read_in_place_at_a_row_stride_gives_the_contiguous_bits() -> None:
             buf[i, :, : p0 % L] = torch.rand(buf[i, :, : p0 % L].shape, generator=g)
     step = Step.make([0, 1, 2], start, lens)
     a, b = (SSDState(*(t.clone() for t in vars(hist).values())) for _ in range(2))
-    y_slice = _advance(a, step, xs, dts, B, C, prm)
-    y_copy = _advance(b, step, x.clone(), dt.clone(), B, C, prm)
+    y_slice = _advance(a, step, xs, dts, Bs, Cs, prm)
+    y_copy = _advance(b, step, x.clone(), dt.clone(), B.clone(), C.clone(), prm)
     assert torch.equal(y_slice, y_copy) and not y_copy.isnan().any()
     _assert_same_state(a, b)
 

@@ -57,15 +57,15 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tc._cumsum_kernel, {}, dict(H=32, L=256, BLOCK_L=256), fuse)
     model = dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf) if TC else {}  # x and B in the model dtype
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
-    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, sx="i32", **model, **rows),
+    comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, sx="i32", sb="i32", **model, **rows),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
-    comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, **rows),
+    comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, sb="i32", sc="i32", **rows),
          dict(G=1, L=256, N=128, R=cfg.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC),
          fuse)
     comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
-                                      tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", sx="i32",
+                                      tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", sx="i32", sc="i32",
                                       **rows),
          dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
@@ -107,11 +107,11 @@ if 0 in TCS:  # the kernels without a dot mode, with the fp32 part
                             lo="fp32", hi="fp32", sdt="i32"),
          dict(H=32, L=256, ROWS=32, BLOCK_H=32, HAS_LIMIT=True), False)
     comp(tc._pack_kernel, dict(x_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_B_ptr=bf, xc_ptr=bf, Bc_ptr=bf, chunk_slot_ptr=i64,
-                              pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64, sx="i32"),
+                              pre_ptr=i64, length_ptr=i64, row0_ptr=i64, part_ptr=i64, sx="i32", sb="i32"),
          dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
     comp(tc._buffer_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, slot_ptr=i64,
                                 keep_lo_ptr=i64, keep_hi_ptr=i64, keep_row0_ptr=i64, clear_hi_ptr=i64, sx="i32",
-                                sdt="i32"),
+                                sdt="i32", sb="i32"),
          dict(D, ROWS=32, BLOCK_PF=64, BLOCK_NF=128), True)
     comp(td._row_kernel, dict(buf_x_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, sD_h="i32", sD_p="i32",
                               sC_q="i32"),
@@ -176,7 +176,8 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
     D = dict(H=4, G=2, L=L, P=64, N=32)
     bf = "*bf16" if TC else "*fp32"
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64, chunk_ptr=i64)
-    prefill = dot_accumulators(tc._chunk_state_kernel, dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, sx="i32", **rows),
+    prefill = dot_accumulators(tc._chunk_state_kernel,
+                               dict(x_ptr=bf, xp_ptr=bf, B_ptr=bf, Bp_ptr=bf, sx="i32", sb="i32", **rows),
                                dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_NS=td.state_block_n(32),
                                     PRECISION=cfg.dot_precision, TC=TC), fuse)
     decode = dot_accumulators(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64,
