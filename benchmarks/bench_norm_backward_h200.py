@@ -55,7 +55,7 @@ def forward_at(y, z, w, G: int, block_a: int, block_b: int, warps: int) -> torch
     out = torch.empty_like(y)
     rstd = torch.empty(M, G, dtype=torch.float32, device=y.device)
     nt._gated_norm_kernel[(M, G)](y, z, w, out, rstd, d // G, y.stride(0), z.stride(0), out.stride(0), EPS,
-                                  WRITE_RSTD=True, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+                                  WRITE_RSTD=True, DEVICE_SILU=False, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
                                   enable_fp_fusion=False)
     return out
 

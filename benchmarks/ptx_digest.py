@@ -47,6 +47,7 @@ D = dict(H=128, G=8, L=256, P=64, N=128)
 BF, I64 = "*bf16", "*i64"
 # pinned values of constexprs that older sources had (the while K loop; one column block per prep program)
 LEGACY = dict(K_LOOP=0, KB_PER=1)
+DEVICE_SILU = getattr(CFG, "silu", "ieee") == "device"  # the conv's SiLU (configs before it had only "ieee")
 
 
 def normalized_ptx(ptx: str) -> str:
@@ -198,13 +199,16 @@ def conv_configs():
         for bias in (False, True):
             tag = f"{dt}/bias{int(bias)}"
             yield entry(f"conv/forward/{tag}", ct._conv_kernel, fwd,
-                        dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=CFG.conv_block_t, BLOCK_C=CFG.conv_block_c),
+                        dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=DEVICE_SILU, BLOCK_T=CFG.conv_block_t,
+                             BLOCK_C=CFG.conv_block_c),
                         False, 4)
             yield entry(f"conv/forward_walk/{tag}", ct._conv_walk_kernel, fwd,
-                        dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=CFG.conv_walk_block_t, BLOCK_C=CFG.conv_walk_block_c),
+                        dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=DEVICE_SILU, ROWS=CFG.conv_walk_block_t,
+                             BLOCK_C=CFG.conv_walk_block_c),
                         False, CFG.conv_walk_warps)
             yield entry(f"conv/step/{tag}", ct._conv_step_kernel, fwd,
-                        dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=CFG.conv_block_c), False, 4)
+                        dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=DEVICE_SILU, BLOCK_Q=4,
+                             BLOCK_C=CFG.conv_block_c), False, 4)
             yield entry(f"conv/backward_tile/{tile[0]}x{tile[1]}w{tile[2]}/{tag}", ct._conv_bwd_kernel, bwd,
                         dict(K=4, HAS_BIAS=bias, BLOCK_T=tile[0], BLOCK_C=tile[1]), True, tile[2])
             yield entry(f"conv/backward_walk/{walk[0]}x{walk[1]}w{walk[2]}/{tag}", ct._conv_bwd_walk_kernel, bwd,

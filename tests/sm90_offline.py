@@ -182,6 +182,7 @@ def sass_counts(cubin):
     ops = {o: len(re.findall(r"\b" + o + r"\b", sass)) for o in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL")}
     # global loads by width: 16-byte vectors, and single bf16 / fp16 elements
     ops.update(LDG128=len(re.findall(r"\bLDG\.E\.128\b", sass)), LDG16=len(re.findall(r"\bLDG\.E\.U16\b", sass)))
+    ops.update(EX2=len(re.findall(r"\bMUFU\.EX2\b", sass)))  # the hardware exp
     return dict(regs=regs, stack=stack, **ops)
 '''
 
@@ -190,7 +191,7 @@ def sass_script(aligned: set[str], body: str) -> str:
     """A script for ``run_sm90_script``: ``body`` runs after a prelude that imports torch and triton
     (compiled, not interpreted), sets ``cfg`` (the pinned ``TritonKernelConfigs``) and defines
     ``comp(name, kernel, types, constexprs, **options)``, which compiles one kernel for sm_90 and
-    appends its registers, stack, shared memory and SASS counts (HGMMA, HMMA, UTMALDG, LDL, STL, LDG128, LDG16) to
+    appends its registers, stack, shared memory and SASS counts (HGMMA, HMMA, UTMALDG, LDL, STL, LDG128, LDG16, EX2) to
     ``done``; ``gemm_plans(Ns, Ms)`` (the GEMM plans of those widths and row counts) and
     ``tma_descs(dt, plan)`` (a GEMM tile's descriptor types). Integer arguments named in ``aligned``
     are declared divisible by 16, as pointers are."""

@@ -111,6 +111,23 @@ def silu_exact(x):
 
 
 @triton.jit
+def silu_device(x):
+    """SiLU of fp32 ``x`` on the GPU's own exp and division (``ex2.approx``, ``div.full``): x * (1 / (1 +
+    exp(-x))), a few instructions; its bits are the architecture's, not ``elementwise.silu``'s."""
+    return x * (1.0 / (1.0 + tl.exp(-x)))
+
+
+@triton.jit
+def silu_of(x, DEVICE: tl.constexpr):
+    """``silu_device`` if DEVICE (the configs' ``silu == "device"``), else ``silu_exact``."""
+    if DEVICE:
+        y = silu_device(x)
+    else:
+        y = silu_exact(x)
+    return y
+
+
+@triton.jit
 def dt_softplus_exact(raw, bias, lo, hi, HAS_LIMIT: tl.constexpr):
     """``chunk.dt_softplus`` for one element: softplus(raw + bias) (fp32), clamped to [lo, hi]."""
     d = softplus_exact(raw.to(tl.float32) + bias.to(tl.float32))

@@ -57,6 +57,8 @@ def _alternative(cfg: TritonKernelConfigs, name: str) -> Any:
     v = getattr(cfg, name)
     if isinstance(v, bool):
         cands = [not v]
+    elif name == "silu":
+        cands = ["device" if v == "ieee" else "ieee"]
     elif isinstance(v, str):
         cands = ["round" if v == "split2" else "split2"]
     elif name.endswith("_max_m"):

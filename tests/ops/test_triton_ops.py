@@ -28,7 +28,7 @@ from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 _REFUSED = [("linear_warps", 2), ("linear_block_k", 256), ("linear_persistent", 1), ("linear_epi_split", 4),
             ("linear_decode_stages", 17), ("linear_decode_tma", "yes"), ("linear_mid_programs_per_sm", 0),
             ("linear_fill_programs", -1), ("linear_mid_max_m", -1), ("norm_block_per_warp", 3),
-            ("conv_block_c", 100), ("logprobs_block_v", 64)]
+            ("conv_block_c", 100), ("logprobs_block_v", 64), ("silu", "fast")]
 
 
 @pytest.mark.parametrize("field,value", _REFUSED)
@@ -71,45 +71,49 @@ for name, x, res, ro, has_x, idx in (("rms", bf, bf, bf, False, False), ("add", 
               eps="fp32"),
          dict(HAS_X=has_x, HAS_IDX=idx, WRITE_RES=name != "rms", BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1],
          enable_fp_fusion=False)
-for rstd, width in ((False, 1024), (True, 1024), (True, 5120)):  # training saves rstd; 5120: two blocks
+# training saves rstd; 5120: two blocks; silu "device" (the GPU's exp) beside the pinned "ieee"
+for rstd, width, dev in ((False, 1024, False), (True, 1024, False), (True, 5120, False), (True, 5120, True)):
     a, b, warps = nt.gated_launch(width, cfg)
-    comp(f"norm:gated:rstd{int(rstd)}" + (f":{width}" if b else ""), nt._gated_norm_kernel,
+    comp(f"norm:gated:rstd{int(rstd)}" + (f":{width}" if b else "") + (":device" if dev else ""),
+         nt._gated_norm_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", rstd_ptr="*fp32", eps="fp32"),
-         dict(WRITE_RSTD=rstd, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
+         dict(WRITE_RSTD=rstd, DEVICE_SILU=dev, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
 for add in (False, True):  # the backwards (fp32 gradients of bf16 rows; the add-norm's from its fp32 sum)
     comp(f"norm:backward:add{int(add)}", nt._rms_norm_bwd_kernel,
          dict(x_ptr="*fp32" if add else "*bf16", w_ptr="*bf16", g_ptr="*bf16", add_ptr="*fp32", dx_ptr="*fp32",
               dx2_ptr="*bf16", dw_ptr="*fp32", eps="fp32"),
          dict(HAS_ADD=add, HAS_DX2=add, OUT=triton.language.bfloat16, ROWS=cfg.norm_bwd_rows,
               BLOCK_D=4096), num_warps=nt._block_warps(4096, cfg)[1])
-for out, width in ((False, 4096), (True, 4096), (True, 5120)):  # with out: the norm's output written again
-    a, b, warps = nt.gated_bwd_launch(width, cfg)  # for out_proj's weight gradient; 5120 (2.7b's group): two blocks
-    comp(f"norm:gated:backward:out{int(out)}:{width}", nt._gated_norm_bwd_kernel,
+# with out: the norm's output written again for out_proj's weight gradient; 5120 (2.7b's group): two blocks
+for out, width, dev in ((False, 4096, False), (True, 4096, False), (True, 5120, False), (True, 5120, True)):
+    a, b, warps = nt.gated_bwd_launch(width, cfg)
+    comp(f"norm:gated:backward:out{int(out)}:{width}" + (":device" if dev else ""), nt._gated_norm_bwd_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", g_ptr="*bf16", rstd_ptr="*fp32", dy_ptr="*bf16",
               dz_ptr="*bf16", dw_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
-         dict(WRITE_OUT=out, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
+         dict(WRITE_OUT=out, DEVICE_SILU=dev, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b), num_warps=warps,
+         enable_fp_fusion=False)
 for sw in (256, 1280):  # the sliced gated norm (TP slices): slices of 256 and of 1280 (2.7b's group / 4: two blocks)
     a, b, warps = nt.gated_launch(sw, cfg)
     comp(f"norm:gated:sliced:squares:{sw}", nst._slice_squares_kernel,
-         dict(y_ptr="*bf16", z_ptr="*bf16", ss_ptr="*fp32"), dict(BLOCK_A=a, BLOCK_B=b), num_warps=warps,
-         enable_fp_fusion=False)
+         dict(y_ptr="*bf16", z_ptr="*bf16", ss_ptr="*fp32"), dict(DEVICE_SILU=False, BLOCK_A=a, BLOCK_B=b),
+         num_warps=warps, enable_fp_fusion=False)
     comp(f"norm:gated:sliced:normalize:{sw}", nst._slice_normalize_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", ss_ptr="*fp32", eps="fp32"),
-         dict(BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
+         dict(DEVICE_SILU=False, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
 conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
               out_ptr="*bf16")
 for bias in (False, True):
     comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
-         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c), num_warps=4,
-         enable_fp_fusion=False)
-for bias in (False, True):  # the forward's walk (the default form)
-    comp(f"conv:walk:bias{int(bias)}", ct._conv_walk_kernel, conv_t,
-         dict(K=4, HAS_BIAS=bias, SILU=True, ROWS=cfg.conv_walk_block_t, BLOCK_C=cfg.conv_walk_block_c),
-         num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+         dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=False, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c),
+         num_warps=4, enable_fp_fusion=False)
+for bias, dev in ((False, False), (True, False), (True, True)):  # the forward's walk (the default form)
+    comp(f"conv:walk:bias{int(bias)}" + (":device" if dev else ""), ct._conv_walk_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=dev, ROWS=cfg.conv_walk_block_t,
+              BLOCK_C=cfg.conv_walk_block_c), num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
-for bias in (False, True):  # a decode step's conv and window in one launch
-    comp(f"conv:step:bias{int(bias)}", ct._conv_step_kernel, conv_t,
-         dict(K=4, HAS_BIAS=bias, SILU=True, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4,
+for bias, dev in ((False, False), (True, False), (True, True)):  # a decode step's conv and window in one launch
+    comp(f"conv:step:bias{int(bias)}" + (":device" if dev else ""), ct._conv_step_kernel, conv_t,
+         dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=dev, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4,
          enable_fp_fusion=False)
 for bias in (False, True):  # the backward's tile form (dx in the inputs' bf16, fp32 weight-gradient partial sums)
     comp(f"conv:backward:bias{int(bias)}", ct._conv_bwd_kernel,
@@ -156,7 +160,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 15 + 12 + 10, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 17 + 14 + 10, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too
@@ -167,6 +171,9 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
             assert d["LDG128"] > 0 and d["LDG16"] <= 1, d
         if d["name"].startswith(("conv:backward:walk", "conv:walk")):
             assert d["LDL"] == d["STL"] == 0, d  # the walks' carried rows stay in registers
+        if d["name"].startswith(("conv:walk", "conv:step", "norm:gated:rstd")):
+            # silu "ieee" builds exp of IEEE operations; "device" takes the hardware's
+            assert (d["EX2"] > 0) == d["name"].endswith(":device"), d
         if d["name"].startswith("linear:"):
             assert d["LDL"] == d["STL"] == 0, d  # no spills
             bf16, bm = d["name"].split(":")[1] == "bf16", int(d["name"].split(":")[2].split("x")[0])

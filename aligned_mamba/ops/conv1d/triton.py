@@ -1,9 +1,10 @@
 """Causal depthwise conv1d + SiLU in Triton (the GPU path of ``ops.conv1d``), slot-indexed windows.
 
 Each output is bias + w_0 x_{t-K+1} + ... + w_{K-1} x_t, each operation rounded once in fp32 (no fp
-contraction), then ``silu_exact``: ``ops.conv1d``'s operations, so the torch backend's bits, in a
-prefill or a decode step. Two launches: the outputs from the old windows, then each slot's new window
-in place; a row finds its sequence by a binary search over cu_seqlens on the device (no host sync).
+contraction), then the SiLU of the configs' ``silu``: ``silu_exact`` (``ops.conv1d``'s operations, so the
+torch backend's bits) or ``silu_device`` (the GPU's exp and division), in a prefill or a decode step alike.
+Two launches: the outputs from the old windows, then each slot's new window in place; a row finds its
+sequence by a binary search over cu_seqlens on the device (no host sync).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton.language as tl
 from ..autograd import grad_block, grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..step import Step
-from ..triton_math import silu_exact
+from ..triton_math import silu_of
 from . import taps
 
 
@@ -36,7 +37,7 @@ def _row_sequence(cu_ptr, rows, rmask, S, SEARCH_STEPS, BLOCK_T: tl.constexpr):
 @triton.jit
 def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws, stride_wk,
                  stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                 DEVICE_SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Rows [BLOCK_T] x channels [BLOCK_C] of the output, from the old windows and x."""
     r0 = tl.program_id(0) * BLOCK_T
     rows = r0 + tl.arange(0, BLOCK_T)
@@ -71,7 +72,7 @@ def _conv_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S,
             v = tl.where(in_win, wv.to(tl.float32), xv.to(tl.float32))
             acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32)[None, :] * v
     if SILU:
-        acc = silu_exact(acc)
+        acc = silu_of(acc, DEVICE_SILU)
     tl.store(out_ptr + r64[:, None] * stride_out + ch[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
@@ -487,14 +488,15 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
         rows, wc = cfg.conv_walk_block_t, cfg.conv_walk_block_c
         _conv_walk_kernel[(triton.cdiv(T, rows), triton.cdiv(Cd, wc))](
             x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
-            out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation, ROWS=rows,
+            out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation,
+            DEVICE_SILU=cfg.silu == "device", ROWS=rows,
             BLOCK_C=wc, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
     elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
                            windows.stride(1), out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None,
-                           SILU=activation, BLOCK_T=cfg.conv_block_t, BLOCK_C=bc, num_warps=4,
-                           enable_fp_fusion=False)
+                           SILU=activation, DEVICE_SILU=cfg.silu == "device", BLOCK_T=cfg.conv_block_t, BLOCK_C=bc,
+                           num_warps=4, enable_fp_fusion=False)
     if K > 1:
         _window_kernel[(S, triton.cdiv(Cd, bc))](x, cu_seqlens, slots, windows, Cd, x.stride(0), windows.stride(0),
                                                 windows.stride(1), K=K, BLOCK_Q=triton.next_power_of_2(K - 1),
@@ -508,7 +510,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
 @triton.jit
 def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws,
                       stride_wk, stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                      SILU: tl.constexpr, DEVICE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order with the
     last K - 1 stream rows in registers (each input read once): the same operations on the same values."""
     blk = tl.program_id(0)
@@ -560,7 +562,7 @@ def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, 
         else:
             acc = acc + w0 * c0
         if SILU:
-            acc = silu_exact(acc)
+            acc = silu_of(acc, DEVICE_SILU)
         tl.store(out_ptr + t.to(tl.int64) * stride_out + ch, acc.to(out_ptr.dtype.element_ty), mask=cmask)
         c3, c2, c1 = c2, c1, c0
 
@@ -611,7 +613,7 @@ def conv_advance(windows: torch.Tensor, step: Step, x: torch.Tensor, w: torch.Te
 @triton.jit
 def _conv_step_kernel(x_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, Cd, stride_x, stride_ws, stride_wk,
                       stride_out, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+                      DEVICE_SILU: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """Sequence s (program (s, c)): out[s] = silu(bias + sum_k w_k (window ++ x[s])_k) for the block's
     channels, then its slot's window := window rows 1 .. K - 2 ++ x[s]."""
     s = tl.program_id(0).to(tl.int64)
@@ -631,7 +633,7 @@ def _conv_step_kernel(x_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, Cd, stri
             v = tl.load(xrow + ch, mask=cmask, other=0.0).to(tl.float32)
         acc = acc + tl.load(w_ptr + ch * K + k, mask=cmask, other=0.0).to(tl.float32) * v
     if SILU:
-        acc = silu_exact(acc)
+        acc = silu_of(acc, DEVICE_SILU)
     tl.store(out_ptr + s * stride_out + ch, acc.to(out_ptr.dtype.element_ty), mask=cmask)
     if K > 1:
         q = tl.arange(0, BLOCK_Q)
@@ -662,7 +664,8 @@ def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
     bc = cfg.conv_block_c
     _conv_step_kernel[(S, triton.cdiv(Cd, bc))](
         x, slots, windows, w, b, out, Cd, x.stride(0), windows.stride(0), windows.stride(1), out.stride(0), K=K,
-        HAS_BIAS=bias is not None, SILU=activation, BLOCK_Q=triton.next_power_of_2(max(K - 1, 1)), BLOCK_C=bc,
+        HAS_BIAS=bias is not None, SILU=activation, DEVICE_SILU=cfg.silu == "device",
+        BLOCK_Q=triton.next_power_of_2(max(K - 1, 1)), BLOCK_C=bc,
         num_warps=4, enable_fp_fusion=False)
     return out
 

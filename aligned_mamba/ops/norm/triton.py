@@ -16,7 +16,7 @@ import triton.language as tl
 from ..autograd import deterministic, grad_block, grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..linear.triton import linear_triton
-from ..triton_math import silu_exact
+from ..triton_math import silu_of
 
 
 @triton.jit
@@ -66,11 +66,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, idx_ptr, w_ptr, out_ptr, res_out_ptr, D, st
 
 
 @triton.jit
-def _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z):
-    """y * silu(z) over one part of a row's group, fp32 (zeros where not m)."""
+def _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z, DEVICE_SILU: tl.constexpr):
+    """y * silu(z) over one part of a row's group, fp32 (zeros where not m); ``silu_of``'s SiLU."""
     y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0)
     z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
-    return y.to(tl.float32) * silu_exact(z)
+    return y.to(tl.float32) * silu_of(z, DEVICE_SILU)
 
 
 @triton.jit
@@ -82,7 +82,8 @@ def _gated_out(g, rstd, w_ptr, out_ptr, row, c, m, stride_out):
 
 @triton.jit
 def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rstd_ptr, GS, stride_y, stride_z, stride_out, eps,
-                       WRITE_RSTD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+                       WRITE_RSTD: tl.constexpr, DEVICE_SILU: tl.constexpr, BLOCK_A: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
     """Row r, group g (program (r, g)): out = round(w * normalise(y * silu(z)) over the group's GS columns);
     with WRITE_RSTD the group's 1 / sqrt(mean square + eps) to rstd [M, G] fp32 (for the backward). A
     group is two power-of-two blocks, BLOCK_A then BLOCK_B (0: none), their sums of squares added:
@@ -90,12 +91,12 @@ def _gated_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rstd_ptr, GS, stride_y, str
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * GS + tl.arange(0, BLOCK_A)
     m = tl.arange(0, BLOCK_A) < GS
-    g = _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z)
+    g = _gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z, DEVICE_SILU)
     ss = _squares(g, m)
     if BLOCK_B > 0:
         cb = tl.program_id(1) * GS + BLOCK_A + tl.arange(0, BLOCK_B)
         mb = tl.arange(0, BLOCK_B) < GS - BLOCK_A
-        gb = _gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z)
+        gb = _gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z, DEVICE_SILU)
         ss += _squares(gb, mb)
     rstd = _rstd_of(ss, GS, eps)
     if WRITE_RSTD:
@@ -148,15 +149,18 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, add_ptr, dx_ptr, dx2_ptr, dw_ptr, 
 
 
 @triton.jit
-def _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, c, m, stride_y, stride_z, stride_g, w, rstd):
+def _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, c, m, stride_y, stride_z, stride_g, w, rstd, DEVICE_SILU: tl.constexpr):
     """One part of a row's group in fp32 (zeros where not m): (silu(z), vhat, g w, ys = dz / du, g vhat);
     ys formed here so y, z, g need not stay live across the group's sum (a 5120-wide group fits registers)."""
     y = tl.load(y_ptr + row * stride_y + c, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * stride_z + c, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
-    sz = silu_exact(z)
-    vhat = (y * sz) * rstd
     s = 1.0 / (1.0 + tl.exp(-z))
+    if DEVICE_SILU:
+        sz = z * s  # silu_device's operations: its s
+    else:
+        sz = silu_of(z, False)
+    vhat = (y * sz) * rstd
     return sz, vhat, g * w, y * (s * (1.0 + z * (1.0 - s))), g * vhat
 
 
@@ -174,7 +178,8 @@ def _gated_bwd_out(sz, vhat, gw, ys, mean, rstd, w, row, c, m, dy_ptr, dz_ptr, o
 @triton.jit
 def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr, dw_ptr, out_ptr, M, d, GS,
                            stride_y, stride_z, stride_g, stride_dz, stride_out, eps, WRITE_OUT: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+                           DEVICE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
     """Rows blk*ROWS .. +ROWS-1, group pid 1: dy, dz of out = round(w * normalise_g(y silu(z))) from the
     forward's rstd [M, G] fp32, this block's dw partial sums (dw_ptr [blocks, d] fp32); WRITE_OUT: out too,
     with the forward's bits. A group is two power-of-two blocks, BLOCK_A then BLOCK_B (0: none): 5120
@@ -195,13 +200,14 @@ def _gated_norm_bwd_kernel(y_ptr, z_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dz_ptr,
         row = (blk * ROWS + i).to(tl.int64)
         rstd = tl.load(rstd_ptr + row * tl.num_programs(1) + grp, mask=row < M, other=0.0)
         m = ma & (row < M)
-        sz, vhat, gw, ys, gv = _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, ca, m, stride_y, stride_z, stride_g, wa, rstd)
+        sz, vhat, gw, ys, gv = _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, ca, m, stride_y, stride_z, stride_g, wa, rstd,
+                                             DEVICE_SILU)
         dwa += gv
         total = tl.sum(tl.where(m, gw * vhat, 0.0), axis=0)
         if BLOCK_B > 0:
             n = mb & (row < M)
             sz2, vhat2, gw2, ys2, gv2 = _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, cb, n, stride_y, stride_z, stride_g,
-                                                      wb, rstd)
+                                                      wb, rstd, DEVICE_SILU)
             dwb += gv2
             total += tl.sum(tl.where(n, gw2 * vhat2, 0.0), axis=0)
         mean = total / GS.to(tl.float32)
@@ -290,7 +296,8 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
         block_a, block_b, warps = gated_bwd_launch(gs, cfg)
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
                                                y.stride(0), z.stride(0), g.stride(0), dz.stride(0), out.stride(0),
-                                               float(eps), WRITE_OUT=write_out, ROWS=cfg.norm_bwd_rows,
+                                               float(eps), WRITE_OUT=write_out, DEVICE_SILU=cfg.silu == "device",
+                                               ROWS=cfg.norm_bwd_rows,
                                                BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
                                                enable_fp_fusion=False)
     dw = dw.sum(0).to(weight.dtype)
@@ -378,7 +385,8 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         gs = d // n_groups
         block_a, block_b, warps = gated_launch(gs, cfg)
         _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, rstd, gs, y.stride(0), z.stride(0),
-                                          out.stride(0), float(eps), WRITE_RSTD=with_rstd, BLOCK_A=block_a,
+                                          out.stride(0), float(eps), WRITE_RSTD=with_rstd,
+                                          DEVICE_SILU=cfg.silu == "device", BLOCK_A=block_a,
                                           BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
     return (out, rstd) if with_rstd else out
 

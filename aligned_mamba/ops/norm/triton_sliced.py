@@ -27,23 +27,24 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def _slice_squares_kernel(y_ptr, z_ptr, ss_ptr, SW, stride_y, stride_z,
+def _slice_squares_kernel(y_ptr, z_ptr, ss_ptr, SW, stride_y, stride_z, DEVICE_SILU: tl.constexpr,
                           BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """Row r, slice j (program (r, j)): ss[r, j] = sum over the slice's SW columns of (y silu(z))^2, fp32."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * SW + tl.arange(0, BLOCK_A)
     m = tl.arange(0, BLOCK_A) < SW
-    ss = _squares(_gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z), m)
+    ss = _squares(_gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z, DEVICE_SILU), m)
     if BLOCK_B > 0:
         cb = tl.program_id(1) * SW + BLOCK_A + tl.arange(0, BLOCK_B)
         mb = tl.arange(0, BLOCK_B) < SW - BLOCK_A
-        ss += _squares(_gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z), mb)
+        ss += _squares(_gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z, DEVICE_SILU), mb)
     tl.store(ss_ptr + row * tl.num_programs(1) + tl.program_id(1), ss)
 
 
 @triton.jit
 def _slice_normalize_kernel(y_ptr, z_ptr, w_ptr, out_ptr, ss_ptr, SW, PER_GROUP, width, local_groups, stride_y,
-                            stride_z, stride_out, eps, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+                            stride_z, stride_out, eps, DEVICE_SILU: tl.constexpr, BLOCK_A: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
     """Row r, slice j: out = round(w * y silu(z) / sqrt(ss / width + eps)) over the slice's columns, ss [M,
     local_groups] the group's joined sum (slice j in local group j // PER_GROUP)."""
     row = tl.program_id(0).to(tl.int64)
@@ -51,12 +52,13 @@ def _slice_normalize_kernel(y_ptr, z_ptr, w_ptr, out_ptr, ss_ptr, SW, PER_GROUP,
     rstd = _rstd_of(ss, width, eps)
     c = tl.program_id(1) * SW + tl.arange(0, BLOCK_A)
     m = tl.arange(0, BLOCK_A) < SW
-    _gated_out(_gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z), rstd, w_ptr, out_ptr, row, c, m, stride_out)
+    _gated_out(_gated_part(y_ptr, z_ptr, row, c, m, stride_y, stride_z, DEVICE_SILU), rstd, w_ptr, out_ptr, row, c, m,
+               stride_out)
     if BLOCK_B > 0:
         cb = tl.program_id(1) * SW + BLOCK_A + tl.arange(0, BLOCK_B)
         mb = tl.arange(0, BLOCK_B) < SW - BLOCK_A
-        _gated_out(_gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z), rstd, w_ptr, out_ptr, row, cb, mb,
-                   stride_out)
+        _gated_out(_gated_part(y_ptr, z_ptr, row, cb, mb, stride_y, stride_z, DEVICE_SILU), rstd, w_ptr, out_ptr, row,
+                   cb, mb, stride_out)
 
 
 def gated_rms_norm_sliced_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int,
@@ -74,14 +76,15 @@ def gated_rms_norm_sliced_triton(y: torch.Tensor, z: torch.Tensor, weight: torch
     grid = (M, dl // sw)  # the rank's slices, local_groups x per_rank
     ss = torch.empty(M, dl // sw, dtype=torch.float32, device=y.device)
     if M:
-        _slice_squares_kernel[grid](y, z, ss, sw, y.stride(0), z.stride(0), BLOCK_A=block_a, BLOCK_B=block_b,
-                                    num_warps=warps, enable_fp_fusion=False)
+        _slice_squares_kernel[grid](y, z, ss, sw, y.stride(0), z.stride(0), DEVICE_SILU=cfg.silu == "device",
+                                    BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
     ss = tree.join_slices(ss.view(M, local_groups, per_rank), span, group)  # [M, local_groups]
     out = torch.empty(M, dl, dtype=y.dtype, device=y.device)
     if M:
         _slice_normalize_kernel[grid](y, z, weight.contiguous(), out, ss.contiguous(), sw, per_rank, width,
                                       local_groups, y.stride(0), z.stride(0), out.stride(0), float(eps),
-                                      BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
+                                      DEVICE_SILU=cfg.silu == "device", BLOCK_A=block_a, BLOCK_B=block_b,
+                                      num_warps=warps, enable_fp_fusion=False)
     return out
 
 

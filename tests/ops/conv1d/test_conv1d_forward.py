@@ -6,9 +6,11 @@
   row read once) gives the tile kernel's bits at every row block and width; a decode step in one
   launch (``conv_step_triton``) gives the two-launch form's; strided rows taken, a window of another
   dtype refused. Each comparison has a baseline (the taps summed in another order) that differs.
+  With ``silu="device"`` (the GPU's exp and division) the same equalities hold among the Triton forms,
+  the outputs differ from ``"ieee"``'s and are within fp32 rounding of the fp64 SiLU.
 - gpu (skipped without CUDA; run on the H200): bf16 at the model widths: decode rows equal prefill
-  rows for 64 sequences split at random points, and equal the torch op's; the one-launch decode step
-  equals the two-launch form.
+  rows for 64 sequences split at random points, and equal the torch op's (``"ieee"``); the one-launch
+  decode step equals the two-launch form; both SiLUs.
 
 The backward: tests/ops/conv1d/test_conv1d_backward_walk.py.
 """
@@ -51,8 +53,12 @@ def test_conv_is_the_torch_op_bit_for_bit_and_updates_only_its_slots():
     assert torch.equal(ct.causal_conv1d_triton(x, cu, slots, win.clone(), w, None, CFG), ref_nb)
 
 
+SILUS = [CFG, dataclasses.replace(CFG, silu="device")]
+
+
 @pytest.mark.interpreter
-def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
+@pytest.mark.parametrize("cfg", SILUS, ids=lambda c: c.silu)
+def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows(cfg):
     # two sequences of 11 tokens from fresh (zero) windows: one call, then chunks 4 + 7 side by
     # side with decode steps of the other, then token by token
     Cd, K = 40, 4
@@ -67,7 +73,7 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
         for n0, n1 in pieces:
             cu = torch.tensor([0, n0, n0 + n1], dtype=torch.int64, device=DEV)
             xin = torch.cat([xs[0][done[0]:done[0] + n0], xs[1][done[1]:done[1] + n1]])
-            o = ct.causal_conv1d_triton(xin, cu, slots, windows, w, b, CFG)
+            o = ct.causal_conv1d_triton(xin, cu, slots, windows, w, b, cfg)
             outs[0].append(o[:n0])
             outs[1].append(o[n0:])
             done = [done[0] + n0, done[1] + n1]
@@ -87,9 +93,9 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("K", [4, 3, 2, 1])
-@pytest.mark.parametrize("rows", [1, 4, 16])
-def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
+@pytest.mark.parametrize("K,rows,silu", [(K, rows, "ieee") for K in (4, 3, 2, 1) for rows in (1, 4, 16)]
+                         + [(4, 4, "device"), (2, 16, "device")])
+def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows, silu):
     """The forward's walk (each input row read once, the last K - 1 carried) against the tile kernel
     (``conv_walk=False``): the same outputs and windows bit for bit for sequences of every length
     (empty ones, ones shorter than the window, ones crossing row blocks of 1, 4 and 16 rows), with and
@@ -101,8 +107,8 @@ def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
     cu, x, w, b, win = _conv_case(lens, Cd=Cd, K=K, slots=11, seed=70 + K)
     wide = torch.cat([x, x[:, :5]], dim=1)[:, :Cd]
     slots = torch.tensor([5, 0, 2, 3, 6, 10, 1, 8, 4], device=DEV)
-    walk = dataclasses.replace(CFG, conv_walk=True, conv_walk_block_t=rows, conv_walk_block_c=32)
-    tile = dataclasses.replace(CFG, conv_walk=False, conv_block_t=8, conv_block_c=32)
+    walk = dataclasses.replace(CFG, conv_walk=True, conv_walk_block_t=rows, conv_walk_block_c=32, silu=silu)
+    tile = dataclasses.replace(CFG, conv_walk=False, conv_block_t=8, conv_block_c=32, silu=silu)
     for bias in (b, None):
         got_win, ref_win = win.clone(), win.clone()
         got = ct.causal_conv1d_triton(wide, cu, slots, got_win, w, bias, walk)
@@ -115,8 +121,9 @@ def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("K,with_bias", [(4, True), (4, False), (2, True)])
-def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
+@pytest.mark.parametrize("K,with_bias,silu", [(4, True, "ieee"), (4, False, "ieee"), (2, True, "ieee"),
+                                              (4, True, "device")])
+def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias, silu):
     """A decode step (one row per sequence, scattered slots, row-strided x): ``conv_step_triton``'s
     outputs and windows are ``causal_conv1d_triton``'s bit for bit, in one launch instead of two."""
     from triton.runtime import KernelInterface
@@ -125,6 +132,7 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     S, Cd = 5, 300  # two channel blocks, the second partial
     _, x, w, b, win = _conv_case([1] * S, Cd=Cd, K=K, slots=9, seed=60)
     b = b if with_bias else None
+    cfg = dataclasses.replace(CFG, silu=silu)
     wide = torch.cat([x[:, :7], x, x], dim=1)[:, 7:7 + Cd]  # x at a row stride of 2 Cd + 7, as xBC in in_proj's output
     assert torch.equal(wide, x) and wide.stride(0) != Cd
     slots = torch.tensor([5, 0, 8, 3, 6], device=DEV)
@@ -136,11 +144,11 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
         k.add_pre_run_hook(h)
     try:
         ref_win = win.clone()
-        ref = ct.causal_conv1d_triton(x, cu, slots, ref_win, w, b, CFG)
+        ref = ct.causal_conv1d_triton(x, cu, slots, ref_win, w, b, cfg)
         two = list(launched)
         launched.clear()
         got_win = win.clone()
-        got = ct.conv_step_triton(wide, slots, got_win, w, b, CFG)
+        got = ct.conv_step_triton(wide, slots, got_win, w, b, cfg)
     finally:
         for k, h in hooks:
             k.pre_run_hooks.remove(h)
@@ -154,6 +162,28 @@ def test_conv_decode_step_in_one_launch_is_the_two_launch_form(K, with_bias):
     for k in reversed(range(K)):
         rev = rev + w.float()[:, k] * stream[:, k]
     assert not torch.equal(torch.nn.functional.silu(rev).to(x.dtype), ref)
+
+
+@pytest.mark.interpreter
+def test_conv_device_silu_is_another_rounding_of_the_same_function():
+    """``silu="device"`` reaches every forward form (tile kernel, walk, one-launch step): their outputs
+    differ from ``"ieee"``'s in some elements and stay within a few fp32 roundings of the fp64 SiLU of
+    the same pre-activation (the conv without its SiLU)."""
+    lens = [9, 1, 17]
+    Cd = 40
+    cu, x, w, b, win = _conv_case(lens, Cd=Cd, slots=4, seed=90)
+    slots = torch.tensor([3, 0, 1], device=DEV)
+    pre = ct.causal_conv1d_triton(x, cu, slots, win.clone(), w, b, CFG, activation=False).double()
+    ref = torch.nn.functional.silu(pre)
+    for form in (dict(conv_walk=True), dict(conv_walk=False)):
+        ieee, dev = (ct.causal_conv1d_triton(x, cu, slots, win.clone(), w, b, dataclasses.replace(CFG, silu=s, **form))
+                     for s in ("ieee", "device"))
+        assert not torch.equal(ieee, dev)
+        for out in (ieee, dev):
+            assert ((out.double() - ref).abs() <= 4 * 2.0 ** -24 * ref.abs() + 1e-30).all()
+    steps = [ct.conv_step_triton(x[:4], torch.arange(4, device=DEV), win.clone(), w, b,
+                                 dataclasses.replace(CFG, silu=s)) for s in ("ieee", "device")]
+    assert not torch.equal(*steps)
 
 
 @pytest.mark.interpreter
