@@ -201,7 +201,8 @@ def test_conv_takes_strided_rows_and_refuses_a_window_of_another_dtype():
 
 
 @gpu
-def test_gpu_conv_decode_rows_equal_prefill_rows():
+@pytest.mark.parametrize("cfg", SILUS, ids=lambda c: c.silu)
+def test_gpu_conv_decode_rows_equal_prefill_rows(cfg):
     # 64 sequences of 1 .. 300 tokens at the 8B mixer's conv width, bf16: one prefill call against
     # a split at a random point followed by decode steps; and against the torch op
     Cd, K, S = 10240, 4, 64
@@ -215,9 +216,9 @@ def test_gpu_conv_decode_rows_equal_prefill_rows():
     cu[1:] = lens.cumsum(0)
     slots = torch.randperm(S + 8, generator=g, device="cuda")[:S]
     one = ct.causal_conv1d_triton(x, cu, slots, torch.zeros(S + 8, K - 1, Cd, device="cuda", dtype=torch.bfloat16),
-                                  w, b, CFG)
+                                  w, b, cfg)
     ref, _ = conv1d.causal_conv1d(x, cu, torch.zeros(S, K - 1, Cd, device="cuda", dtype=torch.bfloat16), w, b)
-    assert torch.equal(one, ref)
+    assert torch.equal(one, ref) == (cfg.silu == "ieee")  # "device": the hardware's exp, not the torch op's
     # prefill the first split_s tokens of each sequence, then decode the rest one token per step
     split = (lens.float() * torch.rand(S, generator=g, device="cuda")).long()
     win = torch.zeros(S + 8, K - 1, Cd, device="cuda", dtype=torch.bfloat16)
@@ -225,19 +226,20 @@ def test_gpu_conv_decode_rows_equal_prefill_rows():
     cu_p = torch.zeros(S + 1, dtype=torch.int64, device="cuda")
     cu_p[1:] = split.cumsum(0)
     rows_p = torch.cat([torch.arange(int(cu[i]), int(cu[i] + split[i]), device="cuda") for i in range(S)])
-    got[rows_p] = ct.causal_conv1d_triton(x[rows_p], cu_p, slots, win, w, b, CFG)
+    got[rows_p] = ct.causal_conv1d_triton(x[rows_p], cu_p, slots, win, w, b, cfg)
     pos = split.clone()
     while bool((pos < lens).any()):
         live = (pos < lens).nonzero().squeeze(1)
         rows = cu[live] + pos[live]
         cu_d = torch.arange(live.numel() + 1, device="cuda")
-        got[rows] = ct.causal_conv1d_triton(x[rows], cu_d, slots[live], win, w, b, CFG)
+        got[rows] = ct.causal_conv1d_triton(x[rows], cu_d, slots[live], win, w, b, cfg)
         pos[live] += 1
     assert torch.equal(got, one)
 
 
 @gpu
-def test_gpu_conv_decode_step_in_one_launch_equals_two():
+@pytest.mark.parametrize("cfg", SILUS, ids=lambda c: c.silu)
+def test_gpu_conv_decode_step_in_one_launch_equals_two(cfg):
     # the 1.3b mixer's conv width, bf16, 64 sequences in scattered slots with random windows, x a
     # row-strided view as in the model: outputs and windows equal to the two-launch form's
 
@@ -251,6 +253,6 @@ def test_gpu_conv_decode_step_in_one_launch_equals_two():
     slots = torch.randperm(S + 8, generator=g, device="cuda")[:S]
     cu = torch.arange(S + 1, device="cuda")
     ref_win, got_win = win.clone(), win.clone()
-    ref = ct.causal_conv1d_triton(x.contiguous(), cu, slots, ref_win, w, b, CFG)
-    got = ct.conv_step_triton(x, slots, got_win, w, b, CFG)
+    ref = ct.causal_conv1d_triton(x.contiguous(), cu, slots, ref_win, w, b, cfg)
+    got = ct.conv_step_triton(x, slots, got_win, w, b, cfg)
     assert torch.equal(got, ref) and torch.equal(got_win, ref_win)
