@@ -341,6 +341,11 @@ class TritonKernelConfigs:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""
         return min(self.row_tile, chunk_size)
 
+    @property
+    def device_silu(self) -> bool:
+        """The SiLU launches' constexpr: True where ``silu`` is "device" (``triton_math.silu_of``)."""
+        return self.silu == "device"
+
 
 KernelConfigs = TorchKernelConfigs | TritonKernelConfigs
 CONFIG_TYPES: dict[str, type] = {"torch": TorchKernelConfigs, "triton": TritonKernelConfigs}

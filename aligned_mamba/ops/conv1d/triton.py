@@ -489,13 +489,13 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
         _conv_walk_kernel[(triton.cdiv(T, rows), triton.cdiv(Cd, wc))](
             x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
             out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation,
-            DEVICE_SILU=cfg.silu == "device", ROWS=rows,
+            DEVICE_SILU=cfg.device_silu, ROWS=rows,
             BLOCK_C=wc, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
     elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
                            windows.stride(1), out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None,
-                           SILU=activation, DEVICE_SILU=cfg.silu == "device", BLOCK_T=cfg.conv_block_t, BLOCK_C=bc,
+                           SILU=activation, DEVICE_SILU=cfg.device_silu, BLOCK_T=cfg.conv_block_t, BLOCK_C=bc,
                            num_warps=4, enable_fp_fusion=False)
     if K > 1:
         _window_kernel[(S, triton.cdiv(Cd, bc))](x, cu_seqlens, slots, windows, Cd, x.stride(0), windows.stride(0),
@@ -664,7 +664,7 @@ def conv_step_triton(x: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
     bc = cfg.conv_block_c
     _conv_step_kernel[(S, triton.cdiv(Cd, bc))](
         x, slots, windows, w, b, out, Cd, x.stride(0), windows.stride(0), windows.stride(1), out.stride(0), K=K,
-        HAS_BIAS=bias is not None, SILU=activation, DEVICE_SILU=cfg.silu == "device",
+        HAS_BIAS=bias is not None, SILU=activation, DEVICE_SILU=cfg.device_silu,
         BLOCK_Q=triton.next_power_of_2(max(K - 1, 1)), BLOCK_C=bc,
         num_warps=4, enable_fp_fusion=False)
     return out

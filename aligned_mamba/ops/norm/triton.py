@@ -16,7 +16,7 @@ import triton.language as tl
 from ..autograd import deterministic, grad_block, grad_needed, wanted
 from ..configs import TritonKernelConfigs
 from ..linear.triton import linear_triton
-from ..triton_math import silu_of
+from ..triton_math import silu_exact, silu_of
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _gated_bwd_in(y_ptr, z_ptr, g_ptr, row, c, m, stride_y, stride_z, stride_g, 
     if DEVICE_SILU:
         sz = z * s  # silu_device's operations: its s
     else:
-        sz = silu_of(z, False)
+        sz = silu_exact(z)
     vhat = (y * sz) * rstd
     return sz, vhat, g * w, y * (s * (1.0 + z * (1.0 - s))), g * vhat
 
@@ -296,7 +296,7 @@ def gated_rms_norm_backward_triton(y: torch.Tensor, z: torch.Tensor, weight: tor
         block_a, block_b, warps = gated_bwd_launch(gs, cfg)
         _gated_norm_bwd_kernel[(nb, n_groups)](y, z, weight.contiguous(), g, rstd, dy, dz, dw, out, M, d, gs,
                                                y.stride(0), z.stride(0), g.stride(0), dz.stride(0), out.stride(0),
-                                               float(eps), WRITE_OUT=write_out, DEVICE_SILU=cfg.silu == "device",
+                                               float(eps), WRITE_OUT=write_out, DEVICE_SILU=cfg.device_silu,
                                                ROWS=cfg.norm_bwd_rows,
                                                BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
                                                enable_fp_fusion=False)
@@ -386,7 +386,7 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         block_a, block_b, warps = gated_launch(gs, cfg)
         _gated_norm_kernel[(M, n_groups)](y, z, weight.contiguous(), out, rstd, gs, y.stride(0), z.stride(0),
                                           out.stride(0), float(eps), WRITE_RSTD=with_rstd,
-                                          DEVICE_SILU=cfg.silu == "device", BLOCK_A=block_a,
+                                          DEVICE_SILU=cfg.device_silu, BLOCK_A=block_a,
                                           BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
     return (out, rstd) if with_rstd else out
 

@@ -76,14 +76,14 @@ def gated_rms_norm_sliced_triton(y: torch.Tensor, z: torch.Tensor, weight: torch
     grid = (M, dl // sw)  # the rank's slices, local_groups x per_rank
     ss = torch.empty(M, dl // sw, dtype=torch.float32, device=y.device)
     if M:
-        _slice_squares_kernel[grid](y, z, ss, sw, y.stride(0), z.stride(0), DEVICE_SILU=cfg.silu == "device",
+        _slice_squares_kernel[grid](y, z, ss, sw, y.stride(0), z.stride(0), DEVICE_SILU=cfg.device_silu,
                                     BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps, enable_fp_fusion=False)
     ss = tree.join_slices(ss.view(M, local_groups, per_rank), span, group)  # [M, local_groups]
     out = torch.empty(M, dl, dtype=y.dtype, device=y.device)
     if M:
         _slice_normalize_kernel[grid](y, z, weight.contiguous(), out, ss.contiguous(), sw, per_rank, width,
                                       local_groups, y.stride(0), z.stride(0), out.stride(0), float(eps),
-                                      DEVICE_SILU=cfg.silu == "device", BLOCK_A=block_a, BLOCK_B=block_b,
+                                      DEVICE_SILU=cfg.device_silu, BLOCK_A=block_a, BLOCK_B=block_b,
                                       num_warps=warps, enable_fp_fusion=False)
     return out
 
