@@ -198,6 +198,18 @@ def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
     e[f"{prefix}_times_ms"] = ts
 
 
+def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
+    """``--configs-b``: each of ``steps`` (label -> step) timed once a round, in turn, ``rounds`` rounds, so the
+    two contracts' medians share the machine's drift; ``b_ratio`` = b / ours."""
+    ts: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, f in steps.items():
+            ts[k] += cuda_ms(torch, lambda i, f=f: f(), 1)
+    for k, v in ts.items():
+        e[f"ab_{k}_ms"], e[f"ab_{k}_times_ms"] = statistics.median(v), v
+    e["b_ratio"] = e["ab_b_ms"] / e["ab_ours_ms"]
+
+
 HOLD_MARGIN = 128 << 20  # "stock": the budget this far below the stock's peak (the allocator's rounding)
 
 
@@ -227,9 +239,9 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
     n = 2 if args.quick else 4
     first = None
 
-    def ours_step(budget: int | None = None):
+    def ours_step(budget: int | None = None, c=contract):
         with contextlib.nullcontext([0]) if budget is None else hold_conv_outputs(budget) as left:
-            loss, _ = ours_loss(build_model(config, leaves, contract, device=dev), seqs, tgts)
+            loss, _ = ours_loss(build_model(config, leaves, c, device=dev), seqs, tgts)
         if budget is not None:  # conv outputs held this step, bytes
             e["ours_hold_held_bytes"] = budget - left[0]
         return torch.autograd.grad(loss, [leaves[k] for k in names])
@@ -258,6 +270,15 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
         peak_and_times(torch, ours_step, n, e, "ours")
         if args.profile:
             e["ours_profile"] = kernel_table(torch, ours_step)
+        if args.contract_b is not None:  # the other contract's step: its own repeat, then both in turn
+            b1 = ours_step(c=args.contract_b)  # two gradient sets live at most (80 GB cards)
+            e["b_grads_repeat_equal"] = all(torch.equal(u, v) for u, v in zip(b1, ours_step(c=args.contract_b)))
+            e["b_grads_differ_from_ours"] = len([1 for u, v in zip(b1, ours_step()) if not torch.equal(u, v)])
+            del b1
+            free(torch)
+            peak_and_times(torch, lambda: ours_step(c=args.contract_b), 1, e, "b")
+            ab_times(torch, {"ours": ours_step, "b": lambda: ours_step(c=args.contract_b)}, max(n, 3), e)
+            free(torch)
     except Exception as exc:  # noqa: BLE001 - a failed cell is a result
         e["ours_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
@@ -312,6 +333,19 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
                     e[f"{side}_profile"] = kernel_table(torch, fn)
             except Exception as exc:  # noqa: BLE001
                 e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
+                log(traceback.format_exc())
+            free(torch)
+    if args.contract_b is not None and e["ours_ms"]:
+        model_b = args.model_b
+        with torch.no_grad():
+            try:
+                e["b_rows_equal_ours"] = torch.equal(model_b.forward(seqs), model.forward(seqs))
+                free(torch)
+                ab_times(torch, {"ours": lambda: model.forward(seqs), "b": lambda: model_b.forward(seqs)}, n, e)
+                if args.profile:
+                    e["b_profile"] = kernel_table(torch, lambda: model_b.forward(seqs))
+            except Exception as exc:  # noqa: BLE001
+                e["b_error"] = f"{type(exc).__name__}: {exc}"
                 log(traceback.format_exc())
             free(torch)
     if e["ours_ms"] and e["stock_ms"]:
@@ -458,6 +492,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", help="JSON of the triton contract's kernel configs for ours, "
                     'e.g. \'{"bwd_bf16_dots":"round"}\'')
+    ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
+                    "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
@@ -534,6 +570,11 @@ def main() -> int:
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
                         kernel_configs=json.loads(args.configs) if args.configs else None)
+    args.contract_b, args.model_b = None, None
+    if args.configs_b:
+        args.contract_b = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
+                                   kernel_configs={**json.loads(args.configs or "{}"), **json.loads(args.configs_b)})
+        meta["contract_b"] = args.contract_b.to_dict()
     train = dict(meta, contract=contract.to_dict(), train=[])
     model_res = dict(meta, forward=[], decode=[], accuracy=[])
     cells = [c for c in CELLS if c[0] in args.cells.split(",")]
@@ -556,17 +597,23 @@ def main() -> int:
                 e = train_cell(args, torch, name, config, tensors, stock, contract, label, S, T, 17 + ci)
                 train["train"].append(e)
                 save()
+                if args.contract_b is not None:
+                    log(f"train {name} {label}: b {e.get('ab_b_ms')} ours {e.get('ab_ours_ms')} in turn, b_ratio "
+                        f"{e.get('b_ratio')}, b repeat {e.get('b_grads_repeat_equal')}")
                 log(f"train {name} {label}: ours {e['ours_ms']} stock {e['stock_ms']} ratio {e['ratio']} peak "
                     f"{(e.get('ours_peak_bytes') or 0) / gib:.1f} / {(e.get('stock_peak_bytes') or 0) / gib:.1f} GiB "
                     f"logits equal {e.get('ours_grad_mode_logits_equal')} repeat {e.get('ours_grads_repeat_equal')}")
         stock.eval()
         model = build_model(config, tensors, contract, device=torch.device("cuda"))
+        if args.contract_b is not None:
+            args.model_b = build_model(config, tensors, args.contract_b, device=torch.device("cuda"))
         if "forward" in parts:
             for ci, (label, S, T) in enumerate(cells):
                 e = forward_cell(args, torch, name, model, stock, label, S, T, 27 + ci)
                 model_res["forward"].append(e)
                 save()
-                log(f"forward {name} {label}: ours {e['ours_ms']} stock {e['stock_ms']} ratio {e['ratio']}")
+                log(f"forward {name} {label}: ours {e['ours_ms']} stock {e['stock_ms']} ratio {e['ratio']}"
+                    + (f" b / ours in turn {e.get('b_ratio')}" if args.contract_b is not None else ""))
         if "accuracy" in parts:
             try:
                 e = accuracy(torch, name, config, tensors, stock, contract, 5)
@@ -595,6 +642,7 @@ def main() -> int:
                        if args.in_order_completions else ""))
                 free(torch)
         del stock, model, tensors
+        args.model_b = None
         free(torch)
     save()
     return 0
