@@ -114,7 +114,7 @@ def forward_tiles(a, res: dict, base: TritonKernelConfigs, launches: list[tuple[
             return causal_conv1d_triton(x, cu, slots, torch.zeros(S, 3, x.shape[1], device=x.device, dtype=x.dtype),
                                         w, bias, c)
 
-        e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=form,
+        e = dict(shape=name, cell=label, tokens=x.shape[0], channels=x.shape[1], forward=form, silu=cfg.silu,
                  pinned=isinstance(form, list) and tuple(form) == pinned)
         try:
             out = run()
@@ -151,6 +151,7 @@ def main() -> int:
                     help="the walk's launches, rows x channels x warps (empty: the tile kernel alone)")
     ap.add_argument("--forward", default=[], type=launches(3),
                     help="the forward walk's launches, rows x channels x warps (instead of the backward)")
+    ap.add_argument("--configs", help='JSON of kernel configs over the pinned ones, e.g. \'{"silu":"device"}\'')
     ap.add_argument("--tiles", default=[], type=launches(2),
                     help="with --forward: the tile kernel's launches too, rows x channels")
     a = ap.parse_args()
@@ -169,7 +170,8 @@ def main() -> int:
                torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                commit=os.environ.get("GIT_COMMIT", "unknown"),
                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), cells=[])
-    base = TritonKernelConfigs()
+    base = TritonKernelConfigs(**json.loads(a.configs or "{}"))
+    res["configs"] = json.loads(a.configs or "{}")
     g0 = torch.Generator(device=dev).manual_seed(0)
     for name, (d, N, H) in shapes.items():
         Cd = d + 2 * N
