@@ -322,7 +322,8 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
     seqs = list(ids)
     n = 3 if args.quick else 5
     with torch.no_grad():
-        for side, fn in (("ours", lambda: model.forward(seqs)), ("stock", lambda: stock(ids).logits)):
+        sides = (("ours", lambda: model.forward(seqs)), ("stock", lambda: stock(ids).logits))
+        for side, fn in sides[:1] if args.ours_only else sides:
             try:
                 fn()
                 torch.cuda.synchronize()
@@ -498,7 +499,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
                     " to run ours with instead of the committed ones")
-    ap.add_argument("--ours-only", action="store_true", help="train: time and profile ours alone (the stock's "
+    ap.add_argument("--ours-only", action="store_true", help="train, forward: time and profile ours alone (the stock's "
                     "first call tunes for a minute or two)")
     ap.add_argument("--no-recompute", action="store_true",
                     help="ours holds the conv's and the gated norm's outputs to the backward (Mamba2Mixer.recompute "
