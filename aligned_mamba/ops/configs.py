@@ -87,9 +87,10 @@ class TritonKernelConfigs:
       conv_walk_warps (widths up to 4); else the tile kernel's conv_block_t x conv_block_c (the same bits);
       conv_block_c is also the window and decode kernels' channel block. conv_bwd_block_t, conv_bwd_block_c,
       conv_bwd_warps: the backward walk (last row to first; one weight-gradient partial per program, summed in order).
-    SiLU of the conv's forward and the gated norm's (conv1d/triton.py, norm/triton.py): silu "ieee" builds exp and
-      division of IEEE operations (``elementwise.silu``: the torch backend's bits), "device" takes the GPU's
-      (``ex2.approx``, ``div.full``: a few instructions, bits of this GPU architecture, prefill and decode alike).
+    SiLU of the conv's forward and the gated norm's (conv1d/triton.py, norm/triton.py): silu "device" takes the
+      GPU's exp and division (``ex2.approx``, ``div.full``: a few instructions, bits of this GPU architecture,
+      prefill and decode alike); "ieee" builds them of IEEE operations (``elementwise.silu``: the torch backend's
+      bits, about fifty instructions an element).
     Log-softmax (logprobs/triton.py): logprobs_block_v: a row's vocabulary block (its order); logprobs_num_warps;
       logprobs_split_max_m: calls of up to this many rows run a program per row and vocabulary slice, then a join
       (0: a program per row); the same bits either way.
@@ -171,7 +172,7 @@ class TritonKernelConfigs:
     conv_block_t: int = 8
     conv_block_c: int = 256
     conv_walk: bool = True
-    silu: str = "ieee"
+    silu: str = "device"
     conv_walk_block_t: int = 16
     conv_walk_block_c: int = 128
     conv_walk_warps: int = 1
