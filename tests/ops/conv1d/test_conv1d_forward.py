@@ -29,7 +29,6 @@ from kernel_cases import CFG, DEV, gpu, rand  # noqa: E402
 from aligned_mamba.ops import conv1d  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 
-
 IEEE = dataclasses.replace(CFG, silu="ieee")  # the torch op's bits
 
 
