@@ -20,6 +20,7 @@ GPU group (marked ``gpu``, skipped without CUDA): the same at a 1.3b-like layer 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -703,6 +704,40 @@ def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
     assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True, **at)))
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(("dx", "ddt", "dB", "dC", "dA", "dD", "dh0"), got, want)}
     assert all(e < rtol for e in errs.values()), errs
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gpu_dx_range_and_while_loops_give_the_same_gradients(bf16, monkeypatch):
+    """The dx kernel's t loop compiled as a pipelined range (at 2 and 3 stages) and as the while loop the
+    interpreter runs walk the same blocks in the same order: every gradient bit for bit, at mamba2-1.3b's
+    scan shape. Another t block (another order of dx's sum) gives other dx bits: the check can fail."""
+    H, P, G, N, L, lens = 64, 64, 1, 128, 256, [600, 77]
+    lv = _scan_leaves(9, lens, H, P, G, N)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    vals = {k: lv[k].to(dtype).float() for k in ("x", "B", "C")}
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    ch = pack_chunks(vals["x"], lv["dt"], vals["B"], cu, L, lv["dt_bias"], (0.0, math.inf))
+    NC = ch.x.shape[0]
+    Cc = torch.zeros(NC, G, L, N, device=DEV)
+    Cc[ch.row_chunk, :, ch.row_pos] = vals["C"]
+    dyc = torch.zeros(NC, H, L, P, device=DEV)
+    dyc[ch.row_chunk, :, ch.row_pos] = torch.randn(sum(lens), H, P, device=DEV).to(dtype).float()
+    grid = chunk_grid(cu.cpu(), None, L, DEV)
+
+    def grads(rt: bool, stages: int, cfg=CFG):
+        monkeypatch.setattr(ta, "BWD_DX_RANGE", rt)
+        monkeypatch.setattr(ta, "BWD_DX_OPTS", {"num_stages": stages})
+        return ta.chunk_scan_backward(ch, Cc, lv["A"], lv["D"], lv["h0"], dyc, cfg, bf16_operands=bf16,
+                                      first=grid.first, count=grid.count)
+
+    want = grads(False, 2)
+    for stages in (2, 3):
+        got = grads(True, stages)
+        assert all(torch.equal(u, v) for u, v in zip(got, want)), stages
+    other = grads(True, 2, dataclasses.replace(CFG, bwd_block_t=CFG.bwd_block_t // 2))
+    assert not torch.equal(other[0], want[0])
 
 
 def _layer_1_3b(seed: int, lens: tuple[int, ...]):
