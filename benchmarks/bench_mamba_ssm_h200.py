@@ -186,6 +186,14 @@ def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
     e[f"{prefix}_first_call_s"] = time.perf_counter() - t0
     del out
     free(torch)
+    peak(torch, step, e, prefix)
+    ts = cuda_ms(torch, lambda i: step(), n)
+    e[f"{prefix}_ms"] = statistics.median(ts)
+    e[f"{prefix}_times_ms"] = ts
+
+
+def peak(torch, step, e: dict, prefix: str) -> None:
+    """One call of ``step``: its peak memory, in all and above what was allocated before it."""
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     out = step()
@@ -193,9 +201,6 @@ def peak_and_times(torch, step, n: int, e: dict, prefix: str) -> None:
     e[f"{prefix}_peak_bytes"] = torch.cuda.max_memory_allocated()
     e[f"{prefix}_peak_above_weights_bytes"] = e[f"{prefix}_peak_bytes"] - base
     del out
-    ts = cuda_ms(torch, lambda i: step(), n)
-    e[f"{prefix}_ms"] = statistics.median(ts)
-    e[f"{prefix}_times_ms"] = ts
 
 
 def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
@@ -276,7 +281,7 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
             e["b_grads_differ_from_ours"] = len([1 for u, v in zip(b1, ours_step()) if not torch.equal(u, v)])
             del b1
             free(torch)
-            peak_and_times(torch, lambda: ours_step(c=args.contract_b), 1, e, "b")
+            peak(torch, lambda: ours_step(c=args.contract_b), e, "b")  # timed below, in turn with ours
             ab_times(torch, {"ours": ours_step, "b": lambda: ours_step(c=args.contract_b)}, max(n, 3), e)
             free(torch)
     except Exception as exc:  # noqa: BLE001 - a failed cell is a result
@@ -558,6 +563,8 @@ def main() -> int:
         ta.BWD_OPTS, ta.STATE_OPTS = k["BWD_OPTS"], k["STATE_OPTS"]
         ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
         ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
+        ta.BWD_DX_RANGE = k.get("BWD_DX_RANGE", ta.BWD_DX_RANGE)
+        ta.BWD_DX_OPTS = k.get("BWD_DX_OPTS", ta.BWD_DX_OPTS)
     from aligned_mamba.layers.mamba2 import Mamba2Mixer
 
     Mamba2Mixer.recompute = not args.no_recompute
@@ -568,13 +575,17 @@ def main() -> int:
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
-                              "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
-    contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
-                        kernel_configs=json.loads(args.configs) if args.configs else None)
+                              "STATE_OPTS": ta.STATE_OPTS, "BWD_DX_RANGE": ta.BWD_DX_RANGE,
+                              "BWD_DX_OPTS": ta.BWD_DX_OPTS, "from": args.scan_bwd or "committed"}
+    from aligned_mamba.ops.ssd import triton_chunk
+
+    meta["tile_loop_stages"] = triton_chunk.TILE_LOOP_STAGES
+    configs = json.loads(args.configs) if args.configs else None
+    contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)
     args.contract_b, args.model_b = None, None
     if args.configs_b:
         args.contract_b = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
-                                   kernel_configs={**json.loads(args.configs or "{}"), **json.loads(args.configs_b)})
+                                   kernel_configs={**(configs or {}), **json.loads(args.configs_b)})
         meta["contract_b"] = args.contract_b.to_dict()
     train = dict(meta, contract=contract.to_dict(), train=[])
     model_res = dict(meta, forward=[], decode=[], accuracy=[])
