@@ -29,8 +29,9 @@ Parts (each cell's CUDA-event median after a first call; the JSON is written aft
   with its default bf16 state and with an fp32 state. The three are timed in turns (``--rounds``
   rounds of ``--steps`` steps each, every step from an idle GPU, host work included); a cell's figure
   is the median of the rounds' medians. Ours' graph rows are checked against ``model.forward``.
-- accuracy: logits of 2 x 1024 tokens against the same weights in an fp32 mamba_ssm model (and an
-  fp32 contract of ours): relative error ||a - ref|| / ||ref|| and top-1 agreement.
+- accuracy: logits of ``--accuracy-seqs`` x 1024 tokens (2) against the same weights in an fp32 mamba_ssm
+  model (and an fp32 contract of ours): relative error ||a - ref|| / ||ref|| and top-1 agreement, and
+  each sequence's error for both bf16 sides (a paired comparison: in how many sequences ours is closer).
 
 Writes OUT/h200_train_mamba_ssm.json (train) and OUT/h200_model_mamba_ssm.json (the rest).
 """
@@ -459,13 +460,13 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     return e
 
 
-def accuracy(torch, name, config, tensors, stock, contract, seed: int) -> dict:
+def accuracy(torch, name, config, tensors, stock, contract, seed: int, seqs: int = 2) -> dict:
     from aligned_mamba import Contract
     from aligned_mamba.models import build_model
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, 1024), device=dev, generator=g)
+    ids = torch.randint(0, VOCAB, (seqs, 1024), device=dev, generator=g)
     with torch.no_grad():
         ref = copy.deepcopy(stock).float()
         r = ref(ids).logits.float()
@@ -476,7 +477,10 @@ def accuracy(torch, name, config, tensors, stock, contract, seed: int) -> dict:
         c32 = Contract(chunk_size=L, backend="triton", model_dtype="float32")
         o32 = torch.stack(build_model(config, tensors, c32, device=dev).forward(list(ids))).float()
     top = r.argmax(-1)
-    return {"shape": name, "tokens": 2048,
+    ours_seq, stock_seq = ([rel(a[i], r[i]) for i in range(seqs)] for a in (o, s))
+    return {"shape": name, "tokens": seqs * 1024, "ours_rel_err_by_seq": ours_seq,
+            "stock_bf16_rel_err_by_seq": stock_seq,
+            "ours_closer_in_seqs": sum(a < b for a, b in zip(ours_seq, stock_seq)),
             "ours_rel_err_vs_stock_fp32": rel(o, r), "stock_bf16_rel_err_vs_stock_fp32": rel(s, r),
             "ours_fp32_rel_err_vs_stock_fp32": rel(o32, r),
             "ours_rel_err_vs_ours_fp32": rel(o, o32), "stock_bf16_rel_err_vs_ours_fp32": rel(s, o32),
@@ -501,6 +505,7 @@ def main() -> int:
     ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
                     "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--accuracy-seqs", type=int, default=2, help="accuracy: sequences of 1024 tokens")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"
                     " to run ours with instead of the committed ones")
@@ -628,7 +633,7 @@ def main() -> int:
                     + (f" b / ours in turn {e.get('b_ratio')}" if args.contract_b is not None else ""))
         if "accuracy" in parts:
             try:
-                e = accuracy(torch, name, config, tensors, stock, contract, 5)
+                e = accuracy(torch, name, config, tensors, stock, contract, 5, args.accuracy_seqs)
             except Exception as exc:  # noqa: BLE001
                 e = {"shape": name, "error": f"{type(exc).__name__}: {exc}"}
                 log(traceback.format_exc())
