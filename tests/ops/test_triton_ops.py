@@ -100,6 +100,16 @@ for sw in (256, 1280):  # the sliced gated norm (TP slices): slices of 256 and o
     comp(f"norm:gated:sliced:normalize:{sw}", nst._slice_normalize_kernel,
          dict(y_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", ss_ptr="*fp32", eps="fp32"),
          dict(DEVICE_SILU=False, BLOCK_A=a, BLOCK_B=b), num_warps=warps, enable_fp_fusion=False)
+    # its backward (the default SiLU): the slices' shares of sum(g w vhat), then dy, dz and dw's partial sums
+    comp(f"norm:gated:sliced:backward_dot:{sw}", nst._slice_bwd_dot_kernel,
+         dict(y_ptr="*bf16", z_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", ss_ptr="*fp32", part_ptr="*fp32",
+              eps="fp32"), dict(DEVICE_SILU=cfg.device_silu, BLOCK_A=a, BLOCK_B=b), num_warps=warps,
+         enable_fp_fusion=False)
+    comp(f"norm:gated:sliced:backward:{sw}", nst._slice_bwd_kernel,
+         dict(y_ptr="*bf16", z_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", ss_ptr="*fp32", tot_ptr="*fp32",
+              dy_ptr="*bf16", dz_ptr="*bf16", dw_ptr="*fp32", eps="fp32"),
+         dict(DEVICE_SILU=cfg.device_silu, ROWS=cfg.norm_bwd_rows, BLOCK_A=a, BLOCK_B=b), num_warps=warps,
+         enable_fp_fusion=False)
 conv_t = dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
               out_ptr="*bf16")
 for bias in (False, True):
@@ -160,7 +170,7 @@ def test_every_op_kernel_compiles_for_sm90_with_the_instructions_it_was_tiled_fo
     done = run_sm90_script(_COMPILE_OPS, sm90_cache)
     by = {d["name"]: d for d in done}
     linear = [d for d in done if d["name"].startswith("linear:")]
-    assert len(linear) >= 10 and len(done) - len(linear) == 17 + 14 + 10, sorted(by)  # norms, conv1d, logprobs
+    assert len(linear) >= 10 and len(done) - len(linear) == 21 + 14 + 10, sorted(by)  # norms, conv1d, logprobs
     for d in done:
         if d["name"].startswith("norm:gated"):
             assert d["LDL"] == d["STL"] == 0, d  # a 5120-wide group's two blocks fit in registers too

@@ -3,14 +3,17 @@
 - interpreter: TP 1, 2, 4 and 8 (ranks as threads, their kernel launches one at a time) give TP 1's bits
   over 1, 2 and 4 groups (groups split across ranks and whole on one), with slices of a power-of-two width
   and of a two-block one; each rank's output within fp32 roundings of the torch form; a rank without rows
-  still meets the all-gather; the gradient is the torch form's, bit for bit. The baseline: a per-rank
-  norm (each rank's channels normalised alone) differs from TP 1.
+  still meets the all-gather; the backward's kernels give TP 1's gradient bits at every TP degree, within
+  fp32 roundings of the torch form's gradient. The baseline: a per-rank norm (each rank's channels
+  normalised alone) differs from TP 1, in the output and in the gradient.
 - gpu: the same TP equality in bf16 at the 8B hybrid's widths (8 groups of 1024, 16 slices) and the 2.7b's
-  one group of 5120 (slices of 1280: two blocks), and the rows of a call independent of M.
+  one group of 5120 (slices of 1280: two blocks), forward and gradient, and the rows of a call independent
+  of M.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -91,18 +94,70 @@ def test_a_rank_without_rows_meets_the_all_gather():
     assert _ranks(fn, 2) == [(0, 32), (0, 32)]
 
 
+def _grads(y, z, w, g, groups: int, slices: int, grp: TPGroup, torch_form: bool = False) -> tuple[torch.Tensor, ...]:
+    """(dy, dz, dweight) of the sliced norm (the Triton Function, or the torch form) against g."""
+    leaves = [t.clone().requires_grad_() for t in (y, z, w)]
+    if torch_form:
+        out = norm.gated_rms_norm_sliced(*leaves, 1e-5, groups, slices=slices, group=grp)
+    else:
+        out = ns.gated_rms_norm_sliced(*leaves, 1e-5, groups, slices=slices, group=grp, cfg=CFG)
+    return torch.autograd.grad(out, leaves, g)
+
+
+def _sharded_grads(y, z, w, g, groups: int, slices: int, size: int) -> list[torch.Tensor]:
+    def fn(grp: TPGroup) -> tuple[torch.Tensor, ...]:
+        ch = shard(y.shape[1], grp)
+        return _grads(y[:, ch], z[:, ch], w[ch], g[:, ch], groups, slices, grp)
+
+    parts = _ranks(fn, size)
+    return [torch.cat([p[i] for p in parts], dim=-1) for i in range(3)]
+
+
 @pytest.mark.interpreter
-def test_the_gradient_is_the_torch_forms():
-    y, z, w = rand(4, 32, seed=4), rand(4, 32, seed=5), rand(32, seed=6)
-    g = rand(4, 32, seed=7)
-    grads = []
-    for fn in (lambda *a: ns.gated_rms_norm_sliced(*a, slices=4, group=TPGroup.single(), cfg=CFG),
-               lambda *a: norm.gated_rms_norm_sliced(*a, slices=4, group=TPGroup.single())):
+@pytest.mark.parametrize("d,slices", [(64, 8), (80, 4)])
+def test_the_gradient_at_every_tp_degree_is_tp1s(d, slices):
+    """The backward's kernels (the slices' shares of sum(g w vhat) joined as the squares are): TP 2, 4 and 8
+    give TP 1's dy, dz and dweight bits; TP 1 within fp32 roundings of the torch form's gradient."""
+    y, w, g = rand(5, d, seed=11), rand(d, seed=12), rand(5, d, seed=13)
+    z = rand(5, d + 16, seed=14)[:, 8:8 + d]
+    single = TPGroup.single()
+    for groups in (1, 2):
+        if d // groups % slices:
+            continue
+        one = _grads(y, z, w, g, groups, slices, single)
+        ref = _grads(y, z, w, g, groups, slices, single, torch_form=True)
+        for a, b in zip(one, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        for size in (2, 4, 8):
+            if size > slices * groups or d % size:
+                continue
+            got = _sharded_grads(y, z, w, g, groups, slices, size)
+            assert all(torch.equal(a, b) for a, b in zip(got, one)), (groups, size)
+        if groups == 1:  # the baseline: each rank's channels normalised alone
+            alone = [torch.cat(p, dim=-1) for p in zip(*[
+                _grads(y[:, ch], z[:, ch], w[ch], g[:, ch], 1, 1, single)
+                for ch in (shard(d, TPGroup(r, 2, None)) for r in range(2))])]
+            assert not any(torch.equal(a, b) for a, b in zip(alone[:2], one[:2]))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("silu", ["ieee", "device"])
+def test_one_slice_gradient_is_the_unsliced_kernels(silu):
+    """One slice a group at TP 1 sums as the unsliced gated norm's backward does: the same dy, dz, dweight
+    bits, with either SiLU, so the sliced backward differentiates the SiLU its forward runs. The baseline:
+    against the other SiLU's unsliced backward, dz differs."""
+    from aligned_mamba.ops.norm import triton as nt
+
+    cfg, other = (dataclasses.replace(CFG, silu=s) for s in (silu, "device" if silu == "ieee" else "ieee"))
+    y, z, w, g = rand(6, 80, seed=21), rand(6, 80, seed=22, scale=3.0), rand(80, seed=23), rand(6, 80, seed=24)
+
+    def grads(fn) -> tuple[torch.Tensor, ...]:
         leaves = [t.clone().requires_grad_() for t in (y, z, w)]
-        out = fn(*leaves, 1e-5, 2)
-        grads.append(torch.autograd.grad(out, leaves, g))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+        return torch.autograd.grad(fn(*leaves), leaves, g)
+
+    sliced = grads(lambda *a: ns.gated_rms_norm_sliced(*a, 1e-5, 2, slices=1, group=TPGroup.single(), cfg=cfg))
+    assert all(torch.equal(a, b) for a, b in zip(sliced, grads(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, cfg))))
+    assert not torch.equal(sliced[1], grads(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, other))[1])
 
 
 # -- gpu ------------------------------------------------------------------------------------------------
@@ -125,6 +180,13 @@ def test_gpu_every_tp_degree_gives_tp1s_bits(d, groups, slices):
                                                group=TPGroup.single(), cfg=CFG)
 
     assert all(n == 0 for _, n in rows_invariant(call, torch.cat([y, z], dim=1), [1, 7, 300]))
+    gy = torch.randn(300, d, device="cuda", generator=g).to(torch.bfloat16)
+    grads = _grads(y, z, w, gy, groups, slices, TPGroup.single())
+    for size in (2, 4, 8):
+        if slices * groups % size == 0:
+            assert all(torch.equal(a, b) for a, b in zip(_sharded_grads(y, z, w, gy, groups, slices, size), grads))
+    for a, b in zip(grads, _grads(y, z, w, gy, groups, slices, TPGroup.single(), torch_form=True)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     ref = norm.gated_rms_norm(y, z, w, 1e-5, groups)  # a bf16 rounding apart at most, in few elements
     diff = (one.float() - ref.float()).abs()
     assert (diff <= ref.float().abs() * 2 ** -6 + 1e-6).all()
