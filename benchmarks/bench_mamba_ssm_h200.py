@@ -216,6 +216,26 @@ def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
     e["b_ratio"] = e["ab_b_ms"] / e["ab_ours_ms"]
 
 
+@contextlib.contextmanager
+def module_knobs(knobs: dict | None):
+    """``--knobs-b``: attributes of ``aligned_mamba.ops.ssd``'s modules ("module.NAME": value) set for the block,
+    then set back (launch choices outside the contract: the b side's step or forward runs under them)."""
+    from aligned_mamba.ops.ssd import triton_backward, triton_chunk
+
+    mods = {"triton_backward": triton_backward, "triton_chunk": triton_chunk}
+    old = {}
+    try:
+        for key, value in (knobs or {}).items():
+            mod, name = key.split(".")
+            old[key] = getattr(mods[mod], name)
+            setattr(mods[mod], name, value)
+        yield
+    finally:
+        for key, value in old.items():
+            mod, name = key.split(".")
+            setattr(mods[mod], name, value)
+
+
 HOLD_MARGIN = 128 << 20  # "stock": the budget this far below the stock's peak (the allocator's rounding)
 
 
@@ -277,13 +297,17 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
         if args.profile:
             e["ours_profile"] = kernel_table(torch, ours_step)
         if args.contract_b is not None:  # the other contract's step: its own repeat, then both in turn
-            b1 = ours_step(c=args.contract_b)  # two gradient sets live at most (80 GB cards)
-            e["b_grads_repeat_equal"] = all(torch.equal(u, v) for u, v in zip(b1, ours_step(c=args.contract_b)))
+            def b_step():
+                with module_knobs(args.knobs_b):
+                    return ours_step(c=args.contract_b)
+
+            b1 = b_step()  # two gradient sets live at most (80 GB cards)
+            e["b_grads_repeat_equal"] = all(torch.equal(u, v) for u, v in zip(b1, b_step()))
             e["b_grads_differ_from_ours"] = len([1 for u, v in zip(b1, ours_step()) if not torch.equal(u, v)])
             del b1
             free(torch)
-            peak(torch, lambda: ours_step(c=args.contract_b), e, "b")  # timed below, in turn with ours
-            ab_times(torch, {"ours": ours_step, "b": lambda: ours_step(c=args.contract_b)}, max(n, 3), e)
+            peak(torch, b_step, e, "b")  # timed below, in turn with ours
+            ab_times(torch, {"ours": ours_step, "b": b_step}, max(n, 3), e)
             free(torch)
     except Exception as exc:  # noqa: BLE001 - a failed cell is a result
         e["ours_error"] = f"{type(exc).__name__}: {exc}"
@@ -343,14 +367,17 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
                 log(traceback.format_exc())
             free(torch)
     if args.contract_b is not None and e["ours_ms"]:
-        model_b = args.model_b
+        def b_forward():
+            with module_knobs(args.knobs_b):
+                return args.model_b.forward(seqs)
+
         with torch.no_grad():
             try:
-                e["b_rows_equal_ours"] = all(map(torch.equal, model_b.forward(seqs), model.forward(seqs)))
+                e["b_rows_equal_ours"] = all(map(torch.equal, b_forward(), model.forward(seqs)))
                 free(torch)
-                ab_times(torch, {"ours": lambda: model.forward(seqs), "b": lambda: model_b.forward(seqs)}, n, e)
+                ab_times(torch, {"ours": lambda: model.forward(seqs), "b": b_forward}, n, e)
                 if args.profile:
-                    e["b_profile"] = kernel_table(torch, lambda: model_b.forward(seqs))
+                    e["b_profile"] = kernel_table(torch, b_forward)
             except Exception as exc:  # noqa: BLE001
                 e["b_error"] = f"{type(exc).__name__}: {exc}"
                 log(traceback.format_exc())
@@ -504,6 +531,8 @@ def main() -> int:
                     'e.g. \'{"bwd_bf16_dots":"round"}\'')
     ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
                     "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
+    ap.add_argument("--knobs-b", help="JSON of module knobs for the b side (alone or over --configs-b): "
+                    '{"triton_backward.BWD_DX_RANGE": false, "triton_chunk.TILE_LOOP_STAGES": 2}')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--accuracy-seqs", type=int, default=2, help="accuracy: sequences of 1024 tokens")
     ap.add_argument("--steps", type=int, default=10)
@@ -588,9 +617,11 @@ def main() -> int:
     configs = json.loads(args.configs) if args.configs else None
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)
     args.contract_b, args.model_b = None, None
-    if args.configs_b:
+    args.knobs_b = json.loads(args.knobs_b) if args.knobs_b else None
+    if args.configs_b or args.knobs_b:
         args.contract_b = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
-                                   kernel_configs={**(configs or {}), **json.loads(args.configs_b)})
+                                   kernel_configs={**(configs or {}), **json.loads(args.configs_b or "{}")})
+        meta["knobs_b"] = args.knobs_b
         meta["contract_b"] = args.contract_b.to_dict()
     train = dict(meta, contract=contract.to_dict(), train=[])
     model_res = dict(meta, forward=[], decode=[], accuracy=[])
