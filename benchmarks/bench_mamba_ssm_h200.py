@@ -532,7 +532,7 @@ def main() -> int:
     ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
                     "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
     ap.add_argument("--knobs-b", help="JSON of module knobs for the b side (alone or over --configs-b): "
-                    '{"triton_backward.BWD_DX_RANGE": false, "triton_chunk.TILE_LOOP_STAGES": 2}')
+                    '{"triton_backward.BWD_DX_RANGE": true, "triton_chunk.TILE_LOOP_STAGES": 2}')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--accuracy-seqs", type=int, default=2, help="accuracy: sequences of 1024 tokens")
     ap.add_argument("--steps", type=int, default=10)

@@ -43,9 +43,10 @@ Tensor = torch.Tensor
 BWD_HEADS_PER_PROGRAM = 64
 BWD_ROWS_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
-# The dx kernel's t loop: a run-time range where compiled, so the next block's loads issue while this block's dot
-# runs (Triton pipelines ``for`` loops only, at these stages); the interpreter walks the same blocks in a while loop.
-BWD_DX_RANGE = True
+# The dx kernel's t loop. True: a run-time range where compiled, so the next block's loads issue while this block's
+# dot runs (Triton pipelines ``for`` loops only, at these stages). False, and in the interpreter: a while loop over
+# the same blocks in the same order (the same bits; ``test_gpu_dx_range_and_while_loops_give_the_same_gradients``).
+BWD_DX_RANGE = False
 BWD_DX_OPTS: dict = {"num_stages": 2}  # over BWD_OPTS
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
