@@ -55,8 +55,8 @@ BF16_MODES = ("tile",)
 # and block_k replaced. A K block other than the pinned one is another contract (other bits, its
 # own decode): its "bitwise" against the pinned config is expected False. opts: {"tile": the
 # row-tile kernel's compile options (``triton_chunk.TILE_OPTS``, occupancy only), "dots": the
-# config's bf16_dots, "tile_loop": ``triton_chunk.TILE_LOOP_STAGES``, the score loop's pipelining, the same bits}.
-VARIANTS = [(64, 4, 64, 32, {"dots": "round"}), (64, 4, 64, 32, {"tile_loop": 2}), (64, 4, 64, 32, {"tile_loop": 3})]
+# config's bf16_dots}.
+VARIANTS = [(64, 4, 64, 32, {"dots": "round"})]
 # bf16 decode variants (--variants): "tile:nopdl", the tile kernel launched after the prep kernel
 # ends (no programmatic dependent launch: ``triton_decode.PDL``); "tile:bk64", a K block of 64
 # (config block_k, so prefill and decode: the bit check runs both with it); "tile:ns<k>:reg<n>",
@@ -443,7 +443,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
         del dtc
     if variants:
         out["variants"] = []
-        pinned_tile_opts, pinned_loop = tch.TILE_OPTS, tch.TILE_LOOP_STAGES
+        pinned_tile_opts = tch.TILE_OPTS
         try:
             for R, warps, pass_bp, bk, opts in VARIANTS:
                 if L % R:
@@ -451,7 +451,6 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                 vcfg = dataclasses.replace(cfg, row_tile=R, tile_num_warps=warps, pass_block_p=pass_bp, block_k=bk,
                                            bf16_dots=opts.get("dots", cfg.bf16_dots))
                 tch.TILE_OPTS = opts.get("tile", pinned_tile_opts)
-                tch.TILE_LOOP_STAGES = opts.get("tile_loop", pinned_loop)
                 vbackend = triton_backend(vcfg, L, dtype, dev)
                 reset()
                 y1 = ours(backend=vbackend)
@@ -465,7 +464,7 @@ def bench_prefill(torch, H, G, dims, lens, dtype, dev, n, warmup, upstream_scan,
                     v["ms"] = summary(ts)["median_ms"]
                 out["variants"].append(v)
         finally:
-            tch.TILE_OPTS, tch.TILE_LOOP_STAGES = pinned_tile_opts, pinned_loop
+            tch.TILE_OPTS = pinned_tile_opts
     if upstream_scan is not None and dev.type == "cuda":
         if S == 1:
             xu, dtu, Bu, Cu = (t.unsqueeze(0) for t in (x, dt, B, C))

@@ -532,7 +532,7 @@ def main() -> int:
     ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
                     "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
     ap.add_argument("--knobs-b", help="JSON of module knobs for the b side (alone or over --configs-b): "
-                    '{"triton_backward.BWD_DX_RANGE": true, "triton_chunk.TILE_LOOP_STAGES": 2}')
+                    '{"triton_backward.BWD_HEADS_PER_PROGRAM": 16}')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--accuracy-seqs", type=int, default=2, help="accuracy: sequences of 1024 tokens")
     ap.add_argument("--steps", type=int, default=10)
@@ -597,8 +597,6 @@ def main() -> int:
         ta.BWD_OPTS, ta.STATE_OPTS = k["BWD_OPTS"], k["STATE_OPTS"]
         ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
         ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
-        ta.BWD_DX_RANGE = k.get("BWD_DX_RANGE", ta.BWD_DX_RANGE)
-        ta.BWD_DX_OPTS = k.get("BWD_DX_OPTS", ta.BWD_DX_OPTS)
     from aligned_mamba.layers.mamba2 import Mamba2Mixer
 
     Mamba2Mixer.recompute = not args.no_recompute
@@ -609,11 +607,7 @@ def main() -> int:
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
-                              "STATE_OPTS": ta.STATE_OPTS, "BWD_DX_RANGE": ta.BWD_DX_RANGE,
-                              "BWD_DX_OPTS": ta.BWD_DX_OPTS, "from": args.scan_bwd or "committed"}
-    from aligned_mamba.ops.ssd import triton_chunk
-
-    meta["tile_loop_stages"] = triton_chunk.TILE_LOOP_STAGES
+                              "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     configs = json.loads(args.configs) if args.configs else None
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)
     args.contract_b, args.model_b = None, None

@@ -15,9 +15,6 @@ kernels read x and dy in place). CUDA-event medians of ``ssd_backward`` for:
   as the fastest of the first sweep at the first cell that keeps the contract's blocks;
 - vgrid: the pinned launch with the chunk-state dots reading B and C from fp32 chunk grids (copies)
   against reading the packed rows in place, the same bits;
-- dxloop: the pinned launch with the dx kernel's t loop as the while loop (never pipelined) against the
-  compiled range at 1-4 stages; every variant's gradients bit for bit against the while loop's (the same
-  blocks in the same order: any difference is a miscompile);
 - round: that best with ``bwd_bf16_dots = "round"`` (one MMA per fp32 operand, as mamba_ssm; not the
   contract's: what its precision would buy, for the record);
 - accuracy: each gradient's relative error (norm) at the pinned launch with "split2" and with "round",
@@ -89,13 +86,8 @@ def knobs(chunk: tuple, state: tuple) -> dict:
             "BWD_ROWS_HEADS_PER_PROGRAM": rows[0] if rows else hpp, "STATE_OPTS": so}
 
 
-DX_DEFAULTS = (ta.BWD_DX_RANGE, dict(ta.BWD_DX_OPTS))
-
-
 def apply(k: dict) -> None:
     ta.BWD_OPTS = dict(k["BWD_OPTS"])
-    ta.BWD_DX_RANGE = k.get("BWD_DX_RANGE", DX_DEFAULTS[0])
-    ta.BWD_DX_OPTS = dict(k.get("BWD_DX_OPTS", DX_DEFAULTS[1]))
     ta.BWD_HEADS_PER_PROGRAM = k["BWD_HEADS_PER_PROGRAM"]
     ta.BWD_ROWS_HEADS_PER_PROGRAM = k.get("BWD_ROWS_HEADS_PER_PROGRAM", k["BWD_HEADS_PER_PROGRAM"])
     ta.STATE_OPTS = dict(k["STATE_OPTS"])
@@ -202,16 +194,14 @@ def main() -> None:
             kernels = kernel_table(torch, lambda: call(cfg), top=40) if dev.type == "cuda" else None
             first = cell.setdefault("_first", got)
             err = max(rel(u, v) for u, v in zip(got, first) if u is not None)
-            equal_first = all(torch.equal(u, v) for u, v in zip(got, first) if u is not None)
             kms = kernels["device_total_ms"] if kernels else None
             cell["ours"].append({"variant": tag, "knobs": k, "bwd_bf16_dots": cfg.bwd_bf16_dots, "ms": ms,
                                  "kernels_ms": kms, "kernels": kernels and kernels["kernels"],
-                                 "max_rel_vs_first": err, "equal_first": equal_first, "repeat_equal": same})
+                                 "max_rel_vs_first": err, "repeat_equal": same})
             if cfg.bwd_bf16_dots == pinned.bwd_bf16_dots and same:
                 totals[tag] = totals.get(tag, 0.0) + ms
                 variants[tag] = k
-            print(cell["tokens"], tag, f"{ms:.3f} ms", f"kernels {kms or 0:.3f} ms", f"rel {err:.1e}",
-                  "equal first", equal_first, "repeat", same,
+            print(cell["tokens"], tag, f"{ms:.3f} ms", f"kernels {kms or 0:.3f} ms", f"rel {err:.1e}", "repeat", same,
                   flush=True)
         except Exception as e:  # noqa: BLE001
             cell["ours"].append({"variant": tag, "knobs": k, "error": repr(e)[:300]})
@@ -260,11 +250,6 @@ def main() -> None:
             finally:
                 ta._weighted_states = weighted
             run_variant(cell, "v rows | pinned", knobs(chunk_list[0], base_state), pinned, call)
-        if "dxloop" in sweeps:
-            for rt, st in ((False, 2), (True, 1), (True, 2), (True, 3), (True, 4)):
-                k = dict(knobs(chunk_list[0], base_state), BWD_DX_RANGE=rt, BWD_DX_OPTS={"num_stages": st})
-                run_variant(cell, f"dx {'range' if rt else 'while'} st{st} | pinned", k, pinned, call)
-            apply(knobs(chunk_list[0], base_state))
         if "state" in sweeps:
             for s_ in state_list[1:]:
                 ck = variants[best_chunk] if best_chunk else knobs(chunk_list[0], base_state)

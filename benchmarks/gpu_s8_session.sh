@@ -10,8 +10,8 @@
 # forward over NCCL (`tp_forward_gpus.py --megatron`); `tp1gpu`: its bits with every rank on one GPU.
 #
 #   OUT=/path bash benchmarks/gpu_s8_session.sh        # from the repository root
-#   STEPS="ccbuild tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc scanbwd vsms vsms2 tree ops
-#          tp tp1gpu prep"
+#   STEPS="ccbuild tests norms split walk convfwd train nanotrain h8blong nanolong views scanacc vsms vsms2 tree ops tp tp1gpu
+#          prep"
 #   TP_SIZES=1,2,4 WHEELS=.whl ...   (tp: megatron-core 0.16.1's wheel and `pip wheel --no-deps .` in WHEELS)
 #   TEST_FILES="tests/ops/attention ..." TEST_WORKERS=8 MAMBA_SSM=.anchors/mamba_ssm ...
 #   PYTEST_ARGS=-vv: a line per test as it ends (pyproject's addopts hold -q), kept when a step is cut
@@ -58,8 +58,6 @@ want views && step views "${VIEWS_S:-60}" python3 benchmarks/bench_decode_step_h
   --out "$W/h200_decode_step_views.json" --views --variants rt
 want scanacc && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step scanacc "${SCANACC_S:-90}" python3 \
   benchmarks/bench_scan_backward_h200.py --out "$W/h200_scan_backward_accuracy.json" --sweep accuracy ${SCANACC_ARGS:-}
-want scanbwd && step scanbwd "${SCANBWD_S:-90}" python3 benchmarks/bench_scan_backward_h200.py \
-  --out "$W/h200_scan_backward.json" ${SCANBWD_ARGS:---sweep dxloop --no-stock}
 want vsms && PYTHONPATH="$PYTHONPATH:$(dirname "$MAMBA_SSM")" step vsms "${VSMS_S:-200}" python3 \
   benchmarks/bench_mamba_ssm_h200.py --out-dir "$W" ${VSMS_ARGS:---shapes mamba2-1.3b --parts train --quick}
 # a second run (another variant of ours, its own stock), its JSON files in a folder of their own

@@ -86,8 +86,8 @@ def configs():
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
                     sD_h="i32", sD_p="i32", sx="i32", sc="i32", **rows),
-               dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC,
-                    LOOP_STAGES=tc.TILE_LOOP_STAGES), fuse, tc.TILE_OPTS if TC else {})
+               dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
+               tc.TILE_OPTS if TC else {})
         pdl = bool(TC)
         yield (f"decode_prep/{model}", td._prep_kernel,
                dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF, slots_ptr=I64,

@@ -20,7 +20,6 @@ GPU group (marked ``gpu``, skipped without CUDA): the same at a 1.3b-like layer 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -675,24 +674,6 @@ def test_gpu_ssd_prefill_gradients_at_a_1_3b_layer_shape(chunk, G):
     assert all(errs[k] < SCAN_RTOL[k] for k in SCAN_LEAVES), errs
 
 
-def _chunk_grid_inputs(seed: int, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """``chunk_scan_backward``'s inputs at mamba2-1.3b's scan shape (64 heads of 64, state 128, chunk 256) on
-    two sequences of 600 and 77 tokens, x, B, C and dy holding ``dtype``'s values in fp32: ((ch, Cc, A, D, h0,
-    dyc), dict(first, count))."""
-    H, P, G, N, L, lens = 64, 64, 1, 128, 256, [600, 77]
-    lv = _scan_leaves(seed, lens, H, P, G, N)
-    vals = {k: lv[k].to(dtype).float() for k in ("x", "B", "C")}
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
-    ch = pack_chunks(vals["x"], lv["dt"], vals["B"], cu, L, lv["dt_bias"], (0.0, math.inf))
-    NC = ch.x.shape[0]
-    Cc = torch.zeros(NC, G, L, N, device=DEV)
-    Cc[ch.row_chunk, :, ch.row_pos] = vals["C"]
-    dyc = torch.zeros(NC, H, L, P, device=DEV)
-    dyc[ch.row_chunk, :, ch.row_pos] = torch.randn(sum(lens), H, P, device=DEV).to(dtype).float()
-    grid = chunk_grid(cu.cpu(), None, L, DEV)
-    return (ch, Cc, lv["A"], lv["D"], lv["h0"], dyc), dict(first=grid.first, count=grid.count)
-
-
 @gpu
 @gpu_only
 @pytest.mark.parametrize("mode,rtol", [("split2", 1e-4), ("round", 2e-2)])
@@ -700,37 +681,28 @@ def test_gpu_bf16_scan_backward_dots_against_fp32(mode, rtol):
     """The backward kernels' tensor-core dots (a bf16 model: x, B, C, dy hold bf16 values) against their
     fp32 FMA dots at the same inputs, mamba2-1.3b's scan shape: "split2" (fp32 operands in two bf16
     terms) close to fp32, "round" (one term, as mamba_ssm) at bf16 precision; and deterministic."""
+    from aligned_mamba.ops.ssd.chunk import pack_chunks
     from aligned_mamba.ops.ssd.triton_backward import chunk_scan_backward
 
-    args, at = _chunk_grid_inputs(8, torch.bfloat16)
+    H, P, G, N, L, lens = 64, 64, 1, 128, 256, [600, 77]
+    lv = _scan_leaves(8, lens, H, P, G, N)
+    bf = {k: lv[k].to(torch.bfloat16).float() for k in ("x", "B", "C")}  # bf16 values, held in fp32
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    ch = pack_chunks(bf["x"], lv["dt"], bf["B"], cu, L, lv["dt_bias"], (0.0, math.inf))
+    NC = ch.x.shape[0]
+    Cc = torch.zeros(NC, G, L, N, device=DEV)
+    Cc[ch.row_chunk, :, ch.row_pos] = bf["C"]
+    dyc = torch.zeros(NC, H, L, P, device=DEV)
+    dyc[ch.row_chunk, :, ch.row_pos] = torch.randn(sum(lens), H, P, device=DEV).to(torch.bfloat16).float()
+    args = (ch, Cc, lv["A"], lv["D"], lv["h0"], dyc)
+    grid = chunk_grid(cu.cpu(), None, L, DEV)
+    at = dict(first=grid.first, count=grid.count)
     want = chunk_scan_backward(*args, CFG, bf16_operands=False, **at)
     cfg = TritonKernelConfigs(bwd_bf16_dots=mode)
     got = chunk_scan_backward(*args, cfg, bf16_operands=True, **at)
     assert all(torch.equal(u, v) for u, v in zip(got, chunk_scan_backward(*args, cfg, bf16_operands=True, **at)))
     errs = {k: rel_err(u, v.double()) for k, u, v in zip(("dx", "ddt", "dB", "dC", "dA", "dD", "dh0"), got, want)}
     assert all(e < rtol for e in errs.values()), errs
-
-
-@gpu
-@gpu_only
-@pytest.mark.parametrize("bf16", [False, True])
-def test_gpu_dx_range_and_while_loops_give_the_same_gradients(bf16, monkeypatch):
-    """The dx kernel's t loop compiled as a pipelined range (at 2 and 3 stages) and as the while loop the
-    interpreter runs walk the same blocks in the same order: every gradient bit for bit, at mamba2-1.3b's
-    scan shape. Another t block (another order of dx's sum) gives other dx bits: the check can fail."""
-    args, at = _chunk_grid_inputs(9, torch.bfloat16 if bf16 else torch.float32)
-
-    def grads(rt: bool, stages: int, cfg=CFG):
-        monkeypatch.setattr(ta, "BWD_DX_RANGE", rt)
-        monkeypatch.setattr(ta, "BWD_DX_OPTS", {"num_stages": stages})
-        return ta.chunk_scan_backward(*args, cfg, bf16_operands=bf16, **at)
-
-    want = grads(False, 2)
-    for stages in (2, 3):
-        got = grads(True, stages)
-        assert all(torch.equal(u, v) for u, v in zip(got, want)), stages
-    other = grads(True, 2, dataclasses.replace(CFG, bwd_block_t=CFG.bwd_block_t // 2))
-    assert not torch.equal(other[0], want[0])
 
 
 def _layer_1_3b(seed: int, lens: tuple[int, ...]):

@@ -43,11 +43,6 @@ Tensor = torch.Tensor
 BWD_HEADS_PER_PROGRAM = 64
 BWD_ROWS_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
-# The dx kernel's t loop. True: a run-time range where compiled, so the next block's loads issue while this block's
-# dot runs (Triton pipelines ``for`` loops only, at these stages). False, and in the interpreter: a while loop over
-# the same blocks in the same order (the same bits; ``test_gpu_dx_range_and_while_loops_give_the_same_gradients``).
-BWD_DX_RANGE = False
-BWD_DX_OPTS: dict = {"num_stages": 2}  # over BWD_OPTS
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -132,7 +127,7 @@ def _bwd_dx_kernel(
     sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, RT_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr,
 ):
     """Chunk c, head h (pid 0), s block pid 1: dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block)
     + w_s dh_out B_s + D dy_s; f_s = exp(a_L - a_s) x_s . (dh_out B_s), ddt's part through w; the block's share of dD
@@ -152,16 +147,16 @@ def _bwd_dx_kernel(
     a_s = tl.load(a_ptr + ch * L + s)
     dt_s = tl.load(dt_ptr + ch * L + s)
     acc = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-    t_first = tl.program_id(1) * BS
-    t_first = t_first - t_first % BT  # the t block holding the diagonal: blocks below it are all zero
-    if RT_RANGE:
-        for t0 in tl.range(t_first, L, BT):
-            acc = _dx_block(acc, t0, s, a_s, a_ptr, ch, cb_g, yb, sy_l, p, pm, L, BT, PRECISION, TC)
-    else:  # the interpreter (triton_chunk's docstring): the same blocks in the same order
-        t0 = t_first
-        while t0 < L:
-            acc = _dx_block(acc, t0, s, a_s, a_ptr, ch, cb_g, yb, sy_l, p, pm, L, BT, PRECISION, TC)
-            t0 += BT
+    t0 = tl.program_id(1) * BS
+    t0 = t0 - t0 % BT
+    while t0 < L:
+        t = t0 + tl.arange(0, BT)
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = _operand(tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0), TC)
+        cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
+        decay = tl.where(t[None, :] >= s[:, None], tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+        acc = dot_acc(acc, cbT * decay, dy_t, TC, 1, PRECISION)
+        t0 += BT
 
     # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
     x_s = tl.load(x_ptr + c * sx_c + h * sx_h + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
@@ -176,18 +171,6 @@ def _bwd_dx_kernel(
     tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], dx.to(dx_ptr.dtype.element_ty), mask=pm)
     tl.store(f_ptr + ch * L + s, f)
     tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + p, tl.sum(dy_s * x_s, axis=0))
-
-
-@triton.jit
-def _dx_block(acc, t0, s, a_s, a_ptr, ch, cb_g, yb, sy_l, p, pm, L: tl.constexpr, BT: tl.constexpr,
-              PRECISION: tl.constexpr, TC: tl.constexpr):
-    """acc [BS, BLOCK_P] + (cb[t, s] exp(a_t - a_s), t >= s) @ dy_t over the t block at t0."""
-    t = t0 + tl.arange(0, BT)
-    a_t = tl.load(a_ptr + ch * L + t)
-    dy_t = _operand(tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0), TC)
-    cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
-    decay = tl.where(t[None, :] >= s[:, None], tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
-    return dot_acc(acc, cbT * decay, dy_t, TC, 1, PRECISION)
 
 
 @triton.jit
@@ -412,8 +395,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         sx, sy = x.stride()[:3], dy.stride()[:3]
         dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc)
         _bwd_dx_kernel[(NC * H, NS)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
-                                    *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims,
-                                    RT_RANGE=BWD_DX_RANGE and not interpreting(), **{**launch, **BWD_DX_OPTS})
+                                    *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
         _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
                                                       **dims, **launch)
         for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):

@@ -38,9 +38,6 @@ from .triton_dot import dot_acc, tensor_core_dots
 
 # occupancy only, never the arithmetic: pipelining buffers would fill shared memory (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
-# The row tile's score loop where compiled: 0 walks it in a while loop (never pipelined), k > 0 in a run-time range
-# pipelined at k stages. The same blocks in the same order either way: the bits do not depend on it.
-TILE_LOOP_STAGES = 0
 PACK_ROWS = 32
 
 
@@ -296,7 +293,7 @@ def _tile_output_kernel(
     tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p, sx, sc,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    TC: tl.constexpr,
 ):
     """y of one row tile (R rows of a chunk), head h = pid 0, a BLOCK_P block: y_t = [exp(a_t) (C_t . h_in) +
     sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t, the intra dots accumulating onto the inter term.
@@ -332,16 +329,11 @@ def _tile_output_kernel(
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
     xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, sx, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
-    if LOOP_STAGES > 0:  # compiled only (TILE_LOOP_STAGES)
-        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=LOOP_STAGES):
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-    else:
-        k0 = 0
-        while k0 < t0 + R:
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-            k0 += BLOCK_K
+    k0 = 0
+    while k0 < t0 + R:
+        acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                           PRECISION, TC)
+        k0 += BLOCK_K
 
     x_t = tl.load(xb + t[:, None] * xs + p[None, :], mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
@@ -449,8 +441,8 @@ def scan_planned(
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
                 plan.tile_pos, plan.tile_rows, sD_h, sD_p, x.stride(0), C.stride(0), G=G, **dims, R=R,
                 BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
-                LOOP_STAGES=0 if interpreting() else TILE_LOOP_STAGES, num_warps=cfg.tile_num_warps,
-                enable_fp_fusion=fuse, **(TILE_OPTS if tc else {}),
+                num_warps=cfg.tile_num_warps, enable_fp_fusion=fuse,
+                **(TILE_OPTS if tc else {}),
             )
 
     # one chunk per sequence: its boundary state is its slot's, read before the pass moves it

@@ -48,8 +48,6 @@ def comp(fn, types, consts, fuse, warps=NW):
         opts.update(tc.TILE_OPTS)
     if consts.get("TC") and fn is td._tile_kernel:
         opts.update(td.TILE_OPTS)
-    if fn is tb._bwd_dx_kernel:  # its launch's stages (the t loop pipelines at them)
-        opts.update(tb.BWD_DX_OPTS)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     done.append(f"{fn.fn.__name__}:{consts.get('TC', 'fp32')}")
 
@@ -69,8 +67,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                       tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", sx="i32", sc="i32",
                                       **rows),
-         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC,
-              LOOP_STAGES=tc.TILE_LOOP_STAGES), fuse)
+         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", **ROW_STRIDES),
@@ -94,7 +91,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
     bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
     comp(tb._bwd_dx_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})),
-         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128, RT_RANGE=tb.BWD_DX_RANGE), fuse, bwd_warps)
+         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128), fuse, bwd_warps)
     comp(tb._bwd_dcb_kernel, dict(strides, **rows_x), dict(dims, BS=BS, BT=BT, HPP=HPP), fuse, bwd_warps)
     for to_end, rb in ((True, BS), (False, BT)):  # the states' shares of dB and of dC (and da)
         comp(tb._bwd_rows_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
@@ -260,39 +257,3 @@ def test_step_kernel_has_no_contracted_fma(sm90_cache):
     res = run_sm90_script(_STEP_FMA, sm90_cache)
     for tc, r in res.items():
         assert r == dict(fma=0, mma=True, atom=True), (tc, r)
-
-
-_DX_LOOP = r"""
-import inspect, json, os
-os.environ.pop("TRITON_INTERPRET", None)
-from triton.compiler import ASTSource
-from sm90_offline import compile_until
-from aligned_mamba.ops.configs import TritonKernelConfigs
-from aligned_mamba.ops.ssd import triton_backward as tb
-
-cfg = TritonKernelConfigs()
-bf = "*bf16"
-types = dict(sD_h="i32", sD_p="i32", x_ptr=bf, dy_ptr=bf, dx_ptr=bf,
-             **{f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"})
-out = {}
-for rt in (False, True):
-    consts = dict(H=32, G=1, L=256, P=64, N=128, BLOCK_P=64, BLOCK_N=128, BS=cfg.bwd_block_s, BT=cfg.bwd_block_t,
-                  PRECISION=cfg.dot_precision, TC=2, RT_RANGE=rt)
-    fn = tb._bwd_dx_kernel
-    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in inspect.signature(fn.fn).parameters}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
-    k = compile_until(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                      dict(num_warps=cfg.bwd_warps, enable_fp_fusion=False, **tb.BWD_DX_OPTS), until="ttgir")
-    out[str(rt)] = k.asm["ttgir"].count("async_copy_global_to_local")
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow
-def test_dx_loop_is_pipelined_where_compiled(sm90_cache):
-    """The scan backward's dx kernel walks its t blocks in a run-time ``tl.range`` where compiled, so
-    Triton pipelines the blocks' loads (asynchronous copies at the launch's stages); the while loop the
-    interpreter runs over the same blocks is never pipelined. Its bits against the while loop's:
-    ``test_dx_range_and_while_loops_give_the_same_gradients`` (GPU)."""
-    res = run_sm90_script(_DX_LOOP, sm90_cache)
-    assert res["False"] == 0 and res["True"] > 0, res
