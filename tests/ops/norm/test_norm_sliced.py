@@ -105,9 +105,14 @@ def _grads(y, z, w, g, groups: int, slices: int, grp: TPGroup, torch_form: bool 
 
 
 def _sharded_grads(y, z, w, g, groups: int, slices: int, size: int) -> list[torch.Tensor]:
+    """Each rank's forward and backward called directly, not through autograd: a CUDA backward runs on
+    autograd's device thread, where one rank waiting in the all-gather would hold up the others."""
     def fn(grp: TPGroup) -> tuple[torch.Tensor, ...]:
         ch = shard(y.shape[1], grp)
-        return _grads(y[:, ch], z[:, ch], w[ch], g[:, ch], groups, slices, grp)
+        _, ss = ns.gated_rms_norm_sliced_triton(y[:, ch], z[:, ch], w[ch], 1e-5, groups, slices=slices, group=grp,
+                                                cfg=CFG, with_ss=True)
+        return ns.gated_rms_norm_sliced_backward_triton(y[:, ch], z[:, ch], w[ch], 1e-5, groups, g[:, ch], ss,
+                                                        slices=slices, group=grp, cfg=CFG)
 
     parts = _ranks(fn, size)
     return [torch.cat([p[i] for p in parts], dim=-1) for i in range(3)]
