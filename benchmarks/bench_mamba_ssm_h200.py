@@ -612,6 +612,11 @@ def main() -> int:
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)
     args.contract_b, args.model_b = None, None
     args.knobs_b = json.loads(args.knobs_b) if args.knobs_b else None
+    try:  # unknown knobs refused here, before the models load
+        with module_knobs(args.knobs_b):
+            pass
+    except (KeyError, AttributeError, ValueError) as exc:
+        ap.error(f"--knobs-b: {type(exc).__name__}: {exc} (keys are module.NAME of triton_backward, triton_chunk)")
     if args.configs_b or args.knobs_b:
         args.contract_b = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
                                    kernel_configs={**(configs or {}), **json.loads(args.configs_b or "{}")})

@@ -94,14 +94,19 @@ def test_a_rank_without_rows_meets_the_all_gather():
     assert _ranks(fn, 2) == [(0, 32), (0, 32)]
 
 
+def _autograd(fn, y, z, w, g) -> tuple[torch.Tensor, ...]:
+    """(dy, dz, dweight) of fn(y, z, w) against g, through autograd."""
+    leaves = [t.clone().requires_grad_() for t in (y, z, w)]
+    return torch.autograd.grad(fn(*leaves), leaves, g)
+
+
 def _grads(y, z, w, g, groups: int, slices: int, grp: TPGroup, torch_form: bool = False) -> tuple[torch.Tensor, ...]:
     """(dy, dz, dweight) of the sliced norm (the Triton Function, or the torch form) against g."""
-    leaves = [t.clone().requires_grad_() for t in (y, z, w)]
     if torch_form:
-        out = norm.gated_rms_norm_sliced(*leaves, 1e-5, groups, slices=slices, group=grp)
-    else:
-        out = ns.gated_rms_norm_sliced(*leaves, 1e-5, groups, slices=slices, group=grp, cfg=CFG)
-    return torch.autograd.grad(out, leaves, g)
+        return _autograd(lambda *a: norm.gated_rms_norm_sliced(*a, 1e-5, groups, slices=slices, group=grp), y, z, w,
+                         g)
+    return _autograd(lambda *a: ns.gated_rms_norm_sliced(*a, 1e-5, groups, slices=slices, group=grp, cfg=CFG), y, z,
+                     w, g)
 
 
 def _sharded_grads(y, z, w, g, groups: int, slices: int, size: int) -> list[torch.Tensor]:
@@ -154,15 +159,12 @@ def test_one_slice_gradient_is_the_unsliced_kernels(silu):
     from aligned_mamba.ops.norm import triton as nt
 
     cfg, other = (dataclasses.replace(CFG, silu=s) for s in (silu, "device" if silu == "ieee" else "ieee"))
-    y, z, w, g = rand(6, 80, seed=21), rand(6, 80, seed=22, scale=3.0), rand(80, seed=23), rand(6, 80, seed=24)
-
-    def grads(fn) -> tuple[torch.Tensor, ...]:
-        leaves = [t.clone().requires_grad_() for t in (y, z, w)]
-        return torch.autograd.grad(fn(*leaves), leaves, g)
-
-    sliced = grads(lambda *a: ns.gated_rms_norm_sliced(*a, 1e-5, 2, slices=1, group=TPGroup.single(), cfg=cfg))
-    assert all(torch.equal(a, b) for a, b in zip(sliced, grads(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, cfg))))
-    assert not torch.equal(sliced[1], grads(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, other))[1])
+    inputs = rand(6, 80, seed=21), rand(6, 80, seed=22, scale=3.0), rand(80, seed=23), rand(6, 80, seed=24)
+    sliced = _autograd(lambda *a: ns.gated_rms_norm_sliced(*a, 1e-5, 2, slices=1, group=TPGroup.single(), cfg=cfg),
+                       *inputs)
+    unsliced = _autograd(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, cfg), *inputs)
+    assert all(torch.equal(a, b) for a, b in zip(sliced, unsliced))
+    assert not torch.equal(sliced[1], _autograd(lambda *a: nt.gated_rms_norm(*a, 1e-5, 2, other), *inputs)[1])
 
 
 # -- gpu ------------------------------------------------------------------------------------------------
