@@ -43,6 +43,10 @@ Tensor = torch.Tensor
 BWD_HEADS_PER_PROGRAM = 64
 BWD_ROWS_HEADS_PER_PROGRAM = 64
 BWD_OPTS: dict = {"num_stages": 2}
+# The state rows' launch (dB's and dC's state shares): rows a program (None: the contract's s or t block) and options
+# over the others'. Each row is its own sum over P, so neither moves a bit.
+BWD_ROWS_BLOCK: int | None = None
+BWD_ROWS_OPTS: dict = {}
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -343,8 +347,9 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     G, N = ch.B.shape[1], ch.B.shape[3]
     S, HG, dev, f32 = h0.shape[0], H // G, ch.x.device, torch.float32
     BS, BT = _blocks(L, cfg)
-    if L % BS or L % BT or BS < 16 or BT < 16:
-        raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
+    if L % BS or L % BT or BS < 16 or BT < 16 or L % (BWD_ROWS_BLOCK or 16) or (BWD_ROWS_BLOCK or 16) < 16:
+        raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} (state rows "
+                         f"{BWD_ROWS_BLOCK or 'the same'}) must divide it (>= 16)")
     tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bwd_bf16_dots)
     opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (ch.x, dyc))
@@ -398,9 +403,11 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                                     *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
         _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
                                                       **dims, **launch)
+        rows_launch = {**launch, **BWD_ROWS_OPTS}
         for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
+            rb = BWD_ROWS_BLOCK or rb
             _bwd_rows_kernel[(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
-                                                     BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **launch)
+                                                     BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **rows_launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]

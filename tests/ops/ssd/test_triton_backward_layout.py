@@ -94,6 +94,49 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
     assert _rel(dict(zip(ARGS, _backward(half, gy, lens, chunk, cfg)))["B"], base["B"]) > 1e-2
 
 
+def _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, opts):
+    """The state rows' launch at ``block`` rows a program (and ``opts``) against the contract's blocks: every
+    gradient bit for bit, where summing the rows' heads in other partials (the check's baseline) moves dB."""
+    base = _backward(lv, gy, lens, chunk, cfg)
+    monkeypatch.setattr(ta, "BWD_ROWS_BLOCK", block)
+    monkeypatch.setattr(ta, "BWD_ROWS_OPTS", opts)
+    got = _backward(lv, gy, lens, chunk, cfg)
+    differ = [k for k, u, v in zip(ARGS, got, base) if not torch.equal(u, v)]
+    assert not differ, (block, differ)
+    monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 2)  # pairs of heads, the pairs summed by torch
+    other = _backward(lv, gy, lens, chunk, cfg)
+    assert not torch.equal(other[ARGS.index("B")], base[ARGS.index("B")]), "the baseline does not differ"
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(CUDA, reason="the interpreter's fp32 form; the GPU test below covers the compiled one")
+@pytest.mark.parametrize("block", [32, 64])
+def test_state_rows_block_keeps_every_bit(monkeypatch, block):
+    H, P, G, N, chunk, lens = 4, 16, 1, 16, 64, [128, 64]
+    cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
+    lv = _leaves(8, lens, H, P, G, N, torch.float32)
+    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(9)).to(DEV)
+    _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, {"num_warps": 8})
+
+
+def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatch):
+    monkeypatch.setattr(ta, "BWD_ROWS_BLOCK", 96)
+    lens = [256]
+    lv = _leaves(1, lens, 2, 16, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="state rows 96"):
+        _backward(lv, torch.zeros(256, 2, 16, device=DEV), lens, 256, TritonKernelConfigs())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_state_rows_of_128_keep_every_bit(monkeypatch):
+    """mamba2-2.7b's scan shape in bf16 (80 heads: partials of 16 heads), state rows of 128 at 8 warps."""
+    H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
+    lv = _leaves(10, lens, H, P, G, N, torch.bfloat16)
+    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, torch.bfloat16)
+    _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), 128, {"num_warps": 8})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_bf16_rows_in_place_give_the_packed_grids_bits():
