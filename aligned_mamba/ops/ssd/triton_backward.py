@@ -38,10 +38,11 @@ from .triton_dot import dot_acc, tensor_core_dots
 Tensor = torch.Tensor
 
 # Launch choices beyond the contract's configs (gradients only: a sum's order over heads, occupancy; never a
-# forward's bits). A dcb (state-rows) program sums BWD_(ROWS_)HEADS_PER_PROGRAM heads of a group in order (fewer
-# where the group's heads do not split so), the partials summed by torch; a num_warps here overrides bwd_warps.
-BWD_HEADS_PER_PROGRAM = 64
-BWD_ROWS_HEADS_PER_PROGRAM = 64
+# forward's bits). A dcb (state-rows) program sums up to BWD_(ROWS_)HEADS_PER_PROGRAM heads of a group in order (the
+# largest divisor of the group's heads not above it), the partials summed by torch: a whole group a program where it
+# fits (80 heads at 2.7b, where 16-head partials cost the step 3%); a num_warps here overrides bwd_warps.
+BWD_HEADS_PER_PROGRAM = 128
+BWD_ROWS_HEADS_PER_PROGRAM = 128
 BWD_OPTS: dict = {"num_stages": 2}
 # The state rows' launch (dB's and dC's state shares): rows a program (None: the contract's s or t block) and options
 # over the others'. Each row is its own sum over P, so neither moves a bit.
@@ -325,6 +326,11 @@ def _bwd_epilogue_kernel(
         tl.store(dbp_ptr + ch, tl.sum(g, axis=0))
 
 
+def heads_per_program(cap: int, group: int) -> int:
+    """The most heads, at most ``cap``, that split a group of ``group`` heads evenly (1 divides every group)."""
+    return max(d for d in range(1, min(cap, group) + 1) if group % d == 0)
+
+
 def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
     """The s and t row blocks at chunk size L (a chunk shorter than a block is one block)."""
     return min(cfg.bwd_block_s, L), min(cfg.bwd_block_t, L)
@@ -383,9 +389,9 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         raise ValueError(f"dx_out must be [{NC}, {H}, {L}, {P}] with unit stride along P, not {tuple(dx.shape)}")
     f = torch.empty(NC, H, L, device=dev, dtype=f32)
     das = torch.empty_like(f)
-    HPP = math.gcd(BWD_HEADS_PER_PROGRAM, HG)  # heads a program sums: a divisor of the group's
+    HPP = heads_per_program(BWD_HEADS_PER_PROGRAM, HG)  # heads a program sums: a divisor of the group's
     K = HG // HPP  # programs per chunk and group: the partials of dcb, summed below
-    RPP = math.gcd(BWD_ROWS_HEADS_PER_PROGRAM, HG)
+    RPP = heads_per_program(BWD_ROWS_HEADS_PER_PROGRAM, HG)
     KR = HG // RPP  # the same for the state rows' partials
     NS = L // BS
     dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)

@@ -4,6 +4,7 @@ CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several
 (``BWD_HEADS_PER_PROGRAM``, ``BWD_ROWS_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA,
 dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
 rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
+The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``) move no bit (also on the GPU).
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -94,18 +95,26 @@ def test_heads_per_program_and_state_blocks_keep_the_gradient(monkeypatch):
     assert _rel(dict(zip(ARGS, _backward(half, gy, lens, chunk, cfg)))["B"], base["B"]) > 1e-2
 
 
+@pytest.mark.parametrize("cap, group, heads", [(128, 80, 80), (128, 64, 64), (128, 256, 128), (64, 80, 40),
+                                              (16, 80, 16), (7, 24, 6), (1, 5, 1)])
+def test_heads_per_program_is_the_largest_divisor_up_to_the_cap(cap, group, heads):
+    assert ta.heads_per_program(cap, group) == heads
+
+
 def _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, opts):
     """The state rows' launch at ``block`` rows a program (and ``opts``) against the contract's blocks: every
-    gradient bit for bit, where summing the rows' heads in other partials (the check's baseline) moves dB."""
+    gradient bit for bit, where summing the rows' heads in other partials (the check's baseline) moves dB. fp32
+    leaves only: rounded to bf16, a partial sum's last bits rarely show in dB."""
     base = _backward(lv, gy, lens, chunk, cfg)
     monkeypatch.setattr(ta, "BWD_ROWS_BLOCK", block)
     monkeypatch.setattr(ta, "BWD_ROWS_OPTS", opts)
     got = _backward(lv, gy, lens, chunk, cfg)
     differ = [k for k, u, v in zip(ARGS, got, base) if not torch.equal(u, v)]
     assert not differ, (block, differ)
-    monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 2)  # pairs of heads, the pairs summed by torch
-    other = _backward(lv, gy, lens, chunk, cfg)
-    assert not torch.equal(other[ARGS.index("B")], base[ARGS.index("B")]), "the baseline does not differ"
+    if lv["x"].dtype == torch.float32:
+        monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 2)  # pairs of heads, the pairs summed by torch
+        other = _backward(lv, gy, lens, chunk, cfg)
+        assert not torch.equal(other[ARGS.index("B")], base[ARGS.index("B")]), "the baseline does not differ"
 
 
 @pytest.mark.interpreter
@@ -129,11 +138,13 @@ def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_state_rows_of_128_keep_every_bit(monkeypatch):
-    """mamba2-2.7b's scan shape in bf16 (80 heads: partials of 16 heads), state rows of 128 at 8 warps."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_state_rows_of_128_keep_every_bit(monkeypatch, dtype):
+    """mamba2-2.7b's scan shape (80 heads, one program a group), state rows of 128 at 8 warps: bf16 (tensor-core
+    dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
-    lv = _leaves(10, lens, H, P, G, N, torch.bfloat16)
-    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, torch.bfloat16)
+    lv = _leaves(10, lens, H, P, G, N, dtype)
+    gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)
     _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), 128, {"num_warps": 8})
 
 
