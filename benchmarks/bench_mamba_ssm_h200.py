@@ -216,24 +216,33 @@ def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
     e["b_ratio"] = e["ab_b_ms"] / e["ab_ours_ms"]
 
 
+def _knob_module(key: str):
+    """The module and attribute of a ``--knobs-b`` key: "module.NAME" (a module of ``aligned_mamba.ops.ssd``) or
+    "package.module.NAME" (of ``aligned_mamba.ops``, e.g. "conv1d.triton.NAME")."""
+    import importlib
+
+    *path, name = key.split(".")
+    if len(path) not in (1, 2):
+        raise ValueError(f"{key!r}: expected module.NAME or package.module.NAME")
+    mod = importlib.import_module("aligned_mamba.ops." + (f"ssd.{path[0]}" if len(path) == 1 else ".".join(path)))
+    getattr(mod, name)  # an unknown name: AttributeError
+    return mod, name
+
+
 @contextlib.contextmanager
 def module_knobs(knobs: dict | None):
-    """``--knobs-b``: attributes of ``aligned_mamba.ops.ssd``'s modules ("module.NAME": value) set for the block,
+    """``--knobs-b``: module attributes of ``aligned_mamba.ops`` (``_knob_module``'s keys) set for the block,
     then set back (launch choices outside the contract: the b side's step or forward runs under them)."""
-    from aligned_mamba.ops.ssd import triton_backward, triton_chunk
-
-    mods = {"triton_backward": triton_backward, "triton_chunk": triton_chunk}
     old = {}
     try:
         for key, value in (knobs or {}).items():
-            mod, name = key.split(".")
-            old[key] = getattr(mods[mod], name)
-            setattr(mods[mod], name, value)
+            mod, name = _knob_module(key)
+            old[key] = (mod, name, getattr(mod, name))
+            setattr(mod, name, value)
         yield
     finally:
-        for key, value in old.items():
-            mod, name = key.split(".")
-            setattr(mods[mod], name, value)
+        for mod, name, value in old.values():
+            setattr(mod, name, value)
 
 
 HOLD_MARGIN = 128 << 20  # "stock": the budget this far below the stock's peak (the allocator's rounding)
@@ -487,7 +496,7 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     return e
 
 
-def accuracy(torch, name, config, tensors, stock, contract, seed: int, seqs: int = 2) -> dict:
+def accuracy(torch, name, config, tensors, stock, contract, seed: int, seqs: int) -> dict:
     from aligned_mamba import Contract
     from aligned_mamba.models import build_model
 
@@ -607,6 +616,7 @@ def main() -> int:
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
+                              "BWD_ROWS_BLOCK": ta.BWD_ROWS_BLOCK, "BWD_ROWS_OPTS": ta.BWD_ROWS_OPTS,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     configs = json.loads(args.configs) if args.configs else None
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)
@@ -615,8 +625,9 @@ def main() -> int:
     try:  # unknown knobs refused here, before the models load
         with module_knobs(args.knobs_b):
             pass
-    except (KeyError, AttributeError, ValueError) as exc:
-        ap.error(f"--knobs-b: {type(exc).__name__}: {exc} (keys are module.NAME of triton_backward, triton_chunk)")
+    except (ImportError, AttributeError, ValueError) as exc:
+        ap.error(f"--knobs-b: {type(exc).__name__}: {exc} (keys: module.NAME of aligned_mamba.ops.ssd, or "
+                 "package.module.NAME of aligned_mamba.ops)")
     if args.configs_b or args.knobs_b:
         args.contract_b = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16",
                                    kernel_configs={**(configs or {}), **json.loads(args.configs_b or "{}")})
