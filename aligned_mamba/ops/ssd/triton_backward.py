@@ -48,6 +48,10 @@ BWD_OPTS: dict = {"num_stages": 2}
 # over the others'. Each row is its own sum over P, so neither moves a bit.
 BWD_ROWS_BLOCK: int | None = None
 BWD_ROWS_OPTS: dict = {}
+# The dx, dcb and state-rows launches as one flat grid, a chunk's (and head's) programs side by side, so the tiles
+# they reload (dh_out, h_in, x, dy) come from L2; else two axes, the chunk's programs one grid row apart. Each
+# program computes the same either way.
+BWD_FLAT_GRID = False
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -132,17 +136,18 @@ def _bwd_dx_kernel(
     sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
 ):
     """Chunk c, head h (pid 0), s block pid 1: dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block)
     + w_s dh_out B_s + D dy_s; f_s = exp(a_L - a_s) x_s . (dh_out B_s), ddt's part through w; the block's share of dD
     into dDp [NC, H, L / BS, BLOCK_P]. x, dy, dx [NC, H, L, P] strided (dx in its own dtype); dt/a/f [NC, H, L],
-    B [NC, G, L, N], cb [NC, G, L, L], dh [NC, H, P, N] (dh_out) fp32, contiguous; D strided."""
-    ch = tl.program_id(0).to(tl.int64)
+    B [NC, G, L, N], cb [NC, G, L, L], dh [NC, H, P, N] (dh_out) fp32, contiguous; D strided. FLAT: the grid's form
+    (``_outer_inner``)."""
+    ch, sb = _outer_inner(L // BS, FLAT)
     c = ch // H
     h = ch % H
     cg = c * G + h // (H // G)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    s = sb * BS + tl.arange(0, BS)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     pm = (p < P)[None, :]
@@ -152,7 +157,7 @@ def _bwd_dx_kernel(
     a_s = tl.load(a_ptr + ch * L + s)
     dt_s = tl.load(dt_ptr + ch * L + s)
     acc = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-    t0 = tl.program_id(1) * BS
+    t0 = sb * BS
     t0 = t0 - t0 % BT
     while t0 < L:
         t = t0 + tl.arange(0, BT)
@@ -175,14 +180,31 @@ def _bwd_dx_kernel(
     dx = dt_s[:, None] * acc + (decay_L * dt_s)[:, None] * hb + d[None, :] * dy_s
     tl.store(dx_ptr + c * so_c + h * so_h + s[:, None] * so_l + p[None, :], dx.to(dx_ptr.dtype.element_ty), mask=pm)
     tl.store(f_ptr + ch * L + s, f)
-    tl.store(dDp_ptr + (ch * (L // BS) + tl.program_id(1)) * BLOCK_P + p, tl.sum(dy_s * x_s, axis=0))
+    tl.store(dDp_ptr + (ch * (L // BS) + sb) * BLOCK_P + p, tl.sum(dy_s * x_s, axis=0))
 
 
 @triton.jit
-def _group_part(H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr):
-    """pid 0 = (chunk * G + group) * K + k, K = H / G / HPP programs a group, each summing HPP heads: the chunk,
+def _outer_inner(INNER: tl.constexpr, FLAT: tl.constexpr):
+    """A program's (outer, inner) ids: pid 0 and pid 1 of a two-axis grid, or of a flat grid of outer x INNER
+    programs, inner fastest (FLAT)."""
+    if FLAT:
+        outer = tl.program_id(0).to(tl.int64) // INNER
+        inner = (tl.program_id(0) % INNER).to(tl.int32)
+    else:
+        outer = tl.program_id(0).to(tl.int64)
+        inner = tl.program_id(1)
+    return outer, inner
+
+
+def _grid(outer: int, inner: int) -> tuple[int, ...]:
+    """``_outer_inner``'s launch grid under ``BWD_FLAT_GRID``."""
+    return (outer * inner,) if BWD_FLAT_GRID else (outer, inner)
+
+
+@triton.jit
+def _group_part(part, H: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr):
+    """part = (chunk * G + group) * K + k, K = H / G / HPP programs a group, each summing HPP heads: the chunk,
     its first head, the chunk's group row and the program's partial row."""
-    part = tl.program_id(0).to(tl.int64)
     K: tl.constexpr = H // G // HPP
     cg = part // K
     return cg // G, (cg % G) * (H // G) + (part % K) * HPP, cg, part
@@ -193,17 +215,18 @@ def _bwd_dcb_kernel(
     x_ptr, dt_ptr, a_ptr, cb_ptr, dy_ptr, dcb_ptr, dap_ptr, dep_ptr, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
 ):
     """Chunk c, HPP heads of a group (pid 0, ``_group_part``), tile of t block i, s block j (pid 1 = i * L / BS + j):
     W[t, s] = exp(a_t - a_s) dt_s xdy[s, t] (s <= t), the gradient of cb[t, s] through one head; dcb = its sum over
     the program's heads in order (a partial a program, [NC * G * K, L, L]); per head the tile's shares of da,
     sum_s W cb (dap [NC, H, L / BS, L]), and of ddt, sum_t W cb / dt_s (dep [NC, H, L / BT, L]); tiles above the
     diagonal write no share. x, dy strided; dt/a [NC, H, L], cb [NC, G, L, L] fp32."""
-    c, h0, cg, part = _group_part(H, G, HPP)
     NS: tl.constexpr = L // BS
-    i = tl.program_id(1) // NS
-    j = tl.program_id(1) % NS
+    part, tile = _outer_inner((L // BT) * NS, FLAT)
+    c, h0, cg, part = _group_part(part, H, G, HPP)
+    i = tile // NS
+    j = tile % NS
     t = i * BT + tl.arange(0, BT)
     s = j * BS + tl.arange(0, BS)
     p = tl.arange(0, BLOCK_P)
@@ -237,14 +260,15 @@ def _bwd_rows_kernel(
     u_ptr, v_ptr, a_ptr, dt_ptr, C_ptr, out_ptr, das_ptr, su_c, su_h, su_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
-    TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr,
+    TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
 ):
     """Chunk c, HPP heads of a group (pid 0), row block pid 1: out [BR, N] = the sum over the program's heads, in order,
     of w_l (u_l v), v [P, N] the head's state: the states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l)
     dt_l) or of dC (u = dy, v = h_in, w_l = exp(a_l)), then per head da's state part das = w_l C_l . (u_l v). u strided;
     v [NC, H, P, N], a/dt/das [NC, H, L], C [NC, G, L, N] fp32; out [NC * G * KR, L, N], a partial a program."""
-    c, h0, cg, part = _group_part(H, G, HPP)
-    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    part, rb = _outer_inner(L // BR, FLAT)
+    c, h0, cg, part = _group_part(part, H, G, HPP)
+    rows = rb * BR + tl.arange(0, BR)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     pm = (p < P)[None, :]
@@ -404,16 +428,16 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     launch = {**opts, **BWD_OPTS}
     if NC:
         sx, sy = x.stride()[:3], dy.stride()[:3]
-        dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc)
-        _bwd_dx_kernel[(NC * H, NS)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
-                                    *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
-        _bwd_dcb_kernel[(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT, HPP=HPP,
-                                                      **dims, **launch)
+        dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc, FLAT=BWD_FLAT_GRID)
+        _bwd_dx_kernel[_grid(NC * H, NS)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
+                                         *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
+        _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT,
+                                                           HPP=HPP, **dims, **launch)
         rows_launch = {**launch, **BWD_ROWS_OPTS}
         for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
             rb = BWD_ROWS_BLOCK or rb
-            _bwd_rows_kernel[(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
-                                                     BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **rows_launch)
+            _bwd_rows_kernel[_grid(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
+                                                          BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **rows_launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]

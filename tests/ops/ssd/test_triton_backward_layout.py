@@ -4,7 +4,8 @@ CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several
 (``BWD_HEADS_PER_PROGRAM``, ``BWD_ROWS_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA,
 dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
 rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
-The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``) move no bit (also on the GPU).
+The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``) and the flat grid (``BWD_FLAT_GRID``)
+move no bit (also on the GPU).
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -101,16 +102,16 @@ def test_heads_per_program_is_the_largest_divisor_up_to_the_cap(cap, group, head
     assert ta.heads_per_program(cap, group) == heads
 
 
-def _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, opts):
-    """The state rows' launch at ``block`` rows a program (and ``opts``) against the contract's blocks: every
-    gradient bit for bit, where summing the rows' heads in other partials (the check's baseline) moves dB. fp32
-    leaves only: rounded to bf16, a partial sum's last bits rarely show in dB."""
+def _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, **knobs):
+    """The backward under launch ``knobs`` (``triton_backward``'s module attributes) against the defaults: every
+    gradient bit for bit, where summing the state rows' heads in other partials (the check's baseline) moves dB.
+    fp32 leaves only: rounded to bf16, a partial sum's last bits rarely show in dB."""
     base = _backward(lv, gy, lens, chunk, cfg)
-    monkeypatch.setattr(ta, "BWD_ROWS_BLOCK", block)
-    monkeypatch.setattr(ta, "BWD_ROWS_OPTS", opts)
+    for name, value in knobs.items():
+        monkeypatch.setattr(ta, name, value)
     got = _backward(lv, gy, lens, chunk, cfg)
     differ = [k for k, u, v in zip(ARGS, got, base) if not torch.equal(u, v)]
-    assert not differ, (block, differ)
+    assert not differ, (knobs, differ)
     if lv["x"].dtype == torch.float32:
         monkeypatch.setattr(ta, "BWD_ROWS_HEADS_PER_PROGRAM", 2)  # pairs of heads, the pairs summed by torch
         other = _backward(lv, gy, lens, chunk, cfg)
@@ -119,13 +120,14 @@ def _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, op
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(CUDA, reason="the interpreter's fp32 form; the GPU test below covers the compiled one")
-@pytest.mark.parametrize("block", [32, 64])
-def test_state_rows_block_keeps_every_bit(monkeypatch, block):
+@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=32, BWD_ROWS_OPTS={"num_warps": 8}),
+                                   dict(BWD_ROWS_BLOCK=64), dict(BWD_FLAT_GRID=True)])
+def test_state_rows_block_and_flat_grid_keep_every_bit(monkeypatch, knobs):
     H, P, G, N, chunk, lens = 4, 16, 1, 16, 64, [128, 64]
-    cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=16)
+    cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=32)
     lv = _leaves(8, lens, H, P, G, N, torch.float32)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(9)).to(DEV)
-    _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, block, {"num_warps": 8})
+    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, **knobs)
 
 
 def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatch):
@@ -139,13 +141,14 @@ def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_state_rows_of_128_keep_every_bit(monkeypatch, dtype):
-    """mamba2-2.7b's scan shape (80 heads, one program a group), state rows of 128 at 8 warps: bf16 (tensor-core
-    dots) and fp32 leaves."""
+@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=True)])
+def test_gpu_launch_knobs_keep_every_bit(monkeypatch, dtype, knobs):
+    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the flat grid; bf16
+    (tensor-core dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
     lv = _leaves(10, lens, H, P, G, N, dtype)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)
-    _rows_block_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), 128, {"num_warps": 8})
+    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), **knobs)
 
 
 @pytest.mark.gpu
