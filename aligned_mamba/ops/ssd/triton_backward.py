@@ -377,7 +377,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     G, N = ch.B.shape[1], ch.B.shape[3]
     S, HG, dev, f32 = h0.shape[0], H // G, ch.x.device, torch.float32
     BS, BT = _blocks(L, cfg)
-    if L % BS or L % BT or BS < 16 or BT < 16 or L % (BWD_ROWS_BLOCK or 16) or (BWD_ROWS_BLOCK or 16) < 16:
+    RS, RT = BWD_ROWS_BLOCK or BS, BWD_ROWS_BLOCK or BT  # the state rows' blocks: dB's, dC's
+    if any(L % b or b < 16 for b in (BS, BT, RS, RT)):
         raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} (state rows "
                          f"{BWD_ROWS_BLOCK or 'the same'}) must divide it (>= 16)")
     tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bwd_bf16_dots)
@@ -434,8 +435,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT,
                                                            HPP=HPP, **dims, **launch)
         rows_launch = {**launch, **BWD_ROWS_OPTS}
-        for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
-            rb = BWD_ROWS_BLOCK or rb
+        for u, v, out, rb, to_end in ((x, dh_out, dBs, RS, True), (dy, h_in, dCs, RT, False)):
             _bwd_rows_kernel[_grid(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
                                                           BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **rows_launch)
 
