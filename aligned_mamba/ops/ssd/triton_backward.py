@@ -52,6 +52,9 @@ BWD_ROWS_OPTS: dict = {}
 # they reload (dh_out, h_in, x, dy) come from L2; else two axes, the chunk's programs one grid row apart. Each
 # program computes the same either way.
 BWD_FLAT_GRID = False
+# dC's state rows hold the chunk's C rows as bf16 through the head loop (exact: with tensor-core dots C's values are
+# bf16), widened at each use: half the registers the fp32 tile holds, where the rows kernel spills at 4 warps.
+BWD_ROWS_NARROW_C = False
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -261,6 +264,7 @@ def _bwd_rows_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
+    NARROW_C: tl.constexpr = False,
 ):
     """Chunk c, HPP heads of a group (pid 0), row block pid 1: out [BR, N] = the sum over the program's heads, in order,
     of w_l (u_l v), v [P, N] the head's state: the states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l)
@@ -276,6 +280,8 @@ def _bwd_rows_kernel(
     sm = (p < P)[:, None] & nm
     if not TO_END:
         C_l = tl.load(C_ptr + (cg * L + rows[:, None]) * N + n[None, :], mask=nm, other=0.0)
+        if NARROW_C:
+            C_l = _operand(C_l, TC)
     acc = tl.zeros((BR, BLOCK_N), dtype=tl.float32)
     for k in range(HPP):
         h = h0 + k
@@ -289,7 +295,7 @@ def _bwd_rows_kernel(
             w = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_l) * tl.load(dt_ptr + ch * L + rows)
         else:
             w = tl.exp(a_l)
-            tl.store(das_ptr + ch * L + rows, w * tl.sum(C_l * uv, axis=1))
+            tl.store(das_ptr + ch * L + rows, w * tl.sum(C_l.to(tl.float32) * uv, axis=1))
         acc += w[:, None] * uv
     tl.store(out_ptr + (part * L + rows[:, None]) * N + n[None, :], acc, mask=nm)
 
@@ -437,7 +443,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         rows_launch = {**launch, **BWD_ROWS_OPTS}
         for u, v, out, rb, to_end in ((x, dh_out, dBs, RS, True), (dy, h_in, dCs, RT, False)):
             _bwd_rows_kernel[_grid(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
-                                                          BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims, **rows_launch)
+                                                          BLOCK_N=BN, HPP=RPP, TO_END=to_end,
+                                                          NARROW_C=BWD_ROWS_NARROW_C, **dims, **rows_launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]

@@ -141,10 +141,11 @@ def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=True)])
+@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=True),
+                                   dict(BWD_ROWS_NARROW_C=True)])
 def test_gpu_launch_knobs_keep_every_bit(monkeypatch, dtype, knobs):
-    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the flat grid; bf16
-    (tensor-core dots) and fp32 leaves."""
+    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the flat grid, C held
+    as bf16 in dC's rows (tensor-core dots only); bf16 (tensor-core dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
     lv = _leaves(10, lens, H, P, G, N, dtype)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)
