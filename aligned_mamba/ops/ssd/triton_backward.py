@@ -51,7 +51,7 @@ BWD_ROWS_OPTS: dict = {}
 # The dx, dcb and state-rows launches as one flat grid, a chunk's (and head's) programs side by side, so the tiles
 # they reload (dh_out, h_in, x, dy) come from L2; else two axes, the chunk's programs one grid row apart. Each
 # program computes the same either way.
-BWD_FLAT_GRID = False
+BWD_FLAT_GRID = True
 # dC's state rows hold the chunk's C rows as bf16 through the head loop (exact: with tensor-core dots C's values are
 # bf16), widened at each use: half the registers the fp32 tile holds, where the rows kernel spills at 4 warps.
 BWD_ROWS_NARROW_C = False

@@ -4,8 +4,8 @@ CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several
 (``BWD_HEADS_PER_PROGRAM``, ``BWD_ROWS_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA,
 dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
 rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
-The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``) and the flat grid (``BWD_FLAT_GRID``)
-move no bit (also on the GPU).
+The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``), the two-axis grid against the flat
+default (``BWD_FLAT_GRID``) and C held as bf16 in dC's rows (``BWD_ROWS_NARROW_C``) move no bit (also on the GPU).
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -121,7 +121,7 @@ def _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, **knobs):
 @pytest.mark.interpreter
 @pytest.mark.skipif(CUDA, reason="the interpreter's fp32 form; the GPU test below covers the compiled one")
 @pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=32, BWD_ROWS_OPTS={"num_warps": 8}),
-                                   dict(BWD_ROWS_BLOCK=64), dict(BWD_FLAT_GRID=True)])
+                                   dict(BWD_ROWS_BLOCK=64), dict(BWD_FLAT_GRID=False)])
 def test_state_rows_block_and_flat_grid_keep_every_bit(monkeypatch, knobs):
     H, P, G, N, chunk, lens = 4, 16, 1, 16, 64, [128, 64]
     cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=32)
@@ -141,10 +141,10 @@ def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=True),
+@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=False),
                                    dict(BWD_ROWS_NARROW_C=True)])
 def test_gpu_launch_knobs_keep_every_bit(monkeypatch, dtype, knobs):
-    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the flat grid, C held
+    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the two-axis grid, C held
     as bf16 in dC's rows (tensor-core dots only); bf16 (tensor-core dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
     lv = _leaves(10, lens, H, P, G, N, dtype)
