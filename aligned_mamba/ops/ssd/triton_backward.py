@@ -199,9 +199,9 @@ def _outer_inner(INNER: tl.constexpr, FLAT: tl.constexpr):
     return outer, inner
 
 
-def _grid(outer: int, inner: int) -> tuple[int, ...]:
-    """``_outer_inner``'s launch grid under ``BWD_FLAT_GRID``."""
-    return (outer * inner,) if BWD_FLAT_GRID else (outer, inner)
+def _grid(outer: int, inner: int, flat: bool) -> tuple[int, ...]:
+    """``_outer_inner``'s launch grid, its FLAT = ``flat``."""
+    return (outer * inner,) if flat else (outer, inner)
 
 
 @triton.jit
@@ -435,16 +435,17 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     launch = {**opts, **BWD_OPTS}
     if NC:
         sx, sy = x.stride()[:3], dy.stride()[:3]
-        dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc, FLAT=BWD_FLAT_GRID)
-        _bwd_dx_kernel[_grid(NC * H, NS)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
-                                         *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
-        _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS, BT=BT,
-                                                           HPP=HPP, **dims, **launch)
+        flat = BWD_FLAT_GRID  # read once: the grids and the kernels' FLAT agree
+        dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc, FLAT=flat)
+        _bwd_dx_kernel[_grid(NC * H, NS, flat)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
+                                                *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
+        _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS, flat)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS,
+                                                                 BT=BT, HPP=HPP, **dims, **launch)
         rows_launch = {**launch, **BWD_ROWS_OPTS}
         for u, v, out, rb, to_end in ((x, dh_out, dBs, RS, True), (dy, h_in, dCs, RT, False)):
-            _bwd_rows_kernel[_grid(NC * G * KR, L // rb)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N, BR=rb,
-                                                          BLOCK_N=BN, HPP=RPP, TO_END=to_end,
-                                                          NARROW_C=BWD_ROWS_NARROW_C, **dims, **rows_launch)
+            _bwd_rows_kernel[_grid(NC * G * KR, L // rb, flat)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N,
+                                                                BR=rb, BLOCK_N=BN, HPP=RPP, TO_END=to_end,
+                                                                NARROW_C=BWD_ROWS_NARROW_C, **dims, **rows_launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]

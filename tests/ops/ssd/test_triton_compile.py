@@ -85,7 +85,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(td._step_kernel, STEP_TYPES, dict(STEP_CONSTS, TC=TC, HAS_LIMIT=TC == 1), False)
     # the scan's backward (fp32 chunk tensors but x, dy and dx: strided views of the packed rows, in the
     # model dtype; the dots' precision as the forward's)
-    dims = dict(H=32, G=1, L=256, P=64, BLOCK_P=64, PRECISION=cfg.dot_precision, TC=TC)
+    dims = dict(H=32, G=1, L=256, P=64, BLOCK_P=64, PRECISION=cfg.dot_precision, TC=TC, FLAT=tb.BWD_FLAT_GRID)
     BS, BT, HPP = cfg.bwd_block_s, cfg.bwd_block_t, tb.heads_per_program(tb.BWD_HEADS_PER_PROGRAM, 32)
     rows_x = dict(x_ptr=bf, dy_ptr=bf) if TC else {}
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
