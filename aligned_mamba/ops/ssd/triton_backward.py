@@ -18,6 +18,7 @@ and sums across programs are torch reductions.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -356,6 +357,7 @@ def _bwd_epilogue_kernel(
         tl.store(dbp_ptr + ch, tl.sum(g, axis=0))
 
 
+@functools.cache
 def heads_per_program(cap: int, group: int) -> int:
     """The most heads, at most ``cap``, that split a group of ``group`` heads evenly (1 divides every group)."""
     return max(d for d in range(1, min(cap, group) + 1) if group % d == 0)
