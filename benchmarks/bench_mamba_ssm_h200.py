@@ -496,32 +496,47 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     return e
 
 
-def accuracy(torch, name, config, tensors, stock, contract, seed: int, seqs: int) -> dict:
+def accuracy(torch, name, config, tensors, stock, contract, seed: int, seqs: int, contract_b=None,
+             knobs_b: dict | None = None) -> dict:
+    """Logits error against mamba_ssm's model in fp32 on ``seqs`` x 1024 random tokens: ours, the stock in bf16,
+    ours in fp32, and ours under ``contract_b`` and ``knobs_b`` (``--configs-b``, ``--knobs-b``) where given, its
+    ``b_`` keys."""
     from aligned_mamba import Contract
     from aligned_mamba.models import build_model
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     ids = torch.randint(0, VOCAB, (seqs, 1024), device=dev, generator=g)
+
+    def ours(c):
+        return torch.stack(build_model(config, tensors, c, device=dev).forward(list(ids))).float()
+
     with torch.no_grad():
         ref = copy.deepcopy(stock).float()
         r = ref(ids).logits.float()
         del ref
         free(torch)
         s = stock(ids).logits.float()
-        o = torch.stack(build_model(config, tensors, contract, device=dev).forward(list(ids))).float()
-        c32 = Contract(chunk_size=L, backend="triton", model_dtype="float32")
-        o32 = torch.stack(build_model(config, tensors, c32, device=dev).forward(list(ids))).float()
+        o = ours(contract)
+        o32 = ours(Contract(chunk_size=L, backend="triton", model_dtype="float32"))
+        with module_knobs(knobs_b):
+            ob = None if contract_b is None else ours(contract_b)
     top = r.argmax(-1)
     ours_seq, stock_seq = ([rel(a[i], r[i]) for i in range(seqs)] for a in (o, s))
-    return {"shape": name, "tokens": seqs * 1024, "ours_rel_err_by_seq": ours_seq,
-            "stock_bf16_rel_err_by_seq": stock_seq,
-            "ours_closer_in_seqs": sum(a < b for a, b in zip(ours_seq, stock_seq)),
-            "ours_rel_err_vs_stock_fp32": rel(o, r), "stock_bf16_rel_err_vs_stock_fp32": rel(s, r),
-            "ours_fp32_rel_err_vs_stock_fp32": rel(o32, r),
-            "ours_rel_err_vs_ours_fp32": rel(o, o32), "stock_bf16_rel_err_vs_ours_fp32": rel(s, o32),
-            "ours_top1_agree": float((o.argmax(-1) == top).float().mean()),
-            "stock_bf16_top1_agree": float((s.argmax(-1) == top).float().mean())}
+    e = {"shape": name, "tokens": seqs * 1024, "ours_rel_err_by_seq": ours_seq,
+         "stock_bf16_rel_err_by_seq": stock_seq,
+         "ours_closer_in_seqs": sum(a < b for a, b in zip(ours_seq, stock_seq)),
+         "ours_rel_err_vs_stock_fp32": rel(o, r), "stock_bf16_rel_err_vs_stock_fp32": rel(s, r),
+         "ours_fp32_rel_err_vs_stock_fp32": rel(o32, r),
+         "ours_rel_err_vs_ours_fp32": rel(o, o32), "stock_bf16_rel_err_vs_ours_fp32": rel(s, o32),
+         "ours_top1_agree": float((o.argmax(-1) == top).float().mean()),
+         "stock_bf16_top1_agree": float((s.argmax(-1) == top).float().mean())}
+    if ob is not None:
+        b_seq = [rel(ob[i], r[i]) for i in range(seqs)]
+        e.update({"b_rel_err_by_seq": b_seq, "b_closer_in_seqs": sum(a < b for a, b in zip(b_seq, stock_seq)),
+                  "b_rel_err_vs_stock_fp32": rel(ob, r), "b_rel_err_vs_ours_fp32": rel(ob, o32),
+                  "b_top1_agree": float((ob.argmax(-1) == top).float().mean())})
+    return e
 
 
 def main() -> int:
@@ -675,7 +690,8 @@ def main() -> int:
                     + (f" b / ours in turn {e.get('b_ratio')}" if args.contract_b is not None else ""))
         if "accuracy" in parts:
             try:
-                e = accuracy(torch, name, config, tensors, stock, contract, 5, args.accuracy_seqs)
+                e = accuracy(torch, name, config, tensors, stock, contract, 5, args.accuracy_seqs, args.contract_b,
+                             args.knobs_b)
             except Exception as exc:  # noqa: BLE001
                 e = {"shape": name, "error": f"{type(exc).__name__}: {exc}"}
                 log(traceback.format_exc())
