@@ -142,11 +142,11 @@ def _bwd_dx_kernel(
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
 ):
-    """Chunk c, head h (pid 0), s block pid 1: dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block)
-    + w_s dh_out B_s + D dy_s; f_s = exp(a_L - a_s) x_s . (dh_out B_s), ddt's part through w; the block's share of dD
-    into dDp [NC, H, L / BS, BLOCK_P]. x, dy, dx [NC, H, L, P] strided (dx in its own dtype); dt/a/f [NC, H, L],
-    B [NC, G, L, N], cb [NC, G, L, L], dh [NC, H, P, N] (dh_out) fp32, contiguous; D strided. FLAT: the grid's form
-    (``_outer_inner``)."""
+    """Chunk c, head h (the outer id), s block (the inner id; ``_outer_inner``, FLAT the grid's form):
+    dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block) + w_s dh_out B_s + D dy_s;
+    f_s = exp(a_L - a_s) x_s . (dh_out B_s), ddt's part through w; the block's share of dD into
+    dDp [NC, H, L / BS, BLOCK_P]. x, dy, dx [NC, H, L, P] strided (dx in its own dtype); dt/a/f [NC, H, L],
+    B [NC, G, L, N], cb [NC, G, L, L], dh [NC, H, P, N] (dh_out) fp32, contiguous; D strided."""
     ch, sb = _outer_inner(L // BS, FLAT)
     c = ch // H
     h = ch % H
@@ -221,7 +221,8 @@ def _bwd_dcb_kernel(
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
     PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
 ):
-    """Chunk c, HPP heads of a group (pid 0, ``_group_part``), tile of t block i, s block j (pid 1 = i * L / BS + j):
+    """Chunk c, HPP heads of a group (the outer id, ``_group_part``), tile of t block i, s block j (the inner id
+    i * L / BS + j; ``_outer_inner``):
     W[t, s] = exp(a_t - a_s) dt_s xdy[s, t] (s <= t), the gradient of cb[t, s] through one head; dcb = its sum over
     the program's heads in order (a partial a program, [NC * G * K, L, L]); per head the tile's shares of da,
     sum_s W cb (dap [NC, H, L / BS, L]), and of ddt, sum_t W cb / dt_s (dep [NC, H, L / BT, L]); tiles above the
@@ -267,10 +268,11 @@ def _bwd_rows_kernel(
     TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
     NARROW_C: tl.constexpr = False,
 ):
-    """Chunk c, HPP heads of a group (pid 0), row block pid 1: out [BR, N] = the sum over the program's heads, in order,
-    of w_l (u_l v), v [P, N] the head's state: the states' share of dB (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l)
-    dt_l) or of dC (u = dy, v = h_in, w_l = exp(a_l)), then per head da's state part das = w_l C_l . (u_l v). u strided;
-    v [NC, H, P, N], a/dt/das [NC, H, L], C [NC, G, L, N] fp32; out [NC * G * KR, L, N], a partial a program."""
+    """Chunk c, HPP heads of a group (the outer id), row block (the inner id; ``_outer_inner``): out [BR, N] = the
+    sum over the program's heads, in order, of w_l (u_l v), v [P, N] the head's state: the states' share of dB
+    (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l) dt_l) or of dC (u = dy, v = h_in, w_l = exp(a_l)), then per
+    head da's state part das = w_l C_l . (u_l v). u strided; v [NC, H, P, N], a/dt/das [NC, H, L], C [NC, G, L, N]
+    fp32 (NARROW_C: held as the dots' operand dtype); out [NC * G * KR, L, N], a partial a program."""
     part, rb = _outer_inner(L // BR, FLAT)
     c, h0, cg, part = _group_part(part, H, G, HPP)
     rows = rb * BR + tl.arange(0, BR)
