@@ -41,7 +41,7 @@ Tensor = torch.Tensor
 # Launch choices beyond the contract's configs (gradients only: a sum's order over heads, occupancy; never a
 # forward's bits). A dcb (state-rows) program sums up to BWD_(ROWS_)HEADS_PER_PROGRAM heads of a group in order (the
 # largest divisor of the group's heads not above it), the partials summed by torch: a whole group a program where it
-# fits (80 heads at 2.7b, where 16-head partials cost the step 3%); a num_warps here overrides bwd_warps.
+# fits, so torch sums no partials (80 heads at 2.7b); a num_warps here overrides bwd_warps.
 BWD_HEADS_PER_PROGRAM = 128
 BWD_ROWS_HEADS_PER_PROGRAM = 128
 BWD_OPTS: dict = {"num_stages": 2}
@@ -140,7 +140,7 @@ def _bwd_dx_kernel(
     sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
+    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr,
 ):
     """Chunk c, head h (the outer id), s block (the inner id; ``_outer_inner``, FLAT the grid's form):
     dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block) + w_s dh_out B_s + D dy_s;
@@ -219,7 +219,7 @@ def _bwd_dcb_kernel(
     x_ptr, dt_ptr, a_ptr, cb_ptr, dy_ptr, dcb_ptr, dap_ptr, dep_ptr, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
+    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr,
 ):
     """Chunk c, HPP heads of a group (the outer id, ``_group_part``), tile of t block i, s block j (the inner id
     i * L / BS + j; ``_outer_inner``):
@@ -265,8 +265,8 @@ def _bwd_rows_kernel(
     u_ptr, v_ptr, a_ptr, dt_ptr, C_ptr, out_ptr, das_ptr, su_c, su_h, su_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
-    TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr = False,
-    NARROW_C: tl.constexpr = False,
+    TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr,
+    NARROW_C: tl.constexpr,
 ):
     """Chunk c, HPP heads of a group (the outer id), row block (the inner id; ``_outer_inner``): out [BR, N] = the
     sum over the program's heads, in order, of w_l (u_l v), v [P, N] the head's state: the states' share of dB
