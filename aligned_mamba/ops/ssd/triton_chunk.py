@@ -34,7 +34,7 @@ from .chunk import Chunks, pack_chunks
 from .plan import AdvancePlan, plan_advance, to_device
 from .state import SSDState, SSMParams, Step
 from .triton_decode import state_block_n
-from .triton_dot import dot_acc, tensor_core_dots
+from .triton_dot import DOT_MODES, dot_acc, tensor_core_dots
 
 # occupancy only, never the arithmetic: pipelining buffers would fill shared memory (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
@@ -220,8 +220,9 @@ def _state_pass_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_IN: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
     """From h[slot[q]], for q's chunks c = first[q] .. first[q] + count[q] - 1: (WRITE_IN) h_in[c] = h, then
-    h = exp(a_L) h + state[c] if need[c]; h back to h[slot[q]]. h, h_in, state [*, H, P, N] fp32. Elementwise
-    in (p, n): the block split keeps the bits, and in place is safe."""
+    h = exp(a_L) h + state[c] if need[c]; h back to h[slot[q]]. h, state [*, H, P, N] fp32; h_in fp32, or bf16
+    (the store rounds to nearest even, as the dots' cast). Elementwise in (p, n): the block split keeps the bits,
+    and in place is safe."""
     q, h, m, pn = _pass_block(P, N, BLOCK_P, BLOCK_N)
     home = h_ptr + (tl.load(slot_ptr + q) * H + h) * P * N + pn
     hs = tl.load(home, mask=m, other=0.0)
@@ -298,8 +299,8 @@ def _tile_output_kernel(
     """y of one row tile (R rows of a chunk), head h = pid 0, a BLOCK_P block: y_t = [exp(a_t) (C_t . h_in) +
     sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t, the intra dots accumulating onto the inter term.
     tile_chunk, tile_pos [NT]; tile_rows [NT, R] int64 (packed row, -1 unwanted); cb from ``_cb_kernel``; h_in
-    [*, H, P, N] fp32, chunk c's at h_row[c]; C's row stride sc; the rest as in ``_chunk_state_kernel``. Heads
-    vary fastest over the grid: a group's heads share C, cb and B in L2."""
+    [*, H, P, N] fp32 (bf16 with TC "round"), chunk c's at h_row[c]; C's row stride sc; the rest as in
+    ``_chunk_state_kernel``. Heads vary fastest over the grid: a group's heads share C, cb and B in L2."""
     h = tl.program_id(0)
     tile = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -460,7 +461,9 @@ def scan_planned(
         )
     if plan.one_each and not plan.any_moved:
         return y
-    h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=f32)
+    # "round" rounds the boundary states to bf16 at the tile's dot: stored so, the same bits at half the bytes
+    h_dtype = torch.bfloat16 if tc == DOT_MODES["round"] else f32
+    h_in = torch.empty(0 if plan.one_each else NC, H, P, N, device=dev, dtype=h_dtype)
     PP = cfg.pass_block_p  # <= block_p (the configs refuse more)
     _state_pass_kernel[(plan.num_seqs, H, triton.cdiv(P, PP) * NB)](
         a, chunk_state, plan.need, states, plan.slot, h_in, plan.first, plan.count, **dims, BLOCK_P=PP,

@@ -59,14 +59,15 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, sx="i32", sb="i32", **model, **rows),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
-    comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64),
+    h_in = dict(h_in_ptr=bf) if TC == 2 else {}  # "round" stores the boundary states as bf16
+    comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64, **h_in),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, sb="i32", sc="i32", **rows),
          dict(G=1, L=256, N=128, R=cfg.row_tile, BLOCK_K=BK, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC),
          fuse)
     comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                       tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", sx="i32", sc="i32",
-                                      **rows),
+                                      **rows, **h_in),
          dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,

@@ -826,20 +826,36 @@ def test_gpu_token_by_token_equals_prefill(shape, kind):
 
 def _token_by_token_case(heads: int, groups: int, mode: str, first: int, steps: int, dev: str = "cuda",
                          dt_: torch.dtype = torch.bfloat16, dims: tuple[int, int, int] | None = None,
-                         exact: bool = True):
+                         exact: bool = True, cfg: TritonKernelConfigs = CFG,
+                         ref_cfg: TritonKernelConfigs | None = None):
     GP, GN, GL = dims or (globals()["GP"], globals()["GN"], globals()["GL"])
     prm = make_params(heads, GP, 3, dev, realistic=True)
     st = make_state(1, heads, GP, groups, GN, GL, dt_, dev, seed=3, scale=0.3)
     toks = make_tokens(first + steps, heads, GP, groups, GN, seed=3, dtype=dt_, dev=dev)
     ref = clone_state(st)
-    prefill(st, [0], [GL], [tuple(t[:first] for t in toks)], prm)
-    ys = decode_steps(st, [0], [GL + first], [tuple(t[first:] for t in toks)], prm, steps, mode)
-    yp = prefill(ref, [0], [GL], [toks], prm)[0][first:]
+    prefill(st, [0], [GL], [tuple(t[:first] for t in toks)], prm, cfg=cfg)
+    ys = decode_steps(st, [0], [GL + first], [tuple(t[first:] for t in toks)], prm, steps, mode, cfg=cfg)
+    yp = prefill(ref, [0], [GL], [toks], prm, cfg=ref_cfg or cfg)[0][first:]
     yd = torch.cat(ys)
     same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
     rows_equal = sum(bool(same(yd[i], yp[i])) for i in range(steps))
     assert rows_equal == steps, f"{rows_equal}/{steps} rows equal"
     assert_same_state(st, ref)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["tile", "step"])
+def test_gpu_round_dots_token_by_token_equals_prefill(mode):
+    """bf16_dots "round": the prefill's tiles read boundary states the pass stored as bf16, decode the fp32
+    state it rounds at the dot; the rows equal only if both round alike. The baseline, the reference prefill
+    in "split2", differs."""
+    heads, groups = SHAPES["64h_8g"]
+    rnd = TritonKernelConfigs(bf16_dots="round")
+    _token_by_token_case(heads, groups, mode, first=100, steps=300, cfg=rnd)
+    with pytest.raises(AssertionError, match="rows equal"):
+        _token_by_token_case(heads, groups, mode, first=100, steps=300, cfg=rnd,
+                             ref_cfg=TritonKernelConfigs(bf16_dots="split2"))
 
 
 @pytest.mark.gpu
