@@ -47,6 +47,7 @@ D = dict(H=128, G=8, L=256, P=64, N=128)
 BF, I64 = "*bf16", "*i64"
 # pinned values of constexprs that older sources had (the while K loop; one column block per prep program)
 LEGACY = dict(K_LOOP=0, KB_PER=1)
+TC_BF16 = {"split2": 1, "round": 2}[CFG.bf16_dots]  # bf16 models' dots (ssd/triton_dot.py's DOT_MODES)
 DEVICE_SILU = getattr(CFG, "silu", "ieee") == "device"  # the conv's SiLU (configs before it had only "ieee")
 
 
@@ -70,14 +71,15 @@ def configs():
     """(name, kernel, pointer types, constexprs, fp fusion, compile options) per pinned launch."""
     BK, BP, BN, prec = CFG.block_k, CFG.block_p, CFG.block_n, CFG.dot_precision
     rows = dict(part_ptr=I64, row0_ptr=I64, length_ptr=I64, pre_ptr=I64, chunk_ptr=I64)
-    for TC in (0, 1):  # fp32 models; bf16 models (the pinned bf16_dots, split2)
+    for TC in (0, TC_BF16):  # fp32 models; bf16 models (the pinned bf16_dots)
         fuse, model = not TC, ("bf16" if TC else "fp32")
         m = dict(x_ptr=BF, xp_ptr=BF, B_ptr=BF, Bp_ptr=BF) if TC else {}
+        h_in = dict(h_in_ptr=BF) if TC == 2 else {}  # "round" stores the boundary states as bf16
         yield f"cumsum/{model}", tc._cumsum_kernel, {}, dict(H=D["H"], L=D["L"], BLOCK_L=D["L"]), fuse, {}
         yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows, sx="i32", sb="i32"),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
         yield (f"state_pass/{model}", tc._state_pass_kernel,
-               dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64),
+               dict(need_ptr=I64, slot_ptr=I64, first_ptr=I64, count_ptr=I64, **h_in),
                dict(H=D["H"], L=D["L"], P=D["P"], N=D["N"], BLOCK_P=min(CFG.pass_block_p, BP), BLOCK_N=BN,
                     WRITE_IN=True, RT_RANGE=True), fuse, {})
         yield (f"cb/{model}", tc._cb_kernel, dict(B_ptr=BF, Bp_ptr=BF, C_ptr=BF, sb="i32", sc="i32", **rows),
@@ -85,7 +87,7 @@ def configs():
                fuse, {})
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
-                    sD_h="i32", sD_p="i32", sx="i32", sc="i32", **rows),
+                    sD_h="i32", sD_p="i32", sx="i32", sc="i32", **rows, **h_in),
                dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
                tc.TILE_OPTS if TC else {})
         pdl = bool(TC)

@@ -59,7 +59,8 @@ class TritonKernelConfigs:
       block_p, block_n, block_k: the scan dots' P, N and K blocks; pass_block_p: the state pass's (parallelism).
       num_warps: the scan kernels'; tile_num_warps: the prefill row-tile kernel's.
       dot_precision: fp32 models' dots, "ieee" (TF32 keeps a 10-bit mantissa: other bits, far from fp32).
-      bf16_dots: bf16 models' dots, "split2" (two bf16 terms: the bf16 floor) or "round" (one, as mamba_ssm).
+      bf16_dots: bf16 models' dots, "round" (an fp32 operand rounded once, as mamba_ssm) or "split2" (two bf16
+        terms: the bf16 floor, twice the dot work).
     Linear layers (linear/triton.py; bf16 on tensor cores, fp32 in IEEE fp32; no tile changes a row's bits):
       linear_block_k: the K block of every bf16 regime (one ascending K loop, whatever M).
       linear_decode_max_m, linear_mid_max_m: bf16 calls up to these M take the decode, the mid tile; more the large.
@@ -124,7 +125,7 @@ class TritonKernelConfigs:
     tile_num_warps: int = 4
     pass_block_p: int = 64
     dot_precision: str = "ieee"
-    bf16_dots: str = "split2"
+    bf16_dots: str = "round"
     linear_block_k: int = 64
     linear_decode_max_m: int = 16
     linear_decode_block_m: int = 16
