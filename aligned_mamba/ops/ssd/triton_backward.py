@@ -45,17 +45,10 @@ Tensor = torch.Tensor
 BWD_HEADS_PER_PROGRAM = 128
 BWD_ROWS_HEADS_PER_PROGRAM = 128
 BWD_OPTS: dict = {"num_stages": 2}
-# The state rows' launch (dB's and dC's state shares): rows a program (None: the contract's s or t block) and options
-# over the others'. Each row is its own sum over P, so neither moves a bit.
-BWD_ROWS_BLOCK: int | None = None
-BWD_ROWS_OPTS: dict = {}
 # The dx, dcb and state-rows launches as one flat grid, a chunk's (and head's) programs side by side, so the tiles
 # they reload (dh_out, h_in, x, dy) come from L2; else two axes, the chunk's programs one grid row apart. Each
 # program computes the same either way.
 BWD_FLAT_GRID = True
-# dC's state rows hold the chunk's C rows as bf16 through the head loop (exact: with tensor-core dots C's values are
-# bf16), widened at each use: half the registers the fp32 tile holds, where the rows kernel spills at 4 warps.
-BWD_ROWS_NARROW_C = False
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -266,13 +259,12 @@ def _bwd_rows_kernel(
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HPP: tl.constexpr,
     TO_END: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr,
-    NARROW_C: tl.constexpr,
 ):
     """Chunk c, HPP heads of a group (the outer id), row block (the inner id; ``_outer_inner``): out [BR, N] = the
     sum over the program's heads, in order, of w_l (u_l v), v [P, N] the head's state: the states' share of dB
     (TO_END: u = x, v = dh_out, w_l = exp(a_L - a_l) dt_l) or of dC (u = dy, v = h_in, w_l = exp(a_l)), then per
     head da's state part das = w_l C_l . (u_l v). u strided; v [NC, H, P, N], a/dt/das [NC, H, L], C [NC, G, L, N]
-    fp32 (NARROW_C: held as the dots' operand dtype); out [NC * G * KR, L, N], a partial a program."""
+    fp32; out [NC * G * KR, L, N], a partial a program."""
     part, rb = _outer_inner(L // BR, FLAT)
     c, h0, cg, part = _group_part(part, H, G, HPP)
     rows = rb * BR + tl.arange(0, BR)
@@ -283,8 +275,6 @@ def _bwd_rows_kernel(
     sm = (p < P)[:, None] & nm
     if not TO_END:
         C_l = tl.load(C_ptr + (cg * L + rows[:, None]) * N + n[None, :], mask=nm, other=0.0)
-        if NARROW_C:
-            C_l = _operand(C_l, TC)
     acc = tl.zeros((BR, BLOCK_N), dtype=tl.float32)
     for k in range(HPP):
         h = h0 + k
@@ -298,7 +288,7 @@ def _bwd_rows_kernel(
             w = tl.exp(tl.load(a_ptr + ch * L + L - 1) - a_l) * tl.load(dt_ptr + ch * L + rows)
         else:
             w = tl.exp(a_l)
-            tl.store(das_ptr + ch * L + rows, w * tl.sum(C_l.to(tl.float32) * uv, axis=1))
+            tl.store(das_ptr + ch * L + rows, w * tl.sum(C_l * uv, axis=1))
         acc += w[:, None] * uv
     tl.store(out_ptr + (part * L + rows[:, None]) * N + n[None, :], acc, mask=nm)
 
@@ -387,10 +377,8 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     G, N = ch.B.shape[1], ch.B.shape[3]
     S, HG, dev, f32 = h0.shape[0], H // G, ch.x.device, torch.float32
     BS, BT = _blocks(L, cfg)
-    RS, RT = BWD_ROWS_BLOCK or BS, BWD_ROWS_BLOCK or BT  # the state rows' blocks: dB's, dC's
-    if any(L % b or b < 16 for b in (BS, BT, RS, RT)):
-        raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} (state rows "
-                         f"{BWD_ROWS_BLOCK or 'the same'}) must divide it (>= 16)")
+    if any(L % b or b < 16 for b in (BS, BT)):
+        raise ValueError(f"chunk size {L} refused by the backward: its row blocks {BS}, {BT} must divide it (>= 16)")
     tc = tensor_core_dots(torch.bfloat16 if bf16_operands else f32, cfg.bwd_bf16_dots)
     opts = dict(num_warps=cfg.bwd_warps, enable_fp_fusion=not tc)
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (ch.x, dyc))
@@ -445,11 +433,10 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                                                 *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
         _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS, flat)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS,
                                                                  BT=BT, HPP=HPP, **dims, **launch)
-        rows_launch = {**launch, **BWD_ROWS_OPTS}
-        for u, v, out, rb, to_end in ((x, dh_out, dBs, RS, True), (dy, h_in, dCs, RT, False)):
+        for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
             _bwd_rows_kernel[_grid(NC * G * KR, L // rb, flat)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N,
-                                                                BR=rb, BLOCK_N=BN, HPP=RPP, TO_END=to_end,
-                                                                NARROW_C=BWD_ROWS_NARROW_C, **dims, **rows_launch)
+                                                                BR=rb, BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims,
+                                                                **launch)
 
     # dB and dC: through cb (dcb summed over the group's heads, zero above the diagonal) and the states
     dcb = dcbp[:, :, 0] if K == 1 else dcbp.sum(2)  # [NC, G, L, L]: the gradient of cb[t, s]

@@ -4,8 +4,7 @@ CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several
 (``BWD_HEADS_PER_PROGRAM``, ``BWD_ROWS_HEADS_PER_PROGRAM``) give every per-head gradient (dx, ddt, dA,
 dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
 rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
-The state rows' block and warps (``BWD_ROWS_BLOCK``, ``BWD_ROWS_OPTS``), the two-axis grid against the flat
-default (``BWD_FLAT_GRID``) and C held as bf16 in dC's rows (``BWD_ROWS_NARROW_C``) move no bit (also on the GPU).
+The two-axis grid against the flat default (``BWD_FLAT_GRID``) moves no bit (also on the GPU).
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -120,36 +119,24 @@ def _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, **knobs):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(CUDA, reason="the interpreter's fp32 form; the GPU test below covers the compiled one")
-@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=32, BWD_ROWS_OPTS={"num_warps": 8}),
-                                   dict(BWD_ROWS_BLOCK=64), dict(BWD_FLAT_GRID=False)])
-def test_state_rows_block_and_flat_grid_keep_every_bit(monkeypatch, knobs):
+def test_the_two_axis_grid_keeps_every_bit(monkeypatch):
     H, P, G, N, chunk, lens = 4, 16, 1, 16, 64, [128, 64]
     cfg = TritonKernelConfigs(bwd_block_s=16, bwd_block_t=32)
     lv = _leaves(8, lens, H, P, G, N, torch.float32)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(9)).to(DEV)
-    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, **knobs)
-
-
-def test_a_state_rows_block_that_does_not_divide_the_chunk_is_refused(monkeypatch):
-    monkeypatch.setattr(ta, "BWD_ROWS_BLOCK", 96)
-    lens = [256]
-    lv = _leaves(1, lens, 2, 16, 1, 16, torch.float32)
-    with pytest.raises(ValueError, match="state rows 96"):
-        _backward(lv, torch.zeros(256, 2, 16, device=DEV), lens, 256, TritonKernelConfigs())
+    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, cfg, BWD_FLAT_GRID=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("knobs", [dict(BWD_ROWS_BLOCK=128, BWD_ROWS_OPTS={"num_warps": 8}), dict(BWD_FLAT_GRID=False),
-                                   dict(BWD_ROWS_NARROW_C=True)])
-def test_gpu_launch_knobs_keep_every_bit(monkeypatch, dtype, knobs):
-    """mamba2-2.7b's scan shape (80 heads, one program a group): state rows of 128 at 8 warps, the two-axis grid, C held
-    as bf16 in dC's rows (tensor-core dots only); bf16 (tensor-core dots) and fp32 leaves."""
+def test_gpu_the_two_axis_grid_keeps_every_bit(monkeypatch, dtype):
+    """mamba2-2.7b's scan shape (80 heads, one program a group): the two-axis grid against the flat default; bf16
+    (tensor-core dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
     lv = _leaves(10, lens, H, P, G, N, dtype)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)
-    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), **knobs)
+    _launch_keeps_every_bit(monkeypatch, lv, gy, lens, chunk, TritonKernelConfigs(), BWD_FLAT_GRID=False)
 
 
 @pytest.mark.gpu

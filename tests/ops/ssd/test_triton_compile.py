@@ -94,10 +94,9 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tb._bwd_dx_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})),
          dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128), fuse, bwd_warps)
     comp(tb._bwd_dcb_kernel, dict(strides, **rows_x), dict(dims, BS=BS, BT=BT, HPP=HPP), fuse, bwd_warps)
-    # the states' shares of dB and of dC (and da), dC's also with C held as bf16 (tensor-core dots only)
-    for to_end, rb, narrow in ((True, BS, False), (False, BT, False), *(((False, BT, True),) if TC else ())):
+    for to_end, rb in ((True, BS), (False, BT)):  # the states' shares of dB and of dC (and da)
         comp(tb._bwd_rows_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
-             dict(dims, N=128, BR=rb, BLOCK_N=128, HPP=HPP, TO_END=to_end, NARROW_C=narrow), fuse, bwd_warps)
+             dict(dims, N=128, BR=rb, BLOCK_N=128, HPP=HPP, TO_END=to_end), fuse, bwd_warps)
     blocks = {k: v for k, v in tb.STATE_OPTS.items() if k.startswith("BLOCK_")}
     for to_end in (True, False):  # the chunk states and dS
         comp(tb._weighted_state_kernel, dict({f"s{t}_{d}": "i32" for t in "uv" for d in ("c", "h", "g", "l")},
@@ -135,9 +134,9 @@ print(json.dumps(done))
 @pytest.mark.parametrize("tcs", [(0,), (1, 2)])  # two processes, which xdist's two workers can share
 def test_every_kernel_compiles_for_sm90(tcs, sm90_cache):
     done = run_sm90_script(_COMPILE_ALL.replace("%TCS%", repr(tcs)), sm90_cache)
-    # 16 kernel configs per dot mode (6 of the backward's), the step kernel and dC's rows with C held as bf16 per
-    # tensor-core mode; dt, pack, buffer, row, reverse pass, the backward's epilogue and zero kernels
-    assert len(done) == len(tcs) * 16 + 2 * sum(1 for t in tcs if t) + 7 * (0 in tcs), done
+    # 16 kernel configs per dot mode (6 of the backward's), the step kernel per tensor-core mode; dt, pack, buffer,
+    # row, reverse pass, the backward's epilogue and zero kernels
+    assert len(done) == len(tcs) * 16 + sum(1 for t in tcs if t) + 7 * (0 in tcs), done
     assert {d.split(":")[1] for d in done} - {"fp32"} == {str(t) for t in tcs}, done
 
 
