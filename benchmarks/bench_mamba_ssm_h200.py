@@ -416,21 +416,31 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
     firsts: dict = {}
     # ours; with --prep-heads also ours with the decode prep split (its own cache and graphs, captured with
     # PREP_HEADS set: a graph keeps the launches it captured), with --in-order-completions ours with the completion
-    # launches in order on the step's stream (DecodeGraphs' default: a side stream); timed in the same rounds
-    sides = [("ours", td.PREP_HEADS, True)] + ([("ours_prep", args.prep_heads, True)] if args.prep_heads else []) \
-        + ([("ours_inorder", td.PREP_HEADS, False)] if args.in_order_completions else [])
-    for side, heads, on_side in sides:
+    # launches in order on the step's stream (DecodeGraphs' default: a side stream), with --configs-b/--knobs-b ours
+    # under the b contract and knobs (its cache, graphs and steps under them); timed in the same rounds
+    sides = [("ours", model, td.PREP_HEADS, True, None)] \
+        + ([("ours_prep", model, args.prep_heads, True, None)] if args.prep_heads else []) \
+        + ([("ours_inorder", model, td.PREP_HEADS, False, None)] if args.in_order_completions else []) \
+        + ([("ours_b", args.model_b or model, td.PREP_HEADS, True, args.knobs_b)] if args.contract_b is not None
+           else [])
+    for side, m, heads, on_side, knobs in sides:
         try:
-            cache = model.new_cache(batch + 1)
-            prefill_last_rows(model, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
-            graphs = DecodeGraphs(model, cache, spare_slot=batch, side_completions=on_side)
-            base, td.PREP_HEADS = td.PREP_HEADS, heads
-            try:
-                graphs.capture([graphs.bucket(batch)])  # both graphs (with and without completions), untimed
-            finally:
-                td.PREP_HEADS = base
-            firsts[side] = graphs.step(slots, pos, toks[0]).clone()
-            runners[side] = lambda i, gr=graphs: gr.step(slots, pos + 1 + i, toks[1 + i])
+            with module_knobs(knobs):
+                cache = m.new_cache(batch + 1)
+                prefill_last_rows(m, cache, slots.tolist(), [h.to(dev) for h in hist], PREFILL_TOKENS)
+                graphs = DecodeGraphs(m, cache, spare_slot=batch, side_completions=on_side)
+                base, td.PREP_HEADS = td.PREP_HEADS, heads
+                try:
+                    graphs.capture([graphs.bucket(batch)])  # both graphs (with and without completions), untimed
+                finally:
+                    td.PREP_HEADS = base
+                firsts[side] = graphs.step(slots, pos, toks[0]).clone()
+
+            def run(i, gr=graphs, k=knobs):
+                with module_knobs(k):
+                    return gr.step(slots, pos + 1 + i, toks[1 + i])
+
+            runners[side] = run
         except Exception as exc:  # noqa: BLE001
             e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
@@ -445,6 +455,8 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
             e["ours_prep_rows_equal_ours"] = bool(torch.equal(firsts["ours_prep"], firsts["ours"]))
         if "ours_inorder" in firsts:
             e["ours_inorder_rows_equal_ours"] = bool(torch.equal(firsts["ours_inorder"], firsts["ours"]))
+        if "ours_b" in firsts:
+            e["ours_b_rows_equal_ours"] = bool(torch.equal(firsts["ours_b"], firsts["ours"]))
         del fwd
     firsts.clear()
     for tag, dtype in (("stock_bf16", None), ("stock_fp32", torch.float32)):
@@ -488,6 +500,8 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
             e[f"ratio_{tag}"] = e["ours_ms"] / e[f"{tag}_ms"]
     if e["ours_ms"] and e.get("ours_prep_ms"):
         e["ratio_prep_over_ours"] = e["ours_prep_ms"] / e["ours_ms"]
+    if e["ours_ms"] and e.get("ours_b_ms"):
+        e["b_ratio"] = e["ours_b_ms"] / e["ours_ms"]  # b / ours, as the train and forward cells'
     if e["ours_ms"] and e.get("ours_inorder_ms"):
         e["ratio_inorder_over_ours"] = e["ours_inorder_ms"] / e["ours_ms"]
         if e.get("stock_bf16_ms"):
@@ -554,7 +568,7 @@ def main() -> int:
     ap.add_argument("--configs", help="JSON of the triton contract's kernel configs for ours, "
                     'e.g. \'{"bwd_bf16_dots":"round"}\'')
     ap.add_argument("--configs-b", help="JSON of kernel configs over --configs: a second contract of ours, "
-                    "timed in turn with the first in the same process (train and forward; b_ratio = b / ours)")
+                    "timed in turn with the first in the same process (train, forward and decode; b_ratio = b / ours)")
     ap.add_argument("--knobs-b", help="JSON of module knobs for the b side (alone or over --configs-b): "
                     '{"triton_backward.BWD_HEADS_PER_PROGRAM": 16}')
     ap.add_argument("--rounds", type=int, default=3)
@@ -713,7 +727,9 @@ def main() -> int:
                     + (f" prep{args.prep_heads} {e.get('ours_prep_ms')} same rows {e.get('ours_prep_rows_equal_ours')}"
                        if args.prep_heads else "")
                     + (f" in order {e.get('ours_inorder_ms')} same rows {e.get('ours_inorder_rows_equal_ours')}"
-                       if args.in_order_completions else ""))
+                       if args.in_order_completions else "")
+                    + (f" b {e.get('ours_b_ms')} b / ours {e.get('b_ratio')} rows {e.get('ours_b_rows_equal_ours')}"
+                       if args.contract_b is not None else ""))
                 free(torch)
         del stock, model, tensors
         args.model_b = None
