@@ -436,11 +436,14 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
                     td.PREP_HEADS = base
                 firsts[side] = graphs.step(slots, pos, toks[0]).clone()
 
-            def run(i, gr=graphs, k=knobs):
-                with module_knobs(k):
-                    return gr.step(slots, pos + 1 + i, toks[1 + i])
+            def run(i, gr=graphs):
+                return gr.step(slots, pos + 1 + i, toks[1 + i])
 
-            runners[side] = run
+            def run_under_knobs(i, gr=graphs, k=knobs):  # a knob the step's host side reads holds while timed
+                with module_knobs(k):
+                    return run(i, gr)
+
+            runners[side] = run_under_knobs if knobs else run
         except Exception as exc:  # noqa: BLE001
             e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())

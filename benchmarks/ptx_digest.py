@@ -32,6 +32,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -41,13 +42,14 @@ from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.linear import triton as lt  # noqa: E402
 from aligned_mamba.ops.ssd import triton_chunk as tc  # noqa: E402
 from aligned_mamba.ops.ssd import triton_decode as td  # noqa: E402
+from aligned_mamba.ops.ssd.triton_dot import DOT_MODES, tensor_core_dots  # noqa: E402
 
 CFG = TritonKernelConfigs()
 D = dict(H=128, G=8, L=256, P=64, N=128)
 BF, I64 = "*bf16", "*i64"
 # pinned values of constexprs that older sources had (the while K loop; one column block per prep program)
 LEGACY = dict(K_LOOP=0, KB_PER=1)
-TC_BF16 = {"split2": 1, "round": 2}[CFG.bf16_dots]  # bf16 models' dots (ssd/triton_dot.py's DOT_MODES)
+TC_BF16 = tensor_core_dots(torch.bfloat16, CFG.bf16_dots)  # bf16 models' dots, as the launches take them
 DEVICE_SILU = getattr(CFG, "silu", "ieee") == "device"  # the conv's SiLU (configs before it had only "ieee")
 
 
@@ -74,7 +76,7 @@ def configs():
     for TC in (0, TC_BF16):  # fp32 models; bf16 models (the pinned bf16_dots)
         fuse, model = not TC, ("bf16" if TC else "fp32")
         m = dict(x_ptr=BF, xp_ptr=BF, B_ptr=BF, Bp_ptr=BF) if TC else {}
-        h_in = dict(h_in_ptr=BF) if TC == 2 else {}  # "round" stores the boundary states as bf16
+        h_in = dict(h_in_ptr=BF) if TC == DOT_MODES["round"] else {}  # "round" stores the boundary states as bf16
         yield f"cumsum/{model}", tc._cumsum_kernel, {}, dict(H=D["H"], L=D["L"], BLOCK_L=D["L"]), fuse, {}
         yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows, sx="i32", sb="i32"),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})

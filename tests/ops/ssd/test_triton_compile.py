@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.ssd import triton_backward as tb, triton_chunk as tc, triton_decode as td
+from aligned_mamba.ops.ssd.triton_dot import DOT_MODES
 
 cfg = TritonKernelConfigs()
 BK, BP, BN, NW = cfg.block_k, cfg.block_p, cfg.block_n, cfg.num_warps
@@ -59,7 +60,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     rows = dict(part_ptr=i64, row0_ptr=i64, length_ptr=i64)
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, sx="i32", sb="i32", **model, **rows),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
-    h_in = dict(h_in_ptr=bf) if TC == 2 else {}  # "round" stores the boundary states as bf16
+    h_in = dict(h_in_ptr=bf) if TC == DOT_MODES["round"] else {}  # "round" stores the boundary states as bf16
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64, **h_in),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, sb="i32", sc="i32", **rows),
