@@ -439,9 +439,9 @@ def decode_cell(args, torch, name, model, stock, batch: int, seed: int) -> dict:
             def run(i, gr=graphs):
                 return gr.step(slots, pos + 1 + i, toks[1 + i])
 
-            def run_under_knobs(i, gr=graphs, k=knobs):  # a knob the step's host side reads holds while timed
-                with module_knobs(k):
-                    return run(i, gr)
+            def run_under_knobs(i, gr=graphs, k=knobs, f=run):  # a knob the step's host side reads holds while timed
+                with module_knobs(k):  # (f bound here: the stock's loop below rebinds the name run)
+                    return f(i, gr)
 
             runners[side] = run_under_knobs if knobs else run
         except Exception as exc:  # noqa: BLE001
