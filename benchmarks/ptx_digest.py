@@ -77,6 +77,7 @@ def configs():
         fuse, model = not TC, ("bf16" if TC else "fp32")
         m = dict(x_ptr=BF, xp_ptr=BF, B_ptr=BF, Bp_ptr=BF) if TC else {}
         h_in = dict(h_in_ptr=BF) if TC == DOT_MODES["round"] else {}  # "round" stores the boundary states as bf16
+        copy = TC == DOT_MODES["round"]  # and a model's decode state keeps their bf16 copy, which the tile reads
         yield f"cumsum/{model}", tc._cumsum_kernel, {}, dict(H=D["H"], L=D["L"], BLOCK_L=D["L"]), fuse, {}
         yield (f"chunk_state/{model}", tc._chunk_state_kernel, dict(**m, **rows, sx="i32", sb="i32"),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=td.state_block_n(D["N"]), PRECISION=prec, TC=TC), fuse, {})
@@ -101,17 +102,18 @@ def configs():
         if TC:
             yield (f"decode_tile/{model}", td._tile_kernel,
                    dict(buf_x_ptr=BF, buf_B_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32",
-                        sD_p="i32", sC_q="i32"),
+                        sD_p="i32", sC_q="i32", **(dict(state_ptr=BF) if copy else {})),
                    dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=D["L"], PRECISION=prec,
                         TC=TC, PDL=pdl), fuse, td.TILE_OPTS)
             if hasattr(td, "_step_kernel"):  # the one-launch step (bf16 models)
                 yield (f"decode_step/{model}", td._step_kernel,
                        dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF,
                             y_ptr=BF, slots_ptr=I64, pos_ptr=I64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32",
-                            sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32"),
+                            sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32", copy_ptr=BF),
                        dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN,
                             BLOCK_NS=td.state_block_n(D["N"]), BLOCK_L=D["L"], PRECISION=prec, TC=TC,
-                            HAS_LIMIT=False, PB=triton.cdiv(D["P"], BP), ZB=1024, RT_RANGE=td.STEP_RT_RANGE),
+                            HAS_LIMIT=False, PB=triton.cdiv(D["P"], BP), ZB=1024, RT_RANGE=td.STEP_RT_RANGE,
+                            COPY=copy, READ_COPY=copy),
                        False, td.STEP_OPTS)
         else:
             yield (f"decode_row/{model}", td._row_kernel,
@@ -119,9 +121,9 @@ def configs():
                         sC_q="i32"),
                    dict(D, HPP=2, RB_P=64, BLOCK_L=D["L"], SB=16), True, {})
         yield (f"decode_update/{model}", td._update_kernel,
-               dict(buf_x_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32"),
+               dict(buf_x_ptr=BF, buf_B_ptr=BF, slots_ptr=I64, pos_ptr=I64, seq_ptr=I64, n="i32", copy_ptr=BF),
                dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=td.state_block_n(D["N"]), PRECISION=prec, TC=TC, LISTED=pdl,
-                    QB=td.COMPLETION_BLOCK, PDL=pdl), fuse, {})
+                    QB=td.COMPLETION_BLOCK, PDL=pdl, COPY=copy), fuse, {})
     if hasattr(tc, "_dt_kernel"):  # the softplus'd dt in a kernel of its own, all heads a program
         yield ("dt", tc._dt_kernel,
                dict(dt_ptr=BF, buf_dt_ptr=BF, chunk_slot_ptr=I64, pre_ptr=I64, length_ptr=I64, row0_ptr=I64,

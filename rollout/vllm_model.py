@@ -53,7 +53,9 @@ def replay_layout(config: Any, contract: Contract, tp_size: int = 1) -> list[tup
     mixer = config.mixer_config()
     if tp_size > 1:
         mixer = mamba2_layer.local_config(mixer, _shape_group(tp_size))
-    spec = mamba2_layer.state_spec(mixer, contract.chunk_size, getattr(torch, contract.model_dtype))
+    dtype = getattr(torch, contract.model_dtype)
+    spec = mamba2_layer.state_spec(mixer, contract.chunk_size, dtype,
+                                   bf16_copy=contract.kernel_configs.bf16_state_copy(dtype))
     entries = sorted(spec.fields, key=lambda e: -e[2].itemsize)  # stable: field order within a dtype size
     total = sum(math.prod(s) * dt.itemsize for _, s, dt in entries)
     if total % 4:  # pad the page so the next slot's fp32 fields stay 4-byte aligned

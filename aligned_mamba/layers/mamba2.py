@@ -78,14 +78,14 @@ class Mamba2MixerConfig:
 @dataclass
 class Mamba2State:
     """One layer's slot-indexed state: the scan's replay state and conv_window [slots, K-1, conv_dim]
-    (model dtype). ``tensors()`` gives the five fields in ``Mamba2Mixer.state_spec`` order."""
+    (model dtype). ``tensors()`` gives the fields in ``Mamba2Mixer.state_spec`` order."""
 
     ssd: SSDState
     conv_window: torch.Tensor
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"ssm_state": self.ssd.ssm_state, "buf_x": self.ssd.buf_x, "buf_dt": self.ssd.buf_dt,
-                "buf_B": self.ssd.buf_B, "conv_window": self.conv_window}
+        ssd = {f.name: t for f in dataclasses.fields(self.ssd) if (t := getattr(self.ssd, f.name)) is not None}
+        return {**ssd, "conv_window": self.conv_window}
 
     def reset(self, slots: torch.Tensor) -> None:
         """Empty the given slots (one fill per field on the device, no host sync)."""
@@ -93,11 +93,13 @@ class Mamba2State:
         self.conv_window.index_fill_(0, slots.to(self.conv_window.device), 0)
 
 
-def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype) -> StateSpec:
-    """One slot's ssm_state, buf_x, buf_dt, buf_B, conv_window (no weights needed: engines size memory)."""
+def state_spec(config: Mamba2MixerConfig, chunk_size: int, dtype: torch.dtype, *,
+               bf16_copy: bool = False) -> StateSpec:
+    """One slot's ssm_state, buf_x, buf_dt, buf_B, (``bf16_copy``) ssm_state_bf16, conv_window (no weights needed:
+    engines size memory). ``bf16_copy``: the contract's ``kernel_configs.bf16_state_copy(dtype)``."""
     c = config
     ssd = SSDState.layout(heads=c.num_heads, head_dim=c.head_dim, groups=c.n_groups, state_size=c.state_size,
-                          chunk_size=chunk_size, dtype=dtype)
+                          chunk_size=chunk_size, dtype=dtype, bf16_copy=bf16_copy)
     fields = [(name, shape, dt) for name, (shape, dt) in ssd.items()]
     fields.append(("conv_window", (c.conv_kernel - 1, c.conv_dim), dtype))
     return StateSpec(tuple(fields))
@@ -249,12 +251,15 @@ class Mamba2Mixer:
 
     # -- state ------------------------------------------------------------------------------------
     def state_spec(self) -> StateSpec:
-        """ssm_state, buf_x, buf_dt, buf_B (``SSDState.layout``), then conv_window."""
-        return state_spec(self.config, self.chunk_size, self.dtype)
+        """ssm_state, buf_x, buf_dt, buf_B, ssm_state_bf16 where the backend keeps it (``SSDState.layout``), then
+        conv_window."""
+        return state_spec(self.config, self.chunk_size, self.dtype,
+                          bf16_copy=self.backend.configs.bf16_state_copy(self.dtype))
 
     def state(self, tensors: Mapping[str, torch.Tensor]) -> Mamba2State:
         """The state over slot-indexed tensors named as in ``state_spec`` (views are kept, not copied)."""
-        return Mamba2State(ssd=SSDState(tensors["ssm_state"], tensors["buf_x"], tensors["buf_dt"], tensors["buf_B"]),
+        return Mamba2State(ssd=SSDState(tensors["ssm_state"], tensors["buf_x"], tensors["buf_dt"], tensors["buf_B"],
+                                        tensors.get("ssm_state_bf16")),
                            conv_window=tensors["conv_window"])
 
     # -- the one forward ---------------------------------------------------------------------------

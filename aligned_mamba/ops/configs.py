@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 BACKENDS = ("torch", "triton")
 #: the most row-parallel slices a rank sums in one tree GEMM (one register tile per tree level)
 TRITON_MAX_SLICES = 16
@@ -48,6 +50,11 @@ class TorchKernelConfigs:
     def scan_row_tile(self, chunk_size: int) -> int:
         """The scan's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""
         return min(self.row_tile, chunk_size)
+
+    def bf16_state_copy(self, dtype: torch.dtype) -> bool:
+        """Whether a replay state keeps a bf16 copy of its boundary state (``SSDState.ssm_state_bf16``): never
+        here (the torch forms read the fp32 state)."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -342,6 +349,12 @@ class TritonKernelConfigs:
     def scan_row_tile(self, chunk_size: int) -> int:
         """The prefill's row tile for ``chunk_size``: ``row_tile``, or the whole chunk if shorter."""
         return min(self.row_tile, chunk_size)
+
+    def bf16_state_copy(self, dtype: torch.dtype) -> bool:
+        """Whether a replay state keeps a bf16 copy of its boundary state (``SSDState.ssm_state_bf16``): where the
+        decode's dots round that state to bf16 anyway (``bf16_dots`` "round" on a bf16 model), so reading the copy
+        gives the same bits from half the bytes (the copy: half the fp32 state's memory again)."""
+        return dtype == torch.bfloat16 and self.bf16_dots == "round"
 
     @property
     def device_silu(self) -> bool:

@@ -418,6 +418,7 @@ def replay_chunk(
                               final="boundary", row_tile=cfg.scan_row_tile(L), gemm=cfg.gemm_form)
     if bool(moved.any()):
         state.ssm_state[slots[moved]] = h[moved]
+        state.refresh_copy(slots[moved])
     # new buffers: each slot's last partial chunk; a completed slot is emptied first, the others gain rows
     rem = (off + lens) % L
     crossed = off + lens >= L

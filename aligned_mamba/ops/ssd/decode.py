@@ -162,6 +162,7 @@ def finish(p: DecodePlan, state: SSDState, y: torch.Tensor, a: torch.Tensor, dtc
         cs, cd = chunk_states(a[d_], dtc[d_], x_done, B_done)
         h_done = state.ssm_state.index_select(0, p.done_slots) if h0 is None else h0[d_]
         state.ssm_state[p.done_slots] = fold_state(h_done, cd, cs)
+        state.refresh_copy(p.done_slots)
         for buf in (state.buf_x, state.buf_dt, state.buf_B):
             buf.index_fill_(0, p.done_slots, 0)
     if p.inverse is not None:

@@ -31,32 +31,44 @@ class SSDState:
     """Slot-indexed replay storage of one layer's scan: ssm_state [slots, H, P, N] fp32 at the last chunk
     boundary; buf_x [slots, H, L, P], buf_dt [slots, H, L] (raw: docs/design.md, "The one idea") and
     buf_B [slots, G, L, N] in the model dtype, rows since the boundary (zero past them), head-major as the
-    scan reads a chunk."""
+    scan reads a chunk; ssm_state_bf16 [slots, H, P, N] bf16 or None: ssm_state rounded to nearest-even, kept
+    equal to it by every writer (``refresh_copy``), the Triton decode's read where its dots round the state
+    anyway (``TritonKernelConfigs.bf16_state_copy``)."""
 
     ssm_state: torch.Tensor
     buf_x: torch.Tensor
     buf_dt: torch.Tensor
     buf_B: torch.Tensor
+    ssm_state_bf16: torch.Tensor | None = None
 
     @staticmethod
     def layout(*, heads: int, head_dim: int, groups: int, state_size: int, chunk_size: int,
-               dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Per-slot shape and dtype of each field, in field order."""
-        return {
+               dtype: torch.dtype, bf16_copy: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-slot shape and dtype of each field, in field order (``ssm_state_bf16`` where ``bf16_copy``)."""
+        shapes = {
             "ssm_state": ((heads, head_dim, state_size), torch.float32),
             "buf_x": ((heads, chunk_size, head_dim), dtype),
             "buf_dt": ((heads, chunk_size), dtype),
             "buf_B": ((groups, chunk_size, state_size), dtype),
         }
+        if bf16_copy:
+            shapes["ssm_state_bf16"] = ((heads, head_dim, state_size), torch.bfloat16)
+        return shapes
 
     @classmethod
     def allocate(cls, num_slots: int, *, heads: int, head_dim: int, groups: int, state_size: int, chunk_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> SSDState:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", bf16_copy: bool = False) -> SSDState:
         """Zeroed storage for ``num_slots`` sequences (a zero slot is an empty sequence)."""
         shapes = cls.layout(heads=heads, head_dim=head_dim, groups=groups, state_size=state_size,
-                            chunk_size=chunk_size, dtype=dtype)
+                            chunk_size=chunk_size, dtype=dtype, bf16_copy=bf16_copy)
         return cls(**{name: torch.zeros(num_slots, *shape, dtype=dt, device=device)
                       for name, (shape, dt) in shapes.items()})
+
+    def __post_init__(self) -> None:
+        c = self.ssm_state_bf16
+        if c is not None and (c.dtype != torch.bfloat16 or c.shape != self.ssm_state.shape):
+            raise ValueError(f"ssm_state_bf16 must be bf16 {tuple(self.ssm_state.shape)} (the boundary state's "
+                             f"shape), not {c.dtype} {tuple(c.shape)}")
 
     @property
     def chunk_size(self) -> int:
@@ -70,8 +82,16 @@ class SSDState:
         for t in self.tensors():
             t.index_fill_(0, slots.to(t.device), 0)
 
+    def refresh_copy(self, slots: torch.Tensor) -> None:
+        """``ssm_state_bf16`` at ``slots`` [k] int64 (device) rounded again from ``ssm_state``; a writer of the
+        boundary state calls it after writing (nothing without a copy)."""
+        if self.ssm_state_bf16 is not None and slots.numel():
+            slots = slots.to(self.ssm_state.device, torch.int64)
+            self.ssm_state_bf16.index_copy_(0, slots, self.ssm_state.index_select(0, slots).to(torch.bfloat16))
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The fields that are present, in field order (``SSDState(*tensors())`` rebuilds the state)."""
+        return tuple(t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None)
 
     def check_inputs(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor) -> None:
         """ValueError unless x, raw dt and B have the buffers' dtype (buffering would round them)."""

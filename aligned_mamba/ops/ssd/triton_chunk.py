@@ -525,6 +525,8 @@ def advance_planned(
         )
     y = scan_planned(pd, x, dtc, B, C, params.A, params.D, state.ssm_state, x_parts=xc, B_parts=Bc, T=T,
                      out_dtype=x.dtype, zero_unwanted=zero_unwanted, cfg=cfg)
+    if plan.any_moved:
+        state.refresh_copy(pd.slot)  # the boundary states the scan moved (the others round to what they were)
     if plan.num_seqs:
         _buffer_kernel[(plan.num_seqs, H)](
             x, dt, B, state.buf_x, state.buf_dt, state.buf_B, pd.slot, pd.keep_lo, pd.keep_hi, pd.keep_row0,

@@ -38,7 +38,7 @@ from ..configs import TritonKernelConfigs
 from ..triton_math import dt_softplus_exact, has_limit, interpreting, limits
 from .plan import host_to_device
 from .state import SSDState, SSMParams, Step
-from .triton_dot import dot_acc, tensor_core_dots
+from .triton_dot import DOT_MODES, dot_acc, tensor_core_dots
 
 MODES = ("row", "tile", "step")
 DEFAULT_MODE = "row"  # fp32 models; bf16 models run "tile" (tensor-core dots: see triton_dot)
@@ -61,6 +61,9 @@ STEP_OPTS: dict = {"num_stages": 2}
 STEP_RT_RANGE: bool = False
 # measurement only: a step-kernel P block the contract does not pin (None: the contract's block_p)
 STEP_BLOCK_P: int | None = None
+# measurement only: whether the inter-chunk dots read the boundary state's bf16 copy where the state keeps one
+# and the dots round (False: the fp32 state, the same bits from twice the bytes; the copy is written either way)
+READ_STATE_COPY: bool = True
 # the side stream of the completion launches and whether a launch went there since ``completions_on`` opened
 # (None outside it: in order on the current stream); a context variable, so one thread's capture forks only its
 # own launches
@@ -355,8 +358,9 @@ def _tile_kernel(
     PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` on the row tile holding the token, its one live row.
-    (PDL) the inter-chunk dots read only the state and C, which the prep does not write, so they overlap the
-    prep; ``gdc_wait`` precedes the reads of its outputs. The completion kernels wait for this one."""
+    ``state_ptr``: the fp32 boundary state, or (TC "round") its bf16 copy, which the dot's rounding makes the
+    same operand. (PDL) the inter-chunk dots read only the state and C, which the prep does not write, so they
+    overlap the prep; ``gdc_wait`` precedes the reads of its outputs. The completion kernels wait for this one."""
     if PDL:
         gdc_launch_dependents()
     q = tl.program_id(0).to(tl.int64)
@@ -431,15 +435,16 @@ def _next_completing(qi, done):
 
 @triton.jit(do_not_specialize=["n"])  # n, the entries listed, changes from step to step
 def _update_kernel(
-    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr, n,
+    buf_x_ptr, dts_ptr, buf_B_ptr, state_ptr, copy_ptr, slots_ptr, pos_ptr, a_ptr, seq_ptr, n,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr,
+    TC: tl.constexpr, LISTED: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr, COPY: tl.constexpr,
 ):
     """Program (h, j, block): for each completing sequence of entries j QB .. j QB + QB - 1, the boundary state
     block h = exp(a_L) h + sum_s exp(a_L - a_s) dt_s x_s B_s^T by ``_chunk_state_kernel``'s then
-    ``_state_pass_kernel``'s arithmetic. QB entries a program keep the grid small (a sequence completes one step
-    in L); heads vary fastest, so a sequence's programs dispatch together. (PDL) waits for the tile kernel."""
+    ``_state_pass_kernel``'s arithmetic, and (COPY) its bf16 copy (``SSDState.ssm_state_bf16``). QB entries a
+    program keep the grid small (a sequence completes one step in L); heads vary fastest, so a sequence's
+    programs dispatch together. (PDL) waits for the tile kernel."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -479,6 +484,8 @@ def _update_kernel(
         # `dot(a, b, d)`, other bits than the prefill's stored chunk state added by its pass
         hs = decay * hs + tl.where(m, acc, 0.0)
         tl.store(state_ptr + off, hs, mask=m)
+        if COPY:
+            tl.store(copy_ptr + off, hs.to(tl.bfloat16), mask=m)
 
 
 @triton.jit(do_not_specialize=["n"])  # n, the entries listed, changes from step to step
@@ -546,19 +553,20 @@ def _step_intra_block(intra, k0, r, t, a_t, live, bq, cq, sg, sh, p, pm, nn, x_t
 @triton.jit
 def _step_kernel(
     x_ptr, dt_ptr, B_ptr, C_ptr, dt_bias_ptr, A_ptr, D_ptr, slots_ptr, pos_ptr,
-    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, y_ptr, scr_ptr, cnt_ptr, lo, hi, sD_h, sD_p,
+    buf_x_ptr, buf_dt_ptr, buf_B_ptr, state_ptr, copy_ptr, y_ptr, scr_ptr, cnt_ptr, lo, hi, sD_h, sD_p,
     sx_q, sdt_q, sB_q, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr,
     BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, TC: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr,
+    PB: tl.constexpr, ZB: tl.constexpr, RT_RANGE: tl.constexpr, COPY: tl.constexpr, READ_COPY: tl.constexpr,
 ):
     """Program (h, q, p block): the step's four launches in one, with the operations and order of ``_prep_kernel``
     (C.B per head here), ``_tile_kernel`` and, on a completion, ``_update_kernel`` (all of N) and ``_zero_kernel``.
     The token's x, raw dt and B come from the inputs, so no program reads what another writes, except the group's
     dt and B buffers on a completion: the last program of the group to read them empties them (counter ``cnt``,
     zero between launches). Scratch per program: the dt row and a (2 L fp32). Heads vary fastest over the grid:
-    a sequence's programs, which read the same B rows, run together."""
+    a sequence's programs, which read the same B rows, run together. (COPY) the boundary state's bf16 copy is
+    written with it, and (READ_COPY) the inter-chunk dots read it, as ``_tile_kernel`` and ``_update_kernel``."""
     h = tl.program_id(0)
     q = tl.program_id(1).to(tl.int64)
     pb = tl.program_id(2)
@@ -583,13 +591,17 @@ def _step_kernel(
     x_tok = tl.load(x_ptr + q * sx_q + h * P + p, mask=pm, other=0.0)
 
     # _tile_kernel's inter-chunk dots (the boundary state and C only)
+    if READ_COPY:
+        h_in = copy_ptr
+    else:
+        h_in = state_ptr
     inter = tl.zeros((R, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + nn
         nm = n < N
         Cn = tl.load(cq + n[None, :] + t[:, None] * 0, mask=live[:, None] & nm[None, :],
                      other=0.0).to(tl.float32)
-        hT = tl.load(state_ptr + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        hT = tl.load(h_in + (sh * P + p[None, :]) * N + n[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         inter = dot_acc(inter, Cn, hT, TC, 2, PRECISION)
 
     # _prep_kernel's dt row: the buffered raw rows, the token's at r, zero past it
@@ -650,6 +662,8 @@ def _step_kernel(
         decay_l = tl.exp(a_last)
         hs = decay_l * hs + tl.where(m, acc, 0.0)  # the select keeps the add out of the dot (_update_kernel)
         tl.store(state_ptr + off, hs, mask=m)
+        if COPY:
+            tl.store(copy_ptr + off, hs.to(tl.bfloat16), mask=m)
         # _zero_kernel: this P block's x rows are this program's alone, once all its threads read them
         tl.debug_barrier()
         i = tl.arange(0, ZB)
@@ -729,7 +743,8 @@ def decode_step_triton(
     ``triton_chunk.replay_chunk_triton``'s rows, ``state`` updated in place as that call would; nothing is read
     back to the host (CUDA-graph capturable).
 
-    state: contiguous, buffers in the model dtype, ssm_state fp32. slots [S] int64 (distinct); pos [S] int64, the
+    state: contiguous, buffers in the model dtype, ssm_state fp32 (ssm_state_bf16, where kept, its rounding:
+    read where the dots round the state, written with it). slots [S] int64 (distinct); pos [S] int64, the
     tokens each slot consumed before. x [S, H, P], dt [S, H] raw, B and C [S, G, N], model dtype, any row stride
     with a row's elements packed (else copied). row_tile: default ``DECODE_ROW_TILE``; any power of two >= 16
     dividing L gives the same bits. mode: "row" (fp32 default), "tile" (bf16 default) or "step" (bf16 on a GPU;
@@ -763,9 +778,9 @@ def decode_step_triton(
         raise ValueError(f"{H} heads do not split into {G} groups")
     if mode == "row" and N % 4:
         raise ValueError(f"row mode needs a state size divisible by 4, not {N}; use mode='tile'")
-    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
+    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B", "ssm_state_bf16"):
         t = getattr(state, name)
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"state.{name} must be contiguous")
     if state.ssm_state.dtype != torch.float32:
         raise ValueError(f"exact replay needs the fp32 boundary state, not {state.ssm_state.dtype}")
@@ -776,8 +791,13 @@ def decode_step_triton(
     y = torch.empty(S, H, P, dtype=x.dtype, device=dev)
     if S == 0:
         return y
+    # the bf16 copy of the boundary state: written where the state is; read where the dots round the state to it
+    copy = state.ssm_state_bf16
+    keeps = copy is not None
+    read_copy = keeps and tc == DOT_MODES["round"] and READ_STATE_COPY
+    copy = copy if keeps else state.ssm_state  # (a pointer the kernels ignore without one)
     if mode == "step":
-        return _step(state, slots, pos, x, dt, B, C, params, y, cfg, tc, R)
+        return _step(state, slots, pos, x, dt, B, C, params, y, cfg, tc, R, copy, keeps, read_copy)
     slots_d = _as(slots, dev, torch.int64)
     pos_d = _as(pos, dev, torch.int64)
     x_c, dt_c, B_c, C_c = (_rows(t) for t in (x, dt, B, C))  # row-strided views are read in place
@@ -821,9 +841,9 @@ def decode_step_triton(
         )
     else:
         _tile_kernel[(S, H, PB)](
-            state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, C_c, Af, Dd, y, a_scr, cb_scr,
-            sD_h, sD_p, C_c.stride(0), **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
-            BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
+            state.buf_x, dt_scr, state.buf_B, copy if read_copy else state.ssm_state, slots_d, pos_d, C_c, Af, Dd,
+            y, a_scr, cb_scr, sD_h, sD_p, C_c.stride(0), **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
+            BLOCK_N=cfg.block_n, BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)
@@ -845,9 +865,10 @@ def decode_step_triton(
             on, pdl, launch = torch.cuda.stream(side), False, {}
         with on:
             _update_kernel[(H, triton.cdiv(n_upd, QB), PB * triton.cdiv(N, NBS))](
-                state.buf_x, dt_scr, state.buf_B, state.ssm_state, slots_d, pos_d, a_scr, seq, n_upd, **dims,
+                state.buf_x, dt_scr, state.buf_B, state.ssm_state, copy, slots_d, pos_d, a_scr, seq, n_upd, **dims,
                 BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=NBS, PRECISION=cfg.dot_precision, TC=tc,
-                LISTED=listed, QB=QB, PDL=pdl, num_warps=cfg.num_warps, enable_fp_fusion=not tc, **launch,
+                LISTED=listed, QB=QB, PDL=pdl, COPY=keeps, num_warps=cfg.num_warps, enable_fp_fusion=not tc,
+                **launch,
             )
             _zero_kernel[(H, triton.cdiv(n_upd, QB))](
                 state.buf_x, state.buf_dt, state.buf_B, slots_d, pos_d, seq, n_upd, **dims, BLOCK_L=BLOCK_L,
@@ -858,8 +879,8 @@ def decode_step_triton(
 
 def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
           B: torch.Tensor, C: torch.Tensor, params: SSMParams, y: torch.Tensor, cfg: TritonKernelConfigs, tc: int,
-          R: int) -> torch.Tensor:
-    """``decode_step_triton`` in one launch (``_step_kernel``); the arguments as checked there."""
+          R: int, copy: torch.Tensor, keeps: bool, read_copy: bool) -> torch.Tensor:
+    """``decode_step_triton`` in one launch (``_step_kernel``); the arguments as checked and chosen there."""
     S = int(slots.numel())
     SS, H, L, P = state.buf_x.shape
     G, N = state.buf_B.shape[1], state.buf_B.shape[3]
@@ -875,12 +896,13 @@ def _step(state: SSDState, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tens
     x, dt, B, C = (_rows(t) for t in (x, dt, B, C))  # row-strided views read in place (see _rows)
     _step_kernel[(H, S, PB)](
         x, dt, B, C, bias, _as(params.A, dev, torch.float32), Dd, _as(slots, dev, torch.int64),
-        _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, y, scratch,
+        _as(pos, dev, torch.int64), state.buf_x, state.buf_dt, state.buf_B, state.ssm_state, copy, y, scratch,
         _counters(dev, S * G), lo, hi, sD_h, sD_p, x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
         H=H, G=G, L=L, P=P, N=N, R=R,
         BLOCK_K=cfg.block_k, BLOCK_P=BP, BLOCK_N=cfg.block_n, BLOCK_NS=state_block_n(N),
         BLOCK_L=triton.next_power_of_2(L), PRECISION=cfg.dot_precision, TC=tc, HAS_LIMIT=has_limit(params.dt_limit),
-        PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,
+        PB=PB, ZB=1024, RT_RANGE=STEP_RT_RANGE and not interpreting(), COPY=keeps, READ_COPY=read_copy,
+        num_warps=cfg.num_warps,
         enable_fp_fusion=False, **(STEP_OPTS if tc else {}),
     )
     return y

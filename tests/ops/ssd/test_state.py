@@ -17,6 +17,7 @@ import torch
 from aligned_mamba.contract import Contract
 from aligned_mamba.layers.mamba2 import Mamba2MixerConfig, state_spec
 from aligned_mamba.ops.backend import resolve
+from aligned_mamba.ops.configs import TorchKernelConfigs, TritonKernelConfigs
 from aligned_mamba.ops.ssd import SSDState, SSMParams
 from aligned_mamba.ops.ssd.chunk import pack_chunks
 from aligned_mamba.ops.step import Step
@@ -61,6 +62,56 @@ def test_layout_is_the_memory_budget(dtype):
     spec = state_spec(mixer, L, dtype)
     assert [f[0] for f in spec.fields] == [*layout, "conv_window"]
     assert spec.bytes_per_slot() == state.bytes_per_slot() + (K - 1) * mixer.conv_dim * itemsize
+
+
+def test_bf16_copy_only_where_the_dots_round_the_state():
+    """The boundary state's bf16 copy is kept where the Triton decode's dots round that state to bf16 anyway
+    ("round" on a bf16 model): in the layout and the layer's spec, half the fp32 state's bytes again; a copy
+    of another dtype or shape is refused."""
+    assert TritonKernelConfigs().bf16_state_copy(torch.bfloat16)
+    assert not TritonKernelConfigs().bf16_state_copy(torch.float32)
+    assert not TritonKernelConfigs(bf16_dots="split2").bf16_state_copy(torch.bfloat16)  # it reads the fp32 state
+    assert not TorchKernelConfigs().bf16_state_copy(torch.bfloat16)
+    layout = SSDState.layout(heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=torch.bfloat16,
+                             bf16_copy=True)
+    assert list(layout)[-1] == "ssm_state_bf16" and layout["ssm_state_bf16"] == ((H, P, N), torch.bfloat16)
+    with_copy = SSDState.allocate(2, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L,
+                                  dtype=torch.bfloat16, bf16_copy=True)
+    assert with_copy.bytes_per_slot() == _allocate(2, torch.bfloat16).bytes_per_slot() + H * P * N * 2
+    assert SSDState(*with_copy.tensors()).ssm_state_bf16 is with_copy.ssm_state_bf16
+    mixer = Mamba2MixerConfig(hidden_size=H * P // 2, num_heads=H, head_dim=P, state_size=N, n_groups=G,
+                              conv_kernel=K)
+    names = [f[0] for f in state_spec(mixer, L, torch.bfloat16, bf16_copy=True).fields]
+    assert names == [*layout, "conv_window"]
+    for bad in (with_copy.ssm_state.clone(), with_copy.ssm_state_bf16[:, :, :-1].clone()):
+        with pytest.raises(ValueError, match="ssm_state_bf16 must be bf16"):
+            SSDState(with_copy.ssm_state, with_copy.buf_x, with_copy.buf_dt, with_copy.buf_B, bad)
+
+
+def test_torch_forms_keep_a_bf16_copy_rounded():
+    """A state with the bf16 copy advanced by the torch forms (prefills crossing boundaries, decodes completing
+    chunks) ends with its copy the boundary state rounded to nearest-even, though every boundary state moved
+    (so a copy left as it was would be caught)."""
+    dtype = torch.bfloat16
+    state = SSDState.allocate(5, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype,
+                              bf16_copy=True)
+    g = torch.Generator().manual_seed(3)
+    state.ssm_state.copy_(torch.randn(state.ssm_state.shape, generator=g))
+    state.refresh_copy(torch.arange(5))
+    before = state.ssm_state_bf16.clone()
+    schedule = [[21, 16, 5], [1, 1, 1], [9, 14, 9], [1, 1, 1], [1, 1, 1]]  # the 4th completes every chunk
+    x, dt, B, C = _inputs(sum(sum(s) for s in schedule), dtype)
+    slots, pos, r = [3, 0, 4], [0, 0, 0], 0
+    for step in schedule:
+        rows = slice(r, r + sum(step))
+        TORCH.ssd_advance(state, Step.make(slots, pos, step), x[rows], dt[rows], B[rows], C[rows], _params())
+        r += sum(step)
+        pos = [p + n for p, n in zip(pos, step)]
+    assert torch.equal(state.ssm_state_bf16, state.ssm_state.to(torch.bfloat16))
+    for s in slots:
+        assert not torch.equal(state.ssm_state_bf16[s], before[s])
+    for s in (1, 2):  # slots no sequence owns keep their copy
+        assert torch.equal(state.ssm_state_bf16[s], before[s])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

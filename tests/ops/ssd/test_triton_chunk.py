@@ -118,16 +118,17 @@ def test_packed_batch_matches_each_sequence_alone(lens: list[int], seed: int) ->
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    packed = SSDState(*(t.clone() for t in vars(hist).values()))
+    packed = SSDState(*(t.clone() for t in hist.tensors()))
     y_packed = _advance(packed, Step.make(list(range(S)), start, lens), x, dt, B, C, prm, rows=rows)
     for i in range(S):
-        alone = SSDState(*(t[i : i + 1].clone() for t in vars(hist).values()))
+        alone = SSDState(*(t[i : i + 1].clone() for t in hist.tensors()))
         sl = slice(cu[i], cu[i + 1])
         y_alone = _advance(alone, Step.make([0], [start[i]], [lens[i]]), x[sl], dt[sl], B[sl], C[sl], prm,
                            rows=rows[sl])
         assert torch.equal(y_packed[sl], y_alone), i
         for name, t in vars(alone).items():
-            assert torch.equal(getattr(packed, name)[i : i + 1], t), name
+            if t is not None:  # (no bf16 copy: fp32)
+                assert torch.equal(getattr(packed, name)[i : i + 1], t), name
     assert torch.all(y_packed[~rows] == 0)
 
 
@@ -165,7 +166,7 @@ def test_x_B_C_read_in_place_at_a_row_stride_give_the_contiguous_bits() -> None:
         for buf in (hist.buf_x, hist.buf_dt, hist.buf_B):
             buf[i, :, : p0 % L] = torch.rand(buf[i, :, : p0 % L].shape, generator=g)
     step = Step.make([0, 1, 2], start, lens)
-    a, b = (SSDState(*(t.clone() for t in vars(hist).values())) for _ in range(2))
+    a, b = (SSDState(*(t.clone() for t in hist.tensors())) for _ in range(2))
     y_slice = _advance(a, step, xs, dts, Bs, Cs, prm)
     y_copy = _advance(b, step, x.clone(), dt.clone(), B.clone(), C.clone(), prm)
     assert torch.equal(y_slice, y_copy) and not y_copy.isnan().any()

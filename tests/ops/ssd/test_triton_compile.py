@@ -35,7 +35,7 @@ TCS = %TCS%
 ROW_STRIDES = dict(sx_q="i32", sdt_q="i32", sB_q="i32", sC_q="i32")  # the token rows' (views of the layer's rows)
 STEP_TYPES = dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf, y_ptr=bf,
                   slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32", sD_h="i32", sD_p="i32",
-                  **ROW_STRIDES)
+                  copy_ptr=bf, **ROW_STRIDES)
 STEP_CONSTS = dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_NS=128, BLOCK_L=256,
                    PRECISION=cfg.dot_precision, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE)
 
@@ -61,6 +61,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tc._chunk_state_kernel, dict(chunk_ptr=i64, sx="i32", sb="i32", **model, **rows),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_NS=128, PRECISION=cfg.dot_precision, TC=TC), fuse)
     h_in = dict(h_in_ptr=bf) if TC == DOT_MODES["round"] else {}  # "round" stores the boundary states as bf16
+    copy = TC == DOT_MODES["round"]  # and a bf16 model's decode state their bf16 copy, which the tile reads
     comp(tc._state_pass_kernel, dict(need_ptr=i64, slot_ptr=i64, first_ptr=i64, count_ptr=i64, **h_in),
          dict(H=32, L=256, P=64, N=128, BLOCK_P=16, BLOCK_N=BN, WRITE_IN=True, RT_RANGE=True), fuse)
     comp(tc._cb_kernel, dict(B_ptr=bf, Bp_ptr=bf, C_ptr=bf, pre_ptr=i64, sb="i32", sc="i32", **rows),
@@ -77,14 +78,16 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
                   R=td.DECODE_ROW_TILE, BLOCK_N=BN, PDL=with_cb), False)
     for pdl in (False, True):  # with and without programmatic dependent launch
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                                   sD_h="i32", sD_p="i32", sC_q="i32"),
+                                   sD_h="i32", sD_p="i32", sC_q="i32", **(dict(state_ptr=bf) if copy else {})),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
                   PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
-    comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32"),
+    comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32",
+                                 copy_ptr=bf),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,
-              QB=td.COMPLETION_BLOCK, PDL=bool(TC)), fuse)
+              QB=td.COMPLETION_BLOCK, PDL=bool(TC), COPY=copy), fuse)
     if TC:  # the one-launch step: bf16 models only
-        comp(td._step_kernel, STEP_TYPES, dict(STEP_CONSTS, TC=TC, HAS_LIMIT=TC == 1), False)
+        comp(td._step_kernel, STEP_TYPES, dict(STEP_CONSTS, TC=TC, HAS_LIMIT=TC == 1, COPY=copy, READ_COPY=copy),
+             False)
     # the scan's backward (fp32 chunk tensors but x, dy and dx: strided views of the packed rows, in the
     # model dtype; the dots' precision as the forward's)
     dims = dict(H=32, G=1, L=256, P=64, BLOCK_P=64, PRECISION=cfg.dot_precision, TC=TC, FLAT=tb.BWD_FLAT_GRID)
@@ -183,10 +186,10 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
                                dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_NS=td.state_block_n(32),
                                     PRECISION=cfg.dot_precision, TC=TC), fuse)
     decode = dot_accumulators(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64,
-                                                      seq_ptr=i64, n="i32"),
+                                                      seq_ptr=i64, n="i32", copy_ptr="*bf16"),
                               dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=td.state_block_n(32),
                                    PRECISION=cfg.dot_precision, TC=TC, LISTED=False, QB=td.COMPLETION_BLOCK,
-                                   PDL=False), fuse)
+                                   PDL=False, COPY=TC == 2), fuse)
     res[f"TC{TC} L{L}"] = [prefill, decode]
     if TC:  # the one-launch step's completion: its last dots, after the output's
         bfs = "*bf16"
@@ -194,10 +197,11 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
                                                       buf_dt_ptr=bfs, buf_B_ptr=bfs, y_ptr=bfs, slots_ptr=i64,
                                                       pos_ptr=i64, cnt_ptr="*i32", lo="fp32", hi="fp32",
                                                       sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32",
-                                                      sB_q="i32", sC_q="i32"),
+                                                      sB_q="i32", sC_q="i32", copy_ptr=bfs),
                                 dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
                                      BLOCK_NS=td.state_block_n(32), BLOCK_L=L, PRECISION=cfg.dot_precision, TC=TC,
-                                     HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE), False)
+                                     HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE, COPY=TC == 2,
+                                     READ_COPY=TC == 2), False)
         res[f"step TC{TC} L{L}"] = [prefill, step[len(step) - len(prefill):]]
 print(json.dumps(res))
 """
@@ -241,9 +245,10 @@ for TC, rt in ((1, False), (2, False), (1, True)):
     code = ptx(td._step_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf,
                                      buf_B_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64, cnt_ptr="*i32", lo="fp32",
                                      hi="fp32", sD_h="i32", sD_p="i32", sx_q="i32", sdt_q="i32", sB_q="i32",
-                                     sC_q="i32"),
+                                     sC_q="i32", copy_ptr=bf),
                dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=128,
-                    BLOCK_L=256, PRECISION=cfg.dot_precision, TC=TC, HAS_LIMIT=True, PB=1, ZB=1024, RT_RANGE=rt),
+                    BLOCK_L=256, PRECISION=cfg.dot_precision, TC=TC, HAS_LIMIT=True, PB=1, ZB=1024, RT_RANGE=rt,
+                    COPY=TC == 2, READ_COPY=TC == 2),
                enable_fp_fusion=False, **td.STEP_OPTS)
     out[f"TC{TC} rt {rt}"] = dict(fma=code.count("fma.rn.f32"), mma="wgmma" in code or "mma.sync" in code,
                    atom="atom.global.gpu.acq_rel.add" in code)

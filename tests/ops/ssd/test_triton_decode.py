@@ -89,11 +89,15 @@ def make_tokens(T: int, H: int, P: int, G: int, N: int, seed: int, dtype: torch.
 
 
 def make_state(slots: int, H: int, P: int, G: int, N: int, L: int, dtype: torch.dtype, dev: str,
-               seed: int | None = None, scale: float = 1.0) -> SSDState:
-    st = SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype, device=dev)
+               seed: int | None = None, scale: float = 1.0, bf16_copy: bool | None = None) -> SSDState:
+    """A replay state; bf16_copy (default: as a model's cache under ``CFG``) keeps the boundary state's bf16 copy."""
+    copy = CFG.bf16_state_copy(dtype) if bf16_copy is None else bf16_copy
+    st = SSDState.allocate(slots, heads=H, head_dim=P, groups=G, state_size=N, chunk_size=L, dtype=dtype, device=dev,
+                           bf16_copy=copy)
     if seed is not None:  # a nonzero boundary state, as after earlier chunks
         g = torch.Generator(device=dev).manual_seed(2000 + seed)
         st.ssm_state.copy_(scale * torch.randn(st.ssm_state.shape, generator=g, device=dev))
+        st.refresh_copy(torch.arange(slots, device=dev))
     return st
 
 
@@ -106,11 +110,17 @@ def params_of(prm: dict, dt_limit=NO_LIMIT) -> SSMParams:
 
 
 def assert_same_state(s1: SSDState, s2: SSDState, slots=None) -> None:
-    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B"):
+    """Every field torch.equal (the bf16 copy where both keep one), and each copy its state rounded."""
+    for name in ("ssm_state", "buf_x", "buf_dt", "buf_B", "ssm_state_bf16"):
         a, b = getattr(s1, name), getattr(s2, name)
+        if a is None or b is None:
+            continue
         if slots is not None:
             a, b = a[slots], b[slots]
         assert torch.equal(a, b), name
+    for st in (s1, s2):
+        if st.ssm_state_bf16 is not None:
+            assert torch.equal(st.ssm_state_bf16, st.ssm_state.to(torch.bfloat16)), "the bf16 copy is stale"
 
 
 def decode_steps(st: SSDState, slots: list[int], start: list[int], toks: list[tuple[torch.Tensor, ...]],
@@ -191,6 +201,52 @@ def test_tile_mode_token_by_token_equals_prefill(G, mode):
     yp = prefill(ref, [0], [start], [toks], prm)[0]
     assert torch.equal(torch.cat(ys), yp)
     assert_same_state(st, ref)
+
+
+def _copy_case(mode: str, copy: bool, refresh: bool = True, dev: str = "cpu", dims: tuple | None = None,
+               seed: int = 5) -> tuple[list[torch.Tensor], SSDState]:
+    """bf16, 3 sequences in slots 4, 0, 2 of 5: a prefill from nonzero boundary states crossing a chunk boundary
+    (two of them), then L + 3 decode steps (a completion each); rows per step and the state. copy: the state keeps
+    the boundary state's bf16 copy; refresh False: the prefill leaves the copy as it was (a writer that forgets)."""
+    H_, P_, G_, N_, L_ = dims or (H, P, 1, N, L)
+    dtype = torch.bfloat16
+    prm = make_params(H_, P_, seed=seed, dev=dev, realistic=dev != "cpu")
+    slots, pre_len = [4, 0, 2], [L_ + 5, L_ - 3, 2 * L_ + 1]
+    steps = L_ + 3
+    st = make_state(5, H_, P_, G_, N_, L_, dtype, dev, seed=seed, scale=0.3, bf16_copy=copy)
+    pre = [make_tokens(n, H_, P_, G_, N_, seed * 10 + i, dtype, dev) for i, n in enumerate(pre_len)]
+    new = [make_tokens(steps, H_, P_, G_, N_, seed * 10 + 5 + i, dtype, dev) for i in range(3)]
+    keep = SSDState.refresh_copy
+    try:
+        if not refresh:
+            SSDState.refresh_copy = lambda self, slots: None
+        prefill(st, slots, [0, 0, 0], pre, prm)
+    finally:
+        SSDState.refresh_copy = keep
+    ys = decode_steps(st, slots, pre_len, new, prm, steps, mode,
+                      row_tile=None if dev == "cpu" else td.DECODE_ROW_TILE)
+    return ys, st
+
+
+@pytest.mark.interpreter
+@interp
+@pytest.mark.parametrize("mode", ["tile", "step"])
+def test_bf16_state_copy_keeps_rows_and_states(mode):
+    """bf16 under "round": a state keeping the boundary state's bf16 copy, which the decode's dots then read, gives
+    the rows, boundary states and buffers of a state without one, bit for bit, through prefills and completions,
+    and its copy stays the state rounded. Baseline: a prefill that leaves the copy stale gives other rows."""
+    _check_copy(mode, "cpu")
+
+
+def _check_copy(mode: str, dev: str, dims: tuple | None = None) -> None:
+    assert CFG.bf16_dots == "round" and CFG.bf16_state_copy(torch.bfloat16)
+    ys, st = _copy_case(mode, copy=True, dev=dev, dims=dims)
+    ys0, st0 = _copy_case(mode, copy=False, dev=dev, dims=dims)
+    assert st.ssm_state_bf16 is not None and st0.ssm_state_bf16 is None
+    assert all(torch.equal(a, b) for a, b in zip(ys, ys0, strict=True))
+    assert_same_state(st, st0)
+    ys_stale, _ = _copy_case(mode, copy=True, refresh=False, dev=dev, dims=dims)
+    assert not all(torch.equal(a, b) for a, b in zip(ys_stale, ys0, strict=True))
 
 
 @pytest.mark.interpreter
@@ -779,6 +835,15 @@ def test_gpu_completions_on_a_side_stream_keep_the_bits(batch, monkeypatch):
     streams.clear()
     _gpu_batch_case(64, 8, batch, "tile", seed=31 + batch, steps=4)
     assert streams and side.cuda_stream not in streams
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["tile", "step"])
+def test_gpu_bf16_state_copy_keeps_rows_and_states(mode):
+    """``test_bf16_state_copy_keeps_rows_and_states`` at mamba2-1.3b's heads and L = 256, the tensor-core dots
+    reading the copy: the rows and states of a state without one; a prefill leaving the copy stale gives others."""
+    _check_copy(mode, "cuda", dims=(64, GP, 1, GN, GL))
 
 
 @pytest.mark.gpu
