@@ -84,8 +84,7 @@ class Mamba2State:
     conv_window: torch.Tensor
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        ssd = {f.name: t for f in dataclasses.fields(self.ssd) if (t := getattr(self.ssd, f.name)) is not None}
-        return {**ssd, "conv_window": self.conv_window}
+        return {**self.ssd.named(), "conv_window": self.conv_window}
 
     def reset(self, slots: torch.Tensor) -> None:
         """Empty the given slots (one fill per field on the device, no host sync)."""

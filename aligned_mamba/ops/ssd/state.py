@@ -89,9 +89,13 @@ class SSDState:
             slots = slots.to(self.ssm_state.device, torch.int64)
             self.ssm_state_bf16.index_copy_(0, slots, self.ssm_state.index_select(0, slots).to(torch.bfloat16))
 
+    def named(self) -> dict[str, torch.Tensor]:
+        """The fields that are present by name, in field order (the layer's ``StateSpec`` names)."""
+        return {f.name: t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None}
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The fields that are present, in field order (``SSDState(*tensors())`` rebuilds the state)."""
-        return tuple(t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None)
+        return tuple(self.named().values())
 
     def check_inputs(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor) -> None:
         """ValueError unless x, raw dt and B have the buffers' dtype (buffering would round them)."""

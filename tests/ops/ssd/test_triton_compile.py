@@ -151,9 +151,11 @@ from triton.compiler import ASTSource
 from sm90_offline import compile_until
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.ssd import triton_chunk as tc, triton_decode as td
+from aligned_mamba.ops.ssd.triton_dot import DOT_MODES
 
 cfg = TritonKernelConfigs()
 i64 = "*i64"
+ROUND = DOT_MODES["round"]  # the mode whose decode state keeps the bf16 copy
 
 
 def dot_accumulators(fn, types, consts, fuse):
@@ -189,7 +191,7 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
                                                       seq_ptr=i64, n="i32", copy_ptr="*bf16"),
                               dict(D, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=td.state_block_n(32),
                                    PRECISION=cfg.dot_precision, TC=TC, LISTED=False, QB=td.COMPLETION_BLOCK,
-                                   PDL=False, COPY=TC == 2), fuse)
+                                   PDL=False, COPY=TC == ROUND), fuse)
     res[f"TC{TC} L{L}"] = [prefill, decode]
     if TC:  # the one-launch step's completion: its last dots, after the output's
         bfs = "*bf16"
@@ -200,8 +202,8 @@ for TC, L in ((0, 32), (0, 256), (1, 32), (2, 32)):
                                                       sB_q="i32", sC_q="i32", copy_ptr=bfs),
                                 dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
                                      BLOCK_NS=td.state_block_n(32), BLOCK_L=L, PRECISION=cfg.dot_precision, TC=TC,
-                                     HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE, COPY=TC == 2,
-                                     READ_COPY=TC == 2), False)
+                                     HAS_LIMIT=False, PB=1, ZB=1024, RT_RANGE=td.STEP_RT_RANGE, COPY=TC == ROUND,
+                                     READ_COPY=TC == ROUND), False)
         res[f"step TC{TC} L{L}"] = [prefill, step[len(step) - len(prefill):]]
 print(json.dumps(res))
 """
@@ -227,9 +229,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from aligned_mamba.ops.configs import TritonKernelConfigs
 from aligned_mamba.ops.ssd import triton_decode as td
+from aligned_mamba.ops.ssd.triton_dot import DOT_MODES
 
 cfg = TritonKernelConfigs()
 bf, i64 = "*bf16", "*i64"
+ROUND = DOT_MODES["round"]  # the mode whose decode state keeps the bf16 copy
 D = dict(H=32, G=1, L=256, P=64, N=128)
 
 
@@ -248,7 +252,7 @@ for TC, rt in ((1, False), (2, False), (1, True)):
                                      sC_q="i32", copy_ptr=bf),
                dict(D, R=16, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, BLOCK_NS=128,
                     BLOCK_L=256, PRECISION=cfg.dot_precision, TC=TC, HAS_LIMIT=True, PB=1, ZB=1024, RT_RANGE=rt,
-                    COPY=TC == 2, READ_COPY=TC == 2),
+                    COPY=TC == ROUND, READ_COPY=TC == ROUND),
                enable_fp_fusion=False, **td.STEP_OPTS)
     out[f"TC{TC} rt {rt}"] = dict(fma=code.count("fma.rn.f32"), mma="wgmma" in code or "mma.sync" in code,
                    atom="atom.global.gpu.acq_rel.add" in code)
