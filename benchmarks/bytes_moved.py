@@ -1,11 +1,16 @@
-"""Bytes a decode step moves from HBM, per sequence, for the benchmarks' bandwidth figures.
+"""Bytes the kernels move from HBM, for the benchmarks' bandwidth figures: a decode step per sequence, and
+a Mamba2 layer's forward kernel by kernel (``forward_layer_bytes``).
 
 Counting models, not measurements: ``bench_h200.py`` divides them by the measured step time and
 compares the result with the device-to-device copy bandwidth. They live here rather than in the
 library because no kernel reads them.
+
+    python3 benchmarks/bytes_moved.py --shape mamba2-2.7b --tokens 16384   # the forward's floors, a table
 """
 
 from __future__ import annotations
+
+import argparse
 
 
 def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
@@ -26,4 +31,49 @@ def ssu_step_bytes(H: int, G: int, P: int, N: int, x_bytes: int = 2) -> int:
     return 2 * H * P * N * 4 + H * P * x_bytes * 2 + H * x_bytes + 2 * G * N * x_bytes
 
 
-__all__ = ["replay_decode_bytes", "ssu_step_bytes"]
+def forward_layer_bytes(T: int, H: int, P: int, G: int, N: int, hidden: int, L: int = 256, x_bytes: int = 2,
+                        residual_bytes: int = 4, boundary_bytes: int = 2) -> dict[str, int]:
+    """The least bytes each non-GEMM kernel of one Mamba2 layer's forward moves for T tokens (whole chunks of L),
+    by kernel: every input read once and every output written once (x_bytes the model dtype's, residual_bytes the
+    residual's, boundary_bytes the stored boundary states': 2 under "round", 4 under "split2")."""
+    d, NC = H * P, -(-T // L)
+    xbc = T * (d + 2 * G * N) * x_bytes
+    states = NC * H * P * N * 4
+    return {
+        "conv + SiLU": 2 * xbc,
+        "chunk states": T * d * x_bytes + T * G * N * x_bytes + 2 * NC * H * L * 4 + states,
+        "state pass": states + NC * H * P * N * boundary_bytes,
+        "scan output": 2 * T * d * x_bytes + 2 * T * G * N * x_bytes + NC * G * L * L * 4
+        + NC * H * P * N * boundary_bytes,
+        "gated norm": 3 * T * d * x_bytes,
+        "add + RMSNorm": 2 * T * hidden * (x_bytes + residual_bytes),
+        "dt, cumsum, C.B": T * H * x_bytes + 3 * NC * H * L * 4 + NC * G * L * L * 4,
+    }
+
+
+#: mamba_ssm's Mamba2 shapes the benchmarks use: (layers, hidden size); 64-dim heads, state 128, one group
+SHAPES = {"mamba2-130m": (24, 768), "mamba2-1.3b": (48, 2048), "mamba2-2.7b": (64, 2560)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="a Mamba2 forward's non-GEMM bytes and their time at a bandwidth")
+    ap.add_argument("--shape", default="mamba2-2.7b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tb-s", type=float, default=3.0, help="bandwidth, TB/s")
+    ap.add_argument("--boundary-bytes", type=int, default=2, choices=(2, 4))
+    a = ap.parse_args(argv)
+    layers, hidden = SHAPES[a.shape]
+    H = 2 * hidden // 64
+    rows = forward_layer_bytes(a.tokens, H, 64, 1, 128, hidden, boundary_bytes=a.boundary_bytes)
+    print(f"{a.shape}, {a.tokens} tokens, {layers} layers, {a.tb_s} TB/s")
+    print("| kernel | bytes a layer | floor, ms |\n| --- | --- | --- |")
+    for name, b in [*rows.items(), ("all", sum(rows.values()))]:
+        print(f"| {name} | {b / 1e6:.0f} MB | {b * layers / (a.tb_s * 1e12) * 1e3:.1f} |")
+    return 0
+
+
+__all__ = ["forward_layer_bytes", "replay_decode_bytes", "ssu_step_bytes"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -208,3 +208,24 @@ def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
           "stock": "mamba_ssm"}
     (tmp_path / "ok.json").write_text(json.dumps(ok))
     assert main([str(tmp_path / "ok.json")]) == 0 and "commit c" in capsys.readouterr().out
+
+
+def test_forward_bytes_scale_with_tokens_and_print_a_table() -> None:
+    """``bytes_moved.forward_layer_bytes``: every kernel's count is linear in the tokens over whole chunks, the
+    stored boundary states' width moves the state pass and the scan output alone (by one state per chunk and
+    head each), and the CLI prints a row per kernel and their sum."""
+    from benchmarks.bytes_moved import forward_layer_bytes
+
+    shape = dict(H=80, P=64, G=1, N=128, hidden=2560)
+    one, two = forward_layer_bytes(4096, **shape), forward_layer_bytes(8192, **shape)
+    assert {k: 2 * v for k, v in one.items()} == two
+    wide = forward_layer_bytes(4096, **shape, boundary_bytes=4)
+    per_state = (4096 // 256) * 80 * 64 * 128 * 2
+    assert {k for k in one if wide[k] != one[k]} == {"state pass", "scan output"}
+    assert all(wide[k] - one[k] == per_state for k in ("state pass", "scan output"))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bytes_moved.py"), "--shape", "mamba2-1.3b",
+                        "--tokens", "8192"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [line.split(" | ")[0][2:] for line in rows] == [*one, "all"]
