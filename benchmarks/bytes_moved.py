@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tb-s", type=float, default=3.0, help="bandwidth, TB/s")
     ap.add_argument("--boundary-bytes", type=int, default=2, choices=(2, 4))
     a = ap.parse_args(argv)
+    if a.tokens < 1 or a.tb_s <= 0:
+        ap.error(f"--tokens must be >= 1 and --tb-s > 0, got {a.tokens} and {a.tb_s}")
     layers, hidden = SHAPES[a.shape]
     H = 2 * hidden // 64
     rows = forward_layer_bytes(a.tokens, H, 64, 1, 128, hidden, boundary_bytes=a.boundary_bytes)
