@@ -24,6 +24,9 @@ Parts (each cell's CUDA-event median after a first call; the JSON is written aft
   are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side
   (and of one forward and one graph decode step of each side in those cells).
 - forward: all logits, no gradients, the same two token counts.
+- train and forward, after each side's own block: ``--turns`` rounds (5) of one ours' call then one stock call;
+  ``ratio_turns``, the ratio of those medians, shares the machine's drift and is the cell's figure
+  (``summarize.py``); the blocks' ``ratio`` stays beside it.
 - decode: one token per sequence at batch 1 / 64 / 256, every sequence prefilled to L k + U[0, L)
   tokens; ours ``DecodeGraphs.step``; stock mamba_ssm's ``capture_graph`` over ``InferenceParams``
   with its default bf16 state and with an fp32 state. The three are timed in turns (``--rounds``
@@ -204,16 +207,35 @@ def peak(torch, step, e: dict, prefix: str) -> None:
     del out
 
 
-def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
-    """``--configs-b``: each of ``steps`` (label -> step) timed once a round, in turn, ``rounds`` rounds, so the
-    two contracts' medians share the machine's drift; ``b_ratio`` = b / ours."""
+def in_turns(torch, steps: dict, rounds: int, e: dict, prefix: str) -> None:
+    """Each of ``steps`` (label -> step) timed once a round, in turn, ``rounds`` rounds, so their medians share
+    the machine's drift: ``{prefix}_{label}_ms`` (the median) and ``{prefix}_{label}_times_ms``."""
     ts: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for k, f in steps.items():
             ts[k] += cuda_ms(torch, lambda i, f=f: f(), 1)
     for k, v in ts.items():
-        e[f"ab_{k}_ms"], e[f"ab_{k}_times_ms"] = statistics.median(v), v
+        e[f"{prefix}_{k}_ms"], e[f"{prefix}_{k}_times_ms"] = statistics.median(v), v
+
+
+def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
+    """``--configs-b``: ours and b in turns (``in_turns``); ``b_ratio`` = b / ours."""
+    in_turns(torch, steps, rounds, e, "ab")
     e["b_ratio"] = e["ab_b_ms"] / e["ab_ours_ms"]
+
+
+def stock_turns(torch, ours, stock, rounds: int, e: dict) -> None:
+    """Ours and the stock timed in turns after each side's own block (``--turns``): ``ratio_turns``, the ratio
+    the cell is read by, shares the machine's drift between the two sides (the blocks' ``ratio`` does not)."""
+    if rounds < 1 or not (e.get("ours_ms") and e.get("stock_ms")):
+        return
+    try:
+        in_turns(torch, {"ours": ours, "stock": stock}, rounds, e, "turns")
+        e["ratio_turns"] = e["turns_ours_ms"] / e["turns_stock_ms"]
+    except Exception as exc:  # noqa: BLE001 - a failed round is a result
+        e["turns_error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    free(torch)
 
 
 def _knob_module(key: str):
@@ -332,6 +354,7 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
             e["stock_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
         free(torch)
+        stock_turns(torch, ours_step, stock_step, args.turns, e)
     if first is not None:  # the budgeted hold, after both plain steps: the same bits, timed last
         try:
             budget = e["ours_hold_budget_bytes"] = hold_budget(args, e)
@@ -375,6 +398,8 @@ def forward_cell(args, torch, name, model, stock, label, S, T, seed) -> dict:
                 e[f"{side}_error"] = f"{type(exc).__name__}: {exc}"
                 log(traceback.format_exc())
             free(torch)
+        if not args.ours_only:
+            stock_turns(torch, sides[0][1], sides[1][1], args.turns, e)
     if args.contract_b is not None and e["ours_ms"]:
         def b_forward():
             with module_knobs(args.knobs_b):
@@ -575,6 +600,8 @@ def main() -> int:
     ap.add_argument("--knobs-b", help="JSON of module knobs for the b side (alone or over --configs-b): "
                     '{"triton_backward.BWD_HEADS_PER_PROGRAM": 16}')
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=5, help="train, forward: after each side's own block, ours and the "
+                    "stock timed in turns this many rounds (ratio_turns); 0: not")
     ap.add_argument("--accuracy-seqs", type=int, default=2, help="accuracy: sequences of 1024 tokens")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scan-bwd", help="JSON of the scan backward's module knobs (bench_scan_backward_h200.py --best)"

@@ -96,14 +96,21 @@ def _accuracy_row(e: dict) -> str:
                 f"{100 * e['ours_top1_agree']:.1f}% / {100 * e['stock_bf16_top1_agree']:.1f}%")
 
 
+def _timed(e: dict, at_most: float) -> tuple[str, ...]:
+    """A train or forward cell's ours ms, stock ms, ratio and verdict: from the rounds in turns where they ran
+    (``ratio_turns``), else from each side's own block."""
+    key = "turns" if e.get("ratio_turns") is not None else None
+    ours, stock = (e.get("turns_ours_ms"), e.get("turns_stock_ms")) if key else (e.get("ours_ms"), e.get("stock_ms"))
+    return (_ms(ours), _ms(stock), *_ratio(e.get("ratio_turns") if key else e.get("ratio"), at_most))
+
+
 def vs_mamba_ssm(r: dict) -> str:
     """Markdown tables of a ``bench_mamba_ssm_h200.py`` result, each ratio beside issue 31's target."""
     gib = [[e.get(k) and e[k] / 2 ** 30 for k in ("ours_peak_bytes", "stock_peak_bytes")] for e in r.get("train") or []]
-    train = [_row(f"{e['shape']} {e.get('label', '')}", _ms(e.get("ours_ms")), _ms(e.get("stock_ms")),
-                  *_ratio(e.get("ratio"), 1.0), f"{_ms(g[0])} / {_ms(g[1])}", *_ratio(e.get("peak_ratio"), 1.0))
+    train = [_row(f"{e['shape']} {e.get('label', '')}", *_timed(e, 1.0), f"{_ms(g[0])} / {_ms(g[1])}",
+                  *_ratio(e.get("peak_ratio"), 1.0))
              for e, g in zip(r.get("train") or [], gib)]
-    forward = [_row(f"{e['shape']} {e.get('label', '')}", _ms(e.get("ours_ms")), _ms(e.get("stock_ms")),
-                    *_ratio(e.get("ratio"), 0.9)) for e in r.get("forward") or []]
+    forward = [_row(f"{e['shape']} {e.get('label', '')}", *_timed(e, 0.9)) for e in r.get("forward") or []]
     out = [f"{r['gpu']}, torch {r['torch']}, triton {r['triton']}, commit {r['commit']}, {r['date']}",
            f"stock: {r['stock']}", ""]
     out += _table(("train", "ours ms", "stock ms", "ratio (<= 1.0x)", "", "peak GiB ours / stock", "peak (<= 1.0x)",

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -138,8 +139,6 @@ def test_norm_rounding_runs_each_variant(tmp_path: Path) -> None:
 def test_gpu_timeline_finds_the_idle_gaps() -> None:
     """``bench_mamba_ssm_h200.gpu_timeline`` on a hand-made profile: the lead before the first kernel, the
     gaps between kernels (overlapping kernels count once), the busy and idle time."""
-    import types
-
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -171,6 +170,9 @@ def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
     r = {"gpu": "GPU", "torch": "t", "triton": "tr", "commit": "c0ffee", "date": "d", "script": VS_MAMBA_SSM,
          "stock": "mamba_ssm", "train": [
              {"shape": "s", "label": "1x16384", "ours_ms": 102.0, "stock_ms": 100.0, "ratio": 1.02,
+              "peak_ratio": 0.9, "ours_peak_bytes": 9 * 2 ** 30, "stock_peak_bytes": 10 * 2 ** 30},
+             {"shape": "s", "label": "4x2048", "ours_ms": 98.0, "stock_ms": 100.0, "ratio": 0.98,
+              "turns_ours_ms": 101.0, "turns_stock_ms": 100.0, "ratio_turns": 1.01,
               "peak_ratio": 0.9, "ours_peak_bytes": 9 * 2 ** 30, "stock_peak_bytes": 10 * 2 ** 30}],
          "forward": [{"shape": "s", "label": "4x2048", "ours_ms": 91.0, "stock_ms": 100.0, "ratio": 0.91},
                      {"shape": "s", "label": "1x16384", "ours_ms": 89.0, "stock_ms": 100.0, "ratio": 0.89}],
@@ -184,11 +186,47 @@ def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
     rows = [line for line in vs_mamba_ssm(r).splitlines() if line.startswith("| s")]
     assert rows == [
         "| s 1x16384 | 102.0 | 100.0 | 1.020x | not met | 9.000 / 10.00 | 0.900x | met |",
+        "| s 4x2048 | 101.0 | 100.0 | 1.010x | not met | 9.000 / 10.00 | 0.900x | met |",
         "| s 4x2048 | 91.00 | 100.0 | 0.910x | not met |",
         "| s 1x16384 | 89.00 | 100.0 | 0.890x | met |",
         "| s b1 | 2.000 | 2.020 | 0.990x | met | 2.100 | 0.952x | 2.000, 2.100, 1.900 | 1 / 1 |",
         "| s b256 | - | 28.00 | - | not run: OutOfMemoryError: CUDA out of memory | - | - | - | - |",
         "| s | 2.050% | 2.040% | not met | 94.0% / 95.0% |"]
+
+
+def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None:
+    """``--turns``: ours and the stock called one after the other each round, the medians and their ratio
+    recorded; a stock call that raises leaves ``turns_error`` and no ratio; a cell whose blocks did not both
+    run is not timed in turns."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.bench_mamba_ssm_h200 as bench
+
+    calls: list[str] = []
+    monkeypatch.setattr(bench, "cuda_ms", lambda torch, step, n: [step(0)])
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(empty_cache=lambda: None))
+    ms = {"ours": iter([10.0, 12.0, 11.0]), "stock": iter([20.0, 21.0, 22.0])}
+
+    def side(k):
+        def f():
+            calls.append(k)
+            return next(ms[k])
+        return f
+
+    e = {"ours_ms": 1.0, "stock_ms": 1.0}
+    bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
+    assert calls == ["ours", "stock"] * 3
+    assert (e["turns_ours_ms"], e["turns_stock_ms"]) == (11.0, 21.0) and e["ratio_turns"] == 11.0 / 21.0
+    assert e["turns_ours_times_ms"] == [10.0, 12.0, 11.0]
+
+    def broken():
+        raise RuntimeError("out of memory")
+
+    e = {"ours_ms": 1.0, "stock_ms": 1.0}
+    bench.stock_turns(fake, lambda: 1.0, broken, 3, e)
+    assert "ratio_turns" not in e and e["turns_error"] == "RuntimeError: out of memory"
+    e = {"ours_ms": 1.0, "stock_ms": None}
+    bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
+    assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 6
 
 
 def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
