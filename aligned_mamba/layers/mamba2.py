@@ -209,7 +209,7 @@ class Mamba2Mixer:
         self.tp = tp
         self.slices = slices
         self.sliced = slices > 1 or (tp is not None and tp.size > 1)
-        if tp is not None:
+        if tp is not None and tp.size > 1:  # one rank's config is the full one (the build runs every step)
             config = local_config(config, tp)
         c = config
         if c.state_size % 4:
