@@ -11,6 +11,11 @@ library because no kernel reads them.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_mamba_ssm_h200 import SHAPES  # noqa: E402 - mamba_ssm's shapes: (layers, hidden size)
 
 
 def replay_decode_bytes(H: int, G: int, P: int, N: int, fill: int, x_bytes: int = 2, L: int = 256) -> int:
@@ -49,10 +54,6 @@ def forward_layer_bytes(T: int, H: int, P: int, G: int, N: int, hidden: int, L: 
         "add + RMSNorm": 2 * T * hidden * (x_bytes + residual_bytes),
         "dt, cumsum, C.B": T * H * x_bytes + 3 * NC * H * L * 4 + NC * G * L * L * 4,
     }
-
-
-#: mamba_ssm's Mamba2 shapes the benchmarks use: (layers, hidden size); 64-dim heads, state 128, one group
-SHAPES = {"mamba2-130m": (24, 768), "mamba2-1.3b": (48, 2048), "mamba2-2.7b": (64, 2560)}
 
 
 def main(argv: list[str] | None = None) -> int:
