@@ -224,14 +224,17 @@ def ab_times(torch, steps: dict, rounds: int, e: dict) -> None:
     e["b_ratio"] = e["ab_b_ms"] / e["ab_ours_ms"]
 
 
-def stock_turns(torch, ours, stock, rounds: int, e: dict) -> None:
-    """Ours and the stock timed in turns after each side's own block (``--turns``): ``ratio_turns``, the ratio
-    the cell is read by, shares the machine's drift between the two sides (the blocks' ``ratio`` does not)."""
+def stock_turns(torch, ours, stock, rounds: int, e: dict, more: dict | None = None) -> None:
+    """Ours (and ``more``: label -> another of ours' steps) and the stock timed in turns after each side's own
+    block (``--turns``): ``ratio_turns`` (and ``ratio_{label}_turns``), the ratio the cell is read by, shares the
+    machine's drift between the sides (the blocks' ``ratio`` does not)."""
     if rounds < 1 or not (e.get("ours_ms") and e.get("stock_ms")):
         return
     try:
-        in_turns(torch, {"ours": ours, "stock": stock}, rounds, e, "turns")
+        in_turns(torch, {"ours": ours, **(more or {}), "stock": stock}, rounds, e, "turns")
         e["ratio_turns"] = e["turns_ours_ms"] / e["turns_stock_ms"]
+        for k in more or {}:
+            e[f"ratio_{k}_turns"] = e[f"turns_{k}_ms"] / e["turns_stock_ms"]
     except Exception as exc:  # noqa: BLE001 - a failed round is a result
         e["turns_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
@@ -354,7 +357,6 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
             e["stock_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
         free(torch)
-        stock_turns(torch, ours_step, stock_step, args.turns, e)
     if first is not None:  # the budgeted hold, after both plain steps: the same bits, timed last
         try:
             budget = e["ours_hold_budget_bytes"] = hold_budget(args, e)
@@ -367,6 +369,9 @@ def train_cell(args, torch, name, config, tensors, stock, contract, label, S, T,
             e["ours_hold_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
         free(torch)
+    if not args.ours_only:  # the held step, where it ran, in the same turns
+        held = {"ours_hold": lambda: ours_step(e["ours_hold_budget_bytes"])} if e.get("ours_hold_ms") else None
+        stock_turns(torch, ours_step, stock_step, args.turns, e, held)
     if e["ours_ms"] and e["stock_ms"]:
         e["ratio"] = e["ours_ms"] / e["stock_ms"]
         e["peak_ratio"] = e["ours_peak_bytes"] / e["stock_peak_bytes"]

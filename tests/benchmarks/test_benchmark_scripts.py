@@ -196,8 +196,8 @@ def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
 
 def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None:
     """``--turns``: ours and the stock called one after the other each round, the medians and their ratio
-    recorded; a stock call that raises leaves ``turns_error`` and no ratio; a cell whose blocks did not both
-    run is not timed in turns."""
+    recorded (a held step's beside them); a stock call that raises leaves ``turns_error`` and no ratio; a cell
+    whose blocks did not both run is not timed in turns."""
     sys.path.insert(0, str(ROOT))
     import benchmarks.bench_mamba_ssm_h200 as bench
 
@@ -224,9 +224,13 @@ def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None
     e = {"ours_ms": 1.0, "stock_ms": 1.0}
     bench.stock_turns(fake, lambda: 1.0, broken, 3, e)
     assert "ratio_turns" not in e and e["turns_error"] == "RuntimeError: out of memory"
+    e = {"ours_ms": 1.0, "stock_ms": 1.0}
+    ms = {"ours": iter([10.0]), "held": iter([9.0]), "stock": iter([20.0])}
+    bench.stock_turns(fake, side("ours"), side("stock"), 1, e, {"ours_hold": side("held")})
+    assert calls[-3:] == ["ours", "held", "stock"] and e["ratio_ours_hold_turns"] == 9.0 / 20.0
     e = {"ours_ms": 1.0, "stock_ms": None}
     bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
-    assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 6
+    assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 9
 
 
 def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
