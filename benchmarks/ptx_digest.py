@@ -210,7 +210,7 @@ def conv_configs():
                         False, 4)
             yield entry(f"conv/forward_walk/{tag}", ct._conv_walk_kernel, fwd,
                         dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=DEVICE_SILU, ROWS=CFG.conv_walk_block_t,
-                             BLOCK_C=CFG.conv_walk_block_c),
+                             BLOCK_C=CFG.conv_walk_block_c, AHEAD=ct.WALK_AHEAD),
                         False, CFG.conv_walk_warps)
             yield entry(f"conv/step/{tag}", ct._conv_step_kernel, fwd,
                         dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=DEVICE_SILU, BLOCK_Q=4,

@@ -116,10 +116,10 @@ for bias in (False, True):
     comp(f"conv:bias{int(bias)}", ct._conv_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=False, BLOCK_T=cfg.conv_block_t, BLOCK_C=cfg.conv_block_c),
          num_warps=4, enable_fp_fusion=False)
-for bias, dev in ((False, False), (True, False), (True, True)):  # the forward's walk (the default form)
-    comp(f"conv:walk:bias{int(bias)}" + (":device" if dev else ""), ct._conv_walk_kernel, conv_t,
+for bias, dev, ahead in ((False, False, 2), (True, False, 2), (True, True, 2), (True, True, 4)):  # the forward's walk
+    comp(f"conv:walk:bias{int(bias)}" + (":device" if dev else "") + f":ahead{ahead}", ct._conv_walk_kernel, conv_t,
          dict(K=4, HAS_BIAS=bias, SILU=True, DEVICE_SILU=dev, ROWS=cfg.conv_walk_block_t,
-              BLOCK_C=cfg.conv_walk_block_c), num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+              BLOCK_C=cfg.conv_walk_block_c, AHEAD=ahead), num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
 comp("conv:window", ct._window_kernel, conv_t, dict(K=4, BLOCK_Q=4, BLOCK_C=cfg.conv_block_c), num_warps=4)
 for bias, dev in ((False, False), (True, False), (True, True)):  # a decode step's conv and window in one launch
     comp(f"conv:step:bias{int(bias)}" + (":device" if dev else ""), ct._conv_step_kernel, conv_t,

@@ -379,6 +379,9 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
         tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
 
 
+# rows the forward walk loads ahead of their use (2 or 4; the same bits): a measurement knob for bench --knobs-b
+WALK_AHEAD: int = 2
+
 # the tile kernel's launch (rows, channels, warps): the reference the walk's dx is tested against
 TILE_LAUNCH: tuple[int, int, int] = (32, 64, 4)
 
@@ -490,7 +493,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
             x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
             out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation,
             DEVICE_SILU=cfg.device_silu, ROWS=rows,
-            BLOCK_C=wc, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+            BLOCK_C=wc, AHEAD=WALK_AHEAD, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
     elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),
@@ -510,9 +513,11 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
 @triton.jit
 def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, T, S, Cd, stride_x, stride_ws,
                       stride_wk, stride_out, SEARCH_STEPS, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SILU: tl.constexpr, DEVICE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                      SILU: tl.constexpr, DEVICE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                      AHEAD: tl.constexpr):
     """``_conv_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C], walking the rows in order with the
-    last K - 1 stream rows in registers (each input read once): the same operations on the same values."""
+    last K - 1 stream rows in registers (each input read once): the same operations on the same values.
+    AHEAD (2 or 4): rows loaded ahead of their use, the loads a warp keeps in flight."""
     blk = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
@@ -524,14 +529,22 @@ def _conv_walk_kernel(x_ptr, cu_ptr, slots_ptr, win_ptr, w_ptr, b_ptr, out_ptr, 
     seq = _find_sequence(cu_ptr, r0, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
     end = tl.load(cu_ptr + seq + 1).to(tl.int32)
-    # the next two rows' x, loaded ahead of their use (addresses independent of the walk)
+    # the next AHEAD rows' x, loaded ahead of their use (addresses independent of the walk)
     xa = tl.load(x_ptr + r0.to(tl.int64) * stride_x + ch, mask=cmask & (r0 < r1), other=0.0)
     xb = tl.load(x_ptr + (r0 + 1).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 1 < r1), other=0.0)
+    xc, xd = xa, xb
+    if AHEAD == 4:
+        xc = tl.load(x_ptr + (r0 + 2).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 2 < r1), other=0.0)
+        xd = tl.load(x_ptr + (r0 + 3).to(tl.int64) * stride_x + ch, mask=cmask & (r0 + 3 < r1), other=0.0)
     for i in range(r1 - r0):
         t = r0 + i
         x_t = xa
-        xa = xb
-        xb = tl.load(x_ptr + (t + 2).to(tl.int64) * stride_x + ch, mask=cmask & (t + 2 < r1), other=0.0)
+        if AHEAD == 4:
+            xa, xb, xc = xb, xc, xd
+            xd = tl.load(x_ptr + (t + 4).to(tl.int64) * stride_x + ch, mask=cmask & (t + 4 < r1), other=0.0)
+        else:
+            xa = xb
+            xb = tl.load(x_ptr + (t + 2).to(tl.int64) * stride_x + ch, mask=cmask & (t + 2 < r1), other=0.0)
         if t >= end:  # the first row of a later sequence (empty ones skipped by the search)
             seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
             start = tl.load(cu_ptr + seq).to(tl.int32)

@@ -97,15 +97,17 @@ def test_conv_decode_and_chunked_prefill_rows_equal_the_one_pass_rows(cfg):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("K,rows,silu", [(K, rows, "ieee") for K in (4, 3, 2, 1) for rows in (1, 4, 16)]
-                         + [(4, 4, "device"), (2, 16, "device")])
-def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows, silu):
-    """The forward's walk (each input row read once, the last K - 1 carried) against the tile kernel
-    (``conv_walk=False``): the same outputs and windows bit for bit for sequences of every length
-    (empty ones, ones shorter than the window, ones crossing row blocks of 1, 4 and 16 rows), with and
-    without a bias, at a row stride and over two channel blocks; the tile kernel's blocks inside one
-    sequence past its window (rows 24, 40 and 48 at 8 rows a block) read x alone, the others the
-    window. The same sum in reverse tap order differs, so the comparison can fail."""
+@pytest.mark.parametrize("K,rows,silu,ahead", [(K, rows, "ieee", 2) for K in (4, 3, 2, 1) for rows in (1, 4, 16)]
+                         + [(4, 4, "device", 2), (2, 16, "device", 2), (4, 1, "ieee", 4), (4, 4, "ieee", 4),
+                            (3, 16, "device", 4)])
+def test_conv_walk_is_the_tile_kernel_bit_for_bit(K, rows, silu, ahead, monkeypatch):
+    """The forward's walk (each input row read once, the last K - 1 carried, ``WALK_AHEAD`` rows loaded
+    ahead) against the tile kernel (``conv_walk=False``): the same outputs and windows bit for bit for
+    sequences of every length (empty ones, ones shorter than the window, ones crossing row blocks of 1, 4
+    and 16 rows), with and without a bias, at a row stride and over two channel blocks; the tile kernel's
+    blocks inside one sequence past its window (rows 24, 40 and 48 at 8 rows a block) read x alone, the
+    others the window. The same sum in reverse tap order differs, so the comparison can fail."""
+    monkeypatch.setattr(ct, "WALK_AHEAD", ahead)
     lens = [5, 1, 0, 9, 2, 0, 17, 3, 26]
     Cd = 40
     cu, x, w, b, win = _conv_case(lens, Cd=Cd, K=K, slots=11, seed=70 + K)
