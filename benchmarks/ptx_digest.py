@@ -218,7 +218,7 @@ def conv_configs():
             yield entry(f"conv/backward_tile/{tile[0]}x{tile[1]}w{tile[2]}/{tag}", ct._conv_bwd_kernel, bwd,
                         dict(K=4, HAS_BIAS=bias, BLOCK_T=tile[0], BLOCK_C=tile[1]), True, tile[2])
             yield entry(f"conv/backward_walk/{walk[0]}x{walk[1]}w{walk[2]}/{tag}", ct._conv_bwd_walk_kernel, bwd,
-                        dict(K=4, HAS_BIAS=bias, ROWS=walk[0], BLOCK_C=walk[1]), True, walk[2])
+                        dict(K=4, HAS_BIAS=bias, ROWS=walk[0], BLOCK_C=walk[1], AHEAD=ct.WALK_AHEAD), True, walk[2])
             yield entry(f"conv/backward_partials/{tag}", ct._partials_kernel, dict(dwo_ptr=p, dbo_ptr=p),
                         dict(K=4, HAS_BIAS=bias, BLOCK_B=16, BLOCK_C=128), True, 4)
 

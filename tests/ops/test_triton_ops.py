@@ -134,8 +134,13 @@ for bias in (False, True):  # the backward's walk (the default form) and its blo
     comp(f"conv:backward:walk:bias{int(bias)}", ct._conv_bwd_walk_kernel,
          dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
               dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
+         dict(K=4, HAS_BIAS=bias, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=ct.WALK_AHEAD),
          num_warps=cfg.conv_bwd_warps)
+comp("conv:backward:walk:ahead4", ct._conv_bwd_walk_kernel,
+     dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", g_ptr="*bf16",
+          dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
+     dict(K=4, HAS_BIAS=True, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=4),
+     num_warps=cfg.conv_bwd_warps)
 comp("conv:backward:partials", ct._partials_kernel, dict(dw_ptr="*fp32", db_ptr="*fp32", dwo_ptr="*bf16",
                                                          dbo_ptr="*bf16"),
      dict(K=4, HAS_BIAS=True, BLOCK_B=16, BLOCK_C=128), num_warps=4)

@@ -263,11 +263,12 @@ def _taps_and_bias(w_ptr, b_ptr, ch, cmask, K: tl.constexpr, HAS_BIAS: tl.conste
 @triton.jit
 def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, T, S, Cd, stride_x,
                           stride_ws, stride_wk, stride_g, stride_dx, SEARCH_STEPS, K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, AHEAD: tl.constexpr):
     """The walk form of ``_conv_bwd_kernel``'s outputs for rows [ROWS] x channels [BLOCK_C] (the dw, db
     partials summed by ``_partials_kernel``). It walks the rows last to first, from K-1 rows past its
     block (their dpre only), carrying the last K-1 dpre and stream rows in registers: each row reads x
-    and g once and computes its pre (the forward's order) and sigmoid once."""
+    and g once and computes its pre (the forward's order) and sigmoid once. AHEAD (2 or 4): rows of x and
+    g loaded ahead of their use."""
     blk = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < Cd
@@ -283,17 +284,28 @@ def _conv_bwd_walk_kernel(x_ptr, cu_ptr, win_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, d
     seq = _find_sequence(cu_ptr, top - 1, S, SEARCH_STEPS)
     start = tl.load(cu_ptr + seq).to(tl.int32)
     end = tl.load(cu_ptr + seq + 1).to(tl.int32)
-    # x row t-(K-1) and g row t loaded two rows ahead of their use (the compiler does not pipeline the loop)
+    # x row t-(K-1) and g row t loaded AHEAD rows ahead of their use (the compiler does not pipeline the loop)
     xa = _ahead(x_ptr, top - 1 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
     ga = _ahead(g_ptr, top - 1, r0, stride_g, ch, cmask)
     xb = _ahead(x_ptr, top - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
     gb = _ahead(g_ptr, top - 2, r0, stride_g, ch, cmask)
+    xc, gc, xd, gd = xa, ga, xb, gb
+    if AHEAD == 4:
+        xc = _ahead(x_ptr, top - 3 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+        gc = _ahead(g_ptr, top - 3, r0, stride_g, ch, cmask)
+        xd = _ahead(x_ptr, top - 4 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+        gd = _ahead(g_ptr, top - 4, r0, stride_g, ch, cmask)
     for i in range(top - r0):
         t = top - 1 - i
         x_t, g_t = xa, ga
-        xa, ga = xb, gb
-        xb = _ahead(x_ptr, t - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
-        gb = _ahead(g_ptr, t - 2, r0, stride_g, ch, cmask)
+        if AHEAD == 4:
+            xa, ga, xb, gb, xc, gc = xb, gb, xc, gc, xd, gd
+            xd = _ahead(x_ptr, t - 4 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+            gd = _ahead(g_ptr, t - 4, r0, stride_g, ch, cmask)
+        else:
+            xa, ga = xb, gb
+            xb = _ahead(x_ptr, t - 2 - (K - 1), r0 - (K - 1), stride_x, ch, cmask)
+            gb = _ahead(g_ptr, t - 2, r0, stride_g, ch, cmask)
         if t < start:  # the row before this sequence: a new one (empty ones skipped by the search)
             seq = _find_sequence(cu_ptr, t, S, SEARCH_STEPS)
             start = tl.load(cu_ptr + seq).to(tl.int32)
@@ -379,7 +391,8 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
         tl.store(dbo_ptr + ch, acc.to(dbo_ptr.dtype.element_ty), mask=cmask)
 
 
-# rows the forward walk loads ahead of their use (2 or 4; the same bits): a measurement knob for bench --knobs-b
+# rows the walks (forward and backward) load ahead of their use (2 or 4; the same bits): a measurement knob for
+# bench --knobs-b
 WALK_AHEAD: int = 2
 
 # the tile kernel's launch (rows, channels, warps): the reference the walk's dx is tested against
@@ -442,7 +455,7 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     _conv_bwd_walk_kernel[(nb, triton.cdiv(Cd, block_c))](
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
         window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
-        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, AHEAD=WALK_AHEAD, num_warps=warps)
     # a program per (128 channels, tap or bias): per channel block alone, too few programs to fill the GPU
     _partials_kernel[(triton.cdiv(Cd, 128), K + (b is not None))](
         dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K, HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128,

@@ -111,6 +111,23 @@ def test_walk_against_fp64_repeatable_and_dx_the_tile_kernels(lens, Cd, K, bias,
 
 
 @interp
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(0, 13), min_size=1, max_size=4).filter(lambda v: sum(v) > 0),
+       Cd=st.integers(1, 40), K=st.integers(1, 4), bias=st.booleans(), rows=st.sampled_from([1, 2, 4, 8, 32]),
+       seed=st.integers(0, 2**16))
+def test_walk_loading_four_rows_ahead_gives_the_same_bits(lens, Cd, K, bias, rows, seed):
+    """``WALK_AHEAD`` 4 (x and g loaded four rows ahead of their use) against 2: dx, dw and db bit for bit,
+    and dx the tile kernel's (which loads no row ahead)."""
+    x, cu, window, w, b, g = _inputs(lens, Cd, K, bias, seed)
+    two = _walk((rows, 32, 1), x, cu, window, w, b, g)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ct, "WALK_AHEAD", 4)
+        four = _walk((rows, 32, 1), x, cu, window, w, b, g)
+    assert all(u is None and v is None or torch.equal(u, v) for u, v in zip(two, four))
+    assert torch.equal(four[0], _tile(x, cu, window, w, b, g)[0])
+
+
+@interp
 def test_walk_weight_gradient_bits_follow_the_reduction_order():
     """The baseline: the same gradient reduced over row blocks of 2 and of 64 rows differs in its bits
     (dx does not), so the bit-identical repeat above holds because the walk's order is fixed."""
@@ -232,21 +249,35 @@ def carried(fn, sig, consts, warps=1):
 walk = carried(ct._conv_bwd_walk_kernel,
                dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*fp32", b_ptr="*fp32", g_ptr="*bf16",
                     dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
-               dict(K=4, HAS_BIAS=True, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c),
+               dict(K=4, HAS_BIAS=True, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=2),
                cfg.conv_bwd_warps)
+walk4 = carried(ct._conv_bwd_walk_kernel,
+                dict(x_ptr="*bf16", cu_ptr="*i64", win_ptr="*bf16", w_ptr="*fp32", b_ptr="*fp32", g_ptr="*bf16",
+                     dx_ptr="*bf16", dw_ptr="*fp32", db_ptr="*fp32"),
+                dict(K=4, HAS_BIAS=True, ROWS=cfg.conv_bwd_block_t, BLOCK_C=cfg.conv_bwd_block_c, AHEAD=4),
+                cfg.conv_bwd_warps)
+fwd4 = carried(ct._conv_walk_kernel,
+               dict(x_ptr="*bf16", cu_ptr="*i64", slots_ptr="*i64", win_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16",
+                    out_ptr="*bf16"),
+               dict(K=4, HAS_BIAS=True, SILU=True, DEVICE_SILU=True, ROWS=cfg.conv_walk_block_t,
+                    BLOCK_C=cfg.conv_walk_block_c, AHEAD=4), cfg.conv_walk_warps)
 aliased = carried(toy.aliased, dict(out_ptr="*fp32"), dict(BLOCK=16))
-print(json.dumps({"walk": walk, "aliased": aliased}))
+print(json.dumps({"walk": walk, "walk4": walk4, "fwd4": fwd4, "aliased": aliased}))
 """
 
 
 @pytest.mark.compile
 def test_compiled_walk_carries_every_rotated_row(sm90_cache):
     """Offline sm_90 compile (no GPU): the walk's loop carries the stream rows c1 .. c3 and the dpre rows
-    e1 .. e3. Baseline: the same rotation from one shared zero tensor carries e1 only (Triton carries a
-    name only if one pass of the body changes its IR value; e2 = e1 is the value e2 already had), so
-    e2 and e3 stay zero in every iteration: what gave dx 0.71 off on the H200."""
+    e1 .. e3 (and, four rows ahead, each row of its load queues, as the forward walk does). Baseline: the
+    same rotation from one shared zero tensor carries e1 only (Triton carries a name only if one pass of
+    the body changes its IR value; e2 = e1 is the value e2 already had), so e2 and e3 stay zero in every
+    iteration: what gave dx 0.71 off on the H200."""
     r = run_sm90_script(_CARRIES, sm90_cache, timeout=600)
     assert {"c1", "c2", "c3", "e1", "e2", "e3", "dw0", "dw3", "db"} <= set(r["walk"]), r
+    # four rows ahead: every row of the load queues rotates too (backward: x and g; forward: x)
+    assert {"c1", "c3", "e1", "e3", "xa", "xb", "xc", "xd", "ga", "gb", "gc", "gd"} <= set(r["walk4"]), r
+    assert {"c1", "c2", "c3", "xa", "xb", "xc", "xd"} <= set(r["fwd4"]), r
     assert "e1" in r["aliased"] and "e2" not in r["aliased"] and "e3" not in r["aliased"], r
 
 
