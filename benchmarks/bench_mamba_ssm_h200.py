@@ -209,11 +209,13 @@ def peak(torch, step, e: dict, prefix: str) -> None:
 
 def in_turns(torch, steps: dict, rounds: int, e: dict, prefix: str) -> None:
     """Each of ``steps`` (label -> step) timed once a round, in turn, ``rounds`` rounds, so their medians share
-    the machine's drift: ``{prefix}_{label}_ms`` (the median) and ``{prefix}_{label}_times_ms``."""
+    the machine's drift: ``{prefix}_{label}_ms`` (the median) and ``{prefix}_{label}_times_ms``. Each timed call
+    follows an untimed one of the same step: the allocator's cache then holds that step's blocks, as in a run
+    of its own (without it, a call after the other side's paid for the cache's reshuffle)."""
     ts: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for k, f in steps.items():
-            ts[k] += cuda_ms(torch, lambda i, f=f: f(), 1)
+            ts[k] += cuda_ms(torch, lambda i, f=f: f(), 1, warmup=1)
     for k, v in ts.items():
         e[f"{prefix}_{k}_ms"], e[f"{prefix}_{k}_times_ms"] = statistics.median(v), v
 

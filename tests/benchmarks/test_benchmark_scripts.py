@@ -202,9 +202,13 @@ def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None
     import benchmarks.bench_mamba_ssm_h200 as bench
 
     calls: list[str] = []
-    monkeypatch.setattr(bench, "cuda_ms", lambda torch, step, n: [step(0)])
+
+    def cuda_ms(torch, step, n, warmup=0):  # the warm-up calls' values are not times
+        return [step(0) for _ in range(warmup + n)][warmup:]
+
+    monkeypatch.setattr(bench, "cuda_ms", cuda_ms)
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(empty_cache=lambda: None))
-    ms = {"ours": iter([10.0, 12.0, 11.0]), "stock": iter([20.0, 21.0, 22.0])}
+    ms = {"ours": iter([0.0, 10.0, 0.0, 12.0, 0.0, 11.0]), "stock": iter([0.0, 20.0, 0.0, 21.0, 0.0, 22.0])}
 
     def side(k):
         def f():
@@ -214,7 +218,7 @@ def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None
 
     e = {"ours_ms": 1.0, "stock_ms": 1.0}
     bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
-    assert calls == ["ours", "stock"] * 3
+    assert calls == ["ours", "ours", "stock", "stock"] * 3  # each timed call after an untimed one of its side
     assert (e["turns_ours_ms"], e["turns_stock_ms"]) == (11.0, 21.0) and e["ratio_turns"] == 11.0 / 21.0
     assert e["turns_ours_times_ms"] == [10.0, 12.0, 11.0]
 
@@ -225,12 +229,13 @@ def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None
     bench.stock_turns(fake, lambda: 1.0, broken, 3, e)
     assert "ratio_turns" not in e and e["turns_error"] == "RuntimeError: out of memory"
     e = {"ours_ms": 1.0, "stock_ms": 1.0}
-    ms = {"ours": iter([10.0]), "held": iter([9.0]), "stock": iter([20.0])}
+    ms = {"ours": iter([0.0, 10.0]), "held": iter([0.0, 9.0]), "stock": iter([0.0, 20.0])}
     bench.stock_turns(fake, side("ours"), side("stock"), 1, e, {"ours_hold": side("held")})
-    assert calls[-3:] == ["ours", "held", "stock"] and e["ratio_ours_hold_turns"] == 9.0 / 20.0
+    assert calls[-6:] == ["ours", "ours", "held", "held", "stock", "stock"]
+    assert e["ratio_ours_hold_turns"] == 9.0 / 20.0
     e = {"ours_ms": 1.0, "stock_ms": None}
     bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
-    assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 9
+    assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 18
 
 
 def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
