@@ -395,6 +395,12 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
 # bench --knobs-b
 WALK_AHEAD: int = 2
 
+
+def _walk_ahead() -> int:
+    if WALK_AHEAD not in (2, 4):
+        raise ValueError(f"conv1d.triton.WALK_AHEAD must be 2 or 4, not {WALK_AHEAD!r}")
+    return WALK_AHEAD
+
 # the tile kernel's launch (rows, channels, warps): the reference the walk's dx is tested against
 TILE_LAUNCH: tuple[int, int, int] = (32, 64, 4)
 
@@ -455,7 +461,7 @@ def _backward_walk(x: torch.Tensor, cu_seqlens: torch.Tensor, window: torch.Tens
     _conv_bwd_walk_kernel[(nb, triton.cdiv(Cd, block_c))](
         x, cu_seqlens, window, w, b if b is not None else w, g, dx, dwp, dbp, T, S, Cd, x.stride(0),
         window.stride(0), window.stride(1), g.stride(0), dx.stride(0), max(S, 1).bit_length(), K=K,
-        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, AHEAD=WALK_AHEAD, num_warps=warps)
+        HAS_BIAS=b is not None, ROWS=rows, BLOCK_C=block_c, AHEAD=_walk_ahead(), num_warps=warps)
     # a program per (128 channels, tap or bias): per channel block alone, too few programs to fill the GPU
     _partials_kernel[(triton.cdiv(Cd, 128), K + (b is not None))](
         dwp, dbp, dw, db if db is not None else dw, nb, Cd, K=K, HAS_BIAS=b is not None, BLOCK_B=16, BLOCK_C=128,
@@ -506,7 +512,7 @@ def causal_conv1d_triton(x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch
             x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0), windows.stride(1),
             out.stride(0), max(S, 1).bit_length(), K=K, HAS_BIAS=bias is not None, SILU=activation,
             DEVICE_SILU=cfg.device_silu, ROWS=rows,
-            BLOCK_C=wc, AHEAD=WALK_AHEAD, num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
+            BLOCK_C=wc, AHEAD=_walk_ahead(), num_warps=cfg.conv_walk_warps, enable_fp_fusion=False)
     elif T > 0:
         grid = (triton.cdiv(T, cfg.conv_block_t), triton.cdiv(Cd, bc))
         _conv_kernel[grid](x, cu_seqlens, slots, windows, w, b, out, T, S, Cd, x.stride(0), windows.stride(0),

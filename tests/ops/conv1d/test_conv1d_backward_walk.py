@@ -125,6 +125,9 @@ def test_walk_loading_four_rows_ahead_gives_the_same_bits(lens, Cd, K, bias, row
         four = _walk((rows, 32, 1), x, cu, window, w, b, g)
     assert all(u is None and v is None or torch.equal(u, v) for u, v in zip(two, four))
     assert torch.equal(four[0], _tile(x, cu, window, w, b, g)[0])
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="WALK_AHEAD must be 2 or 4, not 3"):
+        mp.setattr(ct, "WALK_AHEAD", 3)  # a depth the kernels do not have: refused, not run as 2
+        _walk((rows, 32, 1), x, cu, window, w, b, g)
 
 
 @interp
