@@ -24,9 +24,9 @@ Parts (each cell's CUDA-event median after a first call; the JSON is written aft
   are compared bit for bit. ``--profile``: torch.profiler's kernel table of one step of each side
   (and of one forward and one graph decode step of each side in those cells).
 - forward: all logits, no gradients, the same two token counts.
-- train and forward, after each side's own block: ``--turns`` rounds (5) of one ours' call then one stock call;
-  ``ratio_turns``, the ratio of those medians, shares the machine's drift and is the cell's figure
-  (``summarize.py``); the blocks' ``ratio`` stays beside it.
+- train and forward, after each side's own block: ``--turns`` rounds (5) of one ours' call then one stock call,
+  each timed call after an untimed one of its side; ``ratio_turns``, the ratio of those medians, shares the
+  machine's drift and is the cell's figure (``summarize.py``); the blocks' ``ratio`` stays beside it.
 - decode: one token per sequence at batch 1 / 64 / 256, every sequence prefilled to L k + U[0, L)
   tokens; ours ``DecodeGraphs.step``; stock mamba_ssm's ``capture_graph`` over ``InferenceParams``
   with its default bf16 state and with an fp32 state. The three are timed in turns (``--rounds``

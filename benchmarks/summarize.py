@@ -99,9 +99,9 @@ def _accuracy_row(e: dict) -> str:
 def _timed(e: dict, at_most: float) -> tuple[str, ...]:
     """A train or forward cell's ours ms, stock ms, ratio and verdict: from the rounds in turns where they ran
     (``ratio_turns``), else from each side's own block."""
-    key = "turns" if e.get("ratio_turns") is not None else None
-    ours, stock = (e.get("turns_ours_ms"), e.get("turns_stock_ms")) if key else (e.get("ours_ms"), e.get("stock_ms"))
-    return (_ms(ours), _ms(stock), *_ratio(e.get("ratio_turns") if key else e.get("ratio"), at_most))
+    if e.get("ratio_turns") is not None:
+        return _ms(e.get("turns_ours_ms")), _ms(e.get("turns_stock_ms")), *_ratio(e["ratio_turns"], at_most)
+    return _ms(e.get("ours_ms")), _ms(e.get("stock_ms")), *_ratio(e.get("ratio"), at_most)
 
 
 def vs_mamba_ssm(r: dict) -> str:

@@ -148,6 +148,8 @@ def _groups(config: Mamba2MixerConfig, group: TPGroup) -> range:
 
 def local_config(config: Mamba2MixerConfig, group: TPGroup) -> Mamba2MixerConfig:
     """The mixer one rank runs: num_heads / k heads and its groups (``shard_weights``' shapes)."""
+    if group.size == 1:  # the full mixer, without a copy (models are built every training step)
+        return config
     if config.num_heads % group.size:
         raise ModelLoadError(f"num_heads {config.num_heads} cannot be split across {group.size} tensor-parallel ranks")
     return dataclasses.replace(config, num_heads=config.num_heads // group.size, n_groups=len(_groups(config, group)))
@@ -209,7 +211,7 @@ class Mamba2Mixer:
         self.tp = tp
         self.slices = slices
         self.sliced = slices > 1 or (tp is not None and tp.size > 1)
-        if tp is not None and tp.size > 1:  # one rank's config is the full one (the build runs every step)
+        if tp is not None:
             config = local_config(config, tp)
         c = config
         if c.state_size % 4:
