@@ -633,6 +633,8 @@ def main() -> int:
                     help="decode: also time ours with its prep kernel in programs of this many heads "
                          "(triton_decode.PREP_HEADS), interleaved with the others")
     args = ap.parse_args()
+    if args.turns < 0:
+        ap.error(f"--turns: a number of rounds, 0 for none, got {args.turns}")
     if args.hold_conv_gib not in (None, "stock"):
         try:
             float(args.hold_conv_gib)

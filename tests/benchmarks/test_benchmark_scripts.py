@@ -197,7 +197,7 @@ def test_summarize_marks_each_mamba_ssm_cell_against_its_target() -> None:
 def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None:
     """``--turns``: ours and the stock called one after the other each round, the medians and their ratio
     recorded (a held step's beside them); a stock call that raises leaves ``turns_error`` and no ratio; a cell
-    whose blocks did not both run is not timed in turns."""
+    whose blocks did not both run is not timed in turns; a negative ``--turns`` is refused in one line."""
     sys.path.insert(0, str(ROOT))
     import benchmarks.bench_mamba_ssm_h200 as bench
 
@@ -236,6 +236,10 @@ def test_stock_turns_alternate_the_sides_and_keep_a_failure(monkeypatch) -> None
     e = {"ours_ms": 1.0, "stock_ms": None}
     bench.stock_turns(fake, side("ours"), side("stock"), 3, e)
     assert e == {"ours_ms": 1.0, "stock_ms": None} and len(calls) == 18
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_mamba_ssm_h200.py"), "--out-dir", "x",
+                        "--turns", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--turns: a number of rounds, 0 for none, got -1"), r.stderr  # refused in one line, not run as 0
 
 
 def test_summarize_refuses_a_foreign_json_in_one_line(tmp_path, capsys) -> None:
