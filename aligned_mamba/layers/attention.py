@@ -10,7 +10,7 @@ k_proj / v_proj.weight [G*D, hidden], o_proj.weight [hidden, H*D]; no biases, no
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -193,11 +193,13 @@ def _kv_heads(config: AttentionConfig, group: TPGroup) -> range:
 
 def local_config(config: AttentionConfig, group: TPGroup) -> AttentionConfig:
     """The attention one rank runs: num_heads / k query heads and its key/value heads."""
+    if group.size == 1:  # the full layer, without a copy (models are built every training step)
+        return config
     if config.num_heads % group.size:
         raise ModelLoadError(f"num_attention_heads {config.num_heads} cannot be split across {group.size} "
                              "tensor-parallel ranks")
-    return AttentionConfig(config.hidden_size, config.num_heads // group.size, len(_kv_heads(config, group)),
-                           config.head_dim)
+    return replace(config, num_heads=config.num_heads // group.size,
+                   num_kv_heads=len(_kv_heads(config, group)))
 
 
 def shard_weights(config: AttentionConfig, tensors: Mapping[str, torch.Tensor], prefix: str,
