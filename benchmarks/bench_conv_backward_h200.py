@@ -154,6 +154,8 @@ def main() -> int:
     ap.add_argument("--configs", help='JSON of kernel configs over the pinned ones, e.g. \'{"silu":"device"}\'')
     ap.add_argument("--tiles", default=[], type=launches(2),
                     help="with --forward: the tile kernel's launches too, rows x channels")
+    ap.add_argument("--ahead", default=str(ct.WALK_AHEAD),
+                    help="the backward walk's WALK_AHEAD values, each launch timed at each (e.g. 2,4)")
     a = ap.parse_args()
     import triton
 
@@ -163,6 +165,10 @@ def main() -> int:
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
     walks, tiles = list(a.walk), list(a.forward)
+    aheads = [int(k) for k in a.ahead.split(",")]
+    for k in aheads:
+        if k not in (2, 4):
+            ap.error(f"--ahead: 2 or 4 (conv1d.triton.WALK_AHEAD), got {k}")
     if dry:
         tiles = [(8, 16, 1), (16, 32, 2)] if tiles else []
         walks = [(8, 32, 1), (16, 16, 2)] if walks else []
@@ -204,10 +210,11 @@ def main() -> int:
                 e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             res["cells"].append(e)
             print(json.dumps(e), flush=True)
-            for launch in walks:
+            for ahead, launch in ((k, w) for k in aheads for w in walks):
                 bt, bc, nw = launch
                 cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
-                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch),
+                ct.WALK_AHEAD = ahead
+                e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch), ahead=ahead,
                          pinned_walk=launch == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
                 try:
                     out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)

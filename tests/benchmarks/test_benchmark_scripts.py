@@ -71,14 +71,14 @@ def test_bench_scan_backward_dry_run(tmp_path: Path) -> None:
 
 def test_bench_conv_backward_dry_run(tmp_path: Path) -> None:
     """The conv backward benchmark through the interpreter: the tile kernel once, then the walk at two
-    launches; each walk gives the tile kernel's dx bits, its dweight and dbias up to fp32 rounding, the
-    same bits when repeated."""
+    launches, each loading two and four rows ahead (``--ahead``); each walk gives the tile kernel's dx
+    bits, its dweight and dbias up to fp32 rounding, the same bits when repeated."""
     pytest.importorskip("triton")
     out = tmp_path / "conv_backward.json"
-    r = _run("bench_conv_backward_h200.py", out)
+    r = _run("bench_conv_backward_h200.py", out, "--ahead", "2,4")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
-    assert [("tile" in e, "walk" in e) for e in cells] == [(True, False), (False, True), (False, True)], cells
+    assert [("tile" in e, e.get("ahead")) for e in cells] == [(True, None)] + [(False, 2)] * 2 + [(False, 4)] * 2, cells
     assert all(e["repeat_equal"] and "error" not in e for e in cells), cells
     walks = cells[1:]
     assert all(e["dx_equal_tile"] and e["dw_rel_tile"] < 1e-5 and e["db_rel_tile"] < 1e-5 for e in walks), cells
