@@ -97,7 +97,8 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
     bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
     comp(tb._bwd_dx_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})),
-         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128), fuse, bwd_warps)
+         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128, RT_RANGE=tb.BWD_RT_RANGE, RT_STAGES=tb.BWD_RT_STAGES), fuse,
+         bwd_warps)
     comp(tb._bwd_dcb_kernel, dict(strides, **rows_x), dict(dims, BS=BS, BT=BT, HPP=HPP), fuse, bwd_warps)
     for to_end, rb in ((True, BS), (False, BT)):  # the states' shares of dB and of dC (and da)
         comp(tb._bwd_rows_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),
