@@ -105,7 +105,7 @@ def configs():
                    dict(buf_x_ptr=BF, buf_B_ptr=BF, C_ptr=BF, y_ptr=BF, slots_ptr=I64, pos_ptr=I64, sD_h="i32",
                         sD_p="i32", sC_q="i32", **(dict(state_ptr=BF) if copy else {})),
                    dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=D["L"], PRECISION=prec,
-                        TC=TC, PDL=pdl), fuse, td.TILE_OPTS)
+                        TC=TC, PDL=pdl, RT_RANGE=td.TILE_RT_RANGE), fuse, td.TILE_OPTS)
             if hasattr(td, "_step_kernel"):  # the one-launch step (bf16 models)
                 yield (f"decode_step/{model}", td._step_kernel,
                        dict(x_ptr=BF, dt_ptr=BF, B_ptr=BF, C_ptr=BF, buf_x_ptr=BF, buf_dt_ptr=BF, buf_B_ptr=BF,

@@ -49,6 +49,9 @@ DECODE_ROW_TILE = 16
 PDL: bool = True
 # the tile kernel's occupancy, never its arithmetic (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 2}
+# whether the tile kernel's K loop is a run-time ``tl.range`` the compiler may pipeline (compiled only; the same dots
+# in the same order)
+TILE_RT_RANGE: bool = False
 # step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
 # heads per prep program (a power of two; None: a group's heads in one program): scheduling only, each head's
@@ -355,7 +358,7 @@ def _tile_kernel(
     sD_h, sD_p, sC_q,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr, RT_RANGE: tl.constexpr,
 ):
     """Program (q, h, p block): ``_tile_output_kernel`` on the row tile holding the token, its one live row.
     ``state_ptr``: the fp32 boundary state, or (TC "round") its bf16 copy, which the dot's rounding makes the
@@ -395,11 +398,16 @@ def _tile_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = inter  # the intra-chunk dots accumulate onto the inter-chunk term, as in the prefill
-    k0 = 0
-    while k0 < t0 + R:  # the prefill tile's K blocks (a while loop: triton_chunk's docstring)
-        intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
-                                  buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
-        k0 += BLOCK_K
+    if RT_RANGE:  # compiled: a run-time range the compiler may pipeline (the prefill tile's K blocks, in order)
+        for k0 in tl.range(0, t0 + R, BLOCK_K):
+            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+                                      buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+    else:  # the prefill tile's K blocks (a while loop: triton_chunk's docstring)
+        k0 = 0
+        while k0 < t0 + R:
+            intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
+                                      buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
+            k0 += BLOCK_K
 
     # the live row only: the tile's rows past the token are never stored (up to R - 1 rows of reads saved)
     x_t = tl.load(buf_x_ptr + (sh * L + t[:, None]) * P + p[None, :], mask=live[:, None] & pm[None, :],
@@ -843,7 +851,8 @@ def decode_step_triton(
         _tile_kernel[(S, H, PB)](
             state.buf_x, dt_scr, state.buf_B, copy if read_copy else state.ssm_state, slots_d, pos_d, C_c, Af, Dd,
             y, a_scr, cb_scr, sD_h, sD_p, C_c.stride(0), **dims, R=R, BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p,
-            BLOCK_N=cfg.block_n, BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl, num_warps=cfg.num_warps,
+            BLOCK_N=cfg.block_n, BLOCK_L=BLOCK_L, PRECISION=cfg.dot_precision, TC=tc, PDL=pdl,
+            RT_RANGE=TILE_RT_RANGE and not interpreting(), num_warps=cfg.num_warps,
             enable_fp_fusion=not tc, **launch, **(TILE_OPTS if tc else {}),
         )
     listed = isinstance(completes, torch.Tensor)

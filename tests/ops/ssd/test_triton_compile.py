@@ -81,7 +81,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
         comp(td._tile_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, C_ptr=bf, y_ptr=bf, slots_ptr=i64, pos_ptr=i64,
                                    sD_h="i32", sD_p="i32", sC_q="i32", **(dict(state_ptr=bf) if copy else {})),
              dict(D, R=td.DECODE_ROW_TILE, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, BLOCK_L=256,
-                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl), fuse)
+                  PRECISION=cfg.dot_precision, TC=TC, PDL=pdl, RT_RANGE=td.TILE_RT_RANGE), fuse)
     comp(td._update_kernel, dict(buf_x_ptr=bf, buf_B_ptr=bf, slots_ptr=i64, pos_ptr=i64, seq_ptr=i64, n="i32",
                                  copy_ptr=bf),
          dict(D, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=128, PRECISION=cfg.dot_precision, TC=TC, LISTED=TC == 1,

@@ -926,6 +926,24 @@ def test_gpu_round_dots_token_by_token_equals_prefill(mode):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_pipelined_decode_tile_loop_keeps_the_bits(monkeypatch, batch):
+    """``triton_decode.TILE_RT_RANGE``: the decode tile's K loop a pipelined run-time range. Token by token (batch 1)
+    and a batch at mixed offsets, the rows and states still equal the prefill's; against a "split2" prefill the rows
+    do not (the baseline)."""
+    monkeypatch.setattr(td, "TILE_RT_RANGE", True)
+    heads, groups = SHAPES["64h_8g"]
+    if batch > 1:
+        _gpu_batch_case(heads, groups, batch, "tile", seed=17 + batch, dt_=torch.bfloat16)
+        return
+    _token_by_token_case(heads, groups, "tile", first=100, steps=300)
+    with pytest.raises(AssertionError, match="rows equal"):
+        _token_by_token_case(heads, groups, "tile", first=100, steps=300,
+                             ref_cfg=TritonKernelConfigs(bf16_dots="split2"))
+
+
+@pytest.mark.gpu
+@gpu_only
 @pytest.mark.parametrize("stages", [2, 3])
 def test_gpu_pipelined_row_tile_loop_keeps_the_bits(monkeypatch, stages):
     """``triton_chunk.TILE_RT_RANGE``: the prefill's row tiles with their K loop a pipelined run-time range give the
