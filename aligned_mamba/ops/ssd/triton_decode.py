@@ -49,9 +49,9 @@ DECODE_ROW_TILE = 16
 PDL: bool = True
 # the tile kernel's occupancy, never its arithmetic (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 2}
-# whether the tile kernel's K loop is a run-time ``tl.range`` the compiler may pipeline (compiled only; the same dots
-# in the same order)
-TILE_RT_RANGE: bool = False
+# whether the tile kernel's K loop is a run-time ``tl.range`` the compiler pipelines (compiled only; the same dots in
+# the same order)
+TILE_RT_RANGE: bool = True
 # step entries per program of the completion kernels (see _update_kernel)
 COMPLETION_BLOCK = 16
 # heads per prep program (a power of two; None: a group's heads in one program): scheduling only, each head's
