@@ -91,8 +91,7 @@ def configs():
         yield (f"row_tiles/{model}", tc._tile_output_kernel,
                dict(**m, C_ptr=BF, y_ptr=BF, h_row_ptr=I64, tile_chunk_ptr=I64, tile_pos_ptr=I64, tile_rows_ptr=I64,
                     sD_h="i32", sD_p="i32", sx="i32", sc="i32", **rows, **h_in),
-               dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC,
-                    RT_RANGE=bool(TC) and tc.TILE_RT_RANGE, RT_STAGES=tc.TILE_RT_STAGES), fuse,
+               dict(D, R=CFG.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=prec, TC=TC), fuse,
                tc.TILE_OPTS if TC else {})
         pdl = bool(TC)
         yield (f"decode_prep/{model}", td._prep_kernel,

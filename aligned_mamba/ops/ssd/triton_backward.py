@@ -53,10 +53,6 @@ BWD_FLAT_GRID = True
 # do not depend on it (a tensor-core dot gives a row the same bits whatever the tile); smaller blocks give a short
 # batch's chunks more programs (4 x 2048 tokens at 2.7b: 128 programs of 64 rows for 132 SMs).
 BWD_ROWS_BLOCK: int | None = None
-# Whether the dx kernel's t loop is a run-time ``tl.range`` the compiler may pipeline (compiled only; the same dots
-# in the same order), and its stages.
-BWD_RT_RANGE: bool = False
-BWD_RT_STAGES: int = 2
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -136,24 +132,12 @@ def _operand(v, TC: tl.constexpr):
 
 
 @triton.jit
-def _dx_t_block(acc, t0, s, a_s, p, pm, yb, sy_l, cb_g, a_ptr, ch, L: tl.constexpr, BT: tl.constexpr,
-                PRECISION: tl.constexpr, TC: tl.constexpr):
-    """acc [BS, BLOCK_P] + (cb[t, s] exp(a_t - a_s), t >= s) @ dy_t for the t block at t0 (``_bwd_dx_kernel``)."""
-    t = t0 + tl.arange(0, BT)
-    a_t = tl.load(a_ptr + ch * L + t)
-    dy_t = _operand(tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0), TC)
-    cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
-    decay = tl.where(t[None, :] >= s[:, None], tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
-    return dot_acc(acc, cbT * decay, dy_t, TC, 1, PRECISION)
-
-
-@triton.jit
 def _bwd_dx_kernel(
     x_ptr, dt_ptr, a_ptr, B_ptr, cb_ptr, dy_ptr, dh_ptr, D_ptr, dx_ptr, f_ptr, dDp_ptr,
     sD_h, sD_p, sx_c, sx_h, sx_l, sy_c, sy_h, sy_l, so_c, so_h, so_l,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr, RT_RANGE: tl.constexpr, RT_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, TC: tl.constexpr, FLAT: tl.constexpr,
 ):
     """Chunk c, head h (the outer id), s block (the inner id; ``_outer_inner``, FLAT the grid's form):
     dx_s = dt_s sum_{t>=s} cb[t, s] exp(a_t - a_s) dy_t (a dot a t block) + w_s dh_out B_s + D dy_s;
@@ -174,16 +158,16 @@ def _bwd_dx_kernel(
     a_s = tl.load(a_ptr + ch * L + s)
     dt_s = tl.load(dt_ptr + ch * L + s)
     acc = tl.zeros((BS, BLOCK_P), dtype=tl.float32)
-    t_first = sb * BS
-    t_first = t_first - t_first % BT
-    if RT_RANGE:  # compiled: the next t block's loads may issue during this one's dot (the same dots in order)
-        for t0 in tl.range(t_first, L, BT, num_stages=RT_STAGES):
-            acc = _dx_t_block(acc, t0, s, a_s, p, pm, yb, sy_l, cb_g, a_ptr, ch, L, BT, PRECISION, TC)
-    else:  # the interpreter's form (triton_chunk's note on loops), and the default
-        t0 = t_first
-        while t0 < L:
-            acc = _dx_t_block(acc, t0, s, a_s, p, pm, yb, sy_l, cb_g, a_ptr, ch, L, BT, PRECISION, TC)
-            t0 += BT
+    t0 = sb * BS
+    t0 = t0 - t0 % BT
+    while t0 < L:
+        t = t0 + tl.arange(0, BT)
+        a_t = tl.load(a_ptr + ch * L + t)
+        dy_t = _operand(tl.load(yb + t[:, None] * sy_l + p[None, :], mask=pm, other=0.0), TC)
+        cbT = tl.load(cb_g + t[None, :] * L + s[:, None])  # [BS, BT]: C_t . B_s
+        decay = tl.where(t[None, :] >= s[:, None], tl.exp(tl.minimum(a_t[None, :] - a_s[:, None], 0.0)), 0.0)
+        acc = dot_acc(acc, cbT * decay, dy_t, TC, 1, PRECISION)
+        t0 += BT
 
     # the state this chunk hands on: h_out = exp(a_L) h_in + sum_s w_s x_s B_s^T
     x_s = tl.load(x_ptr + c * sx_c + h * sx_h + s[:, None] * sx_l + p[None, :], mask=pm, other=0.0).to(tl.float32)
@@ -459,9 +443,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
         flat = BWD_FLAT_GRID  # read once: the grids and the kernels' FLAT agree
         dims = dict(H=H, G=G, L=L, P=P, BLOCK_P=BP, PRECISION=cfg.dot_precision, TC=tc, FLAT=flat)
         _bwd_dx_kernel[_grid(NC * H, NS, flat)](x, dt, a, B, cb, dy, dh_out, Dd, dx, f, dDp, sD_h, sD_p, *sx, *sy,
-                                                *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN,
-                                                RT_RANGE=BWD_RT_RANGE and not interpreting(),
-                                                RT_STAGES=BWD_RT_STAGES, **dims, **launch)
+                                                *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
         _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS, flat)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS,
                                                                  BT=BT, HPP=HPP, **dims, **launch)
         for u, v, out, rb, to_end in ((x, dh_out, dBs, RB or BS, True), (dy, h_in, dCs, RB or BT, False)):

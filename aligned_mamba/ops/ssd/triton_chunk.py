@@ -38,10 +38,6 @@ from .triton_dot import DOT_MODES, dot_acc, tensor_core_dots
 
 # occupancy only, never the arithmetic: pipelining buffers would fill shared memory (benchmarks/README.md)
 TILE_OPTS: dict = {"num_stages": 1, "maxnreg": 128}
-# whether the row tile's intra-chunk K loop is a run-time ``tl.range`` the compiler may pipeline (compiled only; the
-# same dots in the same order), and its stages
-TILE_RT_RANGE: bool = False
-TILE_RT_STAGES: int = 2
 PACK_ROWS = 32
 
 
@@ -298,7 +294,7 @@ def _tile_output_kernel(
     tile_chunk_ptr, tile_pos_ptr, tile_rows_ptr, sD_h, sD_p, sx, sc,
     H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TC: tl.constexpr, RT_RANGE: tl.constexpr, RT_STAGES: tl.constexpr,
+    TC: tl.constexpr,
 ):
     """y of one row tile (R rows of a chunk), head h = pid 0, a BLOCK_P block: y_t = [exp(a_t) (C_t . h_in) +
     sum_{s<=t} (C_t . B_s) exp(a_t - a_s) dt_s x_s] + D x_t, the intra dots accumulating onto the inter term.
@@ -334,16 +330,11 @@ def _tile_output_kernel(
     cbt = cb_ptr + ((c * G + g) * L + t) * L  # [R] row starts of the tile's C.B rows
     xb, xs = _rows_at(x_ptr, xp_ptr, tl.load(part_ptr + c), tl.load(row0_ptr + c), h, sx, H, L, P)
     xend = tl.load(length_ptr + c)  # x past the chunk's length reads as zero (the padding)
-    if RT_RANGE:  # compiled: the next K block's loads may issue during this one's dots (the same dots in order)
-        for k0 in tl.range(0, t0 + R, BLOCK_K, num_stages=RT_STAGES):
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-    else:  # the interpreter's form (module docstring), and the default
-        k0 = 0
-        while k0 < t0 + R:
-            acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
-                               PRECISION, TC)
-            k0 += BLOCK_K
+    k0 = 0
+    while k0 < t0 + R:
+        acc = _intra_block(acc, k0, t0 + R, xend, t, a_t, cbt, ch, p, pm, xb, xs, dt_ptr, a_ptr, L, BLOCK_K,
+                           PRECISION, TC)
+        k0 += BLOCK_K
 
     x_t = tl.load(xb + t[:, None] * xs + p[None, :], mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
     d = tl.load(D_ptr + h * sD_h + p * sD_p, mask=pm, other=0.0).to(tl.float32)
@@ -451,7 +442,6 @@ def scan_planned(
                 x, x_parts, plan.part, plan.row0, plan.length, dt, a, cb, C, Dd, h_in, h_row, y, plan.tile_chunk,
                 plan.tile_pos, plan.tile_rows, sD_h, sD_p, x.stride(0), C.stride(0), G=G, **dims, R=R,
                 BLOCK_K=cfg.block_k, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, PRECISION=cfg.dot_precision, TC=tc,
-                RT_RANGE=TILE_RT_RANGE and not interpreting(), RT_STAGES=TILE_RT_STAGES,
                 num_warps=cfg.tile_num_warps, enable_fp_fusion=fuse,
                 **(TILE_OPTS if tc else {}),
             )

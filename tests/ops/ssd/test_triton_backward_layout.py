@@ -5,7 +5,7 @@ CPU (the Triton interpreter, fp32, tiny shapes): programs that loop over several
 dD, dh0) bit for bit, and dB and dC (now summed over the program's heads in the kernel) within fp32
 rounding of the per-head sums, deterministically; other chunk-state blocks (``STATE_OPTS``) likewise.
 The two-axis grid against the flat default (``BWD_FLAT_GRID``), and the state rows' own row block
-(``BWD_ROWS_BLOCK``), move no bit (also on the GPU); nor does the dx loop pipelined (``BWD_RT_RANGE``, GPU only).
+(``BWD_ROWS_BLOCK``), move no bit (also on the GPU).
 
 GPU (compiled, bf16 tensor-core dots): sequences of whole chunks read x and dy and write dx where
 they lie (strided views of the packed rows, dx rounded to bf16 in the kernel; x also as a column
@@ -145,13 +145,10 @@ def test_a_rows_block_that_does_not_tile_the_chunk_is_refused(monkeypatch, rows)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("knobs", [{"BWD_FLAT_GRID": False}, {"BWD_ROWS_BLOCK": 32}, {"BWD_RT_RANGE": True},
-                                   {"BWD_RT_RANGE": True, "BWD_RT_STAGES": 3}],
-                         ids=["two_axis_grid", "rows32", "dx_rt_range", "dx_rt_range3"])
+@pytest.mark.parametrize("knobs", [{"BWD_FLAT_GRID": False}, {"BWD_ROWS_BLOCK": 32}], ids=["two_axis_grid", "rows32"])
 def test_gpu_launch_knobs_keep_every_bit(monkeypatch, dtype, knobs):
-    """mamba2-2.7b's scan shape (80 heads, one program a group): the two-axis grid, the state rows in blocks of 32,
-    and the dx kernel's t loop a pipelined run-time range (compiled only), against the defaults; bf16 (tensor-core
-    dots) and fp32 leaves."""
+    """mamba2-2.7b's scan shape (80 heads, one program a group): the two-axis grid, and the state rows in blocks of 32,
+    against the defaults; bf16 (tensor-core dots) and fp32 leaves."""
     H, P, G, N, chunk, lens = 80, 64, 1, 128, 256, [512, 256]
     lv = _leaves(10, lens, H, P, G, N, dtype)
     gy = torch.randn(sum(lens), H, P, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)

@@ -70,8 +70,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     comp(tc._tile_output_kernel, dict(x_ptr=bf, xp_ptr=bf, C_ptr=bf, y_ptr=bf, h_row_ptr=i64, tile_chunk_ptr=i64,
                                       tile_pos_ptr=i64, tile_rows_ptr=i64, sD_h="i32", sD_p="i32", sx="i32", sc="i32",
                                       **rows, **h_in),
-         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC,
-              RT_RANGE=tc.TILE_RT_RANGE, RT_STAGES=tc.TILE_RT_STAGES), fuse)
+         dict(D, R=cfg.row_tile, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BN, PRECISION=cfg.dot_precision, TC=TC), fuse)
     for with_cb in (False, True):
         comp(td._prep_kernel, dict(x_ptr=bf, dt_ptr=bf, B_ptr=bf, C_ptr=bf, buf_x_ptr=bf, buf_dt_ptr=bf, buf_B_ptr=bf,
                                    slots_ptr=i64, pos_ptr=i64, lo="fp32", hi="fp32", **ROW_STRIDES),
@@ -97,8 +96,7 @@ for TC in TCS:  # fp32 FMA dots; tensor-core dots, split2 and round
     strides = {f"s{t}_{d}": "i32" for t in "xyo" for d in "chl"}
     bwd_warps = tb.BWD_OPTS.get("num_warps", cfg.bwd_warps)  # the launch's (a sweep may override)
     comp(tb._bwd_dx_kernel, dict(sD_h="i32", sD_p="i32", **strides, **rows_x, **(dict(dx_ptr=bf) if TC else {})),
-         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128, RT_RANGE=tb.BWD_RT_RANGE, RT_STAGES=tb.BWD_RT_STAGES), fuse,
-         bwd_warps)
+         dict(dims, N=128, BS=BS, BT=BT, BLOCK_N=128), fuse, bwd_warps)
     comp(tb._bwd_dcb_kernel, dict(strides, **rows_x), dict(dims, BS=BS, BT=BT, HPP=HPP), fuse, bwd_warps)
     for to_end, rb in ((True, BS), (False, BT)):  # the states' shares of dB and of dC (and da)
         comp(tb._bwd_rows_kernel, dict(su_c="i32", su_h="i32", su_l="i32", **(dict(u_ptr=bf) if TC else {})),

@@ -719,8 +719,7 @@ def ops(code, fname, line, follow=("standard.py", "core.py")):
 
 f32 = "*fp32"
 pre = ptx(tc._cumsum_kernel, {"dt_ptr": f32, "A_ptr": f32, "a_ptr": f32}, dict(H=H, L=L, BLOCK_L=L))
-tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False, RT_RANGE=False,
-                   RT_STAGES=2)
+tile_consts = dict(D, R=16, BLOCK_K=32, BLOCK_P=64, BLOCK_N=64, PRECISION="ieee", TC=False)
 ints = dict(h_row_ptr="*i64", tile_chunk_ptr="*i64", tile_pos_ptr="*i64", tile_rows_ptr="*i64", sD_h="i32",
             sD_p="i32", sx="i32", sc="i32", part_ptr="*i64", row0_ptr="*i64", length_ptr="*i64")
 tile_sig = {k: ints.get(k, f32) for k in inspect.signature(tc._tile_output_kernel.fn).parameters
@@ -927,47 +926,21 @@ def test_gpu_round_dots_token_by_token_equals_prefill(mode):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("batch", [1, 64])
-def test_gpu_pipelined_decode_tile_loop_keeps_the_bits(monkeypatch, batch):
-    """``triton_decode.TILE_RT_RANGE``: the decode tile's K loop a pipelined run-time range. Token by token (batch 1)
-    and a batch at mixed offsets, the rows and states still equal the prefill's; against a "split2" prefill the rows
-    do not (the baseline)."""
-    monkeypatch.setattr(td, "TILE_RT_RANGE", True)
+def test_gpu_decode_tile_loop_forms_give_the_same_bits(monkeypatch, batch):
+    """``triton_decode.TILE_RT_RANGE``: the decode tile's K loop as a pipelined run-time range (the default) and as the
+    while loop (the interpreter's form). Token by token (batch 1) and a batch at mixed offsets, each form's rows and
+    states equal the prefill's; against a "split2" prefill they do not (the baseline)."""
     heads, groups = SHAPES["64h_8g"]
-    if batch > 1:
-        _gpu_batch_case(heads, groups, batch, "tile", seed=17 + batch, dt_=torch.bfloat16)
-        return
-    _token_by_token_case(heads, groups, "tile", first=100, steps=300)
-    with pytest.raises(AssertionError, match="rows equal"):
-        _token_by_token_case(heads, groups, "tile", first=100, steps=300,
-                             ref_cfg=TritonKernelConfigs(bf16_dots="split2"))
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_pipelined_row_tile_loop_keeps_the_bits(monkeypatch, stages):
-    """``triton_chunk.TILE_RT_RANGE``: the prefill's row tiles with their K loop a pipelined run-time range give the
-    default loop's rows and states (three sequences from mid-chunk starts over several chunks, mamba2-2.7b's heads
-    in bf16); the rows the same prefill gives in "split2" differ (the baseline)."""
-    import aligned_mamba.ops.ssd.triton_chunk as tc
-
-    heads, groups, lens, start = 80, 1, [700, 257, 1000], [GL + 37, 5, 0]
-    prm = make_params(heads, GP, 5, "cuda", realistic=True)
-    st0 = make_state(3, heads, GP, groups, GN, GL, torch.bfloat16, "cuda", seed=5, scale=0.3)
-    toks = [make_tokens(n, heads, GP, groups, GN, seed=5 + i, dtype=torch.bfloat16, dev="cuda")
-            for i, n in enumerate(lens)]
-
-    def run(cfg: TritonKernelConfigs = CFG) -> tuple[torch.Tensor, SSDState]:
-        st = clone_state(st0)
-        return torch.cat(prefill(st, [0, 1, 2], start, toks, prm, cfg=cfg)), st
-
-    y_ref, st_ref = run()
-    monkeypatch.setattr(tc, "TILE_RT_RANGE", True)
-    monkeypatch.setattr(tc, "TILE_RT_STAGES", stages)
-    y, st = run()
-    assert torch.equal(y, y_ref)
-    assert_same_state(st, st_ref)
-    assert not torch.equal(run(TritonKernelConfigs(bf16_dots="split2"))[0], y_ref), "the baseline does not differ"
+    for rt in (True, False):
+        monkeypatch.setattr(td, "TILE_RT_RANGE", rt)
+        if batch > 1:
+            _gpu_batch_case(heads, groups, batch, "tile", seed=17 + batch, dt_=torch.bfloat16)
+        else:
+            _token_by_token_case(heads, groups, "tile", first=100, steps=300)
+    if batch == 1:
+        with pytest.raises(AssertionError, match="rows equal"):
+            _token_by_token_case(heads, groups, "tile", first=100, steps=300,
+                                 ref_cfg=TritonKernelConfigs(bf16_dots="split2"))
 
 
 @pytest.mark.gpu
