@@ -684,7 +684,7 @@ def main() -> int:
     meta["prep_heads"] = args.prep_heads  # the decode's ours_prep side (None: no such side)
     meta["scan_bwd_knobs"] = {"BWD_OPTS": ta.BWD_OPTS, "BWD_HEADS_PER_PROGRAM": ta.BWD_HEADS_PER_PROGRAM,
                               "BWD_ROWS_HEADS_PER_PROGRAM": ta.BWD_ROWS_HEADS_PER_PROGRAM,
-                              "BWD_FLAT_GRID": ta.BWD_FLAT_GRID, "BWD_ROWS_BLOCK": ta.BWD_ROWS_BLOCK,
+                              "BWD_FLAT_GRID": ta.BWD_FLAT_GRID,
                               "STATE_OPTS": ta.STATE_OPTS, "from": args.scan_bwd or "committed"}
     configs = json.loads(args.configs) if args.configs else None
     contract = Contract(chunk_size=L, backend="triton", model_dtype="bfloat16", kernel_configs=configs)

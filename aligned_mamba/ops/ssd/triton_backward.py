@@ -49,10 +49,6 @@ BWD_OPTS: dict = {"num_stages": 2}
 # they reload (dh_out, h_in, x, dy) come from L2; else two axes, the chunk's programs one grid row apart. Each
 # program computes the same either way.
 BWD_FLAT_GRID = True
-# The state-rows launches' row block (dB's and dC's state parts): None takes bwd_block_s and bwd_block_t. A row's sums
-# do not depend on it (a tensor-core dot gives a row the same bits whatever the tile); smaller blocks give a short
-# batch's chunks more programs (4 x 2048 tokens at 2.7b: 128 programs of 64 rows for 132 SMs).
-BWD_ROWS_BLOCK: int | None = None
 # The chunk-state kernel's blocks (at most) and launch options. At most 2 stages: 3 or 4 (B and C read as
 # bf16 rows) gave non-repeatable garbage on the H200.
 STATE_OPTS: dict = {"BLOCK_K": 32, "BLOCK_P": 64, "BLOCK_N": 128, "num_stages": 2}
@@ -364,14 +360,6 @@ def _blocks(L: int, cfg: TritonKernelConfigs) -> tuple[int, int]:
     return min(cfg.bwd_block_s, L), min(cfg.bwd_block_t, L)
 
 
-def _rows_block(L: int) -> int | None:
-    """``BWD_ROWS_BLOCK`` at chunk size L (None: the s and t blocks); refused unless a power of two >= 16 dividing L."""
-    rb = BWD_ROWS_BLOCK
-    if rb is not None and (rb < 16 or rb & (rb - 1) or L % min(rb, L)):
-        raise ValueError(f"BWD_ROWS_BLOCK {rb} refused at chunk size {L}: a power of two >= 16 that divides it")
-    return None if rb is None else min(rb, L)
-
-
 def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor, dyc: Tensor,
                         cfg: TritonKernelConfigs, *, bf16_operands: bool, first: Tensor, count: Tensor,
                         dx_out: Tensor | None = None, dt_rows: tuple | None = None,
@@ -429,7 +417,6 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
     RPP = heads_per_program(BWD_ROWS_HEADS_PER_PROGRAM, HG)
     KR = HG // RPP  # the same for the state rows' partials
     NS = L // BS
-    RB = _rows_block(L)
     dcbp = torch.empty(NC, G, K, L, L, device=dev, dtype=f32)
     # empty, not zeros: tiles above the diagonal write no share and the epilogue reads none there
     dap = torch.empty(NC, H, NS, L, device=dev, dtype=f32)
@@ -446,7 +433,7 @@ def chunk_scan_backward(ch: Chunks, Cc: Tensor, A: Tensor, D: Tensor, h0: Tensor
                                                 *dx.stride()[:3], N=N, BS=BS, BT=BT, BLOCK_N=BN, **dims, **launch)
         _bwd_dcb_kernel[_grid(NC * G * K, (L // BT) * NS, flat)](x, dt, a, cb, dy, dcbp, dap, dep, *sx, *sy, BS=BS,
                                                                  BT=BT, HPP=HPP, **dims, **launch)
-        for u, v, out, rb, to_end in ((x, dh_out, dBs, RB or BS, True), (dy, h_in, dCs, RB or BT, False)):
+        for u, v, out, rb, to_end in ((x, dh_out, dBs, BS, True), (dy, h_in, dCs, BT, False)):
             _bwd_rows_kernel[_grid(NC * G * KR, L // rb, flat)](u, v, a, dt, C, out, das, *u.stride()[:3], N=N,
                                                                 BR=rb, BLOCK_N=BN, HPP=RPP, TO_END=to_end, **dims,
                                                                 **launch)
