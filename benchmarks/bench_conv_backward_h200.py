@@ -165,7 +165,7 @@ def main() -> int:
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
     walks, tiles = list(a.walk), list(a.forward)
-    aheads = [int(k) for k in a.ahead.split(",")]
+    aheads, default_ahead = [int(k) for k in a.ahead.split(",")], ct.WALK_AHEAD
     for k in aheads:
         if k not in (2, 4):
             ap.error(f"--ahead: 2 or 4 (conv1d.triton.WALK_AHEAD), got {k}")
@@ -230,6 +230,7 @@ def main() -> int:
                     e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 res["cells"].append(e)
                 print(json.dumps(e), flush=True)
+            ct.WALK_AHEAD = default_ahead
             if not dry:
                 st = stock_ms(x, w, bias, g, S, a.reps)
                 res["cells"].append(dict(shape=name, cell=label, tokens=T, channels=Cd, stock="causal_conv1d 1.7.0",

@@ -398,11 +398,11 @@ def _tile_kernel(
     inter = inter * tl.exp(a_t)[:, None]
 
     intra = inter  # the intra-chunk dots accumulate onto the inter-chunk term, as in the prefill
-    if RT_RANGE:  # compiled: a run-time range the compiler may pipeline (the prefill tile's K blocks, in order)
+    if RT_RANGE:  # compiled: a run-time range the compiler pipelines (the prefill tile's K blocks, in order)
         for k0 in tl.range(0, t0 + R, BLOCK_K):
             intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
                                       buf_B_ptr, cq, a_ptr, cb_ptr, G, L, P, N, BLOCK_K, BLOCK_N, PRECISION, TC)
-    else:  # the prefill tile's K blocks (a while loop: triton_chunk's docstring)
+    else:  # the interpreter's form: a while loop (triton_chunk's docstring)
         k0 = 0
         while k0 < t0 + R:
             intra = _tile_intra_block(intra, k0, r, t, a_t, live, q, g, slot, sh, qa, p, pm, nn, buf_x_ptr, dts_ptr,
