@@ -1,7 +1,8 @@
 # Sourced by the gpu_*_session.sh scripts, with SESSION (the name of
 # the archive, $OUT/$SESSION.tgz, and of the default work folder, /tmp/${SESSION}work), STEPS and
 # DEADLINE_S set. Turns on strict mode (set -uo pipefail), moves to the repository root, sets OUT, W
-# (the work folder) and the environment, writes env.log, and defines:
+# (the work folder, empty at the start: an earlier call's is moved aside) and the environment, writes
+# env.log, and defines:
 #   pack          the work folder packed into $OUT/$SESSION.tgz (written aside, then renamed, so a
 #                 call cut at its limit keeps what finished) and summary.txt copied beside it
 #   left SECONDS  a step's own limit cut to what DEADLINE_S (counted from here) leaves, at least 1
@@ -13,6 +14,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 W="${WORK_DIR:-/tmp/${SESSION}work}"
+# a warm machine keeps an earlier call's work folder: moved aside (not packed), so this call's archive and logs
+# hold this call's files only
+if [ -n "$(ls -A "$W" 2>/dev/null)" ]; then
+  mv "$W" "$W.before.$(date +%s%N)"
+fi
 mkdir -p "$OUT" "$W"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
