@@ -43,6 +43,7 @@ if "--dry-run" in sys.argv:  # before triton is imported
 from aligned_mamba.ops.configs import TritonKernelConfigs  # noqa: E402
 from aligned_mamba.ops.conv1d import triton as ct  # noqa: E402
 from aligned_mamba.ops.conv1d.triton import causal_conv1d_backward_triton, causal_conv1d_triton  # noqa: E402
+from benchmarks.bench_mamba_ssm_h200 import module_knobs  # noqa: E402
 from benchmarks.gpu_validate import cuda_ms, launches  # noqa: E402
 
 SHAPES = {"mamba2-1.3b": (4096, 128, 64), "mamba2-2.7b": (5120, 128, 80)}  # (d_inner, d_state, heads), 1 group
@@ -165,10 +166,10 @@ def main() -> int:
     shapes = {"tiny": (64, 16, 4)} if dry else {k: SHAPES[k] for k in a.shapes.split(",")}
     cells = [("2x40", 2, 40)] if dry else [c for c in CELLS if c[0] in a.cells.split(",")]
     walks, tiles = list(a.walk), list(a.forward)
-    aheads, default_ahead = [int(k) for k in a.ahead.split(",")], ct.WALK_AHEAD
+    aheads = [int(k) for k in a.ahead.split(",")]
     for k in aheads:
-        if k not in (2, 4):
-            ap.error(f"--ahead: 2 or 4 (conv1d.triton.WALK_AHEAD), got {k}")
+        if k not in ct.WALK_AHEADS:
+            ap.error(f"--ahead: one of {ct.WALK_AHEADS} (conv1d.triton.WALK_AHEAD), got {k}")
     if dry:
         tiles = [(8, 16, 1), (16, 32, 2)] if tiles else []
         walks = [(8, 32, 1), (16, 16, 2)] if walks else []
@@ -213,24 +214,23 @@ def main() -> int:
             for ahead, launch in ((k, w) for k in aheads for w in walks):
                 bt, bc, nw = launch
                 cfg = dataclasses.replace(base, conv_bwd_block_t=bt, conv_bwd_block_c=bc, conv_bwd_warps=nw)
-                ct.WALK_AHEAD = ahead
                 e = dict(shape=name, cell=label, tokens=T, channels=Cd, walk=list(launch), ahead=ahead,
                          pinned_walk=launch == (base.conv_bwd_block_t, base.conv_bwd_block_c, base.conv_bwd_warps))
-                try:
-                    out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
-                    again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
-                    e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
-                    if ref is not None:
-                        e["dx_equal_tile"] = bool(torch.equal(out[0], ref[0]))
-                        e["dx_rows_differing_tile"] = int((out[0] != ref[0]).any(1).sum())
-                        e["dx_rel_tile"] = rel(out[0], ref[0])
-                        e["dw_rel_tile"], e["db_rel_tile"] = rel(out[1], ref[1]), rel(out[2], ref[2])
-                    e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
-                except Exception as exc:  # noqa: BLE001
-                    e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                with module_knobs({"conv1d.triton.WALK_AHEAD": ahead}):
+                    try:
+                        out = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
+                        again = causal_conv1d_backward_triton(x, cu, win, w, bias, g, cfg)
+                        e["repeat_equal"] = all(torch.equal(p, q) for p, q in zip(out, again))
+                        if ref is not None:
+                            e["dx_equal_tile"] = bool(torch.equal(out[0], ref[0]))
+                            e["dx_rows_differing_tile"] = int((out[0] != ref[0]).any(1).sum())
+                            e["dx_rel_tile"] = rel(out[0], ref[0])
+                            e["dw_rel_tile"], e["db_rel_tile"] = rel(out[1], ref[1]), rel(out[2], ref[2])
+                        e["ms"] = timed(lambda c=cfg: causal_conv1d_backward_triton(x, cu, win, w, bias, g, c), a.reps)
+                    except Exception as exc:  # noqa: BLE001
+                        e["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 res["cells"].append(e)
                 print(json.dumps(e), flush=True)
-            ct.WALK_AHEAD = default_ahead
             if not dry:
                 st = stock_ms(x, w, bias, g, S, a.reps)
                 res["cells"].append(dict(shape=name, cell=label, tokens=T, channels=Cd, stock="causal_conv1d 1.7.0",

@@ -394,10 +394,11 @@ def _partials_kernel(dw_ptr, db_ptr, dwo_ptr, dbo_ptr, NB, Cd, K: tl.constexpr, 
 # rows the walks (forward and backward) load ahead of their use (2 or 4; the same bits): a measurement knob for
 # bench --knobs-b
 WALK_AHEAD: int = 2
+WALK_AHEADS = (2, 4)  # the depths the kernels have
 
 
 def _walk_ahead() -> int:
-    if WALK_AHEAD not in (2, 4):
+    if WALK_AHEAD not in WALK_AHEADS:
         raise ValueError(f"conv1d.triton.WALK_AHEAD must be 2 or 4, not {WALK_AHEAD!r}")
     return WALK_AHEAD
 
